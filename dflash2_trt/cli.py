@@ -73,8 +73,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     from dflash2_trt.model import load_drafter
     from dflash2_trt.target import TargetModel
 
-    target = TargetModel.load(a.target)
     drafter = load_drafter(a.drafter)
+    target = TargetModel.load(a.target)
     target.check_drafter(drafter.config)
     drafter.bind_target(target.embed_weight, target.lm_head_weight)
     drafter.set_ablation(use_conv=False if a.no_conv else None, use_selector=False if a.no_selector else None)

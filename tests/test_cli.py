@@ -1,0 +1,65 @@
+"""The dflash2 CLI: make-tiny + generate --json, one-line errors with exit code 1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash2_trt.cli import main
+
+
+def test_generate_json_lossless(tiny_dir, capsys):
+    rc = main(["generate", "--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"),
+               "--prompt", "Hello world", "--max-new-tokens", "20", "--check-lossless", "--json",
+               "--selector", "viterbi"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert set(out) >= {"text", "tokens", "stats", "tokens_per_s", "lossless"}
+    assert set(out["stats"]) >= {"tau", "cycles", "per_position_cumulative", "per_position_conditional", "oracle_tau"}
+    assert out["lossless"] is True and len(out["tokens"]) == 20 and len(out["stats"]["per_position_cumulative"]) == 15
+
+
+@pytest.mark.parametrize("flags", [["--no-conv"], ["--no-selector"], ["--temperature", "0.8"], ["--chat"]])
+def test_generate_options(tiny_dir, capsys, flags):
+    rc = main(["generate", "--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"),
+               "--prompt", "abc", "--max-new-tokens", "8", "--json", "--check-lossless", *flags])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and len(out["tokens"]) <= 8
+    if "--temperature" not in flags:
+        assert out["lossless"] is True
+
+
+def test_make_tiny_cli(tmp_path, capsys):
+    assert main(["make-tiny", "--out", str(tmp_path / "t"), "--seed", "3", "--block-size", "8"]) == 0
+    cfg = json.loads((tmp_path / "t" / "drafter" / "config.json").read_text())
+    assert cfg["dflash_config"]["block_size"] == 8 and cfg["architectures"] == ["DFlash2DraftModel"]
+    assert (tmp_path / "t" / "target" / "tokenizer.json").is_file()
+
+
+def _err(capsys, argv):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 1
+    assert err.startswith("dflash2: error: ") and "\n" not in err
+    return err
+
+
+def test_errors_are_one_line(tiny_dir, tmp_path, capsys):
+    base = ["generate", "--target", str(tiny_dir / "target"), "--prompt", "x"]
+    assert "drafter folder not found" in _err(capsys, base + ["--drafter", str(tmp_path / "missing")])
+    assert "target not found" in _err(capsys, ["generate", "--target", str(tmp_path / "nope"), "--drafter",
+                                               str(tiny_dir / "drafter"), "--prompt", "x"])
+    # a drafter made for another target (different vocab) is refused, naming the field
+    from dflash2_trt.config import DFlash2Config
+    from dflash2_trt.model import DFlash2Drafter, save_drafter
+
+    cfg = DFlash2Config.from_json_file(tiny_dir / "drafter").replace(vocab_size=1000)
+    save_drafter(DFlash2Drafter(cfg), tmp_path / "other")
+    assert "vocab_size 1000 != target vocab" in _err(capsys, base + ["--drafter", str(tmp_path / "other")])
+
+
+def test_bad_flags_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--selector", "beam"])
+    assert e.value.code == 2

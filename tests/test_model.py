@@ -1,0 +1,252 @@
+"""Drafter model: v1 equivalence at identity init, convolution formula, masking, checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash2_trt import DFlash2Error
+from dflash2_trt.config import ARCH_V1, DFlash2Config
+from dflash2_trt.model import DFlash2Drafter, DraftContext, load_drafter, save_drafter
+from dflash2_trt.model.layers import POST, PRE, DynamicConv
+
+CFG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=8, vocab_size=97, num_target_layers=6, target_layer_ids=[1, 3],
+           block_size=6, mask_token_id=96, selector_rank=10, selector_top_k=8, conv_group_size=8)
+
+
+def _drafter(seed=0, identity=True, **over):
+    torch.manual_seed(seed)
+    d = DFlash2Drafter(DFlash2Config(**{**CFG, **over}))
+    with torch.no_grad():
+        for n, p in d.named_parameters():
+            if "conv" not in n and not n.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    if not identity:
+        with torch.no_grad():
+            for n, p in d.named_parameters():
+                if "conv" in n:
+                    p.normal_(0, 0.3)
+    g = torch.Generator().manual_seed(seed + 1)
+    d.bind_target(torch.randn(97, 32, generator=g), torch.randn(97, 32, generator=g))
+    return d.eval()
+
+
+def _run(d, n_ctx=7, anchor=5, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    ctx = DraftContext()
+    d.extend_context(ctx, torch.randn(n_ctx, d.config.context_in_features, generator=g), 0)
+    h = d.block_hidden(torch.tensor([anchor]), torch.tensor([n_ctx]), ctx.k, ctx.v, torch.arange(n_ctx))
+    return h, d.draft_from_hidden(h, torch.tensor([anchor]))
+
+
+def _v1_from(d2):
+    v1 = DFlash2Drafter(d2.config.replace(architecture=ARCH_V1, use_conv=False, use_selector=False))
+    sd = {k: v for k, v in d2.state_dict().items() if "conv" not in k and "candidate_selector" not in k}
+    v1.load_state_dict(sd, strict=True)
+    v1.bind_target(d2.embed_weight, d2.lm_head_weight)
+    return v1.eval()
+
+
+def test_identity_init_equals_v1_exactly():
+    d2 = _drafter()
+    v1 = _v1_from(d2)
+    h2, _ = _run(d2)
+    h1, dr1 = _run(v1)
+    assert torch.equal(h2, h1)  # bit-exact: identity taps are exact in floating point
+    d2.set_ablation(use_selector=False)
+    assert torch.equal(_run(d2)[1].tokens, dr1.tokens)
+    # a selector with zero codebooks scores only the unary term: independent argmax again
+    d2.set_ablation(use_selector=True)
+    with torch.no_grad():
+        d2.candidate_selector.predecessor_codebook.zero_()
+    for mode in ("greedy", "viterbi"):
+        h, _ = _run(d2)
+        assert torch.equal(d2.draft_from_hidden(h, torch.tensor([5]), mode).tokens, dr1.tokens)
+
+
+def test_trained_convs_change_the_output_and_no_conv_switch_restores_v1():
+    d2 = _drafter(identity=False)
+    v1 = _v1_from(d2)
+    assert not torch.equal(_run(d2)[0], _run(v1)[0])
+    d2.set_ablation(use_conv=False)
+    assert torch.equal(_run(d2)[0], _run(v1)[0])
+
+
+def test_conv_matches_formula():
+    torch.manual_seed(0)
+    conv = DynamicConv(16, 2, 4)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_()
+    x = torch.randn(2, 5, 16)
+    y = torch.randn(2, 5, 16)
+    dyn = conv.dynamic(x)  # [2, 5, 2, 2, 4]
+    raw = conv.kernel_projection(x)
+    for side in (PRE, POST):
+        out = conv.mix(y, dyn, side)
+        for b in range(2):
+            for t in range(5):
+                d = raw[b, t].view(2, 2, 4)
+                for c in range(16):
+                    want = sum((conv.base_kernel[side, o, c] + d[side, o, c // 4]) * y[b, t - o, c]
+                               for o in range(2) if t - o >= 0)
+                    assert abs(float(out[b, t, c] - want)) < 1e-5
+
+
+def test_conv_taps_never_look_ahead():
+    torch.manual_seed(1)
+    conv = DynamicConv(8, 2, 4)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+    y = torch.randn(1, 4, 8)
+    dyn = torch.randn(1, 4, 2, 2, 2)
+    out = conv.mix(y, dyn, PRE)
+    y2 = y.clone()
+    y2[:, 2:] += 5.0
+    assert torch.equal(conv.mix(y2, dyn, PRE)[:, :2], out[:, :2])
+
+
+def test_context_strictly_before_anchor_and_incremental_cache():
+    d = _drafter(identity=False)
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(9, d.config.context_in_features, generator=g)
+    full = DraftContext()
+    d.extend_context(full, feats, 0)
+    inc = DraftContext()
+    d.extend_context(inc, feats[:4], 0)
+    d.extend_context(inc, feats[4:], 4)
+    for a, b in zip(full.k, inc.k):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # a block anchored at 6 must ignore context rows 6..8 (training-style call with the whole context)
+    h_all = d.block_hidden(torch.tensor([3]), torch.tensor([6]), full.k, full.v, torch.arange(9))
+    short = DraftContext()
+    d.extend_context(short, feats[:6], 0)
+    h_short = d.block_hidden(torch.tensor([3]), torch.tensor([6]), short.k, short.v, torch.arange(6))
+    torch.testing.assert_close(h_all, h_short, rtol=1e-5, atol=1e-5)
+    with pytest.raises(DFlash2Error, match="position"):
+        d.extend_context(inc, feats[:1], 3)
+
+
+def test_head_options():
+    d = _drafter(output_multiplier=0.5, final_logit_softcapping=2.0)
+    h = torch.randn(3, 32)
+    raw = h @ d.lm_head_weight.t()
+    torch.testing.assert_close(d.logits(h), torch.tanh(raw * 0.5 / 2.0) * 2.0)
+    d = _drafter(input_embedding_scale=3.0, learned_mask_embedding=True)
+    with torch.no_grad():
+        d.mask_embedding.fill_(0.25)
+    x = d.block_embeddings(torch.tensor([4]))
+    torch.testing.assert_close(x[0, 0], d.embed_weight[4] * 3.0)
+    torch.testing.assert_close(x[0, 1:], torch.full((5, 32), 0.75))
+
+
+def _spec_names(cfg: DFlash2Config) -> dict[str, tuple]:
+    """Tensor names and shapes written out from SPEC §2 (independent of the model code)."""
+    H, V, r, n = cfg.hidden_size, cfg.vocab_size, cfg.selector_rank, len(cfg.target_layer_ids)
+    nh, kvh, hd, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    G = H // cfg.conv_group_size
+    names = {"fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+             "candidate_selector.hidden_projection.weight": (r, H),
+             "candidate_selector.predecessor_codebook": (V, r), "candidate_selector.successor_codebook": (V, r)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        names.update({p + "self_attn.q_proj.weight": (nh * hd, H), p + "self_attn.k_proj.weight": (kvh * hd, H),
+                      p + "self_attn.v_proj.weight": (kvh * hd, H), p + "self_attn.o_proj.weight": (H, nh * hd),
+                      p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                      p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                      p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                      p + "mlp.down_proj.weight": (H, I)})
+        for c in ("attention_conv", "mlp_conv"):
+            names[p + c + ".base_kernel"] = (2, 2, H)
+            names[p + c + ".kernel_projection.weight"] = (2 * 2 * G, H)
+    return names
+
+
+def test_zlab_names_load(tmp_path):
+    from safetensors.torch import save_file
+
+    cfg = DFlash2Config(**CFG)
+    names = _spec_names(cfg)
+    assert set(names) == set(DFlash2Drafter(cfg).state_dict())
+    torch.manual_seed(3)
+    tensors = {k: torch.randn(*s).to(torch.bfloat16) for k, s in names.items()}
+    cfg.save(tmp_path)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    d = load_drafter(tmp_path)
+    for k, v in tensors.items():
+        assert torch.equal(d.state_dict()[k], v.float())
+
+
+def test_v1_checkpoint_loads(tmp_path):
+    from safetensors.torch import save_file
+
+    cfg = DFlash2Config(**CFG)
+    names = {k: s for k, s in _spec_names(cfg).items() if "conv" not in k and "candidate_selector" not in k}
+    d = cfg.to_dict()
+    d["architectures"] = ["DFlashDraftModel"]
+    d["block_size"] = d["dflash_config"].pop("block_size")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    save_file({k: torch.randn(*s) for k, s in names.items()}, str(tmp_path / "model.safetensors"))
+    v1 = load_drafter(tmp_path)
+    assert v1.config.architecture == ARCH_V1 and not v1.use_conv and not v1.use_selector
+    with pytest.raises(DFlash2Error, match="no candidate selector"):
+        v1.set_ablation(use_selector=True)
+
+
+def test_round_trip(tmp_path):
+    d = _drafter(identity=False)
+    save_drafter(d, tmp_path / "ck")
+    e = load_drafter(tmp_path / "ck")
+    e.bind_target(d.embed_weight, d.lm_head_weight)
+    for k, v in d.state_dict().items():
+        assert torch.equal(e.state_dict()[k], v)
+    assert torch.equal(_run(d)[1].tokens, _run(e)[1].tokens)
+    save_drafter(d, tmp_path / "ck")  # overwrite in place is atomic and leaves no temp folders
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_checkpoint_errors(tmp_path):
+    from safetensors.torch import save_file
+
+    d = _drafter()
+    save_drafter(d, tmp_path / "ok")
+    sd = {k: v.clone() for k, v in d.state_dict().items()}
+
+    def write(name, tensors):
+        p = tmp_path / name
+        d.config.save(p)
+        save_file(tensors, str(p / "model.safetensors"))
+        return p
+
+    missing = dict(sd)
+    missing.pop("layers.1.mlp_conv.base_kernel")
+    with pytest.raises(DFlash2Error, match=r"missing tensor 'layers.1.mlp_conv.base_kernel' \(shape \(2, 2, 32\)\)"):
+        load_drafter(write("missing", missing))
+    with pytest.raises(DFlash2Error, match="unexpected tensor 'extra.weight'"):
+        load_drafter(write("unexpected", {**sd, "extra.weight": torch.zeros(2)}))
+    bad = dict(sd)
+    bad["fc.weight"] = torch.zeros(32, 10)
+    with pytest.raises(DFlash2Error, match=r"'fc.weight' has shape \(32, 10\), the config expects \(32, 64\)"):
+        load_drafter(write("shape", bad))
+    # truncated / corrupt file
+    p = tmp_path / "trunc"
+    import shutil
+
+    shutil.copytree(tmp_path / "ok", p)
+    data = (p / "model.safetensors").read_bytes()
+    (p / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DFlash2Error, match="corrupt or truncated"):
+        load_drafter(p)
+    # pickle only
+    q = tmp_path / "pickle"
+    d.config.save(q)
+    torch.save(sd, q / "pytorch_model.bin")
+    with pytest.raises(DFlash2Error, match="pickle checkpoints are not loaded"):
+        load_drafter(q)
+    with pytest.raises(DFlash2Error, match="not found"):
+        load_drafter(tmp_path / "nope")
+    with pytest.raises(DFlash2Error, match="not bound"):
+        DFlash2Drafter(d.config).block_embeddings(torch.tensor([1]))
