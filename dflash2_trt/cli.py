@@ -37,6 +37,10 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--block-size", type=int, default=16)
 
+    from dflash2_trt.train import cli as train_cli
+
+    train_cli.add_parser(sub)
+
     g = sub.add_parser("generate", help="speculative decoding with the PyTorch reference")
     g.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
     g.add_argument("--drafter", required=True, help="drafter folder (config.json + safetensors)")
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_make_tiny(a)
         if a.cmd == "generate":
             return _cmd_generate(a)
+        if a.cmd == "train":
+            from dflash2_trt.train import cli as train_cli
+
+            return train_cli.run(a)
         parser.error(f"unknown command {a.cmd}")
     except DFlash2Error as e:
         print(f"dflash2: error: {e}", file=sys.stderr)

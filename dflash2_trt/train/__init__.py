@@ -1,0 +1,1 @@
+"""Distillation of DFlash 2 drafters (SPEC §5): offline data, block construction, trainer."""

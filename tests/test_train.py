@@ -1,0 +1,115 @@
+"""Trainer: block labels/masks vs brute force, loss decreases, exact --resume, train -> generate lossless."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash2_trt.train import data as D
+
+
+def test_labels_and_masks_equal_brute_force():
+    rng = np.random.default_rng(0)
+    T, bs = 12, 4
+    preds = rng.integers(0, 50, size=T)
+    anchors = D.sample_anchors(rng, T, bs, 5)
+    lab = D.block_labels(preds, anchors, bs)
+    mask = D.context_mask(T, anchors)
+    for b, a in enumerate(anchors):
+        assert 1 <= a <= T - bs + 1
+        for k in range(bs):
+            # slot k of the block anchored at a predicts the token at a + k: the target's prediction
+            # made at position a + k - 1 (preds[p] is the target's guess for position p + 1)
+            want = -100 if k == 0 else preds[a + k - 1]
+            assert lab[b, k] == want
+        for p in range(T):
+            assert mask[b, p] == (p < a)
+    assert len(set(anchors.tolist())) == len(anchors)
+    w = D.slot_weights(16)
+    assert w[0] == 0 and w[1] == 1.0 and abs(w[8] - np.exp(-1.0)) < 1e-12
+    assert D.slot_weights(8)[5] == pytest.approx(np.exp(-1.0))
+
+
+def test_blocks_see_only_context_before_their_anchor(tiny_drafter):
+    """compute_loss's batched blocks equal one-at-a-time blocks with a context cut at the anchor."""
+    from dflash2_trt.model import DraftContext
+    from dflash2_trt.train.trainer import Batch
+
+    d = tiny_drafter
+    T = 20
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, T, d.config.context_in_features, generator=g)
+    anchors = np.array([3, 9, 14])
+    kv = d.context_kv(d.fuse_context(feats), torch.arange(T))
+    sel = torch.zeros(3, dtype=torch.long)
+    h = d.block_hidden(torch.tensor([5, 6, 7]), torch.from_numpy(anchors), [k[sel] for k, _ in kv],
+                       [v[sel] for _, v in kv], torch.arange(T))
+    for b, a in enumerate(anchors):
+        ctx = DraftContext()
+        d.extend_context(ctx, feats[0, :a], 0)
+        hb = d.block_hidden(torch.tensor([5 + b]), torch.tensor([int(a)]), ctx.k, ctx.v, torch.arange(int(a)))
+        torch.testing.assert_close(h[b: b + 1], hb, rtol=1e-4, atol=1e-5)
+    assert Batch  # the type compute_loss consumes
+
+
+def _tc(tiny_dir, out, **kw):
+    from dflash2_trt.train.trainer import TrainConfig
+
+    base = dict(target=str(tiny_dir / "target"), out=str(out), block_size=8, layers=1, selector_rank=16,
+                sources=["stdlib"], max_tokens=40 * 64, seq_len=64, steps=30, batch_seqs=4, anchors_per_seq=8,
+                lr=3e-3, checkpoint_every=10, log_every=1, cache_dir=str(out) + "-cache", init_from_target=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_few_steps_lower_the_loss(tiny_dir, tmp_path):
+    from dflash2_trt.train.trainer import train
+
+    train(_tc(tiny_dir, tmp_path / "run"), progress=False)
+    logs = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    first = np.mean([m["loss"] for m in logs[:5]])
+    last = np.mean([m["loss"] for m in logs[-5:]])
+    assert last < first - 0.1, (first, last)
+    assert {"loss_lm", "loss_sel", "topk_recall", "slot_loss", "rows_per_s"} <= set(logs[-1])
+
+
+def test_resume_is_exact(tiny_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from dflash2_trt.train.trainer import train
+
+    train(_tc(tiny_dir, tmp_path / "full", steps=6, checkpoint_every=3), progress=False)
+    train(_tc(tiny_dir, tmp_path / "part", steps=6, checkpoint_every=3), progress=False, stop_after=3)
+    state = json.loads((tmp_path / "part" / "train_state" / "state.json").read_text())
+    assert state["step"] == 3
+    train(_tc(tiny_dir, tmp_path / "part", steps=6, checkpoint_every=3), progress=False)  # resumes at 3
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    c = load_file(str(tmp_path / "part" / "train_state" / "model.safetensors"))
+    assert all(torch.equal(c[k], b[k]) for k in b)  # the resume state holds the same weights
+
+
+def test_trained_checkpoint_decodes_losslessly(tiny_dir, tiny_target, tmp_path, capsys):
+    from dflash2_trt.cli import main
+    from dflash2_trt.train.trainer import train
+
+    train(_tc(tiny_dir, tmp_path / "ck", steps=10), progress=False)
+    rc = main(["generate", "--target", str(tiny_dir / "target"), "--drafter", str(tmp_path / "ck"),
+               "--prompt", "def f(x):", "--max-new-tokens", "24", "--check-lossless", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["lossless"] is True
+
+
+def test_train_cli_errors(tiny_dir, tmp_path, capsys):
+    from dflash2_trt.cli import main
+
+    rc = main(["train", "--target", str(tiny_dir / "target"), "--out", str(tmp_path / "x"), "--resume"])
+    assert rc == 1 and "no checkpoint" in capsys.readouterr().err
+    rc = main(["train", "--target", str(tiny_dir / "target"), "--out", str(tmp_path / "y"), "--data", "mtbench"])
+    assert rc == 1 and "unknown data source 'mtbench'" in capsys.readouterr().err
