@@ -38,6 +38,8 @@ def _margin_ok(Sb, idx, mode, temp, u):
     """True when no decision of the reference walk is within fp32 noise of flipping."""
     eps = 1e-3
     L, K, _ = Sb.shape
+    if K == 1:
+        return True  # a single candidate: no decision to flip
     if temp <= 0 and mode == "greedy":
         prev = 0
         for t in range(L):

@@ -77,8 +77,11 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32) ->
     return model
 
 
-def save_drafter(model: DFlash2Drafter, path: str | os.PathLike) -> None:
-    """Write config.json + model.safetensors atomically (temp folder, then rename into place)."""
+def save_drafter(model: DFlash2Drafter, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Write config.json + model.safetensors atomically (temp folder, then rename into place).
+
+    ``dtype`` (e.g. torch.float16) stores the weights in that type; loading upcasts to the model's dtype.
+    """
     from safetensors.torch import save_file
 
     directory = Path(path)
@@ -86,7 +89,7 @@ def save_drafter(model: DFlash2Drafter, path: str | os.PathLike) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         model.config.save(tmp)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "producer": "dflash2_trt"})
         if directory.exists():
             old = directory.with_name(directory.name + ".old")

