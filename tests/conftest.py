@@ -44,3 +44,14 @@ def with_block_size(drafter, bs: int, use_conv: bool = True, use_selector: bool 
     d.bind_target(drafter.embed_weight, drafter.lm_head_weight)
     d.set_ablation(use_conv=use_conv, use_selector=use_selector)
     return d.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_dir, tmp_path_factory):
+    """The tiny pair exported by dflash2-export (block size 16, max 512 positions), shared by the
+    export / runtime / bench tests."""
+    from dflash2_trt.export.exporter import export_model
+
+    out = tmp_path_factory.mktemp("export") / "tiny"
+    export_model(tiny_dir / "target", tiny_dir / "drafter", out, progress=False, max_seq_len=512)
+    return out

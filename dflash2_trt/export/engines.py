@@ -1,0 +1,362 @@
+"""TensorRT engines for an export folder: ``dflash2-export build-engines DIR`` (or ``dflash2-export ... --engines``).
+
+    dflash2-export build-engines DIR [--plugin LIB] [--selector plugin|decomposed|both]
+                                     [--weak-typing] [--tf32] [--workspace-gib N] [--prefill-rows N] [--quiet]
+
+Each graph is parsed by the TensorRT ONNX parser *from its file* (so ``weights.bin`` resolves) after
+``libdflash2_plugins.so`` is loaded into the plugin registry, and built into a plan::
+
+    DIR/engines-<id>/target.plan                  profiles: prefill (rows 1..P), step (rows 1..bs)
+    DIR/engines-<id>/drafter_context.plan         profiles: prefill (rows 1..P), step (rows 1..bs)
+    DIR/engines-<id>/drafter_block.plan           profile:  step (context capacity step..max)
+    DIR/engines-<id>/drafter_head_{mode}[_plugin].plan   plugin variant by default; decomposed on request
+    DIR/engines-<id>/libdflash2_plugins.so        the plugin library the engines were built with
+    DIR/engines-<id>/timing.cache                 TensorRT timing cache (carried over to the next build)
+
+Batch is 1 in every profile (the runtime decodes one request per runner); capacity dims run from the
+manifest's ``kv_capacity_step`` to ``max_seq_len`` rounded up to it; P = ``--prefill-rows`` (default 256).
+
+Precision comes from the ONNX types: networks are strongly typed (TensorRT 11 always is; on 10.x the
+STRONGLY_TYPED creation flag is set). ``--weak-typing`` (10.x only) instead enables the builder flag that
+matches the export dtype (FP16 / BF16). TF32 is switched off unless ``--tf32`` (fp32 exports must match ONNX
+Runtime token for token).
+
+Manifest entry ``engines`` (written atomically with the new files' checksums; the previous engines folder is
+removed only after the new manifest is in place, so the ONNX export is valid at every moment)::
+
+    {"dir", "tensorrt_version", "gpu": {"name", "compute_capability"}, "cuda": {"driver", "runtime"},
+     "plugin": {"file", "sha256", "source"} | null, "selector", "strongly_typed", "tf32", "dtype",
+     "prefill_rows", "timing_cache", "plans": {graph key: {"file", "profiles": [{"name", "dims"}], "build_s"}}}
+
+Without TensorRT (or a GPU) it stops with one line (exit 1) and leaves the folder untouched.
+Status: the build path has **never run** (no TensorRT libraries on the machines this was written on); the
+profile table, precision plan, CLI and failure paths are tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.cuda_api import CudaApi
+from dflash2_trt.runtime.manifest import MANIFEST_FILE, head_key, load_manifest
+from dflash2_trt.runtime.trt_backend import (ENGINES_KEY, PLUGIN_ENV, current_identity, import_tensorrt,
+                                             sha256_file, version_tuple)
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+SELECTORS = ("plugin", "decomposed", "both")
+DEFAULT_PREFILL_ROWS = 256
+PLUGIN_NAME = "libdflash2_plugins.so"
+_REPO = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pure parts (tested on the CPU)
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    strongly_typed: bool
+    set_flags: tuple[str, ...]  # BuilderFlag names to set
+    clear_flags: tuple[str, ...]  # BuilderFlag names to clear (when the version has them)
+
+
+def precision_plan(trt_version: str, dtype: str, weak_typing: bool = False, tf32: bool = False) -> PrecisionPlan:
+    """Builder settings that give the engines the export's precision on this TensorRT version."""
+    v = version_tuple(trt_version)
+    if dtype not in ("fp32", "fp16", "bf16"):
+        raise DFlash2Error(f"export dtype must be fp32, fp16 or bf16, got {dtype!r}")
+    clear = () if tf32 else ("TF32",)
+    if v[:1] >= (11,):
+        if weak_typing:
+            raise DFlash2Error(f"TensorRT {trt_version} networks are always strongly typed: --weak-typing needs "
+                               f"TensorRT 10.x")
+        return PrecisionPlan(True, (), clear)
+    if not weak_typing:
+        return PrecisionPlan(True, (), clear)
+    return PrecisionPlan(False, {"fp32": (), "fp16": ("FP16",), "bf16": ("BF16",)}[dtype], clear)
+
+
+def graph_keys(manifest: dict[str, Any], selector: str) -> list[str]:
+    """The graphs to build: target, drafter context and block, and the heads of the chosen variant(s)."""
+    if selector not in SELECTORS:
+        raise DFlash2Error(f"--selector must be one of {SELECTORS}, got {selector!r}")
+    keys = ["target", "drafter_context", "drafter_block"]
+    for mode in ("greedy", "viterbi"):
+        if selector in ("plugin", "both"):
+            keys.append(head_key(mode, plugin=True))
+        if selector in ("decomposed", "both"):
+            keys.append(head_key(mode))
+    missing = [k for k in keys if k not in manifest["graphs"]]
+    if missing:
+        raise DFlash2Error(f"the export has no {', '.join(missing)} graph(s)")
+    return keys
+
+
+def profiles_for(manifest: dict[str, Any], key: str, prefill_rows: int) -> list[dict[str, Any]]:
+    """Optimization profiles of one graph as named dim ranges ``{dim: [min, opt, max]}``."""
+    bs = int(manifest["block_size"])
+    step = int(manifest.get("kv_capacity_step", 256))
+    cap = -(-int(manifest["max_seq_len"]) // step) * step
+    P = max(bs, min(int(prefill_rows), int(manifest["max_seq_len"])))
+    batch = [1, 1, 1]
+    capacity = [step, step, cap]
+    role = manifest["graphs"][key].get("role", key)
+    if role == "target":
+        def tgt(rows: list[int]) -> dict[str, list[int]]:
+            return {"batch": batch, "sequence": rows, "capacity": capacity,
+                    "capacity_plus_sequence": [capacity[i] + rows[i] for i in range(3)]}
+        return [{"name": "prefill", "dims": tgt([1, max(1, P // 2), P])}, {"name": "step", "dims": tgt([1, bs, bs])}]
+    if role == "drafter_context":
+        return [{"name": "prefill", "dims": {"batch": batch, "rows": [1, max(1, P // 2), P]}},
+                {"name": "step", "dims": {"batch": batch, "rows": [1, bs, bs]}}]
+    if role == "drafter_block":
+        return [{"name": "step", "dims": {"batch": batch, "context_capacity": capacity}}]
+    return [{"name": "step", "dims": {"batch": batch}}]
+
+
+def input_shapes(graph: dict[str, Any], dims: dict[str, list[int]]
+                 ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(min, opt, max) shape of every graph input from the profile's named dims (manifest I/O shapes)."""
+    out = {}
+    for inp in graph["inputs"]:
+        lo, opt, hi = [], [], []
+        for d in inp["shape"]:
+            if isinstance(d, int):
+                r = [d, d, d]
+            elif d in dims:
+                r = dims[d]
+            else:
+                raise DFlash2Error(f"input {inp['name']} has a dynamic dimension {d!r} that no optimization "
+                                   f"profile covers (known: {', '.join(sorted(dims))})")
+            lo.append(int(r[0]))
+            opt.append(int(r[1]))
+            hi.append(int(r[2]))
+        out[inp["name"]] = (tuple(lo), tuple(opt), tuple(hi))
+    return out
+
+
+def find_plugin_library(explicit: str | Path | None = None) -> Path | None:
+    """--plugin, else $DFLASH2_PLUGIN_LIB, else build/lib/ or build/*/lib/ of the working folder or repo."""
+    if explicit:
+        p = Path(explicit)
+        if not p.is_file():
+            raise DFlash2Error(f"--plugin {p}: no such file")
+        return p
+    env = os.environ.get(PLUGIN_ENV)
+    if env:
+        if not Path(env).is_file():
+            raise DFlash2Error(f"${PLUGIN_ENV}={env}: no such file")
+        return Path(env)
+    for root in (Path.cwd(), _REPO):
+        for cand in [root / "build" / "lib" / PLUGIN_NAME, *sorted(root.glob(f"build/*/lib/{PLUGIN_NAME}"))]:
+            if cand.is_file():
+                return cand
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Build (needs TensorRT and a GPU)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _parser_errors(parser: Any) -> str:
+    errs = []
+    for i in range(int(parser.num_errors)):
+        e = parser.get_error(i)
+        errs.append(str(e.desc()) if hasattr(e, "desc") else str(e))
+    return "; ".join(errs)[:600] or "unknown parser error"
+
+
+def _build_one(trt_mod: Any, logger: trt.ILogger, onnx_path: Path, graph: dict[str, Any],
+               profiles: list[dict[str, Any]], plan: PrecisionPlan, cache_blob: bytes | None,
+               shared: dict[str, Any], workspace: int | None) -> bytes:
+    builder: trt.Builder = trt_mod.Builder(logger)
+    flags = 0
+    if plan.strongly_typed and hasattr(trt_mod.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+        flags |= 1 << int(trt_mod.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network: trt.INetworkDefinition = builder.create_network(flags)
+    parser: trt.OnnxParser = trt_mod.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        raise DFlash2Error(f"TensorRT's ONNX parser rejected {onnx_path.name}: {_parser_errors(parser)}")
+    config: trt.IBuilderConfig = builder.create_builder_config()
+    for name in plan.set_flags:
+        config.set_flag(getattr(trt_mod.BuilderFlag, name))
+    for name in plan.clear_flags:
+        if hasattr(trt_mod.BuilderFlag, name):
+            config.clear_flag(getattr(trt_mod.BuilderFlag, name))
+    if workspace:
+        config.set_memory_pool_limit(trt_mod.MemoryPoolType.WORKSPACE, workspace)
+    if "cache" not in shared:  # one timing cache object for every engine of this build
+        cache = config.create_timing_cache(cache_blob or b"")
+        if not config.set_timing_cache(cache, False):  # the old cache belongs to another GPU / version
+            cache = config.create_timing_cache(b"")
+            config.set_timing_cache(cache, False)
+        shared["cache"] = cache
+    else:
+        config.set_timing_cache(shared["cache"], False)
+    for p in profiles:
+        prof = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in input_shapes(graph, p["dims"]).items():
+            prof.set_shape(name, trt_mod.Dims(lo), trt_mod.Dims(opt), trt_mod.Dims(hi))
+        if config.add_optimization_profile(prof) < 0:
+            raise DFlash2Error(f"{onnx_path.name}: TensorRT refused optimization profile {p['name']!r}")
+    ser = builder.build_serialized_network(network, config)
+    if ser is None:
+        raise DFlash2Error(f"TensorRT could not build an engine from {onnx_path.name} (see the TensorRT log above)")
+    return bytes(memoryview(ser))
+
+
+def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, selector: str = "plugin",
+                  weak_typing: bool = False, tf32: bool = False, workspace_gib: float | None = None,
+                  prefill_rows: int = DEFAULT_PREFILL_ROWS, progress: bool = True,
+                  trt_module: ModuleType | None = None, api: CudaApi | None = None) -> dict[str, Any]:
+    """Build the engines of an export folder and record them in its manifest; returns the ``engines`` entry.
+    Raises DFlash2Error (folder untouched) when TensorRT, a GPU or the plugin library is missing."""
+    d = Path(model_dir)
+    manifest = load_manifest(d, verify_checksums=True)
+    keys = graph_keys(manifest, selector)
+    if prefill_rows < 1:
+        raise DFlash2Error(f"--prefill-rows must be >= 1, got {prefill_rows}")
+    trt_mod: Any = trt_module if trt_module is not None else import_tensorrt()
+    if api is None:
+        from dflash2_trt.runtime.cuda_api import CudaRuntime
+
+        api = CudaRuntime()
+    ident = current_identity(trt_mod.__version__, api.device_info())
+    plugin_path = None
+    if any(manifest["graphs"][k].get("selector") == "plugin" for k in keys):
+        plugin_path = find_plugin_library(plugin)
+        if plugin_path is None:
+            raise DFlash2Error(f"the plugin variant needs {PLUGIN_NAME}: build it (cmake -S . -B build && cmake "
+                               f"--build build, see plugins/pathSelector/README.md), pass --plugin or set "
+                               f"${PLUGIN_ENV}; or build --selector decomposed")
+    plan = precision_plan(trt_mod.__version__, str(manifest["dtype"]), weak_typing, tf32)
+    logger = trt_mod.Logger(trt_mod.Logger.WARNING)
+    if plugin_path is not None and not trt_mod.get_plugin_registry().load_library(str(plugin_path)):
+        raise DFlash2Error(f"TensorRT could not load the plugin library {plugin_path}")
+    old = manifest.get(ENGINES_KEY) or {}
+    cache_blob = None
+    if old.get("timing_cache") and (d / old["timing_cache"]).is_file():
+        cache_blob = (d / old["timing_cache"]).read_bytes()
+    name = f"engines-{uuid.uuid4().hex[:8]}"
+    tmp = d / f".{name}.tmp"
+    tmp.mkdir()
+    try:
+        shared: dict[str, Any] = {}
+        plans: dict[str, Any] = {}
+        for i, key in enumerate(keys):
+            g = manifest["graphs"][key]
+            profiles = profiles_for(manifest, key, prefill_rows)
+            t0 = time.perf_counter()
+            if progress:
+                print(f"dflash2-export: building {key} ({i + 1}/{len(keys)})", file=sys.stderr, flush=True)
+            blob = _build_one(trt_mod, logger, d / g["file"], g, profiles, plan, cache_blob, shared,
+                              int(workspace_gib * (1 << 30)) if workspace_gib else None)
+            _atomic_write(tmp / f"{key}.plan", blob)
+            plans[key] = {"file": f"{name}/{key}.plan", "profiles": profiles,
+                          "build_s": round(time.perf_counter() - t0, 2)}
+        _atomic_write(tmp / "timing.cache", bytes(memoryview(shared["cache"].serialize())))
+        plug_entry = None
+        if plugin_path is not None:
+            shutil.copy2(plugin_path, tmp / PLUGIN_NAME)
+            plug_entry = {"file": f"{name}/{PLUGIN_NAME}", "sha256": sha256_file(tmp / PLUGIN_NAME),
+                          "source": str(plugin_path.resolve())}
+        entry = {"dir": name, **ident, "plugin": plug_entry, "selector": selector,
+                 "strongly_typed": plan.strongly_typed, "tf32": tf32, "dtype": manifest["dtype"],
+                 "prefill_rows": prefill_rows, "timing_cache": f"{name}/timing.cache", "plans": plans}
+        tmp.rename(d / name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        update_manifest_engines(d, entry)
+    except BaseException:
+        shutil.rmtree(d / name, ignore_errors=True)
+        raise
+    if old.get("dir") and old["dir"] != name:
+        shutil.rmtree(d / old["dir"], ignore_errors=True)
+    return entry
+
+
+def update_manifest_engines(model_dir: Path, entry: dict[str, Any] | None) -> dict[str, Any]:
+    """Replace the manifest's ``engines`` entry (None removes it) and the checksums of the files it lists,
+    atomically. Other checksums are kept as they are (no rehash of the ONNX export)."""
+    mf = model_dir / MANIFEST_FILE
+    m: dict[str, Any] = json.loads(mf.read_text())
+    old = m.get(ENGINES_KEY) or {}
+    files = {k: v for k, v in m["files"].items() if not (old.get("dir") and k.startswith(f"{old['dir']}/"))}
+    if entry is not None:
+        for p in sorted((model_dir / entry["dir"]).rglob("*")):
+            if p.is_file():
+                files[p.relative_to(model_dir).as_posix()] = sha256_file(p)
+        m[ENGINES_KEY] = entry
+    else:
+        m.pop(ENGINES_KEY, None)
+    m["files"] = files
+    _atomic_write(mf, (json.dumps(m, indent=2) + "\n").encode())
+    return m
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plugin", default=None, help=f"{PLUGIN_NAME} (default: ${PLUGIN_ENV}, else build/lib/)")
+    p.add_argument("--selector", choices=SELECTORS, default="plugin",
+                   help="drafter head variant(s) to build (default: the plugin)")
+    p.add_argument("--weak-typing", action="store_true", help="TensorRT 10.x: precision flags instead of strong typing")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 exports (not token-exact)")
+    p.add_argument("--workspace-gib", type=float, default=None, help="builder workspace limit")
+    p.add_argument("--prefill-rows", type=int, default=DEFAULT_PREFILL_ROWS, help="max rows per prefill chunk")
+
+
+def run_build(model_dir: str | Path, a: argparse.Namespace, prog: str = "dflash2-export") -> int:
+    """Build and print one line; DFlash2Error -> one line on stderr, exit 1 (the ONNX export stays intact)."""
+    try:
+        e = build_engines(model_dir, plugin=a.plugin, selector=a.selector, weak_typing=a.weak_typing, tf32=a.tf32,
+                          workspace_gib=a.workspace_gib, prefill_rows=a.prefill_rows, progress=not a.quiet)
+    except DFlash2Error as err:
+        print(f"{prog}: error: engines not built: {err} (the ONNX export in {model_dir} is intact)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (the ONNX export in {model_dir} is intact)", file=sys.stderr)
+        return 1
+    print(f"built {len(e['plans'])} TensorRT engines (TensorRT {e['tensorrt_version']}, {e['gpu']['name']}) "
+          f"in {Path(model_dir) / e['dir']}")
+    return 0
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """``dflash2-export build-engines DIR [options]``."""
+    p = argparse.ArgumentParser(prog="dflash2-export build-engines",
+                                description="Build TensorRT engines for an export folder")
+    p.add_argument("dir", help="export folder (written by dflash2-export)")
+    add_engine_options(p)
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    return run_build(a.dir, a)

@@ -1,0 +1,290 @@
+"""Export a target + DFlash 2 drafter pair into a self-contained ONNX folder (``dflash2-export``).
+
+Written into DIR (atomically: built in a hidden temporary sibling folder, moved into place only when every
+graph passed ``onnx.checker`` and, where ONNX Runtime can run it, the comparison with PyTorch)::
+
+    target.onnx                     input_ids, position_ids, attention_mask, past_key_values.{i}.key/.value
+                                    -> logits, context_features, present.{i}.key/.value (new rows only)
+    drafter_context.onnx            (a) context_features, position_ids -> context.{i}.key/.value (new rows)
+    drafter_block.onnx              (b) anchor_ids, anchor_position, context_mask, context.{i}.key/.value
+                                    -> hidden [B, bs, H]
+    drafter_head_{mode}.onnx        (c) hidden, anchor_ids, temperature, uniforms
+                                    -> cand_ids, path_ids, proposal_probs; selector as standard ONNX ops
+    drafter_head_{mode}.plugin.onnx same, selector = one trt.plugins::DFlash2PathSelector node (TensorRT)
+    weights.bin                     every initializer >= 1 KiB, stored once (shared by all graphs)
+    tokenizer.json, tokenizer_config.json[, chat_template.jinja, special_tokens_map.json]
+    manifest.json                   see :mod:`dflash2_trt.runtime.manifest`
+
+KV caches use the capacity-buffer convention of :mod:`dflash2_trt.export.graphs`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.manifest import FORMAT, MANIFEST_FILE, MANIFEST_VERSION, head_key, write_manifest
+
+DTYPES = ("fp32", "fp16", "bf16")
+DEFAULT_OPSET = 17
+KV_CAPACITY_STEP = 256
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+#: bump when the graphs' content or conventions change (keys caches of exported models)
+EXPORTER_REVISION = 1
+
+
+def _progress(steps: list[str], enabled: bool):  # noqa: ANN202
+    from tqdm import tqdm
+
+    return tqdm(total=len(steps), desc="dflash2-export", unit="step", file=sys.stderr, disable=not enabled,
+                bar_format="{desc}: {n}/{total} |{bar:20}| {postfix} [{elapsed}]")
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise DFlash2Error(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
+        raise DFlash2Error(f"--out {out} is a non-empty folder that is not a previous export; refusing to "
+                           f"replace it")
+
+
+def export_model(
+    target_path: str | Path,
+    drafter_path: str | Path,
+    out: str | Path,
+    *,
+    opset: int = DEFAULT_OPSET,
+    dtype: str = "fp32",
+    block_size: int | None = None,
+    max_seq_len: int | None = None,
+    progress: bool = True,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Export and return the manifest. Raises :class:`DFlash2Error` on bad input; DIR is left untouched
+    (absent or as it was) on any failure."""
+    if dtype not in DTYPES:
+        raise DFlash2Error(f"--dtype must be one of {DTYPES}, got {dtype!r}")
+    if not isinstance(opset, int) or not 14 <= opset <= 20:
+        raise DFlash2Error(f"--opset must be in [14, 20] (the TorchScript exporter's range), got {opset}")
+    if block_size is not None and block_size < 2:
+        raise DFlash2Error(f"--block-size must be >= 2, got {block_size}")
+    out = Path(out)
+    _prepare_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        manifest = _export_into(tmp, Path(target_path), Path(drafter_path), opset, dtype, block_size, max_seq_len,
+                                progress, verify)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str,
+                 block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from dflash2_trt import __version__
+    from dflash2_trt.export import graphs, onnx_utils
+    from dflash2_trt.export import selector_contract as sc
+    from dflash2_trt.model import load_drafter
+    from dflash2_trt.target import TargetModel, resolve_target_path
+
+    steps = ["load models", "export target", "export drafter", "export heads", "save", "onnx.checker",
+             "verify vs PyTorch", "tokenizer + manifest"]
+    bar = _progress(steps, progress)
+
+    def step(i: int) -> None:
+        bar.set_postfix_str(steps[i])
+        if i:
+            bar.update(1)
+
+    step(0)
+    drafter = load_drafter(drafter_path)
+    target = TargetModel.load(target_path)
+    target_dir = resolve_target_path(target_path)
+    target.check_drafter(drafter.config)
+    graphs.check_target_supported(target.model)
+    cfg = drafter.config
+    if block_size is not None and block_size != cfg.block_size:
+        cfg = cfg.replace(block_size=block_size)
+        fresh = type(drafter)(cfg)
+        fresh.load_state_dict(drafter.state_dict(), strict=True)
+        drafter = fresh.eval()
+    if not drafter.use_selector:
+        raise DFlash2Error("exporting a DFlash v1 drafter (no candidate selector) is not supported")
+    max_pos = target.max_positions
+    if max_seq_len is None:
+        max_seq_len = min(max_pos, 4096)
+    if not 2 <= max_seq_len <= max_pos:
+        raise DFlash2Error(f"--max-seq-len must be in [2, {max_pos}] (the target's max_position_embeddings), "
+                           f"got {max_seq_len}")
+    tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    npdt = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[dtype]
+    target.model.to(tdt)
+    drafter.to(tdt)
+    drafter.bind_target(target.embed_weight, target.lm_head_weight)
+    layer_ids = list(cfg.target_layer_ids or [])
+    hf_cfg = target.model.config
+    nl, kvh = target.num_layers, int(hf_cfg.num_key_value_heads)
+    d = int(target.model.model.layers[0].self_attn.head_dim)
+    B = 2  # traced with batch 2 so no batch-1 shape gets baked in
+    bs, L, K, r = cfg.block_size, cfg.block_size - 1, cfg.selector_top_k, cfg.selector_rank
+    dkvh, dd = cfg.num_key_value_heads, cfg.head_dim
+    models: dict[str, Any] = {}
+    graph_meta: dict[str, dict] = {}
+
+    step(1)
+    kv_names = [f"past_key_values.{i}.{k}" for i in range(nl) for k in ("key", "value")]
+    present = [f"present.{i}.{k}" for i in range(nl) for k in ("key", "value")]
+    dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
+           "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, "logits": {0: "batch", 1: "sequence"},
+           "context_features": {0: "batch", 1: "sequence"}}
+    dyn.update({n: {0: "batch", 2: "capacity"} for n in kv_names})
+    dyn.update({n: {0: "batch", 2: "sequence"} for n in present})
+    args = (torch.randint(0, target.vocab_size, (B, 3)), torch.arange(3).repeat(B, 1),
+            torch.ones(B, 4 + 3, dtype=torch.long), *[torch.zeros(B, kvh, 4, d, dtype=tdt) for _ in kv_names])
+    models["target.onnx"] = onnx_utils.trace(graphs.TargetGraph(target.model, layer_ids).eval(), args,
+                                             ["input_ids", "position_ids", "attention_mask", *kv_names],
+                                             ["logits", "context_features", *present], dyn, opset)
+    graph_meta["target"] = {"file": "target.onnx", "role": "target", "selector": None, "mode": None}
+
+    step(2)
+    ctx_names = [f"context.{i}.{k}" for i in range(cfg.num_hidden_layers) for k in ("key", "value")]
+    dyn = {"context_features": {0: "batch", 1: "rows"}, "position_ids": {0: "batch", 1: "rows"}}
+    dyn.update({n: {0: "batch", 2: "rows"} for n in ctx_names})
+    args = (torch.randn(B, 3, cfg.context_in_features, dtype=tdt), torch.arange(3).repeat(B, 1))
+    models["drafter_context.onnx"] = onnx_utils.trace(graphs.DrafterContextGraph(drafter).eval(), args,
+                                                      ["context_features", "position_ids"], ctx_names, dyn, opset)
+    graph_meta["drafter_context"] = {"file": "drafter_context.onnx", "role": "drafter_context", "selector": None,
+                                     "mode": None}
+    dyn = {"anchor_ids": {0: "batch"}, "anchor_position": {0: "batch"},
+           "context_mask": {0: "batch", 1: "context_capacity"}, "hidden": {0: "batch"}}
+    dyn.update({n: {0: "batch", 2: "context_capacity"} for n in ctx_names})
+    args = (torch.randint(0, target.vocab_size, (B,)), torch.tensor([3, 4]), torch.ones(B, 5, dtype=torch.long),
+            *[torch.randn(B, dkvh, 5, dd, dtype=tdt) for _ in ctx_names])
+    models["drafter_block.onnx"] = onnx_utils.trace(graphs.DrafterBlockGraph(drafter).eval(), args,
+                                                    ["anchor_ids", "anchor_position", "context_mask", *ctx_names],
+                                                    ["hidden"], dyn, opset)
+    graph_meta["drafter_block"] = {"file": "drafter_block.onnx", "role": "drafter_block", "selector": None,
+                                   "mode": None}
+
+    step(3)
+    head = onnx_utils.trace(graphs.DrafterHeadBase(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),),
+                            ["hidden"], ["cand_ids", "unary", "hidden_proj"],
+                            {"hidden": {0: "batch"}, "cand_ids": {0: "batch"}, "unary": {0: "batch"},
+                             "hidden_proj": {0: "batch"}}, opset)
+    cs = drafter.candidate_selector
+    sel_names = [n for n, _, _ in sc.INPUTS if n not in ("pred_codebook", "succ_codebook")]
+    sel_args = (torch.randint(0, cfg.vocab_size, (B, L, K), dtype=torch.int32),
+                torch.randn(B, L, K).sort(-1, descending=True).values, torch.randn(B, L, r, dtype=tdt),
+                torch.randint(0, cfg.vocab_size, (B,), dtype=torch.int32), torch.tensor([0.0, 1.0]),
+                torch.rand(B, L))
+    for mode in sc.MODES:
+        sel = onnx_utils.trace(graphs.DecomposedSelector(cs.predecessor_codebook, cs.successor_codebook, mode).eval(),
+                               sel_args, sel_names, ["path_ids", "proposal_probs"],
+                               {n: {0: "batch"} for n in [*sel_names, "path_ids", "proposal_probs"]}, opset)
+        models[f"drafter_head_{mode}.onnx"] = onnx_utils.merge_selector(head, sel)
+        graph_meta[head_key(mode)] = {"file": f"drafter_head_{mode}.onnx", "role": "drafter_head",
+                                      "selector": "decomposed", "mode": mode}
+        cb = [w.detach().float().numpy() if dtype != "bf16" else w.detach().view(torch.int16).numpy().view(np.uint16)
+              for w in (cs.predecessor_codebook, cs.successor_codebook)]
+        if dtype == "fp16":
+            cb = [w.astype(np.float16) for w in cb]
+        plug = onnx_utils.plugin_selector_graph(cb[0], cb[1], L, K, r, mode, dtype, opset)
+        models[f"drafter_head_{mode}.plugin.onnx"] = onnx_utils.merge_selector(head, plug)
+        graph_meta[head_key(mode, plugin=True)] = {"file": f"drafter_head_{mode}.plugin.onnx",
+                                                   "role": "drafter_head", "selector": "plugin", "mode": mode}
+
+    step(4)
+    onnx_utils.save_with_shared_weights(models, tmp)
+    for key, meta in graph_meta.items():
+        meta.update(onnx_utils.describe_io(models[meta["file"]]))
+
+    step(5)
+    for name in models:
+        onnx_utils.check_graph(tmp / name)
+
+    step(6)
+    report: dict[str, Any] = {}
+    if verify:
+        from dflash2_trt.export import verify as V
+
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            report["skipped"] = "onnxruntime is not installed"
+        else:
+            try:
+                report.update(V.verify_target(tmp / "target.onnx", target, layer_ids, dtype, npdt))
+                report.update(V.verify_drafter({k: tmp / m["file"] for k, m in graph_meta.items()}, drafter, dtype,
+                                               npdt))
+            except DFlash2Error:
+                raise
+            except Exception as e:  # ORT cannot run some reduced-precision graphs on the CPU provider
+                if dtype == "fp32":
+                    raise DFlash2Error(f"export check failed: {type(e).__name__}: {e}") from None
+                report = {"skipped": f"ONNX Runtime (CPU) cannot run the {dtype} graphs: "
+                                     f"{str(e).splitlines()[0][:200]}; checked with onnx.checker only"}
+
+    step(7)
+    tok_files = []
+    for name in TOKENIZER_FILES:
+        if (target_dir / name).is_file():
+            shutil.copy2(target_dir / name, tmp / name)
+            tok_files.append(name)
+    if "tokenizer.json" not in tok_files:
+        raise DFlash2Error(f"target folder {target_dir} has no tokenizer.json (needed at run time)")
+    chat = (target_dir / "chat_template.jinja").is_file() or bool(
+        _json_get(target_dir / "tokenizer_config.json", "chat_template"))
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "manifest_version": MANIFEST_VERSION,
+        "project_version": __version__,
+        "exporter_revision": EXPORTER_REVISION,
+        "opset": opset,
+        "dtype": dtype,
+        "block_size": bs,
+        "max_seq_len": int(max_seq_len),
+        "kv_capacity_step": KV_CAPACITY_STEP,
+        "target": {
+            "model_type": hf_cfg.model_type, "vocab_size": target.vocab_size, "num_layers": nl,
+            "hidden_size": target.hidden_size, "num_key_value_heads": kvh, "head_dim": d,
+            "max_positions": max_pos, "eos_token_ids": sorted(target.eos_ids()), "layer_ids": layer_ids,
+            "source": str(target_dir),
+        },
+        "drafter": cfg.to_dict(),
+        "plugin": {"op_type": sc.OP_TYPE, "domain": sc.DOMAIN, "plugin_version": sc.PLUGIN_VERSION,
+                   "plugin_namespace": sc.PLUGIN_NAMESPACE},
+        "graphs": graph_meta,
+        "weights": onnx_utils.WEIGHTS_FILE,
+        "tokenizer": {"files": tok_files, "chat_template": chat},
+        "verification": report,
+    }
+    write_manifest(tmp, manifest)
+    tmp.chmod(0o755)  # mkdtemp makes it private
+    bar.update(1)
+    bar.close()
+    return manifest
+
+
+def _json_get(path: Path, key: str) -> Any:
+    import json
+
+    try:
+        return json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None

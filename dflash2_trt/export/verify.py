@@ -1,0 +1,143 @@
+"""Export-time checks of the ONNX graphs against the PyTorch reference models, run with ONNX Runtime.
+
+* target: the HF model (through :class:`~dflash2_trt.target.TargetModel`) on random tokens vs the target
+  graph run in two chunks through a capacity buffer (prefill, then continuation) — logits and context
+  features;
+* drafter: :class:`~dflash2_trt.model.DFlash2Drafter` (extend_context, block_hidden, draft_from_hidden) on
+  random features vs the context → block → head graphs, for both selector modes, argmax and sampling.
+
+Tolerances are relative to the reference's magnitude. Candidate/path decisions may differ only on near
+ties (tie-aware check), so a real model with two almost-equal logits does not fail an export.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash2_trt.errors import DFlash2Error
+
+TOL = {"fp32": 2e-3, "fp16": 5e-2, "bf16": 1e-1}
+
+
+def _close(name: str, got: np.ndarray, want: np.ndarray, tol: float, report: dict) -> None:
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        raise DFlash2Error(f"export check: {name} has shape {got.shape}, PyTorch gives {want.shape}")
+    scale = max(1.0, float(np.abs(want).max()) if want.size else 1.0)
+    err = float(np.abs(got - want).max()) / scale if want.size else 0.0
+    report[name] = err
+    if not np.isfinite(err) or err > tol:
+        raise DFlash2Error(f"export check: {name} differs from PyTorch by {err:.3g} (relative; tolerance {tol})")
+
+
+def _decisions(name: str, got: np.ndarray, want: np.ndarray, report: dict, min_frac: float) -> None:
+    frac = float(np.mean(np.asarray(got) == np.asarray(want)))
+    report[name + "_match"] = frac
+    if frac < min_frac:
+        raise DFlash2Error(f"export check: {name} agrees with PyTorch on only {frac:.0%} of entries")
+
+
+def session(path: Path):  # noqa: ANN201
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def verify_target(path: Path, target, layer_ids: list[int], dtype: str, np_dtype, seed: int = 0) -> dict:  # noqa: ANN001
+    """Two chunks (n1 + n2 rows) through a capacity buffer vs one HF pass over all rows."""
+    rng = np.random.default_rng(seed)
+    n1, n2 = 7, 5
+    ids = rng.integers(0, target.vocab_size, n1 + n2)
+    target.reset(layer_ids)
+    want_logits, want_feats = target.forward(torch.from_numpy(ids))
+    sess = session(path)
+    nl = target.num_layers
+    cfg = target.model.config
+    kvh = int(cfg.num_key_value_heads)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    cap = 16
+    past = [np.zeros((1, kvh, cap, d), dtype=np_dtype) for _ in range(2 * nl)]
+    logits, feats = [], []
+    n = 0
+    for chunk in (ids[:n1], ids[n1:]):
+        S = len(chunk)
+        mask = np.zeros((1, cap + S), dtype=np.int64)
+        mask[0, :n] = 1
+        mask[0, cap:] = 1
+        feed = {"input_ids": chunk.reshape(1, -1).astype(np.int64),
+                "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1), "attention_mask": mask}
+        for i in range(nl):
+            feed[f"past_key_values.{i}.key"] = past[2 * i]
+            feed[f"past_key_values.{i}.value"] = past[2 * i + 1]
+        out = sess.run(None, feed)
+        logits.append(out[0][0])
+        feats.append(out[1][0])
+        for i, p in enumerate(out[2:]):
+            past[i][:, :, n:n + S] = p
+        n += S
+    report: dict = {}
+    tol = TOL[dtype]
+    _close("target.logits", np.concatenate(logits), want_logits.float().numpy(), tol, report)
+    _close("target.context_features", np.concatenate(feats).astype(np.float32), want_feats.float().numpy(), tol,
+           report)
+    _decisions("target.argmax", np.concatenate(logits).argmax(-1), want_logits.argmax(-1).numpy(), report, 0.9)
+    return report
+
+
+def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: int = 0) -> dict:  # noqa: ANN001
+    """Context → block → head graphs vs the PyTorch drafter on random features (n context rows)."""
+    from dflash2_trt.model.drafter import DraftContext
+
+    cfg = drafter.config
+    rng = np.random.default_rng(seed)
+    n, cap = 9, 12
+    L = cfg.block_size - 1
+    feats = rng.standard_normal((n, cfg.context_in_features)).astype(np.float32)
+    anchor = int(rng.integers(0, cfg.vocab_size))
+    tdtype = drafter.fc.weight.dtype
+    with torch.no_grad():
+        ctx = DraftContext()
+        drafter.extend_context(ctx, torch.from_numpy(feats).to(tdtype), 0)
+        h_ref = drafter.block_hidden(torch.tensor([anchor]), torch.tensor([n]), ctx.k, ctx.v, torch.arange(n))
+    report: dict = {}
+    tol = TOL[dtype]
+    # (a) context
+    out = session(paths["drafter_context"]).run(None, {
+        "context_features": feats[None].astype(np_dtype), "position_ids": np.arange(n, dtype=np.int64)[None]})
+    for i in range(cfg.num_hidden_layers):
+        _close(f"drafter_context.{i}.key", out[2 * i], ctx.k[i].float().numpy(), tol, report)
+        _close(f"drafter_context.{i}.value", out[2 * i + 1], ctx.v[i].float().numpy(), tol, report)
+    # (b) block, through a capacity buffer with stale slots
+    feed = {"anchor_ids": np.array([anchor], dtype=np.int64), "anchor_position": np.array([n], dtype=np.int64),
+            "context_mask": (np.arange(cap) < n).astype(np.int64)[None]}
+    for i in range(cfg.num_hidden_layers):
+        for j, kind in enumerate(("key", "value")):
+            buf = rng.standard_normal((1, out[0].shape[1], cap, out[0].shape[3])).astype(np_dtype)  # stale garbage
+            buf[:, :, :n] = out[2 * i + j]
+            feed[f"context.{i}.{kind}"] = buf
+    h = session(paths["drafter_block"]).run(None, feed)[0]
+    _close("drafter_block.hidden", h, h_ref.float().numpy(), tol, report)
+    # (c) heads, fed the reference hidden so selector decisions are compared on equal inputs
+    for mode in ("greedy", "viterbi"):
+        sess = session(paths[f"drafter_head_{mode}"])
+        for temp in (0.0, 0.8):
+            u = rng.random((1, L), dtype=np.float32)
+            with torch.no_grad():
+                drafter_mode = drafter.draft_from_hidden(h_ref, torch.tensor([anchor]), mode, temp,
+                                                         torch.from_numpy(u) if temp > 0 else None)
+            cand, path, q = sess.run(None, {"hidden": h_ref.numpy().astype(np_dtype),
+                                            "anchor_ids": np.array([anchor], dtype=np.int32),
+                                            "temperature": np.array([temp], dtype=np.float32), "uniforms": u})
+            key = f"drafter_head_{mode}.T{temp}"
+            _decisions(key + ".cand_ids", cand, drafter_mode.cand.numpy(), report, 0.9)
+            _decisions(key + ".path_ids", path, drafter_mode.tokens.numpy(), report, 0.8)
+            ref_q = np.take_along_axis(drafter_mode.proposal.numpy(), cand.astype(np.int64), -1)  # [1, L, K]
+            if np.array_equal(cand, drafter_mode.cand.numpy()) and np.array_equal(path, drafter_mode.tokens.numpy()):
+                _close(key + ".proposal_probs", q, ref_q, tol, report)
+    return report

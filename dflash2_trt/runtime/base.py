@@ -1,0 +1,107 @@
+"""What every backend implements (STYLE rule 3), and the KV capacity buffer they share.
+
+A backend gives the decoder loop two runners per request:
+
+* :class:`TargetRunner` — ``reset()``, ``forward(ids) -> (logits [m, V] fp32, features [m, F])`` at positions
+  ``cache_length ..``, ``crop(length)``, ``cache_length``;
+* :class:`DraftRunner` — ``reset()``, ``add_context(features [m, F], start)``,
+  ``propose(anchor, pos, temperature, uniforms [1, L] | None) -> Draft``.
+
+Runners hold one request's state (KV caches) and are not thread safe; use one per concurrent request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dflash2_trt.errors import DFlash2Error
+
+
+@dataclass
+class Draft:
+    """One drafted block of L = bs - 1 rows (a single sequence)."""
+
+    tokens: np.ndarray  # [L] int64 chosen drafts
+    proposal: np.ndarray  # [L, K] float32 proposal q over the row's candidates (one-hot at T <= 0)
+    cand: np.ndarray  # [L, K] int64 top-K candidates of each row
+
+
+class TargetRunner(Protocol):
+    vocab_size: int
+    max_positions: int  # positions the exported caches can hold (--max-seq-len)
+    eos_ids: set[int]  # stop tokens used when the caller passes none
+
+    def reset(self) -> None: ...
+
+    @property
+    def cache_length(self) -> int: ...
+
+    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def crop(self, length: int) -> None: ...
+
+
+class DraftRunner(Protocol):
+    block_size: int
+
+    def reset(self) -> None: ...
+
+    def add_context(self, feats: np.ndarray, start: int) -> None: ...
+
+    def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft: ...
+
+
+class KVBuffer:
+    """K/V of one sequence for ``n_layers`` layers in capacity buffers ``[1, heads, capacity, d]``.
+
+    Invariant: slots ``0..length-1`` hold positions ``0..length-1``; slots beyond are stale and masked by
+    :meth:`valid_mask`. Capacity grows in multiples of ``step`` (so graph input shapes change rarely) up
+    to ``max_length`` rounded up; cropping only lowers ``length`` (no copy). Growing reallocates: a captured
+    CUDA graph bound to the old arrays must be dropped then.
+    """
+
+    def __init__(self, n_layers: int, heads: int, head_dim: int, dtype: np.dtype, step: int, max_length: int
+                 ) -> None:
+        self.n_layers, self.heads, self.head_dim = n_layers, heads, head_dim
+        self.dtype = np.dtype(dtype)
+        self.step = max(1, int(step))
+        self.max_capacity = -(-max_length // self.step) * self.step
+        self.length = 0
+        self.capacity = 0
+        self.arrays: list[np.ndarray] = []  # 2 per layer: key, value
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` positions."""
+        if n > self.max_capacity:
+            raise DFlash2Error(f"sequence of {n} positions exceeds the exported cache capacity {self.max_capacity} "
+                               f"(re-export with a larger --max-seq-len)")
+        if n <= self.capacity:
+            return
+        cap = min(self.max_capacity, -(-n // self.step) * self.step)
+        new = [np.zeros((1, self.heads, cap, self.head_dim), dtype=self.dtype) for _ in range(2 * self.n_layers)]
+        for a, b in zip(new, self.arrays):
+            a[:, :, : self.length] = b[:, :, : self.length]
+        self.arrays, self.capacity = new, cap
+
+    def valid_mask(self) -> np.ndarray:
+        """[1, capacity] int64: 1 for slots holding a position."""
+        m = np.zeros((1, self.capacity), dtype=np.int64)
+        m[0, : self.length] = 1
+        return m
+
+    def append(self, new: list[np.ndarray]) -> None:
+        """new: 2 per layer [1, heads, S, d] -> slots length..length+S-1."""
+        S = new[0].shape[2]
+        self.reserve(self.length + S)
+        for buf, x in zip(self.arrays, new):
+            buf[:, :, self.length: self.length + S] = x
+        self.length += S
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, max(0, int(length)))

@@ -1,0 +1,103 @@
+"""``dflash2 bench``: speculative vs plain autoregressive decoding of the same target on the same backend,
+side by side, prompt by prompt (no torch on the ORT path).
+
+Aggregation (SPEC §4): τ and oracle τ are averaged over cycles within a request, then over requests; the
+per-position cumulative acceptance r_i is averaged over requests the same way (so τ = 1 + Σ r_i holds for
+full blocks) and the conditional c_i = r_i / r_{i-1} is derived from it. Tokens/s = all generated tokens
+÷ all decode time (oracle passes excluded). ``lossless`` (greedy only): every speculative output equals the
+autoregressive one; null at T > 0.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from dflash2_trt.runtime import decoder as D
+
+
+def run_bench(target, drafter, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,  # noqa: ANN001
+              seed: int = 0, measure_oracle: bool = True, eos_ids: set[int] | None = None,
+              progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    specs, ars = [], []
+    for i, p in enumerate(tqdm(prompts, desc="dflash2 bench", unit="prompt", file=sys.stderr, disable=not progress)):
+        specs.append(D.speculative_generate(target, drafter, p, max_new_tokens, temperature, eos_ids, seed + i,
+                                            measure_oracle))
+        ars.append(D.target_generate(target, p, max_new_tokens, temperature, eos_ids, seed + i))
+    return summarize(specs, ars, temperature)
+
+
+def summarize(specs: list, ars: list, temperature: float) -> dict:  # noqa: ANN001
+    stats = [s.stats() for s in specs if s.accepted]
+    tau = float(np.mean([s["tau"] for s in stats])) if stats else 0.0
+    width = max((len(s["per_position_cumulative"]) for s in stats), default=0)
+    cum = []
+    for i in range(width):
+        vals = [s["per_position_cumulative"][i] for s in stats if len(s["per_position_cumulative"]) > i]
+        cum.append(float(np.mean(vals)))
+    cond = [c / (1.0 if i == 0 else cum[i - 1]) if (i == 0 or cum[i - 1] > 0) else 0.0 for i, c in enumerate(cum)]
+    oracle = [s["oracle_tau"] for s in stats if s["oracle_tau"] is not None]
+    spec_tps = sum(len(s.tokens) for s in specs) / max(1e-9, sum(s.elapsed_s for s in specs))
+    ar_tps = sum(len(a.tokens) for a in ars) / max(1e-9, sum(a.elapsed_s for a in ars))
+    return {
+        "n_prompts": len(specs),
+        "tau": tau,
+        "per_position_cumulative": cum,
+        "per_position_conditional": cond,
+        "oracle_tau": float(np.mean(oracle)) if oracle else None,
+        "spec_tokens_per_s": spec_tps,
+        "ar_tokens_per_s": ar_tps,
+        "speedup": spec_tps / ar_tps if ar_tps > 0 else 0.0,
+        "lossless": all(s.tokens == a.tokens for s, a in zip(specs, ars)) if temperature <= 0 else None,
+        "spec_tokens": sum(len(s.tokens) for s in specs),
+        "ar_tokens": sum(len(a.tokens) for a in ars),
+    }
+
+
+def format_table(r: dict) -> str:
+    f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    lines = [
+        f"backend: {r['backend']}   prompts: {r['n_prompts']}   selector: {r.get('selector')}   "
+        f"T: {r.get('temperature')}   max new tokens: {r.get('max_new_tokens')}",
+        f"{'':16}{'tokens':>8}{'tok/s':>9}",
+        f"{'speculative':16}{r['spec_tokens']:>8}{r['spec_tokens_per_s']:>9.2f}",
+        f"{'autoregressive':16}{r['ar_tokens']:>8}{r['ar_tokens_per_s']:>9.2f}",
+        f"speedup {r['speedup']:.2f}x   tau {f(r['tau'])}   oracle tau {f(r['oracle_tau'])}   "
+        f"lossless {r['lossless'] if r['lossless'] is not None else 'n/a (T > 0)'}",
+        "position     " + "".join(f"{i + 1:>6}" for i in range(len(r["per_position_cumulative"]))),
+        "cumulative   " + "".join(f"{x:>6.2f}" for x in r["per_position_cumulative"]),
+        "conditional  " + "".join(f"{x:>6.2f}" for x in r["per_position_conditional"]),
+    ]
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: str) -> None:
+    from dflash2_trt.errors import DFlash2Error
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DFlash2Error("--plot needs matplotlib: pip install matplotlib") from None
+    xs = list(range(1, len(r["per_position_cumulative"]) + 1))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(xs, r["per_position_cumulative"], marker="o", label="cumulative r_i")
+    ax.plot(xs, r["per_position_conditional"], marker="s", label="conditional c_i")
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"{r['backend']}: tau {r['tau']:.2f}, {r['n_prompts']} prompts")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        raise DFlash2Error(f"cannot write --plot {path}: {e}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,195 @@
+"""The SPEC §4 decoding loop over any backend (NumPy; no torch). The twin of ``dflash2_trt.generate``.
+
+One request, a flat loop of named steps: prefill → (draft → select → verify → accept → commit)*. Every
+random number is drawn from one ``numpy.random.Generator`` in the same order as the PyTorch reference
+(first token, then per cycle: the drafter's uniforms, then the rejection test), so a backend whose graphs
+match PyTorch reproduces the reference's tokens and metrics exactly for a given seed.
+
+Oracle top-K τ uses the reference's definition (extra target passes, excluded from the timing; skip them
+with ``measure_oracle=False``). ``on_tokens`` streams each newly committed chunk of tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dflash2_trt import reference as ref
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.base import Draft, DraftRunner, TargetRunner
+
+
+@dataclass
+class GenerationResult:
+    """Same fields and ``stats()`` as ``dflash2_trt.generate.GenerationResult``."""
+
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated (EOS included when hit)
+    accepted: list[int] = field(default_factory=list)  # per cycle: accepted drafts
+    proposed: list[int] = field(default_factory=list)  # per cycle: drafts verified
+    oracle_accepted: list[int] = field(default_factory=list)  # per cycle: oracle top-K count
+    elapsed_s: float = 0.0  # wall time excluding oracle measurement passes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def stats(self) -> dict:
+        s = ref.acceptance_stats(self.accepted, self.proposed)
+        s["oracle_tau"] = float(np.mean(np.asarray(self.oracle_accepted) + 1)) if self.oracle_accepted else None
+        return s
+
+
+OnTokens = Callable[[list[int]], None]
+
+
+def _next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    """logits [V] -> argmax at T = 0, else a sample of softmax(logits / T)."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    p = ref.softmax_t(logits, temperature)
+    return int(rng.choice(p.shape[-1], p=p))
+
+
+def check_prompt(prompt_ids: list[int], target: TargetRunner, max_new_tokens: int) -> None:
+    if not prompt_ids:
+        raise DFlash2Error("empty prompt")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < target.vocab_size]
+    if bad:
+        raise DFlash2Error(f"prompt token id {bad[0]} out of range [0, {target.vocab_size})")
+    if len(prompt_ids) + 1 > target.max_positions:
+        raise DFlash2Error(f"prompt of {len(prompt_ids)} tokens does not fit the {target.max_positions} positions "
+                           f"of this export (--max-seq-len)")
+    if max_new_tokens < 1:
+        raise DFlash2Error(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def target_generate(target: TargetRunner, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                    eos_ids: set[int] | None = None, seed: int = 0, on_tokens: OnTokens | None = None
+                    ) -> GenerationResult:
+    """Plain autoregressive decoding on the same backend (the lossless reference and the speed baseline)."""
+    check_prompt(prompt_ids, target, max_new_tokens)
+    rng = np.random.default_rng(seed)
+    eos = set(getattr(target, "eos_ids", set())) if eos_ids is None else eos_ids
+    res = GenerationResult(prompt_tokens=list(prompt_ids))
+    t0 = time.perf_counter()
+    target.reset()
+    logits, _ = target.forward(list(prompt_ids))
+    tok = _next_token(logits[-1], temperature, rng)
+    res.tokens.append(tok)
+    if on_tokens:
+        on_tokens([tok])
+    limit = min(max_new_tokens, target.max_positions - len(prompt_ids))
+    while len(res.tokens) < limit and tok not in eos:
+        logits, _ = target.forward([tok])
+        tok = _next_token(logits[-1], temperature, rng)
+        res.tokens.append(tok)
+        if on_tokens:
+            on_tokens([tok])
+    res.elapsed_s = time.perf_counter() - t0
+    return res
+
+
+def _oracle_count(target: TargetRunner, draft: Draft, drafts: list[int], n_rows: int, accepted: int, bonus: int,
+                  pos: int) -> int:
+    """Leading rows whose target continuation is among the row's top-K candidates (cache cropped back).
+    Same definition as ``dflash2_trt.generate._oracle_count``."""
+    known = list(drafts[:accepted]) + [bonus]  # known[i]: target token for draft row i
+    base = pos + accepted + 1
+    o = 0
+    while o < n_rows:
+        if o == len(known):
+            fed = known[accepted:] + drafts[len(known):n_rows]
+            logits, _ = target.forward(fed)
+            target.crop(base)
+            am = logits.argmax(-1).tolist()
+            j = len(known) - accepted - 1
+            known.append(am[j])
+            while len(known) < n_rows and j + 1 < len(fed) and fed[j + 1] == known[-1]:
+                j += 1
+                known.append(am[j])
+        if known[o] not in draft.cand[o].tolist():
+            break
+        o += 1
+    return o
+
+
+def _proposal_in_vocab(draft: Draft, n_rows: int, vocab: int) -> np.ndarray:
+    """q over the candidates scattered into the vocabulary: [n_rows, V] float64."""
+    q = np.zeros((n_rows, vocab), dtype=np.float32)
+    np.put_along_axis(q, draft.cand[:n_rows], draft.proposal[:n_rows].astype(np.float32), axis=-1)
+    return q.astype(np.float64)
+
+
+def speculative_generate(
+    target: TargetRunner,
+    drafter: DraftRunner,
+    prompt_ids: list[int],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    eos_ids: set[int] | None = None,
+    seed: int = 0,
+    measure_oracle: bool = True,
+    on_tokens: OnTokens | None = None,
+) -> GenerationResult:
+    """Speculative decoding of one prompt (SPEC §4)."""
+    check_prompt(prompt_ids, target, max_new_tokens)
+    rng = np.random.default_rng(seed)
+    eos = set(getattr(target, "eos_ids", set())) if eos_ids is None else eos_ids
+    L = drafter.block_size - 1
+    res = GenerationResult(prompt_tokens=list(prompt_ids))
+    oracle_s = 0.0
+    t0 = time.perf_counter()
+
+    # prefill: target KV cache + context features of every prompt position; the first anchor
+    target.reset()
+    drafter.reset()
+    logits, feats = target.forward(list(prompt_ids))  # [n, V], [n, F]
+    anchor = _next_token(logits[-1], temperature, rng)
+    res.tokens.append(anchor)
+    if on_tokens:
+        on_tokens([anchor])
+    drafter.add_context(feats, 0)
+    pos = len(prompt_ids)  # anchor position
+    limit = min(max_new_tokens, target.max_positions - len(prompt_ids))
+
+    while len(res.tokens) < limit and anchor not in eos:
+        n_rows = min(L, limit - len(res.tokens) - 1)  # a final partial block verifies fewer rows
+        # draft + select (all bs rows always run, as in training)
+        uniforms = rng.random((1, L), dtype=np.float32) if temperature > 0 else None
+        draft = drafter.propose(anchor, pos, temperature, uniforms)
+        drafts = [int(t) for t in draft.tokens[:n_rows]]
+        # verify [anchor, d_1..d_n] at positions pos..pos+n
+        v_logits, v_feats = target.forward([anchor] + drafts)  # [n+1, V], [n+1, F]
+        # accept
+        if temperature <= 0:
+            acc, bonus = ref.accept_greedy(np.asarray(drafts, dtype=np.int64), v_logits)
+        else:
+            p = ref.softmax_t(v_logits, temperature)  # [n+1, V]
+            q = _proposal_in_vocab(draft, n_rows, p.shape[-1])  # [n, V]
+            acc, bonus = ref.accept_rejection(np.asarray(drafts, dtype=np.int64), q, p, rng)
+        # commit: crop the target cache; committed positions become draft context
+        target.crop(pos + acc + 1)
+        drafter.add_context(v_feats[: acc + 1], pos)
+        res.accepted.append(acc)
+        res.proposed.append(n_rows)
+        if measure_oracle:
+            t_o = time.perf_counter()
+            res.oracle_accepted.append(_oracle_count(target, draft, drafts, n_rows, acc, bonus, pos))
+            oracle_s += time.perf_counter() - t_o
+        new = drafts[:acc] + [bonus]
+        for i, t in enumerate(new):
+            if t in eos:
+                new = new[: i + 1]
+                break
+        res.tokens.extend(new)
+        if on_tokens:
+            on_tokens(new)
+        pos += acc + 1
+        anchor = new[-1]
+
+    res.elapsed_s = time.perf_counter() - t0 - oracle_s
+    return res

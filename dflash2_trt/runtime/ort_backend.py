@@ -1,0 +1,242 @@
+"""ONNX Runtime backend: runs an export folder's graphs (numpy, onnxruntime, tokenizers; no torch).
+
+Providers: CUDAExecutionProvider when onnxruntime-gpu and a GPU are present (inputs and outputs go
+through IOBinding; the fixed-shape head graph is captured as a CUDA graph), else CPUExecutionProvider.
+KV caches live in host :class:`~dflash2_trt.runtime.base.KVBuffer` capacity buffers; a graph call feeds
+the whole buffer plus a validity mask and returns only the new rows, so a cycle costs O(capacity), never
+O(length²) (see :mod:`dflash2_trt.export.graphs`).
+
+Ownership: an :class:`OrtBackend` owns its sessions (thread safe in ORT); each runner it hands out owns one
+request's caches and must not be shared between threads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.base import Draft, KVBuffer
+from dflash2_trt.runtime.manifest import head_key, load_manifest
+
+_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
+
+
+def import_ort():  # noqa: ANN201
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise DFlash2Error("ONNX Runtime is not installed: pip install onnxruntime (or onnxruntime-gpu)") from None
+    return ort
+
+
+class _Session:
+    """One graph: plain ``run`` on CPU; IOBinding on CUDA (optionally replaying a captured CUDA graph)."""
+
+    def __init__(self, ort, path: Path, provider: str, threads: int | None, cuda_graph: bool = False) -> None:  # noqa: ANN001
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            so.intra_op_num_threads = threads
+        # no busy-waiting worker threads: decode calls are short and CPUs are often shared (a spinning pool
+        # made small graphs ~6x slower on a loaded 2-core machine)
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.provider = provider
+        self.cuda_graph = cuda_graph and provider == "CUDAExecutionProvider"
+        if provider == "CUDAExecutionProvider":
+            opts: dict[str, Any] = {"enable_cuda_graph": "1"} if self.cuda_graph else {}
+            providers: list = [(provider, opts), "CPUExecutionProvider"]
+        else:
+            providers = ["CPUExecutionProvider"]
+        try:
+            self.sess = ort.InferenceSession(str(path), so, providers=providers)
+        except Exception as e:  # ORT raises its own exception types
+            raise DFlash2Error(f"ONNX Runtime cannot load {path.name}: {str(e).splitlines()[0][:300]}") from None
+        self.ort = ort
+        self.path = str(path)
+        self.outputs = [o.name for o in self.sess.get_outputs()]
+        self._bound: dict[str, Any] | None = None
+
+    def run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if self.provider != "CUDAExecutionProvider":
+            return self.sess.run(self.outputs, feed)
+        if self.cuda_graph:
+            try:
+                return self._run_graph(feed)
+            except Exception:  # capture failed (e.g. a node on the CPU): fall back to eager IOBinding
+                self.cuda_graph = False
+                self._bound = None
+                self.sess = self.ort.InferenceSession(self.path, self.sess.get_session_options(),
+                                                      providers=[self.provider, "CPUExecutionProvider"])
+        io = self.sess.io_binding()
+        for k, v in feed.items():
+            io.bind_cpu_input(k, np.ascontiguousarray(v))
+        for o in self.outputs:
+            io.bind_output(o, "cuda")
+        self.sess.run_with_iobinding(io)
+        return io.copy_outputs_to_cpu()
+
+    def _run_graph(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """CUDA graphs replay fixed device buffers: inputs and outputs are bound once (batch 1, fixed shapes),
+        new inputs are copied into them in place, then the captured graph is replayed. The bound OrtValues
+        must live as long as the session (the graph holds their addresses)."""
+        if self._bound is None:
+            ins = {k: self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), "cuda", 0) for k, v in feed.items()}
+            outs = {}
+            for o in self.sess.get_outputs():
+                shape = [1 if not isinstance(d, int) else d for d in o.shape]
+                dt = {"tensor(float)": np.float32, "tensor(int32)": np.int32, "tensor(int64)": np.int64,
+                      "tensor(float16)": np.float16}[o.type]
+                outs[o.name] = self.ort.OrtValue.ortvalue_from_shape_and_type(shape, dt, "cuda", 0)
+            io = self.sess.io_binding()
+            for k, v in ins.items():
+                io.bind_ortvalue_input(k, v)
+            for k, v in outs.items():
+                io.bind_ortvalue_output(k, v)
+            self.sess.run_with_iobinding(io)  # the first run captures the graph
+            self._bound = {"io": io, "ins": ins, "outs": outs}
+        else:
+            for k, v in feed.items():
+                self._bound["ins"][k].update_inplace(np.ascontiguousarray(v))
+            self.sess.run_with_iobinding(self._bound["io"])
+        return [self._bound["outs"][o].numpy() for o in self.outputs]
+
+
+class OrtBackend:
+    """An export folder opened with ONNX Runtime."""
+
+    name = "ort"
+
+    def __init__(self, model_dir: str | Path, provider: str = "auto", verify_checksums: bool = True,
+                 threads: int | None = None) -> None:
+        self.dir = Path(model_dir)
+        self.manifest = load_manifest(self.dir, verify_checksums)
+        ort = import_ort()
+        self.ort = ort
+        available = ort.get_available_providers()
+        if provider == "auto":
+            provider = "CUDAExecutionProvider" if "CUDAExecutionProvider" in available else "CPUExecutionProvider"
+        if provider not in available:
+            raise DFlash2Error(f"ONNX Runtime provider {provider} is not available (available: {', '.join(available)})")
+        self.provider = provider
+        self.threads = threads
+        m = self.manifest
+        self.dtype = np.float16 if m["dtype"] == "fp16" else np.float32
+        if m["dtype"] == "bf16":
+            raise DFlash2Error("bf16 exports cannot run with ONNX Runtime (numpy has no bfloat16); export fp32/fp16")
+        self.block_size = int(m["block_size"])
+        self.max_seq_len = int(m["max_seq_len"])
+        self.step = int(m.get("kv_capacity_step", 256))
+        self.vocab_size = int(m["target"]["vocab_size"])
+        self.eos_ids = set(int(i) for i in m["target"].get("eos_token_ids", []))
+        self._sessions: dict[str, _Session] = {}
+
+    @property
+    def description(self) -> str:
+        return f"ONNX Runtime ({self.provider})"
+
+    def session(self, key: str) -> _Session:
+        if key not in self._sessions:
+            g = self.manifest["graphs"].get(key)
+            if g is None:
+                raise DFlash2Error(f"{self.dir} has no {key!r} graph")
+            if g.get("selector") == "plugin":
+                raise DFlash2Error(f"graph {key!r} holds the TensorRT plugin node; ONNX Runtime runs the decomposed "
+                                   f"variant")
+            self._sessions[key] = _Session(self.ort, self.dir / g["file"], self.provider, self.threads,
+                                           cuda_graph=g.get("role") == "drafter_head")
+        return self._sessions[key]
+
+    def target_runner(self) -> "OrtTarget":
+        return OrtTarget(self)
+
+    def draft_runner(self, mode: str = "greedy") -> "OrtDrafter":
+        if mode not in ("greedy", "viterbi"):
+            raise DFlash2Error(f"selector mode must be 'greedy' or 'viterbi', got {mode!r}")
+        return OrtDrafter(self, mode)
+
+
+class OrtTarget:
+    """TargetRunner over ``target.onnx``."""
+
+    def __init__(self, be: OrtBackend) -> None:
+        t = be.manifest["target"]
+        self.sess = be.session("target")
+        self.vocab_size = be.vocab_size
+        self.max_positions = be.max_seq_len
+        self.eos_ids = set(be.eos_ids)
+        self.n_layers = int(t["num_layers"])
+        self.kv = KVBuffer(self.n_layers, int(t["num_key_value_heads"]), int(t["head_dim"]), be.dtype, be.step,
+                           be.max_seq_len)
+        self.names = [f"past_key_values.{i}.{k}" for i in range(self.n_layers) for k in ("key", "value")]
+
+    def reset(self) -> None:
+        self.kv.reset()
+
+    @property
+    def cache_length(self) -> int:
+        return self.kv.length
+
+    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""
+        arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise DFlash2Error(f"token id out of range [0, {self.vocab_size}) in target input")
+        n, S = self.kv.length, arr.shape[1]
+        self.kv.reserve(n + S)
+        feed = {"input_ids": arr, "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1),
+                "attention_mask": np.concatenate([self.kv.valid_mask(), np.ones((1, S), dtype=np.int64)], axis=1)}
+        feed.update(zip(self.names, self.kv.arrays))
+        out = self.sess.run(feed)
+        self.kv.append(out[2:])
+        return out[0][0], out[1][0]
+
+    def crop(self, length: int) -> None:
+        self.kv.crop(length)
+
+
+class OrtDrafter:
+    """DraftRunner over ``drafter_context``, ``drafter_block`` and ``drafter_head_{mode}`` (decomposed)."""
+
+    def __init__(self, be: OrtBackend, mode: str) -> None:
+        d = be.manifest["drafter"]
+        self.block_size = be.block_size
+        self.mode = mode
+        self.ctx_sess = be.session("drafter_context")
+        self.block_sess = be.session("drafter_block")
+        self.head_sess = be.session(head_key(mode))
+        n_layers = int(d["num_hidden_layers"])
+        head_dim = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
+        self.kv = KVBuffer(n_layers, int(d["num_key_value_heads"]), head_dim, be.dtype, be.step, be.max_seq_len)
+        self.names = [f"context.{i}.{k}" for i in range(n_layers) for k in ("key", "value")]
+        self.dtype = be.dtype
+
+    def reset(self) -> None:
+        self.kv.reset()
+
+    def add_context(self, feats: np.ndarray, start: int) -> None:
+        """feats [m, F] of positions start..start+m-1 -> the draft context cache."""
+        if start != self.kv.length:
+            raise DFlash2Error(f"draft context is at length {self.kv.length}, got features for position {start}")
+        m = feats.shape[0]
+        out = self.ctx_sess.run({"context_features": np.ascontiguousarray(feats[None], dtype=self.dtype),
+                                 "position_ids": np.arange(start, start + m, dtype=np.int64).reshape(1, -1)})
+        self.kv.append(out)
+
+    def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
+        if self.kv.length != pos:
+            raise DFlash2Error(f"draft context holds {self.kv.length} positions, anchor is at {pos}")
+        self.kv.reserve(max(1, pos))
+        feed = {"anchor_ids": np.array([anchor], dtype=np.int64), "anchor_position": np.array([pos], dtype=np.int64),
+                "context_mask": self.kv.valid_mask()}
+        feed.update(zip(self.names, self.kv.arrays))
+        hidden = self.block_sess.run(feed)[0]  # [1, bs, H]
+        L = self.block_size - 1
+        u = uniforms if uniforms is not None else np.zeros((1, L), dtype=np.float32)
+        cand, path, q = self.head_sess.run({"hidden": hidden, "anchor_ids": np.array([anchor], dtype=np.int32),
+                                            "temperature": np.array([temperature], dtype=np.float32),
+                                            "uniforms": np.ascontiguousarray(u, dtype=np.float32)})
+        return Draft(tokens=path[0].astype(np.int64), proposal=q[0], cand=cand[0].astype(np.int64))

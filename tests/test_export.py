@@ -1,0 +1,223 @@
+"""dflash2-export on make-tiny models: graphs vs PyTorch, the decomposed selector vs the NumPy twin, the
+plugin variant's node, shared weights, manifest, atomic export and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dflash2_trt import DFlash2Error, reference as ref
+from dflash2_trt.export import selector_contract as sc
+
+
+def test_layout_manifest_and_checker(tiny_export):
+    import onnx
+
+    from dflash2_trt.runtime.manifest import load_manifest
+
+    m = load_manifest(tiny_export)
+    assert m["opset"] == 17 and m["dtype"] == "fp32" and m["block_size"] == 16 and m["max_seq_len"] == 512
+    assert set(m["graphs"]) == {"target", "drafter_context", "drafter_block", "drafter_head_greedy",
+                                "drafter_head_viterbi", "drafter_head_greedy_plugin", "drafter_head_viterbi_plugin"}
+    assert m["plugin"] == {"op_type": "DFlash2PathSelector", "domain": "trt.plugins", "plugin_version": "1",
+                           "plugin_namespace": ""}
+    assert {"tokenizer.json", "tokenizer_config.json", "weights.bin"} <= set(m["files"])
+    assert m["project_version"] and m["manifest_version"] == 1
+    tio = m["graphs"]["target"]
+    assert [i["name"] for i in tio["inputs"][:3]] == ["input_ids", "position_ids", "attention_mask"]
+    assert tio["inputs"][3] == {"name": "past_key_values.0.key", "dtype": "float32", "shape": ["batch", 2, "capacity", 16]}
+    assert [o["name"] for o in tio["outputs"][:3]] == ["logits", "context_features", "present.0.key"]
+    assert [o["name"] for o in m["graphs"]["drafter_head_greedy"]["outputs"]] == ["cand_ids", "path_ids",
+                                                                               "proposal_probs"]
+    sc.register_schema()
+    for g in m["graphs"].values():
+        model = onnx.load(str(tiny_export / g["file"]), load_external_data=False)
+        assert not {n.op_type for n in model.graph.node} & {"If", "Loop", "Scan"}  # capturable
+        onnx.checker.check_model(str(tiny_export / g["file"]), full_check=True)
+    # the shared weights file holds each tensor once: smaller than the parameters of all graphs together
+    assert (tiny_export / "weights.bin").stat().st_size < 2_000_000
+    assert all(v < 2e-3 for k, v in m["verification"].items() if not k.endswith("_match"))
+
+
+def test_plugin_variant_has_exactly_the_contract_node(tiny_export):
+    import onnx
+
+    m = json.loads((tiny_export / "manifest.json").read_text())
+    for mode in ("greedy", "viterbi"):
+        plug = onnx.load(str(tiny_export / m["graphs"][f"drafter_head_{mode}_plugin"]["file"]), load_external_data=False)
+        dec = onnx.load(str(tiny_export / m["graphs"][f"drafter_head_{mode}"]["file"]), load_external_data=False)
+        nodes = [n for n in plug.graph.node if n.domain == sc.DOMAIN]
+        assert len(nodes) == 1 and not [n for n in dec.graph.node if n.domain == sc.DOMAIN]
+        node = nodes[0]
+        assert node.op_type == sc.OP_TYPE
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs == {"top_k": 16, "rank": 24, "mode": mode.encode(), "plugin_version": b"1", "plugin_namespace": b""}
+        assert list(node.input) == [n for n, _, _ in sc.INPUTS] and list(node.output) == [n for n, _, _ in sc.OUTPUTS]
+        inits = {t.name: t for t in plug.graph.initializer}
+        assert {"pred_codebook", "succ_codebook"} <= set(inits)  # codebooks are inputs (initializers), not attributes
+        assert list(inits["pred_codebook"].dims) == [512, 24]
+        assert {o.domain: o.version for o in plug.opset_import} == {"": 17, sc.DOMAIN: 1}
+        # everything but the selector is the same graph in both variants
+        strip = lambda g: sorted(n.op_type for n in g.graph.node if not n.name.startswith("selector/"))  # noqa: E731
+        assert strip(plug) == strip(dec)
+        assert [i.name for i in plug.graph.input] == [i.name for i in dec.graph.input]
+
+
+def _session(path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("mode", ["greedy", "viterbi"])
+def test_decomposed_selector_equals_numpy_twin(tiny_drafter, mode, tmp_path):
+    """The decomposed selector graph alone vs reference.select_paths on fresh random inputs, incl. ties."""
+    from dflash2_trt.export import graphs, onnx_utils
+
+    rng = np.random.default_rng(7)
+    V, r, L, K, B = 40, 6, 5, 4, 6
+    A = rng.standard_normal((V, r)).astype(np.float32)
+    Bc = rng.standard_normal((V, r)).astype(np.float32)
+    sel = graphs.DecomposedSelector(torch.from_numpy(A), torch.from_numpy(Bc), mode).eval()
+    names = ["cand_ids", "unary", "hidden_proj", "anchor_ids", "temperature", "uniforms"]
+    args = (torch.zeros(2, L, K, dtype=torch.int32), torch.zeros(2, L, K), torch.zeros(2, L, r),
+            torch.zeros(2, dtype=torch.int32), torch.zeros(2), torch.zeros(2, L))
+    model = onnx_utils.trace(sel, args, names, ["path_ids", "proposal_probs"],
+                             {n: {0: "batch"} for n in [*names, "path_ids", "proposal_probs"]}, 17)
+    s = _session_bytes(model)
+    for trial in range(12):
+        ties = trial % 3 == 0
+        cand = np.stack([np.stack([rng.choice(V, K, replace=False) for _ in range(L)]) for _ in range(B)]).astype(np.int32)
+        if ties:  # small integers: exact in fp32, so ties really are ties
+            unary = -np.sort(-rng.integers(-2, 3, (B, L, K)).astype(np.float32), axis=-1)
+            g = rng.integers(-1, 2, (B, L, r)).astype(np.float32)
+            feedA, feedB = np.round(A), np.round(Bc)
+            s_t = _session_bytes(onnx_utils.trace(graphs.DecomposedSelector(torch.from_numpy(feedA),
+                                 torch.from_numpy(feedB), mode).eval(), args, names, ["path_ids", "proposal_probs"],
+                                 {n: {0: "batch"} for n in [*names, "path_ids", "proposal_probs"]}, 17))
+        else:
+            unary = -np.sort(-rng.standard_normal((B, L, K)).astype(np.float32), axis=-1)
+            g = rng.standard_normal((B, L, r)).astype(np.float32)
+            feedA, feedB, s_t = A, Bc, s
+        anchor = rng.integers(0, V, B).astype(np.int32)
+        temp = np.where(rng.random(B) < 0.5, 0.0, rng.uniform(0.3, 2.0, B)).astype(np.float32)
+        u = rng.random((B, L), dtype=np.float32)
+        ids, q = s_t.run(None, {"cand_ids": cand, "unary": unary, "hidden_proj": g, "anchor_ids": anchor,
+                                "temperature": temp, "uniforms": u})
+        want_ids, _, want_q = ref.select_paths(cand, unary, g, anchor, feedA, feedB, mode, temp, u)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_allclose(q, want_q, atol=1e-5)
+
+
+def _session_bytes(model):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_target_graph_matches_hf_logits(tiny_target):
+    """The export-only target module vs the HF model (chunked through a capacity buffer with stale slots)."""
+    from dflash2_trt.export.graphs import TargetGraph
+
+    g = TargetGraph(tiny_target.model, [0, 2]).eval()
+    ids = torch.randint(4, 500, (19,))
+    tiny_target.reset([0, 2])
+    want_logits, want_feats = tiny_target.forward(ids)
+    C, past = 32, [torch.randn(1, 2, 32, 16) for _ in range(8)]  # garbage in unused slots must not matter
+    logits, feats, n = [], [], 0
+    with torch.no_grad():
+        for chunk in (ids[:6], ids[6:7], ids[7:]):
+            S = len(chunk)
+            mask = torch.zeros(1, C + S, dtype=torch.long)
+            mask[0, :n] = 1
+            mask[0, C:] = 1
+            out = g(chunk.view(1, -1), torch.arange(n, n + S).view(1, -1), mask, *past)
+            for i, p in enumerate(out[2:]):
+                past[i][:, :, n:n + S] = p
+            logits.append(out[0][0])
+            feats.append(out[1][0])
+            n += S
+    torch.testing.assert_close(torch.cat(logits), want_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(feats), want_feats, atol=1e-4, rtol=1e-4)
+
+
+def test_graphs_match_pytorch_on_random_inputs(tiny_export, tiny_target, tiny_drafter):
+    """Re-run the export-time checks with other seeds (target chunks, drafter context/block/heads)."""
+    from dflash2_trt.export import verify as V
+
+    m = json.loads((tiny_export / "manifest.json").read_text())
+    for seed in (1, 2):
+        rep = V.verify_target(tiny_export / "target.onnx", tiny_target, [0, 2], "fp32", np.float32, seed)
+        assert rep["target.logits"] < 1e-4 and rep["target.argmax_match"] == 1.0
+        rep = V.verify_drafter({k: tiny_export / g["file"] for k, g in m["graphs"].items()}, tiny_drafter, "fp32",
+                               np.float32, seed)
+        assert rep["drafter_block.hidden"] < 1e-4
+        assert all(v == 1.0 for k, v in rep.items() if k.endswith("_match"))
+
+
+def test_block_size_override_and_cli(tiny_dir, tmp_path, capsys):
+    from dflash2_trt.export.cli import main
+
+    out = tmp_path / "bs4"
+    assert main(["--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), "--out", str(out),
+                 "--block-size", "4", "--opset", "18", "--max-seq-len", "256", "--quiet"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["block_size"] == 4 and m["opset"] == 18 and m["drafter"]["dflash_config"]["block_size"] == 4
+    assert m["graphs"]["drafter_head_greedy"]["outputs"][1]["shape"] == ["batch", 3]
+    assert "exported 7 graphs" in capsys.readouterr().out
+
+
+def test_export_is_atomic(tiny_dir, tiny_export, tmp_path, monkeypatch):
+    """A failure in any step leaves no DIR and no temporary folder; an existing export stays untouched."""
+    from dflash2_trt.export import exporter, onnx_utils
+
+    def boom(*a, **k):
+        raise DFlash2Error("injected failure")
+
+    monkeypatch.setattr(onnx_utils, "check_graph", boom)
+    out = tmp_path / "x"
+    with pytest.raises(DFlash2Error, match="injected"):
+        exporter.export_model(tiny_dir / "target", tiny_dir / "drafter", out, progress=False)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    shutil.copytree(tiny_export, out)  # a previous export in place
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    monkeypatch.setattr(onnx_utils, "save_with_shared_weights", boom)
+    with pytest.raises(DFlash2Error):
+        exporter.export_model(tiny_dir / "target", tiny_dir / "drafter", out, progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+def test_export_bad_input(tiny_dir, tmp_path, capsys):
+    from dflash2_trt.config import DFlash2Config
+    from dflash2_trt.export.cli import main
+    from dflash2_trt.model import DFlash2Drafter, save_drafter
+
+    def err(argv):
+        assert main(argv + ["--quiet"]) == 1
+        e = capsys.readouterr().err.strip()
+        assert e.startswith("dflash2-export: error: ") and "\n" not in e
+        return e
+
+    t, d = str(tiny_dir / "target"), str(tiny_dir / "drafter")
+    assert "drafter folder not found" in err(["--target", t, "--drafter", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert "target not found" in err(["--target", str(tmp_path / "nope"), "--drafter", d, "--out", str(tmp_path / "o")])
+    cfg = DFlash2Config.from_json_file(tiny_dir / "drafter").replace(num_target_layers=6)
+    save_drafter(DFlash2Drafter(cfg), tmp_path / "other")
+    assert "num_target_layers 6 != target layers 4" in err(["--target", t, "--drafter", str(tmp_path / "other"),
+                                                            "--out", str(tmp_path / "o")])
+    bad = tmp_path / "corrupt"
+    shutil.copytree(tiny_dir / "drafter", bad)
+    (bad / "model.safetensors").write_bytes(b"\0" * 100)
+    assert "corrupt" in err(["--target", t, "--drafter", str(bad), "--out", str(tmp_path / "o")])
+    assert "--max-seq-len" in err(["--target", t, "--drafter", d, "--out", str(tmp_path / "o"), "--max-seq-len", "99999"])
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("x")
+    assert "refusing" in err(["--target", t, "--drafter", d, "--out", str(busy)])
+    assert not (tmp_path / "o").exists() and (busy / "keep.txt").read_text() == "x"

