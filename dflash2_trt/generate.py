@@ -14,7 +14,6 @@ the target's argmax tokens (at T > 0 the sampled prefix is kept and only the res
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -23,6 +22,7 @@ import torch
 from dflash2_trt import reference as ref
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model.drafter import DFlash2Drafter, Draft, DraftContext
+from dflash2_trt.reference import GenerationResult
 from dflash2_trt.target import TargetModel
 
 
@@ -61,25 +61,6 @@ class TorchDraftSource:
         a = torch.tensor([anchor])
         h = self.drafter.block_hidden(a, torch.tensor([pos]), self.ctx.k, self.ctx.v, torch.arange(pos))
         return self.drafter.draft_from_hidden(h, a, self.mode, temperature, uniforms)
-
-
-@dataclass
-class GenerationResult:
-    prompt_tokens: list[int]
-    tokens: list[int] = field(default_factory=list)  # generated (EOS included when hit)
-    accepted: list[int] = field(default_factory=list)  # per cycle: accepted drafts
-    proposed: list[int] = field(default_factory=list)  # per cycle: drafts verified
-    oracle_accepted: list[int] = field(default_factory=list)  # per cycle: oracle top-K count
-    elapsed_s: float = 0.0  # wall time excluding oracle measurement passes
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def stats(self) -> dict:
-        s = ref.acceptance_stats(self.accepted, self.proposed)
-        s["oracle_tau"] = float(np.mean(np.asarray(self.oracle_accepted) + 1)) if self.oracle_accepted else None
-        return s
 
 
 def _sample(probs: np.ndarray, rng: np.random.Generator) -> int:
@@ -131,30 +112,6 @@ def target_generate(
         res.tokens.append(tok)
     res.elapsed_s = time.perf_counter() - t0
     return res
-
-
-def _oracle_count(target: TargetModel, draft: Draft, drafts: list[int], n_rows: int, accepted: int,
-                  bonus: int, pos: int) -> int:
-    """Leading rows whose target continuation is among the row's top-K candidates (cache is cropped back)."""
-    cand = draft.cand[0]  # [L, K]
-    known = list(drafts[:accepted]) + [bonus]  # known[i]: target token for draft row i
-    base = pos + accepted + 1  # cache length after commit: positions <= pos + accepted
-    o = 0
-    while o < n_rows:
-        if o == len(known):
-            fed = known[accepted:] + drafts[len(known):n_rows]  # positions base .. ; filler = drafts
-            logits, _ = target.forward(torch.tensor(fed))
-            target.crop(base)
-            am = logits.argmax(-1).tolist()
-            j = len(known) - accepted - 1  # fed index whose logits predict row len(known)
-            known.append(am[j])
-            while len(known) < n_rows and j + 1 < len(fed) and fed[j + 1] == known[-1]:
-                j += 1
-                known.append(am[j])
-        if known[o] not in cand[o].tolist():
-            break
-        o += 1
-    return o
 
 
 def speculative_generate(
@@ -209,7 +166,9 @@ def speculative_generate(
         res.proposed.append(n_rows)
         if measure_oracle:
             t_o = time.perf_counter()
-            res.oracle_accepted.append(_oracle_count(target, draft, drafts, n_rows, acc, bonus, pos))
+            res.oracle_accepted.append(ref.oracle_count(
+                lambda ids: target.forward(torch.tensor(ids))[0].numpy(), target.crop, draft.cand[0].numpy(),
+                drafts, n_rows, acc, bonus, pos))
             oracle_s += time.perf_counter() - t_o
         new = drafts[:acc] + [bonus]
         for i, t in enumerate(new):

@@ -24,6 +24,8 @@ Conventions (shared by all implementations):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 MODES = ("greedy", "viterbi")
@@ -265,3 +267,52 @@ def acceptance_stats(accepted: list[int], block_rows: list[int]) -> dict:
         "per_position_cumulative": cum,
         "per_position_conditional": cond,
     }
+
+
+@dataclass
+class GenerationResult:
+    """One request's output and per-cycle counts; shared by the PyTorch loop and the runtime loop."""
+
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated (EOS included when hit)
+    accepted: list[int] = field(default_factory=list)  # per cycle: accepted drafts
+    proposed: list[int] = field(default_factory=list)  # per cycle: drafts verified
+    oracle_accepted: list[int] = field(default_factory=list)  # per cycle: oracle top-K count
+    elapsed_s: float = 0.0  # wall time excluding oracle measurement passes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def stats(self) -> dict:
+        """SPEC §4 metrics: acceptance_stats + oracle_tau (None when not measured)."""
+        s = acceptance_stats(self.accepted, self.proposed)
+        s["oracle_tau"] = float(np.mean(np.asarray(self.oracle_accepted) + 1)) if self.oracle_accepted else None
+        return s
+
+
+def oracle_count(forward, crop, cand: np.ndarray, drafts: list[int], n_rows: int, accepted: int,  # noqa: ANN001
+                 bonus: int, pos: int) -> int:
+    """Oracle top-K count of one cycle (SPEC §4): leading rows whose target continuation is among the row's
+    candidates ``cand`` [L, K]. The continuation is the committed prefix (accepted drafts + bonus) followed by
+    the target's argmax tokens, obtained with extra passes ``forward(ids) -> logits [m, V]`` at the
+    positions after the committed prefix; ``crop(length)`` restores the cache after each pass.
+    """
+    known = list(drafts[:accepted]) + [bonus]  # known[i]: target token for draft row i
+    base = pos + accepted + 1  # cache length after commit: positions <= pos + accepted
+    o = 0
+    while o < n_rows:
+        if o == len(known):
+            fed = known[accepted:] + drafts[len(known):n_rows]  # positions base.. ; filler = drafts
+            logits = forward(fed)
+            crop(base)
+            am = np.asarray(logits).argmax(-1).tolist()
+            j = len(known) - accepted - 1  # fed index whose logits predict row len(known)
+            known.append(am[j])
+            while len(known) < n_rows and j + 1 < len(fed) and fed[j + 1] == known[-1]:
+                j += 1
+                known.append(am[j])
+        if known[o] not in cand[o].tolist():
+            break
+        o += 1
+    return o

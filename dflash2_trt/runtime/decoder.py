@@ -13,34 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from dflash2_trt import reference as ref
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.reference import GenerationResult
 from dflash2_trt.runtime.base import Draft, DraftRunner, TargetRunner
-
-
-@dataclass
-class GenerationResult:
-    """Same fields and ``stats()`` as ``dflash2_trt.generate.GenerationResult``."""
-
-    prompt_tokens: list[int]
-    tokens: list[int] = field(default_factory=list)  # generated (EOS included when hit)
-    accepted: list[int] = field(default_factory=list)  # per cycle: accepted drafts
-    proposed: list[int] = field(default_factory=list)  # per cycle: drafts verified
-    oracle_accepted: list[int] = field(default_factory=list)  # per cycle: oracle top-K count
-    elapsed_s: float = 0.0  # wall time excluding oracle measurement passes
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def stats(self) -> dict:
-        s = ref.acceptance_stats(self.accepted, self.proposed)
-        s["oracle_tau"] = float(np.mean(np.asarray(self.oracle_accepted) + 1)) if self.oracle_accepted else None
-        return s
 
 
 OnTokens = Callable[[list[int]], None]
@@ -91,30 +70,6 @@ def target_generate(target: TargetRunner, prompt_ids: list[int], max_new_tokens:
             on_tokens([tok])
     res.elapsed_s = time.perf_counter() - t0
     return res
-
-
-def _oracle_count(target: TargetRunner, draft: Draft, drafts: list[int], n_rows: int, accepted: int, bonus: int,
-                  pos: int) -> int:
-    """Leading rows whose target continuation is among the row's top-K candidates (cache cropped back).
-    Same definition as ``dflash2_trt.generate._oracle_count``."""
-    known = list(drafts[:accepted]) + [bonus]  # known[i]: target token for draft row i
-    base = pos + accepted + 1
-    o = 0
-    while o < n_rows:
-        if o == len(known):
-            fed = known[accepted:] + drafts[len(known):n_rows]
-            logits, _ = target.forward(fed)
-            target.crop(base)
-            am = logits.argmax(-1).tolist()
-            j = len(known) - accepted - 1
-            known.append(am[j])
-            while len(known) < n_rows and j + 1 < len(fed) and fed[j + 1] == known[-1]:
-                j += 1
-                known.append(am[j])
-        if known[o] not in draft.cand[o].tolist():
-            break
-        o += 1
-    return o
 
 
 def _proposal_in_vocab(draft: Draft, n_rows: int, vocab: int) -> np.ndarray:
@@ -178,7 +133,8 @@ def speculative_generate(
         res.proposed.append(n_rows)
         if measure_oracle:
             t_o = time.perf_counter()
-            res.oracle_accepted.append(_oracle_count(target, draft, drafts, n_rows, acc, bonus, pos))
+            res.oracle_accepted.append(ref.oracle_count(lambda ids: target.forward(ids)[0], target.crop, draft.cand,
+                                                        drafts, n_rows, acc, bonus, pos))
             oracle_s += time.perf_counter() - t_o
         new = drafts[:acc] + [bonus]
         for i, t in enumerate(new):
