@@ -11,7 +11,7 @@ import torch
 from conftest import with_block_size
 from dflash2_trt import DFlash2Error
 from dflash2_trt.generate import TorchDraftSource, speculative_generate, target_generate
-from dflash2_trt.model.drafter import Draft
+from dflash2_trt.runtime.base import Draft
 
 N_PROMPTS = 50
 MAX_NEW = 24
@@ -76,18 +76,18 @@ class OracleSource:
         k = int(self.rng.integers(0, L + 1))
         off = pos - self.n_prompt + 1  # index in the continuation of the token after the anchor
         truth = self.cont[off: off + L]
-        toks = d.tokens.clone()
+        toks = d.tokens.copy()
         for t in range(L):
             if t < k and t < len(truth):
-                toks[0, t] = truth[t]
+                toks[t] = truth[t]
             else:
-                toks[0, t] = (truth[t] + 1) % 500 + 4 if t < len(truth) else 7
+                toks[t] = (truth[t] + 1) % 500 + 4 if t < len(truth) else 7
         self.hits.append(k)
-        cand = d.cand.clone()  # keep the Draft contract: every draft is one of its row's candidates
+        cand = d.cand.copy()  # keep the Draft contract: every draft is one of its row's candidates
         for t in range(L):
-            if toks[0, t] not in cand[0, t]:
-                cand[0, t, -1] = toks[0, t]
-        return Draft(tokens=toks, proposal=d.proposal, cand=cand, logits=d.logits)
+            if toks[t] not in cand[t]:
+                cand[t, -1] = toks[t]
+        return Draft(tokens=toks, proposal=d.proposal, cand=cand, vocab_proposal=d.vocab_proposal)
 
 
 @pytest.mark.parametrize("bs", [2, 8, 16])
@@ -235,9 +235,10 @@ def test_sampling_preserves_target_distribution(small_pair, mode, use_selector):
 def test_sampling_test_has_power(small_pair, monkeypatch):
     """Negative control: accept every draft (no rejection) and the chi-square test must reject."""
     import dflash2_trt.generate as G
+    import dflash2_trt.reference as ref
 
     t, d = small_pair
-    monkeypatch.setattr(G.ref, "accept_rejection", lambda drafts, q, p, rng: (
+    monkeypatch.setattr(ref, "accept_rejection", lambda drafts, q, p, rng: (
         len(drafts), int(rng.choice(p.shape[1], p=p[len(drafts)]))))
     prompt, T, N = [1, 2, 3], 1.0, 600
     law = _exact_pair_law(t, prompt, T)

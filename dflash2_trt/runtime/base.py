@@ -27,6 +27,9 @@ class Draft:
     tokens: np.ndarray  # [L] int64 chosen drafts
     proposal: np.ndarray  # [L, K] float32 proposal q over the row's candidates (one-hot at T <= 0)
     cand: np.ndarray  # [L, K] int64 top-K candidates of each row
+    # [L, V] proposal over the whole vocabulary, for drafters whose proposal is not confined to ``cand``
+    # (DFlash v1 / no-selector sampling draws from the full softmax); None: ``proposal`` scattered at ``cand``
+    vocab_proposal: np.ndarray | None = None
 
 
 class TargetRunner(Protocol):

@@ -1,9 +1,10 @@
-"""The SPEC §4 decoding loop over any backend (NumPy; no torch). The twin of ``dflash2_trt.generate``.
+"""The SPEC §4 decoding loop over any backend (NumPy; no torch). ``dflash2_trt.generate`` runs the PyTorch
+reference through this same loop, so backends differ only in their runners.
 
 One request, a flat loop of named steps: prefill → (draft → select → verify → accept → commit)*. Every
-random number is drawn from one ``numpy.random.Generator`` in the same order as the PyTorch reference
-(first token, then per cycle: the drafter's uniforms, then the rejection test), so a backend whose graphs
-match PyTorch reproduces the reference's tokens and metrics exactly for a given seed.
+random number is drawn from one ``numpy.random.Generator`` in a fixed order (first token, then per cycle:
+the drafter's uniforms, then the rejection test), so a backend whose graphs match PyTorch reproduces the
+reference's tokens and metrics exactly for a given seed.
 
 Oracle top-K τ uses the reference's definition (extra target passes, excluded from the timing; skip them
 with ``measure_oracle=False``). ``on_tokens`` streams each newly committed chunk of tokens.
@@ -41,7 +42,7 @@ def check_prompt(prompt_ids: list[int], target: TargetRunner, max_new_tokens: in
         raise DFlash2Error(f"prompt token id {bad[0]} out of range [0, {target.vocab_size})")
     if len(prompt_ids) + 1 > target.max_positions:
         raise DFlash2Error(f"prompt of {len(prompt_ids)} tokens does not fit the {target.max_positions} positions "
-                           f"of this export (--max-seq-len)")
+                           f"available (the target's maximum, or the --max-seq-len of an export)")
     if max_new_tokens < 1:
         raise DFlash2Error(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
@@ -74,6 +75,8 @@ def target_generate(target: TargetRunner, prompt_ids: list[int], max_new_tokens:
 
 def _proposal_in_vocab(draft: Draft, n_rows: int, vocab: int) -> np.ndarray:
     """q over the candidates scattered into the vocabulary: [n_rows, V] float64."""
+    if draft.vocab_proposal is not None:
+        return draft.vocab_proposal[:n_rows].astype(np.float64)
     q = np.zeros((n_rows, vocab), dtype=np.float32)
     np.put_along_axis(q, draft.cand[:n_rows], draft.proposal[:n_rows].astype(np.float32), axis=-1)
     return q.astype(np.float64)
