@@ -113,8 +113,39 @@ def _encode(tokenizer, text: str, chat: bool) -> list[int]:  # noqa: ANN001
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
+def _generate_and_report(a: argparse.Namespace, target, drafter, prompt: list[int], decode,  # noqa: ANN001
+                         backend: str | None = None, stream=None) -> int:  # noqa: ANN001
+    """Shared by both generate paths: speculative decode, optional lossless check, JSON or text report."""
+    from dflash2_trt.runtime import decoder as D
+
+    res = D.speculative_generate(target, drafter, prompt, a.max_new_tokens, a.temperature, seed=a.seed,
+                                 measure_oracle=not a.no_oracle, on_tokens=stream)
+    text = decode(res.tokens)
+    out: dict = {"text": text, "tokens": res.tokens, "stats": res.stats(), "tokens_per_s": res.tokens_per_s}
+    if backend is not None:
+        out["backend"] = backend
+    if a.check_lossless:
+        if a.temperature > 0:
+            out["lossless"] = None
+        else:
+            base = D.target_generate(target, prompt, a.max_new_tokens)
+            out["lossless"] = base.tokens == res.tokens
+            out["ar_tokens_per_s"] = base.tokens_per_s
+    if a.json:
+        print(json.dumps(out))
+    else:
+        s = out["stats"]
+        print("" if stream else text)
+        print(f"-- {len(res.tokens)} tokens, tau {s['tau']:.2f} over {s['cycles']} cycles, "
+              f"oracle tau {s['oracle_tau'] if s['oracle_tau'] is None else round(s['oracle_tau'], 2)}, "
+              f"{res.tokens_per_s:.1f} tok/s" + (f" on {backend}" if backend else "")
+              + (f", lossless: {out['lossless']}" if a.check_lossless else ""))
+    return 1 if a.check_lossless and out.get("lossless") is False else 0
+
+
 def _cmd_generate(a: argparse.Namespace) -> int:
-    from dflash2_trt.generate import TorchDraftSource, speculative_generate, target_generate
+    """--target/--drafter: the PyTorch reference."""
+    from dflash2_trt.generate import TorchDraftSource, TorchTargetRunner
     from dflash2_trt.model import load_drafter
     from dflash2_trt.target import TargetModel
 
@@ -124,29 +155,9 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     drafter.bind_target(target.embed_weight, target.lm_head_weight)
     drafter.set_ablation(use_conv=False if a.no_conv else None, use_selector=False if a.no_selector else None)
     prompt = _encode(target.tokenizer, a.prompt, a.chat)
-    res = speculative_generate(target, TorchDraftSource(drafter, a.selector), prompt, a.max_new_tokens,
-                               a.temperature, seed=a.seed, measure_oracle=not a.no_oracle,
-                               layer_ids=drafter.config.target_layer_ids)
-    text = target.tokenizer.decode(res.tokens, skip_special_tokens=True)
-    out: dict = {"text": text, "tokens": res.tokens, "stats": res.stats(), "tokens_per_s": res.tokens_per_s}
-    if a.check_lossless:
-        if a.temperature > 0:
-            out["lossless"] = None
-        else:
-            base = target_generate(target, prompt, a.max_new_tokens)
-            out["lossless"] = base.tokens == res.tokens
-            out["ar_tokens_per_s"] = base.tokens_per_s
-    if a.json:
-        print(json.dumps(out))
-    else:
-        s = out["stats"]
-        print(text)
-        print(f"-- {len(res.tokens)} tokens, tau {s['tau']:.2f} over {s['cycles']} cycles, "
-              f"oracle tau {s['oracle_tau'] if s['oracle_tau'] is None else round(s['oracle_tau'], 2)}, "
-              f"{res.tokens_per_s:.1f} tok/s" + (f", lossless: {out['lossless']}" if a.check_lossless else ""))
-    if a.check_lossless and out.get("lossless") is False:
-        return 1
-    return 0
+    return _generate_and_report(a, TorchTargetRunner(target, drafter.config.target_layer_ids),
+                                TorchDraftSource(drafter, a.selector), prompt,
+                                lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _open_runtime(a: argparse.Namespace, model_dir: str):  # noqa: ANN202
@@ -160,8 +171,6 @@ def _open_runtime(a: argparse.Namespace, model_dir: str):  # noqa: ANN202
 
 def _cmd_generate_runtime(a: argparse.Namespace) -> int:
     """--model-dir: the runtime path (imports no torch)."""
-    from dflash2_trt.runtime import decoder as D
-
     if a.no_conv or a.no_selector:
         raise DFlash2Error("--no-conv / --no-selector are baked in at export time; they do not apply to --model-dir")
     be, tok = _open_runtime(a, a.model_dir)
@@ -179,28 +188,7 @@ def _cmd_generate_runtime(a: argparse.Namespace) -> int:
             sys.stdout.flush()
             printed[0] = text
 
-    res = D.speculative_generate(target, be.draft_runner(a.selector), prompt, a.max_new_tokens, a.temperature,
-                                 seed=a.seed, measure_oracle=not a.no_oracle, on_tokens=stream)
-    text = tok.decode(res.tokens)
-    out: dict = {"text": text, "tokens": res.tokens, "stats": res.stats(), "tokens_per_s": res.tokens_per_s,
-                 "backend": be.description}
-    if a.check_lossless:
-        if a.temperature > 0:
-            out["lossless"] = None
-        else:
-            base = D.target_generate(target, prompt, a.max_new_tokens)
-            out["lossless"] = base.tokens == res.tokens
-            out["ar_tokens_per_s"] = base.tokens_per_s
-    if a.json:
-        print(json.dumps(out))
-    else:
-        s = out["stats"]
-        print("" if stream else text)
-        print(f"-- {len(res.tokens)} tokens, tau {s['tau']:.2f} over {s['cycles']} cycles, "
-              f"oracle tau {s['oracle_tau'] if s['oracle_tau'] is None else round(s['oracle_tau'], 2)}, "
-              f"{res.tokens_per_s:.1f} tok/s on {be.description}"
-              + (f", lossless: {out['lossless']}" if a.check_lossless else ""))
-    return 1 if a.check_lossless and out.get("lossless") is False else 0
+    return _generate_and_report(a, target, be.draft_runner(a.selector), prompt, tok.decode, be.description, stream)
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
