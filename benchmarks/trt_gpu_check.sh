@@ -2,7 +2,7 @@
 # GPU check of the TensorRT path, end to end (needs an NVIDIA GPU, CUDA toolkit + CMake, TensorRT >= 10.3 with
 # its Python package, cuda-python, and this project installed with the export/ort extras):
 #   1. builds plugins/ for the present GPU (CMAKE_CUDA_ARCHITECTURES=native) -> libdflash2_plugins.so;
-#   2. exports a make-tiny pair and SmolLM2-135M (+ the random stand-in drafter of make_smollm2_drafter.py);
+#   2. exports a make-tiny pair and SmolLM2-135M with the packaged trained DFlash 2 drafter (dflash2 demo's);
 #   3. builds their TensorRT engines (plugin variant) with dflash2-export build-engines;
 #   4. runs benchmarks/trt_gpu_check.py: TensorRT = ONNX Runtime token for token, graph replay = eager,
 #      speculative vs autoregressive tokens/s, selector share of a cycle, launch gaps (prints the table).
@@ -39,9 +39,9 @@ cd "${repo}"
 [[ -d "${work}/tiny" ]] || dflash2 make-tiny --out "${work}/tiny"
 [[ -f "${work}/tiny-export/manifest.json" ]] || dflash2-export --target "${work}/tiny/target" \
   --drafter "${work}/tiny/drafter" --out "${work}/tiny-export" --max-seq-len 512 --quiet
-[[ -d "${work}/smollm2-drafter" ]] || python benchmarks/make_smollm2_drafter.py --out "${work}/smollm2-drafter"
+drafter="$(python -c 'from dflash2_trt.cli import demo_drafter_path; print(demo_drafter_path())')"
 [[ -f "${work}/smollm2-export/manifest.json" ]] || dflash2-export --target smollm2 \
-  --drafter "${work}/smollm2-drafter" --out "${work}/smollm2-export" --max-seq-len 1024 --quiet
+  --drafter "${drafter}" --out "${work}/smollm2-export" --max-seq-len 1024 --quiet
 
 for d in tiny-export smollm2-export; do
   dflash2-export build-engines "${work}/${d}" --plugin "${plugin}" --selector both

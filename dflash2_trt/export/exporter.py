@@ -27,14 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.manifest import FORMAT, MANIFEST_FILE, MANIFEST_VERSION, head_key, write_manifest
+from dflash2_trt.runtime.manifest import (FORMAT, INDEPENDENT, MANIFEST_FILE, MANIFEST_VERSION, head_key,
+                                         write_manifest)
 
 DTYPES = ("fp32", "fp16", "bf16")
 DEFAULT_OPSET = 17
 KV_CAPACITY_STEP = 256
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 #: bump when the graphs' content or conventions change (keys caches of exported models)
-EXPORTER_REVISION = 1
+EXPORTER_REVISION = 2
 
 
 def _progress(steps: list[str], enabled: bool):  # noqa: ANN202
@@ -124,8 +125,6 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         fresh = type(drafter)(cfg)
         fresh.load_state_dict(drafter.state_dict(), strict=True)
         drafter = fresh.eval()
-    if not drafter.use_selector:
-        raise DFlash2Error("exporting a DFlash v1 drafter (no candidate selector) is not supported")
     max_pos = target.max_positions
     if max_seq_len is None:
         max_seq_len = min(max_pos, 4096)
@@ -183,31 +182,13 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
                                    "mode": None}
 
     step(3)
-    head = onnx_utils.trace(graphs.DrafterHeadBase(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),),
-                            ["hidden"], ["cand_ids", "unary", "hidden_proj"],
-                            {"hidden": {0: "batch"}, "cand_ids": {0: "batch"}, "unary": {0: "batch"},
-                             "hidden_proj": {0: "batch"}}, opset)
-    cs = drafter.candidate_selector
-    sel_names = [n for n, _, _ in sc.INPUTS if n not in ("pred_codebook", "succ_codebook")]
-    sel_args = (torch.randint(0, cfg.vocab_size, (B, L, K), dtype=torch.int32),
-                torch.randn(B, L, K).sort(-1, descending=True).values, torch.randn(B, L, r, dtype=tdt),
-                torch.randint(0, cfg.vocab_size, (B,), dtype=torch.int32), torch.tensor([0.0, 1.0]),
-                torch.rand(B, L))
-    for mode in sc.MODES:
-        sel = onnx_utils.trace(graphs.DecomposedSelector(cs.predecessor_codebook, cs.successor_codebook, mode).eval(),
-                               sel_args, sel_names, ["path_ids", "proposal_probs"],
-                               {n: {0: "batch"} for n in [*sel_names, "path_ids", "proposal_probs"]}, opset)
-        models[f"drafter_head_{mode}.onnx"] = onnx_utils.merge_selector(head, sel)
-        graph_meta[head_key(mode)] = {"file": f"drafter_head_{mode}.onnx", "role": "drafter_head",
-                                      "selector": "decomposed", "mode": mode}
-        cb = [w.detach().float().numpy() if dtype != "bf16" else w.detach().view(torch.int16).numpy().view(np.uint16)
-              for w in (cs.predecessor_codebook, cs.successor_codebook)]
-        if dtype == "fp16":
-            cb = [w.astype(np.float16) for w in cb]
-        plug = onnx_utils.plugin_selector_graph(cb[0], cb[1], L, K, r, mode, dtype, opset)
-        models[f"drafter_head_{mode}.plugin.onnx"] = onnx_utils.merge_selector(head, plug)
-        graph_meta[head_key(mode, plugin=True)] = {"file": f"drafter_head_{mode}.plugin.onnx",
-                                                   "role": "drafter_head", "selector": "plugin", "mode": mode}
+    models["drafter_head_independent.onnx"] = onnx_utils.trace(
+        graphs.DrafterHeadLogits(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),), ["hidden"],
+        ["logits"], {"hidden": {0: "batch"}, "logits": {0: "batch"}}, opset)
+    graph_meta[head_key(INDEPENDENT)] = {"file": "drafter_head_independent.onnx", "role": "drafter_head",
+                                         "selector": None, "mode": INDEPENDENT}
+    if drafter.use_selector:
+        _export_selector_heads(drafter, cfg, B, tdt, dtype, opset, models, graph_meta)
 
     step(4)
     onnx_utils.save_with_shared_weights(models, tmp)
@@ -279,6 +260,43 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     bar.update(1)
     bar.close()
     return manifest
+
+
+def _export_selector_heads(drafter, cfg, B: int, tdt, dtype: str, opset: int, models: dict,  # noqa: ANN001
+                           graph_meta: dict) -> None:
+    """drafter_head_{greedy,viterbi}.onnx (decomposed selector) and their .plugin.onnx twins."""
+    import numpy as np
+    import torch
+
+    from dflash2_trt.export import graphs, onnx_utils
+    from dflash2_trt.export import selector_contract as sc
+
+    bs, L, K, r = cfg.block_size, cfg.block_size - 1, cfg.selector_top_k, cfg.selector_rank
+    head = onnx_utils.trace(graphs.DrafterHeadBase(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),),
+                            ["hidden"], ["cand_ids", "unary", "hidden_proj"],
+                            {"hidden": {0: "batch"}, "cand_ids": {0: "batch"}, "unary": {0: "batch"},
+                             "hidden_proj": {0: "batch"}}, opset)
+    cs = drafter.candidate_selector
+    sel_names = [n for n, _, _ in sc.INPUTS if n not in ("pred_codebook", "succ_codebook")]
+    sel_args = (torch.randint(0, cfg.vocab_size, (B, L, K), dtype=torch.int32),
+                torch.randn(B, L, K).sort(-1, descending=True).values, torch.randn(B, L, r, dtype=tdt),
+                torch.randint(0, cfg.vocab_size, (B,), dtype=torch.int32), torch.tensor([0.0, 1.0]),
+                torch.rand(B, L))
+    for mode in sc.MODES:
+        sel = onnx_utils.trace(graphs.DecomposedSelector(cs.predecessor_codebook, cs.successor_codebook, mode).eval(),
+                               sel_args, sel_names, ["path_ids", "proposal_probs"],
+                               {n: {0: "batch"} for n in [*sel_names, "path_ids", "proposal_probs"]}, opset)
+        models[f"drafter_head_{mode}.onnx"] = onnx_utils.merge_selector(head, sel)
+        graph_meta[head_key(mode)] = {"file": f"drafter_head_{mode}.onnx", "role": "drafter_head",
+                                      "selector": "decomposed", "mode": mode}
+        cb = [w.detach().float().numpy() if dtype != "bf16" else w.detach().view(torch.int16).numpy().view(np.uint16)
+              for w in (cs.predecessor_codebook, cs.successor_codebook)]
+        if dtype == "fp16":
+            cb = [w.astype(np.float16) for w in cb]
+        plug = onnx_utils.plugin_selector_graph(cb[0], cb[1], L, K, r, mode, dtype, opset)
+        models[f"drafter_head_{mode}.plugin.onnx"] = onnx_utils.merge_selector(head, plug)
+        graph_meta[head_key(mode, plugin=True)] = {"file": f"drafter_head_{mode}.plugin.onnx",
+                                                   "role": "drafter_head", "selector": "plugin", "mode": mode}
 
 
 def _json_get(path: Path, key: str) -> Any:

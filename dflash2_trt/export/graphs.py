@@ -321,6 +321,19 @@ class DrafterHeadBase(nn.Module):
         return cand.to(torch.int32), unary, g
 
 
+class DrafterHeadLogits(nn.Module):
+    """hidden [B, bs, H] -> logits [B, L, V] fp32 of the draft rows (LM head, multiplier / soft-cap): the head
+    of ``drafter_head_independent`` — no selector (DFlash v1 drafters, and the selector-off ablation of DFlash 2
+    drafters). The runtime takes the argmax / top-K / sample of each row itself (NumPy)."""
+
+    def __init__(self, drafter: DFlash2Drafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, hidden):  # noqa: ANN001, ANN201
+        return self.drafter.logits(hidden[:, 1:]).float()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Decomposed selector (standard ONNX ops) — the twin of the DFlash2PathSelector plugin
 # ----------------------------------------------------------------------------------------------------

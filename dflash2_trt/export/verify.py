@@ -124,7 +124,14 @@ def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: 
     h = session(paths["drafter_block"]).run(None, feed)[0]
     _close("drafter_block.hidden", h, h_ref.float().numpy(), tol, report)
     # (c) heads, fed the reference hidden so selector decisions are compared on equal inputs
+    logits = session(paths["drafter_head_independent"]).run(None, {"hidden": h_ref.numpy().astype(np_dtype)})[0]
+    with torch.no_grad():
+        ref_logits = drafter.logits(h_ref[:, 1:]).float().numpy()
+    _close("drafter_head_independent.logits", logits, ref_logits, tol, report)
+    _decisions("drafter_head_independent.argmax", logits.argmax(-1), ref_logits.argmax(-1), report, 0.9)
     for mode in ("greedy", "viterbi"):
+        if f"drafter_head_{mode}" not in paths:
+            continue
         sess = session(paths[f"drafter_head_{mode}"])
         for temp in (0.0, 0.8):
             u = rng.random((1, L), dtype=np.float32)

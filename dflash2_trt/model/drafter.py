@@ -217,11 +217,14 @@ class DFlash2Drafter(nn.Module):
             h = layer(h, cos, sin, k, v, masks[key], self.use_conv)
         return self.norm(h)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [..., H] -> logits [..., V] (shared LM head, x output_multiplier, tanh soft-cap)."""
+    def logits(self, h: torch.Tensor, rows_of_head: torch.Tensor | None = None) -> torch.Tensor:
+        """h [..., H] -> logits [..., V] (shared LM head, x output_multiplier, tanh soft-cap).
+
+        ``rows_of_head`` (training's sampled softmax): only those vocabulary ids -> [..., len(rows)]."""
         self._check_bound()
         cfg = self.config
-        x = h @ self.lm_head_weight.t()
+        w = self.lm_head_weight if rows_of_head is None else self.lm_head_weight[rows_of_head]
+        x = h @ w.t()
         if cfg.output_multiplier is not None:
             x = x * cfg.output_multiplier
         if cfg.final_logit_softcapping is not None:
@@ -251,7 +254,11 @@ class DFlash2Drafter(nn.Module):
             else:
                 tok = logits.argmax(-1)  # [nb, L]
                 q = nn.functional.one_hot(tok, V).float()
-            return Draft(tokens=tok, proposal=q, cand=tok.unsqueeze(-1), logits=logits)
+            # cand: each row's top-K (argmax first) — only the oracle top-K τ reads it
+            top = torch.topk(logits, min(self.config.selector_top_k, V), dim=-1, sorted=True).indices
+            if temperature <= 0:
+                top[..., 0] = tok
+            return Draft(tokens=tok, proposal=q, cand=top, logits=logits)
         K = self.config.selector_top_k
         unary, cand = torch.topk(logits, K, dim=-1, sorted=True)  # [nb, L, K]
         cs = self.candidate_selector

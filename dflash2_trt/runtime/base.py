@@ -32,6 +32,35 @@ class Draft:
     vocab_proposal: np.ndarray | None = None
 
 
+def independent_draft(logits: np.ndarray, temperature: float, uniforms: np.ndarray | None, top_k: int) -> Draft:
+    """Drafts without a selector (DFlash v1, selector-off ablation) from the rows' logits [L, V].
+
+    T = 0: each row's argmax (first index among ties). T > 0: each row samples softmax(logits / T) by inverse
+    CDF with its uniform. ``cand`` holds each row's top-K (sorted, argmax first) for the oracle top-K τ; the
+    proposal used by rejection sampling is the full softmax (``vocab_proposal``). Mirrors the PyTorch
+    drafter's no-selector branch.
+    """
+    logits = np.asarray(logits, dtype=np.float32)
+    L, V = logits.shape
+    K = max(1, min(int(top_k), V))
+    part = np.argpartition(-logits, K - 1, axis=-1)[:, :K] if K < V else np.tile(np.arange(V), (L, 1))
+    vals = np.take_along_axis(logits, part, -1)
+    order = np.lexsort((part, -vals), axis=-1)  # by value desc, then index asc
+    cand = np.take_along_axis(part, order, -1).astype(np.int64)  # [L, K]
+    if temperature > 0:
+        if uniforms is None:
+            raise DFlash2Error("temperature > 0 needs uniforms [1, L]")
+        z = logits / np.float32(temperature)
+        e = np.exp(z - z.max(-1, keepdims=True))
+        q = (e / e.sum(-1, keepdims=True)).astype(np.float32)  # [L, V]
+        u = np.asarray(uniforms, dtype=np.float32).reshape(-1)[:L]
+        tok = np.minimum((np.cumsum(q, -1) <= u[:, None]).sum(-1), V - 1).astype(np.int64)
+        return Draft(tokens=tok, proposal=np.take_along_axis(q, cand, -1), cand=cand, vocab_proposal=q)
+    tok = logits.argmax(-1).astype(np.int64)
+    proposal = (cand == tok[:, None]).astype(np.float32)
+    return Draft(tokens=tok, proposal=proposal, cand=cand)
+
+
 class TargetRunner(Protocol):
     vocab_size: int
     max_positions: int  # positions the exported caches can hold (--max-seq-len)

@@ -19,7 +19,8 @@ from dflash2_trt.runtime import decoder as D
 
 def run_bench(target, drafter, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,  # noqa: ANN001
               seed: int = 0, measure_oracle: bool = True, eos_ids: set[int] | None = None,
-              progress: bool = True) -> dict:
+              progress: bool = True, texts=None) -> dict:  # noqa: ANN001
+    """``texts``: a decode function; when given, the result also holds ``texts`` (speculative outputs)."""
     from tqdm import tqdm
 
     specs, ars = [], []
@@ -27,7 +28,10 @@ def run_bench(target, drafter, prompts: list[list[int]], max_new_tokens: int, te
         specs.append(D.speculative_generate(target, drafter, p, max_new_tokens, temperature, eos_ids, seed + i,
                                             measure_oracle))
         ars.append(D.target_generate(target, p, max_new_tokens, temperature, eos_ids, seed + i))
-    return summarize(specs, ars, temperature)
+    r = summarize(specs, ars, temperature)
+    if texts is not None:
+        r["texts"] = [texts(s.tokens) for s in specs]
+    return r
 
 
 def summarize(specs: list, ars: list, temperature: float) -> dict:  # noqa: ANN001

@@ -13,8 +13,10 @@ Layout (``MANIFEST_VERSION`` 1)::
      "tokenizer": {"files": [...], "chat_template": bool},
      "files":   {relative path: sha256 for every other file in the folder}}
 
-Graph keys: ``target``, ``drafter_context``, ``drafter_block``, ``drafter_head_{greedy,viterbi}`` (selector
-decomposed into standard ONNX ops) and ``drafter_head_{greedy,viterbi}_plugin`` (the TensorRT plugin node).
+Graph keys: ``target``, ``drafter_context``, ``drafter_block``, ``drafter_head_independent`` (draft-row logits,
+no selector: DFlash v1 drafters and the selector-off ablation), and for drafters with a selector
+``drafter_head_{greedy,viterbi}`` (selector decomposed into standard ONNX ops) and
+``drafter_head_{greedy,viterbi}_plugin`` (the TensorRT plugin node).
 Only the standard library is needed here.
 """
 
@@ -31,11 +33,21 @@ FORMAT = "dflash2-trt-export"
 MANIFEST_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 MODES = ("greedy", "viterbi")
-REQUIRED_GRAPHS = ("target", "drafter_context", "drafter_block", "drafter_head_greedy", "drafter_head_viterbi")
+INDEPENDENT = "independent"  # no selector: each row's argmax / sample on its own (DFlash v1, selector-off)
+REQUIRED_GRAPHS = ("target", "drafter_context", "drafter_block", "drafter_head_independent")
 
 
 def head_key(mode: str, plugin: bool = False) -> str:
     return f"drafter_head_{mode}" + ("_plugin" if plugin else "")
+
+
+def check_draft_mode(manifest: dict[str, Any], mode: str) -> None:
+    """A draft mode the export can run: 'independent' always; 'greedy' / 'viterbi' need the selector heads."""
+    if mode not in (*MODES, INDEPENDENT):
+        raise DFlash2Error(f"draft mode must be one of {', '.join((*MODES, INDEPENDENT))}, got {mode!r}")
+    if head_key(mode) not in manifest.get("graphs", {}):
+        raise DFlash2Error(f"this export has no {mode!r} draft head: the drafter has no candidate selector "
+                           f"(DFlash v1); use --no-selector")
 
 
 def _sha256(path: Path) -> str:

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.base import Draft, KVBuffer
-from dflash2_trt.runtime.manifest import head_key, load_manifest
+from dflash2_trt.runtime.base import Draft, KVBuffer, independent_draft
+from dflash2_trt.runtime.manifest import INDEPENDENT, check_draft_mode, head_key, load_manifest
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
 
@@ -154,8 +154,8 @@ class OrtBackend:
         return OrtTarget(self)
 
     def draft_runner(self, mode: str = "greedy") -> "OrtDrafter":
-        if mode not in ("greedy", "viterbi"):
-            raise DFlash2Error(f"selector mode must be 'greedy' or 'viterbi', got {mode!r}")
+        """mode: 'greedy' / 'viterbi' (the selector) or 'independent' (no selector: each row's argmax / sample)."""
+        check_draft_mode(self.manifest, mode)
         return OrtDrafter(self, mode)
 
 
@@ -213,6 +213,7 @@ class OrtDrafter:
         self.kv = KVBuffer(n_layers, int(d["num_key_value_heads"]), head_dim, be.dtype, be.step, be.max_seq_len)
         self.names = [f"context.{i}.{k}" for i in range(n_layers) for k in ("key", "value")]
         self.dtype = be.dtype
+        self.top_k = int(d.get("dflash_config", {}).get("selector_top_k", d.get("selector_top_k", 16)))
 
     def reset(self) -> None:
         self.kv.reset()
@@ -235,6 +236,9 @@ class OrtDrafter:
         feed.update(zip(self.names, self.kv.arrays))
         hidden = self.block_sess.run(feed)[0]  # [1, bs, H]
         L = self.block_size - 1
+        if self.mode == INDEPENDENT:
+            logits = self.head_sess.run({"hidden": hidden})[0][0]  # [L, V] fp32
+            return independent_draft(logits, temperature, uniforms, self.top_k)
         u = uniforms if uniforms is not None else np.zeros((1, L), dtype=np.float32)
         cand, path, q = self.head_sess.run({"hidden": hidden, "anchor_ids": np.array([anchor], dtype=np.int32),
                                             "temperature": np.array([temperature], dtype=np.float32),

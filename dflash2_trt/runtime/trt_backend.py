@@ -312,7 +312,8 @@ class TrtBackend:
 
     def draft_runner(self, mode: str = "greedy") -> TrtDrafter:
         if mode not in ("greedy", "viterbi"):
-            raise DFlash2Error(f"selector mode must be 'greedy' or 'viterbi', got {mode!r}")
+            raise DFlash2Error(f"the TensorRT backend runs the selector modes 'greedy' / 'viterbi' only, got {mode!r} "
+                               f"(no-selector drafting runs with --backend ort)")
         return TrtDrafter(self, mode)
 
     def sync(self) -> None:

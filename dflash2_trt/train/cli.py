@@ -30,6 +30,10 @@ def add_parser(sub) -> None:  # noqa: ANN001
     t.add_argument("--no-init-from-target", action="store_true",
                    help="random drafter layers instead of copies of the target's last layers")
     t.add_argument("--cache-dir", default=None, help="target-feature cache (default ~/.cache/dflash2_trt/features)")
+    t.add_argument("--sampled-softmax", type=int, default=0, metavar="N",
+                   help="CE over the corpus' label ids + N random other ids per step (0 = full vocabulary)")
+    t.add_argument("--gamma", type=float, default=None, help="slot-weight decay (default by block size, SPEC §5)")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/train_state")
 
 
@@ -49,7 +53,12 @@ def run(a: argparse.Namespace) -> int:
                      sources=[s.strip() for s in a.data.split(",") if s.strip()], max_tokens=a.max_tokens,
                      seq_len=a.seq_len, steps=a.steps, batch_seqs=a.batch_seqs, anchors_per_seq=a.anchors_per_seq,
                      lr=a.lr, seed=a.seed, checkpoint_every=a.checkpoint_every, mask_token_id=a.mask_token_id,
-                     init_from_target=not a.no_init_from_target, cache_dir=a.cache_dir)
+                     init_from_target=not a.no_init_from_target, cache_dir=a.cache_dir,
+                     sampled_softmax=a.sampled_softmax, gamma=a.gamma)
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     train(tc)
     last = (Path(a.out) / "train_log.jsonl").read_text().strip().splitlines()[-1]
     print(json.dumps({"out": a.out, "last_log": json.loads(last)}))

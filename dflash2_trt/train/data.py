@@ -160,15 +160,21 @@ def iter_texts(sources: list[str], tokenizer=None, target=None) -> Iterator[str]
             raise DFlash2Error("data source 'generated' needs the target model")
     its = {"stdlib": iter_stdlib, "sharegpt": lambda: iter_sharegpt(tokenizer), "pydocs": iter_pydocs,
            "generated": lambda: iter_generated(target)}
-    for s in sources:
-        yield from its[s]()
+    # round-robin, one text per source in turn, so a --max-tokens budget samples every source
+    gens = [iter(its[s]()) for s in sources]
+    while gens:
+        for g in list(gens):
+            try:
+                yield next(g)
+            except StopIteration:
+                gens.remove(g)
 
 
 def pack_sequences(texts: Iterator[str], encode, seq_len: int, max_tokens: int) -> np.ndarray:  # noqa: ANN001
     """Tokenise texts and cut them into rows of ``seq_len`` tokens: [N, seq_len] int64.
 
-    Texts are interleaved round-robin by source order as they come; a text shorter than one row is
-    joined with the next (no padding, so every position has a real label).
+    Texts come interleaved by source (:func:`iter_texts`); a text shorter than one row is joined with the
+    next (no padding, so every position has a real label).
     """
     buf: list[int] = []
     rows: list[list[int]] = []

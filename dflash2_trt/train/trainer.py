@@ -71,6 +71,7 @@ class TrainConfig:
     init_from_target: bool = True
     feature_batch: int = 8
     cache_dir: str | None = None
+    sampled_softmax: int = 0  # 0 = full-vocab CE; N > 0 = corpus label vocab + N random negatives per step
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -198,9 +199,25 @@ def make_batch(step: int, seed: int, preds: np.ndarray, block_size: int, batch_s
     return Batch(rows, np.concatenate(blk_seq), np.concatenate(anchors), np.concatenate(labels))
 
 
-def compute_loss(d: DFlash2Drafter, tokens: np.ndarray, feats: np.ndarray, b: Batch, weights: torch.Tensor
-                 ) -> tuple[torch.Tensor, dict]:
-    """Returns (loss, metrics). weights [bs] (slot 0 = 0)."""
+def softmax_vocab(step: int, seed: int, label_vocab: np.ndarray, vocab_size: int, negatives: int) -> np.ndarray:
+    """Sorted token ids the CE of one step runs over: every label of the corpus plus ``negatives`` other ids.
+
+    [decision] (``--sampled-softmax N``) On a CPU the frozen 49k-row LM head dominates a step (forward and
+    backward through it). The self-distillation labels of a training corpus use a few thousand distinct ids, so
+    the softmax runs over those plus N ids drawn uniformly from the rest of the vocabulary, fresh each step
+    (seeded by ``(seed, step)`` like the batch, so ``--resume`` stays exact). The random negatives keep the
+    ids that never occur as labels pushed down; inference still uses the full head.
+    """
+    rng = np.random.default_rng([seed, step, 1])
+    rest = np.setdiff1d(np.arange(vocab_size), label_vocab, assume_unique=True)
+    neg = rng.choice(rest, size=min(negatives, rest.size), replace=False) if rest.size else rest
+    return np.union1d(label_vocab, neg)
+
+
+def compute_loss(d: DFlash2Drafter, tokens: np.ndarray, feats: np.ndarray, b: Batch, weights: torch.Tensor,
+                 vocab: np.ndarray | None = None) -> tuple[torch.Tensor, dict]:
+    """Returns (loss, metrics). weights [bs] (slot 0 = 0). ``vocab``: the sorted ids the CE runs over
+    (None = the full vocabulary); every label must be in it."""
     cfg = d.config
     T = tokens.shape[1]
     f = torch.from_numpy(np.asarray(feats[b.seq_rows], dtype=np.float32))  # [S, T, n*H_t]
@@ -213,8 +230,15 @@ def compute_loss(d: DFlash2Drafter, tokens: np.ndarray, feats: np.ndarray, b: Ba
     anchor_ids = torch.from_numpy(tokens[b.seq_rows[b.blk_seq], b.anchors])
     h = d.block_hidden(anchor_ids, anchor_pos, ctx_k, ctx_v, ctx_pos)  # [nb, bs, H]
     rows = h[:, 1:]  # [nb, L, H]
-    logits = d.logits(rows).float()  # [nb, L, V]
     labels = torch.from_numpy(b.labels[:, 1:])  # [nb, L]
+    if vocab is None:
+        logits = d.logits(rows).float()  # [nb, L, V]
+    else:
+        logits = d.logits(rows, rows_of_head=torch.from_numpy(vocab)).float()  # [nb, L, |vocab|]
+        pos = np.searchsorted(vocab, b.labels[:, 1:])
+        if not np.array_equal(vocab[np.minimum(pos, vocab.size - 1)], b.labels[:, 1:]):
+            raise DFlash2Error("sampled softmax: a label is missing from the step's vocabulary")
+        labels = torch.from_numpy(pos.astype(np.int64))  # labels as indices into vocab
     nb, L, V = logits.shape
     w = weights[1:].view(1, L)  # [1, L]
     ce = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view(nb, L)
@@ -227,7 +251,10 @@ def compute_loss(d: DFlash2Drafter, tokens: np.ndarray, feats: np.ndarray, b: Ba
         unary, cand = torch.topk(logits.detach(), K, dim=-1)  # [nb, L, K]
         hit = cand == labels.unsqueeze(-1)  # [nb, L, K]
         valid = hit.any(-1)  # [nb, L] true token among the top-K
-        prev = torch.cat([anchor_ids.view(nb, 1), labels[:, :-1]], dim=1)  # teacher-forced predecessor
+        if vocab is not None:
+            cand = torch.from_numpy(vocab)[cand]  # back to token ids for the codebooks
+        true_ids = torch.from_numpy(b.labels[:, 1:])
+        prev = torch.cat([anchor_ids.view(nb, 1), true_ids[:, :-1]], dim=1)  # teacher-forced predecessor
         cs = d.candidate_selector
         g = cs.hidden_projection(rows.detach())  # [nb, L, r]
         # F.embedding: its CPU backward is deterministic (indexing's accumulate is not), so --resume is exact
@@ -355,6 +382,7 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None)
     if resume:
         start = load_checkpoint(d, opt, tc)
     weights = torch.from_numpy(D.slot_weights(cfg.block_size, tc.gamma)).float()
+    label_vocab = np.unique(np.asarray(preds)).astype(np.int64) if tc.sampled_softmax > 0 else None
     log = open(out / "train_log.jsonl", "a")
     it = range(start, tc.steps)
     bar = None
@@ -371,7 +399,9 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, tc.steps, tc.lr, tc.warmup)
             b = make_batch(step, tc.seed, preds, cfg.block_size, tc.batch_seqs, tc.anchors_per_seq)
-            loss, m = compute_loss(d, tokens, feats, b, weights)
+            vocab = (softmax_vocab(step, tc.seed, label_vocab, cfg.vocab_size, tc.sampled_softmax)
+                     if label_vocab is not None else None)
+            loss, m = compute_loss(d, tokens, feats, b, weights, vocab)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if tc.grad_clip > 0:

@@ -1,0 +1,48 @@
+"""`dflash2 demo`: the packaged DFlash 2 drafter for SmolLM2-135M-Instruct (size, dtype, config, loads against
+the real target), the demo's default run (text + the keys of `dflash2 bench --json`, lossless) and its
+bench-style options; errors are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_bench import KEYS
+
+pytestmark = pytest.mark.slow
+
+
+def test_packaged_drafter_is_small_fp16_and_fits_smollm2():
+    from safetensors import safe_open
+
+    from dflash2_trt.cli import demo_drafter_path
+    from dflash2_trt.config import DFlash2Config
+    from dflash2_trt.target import TargetModel, smollm2_path
+
+    p = demo_drafter_path()
+    assert (p / "model.safetensors").stat().st_size <= 40 * 2**20
+    with safe_open(str(p / "model.safetensors"), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F16"}
+    cfg = DFlash2Config.from_json_file(p)
+    assert cfg.use_conv and cfg.use_selector
+    TargetModel.load(smollm2_path()).check_drafter(cfg)
+    assert (p / "README.md").is_file()  # how it was trained: the exact command
+
+
+def test_demo_default_and_bench_options(capsys):
+    from dflash2_trt.cli import main
+
+    assert main(["demo", "--max-new-tokens", "16", "--backend", "ort", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert KEYS <= set(r) and r["n_prompts"] == 1 and r["lossless"] is True and isinstance(r["text"], str)
+    assert r["selector"] == "greedy" and r["tau"] >= 1.0
+    assert main(["demo", "--prompts", "mtbench", "--limit", "1", "--max-new-tokens", "8", "--no-selector",
+                 "--temperature", "1", "--no-oracle", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert KEYS <= set(r) and "text" not in r and r["selector"] == "independent" and r["lossless"] is None
+    assert main(["demo", "--max-new-tokens", "8", "--selector", "viterbi"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup" in out and "tau" in out
+    assert main(["demo", "--prompt", "x", "--prompts", "mtbench"]) == 1
+    assert capsys.readouterr().err.strip() == "dflash2: error: give --prompt or --prompts, not both"
