@@ -230,8 +230,9 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     return _bench_and_report(a, model_dir, items)
 
 
-def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list) -> int:  # noqa: ANN001
-    """Shared by ``bench`` and ``demo``: speculative + autoregressive runs, table or JSON."""
+def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_text: bool = False) -> int:
+    """Shared by ``bench`` and ``demo``: speculative + autoregressive runs, table or JSON; ``show_text``: also
+    the first prompt's speculative output (``text``)."""
     from dflash2_trt.runtime import bench
     from dflash2_trt.runtime.prompts import encode_items
 
@@ -242,18 +243,18 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list) -> int
     eos = set() if a.ignore_eos else None
     mode = _draft_mode(a)
     r = bench.run_bench(be.target_runner(), be.draft_runner(mode), prompts, a.max_new_tokens, a.temperature,
-                        a.seed, not a.no_oracle, eos, progress=True, texts=tok.decode)
-    texts = r.pop("texts")
+                        a.seed, not a.no_oracle, eos, progress=True, texts=tok.decode if show_text else None)
+    texts = r.pop("texts", None)
     r = {"backend": be.description, **r, "selector": mode, "temperature": a.temperature,
          "max_new_tokens": a.max_new_tokens}
     if a.plot:
         bench.plot(r, a.plot)
-    if getattr(a, "show_text", False):
+    if texts:
         r["text"] = texts[0]
     if a.json:
         print(json.dumps(r))
     else:
-        if getattr(a, "show_text", False):
+        if texts:
             print(texts[0])
             print("--")
         print(bench.format_table(r))
@@ -273,11 +274,9 @@ def _cmd_demo(a: argparse.Namespace) -> int:
               file=sys.stderr)
     model_dir = str(cached_export("smollm2", drafter, progress=not a.json, max_seq_len=DEMO_MAX_SEQ_LEN))
     if a.prompts is not None:
-        items = load_prompts(a.prompts, a.limit)
-    else:
-        items = [{"messages": [{"role": "user", "content": a.prompt or DEMO_PROMPT}]}]
-        a.show_text = True
-    return _bench_and_report(a, model_dir, items)
+        return _bench_and_report(a, model_dir, load_prompts(a.prompts, a.limit))
+    items = [{"messages": [{"role": "user", "content": a.prompt or DEMO_PROMPT}]}]
+    return _bench_and_report(a, model_dir, items, show_text=True)
 
 
 DEMO_MAX_SEQ_LEN = 2048

@@ -49,9 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.cuda_api import CudaApi
-from dflash2_trt.runtime.manifest import MANIFEST_FILE, head_key, load_manifest
-from dflash2_trt.runtime.trt_backend import (ENGINES_KEY, PLUGIN_ENV, current_identity, import_tensorrt,
-                                             sha256_file, version_tuple)
+from dflash2_trt.runtime.manifest import MANIFEST_FILE, head_key, load_manifest, sha256_file
+from dflash2_trt.runtime.trt_backend import ENGINES_KEY, PLUGIN_ENV, current_identity, import_tensorrt, version_tuple
 
 if TYPE_CHECKING:
     import tensorrt as trt

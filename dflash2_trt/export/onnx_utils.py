@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -205,14 +204,6 @@ def describe_io(model) -> dict:  # noqa: ANN001
     inits = {t.name for t in model.graph.initializer}
     return {"inputs": [one(i) for i in model.graph.input if i.name not in inits],
             "outputs": [one(o) for o in model.graph.output]}
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_graph(path: Path) -> None:

@@ -86,6 +86,18 @@ class DraftRunner(Protocol):
     def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft: ...
 
 
+def grown_capacity(n: int, capacity: int, step: int, max_capacity: int) -> int:
+    """The KV capacity policy shared by the host and device buffers: the capacity that holds ``n``
+    positions — ``capacity`` when it fits, else ``n`` rounded up to a multiple of ``step`` (at most
+    ``max_capacity``); beyond ``max_capacity`` a :class:`DFlash2Error`."""
+    if n > max_capacity:
+        raise DFlash2Error(f"sequence of {n} positions exceeds the exported cache capacity {max_capacity} "
+                           f"(re-export with a larger --max-seq-len)")
+    if n <= capacity:
+        return capacity
+    return min(max_capacity, -(-n // step) * step)
+
+
 class KVBuffer:
     """K/V of one sequence for ``n_layers`` layers in capacity buffers ``[1, heads, capacity, d]``.
 
@@ -110,12 +122,9 @@ class KVBuffer:
 
     def reserve(self, n: int) -> None:
         """Make room for ``n`` positions."""
-        if n > self.max_capacity:
-            raise DFlash2Error(f"sequence of {n} positions exceeds the exported cache capacity {self.max_capacity} "
-                               f"(re-export with a larger --max-seq-len)")
-        if n <= self.capacity:
+        cap = grown_capacity(n, self.capacity, self.step, self.max_capacity)
+        if cap == self.capacity:
             return
-        cap = min(self.max_capacity, -(-n // self.step) * self.step)
         new = [np.zeros((1, self.heads, cap, self.head_dim), dtype=self.dtype) for _ in range(2 * self.n_layers)]
         for a, b in zip(new, self.arrays):
             a[:, :, : self.length] = b[:, :, : self.length]

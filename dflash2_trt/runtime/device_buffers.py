@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.base import grown_capacity
 from dflash2_trt.runtime.cuda_api import CudaApi, HostBuffer
 
 
@@ -118,12 +119,9 @@ class DeviceKV:
         self.length = 0
 
     def reserve(self, n: int) -> None:
-        if n > self.max_capacity:
-            raise DFlash2Error(f"sequence of {n} positions exceeds the exported cache capacity {self.max_capacity} "
-                               f"(re-export with a larger --max-seq-len)")
-        if n <= self.capacity:
+        cap = grown_capacity(n, self.capacity, self.step, self.max_capacity)
+        if cap == self.capacity:
             return
-        cap = min(self.max_capacity, -(-n // self.step) * self.step)
         new = [self.pool.device(self.heads * cap * self.row_bytes) for _ in range(2 * self.n_layers)]
         for dst, src in zip(new, self.ptrs):  # per head: the first `length` rows of the old pitch
             self.api.memcpy2d_dtod_async(dst, cap * self.row_bytes, src, self.capacity * self.row_bytes,

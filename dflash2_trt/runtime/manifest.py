@@ -50,7 +50,7 @@ def check_draft_mode(manifest: dict[str, Any], mode: str) -> None:
                            f"(DFlash v1); use --no-selector")
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -95,7 +95,7 @@ def load_manifest(model_dir: str | Path, verify_checksums: bool = True) -> dict[
             raise DFlash2Error(f"graph file {g['file']} has no checksum in the manifest")
     if verify_checksums:
         for rel, digest in files.items():
-            if _sha256(d / rel) != digest:
+            if sha256_file(d / rel) != digest:
                 raise DFlash2Error(f"checksum mismatch for {d / rel}: the file was changed or corrupted "
                                    f"after export (re-export the model)")
     t, dr = m["target"], m["drafter"]
@@ -110,6 +110,6 @@ def write_manifest(model_dir: Path, manifest: dict[str, Any]) -> None:
     files = {}
     for p in sorted(model_dir.rglob("*")):
         if p.is_file() and p.name != MANIFEST_FILE:
-            files[p.relative_to(model_dir).as_posix()] = _sha256(p)
+            files[p.relative_to(model_dir).as_posix()] = sha256_file(p)
     manifest = dict(manifest, files=files)
     (model_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")

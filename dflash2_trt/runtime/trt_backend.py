@@ -29,7 +29,6 @@ thread safe (one backend per thread / concurrent request); call :meth:`TrtBacken
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 from pathlib import Path
 from types import ModuleType
@@ -43,7 +42,7 @@ from dflash2_trt.runtime.base import Draft
 from dflash2_trt.runtime.cuda_api import CudaApi, CudaRuntime, DeviceInfo
 from dflash2_trt.runtime.cuda_graphs import GraphCache, GraphKey
 from dflash2_trt.runtime.device_buffers import BufferPool, DeviceKV, IOTensor
-from dflash2_trt.runtime.manifest import head_key, load_manifest
+from dflash2_trt.runtime.manifest import head_key, load_manifest, sha256_file
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -90,14 +89,6 @@ def version_tuple(v: str) -> tuple[int, ...]:
             break
         out.append(int(digits))
     return tuple(out)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def current_identity(trt_version: str, dev: DeviceInfo) -> dict[str, Any]:
