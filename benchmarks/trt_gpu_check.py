@@ -2,7 +2,7 @@
 
     python benchmarks/trt_gpu_check.py DIR [DIR ...] [--prompts 8] [--max-new-tokens 64] [--json]
 
-For every export folder DIR (engines built with ``dflash2-export build-engines DIR``):
+For every export folder DIR (engines built with ``dflash2 build-engines DIR``):
 
 1. **tokens**: greedy speculative and autoregressive decoding with TensorRT must equal ONNX Runtime token
    for token on the same prompts (fp32 exports; TF32 is off in the engines);
@@ -70,7 +70,7 @@ def check_dir(d: Path, n_prompts: int, max_new: int) -> dict[str, Any]:
     # 1-2: token equality (speculative and autoregressive), graphs vs eager
     mism: dict[str, int] = {"spec_trt_vs_ort": 0, "ar_trt_vs_ort": 0, "spec_graph_vs_eager": 0}
     for p in prompts:
-        toks = {k: speculative_generate(t, dr, p, max_new, eos_ids=eos, measure_oracle=False).tokens
+        toks = {k: speculative_generate(t, dr, p, max_new, eos_ids=eos).tokens
                 for k, (t, dr) in runners.items()}
         mism["spec_trt_vs_ort"] += toks["trt_graph"] != toks["ort"]
         mism["spec_graph_vs_eager"] += toks["trt_graph"] != toks["trt_eager"]
@@ -94,11 +94,11 @@ def check_dir(d: Path, n_prompts: int, max_new: int) -> dict[str, Any]:
 
     # 3: speed on TensorRT (graphs on), side by side
     t, dr = runners["trt_graph"]
-    speculative_generate(t, dr, prompts[0], 16, eos_ids=eos, measure_oracle=False)  # warm up graphs
+    speculative_generate(t, dr, prompts[0], 16, eos_ids=eos)  # warm up graphs
     spec_tok = spec_s = ar_tok = ar_s = 0.0
     taus = []
     for p in prompts:
-        r = speculative_generate(t, dr, p, max_new, eos_ids=eos, measure_oracle=False)
+        r = speculative_generate(t, dr, p, max_new, eos_ids=eos)
         spec_tok, spec_s = spec_tok + len(r.tokens), spec_s + r.elapsed_s
         taus.append(r.stats().get("tau"))
         a = target_generate(t, p, max_new, eos_ids=eos)

@@ -3,7 +3,7 @@
 # its Python package, cuda-python, and this project installed with the export/ort extras):
 #   1. builds plugins/ for the present GPU (CMAKE_CUDA_ARCHITECTURES=native) -> libdflash2_plugins.so;
 #   2. exports a make-tiny pair and SmolLM2-135M with the packaged trained DFlash 2 drafter (dflash2 demo's);
-#   3. builds their TensorRT engines (plugin variant) with dflash2-export build-engines;
+#   3. builds their TensorRT engines (plugin variant) with dflash2 build-engines;
 #   4. runs benchmarks/trt_gpu_check.py: TensorRT = ONNX Runtime token for token, graph replay = eager,
 #      speculative vs autoregressive tokens/s, selector share of a cycle, launch gaps (prints the table).
 # Usage: benchmarks/trt_gpu_check.sh [work-dir]   (default: build/trt-gpu-check under the repo root)
@@ -44,6 +44,6 @@ drafter="$(python -c 'from dflash2_trt.cli import demo_drafter_path; print(demo_
   --drafter "${drafter}" --out "${work}/smollm2-export" --max-seq-len 1024 --quiet
 
 for d in tiny-export smollm2-export; do
-  dflash2-export build-engines "${work}/${d}" --plugin "${plugin}" --selector both
+  dflash2 build-engines "${work}/${d}" --plugin "${plugin}" --selector both
 done
 python benchmarks/trt_gpu_check.py "${work}/tiny-export" "${work}/smollm2-export" "$@"

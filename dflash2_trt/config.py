@@ -22,7 +22,6 @@ from dflash2_trt.errors import DFlash2Error
 
 ARCH_V2 = "DFlash2DraftModel"
 ARCH_V1 = "DFlashDraftModel"
-SELECTOR_MODES = ("greedy", "viterbi")
 
 # Fields stored inside the `dflash_config` block (the rest are top-level Qwen3 fields).
 _DFLASH_KEYS = (

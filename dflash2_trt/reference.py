@@ -24,22 +24,10 @@ Conventions (shared by all implementations):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-MODES = ("greedy", "viterbi")
+from dflash2_trt.vocabulary import SELECTOR_MODES
 
-
-def topk_sorted(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k along the last axis, sorted descending, ties broken by lower vocab id first.
-
-    logits: [..., V] -> (values [..., k], ids [..., k] int64)
-    """
-    # stable argsort of the negated values keeps the lower id first among equal logits
-    ids = np.argsort(-logits, axis=-1, kind="stable")[..., :k]  # [..., k]
-    vals = np.take_along_axis(logits, ids, axis=-1)  # [..., k]
-    return vals, ids
 
 
 def lattice(
@@ -89,8 +77,8 @@ def walk_one(
     uniforms: np.ndarray | None,  # [L] float, needed when temperature > 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Walk one lattice. Returns (chosen indices [L] int64, proposals [L, K] float64)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in SELECTOR_MODES:
+        raise ValueError(f"mode must be one of {SELECTOR_MODES}, got {mode!r}")
     L, K, _ = S.shape
     idx = np.zeros(L, dtype=np.int64)
     q = np.zeros((L, K), dtype=np.float64)
@@ -169,33 +157,6 @@ def select_paths(
     return path_ids, path_idx, props
 
 
-def brute_force_best_path(S: np.ndarray) -> tuple[np.ndarray, float]:
-    """Exhaustive max over all K**L chains of one lattice (tests only). Ties: lexicographically lowest."""
-    import itertools
-
-    L, K, _ = S.shape
-    best, best_idx = -np.inf, None
-    for combo in itertools.product(range(K), repeat=L):
-        s = S[0, 0, combo[0]] + sum(S[t, combo[t - 1], combo[t]] for t in range(1, L))
-        if s > best:
-            best, best_idx = s, combo
-    return np.array(best_idx, dtype=np.int64), float(best)
-
-
-def chain_distribution(S: np.ndarray, temperature: float) -> dict[tuple[int, ...], float]:
-    """Exact probability of every chain under exp(score / T) (tests only)."""
-    import itertools
-
-    L, K, _ = S.shape
-    logits = {}
-    for combo in itertools.product(range(K), repeat=L):
-        s = S[0, 0, combo[0]] + sum(S[t, combo[t - 1], combo[t]] for t in range(1, L))
-        logits[combo] = s / temperature
-    m = max(logits.values())
-    z = sum(np.exp(v - m) for v in logits.values())
-    return {c: float(np.exp(v - m) / z) for c, v in logits.items()}
-
-
 # ----------------------------------------------------------------------------------------------------
 # Acceptance (SPEC §3 rejection rule, §4 step d)
 # ----------------------------------------------------------------------------------------------------
@@ -267,52 +228,3 @@ def acceptance_stats(accepted: list[int], block_rows: list[int]) -> dict:
         "per_position_cumulative": cum,
         "per_position_conditional": cond,
     }
-
-
-@dataclass
-class GenerationResult:
-    """One request's output and per-cycle counts; shared by the PyTorch loop and the runtime loop."""
-
-    prompt_tokens: list[int]
-    tokens: list[int] = field(default_factory=list)  # generated (EOS included when hit)
-    accepted: list[int] = field(default_factory=list)  # per cycle: accepted drafts
-    proposed: list[int] = field(default_factory=list)  # per cycle: drafts verified
-    oracle_accepted: list[int] = field(default_factory=list)  # per cycle: oracle top-K count
-    elapsed_s: float = 0.0  # wall time excluding oracle measurement passes
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def stats(self) -> dict:
-        """SPEC §4 metrics: acceptance_stats + oracle_tau (None when not measured)."""
-        s = acceptance_stats(self.accepted, self.proposed)
-        s["oracle_tau"] = float(np.mean(np.asarray(self.oracle_accepted) + 1)) if self.oracle_accepted else None
-        return s
-
-
-def oracle_count(forward, crop, cand: np.ndarray, drafts: list[int], n_rows: int, accepted: int,  # noqa: ANN001
-                 bonus: int, pos: int) -> int:
-    """Oracle top-K count of one cycle (SPEC §4): leading rows whose target continuation is among the row's
-    candidates ``cand`` [L, K]. The continuation is the committed prefix (accepted drafts + bonus) followed by
-    the target's argmax tokens, obtained with extra passes ``forward(ids) -> logits [m, V]`` at the
-    positions after the committed prefix; ``crop(length)`` restores the cache after each pass.
-    """
-    known = list(drafts[:accepted]) + [bonus]  # known[i]: target token for draft row i
-    base = pos + accepted + 1  # cache length after commit: positions <= pos + accepted
-    o = 0
-    while o < n_rows:
-        if o == len(known):
-            fed = known[accepted:] + drafts[len(known):n_rows]  # positions base.. ; filler = drafts
-            logits = forward(fed)
-            crop(base)
-            am = np.asarray(logits).argmax(-1).tolist()
-            j = len(known) - accepted - 1  # fed index whose logits predict row len(known)
-            known.append(am[j])
-            while len(known) < n_rows and j + 1 < len(fed) and fed[j + 1] == known[-1]:
-                j += 1
-                known.append(am[j])
-        if known[o] not in cand[o].tolist():
-            break
-        o += 1
-    return o

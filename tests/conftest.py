@@ -35,14 +35,14 @@ def tiny_drafter(tiny_dir, tiny_target):
     return d
 
 
-def with_block_size(drafter, bs: int, use_conv: bool = True, use_selector: bool = True):
-    """The same weights under another block size / ablation (weights do not depend on bs)."""
+def with_block_size(drafter, bs: int, use_conv: bool = True):
+    """The same weights under another block size / convolutions-off ablation (weights do not depend on bs)."""
     from dflash2_trt.model import DFlash2Drafter
 
     d = DFlash2Drafter(drafter.config.replace(block_size=bs))
     d.load_state_dict(drafter.state_dict(), strict=True)
     d.bind_target(drafter.embed_weight, drafter.lm_head_weight)
-    d.set_ablation(use_conv=use_conv, use_selector=use_selector)
+    d.set_ablation(use_conv=use_conv)
     return d.eval()
 
 

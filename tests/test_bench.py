@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dflash2_trt import DFlash2Error
-from dflash2_trt.runtime.prompts import load_prompts
+from dflash2_trt.bench.prompts import load_prompts
 
 KEYS = {"backend", "n_prompts", "tau", "per_position_cumulative", "per_position_conditional", "oracle_tau",
         "spec_tokens_per_s", "ar_tokens_per_s", "speedup", "lossless"}

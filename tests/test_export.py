@@ -11,38 +11,44 @@ import pytest
 import torch
 
 from dflash2_trt import DFlash2Error, reference as ref
+from dflash2_trt.manifest import PluginSpec, TensorSpec
 from dflash2_trt.export import selector_contract as sc
+from dflash2_trt.bench.oracle import oracle_count
 
 
 def test_layout_manifest_and_checker(tiny_export):
     import onnx
 
-    from dflash2_trt.runtime.manifest import load_manifest
+    import jsonschema
 
-    m = load_manifest(tiny_export)
-    assert m["opset"] == 17 and m["dtype"] == "fp32" and m["block_size"] == 16 and m["max_seq_len"] == 512
-    assert set(m["graphs"]) == {"target", "drafter_context", "drafter_block", "drafter_head_independent",
+    from dflash2_trt.manifest import SCHEMA_FILE, read_manifest
+
+    jsonschema.validate(json.loads((tiny_export / "manifest.json").read_text()), json.loads(SCHEMA_FILE.read_text()))
+    m = read_manifest(tiny_export)
+    assert m.opset == 17 and m.dtype == "fp32" and m.block_size == 16 and m.max_seq_len == 512
+    assert m.num_draft_rows == 15 and m.draft_modes == ("greedy", "viterbi", "independent")
+    assert set(m.graphs) == {"target", "drafter_context", "drafter_block", "drafter_head_independent",
                                 "drafter_head_greedy", "drafter_head_viterbi", "drafter_head_greedy_plugin",
                                 "drafter_head_viterbi_plugin"}
-    assert [o["name"] for o in m["graphs"]["drafter_head_independent"]["outputs"]] == ["logits"]
-    assert m["plugin"] == {"op_type": "DFlash2PathSelector", "domain": "trt.plugins", "plugin_version": "1",
-                           "plugin_namespace": ""}
-    assert {"tokenizer.json", "tokenizer_config.json", "weights.bin"} <= set(m["files"])
-    assert m["project_version"] and m["manifest_version"] == 1
-    tio = m["graphs"]["target"]
-    assert [i["name"] for i in tio["inputs"][:3]] == ["input_ids", "position_ids", "attention_mask"]
-    assert tio["inputs"][3] == {"name": "past_key_values.0.key", "dtype": "float32", "shape": ["batch", 2, "capacity", 16]}
-    assert [o["name"] for o in tio["outputs"][:3]] == ["logits", "context_features", "present.0.key"]
-    assert [o["name"] for o in m["graphs"]["drafter_head_greedy"]["outputs"]] == ["cand_ids", "path_ids",
-                                                                               "proposal_probs"]
+    assert [o.name for o in m.graphs["drafter_head_independent"].outputs] == ["logits"]
+    assert m.plugin == PluginSpec(op_type="DFlash2PathSelector", domain="trt.plugins", plugin_version="1",
+                                  plugin_namespace="")
+    assert {"tokenizer.json", "tokenizer_config.json", "weights.bin"} <= set(m.files)
+    assert m.project_version and m.manifest_version == 2
+    tio = m.graphs["target"]
+    assert [i.name for i in tio.inputs[:3]] == ["input_ids", "position_ids", "attention_mask"]
+    assert tio.inputs[3] == TensorSpec(name="past_key_values.0.key", dtype="float32", shape=("batch", 2, "capacity", 16))
+    assert [i.name for i in tio.inputs[3:]] == m.target_kv_names()
+    assert [o.name for o in tio.outputs[:3]] == ["logits", "context_features", "present.0.key"]
+    assert [o.name for o in m.graphs["drafter_head_greedy"].outputs] == ["cand_ids", "path_ids", "proposal_probs"]
     sc.register_schema()
-    for g in m["graphs"].values():
-        model = onnx.load(str(tiny_export / g["file"]), load_external_data=False)
+    for g in m.graphs.values():
+        model = onnx.load(str(tiny_export / g.file), load_external_data=False)
         assert not {n.op_type for n in model.graph.node} & {"If", "Loop", "Scan"}  # capturable
-        onnx.checker.check_model(str(tiny_export / g["file"]), full_check=True)
+        onnx.checker.check_model(str(tiny_export / g.file), full_check=True)
     # the shared weights file holds each tensor once: smaller than the parameters of all graphs together
     assert (tiny_export / "weights.bin").stat().st_size < 2_000_000
-    assert all(v < 2e-3 for k, v in m["verification"].items() if not k.endswith("_match"))
+    assert all(v < 2e-3 for k, v in m.verification.items() if not k.endswith("_match"))
 
 
 def test_plugin_variant_has_exactly_the_contract_node(tiny_export):
@@ -78,13 +84,13 @@ def _session(path):
 @pytest.mark.parametrize("mode", ["greedy", "viterbi"])
 def test_decomposed_selector_equals_numpy_twin(tiny_drafter, mode, tmp_path):
     """The decomposed selector graph alone vs reference.select_paths on fresh random inputs, incl. ties."""
-    from dflash2_trt.export import graphs, onnx_utils
+    from dflash2_trt.export import onnx_graphs, onnx_utils
 
     rng = np.random.default_rng(7)
     V, r, L, K, B = 40, 6, 5, 4, 6
     A = rng.standard_normal((V, r)).astype(np.float32)
     Bc = rng.standard_normal((V, r)).astype(np.float32)
-    sel = graphs.DecomposedSelector(torch.from_numpy(A), torch.from_numpy(Bc), mode).eval()
+    sel = onnx_graphs.DecomposedSelector(torch.from_numpy(A), torch.from_numpy(Bc), mode).eval()
     names = ["cand_ids", "unary", "hidden_proj", "anchor_ids", "temperature", "uniforms"]
     args = (torch.zeros(2, L, K, dtype=torch.int32), torch.zeros(2, L, K), torch.zeros(2, L, r),
             torch.zeros(2, dtype=torch.int32), torch.zeros(2), torch.zeros(2, L))
@@ -98,7 +104,7 @@ def test_decomposed_selector_equals_numpy_twin(tiny_drafter, mode, tmp_path):
             unary = -np.sort(-rng.integers(-2, 3, (B, L, K)).astype(np.float32), axis=-1)
             g = rng.integers(-1, 2, (B, L, r)).astype(np.float32)
             feedA, feedB = np.round(A), np.round(Bc)
-            s_t = _session_bytes(onnx_utils.trace(graphs.DecomposedSelector(torch.from_numpy(feedA),
+            s_t = _session_bytes(onnx_utils.trace(onnx_graphs.DecomposedSelector(torch.from_numpy(feedA),
                                  torch.from_numpy(feedB), mode).eval(), args, names, ["path_ids", "proposal_probs"],
                                  {n: {0: "batch"} for n in [*names, "path_ids", "proposal_probs"]}, 17))
         else:
@@ -123,7 +129,7 @@ def _session_bytes(model):
 
 def test_target_graph_matches_hf_logits(tiny_target):
     """The export-only target module vs the HF model (chunked through a capacity buffer with stale slots)."""
-    from dflash2_trt.export.graphs import TargetGraph
+    from dflash2_trt.export.onnx_graphs import TargetGraph
 
     g = TargetGraph(tiny_target.model, [0, 2]).eval()
     ids = torch.randint(4, 500, (19,))
@@ -162,14 +168,19 @@ def test_graphs_match_pytorch_on_random_inputs(tiny_export, tiny_target, tiny_dr
 
 
 def test_block_size_override_and_cli(tiny_dir, tmp_path, capsys):
+    from dflash2_trt.cli import main as dflash2_main
     from dflash2_trt.export.cli import main
 
     out = tmp_path / "bs4"
     assert main(["--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), "--out", str(out),
                  "--block-size", "4", "--opset", "18", "--max-seq-len", "256", "--quiet"]) == 0
     m = json.loads((out / "manifest.json").read_text())
-    assert m["block_size"] == 4 and m["opset"] == 18 and m["drafter"]["dflash_config"]["block_size"] == 4
+    assert "block_size" not in m and m["opset"] == 18 and m["drafter"]["dflash_config"]["block_size"] == 4
     assert m["graphs"]["drafter_head_greedy"]["outputs"][1]["shape"] == ["batch", 3]
+    assert "exported 8 graphs" in capsys.readouterr().out
+    # `dflash2 export` is the same command
+    assert dflash2_main(["export", "--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"),
+                         "--out", str(out), "--block-size", "4", "--max-seq-len", "256", "--quiet", "--no-verify"]) == 0
     assert "exported 8 graphs" in capsys.readouterr().out
 
 
@@ -230,7 +241,8 @@ def test_dflash_v1_drafter_exports_and_runs(tiny_dir, tiny_target, tiny_drafter,
     runtime decodes like the PyTorch v1 drafter, losslessly; the selector modes are refused clearly."""
     from dflash2_trt.config import ARCH_V1
     from dflash2_trt.export.exporter import export_model
-    from dflash2_trt.generate import TorchDraftSource, speculative_generate, target_generate
+    from dflash2_trt.runtime.torch_backend import TorchDraftSource
+    from torch_ref import ref_autoregressive, ref_speculative
     from dflash2_trt.model import DFlash2Drafter, save_drafter
     from dflash2_trt.runtime import decoder as D
     from dflash2_trt.runtime.backends import open_backend
@@ -241,9 +253,9 @@ def test_dflash_v1_drafter_exports_and_runs(tiny_dir, tiny_target, tiny_drafter,
     save_drafter(v1, tmp_path / "v1")
     out = tmp_path / "v1-export"
     m = export_model(tiny_dir / "target", tmp_path / "v1", out, progress=False, max_seq_len=256)
-    assert set(m["graphs"]) == {"target", "drafter_context", "drafter_block", "drafter_head_independent"}
-    assert m["verification"]["drafter_head_independent.argmax_match"] == 1.0
-    be = open_backend(out, "ort")
+    assert set(m.graphs) == {"target", "drafter_context", "drafter_block", "drafter_head_independent"}
+    assert m.verification["drafter_head_independent.argmax_match"] == 1.0 and m.draft_modes == ("independent",)
+    be, _ = open_backend(out, "ort")
     with pytest.raises(DFlash2Error, match="no 'greedy' draft head.*--no-selector"):
         be.draft_runner("greedy")
     v1.bind_target(tiny_target.embed_weight, tiny_target.lm_head_weight)
@@ -251,7 +263,7 @@ def test_dflash_v1_drafter_exports_and_runs(tiny_dir, tiny_target, tiny_drafter,
     rng = np.random.default_rng(21)
     for _ in range(3):
         p = rng.integers(4, 500, size=int(rng.integers(1, 20))).tolist()
-        want = speculative_generate(tiny_target, TorchDraftSource(v1.eval()), p, 20, eos_ids=set(), layer_ids=[0, 2])
-        got = D.speculative_generate(target, drafter, p, 20, eos_ids=set())
+        want = ref_speculative(tiny_target, TorchDraftSource(v1.eval(), "independent"), p, 20, eos_ids=set(), layer_ids=[0, 2])
+        got = D.speculative_generate(target, drafter, p, 20, eos_ids=set(), oracle=oracle_count)
         assert got.tokens == want.tokens and got.stats() == want.stats()
-        assert got.tokens == target_generate(tiny_target, p, 20, eos_ids=set()).tokens
+        assert got.tokens == ref_autoregressive(tiny_target, p, 20, eos_ids=set()).tokens

@@ -10,8 +10,10 @@ import torch
 
 from conftest import with_block_size
 from dflash2_trt import DFlash2Error
-from dflash2_trt.generate import TorchDraftSource, speculative_generate, target_generate
+from dflash2_trt.runtime.torch_backend import TorchDraftSource
+from torch_ref import ref_autoregressive, ref_speculative
 from dflash2_trt.runtime.base import Draft
+from dflash2_trt.vocabulary import INDEPENDENT
 
 N_PROMPTS = 50
 MAX_NEW = 24
@@ -25,7 +27,7 @@ def _prompts(vocab, n=N_PROMPTS, seed=1234):
 @pytest.fixture(scope="module")
 def ar_refs(tiny_target):
     prompts = _prompts(tiny_target.vocab_size)
-    return prompts, [target_generate(tiny_target, p, MAX_NEW, eos_ids=set()).tokens for p in prompts]
+    return prompts, [ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens for p in prompts]
 
 
 GRID = list(itertools.product((2, 8, 16), ("greedy", "viterbi"), (True, False), (True, False)))
@@ -39,11 +41,11 @@ def test_lossless_greedy_grid(tiny_target, tiny_drafter, ar_refs):
     for i, (p, want) in enumerate(zip(prompts, refs)):
         for j in range(2):  # two combinations per prompt -> each of the 24 combinations >= 4 times
             bs, mode, conv, selector = GRID[(2 * i + j) % len(GRID)]
-            key = (bs, conv, selector)
+            key = (bs, conv)
             if key not in drafters:
-                drafters[key] = with_block_size(tiny_drafter, bs, conv, selector)
+                drafters[key] = with_block_size(tiny_drafter, bs, conv)
             d = drafters[key]
-            res = speculative_generate(tiny_target, TorchDraftSource(d, mode), p, MAX_NEW, eos_ids=set(),
+            res = ref_speculative(tiny_target, TorchDraftSource(d, mode if selector else INDEPENDENT), p, MAX_NEW, eos_ids=set(),
                                        layer_ids=d.config.target_layer_ids)
             assert res.tokens == want, (bs, mode, conv, selector, p)
             assert sum(a + 1 for a in res.accepted) == len(want) - 1  # every token after the first is committed by a cycle
@@ -98,7 +100,7 @@ def test_lossless_with_high_acceptance(tiny_target, tiny_drafter, ar_refs, bs):
     seen_acc = set()
     for p, want in zip(prompts[:20], refs[:20]):
         src = OracleSource(d, p, want, rng)
-        res = speculative_generate(tiny_target, src, p, MAX_NEW, eos_ids=set(), layer_ids=d.config.target_layer_ids)
+        res = ref_speculative(tiny_target, src, p, MAX_NEW, eos_ids=set(), layer_ids=d.config.target_layer_ids)
         assert res.tokens == want
         seen_acc.update(res.accepted)
         # the loop accepts exactly the proposed correct prefix (capped by the rows verified)
@@ -113,19 +115,19 @@ def test_eos_and_max_tokens(tiny_target, tiny_drafter, ar_refs):
     eos = {want[5]}
     stop = want.index(want[5]) + 1
     src = OracleSource(with_block_size(tiny_drafter, 8), p, want, np.random.default_rng(0))
-    res = speculative_generate(tiny_target, src, p, MAX_NEW, eos_ids=eos, layer_ids=[0, 2])
+    res = ref_speculative(tiny_target, src, p, MAX_NEW, eos_ids=eos, layer_ids=[0, 2])
     assert res.tokens == want[:stop]
-    base = target_generate(tiny_target, p, MAX_NEW, eos_ids=eos)
+    base = ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=eos)
     assert base.tokens == want[:stop]
     for n in (1, 2, 9, 17):
-        r = speculative_generate(tiny_target, TorchDraftSource(tiny_drafter), p, n, eos_ids=set(), layer_ids=[0, 2])
+        r = ref_speculative(tiny_target, TorchDraftSource(tiny_drafter), p, n, eos_ids=set(), layer_ids=[0, 2])
         assert r.tokens == want[:n]
 
 
 def test_metrics_consistent(tiny_target, tiny_drafter, ar_refs):
     prompts, refs = ar_refs
     src = OracleSource(with_block_size(tiny_drafter, 8), prompts[1], refs[1], np.random.default_rng(3))
-    res = speculative_generate(tiny_target, src, prompts[1], MAX_NEW, eos_ids=set(), layer_ids=[0, 2])
+    res = ref_speculative(tiny_target, src, prompts[1], MAX_NEW, eos_ids=set(), layer_ids=[0, 2])
     s = res.stats()
     assert s["cycles"] == len(res.accepted)
     assert s["tau"] == pytest.approx(np.mean(np.array(res.accepted) + 1))
@@ -138,13 +140,13 @@ def test_metrics_consistent(tiny_target, tiny_drafter, ar_refs):
 def test_bad_prompts(tiny_target, tiny_drafter):
     src = TorchDraftSource(tiny_drafter)
     with pytest.raises(DFlash2Error, match="out of range"):
-        speculative_generate(tiny_target, src, [1, tiny_target.vocab_size], 4, layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [1, tiny_target.vocab_size], 4, layer_ids=[0, 2])
     with pytest.raises(DFlash2Error, match="empty prompt"):
-        speculative_generate(tiny_target, src, [], 4, layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [], 4, layer_ids=[0, 2])
     with pytest.raises(DFlash2Error, match="does not fit"):
-        speculative_generate(tiny_target, src, [5] * 5000, 4, layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [5] * 5000, 4, layer_ids=[0, 2])
     with pytest.raises(DFlash2Error, match="max_new_tokens"):
-        speculative_generate(tiny_target, src, [5], 0, layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [5], 0, layer_ids=[0, 2])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -216,17 +218,16 @@ def test_sampling_preserves_target_distribution(small_pair, mode, use_selector):
     step (accepting every draft) is detected by the same statistic.
     """
     t, d = small_pair
-    d.set_ablation(use_selector=use_selector)
+    mode = mode if use_selector else INDEPENDENT
     prompt, T, N = [1, 2, 3], 1.0, 1000
     law = _exact_pair_law(t, prompt, T)
     counts = np.zeros((SMALL_V, SMALL_V))
     accepted_any = 0
     for seed in range(N):
-        r = speculative_generate(t, TorchDraftSource(d, mode), prompt, 3, temperature=T, eos_ids=set(), seed=seed,
+        r = ref_speculative(t, TorchDraftSource(d, mode), prompt, 3, temperature=T, eos_ids=set(), seed=seed,
                                  measure_oracle=False, layer_ids=[0, 1])
         counts[r.tokens[0], r.tokens[1]] += 1
         accepted_any += r.accepted[0] > 0
-    d.set_ablation(use_selector=True)
     assert accepted_any > N // 10  # drafts really were accepted, so the rejection rule was exercised
     pval = _chi2_pvalue(counts, law, N)
     assert pval > 1e-3, pval
@@ -234,7 +235,6 @@ def test_sampling_preserves_target_distribution(small_pair, mode, use_selector):
 
 def test_sampling_test_has_power(small_pair, monkeypatch):
     """Negative control: accept every draft (no rejection) and the chi-square test must reject."""
-    import dflash2_trt.generate as G
     import dflash2_trt.reference as ref
 
     t, d = small_pair
@@ -244,7 +244,7 @@ def test_sampling_test_has_power(small_pair, monkeypatch):
     law = _exact_pair_law(t, prompt, T)
     counts = np.zeros((SMALL_V, SMALL_V))
     for seed in range(N):
-        r = G.speculative_generate(t, TorchDraftSource(d, "greedy"), prompt, 3, temperature=T, eos_ids=set(),
+        r = ref_speculative(t, TorchDraftSource(d, "greedy"), prompt, 3, temperature=T, eos_ids=set(),
                                    seed=seed, measure_oracle=False, layer_ids=[0, 1])
         counts[r.tokens[0], r.tokens[1]] += 1
     assert _chi2_pvalue(counts, law, N) < 1e-3

@@ -11,9 +11,11 @@ import pytest
 
 from conftest import with_block_size
 from dflash2_trt import DFlash2Error
-from dflash2_trt.generate import TorchDraftSource, speculative_generate, target_generate
+from dflash2_trt.runtime.torch_backend import TorchDraftSource
+from torch_ref import ref_autoregressive, ref_speculative
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.backends import open_backend
+from dflash2_trt.bench.oracle import oracle_count
 
 MAX_NEW = 24
 
@@ -38,20 +40,20 @@ def _prompts(n, seed=99):
 
 @pytest.mark.parametrize("bs", [3, 16])
 def test_greedy_equals_pytorch_reference(exports, tiny_target, tiny_drafter, bs):
-    be = open_backend(exports[bs], "ort")
-    assert be.block_size == bs
+    be, _ = open_backend(exports[bs], "ort")
+    assert be.manifest.block_size == bs
     target = be.target_runner()
     d = with_block_size(tiny_drafter, bs)
     for i, p in enumerate(_prompts(4, seed=bs)):
         mode = ("greedy", "viterbi")[i % 2]
-        want = speculative_generate(tiny_target, TorchDraftSource(d, mode), p, MAX_NEW, eos_ids=set(),
+        want = ref_speculative(tiny_target, TorchDraftSource(d, mode), p, MAX_NEW, eos_ids=set(),
                                     layer_ids=[0, 2])
-        got = D.speculative_generate(target, be.draft_runner(mode), p, MAX_NEW, eos_ids=set())
+        got = D.speculative_generate(target, be.draft_runner(mode), p, MAX_NEW, eos_ids=set(), oracle=oracle_count)
         assert got.tokens == want.tokens  # token for token
         assert (got.accepted, got.proposed, got.oracle_accepted) == (want.accepted, want.proposed, want.oracle_accepted)
         assert got.stats() == want.stats()  # identical SPEC §4 metrics, oracle τ included
         ar = D.target_generate(target, p, MAX_NEW, eos_ids=set())
-        assert ar.tokens == got.tokens == target_generate(tiny_target, p, MAX_NEW, eos_ids=set()).tokens  # lossless
+        assert ar.tokens == got.tokens == ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens  # lossless
 
 
 @pytest.mark.parametrize("mode", ["greedy", "viterbi"])
@@ -59,26 +61,25 @@ def test_sampling_equals_pytorch_reference(tiny_export, tiny_target, tiny_drafte
     """Same seed, same random stream: rejection sampling reproduces the reference's samples. fp32 rounding
     differences (~1e-6) between ORT and PyTorch can move a draw that lands on a CDF boundary, so one
     divergent request of four is tolerated (the distributional test of the reference covers losslessness)."""
-    be = open_backend(tiny_export, "ort")
+    be, _ = open_backend(tiny_export, "ort")
     target, drafter = be.target_runner(), be.draft_runner(mode)
     same = 0
     for seed, p in enumerate(_prompts(4, seed=5)):
-        want = speculative_generate(tiny_target, TorchDraftSource(tiny_drafter, mode), p, MAX_NEW, temperature=0.8,
+        want = ref_speculative(tiny_target, TorchDraftSource(tiny_drafter, mode), p, MAX_NEW, temperature=0.8,
                                     eos_ids=set(), seed=seed, layer_ids=[0, 2], measure_oracle=False)
-        got = D.speculative_generate(target, drafter, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed,
-                                     measure_oracle=False)
+        got = D.speculative_generate(target, drafter, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed)
         same += got.tokens == want.tokens and got.accepted == want.accepted
         assert got.tokens[:3] == want.tokens[:3] and len(got.tokens) == MAX_NEW
     assert same >= 3
     p = _prompts(1, seed=8)[0]
-    ar_want = target_generate(tiny_target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1)
+    ar_want = ref_autoregressive(tiny_target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1)
     assert D.target_generate(target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1).tokens == ar_want.tokens
 
 
 def test_streaming_eos_and_cache_growth(tiny_export, tiny_target, tiny_drafter):
-    be = open_backend(tiny_export, "auto")
-    assert be.selection_note == ("TensorRT not available (the tensorrt Python package is not installed), "
-                                 "using ONNX Runtime (CPUExecutionProvider)")
+    be, note = open_backend(tiny_export, "auto")
+    assert note.startswith("TensorRT not available (TensorRT is not installed")
+    assert note.endswith("using ONNX Runtime (CPUExecutionProvider)")
     target = be.target_runner()
     p = _prompts(1, seed=3)[0]
     chunks: list[list[int]] = []
@@ -89,13 +90,13 @@ def test_streaming_eos_and_cache_growth(tiny_export, tiny_target, tiny_drafter):
     assert D.speculative_generate(target, be.draft_runner(), p, MAX_NEW, eos_ids=eos).tokens == res.tokens[:stop]
     # a long request crosses the 256-slot capacity step: buffers grow, output still lossless
     long_p = np.random.default_rng(0).integers(4, 500, 250).tolist()
-    got = D.speculative_generate(target, be.draft_runner("viterbi"), long_p, 40, eos_ids=set())
+    got = D.speculative_generate(target, be.draft_runner("viterbi"), long_p, 40, eos_ids=set(), oracle=oracle_count)
     assert target.kv.capacity == 512
-    assert got.tokens == target_generate(tiny_target, long_p, 40, eos_ids=set()).tokens
+    assert got.tokens == ref_autoregressive(tiny_target, long_p, 40, eos_ids=set()).tokens
 
 
 def test_runtime_bad_input(tiny_export, tmp_path):
-    be = open_backend(tiny_export, "ort")
+    be, _ = open_backend(tiny_export, "ort")
     target, drafter = be.target_runner(), be.draft_runner()
     with pytest.raises(DFlash2Error, match="out of range"):
         D.speculative_generate(target, drafter, [1, 512], 4)
@@ -130,10 +131,14 @@ def test_runtime_bad_input(tiny_export, tmp_path):
         (lambda d: (d / "target.onnx").unlink(), "target.onnx is missing"),
         (flip_byte, "checksum mismatch for .*weights.bin"),
         (lambda d: (d / "manifest.json").write_text("{not json"), "not valid JSON"),
-        (lambda d: (d / "manifest.json").unlink(), "not a dflash2-export folder"),
+        (lambda d: (d / "manifest.json").unlink(), "not a dflash2 export folder"),
         (manifest_edit(lambda m: m.update(manifest_version=99, project_version="9.0")), "manifest_version 99"),
         (manifest_edit(lambda m: m["drafter"].update(vocab_size=1000)), "does not fit the target"),
         (manifest_edit(lambda m: m["graphs"].pop("drafter_block")), "no 'drafter_block' graph"),
+        (manifest_edit(lambda m: m["target"].update(vocab_size="512")), r"manifest\.target\.vocab_size must be an int"),
+        (manifest_edit(lambda m: m["target"].pop("head_dim")), "manifest.target lacks the required field 'head_dim'"),
+        (manifest_edit(lambda m: m["graphs"]["target"].update(selector="magic")), "graphs.target.selector must be one"),
+        (manifest_edit(lambda m: m.update(dtype="int3")), "manifest.dtype must be one of"),
     ]
     for edit, msg in cases:
         with pytest.raises(DFlash2Error, match=msg):
@@ -172,8 +177,12 @@ def test_cli_generate_model_dir_matches_reference(tiny_dir, tiny_export, capsys)
     assert main(["generate", "--model-dir", str(tiny_export), "--prompt", "Hello world", "--max-new-tokens", "20",
                  "--stream", "--chat"]) == 0
     assert "tok/s on ONNX Runtime" in capsys.readouterr().out
-    assert main(["generate", "--model-dir", str(tiny_export), "--prompt", "x", "--no-conv"]) == 1
+    with pytest.raises(SystemExit):  # argparse's own error for a flag combination
+        main(["generate", "--model-dir", str(tiny_export), "--prompt", "x", "--no-conv"])
     assert "baked in at export" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model-dir", str(tiny_export), "--prompt", "x", "--selector", "viterbi", "--no-selector"])
+    assert "not allowed with argument" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--model-dir", str(tiny_export), "--target", str(tiny_dir / "target"), "--prompt", "x"])
 
@@ -181,14 +190,14 @@ def test_cli_generate_model_dir_matches_reference(tiny_dir, tiny_export, capsys)
 def test_no_selector_head_equals_pytorch(tiny_export, tiny_target, tiny_drafter):
     """The selector-off ablation of a DFlash 2 export (``drafter_head_independent``, ``--no-selector``) equals
     the PyTorch drafter with the selector off: tokens, metrics (oracle top-K τ included); lossless."""
-    be = open_backend(tiny_export, "ort")
+    be, _ = open_backend(tiny_export, "ort")
     target, drafter = be.target_runner(), be.draft_runner("independent")
-    d = with_block_size(tiny_drafter, 16, use_selector=False)
+    d = with_block_size(tiny_drafter, 16)
     for p in _prompts(3, seed=11):
-        want = speculative_generate(tiny_target, TorchDraftSource(d), p, MAX_NEW, eos_ids=set(), layer_ids=[0, 2])
-        got = D.speculative_generate(target, drafter, p, MAX_NEW, eos_ids=set())
+        want = ref_speculative(tiny_target, TorchDraftSource(d, "independent"), p, MAX_NEW, eos_ids=set(), layer_ids=[0, 2])
+        got = D.speculative_generate(target, drafter, p, MAX_NEW, eos_ids=set(), oracle=oracle_count)
         assert got.tokens == want.tokens and got.stats() == want.stats()
-        assert got.tokens == target_generate(tiny_target, p, MAX_NEW, eos_ids=set()).tokens
+        assert got.tokens == ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens
     with pytest.raises(DFlash2Error, match="draft mode must be one of"):
         be.draft_runner("beam")
 

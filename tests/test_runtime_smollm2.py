@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dflash2_trt.bench.oracle import oracle_count
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def test_smollm2_ort_lossless(smol_export):
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
-    be = open_backend(smol_export, "ort")
+    be, _ = open_backend(smol_export, "ort")
     tok = TextTokenizer(smol_export)
     target = be.target_runner()
     outs = []
@@ -46,11 +47,11 @@ def test_smollm2_ort_lossless(smol_export):
         assert len(tok.decode(got.tokens).strip()) > 0
         outs.append((ids, got.tokens))
     # and equal to the PyTorch target's own greedy decode (first prompt)
-    from dflash2_trt.generate import target_generate
+    from torch_ref import ref_autoregressive
     from dflash2_trt.target import TargetModel, smollm2_path
 
     ref = TargetModel.load(smollm2_path())
     hf_ids = ref.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
                                                tokenize=True)
     assert list(hf_ids["input_ids"] if hasattr(hf_ids, "keys") else hf_ids) == outs[0][0]
-    assert target_generate(ref, outs[0][0], MAX_NEW).tokens == outs[0][1]
+    assert ref_autoregressive(ref, outs[0][0], MAX_NEW).tokens == outs[0][1]

@@ -21,7 +21,8 @@ def smol():
 
 def test_smollm2_identity_drafter_lossless(smol):
     from dflash2_trt.config import DFlash2Config
-    from dflash2_trt.generate import TorchDraftSource, speculative_generate, target_generate
+    from dflash2_trt.runtime.torch_backend import TorchDraftSource
+    from torch_ref import ref_autoregressive, ref_speculative
     from dflash2_trt.model import DFlash2Drafter
 
     assert (smol.num_layers, smol.hidden_size, smol.vocab_size) == (30, 576, 49152)
@@ -36,8 +37,8 @@ def test_smollm2_identity_drafter_lossless(smol):
     for i, text in enumerate(PROMPTS):
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        want = target_generate(smol, ids, 20)
-        got = speculative_generate(smol, TorchDraftSource(d, ("greedy", "viterbi")[i % 2]), ids, 20,
+        want = ref_autoregressive(smol, ids, 20)
+        got = ref_speculative(smol, TorchDraftSource(d, ("greedy", "viterbi")[i % 2]), ids, 20,
                                    layer_ids=cfg.target_layer_ids)
         assert got.tokens == want.tokens
         assert len(tok.decode(got.tokens, skip_special_tokens=True).strip()) > 0

@@ -13,7 +13,9 @@ import pytest
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.export import engines as E
-from dflash2_trt.runtime.manifest import load_manifest
+import dataclasses
+
+from dflash2_trt.manifest import GraphSpec, TensorSpec, parse_engine_set, read_manifest
 from trt_fakes import FakeCuda, FakeTrt
 
 
@@ -40,41 +42,42 @@ def test_precision_plan_by_version_and_dtype():
 
 
 def test_profiles_cover_every_dynamic_input(tiny_export):
-    m = load_manifest(tiny_export, verify_checksums=False)  # bs 16, max_seq_len 512, step 256
+    m = read_manifest(tiny_export, verify_checksums=False)  # bs 16, max_seq_len 512, step 256
     tp = E.profiles_for(m, "target", 256)
-    assert [p["name"] for p in tp] == ["prefill", "step"]
-    shapes = E.input_shapes(m["graphs"]["target"], tp[1]["dims"])
+    assert [p.name for p in tp] == ["prefill", "step"]
+    shapes = E.input_shapes(m.graphs["target"], tp[1].dims)
     assert shapes["input_ids"] == ((1, 1), (1, 16), (1, 16))
     assert shapes["attention_mask"] == ((1, 257), (1, 272), (1, 528))
     assert shapes["past_key_values.0.key"] == ((1, 2, 256, 16), (1, 2, 256, 16), (1, 2, 512, 16))
-    assert E.input_shapes(m["graphs"]["target"], tp[0]["dims"])["input_ids"][2] == (1, 256)
+    assert E.input_shapes(m.graphs["target"], tp[0].dims)["input_ids"][2] == (1, 256)
     for key in E.graph_keys(m, "both"):
         for p in E.profiles_for(m, key, 64):
-            E.input_shapes(m["graphs"][key], p["dims"])  # raises if a dynamic dim is not covered
-    blk = E.input_shapes(m["graphs"]["drafter_block"], E.profiles_for(m, "drafter_block", 64)[0]["dims"])
+            E.input_shapes(m.graphs[key], p.dims)  # raises if a dynamic dim is not covered
+    blk = E.input_shapes(m.graphs["drafter_block"], E.profiles_for(m, "drafter_block", 64)[0].dims)
     assert blk["context_mask"] == ((1, 256), (1, 256), (1, 512))
-    head = E.input_shapes(m["graphs"]["drafter_head_greedy_plugin"],
-                          E.profiles_for(m, "drafter_head_greedy_plugin", 64)[0]["dims"])
+    head = E.input_shapes(m.graphs["drafter_head_greedy_plugin"],
+                          E.profiles_for(m, "drafter_head_greedy_plugin", 64)[0].dims)
     assert head["hidden"] == ((1, 16, 64),) * 3
     assert E.graph_keys(m, "plugin")[3:] == ["drafter_head_greedy_plugin", "drafter_head_viterbi_plugin"]
-    v1 = {"graphs": {k: g for k, g in m["graphs"].items() if "greedy" not in k and "viterbi" not in k}}
+    v1 = dataclasses.replace(m, graphs={k: g for k, g in m.graphs.items() if "greedy" not in k and "viterbi" not in k})
     with pytest.raises(DFlash2Error, match="without the candidate selector .*--no-selector"):
         E.graph_keys(v1, "plugin")
     with pytest.raises(DFlash2Error, match="no optimization profile covers"):
-        E.input_shapes({"inputs": [{"name": "x", "shape": ["mystery"]}]}, {"batch": [1, 1, 1]})
+        E.input_shapes(GraphSpec("x.onnx", "target", inputs=(TensorSpec("x", "float32", ("mystery",)),)),
+                       {"batch": (1, 1, 1)})
 
 
 def test_build_engines_without_tensorrt_is_one_line_and_leaves_export(export_copy, capsys):
-    from dflash2_trt.export.cli import main
+    from dflash2_trt.cli import main
 
     before = _snapshot(export_copy)
     assert main(["build-engines", str(export_copy)]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert err.startswith("dflash2-export: error: engines not built: TensorRT is not installed")
+    assert err.startswith("dflash2: error: engines not built: TensorRT is not installed")
     assert "intact" in err
     assert _snapshot(export_copy) == before
-    load_manifest(export_copy)  # still a valid export, checksums included
+    read_manifest(export_copy)  # still a valid export, checksums included
 
 
 def test_export_with_engines_flag_keeps_the_onnx_export(tiny_dir, tmp_path, capsys):
@@ -87,8 +90,8 @@ def test_export_with_engines_flag_keeps_the_onnx_export(tiny_dir, tmp_path, caps
     assert rc == 1
     assert [ln for ln in cap.err.splitlines() if ln.strip()] == [ln for ln in cap.err.splitlines() if "error" in ln]
     assert "TensorRT is not installed" in cap.err and len(cap.err.strip().splitlines()) == 1
-    m = load_manifest(out)  # the ONNX export was written and is complete
-    assert "engines" not in m and (out / "target.onnx").is_file()
+    m = read_manifest(out)  # the ONNX export was written and is complete
+    assert m.engines is None and (out / "target.onnx").is_file()
 
 
 def _build(export_dir, tmp_path, **kw):
@@ -114,24 +117,24 @@ def test_build_orchestration_with_fake_tensorrt(export_copy, tmp_path):
     tgt = trt.builds[0]
     assert len(tgt["profiles"]) == 2 and tgt["profiles"][1]["input_ids"] == [[1, 1], [1, 16], [1, 16]]
     # manifest: identity, plans, plugin copy, checksums of the new files; the ONNX export untouched
-    m = load_manifest(export_copy)
-    assert m["engines"] == entry
-    assert entry["tensorrt_version"] == "10.13.0.35" and entry["gpu"] == {"name": "FakeGPU H0",
-                                                                          "compute_capability": "9.0"}
-    assert entry["plugin"]["sha256"] == E.sha256_file(plugin)
-    d = entry["dir"]
-    assert {f"{d}/target.plan", f"{d}/timing.cache", f"{d}/libdflash2_plugins.so"} <= set(m["files"])
+    m = read_manifest(export_copy)
+    assert m.engines == entry
+    assert entry.tensorrt_version == "10.13.0.35" and (entry.gpu.name, entry.gpu.compute_capability) == (
+        "FakeGPU H0", "9.0")
+    assert entry.plugin is not None and entry.plugin.sha256 == E.sha256_file(plugin)
+    d = entry.dir
+    assert {f"{d}/target.plan", f"{d}/timing.cache", f"{d}/libdflash2_plugins.so"} <= set(m.files)
     after = _snapshot(export_copy)
     assert all(after[k] == v for k, v in onnx_before.items())
     assert not [p for p in export_copy.iterdir() if p.name.startswith(".")]  # no temp leftovers
     # a rebuild replaces the engines folder and carries the timing cache over
     entry2, trt2, _ = _build(export_copy, tmp_path, selector="decomposed")
-    assert entry2["dir"] != d and not (export_copy / d).exists()
-    assert set(entry2["plans"]) == {"target", "drafter_context", "drafter_block", "drafter_head_greedy",
-                                    "drafter_head_viterbi"}
-    assert entry2["plugin"] is None
-    m2 = load_manifest(export_copy)
-    assert not [k for k in m2["files"] if k.startswith(f"{d}/")]
+    assert entry2.dir != d and not (export_copy / d).exists()
+    assert set(entry2.plans) == {"target", "drafter_context", "drafter_block", "drafter_head_greedy",
+                                 "drafter_head_viterbi"}
+    assert entry2.plugin is None
+    m2 = read_manifest(export_copy)
+    assert not [k for k in m2.files if k.startswith(f"{d}/")]
 
 
 def test_weak_typing_flags_and_missing_plugin(export_copy, tmp_path, monkeypatch):
@@ -143,23 +146,26 @@ def test_weak_typing_flags_and_missing_plugin(export_copy, tmp_path, monkeypatch
         E.build_engines(export_copy, progress=False, trt_module=FakeTrt(cuda), api=cuda)
     entry, trt, _ = _build(export_copy, tmp_path, weak_typing=True, selector="decomposed")
     assert all(b["flags"] == 0 and b["set"] == [] for b in trt.builds)  # fp32 export: no precision flag
-    assert entry["strongly_typed"] is False
+    assert entry.strongly_typed is False
 
 
 def test_build_engines_cli_help_and_bad_selector(capsys):
+    from dflash2_trt.cli import main
+
     with pytest.raises(SystemExit) as e:
-        E.cli_main(["--help"])
+        main(["build-engines", "--help"])
     assert e.value.code == 0 and "--selector" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
-        E.cli_main(["DIR", "--selector", "nope"])
+        main(["build-engines", "DIR", "--selector", "nope"])
     assert e.value.code == 2
 
 
 def test_identity_mismatch_messages():
-    from dflash2_trt.runtime.trt_backend import check_engine_identity
+    from dflash2_trt.runtime.trt_env import check_engine_identity
 
-    entry = {"tensorrt_version": "10.13.0.35", "gpu": {"name": "NVIDIA H200", "compute_capability": "9.0"},
-             "plugin": {"file": "engines-x/libdflash2_plugins.so", "sha256": "ab" * 32}}
+    entry = parse_engine_set({"dir": "engines-x", "tensorrt_version": "10.13.0.35", "plans": {},
+                              "gpu": {"name": "NVIDIA H200", "compute_capability": "9.0"},
+                              "plugin": {"file": "engines-x/libdflash2_plugins.so", "sha256": "ab" * 32}})
     here = {"tensorrt_version": "10.13.0.35", "gpu": {"name": "NVIDIA H200", "compute_capability": "9.0"}}
     check_engine_identity(entry, here, "ab" * 32)
     with pytest.raises(DFlash2Error, match=r"built with TensorRT 10\.13\.0\.35, this is TensorRT 10\.3\.0\.30.*"
@@ -172,7 +178,7 @@ def test_identity_mismatch_messages():
         check_engine_identity(entry, here, "cd" * 32)
     with pytest.raises(DFlash2Error, match="library was not found"):
         check_engine_identity(entry, here, None)
-    check_engine_identity(dict(entry, plugin=None), here, None)  # decomposed engines need no plugin
+    check_engine_identity(dataclasses.replace(entry, plugin=None), here, None)  # decomposed engines need no plugin
 
 
 def test_manifest_json_stays_valid_json(export_copy, tmp_path):

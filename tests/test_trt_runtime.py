@@ -138,7 +138,7 @@ def test_capture_failure_runs_eagerly_and_decoder_loop_runs(fake_engines):
     cuda.fail_capture = True
     be, trt, _ = _open(fake_engines, cuda=cuda)
     tgt, dr = be.target_runner(), be.draft_runner("greedy")
-    res = speculative_generate(tgt, dr, list(range(1, 30)), max_new_tokens=40, eos_ids=set(), measure_oracle=False)
+    res = speculative_generate(tgt, dr, list(range(1, 30)), max_new_tokens=40, eos_ids=set())
     assert len(res.tokens) == 40 and len(res.accepted) >= 2
     # every step's capture failed once, then ran eagerly: nothing captured, nothing replayed
     assert be.graphs.stats.fallbacks >= 2 and len(be.graphs) == 0 and be.graphs.stats.replays == 0
@@ -167,22 +167,19 @@ def test_decomposed_head_used_when_only_it_is_built(tiny_export, tmp_path):
 
 
 def test_auto_falls_back_to_ort_saying_why(fake_engines):
-    from dflash2_trt.runtime.backends import open_backend, tensorrt_unavailable_reason
+    from dflash2_trt.runtime.backends import open_backend
 
-    reason = tensorrt_unavailable_reason(fake_engines)
-    assert reason == "the tensorrt Python package is not installed"
-    be = open_backend(fake_engines, "auto")
+    be, note = open_backend(fake_engines, "auto")
     assert be.name == "ort"
-    assert be.selection_note.startswith("TensorRT not available (the tensorrt Python package is not installed)")
-    assert "using ONNX Runtime" in be.selection_note
-    with pytest.raises(DFlash2Error, match="TensorRT backend unavailable: the tensorrt Python package is not installed"):
+    assert note.startswith("TensorRT not available (TensorRT is not installed")
+    assert "using ONNX Runtime" in note
+    with pytest.raises(DFlash2Error, match="TensorRT backend unavailable: TensorRT is not installed"):
         open_backend(fake_engines, "trt")
 
 
 def test_no_engines_message(tiny_export):
-    from dflash2_trt.runtime.trt_backend import trt_unavailable_reason
+    from dflash2_trt.runtime.base import BackendUnavailable
 
     cuda = FakeCuda()
-    with pytest.raises(DFlash2Error, match="has no TensorRT engines: build them with dflash2-export build-engines"):
+    with pytest.raises(BackendUnavailable, match="has no TensorRT engines: build them with dflash2 build-engines"):
         TrtBackend(tiny_export, trt_module=FakeTrt(cuda), api=cuda)
-    assert "TensorRT is not installed" in trt_unavailable_reason(tiny_export)

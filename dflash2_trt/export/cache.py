@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from dflash2_trt.runtime.manifest import MANIFEST_FILE
+from dflash2_trt.manifest import MANIFEST_FILE
 
 
 def _source_digest() -> str:

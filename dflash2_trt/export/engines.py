@@ -1,7 +1,7 @@
-"""TensorRT engines for an export folder: ``dflash2-export build-engines DIR`` (or ``dflash2-export ... --engines``).
+"""TensorRT engines for an export folder: ``dflash2 build-engines DIR`` (or ``dflash2 export ... --engines``).
 
-    dflash2-export build-engines DIR [--plugin LIB] [--selector plugin|decomposed|both]
-                                     [--weak-typing] [--tf32] [--workspace-gib N] [--prefill-rows N] [--quiet]
+    dflash2 build-engines DIR [--plugin LIB] [--selector plugin|decomposed|both]
+                              [--weak-typing] [--tf32] [--workspace-gib N] [--prefill-rows N] [--quiet]
 
 Each graph is parsed by the TensorRT ONNX parser *from its file* (so ``weights.bin`` resolves) after
 ``libdflash2_plugins.so`` is loaded into the plugin registry, and built into a plan::
@@ -36,7 +36,7 @@ profile table, precision plan, CLI and failure paths are tested on the CPU.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import shutil
 import sys
@@ -48,14 +48,15 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.manifest import (EnginePlan, EngineProfile, EngineSet, ExportManifest, GraphSpec, parse_engine_set,
+                                 read_manifest, sha256_file, write_manifest)
 from dflash2_trt.runtime.cuda_api import CudaApi
-from dflash2_trt.runtime.manifest import MANIFEST_FILE, head_key, load_manifest, sha256_file
-from dflash2_trt.runtime.trt_backend import ENGINES_KEY, PLUGIN_ENV, current_identity, import_tensorrt, version_tuple
+from dflash2_trt.runtime.trt_env import PLUGIN_ENV, current_identity, import_tensorrt, version_tuple
+from dflash2_trt.vocabulary import DTYPES, ENGINE_SELECTORS, SELECTOR_MODES, head_key
 
 if TYPE_CHECKING:
     import tensorrt as trt
 
-SELECTORS = ("plugin", "decomposed", "both")
 DEFAULT_PREFILL_ROWS = 256
 PLUGIN_NAME = "libdflash2_plugins.so"
 _REPO = Path(__file__).resolve().parents[2]
@@ -76,8 +77,8 @@ class PrecisionPlan:
 def precision_plan(trt_version: str, dtype: str, weak_typing: bool = False, tf32: bool = False) -> PrecisionPlan:
     """Builder settings that give the engines the export's precision on this TensorRT version."""
     v = version_tuple(trt_version)
-    if dtype not in ("fp32", "fp16", "bf16"):
-        raise DFlash2Error(f"export dtype must be fp32, fp16 or bf16, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise DFlash2Error(f"export dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     clear = () if tf32 else ("TF32",)
     if v[:1] >= (11,):
         if weak_typing:
@@ -89,65 +90,64 @@ def precision_plan(trt_version: str, dtype: str, weak_typing: bool = False, tf32
     return PrecisionPlan(False, {"fp32": (), "fp16": ("FP16",), "bf16": ("BF16",)}[dtype], clear)
 
 
-def graph_keys(manifest: dict[str, Any], selector: str) -> list[str]:
+def graph_keys(manifest: ExportManifest, selector: str) -> list[str]:
     """The graphs to build: target, drafter context and block, and the heads of the chosen variant(s)."""
-    if selector not in SELECTORS:
-        raise DFlash2Error(f"--selector must be one of {SELECTORS}, got {selector!r}")
-    if head_key("greedy") not in manifest["graphs"]:
+    if selector not in ENGINE_SELECTORS:
+        raise DFlash2Error(f"--selector must be one of {', '.join(ENGINE_SELECTORS)}, got {selector!r}")
+    if head_key(SELECTOR_MODES[0]) not in manifest.graphs:
         raise DFlash2Error("TensorRT engines for drafters without the candidate selector (DFlash v1) are not built "
                            "yet; run this export with ONNX Runtime (--backend ort --no-selector)")
     keys = ["target", "drafter_context", "drafter_block"]
-    for mode in ("greedy", "viterbi"):
+    for mode in SELECTOR_MODES:
         if selector in ("plugin", "both"):
             keys.append(head_key(mode, plugin=True))
         if selector in ("decomposed", "both"):
             keys.append(head_key(mode))
-    missing = [k for k in keys if k not in manifest["graphs"]]
+    missing = [k for k in keys if k not in manifest.graphs]
     if missing:
         raise DFlash2Error(f"the export has no {', '.join(missing)} graph(s)")
     return keys
 
 
-def profiles_for(manifest: dict[str, Any], key: str, prefill_rows: int) -> list[dict[str, Any]]:
-    """Optimization profiles of one graph as named dim ranges ``{dim: [min, opt, max]}``."""
-    bs = int(manifest["block_size"])
-    step = int(manifest.get("kv_capacity_step", 256))
-    cap = -(-int(manifest["max_seq_len"]) // step) * step
-    P = max(bs, min(int(prefill_rows), int(manifest["max_seq_len"])))
-    batch = [1, 1, 1]
-    capacity = [step, step, cap]
-    role = manifest["graphs"][key].get("role", key)
+def profiles_for(manifest: ExportManifest, key: str, prefill_rows: int) -> list[EngineProfile]:
+    """Optimization profiles of one graph as named dim ranges ``{dim: (min, opt, max)}``."""
+    bs = manifest.block_size
+    step = manifest.kv_capacity_step
+    P = max(bs, min(int(prefill_rows), manifest.max_seq_len))
+    batch = (1, 1, 1)
+    capacity = (step, step, manifest.max_capacity)
+    role = manifest.graphs[key].role
     if role == "target":
-        def tgt(rows: list[int]) -> dict[str, list[int]]:
+        def tgt(rows: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
             return {"batch": batch, "sequence": rows, "capacity": capacity,
-                    "capacity_plus_sequence": [capacity[i] + rows[i] for i in range(3)]}
-        return [{"name": "prefill", "dims": tgt([1, max(1, P // 2), P])}, {"name": "step", "dims": tgt([1, bs, bs])}]
+                    "capacity_plus_sequence": tuple(capacity[i] + rows[i] for i in range(3))}
+        return [EngineProfile("prefill", tgt((1, max(1, P // 2), P))), EngineProfile("step", tgt((1, bs, bs)))]
     if role == "drafter_context":
-        return [{"name": "prefill", "dims": {"batch": batch, "rows": [1, max(1, P // 2), P]}},
-                {"name": "step", "dims": {"batch": batch, "rows": [1, bs, bs]}}]
+        return [EngineProfile("prefill", {"batch": batch, "rows": (1, max(1, P // 2), P)}),
+                EngineProfile("step", {"batch": batch, "rows": (1, bs, bs)})]
     if role == "drafter_block":
-        return [{"name": "step", "dims": {"batch": batch, "context_capacity": capacity}}]
-    return [{"name": "step", "dims": {"batch": batch}}]
+        return [EngineProfile("step", {"batch": batch, "context_capacity": capacity})]
+    return [EngineProfile("step", {"batch": batch})]
 
 
-def input_shapes(graph: dict[str, Any], dims: dict[str, list[int]]
+def input_shapes(graph: GraphSpec, dims: dict[str, tuple[int, ...]]
                  ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
     """(min, opt, max) shape of every graph input from the profile's named dims (manifest I/O shapes)."""
     out = {}
-    for inp in graph["inputs"]:
+    for inp in graph.inputs:
         lo, opt, hi = [], [], []
-        for d in inp["shape"]:
+        for d in inp.shape:
             if isinstance(d, int):
-                r = [d, d, d]
+                r: tuple[int, ...] = (d, d, d)
             elif d in dims:
                 r = dims[d]
             else:
-                raise DFlash2Error(f"input {inp['name']} has a dynamic dimension {d!r} that no optimization "
+                raise DFlash2Error(f"input {inp.name} has a dynamic dimension {d!r} that no optimization "
                                    f"profile covers (known: {', '.join(sorted(dims))})")
             lo.append(int(r[0]))
             opt.append(int(r[1]))
             hi.append(int(r[2]))
-        out[inp["name"]] = (tuple(lo), tuple(opt), tuple(hi))
+        out[inp.name] = (tuple(lo), tuple(opt), tuple(hi))
     return out
 
 
@@ -192,8 +192,8 @@ def _parser_errors(parser: Any) -> str:
     return "; ".join(errs)[:600] or "unknown parser error"
 
 
-def _build_one(trt_mod: Any, logger: trt.ILogger, onnx_path: Path, graph: dict[str, Any],
-               profiles: list[dict[str, Any]], plan: PrecisionPlan, cache_blob: bytes | None,
+def _build_one(trt_mod: Any, logger: trt.ILogger, onnx_path: Path, graph: GraphSpec,
+               profiles: list[EngineProfile], plan: PrecisionPlan, cache_blob: bytes | None,
                shared: dict[str, Any], workspace: int | None) -> bytes:
     builder: trt.Builder = trt_mod.Builder(logger)
     flags = 0
@@ -221,10 +221,10 @@ def _build_one(trt_mod: Any, logger: trt.ILogger, onnx_path: Path, graph: dict[s
         config.set_timing_cache(shared["cache"], False)
     for p in profiles:
         prof = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in input_shapes(graph, p["dims"]).items():
+        for name, (lo, opt, hi) in input_shapes(graph, p.dims).items():
             prof.set_shape(name, trt_mod.Dims(lo), trt_mod.Dims(opt), trt_mod.Dims(hi))
         if config.add_optimization_profile(prof) < 0:
-            raise DFlash2Error(f"{onnx_path.name}: TensorRT refused optimization profile {p['name']!r}")
+            raise DFlash2Error(f"{onnx_path.name}: TensorRT refused optimization profile {p.name!r}")
     ser = builder.build_serialized_network(network, config)
     if ser is None:
         raise DFlash2Error(f"TensorRT could not build an engine from {onnx_path.name} (see the TensorRT log above)")
@@ -234,11 +234,11 @@ def _build_one(trt_mod: Any, logger: trt.ILogger, onnx_path: Path, graph: dict[s
 def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, selector: str = "plugin",
                   weak_typing: bool = False, tf32: bool = False, workspace_gib: float | None = None,
                   prefill_rows: int = DEFAULT_PREFILL_ROWS, progress: bool = True,
-                  trt_module: ModuleType | None = None, api: CudaApi | None = None) -> dict[str, Any]:
+                  trt_module: ModuleType | None = None, api: CudaApi | None = None) -> EngineSet:
     """Build the engines of an export folder and record them in its manifest; returns the ``engines`` entry.
     Raises DFlash2Error (folder untouched) when TensorRT, a GPU or the plugin library is missing."""
     d = Path(model_dir)
-    manifest = load_manifest(d, verify_checksums=True)
+    manifest = read_manifest(d, verify_checksums=True)
     keys = graph_keys(manifest, selector)
     if prefill_rows < 1:
         raise DFlash2Error(f"--prefill-rows must be >= 1, got {prefill_rows}")
@@ -249,46 +249,46 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
         api = CudaRuntime()
     ident = current_identity(trt_mod.__version__, api.device_info())
     plugin_path = None
-    if any(manifest["graphs"][k].get("selector") == "plugin" for k in keys):
+    if any(manifest.graphs[k].selector == "plugin" for k in keys):
         plugin_path = find_plugin_library(plugin)
         if plugin_path is None:
             raise DFlash2Error(f"the plugin variant needs {PLUGIN_NAME}: build it (cmake -S . -B build && cmake "
                                f"--build build, see plugins/pathSelector/README.md), pass --plugin or set "
                                f"${PLUGIN_ENV}; or build --selector decomposed")
-    plan = precision_plan(trt_mod.__version__, str(manifest["dtype"]), weak_typing, tf32)
+    plan = precision_plan(trt_mod.__version__, manifest.dtype, weak_typing, tf32)
     logger = trt_mod.Logger(trt_mod.Logger.WARNING)
     if plugin_path is not None and not trt_mod.get_plugin_registry().load_library(str(plugin_path)):
         raise DFlash2Error(f"TensorRT could not load the plugin library {plugin_path}")
-    old = manifest.get(ENGINES_KEY) or {}
+    old = manifest.engines
     cache_blob = None
-    if old.get("timing_cache") and (d / old["timing_cache"]).is_file():
-        cache_blob = (d / old["timing_cache"]).read_bytes()
+    if old is not None and old.timing_cache and (d / old.timing_cache).is_file():
+        cache_blob = (d / old.timing_cache).read_bytes()
     name = f"engines-{uuid.uuid4().hex[:8]}"
     tmp = d / f".{name}.tmp"
     tmp.mkdir()
     try:
         shared: dict[str, Any] = {}
-        plans: dict[str, Any] = {}
+        plans: dict[str, EnginePlan] = {}
         for i, key in enumerate(keys):
-            g = manifest["graphs"][key]
+            g = manifest.graphs[key]
             profiles = profiles_for(manifest, key, prefill_rows)
             t0 = time.perf_counter()
             if progress:
-                print(f"dflash2-export: building {key} ({i + 1}/{len(keys)})", file=sys.stderr, flush=True)
-            blob = _build_one(trt_mod, logger, d / g["file"], g, profiles, plan, cache_blob, shared,
+                print(f"dflash2: building {key} ({i + 1}/{len(keys)})", file=sys.stderr, flush=True)
+            blob = _build_one(trt_mod, logger, d / g.file, g, profiles, plan, cache_blob, shared,
                               int(workspace_gib * (1 << 30)) if workspace_gib else None)
             _atomic_write(tmp / f"{key}.plan", blob)
-            plans[key] = {"file": f"{name}/{key}.plan", "profiles": profiles,
-                          "build_s": round(time.perf_counter() - t0, 2)}
+            plans[key] = EnginePlan(f"{name}/{key}.plan", tuple(profiles), round(time.perf_counter() - t0, 2))
         _atomic_write(tmp / "timing.cache", bytes(memoryview(shared["cache"].serialize())))
         plug_entry = None
         if plugin_path is not None:
             shutil.copy2(plugin_path, tmp / PLUGIN_NAME)
             plug_entry = {"file": f"{name}/{PLUGIN_NAME}", "sha256": sha256_file(tmp / PLUGIN_NAME),
                           "source": str(plugin_path.resolve())}
-        entry = {"dir": name, **ident, "plugin": plug_entry, "selector": selector,
-                 "strongly_typed": plan.strongly_typed, "tf32": tf32, "dtype": manifest["dtype"],
-                 "prefill_rows": prefill_rows, "timing_cache": f"{name}/timing.cache", "plans": plans}
+        entry = parse_engine_set({"dir": name, **ident, "plugin": plug_entry, "selector": selector,
+                                  "strongly_typed": plan.strongly_typed, "tf32": tf32, "dtype": manifest.dtype,
+                                  "prefill_rows": prefill_rows, "timing_cache": f"{name}/timing.cache",
+                                  "plans": plans})
         tmp.rename(d / name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -298,28 +298,22 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
     except BaseException:
         shutil.rmtree(d / name, ignore_errors=True)
         raise
-    if old.get("dir") and old["dir"] != name:
-        shutil.rmtree(d / old["dir"], ignore_errors=True)
+    if old is not None and old.dir != name:
+        shutil.rmtree(d / old.dir, ignore_errors=True)
     return entry
 
 
-def update_manifest_engines(model_dir: Path, entry: dict[str, Any] | None) -> dict[str, Any]:
+def update_manifest_engines(model_dir: Path, entry: EngineSet | None) -> ExportManifest:
     """Replace the manifest's ``engines`` entry (None removes it) and the checksums of the files it lists,
     atomically. Other checksums are kept as they are (no rehash of the ONNX export)."""
-    mf = model_dir / MANIFEST_FILE
-    m: dict[str, Any] = json.loads(mf.read_text())
-    old = m.get(ENGINES_KEY) or {}
-    files = {k: v for k, v in m["files"].items() if not (old.get("dir") and k.startswith(f"{old['dir']}/"))}
+    m = read_manifest(model_dir, verify_checksums=False)
+    old = m.engines
+    files = {k: v for k, v in m.files.items() if not (old is not None and k.startswith(f"{old.dir}/"))}
     if entry is not None:
-        for p in sorted((model_dir / entry["dir"]).rglob("*")):
+        for p in sorted((model_dir / entry.dir).rglob("*")):
             if p.is_file():
                 files[p.relative_to(model_dir).as_posix()] = sha256_file(p)
-        m[ENGINES_KEY] = entry
-    else:
-        m.pop(ENGINES_KEY, None)
-    m["files"] = files
-    _atomic_write(mf, (json.dumps(m, indent=2) + "\n").encode())
-    return m
+    return write_manifest(model_dir, dataclasses.replace(m, engines=entry, files=files), rehash=False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,7 +323,7 @@ def update_manifest_engines(model_dir: Path, entry: dict[str, Any] | None) -> di
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", default=None, help=f"{PLUGIN_NAME} (default: ${PLUGIN_ENV}, else build/lib/)")
-    p.add_argument("--selector", choices=SELECTORS, default="plugin",
+    p.add_argument("--selector", choices=ENGINE_SELECTORS, default="plugin",
                    help="drafter head variant(s) to build (default: the plugin)")
     p.add_argument("--weak-typing", action="store_true", help="TensorRT 10.x: precision flags instead of strong typing")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 exports (not token-exact)")
@@ -337,7 +331,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-rows", type=int, default=DEFAULT_PREFILL_ROWS, help="max rows per prefill chunk")
 
 
-def run_build(model_dir: str | Path, a: argparse.Namespace, prog: str = "dflash2-export") -> int:
+def run_build(model_dir: str | Path, a: argparse.Namespace, prog: str = "dflash2") -> int:
     """Build and print one line; DFlash2Error -> one line on stderr, exit 1 (the ONNX export stays intact)."""
     try:
         e = build_engines(model_dir, plugin=a.plugin, selector=a.selector, weak_typing=a.weak_typing, tf32=a.tf32,
@@ -348,17 +342,6 @@ def run_build(model_dir: str | Path, a: argparse.Namespace, prog: str = "dflash2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted (the ONNX export in {model_dir} is intact)", file=sys.stderr)
         return 1
-    print(f"built {len(e['plans'])} TensorRT engines (TensorRT {e['tensorrt_version']}, {e['gpu']['name']}) "
-          f"in {Path(model_dir) / e['dir']}")
+    print(f"built {len(e.plans)} TensorRT engines (TensorRT {e.tensorrt_version}, {e.gpu.name}) "
+          f"in {Path(model_dir) / e.dir}")
     return 0
-
-
-def cli_main(argv: list[str] | None = None) -> int:
-    """``dflash2-export build-engines DIR [options]``."""
-    p = argparse.ArgumentParser(prog="dflash2-export build-engines",
-                                description="Build TensorRT engines for an export folder")
-    p.add_argument("dir", help="export folder (written by dflash2-export)")
-    add_engine_options(p)
-    p.add_argument("--quiet", action="store_true")
-    a = p.parse_args(argv)
-    return run_build(a.dir, a)

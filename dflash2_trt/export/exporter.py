@@ -13,9 +13,9 @@ graph passed ``onnx.checker`` and, where ONNX Runtime can run it, the comparison
     drafter_head_{mode}.plugin.onnx same, selector = one trt.plugins::DFlash2PathSelector node (TensorRT)
     weights.bin                     every initializer >= 1 KiB, stored once (shared by all graphs)
     tokenizer.json, tokenizer_config.json[, chat_template.jinja, special_tokens_map.json]
-    manifest.json                   see :mod:`dflash2_trt.runtime.manifest`
+    manifest.json                   see :mod:`dflash2_trt.manifest`
 
-KV caches use the capacity-buffer convention of :mod:`dflash2_trt.export.graphs`.
+KV caches use the capacity-buffer convention of :mod:`dflash2_trt.export.onnx_graphs`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.manifest import (FORMAT, INDEPENDENT, MANIFEST_FILE, MANIFEST_VERSION, head_key,
-                                         write_manifest)
+from dflash2_trt.manifest import (FORMAT, KV_CAPACITY_STEP, MANIFEST_FILE, MANIFEST_VERSION, ExportManifest,
+                                 parse_manifest, write_manifest)
+from dflash2_trt.vocabulary import DTYPES, INDEPENDENT, SELECTOR_MODES, head_key
 
-DTYPES = ("fp32", "fp16", "bf16")
 DEFAULT_OPSET = 17
-KV_CAPACITY_STEP = 256
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 #: bump when the graphs' content or conventions change (keys caches of exported models)
 EXPORTER_REVISION = 2
@@ -64,7 +63,7 @@ def export_model(
     max_seq_len: int | None = None,
     progress: bool = True,
     verify: bool = True,
-) -> dict[str, Any]:
+) -> ExportManifest:
     """Export and return the manifest. Raises :class:`DFlash2Error` on bad input; DIR is left untouched
     (absent or as it was) on any failure."""
     if dtype not in DTYPES:
@@ -94,12 +93,12 @@ def export_model(
 
 
 def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str,
-                 block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool) -> dict[str, Any]:
+                 block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool) -> ExportManifest:
     import numpy as np
     import torch
 
     from dflash2_trt import __version__
-    from dflash2_trt.export import graphs, onnx_utils
+    from dflash2_trt.export import onnx_graphs, onnx_utils
     from dflash2_trt.export import selector_contract as sc
     from dflash2_trt.model import load_drafter
     from dflash2_trt.target import TargetModel, resolve_target_path
@@ -118,7 +117,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     target = TargetModel.load(target_path)
     target_dir = resolve_target_path(target_path)
     target.check_drafter(drafter.config)
-    graphs.check_target_supported(target.model)
+    onnx_graphs.check_target_supported(target.model)
     cfg = drafter.config
     if block_size is not None and block_size != cfg.block_size:
         cfg = cfg.replace(block_size=block_size)
@@ -141,7 +140,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     nl, kvh = target.num_layers, int(hf_cfg.num_key_value_heads)
     d = int(target.model.model.layers[0].self_attn.head_dim)
     B = 2  # traced with batch 2 so no batch-1 shape gets baked in
-    bs, L, K, r = cfg.block_size, cfg.block_size - 1, cfg.selector_top_k, cfg.selector_rank
+    bs = cfg.block_size
     dkvh, dd = cfg.num_key_value_heads, cfg.head_dim
     models: dict[str, Any] = {}
     graph_meta: dict[str, dict] = {}
@@ -156,7 +155,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     dyn.update({n: {0: "batch", 2: "sequence"} for n in present})
     args = (torch.randint(0, target.vocab_size, (B, 3)), torch.arange(3).repeat(B, 1),
             torch.ones(B, 4 + 3, dtype=torch.long), *[torch.zeros(B, kvh, 4, d, dtype=tdt) for _ in kv_names])
-    models["target.onnx"] = onnx_utils.trace(graphs.TargetGraph(target.model, layer_ids).eval(), args,
+    models["target.onnx"] = onnx_utils.trace(onnx_graphs.TargetGraph(target.model, layer_ids).eval(), args,
                                              ["input_ids", "position_ids", "attention_mask", *kv_names],
                                              ["logits", "context_features", *present], dyn, opset)
     graph_meta["target"] = {"file": "target.onnx", "role": "target", "selector": None, "mode": None}
@@ -166,7 +165,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     dyn = {"context_features": {0: "batch", 1: "rows"}, "position_ids": {0: "batch", 1: "rows"}}
     dyn.update({n: {0: "batch", 2: "rows"} for n in ctx_names})
     args = (torch.randn(B, 3, cfg.context_in_features, dtype=tdt), torch.arange(3).repeat(B, 1))
-    models["drafter_context.onnx"] = onnx_utils.trace(graphs.DrafterContextGraph(drafter).eval(), args,
+    models["drafter_context.onnx"] = onnx_utils.trace(onnx_graphs.DrafterContextGraph(drafter).eval(), args,
                                                       ["context_features", "position_ids"], ctx_names, dyn, opset)
     graph_meta["drafter_context"] = {"file": "drafter_context.onnx", "role": "drafter_context", "selector": None,
                                      "mode": None}
@@ -175,7 +174,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     dyn.update({n: {0: "batch", 2: "context_capacity"} for n in ctx_names})
     args = (torch.randint(0, target.vocab_size, (B,)), torch.tensor([3, 4]), torch.ones(B, 5, dtype=torch.long),
             *[torch.randn(B, dkvh, 5, dd, dtype=tdt) for _ in ctx_names])
-    models["drafter_block.onnx"] = onnx_utils.trace(graphs.DrafterBlockGraph(drafter).eval(), args,
+    models["drafter_block.onnx"] = onnx_utils.trace(onnx_graphs.DrafterBlockGraph(drafter).eval(), args,
                                                     ["anchor_ids", "anchor_position", "context_mask", *ctx_names],
                                                     ["hidden"], dyn, opset)
     graph_meta["drafter_block"] = {"file": "drafter_block.onnx", "role": "drafter_block", "selector": None,
@@ -183,7 +182,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
 
     step(3)
     models["drafter_head_independent.onnx"] = onnx_utils.trace(
-        graphs.DrafterHeadLogits(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),), ["hidden"],
+        onnx_graphs.DrafterHeadLogits(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),), ["hidden"],
         ["logits"], {"hidden": {0: "batch"}, "logits": {0: "batch"}}, opset)
     graph_meta[head_key(INDEPENDENT)] = {"file": "drafter_head_independent.onnx", "role": "drafter_head",
                                          "selector": None, "mode": INDEPENDENT}
@@ -231,14 +230,13 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         raise DFlash2Error(f"target folder {target_dir} has no tokenizer.json (needed at run time)")
     chat = (target_dir / "chat_template.jinja").is_file() or bool(
         _json_get(target_dir / "tokenizer_config.json", "chat_template"))
-    manifest: dict[str, Any] = {
+    manifest = parse_manifest({
         "format": FORMAT,
         "manifest_version": MANIFEST_VERSION,
         "project_version": __version__,
         "exporter_revision": EXPORTER_REVISION,
         "opset": opset,
         "dtype": dtype,
-        "block_size": bs,
         "max_seq_len": int(max_seq_len),
         "kv_capacity_step": KV_CAPACITY_STEP,
         "target": {
@@ -254,8 +252,8 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         "weights": onnx_utils.WEIGHTS_FILE,
         "tokenizer": {"files": tok_files, "chat_template": chat},
         "verification": report,
-    }
-    write_manifest(tmp, manifest)
+    })
+    manifest = write_manifest(tmp, manifest)
     tmp.chmod(0o755)  # mkdtemp makes it private
     bar.update(1)
     bar.close()
@@ -268,11 +266,11 @@ def _export_selector_heads(drafter, cfg, B: int, tdt, dtype: str, opset: int, mo
     import numpy as np
     import torch
 
-    from dflash2_trt.export import graphs, onnx_utils
+    from dflash2_trt.export import onnx_graphs, onnx_utils
     from dflash2_trt.export import selector_contract as sc
 
     bs, L, K, r = cfg.block_size, cfg.block_size - 1, cfg.selector_top_k, cfg.selector_rank
-    head = onnx_utils.trace(graphs.DrafterHeadBase(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),),
+    head = onnx_utils.trace(onnx_graphs.DrafterHeadBase(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),),
                             ["hidden"], ["cand_ids", "unary", "hidden_proj"],
                             {"hidden": {0: "batch"}, "cand_ids": {0: "batch"}, "unary": {0: "batch"},
                              "hidden_proj": {0: "batch"}}, opset)
@@ -282,8 +280,8 @@ def _export_selector_heads(drafter, cfg, B: int, tdt, dtype: str, opset: int, mo
                 torch.randn(B, L, K).sort(-1, descending=True).values, torch.randn(B, L, r, dtype=tdt),
                 torch.randint(0, cfg.vocab_size, (B,), dtype=torch.int32), torch.tensor([0.0, 1.0]),
                 torch.rand(B, L))
-    for mode in sc.MODES:
-        sel = onnx_utils.trace(graphs.DecomposedSelector(cs.predecessor_codebook, cs.successor_codebook, mode).eval(),
+    for mode in SELECTOR_MODES:
+        sel = onnx_utils.trace(onnx_graphs.DecomposedSelector(cs.predecessor_codebook, cs.successor_codebook, mode).eval(),
                                sel_args, sel_names, ["path_ids", "proposal_probs"],
                                {n: {0: "batch"} for n in [*sel_names, "path_ids", "proposal_probs"]}, opset)
         models[f"drafter_head_{mode}.onnx"] = onnx_utils.merge_selector(head, sel)

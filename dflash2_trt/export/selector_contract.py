@@ -36,13 +36,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.vocabulary import SELECTOR_MODES as MODES  # the contract's `mode` attribute values
 
 OP_TYPE = "DFlash2PathSelector"
 DOMAIN = "trt.plugins"
 SINCE_VERSION = 1
 PLUGIN_VERSION = "1"
 PLUGIN_NAMESPACE = ""
-MODES = ("greedy", "viterbi")
 MAX_TOP_K = 16
 MAX_RANK = 1 << 16
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from dflash2_trt.config import ARCH_V2, DFlash2Config
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.vocabulary import INDEPENDENT
 from dflash2_trt.model import selector as sel
 from dflash2_trt.model.layers import MLP, POST, PRE, Attention, DynamicConv, RMSNorm, rope_cos_sin
 
@@ -241,11 +242,12 @@ class DFlash2Drafter(nn.Module):
         temperature: float = 0.0,
         uniforms: torch.Tensor | None = None,  # [nb, L] in [0, 1)
     ) -> Draft:
-        """Head + selector: rows 1..bs-1 -> drafts. Without the selector: independent argmax / sampling."""
+        """Head + selector: rows 1..bs-1 -> drafts. ``mode`` 'independent' (or a drafter without the selector):
+        each row's own argmax / sample."""
         rows = h[:, 1:]  # [nb, L, H]
         logits = self.logits(rows).float()  # [nb, L, V]
         nb, L, V = logits.shape
-        if not self.use_selector:
+        if mode == INDEPENDENT or not self.use_selector:
             if temperature > 0:
                 if uniforms is None:
                     raise ValueError("temperature > 0 needs uniforms [nb, L]")

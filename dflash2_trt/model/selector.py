@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash2_trt.reference import MODES
+from dflash2_trt.vocabulary import SELECTOR_MODES as MODES
 
 
 class CandidateSelector(nn.Module):

@@ -1,54 +1,40 @@
-"""Backend selection: ``open_backend(model_dir, "auto" | "ort" | "trt")``.
+"""Backend selection: ``open_backend(model_dir, "auto" | "ort" | "trt") -> (backend, note)``.
 
-``auto`` picks TensorRT when it can run here, else ONNX Runtime, and records why in
-``backend.selection_note`` (the CLIs print it on stderr), e.g. ``TensorRT not available (the tensorrt
-Python package is not installed), using ONNX Runtime (CPUExecutionProvider)``.
+``auto`` constructs the TensorRT backend and, when it raises
+:class:`~dflash2_trt.runtime.base.BackendUnavailable`, falls back to ONNX Runtime; ``note`` says what was
+chosen and why (the CLIs print it on stderr), e.g. ``TensorRT not available (TensorRT is not installed ...),
+using ONNX Runtime (CPUExecutionProvider)``. Nothing is checked before a backend is constructed.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from dflash2_trt.errors import DFlash2Error
-
-BACKENDS = ("auto", "ort", "trt")
-
-
-def tensorrt_unavailable_reason(model_dir: Path) -> str | None:
-    """Why the TensorRT backend cannot run here (None when it can)."""
-    spec = importlib.util.find_spec("tensorrt")
-    if spec is None or spec.origin is None:  # absent, or only tensorrt-stubs' namespace folder
-        return "the tensorrt Python package is not installed"
-    from dflash2_trt.runtime.trt_backend import trt_unavailable_reason
-
-    return trt_unavailable_reason(model_dir)
+from dflash2_trt.runtime.base import Backend, BackendUnavailable
+from dflash2_trt.vocabulary import BACKEND_CHOICES
 
 
 def open_backend(model_dir: str | Path, backend: str = "auto", verify_checksums: bool = True,
-                 threads: int | None = None):  # noqa: ANN201
-    """Open an export folder with the requested backend; ``.selection_note`` says what was chosen and why."""
-    if backend not in BACKENDS:
-        raise DFlash2Error(f"backend must be one of {BACKENDS}, got {backend!r}")
+                 threads: int | None = None) -> tuple[Backend, str]:
+    """Open an export folder with the requested backend; returns it and a one-line note on the choice."""
+    if backend not in BACKEND_CHOICES:
+        raise DFlash2Error(f"backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
     model_dir = Path(model_dir)
+    reason = ""
     if backend in ("trt", "auto"):
-        reason = tensorrt_unavailable_reason(model_dir)
-        if reason is None:
-            from dflash2_trt.runtime.trt_backend import TrtBackend
+        from dflash2_trt.runtime.trt_backend import TrtBackend
 
-            try:
-                trt_be = TrtBackend(model_dir, verify_checksums=verify_checksums)
-                trt_be.selection_note = f"using {trt_be.description}"
-                return trt_be
-            except DFlash2Error as e:
-                reason = str(e)
-        if backend == "trt":
-            raise DFlash2Error(f"TensorRT backend unavailable: {reason}")
+        try:
+            trt_be = TrtBackend(model_dir, verify_checksums=verify_checksums)
+            return trt_be, f"using {trt_be.description}"
+        except BackendUnavailable as e:
+            if backend == "trt":
+                raise DFlash2Error(f"TensorRT backend unavailable: {e}") from None
+            reason = str(e)
     from dflash2_trt.runtime.ort_backend import OrtBackend
 
     be = OrtBackend(model_dir, verify_checksums=verify_checksums, threads=threads)
     if backend == "auto":
-        be.selection_note = f"TensorRT not available ({reason}), using ONNX Runtime ({be.provider})"
-    else:
-        be.selection_note = f"using ONNX Runtime ({be.provider})"
-    return be
+        return be, f"TensorRT not available ({reason}), using ONNX Runtime ({be.provider})"
+    return be, f"using ONNX Runtime ({be.provider})"

@@ -1,5 +1,10 @@
 """What every backend implements (STYLE rule 3), and the KV capacity buffer they share.
 
+A :class:`Backend` (ONNX Runtime, TensorRT, PyTorch) is constructed on a model, describes what it runs on,
+hands out runners and is closed (also as a context manager). A backend that cannot run here raises
+:class:`BackendUnavailable` from its constructor; :func:`dflash2_trt.runtime.backends.open_backend` catches it
+to fall back — nothing checks availability before constructing.
+
 A backend gives the decoder loop two runners per request:
 
 * :class:`TargetRunner` — ``reset()``, ``forward(ids) -> (logits [m, V] fp32, features [m, F])`` at positions
@@ -13,11 +18,15 @@ Runners hold one request's state (KV caches) and are not thread safe; use one pe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
+
+
+class BackendUnavailable(DFlash2Error):
+    """The backend cannot run here (library missing, no GPU, no engines, engines built elsewhere)."""
 
 
 @dataclass
@@ -84,6 +93,39 @@ class DraftRunner(Protocol):
     def add_context(self, feats: np.ndarray, start: int) -> None: ...
 
     def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft: ...
+
+
+class Backend(Protocol):
+    """A model opened by one runtime. ``draft_runner(mode)`` takes a draft mode of
+    :data:`dflash2_trt.vocabulary.DRAFT_MODES`; each runner serves one request at a time."""
+
+    name: str  # one of dflash2_trt.vocabulary.BACKENDS
+
+    @property
+    def description(self) -> str: ...  # what it runs on, e.g. "ONNX Runtime (CPUExecutionProvider)"
+
+    def target_runner(self) -> TargetRunner: ...
+
+    def draft_runner(self, mode: str = "greedy") -> DraftRunner: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Backend: ...
+
+    def __exit__(self, *exc: Any) -> None: ...
+
+
+class BackendBase:
+    """Context-manager behaviour shared by the backends: ``with open_backend(...) as be:`` closes ``be``."""
+
+    def close(self) -> None:
+        """Free what the backend holds (sessions, engines, device memory); idempotent."""
+
+    def __enter__(self):  # noqa: ANN204
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def grown_capacity(n: int, capacity: int, step: int, max_capacity: int) -> int:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.base import BackendUnavailable
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def _import_cudart() -> Any:
         try:
             from cuda import cudart as rt  # type: ignore[attr-defined, no-redef]  # cuda-python < 12.6
         except ImportError:
-            raise DFlash2Error("cuda-python is not installed: pip install cuda-python (needed by the TensorRT "
+            raise BackendUnavailable("cuda-python is not installed: pip install cuda-python (needed by the TensorRT "
                                "backend)") from None
     return rt
 
@@ -116,9 +117,9 @@ class CudaRuntime:
         self.device = device
         err, count = rt.cudaGetDeviceCount()
         if err != rt.cudaError_t.cudaSuccess:
-            raise DFlash2Error(f"CUDA is not usable here: {self._name(err)} ({self._msg(err)})")
+            raise BackendUnavailable(f"CUDA is not usable here: {self._name(err)} ({self._msg(err)})")
         if count <= device:
-            raise DFlash2Error(f"CUDA device {device} not present ({count} device(s) visible)")
+            raise BackendUnavailable(f"CUDA device {device} not present ({count} device(s) visible)")
         self._check(rt.cudaSetDevice(device)[0], "cudaSetDevice")
 
     # --- error handling -------------------------------------------------------------------------------

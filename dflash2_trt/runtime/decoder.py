@@ -1,29 +1,55 @@
-"""The SPEC §4 decoding loop over any backend (NumPy; no torch). ``dflash2_trt.generate`` runs the PyTorch
-reference through this same loop, so backends differ only in their runners.
+"""The SPEC §4 decoding loop over any backend (NumPy; no torch). The PyTorch reference
+(:mod:`~dflash2_trt.runtime.torch_backend`) runs through this same loop, so backends differ only in their
+runners.
 
 One request, a flat loop of named steps: prefill → (draft → select → verify → accept → commit)*. Every
 random number is drawn from one ``numpy.random.Generator`` in a fixed order (first token, then per cycle:
 the drafter's uniforms, then the rejection test), so a backend whose graphs match PyTorch reproduces the
 reference's tokens and metrics exactly for a given seed.
 
-Oracle top-K τ uses the reference's definition (extra target passes, excluded from the timing; skip them
-with ``measure_oracle=False``). ``on_tokens`` streams each newly committed chunk of tokens.
+``oracle``: a per-cycle oracle top-K counter (:func:`dflash2_trt.bench.oracle.oracle_count`); its extra
+target passes are excluded from the timing. ``on_tokens`` streams each newly committed chunk of tokens.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from dflash2_trt import reference as ref
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.reference import GenerationResult
+from dflash2_trt.reference import acceptance_stats
 from dflash2_trt.runtime.base import Draft, DraftRunner, TargetRunner
 
-
 OnTokens = Callable[[list[int]], None]
+# (target, cand [L, K], drafts, n_rows, accepted, bonus, anchor position) -> oracle top-K count of the cycle
+OracleFn = Callable[[TargetRunner, np.ndarray, list[int], int, int, int, int], int]
+
+
+@dataclass
+class GenerationResult:
+    """One request's output and per-cycle counts; shared by the PyTorch loop and the runtime loop."""
+
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated (EOS included when hit)
+    accepted: list[int] = field(default_factory=list)  # per cycle: accepted drafts
+    proposed: list[int] = field(default_factory=list)  # per cycle: drafts verified
+    oracle_accepted: list[int] = field(default_factory=list)  # per cycle: oracle top-K count
+    elapsed_s: float = 0.0  # wall time excluding oracle measurement passes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def stats(self) -> dict:
+        """SPEC §4 metrics: acceptance_stats + oracle_tau (None when not measured)."""
+        s = acceptance_stats(self.accepted, self.proposed)
+        s["oracle_tau"] = float(np.mean(np.asarray(self.oracle_accepted) + 1)) if self.oracle_accepted else None
+        return s
+
 
 
 def _next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
@@ -90,7 +116,7 @@ def speculative_generate(
     temperature: float = 0.0,
     eos_ids: set[int] | None = None,
     seed: int = 0,
-    measure_oracle: bool = True,
+    oracle: OracleFn | None = None,
     on_tokens: OnTokens | None = None,
 ) -> GenerationResult:
     """Speculative decoding of one prompt (SPEC §4)."""
@@ -134,10 +160,9 @@ def speculative_generate(
         drafter.add_context(v_feats[: acc + 1], pos)
         res.accepted.append(acc)
         res.proposed.append(n_rows)
-        if measure_oracle:
+        if oracle is not None:
             t_o = time.perf_counter()
-            res.oracle_accepted.append(ref.oracle_count(lambda ids: target.forward(ids)[0], target.crop, draft.cand,
-                                                        drafts, n_rows, acc, bonus, pos))
+            res.oracle_accepted.append(oracle(target, draft.cand, drafts, n_rows, acc, bonus, pos))
             oracle_s += time.perf_counter() - t_o
         new = drafts[:acc] + [bonus]
         for i, t in enumerate(new):

@@ -4,7 +4,7 @@ Providers: CUDAExecutionProvider when onnxruntime-gpu and a GPU are present (inp
 through IOBinding; the fixed-shape head graph is captured as a CUDA graph), else CPUExecutionProvider.
 KV caches live in host :class:`~dflash2_trt.runtime.base.KVBuffer` capacity buffers; a graph call feeds
 the whole buffer plus a validity mask and returns only the new rows, so a cycle costs O(capacity), never
-O(length²) (see :mod:`dflash2_trt.export.graphs`).
+O(length²) (see :mod:`dflash2_trt.export.onnx_graphs`).
 
 Ownership: an :class:`OrtBackend` owns its sessions (thread safe in ORT); each runner it hands out owns one
 request's caches and must not be shared between threads.
@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.base import Draft, KVBuffer, independent_draft
-from dflash2_trt.runtime.manifest import INDEPENDENT, check_draft_mode, head_key, load_manifest
+from dflash2_trt.manifest import ExportManifest, read_manifest
+from dflash2_trt.runtime.base import BackendBase, BackendUnavailable, Draft, KVBuffer, independent_draft
+from dflash2_trt.vocabulary import INDEPENDENT, head_key
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
 
@@ -28,7 +29,8 @@ def import_ort():  # noqa: ANN201
     try:
         import onnxruntime as ort
     except ImportError:
-        raise DFlash2Error("ONNX Runtime is not installed: pip install onnxruntime (or onnxruntime-gpu)") from None
+        raise BackendUnavailable("ONNX Runtime is not installed: pip install onnxruntime (or onnxruntime-gpu)"
+                                 ) from None
     return ort
 
 
@@ -105,7 +107,7 @@ class _Session:
         return [self._bound["outs"][o].numpy() for o in self.outputs]
 
 
-class OrtBackend:
+class OrtBackend(BackendBase):
     """An export folder opened with ONNX Runtime."""
 
     name = "ort"
@@ -113,8 +115,8 @@ class OrtBackend:
     def __init__(self, model_dir: str | Path, provider: str = "auto", verify_checksums: bool = True,
                  threads: int | None = None) -> None:
         self.dir = Path(model_dir)
-        self.manifest = load_manifest(self.dir, verify_checksums)
         ort = import_ort()
+        self.manifest: ExportManifest = read_manifest(self.dir, verify_checksums)
         self.ort = ort
         available = ort.get_available_providers()
         if provider == "auto":
@@ -124,14 +126,9 @@ class OrtBackend:
         self.provider = provider
         self.threads = threads
         m = self.manifest
-        self.dtype = np.float16 if m["dtype"] == "fp16" else np.float32
-        if m["dtype"] == "bf16":
+        self.dtype = np.float16 if m.dtype == "fp16" else np.float32
+        if m.dtype == "bf16":
             raise DFlash2Error("bf16 exports cannot run with ONNX Runtime (numpy has no bfloat16); export fp32/fp16")
-        self.block_size = int(m["block_size"])
-        self.max_seq_len = int(m["max_seq_len"])
-        self.step = int(m.get("kv_capacity_step", 256))
-        self.vocab_size = int(m["target"]["vocab_size"])
-        self.eos_ids = set(int(i) for i in m["target"].get("eos_token_ids", []))
         self._sessions: dict[str, _Session] = {}
 
     @property
@@ -140,38 +137,40 @@ class OrtBackend:
 
     def session(self, key: str) -> _Session:
         if key not in self._sessions:
-            g = self.manifest["graphs"].get(key)
+            g = self.manifest.graphs.get(key)
             if g is None:
                 raise DFlash2Error(f"{self.dir} has no {key!r} graph")
-            if g.get("selector") == "plugin":
+            if g.selector == "plugin":
                 raise DFlash2Error(f"graph {key!r} holds the TensorRT plugin node; ONNX Runtime runs the decomposed "
                                    f"variant")
-            self._sessions[key] = _Session(self.ort, self.dir / g["file"], self.provider, self.threads,
-                                           cuda_graph=g.get("role") == "drafter_head")
+            self._sessions[key] = _Session(self.ort, self.dir / g.file, self.provider, self.threads,
+                                           cuda_graph=g.role == "drafter_head")
         return self._sessions[key]
 
     def target_runner(self) -> "OrtTarget":
         return OrtTarget(self)
 
     def draft_runner(self, mode: str = "greedy") -> "OrtDrafter":
-        """mode: 'greedy' / 'viterbi' (the selector) or 'independent' (no selector: each row's argmax / sample)."""
-        check_draft_mode(self.manifest, mode)
-        return OrtDrafter(self, mode)
+        """mode: a selector mode, or 'independent' (no selector: each row's argmax / sample)."""
+        return OrtDrafter(self, self.manifest.check_draft_mode(mode))
+
+    def close(self) -> None:
+        self._sessions.clear()
 
 
 class OrtTarget:
     """TargetRunner over ``target.onnx``."""
 
     def __init__(self, be: OrtBackend) -> None:
-        t = be.manifest["target"]
+        m = be.manifest
+        t = m.target
         self.sess = be.session("target")
-        self.vocab_size = be.vocab_size
-        self.max_positions = be.max_seq_len
-        self.eos_ids = set(be.eos_ids)
-        self.n_layers = int(t["num_layers"])
-        self.kv = KVBuffer(self.n_layers, int(t["num_key_value_heads"]), int(t["head_dim"]), be.dtype, be.step,
-                           be.max_seq_len)
-        self.names = [f"past_key_values.{i}.{k}" for i in range(self.n_layers) for k in ("key", "value")]
+        self.vocab_size = t.vocab_size
+        self.max_positions = m.max_seq_len
+        self.eos_ids = set(t.eos_token_ids)
+        self.kv = KVBuffer(t.num_layers, t.num_key_value_heads, t.head_dim, be.dtype, m.kv_capacity_step,
+                           m.max_seq_len)
+        self.names = m.target_kv_names()
 
     def reset(self) -> None:
         self.kv.reset()
@@ -202,18 +201,20 @@ class OrtDrafter:
     """DraftRunner over ``drafter_context``, ``drafter_block`` and ``drafter_head_{mode}`` (decomposed)."""
 
     def __init__(self, be: OrtBackend, mode: str) -> None:
-        d = be.manifest["drafter"]
-        self.block_size = be.block_size
+        m = be.manifest
+        cfg = m.drafter_config
+        self.block_size = cfg.block_size
+        self.num_draft_rows = cfg.num_draft_rows
         self.mode = mode
         self.ctx_sess = be.session("drafter_context")
         self.block_sess = be.session("drafter_block")
         self.head_sess = be.session(head_key(mode))
-        n_layers = int(d["num_hidden_layers"])
-        head_dim = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
-        self.kv = KVBuffer(n_layers, int(d["num_key_value_heads"]), head_dim, be.dtype, be.step, be.max_seq_len)
-        self.names = [f"context.{i}.{k}" for i in range(n_layers) for k in ("key", "value")]
+        assert cfg.head_dim is not None
+        self.kv = KVBuffer(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, be.dtype,
+                           m.kv_capacity_step, m.max_seq_len)
+        self.names = m.drafter_context_names()
         self.dtype = be.dtype
-        self.top_k = int(d.get("dflash_config", {}).get("selector_top_k", d.get("selector_top_k", 16)))
+        self.top_k = cfg.selector_top_k
 
     def reset(self) -> None:
         self.kv.reset()
@@ -235,7 +236,7 @@ class OrtDrafter:
                 "context_mask": self.kv.valid_mask()}
         feed.update(zip(self.names, self.kv.arrays))
         hidden = self.block_sess.run(feed)[0]  # [1, bs, H]
-        L = self.block_size - 1
+        L = self.num_draft_rows
         if self.mode == INDEPENDENT:
             logits = self.head_sess.run({"hidden": hidden})[0][0]  # [L, V] fp32
             return independent_draft(logits, temperature, uniforms, self.top_k)

@@ -1,5 +1,5 @@
 """TensorRT backend: the runners of :mod:`dflash2_trt.runtime.base` over the engines that
-``dflash2-export build-engines`` wrote (see :mod:`dflash2_trt.export.engines` for the manifest entry).
+``dflash2 build-engines`` wrote (see :mod:`dflash2_trt.export.engines` for the manifest entry).
 
 Same NumPy decoder loop as ONNX Runtime (:mod:`dflash2_trt.runtime.decoder`); only the graph calls differ,
 so token equality with ORT / PyTorch reduces to engine-vs-ONNX equality.
@@ -29,132 +29,29 @@ thread safe (one backend per thread / concurrent request); call :meth:`TrtBacken
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.base import Draft
-from dflash2_trt.runtime.cuda_api import CudaApi, CudaRuntime, DeviceInfo
+from dflash2_trt.manifest import EngineProfile, ExportManifest, read_manifest, sha256_file
+from dflash2_trt.runtime.base import BackendBase, Draft
+from dflash2_trt.runtime.cuda_api import CudaApi, CudaRuntime
 from dflash2_trt.runtime.cuda_graphs import GraphCache, GraphKey
 from dflash2_trt.runtime.device_buffers import BufferPool, DeviceKV, IOTensor
-from dflash2_trt.runtime.manifest import head_key, load_manifest, sha256_file
+from dflash2_trt.runtime.trt_env import (check_engine_identity, current_identity, engine_set, import_tensorrt,
+                                         resolve_plugin)
+from dflash2_trt.vocabulary import SELECTOR_MODES, head_key
 
 if TYPE_CHECKING:
     import tensorrt as trt
 
-MIN_TRT = (10, 3)
-ENGINES_KEY = "engines"
-PLUGIN_ENV = "DFLASH2_PLUGIN_LIB"
-
 # TensorRT DataType name -> numpy dtype (bf16 travels as its uint16 bit pattern)
 _NP_OF_TRT = {"FLOAT": np.float32, "HALF": np.float16, "BF16": np.uint16, "INT32": np.int32, "INT64": np.int64,
               "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
-
-
-# ----------------------------------------------------------------------------------------------------
-# TensorRT import, versions, identity
-# ----------------------------------------------------------------------------------------------------
-
-
-def import_tensorrt() -> ModuleType:
-    """The real ``tensorrt`` module, or DFlash2Error. ``tensorrt-stubs`` alone leaves an empty namespace
-    package named ``tensorrt`` behind: that counts as not installed."""
-    try:
-        mod = importlib.import_module("tensorrt")
-    except ImportError as e:
-        raise DFlash2Error(f"TensorRT is not installed ({e.msg}): install TensorRT >= 10.3 for this GPU "
-                           f"(pip install tensorrt, or JetPack 6.2 on Jetson)") from None
-    except OSError as e:  # the wheel is there but libnvinfer cannot load
-        raise DFlash2Error(f"TensorRT cannot load its libraries: {e}") from None
-    if not hasattr(mod, "Builder") or not isinstance(getattr(mod, "__version__", None), str):
-        raise DFlash2Error("TensorRT is not installed (only type stubs or a placeholder package named "
-                           "'tensorrt' were found): install TensorRT >= 10.3 for this GPU")
-    v = version_tuple(mod.__version__)
-    if v[:2] < MIN_TRT:
-        raise DFlash2Error(f"TensorRT {mod.__version__} is too old: >= {MIN_TRT[0]}.{MIN_TRT[1]} is needed "
-                           f"(JetPack 6.2 ships 10.3)")
-    return mod
-
-
-def version_tuple(v: str) -> tuple[int, ...]:
-    out = []
-    for part in v.split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
-def current_identity(trt_version: str, dev: DeviceInfo) -> dict[str, Any]:
-    """What an engine is tied to: TensorRT version and GPU (name, compute capability)."""
-    return {"tensorrt_version": trt_version,
-            "gpu": {"name": dev.name, "compute_capability": dev.compute_capability},
-            "cuda": {"driver": dev.driver_version, "runtime": dev.runtime_version}}
-
-
-def check_engine_identity(entry: dict[str, Any], current: dict[str, Any], plugin_sha256: str | None) -> None:
-    """Raise DFlash2Error when engines recorded in ``entry`` (the manifest's ``engines``) cannot run here:
-    another TensorRT version, another GPU, or another / a missing plugin library."""
-    rebuild = "rebuild them here with: dflash2-export build-engines DIR"
-    built, here = str(entry.get("tensorrt_version")), str(current["tensorrt_version"])
-    if built != here:
-        raise DFlash2Error(f"engines were built with TensorRT {built}, this is TensorRT {here} (TensorRT engines "
-                           f"only load in the version that built them): {rebuild}")
-    g_built, g_here = entry.get("gpu") or {}, current["gpu"]
-    if (g_built.get("compute_capability"), g_built.get("name")) != (g_here["compute_capability"], g_here["name"]):
-        raise DFlash2Error(f"engines were built on {g_built.get('name')} (compute capability "
-                           f"{g_built.get('compute_capability')}), this GPU is {g_here['name']} (compute capability "
-                           f"{g_here['compute_capability']}): {rebuild}")
-    plug = entry.get("plugin")
-    if plug:
-        if plugin_sha256 is None:
-            raise DFlash2Error(f"the engines use the DFlash2PathSelector plugin but its library was not found "
-                               f"(expected {plug.get('file')}; or set {PLUGIN_ENV})")
-        if plugin_sha256 != plug.get("sha256"):
-            raise DFlash2Error(f"plugin library checksum {plugin_sha256[:12]}… differs from the one the engines "
-                               f"were built with ({str(plug.get('sha256'))[:12]}…): use that library or {rebuild}")
-
-
-def engines_entry(manifest: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-    entry = manifest.get(ENGINES_KEY)
-    if not entry:
-        raise DFlash2Error(f"{model_dir} has no TensorRT engines: build them with dflash2-export build-engines "
-                           f"{model_dir}")
-    return dict(entry)
-
-
-def resolve_plugin(entry: dict[str, Any], model_dir: Path, override: str | Path | None) -> Path | None:
-    """The plugin library to load: ``override`` / $DFLASH2_PLUGIN_LIB, else the copy stored with the engines."""
-    import os
-
-    plug = entry.get("plugin")
-    if not plug:
-        return None
-    cand = override or os.environ.get(PLUGIN_ENV) or (model_dir / str(plug["file"]))
-    p = Path(cand)
-    return p if p.is_file() else None
-
-
-def trt_unavailable_reason(model_dir: str | Path, plugin: str | Path | None = None) -> str | None:
-    """Why the TensorRT backend cannot open ``model_dir`` here (None when it can), checked cheaply in order:
-    TensorRT, cuda-python and a GPU, engines in the manifest, engine identity (version, GPU, plugin)."""
-    d = Path(model_dir)
-    try:
-        trt_mod = import_tensorrt()
-        api = CudaRuntime()
-        entry = engines_entry(load_manifest(d, verify_checksums=False), d)
-        p = resolve_plugin(entry, d, plugin)
-        check_engine_identity(entry, current_identity(trt_mod.__version__, api.device_info()),
-                              sha256_file(p) if p else None)
-    except DFlash2Error as e:
-        return str(e)
-    return None
 
 
 def np_dtype(trt_dtype: object) -> np.dtype:
@@ -172,7 +69,7 @@ def np_dtype(trt_dtype: object) -> np.dtype:
 class TrtEngine:
     """A deserialised engine, its shared scratch memory and its execution contexts."""
 
-    def __init__(self, be: TrtBackend, key: str, path: Path, profiles: list[dict[str, Any]]) -> None:
+    def __init__(self, be: TrtBackend, key: str, path: Path, profiles: Sequence[EngineProfile]) -> None:
         self.be, self.key, self.profiles = be, key, profiles
         trt_mod = be.trt
         engine = be.runtime.deserialize_cuda_engine(path.read_bytes())
@@ -192,12 +89,12 @@ class TrtEngine:
 
     def profile_index(self, name: str) -> int:
         for i, p in enumerate(self.profiles):
-            if p["name"] == name:
+            if p.name == name:
                 return i
         raise DFlash2Error(f"engine {self.key} has no {name!r} optimization profile")
 
     def max_dim(self, profile: str, dim: str) -> int:
-        return int(self.profiles[self.profile_index(profile)]["dims"][dim][2])
+        return int(self.profiles[self.profile_index(profile)].dims[dim][2])
 
     def _new_context(self, profile: int) -> trt.IExecutionContext:
         trt_mod = self.be.trt
@@ -225,7 +122,7 @@ class TrtEngine:
             for name, shape in shapes.items():
                 if not ctx.set_input_shape(name, shape):
                     raise DFlash2Error(f"{self.key}: input {name} shape {shape} is outside optimization profile "
-                                       f"{profile} ({self.profiles[profile]['name']})")
+                                       f"{profile} ({self.profiles[profile].name})")
         for name in self.names:
             if not ctx.set_tensor_address(name, addresses[name]):
                 raise DFlash2Error(f"{self.key}: cannot bind tensor {name}")
@@ -241,8 +138,11 @@ class TrtEngine:
 # ----------------------------------------------------------------------------------------------------
 
 
-class TrtBackend:
-    """An export folder's TensorRT engines. ``trt_module`` / ``api`` exist for the CPU tests' fakes."""
+class TrtBackend(BackendBase):
+    """An export folder's TensorRT engines. ``trt_module`` / ``api`` exist for the CPU tests' fakes.
+
+    Raises :class:`~dflash2_trt.runtime.base.BackendUnavailable` when TensorRT, CUDA or a GPU is missing, the
+    export has no engines, or they were built for another TensorRT version, GPU or plugin library."""
 
     name = "trt"
 
@@ -250,9 +150,9 @@ class TrtBackend:
                  cuda_graphs: bool = True, trt_module: ModuleType | None = None, api: CudaApi | None = None
                  ) -> None:
         self.dir = Path(model_dir)
-        self.manifest = load_manifest(self.dir, verify_checksums)
-        self.entry = engines_entry(self.manifest, self.dir)
         self.trt: Any = trt_module if trt_module is not None else import_tensorrt()
+        self.manifest: ExportManifest = read_manifest(self.dir, verify_checksums)
+        self.entry = engine_set(self.manifest, self.dir)
         self.api: CudaApi = api if api is not None else CudaRuntime()
         self.device = self.api.device_info()
         plugin_path = resolve_plugin(self.entry, self.dir, plugin)
@@ -265,16 +165,10 @@ class TrtBackend:
         self.plugin_path = plugin_path
         self.runtime = self.trt.Runtime(self.logger)
         self.stream = self.api.stream_create()
+        self._closed = False
         self.pool = BufferPool(self.api)
         self.graphs = GraphCache(self.api, enabled=cuda_graphs)
-        m = self.manifest
-        self.block_size = int(m["block_size"])
-        self.max_seq_len = int(m["max_seq_len"])
-        self.step = int(m.get("kv_capacity_step", 256))
-        self.vocab_size = int(m["target"]["vocab_size"])
-        self.eos_ids = set(int(i) for i in m["target"].get("eos_token_ids", []))
         self._engines: dict[str, TrtEngine] = {}
-        self.selection_note = ""
         self.profiler: trt.IProfiler | None = None  # set before creating runners to time layers
 
     @property
@@ -283,18 +177,17 @@ class TrtBackend:
 
     def engine(self, key: str) -> TrtEngine:
         if key not in self._engines:
-            plan = (self.entry.get("plans") or {}).get(key)
+            plan = self.entry.plans.get(key)
             if plan is None:
                 raise DFlash2Error(f"{self.dir} has no TensorRT engine for graph {key!r} (built: "
-                                   f"{', '.join(sorted(self.entry.get('plans') or {}))}); rebuild with "
-                                   f"dflash2-export build-engines --selector ...")
-            self._engines[key] = TrtEngine(self, key, self.dir / plan["file"], list(plan["profiles"]))
+                                   f"{', '.join(sorted(self.entry.plans))}); rebuild with "
+                                   f"dflash2 build-engines --selector ...")
+            self._engines[key] = TrtEngine(self, key, self.dir / plan.file, plan.profiles)
         return self._engines[key]
 
     def head_engine_key(self, mode: str) -> str:
-        plans = self.entry.get("plans") or {}
         for k in (head_key(mode, plugin=True), head_key(mode)):
-            if k in plans:
+            if k in self.entry.plans:
                 return k
         raise DFlash2Error(f"{self.dir} has no TensorRT engine for the {mode} drafter head")
 
@@ -302,15 +195,18 @@ class TrtBackend:
         return TrtTarget(self)
 
     def draft_runner(self, mode: str = "greedy") -> TrtDrafter:
-        if mode not in ("greedy", "viterbi"):
-            raise DFlash2Error(f"the TensorRT backend runs the selector modes 'greedy' / 'viterbi' only, got {mode!r} "
-                               f"(no-selector drafting runs with --backend ort)")
+        if mode not in SELECTOR_MODES:
+            raise DFlash2Error(f"the TensorRT backend runs the selector modes {', '.join(SELECTOR_MODES)} only, got "
+                               f"{mode!r} (no-selector drafting runs with --backend ort)")
         return TrtDrafter(self, mode)
 
     def sync(self) -> None:
         self.api.stream_synchronize(self.stream)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self.graphs.clear()
         self._engines.clear()
         self.pool.close()
@@ -326,17 +222,18 @@ class TrtTarget:
     """TargetRunner over the ``target`` engine (profiles ``prefill`` and ``step``)."""
 
     def __init__(self, be: TrtBackend) -> None:
-        t = be.manifest["target"]
+        m = be.manifest
+        t = m.target
         self.be = be
         self.eng = be.engine("target")
-        self.vocab_size = be.vocab_size
-        self.max_positions = be.max_seq_len
-        self.eos_ids = set(be.eos_ids)
-        nl, kvh, d = int(t["num_layers"]), int(t["num_key_value_heads"]), int(t["head_dim"])
-        self.kv_names = [f"past_key_values.{i}.{k}" for i in range(nl) for k in ("key", "value")]
-        self.present = [f"present.{i}.{k}" for i in range(nl) for k in ("key", "value")]
-        self.kv = DeviceKV(be.api, be.pool, nl, kvh, d, self.eng.dtypes[self.kv_names[0]].itemsize, be.step,
-                           be.max_seq_len, be.stream, be.graphs.invalidate)
+        self.vocab_size = t.vocab_size
+        self.max_positions = m.max_seq_len
+        self.eos_ids = set(t.eos_token_ids)
+        nl, kvh, d = t.num_layers, t.num_key_value_heads, t.head_dim
+        self.kv_names = m.target_kv_names()
+        self.present = m.target_present_names()
+        self.kv = DeviceKV(be.api, be.pool, nl, kvh, d, self.eng.dtypes[self.kv_names[0]].itemsize,
+                           m.kv_capacity_step, m.max_seq_len, be.stream, be.graphs.invalidate)
         self.chunk = self.eng.max_dim("prefill", "sequence")
         self.step_rows = self.eng.max_dim("step", "sequence")
         F = int(self.eng.engine.get_tensor_shape("context_features")[2])
@@ -413,24 +310,23 @@ class TrtDrafter:
     variant when built, else decomposed). Block + head run as one captured step."""
 
     def __init__(self, be: TrtBackend, mode: str) -> None:
-        d = be.manifest["drafter"]
+        m = be.manifest
+        cfg = m.drafter_config
         self.be, self.mode = be, mode
-        self.block_size = be.block_size
+        self.block_size = cfg.block_size
         self.ctx_eng = be.engine("drafter_context")
         self.block_eng = be.engine("drafter_block")
         self.head_eng = be.engine(be.head_engine_key(mode))
-        nl = int(d["num_hidden_layers"])
-        kvh = int(d["num_key_value_heads"])
-        hd = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
-        H = int(d["hidden_size"])
-        self.names = [f"context.{i}.{k}" for i in range(nl) for k in ("key", "value")]
-        self.kv = DeviceKV(be.api, be.pool, nl, kvh, hd, self.ctx_eng.dtypes[self.names[0]].itemsize, be.step,
-                           be.max_seq_len, be.stream, be.graphs.invalidate)
+        nl, kvh, H = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size
+        assert cfg.head_dim is not None
+        hd = cfg.head_dim
+        self.names = m.drafter_context_names()
+        self.kv = DeviceKV(be.api, be.pool, nl, kvh, hd, self.ctx_eng.dtypes[self.names[0]].itemsize,
+                           m.kv_capacity_step, m.max_seq_len, be.stream, be.graphs.invalidate)
         self.chunk = self.ctx_eng.max_dim("prefill", "rows")
         self.step_rows = self.ctx_eng.max_dim("step", "rows")
         Fin = int(self.ctx_eng.engine.get_tensor_shape("context_features")[2])
-        bs, L = self.block_size, self.block_size - 1
-        K = int((d.get("dflash_config") or {}).get("selector_top_k", d.get("selector_top_k", 16)))
+        bs, L, K = self.block_size, cfg.num_draft_rows, cfg.selector_top_k
         cap = self.kv.max_capacity
         shapes = {"context_features": (1, self.chunk, Fin), "position_ids": (1, self.chunk)}
         shapes.update({n: (1, kvh, self.chunk, hd) for n in self.names})

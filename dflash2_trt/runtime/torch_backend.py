@@ -1,28 +1,26 @@
-"""PyTorch speculative decoding (SPEC §4) — the oracle every backend is tested against.
+"""PyTorch backend: the reference every other backend is tested against, behind the same runner protocol.
 
-The loop itself (prefill → (draft → select → verify → accept → commit)*, metrics, oracle top-K τ) is
-:mod:`dflash2_trt.runtime.decoder`, shared with every backend; this module supplies the PyTorch runners:
-:class:`TorchTargetRunner` over a HF :class:`TargetModel` and :class:`TorchDraftSource` over the PyTorch
-drafter. Greedy (T = 0) output equals the target's own greedy decode; T > 0 uses rejection sampling,
-which keeps the target's distribution. All randomness comes from one ``numpy.random.Generator``
-(uniforms for the drafter's sampling enter as an input, as in the exported graphs).
+:class:`TorchBackend` opens a HF target (folder, .gguf or ``smollm2``) and a drafter folder — not an export
+folder — and hands out :class:`TorchTargetRunner` (over :class:`~dflash2_trt.target.TargetModel`, tapping the
+drafter's layers) and :class:`TorchDraftSource` (over :class:`~dflash2_trt.model.DFlash2Drafter`, one
+request's draft context cache). The loop is :mod:`dflash2_trt.runtime.decoder`, as for every backend: greedy
+(T = 0) output equals the target's own greedy decode; T > 0 uses rejection sampling.
 
-Oracle top-K τ (SPEC §4, :func:`dflash2_trt.reference.oracle_count`) is measured with extra target passes
-excluded from the timing: a cycle's oracle count is the number of leading rows whose target continuation
-token is among that row's top-K drafter candidates (K = 1, the argmax, without the selector).
+This is the one runtime module that imports torch (lazily importable: nothing else in ``runtime`` imports it).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model.drafter import DFlash2Drafter, DraftContext
-from dflash2_trt.reference import GenerationResult
-from dflash2_trt.runtime import decoder
-from dflash2_trt.runtime.base import Draft, DraftRunner
+from dflash2_trt.runtime.base import BackendBase, Draft
 from dflash2_trt.target import TargetModel
+from dflash2_trt.vocabulary import DRAFT_MODES, INDEPENDENT
 
 
 class TorchTargetRunner:
@@ -52,9 +50,15 @@ class TorchTargetRunner:
 
 
 class TorchDraftSource:
-    """:class:`DFlash2Drafter` behind the runner protocol (holds one request's draft context cache)."""
+    """:class:`DFlash2Drafter` behind the runner protocol (holds one request's draft context cache).
+    ``mode``: a draft mode of :data:`~dflash2_trt.vocabulary.DRAFT_MODES` ('independent': no selector)."""
 
     def __init__(self, drafter: DFlash2Drafter, mode: str = "greedy") -> None:
+        if mode not in DRAFT_MODES:
+            raise DFlash2Error(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")
+        if mode != INDEPENDENT and not drafter.use_selector:
+            raise DFlash2Error(f"draft mode {mode!r} needs the candidate selector, which this drafter has not "
+                               f"(DFlash v1); use --no-selector")
         self.drafter = drafter
         self.mode = mode
         self.block_size = drafter.config.block_size
@@ -82,29 +86,27 @@ class TorchDraftSource:
                      cand=d.cand[0].numpy(), vocab_proposal=q.numpy())
 
 
-def target_generate(
-    target: TargetModel,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    eos_ids: set[int] | None = None,
-    seed: int = 0,
-) -> GenerationResult:
-    """Plain autoregressive decoding of the target (the lossless reference and the speed baseline)."""
-    return decoder.target_generate(TorchTargetRunner(target), prompt_ids, max_new_tokens, temperature, eos_ids, seed)
+class TorchBackend(BackendBase):
+    """A target + drafter pair in PyTorch (the reference). ``use_conv=False``: the convolutions-off ablation."""
 
+    name = "torch"
 
-def speculative_generate(
-    target: TargetModel,
-    source: DraftRunner,
-    prompt_ids: list[int],
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    eos_ids: set[int] | None = None,
-    seed: int = 0,
-    measure_oracle: bool = True,
-    layer_ids: list[int] | None = None,
-) -> GenerationResult:
-    """Speculative decoding of one prompt. ``layer_ids``: target layers feeding the drafter."""
-    return decoder.speculative_generate(TorchTargetRunner(target, layer_ids), source, prompt_ids, max_new_tokens,
-                                        temperature, eos_ids, seed, measure_oracle)
+    def __init__(self, target: str | Path | TargetModel, drafter: str | Path | DFlash2Drafter,
+                 use_conv: bool | None = None) -> None:
+        from dflash2_trt.model import load_drafter
+
+        self.drafter = drafter if isinstance(drafter, DFlash2Drafter) else load_drafter(drafter)
+        self.target = target if isinstance(target, TargetModel) else TargetModel.load(target)
+        self.target.check_drafter(self.drafter.config)
+        self.drafter.bind_target(self.target.embed_weight, self.target.lm_head_weight)
+        self.drafter.set_ablation(use_conv=use_conv)
+
+    @property
+    def description(self) -> str:
+        return f"PyTorch {torch.__version__} (CPU)"
+
+    def target_runner(self) -> TorchTargetRunner:
+        return TorchTargetRunner(self.target, self.drafter.config.target_layer_ids)
+
+    def draft_runner(self, mode: str = "greedy") -> TorchDraftSource:
+        return TorchDraftSource(self.drafter, mode)

@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.runtime import decoder as D
 
 
@@ -26,7 +27,7 @@ def run_bench(target, drafter, prompts: list[list[int]], max_new_tokens: int, te
     specs, ars = [], []
     for i, p in enumerate(tqdm(prompts, desc="dflash2 bench", unit="prompt", file=sys.stderr, disable=not progress)):
         specs.append(D.speculative_generate(target, drafter, p, max_new_tokens, temperature, eos_ids, seed + i,
-                                            measure_oracle))
+                                            oracle_count if measure_oracle else None))
         ars.append(D.target_generate(target, p, max_new_tokens, temperature, eos_ids, seed + i))
     r = summarize(specs, ars, temperature)
     if texts is not None:

@@ -1,0 +1,395 @@
+"""``ExportManifest``: the typed contract between ``dflash2 export`` and every runtime (Python backends, the C
+API, the Triton model) — ``DIR/manifest.json``, described by the JSON Schema ``manifest.schema.json`` beside
+this module.
+
+One writer (:func:`write_manifest`: fills the checksums, writes atomically) and one reader
+(:func:`read_manifest`: parses and validates once, into frozen dataclasses; every problem is one
+:class:`DFlash2Error` naming the field). Readers never touch the raw JSON.
+
+Layout (``MANIFEST_VERSION`` 2)::
+
+    {"format": "dflash2-trt-export", "manifest_version": 2, "project_version", "exporter_revision",
+     "opset", "dtype": fp32|fp16|bf16, "quantization": {"kind": none|int8|int4, ...},
+     "max_seq_len", "kv_capacity_step",
+     "target":  {"model_type", "vocab_size", "num_layers", "hidden_size", "num_key_value_heads", "head_dim",
+                 "max_positions", "eos_token_ids", "layer_ids", "source"},
+     "drafter": the drafter's config.json (HF layout, DFlash2Config) with the exported block size,
+     "plugin":  {"op_type", "domain", "plugin_version", "plugin_namespace"},
+     "graphs":  {KEY: {"file", "role", "selector": decomposed|plugin|null, "mode",
+                       "inputs": [{"name", "dtype", "shape"}], "outputs": [...]}},
+     "weights": "weights.bin", "tokenizer": {"files", "chat_template"}, "verification": {...},
+     "engines": null | {TensorRT engine set: identity, plugin, plans with profiles},
+     "files":   {relative path: sha256 of every other file in the folder}}
+
+Graph keys: ``target``, ``drafter_context``, ``drafter_block``, ``drafter_head_independent`` (draft-row logits, no
+selector), and for drafters with a selector ``drafter_head_{greedy,viterbi}`` (decomposed selector) and
+``drafter_head_{greedy,viterbi}_plugin`` (the TensorRT plugin node). The block size lives in the drafter
+configuration only (``block_size``; ``num_draft_rows`` = block size - 1).
+
+Imports only the standard library, ``errors``, ``vocabulary`` and the torch-free ``config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from dflash2_trt.config import DFlash2Config
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.vocabulary import DRAFT_MODES, DTYPES, INDEPENDENT, QUANTIZATIONS, SELECTOR_IMPLS, head_key
+
+FORMAT = "dflash2-trt-export"
+MANIFEST_VERSION = 2
+MANIFEST_FILE = "manifest.json"
+SCHEMA_FILE = Path(__file__).with_name("manifest.schema.json")
+KV_CAPACITY_STEP = 256  # default KV capacity granularity (positions) of exports
+REQUIRED_GRAPHS = ("target", "drafter_context", "drafter_block", head_key(INDEPENDENT))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[Union[int, str], ...]  # symbolic dims as names
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    file: str
+    role: str  # target | drafter_context | drafter_block | drafter_head
+    selector: Union[str, None] = None  # decomposed | plugin | None (no selector in this graph)
+    mode: Union[str, None] = None  # draft mode of a head graph
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    model_type: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    num_key_value_heads: int
+    head_dim: int
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+    layer_ids: tuple[int, ...]  # decoder layers tapped for the drafter's context features
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    op_type: str
+    domain: str
+    plugin_version: str
+    plugin_namespace: str
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    files: tuple[str, ...]
+    chat_template: bool
+
+
+@dataclass(frozen=True)
+class Quantization:
+    kind: str = "none"  # QUANTIZATIONS
+    block_size: Union[int, None] = None  # weight-only: elements per quantization block
+    accuracy_level: Union[int, None] = None  # MatMulNBits accuracy level (ORT)
+    lm_head: bool = False  # LM head / embeddings quantized too
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str
+    dims: dict[str, tuple[int, ...]]  # named dim -> (min, opt, max)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    file: str
+    profiles: tuple[EngineProfile, ...]
+    build_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EnginePlugin:
+    file: str
+    sha256: str
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    name: str
+    compute_capability: str
+
+
+@dataclass(frozen=True)
+class EngineSet:
+    """TensorRT engines built for this export: what they are tied to (TensorRT version, GPU, plugin) and
+    the plan of each graph. Written by ``dflash2 build-engines``."""
+
+    dir: str
+    tensorrt_version: str
+    gpu: GpuIdentity
+    plans: dict[str, EnginePlan]
+    cuda: dict[str, Any] = field(default_factory=dict)
+    plugin: Union[EnginePlugin, None] = None
+    selector: str = "plugin"
+    strongly_typed: bool = True
+    tf32: bool = False
+    dtype: str = "fp32"
+    prefill_rows: int = 256
+    timing_cache: str = ""
+
+
+@dataclass(frozen=True)
+class ExportManifest:
+    opset: int
+    dtype: str
+    max_seq_len: int
+    target: TargetSpec
+    drafter: dict[str, Any]  # the drafter's config.json; parsed by DFlash2Config (see ``drafter_config``)
+    plugin: PluginSpec
+    graphs: dict[str, GraphSpec]
+    tokenizer: TokenizerSpec
+    kv_capacity_step: int = KV_CAPACITY_STEP
+    quantization: Quantization = Quantization()
+    weights: str = "weights.bin"
+    verification: dict[str, Any] = field(default_factory=dict)
+    engines: Union[EngineSet, None] = None
+    files: dict[str, str] = field(default_factory=dict)
+    format: str = FORMAT
+    manifest_version: int = MANIFEST_VERSION
+    project_version: str = ""
+    exporter_revision: int = 0
+
+    # -- derived (the one place each is computed) --------------------------------------------------
+
+    @functools.cached_property
+    def drafter_config(self) -> DFlash2Config:
+        return DFlash2Config.from_dict(self.drafter)
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter_config.block_size
+
+    @property
+    def num_draft_rows(self) -> int:
+        return self.drafter_config.num_draft_rows
+
+    @property
+    def selector_top_k(self) -> int:
+        return self.drafter_config.selector_top_k
+
+    @property
+    def max_capacity(self) -> int:
+        """KV capacity needed for ``max_seq_len`` positions (a multiple of ``kv_capacity_step``)."""
+        return -(-self.max_seq_len // self.kv_capacity_step) * self.kv_capacity_step
+
+    def target_kv_names(self) -> list[str]:
+        """The target graph's KV inputs, 2 per layer (key, value)."""
+        return [f"past_key_values.{i}.{k}" for i in range(self.target.num_layers) for k in ("key", "value")]
+
+    def target_present_names(self) -> list[str]:
+        return [f"present.{i}.{k}" for i in range(self.target.num_layers) for k in ("key", "value")]
+
+    def drafter_context_names(self) -> list[str]:
+        """The drafter's context K/V (inputs of the block graph, outputs of the context graph)."""
+        n = self.drafter_config.num_hidden_layers
+        return [f"context.{i}.{k}" for i in range(n) for k in ("key", "value")]
+
+    @property
+    def draft_modes(self) -> tuple[str, ...]:
+        """Draft modes this export can run (selector modes need the selector heads)."""
+        return tuple(m for m in DRAFT_MODES if head_key(m) in self.graphs)
+
+    def check_draft_mode(self, mode: str) -> str:
+        """``mode`` when this export can draft with it, else DFlash2Error."""
+        if mode not in DRAFT_MODES:
+            raise DFlash2Error(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")
+        if mode not in self.draft_modes:
+            raise DFlash2Error(f"this export has no {mode!r} draft head: the drafter has no candidate selector "
+                               f"(DFlash v1); use --no-selector")
+        return mode
+
+    def to_json(self) -> dict[str, Any]:
+        return _encode(self)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading: JSON -> frozen dataclasses, one error naming the field
+# ----------------------------------------------------------------------------------------------------
+
+
+def _decode(tp: Any, value: Any, where: str) -> Any:
+    """``value`` (parsed JSON) as type ``tp``; DFlash2Error naming ``where`` when it does not fit."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in inner:
+            try:
+                return _decode(a, value, where)
+            except DFlash2Error as e:
+                errors.append(e)
+        raise errors[0]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise DFlash2Error(f"{where} must be an object, got {type(value).__name__}")
+        hints = typing.get_type_hints(tp)
+        kw = {}
+        for f in dataclasses.fields(tp):
+            if f.name in value:
+                kw[f.name] = _decode(hints[f.name], value[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise DFlash2Error(f"{where} lacks the required field {f.name!r}")
+        return tp(**kw)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise DFlash2Error(f"{where} must be a list, got {type(value).__name__}")
+        (item, _) = typing.get_args(tp)
+        return tuple(_decode(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise DFlash2Error(f"{where} must be an object, got {type(value).__name__}")
+        _, item = typing.get_args(tp)
+        return {str(k): _decode(item, v, f"{where}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DFlash2Error(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is int or tp is bool or tp is str:
+        if type(value) is not tp:
+            raise DFlash2Error(f"{where} must be {'an' if tp is int else 'a'} {tp.__name__}, got {value!r}")
+        return value
+    raise TypeError(f"manifest field type {tp} is not handled")  # a bug in this module, not user input
+
+
+def _encode(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    return value
+
+
+def parse_manifest(data: Any, where: str = MANIFEST_FILE) -> ExportManifest:
+    """Validate parsed manifest JSON (format, version, field types, graphs, modes, drafter config, fit)."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise DFlash2Error(f"{where} is not a {FORMAT} manifest")
+    if data.get("manifest_version") != MANIFEST_VERSION:
+        raise DFlash2Error(f"{where} has manifest_version {data.get('manifest_version')!r} (written by dflash2-trt "
+                           f"{data.get('project_version', '?')}); this runtime reads version {MANIFEST_VERSION}: "
+                           f"re-export with this version's dflash2 export")
+    m: ExportManifest = _decode(ExportManifest, data, "manifest")
+    if m.dtype not in DTYPES:
+        raise DFlash2Error(f"manifest.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
+    if m.quantization.kind not in QUANTIZATIONS:
+        raise DFlash2Error(f"manifest.quantization.kind must be one of {', '.join(QUANTIZATIONS)}, "
+                           f"got {m.quantization.kind!r}")
+    for g in REQUIRED_GRAPHS:
+        if g not in m.graphs:
+            raise DFlash2Error(f"{where} lists no {g!r} graph")
+    for key, g in m.graphs.items():
+        if g.selector is not None and g.selector not in SELECTOR_IMPLS:
+            raise DFlash2Error(f"manifest.graphs.{key}.selector must be one of {', '.join(SELECTOR_IMPLS)} or null, "
+                               f"got {g.selector!r}")
+        if g.mode is not None and g.mode not in DRAFT_MODES:
+            raise DFlash2Error(f"manifest.graphs.{key}.mode must be one of {', '.join(DRAFT_MODES)}, got {g.mode!r}")
+    if m.max_seq_len < 1 or m.kv_capacity_step < 1:
+        raise DFlash2Error("manifest.max_seq_len and manifest.kv_capacity_step must be >= 1")
+    cfg = m.drafter_config  # DFlash2Error naming the config field when the drafter entry is bad
+    if cfg.vocab_size != m.target.vocab_size or cfg.target_hidden_size != m.target.hidden_size:
+        raise DFlash2Error(f"{where}: drafter (vocab {cfg.vocab_size}, target hidden {cfg.target_hidden_size}) "
+                           f"does not fit the target (vocab {m.target.vocab_size}, hidden {m.target.hidden_size})")
+    return m
+
+
+def parse_engine_set(data: Any) -> EngineSet:
+    """An ``engines`` entry from JSON-like data (dataclasses inside are fine), validated like the reader does."""
+    return _decode(EngineSet, _encode(data), "manifest.engines")
+
+
+def read_manifest(model_dir: str | Path, verify_checksums: bool = True) -> ExportManifest:
+    """Read and validate DIR/manifest.json; with ``verify_checksums`` every listed file is hashed.
+
+    Raises :class:`DFlash2Error` for a missing folder or file, invalid JSON, another format or manifest
+    version, a bad field (named), a missing graph, or a checksum mismatch (naming the file).
+    """
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise DFlash2Error(f"model folder not found: {d}")
+    mf = d / MANIFEST_FILE
+    if not mf.is_file():
+        raise DFlash2Error(f"{d} has no {MANIFEST_FILE}: not a dflash2 export folder (run dflash2 export)")
+    try:
+        data = json.loads(mf.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlash2Error(f"{mf} is not valid JSON (corrupt manifest): {e}") from None
+    m = parse_manifest(data, str(mf))
+    for rel in m.files:
+        if not (d / rel).is_file():
+            raise DFlash2Error(f"{d / rel} is missing (listed in the manifest)")
+    for g in m.graphs.values():
+        if g.file not in m.files:
+            raise DFlash2Error(f"graph file {g.file} has no checksum in the manifest")
+    if verify_checksums:
+        for rel, digest in m.files.items():
+            if sha256_file(d / rel) != digest:
+                raise DFlash2Error(f"checksum mismatch for {d / rel}: the file was changed or corrupted "
+                                   f"after export (re-export the model)")
+    return m
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------------
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(model_dir: Path, manifest: ExportManifest, rehash: bool = True) -> ExportManifest:
+    """Write DIR/manifest.json atomically and return what was written.
+
+    ``rehash``: ``files`` becomes the sha256 of every file in the folder (but the manifest); otherwise the
+    given ``files`` are kept (callers that add files update them themselves)."""
+    model_dir = Path(model_dir)
+    if rehash:
+        files = {p.relative_to(model_dir).as_posix(): sha256_file(p) for p in sorted(model_dir.rglob("*"))
+                 if p.is_file() and p.name != MANIFEST_FILE}
+        manifest = dataclasses.replace(manifest, files=files)
+    text = json.dumps(manifest.to_json(), indent=2) + "\n"
+    parse_manifest(json.loads(text))  # never write what the reader would refuse
+    fd, tmp = tempfile.mkstemp(dir=model_dir, prefix=".manifest-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, model_dir / MANIFEST_FILE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return manifest

@@ -1,0 +1,99 @@
+"""The TensorRT environment: importing TensorRT, versions, what an engine set is tied to (TensorRT version,
+GPU, plugin library) and where the plugin library is. Shared by ``dflash2 build-engines``
+(:mod:`dflash2_trt.export.engines`) and the TensorRT backend; no backend lives here.
+
+Imports TensorRT lazily (:func:`import_tensorrt`); everything else is the standard library.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.manifest import EngineSet, ExportManifest
+from dflash2_trt.runtime.base import BackendUnavailable
+from dflash2_trt.runtime.cuda_api import DeviceInfo
+
+MIN_TRT = (10, 3)
+PLUGIN_ENV = "DFLASH2_PLUGIN_LIB"
+
+
+def import_tensorrt() -> ModuleType:
+    """The real ``tensorrt`` module, or :class:`BackendUnavailable`. ``tensorrt-stubs`` alone leaves an empty
+    namespace package named ``tensorrt`` behind: that counts as not installed."""
+    try:
+        mod = importlib.import_module("tensorrt")
+    except ImportError as e:
+        raise BackendUnavailable(f"TensorRT is not installed ({e.msg}): install TensorRT >= 10.3 for this GPU "
+                                 f"(pip install tensorrt, or JetPack 6.2 on Jetson)") from None
+    except OSError as e:  # the wheel is there but libnvinfer cannot load
+        raise BackendUnavailable(f"TensorRT cannot load its libraries: {e}") from None
+    if not hasattr(mod, "Builder") or not isinstance(getattr(mod, "__version__", None), str):
+        raise BackendUnavailable("TensorRT is not installed (only type stubs or a placeholder package named "
+                                 "'tensorrt' were found): install TensorRT >= 10.3 for this GPU")
+    v = version_tuple(mod.__version__)
+    if v[:2] < MIN_TRT:
+        raise BackendUnavailable(f"TensorRT {mod.__version__} is too old: >= {MIN_TRT[0]}.{MIN_TRT[1]} is needed "
+                                 f"(JetPack 6.2 ships 10.3)")
+    return mod
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def current_identity(trt_version: str, dev: DeviceInfo) -> dict[str, Any]:
+    """What an engine is tied to: TensorRT version and GPU (name, compute capability) — the identity fields
+    of :class:`~dflash2_trt.manifest.EngineSet`."""
+    return {"tensorrt_version": trt_version,
+            "gpu": {"name": dev.name, "compute_capability": dev.compute_capability},
+            "cuda": {"driver": dev.driver_version, "runtime": dev.runtime_version}}
+
+
+def check_engine_identity(entry: EngineSet, current: dict[str, Any], plugin_sha256: str | None) -> None:
+    """Raise :class:`BackendUnavailable` when the engines cannot run here: another TensorRT version, another
+    GPU, or another / a missing plugin library."""
+    rebuild = "rebuild them here with: dflash2 build-engines DIR"
+    built, here = entry.tensorrt_version, str(current["tensorrt_version"])
+    if built != here:
+        raise BackendUnavailable(f"engines were built with TensorRT {built}, this is TensorRT {here} (TensorRT "
+                                 f"engines only load in the version that built them): {rebuild}")
+    g_here = current["gpu"]
+    if (entry.gpu.compute_capability, entry.gpu.name) != (g_here["compute_capability"], g_here["name"]):
+        raise BackendUnavailable(f"engines were built on {entry.gpu.name} (compute capability "
+                                 f"{entry.gpu.compute_capability}), this GPU is {g_here['name']} (compute capability "
+                                 f"{g_here['compute_capability']}): {rebuild}")
+    plug = entry.plugin
+    if plug:
+        if plugin_sha256 is None:
+            raise BackendUnavailable(f"the engines use the DFlash2PathSelector plugin but its library was not "
+                                     f"found (expected {plug.file}; or set {PLUGIN_ENV})")
+        if plugin_sha256 != plug.sha256:
+            raise BackendUnavailable(f"plugin library checksum {plugin_sha256[:12]}… differs from the one the "
+                                     f"engines were built with ({plug.sha256[:12]}…): use that library or {rebuild}")
+
+
+def engine_set(manifest: ExportManifest, model_dir: Path) -> EngineSet:
+    """The manifest's engines, or :class:`BackendUnavailable` when none were built."""
+    if manifest.engines is None:
+        raise BackendUnavailable(f"{model_dir} has no TensorRT engines: build them with dflash2 build-engines "
+                                 f"{model_dir}")
+    return manifest.engines
+
+
+def resolve_plugin(entry: EngineSet, model_dir: Path, override: str | Path | None) -> Path | None:
+    """The plugin library to load: ``override`` / $DFLASH2_PLUGIN_LIB, else the copy stored with the engines."""
+    if entry.plugin is None:
+        return None
+    p = Path(override or os.environ.get(PLUGIN_ENV) or (model_dir / entry.plugin.file))
+    return p if p.is_file() else None

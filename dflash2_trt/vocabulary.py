@@ -1,0 +1,31 @@
+"""The project's vocabulary: every set of names that more than one module speaks (STYLE rule 13).
+
+Defined once here and imported everywhere; a literal tuple of these names anywhere else is a bug.
+Only the standard library is needed.
+"""
+
+from __future__ import annotations
+
+# Path selection over the candidate lattice (SPEC §3); the default first.
+SELECTOR_MODES = ("greedy", "viterbi")
+# No selector: each draft row's own argmax / sample (DFlash v1 drafters, the selector-off ablation).
+INDEPENDENT = "independent"
+# What a draft runner can be asked for.
+DRAFT_MODES = (*SELECTOR_MODES, INDEPENDENT)
+
+# Runtime backends; "auto" = TensorRT when it can run here, else ONNX Runtime.
+BACKENDS = ("ort", "trt", "torch")
+BACKEND_CHOICES = ("auto", "ort", "trt")  # what the export-folder CLIs accept (torch runs --target/--drafter)
+
+# Export precisions and weight-only quantization kinds.
+DTYPES = ("fp32", "fp16", "bf16")
+QUANTIZATIONS = ("none", "int8", "int4")
+
+# How the path selector is built into the drafter head graph / engine.
+SELECTOR_IMPLS = ("decomposed", "plugin")  # standard ONNX ops | the DFlash2PathSelector TensorRT plugin node
+ENGINE_SELECTORS = (*SELECTOR_IMPLS, "both")  # `build-engines --selector`
+
+
+def head_key(mode: str, plugin: bool = False) -> str:
+    """Graph key of the drafter head for a draft mode: ``drafter_head_{mode}[_plugin]``."""
+    return f"drafter_head_{mode}" + ("_plugin" if plugin else "")
