@@ -338,5 +338,10 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
     return 0
 
 
+def export_main(argv: list[str] | None = None) -> int:
+    """``dflash2-export ARGS``: the same as ``dflash2 export ARGS``."""
+    return main(["export", *(sys.argv[1:] if argv is None else argv)], prog="dflash2-export")
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -169,7 +169,7 @@ def test_graphs_match_pytorch_on_random_inputs(tiny_export, tiny_target, tiny_dr
 
 def test_block_size_override_and_cli(tiny_dir, tmp_path, capsys):
     from dflash2_trt.cli import main as dflash2_main
-    from dflash2_trt.export.cli import main
+    from dflash2_trt.cli import export_main as main
 
     out = tmp_path / "bs4"
     assert main(["--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), "--out", str(out),
@@ -208,7 +208,7 @@ def test_export_is_atomic(tiny_dir, tiny_export, tmp_path, monkeypatch):
 
 def test_export_bad_input(tiny_dir, tmp_path, capsys):
     from dflash2_trt.config import DFlash2Config
-    from dflash2_trt.export.cli import main
+    from dflash2_trt.cli import export_main as main
     from dflash2_trt.model import DFlash2Drafter, save_drafter
 
     def err(argv):

@@ -38,7 +38,7 @@ def _run(d, n_ctx=7, anchor=5, seed=2):
     g = torch.Generator().manual_seed(seed)
     ctx = DraftContext()
     d.extend_context(ctx, torch.randn(n_ctx, d.config.context_in_features, generator=g), 0)
-    h = d.block_hidden(torch.tensor([anchor]), torch.tensor([n_ctx]), ctx.k, ctx.v, torch.arange(n_ctx))
+    h = d.block_forward(torch.tensor([anchor]), torch.tensor([n_ctx]), ctx.k, ctx.v)
     return h, d.draft_from_hidden(h, torch.tensor([anchor]))
 
 
@@ -121,10 +121,10 @@ def test_context_strictly_before_anchor_and_incremental_cache():
     for a, b in zip(full.k, inc.k):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # a block anchored at 6 must ignore context rows 6..8 (training-style call with the whole context)
-    h_all = d.block_hidden(torch.tensor([3]), torch.tensor([6]), full.k, full.v, torch.arange(9))
+    h_all = d.block_forward(torch.tensor([3]), torch.tensor([6]), full.k, full.v)
     short = DraftContext()
     d.extend_context(short, feats[:6], 0)
-    h_short = d.block_hidden(torch.tensor([3]), torch.tensor([6]), short.k, short.v, torch.arange(6))
+    h_short = d.block_forward(torch.tensor([3]), torch.tensor([6]), short.k, short.v)
     torch.testing.assert_close(h_all, h_short, rtol=1e-5, atol=1e-5)
     with pytest.raises(DFlash2Error, match="position"):
         d.extend_context(inc, feats[:1], 3)

@@ -45,12 +45,12 @@ def test_blocks_see_only_context_before_their_anchor(tiny_drafter):
     anchors = np.array([3, 9, 14])
     kv = d.context_kv(d.fuse_context(feats), torch.arange(T))
     sel = torch.zeros(3, dtype=torch.long)
-    h = d.block_hidden(torch.tensor([5, 6, 7]), torch.from_numpy(anchors), [k[sel] for k, _ in kv],
-                       [v[sel] for _, v in kv], torch.arange(T))
+    h = d.block_forward(torch.tensor([5, 6, 7]), torch.from_numpy(anchors), [k[sel] for k, _ in kv],
+                        [v[sel] for _, v in kv])
     for b, a in enumerate(anchors):
         ctx = DraftContext()
         d.extend_context(ctx, feats[0, :a], 0)
-        hb = d.block_hidden(torch.tensor([5 + b]), torch.tensor([int(a)]), ctx.k, ctx.v, torch.arange(int(a)))
+        hb = d.block_forward(torch.tensor([5 + b]), torch.tensor([int(a)]), ctx.k, ctx.v)
         torch.testing.assert_close(h[b: b + 1], hb, rtol=1e-4, atol=1e-5)
     assert Batch  # the type compute_loss consumes
 

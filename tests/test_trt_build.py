@@ -81,7 +81,7 @@ def test_build_engines_without_tensorrt_is_one_line_and_leaves_export(export_cop
 
 
 def test_export_with_engines_flag_keeps_the_onnx_export(tiny_dir, tmp_path, capsys):
-    from dflash2_trt.export.cli import main
+    from dflash2_trt.cli import export_main as main
 
     out = tmp_path / "exp"
     rc = main(["--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), "--out", str(out),

@@ -1,7 +1,9 @@
-"""Export: ONNX graphs (and later TensorRT engines and Triton repositories) for DFlash 2 drafters.
+"""Export: ONNX graphs (``onnx_graphs``: the target with explicit KV capacity buffers, wrappers of the
+drafter's own forward, the decomposed selector), ``exporter`` (``dflash2 export``), ``verify`` (ONNX Runtime vs
+PyTorch at export time), the plugin contract (``selector_contract``), TensorRT engines (``engines``:
+``dflash2 build-engines``), cached exports (``cache``) and the subcommands' flags (``cli``).
 
-``selector_contract``: the ONNX side of the DFlash2PathSelector TensorRT plugin contract (op schema + node
-helper). ``graphs``: export-only PyTorch modules (target with explicit KV capacity buffers, drafter context /
-block / head, decomposed selector). ``exporter`` / ``cli``: ``dflash2-export``. ``verify``: ONNX Runtime vs
-PyTorch checks. ``cache``: exports cached outside the repo. Importing this package needs only the stdlib.
+May import ``model``, ``target``, ``manifest``, ``vocabulary`` and the TensorRT environment helpers
+(``runtime.trt_env``, ``runtime.cuda_api``); never a runtime backend or bench. Importing this package needs only
+the standard library.
 """

@@ -1,5 +1,5 @@
 """``dflash2 export`` and ``dflash2 build-engines``: the subcommands' flags and entries (wired into
-:mod:`dflash2_trt.cli`). ``dflash2-export ARGS`` is ``dflash2 export ARGS`` (the documented entry point).
+:mod:`dflash2_trt.cli`). ``dflash2-export ARGS`` is ``dflash2 export ARGS`` (the documented entry point, :func:`dflash2_trt.cli.export_main`).
 
     dflash2 export --target PATH --drafter PATH --out DIR [--opset N] [--dtype fp32|fp16|bf16]
                    [--block-size N] [--max-seq-len N] [--no-verify] [--quiet] [--engines [engine options]]
@@ -14,7 +14,6 @@ max_position_embeddings, at most 4096). Prints one line on success; user errors 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from dflash2_trt.vocabulary import DTYPES
 
@@ -58,14 +57,3 @@ def run_build_engines(a: argparse.Namespace, prog: str, model_dir: str | None = 
     from dflash2_trt.export.engines import run_build
 
     return run_build(model_dir or a.dir, a, prog)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``dflash2-export``: the same as ``dflash2 export``."""
-    from dflash2_trt.cli import main as dflash2_main
-
-    return dflash2_main(["export", *(sys.argv[1:] if argv is None else argv)], prog="dflash2-export")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

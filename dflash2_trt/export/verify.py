@@ -3,7 +3,7 @@
 * target: the HF model (through :class:`~dflash2_trt.target.TargetModel`) on random tokens vs the target
   graph run in two chunks through a capacity buffer (prefill, then continuation) — logits and context
   features;
-* drafter: :class:`~dflash2_trt.model.DFlash2Drafter` (extend_context, block_hidden, draft_from_hidden) on
+* drafter: :class:`~dflash2_trt.model.DFlash2Drafter` (extend_context, block_forward, draft_from_hidden) on
   random features vs the context → block → head graphs, for both selector modes, argmax and sampling.
 
 Tolerances are relative to the reference's magnitude. Candidate/path decisions may differ only on near
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.vocabulary import SELECTOR_MODES
 
 TOL = {"fp32": 2e-3, "fp16": 5e-2, "bf16": 1e-1}
 
@@ -104,7 +105,7 @@ def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: 
     with torch.no_grad():
         ctx = DraftContext()
         drafter.extend_context(ctx, torch.from_numpy(feats).to(tdtype), 0)
-        h_ref = drafter.block_hidden(torch.tensor([anchor]), torch.tensor([n]), ctx.k, ctx.v, torch.arange(n))
+        h_ref = drafter.block_forward(torch.tensor([anchor]), torch.tensor([n]), ctx.k, ctx.v)
     report: dict = {}
     tol = TOL[dtype]
     # (a) context
@@ -129,7 +130,7 @@ def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: 
         ref_logits = drafter.logits(h_ref[:, 1:]).float().numpy()
     _close("drafter_head_independent.logits", logits, ref_logits, tol, report)
     _decisions("drafter_head_independent.argmax", logits.argmax(-1), ref_logits.argmax(-1), report, 0.9)
-    for mode in ("greedy", "viterbi"):
+    for mode in SELECTOR_MODES:
         if f"drafter_head_{mode}" not in paths:
             continue
         sess = session(paths[f"drafter_head_{mode}"])

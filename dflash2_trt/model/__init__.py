@@ -1,4 +1,8 @@
-"""PyTorch DFlash 2 drafter: layers, dynamic convolutions, candidate selector, checkpoints."""
+"""The PyTorch DFlash 2 drafter: layers, dynamic convolutions, candidate selector, checkpoints — the one
+forward that training runs and ``dflash2 export`` traces.
+
+May import torch, ``config``, ``errors``, ``vocabulary``; never the runtime, export, train or bench.
+"""
 
 from dflash2_trt.model.checkpoint import load_drafter, save_drafter
 from dflash2_trt.model.drafter import DFlash2Drafter, Draft, DraftContext

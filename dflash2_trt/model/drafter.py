@@ -1,6 +1,8 @@
 """The DFlash 2 drafter (SPEC §2) in PyTorch.
 
-One forward pass drafts a whole block ``[anchor, MASK x L]`` conditioned on fused target features.
+One forward pass drafts a whole block ``[anchor, MASK x L]`` conditioned on fused target features. This is
+the one PyTorch forward: training calls it, and ``dflash2 export`` traces it (:mod:`dflash2_trt.export.
+onnx_graphs` only wraps :meth:`DFlash2Drafter.context_kv` and :meth:`DFlash2Drafter.block_forward`).
 The drafter owns no embedding or LM head: :meth:`DFlash2Drafter.bind_target` shares the target's frozen
 token embedding [V, H] and LM head [V, H] (kept as non-persistent buffers, so they never enter a
 drafter checkpoint).
@@ -21,7 +23,7 @@ from dflash2_trt.config import ARCH_V2, DFlash2Config
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.vocabulary import INDEPENDENT
 from dflash2_trt.model import selector as sel
-from dflash2_trt.model.layers import MLP, POST, PRE, Attention, DynamicConv, RMSNorm, rope_cos_sin
+from dflash2_trt.model.layers import MLP, POST, PRE, Attention, DynamicConv, RMSNorm, attention_biases, rope_cos_sin
 
 
 class DrafterLayer(nn.Module):
@@ -38,13 +40,14 @@ class DrafterLayer(nn.Module):
             self.mlp_conv = DynamicConv(H, cfg.conv_kernel_size, cfg.conv_group_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor, use_conv: bool) -> torch.Tensor:
-        """h [nb, bs, H] -> [nb, bs, H]."""
+                ctx_v: torch.Tensor, ctx_bias: torch.Tensor, blk_bias: torch.Tensor, use_conv: bool
+                ) -> torch.Tensor:
+        """h [nb, bs, H] -> [nb, bs, H]; biases from :func:`~dflash2_trt.model.layers.attention_biases`."""
         x = self.input_layernorm(h)
         if use_conv:
             dyn = self.attention_conv.dynamic(x)  # [nb, bs, 2, kc, G] from the normed input
             x = self.attention_conv.mix(x, dyn, PRE)
-        a = self.self_attn(x, cos, sin, ctx_k, ctx_v, mask)
+        a = self.self_attn(x, cos, sin, ctx_k, ctx_v, ctx_bias, blk_bias)
         if use_conv:
             a = self.attention_conv.mix(a, dyn, POST)
         h = h + a
@@ -99,6 +102,8 @@ class DFlash2Drafter(nn.Module):
             self.mask_embedding = nn.Parameter(torch.zeros(H))  # [H]
         self.use_conv = cfg.use_conv and has_v2_parts
         self.use_selector = cfg.use_selector and has_v2_parts
+        self.register_buffer("mask_ids", torch.full((1, cfg.block_size - 1), cfg.mask_token_id, dtype=torch.long),
+                             persistent=False)  # [1, L]
         # shared, frozen target tensors (never saved with the drafter)
         self.register_buffer("embed_weight", torch.zeros(0), persistent=False)  # [V, H] once bound
         self.register_buffer("lm_head_weight", torch.zeros(0), persistent=False)  # [V, H] once bound
@@ -168,54 +173,53 @@ class DFlash2Drafter(nn.Module):
         self._check_bound()
         cfg = self.config
         nb = anchor_ids.shape[0]
-        ids = torch.full((nb, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=anchor_ids.device)
-        ids[:, 0] = anchor_ids
+        # broadcasting only (no Expand of traced shapes)
+        ids = torch.cat([anchor_ids.view(nb, 1), self.mask_ids + 0 * anchor_ids.view(nb, 1)], dim=1)  # [nb, bs]
         x = self.embed_weight[ids]  # [nb, bs, H]
         if cfg.learned_mask_embedding:
-            x = torch.cat([x[:, :1], self.mask_embedding.expand(nb, cfg.block_size - 1, -1)], dim=1)
+            x = torch.cat([x[:, :1], self.mask_embedding + 0 * x[:, 1:]], dim=1)
         if cfg.input_embedding_scale is not None:
             x = x * cfg.input_embedding_scale
         return x
 
-    def _mask(self, layer: int, block_pos: torch.Tensor, ctx_pos: torch.Tensor, anchor_pos: torch.Tensor
-              ) -> torch.Tensor:
-        """[nb, bs, n + bs] bool. Context rows strictly before the anchor (and inside the window)."""
-        cfg = self.config
-        qp = block_pos.unsqueeze(-1)  # [nb, bs, 1]
-        ctx_ok = (ctx_pos.view(1, 1, -1) < anchor_pos.view(-1, 1, 1)).expand(-1, block_pos.shape[1], -1)
-        blk_ok = torch.ones(block_pos.shape[0], block_pos.shape[1], block_pos.shape[1], dtype=torch.bool,
-                            device=block_pos.device)
-        if cfg.layer_is_causal(layer):
-            blk_ok = block_pos.unsqueeze(1) <= qp  # key pos <= query pos
-        win = cfg.layer_window(layer)
-        if win is not None:
-            ctx_ok = ctx_ok & (qp - ctx_pos.view(1, 1, -1) < win)
-            blk_ok = blk_ok & (qp - block_pos.unsqueeze(1) < win)
-        return torch.cat([ctx_ok, blk_ok], dim=-1)
-
-    def block_hidden(
+    def block_forward(
         self,
         anchor_ids: torch.Tensor,  # [nb] int64
         anchor_pos: torch.Tensor,  # [nb] int64 absolute position of the anchor
-        ctx_k: list[torch.Tensor],  # per layer [1 or nb, kvh, n, d]
+        ctx_k: list[torch.Tensor],  # per layer [nb or 1, kvh, C, d]; slot j holds position j
         ctx_v: list[torch.Tensor],
-        ctx_pos: torch.Tensor,  # [n] int64 positions of the context rows
+        ctx_valid: torch.Tensor | None = None,  # [nb or 1, C] bool (None: every slot holds a position)
     ) -> torch.Tensor:
-        """One-shot block pass -> normed hidden states h [nb, bs, H]."""
+        """One-shot block pass -> normed hidden states h [nb, bs, H].
+
+        Block rows see the context slots strictly before the anchor (and inside a sliding window), and the
+        block rows (bidirectional, or causal). Masks are built with broadcasting only, so the exported block
+        graph traces this method as it is."""
         cfg = self.config
         assert cfg.head_dim is not None
         nb, bs = anchor_ids.shape[0], cfg.block_size
-        block_pos = anchor_pos.view(nb, 1) + torch.arange(bs, device=anchor_ids.device)  # [nb, bs]
-        cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, self.fc.weight.dtype)
         h = self.block_embeddings(anchor_ids).to(self.fc.weight.dtype)
-        masks: dict[tuple, torch.Tensor] = {}
+        block_pos = anchor_pos.view(nb, 1) + torch.arange(bs, device=anchor_ids.device)  # [nb, bs]
+        cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, h.dtype)  # [nb, bs, d]
+        C = ctx_k[0].shape[2] if len(ctx_k) else 0
+        ctx_pos = torch.arange(C, device=anchor_ids.device).view(1, 1, -1)  # [1, 1, C]
+        qp = block_pos.unsqueeze(-1)  # [nb, bs, 1]
+        kp = block_pos.unsqueeze(1)  # [nb, 1, bs]
+        ctx_ok = (ctx_pos < anchor_pos.view(nb, 1, 1)) & (qp >= 0)  # [nb, bs, C]
+        if ctx_valid is not None:
+            ctx_ok = ctx_ok & ctx_valid.unsqueeze(1)
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        biases: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):
             key = (cfg.layer_is_causal(i), cfg.layer_window(i))
-            if key not in masks:
-                masks[key] = self._mask(i, block_pos, ctx_pos, anchor_pos)
-            k = ctx_k[i].expand(nb, -1, -1, -1)
-            v = ctx_v[i].expand(nb, -1, -1, -1)
-            h = layer(h, cos, sin, k, v, masks[key], self.use_conv)
+            if key not in biases:
+                c_ok = ctx_ok
+                b_ok = kp <= qp if key[0] else (kp >= 0) & (qp >= 0)  # [nb, bs, bs]
+                if key[1] is not None:
+                    c_ok = c_ok & (qp - ctx_pos < key[1])
+                    b_ok = b_ok & (qp - kp < key[1])
+                biases[key] = attention_biases(c_ok, b_ok, rep, h.dtype)
+            h = layer(h, cos, sin, ctx_k[i], ctx_v[i], *biases[key], self.use_conv)
         return self.norm(h)
 
     def logits(self, h: torch.Tensor, rows_of_head: torch.Tensor | None = None) -> torch.Tensor:

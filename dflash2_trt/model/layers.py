@@ -1,6 +1,9 @@
 """Building blocks of the drafter (SPEC §2): RMSNorm, RoPE, KV-injection attention, SwiGLU MLP and the
 dynamic two-tap grouped convolution.
 
+Written once for eager use, training and ONNX tracing alike (the exported graphs trace these modules): no
+data-dependent control flow, head dims as Python ints, no Expand of traced shapes, no K/V concatenation.
+
 Shape letters: nb blocks, bs block rows, n context rows, H hidden, nh / kvh query / key-value heads,
 d head dim, G conv groups, kc taps (2).
 """
@@ -37,11 +40,19 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., rows, d]; cos/sin broadcastable to x."""
-    half = x.shape[-1] // 2
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d: int) -> torch.Tensor:
+    """x [..., rows, d]; cos/sin broadcastable to x. ``d`` is a Python int: a traced ``x.shape[-1] // 2`` makes
+    the TorchScript exporter emit the following Concat on the wrong axis."""
+    half = d // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin
+
+
+def shift_rows(y: torch.Tensor, o: int) -> torch.Tensor:
+    """y [nb, bs, H] -> y_{t-o} along block rows, zeros before row 0: taps never cross the block start."""
+    if o == 0:
+        return y
+    return torch.cat([y[:, :o] * 0, y[:, :-o]], dim=1)
 
 
 class DynamicConv(nn.Module):
@@ -59,6 +70,9 @@ class DynamicConv(nn.Module):
         self.groups = hidden // group_size  # G
         self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden))  # [2, kc, H]
         self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)  # H -> 2*kc*G
+        # [G, H] 0/1: channel c belongs to group c // group (expands per-group taps with one exact MatMul)
+        gm = (torch.arange(self.groups).unsqueeze(1) == (torch.arange(hidden) // group_size).unsqueeze(0)).float()
+        self.register_buffer("group_matrix", gm, persistent=False)
         self.reset_identity()
 
     @torch.no_grad()
@@ -69,18 +83,14 @@ class DynamicConv(nn.Module):
 
     def dynamic(self, x: torch.Tensor) -> torch.Tensor:
         """x [nb, bs, H] -> dyn [nb, bs, 2, kc, G]."""
-        nb, bs, _ = x.shape
-        return self.kernel_projection(x).view(nb, bs, 2, self.kc, self.groups)
+        return self.kernel_projection(x).view(x.shape[0], x.shape[1], 2, self.kc, self.groups)
 
     def mix(self, y: torch.Tensor, dyn: torch.Tensor, side: int) -> torch.Tensor:
         """y [nb, bs, H], dyn [nb, bs, 2, kc, G] -> [nb, bs, H]. Taps never cross the block start."""
-        out = None
-        for o in range(self.kc):
-            w = self.base_kernel[side, o] + dyn[:, :, side, o].repeat_interleave(self.group, dim=-1)  # [nb,bs,H]
-            ys = y if o == 0 else F.pad(y, (0, 0, o, 0))[:, : y.shape[1]]  # y_{t-o}, zeros before row 0
-            term = w * ys
-            out = term if out is None else out + term
-        assert out is not None
+        gm = self.group_matrix.to(y.dtype)
+        out = (self.base_kernel[side, 0] + torch.matmul(dyn[:, :, side, 0], gm)) * y  # [nb, bs, H]
+        for o in range(1, self.kc):
+            out = out + (self.base_kernel[side, o] + torch.matmul(dyn[:, :, side, o], gm)) * shift_rows(y, o)
         return out
 
 
@@ -102,29 +112,47 @@ class Attention(nn.Module):
         shp = x.shape[:-1]
         k = self.k_norm(self.k_proj(x).view(*shp, self.kvh, self.d)).transpose(-2, -3)  # [..., kvh, m, d]
         v = self.v_proj(x).view(*shp, self.kvh, self.d).transpose(-2, -3)  # [..., kvh, m, d]
-        return apply_rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
+        return apply_rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3), self.d), v
 
     def forward(
         self,
         x: torch.Tensor,  # [nb, bs, H] block rows (after the pre-conv)
         cos: torch.Tensor,  # [nb, bs, d]
         sin: torch.Tensor,  # [nb, bs, d]
-        ctx_k: torch.Tensor,  # [nb, kvh, n, d] (may be an expanded view)
-        ctx_v: torch.Tensor,  # [nb, kvh, n, d]
-        mask: torch.Tensor,  # [nb, bs, n + bs] bool, True = may attend
+        ctx_k: torch.Tensor,  # [nb or 1, kvh, n, d] context keys (normed + RoPE)
+        ctx_v: torch.Tensor,  # [nb or 1, kvh, n, d]
+        ctx_bias: torch.Tensor,  # [nb, 1, rep*bs, n] additive (0 = may attend, -inf = masked)
+        blk_bias: torch.Tensor,  # [nb, 1, rep*bs, bs]
     ) -> torch.Tensor:
-        nb, bs, _ = x.shape
+        """Softmax over [context keys | block keys] as two score blocks joined before one softmax (K/V are
+        never concatenated); grouped-query heads h = kv * rep + r are folded into rows instead of repeating
+        K/V. Biases come from :func:`attention_biases`."""
+        nb, bs = x.shape[0], x.shape[1]
         q = self.q_norm(self.q_proj(x).view(nb, bs, self.nh, self.d)).transpose(1, 2)  # [nb, nh, bs, d]
-        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1), self.d)
         kb, vb = self.kv(x, cos, sin)  # [nb, kvh, bs, d]
-        k = torch.cat([ctx_k, kb], dim=2)  # [nb, kvh, n + bs, d]
-        v = torch.cat([ctx_v, vb], dim=2)
-        rep = self.nh // self.kvh
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)  # [nb, nh, n + bs, d]
-            v = v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))  # [nb, nh, bs, d]
+        qg = q.reshape(nb, self.kvh, (self.nh // self.kvh) * bs, self.d)  # [nb, kvh, rep*bs, d]
+        scale = self.d ** -0.5
+        s1 = torch.matmul(qg, ctx_k.transpose(2, 3)) * scale + ctx_bias  # [nb, kvh, rep*bs, n]
+        s2 = torch.matmul(qg, kb.transpose(2, 3)) * scale + blk_bias  # [nb, kvh, rep*bs, bs]
+        n = ctx_k.shape[2]
+        p = torch.softmax(torch.cat([s1, s2], dim=3).float(), dim=3).to(q.dtype)
+        o = torch.matmul(p[:, :, :, :n], ctx_v) + torch.matmul(p[:, :, :, n:], vb)  # [nb, kvh, rep*bs, d]
+        o = o.reshape(nb, self.nh, bs, self.d)
         return self.o_proj(o.transpose(1, 2).reshape(nb, bs, self.nh * self.d))
+
+
+def attention_biases(ok_ctx: torch.Tensor, ok_blk: torch.Tensor, rep: int, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean masks ok_ctx [nb, bs, n], ok_blk [nb, bs, bs] (True = may attend) -> the additive biases of
+    :meth:`Attention.forward`, [nb, 1, rep*bs, n] and [nb, 1, rep*bs, bs] (rows repeated per folded head)."""
+    neg = torch.tensor(float("-inf"), dtype=dtype)
+    zero = torch.tensor(0.0, dtype=dtype)
+
+    def bias(ok: torch.Tensor) -> torch.Tensor:
+        return torch.where(ok, zero, neg).repeat(1, rep, 1).unsqueeze(1)
+
+    return bias(ok_ctx), bias(ok_blk)
 
 
 class MLP(nn.Module):

@@ -1,5 +1,7 @@
-"""Candidate path selector (SPEC §3) in PyTorch, batched. Mirrors :mod:`dflash2_trt.reference` exactly
-(same lattice, tie rule, inverse-CDF sampling); computed in fp32.
+"""Candidate path selector (SPEC §3) in PyTorch, batched — the one PyTorch selector: training, the drafter
+and the exported drafter head graph (:class:`dflash2_trt.export.onnx_graphs.DecomposedSelector`) all run
+:func:`lattice` + :func:`walk`. Mirrors :mod:`dflash2_trt.reference` exactly (same lattice, tie rule,
+inverse-CDF sampling); computed in fp32.
 """
 
 from __future__ import annotations
@@ -33,79 +35,105 @@ def lattice(
     """S [B, L, K_prev, K_cur] fp32; row 0 repeats the anchor as predecessor for every i."""
     B, L, K = cand.shape
     prev = torch.cat([anchor.view(B, 1, 1).expand(B, 1, K), cand[:, :-1]], dim=1)  # [B, L, K]
-    a = pred_codebook.float()[prev]  # [B, L, K, r]
-    b = succ_codebook.float()[cand] * g.float().unsqueeze(2)  # [B, L, K, r]
+    a = pred_codebook[prev].float()  # [B, L, K, r] (gather, then cast: never the whole [V, r] table)
+    b = succ_codebook[cand].float() * g.float().unsqueeze(2)  # [B, L, K, r]
     return unary.float().unsqueeze(2) + a @ b.transpose(-1, -2)  # [B, L, K, K]
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [B, K], u [B] -> min{j : cdf[j] > u} clamped to K-1, [B] int64."""
-    cdf = probs.cumsum(-1)
-    return (cdf <= u.unsqueeze(-1)).sum(-1).clamp(max=probs.shape[-1] - 1)
+    k = probs.shape[-1]
+    return (probs.cumsum(-1) <= u.unsqueeze(-1)).long().sum(-1).clamp(max=k - 1)
+
+
+def _one_hot(idx: torch.Tensor, k: int) -> torch.Tensor:
+    return (torch.arange(k, device=idx.device) == idx.unsqueeze(-1)).float()
+
+
+def _row(S_t: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """S_t [B, K, K], prev [B] -> S_t[b, prev[b], :] [B, K]."""
+    K = S_t.shape[-1]
+    return torch.gather(S_t, 1, prev.view(-1, 1, 1).expand(-1, 1, K))[:, 0]  # (squeeze would trace to If)
+
+
+def _logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    m = x.max(dim=dim).values
+    return m + torch.log(torch.exp(x - m.unsqueeze(dim)).sum(dim=dim))
 
 
 def walk(
     S: torch.Tensor,  # [B, L, K, K]
     mode: str,
     temperature: torch.Tensor,  # [B] float (<= 0: argmax)
-    uniforms: torch.Tensor | None,  # [B, L]
+    uniforms: torch.Tensor | None,  # [B, L] in [0, 1); needed where temperature > 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (chosen index [B, L] int64, proposals [B, L, K] fp32)."""
+    """Walk the lattice: (chosen index [B, L] int64, proposals [B, L, K] fp32).
+
+    Written for tracing as well as eager use (the exported drafter head runs exactly this): unrolled over
+    the L static rows, no data-dependent control flow; per sequence the argmax path and the sampled path
+    are both computed and one is chosen with ``where``.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     B, L, K, _ = S.shape
-    dev = S.device
-    temperature = temperature.to(dev, torch.float32).expand(B)
+    temperature = temperature.to(S.device, torch.float32).expand(B)
     sampling = temperature > 0  # [B]
-    if bool(sampling.any()) and uniforms is None:
-        raise ValueError("temperature > 0 needs uniforms [B, L]")
-    safe_t = torch.where(sampling, temperature, torch.ones_like(temperature))  # [B]
-    ar = torch.arange(B, device=dev)
-    idx = torch.zeros(B, L, dtype=torch.long, device=dev)
-    q = torch.zeros(B, L, K, dtype=torch.float32, device=dev)
-
+    if uniforms is None:
+        if not torch.jit.is_tracing() and bool(sampling.any()):
+            raise ValueError("temperature > 0 needs uniforms [B, L]")
+        uniforms = torch.zeros(B, L, device=S.device)
+    t = torch.where(sampling, temperature, torch.ones_like(temperature)).view(-1, 1)  # [B, 1]
     if mode == "greedy":
-        prev = torch.zeros(B, dtype=torch.long, device=dev)
-        for t in range(L):
-            row = S[ar, t, prev]  # [B, K]
-            am = row.argmax(-1)  # [B] first max on ties
-            qs = torch.softmax(row / safe_t[:, None], dim=-1)
-            sm = _inverse_cdf(qs, uniforms[:, t]) if uniforms is not None else am
-            idx[:, t] = torch.where(sampling, sm, am)
-            q[:, t] = torch.where(sampling[:, None], qs, nn.functional.one_hot(am, K).float())
-            prev = idx[:, t]
-        return idx, q
+        return _greedy(S, sampling, t, uniforms)
+    return _viterbi(S, sampling, t, uniforms)
 
-    # viterbi, argmax rows (computed for all; sampled rows overwritten below)
-    delta = S[:, 0, 0].clone()  # [B, K]
-    back = torch.zeros(B, L, K, dtype=torch.long, device=dev)
-    for t in range(1, L):
-        cand = delta.unsqueeze(-1) + S[:, t]  # [B, K_prev, K_cur]
-        delta, back[:, t] = cand.max(dim=1)  # first max on ties
-    vidx = torch.zeros(B, L, dtype=torch.long, device=dev)
-    vidx[:, L - 1] = delta.argmax(-1)
-    for t in range(L - 1, 0, -1):
-        vidx[:, t - 1] = back[ar, t, vidx[:, t]]
-    idx = vidx
-    q = nn.functional.one_hot(vidx, K).float()
-    if not bool(sampling.any()):
-        return idx, q
 
-    X = S / safe_t.view(B, 1, 1, 1)  # [B, L, K, K]
-    bmsg = torch.zeros(B, L, K, dtype=torch.float32, device=dev)
-    for t in range(L - 2, -1, -1):
-        bmsg[:, t] = torch.logsumexp(X[:, t + 1] + bmsg[:, t + 1].unsqueeze(1), dim=-1)
-    prev = torch.zeros(B, dtype=torch.long, device=dev)
-    sidx = torch.zeros_like(idx)
-    sq = torch.zeros_like(q)
-    assert uniforms is not None
-    for t in range(L):
-        qs = torch.softmax(X[ar, t, prev] + bmsg[:, t], dim=-1)  # [B, K]
-        sidx[:, t] = _inverse_cdf(qs, uniforms[:, t])
-        sq[:, t] = qs
-        prev = sidx[:, t]
-    idx = torch.where(sampling[:, None], sidx, idx)
-    q = torch.where(sampling[:, None, None], sq, q)
+def _greedy(S, sampling, t, uniforms):  # noqa: ANN001, ANN202
+    B, L, K, _ = S.shape
+    prev = torch.zeros_like(S[:, 0, 0, 0], dtype=torch.long)  # [B] row 0: every i is the anchor
+    idx, qs = [], []
+    for r in range(L):
+        row = _row(S[:, r], prev)  # [B, K]
+        am = row.argmax(-1)  # first max on ties
+        p = torch.softmax(row / t, dim=-1)
+        j = torch.where(sampling, _inverse_cdf(p, uniforms[:, r]), am)
+        qs.append(torch.where(sampling.view(-1, 1), p, _one_hot(am, K)))
+        idx.append(j)
+        prev = j
+    return torch.stack(idx, 1), torch.stack(qs, 1)
+
+
+def _viterbi(S, sampling, t, uniforms):  # noqa: ANN001, ANN202
+    B, L, K, _ = S.shape
+    # max-sum with back-pointers (argmax over predecessors: lowest index on ties)
+    delta = S[:, 0, 0]  # [B, K]
+    backs = []
+    for r in range(1, L):
+        c = delta.unsqueeze(-1) + S[:, r]  # [B, K_prev, K_cur]
+        backs.append(c.argmax(1))  # [B, K]
+        delta = c.max(1).values
+    j = delta.argmax(-1)  # [B]
+    best = [j]
+    for r in range(L - 1, 0, -1):
+        j = torch.gather(backs[r - 1], 1, j.view(-1, 1))[:, 0]
+        best.append(j)
+    best_idx = torch.stack(best[::-1], 1)  # [B, L]
+    # exact chain sampling: backward log-messages, then forward draws
+    X = S / t.view(-1, 1, 1, 1)
+    msgs = [torch.zeros_like(delta)]  # b[L-1] = 0
+    for r in range(L - 2, -1, -1):
+        msgs.append(_logsumexp(X[:, r + 1] + msgs[-1].unsqueeze(1), dim=-1))
+    msgs = msgs[::-1]  # msgs[r]: [B, K]
+    prev = torch.zeros_like(best_idx[:, 0])
+    sidx, sq = [], []
+    for r in range(L):
+        p = torch.softmax(_row(X[:, r], prev) + msgs[r], dim=-1)
+        j = _inverse_cdf(p, uniforms[:, r])
+        sidx.append(j)
+        sq.append(p)
+        prev = j
+    idx = torch.where(sampling.view(-1, 1), torch.stack(sidx, 1), best_idx)
+    q = torch.where(sampling.view(-1, 1, 1), torch.stack(sq, 1), _one_hot(best_idx, K))
     return idx, q
 
 

@@ -131,14 +131,6 @@ class GraphCache:
         self.stats.invalidated += n
         return n
 
-    def invalidate_where(self, pred: Callable[[GraphKey], bool]) -> int:
-        n = 0
-        for key in [k for k in self._graphs if pred(k)]:
-            self._destroy(self._graphs.pop(key))
-            n += 1
-        self.stats.invalidated += n
-        return n
-
     def clear(self) -> None:
         while self._graphs:
             _, e = self._graphs.popitem()

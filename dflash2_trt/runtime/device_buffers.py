@@ -78,9 +78,6 @@ class BufferPool:
                         self.pinned(nb) if host else None)
 
     @property
-    def live_device(self) -> int:
-        return len(self._dev)
-
     def close(self) -> None:
         for p in sorted(self._dev):
             self.api.free(p)

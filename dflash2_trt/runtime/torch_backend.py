@@ -78,7 +78,7 @@ class TorchDraftSource:
         if self.ctx.length != pos:
             raise DFlash2Error(f"draft context holds {self.ctx.length} positions, anchor is at {pos}")
         a = torch.tensor([anchor])
-        h = self.drafter.block_hidden(a, torch.tensor([pos]), self.ctx.k, self.ctx.v, torch.arange(pos))
+        h = self.drafter.block_forward(a, torch.tensor([pos]), self.ctx.k, self.ctx.v)
         u = None if uniforms is None else torch.from_numpy(np.asarray(uniforms, dtype=np.float32))
         d = self.drafter.draft_from_hidden(h, a, self.mode, temperature, u)
         q = d.proposal[0]  # [L, V] proposal scattered into the vocabulary

@@ -1,1 +1,5 @@
-"""Distillation of DFlash 2 drafters (SPEC §5): offline data, block construction, trainer."""
+"""Distillation of DFlash 2 drafters (SPEC §5): self-distilled data, block construction, trainer, ``dflash2
+train``.
+
+May import torch, ``model``, ``target``, ``config``, ``vocabulary``; never the runtime backends, export or bench.
+"""

@@ -228,7 +228,7 @@ def compute_loss(d: DFlash2Drafter, tokens: np.ndarray, feats: np.ndarray, b: Ba
     ctx_v = [v[sel] for _, v in kv]
     anchor_pos = torch.from_numpy(b.anchors)
     anchor_ids = torch.from_numpy(tokens[b.seq_rows[b.blk_seq], b.anchors])
-    h = d.block_hidden(anchor_ids, anchor_pos, ctx_k, ctx_v, ctx_pos)  # [nb, bs, H]
+    h = d.block_forward(anchor_ids, anchor_pos, ctx_k, ctx_v)  # [nb, bs, H]
     rows = h[:, 1:]  # [nb, L, H]
     labels = torch.from_numpy(b.labels[:, 1:])  # [nb, L]
     if vocab is None:

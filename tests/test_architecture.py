@@ -1,0 +1,157 @@
+"""The house's structure, checked: the import graph (no cycle, no arrow from export to a backend, a torch-free
+runtime, evaluation imported by nobody below the CLI), one vocabulary, subpackage docstrings, the manifest's
+JSON Schema in step with its dataclasses, and the export recipes."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "dflash2_trt"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> every dflash2_trt / third-party module it imports (module level and inside functions)."""
+    out: dict[str, set[str]] = {}
+    for path in PKG.rglob("*.py"):
+        mod = _module_name(path)
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import module`
+        out[mod] = deps
+    return out
+
+
+def _internal(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def test_import_graph_has_no_cycle():
+    g = _internal(_imports())
+    for m in g:  # a package's __init__ importing its own modules is not an arrow between modules
+        g[m] = {d for d in g[m] if not m.startswith(d + ".") and not d.startswith(m + ".")}
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(g[m]):
+            if state.get(d) == 1:
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(d):] + [m, d]))
+            if d not in state:
+                visit(d, stack + [m])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [])
+
+
+def test_layers_import_only_downward():
+    graph = _imports()
+    backends = {"dflash2_trt.runtime.ort_backend", "dflash2_trt.runtime.trt_backend",
+                "dflash2_trt.runtime.torch_backend", "dflash2_trt.runtime.backends"}
+    for mod, deps in graph.items():
+        if mod.startswith("dflash2_trt.export"):
+            assert not deps & backends, f"{mod} (export) imports a backend: {deps & backends}"
+        if mod.startswith("dflash2_trt.runtime") and mod != "dflash2_trt.runtime.torch_backend":
+            heavy = {d for d in deps if d.split(".")[0] in ("torch", "transformers", "safetensors")
+                     or d.startswith(("dflash2_trt.model", "dflash2_trt.target", "dflash2_trt.train",
+                                      "dflash2_trt.export", "dflash2_trt.bench"))}
+            assert not heavy, f"{mod} (runtime) imports torch-side or evaluation code: {heavy}"
+        if not mod.startswith(("dflash2_trt.bench", "dflash2_trt.cli")):
+            assert not {d for d in deps if d.startswith("dflash2_trt.bench")}, f"{mod} imports evaluation code"
+
+
+def test_one_vocabulary():
+    """Mode and backend names are spelt out once (dflash2_trt/vocabulary.py)."""
+    literal = re.compile(r"""\(\s*["'](greedy|auto|fp32|none)["']\s*,\s*["'](viterbi|ort|fp16|int8)["']""")
+    offenders = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
+                 if p.name != "vocabulary.py" and literal.search(p.read_text())]
+    assert not offenders, f"literal mode/backend tuples outside vocabulary.py: {offenders}"
+
+
+def test_every_subpackage_says_what_it_owns_and_imports():
+    for init in PKG.rglob("__init__.py"):
+        if init.parent == PKG:
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc) > 80 and "import" in doc, f"{init.relative_to(ROOT)}: docstring must say what the " \
+                                                  f"subpackage owns and what it may import"
+
+
+def test_manifest_schema_matches_the_dataclasses():
+    from dflash2_trt import manifest as M
+
+    schema = json.loads(M.SCHEMA_FILE.read_text())
+
+    def check(cls: type, node: dict, where: str) -> None:
+        if "$ref" in node:
+            node = schema["$defs"][node["$ref"].split("/")[-1]]
+        if "oneOf" in node:
+            node = next(n for n in node["oneOf"] if n.get("type") != "null")
+            if "$ref" in node:
+                node = schema["$defs"][node["$ref"].split("/")[-1]]
+        props = set(node.get("properties", {}))
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert props == fields, f"{where}: schema {sorted(props ^ fields)} differ from {cls.__name__}"
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        assert required <= set(node.get("required", [])), f"{where}: required fields {required}"
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+            if dataclasses.is_dataclass(tp):
+                check(tp, node["properties"][f.name], f"{where}.{f.name}")
+            elif inner and typing.get_origin(tp) is typing.Union:
+                check(inner[0], node["properties"][f.name], f"{where}.{f.name}")
+
+    check(M.ExportManifest, schema, "manifest")
+
+
+def test_manifest_round_trips_and_names_bad_fields(tiny_export):
+    from dflash2_trt import DFlash2Error
+    from dflash2_trt.manifest import parse_manifest, read_manifest
+
+    m = read_manifest(tiny_export)
+    assert parse_manifest(json.loads(json.dumps(m.to_json()))) == m
+    data = m.to_json()
+    data["graphs"]["target"]["inputs"][0]["shape"] = "batch"
+    with pytest.raises(DFlash2Error, match=r"^manifest\.graphs\.target\.inputs\[0\]\.shape must be a list"):
+        parse_manifest(data)
+
+
+def test_recipes_are_valid_bash_and_the_tiny_one_runs(tmp_path):
+    recipes = sorted((ROOT / "export").glob("*.sh"))
+    assert {p.name for p in recipes} >= {"tiny-cpu-ort.sh", "smollm2-cpu-ort.sh", "qwen3-zlab-trt.sh",
+                                         "jetson-orin.sh"}
+    for p in recipes:
+        subprocess.run(["bash", "-n", str(p)], check=True)
+    env = dict(os.environ, OUT=str(tmp_path / "tiny"),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # the venv's dflash2
+    r = subprocess.run(["bash", str(ROOT / "export" / "tiny-cpu-ort.sh")], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "lossless: True" in r.stdout and (tmp_path / "tiny" / "manifest.json").is_file()
