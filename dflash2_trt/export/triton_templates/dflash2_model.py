@@ -23,8 +23,8 @@ Outputs of every response::
 Each request gets its own runners (caches), so requests never share state; an instance runs one request at
 a time and concurrency comes from ``instance_group`` count. A bad request gets one Triton error (INVALID_ARG)
 and leaves the instance serving; a cancelled request (the client cancelled or disconnected) stops at the
-next chunk and its runners are dropped. Custom metrics: ``dflash2_active_requests`` (gauge) and
-``dflash2_cancelled_requests`` (counter), per instance.
+next chunk and its runners are dropped. Custom metrics, per instance: ``dflash2_active_requests`` (gauge),
+``dflash2_requests`` (counter: requests that started decoding) and ``dflash2_cancelled_requests`` (counter).
 """
 
 import os
@@ -98,7 +98,10 @@ class TritonPythonModel:
         self.f_cancelled = pb_utils.MetricFamily(name="dflash2_cancelled_requests",
                                                  description="DFlash 2 requests stopped by a cancellation",
                                                  kind=pb_utils.MetricFamily.COUNTER)
+        self.f_requests = pb_utils.MetricFamily(name="dflash2_requests", description="DFlash 2 requests decoded",
+                                                kind=pb_utils.MetricFamily.COUNTER)
         self.m_active = self.f_active.Metric(labels=labels)
+        self.m_requests = self.f_requests.Metric(labels=labels)
         self.m_cancelled = self.f_cancelled.Metric(labels=labels)
 
     def execute(self, requests: list) -> None:
@@ -165,6 +168,7 @@ class TritonPythonModel:
             sender.send(self._response(new, self._text_delta(tokens, state, final=False), acc, tau))
 
         self.m_active.increment(1)
+        self.m_requests.increment(1)
         try:
             res = speculative_generate(target, drafter, spec["prompt"], spec["max_tokens"], spec["temperature"],
                                        seed=spec["seed"], measure_oracle=False, on_tokens=on_tokens)
