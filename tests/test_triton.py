@@ -392,6 +392,21 @@ def test_tiny_server_shuts_down_cleanly(tiny_server):
     shut_down_cleanly(tiny_server, tiny_server.repo)
 
 
+def test_model_refuses_to_load_under_numpy2(tiny_export, tmp_path):
+    """Without the NumPy 1.x folder first on its path the python backend would send empty tensors: the model
+    refuses to load instead, and the server stops with that reason."""
+    import site
+
+    repo = tmp_path / "repo"
+    T.write_triton_repo(tiny_export, repo, verify_checksums=False)
+    srv = serve(repo, tmp_path / "server.log", timeout=60)
+    srv.env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), *site.getsitepackages()])
+    with pytest.raises(DFlash2Error, match="exited"):
+        srv.start()
+    assert "the python backend needs NumPy 1.x" in srv.log()
+    assert _processes_using(repo) == []
+
+
 # -- the real server: SmolLM2-135M-Instruct + the shipped drafter -------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_shipped_drafter_streams_equal_the_runtime(tmp_path):

@@ -192,11 +192,12 @@ class TritonPythonModel:
             del target, drafter  # the request's caches go now, not at the next request
 
     def _text_delta(self, tokens: list[int], state: dict, final: bool) -> str:
+        """The text that ``tokens`` add to what was already sent (empty while a character is still split, or
+        in the rare case the tokenizer spells the earlier text differently now: nothing sent is taken back)."""
         full = self.tok.decode(tokens)
-        if not final and full.endswith("\ufffd"):  # a multi-byte character split across chunks
+        if (not final and full.endswith("\ufffd")) or not full.startswith(state["text"]):
             return ""
-        delta = full[len(state["text"]):] if full.startswith(state["text"]) else ""
-        state["text"] = full if full.startswith(state["text"]) else state["text"]
+        delta, state["text"] = full[len(state["text"]):], full
         return delta
 
     @staticmethod
