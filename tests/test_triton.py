@@ -129,11 +129,10 @@ def expected(export: Path, prompt: list[int], max_tokens: int, temperature: floa
              mode: str = "greedy"):  # noqa: ANN201
     """The Python runtime's result for one request (the server must equal it token for token)."""
     from dflash2_trt.runtime import decoder as D
-    from dflash2_trt.runtime.backends import open_backend
 
     be = _backend(export)
     return D.speculative_generate(be.target_runner(), be.draft_runner(mode), prompt, max_tokens, temperature,
-                                  seed=seed, measure_oracle=False)
+                                  seed=seed)
 
 
 _BACKENDS: dict = {}
@@ -143,7 +142,7 @@ def _backend(export: Path):  # noqa: ANN202
     from dflash2_trt.runtime.backends import open_backend
 
     if export not in _BACKENDS:
-        _BACKENDS[export] = open_backend(export, "ort", verify_checksums=False)
+        _BACKENDS[export] = open_backend(export, "ort", verify_checksums=False)[0]
     return _BACKENDS[export]
 
 
@@ -216,8 +215,9 @@ def test_repo_with_engines_writes_tensorrt_plan_models(tiny_export, tmp_path):
         (exp / "engines-x" / f"{key}.plan").write_bytes(key.encode())
         plans[key] = {"file": f"engines-x/{key}.plan", "profiles": [], "build_s": 0.0}
     (exp / "engines-x" / "libdflash2_plugins.so").write_bytes(b"plugin")
-    m["engines"] = {"dir": "engines-x", "plugin": {"file": "engines-x/libdflash2_plugins.so", "sha256": "0"},
-                    "plans": plans}
+    m["engines"] = {"dir": "engines-x", "tensorrt_version": "10.14.1", "gpu": {"name": "stand-in",
+                    "compute_capability": "9.0"}, "plugin": {"file": "engines-x/libdflash2_plugins.so",
+                    "sha256": "0" * 64}, "plans": plans}
     (exp / "manifest.json").write_text(json.dumps(m))
     repo = tmp_path / "repo"
     names = T.write_triton_repo(exp, repo)
@@ -227,6 +227,7 @@ def test_repo_with_engines_writes_tensorrt_plan_models(tiny_export, tmp_path):
         c = cfgs[f"{MODEL}_{key}"]
         assert c["platform"] == "tensorrt_plan"
         assert [i["name"] for i in c["input"]] == [i["name"] for i in m["graphs"][key]["inputs"]]
+        assert [len(i["dims"]) for i in c["input"]] == [len(i["shape"]) for i in m["graphs"][key]["inputs"]]
         assert [o["name"] for o in c["output"]] == [o["name"] for o in m["graphs"][key]["outputs"]]
         assert (repo / f"{MODEL}_{key}" / "1" / "model.plan").read_bytes() == key.encode()
     head = cfgs[f"{MODEL}_drafter_head_greedy_plugin"]
@@ -239,7 +240,7 @@ def test_repo_with_engines_writes_tensorrt_plan_models(tiny_export, tmp_path):
 
 
 def test_cli_triton_repo_from_existing_export(tiny_export, tmp_path, capsys):
-    from dflash2_trt.export.cli import main
+    from dflash2_trt.cli import main
 
     repo = tmp_path / "repo"
     assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo), "--triton-instances", "2"]) == 0
@@ -248,7 +249,7 @@ def test_cli_triton_repo_from_existing_export(tiny_export, tmp_path, capsys):
     assert T.summary(repo)[MODEL]["instanceGroup"][0]["count"] == 2
     assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo)]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("dflash2-export: error:") and "not empty" in err and "\n" not in err
+    assert err.startswith("dflash2: error:") and "not empty" in err and "\n" not in err
 
 
 # -- the real server: tiny pair -----------------------------------------------------------------------------------

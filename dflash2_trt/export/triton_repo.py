@@ -1,7 +1,7 @@
 """Triton Inference Server model repository for an export folder, and the bundled server that serves it.
 
-    dflash2-export --target T --drafter D --out EXPORT --triton-repo DIR [triton options]
-    dflash2-export triton-repo EXPORT --triton-repo DIR [triton options]     (from an existing export)
+    dflash2 export --target T --drafter D --out EXPORT --triton-repo DIR [triton options]   (= dflash2-export ...)
+    dflash2 triton-repo EXPORT --triton-repo DIR [triton options]                           (an existing export)
 
     triton options: --triton-model-name NAME (dflash2) --triton-instances N (1) --triton-backend auto|ort|trt
                     --triton-selector greedy|viterbi|independent --triton-max-tokens N (128: a request's default)
@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.backends import BACKENDS
-from dflash2_trt.runtime.manifest import INDEPENDENT, MODES, load_manifest
+from dflash2_trt.manifest import GraphSpec, read_manifest
+from dflash2_trt.vocabulary import BACKEND_CHOICES, DRAFT_MODES
 
 TEMPLATE = Path(__file__).resolve().parent / "triton_templates" / "dflash2_model.py"
 DEFAULT_MODEL_NAME = "dflash2"
@@ -121,19 +121,19 @@ def python_model_config(name: str, instances: int, backend: str, default_mode: s
     return cfg
 
 
-def _trt_dims(shape: list) -> list[int]:
+def _trt_dims(shape: tuple) -> list[int]:
     return [d if isinstance(d, int) else -1 for d in shape]
 
 
-def plan_model_config(name: str, graph: dict, plugin_file: str | None) -> Any:
+def plan_model_config(name: str, graph: GraphSpec, plugin_file: str | None) -> Any:
     """A ``tensorrt_plan`` model for one engine; IO names/types/dims from the export manifest's graph entry."""
     pb, _ = _pb()
     cfg = pb.ModelConfig(name=name, platform="tensorrt_plan", max_batch_size=0, default_model_filename="model.plan")
-    for io, field in ((graph["inputs"], cfg.input), (graph["outputs"], cfg.output)):
+    for io, field in ((graph.inputs, cfg.input), (graph.outputs, cfg.output)):
         for t in io:
-            if t["dtype"] not in _TRT_TYPES:
-                raise DFlash2Error(f"tensor {t['name']!r} of {name}: dtype {t['dtype']!r} has no Triton type")
-            field.add(name=t["name"], data_type=pb.DataType.Value(_TRT_TYPES[t["dtype"]]), dims=_trt_dims(t["shape"]))
+            if t.dtype not in _TRT_TYPES:
+                raise DFlash2Error(f"tensor {t.name!r} of {name}: dtype {t.dtype!r} has no Triton type")
+            field.add(name=t.name, data_type=pb.DataType.Value(_TRT_TYPES[t.dtype]), dims=_trt_dims(t.shape))
     cfg.instance_group.add(count=1, kind=pb.ModelInstanceGroup.Kind.KIND_GPU)
     if plugin_file:
         # the TensorRT backend loads plugins from --backend-config=tensorrt,plugins=...; recorded here so a
@@ -148,16 +148,14 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
                       overwrite: bool = False) -> list[str]:
     """Write the model repository for ``export_dir`` into ``repo_dir``; returns the model names written."""
     export_dir, repo = Path(export_dir), Path(repo_dir)
-    m = load_manifest(export_dir, verify_checksums=False)
+    m = read_manifest(export_dir, verify_checksums=False)  # the server's instances verify them when they load
     if instances < 1:
         raise DFlash2Error(f"--triton-instances must be >= 1, got {instances}")
-    if backend not in BACKENDS:
-        raise DFlash2Error(f"--triton-backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    modes = [x for x in (*MODES, INDEPENDENT) if f"drafter_head_{x}" in m["graphs"]]
-    if default_mode not in modes:
-        raise DFlash2Error(f"default selector mode {default_mode!r} is not one this export runs ({', '.join(modes)})")
-    if not 1 <= default_max_tokens <= int(m["max_seq_len"]):
-        raise DFlash2Error(f"--triton-max-tokens must be in [1, {m['max_seq_len']}], got {default_max_tokens}")
+    if backend not in BACKEND_CHOICES:
+        raise DFlash2Error(f"--triton-backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
+    m.check_draft_mode(default_mode)
+    if not 1 <= default_max_tokens <= m.max_seq_len:
+        raise DFlash2Error(f"--triton-max-tokens must be in [1, {m.max_seq_len}], got {default_max_tokens}")
     if repo.exists() and not (overwrite or (repo.is_dir() and not any(repo.iterdir()))):
         raise DFlash2Error(f"{repo} exists and is not empty (remove it first)")
     repo.parent.mkdir(parents=True, exist_ok=True)
@@ -166,19 +164,17 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
         names = [model_name]
         mdir = tmp / model_name
         _write_config(mdir, python_model_config(model_name, instances, backend, default_mode, default_max_tokens,
-                                                int(m["max_seq_len"]), ort_threads, verify_checksums))
+                                                m.max_seq_len, ort_threads, verify_checksums))
         (mdir / "1").mkdir()
         shutil.copy2(TEMPLATE, mdir / "1" / "model.py")
         _copy_tree(export_dir, mdir / "1" / EXPORT_SUBDIR)
-        engines = m.get("engines")
-        if engines:
-            plug = (engines.get("plugin") or {}).get("file")
-            for key, plan in sorted(engines["plans"].items()):
+        if m.engines is not None:
+            plug = m.engines.plugin.file if m.engines.plugin else None
+            for key, plan in sorted(m.engines.plans.items()):
                 name = f"{model_name}_{key}"
-                plugin_here = plug and m["graphs"][key].get("selector") == "plugin"
-                lib = Path(plug).name if plugin_here else None
-                _write_config(tmp / name, plan_model_config(name, m["graphs"][key], f"1/{lib}" if lib else None))
-                _link_or_copy(export_dir / plan["file"], tmp / name / "1" / "model.plan")
+                lib = Path(plug).name if plug and m.graphs[key].selector == "plugin" else None
+                _write_config(tmp / name, plan_model_config(name, m.graphs[key], f"1/{lib}" if lib else None))
+                _link_or_copy(export_dir / plan.file, tmp / name / "1" / "model.plan")
                 if lib:
                     _link_or_copy(export_dir / plug, tmp / name / "1" / lib)
                 names.append(name)
@@ -356,23 +352,16 @@ def add_triton_options(p: argparse.ArgumentParser, required: bool = False) -> No
                    help="also write a Triton Inference Server model repository to DIR")
     p.add_argument("--triton-model-name", default=DEFAULT_MODEL_NAME)
     p.add_argument("--triton-instances", type=int, default=1, help="model instances (concurrent requests)")
-    p.add_argument("--triton-backend", choices=BACKENDS, default="auto", help="runtime backend inside the server")
-    p.add_argument("--triton-selector", choices=(*MODES, INDEPENDENT), default="greedy",
+    p.add_argument("--triton-backend", choices=BACKEND_CHOICES, default="auto",
+                   help="runtime backend inside the server")
+    p.add_argument("--triton-selector", choices=DRAFT_MODES, default="greedy",
                    help="default selector mode (a request may choose another)")
     p.add_argument("--triton-max-tokens", type=int, default=128, help="default max tokens of a request")
 
 
 def run_write(export_dir: str | Path, a: argparse.Namespace) -> int:
-    """Write the repository from parsed options; prints what was written and the command that serves it.
-    User errors: one line on stderr, exit code 1."""
-    try:
-        return _write_and_report(export_dir, a)
-    except DFlash2Error as e:
-        print(f"dflash2-export: error: {e}", file=sys.stderr)
-        return 1
-
-
-def _write_and_report(export_dir: str | Path, a: argparse.Namespace) -> int:
+    """``dflash2 triton-repo`` / ``dflash2 export --triton-repo``: write the repository from parsed options, print
+    what was written and the command that serves it (user errors raise DFlash2Error: one line from the CLI)."""
     names = write_triton_repo(export_dir, a.triton_repo, model_name=a.triton_model_name, instances=a.triton_instances,
                               backend=a.triton_backend, default_mode=a.triton_selector,
                               default_max_tokens=a.triton_max_tokens)
@@ -388,16 +377,6 @@ def _write_and_report(export_dir: str | Path, a: argparse.Namespace) -> int:
     except DFlash2Error as e:  # no bundled server here: the repository still serves on any Triton
         print(f"(no bundled server to print a command for: {e})")
     return 0
-
-
-def cli_main(argv: list[str]) -> int:
-    """``dflash2-export triton-repo EXPORT --triton-repo DIR [options]``."""
-    p = argparse.ArgumentParser(prog="dflash2-export triton-repo",
-                                description="Write a Triton model repository for an existing export folder")
-    p.add_argument("export_dir", help="a dflash2-export folder")
-    add_triton_options(p, required=True)
-    a = p.parse_args(argv)
-    return run_write(a.export_dir, a)
 
 
 def summary(repo: str | Path) -> dict[str, Any]:

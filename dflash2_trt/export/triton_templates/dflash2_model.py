@@ -83,9 +83,10 @@ class TritonPythonModel:
         self.dir = Path(args["model_repository"]) / args["model_version"] / params.get("export_dir", "export")
         self.name = f"{cfg['name']}/{args['model_instance_name']}"
         threads = int(params.get("ort_threads", "0")) or None
-        self.backend = open_backend(self.dir, params.get("backend", "auto"),
-                                    verify_checksums=params.get("verify_checksums", "true") == "true", threads=threads)
-        pb_utils.Logger.log_info(f"dflash2 {self.name}: {self.backend.selection_note}")
+        self.backend, note = open_backend(self.dir, params.get("backend", "auto"),
+                                          verify_checksums=params.get("verify_checksums", "true") == "true",
+                                          threads=threads)
+        pb_utils.Logger.log_info(f"dflash2 {self.name}: {note}")
         self.tok = TextTokenizer(self.dir)
         self.default_mode = params.get("default_selector_mode", "greedy")
         self.default_max_tokens = int(params.get("default_max_tokens", "128"))
@@ -110,9 +111,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        self.backend.close()
 
     # -- one request -------------------------------------------------------------------------------------
     def _parse(self, request) -> dict:  # noqa: ANN001
@@ -171,7 +170,7 @@ class TritonPythonModel:
         self.m_requests.increment(1)
         try:
             res = speculative_generate(target, drafter, spec["prompt"], spec["max_tokens"], spec["temperature"],
-                                       seed=spec["seed"], measure_oracle=False, on_tokens=on_tokens)
+                                       seed=spec["seed"], on_tokens=on_tokens)
             sender.send(self._response([], self._text_delta(tokens, state, final=True), res.accepted,
                                        res.stats()["tau"]), flags=final)
         except _Cancelled:
