@@ -349,7 +349,7 @@ class TritonServer:
 # -- CLI ----------------------------------------------------------------------------------------------------
 def add_triton_options(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--triton-repo", required=required, metavar="DIR",
-                   help="also write a Triton Inference Server model repository to DIR")
+                   help="write a Triton Inference Server model repository to DIR")
     p.add_argument("--triton-model-name", default=DEFAULT_MODEL_NAME)
     p.add_argument("--triton-instances", type=int, default=1, help="model instances (concurrent requests)")
     p.add_argument("--triton-backend", choices=BACKEND_CHOICES, default="auto",

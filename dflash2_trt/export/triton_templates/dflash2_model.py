@@ -107,7 +107,15 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> None:
         for request in requests:
-            self._serve(request)
+            try:
+                self._serve(request)
+            except Exception as e:  # noqa: BLE001 - nothing may escape: the stub would be marked unhealthy
+                pb_utils.Logger.log_error(f"dflash2 {self.name}: {type(e).__name__}: {e}")
+                try:
+                    self._send_error(request.get_response_sender(), f"internal error: {type(e).__name__}: {e}",
+                                     pb_utils.TritonError.INTERNAL)
+                except Exception:  # noqa: BLE001 - the request was already completed
+                    pass
         return None
 
     def finalize(self) -> None:
