@@ -25,8 +25,12 @@ written text back (protobuf text format rejects unknown fields).
 Serving: ``server_command`` gives the exact ``tritonserver`` command of the PyPI ``nvidia-pytriton`` wheel
 (its server runs the python backend on the CPU); ``TritonServer`` starts it on loopback, waits until the
 model is ready and stops it (used by the tests). The python backend's stub embeds the interpreter's
-``libpython`` in isolated mode: the server's environment carries ``PYTHONPATH`` (this interpreter's
-site-packages; model.py adds them itself) and ``LD_LIBRARY_PATH`` (where libpython lives).
+``libpython`` in isolated mode: the server's environment carries ``PYTHONPATH`` (a NumPy 1.x folder, see
+``numpy1_dir``, then this interpreter's site-packages; model.py adds them itself) and ``LD_LIBRARY_PATH``
+(where libpython lives).
+
+Concurrency is ``instance_group`` count (one request per instance at a time, each with its own runners and
+caches); the runtime decodes one sequence per runner, so requests are not batched into shared steps.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def _pb():  # noqa: ANN202
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2
     except ImportError:
-        raise DFlash2Error("writing a Triton repository needs tritonclient: pip install 'dflash2-trt[triton]'") from None
+        raise DFlash2Error("writing a Triton repository needs tritonclient: "
+                           "pip install 'dflash2-trt[triton]'") from None
     return model_config_pb2, text_format
 
 
@@ -383,4 +388,5 @@ def summary(repo: str | Path) -> dict[str, Any]:
     """{model name: parsed config as a dict} of a written repository (for tests and tools)."""
     from google.protobuf.json_format import MessageToDict
 
-    return {c.parent.name: MessageToDict(parse_config(c.read_text())) for c in sorted(Path(repo).glob("*/config.pbtxt"))}
+    return {c.parent.name: MessageToDict(parse_config(c.read_text()))
+            for c in sorted(Path(repo).glob("*/config.pbtxt"))}

@@ -219,5 +219,6 @@ class TritonPythonModel:
     @staticmethod
     def _send_error(sender, message: str, code=None) -> None:  # noqa: ANN001
         code = pb_utils.TritonError.INVALID_ARG if code is None else code
-        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"dflash2: {message}", code)),
+        error = pb_utils.TritonError(f"dflash2: {message}", code)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
