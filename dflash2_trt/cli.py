@@ -2,8 +2,8 @@
 
 Subcommands::
 
-    dflash2 export ... / dflash2 build-engines DIR ...   see :mod:`dflash2_trt.export.cli`
-    dflash2 train ...                                   see :mod:`dflash2_trt.train.cli`
+    dflash2 export ... | build-engines DIR ... | triton-repo DIR ...   see :mod:`dflash2_trt.export.cli`
+    dflash2 train ...                                                  see :mod:`dflash2_trt.train.cli`
     dflash2 make-tiny --out DIR [--seed S] [--block-size N]
         writes DIR/target (random Llama-style HF model + local tokenizer) and DIR/drafter (matching
         random DFlash 2 drafter).
@@ -312,6 +312,10 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
             from dflash2_trt.export import cli as export_cli
 
             return export_cli.run_build_engines(a, prog)
+        if a.cmd == "triton-repo":
+            from dflash2_trt.export import cli as export_cli
+
+            return export_cli.run_triton_repo(a, prog)
         if a.cmd == "make-tiny":
             return _cmd_make_tiny(a)
         if a.cmd == "generate":

@@ -1,9 +1,12 @@
 """``dflash2 export`` and ``dflash2 build-engines``: the subcommands' flags and entries (wired into
-:mod:`dflash2_trt.cli`). ``dflash2-export ARGS`` is ``dflash2 export ARGS`` (the documented entry point, :func:`dflash2_trt.cli.export_main`).
+:mod:`dflash2_trt.cli`). ``dflash2-export ARGS`` is ``dflash2 export ARGS`` (the documented
+entry point, :func:`dflash2_trt.cli.export_main`).
 
     dflash2 export --target PATH --drafter PATH --out DIR [--opset N] [--dtype fp32|fp16|bf16]
                    [--block-size N] [--max-seq-len N] [--no-verify] [--quiet] [--engines [engine options]]
+                   [--triton-repo REPO [triton options]]
     dflash2 build-engines DIR [engine options]      (TensorRT engines: see :mod:`dflash2_trt.export.engines`)
+    dflash2 triton-repo DIR --triton-repo REPO [triton options]   (see :mod:`dflash2_trt.export.triton_repo`)
 
 --target takes a HF folder, a .gguf file or the alias ``smollm2``; --block-size overrides the drafter's
 (weights do not depend on it); --max-seq-len bounds prompt + generated tokens (default: the target's
@@ -20,6 +23,7 @@ from dflash2_trt.vocabulary import DTYPES
 
 def add_parsers(sub) -> None:  # noqa: ANN001
     from dflash2_trt.export.engines import add_engine_options
+    from dflash2_trt.export.triton_repo import add_triton_options
 
     p = sub.add_parser("export", help="export a target + DFlash 2 drafter to ONNX (and TensorRT engines)",
                        description="Export a target + DFlash 2 drafter to ONNX")
@@ -34,12 +38,18 @@ def add_parsers(sub) -> None:  # noqa: ANN001
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--engines", action="store_true", help="then build TensorRT engines (needs TensorRT + a GPU)")
     add_engine_options(p)
+    add_triton_options(p)
 
     b = sub.add_parser("build-engines", help="build TensorRT engines for an export folder",
                        description="Build TensorRT engines for an export folder")
     b.add_argument("dir", help="export folder (written by dflash2 export)")
     add_engine_options(b)
     b.add_argument("--quiet", action="store_true")
+
+    t = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository for an export folder",
+                       description="Write a Triton Inference Server model repository for an export folder")
+    t.add_argument("dir", help="export folder (written by dflash2 export)")
+    add_triton_options(t, required=True)
 
 
 def run_export(a: argparse.Namespace, prog: str) -> int:
@@ -49,7 +59,11 @@ def run_export(a: argparse.Namespace, prog: str) -> int:
                      max_seq_len=a.max_seq_len, progress=not a.quiet, verify=not a.no_verify)
     print(f"exported {len(m.graphs)} graphs (opset {m.opset}, {m.dtype}, block size {m.block_size}) to {a.out}")
     if a.engines:
-        return run_build_engines(a, prog, a.out)
+        rc = run_build_engines(a, prog, a.out)
+        if rc:
+            return rc
+    if a.triton_repo:  # after the engines, so that the repository carries them
+        return run_triton_repo(a, prog, a.out)
     return 0
 
 
@@ -57,3 +71,9 @@ def run_build_engines(a: argparse.Namespace, prog: str, model_dir: str | None = 
     from dflash2_trt.export.engines import run_build
 
     return run_build(model_dir or a.dir, a, prog)
+
+
+def run_triton_repo(a: argparse.Namespace, prog: str, model_dir: str | None = None) -> int:
+    from dflash2_trt.export.triton_repo import run_write
+
+    return run_write(model_dir or a.dir, a)

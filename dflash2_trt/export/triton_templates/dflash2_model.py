@@ -1,0 +1,224 @@
+"""DFlash 2 speculative decoding served by Triton's python backend (written by ``dflash2_trt.export.triton_repo``
+as ``<repo>/<model>/1/model.py``; the export folder it runs sits beside it in ``1/export/``).
+
+Decoupled: one request streams one response per committed chunk (the prefill's first token, then each
+cycle's accepted drafts + bonus token), then a final response flagged FINAL that carries the request's
+totals. Inputs (one of ``text_input`` / ``input_ids``; the rest optional)::
+
+    text_input     BYTES [1]   a user message, rendered with the target's chat template (raw text if none)
+    input_ids      INT64 [-1]  prompt token ids, used as they are
+    max_tokens     INT32 [1]   default: parameter default_max_tokens; at most parameter max_tokens_limit
+    temperature    FP32  [1]   0 = greedy (default); > 0 samples (lossless rejection sampling)
+    seed           INT64 [1]   the request's random stream (default 0): equal seeds give equal tokens
+    selector_mode  BYTES [1]   greedy | viterbi | independent (default: parameter default_selector_mode)
+
+Outputs of every response::
+
+    output_ids   INT64 [n]  tokens committed by this response (empty in the final one)
+    text_output  BYTES [1]  their text (decoded incrementally; a partial UTF-8 character waits for the next)
+    accepted     INT32 [c]  chunk responses: the drafts accepted in the cycle that produced the chunk
+                            (len(chunk) - 1; [] for the prefill's token); final response: every cycle's count
+    tau          FP32  [1]  chunk responses: mean (accepted + 1) over the cycles so far; final: the request's τ
+
+Each request gets its own runners (caches), so requests never share state; an instance runs one request at
+a time and concurrency comes from ``instance_group`` count. A bad request gets one Triton error (INVALID_ARG)
+and leaves the instance serving; a cancelled request (the client cancelled or disconnected) stops at the
+next chunk and its runners are dropped. Custom metrics, per instance: ``dflash2_active_requests`` (gauge),
+``dflash2_requests`` (counter: requests that started decoding) and ``dflash2_cancelled_requests`` (counter).
+"""
+
+import os
+import site
+import sys
+
+
+def _add_python_path() -> None:
+    # The stub embeds CPython in isolated mode, which ignores PYTHONPATH: add its entries ahead of the system
+    # paths, with their .pth files processed (editable installs of dflash2-trt live in one)
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in entries if p not in sys.path]
+    for p in entries:
+        site.addsitedir(p)
+
+
+_add_python_path()
+
+import json  # noqa: E402
+import math  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from dflash2_trt.errors import DFlash2Error  # noqa: E402
+
+
+class _Cancelled(Exception):
+    """Raised from the streaming callback to leave the decode loop when the request was cancelled."""
+
+
+def _scalar(request, name: str):  # noqa: ANN001, ANN202
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    a = t.as_numpy().reshape(-1)
+    if a.size != 1:
+        raise DFlash2Error(f"input {name!r} must hold one value, got {a.size}")
+    v = a[0]
+    return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        if int(np.__version__.split(".")[0]) >= 2:
+            # this python backend reads arrays through the NumPy 1.x C ABI: under NumPy 2 every output would
+            # reach the client empty, so refuse to load instead
+            raise DFlash2Error(f"NumPy {np.__version__} is first on the server's path; the python backend needs "
+                               f"NumPy 1.x (see dflash2_trt.export.triton_repo.numpy1_dir)")
+        from dflash2_trt.runtime.backends import open_backend
+        from dflash2_trt.runtime.tokenizer import TextTokenizer
+
+        cfg = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        self.dir = Path(args["model_repository"]) / args["model_version"] / params.get("export_dir", "export")
+        self.name = f"{cfg['name']}/{args['model_instance_name']}"
+        threads = int(params.get("ort_threads", "0")) or None
+        self.backend, note = open_backend(self.dir, params.get("backend", "auto"),
+                                          verify_checksums=params.get("verify_checksums", "true") == "true",
+                                          threads=threads)
+        pb_utils.Logger.log_info(f"dflash2 {self.name}: {note}")
+        self.tok = TextTokenizer(self.dir)
+        self.default_mode = params.get("default_selector_mode", "greedy")
+        self.default_max_tokens = int(params.get("default_max_tokens", "128"))
+        self.max_tokens_limit = int(params.get("max_tokens_limit", "4096"))
+        labels = {"model": cfg["name"], "instance": args["model_instance_name"]}
+        # a family must outlive its metrics: both are kept for the instance's lifetime
+        self.f_active = pb_utils.MetricFamily(name="dflash2_active_requests",
+                                              description="DFlash 2 requests being decoded",
+                                              kind=pb_utils.MetricFamily.GAUGE)
+        self.f_cancelled = pb_utils.MetricFamily(name="dflash2_cancelled_requests",
+                                                 description="DFlash 2 requests stopped by a cancellation",
+                                                 kind=pb_utils.MetricFamily.COUNTER)
+        self.f_requests = pb_utils.MetricFamily(name="dflash2_requests", description="DFlash 2 requests decoded",
+                                                kind=pb_utils.MetricFamily.COUNTER)
+        self.m_active = self.f_active.Metric(labels=labels)
+        self.m_requests = self.f_requests.Metric(labels=labels)
+        self.m_cancelled = self.f_cancelled.Metric(labels=labels)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            try:
+                self._serve(request)
+            except Exception as e:  # noqa: BLE001 - nothing may escape: the stub would be marked unhealthy
+                pb_utils.Logger.log_error(f"dflash2 {self.name}: {type(e).__name__}: {e}")
+                try:
+                    self._send_error(request.get_response_sender(), f"internal error: {type(e).__name__}: {e}",
+                                     pb_utils.TritonError.INTERNAL)
+                except Exception:  # noqa: BLE001 - the request was already completed
+                    pass
+        return None
+
+    def finalize(self) -> None:
+        self.backend.close()
+
+    # -- one request -------------------------------------------------------------------------------------
+    def _parse(self, request) -> dict:  # noqa: ANN001
+        text = _scalar(request, "text_input")
+        ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if (text is None) == (ids_t is None):
+            raise DFlash2Error("give exactly one of the inputs 'text_input' (a user message) and 'input_ids' "
+                               "(prompt token ids)")
+        if text is not None:
+            prompt = (self.tok.apply_chat_template([{"role": "user", "content": text}]) if self.tok.chat_template
+                      else self.tok.encode(text))
+        else:
+            prompt = [int(t) for t in ids_t.as_numpy().reshape(-1)]
+        max_tokens = _scalar(request, "max_tokens")
+        max_tokens = self.default_max_tokens if max_tokens is None else int(max_tokens)
+        if not 1 <= max_tokens <= self.max_tokens_limit:
+            raise DFlash2Error(f"max_tokens must be in [1, {self.max_tokens_limit}], got {max_tokens}")
+        temperature = _scalar(request, "temperature")
+        temperature = 0.0 if temperature is None else float(temperature)
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise DFlash2Error(f"temperature must be a finite number >= 0, got {temperature}")
+        seed = _scalar(request, "seed")
+        seed = 0 if seed is None else int(seed)
+        if seed < 0:
+            raise DFlash2Error(f"seed must be >= 0, got {seed}")
+        mode = _scalar(request, "selector_mode") or self.default_mode
+        return {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "mode": mode}
+
+    def _serve(self, request) -> None:  # noqa: ANN001
+        from dflash2_trt.runtime.decoder import speculative_generate
+
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            spec = self._parse(request)
+            drafter = self.backend.draft_runner(spec["mode"])  # checks the mode against the export
+        except (DFlash2Error, ValueError, UnicodeError) as e:
+            self._send_error(sender, str(e))
+            return
+        target = self.backend.target_runner()
+        tokens: list[int] = []
+        state = {"text": "", "cycles": 0, "tau_sum": 0}
+
+        def on_tokens(new: list[int]) -> None:
+            if sender.is_cancelled():
+                raise _Cancelled
+            acc = [len(new) - 1] if tokens else []  # the first chunk is the prefill's token, not a cycle
+            tokens.extend(new)
+            if acc:
+                state["cycles"] += 1
+                state["tau_sum"] += len(new)
+            tau = state["tau_sum"] / state["cycles"] if state["cycles"] else 0.0
+            sender.send(self._response(new, self._text_delta(tokens, state, final=False), acc, tau))
+
+        self.m_active.increment(1)
+        self.m_requests.increment(1)
+        try:
+            res = speculative_generate(target, drafter, spec["prompt"], spec["max_tokens"], spec["temperature"],
+                                       seed=spec["seed"], on_tokens=on_tokens)
+            sender.send(self._response([], self._text_delta(tokens, state, final=True), res.accepted,
+                                       res.stats()["tau"]), flags=final)
+        except _Cancelled:
+            self.m_cancelled.increment(1)
+            pb_utils.Logger.log_info(f"dflash2 {self.name}: request {request.request_id()!r} cancelled after "
+                                     f"{len(tokens)} tokens; its state is freed")
+            try:
+                sender.send(flags=final)
+            except Exception:  # noqa: BLE001 - the stream may already be gone; nothing is left to free
+                pass
+        except DFlash2Error as e:
+            self._send_error(sender, str(e))
+        except Exception as e:  # noqa: BLE001 - an unexpected failure fails this request, not the instance
+            pb_utils.Logger.log_error(f"dflash2 {self.name}: {type(e).__name__}: {e}")
+            self._send_error(sender, f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+        finally:
+            self.m_active.increment(-1)
+            del target, drafter  # the request's caches go now, not at the next request
+
+    def _text_delta(self, tokens: list[int], state: dict, final: bool) -> str:
+        """The text that ``tokens`` add to what was already sent (empty while a character is still split, or
+        in the rare case the tokenizer spells the earlier text differently now: nothing sent is taken back)."""
+        full = self.tok.decode(tokens)
+        if (not final and full.endswith("\ufffd")) or not full.startswith(state["text"]):
+            return ""
+        delta, state["text"] = full[len(state["text"]):], full
+        return delta
+
+    @staticmethod
+    def _response(ids: list[int], text: str, accepted: list[int], tau: float):  # noqa: ANN205
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),  # [n]
+            pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_)),  # [1]
+            pb_utils.Tensor("accepted", np.asarray(accepted, dtype=np.int32)),  # [c]
+            pb_utils.Tensor("tau", np.asarray([tau], dtype=np.float32)),  # [1]
+        ])
+
+    @staticmethod
+    def _send_error(sender, message: str, code=None) -> None:  # noqa: ANN001
+        code = pb_utils.TritonError.INVALID_ARG if code is None else code
+        error = pb_utils.TritonError(f"dflash2: {message}", code)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
