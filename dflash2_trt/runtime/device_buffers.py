@@ -77,7 +77,6 @@ class BufferPool:
         return IOTensor(name, np.dtype(dtype), tuple(int(s) for s in max_shape), self.device(nb),
                         self.pinned(nb) if host else None)
 
-    @property
     def close(self) -> None:
         for p in sorted(self._dev):
             self.api.free(p)
