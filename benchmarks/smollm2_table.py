@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/smollm2_table.json")
     a = ap.parse_args()
 
-    from dflash2_trt.cli import DEMO_MAX_SEQ_LEN, demo_drafter_path
+    from dflash2_trt.bench.demo import DEMO_MAX_SEQ_LEN, demo_drafter_path
     from dflash2_trt.export.cache import cached_export
 
     drafters = {"v1": Path(a.v1), "v2": Path(a.v2) if a.v2 else demo_drafter_path()}

@@ -39,7 +39,7 @@ cd "${repo}"
 [[ -d "${work}/tiny" ]] || dflash2 make-tiny --out "${work}/tiny"
 [[ -f "${work}/tiny-export/manifest.json" ]] || dflash2-export --target "${work}/tiny/target" \
   --drafter "${work}/tiny/drafter" --out "${work}/tiny-export" --max-seq-len 512 --quiet
-drafter="$(python -c 'from dflash2_trt.cli import demo_drafter_path; print(demo_drafter_path())')"
+drafter="$(python -c 'from dflash2_trt.bench.demo import demo_drafter_path; print(demo_drafter_path())')"
 [[ -f "${work}/smollm2-export/manifest.json" ]] || dflash2-export --target smollm2 \
   --drafter "${drafter}" --out "${work}/smollm2-export" --max-seq-len 1024 --quiet
 

@@ -47,9 +47,9 @@ import json
 import sys
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.bench.demo import DEMO_MAX_SEQ_LEN, DEMO_PROMPT, demo_drafter_path
 from dflash2_trt.vocabulary import BACKEND_CHOICES, INDEPENDENT, SELECTOR_MODES
 
-DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
 
 def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
@@ -277,19 +277,6 @@ def _cmd_demo(a: argparse.Namespace) -> int:
         return _bench_and_report(a, model_dir, load_prompts(a.prompts, a.limit))
     items = [{"messages": [{"role": "user", "content": a.prompt or DEMO_PROMPT}]}]
     return _bench_and_report(a, model_dir, items, show_text=True)
-
-
-DEMO_MAX_SEQ_LEN = 2048
-
-
-def demo_drafter_path():  # noqa: ANN201
-    """The DFlash 2 drafter for SmolLM2-135M-Instruct shipped in the package (see its README.md)."""
-    from pathlib import Path
-
-    p = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct-dflash2"
-    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
-        raise DFlash2Error(f"the packaged demo drafter is missing from {p} (a broken install?)")
-    return p
 
 
 def _cmd_make_tiny(a: argparse.Namespace) -> int:

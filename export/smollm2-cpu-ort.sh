@@ -5,6 +5,6 @@
 # position (94 MB at --max-seq-len 2048).
 set -euo pipefail
 OUT=${OUT:-./smollm2-export}
-DRAFTER=$(python -c 'from dflash2_trt.cli import demo_drafter_path; print(demo_drafter_path())')
+DRAFTER=$(python -c 'from dflash2_trt.bench.demo import demo_drafter_path; print(demo_drafter_path())')
 dflash2 export --target smollm2 --drafter "$DRAFTER" --out "$OUT" --max-seq-len 2048
 dflash2 bench --model-dir "$OUT" --backend ort --prompts mtbench --limit 5 --max-new-tokens 128

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_packaged_drafter_is_small_fp16_and_fits_smollm2():
     from safetensors import safe_open
 
-    from dflash2_trt.cli import demo_drafter_path
+    from dflash2_trt.bench.demo import demo_drafter_path
     from dflash2_trt.config import DFlash2Config
     from dflash2_trt.target import TargetModel, smollm2_path
 
