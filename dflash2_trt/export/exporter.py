@@ -269,7 +269,7 @@ def _export_selector_heads(drafter, cfg, B: int, tdt, dtype: str, opset: int, mo
     from dflash2_trt.export import onnx_graphs, onnx_utils
     from dflash2_trt.export import selector_contract as sc
 
-    bs, L, K, r = cfg.block_size, cfg.block_size - 1, cfg.selector_top_k, cfg.selector_rank
+    bs, L, K, r = cfg.block_size, cfg.num_draft_rows, cfg.selector_top_k, cfg.selector_rank
     head = onnx_utils.trace(onnx_graphs.DrafterHeadBase(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),),
                             ["hidden"], ["cand_ids", "unary", "hidden_proj"],
                             {"hidden": {0: "batch"}, "cand_ids": {0: "batch"}, "unary": {0: "batch"},

@@ -98,7 +98,7 @@ def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: 
     cfg = drafter.config
     rng = np.random.default_rng(seed)
     n, cap = 9, 12
-    L = cfg.block_size - 1
+    L = cfg.num_draft_rows
     feats = rng.standard_normal((n, cfg.context_in_features)).astype(np.float32)
     anchor = int(rng.integers(0, cfg.vocab_size))
     tdtype = drafter.fc.weight.dtype

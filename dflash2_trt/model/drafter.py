@@ -102,7 +102,7 @@ class DFlash2Drafter(nn.Module):
             self.mask_embedding = nn.Parameter(torch.zeros(H))  # [H]
         self.use_conv = cfg.use_conv and has_v2_parts
         self.use_selector = cfg.use_selector and has_v2_parts
-        self.register_buffer("mask_ids", torch.full((1, cfg.block_size - 1), cfg.mask_token_id, dtype=torch.long),
+        self.register_buffer("mask_ids", torch.full((1, cfg.num_draft_rows), cfg.mask_token_id, dtype=torch.long),
                              persistent=False)  # [1, L]
         # shared, frozen target tensors (never saved with the drafter)
         self.register_buffer("embed_weight", torch.zeros(0), persistent=False)  # [V, H] once bound
