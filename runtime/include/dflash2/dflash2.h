@@ -1,0 +1,265 @@
+/*
+ * dflash2.h — the C API of the dflash2_trt runtime (C99; also valid C++17).
+ *
+ * DFlash 2 speculative decoding of one prompt at a time, lossless: the tokens equal the target model's own
+ * decoding (greedy: identical; sampling: identical in distribution, and identical token for token to the
+ * Python runtime when the same uniforms are supplied, see dfl2_uniform_fn).
+ *
+ * TOKEN IDS ONLY. Prompts go in and generated tokens come out as int32 token ids; turning text into ids
+ * and back is the caller's tokenizer's job (the export folder carries the tokenizer files for that).
+ *
+ * OBJECTS (opaque handles; every create has a free that accepts NULL):
+ *   dfl2_status   an error: a code and a message, both owned by the status. NULL means success.
+ *   dfl2_options  string-keyed options with typed setters (see OPTIONS below).
+ *   dfl2_model    what generation runs on: an export folder loaded by dfl2_model_load (backend chosen by the
+ *                 manifest and the "backend" option), or caller-supplied engines (dfl2_model_create_callbacks).
+ *   dfl2_session  one generation's state (KV caches through the backend, tokens, statistics).
+ *
+ * OWNERSHIP AND LIFETIME.
+ *   - A function returning dfl2_status* returns NULL on success; a non-NULL status belongs to the caller,
+ *     who frees it with dfl2_status_free. Its message stays valid until then.
+ *   - Output handles (model, session, options) belong to the caller until the matching *_free.
+ *     On failure the output handle is set to NULL.
+ *   - A session keeps a reference to its model: free every session of a model before the model.
+ *   - Options are copied where they are used: an options object may be changed or freed right after the
+ *     call that took it.
+ *   - Pointers a session returns (tokens, statistics arrays) stay valid until that session's next
+ *     dfl2_session_generate or dfl2_session_free.
+ *   - Input arrays (prompt ids, option arrays) are only read during the call.
+ *
+ * THREAD SAFETY.
+ *   - dfl2_api_version, dfl2_status_* on distinct statuses, and option objects used from one thread at a
+ *     time are safe.
+ *   - A model may be shared by sessions on several threads. Sessions of a callbacks model call the same
+ *     caller functions: the library serializes their dfl2_session_generate calls with a lock held by the
+ *     model, so the callbacks never run concurrently. A TensorRT model gives each session its own
+ *     execution contexts, buffers and CUDA stream.
+ *   - A session is used by one thread at a time (no internal locking).
+ *   - Callbacks run on the thread that called dfl2_session_generate.
+ *
+ * OPTIONS (key: type, default; unknown keys and wrong types are rejected by the setter):
+ *   generation (read by dfl2_session_create):
+ *     "max_new_tokens"  int    64     tokens to generate at most (>= 1; the export's capacity also limits)
+ *     "temperature"     double 0.0    0 = greedy (argmax); > 0 samples softmax(logits / T)
+ *     "seed"            int    0      seed of the built-in uniform generator (see dfl2_uniform_fn)
+ *     "speculative"     bool   true   false = plain autoregressive decoding of the target (the baseline)
+ *     "measure_oracle"  bool   false  also count the oracle top-K acceptance (extra target passes)
+ *     "eos_ids"         int[]  model  stop tokens (an empty array disables EOS stopping)
+ *   model (read by dfl2_model_load / dfl2_model_create_callbacks):
+ *     "backend"         string "auto" "auto" | "tensorrt" (dfl2_model_load); callbacks models ignore it
+ *     "draft_mode"      string "greedy" "greedy" | "viterbi" | "independent" (which drafter head runs)
+ *     "verify_checksums" bool  true   hash every file the manifest lists before loading
+ *     "plugin_library"  string ""     path of libdflash2_plugins.so (default: the one the manifest names)
+ *     "device"          int    0      CUDA device ordinal (TensorRT)
+ *     "cuda_graphs"     bool   true   capture the draft and verify steps as CUDA graphs (TensorRT)
+ *   A setter stores any known key on any options object; each create reads the keys it uses.
+ */
+#ifndef DFLASH2_DFLASH2_H
+#define DFLASH2_DFLASH2_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define DFL2_API
+#elif defined(DFL2_BUILDING_LIBRARY)
+#define DFL2_API __attribute__((visibility("default")))
+#else
+#define DFL2_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- version ---------------------------------------------------------------------------------------- */
+
+#define DFL2_API_VERSION_MAJOR 1
+#define DFL2_API_VERSION_MINOR 0
+#define DFL2_API_VERSION_PATCH 0
+/* (major << 16) | (minor << 8) | patch, of the header a program was compiled with */
+#define DFL2_API_VERSION \
+    ((DFL2_API_VERSION_MAJOR << 16) | (DFL2_API_VERSION_MINOR << 8) | DFL2_API_VERSION_PATCH)
+/* The manifest_version of export folders this library reads. */
+#define DFL2_MANIFEST_VERSION 1
+
+/* The version of the loaded library, encoded like DFL2_API_VERSION. A program compiled against major M
+ * must check (dfl2_api_version() >> 16) == M. */
+DFL2_API uint32_t dfl2_api_version(void);
+
+/* ---- status ----------------------------------------------------------------------------------------- */
+
+typedef enum dfl2_code {
+    DFL2_OK = 0,
+    DFL2_ERR_INVALID_ARGUMENT = 1,  /* NULL handle or pointer, bad size, bad value */
+    DFL2_ERR_UNKNOWN_OPTION = 2,    /* option key not in the list above */
+    DFL2_ERR_OPTION_TYPE = 3,       /* option set with the wrong typed setter / unparsable value */
+    DFL2_ERR_OPTION_VALUE = 4,      /* option value out of its range or not one of its choices */
+    DFL2_ERR_NOT_FOUND = 5,         /* export folder, manifest or a listed file is missing */
+    DFL2_ERR_CORRUPT = 6,           /* manifest is not valid JSON / lacks entries; checksum mismatch */
+    DFL2_ERR_VERSION_MISMATCH = 7,  /* manifest format or version this library does not read */
+    DFL2_ERR_UNAVAILABLE = 8,       /* backend not compiled in / cannot run here (no GPU, no TensorRT) */
+    DFL2_ERR_OUT_OF_RANGE = 9,      /* token id outside [0, vocab) */
+    DFL2_ERR_TOO_LONG = 10,         /* prompt does not fit the positions the export can hold */
+    DFL2_ERR_CALLBACK = 11,         /* a caller callback returned non-zero */
+    DFL2_ERR_BACKEND = 12,          /* the inference backend failed (CUDA / TensorRT error) */
+    DFL2_ERR_OUT_OF_MEMORY = 13,
+    DFL2_ERR_INTERNAL = 14
+} dfl2_code;
+
+typedef struct dfl2_status dfl2_status;
+
+/* The code of a status; DFL2_OK for NULL. */
+DFL2_API dfl2_code dfl2_status_code(const dfl2_status* status);
+/* The message of a status ("ok" for NULL); owned by the status. */
+DFL2_API const char* dfl2_status_message(const dfl2_status* status);
+DFL2_API void dfl2_status_free(dfl2_status* status);
+
+/* ---- options ---------------------------------------------------------------------------------------- */
+
+typedef struct dfl2_options dfl2_options;
+
+DFL2_API dfl2_status* dfl2_options_create(dfl2_options** out);
+DFL2_API void dfl2_options_free(dfl2_options* options);
+DFL2_API dfl2_status* dfl2_options_set_int(dfl2_options* options, const char* key, int64_t value);
+DFL2_API dfl2_status* dfl2_options_set_double(dfl2_options* options, const char* key, double value);
+DFL2_API dfl2_status* dfl2_options_set_bool(dfl2_options* options, const char* key, int value);
+DFL2_API dfl2_status* dfl2_options_set_string(dfl2_options* options, const char* key, const char* value);
+/* values: n int32 (may be NULL when n == 0) */
+DFL2_API dfl2_status* dfl2_options_set_int_array(dfl2_options* options, const char* key, const int32_t* values,
+                                                 size_t n);
+/* "key=value" with the value written as text and parsed by the key's type: int / double as decimal,
+ * bool as true|false|1|0, int[] as comma-separated ints (empty = no ids), string verbatim. */
+DFL2_API dfl2_status* dfl2_options_parse(dfl2_options* options, const char* key_equals_value);
+
+/* ---- models ----------------------------------------------------------------------------------------- */
+
+typedef struct dfl2_model dfl2_model;
+
+/* Load an export folder (what dflash2-export writes): reads and checks manifest.json (format
+ * "dflash2-trt-export", manifest_version DFL2_MANIFEST_VERSION, required entries, listed files, checksums)
+ * and opens the backend. Backends: "tensorrt" when this library was built with it and a GPU with TensorRT
+ * is present; otherwise DFL2_ERR_UNAVAILABLE with the reason (use dfl2_model_create_callbacks to run other
+ * engines, e.g. ONNX Runtime). */
+DFL2_API dfl2_status* dfl2_model_load(const char* export_dir, const dfl2_options* options, dfl2_model** out);
+
+/* Check an export folder's manifest without opening a backend (format, version, entries, files; checksums
+ * when options say so, which is the default). */
+DFL2_API dfl2_status* dfl2_manifest_check(const char* export_dir, const dfl2_options* options);
+
+/* "Bring your own engines": the caller runs the target and the drafter, the library runs the DFlash 2
+ * loop. Every function returns 0 on success; non-zero stops generation with DFL2_ERR_CALLBACK. Arrays are
+ * row-major; V = vocab_size, F = feature_dim, L = block_size - 1, K = top_k. The library owns every buffer
+ * passed to a callback; they are valid only during the call. */
+typedef struct dfl2_callbacks {
+    uint32_t struct_size;  /* sizeof(dfl2_callbacks), so the struct can grow */
+    void* user_data;       /* first argument of every callback */
+    int32_t vocab_size;    /* V */
+    int32_t feature_dim;   /* F: context features per position (target -> drafter); may be 0 */
+    int32_t block_size;    /* bs >= 2: the anchor and L = bs - 1 draft rows */
+    int32_t top_k;         /* K >= 1 candidates per draft row */
+    int32_t max_positions; /* positions the caches can hold (prompt + generated) */
+    const int32_t* eos_ids; /* default stop tokens (copied at create); may be NULL when n_eos_ids == 0 */
+    size_t n_eos_ids;
+
+    /* Target: forget the cache (a new request). */
+    int32_t (*target_reset)(void* user_data);
+    /* Target: run ids[n] at positions cache_length .. cache_length + n - 1 (appended to the cache);
+     * write logits [n, V] and context features [n, F]. */
+    int32_t (*target_forward)(void* user_data, const int32_t* ids, int32_t n, float* logits, float* features);
+    /* Target: keep the first `length` cached positions. */
+    int32_t (*target_crop)(void* user_data, int32_t length);
+    /* Drafter: forget the context (a new request). */
+    int32_t (*drafter_reset)(void* user_data);
+    /* Drafter: features [m, F] of positions start .. start + m - 1 join the draft context. */
+    int32_t (*drafter_add_context)(void* user_data, const float* features, int32_t m, int32_t start);
+    /* Drafter: draft the block [anchor, MASK x L] at positions pos .. pos + L. uniforms [L] in [0, 1) when
+     * temperature > 0, else NULL. Write tokens [L], proposal [L, K] (the probability the drafter gave each
+     * candidate; one-hot at T = 0) and cand [L, K] (the row's top-K candidates). A drafter whose sampling
+     * proposal is not confined to cand (no selector) writes it over the whole vocabulary into
+     * vocab_proposal [L, V] and sets *vocab_proposal_used = 1 (else leave both untouched). */
+    int32_t (*drafter_propose)(void* user_data, int32_t anchor, int32_t pos, float temperature,
+                               const float* uniforms, int32_t* tokens, float* proposal, int32_t* cand,
+                               float* vocab_proposal, int32_t* vocab_proposal_used);
+} dfl2_callbacks;
+
+DFL2_API dfl2_status* dfl2_model_create_callbacks(const dfl2_callbacks* callbacks, const dfl2_options* options,
+                                                  dfl2_model** out);
+/* Frees a model (NULL is fine). Its sessions must have been freed. */
+DFL2_API void dfl2_model_free(dfl2_model* model);
+
+typedef struct dfl2_model_info {
+    int32_t vocab_size;
+    int32_t block_size;
+    int32_t top_k;
+    int32_t max_positions;
+    const char* backend; /* "callbacks" | "tensorrt"; owned by the model */
+} dfl2_model_info;
+
+DFL2_API dfl2_status* dfl2_model_get_info(const dfl2_model* model, dfl2_model_info* out);
+
+/* ---- sessions --------------------------------------------------------------------------------------- */
+
+typedef struct dfl2_session dfl2_session;
+
+DFL2_API dfl2_status* dfl2_session_create(dfl2_model* model, const dfl2_options* options, dfl2_session** out);
+DFL2_API void dfl2_session_free(dfl2_session* session);
+
+/* Streaming: called with each newly committed chunk of tokens (the first token alone, then accepted drafts +
+ * the bonus token of each cycle, cut after an EOS). Return 0 to go on, non-zero to cancel: generation stops
+ * after that chunk, finish_reason becomes DFL2_FINISH_CANCELLED and dfl2_session_generate returns NULL. */
+typedef int32_t (*dfl2_token_fn)(void* user_data, const int32_t* tokens, size_t n);
+
+/* Where random numbers come from when temperature > 0. The loop asks, in the Python runtime's order, for
+ * n uniforms in [0, 1): DFL2_UNIFORM_DRAFT (n = L, float32 precision, handed to the drafter) once per
+ * cycle, and DFL2_UNIFORM_ACCEPT (n = 1, float64) for each rejection test and each sampled token.
+ * Supplying numpy.random.Generator.random draws (dtype float32 for DRAFT) reproduces the Python runtime's
+ * tokens for the same seed. Without one, a built-in generator seeded by the "seed" option is used (the
+ * same stream on every platform, but not numpy's). Return non-zero to fail with DFL2_ERR_CALLBACK. */
+typedef enum dfl2_uniform_use { DFL2_UNIFORM_DRAFT = 0, DFL2_UNIFORM_ACCEPT = 1 } dfl2_uniform_use;
+typedef int32_t (*dfl2_uniform_fn)(void* user_data, dfl2_uniform_use use, double* out, size_t n);
+
+/* fn NULL restores the built-in generator. Kept for every later generate of this session. */
+DFL2_API dfl2_status* dfl2_session_set_uniform_source(dfl2_session* session, dfl2_uniform_fn fn, void* user_data);
+
+/* Generate from prompt ids[n] (each in [0, vocab); 1 <= n and n + 1 <= max_positions). Resets the
+ * session first, so one session serves many requests one after another. on_tokens may be NULL. */
+DFL2_API dfl2_status* dfl2_session_generate(dfl2_session* session, const int32_t* prompt, size_t n,
+                                            dfl2_token_fn on_tokens, void* user_data);
+
+typedef enum dfl2_finish_reason {
+    DFL2_FINISH_NONE = 0,       /* no generation yet, or it failed */
+    DFL2_FINISH_EOS = 1,        /* a stop token was generated (it is the last token) */
+    DFL2_FINISH_LENGTH = 2,     /* max_new_tokens or the export's capacity reached */
+    DFL2_FINISH_CANCELLED = 3   /* the token callback asked to stop */
+} dfl2_finish_reason;
+
+/* The tokens of the last generate (EOS included when hit); valid until the next generate / free. */
+DFL2_API dfl2_status* dfl2_session_get_tokens(const dfl2_session* session, const int32_t** tokens, size_t* n);
+
+/* SPEC §4 statistics of the last generate. tau = mean over cycles of accepted drafts + 1 (0 without
+ * cycles); per-position arrays have n_positions = the largest block's draft rows: cumulative r_i =
+ * P(drafts 1..i accepted) over cycles that proposed >= i drafts, conditional c_i = r_i / r_{i-1}.
+ * oracle_tau < 0 when not measured. Arrays are owned by the session (valid until next generate / free). */
+typedef struct dfl2_stats {
+    double tau;
+    double oracle_tau;
+    int32_t cycles;
+    int32_t n_tokens;
+    int32_t n_positions;
+    dfl2_finish_reason finish_reason;
+    const double* per_position_cumulative;  /* [n_positions] */
+    const double* per_position_conditional; /* [n_positions] */
+    const int32_t* accepted;                /* [cycles] accepted drafts per cycle */
+    const int32_t* proposed;                /* [cycles] drafts verified per cycle */
+    const int32_t* oracle_accepted;         /* [cycles] when measured, else NULL */
+    double elapsed_s;                       /* wall time, oracle passes excluded */
+} dfl2_stats;
+
+DFL2_API dfl2_status* dfl2_session_get_stats(const dfl2_session* session, dfl2_stats* out);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* DFLASH2_DFLASH2_H */

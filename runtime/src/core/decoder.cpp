@@ -1,0 +1,508 @@
+//! \file decoder.cpp
+//! The decoding loop and its steps; see decoder.h. Each function names its Python twin.
+#include "decoder.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <string>
+
+namespace dflash2
+{
+
+void SplitMixUniforms::draw(dfl2_uniform_use use, double* out, size_t n)
+{
+    for (size_t i = 0; i < n; ++i)
+    {
+        mState += 0x9E3779B97F4A7C15ULL;
+        uint64_t z = mState;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        z ^= z >> 31;
+        out[i] = use == DFL2_UNIFORM_DRAFT ? static_cast<double>(z >> 40) * (1.0 / 16777216.0)
+                                           : static_cast<double>(z >> 11) * (1.0 / 9007199254740992.0);
+    }
+}
+
+// numpy's pairwise summation (umath loops_utils): blocks of 8 accumulators up to 128 elements, halves
+// (rounded to multiples of 8) above. Reproducing its grouping makes our float64 sums bit-equal to np.sum.
+double pairwiseSum(double const* a, size_t n)
+{
+    if (n < 8)
+    {
+        double res = 0.0;
+        for (size_t i = 0; i < n; ++i)
+        {
+            res += a[i];
+        }
+        return res;
+    }
+    if (n <= 128)
+    {
+        double r[8];
+        for (size_t j = 0; j < 8; ++j)
+        {
+            r[j] = a[j];
+        }
+        size_t i = 8;
+        for (; i < n - (n % 8); i += 8)
+        {
+            for (size_t j = 0; j < 8; ++j)
+            {
+                r[j] += a[i + j];
+            }
+        }
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; ++i)
+        {
+            res += a[i];
+        }
+        return res;
+    }
+    size_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwiseSum(a, n2) + pairwiseSum(a + n2, n - n2);
+}
+
+// reference.softmax_t (one row)
+void softmaxT(float const* logits, size_t V, double temperature, double* out)
+{
+    double m = -INFINITY;
+    for (size_t v = 0; v < V; ++v)
+    {
+        out[v] = static_cast<double>(logits[v]) / temperature;
+        m = std::max(m, out[v]);
+    }
+    for (size_t v = 0; v < V; ++v)
+    {
+        out[v] = std::exp(out[v] - m);
+    }
+    double const s = pairwiseSum(out, V);
+    for (size_t v = 0; v < V; ++v)
+    {
+        out[v] /= s;
+    }
+}
+
+// numpy Generator.choice(n, p=p): cdf = cumsum(p); cdf /= cdf[-1]; searchsorted(cdf, u, side="right")
+int32_t choiceIndex(double const* p, size_t n, double u)
+{
+    std::vector<double> cdf(n);
+    double acc = 0.0;
+    for (size_t i = 0; i < n; ++i)
+    {
+        acc += p[i];
+        cdf[i] = acc;
+    }
+    double const last = cdf[n - 1];
+    for (size_t i = 0; i < n; ++i)
+    {
+        cdf[i] /= last;
+    }
+    size_t const idx = static_cast<size_t>(std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin());
+    return static_cast<int32_t>(std::min(idx, n - 1));  // u < 1 = cdf[-1] keeps idx < n; guard anyway
+}
+
+int32_t argmaxRow(float const* row, size_t n)
+{
+    size_t best = 0;
+    for (size_t i = 1; i < n; ++i)
+    {
+        if (row[i] > row[best])
+        {
+            best = i;
+        }
+    }
+    return static_cast<int32_t>(best);
+}
+
+// reference.accept_greedy
+std::pair<int32_t, int32_t> acceptGreedy(int32_t const* drafts, int32_t n, float const* logits, size_t V)
+{
+    int32_t acc = 0;
+    while (acc < n && drafts[acc] == argmaxRow(logits + static_cast<size_t>(acc) * V, V))
+    {
+        ++acc;
+    }
+    return {acc, argmaxRow(logits + static_cast<size_t>(acc) * V, V)};
+}
+
+static double drawOne(UniformSource& uniforms)
+{
+    double u = 0.0;
+    uniforms.draw(DFL2_UNIFORM_ACCEPT, &u, 1);
+    return u;
+}
+
+// reference.accept_rejection: a uniform is drawn only when q > 0 (Python's `and` short-circuits)
+std::pair<int32_t, int32_t> acceptRejection(
+    int32_t const* drafts, int32_t n, double const* q, double const* p, size_t V, UniformSource& uniforms)
+{
+    for (int32_t t = 0; t < n; ++t)
+    {
+        double const* pt = p + static_cast<size_t>(t) * V;
+        double const* qt = q + static_cast<size_t>(t) * V;
+        int32_t const d = drafts[t];
+        double const pd = pt[d];
+        double const qd = qt[d];
+        if (qd > 0 && drawOne(uniforms) < std::min(1.0, pd / qd))
+        {
+            continue;
+        }
+        std::vector<double> resid(V);
+        for (size_t v = 0; v < V; ++v)
+        {
+            resid[v] = std::max(pt[v] - qt[v], 0.0);
+        }
+        double const s = pairwiseSum(resid.data(), V);
+        if (s <= 0)
+        {
+            std::copy(pt, pt + V, resid.begin());
+        }
+        else
+        {
+            for (double& r : resid)
+            {
+                r /= s;
+            }
+        }
+        return {t, choiceIndex(resid.data(), V, drawOne(uniforms))};
+    }
+    return {n, choiceIndex(p + static_cast<size_t>(n) * V, V, drawOne(uniforms))};
+}
+
+// reference.acceptance_stats
+Stats acceptanceStats(std::vector<int32_t> const& accepted, std::vector<int32_t> const& proposed)
+{
+    Stats s;
+    if (accepted.empty())
+    {
+        return s;
+    }
+    int32_t const lmax = *std::max_element(proposed.begin(), proposed.end());
+    for (int32_t i = 1; i <= lmax; ++i)
+    {
+        size_t eligible = 0;
+        size_t hit = 0;
+        for (size_t c = 0; c < accepted.size(); ++c)
+        {
+            if (proposed[c] >= i)
+            {
+                ++eligible;
+                hit += accepted[c] >= i ? 1 : 0;
+            }
+        }
+        double const r = eligible ? static_cast<double>(hit) / static_cast<double>(eligible) : 0.0;
+        s.cumulative.push_back(r);
+        double const prev = i == 1 ? 1.0 : s.cumulative[s.cumulative.size() - 2];
+        s.conditional.push_back(prev > 0 ? r / prev : 0.0);
+    }
+    double total = 0.0;
+    for (int32_t a : accepted)
+    {
+        total += a + 1;
+    }
+    s.tau = total / static_cast<double>(accepted.size());
+    s.cycles = static_cast<int32_t>(accepted.size());
+    return s;
+}
+
+Stats resultStats(Result const& r)
+{
+    Stats s = acceptanceStats(r.accepted, r.proposed);
+    if (!r.oracleAccepted.empty())
+    {
+        double total = 0.0;
+        for (int32_t o : r.oracleAccepted)
+        {
+            total += o + 1;
+        }
+        s.oracleTau = total / static_cast<double>(r.oracleAccepted.size());
+    }
+    return s;
+}
+
+// decoder.check_prompt
+void checkPrompt(std::vector<int32_t> const& prompt, Runners const& runners, int64_t maxNewTokens)
+{
+    if (prompt.empty())
+    {
+        throw Error(DFL2_ERR_INVALID_ARGUMENT, "empty prompt");
+    }
+    int32_t const V = runners.vocabSize();
+    for (int32_t t : prompt)
+    {
+        if (t < 0 || t >= V)
+        {
+            throw Error(DFL2_ERR_OUT_OF_RANGE,
+                "prompt token id " + std::to_string(t) + " out of range [0, " + std::to_string(V) + ")");
+        }
+    }
+    if (static_cast<int64_t>(prompt.size()) + 1 > runners.maxPositions())
+    {
+        throw Error(DFL2_ERR_TOO_LONG,
+            "prompt of " + std::to_string(prompt.size()) + " tokens does not fit the "
+                + std::to_string(runners.maxPositions())
+                + " positions available (the export's --max-seq-len)");
+    }
+    if (maxNewTokens < 1)
+    {
+        throw Error(DFL2_ERR_OPTION_VALUE, "max_new_tokens must be >= 1, got " + std::to_string(maxNewTokens));
+    }
+}
+
+namespace
+{
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t0)
+{
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+bool isEos(GenerateConfig const& cfg, int32_t t)
+{
+    return std::find(cfg.eosIds.begin(), cfg.eosIds.end(), t) != cfg.eosIds.end();
+}
+
+// decoder._next_token: argmax at T <= 0, else a sample of softmax(logits / T) (one ACCEPT uniform)
+int32_t nextToken(float const* logits, size_t V, double temperature, UniformSource& uniforms)
+{
+    if (temperature <= 0)
+    {
+        return argmaxRow(logits, V);
+    }
+    std::vector<double> p(V);
+    softmaxT(logits, V, temperature, p.data());
+    return choiceIndex(p.data(), V, drawOne(uniforms));
+}
+
+int64_t lengthLimit(Runners const& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg)
+{
+    return std::min<int64_t>(cfg.maxNewTokens, runners.maxPositions() - static_cast<int64_t>(prompt.size()));
+}
+
+void finish(Result& res, GenerateConfig const& cfg, bool cancelled)
+{
+    res.finish = cancelled                                     ? DFL2_FINISH_CANCELLED
+        : (!res.tokens.empty() && isEos(cfg, res.tokens.back())) ? DFL2_FINISH_EOS
+                                                                 : DFL2_FINISH_LENGTH;
+}
+
+// reference.oracle_count: leading rows whose target continuation is among the row's candidates
+int32_t oracleCount(Runners& runners, Draft const& draft, std::vector<int32_t> const& drafts, int32_t nRows,
+    int32_t accepted, int32_t bonus, int32_t pos, std::vector<float>& logits)
+{
+    int32_t const K = runners.topK();
+    size_t const V = static_cast<size_t>(runners.vocabSize());
+    std::vector<int32_t> known(drafts.begin(), drafts.begin() + accepted);
+    known.push_back(bonus);
+    int32_t const base = pos + accepted + 1;
+    int32_t o = 0;
+    while (o < nRows)
+    {
+        if (o == static_cast<int32_t>(known.size()))
+        {
+            std::vector<int32_t> fed(known.begin() + accepted, known.end());
+            fed.insert(fed.end(), drafts.begin() + static_cast<long>(known.size()), drafts.begin() + nRows);
+            runners.targetForward(fed.data(), static_cast<int32_t>(fed.size()), logits);
+            runners.targetCrop(base);
+            size_t j = known.size() - static_cast<size_t>(accepted) - 1;
+            known.push_back(argmaxRow(logits.data() + j * V, V));
+            while (static_cast<int32_t>(known.size()) < nRows && j + 1 < fed.size() && fed[j + 1] == known.back())
+            {
+                ++j;
+                known.push_back(argmaxRow(logits.data() + j * V, V));
+            }
+        }
+        int32_t const* row = draft.cand.data() + static_cast<size_t>(o) * static_cast<size_t>(K);
+        if (std::find(row, row + K, known[static_cast<size_t>(o)]) == row + K)
+        {
+            break;
+        }
+        ++o;
+    }
+    return o;
+}
+
+// decoder._proposal_in_vocab: q over the candidates scattered into the vocabulary [nRows, V] float64
+// (float32 values, the last duplicate candidate wins, as numpy's put_along_axis)
+void proposalInVocab(Draft const& draft, int32_t nRows, size_t V, int32_t K, std::vector<double>& q)
+{
+    q.assign(static_cast<size_t>(nRows) * V, 0.0);
+    for (int32_t t = 0; t < nRows; ++t)
+    {
+        double* row = q.data() + static_cast<size_t>(t) * V;
+        if (draft.hasVocabProposal)
+        {
+            float const* src = draft.vocabProposal.data() + static_cast<size_t>(t) * V;
+            std::copy(src, src + V, row);
+            continue;
+        }
+        for (int32_t k = 0; k < K; ++k)
+        {
+            size_t const i = static_cast<size_t>(t) * static_cast<size_t>(K) + static_cast<size_t>(k);
+            row[static_cast<size_t>(draft.cand[i])] = static_cast<double>(draft.proposal[i]);
+        }
+    }
+}
+
+void checkDraft(Draft const& draft, int32_t nRows, int32_t K, int32_t V)
+{
+    for (int32_t t = 0; t < nRows; ++t)
+    {
+        int32_t const d = draft.tokens[static_cast<size_t>(t)];
+        if (d < 0 || d >= V)
+        {
+            throw Error(DFL2_ERR_OUT_OF_RANGE,
+                "drafter proposed token id " + std::to_string(d) + " out of range [0, " + std::to_string(V) + ")");
+        }
+        for (int32_t k = 0; k < K; ++k)
+        {
+            int32_t const c = draft.cand[static_cast<size_t>(t * K + k)];
+            if (c < 0 || c >= V)
+            {
+                throw Error(DFL2_ERR_OUT_OF_RANGE,
+                    "drafter candidate id " + std::to_string(c) + " out of range [0, " + std::to_string(V) + ")");
+            }
+        }
+    }
+}
+
+} // namespace
+
+// decoder.target_generate
+Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
+    UniformSource& uniforms, TokenSink const& sink)
+{
+    checkPrompt(prompt, runners, cfg.maxNewTokens);
+    size_t const V = static_cast<size_t>(runners.vocabSize());
+    Result res;
+    auto const t0 = Clock::now();
+    std::vector<float> logits;
+    runners.targetReset();
+    runners.targetForward(prompt.data(), static_cast<int32_t>(prompt.size()), logits);
+    int32_t tok = nextToken(logits.data() + (prompt.size() - 1) * V, V, cfg.temperature, uniforms);
+    res.tokens.push_back(tok);
+    bool cancelled = sink && !sink(&tok, 1);
+    int64_t const limit = lengthLimit(runners, prompt, cfg);
+    while (!cancelled && static_cast<int64_t>(res.tokens.size()) < limit && !isEos(cfg, tok))
+    {
+        runners.targetForward(&tok, 1, logits);
+        tok = nextToken(logits.data(), V, cfg.temperature, uniforms);
+        res.tokens.push_back(tok);
+        cancelled = sink && !sink(&tok, 1);
+    }
+    res.elapsedS = secondsSince(t0);
+    finish(res, cfg, cancelled);
+    return res;
+}
+
+// decoder.speculative_generate
+Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
+    UniformSource& uniforms, TokenSink const& sink)
+{
+    checkPrompt(prompt, runners, cfg.maxNewTokens);
+    int32_t const V = runners.vocabSize();
+    size_t const Vs = static_cast<size_t>(V);
+    int32_t const L = runners.blockSize() - 1;
+    int32_t const K = runners.topK();
+    bool const sampling = cfg.temperature > 0;
+    Result res;
+    double oracleS = 0.0;
+    auto const t0 = Clock::now();
+
+    // prefill: target KV cache + context features of every prompt position; the first anchor
+    std::vector<float> logits;  // [n, V]
+    runners.targetReset();
+    runners.drafterReset();
+    int32_t const n = static_cast<int32_t>(prompt.size());
+    runners.targetForward(prompt.data(), n, logits);
+    int32_t anchor = nextToken(logits.data() + static_cast<size_t>(n - 1) * Vs, Vs, cfg.temperature, uniforms);
+    res.tokens.push_back(anchor);
+    bool cancelled = sink && !sink(&anchor, 1);
+    runners.drafterAddContext(n, 0);
+    int32_t pos = n;  // anchor position
+    int64_t const limit = lengthLimit(runners, prompt, cfg);
+
+    Draft draft;
+    std::vector<double> u64(static_cast<size_t>(L));
+    std::vector<float> u32(static_cast<size_t>(L));
+    std::vector<double> p;
+    std::vector<double> q;
+    std::vector<int32_t> verifyIds;
+    while (!cancelled && static_cast<int64_t>(res.tokens.size()) < limit && !isEos(cfg, anchor))
+    {
+        // a final partial block verifies fewer rows
+        int32_t const nRows
+            = static_cast<int32_t>(std::min<int64_t>(L, limit - static_cast<int64_t>(res.tokens.size()) - 1));
+        // draft + select (all bs rows always run, as in training)
+        if (sampling)
+        {
+            uniforms.draw(DFL2_UNIFORM_DRAFT, u64.data(), u64.size());
+            for (size_t i = 0; i < u64.size(); ++i)
+            {
+                u32[i] = static_cast<float>(u64[i]);
+            }
+        }
+        runners.drafterPropose(anchor, pos, static_cast<float>(cfg.temperature), sampling ? u32.data() : nullptr,
+            draft);
+        checkDraft(draft, nRows, K, V);  // rows past nRows are never read
+        std::vector<int32_t> const drafts(draft.tokens.begin(), draft.tokens.begin() + nRows);
+        // verify [anchor, d_1..d_n] at positions pos..pos+n
+        verifyIds.assign(1, anchor);
+        verifyIds.insert(verifyIds.end(), drafts.begin(), drafts.end());
+        runners.targetForward(verifyIds.data(), nRows + 1, logits);  // [nRows + 1, V]
+        // accept
+        std::pair<int32_t, int32_t> ab;
+        if (!sampling)
+        {
+            ab = acceptGreedy(drafts.data(), nRows, logits.data(), Vs);
+        }
+        else
+        {
+            p.resize(static_cast<size_t>(nRows + 1) * Vs);
+            for (int32_t r = 0; r <= nRows; ++r)
+            {
+                softmaxT(logits.data() + static_cast<size_t>(r) * Vs, Vs, cfg.temperature,
+                    p.data() + static_cast<size_t>(r) * Vs);
+            }
+            proposalInVocab(draft, nRows, Vs, K, q);
+            ab = acceptRejection(drafts.data(), nRows, q.data(), p.data(), Vs, uniforms);
+        }
+        int32_t const acc = ab.first;
+        int32_t const bonus = ab.second;
+        // commit: crop the target cache; committed positions become draft context
+        runners.targetCrop(pos + acc + 1);
+        runners.drafterAddContext(acc + 1, pos);
+        res.accepted.push_back(acc);
+        res.proposed.push_back(nRows);
+        if (cfg.measureOracle)
+        {
+            auto const tO = Clock::now();
+            res.oracleAccepted.push_back(oracleCount(runners, draft, drafts, nRows, acc, bonus, pos, logits));
+            oracleS += secondsSince(tO);
+        }
+        std::vector<int32_t> fresh(drafts.begin(), drafts.begin() + acc);
+        fresh.push_back(bonus);
+        for (size_t i = 0; i < fresh.size(); ++i)
+        {
+            if (isEos(cfg, fresh[i]))
+            {
+                fresh.resize(i + 1);
+                break;
+            }
+        }
+        res.tokens.insert(res.tokens.end(), fresh.begin(), fresh.end());
+        cancelled = sink && !sink(fresh.data(), fresh.size());
+        pos += acc + 1;
+        anchor = fresh.back();
+    }
+
+    res.elapsedS = secondsSince(t0) - oracleS;
+    finish(res, cfg, cancelled);
+    return res;
+}
+
+} // namespace dflash2

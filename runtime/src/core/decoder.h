@@ -1,0 +1,165 @@
+//! \file decoder.h
+//! The DFlash 2 decoding loop in plain C++ (no CUDA, TensorRT or ONNX Runtime): prefill, then cycles of
+//! draft -> verify -> accept -> commit, with rejection sampling on given uniforms, commit/crop bookkeeping,
+//! partial final blocks, EOS / length stops, τ and per-position statistics, and the oracle top-K count.
+//!
+//! It is a line-by-line twin of dflash2_trt/runtime/decoder.py (and the acceptance functions of
+//! dflash2_trt/reference.py): the same steps in the same order, the same uniforms drawn in the same order,
+//! the same tie rules (lowest index), float64 probabilities with numpy's pairwise summation. Token-level
+//! equality is tested against vectors the Python reference writes (tests/test_capi.py -> coreVectors ctest).
+//!
+//! Backends implement Runners (one request's target + drafter state); errors are thrown as dflash2::Error
+//! and turned into dfl2_status objects at the C boundary (capi.cpp).
+#pragma once
+
+#include "dflash2/dflash2.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace dflash2
+{
+
+//! The one error type inside the library; code is the dfl2_code reported to C callers.
+class Error : public std::runtime_error
+{
+public:
+    Error(dfl2_code code, std::string const& message)
+        : std::runtime_error(message)
+        , mCode(code)
+    {
+    }
+    dfl2_code code() const noexcept
+    {
+        return mCode;
+    }
+
+private:
+    dfl2_code mCode;
+};
+
+//! One drafted block of L = bs - 1 rows.
+struct Draft
+{
+    std::vector<int32_t> tokens;       //!< [L] chosen drafts
+    std::vector<float> proposal;       //!< [L, K] proposal q over the row's candidates (one-hot at T <= 0)
+    std::vector<int32_t> cand;         //!< [L, K] top-K candidates of each row
+    std::vector<float> vocabProposal;  //!< [L, V] proposal over the vocabulary, when hasVocabProposal
+    bool hasVocabProposal{false};
+};
+
+//! The backend interface: one request's target and drafter (runtime/base.py's TargetRunner + DraftRunner).
+//! Context features never leave the backend: drafterAddContext takes the first `rows` rows of the features
+//! that the latest targetForward produced, so a device backend keeps them on the device.
+class Runners
+{
+public:
+    virtual ~Runners() = default;
+    virtual int32_t vocabSize() const = 0;
+    virtual int32_t blockSize() const = 0;
+    virtual int32_t topK() const = 0;
+    virtual int32_t maxPositions() const = 0;
+
+    virtual void targetReset() = 0;
+    //! ids [n] at positions cacheLength.. -> logits [n, V] (resized by the callee)
+    virtual void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) = 0;
+    virtual void targetCrop(int32_t length) = 0;
+    virtual void drafterReset() = 0;
+    //! rows of the latest targetForward's features [rows, F] for positions start..start+rows-1
+    virtual void drafterAddContext(int32_t rows, int32_t start) = 0;
+    //! uniforms [L] or nullptr at T <= 0; fills out (tokens [L], proposal/cand [L, K], maybe vocab [L, V])
+    virtual void drafterPropose(int32_t anchor, int32_t pos, float temperature, float const* uniforms, Draft& out)
+        = 0;
+};
+
+//! Where uniforms come from (the order of requests is the Python runtime's rng order).
+class UniformSource
+{
+public:
+    virtual ~UniformSource() = default;
+    virtual void draw(dfl2_uniform_use use, double* out, size_t n) = 0;
+};
+
+//! The built-in generator: splitmix64, (x >> 11) * 2^-53 for float64 and (x >> 40) * 2^-24 for float32
+//! draws — the same stream on every platform (not numpy's).
+class SplitMixUniforms : public UniformSource
+{
+public:
+    explicit SplitMixUniforms(uint64_t seed)
+        : mState(seed)
+    {
+    }
+    void draw(dfl2_uniform_use use, double* out, size_t n) override;
+
+private:
+    uint64_t mState;
+};
+
+struct GenerateConfig
+{
+    int64_t maxNewTokens{64};
+    double temperature{0.0};
+    bool speculative{true};
+    bool measureOracle{false};
+    std::vector<int32_t> eosIds;
+};
+
+struct Result
+{
+    std::vector<int32_t> tokens;          //!< generated (EOS included when hit)
+    std::vector<int32_t> accepted;        //!< per cycle: accepted drafts
+    std::vector<int32_t> proposed;        //!< per cycle: drafts verified
+    std::vector<int32_t> oracleAccepted;  //!< per cycle: oracle top-K count (when measured)
+    double elapsedS{0.0};                 //!< wall time excluding oracle passes
+    dfl2_finish_reason finish{DFL2_FINISH_NONE};
+};
+
+struct Stats
+{
+    double tau{0.0};
+    int32_t cycles{0};
+    std::vector<double> cumulative;   //!< r_i, i = 1..Lmax
+    std::vector<double> conditional;  //!< c_i = r_i / r_{i-1}
+    double oracleTau{-1.0};           //!< < 0: not measured
+};
+
+//! Streamed chunk of committed tokens; return false to cancel.
+using TokenSink = std::function<bool(int32_t const* tokens, size_t n)>;
+
+// ---- the steps (reference.py twins), exposed for the vector tests -------------------------------------
+
+//! numpy's pairwise summation of float64 (np.sum / add.reduce over a contiguous row).
+double pairwiseSum(double const* a, size_t n);
+//! softmax(logits / T) in float64: out [V]
+void softmaxT(float const* logits, size_t V, double temperature, double* out);
+//! numpy Generator.choice(n, p=p) with its one uniform u: cdf = cumsum(p) / cdf[-1], searchsorted right
+int32_t choiceIndex(double const* p, size_t n, double u);
+//! argmax with the lowest index among ties
+int32_t argmaxRow(float const* row, size_t n);
+//! Greedy verification: drafts [n], logits [n + 1, V] -> (accepted, bonus)
+std::pair<int32_t, int32_t> acceptGreedy(int32_t const* drafts, int32_t n, float const* logits, size_t V);
+//! Rejection sampling: drafts [n], q [n, V], p [n + 1, V] (float64) -> (accepted, bonus)
+std::pair<int32_t, int32_t> acceptRejection(
+    int32_t const* drafts, int32_t n, double const* q, double const* p, size_t V, UniformSource& uniforms);
+//! SPEC §4 metrics from per-cycle counts (reference.acceptance_stats)
+Stats acceptanceStats(std::vector<int32_t> const& accepted, std::vector<int32_t> const& proposed);
+Stats resultStats(Result const& r);
+
+// ---- the loops ----------------------------------------------------------------------------------------
+
+//! Rejects an empty prompt, out-of-range ids, a prompt that does not fit, max_new_tokens < 1.
+void checkPrompt(std::vector<int32_t> const& prompt, Runners const& runners, int64_t maxNewTokens);
+//! Plain autoregressive decoding (decoder.target_generate).
+Result targetGenerate(
+    Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg, UniformSource& uniforms,
+    TokenSink const& sink);
+//! Speculative decoding of one prompt (decoder.speculative_generate).
+Result speculativeGenerate(
+    Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg, UniformSource& uniforms,
+    TokenSink const& sink);
+
+} // namespace dflash2

@@ -1,0 +1,338 @@
+//! \file manifest.cpp
+#include "manifest.h"
+
+#include "core/decoder.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <sstream>
+#include <sys/stat.h>
+
+#if DFLASH2_WITH_OPENSSL
+#include <openssl/evp.h>
+#endif
+
+namespace dflash2
+{
+
+namespace
+{
+
+using Json = nlohmann::json;
+
+constexpr char const* kRequiredGraphs[] = {"target", "drafter_context", "drafter_block", "drafter_head_independent"};
+
+[[noreturn]] void corrupt(std::string const& source, std::string const& what)
+{
+    throw Error(DFL2_ERR_CORRUPT, source + ": " + what + " (corrupt manifest)");
+}
+
+Json const& member(Json const& obj, char const* key, std::string const& source, std::string const& where)
+{
+    if (!obj.is_object() || !obj.contains(key))
+    {
+        corrupt(source, "lacks the '" + where + key + "' entry");
+    }
+    return obj.at(key);
+}
+
+int32_t intMember(Json const& obj, char const* key, std::string const& source, std::string const& where,
+    int64_t lo = 1, int64_t hi = INT32_MAX)
+{
+    Json const& v = member(obj, key, source, where);
+    if (!v.is_number_integer())
+    {
+        corrupt(source, "'" + where + key + "' must be an integer");
+    }
+    int64_t const x = v.get<int64_t>();
+    if (x < lo || x > hi)
+    {
+        corrupt(source, "'" + where + key + "' = " + std::to_string(x) + " is out of range [" + std::to_string(lo) + ", "
+                + std::to_string(hi) + "]");
+    }
+    return static_cast<int32_t>(x);
+}
+
+std::string stringMember(Json const& obj, char const* key, std::string const& source, std::string const& where)
+{
+    Json const& v = member(obj, key, source, where);
+    if (!v.is_string())
+    {
+        corrupt(source, "'" + where + key + "' must be a string");
+    }
+    return v.get<std::string>();
+}
+
+std::vector<int32_t> idList(Json const& v, std::string const& source, std::string const& what)
+{
+    if (!v.is_array())
+    {
+        corrupt(source, "'" + what + "' must be a list of integers");
+    }
+    std::vector<int32_t> out;
+    for (Json const& e : v)
+    {
+        if (!e.is_number_integer() || e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX)
+        {
+            corrupt(source, "'" + what + "' holds a non-id entry");
+        }
+        out.push_back(static_cast<int32_t>(e.get<int64_t>()));
+    }
+    return out;
+}
+
+bool isFile(std::string const& path)
+{
+    struct stat st{};
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool isDir(std::string const& path)
+{
+    struct stat st{};
+    return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+// relative paths only: a manifest must not point outside its folder
+void checkRelative(std::string const& rel, std::string const& source)
+{
+    if (rel.empty() || rel[0] == '/' || rel.find("..") != std::string::npos)
+    {
+        corrupt(source, "file path '" + rel + "' is not a plain relative path inside the export folder");
+    }
+}
+
+#if DFLASH2_WITH_OPENSSL
+std::string sha256File(std::string const& path)
+{
+    std::ifstream f(path, std::ios::binary);
+    if (!f)
+    {
+        throw Error(DFL2_ERR_NOT_FOUND, path + " cannot be read");
+    }
+    EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+    if (ctx == nullptr || EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) != 1)
+    {
+        EVP_MD_CTX_free(ctx);
+        throw Error(DFL2_ERR_INTERNAL, "OpenSSL sha256 unavailable");
+    }
+    std::vector<char> buf(1 << 20);
+    while (f)
+    {
+        f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+        EVP_DigestUpdate(ctx, buf.data(), static_cast<size_t>(f.gcount()));
+    }
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    EVP_DigestFinal_ex(ctx, md, &len);
+    EVP_MD_CTX_free(ctx);
+    static char const* kHex = "0123456789abcdef";
+    std::string out;
+    for (unsigned int i = 0; i < len; ++i)
+    {
+        out += kHex[md[i] >> 4];
+        out += kHex[md[i] & 15];
+    }
+    return out;
+}
+#endif
+
+} // namespace
+
+std::string headKey(std::string const& mode, bool plugin)
+{
+    return "drafter_head_" + mode + (plugin ? "_plugin" : "");
+}
+
+Manifest parseManifest(std::string const& text, std::string const& source)
+{
+    Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded())
+    {
+        throw Error(DFL2_ERR_CORRUPT, source + " is not valid JSON (corrupt manifest)");
+    }
+    if (!j.is_object() || !j.contains("format") || !j["format"].is_string() || j["format"] != kManifestFormat)
+    {
+        throw Error(DFL2_ERR_VERSION_MISMATCH, source + " is not a " + std::string(kManifestFormat) + " manifest");
+    }
+    Manifest m;
+    Json const& ver = j.contains("manifest_version") ? j["manifest_version"] : Json();
+    if (!ver.is_number_integer() || ver.get<int64_t>() != DFL2_MANIFEST_VERSION)
+    {
+        std::string const written = j.contains("project_version") && j["project_version"].is_string()
+            ? j["project_version"].get<std::string>()
+            : "?";
+        throw Error(DFL2_ERR_VERSION_MISMATCH,
+            source + " has manifest_version " + ver.dump() + " (written by dflash2-trt " + written
+                + "); this library reads version " + std::to_string(DFL2_MANIFEST_VERSION)
+                + ": re-export with a matching dflash2-export");
+    }
+    m.manifestVersion = ver.get<int64_t>();
+    if (j.contains("project_version") && j["project_version"].is_string())
+    {
+        m.projectVersion = j["project_version"].get<std::string>();
+    }
+    m.dtype = stringMember(j, "dtype", source, "");
+    m.blockSize = intMember(j, "block_size", source, "", 2, 4096);
+    m.maxSeqLen = intMember(j, "max_seq_len", source, "", 2);
+    if (j.contains("kv_capacity_step"))
+    {
+        m.kvCapacityStep = intMember(j, "kv_capacity_step", source, "");
+    }
+
+    Json const& t = member(j, "target", source, "");
+    m.vocabSize = intMember(t, "vocab_size", source, "target.");
+    m.targetLayers = intMember(t, "num_layers", source, "target.");
+    m.hiddenSize = intMember(t, "hidden_size", source, "target.");
+    m.targetKvHeads = intMember(t, "num_key_value_heads", source, "target.");
+    m.targetHeadDim = intMember(t, "head_dim", source, "target.");
+    m.eosTokenIds = t.contains("eos_token_ids") ? idList(t["eos_token_ids"], source, "target.eos_token_ids")
+                                                : std::vector<int32_t>{};
+    m.layerIds = t.contains("layer_ids") ? idList(t["layer_ids"], source, "target.layer_ids") : std::vector<int32_t>{};
+
+    Json const& d = member(j, "drafter", source, "");
+    if (intMember(d, "vocab_size", source, "drafter.") != m.vocabSize
+        || intMember(d, "hidden_size", source, "drafter.") != m.hiddenSize)
+    {
+        corrupt(source, "the drafter's vocab_size / hidden_size do not fit the target's");
+    }
+    m.drafterLayers = intMember(d, "num_hidden_layers", source, "drafter.");
+    m.drafterKvHeads = intMember(d, "num_key_value_heads", source, "drafter.");
+    if (d.contains("head_dim") && !d["head_dim"].is_null())
+    {
+        m.drafterHeadDim = intMember(d, "head_dim", source, "drafter.");
+    }
+    else
+    {
+        m.drafterHeadDim = m.hiddenSize / intMember(d, "num_attention_heads", source, "drafter.");
+    }
+    Json const* dc = d.contains("dflash_config") && d["dflash_config"].is_object() ? &d["dflash_config"] : &d;
+    if (dc->contains("selector_top_k"))
+    {
+        m.topK = intMember(*dc, "selector_top_k", source, "drafter.dflash_config.", 1, m.vocabSize);
+    }
+    m.topK = std::min(m.topK, m.vocabSize);
+
+    Json const& files = member(j, "files", source, "");
+    if (!files.is_object())
+    {
+        corrupt(source, "'files' must map paths to sha256 strings");
+    }
+    for (auto const& [rel, digest] : files.items())
+    {
+        checkRelative(rel, source);
+        if (!digest.is_string())
+        {
+            corrupt(source, "the checksum of '" + rel + "' is not a string");
+        }
+        m.files[rel] = digest.get<std::string>();
+    }
+
+    Json const& graphs = member(j, "graphs", source, "");
+    if (!graphs.is_object())
+    {
+        corrupt(source, "'graphs' must be an object");
+    }
+    for (auto const& [key, g] : graphs.items())
+    {
+        GraphEntry e;
+        e.file = stringMember(g, "file", source, "graphs." + key + ".");
+        e.role = g.contains("role") && g["role"].is_string() ? g["role"].get<std::string>() : "";
+        e.selector = g.contains("selector") && g["selector"].is_string() ? g["selector"].get<std::string>() : "";
+        e.mode = g.contains("mode") && g["mode"].is_string() ? g["mode"].get<std::string>() : "";
+        if (m.files.count(e.file) == 0)
+        {
+            corrupt(source, "graph file " + e.file + " has no checksum");
+        }
+        m.graphs[key] = e;
+    }
+    for (char const* g : kRequiredGraphs)
+    {
+        if (m.graphs.count(g) == 0)
+        {
+            corrupt(source, std::string("lists no '") + g + "' graph");
+        }
+    }
+
+    if (j.contains("engines") && !j["engines"].is_null())
+    {
+        Json const& e = j["engines"];
+        m.engines.present = true;
+        m.engines.dir = stringMember(e, "dir", source, "engines.");
+        checkRelative(m.engines.dir, source);
+        if (e.contains("tensorrt_version") && e["tensorrt_version"].is_string())
+        {
+            m.engines.tensorrtVersion = e["tensorrt_version"].get<std::string>();
+        }
+        if (e.contains("plugin") && e["plugin"].is_object())
+        {
+            m.engines.pluginFile = stringMember(e["plugin"], "file", source, "engines.plugin.");
+            if (e["plugin"].contains("sha256") && e["plugin"]["sha256"].is_string())
+            {
+                m.engines.pluginSha256 = e["plugin"]["sha256"].get<std::string>();
+            }
+        }
+        if (e.contains("prefill_rows"))
+        {
+            m.engines.prefillRows = intMember(e, "prefill_rows", source, "engines.");
+        }
+        Json const& plans = member(e, "plans", source, "engines.");
+        if (!plans.is_object())
+        {
+            corrupt(source, "'engines.plans' must be an object");
+        }
+        for (auto const& [key, p] : plans.items())
+        {
+            PlanEntry pe;
+            pe.file = stringMember(p, "file", source, "engines.plans." + key + ".");
+            checkRelative(pe.file, source);
+            m.engines.plans[key] = pe;
+        }
+    }
+    return m;
+}
+
+Manifest loadManifest(std::string const& dir, bool verifyChecksums)
+{
+    if (!isDir(dir))
+    {
+        throw Error(DFL2_ERR_NOT_FOUND, "model folder not found: " + dir);
+    }
+    std::string const path = dir + "/" + kManifestFile;
+    if (!isFile(path))
+    {
+        throw Error(DFL2_ERR_NOT_FOUND,
+            dir + " has no " + kManifestFile + ": not a dflash2-export folder (run dflash2-export)");
+    }
+    std::ifstream f(path, std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    Manifest m = parseManifest(ss.str(), path);
+    for (auto const& [rel, digest] : m.files)
+    {
+        if (!isFile(dir + "/" + rel))
+        {
+            throw Error(DFL2_ERR_NOT_FOUND, dir + "/" + rel + " is missing (listed in the manifest)");
+        }
+    }
+    if (verifyChecksums)
+    {
+#if DFLASH2_WITH_OPENSSL
+        for (auto const& [rel, digest] : m.files)
+        {
+            if (sha256File(dir + "/" + rel) != digest)
+            {
+                throw Error(DFL2_ERR_CORRUPT, "checksum mismatch for " + dir + "/" + rel
+                        + ": the file was changed or corrupted after export (re-export the model)");
+            }
+        }
+#else
+        throw Error(DFL2_ERR_UNAVAILABLE,
+            "this libdflash2 was built without OpenSSL and cannot verify checksums; set verify_checksums=false");
+#endif
+    }
+    return m;
+}
+
+} // namespace dflash2

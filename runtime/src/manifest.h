@@ -1,0 +1,81 @@
+//! \file manifest.h
+//! manifest.json of an export folder, read for the C API — the ONE module that knows its layout (the layout
+//! is documented in dflash2_trt/runtime/manifest.py; when it changes, only this file changes).
+//!
+//! parseManifest checks what every runtime relies on: the "format" string and "manifest_version"
+//! (DFL2_MANIFEST_VERSION) first, then the required entries and their types, then consistency (drafter
+//! vocab/hidden == target's, required graphs listed with checksums). loadManifest adds the folder: listed
+//! files must exist and, with verifyChecksums, match their sha256 (OpenSSL; a build without it reports
+//! DFL2_ERR_UNAVAILABLE for verification). Errors: dflash2::Error with DFL2_ERR_NOT_FOUND / CORRUPT /
+//! VERSION_MISMATCH and a message naming the entry.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace dflash2
+{
+
+constexpr char const* kManifestFormat = "dflash2-trt-export";
+constexpr char const* kManifestFile = "manifest.json";
+
+struct GraphEntry
+{
+    std::string file;
+    std::string role;
+    std::string selector;  //!< "decomposed" | "plugin" | "" (null)
+    std::string mode;
+};
+
+struct PlanEntry
+{
+    std::string file;  //!< relative to the engines dir
+};
+
+struct EnginesEntry
+{
+    bool present{false};
+    std::string dir;
+    std::string tensorrtVersion;
+    std::string pluginFile;    //!< "" when the engines need no plugin
+    std::string pluginSha256;
+    int32_t prefillRows{0};
+    std::map<std::string, PlanEntry> plans;  //!< graph key -> plan
+};
+
+struct Manifest
+{
+    int64_t manifestVersion{0};
+    std::string projectVersion;
+    std::string dtype;
+    int32_t blockSize{0};
+    int32_t maxSeqLen{0};
+    int32_t kvCapacityStep{256};
+    // target
+    int32_t vocabSize{0};
+    int32_t targetLayers{0};
+    int32_t hiddenSize{0};
+    int32_t targetKvHeads{0};
+    int32_t targetHeadDim{0};
+    std::vector<int32_t> eosTokenIds;
+    std::vector<int32_t> layerIds;
+    // drafter
+    int32_t drafterLayers{0};
+    int32_t drafterKvHeads{0};
+    int32_t drafterHeadDim{0};
+    int32_t topK{16};
+    std::map<std::string, GraphEntry> graphs;
+    std::map<std::string, std::string> files;  //!< relative path -> sha256
+    EnginesEntry engines;
+};
+
+//! Parse and check manifest text; `source` names it in messages.
+Manifest parseManifest(std::string const& text, std::string const& source);
+//! Read DIR/manifest.json, parse it, check the listed files (and their checksums).
+Manifest loadManifest(std::string const& dir, bool verifyChecksums);
+//! The graph key of a drafter head ("drafter_head_greedy", "..._plugin").
+std::string headKey(std::string const& mode, bool plugin);
+
+} // namespace dflash2

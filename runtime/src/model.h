@@ -1,0 +1,44 @@
+//! \file model.h
+//! What a dfl2_model is inside: a backend that hands out one Runners per session.
+#pragma once
+
+#include "core/decoder.h"
+#include "manifest.h"
+#include "options.h"
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace dflash2
+{
+
+class Model
+{
+public:
+    virtual ~Model() = default;
+    //! One request's runners (a session holds one for its lifetime).
+    virtual std::unique_ptr<Runners> newRunners() = 0;
+    //! Non-null when sessions must not generate concurrently (callbacks share the caller's state).
+    virtual std::mutex* generateLock()
+    {
+        return nullptr;
+    }
+
+    std::string backend;
+    int32_t vocabSize{0};
+    int32_t blockSize{0};
+    int32_t topK{0};
+    int32_t maxPositions{0};
+    std::vector<int32_t> eosIds;
+};
+
+//! dfl2_callbacks -> Model (validates the struct; copies it).
+std::unique_ptr<Model> createCallbackModel(dfl2_callbacks const& callbacks);
+
+//! The TensorRT backend (backends/trtBackend.cpp when built with DFLASH2_RUNTIME_TENSORRT, else a stub
+//! that reports DFL2_ERR_UNAVAILABLE).
+std::unique_ptr<Model> loadTensorRTModel(Manifest const& manifest, std::string const& dir, Options const& options);
+
+} // namespace dflash2

@@ -1,0 +1,240 @@
+//! \file options.cpp
+#include "options.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+namespace dflash2
+{
+
+std::vector<OptionSpec> const& optionSpecs()
+{
+    static std::vector<OptionSpec> const kSpecs = {
+        {"max_new_tokens", OptionType::kINT, nullptr},
+        {"temperature", OptionType::kDOUBLE, nullptr},
+        {"seed", OptionType::kINT, nullptr},
+        {"speculative", OptionType::kBOOL, nullptr},
+        {"measure_oracle", OptionType::kBOOL, nullptr},
+        {"eos_ids", OptionType::kINT_ARRAY, nullptr},
+        {"backend", OptionType::kSTRING, "auto|tensorrt"},
+        {"draft_mode", OptionType::kSTRING, "greedy|viterbi|independent"},
+        {"verify_checksums", OptionType::kBOOL, nullptr},
+        {"plugin_library", OptionType::kSTRING, nullptr},
+        {"device", OptionType::kINT, nullptr},
+        {"cuda_graphs", OptionType::kBOOL, nullptr},
+    };
+    return kSpecs;
+}
+
+char const* optionTypeName(OptionType t)
+{
+    switch (t)
+    {
+    case OptionType::kINT: return "int";
+    case OptionType::kDOUBLE: return "double";
+    case OptionType::kBOOL: return "bool";
+    case OptionType::kSTRING: return "string";
+    case OptionType::kINT_ARRAY: return "int[]";
+    }
+    return "?";
+}
+
+namespace
+{
+
+OptionSpec const& specOf(std::string const& key)
+{
+    for (OptionSpec const& s : optionSpecs())
+    {
+        if (key == s.key)
+        {
+            return s;
+        }
+    }
+    std::string known;
+    for (OptionSpec const& s : optionSpecs())
+    {
+        known += known.empty() ? "" : ", ";
+        known += s.key;
+    }
+    throw Error(DFL2_ERR_UNKNOWN_OPTION, "unknown option '" + key + "' (known: " + known + ")");
+}
+
+OptionType typeOf(OptionValue const& v)
+{
+    static OptionType const kByIndex[] = {
+        OptionType::kINT, OptionType::kDOUBLE, OptionType::kBOOL, OptionType::kSTRING, OptionType::kINT_ARRAY};
+    return kByIndex[v.index()];
+}
+
+void checkRange(std::string const& key, OptionSpec const& spec, OptionValue const& v)
+{
+    auto bad = [&](std::string const& why) { throw Error(DFL2_ERR_OPTION_VALUE, "option '" + key + "' " + why); };
+    if (key == "max_new_tokens" && std::get<int64_t>(v) < 1)
+    {
+        bad("must be >= 1, got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "device" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > 1024))
+    {
+        bad("must be a CUDA device ordinal >= 0, got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "temperature")
+    {
+        double const t = std::get<double>(v);
+        if (!std::isfinite(t) || t < 0)
+        {
+            std::ostringstream os;
+            os << "must be a finite number >= 0, got " << t;
+            bad(os.str());
+        }
+    }
+    if (spec.choices != nullptr)
+    {
+        std::string const& s = std::get<std::string>(v);
+        std::string const choices = spec.choices;
+        std::stringstream ss(choices);
+        std::string item;
+        while (std::getline(ss, item, '|'))
+        {
+            if (item == s)
+            {
+                return;
+            }
+        }
+        bad("must be one of " + choices + ", got '" + s + "'");
+    }
+}
+
+int64_t parseInt(std::string const& key, std::string const& text)
+{
+    errno = 0;
+    char* end = nullptr;
+    long long const v = std::strtoll(text.c_str(), &end, 10);
+    if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE)
+    {
+        throw Error(DFL2_ERR_OPTION_TYPE, "option '" + key + "' needs an int, got '" + text + "'");
+    }
+    return static_cast<int64_t>(v);
+}
+
+} // namespace
+
+void Options::set(std::string const& key, OptionValue value)
+{
+    OptionSpec const& spec = specOf(key);
+    if (typeOf(value) != spec.type)
+    {
+        throw Error(DFL2_ERR_OPTION_TYPE,
+            "option '" + key + "' is of type " + optionTypeName(spec.type) + ", set as " + optionTypeName(typeOf(value)));
+    }
+    checkRange(key, spec, value);
+    mValues[key] = std::move(value);
+}
+
+void Options::parse(std::string const& keyEqualsValue)
+{
+    size_t const eq = keyEqualsValue.find('=');
+    if (eq == std::string::npos)
+    {
+        throw Error(DFL2_ERR_INVALID_ARGUMENT, "option text must be key=value, got '" + keyEqualsValue + "'");
+    }
+    std::string const key = keyEqualsValue.substr(0, eq);
+    std::string const text = keyEqualsValue.substr(eq + 1);
+    OptionSpec const& spec = specOf(key);
+    switch (spec.type)
+    {
+    case OptionType::kINT: set(key, parseInt(key, text)); return;
+    case OptionType::kDOUBLE:
+    {
+        char* end = nullptr;
+        double const v = std::strtod(text.c_str(), &end);
+        if (text.empty() || end != text.c_str() + text.size())
+        {
+            throw Error(DFL2_ERR_OPTION_TYPE, "option '" + key + "' needs a number, got '" + text + "'");
+        }
+        set(key, v);
+        return;
+    }
+    case OptionType::kBOOL:
+        if (text == "true" || text == "1")
+        {
+            set(key, true);
+        }
+        else if (text == "false" || text == "0")
+        {
+            set(key, false);
+        }
+        else
+        {
+            throw Error(DFL2_ERR_OPTION_TYPE, "option '" + key + "' needs true|false|1|0, got '" + text + "'");
+        }
+        return;
+    case OptionType::kSTRING: set(key, text); return;
+    case OptionType::kINT_ARRAY:
+    {
+        std::vector<int32_t> ids;
+        std::stringstream ss(text);
+        std::string item;
+        while (!text.empty() && std::getline(ss, item, ','))
+        {
+            int64_t const v = parseInt(key, item);
+            if (v < INT32_MIN || v > INT32_MAX)
+            {
+                throw Error(DFL2_ERR_OPTION_VALUE, "option '" + key + "': " + item + " does not fit int32");
+            }
+            ids.push_back(static_cast<int32_t>(v));
+        }
+        if (!text.empty() && text.back() == ',')
+        {
+            throw Error(DFL2_ERR_OPTION_TYPE, "option '" + key + "' ends with a comma: '" + text + "'");
+        }
+        set(key, std::move(ids));
+        return;
+    }
+    }
+}
+
+int64_t Options::getInt(std::string const& key, int64_t fallback) const
+{
+    auto it = mValues.find(key);
+    return it == mValues.end() ? fallback : std::get<int64_t>(it->second);
+}
+
+double Options::getDouble(std::string const& key, double fallback) const
+{
+    auto it = mValues.find(key);
+    return it == mValues.end() ? fallback : std::get<double>(it->second);
+}
+
+bool Options::getBool(std::string const& key, bool fallback) const
+{
+    auto it = mValues.find(key);
+    return it == mValues.end() ? fallback : std::get<bool>(it->second);
+}
+
+std::string Options::getString(std::string const& key, std::string const& fallback) const
+{
+    auto it = mValues.find(key);
+    return it == mValues.end() ? fallback : std::get<std::string>(it->second);
+}
+
+std::vector<int32_t> Options::getIntArray(std::string const& key, std::vector<int32_t> const& fallback) const
+{
+    auto it = mValues.find(key);
+    return it == mValues.end() ? fallback : std::get<std::vector<int32_t>>(it->second);
+}
+
+GenerateConfig generateConfig(Options const& options, std::vector<int32_t> const& modelEos)
+{
+    GenerateConfig c;
+    c.maxNewTokens = options.getInt("max_new_tokens", 64);
+    c.temperature = options.getDouble("temperature", 0.0);
+    c.speculative = options.getBool("speculative", true);
+    c.measureOracle = options.getBool("measure_oracle", false);
+    c.eosIds = options.getIntArray("eos_ids", modelEos);
+    return c;
+}
+
+} // namespace dflash2

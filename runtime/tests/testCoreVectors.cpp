@@ -1,0 +1,336 @@
+// The C++ decoding core against vectors written by the Python reference (tests/test_capi.py): the step
+// functions (softmax, choice, greedy and rejection acceptance, statistics) and whole loops replayed from
+// recorded runner calls — the core must make the same calls with the same arguments, draw the same
+// uniforms, and produce the same tokens, per-cycle counts and metrics.
+//
+// usage: coreVectors VECTORS.json
+#include "core/decoder.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+using nlohmann::json;
+using namespace dflash2;
+
+namespace
+{
+
+int gFailures = 0;
+int gChecks = 0;
+
+void check(bool ok, std::string const& what)
+{
+    ++gChecks;
+    if (!ok)
+    {
+        ++gFailures;
+        std::cerr << "FAIL: " << what << "\n";
+    }
+}
+
+template <typename T>
+std::vector<T> flat(json const& j)
+{
+    std::vector<T> out;
+    if (j.is_array() && !j.empty() && j[0].is_array())
+    {
+        for (json const& row : j)
+        {
+            for (json const& v : row)
+            {
+                out.push_back(v.get<T>());
+            }
+        }
+    }
+    else
+    {
+        for (json const& v : j)
+        {
+            out.push_back(v.get<T>());
+        }
+    }
+    return out;
+}
+
+bool close(double a, double b, double tol)
+{
+    return std::fabs(a - b) <= tol * std::max(1.0, std::fabs(b));
+}
+
+// Uniforms recorded from numpy, checked for their use and count.
+class ReplayUniforms : public UniformSource
+{
+public:
+    explicit ReplayUniforms(json const& draws, std::string name)
+        : mDraws(draws)
+        , mName(std::move(name))
+    {
+    }
+    void draw(dfl2_uniform_use use, double* out, size_t n) override
+    {
+        if (mNext >= mDraws.size())
+        {
+            throw std::runtime_error(mName + ": more uniforms requested than the reference drew");
+        }
+        json const& d = mDraws[mNext++];
+        std::string const want = d["use"].get<std::string>();
+        std::vector<double> const values = flat<double>(d["values"]);
+        if (want != (use == DFL2_UNIFORM_DRAFT ? "draft" : "accept") || values.size() != n)
+        {
+            throw std::runtime_error(mName + ": uniform request " + std::to_string(mNext - 1) + " differs (want "
+                + want + " x" + std::to_string(values.size()) + ")");
+        }
+        std::copy(values.begin(), values.end(), out);
+    }
+    bool allUsed() const
+    {
+        return mNext == mDraws.size();
+    }
+
+private:
+    json const& mDraws;
+    std::string mName;
+    size_t mNext{0};
+};
+
+// Runners that replay the reference's recorded calls and check the core makes them in the same order.
+class ReplayRunners : public Runners
+{
+public:
+    ReplayRunners(json const& c, std::string name)
+        : mCase(c)
+        , mCalls(c["calls"])
+        , mName(std::move(name))
+    {
+    }
+    int32_t vocabSize() const override
+    {
+        return mCase["vocab_size"].get<int32_t>();
+    }
+    int32_t blockSize() const override
+    {
+        return mCase["block_size"].get<int32_t>();
+    }
+    int32_t topK() const override
+    {
+        return mCase["top_k"].get<int32_t>();
+    }
+    int32_t maxPositions() const override
+    {
+        return mCase["max_positions"].get<int32_t>();
+    }
+    void targetReset() override
+    {
+        next("target_reset");
+    }
+    void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) override
+    {
+        json const& c = next("forward");
+        expect(flat<int32_t>(c["ids"]) == std::vector<int32_t>(ids, ids + n), "forward ids");
+        logits = flat<float>(c["logits"]);
+        mLastForwardRows = n;
+    }
+    void targetCrop(int32_t length) override
+    {
+        expect(next("crop")["length"].get<int32_t>() == length, "crop length");
+    }
+    void drafterReset() override
+    {
+        next("drafter_reset");
+    }
+    void drafterAddContext(int32_t rows, int32_t start) override
+    {
+        json const& c = next("add_context");
+        expect(c["rows"].get<int32_t>() == rows && c["start"].get<int32_t>() == start && rows <= mLastForwardRows,
+            "add_context rows/start");
+    }
+    void drafterPropose(int32_t anchor, int32_t pos, float temperature, float const* uniforms, Draft& out) override
+    {
+        json const& c = next("propose");
+        expect(c["anchor"].get<int32_t>() == anchor && c["pos"].get<int32_t>() == pos, "propose anchor/pos");
+        expect(static_cast<float>(c["temperature"].get<double>()) == temperature, "propose temperature");
+        if (c["uniforms"].is_null())
+        {
+            expect(uniforms == nullptr, "propose without uniforms at T = 0");
+        }
+        else
+        {
+            std::vector<float> const want = flat<float>(c["uniforms"]);
+            expect(uniforms != nullptr && std::vector<float>(uniforms, uniforms + want.size()) == want,
+                "propose uniforms");
+        }
+        out.tokens = flat<int32_t>(c["tokens"]);
+        out.proposal = flat<float>(c["proposal"]);
+        out.cand = flat<int32_t>(c["cand"]);
+        out.hasVocabProposal = !c["vocab_proposal"].is_null();
+        out.vocabProposal = out.hasVocabProposal ? flat<float>(c["vocab_proposal"]) : std::vector<float>{};
+    }
+    bool allUsed() const
+    {
+        return mNext == mCalls.size();
+    }
+
+private:
+    json const& next(char const* op)
+    {
+        if (mNext >= mCalls.size())
+        {
+            throw std::runtime_error(mName + ": call '" + op + "' after the reference's last call");
+        }
+        json const& c = mCalls[mNext++];
+        if (c["op"].get<std::string>() != op)
+        {
+            throw std::runtime_error(mName + ": call " + std::to_string(mNext - 1) + " is '" + op
+                + "', the reference made '" + c["op"].get<std::string>() + "'");
+        }
+        return c;
+    }
+    void expect(bool ok, std::string const& what)
+    {
+        if (!ok)
+        {
+            throw std::runtime_error(mName + ": call " + std::to_string(mNext - 1) + ": " + what + " differ");
+        }
+    }
+
+    json const& mCase;
+    json const& mCalls;
+    std::string mName;
+    size_t mNext{0};
+    int32_t mLastForwardRows{0};
+};
+
+void checkStats(Stats const& s, json const& want, std::string const& name)
+{
+    check(close(s.tau, want["tau"].get<double>(), 1e-12), name + ": tau");
+    check(s.cycles == want["cycles"].get<int32_t>(), name + ": cycles");
+    std::vector<double> const cum = flat<double>(want["per_position_cumulative"]);
+    std::vector<double> const cond = flat<double>(want["per_position_conditional"]);
+    bool same = cum.size() == s.cumulative.size() && cond.size() == s.conditional.size();
+    for (size_t i = 0; same && i < cum.size(); ++i)
+    {
+        same = close(s.cumulative[i], cum[i], 1e-12) && close(s.conditional[i], cond[i], 1e-12);
+    }
+    check(same, name + ": per-position acceptance");
+    if (want.contains("oracle_tau"))
+    {
+        double const o = want["oracle_tau"].is_null() ? -1.0 : want["oracle_tau"].get<double>();
+        check(close(s.oracleTau, o, 1e-12), name + ": oracle tau");
+    }
+}
+
+} // namespace
+
+int main(int argc, char** argv)
+{
+    if (argc != 2)
+    {
+        std::cerr << "usage: coreVectors VECTORS.json\n";
+        return 2;
+    }
+    std::ifstream f(argv[1]);
+    if (!f)
+    {
+        std::cerr << "cannot read " << argv[1] << " (tests/test_capi.py writes it)\n";
+        return 2;
+    }
+    json const v = json::parse(f);
+
+    int i = 0;
+    for (json const& c : v["softmax"])
+    {
+        std::vector<float> const logits = flat<float>(c["logits"]);
+        std::vector<double> const want = flat<double>(c["probs"]);
+        std::vector<double> got(logits.size());
+        softmaxT(logits.data(), logits.size(), c["temperature"].get<double>(), got.data());
+        double worst = 0.0;
+        for (size_t k = 0; k < want.size(); ++k)
+        {
+            worst = std::max(worst, std::fabs(got[k] - want[k]));
+        }
+        // numpy's vectorised exp may differ from libm's by an ulp; sums use numpy's pairwise order
+        check(worst <= 1e-15, "softmax " + std::to_string(i++) + " max abs diff " + std::to_string(worst));
+    }
+    i = 0;
+    for (json const& c : v["choice"])
+    {
+        std::vector<double> const p = flat<double>(c["p"]);
+        check(choiceIndex(p.data(), p.size(), c["u"].get<double>()) == c["index"].get<int32_t>(),
+            "choice " + std::to_string(i++));
+    }
+    i = 0;
+    for (json const& c : v["accept_greedy"])
+    {
+        std::vector<int32_t> const d = flat<int32_t>(c["drafts"]);
+        std::vector<float> const logits = flat<float>(c["logits"]);
+        size_t const V = logits.size() / (d.size() + 1);
+        auto const ab = acceptGreedy(d.data(), static_cast<int32_t>(d.size()), logits.data(), V);
+        check(ab.first == c["accepted"].get<int32_t>() && ab.second == c["bonus"].get<int32_t>(),
+            "accept_greedy " + std::to_string(i++));
+    }
+    i = 0;
+    for (json const& c : v["accept_rejection"])
+    {
+        std::string const name = "accept_rejection " + std::to_string(i++);
+        std::vector<int32_t> const d = flat<int32_t>(c["drafts"]);
+        std::vector<double> const q = flat<double>(c["q"]);
+        std::vector<double> const p = flat<double>(c["p"]);
+        size_t const V = p.size() / (d.size() + 1);
+        ReplayUniforms u(c["uniforms"], name);
+        auto const ab = acceptRejection(d.data(), static_cast<int32_t>(d.size()), q.data(), p.data(), V, u);
+        check(ab.first == c["accepted"].get<int32_t>() && ab.second == c["bonus"].get<int32_t>() && u.allUsed(),
+            name);
+    }
+    i = 0;
+    for (json const& c : v["stats"])
+    {
+        Stats const s = acceptanceStats(flat<int32_t>(c["accepted"]), flat<int32_t>(c["proposed"]));
+        checkStats(s, c["want"], "stats " + std::to_string(i++));
+    }
+    int loops = 0;
+    for (json const& c : v["loops"])
+    {
+        std::string const name = "loop " + c["name"].get<std::string>();
+        try
+        {
+            ReplayRunners runners(c, name);
+            ReplayUniforms uniforms(c["uniforms"], name);
+            GenerateConfig cfg;
+            cfg.maxNewTokens = c["max_new_tokens"].get<int64_t>();
+            cfg.temperature = c["temperature"].get<double>();
+            cfg.speculative = c["speculative"].get<bool>();
+            cfg.measureOracle = c["measure_oracle"].get<bool>();
+            cfg.eosIds = flat<int32_t>(c["eos_ids"]);
+            std::vector<int32_t> const prompt = flat<int32_t>(c["prompt"]);
+            std::vector<int32_t> streamed;
+            TokenSink sink = [&](int32_t const* t, size_t n) {
+                streamed.insert(streamed.end(), t, t + n);
+                return true;
+            };
+            Result const r = cfg.speculative ? speculativeGenerate(runners, prompt, cfg, uniforms, sink)
+                                             : targetGenerate(runners, prompt, cfg, uniforms, sink);
+            check(r.tokens == flat<int32_t>(c["tokens"]), name + ": tokens");
+            check(streamed == r.tokens, name + ": streamed tokens");
+            check(r.accepted == flat<int32_t>(c["accepted"]), name + ": accepted");
+            check(r.proposed == flat<int32_t>(c["proposed"]), name + ": proposed");
+            check(r.oracleAccepted == flat<int32_t>(c["oracle_accepted"]), name + ": oracle accepted");
+            check(runners.allUsed(), name + ": the core made fewer runner calls than the reference");
+            check(uniforms.allUsed(), name + ": the core drew fewer uniforms than the reference");
+            checkStats(resultStats(r), c["stats"], name);
+            ++loops;
+        }
+        catch (std::exception const& e)
+        {
+            check(false, e.what());
+        }
+    }
+    std::printf("coreVectors: %d checks, %d loops, %d failures\n", gChecks, loops, gFailures);
+    return gFailures == 0 && loops > 0 ? 0 : 1;
+}
