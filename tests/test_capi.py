@@ -1,0 +1,733 @@
+"""The C API runtime (runtime/): CMake builds, ctests, the C++ core against the Python reference, and the C loop
+driven through ctypes with the ONNX Runtime runners behind its callbacks, token for token against
+:mod:`dflash2_trt.runtime.decoder`.
+
+Builds (each configured once per machine under ``build/``, rebuilt incrementally, ``-j2``):
+
+* ``build/capi-tests`` — gcc, CPU parts, warnings as errors (the library the ctypes tests load); with the CUDA
+  toolkit and the kernel-lens TensorRT headers it also compiles the TensorRT backend (never run here);
+* ``build/capi-asan`` — clang with AddressSanitizer + UBSan (every C test) and the libFuzzer target;
+* ``build/capi-aarch64`` — Debian's aarch64-linux-gnu cross compiler; the ctests run under qemu-aarch64.
+
+The core vectors (``coreVectors.json``) are written here from the Python reference: step functions
+(softmax, choice, greedy/rejection acceptance, statistics) and whole decoding loops of a toy Markov target and
+drafters (selector-like and vocab-wide proposals, greedy and sampling, partial blocks, EOS, capacity),
+recorded call by call with the numpy uniforms drawn; the ``coreVectors`` ctest replays them through the C++
+core. Missing cmake / compilers / qemu make the build tests FAIL with the apt-get line (scripts/setup.sh
+installs them).
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+from dflash2_trt import reference as ref
+from dflash2_trt.runtime import decoder as D
+from dflash2_trt.runtime.base import Draft, independent_draft
+
+REPO = Path(__file__).resolve().parents[1]
+RUNTIME = REPO / "runtime"
+BUILD = REPO / "build"
+JOBS = "-j2"
+APT = "apt-get install -y cmake g++ clang libclang-rt-14-dev nlohmann-json3-dev g++-aarch64-linux-gnu qemu-user"
+
+
+# --------------------------------------------------------------------------------------------------
+# Core vectors from the Python reference
+# --------------------------------------------------------------------------------------------------
+
+
+_REAL_DEFAULT_RNG = np.random.default_rng
+
+
+class _RecordingRng:
+    """Wraps the numpy Generator the decoder creates and records each uniform it consumes, in order:
+    ``random((1, L), float32)`` -> a "draft" draw, ``random()`` and ``choice(n, p=...)`` -> one "accept" draw.
+    Results come from the real Generator; the uniform a ``choice`` consumed is read back from a copy of the
+    bit generator's state taken before the call."""
+
+    def __init__(self, seed: int, draws: list) -> None:
+        self.g = _REAL_DEFAULT_RNG(seed)
+        self.draws = draws
+
+    def random(self, size=None, dtype=np.float64):  # noqa: ANN001, ANN201
+        out = self.g.random(size, dtype=dtype)
+        use = "draft" if dtype == np.float32 else "accept"
+        self.draws.append({"use": use, "values": np.asarray(out, dtype=np.float64).reshape(-1).tolist()})
+        return out
+
+    def choice(self, a, p=None):  # noqa: ANN001, ANN201
+        state = self.g.bit_generator.state
+        out = self.g.choice(a, p=p)
+        twin = np.random.Generator(type(self.g.bit_generator)())
+        twin.bit_generator.state = state
+        self.draws.append({"use": "accept", "values": [float(twin.random())]})
+        assert twin.bit_generator.state == self.g.bit_generator.state  # choice consumed exactly one uniform
+        return out
+
+
+@contextmanager
+def _recording_rng(draws: list):
+    """While active, numpy.random.default_rng(seed) returns a recording wrapper (the decoder makes one)."""
+    with mock.patch.object(np.random, "default_rng", lambda seed=None: _RecordingRng(seed, draws)):
+        yield
+
+
+class _ToyTarget:
+    """A Markov target: logits depend on (token, position) only, so cropping the cache is exact.
+    logits [m, V] fp32, features [m, 2] = (token, position)."""
+
+    def __init__(self, V: int, max_positions: int, seed: int, calls: list) -> None:
+        r = np.random.default_rng(seed)
+        self.W = (r.standard_normal((V, V)) * 2).astype(np.float32)  # [V, V]
+        self.P = (r.standard_normal((5, V)) * 0.5).astype(np.float32)  # [5, V]
+        self.vocab_size, self.max_positions, self.eos_ids = V, max_positions, set()
+        self.length = 0
+        self.calls = calls
+
+    def logits(self, tok: int, pos: int) -> np.ndarray:
+        return self.W[tok] + self.P[pos % 5]  # [V] fp32
+
+    def reset(self) -> None:
+        self.calls.append({"op": "target_reset"})
+        self.length = 0
+
+    @property
+    def cache_length(self) -> int:
+        return self.length
+
+    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        pos = np.arange(self.length, self.length + len(ids))
+        logits = np.stack([self.logits(t, int(p)) for t, p in zip(ids, pos)])  # [m, V]
+        feats = np.stack([np.asarray(ids, np.float32), pos.astype(np.float32)], -1)  # [m, 2]
+        self.length += len(ids)
+        self.calls.append({"op": "forward", "ids": [int(t) for t in ids], "logits": logits.tolist()})
+        return logits, feats
+
+    def crop(self, length: int) -> None:
+        self.calls.append({"op": "crop", "length": int(length)})
+        self.length = min(self.length, length)
+
+
+class _ToyDrafter:
+    """Follows the toy target along its own drafted chain with noise growing by row (suffix decay).
+    kind "selector": top-K candidates with a proposal confined to them (what a selector head returns);
+    kind "vocab": :func:`independent_draft` (proposal over the whole vocabulary)."""
+
+    def __init__(self, target: _ToyTarget, block_size: int, top_k: int, kind: str, seed: int, calls: list) -> None:
+        self.t, self.block_size, self.top_k, self.kind = target, block_size, top_k, kind
+        self.noise = np.random.default_rng(seed + 1)
+        self.length = 0
+        self.calls = calls
+
+    def reset(self) -> None:
+        self.calls.append({"op": "drafter_reset"})
+        self.length = 0
+
+    def add_context(self, feats: np.ndarray, start: int) -> None:
+        assert start == self.length and np.array_equal(feats[:, 1], np.arange(start, start + len(feats)))
+        self.calls.append({"op": "add_context", "rows": int(feats.shape[0]), "start": int(start)})
+        self.length += feats.shape[0]
+
+    def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
+        L, K = self.block_size - 1, self.top_k
+        prev, rows, toks, props, cands = anchor, [], [], [], []
+        for r in range(L):
+            row = self.t.logits(prev, pos + r) + (self.noise.standard_normal(self.t.vocab_size) * 0.4 * (r + 1)
+                                                  ).astype(np.float32)  # [V]
+            if self.kind == "vocab":
+                rows.append(row)
+                d = independent_draft(row[None], temperature, None if uniforms is None else uniforms[:, r:r + 1], K)
+                prev = int(d.tokens[0])
+                continue
+            vals, cand = ref.topk_sorted(row, K)  # [K], [K]
+            if temperature > 0:
+                q = ref._softmax(vals.astype(np.float64) / temperature)
+                j = ref._sample_index(q, float(uniforms[0, r]))
+            else:
+                j = 0
+                q = np.eye(K)[0]
+            toks.append(int(cand[j]))
+            props.append(q.astype(np.float32))
+            cands.append(cand)
+            prev = toks[-1]
+        if self.kind == "vocab":
+            draft = independent_draft(np.stack(rows), temperature, uniforms, K)
+        else:
+            draft = Draft(tokens=np.asarray(toks, np.int64), proposal=np.stack(props), cand=np.stack(cands))
+        self.calls.append({
+            "op": "propose", "anchor": int(anchor), "pos": int(pos), "temperature": float(temperature),
+            "uniforms": None if uniforms is None else uniforms.reshape(-1).astype(np.float64).tolist(),
+            "tokens": draft.tokens.tolist(), "proposal": draft.proposal.astype(np.float64).tolist(),
+            "cand": draft.cand.tolist(),
+            "vocab_proposal": None if draft.vocab_proposal is None else draft.vocab_proposal.astype(np.float64).tolist(),
+        })  # fmt: skip
+        return draft
+
+
+def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_new: int, eos: list[int],
+               oracle: bool, max_positions: int = 200, bs: int = 5, V: int = 24, K: int = 6, seed: int = 0) -> dict:
+    calls: list = []
+    draws: list = []
+    target = _ToyTarget(V, max_positions, seed, calls)
+    prompt = np.random.default_rng(seed + 7).integers(0, V, size=3 + seed % 5).tolist()
+    drafter = _ToyDrafter(target, bs, K, kind, seed, calls)
+    with _recording_rng(draws):
+        if speculative:
+            res = D.speculative_generate(target, drafter, prompt, max_new, temperature, set(eos), seed, oracle)
+        else:
+            res = D.target_generate(target, prompt, max_new, temperature, set(eos), seed)
+    stats = res.stats()
+    return {
+        "name": name, "speculative": speculative, "prompt": prompt, "max_new_tokens": max_new,
+        "temperature": temperature, "eos_ids": eos, "measure_oracle": oracle, "vocab_size": V, "block_size": bs,
+        "top_k": K, "max_positions": max_positions, "calls": calls, "uniforms": draws, "tokens": res.tokens,
+        "accepted": res.accepted, "proposed": res.proposed, "oracle_accepted": res.oracle_accepted,
+        "stats": stats,
+    }  # fmt: skip
+
+
+def write_core_vectors(path: Path) -> dict:
+    """Reference vectors for the coreVectors ctest (fresh random inputs from a fixed seed)."""
+    rng = np.random.default_rng(1234)
+    v: dict = {"softmax": [], "choice": [], "accept_greedy": [], "accept_rejection": [], "stats": [], "loops": []}
+    for n in (1, 7, 8, 100, 129, 1000, 4097):  # the pairwise-summation block boundaries
+        logits = (rng.standard_normal(n) * 3).astype(np.float32)
+        T = float(rng.choice([0.3, 1.0, 1.7]))
+        v["softmax"].append({"logits": logits.tolist(), "temperature": T,
+                             "probs": ref.softmax_t(logits, T).tolist()})
+    for _ in range(40):
+        p = ref.softmax_t((rng.standard_normal(50) * 2).astype(np.float32), 1.0)
+        g = np.random.default_rng(int(rng.integers(1 << 30)))
+        state = g.bit_generator.state
+        idx = int(g.choice(50, p=p))
+        twin = np.random.default_rng()
+        twin.bit_generator.state = state
+        v["choice"].append({"p": p.tolist(), "u": float(twin.random()), "index": idx})
+    for _ in range(30):
+        n, V = int(rng.integers(0, 6)), 16
+        logits = rng.integers(-3, 4, size=(n + 1, V)).astype(np.float32)  # small integers: ties on purpose
+        target = logits.argmax(-1)
+        drafts = np.where(rng.random(n) < 0.7, target[:n], rng.integers(0, V, n))
+        a, b = ref.accept_greedy(drafts, logits)
+        v["accept_greedy"].append({"drafts": drafts.tolist(), "logits": logits.tolist(), "accepted": a, "bonus": b})
+    for _ in range(60):
+        n, V = int(rng.integers(0, 6)), 20
+        p = ref.softmax_t((rng.standard_normal((n + 1, V)) * 2).astype(np.float32), 1.0)
+        q = ref.softmax_t((rng.standard_normal((n, V)) * 2).astype(np.float32), 1.0)
+        if n and rng.random() < 0.3:
+            q[0] = p[0]  # resid sums to 0: the fallback to p
+        if n and rng.random() < 0.3:
+            q[-1, :] = 0.0  # q(d) = 0: rejected without a uniform
+            q[-1, 0] = 1.0
+        drafts = np.array([int(np.argmax(r)) if rng.random() < 0.6 else int(rng.integers(V)) for r in q], np.int64)
+        draws: list = []
+        rec = _RecordingRng(int(rng.integers(1 << 30)), draws)
+        a, b = ref.accept_rejection(drafts, q, p, rec)
+        v["accept_rejection"].append({"drafts": drafts.tolist(), "q": q.tolist(), "p": p.tolist(), "uniforms": draws,
+                                      "accepted": a, "bonus": b})
+    for _ in range(20):
+        c = int(rng.integers(0, 8))
+        proposed = rng.integers(1, 6, size=c)
+        accepted = [int(rng.integers(0, k + 1)) for k in proposed]
+        v["stats"].append({"accepted": accepted, "proposed": proposed.tolist(),
+                           "want": ref.acceptance_stats(accepted, proposed.tolist())})
+    v["loops"] = [
+        _loop_case("greedy-selector-oracle", True, "selector", 0.0, 40, [], True, seed=1),
+        _loop_case("greedy-vocab", True, "vocab", 0.0, 33, [], False, seed=2),
+        _loop_case("sample-selector", True, "selector", 0.9, 40, [], False, seed=3),
+        _loop_case("sample-vocab", True, "vocab", 0.7, 37, [], True, seed=4),
+        _loop_case("greedy-eos", True, "selector", 0.0, 60, [5, 11], False, seed=5),
+        _loop_case("capacity-partial", True, "selector", 0.0, 500, [], False, max_positions=30, bs=8, seed=6),
+        _loop_case("bs2", True, "vocab", 0.5, 20, [], False, bs=2, seed=7),
+        _loop_case("ar-greedy", False, "selector", 0.0, 25, [], False, seed=8),
+        _loop_case("ar-sample", False, "selector", 1.1, 25, [3], False, seed=9),
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(v))
+    tmp.replace(path)
+    return v
+
+
+# --------------------------------------------------------------------------------------------------
+# Builds
+# --------------------------------------------------------------------------------------------------
+
+
+def _run(cmd: list[str], what: str, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if proc.returncode != 0:
+        pytest.fail(f"{what} failed ({' '.join(map(str, cmd))}):\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def _need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} not found: {APT} (scripts/setup.sh does this)")
+    return path
+
+
+def _cmake_build(build: Path, args: list[str]) -> Path:
+    cmake = _need("cmake")
+    if not (build / "CMakeCache.txt").exists():
+        _run([cmake, "-S", str(RUNTIME), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DDFLASH2_WERROR=ON",
+              *args], f"cmake configure {build.name}")
+    _run([cmake, "--build", str(build), JOBS], f"cmake build {build.name}")
+    return build
+
+
+def _trt_args() -> list[str]:
+    """Compile the TensorRT backend when the CUDA toolkit and the kernel-lens headers are here."""
+    spec = importlib.util.find_spec("kernel_lens")
+    inc = Path(spec.submodule_search_locations[0]) / "include" / "tensorrt" if spec else None
+    cuda = Path("/usr/local/cuda/include/cuda_runtime_api.h")
+    if inc is None or not (inc / "NvInferRuntime.h").exists() or not cuda.exists():
+        return []
+    return ["-DDFLASH2_RUNTIME_TENSORRT=ON", f"-DTensorRT_INCLUDE_DIR={inc}", "-DCUDAToolkit_ROOT=/usr/local/cuda"]
+
+
+@pytest.fixture(scope="session")
+def vectors_path() -> Path:
+    path = BUILD / "capi-vectors" / "coreVectors.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_core_vectors(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def capi_build(vectors_path) -> Path:
+    return _cmake_build(BUILD / "capi-tests", [f"-DDFLASH2_CORE_VECTORS={vectors_path}", *_trt_args()])
+
+
+def _ctest(build: Path, env: dict | None = None) -> str:
+    proc = subprocess.run(["ctest", "--test-dir", str(build), "--output-on-failure"], capture_output=True, text=True,
+                          env=env)
+    if proc.returncode != 0:
+        pytest.fail(f"ctest in {build.name} failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# ctests: header as C99 / C++17, error paths, core vectors, example
+# --------------------------------------------------------------------------------------------------
+
+
+def test_ctest_native(capi_build):
+    """Header compiles as C99 and C++17 with -Wall -Wextra -Werror; capiC (every error path + toy runs);
+    coreVectors (the C++ core equals the Python reference); the example fails cleanly without TensorRT."""
+    out = _ctest(capi_build)
+    for name in ("headerC99", "headerCxx17", "capiC", "coreVectors", "exampleUnavailable"):
+        assert re.search(rf"{name} \.+\s+Passed", out), out
+
+
+def test_core_vectors_exercise_every_branch(vectors_path):
+    """The vectors the ctest replays cover what they claim: acceptance and rejection, the resid fallback,
+    q(d) = 0, partial blocks, EOS cuts, capacity limits, vocab-wide proposals."""
+    v = json.loads(vectors_path.read_text())
+    rej = v["accept_rejection"]
+    assert any(c["accepted"] == len(c["drafts"]) > 0 for c in rej)
+    assert any(c["accepted"] < len(c["drafts"]) for c in rej)
+    loops = {c["name"]: c for c in v["loops"]}
+    for name, c in loops.items():
+        if c["speculative"]:
+            assert sum(c["accepted"]) > 0, name  # drafts were accepted ...
+            assert any(a < p for a, p in zip(c["accepted"], c["proposed"])), name  # ... and rejected
+    assert loops["capacity-partial"]["proposed"][-1] < 7  # a final partial block
+    assert len(loops["capacity-partial"]["tokens"]) == 30 - len(loops["capacity-partial"]["prompt"])
+    assert loops["greedy-eos"]["tokens"][-1] in (5, 11) and len(loops["greedy-eos"]["tokens"]) < 60
+    assert any(c["op"] == "propose" and c["vocab_proposal"] for c in loops["sample-vocab"]["calls"])
+    assert any(d["use"] == "draft" for d in loops["sample-selector"]["uniforms"])
+
+
+def test_core_vectors_detect_a_wrong_core(capi_build, vectors_path, tmp_path):
+    """The replay is strict: a vector with one changed expected token fails the ctest binary."""
+    v = json.loads(vectors_path.read_text())
+    v["loops"] = [v["loops"][0]]
+    v["loops"][0]["tokens"][5] = (v["loops"][0]["tokens"][5] + 1) % v["loops"][0]["vocab_size"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(v))
+    proc = subprocess.run([str(capi_build / "tests" / "coreVectors"), str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 1 and "tokens" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# ctypes: the C loop with the ORT runners behind the callbacks
+# --------------------------------------------------------------------------------------------------
+
+P = C.POINTER
+_TR = C.CFUNCTYPE(C.c_int32, C.c_void_p)
+_TF = C.CFUNCTYPE(C.c_int32, C.c_void_p, P(C.c_int32), C.c_int32, P(C.c_float), P(C.c_float))
+_TC = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32)
+_DA = C.CFUNCTYPE(C.c_int32, C.c_void_p, P(C.c_float), C.c_int32, C.c_int32)
+_DP = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, C.c_int32, C.c_float, P(C.c_float), P(C.c_int32), P(C.c_float),
+                  P(C.c_int32), P(C.c_float), P(C.c_int32))
+_TOKENS = C.CFUNCTYPE(C.c_int32, C.c_void_p, P(C.c_int32), C.c_size_t)
+_UNIFORM = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int, P(C.c_double), C.c_size_t)
+
+
+class _Callbacks(C.Structure):
+    _fields_ = [("struct_size", C.c_uint32), ("user_data", C.c_void_p), ("vocab_size", C.c_int32),
+                ("feature_dim", C.c_int32), ("block_size", C.c_int32), ("top_k", C.c_int32),
+                ("max_positions", C.c_int32), ("eos_ids", P(C.c_int32)), ("n_eos_ids", C.c_size_t),
+                ("target_reset", _TR), ("target_forward", _TF), ("target_crop", _TC), ("drafter_reset", _TR),
+                ("drafter_add_context", _DA), ("drafter_propose", _DP)]
+
+
+class _Stats(C.Structure):
+    _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
+                ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("per_position_cumulative", P(C.c_double)),
+                ("per_position_conditional", P(C.c_double)), ("accepted", P(C.c_int32)),
+                ("proposed", P(C.c_int32)), ("oracle_accepted", P(C.c_int32)), ("elapsed_s", C.c_double)]
+
+
+@pytest.fixture(scope="session")
+def lib(capi_build):
+    lib = C.CDLL(str(capi_build / "lib" / "libdflash2.so"))
+    V = C.c_void_p
+    lib.dfl2_status_code.restype = C.c_int
+    lib.dfl2_status_code.argtypes = [V]
+    lib.dfl2_status_message.restype = C.c_char_p
+    lib.dfl2_status_message.argtypes = [V]
+    lib.dfl2_status_free.argtypes = [V]
+    lib.dfl2_api_version.restype = C.c_uint32
+    for name, args in {
+        "dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
+        "dfl2_model_create_callbacks": [P(_Callbacks), V, P(V)], "dfl2_session_create": [V, V, P(V)],
+        "dfl2_session_generate": [V, P(C.c_int32), C.c_size_t, _TOKENS, V],
+        "dfl2_session_set_uniform_source": [V, _UNIFORM, V], "dfl2_session_get_tokens": [V, P(P(C.c_int32)),
+                                                                                       P(C.c_size_t)],
+        "dfl2_session_get_stats": [V, P(_Stats)], "dfl2_model_load": [C.c_char_p, V, P(V)],
+    }.items():  # fmt: skip
+        getattr(lib, name).restype = V
+        getattr(lib, name).argtypes = args
+    for name in ("dfl2_options_free", "dfl2_model_free", "dfl2_session_free"):
+        getattr(lib, name).argtypes = [V]
+    return lib
+
+
+class CapiError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code, self.message = code, message
+
+
+def _check(lib, status) -> None:  # noqa: ANN001
+    if status:
+        code, msg = lib.dfl2_status_code(status), lib.dfl2_status_message(status).decode()
+        lib.dfl2_status_free(status)
+        raise CapiError(code, msg)
+
+
+class CRuntime:
+    """The C loop over Python runners (TargetRunner / DraftRunner protocol) through dfl2_callbacks."""
+
+    def __init__(self, lib, target, drafter, feature_dim: int, top_k: int) -> None:  # noqa: ANN001
+        self.lib, self.target, self.drafter = lib, target, drafter
+        self.V, self.F, self.K, self.L = target.vocab_size, feature_dim, top_k, drafter.block_size - 1
+        self.errors: list[BaseException] = []
+        self.calls = {"forward": 0, "propose": 0, "add_context": 0}
+        self._fns = [  # kept alive as long as the model
+            _TR(self._guard(lambda u: target.reset())),
+            _TF(self._guard(self._forward)),
+            _TC(self._guard(lambda u, n: target.crop(n))),
+            _TR(self._guard(lambda u: drafter.reset())),
+            _DA(self._guard(self._add_context)),
+            _DP(self._guard(self._propose)),
+        ]
+        cb = _Callbacks(C.sizeof(_Callbacks), None, self.V, self.F, drafter.block_size, top_k, target.max_positions,
+                        None, 0, *self._fns)
+        self.model = C.c_void_p()
+        _check(lib, lib.dfl2_model_create_callbacks(C.byref(cb), None, C.byref(self.model)))
+
+    def _guard(self, fn):  # noqa: ANN001, ANN202
+        def call(*a):  # noqa: ANN002, ANN202
+            try:
+                fn(*a)
+                return 0
+            except BaseException as e:  # noqa: BLE001 - reported to the C loop as a non-zero return
+                self.errors.append(e)
+                return 1
+        return call
+
+    def _forward(self, u, ids, n, logits, feats) -> None:  # noqa: ANN001
+        self.calls["forward"] += 1
+        lg, ft = self.target.forward([ids[i] for i in range(n)])  # [n, V], [n, F]
+        assert ft.shape == (n, self.F), ft.shape
+        np.ctypeslib.as_array(logits, (n, self.V))[:] = lg
+        if self.F:
+            np.ctypeslib.as_array(feats, (n, self.F))[:] = ft
+
+    def _add_context(self, u, feats, m, start) -> None:  # noqa: ANN001
+        self.calls["add_context"] += 1
+        f = np.ctypeslib.as_array(feats, (m, self.F)).copy() if self.F else np.zeros((m, 0), np.float32)
+        self.drafter.add_context(f, start)
+
+    def _propose(self, u, anchor, pos, temperature, uniforms, tokens, proposal, cand, vocab, used) -> None:  # noqa: ANN001
+        self.calls["propose"] += 1
+        un = np.ctypeslib.as_array(uniforms, (1, self.L)).copy() if uniforms else None
+        d = self.drafter.propose(anchor, pos, temperature, un)
+        L, K = self.L, self.K
+        np.ctypeslib.as_array(tokens, (L,))[:] = d.tokens[:L]
+        np.ctypeslib.as_array(proposal, (L, K))[:] = d.proposal[:L]
+        np.ctypeslib.as_array(cand, (L, K))[:] = d.cand[:L]
+        if d.vocab_proposal is not None and vocab:
+            np.ctypeslib.as_array(vocab, (L, self.V))[:] = d.vocab_proposal[:L]
+            used[0] = 1
+
+    def generate(self, prompt: list[int], options: dict, numpy_seed: int | None = None, cancel_after: int = 0):  # noqa: ANN201
+        """-> (tokens, stats dict, streamed chunks). numpy_seed: uniforms from numpy.random.default_rng(seed)."""
+        lib = self.lib
+        opts, sess = C.c_void_p(), C.c_void_p()
+        _check(lib, lib.dfl2_options_create(C.byref(opts)))
+        try:
+            for k, v in options.items():
+                v = ",".join(map(str, v)) if isinstance(v, (list, set)) else str(v).lower() if isinstance(v, bool) else v
+                _check(lib, lib.dfl2_options_parse(opts, f"{k}={v}".encode()))
+            _check(lib, lib.dfl2_session_create(self.model, opts, C.byref(sess)))
+        finally:
+            lib.dfl2_options_free(opts)
+        chunks: list[list[int]] = []
+
+        def on_tokens(u, toks, n):  # noqa: ANN001, ANN202
+            chunks.append([toks[i] for i in range(n)])
+            return 1 if cancel_after and len(chunks) >= cancel_after else 0
+
+        rng = np.random.default_rng(numpy_seed) if numpy_seed is not None else None
+
+        def uniforms(u, use, out, n):  # noqa: ANN001, ANN202
+            vals = rng.random((1, n), dtype=np.float32).reshape(-1) if use == 0 else np.array([rng.random()])
+            np.ctypeslib.as_array(out, (n,))[:] = vals
+            return 0
+
+        tok_cb, uni_cb = _TOKENS(on_tokens), _UNIFORM(uniforms)
+        try:
+            if rng is not None:
+                _check(lib, lib.dfl2_session_set_uniform_source(sess, uni_cb, None))
+            ids = (C.c_int32 * len(prompt))(*prompt)
+            _check(lib, lib.dfl2_session_generate(sess, ids, len(prompt), tok_cb, None))
+            ptr, n = P(C.c_int32)(), C.c_size_t()
+            _check(lib, lib.dfl2_session_get_tokens(sess, C.byref(ptr), C.byref(n)))
+            tokens = [ptr[i] for i in range(n.value)]
+            st = _Stats()
+            _check(lib, lib.dfl2_session_get_stats(sess, C.byref(st)))
+            stats = {
+                "tau": st.tau, "cycles": st.cycles, "finish": st.finish_reason,
+                "accepted": [st.accepted[i] for i in range(st.cycles)],
+                "proposed": [st.proposed[i] for i in range(st.cycles)],
+                "oracle_accepted": [st.oracle_accepted[i] for i in range(st.cycles)] if st.oracle_accepted else [],
+                "per_position_cumulative": [st.per_position_cumulative[i] for i in range(st.n_positions)],
+                "per_position_conditional": [st.per_position_conditional[i] for i in range(st.n_positions)],
+                "oracle_tau": st.oracle_tau if st.oracle_tau >= 0 else None,
+            }  # fmt: skip
+        finally:
+            lib.dfl2_session_free(sess)
+        return tokens, stats, chunks
+
+    def close(self) -> None:
+        self.lib.dfl2_model_free(self.model)
+
+
+def _feature_dim(be) -> int:  # noqa: ANN001
+    t = be.manifest["target"]
+    return len(t["layer_ids"]) * int(t["hidden_size"])
+
+
+def _assert_same(c_tokens, c_stats, py) -> None:  # noqa: ANN001
+    assert c_tokens == py.tokens  # token for token
+    assert (c_stats["accepted"], c_stats["proposed"]) == (py.accepted, py.proposed)
+    assert c_stats["oracle_accepted"] == py.oracle_accepted
+    want = py.stats()
+    assert c_stats["tau"] == pytest.approx(want["tau"], abs=1e-12)
+    assert c_stats["per_position_cumulative"] == pytest.approx(want["per_position_cumulative"], abs=1e-12)
+    assert c_stats["per_position_conditional"] == pytest.approx(want["per_position_conditional"], abs=1e-12)
+    assert c_stats["oracle_tau"] == (None if want["oracle_tau"] is None else pytest.approx(want["oracle_tau"]))
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, 500, size=int(rng.integers(1, 30))).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def ort(tiny_export):
+    from dflash2_trt.runtime.backends import open_backend
+
+    return open_backend(tiny_export, "ort")
+
+
+@pytest.mark.parametrize("mode", ["greedy", "viterbi"])
+def test_c_loop_equals_python_runtime_greedy(lib, ort, mode):
+    """Greedy, both selector modes, oracle τ measured: identical tokens, counts and metrics."""
+    c = CRuntime(lib, ort.target_runner(), ort.draft_runner(mode), _feature_dim(ort), ort.draft_runner(mode).top_k)
+    try:
+        for p in _prompts(3, seed=21):
+            py = D.speculative_generate(ort.target_runner(), ort.draft_runner(mode), p, 24, eos_ids=set())
+            toks, st, chunks = c.generate(p, {"max_new_tokens": 24, "eos_ids": [], "measure_oracle": True})
+            _assert_same(toks, st, py)
+            assert sum(chunks, []) == toks and len(chunks) == st["cycles"] + 1
+        assert not c.errors and c.calls["propose"] > 0
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "viterbi", "independent"])
+def test_c_loop_equals_python_runtime_sampling(lib, ort, mode):
+    """T > 0 with numpy's uniforms in the Python runtime's order: the same samples, token for token."""
+    c = CRuntime(lib, ort.target_runner(), ort.draft_runner(mode), _feature_dim(ort), ort.draft_runner(mode).top_k)
+    try:
+        for seed, p in enumerate(_prompts(3, seed=5)):
+            py = D.speculative_generate(ort.target_runner(), ort.draft_runner(mode), p, 24, temperature=0.8,
+                                        eos_ids=set(), seed=seed, measure_oracle=False)
+            toks, st, _ = c.generate(p, {"max_new_tokens": 24, "temperature": 0.8, "eos_ids": []}, numpy_seed=seed)
+            _assert_same(toks, st, py)
+        assert not c.errors
+        ar = D.target_generate(ort.target_runner(), p, 16, temperature=0.8, eos_ids=set(), seed=3)
+        toks, _, _ = c.generate(p, {"max_new_tokens": 16, "temperature": 0.8, "eos_ids": [], "speculative": False},
+                                numpy_seed=3)
+        assert toks == ar.tokens
+    finally:
+        c.close()
+
+
+class _OracleDrafter:
+    """A drafter that proposes the target's own greedy continuation (from a plain AR run), wrong at every
+    fifth position so that cycles both accept and reject. Candidates: the draft first, then neighbours."""
+
+    def __init__(self, greedy: list[int], block_size: int, vocab: int, top_k: int = 4) -> None:
+        self.seq, self.block_size, self.V, self.top_k = greedy, block_size, vocab, top_k
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def add_context(self, feats: np.ndarray, start: int) -> None:
+        assert start == self.length
+        self.length += feats.shape[0]
+
+    def propose(self, anchor: int, pos: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
+        L = self.block_size - 1
+        toks = [self.seq[p + 1] if p + 1 < len(self.seq) else 0 for p in range(pos, pos + L)]
+        toks = [(t + 1) % self.V if (pos + i) % 5 == 4 else t for i, t in enumerate(toks)]
+        cand = np.array([[(t + k) % self.V for k in range(self.top_k)] for t in toks], np.int64)  # [L, K]
+        prop = np.zeros((L, self.top_k), np.float32)
+        prop[:, 0] = 1.0
+        return Draft(tokens=np.asarray(toks, np.int64), proposal=prop, cand=cand)
+
+
+def test_c_loop_with_accepting_drafter(lib, ort):
+    """A drafter that gets drafts accepted (the tiny random drafter rarely does): equal to the Python runtime
+    at T = 0 and T > 0, and acceptance happened (τ > 1, some cycles accept several drafts, some reject)."""
+    p = _prompts(1, seed=77)[0]
+    n = 40
+    greedy = list(p) + D.target_generate(ort.target_runner(), p, n, eos_ids=set()).tokens
+    make = lambda: _OracleDrafter(greedy, ort.block_size, ort.vocab_size)  # noqa: E731
+    c = CRuntime(lib, ort.target_runner(), make(), _feature_dim(ort), 4)
+    try:
+        py = D.speculative_generate(ort.target_runner(), make(), p, n, eos_ids=set())
+        toks, st, _ = c.generate(p, {"max_new_tokens": n, "eos_ids": [], "measure_oracle": True})
+        _assert_same(toks, st, py)
+        assert toks == greedy[len(p):]  # lossless
+        assert st["tau"] > 2.0 and max(st["accepted"]) >= 3  # drafts were accepted ...
+        assert any(a < r for a, r in zip(st["accepted"], st["proposed"]))  # ... and rejected
+        py = D.speculative_generate(ort.target_runner(), make(), p, n, temperature=0.1, eos_ids=set(), seed=11,
+                                    measure_oracle=False)
+        toks, st, _ = c.generate(p, {"max_new_tokens": n, "temperature": 0.1, "eos_ids": []}, numpy_seed=11)
+        _assert_same(toks, st, py)
+        assert sum(st["accepted"]) > 0  # a low temperature keeps the samples near the drafted greedy chain
+    finally:
+        c.close()
+
+
+def test_c_loop_streaming_cancel_and_errors(lib, ort):
+    """Cancellation from the token callback; a Python exception in a callback and an out-of-range prompt come
+    back as status codes with messages (nothing crashes)."""
+    target, drafter = ort.target_runner(), ort.draft_runner("greedy")
+    c = CRuntime(lib, target, drafter, _feature_dim(ort), drafter.top_k)
+    try:
+        p = _prompts(1, seed=3)[0]
+        toks, st, chunks = c.generate(p, {"max_new_tokens": 30, "eos_ids": []}, cancel_after=2)
+        assert st["finish"] == 3 and len(chunks) == 2 and sum(chunks, []) == toks
+        with pytest.raises(CapiError) as e:
+            c.generate([ort.vocab_size], {})
+        assert e.value.code == 9 and "out of range" in e.value.message
+        with pytest.raises(CapiError) as e:
+            c.generate([5] * 600, {})
+        assert e.value.code == 10 and "does not fit" in e.value.message
+        c.drafter = None  # the next drafter call raises inside the callback
+        with pytest.raises(CapiError) as e:
+            c.generate(p, {"max_new_tokens": 8})
+        assert e.value.code == 11 and "callback drafter_add_context returned 1" in e.value.message
+        assert isinstance(c.errors[-1], AttributeError)
+    finally:
+        c.close()
+
+
+def test_option_table_matches_header(lib):
+    """The header's OPTIONS list and the library's table (listed in the unknown-key message) are the same keys."""
+    header = (RUNTIME / "include" / "dflash2" / "dflash2.h").read_text()
+    documented = re.findall(r'^ \*\s+"([a-z_]+)"\s+(?:int|double|bool|string|int\[\])\s', header, re.M)
+    opts = C.c_void_p()
+    _check(lib, lib.dfl2_options_create(C.byref(opts)))
+    with pytest.raises(CapiError) as e:
+        _check(lib, lib.dfl2_options_parse(opts, b"nope=1"))
+    lib.dfl2_options_free(opts)
+    known = re.search(r"known: ([a-z_, ]+)\)", e.value.message).group(1).split(", ")
+    assert documented == known and len(known) >= 10
+
+
+def test_model_load_reports_missing_backend(lib, tiny_export):
+    """A real export folder passes the C manifest check (format, version, entries, files, sha256) and then
+    reports that no file-loading backend can run here (TensorRT needs a GPU)."""
+    m = C.c_void_p()
+    with pytest.raises(CapiError) as e:
+        _check(lib, lib.dfl2_model_load(str(tiny_export).encode(), None, C.byref(m)))
+    assert e.value.code == 8 and "TensorRT" in e.value.message and not m.value
+
+
+# --------------------------------------------------------------------------------------------------
+# Sanitizers + fuzzing (clang), and the aarch64 cross build under qemu
+# --------------------------------------------------------------------------------------------------
+
+
+def test_asan_ubsan_ctests_and_fuzz(vectors_path):
+    """The C tests under AddressSanitizer + UBSan (clang), then libFuzzer over manifest + option parsing for a
+    bounded time (DFLASH2_FUZZ_SECONDS, default 5)."""
+    _need("clang")
+    secs = os.environ.get("DFLASH2_FUZZ_SECONDS", "5")
+    build = _cmake_build(BUILD / "capi-asan", [
+        "-DCMAKE_C_COMPILER=clang", "-DCMAKE_CXX_COMPILER=clang++", "-DDFLASH2_SANITIZE=address,undefined",
+        "-DDFLASH2_FUZZ=ON", f"-DDFLASH2_CORE_VECTORS={vectors_path}", f"-DDFL2_FUZZ_SECONDS={secs}",
+    ])  # fmt: skip
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
+    out = _ctest(build, env)
+    for name in ("capiC", "coreVectors", "fuzzManifestOptions"):
+        assert re.search(rf"{name} \.+\s+Passed", out), out
+
+
+def test_aarch64_cross_build_under_qemu(vectors_path):
+    """The CPU parts (core, callbacks backend, example, C tests) cross-compiled with aarch64-linux-gnu-g++ pass
+    their ctests under qemu-aarch64 — the Jetson build is checked, not assumed."""
+    _need("aarch64-linux-gnu-g++")
+    qemu = _need("qemu-aarch64")
+    build = _cmake_build(BUILD / "capi-aarch64", [
+        f"-DCMAKE_TOOLCHAIN_FILE={RUNTIME / 'cmake' / 'aarch64-linux-gnu.cmake'}",
+        f"-DCMAKE_CROSSCOMPILING_EMULATOR={qemu};-L;/usr/aarch64-linux-gnu",
+        f"-DDFLASH2_CORE_VECTORS={vectors_path}",
+    ])  # fmt: skip
+    lib = build / "lib" / "libdflash2.so"
+    assert "AArch64" in _run(["readelf", "-h", str(lib)], "readelf").stdout
+    out = _ctest(build)
+    for name in ("headerC99", "capiC", "coreVectors", "exampleUnavailable"):
+        assert re.search(rf"{name} \.+\s+Passed", out), out
