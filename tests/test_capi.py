@@ -696,6 +696,24 @@ def test_model_load_reports_missing_backend(lib, tiny_export):
     assert e.value.code == 8 and "TensorRT" in e.value.message and not m.value
 
 
+def test_tensorrt_backend_compiles(capi_build):
+    """The TensorRT backend (C++, runtime/src/backends/trtBackend.cpp) is compiled with -Werror against the
+    kernel-lens TensorRT headers and the CUDA runtime headers. It is never run here (no GPU, no libnvinfer):
+    libnvinfer is dlopen'ed, so the library loads without it and model loading reports UNAVAILABLE."""
+    if not _trt_args():
+        pytest.fail("the TensorRT backend needs the CUDA toolkit (/usr/local/cuda) and kernel-lens headers "
+                    "(pip install kernel-lens) to compile")
+    assert "DFLASH2_RUNTIME_TENSORRT:BOOL=ON" in (capi_build / "CMakeCache.txt").read_text()
+    obj = capi_build / "CMakeFiles" / "dflash2_objects.dir" / "src" / "backends" / "trtBackend.cpp.o"
+    syms = _run(["nm", "-C", str(obj)], "nm").stdout
+    assert "TrtRunners::drafterPropose" in syms and "TrtModel::TrtModel" in syms
+    needed = _run(["readelf", "-d", str(capi_build / "lib" / "libdflash2.so")], "readelf").stdout
+    assert "nvinfer" not in needed and "libcudart" not in needed, needed
+    out = subprocess.run([str(capi_build / "bin" / "generate"), str(capi_build / "tests" / "capi-scratch" / "valid"),
+                          "1", "-o", "verify_checksums=false"], capture_output=True, text=True)
+    assert out.returncode == 1 and "libnvinfer.so.10 not found" in out.stderr
+
+
 # --------------------------------------------------------------------------------------------------
 # Sanitizers + fuzzing (clang), and the aarch64 cross build under qemu
 # --------------------------------------------------------------------------------------------------

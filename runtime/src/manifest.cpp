@@ -265,6 +265,14 @@ Manifest parseManifest(std::string const& text, std::string const& source)
         {
             m.engines.tensorrtVersion = e["tensorrt_version"].get<std::string>();
         }
+        if (e.contains("gpu") && e["gpu"].is_object())
+        {
+            Json const& g = e["gpu"];
+            m.engines.gpuName = g.contains("name") && g["name"].is_string() ? g["name"].get<std::string>() : "";
+            m.engines.computeCapability = g.contains("compute_capability") && g["compute_capability"].is_string()
+                ? g["compute_capability"].get<std::string>()
+                : "";
+        }
         if (e.contains("plugin") && e["plugin"].is_object())
         {
             m.engines.pluginFile = stringMember(e["plugin"], "file", source, "engines.plugin.");
@@ -285,8 +293,42 @@ Manifest parseManifest(std::string const& text, std::string const& source)
         for (auto const& [key, p] : plans.items())
         {
             PlanEntry pe;
-            pe.file = stringMember(p, "file", source, "engines.plans." + key + ".");
+            std::string const where = "engines.plans." + key + ".";
+            pe.file = stringMember(p, "file", source, where);
             checkRelative(pe.file, source);
+            Json const& profiles = member(p, "profiles", source, where);
+            if (!profiles.is_array())
+            {
+                corrupt(source, "'" + where + "profiles' must be a list");
+            }
+            for (Json const& pr : profiles)
+            {
+                ProfileEntry prof;
+                prof.name = stringMember(pr, "name", source, where + "profiles[].");
+                Json const& dims = member(pr, "dims", source, where + "profiles[].");
+                if (!dims.is_object())
+                {
+                    corrupt(source, "'" + where + "profiles[].dims' must be an object");
+                }
+                for (auto const& [dim, range] : dims.items())
+                {
+                    if (!range.is_array() || range.size() != 3)
+                    {
+                        corrupt(source, "'" + where + "profiles[].dims." + dim + "' must be [min, opt, max]");
+                    }
+                    std::vector<int64_t> r;
+                    for (Json const& x : range)
+                    {
+                        if (!x.is_number_integer() || x.get<int64_t>() < 0)
+                        {
+                            corrupt(source, "'" + where + "profiles[].dims." + dim + "' holds a non-size");
+                        }
+                        r.push_back(x.get<int64_t>());
+                    }
+                    prof.dims[dim] = r;
+                }
+                pe.profiles.push_back(prof);
+            }
             m.engines.plans[key] = pe;
         }
     }

@@ -29,16 +29,25 @@ struct GraphEntry
     std::string mode;
 };
 
+struct ProfileEntry
+{
+    std::string name;                                   //!< "prefill" | "step"
+    std::map<std::string, std::vector<int64_t>> dims;   //!< dim name -> [min, opt, max]
+};
+
 struct PlanEntry
 {
-    std::string file;  //!< relative to the engines dir
+    std::string file;  //!< relative to the export folder ("engines-<id>/target.plan")
+    std::vector<ProfileEntry> profiles;
 };
 
 struct EnginesEntry
 {
     bool present{false};
     std::string dir;
-    std::string tensorrtVersion;
+    std::string tensorrtVersion;   //!< e.g. "10.3.0.30"
+    std::string gpuName;
+    std::string computeCapability; //!< e.g. "8.7"
     std::string pluginFile;    //!< "" when the engines need no plugin
     std::string pluginSha256;
     int32_t prefillRows{0};

@@ -1,17 +1,1002 @@
-//! \file trtUnavailable.cpp
-//! Built instead of trtBackend.cpp when the library is configured without TensorRT
-//! (DFLASH2_RUNTIME_TENSORRT=OFF, e.g. the CPU and aarch64 cross builds).
+//! \file trtBackend.cpp
+//! The TensorRT backend of libdflash2: the engines that `dflash2-export build-engines` wrote, run from C++.
+//!
+//! STATUS: NEVER RUN. It is compiled (with -Werror) against the TensorRT 10.14 headers of the kernel-lens wheel
+//! and the CUDA toolkit's runtime headers on machines without a GPU or TensorRT libraries; the logic mirrors
+//! dflash2_trt/runtime/trt_backend.py (itself tested on the CPU against recording fakes). Run the GPU check
+//! (runtime/README.md) before relying on it.
+//!
+//! libnvinfer is not linked: it is dlopen'ed at model load (libnvinfer.so.10, then libnvinfer.so), so the
+//! library loads and reports DFL2_ERR_UNAVAILABLE on hosts without TensorRT. CUDA runtime: cudart_static.
+//!
+//! Ownership and lifetime (STYLE rule 12):
+//! * TrtModel (one per dfl2_model) owns the IRuntime, the deserialized ICudaEngines and the loaded plugin library;
+//!   engines are immutable and shared by the sessions.
+//! * TrtRunners (one per dfl2_session) owns everything mutable: its CUDA stream, one scratch allocation per engine
+//!   (USER_MANAGED device memory), execution contexts, fixed I/O buffers with pinned host mirrors, the target and
+//!   draft KV caches, and its CUDA graphs. Sessions therefore run concurrently on different threads.
+//! * I/O buffers are allocated once at their largest shape and never move, so captured graphs stay valid; KV
+//!   caches move only when they grow past their capacity bucket (kv_capacity_step): every graph is then dropped
+//!   before the old buffers are freed. One graph per (step, profile, shape, capacity); a context that a graph
+//!   captured is never re-shaped (each shape bucket has its own context). Capture failure -> eager from then on.
+//! * The verify step (target rows <= block size) and the draft step (block + head engines) are captured; prefill
+//!   and long context updates run eagerly in chunks of the prefill profile's rows.
 #include "../model.h"
+
+#include <NvInferRuntime.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
 
 namespace dflash2
 {
 
-std::unique_ptr<Model> loadTensorRTModel(Manifest const&, std::string const& dir, Options const&)
+namespace
 {
-    throw Error(DFL2_ERR_UNAVAILABLE,
-        "cannot run " + dir + ": this libdflash2 was built without the TensorRT backend "
-        "(configure with -DDFLASH2_RUNTIME_TENSORRT=ON on a machine with CUDA and TensorRT); "
-        "use dfl2_model_create_callbacks to run other engines");
+
+namespace nv = nvinfer1;
+
+void cudaCheck(cudaError_t e, char const* what)
+{
+    if (e != cudaSuccess)
+    {
+        throw Error(DFL2_ERR_BACKEND, std::string(what) + ": " + cudaGetErrorString(e));
+    }
+}
+
+class Logger : public nv::ILogger
+{
+public:
+    void log(Severity severity, nv::AsciiChar const* msg) noexcept override
+    {
+        if (severity <= Severity::kWARNING)
+        {
+            std::fprintf(stderr, "[dflash2 TensorRT] %s\n", msg);
+        }
+    }
+};
+
+size_t elementSize(nv::DataType t)
+{
+    switch (t)
+    {
+    case nv::DataType::kFLOAT: return 4;
+    case nv::DataType::kHALF: return 2;
+    case nv::DataType::kBF16: return 2;
+    case nv::DataType::kINT32: return 4;
+    case nv::DataType::kINT64: return 8;
+    case nv::DataType::kINT8: return 1;
+    case nv::DataType::kUINT8: return 1;
+    case nv::DataType::kBOOL: return 1;
+    default: throw Error(DFL2_ERR_BACKEND, "unsupported TensorRT tensor type");
+    }
+}
+
+int64_t volume(std::vector<int64_t> const& shape)
+{
+    int64_t n = 1;
+    for (int64_t s : shape)
+    {
+        n *= s;
+    }
+    return n;
+}
+
+nv::Dims dimsOf(std::vector<int64_t> const& shape)
+{
+    nv::Dims d{};
+    d.nbDims = static_cast<int32_t>(shape.size());
+    for (size_t i = 0; i < shape.size(); ++i)
+    {
+        d.d[i] = shape[i];
+    }
+    return d;
+}
+
+//! The TensorRT library, loaded at run time.
+struct NvInferLib
+{
+    void* handle{nullptr};
+    void* (*createRuntime)(void*, int32_t){nullptr};
+    int32_t (*libVersion)(){nullptr};
+
+    NvInferLib()
+    {
+        for (char const* name : {"libnvinfer.so.10", "libnvinfer.so"})
+        {
+            handle = ::dlopen(name, RTLD_NOW | RTLD_GLOBAL);
+            if (handle != nullptr)
+            {
+                break;
+            }
+        }
+        if (handle == nullptr)
+        {
+            throw Error(DFL2_ERR_UNAVAILABLE, "TensorRT is not installed here (libnvinfer.so.10 not found): install "
+                                              "TensorRT >= 10.3 (JetPack 6.2 on Jetson)");
+        }
+        createRuntime = reinterpret_cast<void* (*) (void*, int32_t)>(::dlsym(handle, "createInferRuntime_INTERNAL"));
+        libVersion = reinterpret_cast<int32_t (*)()>(::dlsym(handle, "getInferLibVersion"));
+        if (createRuntime == nullptr || libVersion == nullptr)
+        {
+            throw Error(DFL2_ERR_UNAVAILABLE, "libnvinfer lacks createInferRuntime_INTERNAL / getInferLibVersion");
+        }
+    }
+    NvInferLib(NvInferLib const&) = delete;
+    NvInferLib& operator=(NvInferLib const&) = delete;
+    ~NvInferLib()
+    {
+        // kept loaded: TensorRT objects of other models may still live in this process
+    }
+};
+
+//! "10.3.0.30" -> 100300 (getInferLibVersion's encoding, major * 10000 + minor * 100 + patch)
+int32_t encodedVersion(std::string const& v)
+{
+    int32_t parts[3] = {0, 0, 0};
+    std::stringstream ss(v);
+    std::string p;
+    for (int i = 0; i < 3 && std::getline(ss, p, '.'); ++i)
+    {
+        parts[i] = std::atoi(p.c_str());
+    }
+    return parts[0] * 10000 + parts[1] * 100 + parts[2];
+}
+
+std::vector<char> readFile(std::string const& path)
+{
+    std::ifstream f(path, std::ios::binary);
+    if (!f)
+    {
+        throw Error(DFL2_ERR_NOT_FOUND, path + " cannot be read");
+    }
+    return std::vector<char>(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+//! A deserialized engine: names, modes, types and its profiles from the manifest.
+struct Engine
+{
+    std::string key;
+    std::unique_ptr<nv::ICudaEngine> engine;
+    std::vector<ProfileEntry> profiles;
+    std::vector<std::string> names;
+    std::map<std::string, nv::DataType> types;
+    std::map<std::string, bool> isInput;
+
+    int32_t profileIndex(std::string const& name) const
+    {
+        for (size_t i = 0; i < profiles.size(); ++i)
+        {
+            if (profiles[i].name == name)
+            {
+                return static_cast<int32_t>(i);
+            }
+        }
+        throw Error(DFL2_ERR_CORRUPT, "engine " + key + " has no '" + name + "' optimization profile");
+    }
+    int64_t maxDim(std::string const& profile, std::string const& dim) const
+    {
+        auto const& dims = profiles[static_cast<size_t>(profileIndex(profile))].dims;
+        auto it = dims.find(dim);
+        if (it == dims.end())
+        {
+            throw Error(DFL2_ERR_CORRUPT, "engine " + key + " profile " + profile + " has no dim " + dim);
+        }
+        return it->second[2];
+    }
+};
+
+class TrtModel;
+
+//! One device buffer at its largest shape, with an optional pinned host mirror of the same size.
+struct IOTensor
+{
+    nv::DataType type{nv::DataType::kFLOAT};
+    size_t bytes{0};
+    void* dev{nullptr};
+    void* host{nullptr};
+};
+
+//! One request's KV cache on the device: 2 buffers per layer [1, heads, capacity, d].
+struct DeviceKV
+{
+    int32_t layers{0}, heads{0}, headDim{0};
+    size_t elem{0};
+    int32_t step{256}, maxCapacity{0};
+    int32_t length{0}, capacity{0};
+    std::vector<void*> ptrs;
+
+    size_t rowBytes() const
+    {
+        return static_cast<size_t>(headDim) * elem;
+    }
+    //! Grows to hold n positions (base.grown_capacity): returns true when the buffers moved.
+    bool reserve(int32_t n, cudaStream_t stream)
+    {
+        if (n > maxCapacity)
+        {
+            throw Error(DFL2_ERR_TOO_LONG, "sequence of " + std::to_string(n)
+                    + " positions exceeds the exported cache capacity " + std::to_string(maxCapacity));
+        }
+        if (n <= capacity)
+        {
+            return false;
+        }
+        int32_t const cap = std::min(maxCapacity, (n + step - 1) / step * step);
+        std::vector<void*> fresh(ptrs.empty() ? static_cast<size_t>(2 * layers) : ptrs.size(), nullptr);
+        for (void*& p : fresh)
+        {
+            cudaCheck(cudaMalloc(&p, static_cast<size_t>(heads) * static_cast<size_t>(cap) * rowBytes()), "cudaMalloc KV");
+        }
+        for (size_t i = 0; i < ptrs.size(); ++i)  // keep slots 0..length-1, head by head (pitched copy)
+        {
+            if (length > 0)
+            {
+                cudaCheck(cudaMemcpy2DAsync(fresh[i], static_cast<size_t>(cap) * rowBytes(), ptrs[i],
+                              static_cast<size_t>(capacity) * rowBytes(), static_cast<size_t>(length) * rowBytes(),
+                              static_cast<size_t>(heads), cudaMemcpyDeviceToDevice, stream),
+                    "KV grow copy");
+            }
+        }
+        cudaCheck(cudaStreamSynchronize(stream), "KV grow sync");
+        release();
+        ptrs = fresh;
+        capacity = cap;
+        return true;
+    }
+    //! present [1, heads, S, d] (contiguous) -> slots length..length+S-1
+    void append(std::vector<void*> const& present, int32_t S, cudaStream_t stream)
+    {
+        for (size_t i = 0; i < ptrs.size(); ++i)
+        {
+            cudaCheck(cudaMemcpy2DAsync(static_cast<char*>(ptrs[i]) + static_cast<size_t>(length) * rowBytes(),
+                          static_cast<size_t>(capacity) * rowBytes(), present[i], static_cast<size_t>(S) * rowBytes(),
+                          static_cast<size_t>(S) * rowBytes(), static_cast<size_t>(heads), cudaMemcpyDeviceToDevice,
+                          stream),
+                "KV append");
+        }
+        length += S;
+    }
+    void release()
+    {
+        for (void* p : ptrs)
+        {
+            cudaFree(p);
+        }
+        ptrs.clear();
+    }
+};
+
+//! Writes 0..n-1 / ids / masks into a host mirror in the engine's integer type.
+void writeInts(IOTensor const& t, size_t offset, int64_t const* values, size_t n)
+{
+    if (t.type == nv::DataType::kINT64)
+    {
+        std::memcpy(static_cast<int64_t*>(t.host) + offset, values, n * sizeof(int64_t));
+        return;
+    }
+    if (t.type == nv::DataType::kINT32)
+    {
+        for (size_t i = 0; i < n; ++i)
+        {
+            static_cast<int32_t*>(t.host)[offset + i] = static_cast<int32_t>(values[i]);
+        }
+        return;
+    }
+    throw Error(DFL2_ERR_BACKEND, "integer engine input of an unsupported type");
+}
+
+float readFloat(IOTensor const& t, size_t i)
+{
+    switch (t.type)
+    {
+    case nv::DataType::kFLOAT: return static_cast<float const*>(t.host)[i];
+    case nv::DataType::kHALF: return __half2float(static_cast<__half const*>(t.host)[i]);
+    default: throw Error(DFL2_ERR_BACKEND, "floating engine output of an unsupported type");
+    }
+}
+
+int32_t readInt(IOTensor const& t, size_t i)
+{
+    return t.type == nv::DataType::kINT64 ? static_cast<int32_t>(static_cast<int64_t const*>(t.host)[i])
+                                          : static_cast<int32_t const*>(t.host)[i];
+}
+
+class TrtModel : public Model
+{
+public:
+    TrtModel(Manifest const& m, std::string const& dir, Options const& options);
+    ~TrtModel() override
+    {
+        mEngines.clear();  // engines before the runtime
+        mRuntime.reset();
+    }
+    std::unique_ptr<Runners> newRunners() override;
+
+    Engine const& engine(std::string const& key) const
+    {
+        auto it = mEngines.find(key);
+        if (it == mEngines.end())
+        {
+            throw Error(DFL2_ERR_CORRUPT, "no TensorRT engine for graph '" + key + "'");
+        }
+        return *it->second;
+    }
+
+    Manifest manifest;
+    std::string headKeyUsed;
+    int device{0};
+    bool cudaGraphs{true};
+
+private:
+    NvInferLib mLib;
+    Logger mLogger;
+    std::unique_ptr<nv::IRuntime> mRuntime;
+    std::map<std::string, std::unique_ptr<Engine>> mEngines;
+};
+
+class TrtRunners : public Runners
+{
+public:
+    explicit TrtRunners(TrtModel& model);
+    ~TrtRunners() override;
+
+    int32_t vocabSize() const override
+    {
+        return mModel.vocabSize;
+    }
+    int32_t blockSize() const override
+    {
+        return mModel.blockSize;
+    }
+    int32_t topK() const override
+    {
+        return mModel.topK;
+    }
+    int32_t maxPositions() const override
+    {
+        return mModel.maxPositions;
+    }
+    void targetReset() override
+    {
+        mTargetKV.length = 0;
+    }
+    void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) override;
+    void targetCrop(int32_t length) override
+    {
+        mTargetKV.length = std::min(mTargetKV.length, std::max(0, length));
+    }
+    void drafterReset() override
+    {
+        mDraftKV.length = 0;
+    }
+    void drafterAddContext(int32_t rows, int32_t start) override;
+    void drafterPropose(int32_t anchor, int32_t pos, float temperature, float const* uniforms, Draft& out) override;
+
+private:
+    IOTensor& tensor(std::map<std::string, IOTensor>& io, Engine const& e, std::string const& name,
+        std::vector<int64_t> const& maxShape, bool host);
+    nv::IExecutionContext& context(Engine const& e, int32_t profile, std::string const& bucket);
+    void bind(Engine const& e, nv::IExecutionContext& ctx, std::map<std::string, std::vector<int64_t>> const& shapes,
+        std::map<std::string, void*> const& addr, bool reshape);
+    void enqueue(Engine const& e, nv::IExecutionContext& ctx);
+    //! runs `step` as a CUDA graph keyed by `key` (captured on first use), or eagerly
+    template <typename F>
+    void runStep(std::string const& key, bool capturable, F&& step);
+    void dropGraphs();
+    void targetCall(int32_t const* ids, int32_t S, float* logits, std::vector<char>& feats);
+    void contextCall(char const* feats, int32_t m, int32_t start);
+
+    TrtModel& mModel;
+    cudaStream_t mStream{nullptr};
+    std::map<std::string, void*> mScratch;                   //!< per engine key
+    std::map<std::string, std::unique_ptr<nv::IExecutionContext>> mContexts;  //!< per (engine, profile, bucket)
+    std::map<std::string, cudaGraphExec_t> mGraphs;
+    bool mGraphsOk{true};
+    std::map<std::string, IOTensor> mTio, mCio, mBio, mHio;  //!< target, context, block, head I/O
+    DeviceKV mTargetKV, mDraftKV;
+    std::vector<std::string> mTargetPast, mTargetPresent, mDraftKVNames;
+    int64_t mTargetChunk{0}, mTargetStepRows{0}, mContextChunk{0}, mContextStepRows{0};
+    int64_t mFeatDim{0};
+    size_t mFeatElem{4};
+    std::vector<char> mFeatures;  //!< [rows, F] raw bytes of the latest target forward (host)
+    int32_t mFeatureRows{0};
+};
+
+TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& options)
+    : manifest(m)
+{
+    if (!m.engines.present)
+    {
+        throw Error(DFL2_ERR_UNAVAILABLE, dir + " has no TensorRT engines: build them with dflash2-export build-engines "
+                + dir);
+    }
+    device = static_cast<int>(options.getInt("device", 0));
+    cudaGraphs = options.getBool("cuda_graphs", true);
+    std::string const mode = options.getString("draft_mode", "greedy");
+    if (mode == "independent")
+    {
+        throw Error(DFL2_ERR_OPTION_VALUE, "the TensorRT backend runs the selector modes greedy / viterbi only");
+    }
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev <= device)
+    {
+        throw Error(DFL2_ERR_UNAVAILABLE, "no CUDA device " + std::to_string(device) + " here");
+    }
+    cudaCheck(cudaSetDevice(device), "cudaSetDevice");
+    // engine identity: TensorRT version and GPU (engines only load where they were built)
+    int32_t const here = mLib.libVersion();
+    if (encodedVersion(m.engines.tensorrtVersion) / 100 != here / 100)
+    {
+        throw Error(DFL2_ERR_VERSION_MISMATCH, "engines were built with TensorRT " + m.engines.tensorrtVersion
+                + ", this is TensorRT " + std::to_string(here / 10000) + "." + std::to_string(here / 100 % 100)
+                + ": rebuild them here with dflash2-export build-engines " + dir);
+    }
+    cudaDeviceProp prop{};
+    cudaCheck(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    std::string const cc = std::to_string(prop.major) + "." + std::to_string(prop.minor);
+    if (!m.engines.computeCapability.empty() && m.engines.computeCapability != cc)
+    {
+        throw Error(DFL2_ERR_VERSION_MISMATCH, "engines were built for compute capability "
+                + m.engines.computeCapability + ", this GPU (" + prop.name + ") is " + cc + ": rebuild them here");
+    }
+    mRuntime.reset(static_cast<nv::IRuntime*>(mLib.createRuntime(&mLogger, NV_TENSORRT_VERSION)));
+    if (!mRuntime)
+    {
+        throw Error(DFL2_ERR_UNAVAILABLE, "TensorRT refused to create a runtime (headers newer than the library?)");
+    }
+    if (!m.engines.pluginFile.empty())
+    {
+        std::string const plugin = options.getString("plugin_library", "").empty()
+            ? dir + "/" + m.engines.pluginFile
+            : options.getString("plugin_library", "");
+        // load_library returns null for a library already registered in this process: not an error
+        (void) mRuntime->getPluginRegistry().loadLibrary(plugin.c_str());
+    }
+    for (auto const& [key, plan] : m.engines.plans)
+    {
+        std::vector<char> const blob = readFile(dir + "/" + plan.file);
+        auto e = std::make_unique<Engine>();
+        e->key = key;
+        e->profiles = plan.profiles;
+        e->engine.reset(mRuntime->deserializeCudaEngine(blob.data(), blob.size()));
+        if (!e->engine)
+        {
+            throw Error(DFL2_ERR_BACKEND, "TensorRT could not deserialize " + plan.file
+                    + " (other TensorRT version or GPU, corrupt, or the plugin library is missing): rebuild with "
+                      "dflash2-export build-engines");
+        }
+        for (int32_t i = 0; i < e->engine->getNbIOTensors(); ++i)
+        {
+            std::string const name = e->engine->getIOTensorName(i);
+            e->names.push_back(name);
+            e->types[name] = e->engine->getTensorDataType(name.c_str());
+            e->isInput[name] = e->engine->getTensorIOMode(name.c_str()) == nv::TensorIOMode::kINPUT;
+        }
+        mEngines[key] = std::move(e);
+    }
+    for (bool plugin : {true, false})
+    {
+        if (headKeyUsed.empty() && mEngines.count(headKey(mode, plugin)) != 0)
+        {
+            headKeyUsed = headKey(mode, plugin);
+        }
+    }
+    if (headKeyUsed.empty())
+    {
+        throw Error(DFL2_ERR_CORRUPT, dir + " has no TensorRT engine for the " + mode + " drafter head");
+    }
+    backend = "tensorrt";
+    vocabSize = m.vocabSize;
+    blockSize = m.blockSize;
+    topK = m.topK;
+    maxPositions = m.maxSeqLen;
+    eosIds = m.eosTokenIds;
+}
+
+std::unique_ptr<Runners> TrtModel::newRunners()
+{
+    return std::make_unique<TrtRunners>(*this);
+}
+
+TrtRunners::TrtRunners(TrtModel& model)
+    : mModel(model)
+{
+    Manifest const& m = model.manifest;
+    cudaCheck(cudaSetDevice(model.device), "cudaSetDevice");
+    cudaCheck(cudaStreamCreateWithFlags(&mStream, cudaStreamNonBlocking), "cudaStreamCreate");
+    int32_t const maxCap = (m.maxSeqLen + m.kvCapacityStep - 1) / m.kvCapacityStep * m.kvCapacityStep;
+    int32_t const bs = m.blockSize;
+    int32_t const L = bs - 1;
+    int32_t const K = m.topK;
+
+    Engine const& te = model.engine("target");
+    for (int32_t i = 0; i < m.targetLayers; ++i)
+    {
+        for (char const* kv : {"key", "value"})
+        {
+            mTargetPast.push_back("past_key_values." + std::to_string(i) + "." + kv);
+            mTargetPresent.push_back("present." + std::to_string(i) + "." + kv);
+        }
+    }
+    mTargetKV = DeviceKV{m.targetLayers, m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mTargetPast[0])),
+        m.kvCapacityStep, maxCap, 0, 0, {}};
+    mTargetChunk = te.maxDim("prefill", "sequence");
+    mTargetStepRows = te.maxDim("step", "sequence");
+    mFeatDim = te.engine->getTensorShape("context_features").d[2];
+    mFeatElem = elementSize(te.types.at("context_features"));
+    tensor(mTio, te, "input_ids", {1, mTargetChunk}, true);
+    tensor(mTio, te, "position_ids", {1, mTargetChunk}, true);
+    tensor(mTio, te, "attention_mask", {1, maxCap + mTargetChunk}, true);
+    tensor(mTio, te, "logits", {1, mTargetChunk, m.vocabSize}, true);
+    tensor(mTio, te, "context_features", {1, mTargetChunk, mFeatDim}, true);
+    for (std::string const& p : mTargetPresent)
+    {
+        tensor(mTio, te, p, {1, m.targetKvHeads, mTargetChunk, m.targetHeadDim}, false);
+    }
+
+    Engine const& ce = model.engine("drafter_context");
+    Engine const& be = model.engine("drafter_block");
+    Engine const& he = model.engine(model.headKeyUsed);
+    for (int32_t i = 0; i < m.drafterLayers; ++i)
+    {
+        for (char const* kv : {"key", "value"})
+        {
+            mDraftKVNames.push_back("context." + std::to_string(i) + "." + kv);
+        }
+    }
+    mDraftKV = DeviceKV{m.drafterLayers, m.drafterKvHeads, m.drafterHeadDim, elementSize(ce.types.at(mDraftKVNames[0])),
+        m.kvCapacityStep, maxCap, 0, 0, {}};
+    mContextChunk = ce.maxDim("prefill", "rows");
+    mContextStepRows = ce.maxDim("step", "rows");
+    tensor(mCio, ce, "context_features", {1, mContextChunk, mFeatDim}, true);
+    tensor(mCio, ce, "position_ids", {1, mContextChunk}, true);
+    for (std::string const& n : mDraftKVNames)
+    {
+        tensor(mCio, ce, n, {1, m.drafterKvHeads, mContextChunk, m.drafterHeadDim}, false);
+    }
+    tensor(mBio, be, "anchor_ids", {1}, true);
+    tensor(mBio, be, "anchor_position", {1}, true);
+    tensor(mBio, be, "context_mask", {1, maxCap}, true);
+    tensor(mBio, be, "hidden", {1, bs, m.hiddenSize}, false);
+    tensor(mHio, he, "anchor_ids", {1}, true);
+    tensor(mHio, he, "temperature", {1}, true);
+    tensor(mHio, he, "uniforms", {1, L}, true);
+    tensor(mHio, he, "cand_ids", {1, L, K}, true);
+    tensor(mHio, he, "path_ids", {1, L}, true);
+    tensor(mHio, he, "proposal_probs", {1, L, K}, true);
+    for (Engine const* e : {&te, &ce, &be, &he})
+    {
+        void* scratch = nullptr;
+        cudaCheck(cudaMalloc(&scratch, static_cast<size_t>(std::max<int64_t>(1, e->engine->getDeviceMemorySizeV2()))),
+            "cudaMalloc scratch");
+        mScratch[e->key] = scratch;
+    }
+}
+
+TrtRunners::~TrtRunners()
+{
+    if (mStream != nullptr)
+    {
+        cudaStreamSynchronize(mStream);
+    }
+    dropGraphs();
+    mContexts.clear();
+    for (auto* io : {&mTio, &mCio, &mBio, &mHio})
+    {
+        for (auto& [name, t] : *io)
+        {
+            cudaFree(t.dev);
+            if (t.host != nullptr)
+            {
+                cudaFreeHost(t.host);
+            }
+        }
+    }
+    for (auto& [k, p] : mScratch)
+    {
+        cudaFree(p);
+    }
+    mTargetKV.release();
+    mDraftKV.release();
+    if (mStream != nullptr)
+    {
+        cudaStreamDestroy(mStream);
+    }
+}
+
+IOTensor& TrtRunners::tensor(std::map<std::string, IOTensor>& io, Engine const& e, std::string const& name,
+    std::vector<int64_t> const& maxShape, bool host)
+{
+    auto it = e.types.find(name);
+    if (it == e.types.end())
+    {
+        throw Error(DFL2_ERR_CORRUPT, "engine " + e.key + " has no tensor " + name);
+    }
+    IOTensor t;
+    t.type = it->second;
+    t.bytes = static_cast<size_t>(volume(maxShape)) * elementSize(t.type);
+    cudaCheck(cudaMalloc(&t.dev, std::max<size_t>(t.bytes, 1)), "cudaMalloc I/O");
+    if (host)
+    {
+        cudaCheck(cudaMallocHost(&t.host, std::max<size_t>(t.bytes, 1)), "cudaMallocHost");
+    }
+    return io[name] = t;
+}
+
+nv::IExecutionContext& TrtRunners::context(Engine const& e, int32_t profile, std::string const& bucket)
+{
+    std::string const key = e.key + "/" + std::to_string(profile) + "/" + bucket;
+    auto it = mContexts.find(key);
+    if (it != mContexts.end())
+    {
+        return *it->second;
+    }
+    std::unique_ptr<nv::IExecutionContext> ctx(
+        e.engine->createExecutionContext(nv::ExecutionContextAllocationStrategy::kUSER_MANAGED));
+    if (!ctx)
+    {
+        throw Error(DFL2_ERR_BACKEND, "TensorRT could not create an execution context for " + e.key);
+    }
+    ctx->setDeviceMemoryV2(mScratch.at(e.key), std::max<int64_t>(1, e.engine->getDeviceMemorySizeV2()));
+    if (!ctx->setOptimizationProfileAsync(profile, mStream))
+    {
+        throw Error(DFL2_ERR_BACKEND, e.key + ": cannot select optimization profile " + std::to_string(profile));
+    }
+    return *(mContexts[key] = std::move(ctx));
+}
+
+void TrtRunners::bind(Engine const& e, nv::IExecutionContext& ctx,
+    std::map<std::string, std::vector<int64_t>> const& shapes, std::map<std::string, void*> const& addr, bool reshape)
+{
+    if (reshape)
+    {
+        for (auto const& [name, shape] : shapes)
+        {
+            if (!ctx.setInputShape(name.c_str(), dimsOf(shape)))
+            {
+                throw Error(DFL2_ERR_BACKEND, e.key + ": input " + name + " shape is outside its optimization profile");
+            }
+        }
+    }
+    for (std::string const& name : e.names)
+    {
+        auto it = addr.find(name);
+        if (it == addr.end() || !ctx.setTensorAddress(name.c_str(), it->second))
+        {
+            throw Error(DFL2_ERR_BACKEND, e.key + ": cannot bind tensor " + name);
+        }
+    }
+}
+
+void TrtRunners::enqueue(Engine const& e, nv::IExecutionContext& ctx)
+{
+    if (!ctx.enqueueV3(mStream))
+    {
+        throw Error(DFL2_ERR_BACKEND, "TensorRT execution of " + e.key + " failed (see the TensorRT log)");
+    }
+}
+
+void TrtRunners::dropGraphs()
+{
+    for (auto& [k, g] : mGraphs)
+    {
+        cudaGraphExecDestroy(g);
+    }
+    mGraphs.clear();
+}
+
+template <typename F>
+void TrtRunners::runStep(std::string const& key, bool capturable, F&& step)
+{
+    if (!capturable || !mModel.cudaGraphs || !mGraphsOk)
+    {
+        step();
+        return;
+    }
+    auto it = mGraphs.find(key);
+    if (it != mGraphs.end())
+    {
+        cudaCheck(cudaGraphLaunch(it->second, mStream), "cudaGraphLaunch");
+        return;
+    }
+    // first use: run eagerly (TensorRT finishes lazy setup outside the capture), then capture thread-locally
+    step();
+    cudaCheck(cudaStreamSynchronize(mStream), "sync before capture");
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    bool ok = cudaStreamBeginCapture(mStream, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+    if (ok)
+    {
+        try
+        {
+            step();
+        }
+        catch (Error const&)
+        {
+            ok = false;
+        }
+        ok = cudaStreamEndCapture(mStream, &graph) == cudaSuccess && ok;
+        ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+        if (graph != nullptr)
+        {
+            cudaGraphDestroy(graph);
+        }
+    }
+    if (!ok)
+    {
+        (void) cudaGetLastError();  // clear the capture error; eager from now on
+        mGraphsOk = false;
+        return;  // the eager run above already produced this step's outputs
+    }
+    mGraphs[key] = exec;
+}
+
+void TrtRunners::targetCall(int32_t const* ids, int32_t S, float* logits, std::vector<char>& feats)
+{
+    Engine const& e = mModel.engine("target");
+    DeviceKV& kv = mTargetKV;
+    int32_t const n = kv.length;
+    if (kv.reserve(n + S, mStream))
+    {
+        dropGraphs();  // the graphs read the old cache addresses
+    }
+    int32_t const C = kv.capacity;
+    bool const captured = S <= mTargetStepRows;
+    int32_t const profile = e.profileIndex(captured ? "step" : "prefill");
+    std::vector<int64_t> buf(static_cast<size_t>(std::max(S, C + S)));
+    for (int32_t i = 0; i < S; ++i)
+    {
+        buf[static_cast<size_t>(i)] = ids[i];
+    }
+    writeInts(mTio["input_ids"], 0, buf.data(), static_cast<size_t>(S));
+    for (int32_t i = 0; i < S; ++i)
+    {
+        buf[static_cast<size_t>(i)] = n + i;
+    }
+    writeInts(mTio["position_ids"], 0, buf.data(), static_cast<size_t>(S));
+    for (int32_t i = 0; i < C + S; ++i)  // valid cache slots, then the new rows
+    {
+        buf[static_cast<size_t>(i)] = (i < n || i >= C) ? 1 : 0;
+    }
+    writeInts(mTio["attention_mask"], 0, buf.data(), static_cast<size_t>(C + S));
+    std::map<std::string, std::vector<int64_t>> shapes{
+        {"input_ids", {1, S}}, {"position_ids", {1, S}}, {"attention_mask", {1, C + S}}};
+    std::map<std::string, void*> addr;
+    for (auto& [name, t] : mTio)
+    {
+        addr[name] = t.dev;
+    }
+    for (size_t i = 0; i < mTargetPast.size(); ++i)
+    {
+        shapes[mTargetPast[i]] = {1, kv.heads, C, kv.headDim};
+        addr[mTargetPast[i]] = kv.ptrs[i];
+    }
+    std::string const bucket = captured ? std::to_string(S) + "x" + std::to_string(C) : "eager";
+    nv::IExecutionContext& ctx = context(e, profile, bucket);
+    bind(e, ctx, shapes, addr, !captured || mGraphs.count("target/" + bucket) == 0);
+    size_t const V = static_cast<size_t>(mModel.vocabSize);
+    size_t const idBytes = static_cast<size_t>(S) * elementSize(mTio["input_ids"].type);
+    size_t const maskBytes = static_cast<size_t>(C + S) * elementSize(mTio["attention_mask"].type);
+    size_t const logitBytes = static_cast<size_t>(S) * V * elementSize(mTio["logits"].type);
+    size_t const featBytes = static_cast<size_t>(S) * static_cast<size_t>(mFeatDim) * mFeatElem;
+    auto step = [&] {
+        cudaCheck(cudaMemcpyAsync(mTio["input_ids"].dev, mTio["input_ids"].host, idBytes, cudaMemcpyHostToDevice, mStream),
+            "H2D ids");
+        cudaCheck(cudaMemcpyAsync(mTio["position_ids"].dev, mTio["position_ids"].host, idBytes, cudaMemcpyHostToDevice,
+                      mStream),
+            "H2D positions");
+        cudaCheck(cudaMemcpyAsync(mTio["attention_mask"].dev, mTio["attention_mask"].host, maskBytes,
+                      cudaMemcpyHostToDevice, mStream),
+            "H2D mask");
+        enqueue(e, ctx);
+        cudaCheck(cudaMemcpyAsync(mTio["logits"].host, mTio["logits"].dev, logitBytes, cudaMemcpyDeviceToHost, mStream),
+            "D2H logits");
+        cudaCheck(cudaMemcpyAsync(mTio["context_features"].host, mTio["context_features"].dev, featBytes,
+                      cudaMemcpyDeviceToHost, mStream),
+            "D2H features");
+    };
+    runStep("target/" + bucket, captured, step);
+    std::vector<void*> present;
+    for (std::string const& p : mTargetPresent)
+    {
+        present.push_back(mTio[p].dev);
+    }
+    kv.append(present, S, mStream);  // commit outside the graph: the destination moves every step
+    cudaCheck(cudaStreamSynchronize(mStream), "target sync");
+    for (size_t i = 0; i < static_cast<size_t>(S) * V; ++i)
+    {
+        logits[i] = readFloat(mTio["logits"], i);
+    }
+    char const* f = static_cast<char const*>(mTio["context_features"].host);
+    feats.insert(feats.end(), f, f + featBytes);
+}
+
+void TrtRunners::targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits)
+{
+    size_t const V = static_cast<size_t>(mModel.vocabSize);
+    logits.assign(static_cast<size_t>(n) * V, 0.0F);
+    mFeatures.clear();
+    mFeatureRows = 0;
+    for (int32_t i = 0; i < n; i += static_cast<int32_t>(mTargetChunk))
+    {
+        int32_t const S = std::min<int32_t>(static_cast<int32_t>(mTargetChunk), n - i);
+        targetCall(ids + i, S, logits.data() + static_cast<size_t>(i) * V, mFeatures);
+    }
+    mFeatureRows = n;
+}
+
+void TrtRunners::contextCall(char const* feats, int32_t m, int32_t start)
+{
+    Engine const& e = mModel.engine("drafter_context");
+    if (mDraftKV.reserve(mDraftKV.length + m, mStream))
+    {
+        dropGraphs();
+    }
+    bool const captured = m <= mContextStepRows;
+    int32_t const profile = e.profileIndex(captured ? "step" : "prefill");
+    size_t const featBytes = static_cast<size_t>(m) * static_cast<size_t>(mFeatDim) * mFeatElem;
+    std::memcpy(mCio["context_features"].host, feats, featBytes);
+    std::vector<int64_t> pos(static_cast<size_t>(m));
+    for (int32_t i = 0; i < m; ++i)
+    {
+        pos[static_cast<size_t>(i)] = start + i;
+    }
+    writeInts(mCio["position_ids"], 0, pos.data(), pos.size());
+    std::map<std::string, void*> addr;
+    for (auto& [name, t] : mCio)
+    {
+        addr[name] = t.dev;
+    }
+    std::string const bucket = captured ? std::to_string(m) : "eager";
+    nv::IExecutionContext& ctx = context(e, profile, bucket);
+    bind(e, ctx, {{"context_features", {1, m, mFeatDim}}, {"position_ids", {1, m}}}, addr,
+        !captured || mGraphs.count("context/" + bucket) == 0);
+    size_t const posBytes = static_cast<size_t>(m) * elementSize(mCio["position_ids"].type);
+    auto step = [&] {
+        cudaCheck(cudaMemcpyAsync(mCio["context_features"].dev, mCio["context_features"].host, featBytes,
+                      cudaMemcpyHostToDevice, mStream),
+            "H2D context features");
+        cudaCheck(cudaMemcpyAsync(mCio["position_ids"].dev, mCio["position_ids"].host, posBytes, cudaMemcpyHostToDevice,
+                      mStream),
+            "H2D context positions");
+        enqueue(e, ctx);
+    };
+    runStep("context/" + bucket, captured, step);
+    std::vector<void*> present;
+    for (std::string const& n : mDraftKVNames)
+    {
+        present.push_back(mCio[n].dev);
+    }
+    mDraftKV.append(present, m, mStream);
+}
+
+void TrtRunners::drafterAddContext(int32_t rows, int32_t start)
+{
+    if (start != mDraftKV.length)
+    {
+        throw Error(DFL2_ERR_INTERNAL, "draft context is at length " + std::to_string(mDraftKV.length)
+                + ", got features for position " + std::to_string(start));
+    }
+    if (rows > mFeatureRows)
+    {
+        throw Error(DFL2_ERR_INTERNAL, "drafter context asks for more rows than the last target forward made");
+    }
+    size_t const rowBytes = static_cast<size_t>(mFeatDim) * mFeatElem;
+    for (int32_t i = 0; i < rows; i += static_cast<int32_t>(mContextChunk))
+    {
+        int32_t const m = std::min<int32_t>(static_cast<int32_t>(mContextChunk), rows - i);
+        contextCall(mFeatures.data() + static_cast<size_t>(i) * rowBytes, m, start + i);
+    }
+}
+
+void TrtRunners::drafterPropose(int32_t anchor, int32_t pos, float temperature, float const* uniforms, Draft& out)
+{
+    Engine const& be = mModel.engine("drafter_block");
+    Engine const& he = mModel.engine(mModel.headKeyUsed);
+    DeviceKV& kv = mDraftKV;
+    if (kv.length != pos)
+    {
+        throw Error(DFL2_ERR_INTERNAL,
+            "draft context holds " + std::to_string(kv.length) + " positions, anchor is at " + std::to_string(pos));
+    }
+    if (kv.reserve(std::max(1, pos), mStream))
+    {
+        dropGraphs();
+    }
+    int32_t const C = kv.capacity;
+    int32_t const L = mModel.blockSize - 1;
+    int32_t const K = mModel.topK;
+    int64_t const a = anchor;
+    int64_t const p = pos;
+    writeInts(mBio["anchor_ids"], 0, &a, 1);
+    writeInts(mBio["anchor_position"], 0, &p, 1);
+    std::vector<int64_t> mask(static_cast<size_t>(C));
+    for (int32_t i = 0; i < C; ++i)
+    {
+        mask[static_cast<size_t>(i)] = i < kv.length ? 1 : 0;
+    }
+    writeInts(mBio["context_mask"], 0, mask.data(), mask.size());
+    writeInts(mHio["anchor_ids"], 0, &a, 1);
+    static_cast<float*>(mHio["temperature"].host)[0] = temperature;
+    for (int32_t i = 0; i < L; ++i)
+    {
+        static_cast<float*>(mHio["uniforms"].host)[i] = uniforms != nullptr ? uniforms[i] : 0.0F;
+    }
+    std::map<std::string, std::vector<int64_t>> bshapes{{"anchor_ids", {1}}, {"anchor_position", {1}}, {"context_mask", {1, C}}};
+    std::map<std::string, void*> baddr;
+    for (auto& [name, t] : mBio)
+    {
+        baddr[name] = t.dev;
+    }
+    for (size_t i = 0; i < mDraftKVNames.size(); ++i)
+    {
+        bshapes[mDraftKVNames[i]] = {1, kv.heads, C, kv.headDim};
+        baddr[mDraftKVNames[i]] = kv.ptrs[i];
+    }
+    std::map<std::string, void*> haddr;
+    for (auto& [name, t] : mHio)
+    {
+        haddr[name] = t.dev;
+    }
+    haddr["hidden"] = mBio["hidden"].dev;  // the block's output is the head's input: no copy
+    std::string const key = "draft/" + std::to_string(C);
+    bool const fresh = mGraphs.count(key) == 0;
+    nv::IExecutionContext& bctx = context(be, 0, std::to_string(C));
+    nv::IExecutionContext& hctx = context(he, 0, "fixed");
+    bind(be, bctx, bshapes, baddr, fresh);
+    bind(he, hctx, {{"hidden", {1, mModel.blockSize, mModel.manifest.hiddenSize}}, {"anchor_ids", {1}},
+        {"temperature", {1}}, {"uniforms", {1, L}}}, haddr, fresh);
+    auto h2d = [&](IOTensor& t, size_t bytes) {
+        cudaCheck(cudaMemcpyAsync(t.dev, t.host, bytes, cudaMemcpyHostToDevice, mStream), "H2D draft input");
+    };
+    auto d2h = [&](IOTensor& t) {
+        cudaCheck(cudaMemcpyAsync(t.host, t.dev, t.bytes, cudaMemcpyDeviceToHost, mStream), "D2H draft output");
+    };
+    auto step = [&] {
+        h2d(mBio["anchor_ids"], elementSize(mBio["anchor_ids"].type));
+        h2d(mBio["anchor_position"], elementSize(mBio["anchor_position"].type));
+        h2d(mBio["context_mask"], static_cast<size_t>(C) * elementSize(mBio["context_mask"].type));
+        h2d(mHio["anchor_ids"], elementSize(mHio["anchor_ids"].type));
+        h2d(mHio["temperature"], sizeof(float));
+        h2d(mHio["uniforms"], static_cast<size_t>(L) * sizeof(float));
+        enqueue(be, bctx);
+        enqueue(he, hctx);
+        d2h(mHio["cand_ids"]);
+        d2h(mHio["path_ids"]);
+        d2h(mHio["proposal_probs"]);
+    };
+    runStep(key, true, step);
+    cudaCheck(cudaStreamSynchronize(mStream), "draft sync");
+    out.tokens.resize(static_cast<size_t>(L));
+    out.cand.resize(static_cast<size_t>(L * K));
+    out.proposal.resize(static_cast<size_t>(L * K));
+    out.hasVocabProposal = false;
+    for (size_t i = 0; i < static_cast<size_t>(L); ++i)
+    {
+        out.tokens[i] = readInt(mHio["path_ids"], i);
+    }
+    for (size_t i = 0; i < static_cast<size_t>(L * K); ++i)
+    {
+        out.cand[i] = readInt(mHio["cand_ids"], i);
+        out.proposal[i] = readFloat(mHio["proposal_probs"], i);
+    }
+}
+
+} // namespace
+
+std::unique_ptr<Model> loadTensorRTModel(Manifest const& manifest, std::string const& dir, Options const& options)
+{
+    return std::make_unique<TrtModel>(manifest, dir, options);
 }
 
 } // namespace dflash2
