@@ -7,6 +7,17 @@ PY=${PYTHON:-python3}
 for tool in cmake nvcc; do
   command -v "$tool" >/dev/null || echo "setup: note: '$tool' not found; the plugin build tests need it" >&2
 done
+# Native packages of the runtime/ C API tests (Debian): JSON parser, OpenSSL (manifest checksums), clang with
+# libFuzzer + sanitizers, the aarch64 cross compiler and qemu-user (the Jetson build check)
+capi_pkgs="cmake nlohmann-json3-dev libssl-dev clang libclang-rt-14-dev g++-aarch64-linux-gnu qemu-user"
+missing=$(for p in $capi_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done | tr '\n' ' ')
+if [ -n "${missing// /}" ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+  else
+    echo "setup: note: apt-get install $missing (the runtime/ C API tests need them)" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
