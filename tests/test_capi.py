@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 from dflash2_trt import reference as ref
+from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.base import Draft, independent_draft
 
@@ -152,7 +153,8 @@ class _ToyDrafter:
                 d = independent_draft(row[None], temperature, None if uniforms is None else uniforms[:, r:r + 1], K)
                 prev = int(d.tokens[0])
                 continue
-            vals, cand = ref.topk_sorted(row, K)  # [K], [K]
+            cand = np.argsort(-row, kind="stable")[:K]  # [K] top-K, lower id first among ties
+            vals = row[cand]  # [K]
             if temperature > 0:
                 q = ref._softmax(vals.astype(np.float64) / temperature)
                 j = ref._sample_index(q, float(uniforms[0, r]))
@@ -186,7 +188,8 @@ def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_
     drafter = _ToyDrafter(target, bs, K, kind, seed, calls)
     with _recording_rng(draws):
         if speculative:
-            res = D.speculative_generate(target, drafter, prompt, max_new, temperature, set(eos), seed, oracle)
+            res = D.speculative_generate(target, drafter, prompt, max_new, temperature, set(eos), seed,
+                                         oracle_count if oracle else None)
         else:
             res = D.target_generate(target, prompt, max_new, temperature, set(eos), seed)
     stats = res.stats()
@@ -541,8 +544,8 @@ class CRuntime:
 
 
 def _feature_dim(be) -> int:  # noqa: ANN001
-    t = be.manifest["target"]
-    return len(t["layer_ids"]) * int(t["hidden_size"])
+    t = be.manifest.target
+    return len(t.layer_ids) * t.hidden_size
 
 
 def _assert_same(c_tokens, c_stats, py) -> None:  # noqa: ANN001
@@ -565,7 +568,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 def ort(tiny_export):
     from dflash2_trt.runtime.backends import open_backend
 
-    return open_backend(tiny_export, "ort")
+    return open_backend(tiny_export, "ort")[0]
 
 
 @pytest.mark.parametrize("mode", ["greedy", "viterbi"])
@@ -574,7 +577,8 @@ def test_c_loop_equals_python_runtime_greedy(lib, ort, mode):
     c = CRuntime(lib, ort.target_runner(), ort.draft_runner(mode), _feature_dim(ort), ort.draft_runner(mode).top_k)
     try:
         for p in _prompts(3, seed=21):
-            py = D.speculative_generate(ort.target_runner(), ort.draft_runner(mode), p, 24, eos_ids=set())
+            py = D.speculative_generate(ort.target_runner(), ort.draft_runner(mode), p, 24, eos_ids=set(),
+                                        oracle=oracle_count)
             toks, st, chunks = c.generate(p, {"max_new_tokens": 24, "eos_ids": [], "measure_oracle": True})
             _assert_same(toks, st, py)
             assert sum(chunks, []) == toks and len(chunks) == st["cycles"] + 1
@@ -590,7 +594,7 @@ def test_c_loop_equals_python_runtime_sampling(lib, ort, mode):
     try:
         for seed, p in enumerate(_prompts(3, seed=5)):
             py = D.speculative_generate(ort.target_runner(), ort.draft_runner(mode), p, 24, temperature=0.8,
-                                        eos_ids=set(), seed=seed, measure_oracle=False)
+                                        eos_ids=set(), seed=seed)
             toks, st, _ = c.generate(p, {"max_new_tokens": 24, "temperature": 0.8, "eos_ids": []}, numpy_seed=seed)
             _assert_same(toks, st, py)
         assert not c.errors
@@ -632,17 +636,16 @@ def test_c_loop_with_accepting_drafter(lib, ort):
     p = _prompts(1, seed=77)[0]
     n = 40
     greedy = list(p) + D.target_generate(ort.target_runner(), p, n, eos_ids=set()).tokens
-    make = lambda: _OracleDrafter(greedy, ort.block_size, ort.vocab_size)  # noqa: E731
+    make = lambda: _OracleDrafter(greedy, ort.manifest.block_size, ort.manifest.target.vocab_size)  # noqa: E731
     c = CRuntime(lib, ort.target_runner(), make(), _feature_dim(ort), 4)
     try:
-        py = D.speculative_generate(ort.target_runner(), make(), p, n, eos_ids=set())
+        py = D.speculative_generate(ort.target_runner(), make(), p, n, eos_ids=set(), oracle=oracle_count)
         toks, st, _ = c.generate(p, {"max_new_tokens": n, "eos_ids": [], "measure_oracle": True})
         _assert_same(toks, st, py)
         assert toks == greedy[len(p):]  # lossless
         assert st["tau"] > 2.0 and max(st["accepted"]) >= 3  # drafts were accepted ...
         assert any(a < r for a, r in zip(st["accepted"], st["proposed"]))  # ... and rejected
-        py = D.speculative_generate(ort.target_runner(), make(), p, n, temperature=0.1, eos_ids=set(), seed=11,
-                                    measure_oracle=False)
+        py = D.speculative_generate(ort.target_runner(), make(), p, n, temperature=0.1, eos_ids=set(), seed=11)
         toks, st, _ = c.generate(p, {"max_new_tokens": n, "temperature": 0.1, "eos_ids": []}, numpy_seed=11)
         _assert_same(toks, st, py)
         assert sum(st["accepted"]) > 0  # a low temperature keeps the samples near the drafted greedy chain
@@ -660,7 +663,7 @@ def test_c_loop_streaming_cancel_and_errors(lib, ort):
         toks, st, chunks = c.generate(p, {"max_new_tokens": 30, "eos_ids": []}, cancel_after=2)
         assert st["finish"] == 3 and len(chunks) == 2 and sum(chunks, []) == toks
         with pytest.raises(CapiError) as e:
-            c.generate([ort.vocab_size], {})
+            c.generate([ort.manifest.target.vocab_size], {})
         assert e.value.code == 9 and "out of range" in e.value.message
         with pytest.raises(CapiError) as e:
             c.generate([5] * 600, {})

@@ -4,6 +4,11 @@
 #include "core/decoder.h"
 
 #include <nlohmann/json.hpp>
+#include <valijson/adapters/nlohmann_json_adapter.hpp>
+#include <valijson/schema.hpp>
+#include <valijson/schema_parser.hpp>
+#include <valijson/validation_results.hpp>
+#include <valijson/validator.hpp>
 
 #include <fstream>
 #include <sstream>
@@ -20,6 +25,55 @@ namespace
 {
 
 using Json = nlohmann::json;
+
+//! The schema, parsed once (function-local statics are initialised thread-safely).
+valijson::Schema const& manifestSchema()
+{
+    static valijson::Schema const* const kSchema = [] {
+        static Json const doc = Json::parse(kManifestSchemaText);
+        static valijson::Schema schema;
+        valijson::SchemaParser parser(valijson::SchemaParser::kDraft7);
+        valijson::adapters::NlohmannJsonAdapter adapter(doc);
+        parser.populateSchema(adapter, schema);
+        return &schema;
+    }();
+    return *kSchema;
+}
+
+//! First schema violation as "path: description", or "" when the document conforms.
+std::string schemaViolation(Json const& j)
+{
+    valijson::Validator validator;
+    valijson::ValidationResults results;
+    valijson::adapters::NlohmannJsonAdapter target(j);
+    if (validator.validate(manifestSchema(), target, &results))
+    {
+        return "";
+    }
+    // the deepest error names the offending field best
+    valijson::ValidationResults::Error err;
+    std::string best;
+    size_t depth = 0;
+    while (results.popError(err))
+    {
+        if (best.empty() || err.context.size() > depth)
+        {
+            std::string path;  // valijson's "<root>[files][g.onnx]" -> "files.g.onnx"
+            for (std::string const& c : err.context)
+            {
+                if (c == "<root>")
+                {
+                    continue;
+                }
+                std::string const item = c.size() >= 2 && c.front() == '[' && c.back() == ']' ? c.substr(1, c.size() - 2) : c;
+                path += (path.empty() ? "" : ".") + item;
+            }
+            best = (path.empty() ? std::string("the top level") : "'" + path + "'") + ": " + err.description;
+            depth = err.context.size();
+        }
+    }
+    return best;
+}
 
 constexpr char const* kRequiredGraphs[] = {"target", "drafter_context", "drafter_block", "drafter_head_independent"};
 
@@ -166,7 +220,13 @@ Manifest parseManifest(std::string const& text, std::string const& source)
         throw Error(DFL2_ERR_VERSION_MISMATCH,
             source + " has manifest_version " + ver.dump() + " (written by dflash2-trt " + written
                 + "); this library reads version " + std::to_string(DFL2_MANIFEST_VERSION)
-                + ": re-export with a matching dflash2-export");
+                + ": re-export with a matching dflash2 export");
+    }
+    // the whole document against dflash2_trt/manifest.schema.json (compiled in), then the typed reads below
+    std::string const violation = schemaViolation(j);
+    if (!violation.empty())
+    {
+        corrupt(source, "does not match the manifest schema at " + violation);
     }
     m.manifestVersion = ver.get<int64_t>();
     if (j.contains("project_version") && j["project_version"].is_string())
@@ -174,7 +234,6 @@ Manifest parseManifest(std::string const& text, std::string const& source)
         m.projectVersion = j["project_version"].get<std::string>();
     }
     m.dtype = stringMember(j, "dtype", source, "");
-    m.blockSize = intMember(j, "block_size", source, "", 2, 4096);
     m.maxSeqLen = intMember(j, "max_seq_len", source, "", 2);
     if (j.contains("kv_capacity_step"))
     {
@@ -207,7 +266,16 @@ Manifest parseManifest(std::string const& text, std::string const& source)
     {
         m.drafterHeadDim = m.hiddenSize / intMember(d, "num_attention_heads", source, "drafter.");
     }
+    // DFlash 2 keeps block_size / selector_top_k in dflash_config; DFlash v1 may keep block_size at top level
     Json const* dc = d.contains("dflash_config") && d["dflash_config"].is_object() ? &d["dflash_config"] : &d;
+    if (dc->contains("block_size"))
+    {
+        m.blockSize = intMember(*dc, "block_size", source, "drafter.dflash_config.", 2, 4096);
+    }
+    else
+    {
+        m.blockSize = intMember(d, "block_size", source, "drafter.", 2, 4096);
+    }
     if (dc->contains("selector_top_k"))
     {
         m.topK = intMember(*dc, "selector_top_k", source, "drafter.dflash_config.", 1, m.vocabSize);

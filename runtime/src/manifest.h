@@ -1,10 +1,11 @@
 //! \file manifest.h
 //! manifest.json of an export folder, read for the C API — the ONE module that knows its layout (the layout
-//! is documented in dflash2_trt/runtime/manifest.py; when it changes, only this file changes).
+//! is documented in dflash2_trt/manifest.py; when it changes, only this file changes).
 //!
-//! parseManifest checks what every runtime relies on: the "format" string and "manifest_version"
-//! (DFL2_MANIFEST_VERSION) first, then the required entries and their types, then consistency (drafter
-//! vocab/hidden == target's, required graphs listed with checksums). loadManifest adds the folder: listed
+//! parseManifest checks the "format" string and "manifest_version" (DFL2_MANIFEST_VERSION) first, then the
+//! whole document against the JSON Schema dflash2_trt/manifest.schema.json (compiled into the library at build
+//! time; validated with valijson), then reads the typed fields and checks consistency (drafter vocab/hidden ==
+//! target's, graph files listed with checksums, relative paths only). loadManifest adds the folder: listed
 //! files must exist and, with verifyChecksums, match their sha256 (OpenSSL; a build without it reports
 //! DFL2_ERR_UNAVAILABLE for verification). Errors: dflash2::Error with DFL2_ERR_NOT_FOUND / CORRUPT /
 //! VERSION_MISMATCH and a message naming the entry.
@@ -20,6 +21,8 @@ namespace dflash2
 
 constexpr char const* kManifestFormat = "dflash2-trt-export";
 constexpr char const* kManifestFile = "manifest.json";
+//! dflash2_trt/manifest.schema.json, embedded by CMake (manifestSchema.cpp.in)
+extern char const* const kManifestSchemaText;
 
 struct GraphEntry
 {

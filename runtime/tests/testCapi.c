@@ -247,20 +247,27 @@ static void makeDir(const char* path)
 #define EMPTY_SHA "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 static void manifestText(char* out, size_t cap, const char* format, int version, const char* extraFile,
-                         const char* sha, int dropTarget)
+                         const char* sha, int dropTarget, const char* dtype)
 {
     snprintf(out, cap,
              "{\"format\": \"%s\", \"manifest_version\": %d, \"project_version\": \"9.9\", \"opset\": 17,"
-             " \"dtype\": \"fp32\", \"block_size\": 5, \"max_seq_len\": 96, \"kv_capacity_step\": 32,"
+             " \"dtype\": \"%s\", \"max_seq_len\": 96, \"kv_capacity_step\": 32,"
              " %s"
              " \"drafter\": {\"vocab_size\": 32, \"hidden_size\": 8, \"num_hidden_layers\": 1,"
-             "   \"num_key_value_heads\": 1, \"num_attention_heads\": 2, \"dflash_config\": {\"selector_top_k\": 4}},"
-             " \"graphs\": {\"target\": {\"file\": \"g.onnx\"}, \"drafter_context\": {\"file\": \"g.onnx\"},"
-             "   \"drafter_block\": {\"file\": \"g.onnx\"}, \"drafter_head_independent\": {\"file\": \"%s\"}},"
+             "   \"num_key_value_heads\": 1, \"num_attention_heads\": 2,"
+             "   \"dflash_config\": {\"block_size\": 5, \"selector_top_k\": 4}},"
+             " \"plugin\": {\"op_type\": \"DFlash2PathSelector\", \"domain\": \"trt.plugins\","
+             "   \"plugin_version\": \"1\", \"plugin_namespace\": \"\"},"
+             " \"graphs\": {\"target\": {\"file\": \"g.onnx\", \"role\": \"target\"},"
+             "   \"drafter_context\": {\"file\": \"g.onnx\", \"role\": \"drafter_context\"},"
+             "   \"drafter_block\": {\"file\": \"g.onnx\", \"role\": \"drafter_block\"},"
+             "   \"drafter_head_independent\": {\"file\": \"%s\", \"role\": \"drafter_head\"}},"
+             " \"tokenizer\": {\"files\": [], \"chat_template\": false},"
              " \"files\": {\"g.onnx\": \"%s\"}}",
-             format, version,
-             dropTarget ? "" : "\"target\": {\"vocab_size\": 32, \"num_layers\": 2, \"hidden_size\": 8,"
-                               " \"num_key_value_heads\": 1, \"head_dim\": 4, \"eos_token_ids\": [0]},",
+             format, version, dtype,
+             dropTarget ? "" : "\"target\": {\"model_type\": \"toy\", \"vocab_size\": 32, \"num_layers\": 2,"
+                               " \"hidden_size\": 8, \"num_key_value_heads\": 1, \"head_dim\": 4,"
+                               " \"max_positions\": 96, \"eos_token_ids\": [0], \"layer_ids\": [0]},",
              extraFile, sha);
 }
 
@@ -343,23 +350,29 @@ static void testManifestErrors(const char* scratch)
     snprintf(dir, sizeof dir, "%s/format", scratch);
     makeDir(dir);
     writeFile(dir, "g.onnx", "");
-    manifestText(text, sizeof text, "some-other-format", 1, "g.onnx", EMPTY_SHA, 0);
+    manifestText(text, sizeof text, "some-other-format", 1, "g.onnx", EMPTY_SHA, 0, "fp32");
     writeFile(dir, "manifest.json", text);
     EXPECT(dfl2_model_load(dir, noSums, &m), DFL2_ERR_VERSION_MISMATCH, "not a dflash2-trt-export");
-    manifestText(text, sizeof text, "dflash2-trt-export", 2, "g.onnx", EMPTY_SHA, 0);
+    manifestText(text, sizeof text, "dflash2-trt-export", 1, "g.onnx", EMPTY_SHA, 0, "fp32");
     writeFile(dir, "manifest.json", text);
-    EXPECT(dfl2_model_load(dir, noSums, &m), DFL2_ERR_VERSION_MISMATCH, "manifest_version 2");
-    manifestText(text, sizeof text, "dflash2-trt-export", 1, "g.onnx", EMPTY_SHA, 1);
+    EXPECT(dfl2_model_load(dir, noSums, &m), DFL2_ERR_VERSION_MISMATCH, "manifest_version 1");
+    manifestText(text, sizeof text, "dflash2-trt-export", 2, "g.onnx", EMPTY_SHA, 0, "fp64");
+    writeFile(dir, "manifest.json", text);
+    EXPECT(dfl2_model_load(dir, noSums, &m), DFL2_ERR_CORRUPT, "schema at 'dtype'");
+    manifestText(text, sizeof text, "dflash2-trt-export", 2, "g.onnx", "not-a-sha256", 0, "fp32");
+    writeFile(dir, "manifest.json", text);
+    EXPECT(dfl2_model_load(dir, noSums, &m), DFL2_ERR_CORRUPT, "schema at 'files.g.onnx'");
+    manifestText(text, sizeof text, "dflash2-trt-export", 2, "g.onnx", EMPTY_SHA, 1, "fp32");
     writeFile(dir, "manifest.json", text);
     EXPECT(dfl2_model_load(dir, noSums, &m), DFL2_ERR_CORRUPT, "'target'");
-    manifestText(text, sizeof text, "dflash2-trt-export", 1, "missing.onnx", EMPTY_SHA, 0);
+    manifestText(text, sizeof text, "dflash2-trt-export", 2, "missing.onnx", EMPTY_SHA, 0, "fp32");
     writeFile(dir, "manifest.json", text);
     EXPECT(dfl2_model_load(dir, noSums, &m), DFL2_ERR_CORRUPT, "missing.onnx has no checksum");
 
     snprintf(dir, sizeof dir, "%s/valid", scratch);
     makeDir(dir);
     writeFile(dir, "g.onnx", "");
-    manifestText(text, sizeof text, "dflash2-trt-export", 1, "g.onnx", EMPTY_SHA, 0);
+    manifestText(text, sizeof text, "dflash2-trt-export", 2, "g.onnx", EMPTY_SHA, 0, "fp32");
     writeFile(dir, "manifest.json", text);
     OK(dfl2_manifest_check(dir, noSums));
 #if DFL2_TEST_HAVE_OPENSSL
@@ -374,7 +387,7 @@ static void testManifestErrors(const char* scratch)
     snprintf(dir, sizeof dir, "%s/tampered", scratch);
     makeDir(dir);
     writeFile(dir, "g.onnx", "changed after export");
-    manifestText(text, sizeof text, "dflash2-trt-export", 1, "g.onnx", EMPTY_SHA, 0);
+    manifestText(text, sizeof text, "dflash2-trt-export", 2, "g.onnx", EMPTY_SHA, 0, "fp32");
     writeFile(dir, "manifest.json", text);
 #if DFL2_TEST_HAVE_OPENSSL
     EXPECT(dfl2_model_load(dir, NULL, &m), DFL2_ERR_CORRUPT, "checksum mismatch");

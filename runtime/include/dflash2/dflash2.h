@@ -81,7 +81,7 @@ extern "C" {
 #define DFL2_API_VERSION \
     ((DFL2_API_VERSION_MAJOR << 16) | (DFL2_API_VERSION_MINOR << 8) | DFL2_API_VERSION_PATCH)
 /* The manifest_version of export folders this library reads. */
-#define DFL2_MANIFEST_VERSION 1
+#define DFL2_MANIFEST_VERSION 2
 
 /* The version of the loaded library, encoded like DFL2_API_VERSION. A program compiled against major M
  * must check (dfl2_api_version() >> 16) == M. */
@@ -137,7 +137,8 @@ DFL2_API dfl2_status* dfl2_options_parse(dfl2_options* options, const char* key_
 typedef struct dfl2_model dfl2_model;
 
 /* Load an export folder (what dflash2-export writes): reads and checks manifest.json (format
- * "dflash2-trt-export", manifest_version DFL2_MANIFEST_VERSION, required entries, listed files, checksums)
+ * "dflash2-trt-export", manifest_version DFL2_MANIFEST_VERSION, the manifest's JSON Schema, listed files,
+ * checksums)
  * and opens the backend. Backends: "tensorrt" when this library was built with it and a GPU with TensorRT
  * is present; otherwise DFL2_ERR_UNAVAILABLE with the reason (use dfl2_model_create_callbacks to run other
  * engines, e.g. ONNX Runtime). */

@@ -290,7 +290,7 @@ void finish(Result& res, GenerateConfig const& cfg, bool cancelled)
                                                                  : DFL2_FINISH_LENGTH;
 }
 
-// reference.oracle_count: leading rows whose target continuation is among the row's candidates
+// bench/oracle.oracle_count: leading rows whose target continuation is among the row's candidates
 int32_t oracleCount(Runners& runners, Draft const& draft, std::vector<int32_t> const& drafts, int32_t nRows,
     int32_t accepted, int32_t bonus, int32_t pos, std::vector<float>& logits)
 {
