@@ -7,9 +7,10 @@ PY=${PYTHON:-python3}
 for tool in cmake nvcc; do
   command -v "$tool" >/dev/null || echo "setup: note: '$tool' not found; the plugin build tests need it" >&2
 done
-# Native packages of the runtime/ C API tests (Debian): JSON parser, OpenSSL (manifest checksums), clang with
-# libFuzzer + sanitizers, the aarch64 cross compiler and qemu-user (the Jetson build check)
-capi_pkgs="cmake nlohmann-json3-dev libssl-dev clang libclang-rt-14-dev g++-aarch64-linux-gnu qemu-user"
+# Native packages of the runtime/ C API tests (Debian): JSON parser + JSON Schema validator, OpenSSL
+# (manifest checksums), clang with libFuzzer + sanitizers, the aarch64 cross compiler and qemu-user (the
+# Jetson build check)
+capi_pkgs="cmake nlohmann-json3-dev libvalijson-dev libssl-dev clang libclang-rt-14-dev g++-aarch64-linux-gnu qemu-user"
 missing=$(for p in $capi_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done | tr '\n' ' ')
 if [ -n "${missing// /}" ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -101,6 +101,8 @@ public:
     explicit CallbackModel(dfl2_callbacks const& cb)
         : mCb(cb)
     {
+        mCb.eos_ids = nullptr;  // the caller's array is copied into eosIds; never read through mCb
+        mCb.n_eos_ids = 0;
     }
     std::unique_ptr<Runners> newRunners() override
     {
