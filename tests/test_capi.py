@@ -314,7 +314,8 @@ def vectors_path() -> Path:
 
 @pytest.fixture(scope="session")
 def capi_build(vectors_path) -> Path:
-    return _cmake_build(BUILD / "capi-tests", [f"-DDFLASH2_CORE_VECTORS={vectors_path}", *_trt_args()])
+    return _cmake_build(BUILD / "capi-tests", [f"-DDFLASH2_CORE_VECTORS={vectors_path}", "-DDFLASH2_RUNTIME_STATIC=ON",
+                                               *_trt_args()])
 
 
 def _ctest(build: Path, env: dict | None = None) -> str:
@@ -336,6 +337,17 @@ def test_ctest_native(capi_build):
     out = _ctest(capi_build)
     for name in ("headerC99", "headerCxx17", "capiC", "coreVectors", "exampleUnavailable"):
         assert re.search(rf"{name} \.+\s+Passed", out), out
+
+
+def test_shared_and_static_libraries(capi_build):
+    """libdflash2.so exports only the dfl2_* C API (hidden C++ internals); libdflash2.a holds the same API."""
+    so = _run(["nm", "-D", "--defined-only", str(capi_build / "lib" / "libdflash2.so")], "nm").stdout
+    exported = {line.split()[-1] for line in so.splitlines() if " T " in line}
+    assert "dfl2_session_generate" in exported and all(n.startswith("dfl2_") for n in exported), exported
+    header = (RUNTIME / "include" / "dflash2" / "dflash2.h").read_text()
+    assert exported == set(re.findall(r"DFL2_API [^;]*?\b(dfl2_\w+)\(", header))  # every declared function, no more
+    static = _run(["nm", "--defined-only", str(capi_build / "lib" / "libdflash2.a")], "nm").stdout
+    assert " T dfl2_session_generate" in static
 
 
 def test_core_vectors_exercise_every_branch(vectors_path):

@@ -49,7 +49,7 @@
  *     "backend"         string "auto" "auto" | "tensorrt" (dfl2_model_load); callbacks models ignore it
  *     "draft_mode"      string "greedy" "greedy" | "viterbi" | "independent" (which drafter head runs)
  *     "verify_checksums" bool  true   hash every file the manifest lists before loading
- *     "plugin_library"  string ""     path of libdflash2_plugins.so (default: the one the manifest names)
+ *     "plugin_library"  string ""     libdflash2_plugins.so to load ("": $DFLASH2_PLUGIN_LIB, else the engines' copy)
  *     "device"          int    0      CUDA device ordinal (TensorRT)
  *     "cuda_graphs"     bool   true   capture the draft and verify steps as CUDA graphs (TensorRT)
  *   A setter stores any known key on any options object; each create reads the keys it uses.

@@ -30,6 +30,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -456,9 +457,13 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
     }
     if (!m.engines.pluginFile.empty())
     {
-        std::string const plugin = options.getString("plugin_library", "").empty()
-            ? dir + "/" + m.engines.pluginFile
-            : options.getString("plugin_library", "");
+        // the "plugin_library" option, else $DFLASH2_PLUGIN_LIB (as the Python runtime), else the engines' copy
+        char const* env = std::getenv("DFLASH2_PLUGIN_LIB");
+        std::string plugin = options.getString("plugin_library", "");
+        if (plugin.empty())
+        {
+            plugin = env != nullptr && *env != '\0' ? std::string(env) : dir + "/" + m.engines.pluginFile;
+        }
         // load_library returns null for a library already registered in this process: not an error
         (void) mRuntime->getPluginRegistry().loadLibrary(plugin.c_str());
     }
