@@ -369,6 +369,8 @@ public:
     }
     void targetReset() override
     {
+        // every generate starts here; the CUDA device is per thread and a session may move between threads
+        cudaCheck(cudaSetDevice(mModel.device), "cudaSetDevice");
         mTargetKV.length = 0;
     }
     void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) override;
