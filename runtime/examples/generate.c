@@ -2,7 +2,7 @@
  *
  *   generate EXPORT_DIR ID [ID ...] [-o key=value ...]
  *
- * Loads an export folder (dflash2-export [+ build-engines]), generates from the prompt ids and prints each
+ * Loads an export folder (dflash2 export [+ build-engines]), generates from the prompt ids and prints each
  * committed chunk of ids as it arrives (one line per chunk), then one summary line on stderr:
  * tokens, cycles, τ, finish reason. Tokenizing text is the caller's job: e.g.
  *   python -c "from tokenizers import Tokenizer as T; print(*T.from_file('DIR/tokenizer.json').encode('Hi').ids)"

@@ -1,5 +1,5 @@
 //! \file trtBackend.cpp
-//! The TensorRT backend of libdflash2: the engines that `dflash2-export build-engines` wrote, run from C++.
+//! The TensorRT backend of libdflash2: the engines that `dflash2 build-engines` wrote, run from C++.
 //!
 //! STATUS: NEVER RUN. It is compiled (with -Werror) against the TensorRT 10.14 headers of the kernel-lens wheel
 //! and the CUDA toolkit's runtime headers on machines without a GPU or TensorRT libraries; the logic mirrors
@@ -420,7 +420,7 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
 {
     if (!m.engines.present)
     {
-        throw Error(DFL2_ERR_UNAVAILABLE, dir + " has no TensorRT engines: build them with dflash2-export build-engines "
+        throw Error(DFL2_ERR_UNAVAILABLE, dir + " has no TensorRT engines: build them with dflash2 build-engines "
                 + dir);
     }
     device = static_cast<int>(options.getInt("device", 0));
@@ -442,7 +442,7 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
     {
         throw Error(DFL2_ERR_VERSION_MISMATCH, "engines were built with TensorRT " + m.engines.tensorrtVersion
                 + ", this is TensorRT " + std::to_string(here / 10000) + "." + std::to_string(here / 100 % 100)
-                + ": rebuild them here with dflash2-export build-engines " + dir);
+                + ": rebuild them here with dflash2 build-engines " + dir);
     }
     cudaDeviceProp prop{};
     cudaCheck(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
@@ -480,7 +480,7 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
         {
             throw Error(DFL2_ERR_BACKEND, "TensorRT could not deserialize " + plan.file
                     + " (other TensorRT version or GPU, corrupt, or the plugin library is missing): rebuild with "
-                      "dflash2-export build-engines");
+                      "dflash2 build-engines");
         }
         for (int32_t i = 0; i < e->engine->getNbIOTensors(); ++i)
         {
