@@ -80,6 +80,7 @@ def plugin_build() -> Path:
             "-DCMAKE_BUILD_TYPE=Release",
             "-DDFLASH2_TRT_HEADERS_FROM_PIP=ON",
             "-DDFLASH2_WERROR=ON",
+            "-DDFLASH2_BUILD_RUNTIME=OFF",  # the C API runtime is built and tested by tests/test_capi.py
             f"-DCMAKE_CUDA_COMPILER={nvcc}",
         ]  # fmt: skip
         if TEST_ARCHS:
