@@ -184,3 +184,31 @@ def test_identity_mismatch_messages():
 def test_manifest_json_stays_valid_json(export_copy, tmp_path):
     _build(export_copy, tmp_path)
     json.loads((export_copy / "manifest.json").read_text())
+
+
+def test_parser_failure_and_single_stream_engines(export_copy, tmp_path):
+    """The parser can fail (its errors reach the one-line message, the export stays as it was); engines are
+    built with no auxiliary streams, so a failed capture cannot leave TensorRT streams capturing."""
+    before = _snapshot(export_copy)
+    cuda = FakeCuda()
+    trt = FakeTrt(cuda)
+    trt.parse_errors = ["In node 3 (parseGraph): UNSUPPORTED_NODE: No importer registered for op: Foo"]
+    with pytest.raises(DFlash2Error, match="parser rejected target.onnx: In node 3 .*op: Foo"):
+        E.build_engines(export_copy, selector="decomposed", progress=False, trt_module=trt, api=cuda)
+    assert _snapshot(export_copy) == before and not trt.builds
+    _, trt, _ = _build(export_copy, tmp_path)
+    assert [b["aux"] for b in trt.builds] == [0] * len(trt.builds)
+
+
+def test_build_then_backend_in_one_process_loads_the_plugin_once(export_copy, tmp_path):
+    """build-engines copies the library next to the engines; the backend then loads the copy into the same
+    registry, where TensorRT's load_library answers None (already registered): that is not a failure."""
+    from dflash2_trt.runtime.trt_backend import TrtBackend
+
+    _, trt, plugin = _build(export_copy, tmp_path)
+    reg = trt.get_plugin_registry()
+    with TrtBackend(export_copy, trt_module=trt, api=trt.cuda) as be:
+        assert be.plugin_path is not None and be.plugin_path != plugin
+    with TrtBackend(export_copy, trt_module=trt, api=trt.cuda):
+        pass
+    assert reg.load_calls == [str(plugin)]  # the look-up found the creator: no second load_library

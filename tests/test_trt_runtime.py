@@ -11,6 +11,7 @@ import pytest
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.export import engines as E
+from dflash2_trt.runtime.base import BackendUnavailable
 from dflash2_trt.runtime.trt_backend import TrtBackend
 from trt_fakes import FakeCuda, FakeTrt
 
@@ -143,7 +144,7 @@ def test_capture_failure_runs_eagerly_and_decoder_loop_runs(fake_engines):
     # every step's capture failed once, then ran eagerly: nothing captured, nothing replayed
     assert be.graphs.stats.fallbacks >= 2 and len(be.graphs) == 0 and be.graphs.stats.replays == 0
     assert {k.step for k in be.graphs.failures} >= {"target", "drafter_step:greedy"}
-    # fake engines write nothing: logits are zeros, so every value here is meaningless - only the plumbing ran
+    # fake engines write zeros: every value here is meaningless - only the plumbing ran
     assert target_generate(tgt, list(range(1, 10)), max_new_tokens=5, eos_ids=set()).tokens == [0] * 5
     be.close()
 
@@ -183,3 +184,102 @@ def test_no_engines_message(tiny_export):
     cuda = FakeCuda()
     with pytest.raises(BackendUnavailable, match="has no TensorRT engines: build them with dflash2 build-engines"):
         TrtBackend(tiny_export, trt_module=FakeTrt(cuda), api=cuda)
+
+
+def test_second_backend_and_another_plugin_build(fake_engines, tmp_path):
+    """Two backends in one process share TensorRT's registry: the second finds the creator registered (a
+    load_library would answer None) and works; a different build of the library is refused in one line."""
+    cuda = FakeCuda()
+    trt = FakeTrt(cuda)
+    with TrtBackend(fake_engines, trt_module=trt, api=cuda), TrtBackend(fake_engines, trt_module=trt, api=cuda):
+        pass
+    assert len(trt.get_plugin_registry().load_calls) == 1
+    from dflash2_trt.runtime.trt_env import load_plugin_library
+
+    other = tmp_path / "libother.so"
+    other.write_bytes(b"another build")
+    with pytest.raises(BackendUnavailable, match="another build of the DFlash2 plugin library .* already loaded"):
+        load_plugin_library(trt, other)
+    fresh = FakeTrt(cuda)  # a registry where the library cannot load (e.g. built for another major)
+    fresh.get_plugin_registry().creators[("Other", "1", "")] = "x"
+    fresh.get_plugin_registry().load_library = lambda path: None
+    with pytest.raises(BackendUnavailable, match="TensorRT could not load the plugin library"):
+        load_plugin_library(fresh, other)
+
+
+def _patch_trt(monkeypatch, trt, cuda):
+    import dflash2_trt.runtime.trt_backend as tb
+
+    monkeypatch.setattr(tb, "import_tensorrt", lambda: trt)
+    monkeypatch.setattr(tb, "CudaRuntime", lambda: cuda)
+
+
+def test_profile_refusal_falls_back_to_ort_and_bugs_do_not(fake_engines, monkeypatch):
+    """set_optimization_profile_async raises RuntimeError in Python: while constructing the backend that is
+    BackendUnavailable, so auto falls back to ONNX Runtime (and frees what it allocated); a bug (here an
+    AttributeError inside TensorRT calls) is not turned into a fallback."""
+    from dflash2_trt.runtime.backends import open_backend
+    from trt_fakes import FakeEngine
+
+    cuda = FakeCuda()
+    trt = FakeTrt(cuda)
+    trt.profile_error = "IExecutionContext::setOptimizationProfileAsync: profile 1 is in use"
+    _patch_trt(monkeypatch, trt, cuda)
+    be, note = open_backend(fake_engines, "auto")
+    assert be.name == "ort" and "cannot select optimization profile 0 (prefill)" in note and "in use" in note
+    assert set(cuda.dev) == set() and cuda.count("stream_destroy") == 1  # nothing left allocated
+    be.close()
+    with pytest.raises(DFlash2Error, match="TensorRT backend unavailable: target: TensorRT cannot select"):
+        open_backend(fake_engines, "trt")
+    trt.profile_error = None
+    n0 = len(trt.contexts)
+    be, note = open_backend(fake_engines, "auto")
+    assert be.name == "trt" and note == "using TensorRT 10.13.0.35 on FakeGPU H0"
+    # the probe opened a context per profile of target, drafter_context (2 each) and drafter_block (1)
+    assert [c.profile for c in trt.contexts[n0:]] == [0, 1, 0, 1, 0]
+    be.close()
+
+    def broken(self, strategy):
+        raise AttributeError("a bug")
+
+    monkeypatch.setattr(FakeEngine, "create_execution_context", broken)
+    with pytest.raises(AttributeError, match="a bug"):
+        open_backend(fake_engines, "auto")
+
+
+def test_contexts_and_graphs_are_bounded(fake_engines):
+    be, trt, cuda = _open(fake_engines)
+    be.max_contexts = 2
+    tgt = be.target_runner()
+    tgt.forward(list(range(1, 21)))
+    for rows in (1, 2, 3):  # three shape buckets, room for two captured contexts
+        tgt.forward(list(range(rows)))
+        assert tgt.last_path == "captured"
+    assert tgt.eng.n_contexts == 2 + 2 and tgt.eng.evicted == 1  # eager prefill + step, two buckets
+    assert be.graphs.stats.invalidated == 1 and len(be.graphs) == 2  # the evicted context's graph went with it
+    tgt.forward([5])  # the evicted bucket: a new context, captured again (never a replay of the old graph)
+    assert tgt.last_path == "captured" and tgt.eng.evicted == 2
+    tgt.forward([6, 7, 8])
+    assert tgt.last_path == "replay"
+    assert be.graphs.max_graphs == TrtBackend.max_graphs
+    be.close()
+
+
+def test_device_kv_is_zeroed_and_garbage_never_reaches_the_engine(fake_engines):
+    """cudaMalloc memory is garbage (FakeCuda: NaN bytes); masked KV slots must hold zeros, as on the CPU."""
+    be, trt, cuda = _open(fake_engines)
+    tgt = be.target_runner()
+    tgt.forward(list(range(1, 6)))
+    for p in tgt.kv.ptrs:
+        assert not cuda.dev[p].any()  # 5 rows written (zeros from the fake engine), every other slot zeroed
+    be.close()
+
+
+def test_head_buffers_sized_by_the_engine(fake_engines):
+    """The head's output buffers come from the manifest: an engine that disagrees is refused before it can
+    write past them."""
+    be, trt, cuda = _open(fake_engines)
+    trt.shape_override = {"cand_ids": (1, 15, 32)}
+    with pytest.raises(DFlash2Error, match=r"cand_ids has shape \(1, 15, 32\), the manifest implies \(1, 15, 16\)"):
+        be.draft_runner("greedy")
+    be.close()

@@ -4,13 +4,18 @@ They *record* what the code under test asks of CUDA and TensorRT; they never com
 
 * :class:`FakeCuda` implements :class:`~dflash2_trt.runtime.cuda_api.CudaApi` with host memory standing in
   for device memory, so copies (plain, 2-D pitched, H2D/D2H) move real bytes and the buffer arithmetic can
-  be checked. Like CUDA, work enqueued on a capturing stream is *recorded into the graph, not executed*;
+  be checked. Like ``cudaMalloc``, ``malloc`` hands out memory that is *not* zeroed: it is filled with
+  0xFF bytes, a NaN in every float format, so a read of never-written device memory shows. Like CUDA, work enqueued on a capturing stream is *recorded into the graph, not executed*;
   ``graph_launch`` replays the recorded operations. ``fail_capture`` makes ``end_capture`` fail the way an
   invalidated capture does.
 * :class:`FakeTrt` is a stand-in ``tensorrt`` module. The "builder" records flags and optimization profiles
   and serialises a JSON description of the graph's I/O (read from the ONNX file) as the "plan"; the "engine"
   answers I/O queries from it; ``execute_async_v3`` enqueues a record (engine, context, shapes, addresses)
-  and writes nothing into the outputs.
+  which, when it executes, zeroes the output buffers (a real engine writes every output; this one computes
+  nothing). Like TensorRT: the plugin registry's ``load_library`` returns None
+  when a creator of the library is already registered (``IPluginRegistry::loadLibrary``); the ONNX parser
+  fails with errors when ``parse_errors`` is set; ``set_optimization_profile_async`` raises RuntimeError
+  (the Python binding's way of reporting false) when ``profile_error`` is set.
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ class FakeCuda:
 
     def malloc(self, nbytes: int) -> int:
         p = self._alloc(nbytes)
-        self.dev[p] = np.zeros(max(1, nbytes), dtype=np.uint8)
+        self.dev[p] = np.full(max(1, nbytes), 0xFF, dtype=np.uint8)  # garbage: NaN as fp16 / bf16 / fp32
         self.calls.append(("malloc", nbytes, p))
         return p
 
@@ -125,6 +130,15 @@ class FakeCuda:
         elif kind == "memset":
             _, ptr, value, n = op
             self._mem(ptr, n)[:] = value
+        elif kind == "execute":  # a real engine writes all of its outputs; this one writes zeros
+            for ptr in op[6]:
+                self._rest_of_allocation(ptr)[:] = 0
+
+    def _rest_of_allocation(self, ptr: int) -> np.ndarray:
+        for base, arr in self.dev.items():
+            if base <= ptr < base + arr.size:
+                return arr[ptr - base:]
+        raise AssertionError(f"engine output at unallocated memory {ptr:#x}")
 
     def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.enqueue(stream, ("copy", dst, src, nbytes))
@@ -219,6 +233,9 @@ class FakeTrt:
         self.builds: list[dict[str, Any]] = []
         self.contexts: list[FakeContext] = []
         self.fail_execute = False
+        self.profile_error: str | None = None  # set: set_optimization_profile_async raises RuntimeError(it)
+        self.parse_errors: list[str] = []  # set: the ONNX parser fails with these
+        self.shape_override: dict[str, tuple[int, ...]] = {}  # engine tensor shapes that differ from the ONNX
         self.Logger = type("Logger", (), {"WARNING": "WARNING", "__init__": lambda s, sev=None: None})
         self.TensorIOMode = _Ns(INPUT=_Enum("INPUT"), OUTPUT=_Enum("OUTPUT"))
         self.ExecutionContextAllocationStrategy = _Ns(USER_MANAGED=_Enum("USER_MANAGED"))
@@ -228,9 +245,22 @@ class FakeTrt:
         self.Dims = tuple
 
         class Registry:
-            def load_library(self, path: str) -> object:
+            """Process-wide in TensorRT (here: per FakeTrt). The library registers one creator."""
+
+            def __init__(self) -> None:
+                self.creators: dict[tuple[str, str, str], str] = {}  # (name, version, namespace) -> library
+                self.load_calls: list[str] = []
+
+            def load_library(self, path: str) -> object | None:
+                self.load_calls.append(path)
+                if ("DFlash2PathSelector", "1", "") in self.creators:
+                    return None  # "fail and return nullptr if any of the plugins are already registered"
+                self.creators[("DFlash2PathSelector", "1", "")] = path
                 fake.loaded_plugins.append(path)
                 return object()
+
+            def get_creator(self, name: str, version: str, namespace: str = "") -> object | None:
+                return self.creators.get((name, version, namespace))
 
         self._registry = Registry()
 
@@ -246,7 +276,7 @@ class FakeTrt:
 
         self.Runtime = Runtime
         self.Builder = lambda logger: FakeBuilder(fake)
-        self.OnnxParser = lambda network, logger: FakeParser(network)
+        self.OnnxParser = lambda network, logger: FakeParser(network, fake.parse_errors)
 
     def get_plugin_registry(self) -> Any:
         return self._registry
@@ -260,12 +290,20 @@ class FakeNetwork:
 
 
 class FakeParser:
-    def __init__(self, network: FakeNetwork) -> None:
+    def __init__(self, network: FakeNetwork, errors: list[str]) -> None:
         self.network = network
+        self.errors = list(errors)
         self.num_errors = 0
+
+    def get_error(self, i: int) -> Any:
+        return _Ns(desc=lambda: self.errors[i])
 
     def parse_from_file(self, path: str) -> bool:
         import onnx
+
+        if self.errors:
+            self.num_errors = len(self.errors)
+            return False
 
         m = onnx.load(path, load_external_data=False)  # the fake reads only the I/O declarations
 
@@ -287,6 +325,7 @@ class FakeConfig:
         self.flags_cleared: list[str] = []
         self.profiles: list[dict[str, Any]] = []
         self.cache: Any = None
+        self.max_aux_streams = -1  # TensorRT's default: the builder decides
 
     def set_flag(self, f: _Enum) -> None:
         self.flags_set.append(f.name)
@@ -326,7 +365,8 @@ class FakeBuilder:
 
     def build_serialized_network(self, network: FakeNetwork, config: FakeConfig) -> bytes:
         rec = {"file": network.path, "flags": network.flags, "set": config.flags_set,
-               "cleared": config.flags_cleared, "profiles": config.profiles, **network.io}
+               "cleared": config.flags_cleared, "profiles": config.profiles, "aux": config.max_aux_streams,
+               **network.io}
         self.fake.builds.append(rec)
         return json.dumps(rec).encode()
 
@@ -349,7 +389,7 @@ class FakeEngine:
         return _Enum(self.tensors[name]["dtype"])
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name]["shape"])
+        return tuple(self.fake.shape_override.get(name, self.tensors[name]["shape"]))
 
     def create_execution_context(self, strategy: Any) -> FakeContext:
         assert strategy.name == "USER_MANAGED"
@@ -371,6 +411,8 @@ class FakeContext:
         self.device_memory = (ptr, size)
 
     def set_optimization_profile_async(self, p: int, stream: int) -> bool:
+        if self.engine.fake.profile_error is not None:
+            raise RuntimeError(self.engine.fake.profile_error)
         self.profile = p
         return True
 
@@ -395,5 +437,6 @@ class FakeContext:
         assert set(self.addresses) == set(self.engine.tensors)
         self.engine.fake.cuda.enqueue(stream, ("execute", self.engine.name, id(self), self.profile,
                                                tuple(sorted(self.shapes.items())),
-                                               tuple(sorted(self.addresses.items()))))
+                                               tuple(sorted(self.addresses.items())),
+                                               tuple(self.addresses[n] for n in self.engine.plan["outputs"])))
         return True

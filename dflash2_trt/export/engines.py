@@ -51,7 +51,8 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (EnginePlan, EngineProfile, EngineSet, ExportManifest, GraphSpec, parse_engine_set,
                                  read_manifest, sha256_file, write_manifest)
 from dflash2_trt.runtime.cuda_api import CudaApi
-from dflash2_trt.runtime.trt_env import PLUGIN_ENV, current_identity, import_tensorrt, version_tuple
+from dflash2_trt.runtime.trt_env import (PLUGIN_ENV, current_identity, import_tensorrt, load_plugin_library,
+                                         version_tuple)
 from dflash2_trt.vocabulary import DTYPES, ENGINE_SELECTORS, SELECTOR_MODES, head_key
 
 if TYPE_CHECKING:
@@ -209,6 +210,10 @@ def _build_one(trt_mod: Any, logger: trt.ILogger, onnx_path: Path, graph: GraphS
     for name in plan.clear_flags:
         if hasattr(trt_mod.BuilderFlag, name):
             config.clear_flag(getattr(trt_mod.BuilderFlag, name))
+    if hasattr(config, "max_aux_streams"):
+        # everything on the caller's one stream: a failed stream capture then cannot leave TensorRT's
+        # auxiliary streams capturing, and the runtime's "one stream, in order" scratch sharing holds
+        config.max_aux_streams = 0
     if workspace:
         config.set_memory_pool_limit(trt_mod.MemoryPoolType.WORKSPACE, workspace)
     if "cache" not in shared:  # one timing cache object for every engine of this build
@@ -257,8 +262,8 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
                                f"${PLUGIN_ENV}; or build --selector decomposed")
     plan = precision_plan(trt_mod.__version__, manifest.dtype, weak_typing, tf32)
     logger = trt_mod.Logger(trt_mod.Logger.WARNING)
-    if plugin_path is not None and not trt_mod.get_plugin_registry().load_library(str(plugin_path)):
-        raise DFlash2Error(f"TensorRT could not load the plugin library {plugin_path}")
+    if plugin_path is not None:
+        load_plugin_library(trt_mod, plugin_path)
     old = manifest.engines
     cache_blob = None
     if old is not None and old.timing_cache and (d / old.timing_cache).is_file():

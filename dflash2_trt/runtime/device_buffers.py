@@ -4,7 +4,8 @@ twin of :class:`~dflash2_trt.runtime.base.KVBuffer`.
 Ownership and lifetime (STYLE rule 12): a :class:`BufferPool` owns every allocation of one runner and frees
 them in :meth:`BufferPool.close`. I/O buffers are allocated once at their largest shape and never move, so
 CUDA graphs that read or write them stay valid for the runner's life. :class:`DeviceKV` buffers move when
-the cache grows past its capacity bucket: the old contents are copied (pitched 2-D copies, one per
+the cache grows past its capacity bucket: new buffers are zeroed (stale slots are masked by adding -inf to
+their scores, which a NaN or Inf left in device memory would still poison), the old contents are copied (pitched 2-D copies, one per
 tensor), the stream is synchronised, the old buffers are freed, and ``on_move`` receives their addresses —
 the owner passes them to :meth:`~dflash2_trt.runtime.cuda_graphs.GraphCache.invalidate`, so no captured
 graph that reads a freed cache is ever replayed.
@@ -118,7 +119,10 @@ class DeviceKV:
         cap = grown_capacity(n, self.capacity, self.step, self.max_capacity)
         if cap == self.capacity:
             return
-        new = [self.pool.device(self.heads * cap * self.row_bytes) for _ in range(2 * self.n_layers)]
+        nbytes = self.heads * cap * self.row_bytes
+        new = [self.pool.device(nbytes) for _ in range(2 * self.n_layers)]
+        for p in new:  # cudaMalloc hands out garbage: a NaN in a masked slot still turns its row NaN (0 * NaN)
+            self.api.memset_async(p, 0, nbytes, self.stream)
         for dst, src in zip(new, self.ptrs):  # per head: the first `length` rows of the old pitch
             self.api.memcpy2d_dtod_async(dst, cap * self.row_bytes, src, self.capacity * self.row_bytes,
                                          self.length * self.row_bytes, self.heads, self.stream)

@@ -29,6 +29,7 @@ thread safe (one backend per thread / concurrent request); call :meth:`TrtBacken
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -38,12 +39,12 @@ import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import EngineProfile, ExportManifest, read_manifest, sha256_file
-from dflash2_trt.runtime.base import BackendBase, Draft
+from dflash2_trt.runtime.base import BackendBase, BackendUnavailable, Draft
 from dflash2_trt.runtime.cuda_api import CudaApi, CudaRuntime
 from dflash2_trt.runtime.cuda_graphs import GraphCache, GraphKey
 from dflash2_trt.runtime.device_buffers import BufferPool, DeviceKV, IOTensor
 from dflash2_trt.runtime.trt_env import (check_engine_identity, current_identity, engine_set, import_tensorrt,
-                                         resolve_plugin)
+                                         load_plugin_library, resolve_plugin)
 from dflash2_trt.vocabulary import SELECTOR_MODES, head_key
 
 if TYPE_CHECKING:
@@ -73,10 +74,10 @@ class TrtEngine:
         self.be, self.key, self.profiles = be, key, profiles
         trt_mod = be.trt
         engine = be.runtime.deserialize_cuda_engine(path.read_bytes())
-        if engine is None:
-            raise DFlash2Error(f"TensorRT could not deserialize {path.name} (built by another TensorRT version or "
-                               f"GPU, corrupt, or the plugin library is missing): rebuild with dflash2-export "
-                               f"build-engines")
+        if engine is None:  # the identity check passed, so this is a TensorRT / driver / plugin refusal here
+            raise BackendUnavailable(f"TensorRT could not deserialize {path.name} (built by another TensorRT "
+                                     f"version or GPU, corrupt, or the plugin library is missing): rebuild with "
+                                     f"dflash2 build-engines")
         self.engine: trt.ICudaEngine = engine
         self.names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         self.inputs = [n for n in self.names if engine.get_tensor_mode(n) == trt_mod.TensorIOMode.INPUT]
@@ -85,7 +86,10 @@ class TrtEngine:
         self.scratch_bytes = int(engine.device_memory_size_v2)
         self.scratch = be.pool.device(self.scratch_bytes)
         self._eager: dict[int, trt.IExecutionContext] = {}
-        self._graph_ctx: dict[tuple[int, tuple[tuple[str, tuple[int, ...]], ...]], trt.IExecutionContext] = {}
+        # captured shape buckets' contexts, least recently used first (bounded by be.max_contexts)
+        self._graph_ctx: OrderedDict[tuple[int, tuple[tuple[str, tuple[int, ...]], ...]],
+                                     trt.IExecutionContext] = OrderedDict()
+        self.evicted = 0
 
     def profile_index(self, name: str) -> int:
         for i, p in enumerate(self.profiles):
@@ -97,28 +101,62 @@ class TrtEngine:
         return int(self.profiles[self.profile_index(profile)].dims[dim][2])
 
     def _new_context(self, profile: int) -> trt.IExecutionContext:
+        """A context on ``profile``. Profiles are shared between contexts (TensorRT 10+ always allows it);
+        TensorRT refusing a context or a profile here means "cannot run here": BackendUnavailable."""
         trt_mod = self.be.trt
         ctx = self.engine.create_execution_context(trt_mod.ExecutionContextAllocationStrategy.USER_MANAGED)
         if ctx is None:
-            raise DFlash2Error(f"TensorRT could not create an execution context for {self.key}")
+            raise BackendUnavailable(f"TensorRT could not create an execution context for {self.key} (see the "
+                                     f"TensorRT log above)")
         ctx.set_device_memory(self.scratch, self.scratch_bytes)
         if self.be.profiler is not None:  # per-layer timing (GPU check); profiled steps run eagerly
             ctx.profiler = self.be.profiler
-        if not ctx.set_optimization_profile_async(profile, self.be.stream):
-            raise DFlash2Error(f"{self.key}: cannot select optimization profile {profile}")
+        try:  # the Python binding raises RuntimeError where the C++ API returns false
+            ok = ctx.set_optimization_profile_async(profile, self.be.stream)
+        except RuntimeError as e:
+            raise BackendUnavailable(f"{self.key}: TensorRT cannot select optimization profile {profile} "
+                                     f"({self.profiles[profile].name}) for a new execution context: {e}") from None
+        if not ok:
+            raise BackendUnavailable(f"{self.key}: TensorRT cannot select optimization profile {profile} "
+                                     f"({self.profiles[profile].name}) for a new execution context")
         return ctx
+
+    def open_contexts(self) -> None:
+        """Create the eager context of every profile now, so that a TensorRT that cannot run these engines
+        fails while the backend is being constructed (and ``--backend auto`` falls back)."""
+        for i in range(len(self.profiles)):
+            if i not in self._eager:
+                self._eager[i] = self._new_context(i)
+
+    @property
+    def n_contexts(self) -> int:
+        return len(self._eager) + len(self._graph_ctx)
 
     def bind(self, profile: int, shapes: Mapping[str, tuple[int, ...]], addresses: Mapping[str, int], captured: bool
              ) -> trt.IExecutionContext:
         """A context with ``shapes`` set on the inputs and every tensor bound to ``addresses``.
-        ``captured``: the shape bucket's own context (fixed shapes), else the profile's eager context."""
-        skey = tuple(sorted(shapes.items()))
-        ctx = (self._graph_ctx.get((profile, skey)) if captured else self._eager.get(profile))
-        fresh = ctx is None
-        if ctx is None:
-            ctx = self._new_context(profile)
-            (self._graph_ctx.__setitem__((profile, skey), ctx) if captured else self._eager.__setitem__(profile, ctx))
-        if fresh or not captured:
+        ``captured``: the shape bucket's own context (fixed shapes), else the profile's eager context.
+
+        Captured contexts are bounded by ``be.max_contexts`` per engine: the least recently used one is
+        dropped, after every graph that used it (its key holds the context's identity) is destroyed."""
+        skey = (profile, tuple(sorted(shapes.items())))
+        if captured:
+            ctx = self._graph_ctx.get(skey)
+            fresh = ctx is None
+            if ctx is None:
+                while len(self._graph_ctx) >= self.be.max_contexts:
+                    _, old = self._graph_ctx.popitem(last=False)
+                    self.be.graphs.invalidate([id(old)])
+                    self.evicted += 1
+                ctx = self._graph_ctx[skey] = self._new_context(profile)
+            else:
+                self._graph_ctx.move_to_end(skey)
+        else:
+            ctx = self._eager.get(profile)
+            if ctx is None:
+                ctx = self._eager[profile] = self._new_context(profile)
+            fresh = True
+        if fresh:
             for name, shape in shapes.items():
                 if not ctx.set_input_shape(name, shape):
                     raise DFlash2Error(f"{self.key}: input {name} shape {shape} is outside optimization profile "
@@ -127,6 +165,15 @@ class TrtEngine:
             if not ctx.set_tensor_address(name, addresses[name]):
                 raise DFlash2Error(f"{self.key}: cannot bind tensor {name}")
         return ctx
+
+    def check_static_shape(self, name: str, expected: tuple[int, ...]) -> None:
+        """The engine's static dims of ``name`` must equal ``expected`` (the buffer sizes the runner derives
+        from the manifest): a mismatch would let TensorRT write past the runner's buffers."""
+        got = tuple(int(x) for x in self.engine.get_tensor_shape(name))
+        if len(got) != len(expected) or any(g >= 0 and g != e for g, e in zip(got, expected)):
+            raise DFlash2Error(f"{self.key}: engine tensor {name} has shape {got}, the manifest implies "
+                               f"{expected}: the engines do not belong to this export (rebuild with dflash2 "
+                               f"build-engines)")
 
     def execute(self, ctx: trt.IExecutionContext) -> None:
         if not ctx.execute_async_v3(self.be.stream):
@@ -146,6 +193,11 @@ class TrtBackend(BackendBase):
 
     name = "trt"
 
+    #: captured shape-bucket contexts kept per engine (each holds TensorRT per-context state; the oldest is
+    #: dropped with its graphs beyond this) and captured graphs kept per backend
+    max_contexts = 16
+    max_graphs = 48
+
     def __init__(self, model_dir: str | Path, verify_checksums: bool = True, plugin: str | Path | None = None,
                  cuda_graphs: bool = True, trt_module: ModuleType | None = None, api: CudaApi | None = None
                  ) -> None:
@@ -160,16 +212,22 @@ class TrtBackend(BackendBase):
                               sha256_file(plugin_path) if plugin_path else None)
         self.logger = self.trt.Logger(self.trt.Logger.WARNING)
         if plugin_path is not None:
-            if not self.trt.get_plugin_registry().load_library(str(plugin_path)):
-                raise DFlash2Error(f"TensorRT could not load the plugin library {plugin_path}")
+            load_plugin_library(self.trt, plugin_path)
         self.plugin_path = plugin_path
         self.runtime = self.trt.Runtime(self.logger)
         self.stream = self.api.stream_create()
         self._closed = False
         self.pool = BufferPool(self.api)
-        self.graphs = GraphCache(self.api, enabled=cuda_graphs)
+        self.graphs = GraphCache(self.api, enabled=cuda_graphs, max_graphs=self.max_graphs)
         self._engines: dict[str, TrtEngine] = {}
         self.profiler: trt.IProfiler | None = None  # set before creating runners to time layers
+        try:  # deserialise the mode-independent engines and open a context per profile now (see open_contexts)
+            for key in ("target", "drafter_context", "drafter_block"):
+                if key in self.entry.plans:
+                    self.engine(key).open_contexts()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def description(self) -> str:
@@ -242,6 +300,8 @@ class TrtTarget:
                   "attention_mask": (1, cap + self.chunk), "logits": (1, self.chunk, self.vocab_size),
                   "context_features": (1, self.chunk, F)}
         shapes.update({n: (1, kvh, self.chunk, d) for n in self.present})
+        for name in ("logits", *self.present):  # buffer sizes come from the manifest: the engine must agree
+            self.eng.check_static_shape(name, shapes[name])
         self.io = _io(be, self.eng, shapes, {"input_ids", "position_ids", "attention_mask", "logits",
                                              "context_features"})
         self.last_path = ""  # "replay" | "captured" | "eager" (for the GPU check)
@@ -336,6 +396,10 @@ class TrtDrafter:
         self.hio = _io(be, self.head_eng, {"anchor_ids": (1,), "temperature": (1,), "uniforms": (1, L),
                                            "cand_ids": (1, L, K), "path_ids": (1, L), "proposal_probs": (1, L, K)},
                        {"anchor_ids", "temperature", "uniforms", "cand_ids", "path_ids", "proposal_probs"})
+        for name in ("cand_ids", "path_ids", "proposal_probs", "uniforms"):  # the manifest's sizes vs the engine
+            self.head_eng.check_static_shape(name, self.hio[name].max_shape)
+        self.head_eng.check_static_shape("hidden", self.bio["hidden"].max_shape)
+        self.block_eng.check_static_shape("hidden", self.bio["hidden"].max_shape)
         self.K, self.L = K, L
         self.last_path = ""
 

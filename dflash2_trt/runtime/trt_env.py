@@ -9,17 +9,31 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
+import weakref
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import EngineSet, ExportManifest
+from dflash2_trt.manifest import EngineSet, ExportManifest, sha256_file
 from dflash2_trt.runtime.base import BackendUnavailable
 from dflash2_trt.runtime.cuda_api import DeviceInfo
 
 MIN_TRT = (10, 3)
 PLUGIN_ENV = "DFLASH2_PLUGIN_LIB"
+# the creator the plugin library registers (selector_contract.OP_TYPE / PLUGIN_VERSION; the export package is
+# not imported here: the runtime imports no export code)
+PLUGIN_CREATOR = ("DFlash2PathSelector", "1", "")
+
+# Plugin libraries registered in this process, per tensorrt module (one in real use; the CPU tests' fakes
+# each have their own registry): sha256 -> path. TensorRT's registry is process-wide and
+# IPluginRegistry::loadLibrary returns nullptr (Python: None) when any creator of the library is already
+# registered — by an earlier load_library of the same file or of a copy (build-engines copies the library
+# next to the engines), or by the library's own load-time registration. So a second backend in one process
+# must not treat None as failure: the record and a creator look-up decide.
+_LOADED_PLUGINS: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+_PLUGIN_LOCK = threading.Lock()
 
 
 def import_tensorrt() -> ModuleType:
@@ -40,6 +54,40 @@ def import_tensorrt() -> ModuleType:
         raise BackendUnavailable(f"TensorRT {mod.__version__} is too old: >= {MIN_TRT[0]}.{MIN_TRT[1]} is needed "
                                  f"(JetPack 6.2 ships 10.3)")
     return mod
+
+
+def _creator_registered(registry: Any) -> bool:
+    name, version, namespace = PLUGIN_CREATOR
+    try:
+        return registry.get_creator(name, version, namespace) is not None
+    except (RuntimeError, TypeError):  # older bindings without the V3 look-up answer "not found" this way
+        return False
+
+
+def load_plugin_library(trt_mod: Any, path: str | Path) -> None:
+    """Register the DFlash2 plugin library ``path`` with TensorRT's process-wide plugin registry, once.
+
+    Idempotent across backends and builds in one process. Raises :class:`BackendUnavailable` when TensorRT
+    cannot load it, or when a *different* build of the library (another sha256) is already registered in
+    this process (TensorRT would silently run the engines with the other build's creator)."""
+    p = Path(path)
+    digest = sha256_file(p)
+    with _PLUGIN_LOCK:
+        loaded = _LOADED_PLUGINS.setdefault(trt_mod, {})
+        if digest in loaded:
+            return
+        if loaded:
+            other = next(iter(loaded.values()))
+            raise BackendUnavailable(f"another build of the DFlash2 plugin library ({other}) is already loaded in "
+                                     f"this process; TensorRT cannot load {p} beside it (use one library per "
+                                     f"process)")
+        registry = trt_mod.get_plugin_registry()
+        handle = None if _creator_registered(registry) else registry.load_library(str(p))
+        if handle is None and not _creator_registered(registry):
+            raise BackendUnavailable(f"TensorRT could not load the plugin library {p} (see the TensorRT log "
+                                     f"above; a library built for another TensorRT major version refuses to "
+                                     f"load)")
+        loaded[digest] = str(p)
 
 
 def version_tuple(v: str) -> tuple[int, ...]:
