@@ -169,7 +169,8 @@ class TrtEngine:
     def check_static_shape(self, name: str, expected: tuple[int, ...]) -> None:
         """The engine's static dims of ``name`` must equal ``expected`` (the buffer sizes the runner derives
         from the manifest): a mismatch would let TensorRT write past the runner's buffers."""
-        got = tuple(int(x) for x in self.engine.get_tensor_shape(name))
+        dims = self.engine.get_tensor_shape(name)
+        got = tuple(int(dims[i]) for i in range(len(dims)))
         if len(got) != len(expected) or any(g >= 0 and g != e for g, e in zip(got, expected)):
             raise DFlash2Error(f"{self.key}: engine tensor {name} has shape {got}, the manifest implies "
                                f"{expected}: the engines do not belong to this export (rebuild with dflash2 "
