@@ -9,6 +9,8 @@
 
 #include "../pathSelector/dflash2PathSelectorPlugin.h"
 
+#include <NvInferVersion.h>
+
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -17,12 +19,72 @@
 #include <mutex>
 #include <string>
 
+// One source, built per TensorRT header major: the IPluginV3 / ILoggerFinder / IPluginRegistry
+// interfaces this library implements or calls are virtual-table contracts of one major version
+// (TensorRT 11 reordered them), so a build for major N may only be used by a TensorRT of major N.
+#if NV_TENSORRT_MAJOR != 10 && NV_TENSORRT_MAJOR != 11
+#error "libdflash2_plugins supports the TensorRT 10.x and 11.x headers only"
+#endif
+
 namespace dflash2
 {
 namespace plugin
 {
 namespace
 {
+
+constexpr int32_t kBUILT_MAJOR = NV_TENSORRT_MAJOR;
+
+//! getInferLibVersion of the TensorRT in this process (major * 10000 + minor * 100 + patch), or 0
+//! when none is loaded: a globally visible libnvinfer (linked application, trtexec), else a
+//! libnvinfer.so.N already loaded locally (the tensorrt Python module) found with RTLD_NOLOAD.
+//! Never loads TensorRT itself.
+int32_t runtimeVersion() noexcept
+{
+    void* sym = dlsym(RTLD_DEFAULT, "getInferLibVersion");
+    for (char const* soname : {"libnvinfer.so.11", "libnvinfer.so.10"})
+    {
+        if (sym != nullptr)
+        {
+            break;
+        }
+        if (void* handle = dlopen(soname, RTLD_NOW | RTLD_NOLOAD))
+        {
+            sym = dlsym(handle, "getInferLibVersion");
+            dlclose(handle); // RTLD_NOLOAD took a reference: give it back
+        }
+    }
+    if (sym == nullptr)
+    {
+        return 0;
+    }
+    using VersionFn = int32_t (*)();
+    VersionFn getVersion{};
+    std::memcpy(&getVersion, &sym, sizeof(getVersion)); // a cast from void* is not portable C++
+    return getVersion();
+}
+
+//! True when the TensorRT in this process (if any) has the major version this library was built
+//! for. On a mismatch prints one line on stderr, once (TensorRT's logger is not used: reaching it
+//! goes through the very virtual tables that differ).
+bool runtimeMajorMatches() noexcept
+{
+    static int32_t const sVersion = runtimeVersion();
+    int32_t const major = sVersion / 10000;
+    if (sVersion == 0 || major == kBUILT_MAJOR)
+    {
+        return true;
+    }
+    static std::atomic<bool> sReported{false};
+    if (!sReported.exchange(true))
+    {
+        std::fprintf(stderr,
+            "[dflash2_plugins] ERROR: this libdflash2_plugins.so was built against TensorRT %d headers but TensorRT "
+            "%d.%d is loaded; rebuild it against TensorRT %d headers (cmake -DTensorRT_ROOT=<TensorRT %d>)\n",
+            kBUILT_MAJOR, major, (sVersion / 100) % 100, major, major);
+    }
+    return false;
+}
 
 std::mutex gLoggerMutex;
 nvinfer1::ILoggerFinder* gLoggerFinder{nullptr}; // guarded by gLoggerMutex
@@ -72,17 +134,14 @@ struct StaticRegistrar
             {
                 return;
             }
-            // function pointers from dlsym: copy the bits (a cast from void* is not portable C++)
-            using VersionFn = int32_t (*)();
-            using RegistryFn = nvinfer1::IPluginRegistry* (*)();
-            VersionFn getVersion{};
-            RegistryFn getRegistry{};
-            std::memcpy(&getVersion, &versionSym, sizeof(getVersion));
-            std::memcpy(&getRegistry, &registrySym, sizeof(getRegistry));
-            if (getVersion() < 100000) // TensorRT 10.0 is encoded 100000
+            if (!runtimeMajorMatches()) // another major's registry has another virtual table
             {
                 return;
             }
+            // function pointers from dlsym: copy the bits (a cast from void* is not portable C++)
+            using RegistryFn = nvinfer1::IPluginRegistry* (*)();
+            RegistryFn getRegistry{};
+            std::memcpy(&getRegistry, &registrySym, sizeof(getRegistry));
             nvinfer1::IPluginRegistry* registry = getRegistry();
             if (registry == nullptr)
             {
@@ -116,6 +175,10 @@ StaticRegistrar const gStaticRegistrar;
 
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
 {
+    if (!runtimeMajorMatches()) // its findLogger() slot is not where this build expects it
+    {
+        return;
+    }
     std::lock_guard<std::mutex> lock(gLoggerMutex);
     if (gLoggerFinder == nullptr && finder != nullptr)
     {
@@ -166,8 +229,18 @@ extern "C" void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
 
 extern "C" nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) noexcept
 {
+    if (!dflash2::plugin::runtimeMajorMatches())
+    {
+        nbCreators = 0; // loadLibrary then fails: the host gets nullptr / None and our stderr line
+        return nullptr;
+    }
     nbCreators = dflash2::plugin::gStaticallyRegistered.load() ? 0 : dflash2::plugin::kNB_CREATORS;
     return dflash2::plugin::creatorList();
+}
+
+extern "C" int32_t dfl2PluginsTensorRTMajor() noexcept
+{
+    return dflash2::plugin::kBUILT_MAJOR;
 }
 
 extern "C" nvinfer1::IPluginCreatorInterface* const* dfl2PluginsAllCreators(int32_t* nbCreators) noexcept

@@ -51,6 +51,10 @@ extern "C"
     //! The creators regardless of static registration (tests, tools). Never null.
     DFL2_PLUGIN_API nvinfer1::IPluginCreatorInterface* const* dfl2PluginsAllCreators(int32_t* nbCreators) noexcept;
 
+    //! The TensorRT major version of the headers this library was built against (10 or 11). A
+    //! TensorRT of another major loading it gets no creators and one line on stderr.
+    DFL2_PLUGIN_API int32_t dfl2PluginsTensorRTMajor() noexcept;
+
     //! 1 if the load-time static registration registered the creators, else 0.
     DFL2_PLUGIN_API int32_t dfl2PluginsStaticallyRegistered() noexcept;
 

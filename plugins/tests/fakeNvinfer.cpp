@@ -141,9 +141,11 @@ extern "C" __attribute__((visibility("default"))) nvinfer1::IPluginRegistry* get
     return &registry();
 }
 
+//! 10.14.1, or $DFLASH2_FAKE_NVINFER_VERSION (e.g. 110400: a TensorRT 11 host for the major check)
 extern "C" __attribute__((visibility("default"))) int32_t getInferLibVersion() noexcept
 {
-    return 101401; // 10.14.1
+    char const* env = std::getenv("DFLASH2_FAKE_NVINFER_VERSION");
+    return env != nullptr ? static_cast<int32_t>(std::strtol(env, nullptr, 10)) : 101401;
 }
 
 //! Number of creators registered so far, and the name of entry k (tests).
