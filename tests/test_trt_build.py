@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -212,3 +213,23 @@ def test_build_then_backend_in_one_process_loads_the_plugin_once(export_copy, tm
     with TrtBackend(export_copy, trt_module=trt, api=trt.cuda):
         pass
     assert reg.load_calls == [str(plugin)]  # the look-up found the creator: no second load_library
+
+
+@pytest.mark.parametrize("version,error", [("10.3.0.26", None), ("11.4.0.106", None),
+                                           ("10.2.0", "too old"), ("12.0.0.1", "not supported")])
+def test_supported_tensorrt_versions(monkeypatch, version, error):
+    """TensorRT 10.3+ and 11 are accepted (one plugin build per major); anything else is BackendUnavailable."""
+    import types
+
+    from dflash2_trt.runtime.base import BackendUnavailable
+    from dflash2_trt.runtime.trt_env import import_tensorrt
+
+    mod = types.ModuleType("tensorrt")
+    mod.__version__ = version
+    mod.Builder = object
+    monkeypatch.setitem(sys.modules, "tensorrt", mod)
+    if error is None:
+        assert import_tensorrt() is mod
+    else:
+        with pytest.raises(BackendUnavailable, match=f"TensorRT {version} is {error}"):
+            import_tensorrt()

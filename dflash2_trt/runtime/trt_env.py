@@ -21,6 +21,7 @@ from dflash2_trt.runtime.base import BackendUnavailable
 from dflash2_trt.runtime.cuda_api import DeviceInfo
 
 MIN_TRT = (10, 3)
+SUPPORTED_TRT_MAJORS = (10, 11)  # the plugin library is built for one of these (plugins/CMakeLists.txt)
 PLUGIN_ENV = "DFLASH2_PLUGIN_LIB"
 # the creator the plugin library registers (selector_contract.OP_TYPE / PLUGIN_VERSION; the export package is
 # not imported here: the runtime imports no export code)
@@ -53,6 +54,10 @@ def import_tensorrt() -> ModuleType:
     if v[:2] < MIN_TRT:
         raise BackendUnavailable(f"TensorRT {mod.__version__} is too old: >= {MIN_TRT[0]}.{MIN_TRT[1]} is needed "
                                  f"(JetPack 6.2 ships 10.3)")
+    if v[0] not in SUPPORTED_TRT_MAJORS:
+        raise BackendUnavailable(f"TensorRT {mod.__version__} is not supported: this release supports TensorRT "
+                                 f"{' and '.join(map(str, SUPPORTED_TRT_MAJORS))} (pip install "
+                                 f"'dflash2-trt[trt]' or '[trt11]')")
     return mod
 
 
