@@ -166,3 +166,19 @@ def test_graph_cache_and_kv_together():
     assert key in cache
     kv.reserve(5)
     assert key not in cache and cache.stats.invalidated == 1
+
+
+def test_gpu_cuda_layer_check_passes_on_the_fake():
+    """plugins/tests/cuda_layer_check.py (run on real CUDA by gpu_check.sh) holds against FakeCuda: the
+    script's expectations are the semantics the CPU tests assume, so a GPU failure means CUDA differs."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "plugins" / "tests" / "cuda_layer_check.py"
+    spec = importlib.util.spec_from_file_location("cuda_layer_check", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cuda = FakeCuda()
+    assert mod.run_checks(cuda) == 0
+    assert cuda.count("begin_capture") >= 3 and cuda.count("graph_launch") == 3
