@@ -5,10 +5,13 @@ Same NumPy decoder loop as ONNX Runtime (:mod:`dflash2_trt.runtime.decoder`); on
 so token equality with ORT / PyTorch reduces to engine-vs-ONNX equality.
 
 Per engine: the deserialised ``ICudaEngine`` and one scratch allocation (``device_memory_size_v2``) shared by
-its execution contexts (``USER_MANAGED`` memory). Contexts: one per optimization profile for eager calls,
-plus one per captured shape bucket — a captured CUDA graph fixes the context's shapes and addresses, so a
-context that has a graph is never re-shaped. All work of a backend runs in order on one stream, which is what
-makes sharing the scratch safe.
+its execution contexts (``USER_MANAGED`` memory). Contexts: one per optimization profile for eager calls
+(opened while the backend is constructed, so a TensorRT that refuses them raises ``BackendUnavailable``
+there and ``--backend auto`` falls back), plus one per captured shape bucket, at most ``max_contexts`` per
+engine (least recently used dropped with its graphs) — a captured CUDA graph fixes the context's shapes and
+addresses, so a context that has a graph is never re-shaped. Profiles are shared between contexts (TensorRT
+10+). All work of a backend runs in order on one stream (engines are built without auxiliary streams), which
+is what makes sharing the scratch safe.
 
 Steps and graphs (:mod:`dflash2_trt.runtime.cuda_graphs`): the target's verify / decode call (rows <= the
 block size) and the drafter step (block pass + head with the selector, one graph for both engines) each run
