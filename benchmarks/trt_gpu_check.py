@@ -142,9 +142,9 @@ def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[di
                 dr.add_context(feats, 0)
                 u = np.full((1, dr.L), 0.37, np.float32)
                 drafts.append(dr.propose(p[-1], len(p), temp, u if temp > 0 else None))
-            a, b = drafts
-            same &= np.array_equal(a.cand, b.cand) and np.array_equal(a.tokens, b.tokens)
-            dq = max(dq, float(np.abs(a.proposal - b.proposal).max()))
+            d_plug, d_dec = drafts
+            same &= np.array_equal(d_plug.cand, d_dec.cand) and np.array_equal(d_plug.tokens, d_dec.tokens)
+            dq = max(dq, float(np.abs(d_plug.proposal - d_dec.proposal).max()))
         dec.close()
         row("plugin head = decomposed head", same and dq <= 1e-6,
             f"greedy, Viterbi T=0 and T=0.8: ids {'equal' if same else 'DIFFER'}, max |dq| = {dq:.3g}")
@@ -154,13 +154,14 @@ def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[di
     # 6. target vs ORT, token by token, with the margin at the first divergence
     diverged, detail = 0, []
     for i, q in enumerate(prompts):
-        a, la = _ar_with_logits(tg, q, max_new)
-        b, lb = _ar_with_logits(to, q, max_new)
-        k = first_divergence(a, b)
+        t_tok, t_logits = _ar_with_logits(tg, q, max_new)
+        o_tok, o_logits = _ar_with_logits(to, q, max_new)
+        k = first_divergence(t_tok, o_tok)
         if k is not None:
             diverged += 1
-            detail.append(f"prompt {i}: step {k} TRT {a[k]} vs ORT {b[k]}, ORT margin {top2_margin(lb[k]):.3g}, "
-                          f"max |dlogit| {float(np.abs(la[k] - lb[k]).max()):.3g}")
+            detail.append(f"prompt {i}: step {k} TRT {t_tok[k]} vs ORT {o_tok[k]}, ORT margin "
+                          f"{top2_margin(o_logits[k]):.3g}, max |dlogit| "
+                          f"{float(np.abs(t_logits[k] - o_logits[k]).max()):.3g}")
     row("target logits vs ORT", diverged == 0,
         f"{len(prompts)} prompts x {max_new} tokens: " + ("identical" if not diverged else "; ".join(detail)))
 
@@ -168,9 +169,9 @@ def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[di
     dg, de = g.draft_runner("greedy"), e.draft_runner("greedy")
     bad = []
     for i, q in enumerate(prompts):
-        a = speculative_generate(tg, dg, q, max_new, eos_ids=set()).tokens
-        b = speculative_generate(te, de, q, max_new, eos_ids=set()).tokens
-        k = first_divergence(a, b)
+        g_tok = speculative_generate(tg, dg, q, max_new, eos_ids=set()).tokens
+        e_tok = speculative_generate(te, de, q, max_new, eos_ids=set()).tokens
+        k = first_divergence(g_tok, e_tok)
         if k is not None:
             bad.append(f"prompt {i} at token {k}")
     row("graph vs eager decoding", not bad, "identical" if not bad else ", ".join(bad))
@@ -190,8 +191,9 @@ def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[di
 
     eager_ms, replay_ms = per_step(te), per_step(tg)
     row("verify step timing", None, f"{bs} rows: eager {eager_ms:.3f} ms, graph replay {replay_ms:.3f} ms")
-    for be in (g, e, o):
-        be.close()
+    g.close()
+    e.close()
+    o.close()
     return rows
 
 

@@ -26,7 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ["dflash2_trt/runtime/cuda_api.py", "dflash2_trt/runtime/cuda_graphs.py",
            "dflash2_trt/runtime/device_buffers.py", "dflash2_trt/runtime/trt_backend.py",
-           "dflash2_trt/export/engines.py"]
+           "dflash2_trt/export/engines.py", "dflash2_trt/runtime/trt_env.py",
+           "benchmarks/trt_gpu_check.py", "plugins/tests/cuda_layer_check.py"]  # the GPU checks too
 STUB = ROOT / "typings" / "cuda" / "bindings" / "runtime.pyi"
 
 
