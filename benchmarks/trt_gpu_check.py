@@ -96,9 +96,12 @@ def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[di
 
     # 2. double load: the raw registry answers None for a registered library; ours accepts it
     if plugin is not None:
-        load_plugin_library(trt, plugin)
+        from dflash2_trt.manifest import read_manifest
+
+        spec = read_manifest(d, verify_checksums=False).plugin
+        load_plugin_library(trt, plugin, spec)
         raw = trt.get_plugin_registry().load_library(str(plugin))
-        load_plugin_library(trt, plugin)
+        load_plugin_library(trt, plugin, spec)
         row("double load_library", raw is None, f"raw second load_library -> {raw!r}; load_plugin_library twice ok")
     g = TrtBackend(d, cuda_graphs=True, plugin=plugin)
     e = TrtBackend(d, cuda_graphs=False, plugin=plugin, verify_checksums=False)

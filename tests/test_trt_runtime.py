@@ -194,17 +194,19 @@ def test_second_backend_and_another_plugin_build(fake_engines, tmp_path):
     with TrtBackend(fake_engines, trt_module=trt, api=cuda), TrtBackend(fake_engines, trt_module=trt, api=cuda):
         pass
     assert len(trt.get_plugin_registry().load_calls) == 1
+    from dflash2_trt.manifest import read_manifest
     from dflash2_trt.runtime.trt_env import load_plugin_library
 
+    spec = read_manifest(fake_engines).plugin  # the creator the library registers
     other = tmp_path / "libother.so"
     other.write_bytes(b"another build")
     with pytest.raises(BackendUnavailable, match="another build of the DFlash2 plugin library .* already loaded"):
-        load_plugin_library(trt, other)
+        load_plugin_library(trt, other, spec)
     fresh = FakeTrt(cuda)  # a registry where the library cannot load (e.g. built for another major)
     fresh.get_plugin_registry().creators[("Other", "1", "")] = "x"
     fresh.get_plugin_registry().load_library = lambda path: None
     with pytest.raises(BackendUnavailable, match="TensorRT could not load the plugin library"):
-        load_plugin_library(fresh, other)
+        load_plugin_library(fresh, other, spec)
 
 
 def _patch_trt(monkeypatch, trt, cuda):

@@ -263,7 +263,7 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
     plan = precision_plan(trt_mod.__version__, manifest.dtype, weak_typing, tf32)
     logger = trt_mod.Logger(trt_mod.Logger.WARNING)
     if plugin_path is not None:
-        load_plugin_library(trt_mod, plugin_path)
+        load_plugin_library(trt_mod, plugin_path, manifest.plugin)
     old = manifest.engines
     cache_blob = None
     if old is not None and old.timing_cache and (d / old.timing_cache).is_file():

@@ -216,7 +216,7 @@ class TrtBackend(BackendBase):
                               sha256_file(plugin_path) if plugin_path else None)
         self.logger = self.trt.Logger(self.trt.Logger.WARNING)
         if plugin_path is not None:
-            load_plugin_library(self.trt, plugin_path)
+            load_plugin_library(self.trt, plugin_path, self.manifest.plugin)
         self.plugin_path = plugin_path
         self.runtime = self.trt.Runtime(self.logger)
         self.stream = self.api.stream_create()

@@ -16,16 +16,13 @@ from types import ModuleType
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import EngineSet, ExportManifest, sha256_file
+from dflash2_trt.manifest import EngineSet, ExportManifest, PluginSpec, sha256_file
 from dflash2_trt.runtime.base import BackendUnavailable
 from dflash2_trt.runtime.cuda_api import DeviceInfo
 
 MIN_TRT = (10, 3)
 SUPPORTED_TRT_MAJORS = (10, 11)  # the plugin library is built for one of these (plugins/CMakeLists.txt)
 PLUGIN_ENV = "DFLASH2_PLUGIN_LIB"
-# the creator the plugin library registers (selector_contract.OP_TYPE / PLUGIN_VERSION; the export package is
-# not imported here: the runtime imports no export code)
-PLUGIN_CREATOR = ("DFlash2PathSelector", "1", "")
 
 # Plugin libraries registered in this process, per tensorrt module (one in real use; the CPU tests' fakes
 # each have their own registry): sha256 -> path. TensorRT's registry is process-wide and
@@ -61,16 +58,16 @@ def import_tensorrt() -> ModuleType:
     return mod
 
 
-def _creator_registered(registry: Any) -> bool:
-    name, version, namespace = PLUGIN_CREATOR
+def _creator_registered(registry: Any, spec: PluginSpec) -> bool:
     try:
-        return registry.get_creator(name, version, namespace) is not None
+        return registry.get_creator(spec.op_type, spec.plugin_version, spec.plugin_namespace) is not None
     except (RuntimeError, TypeError):  # older bindings without the V3 look-up answer "not found" this way
         return False
 
 
-def load_plugin_library(trt_mod: Any, path: str | Path) -> None:
-    """Register the DFlash2 plugin library ``path`` with TensorRT's process-wide plugin registry, once.
+def load_plugin_library(trt_mod: Any, path: str | Path, spec: PluginSpec) -> None:
+    """Register the DFlash2 plugin library ``path`` (whose creator is the manifest's ``spec``: op type,
+    plugin version and namespace) with TensorRT's process-wide plugin registry, once.
 
     Idempotent across backends and builds in one process. Raises :class:`BackendUnavailable` when TensorRT
     cannot load it, or when a *different* build of the library (another sha256) is already registered in
@@ -87,8 +84,8 @@ def load_plugin_library(trt_mod: Any, path: str | Path) -> None:
                                      f"this process; TensorRT cannot load {p} beside it (use one library per "
                                      f"process)")
         registry = trt_mod.get_plugin_registry()
-        handle = None if _creator_registered(registry) else registry.load_library(str(p))
-        if handle is None and not _creator_registered(registry):
+        handle = None if _creator_registered(registry, spec) else registry.load_library(str(p))
+        if handle is None and not _creator_registered(registry, spec):
             raise BackendUnavailable(f"TensorRT could not load the plugin library {p} (see the TensorRT log "
                                      f"above; a library built for another TensorRT major version refuses to "
                                      f"load)")
