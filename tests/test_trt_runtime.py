@@ -285,3 +285,25 @@ def test_head_buffers_sized_by_the_engine(fake_engines):
     with pytest.raises(DFlash2Error, match=r"cand_ids has shape \(1, 15, 32\), the manifest implies \(1, 15, 16\)"):
         be.draft_runner("greedy")
     be.close()
+
+
+def test_engines_with_auxiliary_streams_are_never_captured(fake_engines):
+    """An engine that uses TensorRT auxiliary streams (not one of build-engines': max_aux_streams = 0) runs
+    eagerly: a failed capture could leave those streams capturing."""
+    be, trt, cuda = _open(fake_engines)
+    assert be.engine("target").aux_streams == 0  # as built
+    be.close()
+    cuda = FakeCuda()
+    trt = FakeTrt(cuda)
+    trt.aux_streams_override = 2
+    be, _, _ = _open(fake_engines, cuda=cuda, trt=trt)
+    tgt, dr = be.target_runner(), be.draft_runner("greedy")
+    tgt.forward(list(range(1, 21)))
+    for _ in range(2):
+        tgt.forward([1, 2, 3])
+        assert tgt.last_path == "eager"
+    dr.add_context(np.zeros((20, 128), np.float32), 0)
+    dr.propose(1, 20, 0.0, None)
+    assert dr.last_path == "eager"
+    assert cuda.count("begin_capture") == 0 and len(be.graphs) == 0
+    be.close()

@@ -236,6 +236,7 @@ class FakeTrt:
         self.profile_error: str | None = None  # set: set_optimization_profile_async raises RuntimeError(it)
         self.parse_errors: list[str] = []  # set: the ONNX parser fails with these
         self.shape_override: dict[str, tuple[int, ...]] = {}  # engine tensor shapes that differ from the ONNX
+        self.aux_streams_override: int | None = None  # engines that report auxiliary streams
         self.Logger = type("Logger", (), {"WARNING": "WARNING", "__init__": lambda s, sev=None: None})
         self.TensorIOMode = _Ns(INPUT=_Enum("INPUT"), OUTPUT=_Enum("OUTPUT"))
         self.ExecutionContextAllocationStrategy = _Ns(USER_MANAGED=_Enum("USER_MANAGED"))
@@ -378,6 +379,9 @@ class FakeEngine:
         self.tensors = {**plan["inputs"], **plan["outputs"]}
         self.num_io_tensors = len(self.tensors)
         self.device_memory_size_v2 = 4096
+        # the builder's heuristics may add auxiliary streams unless max_aux_streams = 0 was set
+        self.num_aux_streams = fake.aux_streams_override if fake.aux_streams_override is not None else (
+            1 if plan.get("aux", -1) < 0 else plan["aux"])
 
     def get_tensor_name(self, i: int) -> str:
         return list(self.tensors)[i]

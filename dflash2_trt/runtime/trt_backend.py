@@ -86,6 +86,9 @@ class TrtEngine:
         self.inputs = [n for n in self.names if engine.get_tensor_mode(n) == trt_mod.TensorIOMode.INPUT]
         self.outputs = [n for n in self.names if n not in self.inputs]
         self.dtypes = {n: np_dtype(engine.get_tensor_dtype(n)) for n in self.names}
+        # engines from dflash2 build-engines use none; one built with auxiliary streams is never captured: a
+        # failed capture could leave TensorRT's own streams capturing, out of this backend's reach
+        self.aux_streams = int(getattr(engine, "num_aux_streams", 0))
         self.scratch_bytes = int(engine.device_memory_size_v2)
         self.scratch = be.pool.device(self.scratch_bytes)
         self._eager: dict[int, trt.IExecutionContext] = {}
@@ -334,8 +337,9 @@ class TrtTarget:
         n, S = kv.length, int(ids.size)
         kv.reserve(n + S)
         C = kv.capacity
-        captured = S <= self.step_rows
-        profile = self.eng.profile_index("step" if captured else "prefill")
+        step_profile = S <= self.step_rows
+        captured = step_profile and self.eng.aux_streams == 0
+        profile = self.eng.profile_index("step" if step_profile else "prefill")
         io["input_ids"].host_view((1, S))[0] = ids.astype(io["input_ids"].dtype)
         io["position_ids"].host_view((1, S))[0] = np.arange(n, n + S, dtype=io["position_ids"].dtype)
         mask = io["attention_mask"].host_view((1, C + S))[0]
@@ -419,8 +423,9 @@ class TrtDrafter:
 
     def _context(self, feats: np.ndarray, start: int) -> None:
         be, io, m = self.be, self.cio, int(feats.shape[0])
-        captured = m <= self.step_rows
-        profile = self.ctx_eng.profile_index("step" if captured else "prefill")
+        step_profile = m <= self.step_rows
+        captured = step_profile and self.ctx_eng.aux_streams == 0
+        profile = self.ctx_eng.profile_index("step" if step_profile else "prefill")
         Fin = io["context_features"].max_shape[2]
         io["context_features"].host_view((1, m, Fin))[0] = feats.astype(io["context_features"].dtype, copy=False)
         io["position_ids"].host_view((1, m))[0] = np.arange(start, start + m, dtype=io["position_ids"].dtype)
@@ -452,18 +457,23 @@ class TrtDrafter:
         baddr.update(zip(self.names, kv.ptrs))
         bshapes: dict[str, tuple[int, ...]] = {"anchor_ids": (1,), "anchor_position": (1,), "context_mask": (1, C)}
         bshapes.update({n: (1, kv.heads, C, kv.head_dim) for n in self.names})
-        bctx = self.block_eng.bind(0, bshapes, baddr, True)
+        captured = self.block_eng.aux_streams == 0 and self.head_eng.aux_streams == 0
+        bctx = self.block_eng.bind(0, bshapes, baddr, captured)
         haddr = {k: t.dev for k, t in hio.items()}
         haddr["hidden"] = bio["hidden"].dev  # the block's output is the head's input: no copy
         hctx = self.head_eng.bind(0, {"hidden": bio["hidden"].max_shape, "anchor_ids": (1,), "temperature": (1,),
-                                      "uniforms": (1, L)}, haddr, True)
+                                      "uniforms": (1, L)}, haddr, captured)
         h2d = [(bio["anchor_ids"], (1,)), (bio["anchor_position"], (1,)), (bio["context_mask"], (1, C)),
                (hio["anchor_ids"], (1,)), (hio["temperature"], (1,)), (hio["uniforms"], (1, L))]
         d2h = [(hio[k], hio[k].max_shape) for k in ("cand_ids", "path_ids", "proposal_probs")]
         step = _step(be, [(self.block_eng, bctx), (self.head_eng, hctx)], h2d, d2h)
         key = GraphKey(f"drafter_step:{self.mode}", 0, (C,),
                        _addresses(baddr, bio, bctx) + _addresses(haddr, hio, hctx))
-        self.last_path = be.graphs.run(key, be.stream, step)
+        if captured:
+            self.last_path = be.graphs.run(key, be.stream, step)
+        else:
+            step()
+            self.last_path = "eager"
         be.sync()
         return Draft(tokens=hio["path_ids"].host_view((1, L))[0].astype(np.int64),
                      proposal=hio["proposal_probs"].host_view((1, L, K))[0].astype(np.float32),
