@@ -9,6 +9,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -89,6 +90,20 @@ def test_gpu_check_build_only_compiles_everything_for_sm90_with_werror(wheel, tm
     r = subprocess.run([str(tmp_path / "b/cmake/plugins/tests/pluginGpuCheck"),
                         str(tmp_path / "b/cmake/lib/libdflash2_plugins.so")], capture_output=True, text=True)
     assert r.returncode == 77 and "no CUDA device" in r.stdout
+    # every later step's plumbing, GPU probe off (same build folder: the rebuild is a no-op): a GPU program
+    # that finds no device is a FAIL row, not a pass; the host ctests pass; the table is complete
+    r = _run(GPU_CHECK, "--kernel-lens", str(wheel), "--build-dir", str(tmp_path / "b"), "--no-gpu-probe",
+             "--no-sanitizer", "--python", sys.executable)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    table = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    result = {ln.split(" | ")[0][2:]: ln.split(" | ")[1] for ln in table[1:]}
+    assert result["selector kernel = CPU twin (greedy, Viterbi, sampling, ties)"] == "FAIL"
+    assert result["selector timing at B = 1 (target < 5 us)"] == "FAIL"
+    assert result["plugin .so: creator as the ONNX parser calls it, enqueue eager + graph replay = twin"] == "FAIL"
+    assert result["host ctests (twin math, plugin host, registration, major check)"] == "PASS"
+    assert result["runtime CUDA layer (cuda_api, device KV, graphs, failed capture)"] == "SKIP"
+    assert result["compute-sanitizer racecheck"] == "SKIP" and "--no-sanitizer" in r.stdout
+    assert len(table) == 12 and "3 failing step(s)" in r.stdout
 
 
 def test_trt_gpu_check_usage_and_helpers(tmp_path, wheel):

@@ -15,6 +15,7 @@
 #   --build-only          stop after the build (no GPU needed: checks that everything compiles, -Werror)
 #   --headers-only        extract the headers, print their version, stop
 #   --dry-run             print the steps, run nothing
+#   --no-gpu-probe        do not require nvidia-smi (the CPU tests run every step's plumbing this way)
 #
 # Steps (each one a row of the verdict table; a failing step does not stop the others):
 #   1. TensorRT headers from the wheel (zip) -> <build>/trt-headers
@@ -40,6 +41,7 @@ py="python3"
 budget=480
 sanitizer=1
 mode="full"
+probe=1
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die_usage() { echo "gpu_check: $*" >&2; exit 2; }
@@ -59,6 +61,7 @@ while [[ $# -gt 0 ]]; do
     --build-only) mode="build"; shift ;;
     --headers-only) mode="headers"; shift ;;
     --dry-run) mode="dry"; shift ;;
+    --no-gpu-probe) probe=0; shift ;;
     *) die_usage "unknown option $1 (see --help)" ;;
   esac
 done
@@ -178,7 +181,7 @@ if [[ "${mode}" == "headers" ]]; then
 fi
 
 # ---- machine ------------------------------------------------------------------------------------------
-if [[ "${mode}" == "full" ]]; then
+if [[ "${mode}" == "full" ]] && (( probe )); then
   if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_check: no NVIDIA GPU visible (nvidia-smi -L failed); --build-only checks the build alone" >&2
     exit 1
