@@ -106,7 +106,7 @@ def test_build_and_ctest(plugin_build):
     """The CMake build is warning-clean (-Werror) and every ctest passes (GPU check: skipped here)."""
     proc = _run(["ctest", "--test-dir", str(plugin_build), "--output-on-failure"], "ctest")
     assert "tests failed" not in proc.stdout.replace("0 tests failed", "")
-    for name in ("selectorMath", "pluginHost", "staticRegistration", "staticRegistrationOff"):
+    for name in ("selectorMath", "pluginHost", "staticRegistration", "staticRegistrationOtherMajor", "staticRegistrationOff"):
         assert name in proc.stdout
 
 
