@@ -24,7 +24,9 @@ Layout (``MANIFEST_VERSION`` 2)::
 Graph keys: ``target``, ``drafter_context``, ``drafter_block``, ``drafter_head_independent`` (draft-row logits, no
 selector), and for drafters with a selector ``drafter_head_{greedy,viterbi}`` (decomposed selector) and
 ``drafter_head_{greedy,viterbi}_plugin`` (the TensorRT plugin node). The block size lives in the drafter
-configuration only (``block_size``; ``num_draft_rows`` = block size - 1).
+configuration only (``block_size``; ``num_draft_rows`` = block size - 1). ONNX Runtime flavour (``flavour``:
+"ort", com.microsoft ops): ``target_ort`` (fused target, shared KV buffers) and, in quantized exports,
+``KEY_ort`` (MatMulNBits) variants that the ORT backend runs instead of ``KEY``.
 
 Imports only the standard library, ``errors``, ``vocabulary`` and the torch-free ``config``.
 """
@@ -68,6 +70,7 @@ class GraphSpec:
     role: str  # target | drafter_context | drafter_block | drafter_head
     selector: Union[str, None] = None  # decomposed | plugin | None (no selector in this graph)
     mode: Union[str, None] = None  # draft mode of a head graph
+    flavour: Union[str, None] = None  # "ort": ONNX Runtime only (com.microsoft ops); see runtime/ort_fused.py
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
 
@@ -106,6 +109,7 @@ class Quantization:
     block_size: Union[int, None] = None  # weight-only: elements per quantization block
     accuracy_level: Union[int, None] = None  # MatMulNBits accuracy level (ORT)
     lm_head: bool = False  # LM head / embeddings quantized too
+    symmetric: bool = True  # weight-only: no zero points
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class ExportManifest:
     quantization: Quantization = Quantization()
     weights: str = "weights.bin"
     verification: dict[str, Any] = field(default_factory=dict)
+    verify_cost: Union[dict[str, Any], None] = None  # export --verify-cost (runtime/verify_cost.py)
     engines: Union[EngineSet, None] = None
     files: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT

@@ -5,6 +5,8 @@ entry point, :func:`dflash2_trt.cli.export_main`).
     dflash2 export --target PATH --drafter PATH --out DIR [--opset N] [--dtype fp32|fp16|bf16]
                    [--block-size N] [--max-seq-len N] [--no-verify] [--quiet] [--engines [engine options]]
                    [--triton-repo REPO [triton options]]
+                   [--no-ort-flavour] [--quantize none|int8|int4 [--quant-block-size N] [--quant-accuracy-level N]
+                   [--no-quantize-lm-head]] [--verify-cost]
     dflash2 build-engines DIR [engine options]      (TensorRT engines: see :mod:`dflash2_trt.export.engines`)
     dflash2 triton-repo DIR --triton-repo REPO [triton options]   (see :mod:`dflash2_trt.export.triton_repo`)
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from dflash2_trt.vocabulary import DTYPES
+from dflash2_trt.vocabulary import DTYPES, QUANTIZATIONS
 
 
 def add_parsers(sub) -> None:  # noqa: ANN001
@@ -36,6 +38,16 @@ def add_parsers(sub) -> None:  # noqa: ANN001
     p.add_argument("--max-seq-len", type=int, default=None, help="max prompt + generated tokens")
     p.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime vs PyTorch comparison")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-ort-flavour", action="store_true",
+                   help="skip target_ort.onnx (the fused ONNX Runtime target; written for fp32 exports)")
+    p.add_argument("--quantize", choices=QUANTIZATIONS, default="none",
+                   help="weight-only MatMulNBits quantization of the ONNX Runtime graphs (fp32 exports)")
+    p.add_argument("--quant-block-size", type=int, default=32, help="elements per quantization block (K axis)")
+    p.add_argument("--quant-accuracy-level", type=int, default=4,
+                   help="MatMulNBits accuracy_level (4: int8 activations, fastest on CPU; 0: fp32)")
+    p.add_argument("--no-quantize-lm-head", action="store_true", help="keep the LM head MatMul in fp32")
+    p.add_argument("--verify-cost", action="store_true",
+                   help="time the fused target's verification (1/4/8/16 rows) here; record a recommended block size")
     p.add_argument("--engines", action="store_true", help="then build TensorRT engines (needs TensorRT + a GPU)")
     add_engine_options(p)
     add_triton_options(p)
@@ -54,10 +66,16 @@ def add_parsers(sub) -> None:  # noqa: ANN001
 
 def run_export(a: argparse.Namespace, prog: str) -> int:
     from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.export.quantize import QuantSpec
 
+    quant = QuantSpec(a.quantize, a.quant_block_size, a.quant_accuracy_level, not a.no_quantize_lm_head)
     m = export_model(a.target, a.drafter, a.out, opset=a.opset, dtype=a.dtype, block_size=a.block_size,
-                     max_seq_len=a.max_seq_len, progress=not a.quiet, verify=not a.no_verify)
+                     max_seq_len=a.max_seq_len, progress=not a.quiet, verify=not a.no_verify,
+                     ort_flavour=not a.no_ort_flavour, quantization=quant, verify_cost=a.verify_cost)
     print(f"exported {len(m.graphs)} graphs (opset {m.opset}, {m.dtype}, block size {m.block_size}) to {a.out}")
+    if m.verify_cost:
+        print(f"recommended block size on this machine: {m.verify_cost['recommended_block_size']} (assuming each "
+              f"draft row is accepted with probability {m.verify_cost['assumed_acceptance']} given the previous one)")
     if a.engines:
         rc = run_build_engines(a, prog, a.out)
         if rc:

@@ -34,7 +34,7 @@ from dflash2_trt.vocabulary import DTYPES, INDEPENDENT, SELECTOR_MODES, head_key
 DEFAULT_OPSET = 17
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 #: bump when the graphs' content or conventions change (keys caches of exported models)
-EXPORTER_REVISION = 2
+EXPORTER_REVISION = 3
 
 
 def _progress(steps: list[str], enabled: bool):  # noqa: ANN202
@@ -63,9 +63,21 @@ def export_model(
     max_seq_len: int | None = None,
     progress: bool = True,
     verify: bool = True,
+    ort_flavour: bool = True,
+    quantization: Any = None,
+    verify_cost: bool = False,
 ) -> ExportManifest:
     """Export and return the manifest. Raises :class:`DFlash2Error` on bad input; DIR is left untouched
-    (absent or as it was) on any failure."""
+    (absent or as it was) on any failure. ``ort_flavour``: also write the fused ONNX Runtime target
+    (``target_ort.onnx``, fp32 only; :mod:`dflash2_trt.export.ort_fused`); ``quantization``: a
+    :class:`~dflash2_trt.export.quantize.QuantSpec` (weight-only, ORT graphs only); ``verify_cost``: time the
+    fused target's verification here and record a recommended block size."""
+    from dflash2_trt.export.quantize import QuantSpec
+
+    quant = quantization if quantization is not None else QuantSpec()
+    if quant.enabled and (dtype != "fp32" or not ort_flavour):
+        raise DFlash2Error(f"--quantize {quant.kind} quantizes the ONNX Runtime graphs of an fp32 export "
+                           f"(got --dtype {dtype}{'' if ort_flavour else ' and no ORT flavour'})")
     if dtype not in DTYPES:
         raise DFlash2Error(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     if not isinstance(opset, int) or not 14 <= opset <= 20:
@@ -78,7 +90,7 @@ def export_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
         manifest = _export_into(tmp, Path(target_path), Path(drafter_path), opset, dtype, block_size, max_seq_len,
-                                progress, verify)
+                                progress, verify, ort_flavour and dtype == "fp32", quant, verify_cost)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
             out.rename(old)
@@ -93,7 +105,8 @@ def export_model(
 
 
 def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str,
-                 block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool) -> ExportManifest:
+                 block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool, ort_flavour: bool,
+                 quant: Any, verify_cost: bool) -> ExportManifest:
     import numpy as np
     import torch
 
@@ -189,14 +202,23 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     if drafter.use_selector:
         _export_selector_heads(drafter, cfg, B, tdt, dtype, opset, models, graph_meta)
 
+    ort_report: dict[str, Any] = {}
+    if ort_flavour:  # fused ORT target (+ quantized ORT variants); checked against PyTorch in memory
+        from dflash2_trt.export import ort_fused
+
+        rope_rows = -(-int(max_seq_len) // KV_CAPACITY_STEP) * KV_CAPACITY_STEP  # the largest KV capacity
+        ort_report = ort_fused.add_ort_flavour(models, graph_meta, target, layer_ids, rope_rows, opset, quant, verify)
+
     step(4)
     onnx_utils.save_with_shared_weights(models, tmp)
     for key, meta in graph_meta.items():
         meta.update(onnx_utils.describe_io(models[meta["file"]]))
 
     step(5)
+    ort_only = {m["file"] for m in graph_meta.values() if m.get("flavour") == "ort"}
     for name in models:
-        onnx_utils.check_graph(tmp / name)
+        if name not in ort_only:  # onnx.checker knows no com.microsoft op: ORT itself checked those above
+            onnx_utils.check_graph(tmp / name)
 
     step(6)
     report: dict[str, Any] = {}
@@ -210,6 +232,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         else:
             try:
                 report.update(V.verify_target(tmp / "target.onnx", target, layer_ids, dtype, npdt))
+                report.update(ort_report)
                 report.update(V.verify_drafter({k: tmp / m["file"] for k, m in graph_meta.items()}, drafter, dtype,
                                                npdt))
             except DFlash2Error:
@@ -252,6 +275,9 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         "weights": onnx_utils.WEIGHTS_FILE,
         "tokenizer": {"files": tok_files, "chat_template": chat},
         "verification": report,
+        "quantization": quant.manifest(),
+        "verify_cost": (ort_fused.verify_cost_entry(tmp / graph_meta["target_ort"]["file"], target, int(max_seq_len))
+                        if verify_cost and ort_flavour else None),  # block-size recommendation for this machine
     })
     manifest = write_manifest(tmp, manifest)
     tmp.chmod(0o755)  # mkdtemp makes it private

@@ -20,6 +20,7 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import ExportManifest, read_manifest
 from dflash2_trt.runtime.base import BackendBase, BackendUnavailable, Draft, KVBuffer, independent_draft
+from dflash2_trt.runtime.ort_fused import ORT_SUFFIX, TARGET_ORT, OrtFusedTarget
 from dflash2_trt.vocabulary import INDEPENDENT, head_key
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
@@ -113,7 +114,10 @@ class OrtBackend(BackendBase):
     name = "ort"
 
     def __init__(self, model_dir: str | Path, provider: str = "auto", verify_checksums: bool = True,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, flavour: str = "auto") -> None:
+        """flavour: 'auto' runs the fused ONNX Runtime graphs (``target_ort`` and ``*_ort`` variants, see
+        :mod:`dflash2_trt.runtime.ort_fused`) when the export has them and the provider is the CPU;
+        'standard' runs the standard-ONNX graphs (the TensorRT flavour) only."""
         self.dir = Path(model_dir)
         ort = import_ort()
         self.manifest: ExportManifest = read_manifest(self.dir, verify_checksums)
@@ -130,12 +134,23 @@ class OrtBackend(BackendBase):
         if m.dtype == "bf16":
             raise DFlash2Error("bf16 exports cannot run with ONNX Runtime (numpy has no bfloat16); export fp32/fp16")
         self._sessions: dict[str, _Session] = {}
+        if flavour not in ("auto", "standard"):
+            raise DFlash2Error(f"ORT graph flavour must be 'auto' or 'standard', got {flavour!r}")
+        self.fused = flavour == "auto" and provider == "CPUExecutionProvider" and TARGET_ORT in m.graphs
 
     @property
     def description(self) -> str:
         return f"ONNX Runtime ({self.provider})"
 
+    @property
+    def graphs_note(self) -> str:
+        """Which graphs run: 'fused' (+ quantization kind) or 'standard'."""
+        q = self.manifest.quantization.kind
+        return ("fused" + (f", {q}" if q != "none" else "")) if self.fused else "standard"
+
     def session(self, key: str) -> _Session:
+        if self.fused and key + ORT_SUFFIX in self.manifest.graphs:
+            key = key + ORT_SUFFIX  # the (quantized) ONNX Runtime variant of the graph
         if key not in self._sessions:
             g = self.manifest.graphs.get(key)
             if g is None:
@@ -147,8 +162,8 @@ class OrtBackend(BackendBase):
                                            cuda_graph=g.role == "drafter_head")
         return self._sessions[key]
 
-    def target_runner(self) -> "OrtTarget":
-        return OrtTarget(self)
+    def target_runner(self) -> "OrtTarget | OrtFusedTarget":
+        return OrtFusedTarget.from_backend(self) if self.fused else OrtTarget(self)
 
     def draft_runner(self, mode: str = "greedy") -> "OrtDrafter":
         """mode: a selector mode, or 'independent' (no selector: each row's argmax / sample)."""

@@ -1,0 +1,235 @@
+"""Side-by-side CPU benchmark, one sitting, same prompts, same chat template, greedy, exactly N new tokens:
+
+* ours: ONNX Runtime fused graphs (``target_ort``) at fp32 / int8 / int4 — autoregressive and DFlash 2
+  speculative decoding (the packaged SmolLM2 drafter, exported with ``--block-size``);
+* onnxruntime-genai: its model builder's fp32 / int4 graphs, autoregressive and its n-gram speculation;
+* llama.cpp (llama-cpp-python) on the PyPI GGUF (Q4_1), autoregressive, when importable.
+
+Systems run interleaved prompt by prompt, so a load change on a shared machine hits all of them alike; still,
+on a shared 2-core box the absolute figures are noisy: read the ratios. Prints a markdown table, writes JSON
+(+ a bar plot with ``--plot``)::
+
+    python benchmarks/ort_side_by_side.py --limit 20 --max-new-tokens 128 --out benchmarks/results/ort_side_by_side.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dflash2_trt.export.quantize import QuantSpec  # noqa: E402
+from dflash2_trt.runtime import decoder as D  # noqa: E402
+
+DRAFTER = ROOT / "dflash2_trt" / "drafters" / "smollm2-135m-instruct-dflash2"
+
+
+def _prompts(tok, sets: list[str], limit: int) -> dict[str, list[list[int]]]:
+    from dflash2_trt.bench.prompts import encode_items, load_prompts
+
+    return {s: encode_items(load_prompts(s, limit), tok.encode, tok.apply_chat_template) for s in sets}
+
+
+class Ours:
+    def __init__(self, kind: str, block_size: int, threads: int) -> None:
+        from dflash2_trt.export.cache import cached_export
+        from dflash2_trt.runtime.ort_backend import OrtBackend
+
+        q = QuantSpec(kind)
+        folder = cached_export("smollm2", DRAFTER, progress=True, block_size=block_size, max_seq_len=2048,
+                               quantization=q, verify_cost=True)
+        self.folder = folder
+        self.be = OrtBackend(folder, threads=threads)
+        self.target = self.be.target_runner()
+        self.drafter = self.be.draft_runner("greedy")
+
+    def ar(self, p: list[int], n: int) -> dict:
+        t0 = time.perf_counter()
+        first = []
+        res = D.target_generate(self.target, p, n, eos_ids=set(),
+                                on_tokens=lambda t: first.append(time.perf_counter() - t0) if not first else None)
+        return {"tokens": res.tokens, "s": res.elapsed_s, "ttft": first[0]}
+
+    def spec(self, p: list[int], n: int) -> dict:
+        t0 = time.perf_counter()
+        first = []
+        res = D.speculative_generate(self.target, self.drafter, p, n, eos_ids=set(),
+                                     on_tokens=lambda t: first.append(time.perf_counter() - t0) if not first else None)
+        return {"tokens": res.tokens, "s": res.elapsed_s, "ttft": first[0], "tau": res.stats()["tau"]}
+
+
+def genai_model(precision: str, threads: int) -> Path:
+    from dflash2_trt.target import cache_dir, resolve_target_path
+
+    out = cache_dir() / "genai" / f"smollm2-{precision}"
+    if not (out / "genai_config.json").is_file():
+        src = resolve_target_path("smollm2")
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out),
+                        "-p", precision, "-e", "cpu", "-c", str(out.parent / "hf_cache")], check=True,
+                       stdout=subprocess.DEVNULL)
+    cfg_path = out / "genai_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    cfg_path.write_text(json.dumps(cfg, indent=4))
+    return out
+
+
+class Genai:
+    def __init__(self, precision: str, threads: int) -> None:
+        import onnxruntime_genai as og
+
+        self.og = og
+        self.model = og.Model(str(genai_model(precision, threads)))
+
+    def _run(self, p: list[int], n: int, ngram: bool) -> dict:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(p) + n, min_length=len(p) + n, do_sample=False)
+        if ngram:
+            params.set_speculative_options(ngram_size=3, max_draft_tokens=4)
+        g = og.Generator(self.model, params)
+        out: list[int] = []
+        t0 = time.perf_counter()
+        ttft = 0.0
+        g.append_tokens(p)
+        while not g.is_done() and len(out) < n:
+            g.generate_next_token()
+            if not out:
+                ttft = time.perf_counter() - t0
+            out.extend(int(t) for t in g.get_next_tokens())
+        s = time.perf_counter() - t0
+        seq = [int(t) for t in g.get_sequence(0)][len(p):len(p) + n]
+        return {"tokens": seq or out[:n], "s": s, "ttft": ttft}
+
+    def ar(self, p: list[int], n: int) -> dict:
+        return self._run(p, n, False)
+
+    def ngram(self, p: list[int], n: int) -> dict:
+        return self._run(p, n, True)
+
+
+class LlamaCpp:
+    def __init__(self, threads: int) -> None:
+        from llama_cpp import Llama
+
+        from dflash2_trt.target import smollm2_gguf
+
+        self.llm = Llama(model_path=str(smollm2_gguf()), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+
+    def ar(self, p: list[int], n: int) -> dict:
+        self.llm.reset()
+        out: list[int] = []
+        t0 = time.perf_counter()
+        ttft = 0.0
+        for t in self.llm.generate(p, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if not out:
+                ttft = time.perf_counter() - t0
+            out.append(int(t))
+            if len(out) >= n:
+                break
+        return {"tokens": out, "s": time.perf_counter() - t0, "ttft": ttft}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sets", nargs="+", default=["mtbench", "humaneval"])
+    ap.add_argument("--limit", type=int, default=20, help="prompts per set")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=4, help="block size of our speculative exports")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precisions", nargs="+", default=["none", "int8", "int4"])
+    ap.add_argument("--no-genai", action="store_true")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON results")
+    ap.add_argument("--plot", default=None, help="PNG bar plot of tokens/s")
+    a = ap.parse_args(argv)
+
+    from dflash2_trt.runtime.tokenizer import TextTokenizer
+
+    systems: dict[str, object] = {}
+    for kind in a.precisions:
+        o = Ours(kind, a.block_size, a.threads)
+        label = "fp32" if kind == "none" else kind
+        systems[f"ours {label} AR"] = o.ar
+        systems[f"ours {label} DFlash2 bs{a.block_size}"] = o.spec
+        tok = TextTokenizer(o.folder)
+    if not a.no_genai:
+        for prec in ("fp32", "int4"):
+            g = Genai(prec, a.threads)
+            systems[f"genai {prec} AR"] = g.ar
+            systems[f"genai {prec} n-gram"] = g.ngram
+    if not a.no_llama:
+        try:
+            systems["llama.cpp Q4_1 AR"] = LlamaCpp(a.threads).ar
+        except ImportError as e:
+            print(f"llama.cpp skipped: {e}", file=sys.stderr)
+    prompts = _prompts(tok, a.sets, a.limit)
+    raw: dict[str, dict[str, list[dict]]] = {s: {k: [] for k in systems} for s in a.sets}
+    for s, plist in prompts.items():
+        for i, p in enumerate(plist):
+            for name, fn in systems.items():
+                raw[s][name].append(fn(p, a.max_new_tokens))
+            print(f"{s} {i + 1}/{len(plist)}", file=sys.stderr)
+    own_ar = {name: name.rsplit(" ", 1)[0] + " AR" if "ours" not in name else
+              " ".join(name.split(" ")[:2]) + " AR" for name in systems}
+    summary: dict[str, dict[str, dict]] = {}
+    for s in a.sets:
+        summary[s] = {}
+        for name in systems:
+            runs = raw[s][name]
+            ref = raw[s].get(own_ar[name], runs)
+            tps = sum(len(r["tokens"]) for r in runs) / sum(r["s"] for r in runs)
+            summary[s][name] = {
+                "tokens_per_s": tps, "ttft_ms": 1e3 * float(np.mean([r["ttft"] for r in runs])),
+                "tau": float(np.mean([r["tau"] for r in runs])) if "tau" in runs[0] else None,
+                "agreement_own_greedy": float(np.mean([r["tokens"] == q["tokens"] for r, q in zip(runs, ref)])),
+            }
+        for name, row in summary[s].items():
+            base = [k for k in summary[s] if k.startswith("genai") and k.endswith(" AR")
+                    and k.split()[1] == ("fp32" if "fp32" in name else "int4")]
+            row["vs_genai_ar_same_precision"] = row["tokens_per_s"] / summary[s][base[0]]["tokens_per_s"] if base else None
+            row["vs_ours_fp32_ar"] = row["tokens_per_s"] / summary[s]["ours fp32 AR"]["tokens_per_s"] \
+                if "ours fp32 AR" in summary[s] else None
+            ll = summary[s].get("llama.cpp Q4_1 AR")
+            row["vs_llama_cpp"] = row["tokens_per_s"] / ll["tokens_per_s"] if ll else None
+    f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    print(f"\n{a.limit} prompts per set, {a.max_new_tokens} new tokens (EOS ignored), greedy, {a.threads} threads, "
+          f"systems interleaved per prompt")
+    print("| set | system | tok/s | TTFT ms | τ | vs genai AR (same precision) | vs llama.cpp | agreement with own AR |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in a.sets:
+        for name, r in summary[s].items():
+            print(f"| {s} | {name} | {r['tokens_per_s']:.1f} | {r['ttft_ms']:.0f} | {f(r['tau'])} | "
+                  f"{f(r['vs_genai_ar_same_precision'])} | {f(r['vs_llama_cpp'])} | {r['agreement_own_greedy']:.2f} |")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"args": vars(a), "summary": summary}, indent=2) + "\n")
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = list(systems)
+        fig, ax = plt.subplots(figsize=(11, 4))
+        w = 0.8 / len(a.sets)
+        for j, s in enumerate(a.sets):
+            ax.bar(np.arange(len(names)) + j * w, [summary[s][n]["tokens_per_s"] for n in names], w, label=s)
+        ax.set_xticks(np.arange(len(names)) + w * (len(a.sets) - 1) / 2, names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("tokens/s (2 CPU threads)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Target runner over ``target_ort.onnx`` (the fused ONNX Runtime flavour, see
+:mod:`dflash2_trt.export.ort_fused`): one shared past/present KV buffer per layer, bound once with IOBinding.
+
+GroupQueryAttention writes the K/V of the new rows straight into the bound capacity buffers (past and
+present are the same OrtValue), so a call copies no cache, and ``crop`` only lowers the length: the next
+call's ``seqlens_k`` / ``total_sequence_length`` hide the rejected rows, which it then overwrites.
+
+Ownership: one runner = one request's caches; not thread safe. The numpy arrays of the
+:class:`~dflash2_trt.runtime.base.KVBuffer` back the bound OrtValues (no copy); growing the buffer
+reallocates them and rebinds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.base import KVBuffer
+
+TARGET_ORT = "target_ort"  # graph key of the fused target in the manifest
+ORT_SUFFIX = "_ort"  # graph key K + "_ort": the ONNX Runtime variant of K (the ORT backend prefers it)
+
+
+class OrtFusedTarget:
+    """TargetRunner over the fused target graph (CPU provider)."""
+
+    def __init__(self, sess: Any, ort: Any, n_layers: int, kv_heads: int, head_dim: int, vocab_size: int,
+                 max_positions: int, eos_ids: set[int], step: int = 256) -> None:
+        self.ort = ort
+        self.sess = sess  # onnxruntime.InferenceSession of target_ort.onnx
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        self.eos_ids = set(eos_ids)
+        self.n_layers = n_layers
+        self.kv = KVBuffer(n_layers, kv_heads, head_dim, np.float32, step, max_positions)
+        self.past = [f"past_key_values.{i}.{k}" for i in range(n_layers) for k in ("key", "value")]
+        self.present = [f"present.{i}.{k}" for i in range(n_layers) for k in ("key", "value")]
+        self._io: Any = None
+        self._bound_capacity = -1
+
+    @classmethod
+    def from_backend(cls, be: Any) -> "OrtFusedTarget":  # be: OrtBackend
+        m = be.manifest
+        t = m.target
+        return cls(be.session(TARGET_ORT).sess, be.ort, t.num_layers, t.num_key_value_heads, t.head_dim,
+                   t.vocab_size, m.max_seq_len, set(t.eos_token_ids), m.kv_capacity_step)
+
+    def reset(self) -> None:
+        self.kv.reset()
+
+    @property
+    def cache_length(self) -> int:
+        return self.kv.length
+
+    def _binding(self):  # noqa: ANN202
+        """One IOBinding per buffer generation: every KV buffer is bound as input AND output."""
+        if self._io is None or self._bound_capacity != self.kv.capacity:
+            io = self.sess.io_binding()
+            # logits / features first: get_outputs() returns outputs in binding order
+            io.bind_output("logits")
+            io.bind_output("context_features")
+            for a, past, present in zip(self.kv.arrays, self.past, self.present):
+                v = self.ort.OrtValue.ortvalue_from_numpy(a)  # wraps the array, no copy
+                io.bind_ortvalue_input(past, v)
+                io.bind_ortvalue_output(present, v)
+            self._io, self._bound_capacity = io, self.kv.capacity
+        return self._io
+
+    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""
+        arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise DFlash2Error(f"token id out of range [0, {self.vocab_size}) in target input")
+        n, S = self.kv.length, arr.shape[1]
+        self.kv.reserve(n + S)
+        io = self._binding()
+        io.bind_cpu_input("input_ids", arr)
+        io.bind_cpu_input("seqlens_k", np.array([n + S - 1], dtype=np.int32))
+        io.bind_cpu_input("total_sequence_length", np.array(n + S, dtype=np.int32))
+        io.bind_output("logits")  # rebound each call: ORT would keep last call's [1, S, V] buffer
+        io.bind_output("context_features")
+        self.sess.run_with_iobinding(io)
+        out = io.get_outputs()
+        self.kv.length = n + S
+        return out[0].numpy()[0], out[1].numpy()[0]
+
+    def crop(self, length: int) -> None:
+        self.kv.crop(length)

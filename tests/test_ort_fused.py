@@ -1,0 +1,231 @@
+"""The fused ONNX Runtime flavour (target_ort.onnx: GroupQueryAttention, SkipSimplifiedLayerNormalization,
+packed QKV) and weight-only quantized exports (MatMulNBits), on make-tiny models: the graph vs PyTorch
+through the runtime's shared KV buffers with crops, the backend's choice of graphs, lossless decoding with
+respect to the quantized target with drafts actually accepted, manifest and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash2_trt import DFlash2Error
+from dflash2_trt.runtime import decoder as D
+from dflash2_trt.runtime.base import Draft
+
+MAX_NEW = 24
+
+
+def _graph(folder, key):
+    import onnx
+
+    m = json.loads((folder / "manifest.json").read_text())
+    return onnx.load(str(folder / m["graphs"][key]["file"]), load_external_data=False), m
+
+
+def test_fused_graph_ops_and_manifest(tiny_export, tiny_target):
+    fused, m = _graph(tiny_export, "target_ort")
+    std, _ = _graph(tiny_export, "target")
+    nl = tiny_target.num_layers
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("GroupQueryAttention") == nl and ops.count("SkipSimplifiedLayerNormalization") == 2 * nl
+    assert ops.count("MatMul") == 5 * nl + 1  # packed QKV, o, gate, up, down per layer + LM head
+    assert not {"Softmax", "Pow", "ReduceMean", "Neg", "MatMulNBits"} & set(ops)
+    gqa = next(n for n in fused.graph.node if n.op_type == "GroupQueryAttention")
+    assert {a.name: a.i for a in gqa.attribute if a.name in ("do_rotary", "num_heads", "kv_num_heads")} == \
+        {"do_rotary": 1, "num_heads": 4, "kv_num_heads": 2}
+    # the TensorRT flavour keeps standard ONNX only
+    assert not [n for n in std.graph.node if n.domain == "com.microsoft"]
+    assert m["graphs"]["target_ort"]["flavour"] == "ort" and m["graphs"]["target"].get("flavour") is None
+    assert m["quantization"]["kind"] == "none"
+    assert m["verification"]["target_ort.argmax_match"] == 1.0 and m["verification"]["target_ort.logits"] < 1e-4
+
+
+def test_fused_target_vs_pytorch_with_crops(tiny_export, tiny_target):
+    """Fresh random chunks (prefill, 1-row steps, multi-row verifies) with random garbage rows cropped away,
+    through shared buffers that grow (capacity step 8 -> rebinding) vs one HF pass over the kept tokens."""
+    import onnxruntime as ort
+
+    from dflash2_trt.runtime.ort_backend import OrtBackend
+    from dflash2_trt.runtime.ort_fused import OrtFusedTarget
+
+    be = OrtBackend(tiny_export)
+    cfg = tiny_target.model.config
+    run = OrtFusedTarget(be.session("target_ort").sess, ort, tiny_target.num_layers, cfg.num_key_value_heads,
+                         cfg.hidden_size // cfg.num_attention_heads, tiny_target.vocab_size, 512, set(), step=8)
+    rng = np.random.default_rng(1234)
+    for trial in range(3):
+        run.reset()
+        kept, logits, feats = [], [], []
+        while len(kept) < 60:
+            chunk = rng.integers(0, tiny_target.vocab_size, int(rng.choice([1, 1, 3, 8, 13]))).tolist()
+            lg, ft = run.forward(chunk)
+            keep = int(rng.integers(1, len(chunk) + 1))  # verification keeps a prefix, crops the rest
+            run.crop(len(kept) + keep)
+            kept += chunk[:keep]
+            logits.append(lg[:keep])
+            feats.append(ft[:keep])
+        assert run.cache_length == len(kept) and run.kv.capacity >= len(kept)
+        tiny_target.reset([0, 2])
+        want_l, want_f = tiny_target.forward(torch.tensor(kept))
+        np.testing.assert_allclose(np.concatenate(logits), want_l.numpy(), atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.concatenate(feats), want_f.numpy(), atol=2e-4, rtol=1e-4)
+
+
+def test_backend_picks_fused_graphs(tiny_export, tiny_target):
+    from torch_ref import ref_autoregressive
+    from dflash2_trt.runtime.ort_backend import OrtBackend, OrtTarget
+    from dflash2_trt.runtime.ort_fused import OrtFusedTarget
+
+    fused, std = OrtBackend(tiny_export), OrtBackend(tiny_export, flavour="standard")
+    assert isinstance(fused.target_runner(), OrtFusedTarget) and isinstance(std.target_runner(), OrtTarget)
+    assert (fused.graphs_note, std.graphs_note) == ("fused", "standard")
+    p = np.random.default_rng(3).integers(4, 500, 17).tolist()
+    want = ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens
+    for be in (fused, std):
+        assert D.target_generate(be.target_runner(), p, MAX_NEW, eos_ids=set()).tokens == want
+    with pytest.raises(DFlash2Error, match="flavour"):
+        OrtBackend(tiny_export, flavour="fast")
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_dir, tmp_path_factory):
+    """kind -> export folder: int4 (LM head quantized too) and int8 (LM head kept fp32), block size 16."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.export.quantize import QuantSpec
+
+    out = {}
+    for kind, lm_head in (("int4", True), ("int8", False)):
+        out[kind] = tmp_path_factory.mktemp("export") / kind
+        export_model(tiny_dir / "target", tiny_dir / "drafter", out[kind], progress=False, max_seq_len=512,
+                     block_size=4, quantization=QuantSpec(kind, block_size=16, lm_head=lm_head))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantized_graphs_and_manifest(quantized, kind):
+    m = json.loads((quantized[kind] / "manifest.json").read_text())
+    lm_head = kind == "int4"
+    assert m["quantization"] == {"kind": kind, "block_size": 16, "accuracy_level": 4, "lm_head": lm_head,
+                                 "symmetric": True}
+    assert 0 < m["verification"]["target_ort.quantized.argmax_match"] <= 1
+    for key in ("target_ort", "drafter_context_ort", "drafter_block_ort", "drafter_head_greedy_ort",
+                "drafter_head_independent_ort"):
+        if key == "drafter_head_independent_ort" and not lm_head:  # only the fp32 LM head: no ORT variant
+            assert key not in m["graphs"]
+            continue
+        g, _ = _graph(quantized[kind], key)
+        nbits = [n for n in g.graph.node if n.op_type == "MatMulNBits"]
+        assert nbits, key
+        for n in nbits:
+            attrs = {a.name: a.i for a in n.attribute}
+            assert attrs["bits"] == int(kind[3:]) and attrs["block_size"] == 16 and attrs["accuracy_level"] == 4
+        # the LM head ([H, V] weight) is quantized only when asked
+        vocab = m["target"]["vocab_size"]
+        lm = [n for n in nbits if {a.name: a.i for a in n.attribute}["N"] == vocab]
+        plain_lm = [n for n in g.graph.node if n.op_type == "MatMul" and n.input[1] in
+                    {t.name for t in g.graph.initializer if list(t.dims)[-1:] == [vocab]}]
+        if key.startswith(("target", "drafter_head")):
+            assert (len(lm), len(plain_lm)) == ((1, 0) if lm_head else (0, 1)), key
+    # the standard (TensorRT) graphs stay unquantized
+    for key in ("target", "drafter_block", "drafter_head_greedy_plugin"):
+        g, _ = _graph(quantized[kind], key)
+        assert not [n for n in g.graph.node if n.domain == "com.microsoft"]
+
+
+class AcceptingDrafter:
+    """Wraps the real ORT draft runner; proposes the (quantized) target's own greedy continuation for a
+    random number of rows, then wrong tokens — so drafts of every length are accepted and rejected and
+    each rejected row is cropped from the shared KV buffers."""
+
+    def __init__(self, inner, prompt, continuation, rng):
+        self.inner, self.n_prompt, self.cont, self.rng = inner, len(prompt), continuation, rng
+        self.block_size = inner.block_size
+
+    def reset(self):
+        self.inner.reset()
+
+    def add_context(self, feats, start):
+        self.inner.add_context(feats, start)
+
+    def propose(self, anchor, pos, temperature, uniforms):
+        d = self.inner.propose(anchor, pos, temperature, uniforms)  # the real drafter runs every cycle
+        L = self.block_size - 1
+        k = int(self.rng.integers(0, L + 1))
+        truth = self.cont[pos - self.n_prompt + 1:][:L]
+        toks = np.array([truth[t] if t < k and t < len(truth) else
+                         ((truth[t] + 1) % 500 + 4 if t < len(truth) else 7) for t in range(L)], dtype=np.int64)
+        cand = d.cand.copy()
+        cand[:, -1] = np.where((cand == toks[:, None]).any(-1), cand[:, -1], toks)
+        return Draft(tokens=toks, proposal=d.proposal, cand=cand)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantized_decoding_is_lossless_wrt_quantized_target(quantized, tiny_target, kind):
+    from torch_ref import ref_autoregressive
+    from dflash2_trt.runtime.ort_backend import OrtBackend
+    from dflash2_trt.runtime.ort_fused import OrtFusedTarget
+
+    be = OrtBackend(quantized[kind])
+    target = be.target_runner()
+    assert isinstance(target, OrtFusedTarget) and be.session("drafter_block").path.endswith("drafter_block_ort.onnx")
+    rng = np.random.default_rng(7)
+    accepted, differs = [], 0
+    for i in range(6):
+        p = rng.integers(4, 500, int(rng.integers(2, 30))).tolist()
+        ar = D.target_generate(target, p, MAX_NEW, eos_ids=set()).tokens  # the quantized target's own output
+        differs += ar != ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens
+        real = D.speculative_generate(target, be.draft_runner(("greedy", "viterbi")[i % 2]), p, MAX_NEW,
+                                      eos_ids=set())
+        assert real.tokens == ar
+        res = D.speculative_generate(target, AcceptingDrafter(be.draft_runner(), p, ar, rng), p, MAX_NEW,
+                                     eos_ids=set())
+        assert res.tokens == ar
+        accepted += res.accepted
+    assert sum(accepted) > 0 and max(accepted) == be.block_size - 1 and 0 in accepted  # acceptance happened
+    if kind == "int4":
+        assert differs > 0  # the int4 target really is another model (on this tiny random model)
+
+
+def test_quantize_bad_input(tiny_dir, tmp_path, capsys):
+    from dflash2_trt.export.cli import main
+    from dflash2_trt.export.quantize import QuantSpec
+
+    with pytest.raises(DFlash2Error, match="power of 2"):
+        QuantSpec("int4", block_size=24)
+    with pytest.raises(DFlash2Error, match="--quantize"):
+        QuantSpec("int3")
+    rc = main(["--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), "--out",
+               str(tmp_path / "x"), "--dtype", "fp16", "--quantize", "int4", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "fp32 export" in err[0] and not (tmp_path / "x").exists()
+
+
+def test_recommend_block_size_follows_cost():
+    from dflash2_trt.runtime.verify_cost import recommend_block_size
+
+    def table(ms):
+        return [{"cached": 256, "rows": r, "ms": m, "ratio": m / ms[0]} for r, m in zip((1, 4, 8, 16), ms)]
+
+    flat, steep = table([10, 10, 10, 10]), table([10, 40, 80, 160])  # memory-bound vs compute-bound verify
+    assert recommend_block_size(flat, alpha=0.9) == 16
+    assert recommend_block_size(steep, alpha=0.9) == 2
+    # brute force over the interpolated cost agrees for an in-between curve
+    mid = table([10, 13, 18, 30])
+    a = 0.7
+    rates = {bs: sum(a ** i for i in range(bs)) / (np.interp(bs, [1, 4, 8, 16], [10, 13, 18, 30]) + 10)
+             for bs in range(2, 17)}
+    assert recommend_block_size(mid, alpha=a) == max(rates, key=rates.get)
+
+
+def test_export_records_verify_cost(tiny_dir, tmp_path):
+    from dflash2_trt.export.exporter import export_model
+
+    m = export_model(tiny_dir / "target", tiny_dir / "drafter", tmp_path / "vc", progress=False, max_seq_len=300,
+                     verify=False, verify_cost=True)
+    vc = m.verify_cost
+    assert [(r["cached"], r["rows"]) for r in vc["table"]] == [(256, r) for r in (1, 4, 8, 16)]
+    assert all(r["ms"] > 0 for r in vc["table"]) and vc["table"][0]["ratio"] == 1.0
+    assert 2 <= vc["recommended_block_size"] <= 16
