@@ -211,7 +211,7 @@ def test_recommend_block_size_follows_cost():
 
     flat, steep = table([10, 10, 10, 10]), table([10, 40, 80, 160])  # memory-bound vs compute-bound verify
     assert recommend_block_size(flat, alpha=0.9) == 16
-    assert recommend_block_size(steep, alpha=0.9) == 2
+    assert recommend_block_size(steep, alpha=0.5) == 2  # (1 + .5) / (20 + 10) beats (1.75) / (30 + 10)
     # brute force over the interpolated cost agrees for an in-between curve
     mid = table([10, 13, 18, 30])
     a = 0.7
