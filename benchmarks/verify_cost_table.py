@@ -1,6 +1,6 @@
 """Verify-cost table: one target forward over 1/4/8/16 new rows on top of 256 / 1024 cached positions, for
 our ONNX Runtime graphs of SmolLM2-135M-Instruct — the standard (unfused) fp32 graph and the fused graphs
-at fp32 / int8 / int4 — measured in one process, plus the block size each export recommends (the
+at fp32 / int8 / int4 — measured in one process, interleaved cell by cell (minimum over repeats), plus the block size each export recommends (the
 ``verify_cost`` entry its manifest recorded at export time on this machine, and the one from this run).
 
     python benchmarks/verify_cost_table.py [--block-size 4] [--threads 2] [--json OUT]
@@ -29,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     drafter = ROOT / "dflash2_trt" / "drafters" / "smollm2-135m-instruct-dflash2"
-    tables, recorded, recommended = {}, {}, {}
+    runners, recorded, recommended = {}, {}, {}
     for kind in ("none", "int8", "int4"):
         folder = cached_export("smollm2", drafter, progress=True, block_size=a.block_size, max_seq_len=2048,
                                quantization=QuantSpec(kind), verify_cost=True)
@@ -41,10 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         m = json.loads((folder / "manifest.json").read_text())
         if kind == "none":
             std = OrtBackend(folder, threads=a.threads, flavour="standard")
-            tables["fp32 standard ONNX"] = VC.measure(std.target_runner(), repeats=a.repeats)
+            runners["fp32 standard ONNX"] = std.target_runner()
         be = OrtBackend(folder, threads=a.threads)
-        tables[f"{label} fused"] = VC.measure(be.target_runner(), repeats=a.repeats)
+        runners[f"{label} fused"] = be.target_runner()
         recorded[f"{label} fused"] = m.get("verify_cost", {}).get("recommended_block_size")
+    tables = VC.measure_many(runners, repeats=a.repeats)
     for k, t in tables.items():
         recommended[k] = VC.recommend_block_size(t)
     print(VC.markdown(tables))

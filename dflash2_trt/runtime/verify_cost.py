@@ -1,7 +1,8 @@
 """What verifying a block costs on this machine, and the block size that pays best (numpy; no torch).
 
 :func:`measure` times a target runner's forward over ``rows`` new tokens on top of ``cached`` positions
-(then crops them away, as a rejected verification does), median of ``repeats``. :func:`recommend_block_size`
+(then crops them away, as a rejected verification does), minimum of ``repeats`` (:func:`measure_many` times
+several runners interleaved). :func:`recommend_block_size`
 picks the block size bs maximising expected committed tokens per unit of time for a drafter whose rows
 are accepted with conditional probability ``alpha`` each (expected tokens per cycle
 ``sum_{i<bs} alpha^i``; cost = verify(bs rows) + ``draft_cost`` x a 1-row step), interpolating the timed row
@@ -22,27 +23,41 @@ DEFAULT_ALPHA = 0.6
 DEFAULT_DRAFT_COST = 1.0  # a drafter pass, in 1-row verify steps (measured ~1x for a 1-layer drafter + head)
 
 
-def measure(target: Any, rows: tuple[int, ...] = ROWS, cached: tuple[int, ...] = CACHED, repeats: int = 5,
+def measure(target: Any, rows: tuple[int, ...] = ROWS, cached: tuple[int, ...] = CACHED, repeats: int = 7,
             seed: int = 0) -> list[dict]:
     """-> [{"cached", "rows", "ms", "ratio"}] (ratio = ms / ms of 1 row at the same cached length)."""
+    return measure_many({"": target}, rows, cached, repeats, seed)[""]
+
+
+def measure_many(targets: dict[str, Any], rows: tuple[int, ...] = ROWS, cached: tuple[int, ...] = CACHED,
+                 repeats: int = 7, seed: int = 0) -> dict[str, list[dict]]:
+    """Several runners timed interleaved (each cell alternates between them), so load changes on a shared
+    machine hit all alike; a cell's time is the *minimum* over ``repeats`` (the least-disturbed run; the
+    median moves with other processes' bursts)."""
     rng = np.random.default_rng(seed)
-    out = []
+    out: dict[str, list[dict]] = {k: [] for k in targets}
+    vocab = min(t.vocab_size for t in targets.values())
     for n in cached:
-        target.reset()
-        ids = rng.integers(0, target.vocab_size, n).tolist()
-        for s in range(0, n, 256):  # prefill in chunks, as a long prompt would be
-            target.forward(ids[s:s + 256])
-        base = None
+        ids = rng.integers(0, vocab, n).tolist()
+        for t in targets.values():
+            t.reset()
+            for s in range(0, n, 256):  # prefill in chunks, as a long prompt would be
+                t.forward(ids[s:s + 256])
+        base: dict[str, float] = {}
         for r in rows:
-            times = []
-            for _ in range(repeats + 1):  # +1 warm-up
-                t0 = time.perf_counter()
-                target.forward(rng.integers(0, target.vocab_size, r).tolist())
-                times.append(time.perf_counter() - t0)
-                target.crop(n)
-            ms = float(np.median(times[1:])) * 1e3
-            base = ms if base is None else base
-            out.append({"cached": n, "rows": r, "ms": round(ms, 3), "ratio": round(ms / base, 3)})
+            times: dict[str, list[float]] = {k: [] for k in targets}
+            for rep in range(repeats + 1):  # the first round warms up
+                new = rng.integers(0, vocab, r).tolist()
+                for k, t in targets.items():
+                    t0 = time.perf_counter()
+                    t.forward(new)
+                    if rep:
+                        times[k].append(time.perf_counter() - t0)
+                    t.crop(n)
+            for k in targets:
+                ms = float(np.min(times[k])) * 1e3
+                base.setdefault(k, ms)
+                out[k].append({"cached": n, "rows": r, "ms": round(ms, 3), "ratio": round(ms / base[k], 3)})
     return out
 
 
