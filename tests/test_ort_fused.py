@@ -184,7 +184,7 @@ def test_quantized_decoding_is_lossless_wrt_quantized_target(quantized, tiny_tar
                                      eos_ids=set())
         assert res.tokens == ar
         accepted += res.accepted
-    assert sum(accepted) > 0 and max(accepted) == be.block_size - 1 and 0 in accepted  # acceptance happened
+    assert sum(accepted) > 0 and max(accepted) == be.manifest.block_size - 1 and 0 in accepted  # acceptance happened
     if kind == "int4":
         assert differs > 0  # the int4 target really is another model (on this tiny random model)
 
