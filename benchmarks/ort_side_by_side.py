@@ -155,9 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
     systems: dict[str, object] = {}
+    quant: dict[str, dict] = {}
     for kind in a.precisions:
         o = Ours(kind, a.block_size, a.threads)
         label = "fp32" if kind == "none" else kind
+        quant[label] = o.be.manifest.to_json()["quantization"]
         systems[f"ours {label} AR"] = o.ar
         systems[f"ours {label} DFlash2 bs{a.block_size}"] = o.spec
         tok = TextTokenizer(o.folder)
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f(r['vs_genai_ar_same_precision'])} | {f(r['vs_llama_cpp'])} | {r['agreement_own_greedy']:.2f} |")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"args": vars(a), "summary": summary}, indent=2) + "\n")
+        Path(a.out).write_text(json.dumps({"args": vars(a), "ours_quantization": quant, "summary": summary}, indent=2) + "\n")
     if a.plot:
         import matplotlib
 

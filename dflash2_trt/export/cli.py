@@ -43,8 +43,9 @@ def add_parsers(sub) -> None:  # noqa: ANN001
     p.add_argument("--quantize", choices=QUANTIZATIONS, default="none",
                    help="weight-only MatMulNBits quantization of the ONNX Runtime graphs (fp32 exports)")
     p.add_argument("--quant-block-size", type=int, default=32, help="elements per quantization block (K axis)")
-    p.add_argument("--quant-accuracy-level", type=int, default=4,
-                   help="MatMulNBits accuracy_level (4: int8 activations, fastest on CPU; 0: fp32)")
+    p.add_argument("--quant-accuracy-level", type=int, default=0,
+                   help="MatMulNBits accuracy_level: 0 (fp32 compute; speculative decoding reproduces the quantized "
+                        "target exactly) or 4 (int8 activations: faster, but 1-row and multi-row calls differ)")
     p.add_argument("--no-quantize-lm-head", action="store_true", help="keep the LM head MatMul in fp32")
     p.add_argument("--verify-cost", action="store_true",
                    help="time the fused target's verification (1/4/8/16 rows) here; record a recommended block size")

@@ -4,6 +4,7 @@ Every ``MatMul`` with a constant weight becomes a ``com.microsoft::MatMulNBits``
 Runtime's own maintained quantizer (``onnxruntime.quantization.matmul_nbits_quantizer``; round to nearest,
 blockwise along K, one scale (+ zero point when asymmetric) per block). Activations stay fp32; the
 ``accuracy_level`` tells the CPU kernel what it may compute in (4 = int8 activations, the fast path).
+``accuracy_level`` 0 (the default) keeps speculative decoding lossless; see ``DEFAULT_ACCURACY_LEVEL``.
 The LM head (the target's and the drafter's: they are the same weight) is a separate choice
 (``lm_head``); embeddings stay fp32 (a ``Gather`` reads one row per token, quantizing it saves memory,
 not time). ``MatMulNBits`` exists only in ONNX Runtime: TensorRT graphs are never quantized here.
@@ -21,7 +22,11 @@ from dflash2_trt.vocabulary import QUANTIZATIONS
 
 _BITS = {"int8": 8, "int4": 4}
 DEFAULT_BLOCK_SIZE = 32
-DEFAULT_ACCURACY_LEVEL = 4
+# 0 (fp32 compute) by default: at level 4 (int8 activations, the fast CPU path) ONNX Runtime computes a
+# 1-row and a multi-row call differently (SmolLM2-135M int4: logits differ by up to 0.7 between one
+# 8-row verification and 8 single-row steps, 7e-5 at level 0), so speculative decoding would not reproduce
+# the quantized target's own autoregressive output. Level 4 stays available (--quant-accuracy-level 4).
+DEFAULT_ACCURACY_LEVEL = 0
 
 
 @dataclass(frozen=True)
