@@ -30,6 +30,7 @@ are applied outside the attention node (the CPU kernel ignores GroupQueryAttenti
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -179,6 +180,7 @@ def _head_norm(g: _Builder, x: str, heads: int, d: int, weight: np.ndarray, eps:
 # ----------------------------------------------------------------------------------------------------
 
 TARGET_ORT_FILE = "target_ort.onnx"
+DRAFTER_ACCURACY_LEVEL = 4  # MatMulNBits level of the quantized drafter graphs (int8 activations)
 
 
 def session_from_model(model, threads: int | None = None):  # noqa: ANN001, ANN201
@@ -251,10 +253,13 @@ def add_ort_flavour(models: dict, graph_meta: dict, target, layer_ids: list[int]
     graph_meta[TARGET_ORT] = {"file": TARGET_ORT_FILE, "role": "target", "selector": None, "mode": None,
                                 "flavour": "ort"}
     if quant.enabled:
+        # drafts need not reproduce anything (verification decides), so the drafter always takes the fast
+        # int8-activation kernels; only the target's accuracy level decides losslessness
+        draft_quant = dataclasses.replace(quant, accuracy_level=DRAFTER_ACCURACY_LEVEL)
         for key, meta in list(graph_meta.items()):
             if meta["role"] == "target" or meta.get("selector") == "plugin" or meta.get("flavour") == "ort":
                 continue
-            qm = quantize_graph(models[meta["file"]], quant, target.vocab_size)
+            qm = quantize_graph(models[meta["file"]], draft_quant, target.vocab_size)
             if quantized_matmuls(qm):  # else the standard graph serves ORT too (e.g. an fp32 LM head alone)
                 name = meta["file"].replace(".onnx", f"{ORT_SUFFIX}.onnx")
                 models[name] = qm
