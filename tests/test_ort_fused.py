@@ -191,7 +191,7 @@ def test_quantized_decoding_is_lossless_wrt_quantized_target(quantized, tiny_tar
 
 
 def test_quantize_bad_input(tiny_dir, tmp_path, capsys):
-    from dflash2_trt.export.cli import main
+    from dflash2_trt.cli import export_main as main
     from dflash2_trt.export.quantize import QuantSpec
 
     with pytest.raises(DFlash2Error, match="power of 2"):
