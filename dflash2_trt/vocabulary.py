@@ -13,6 +13,9 @@ INDEPENDENT = "independent"
 # What a draft runner can be asked for.
 DRAFT_MODES = (*SELECTOR_MODES, INDEPENDENT)
 
+# Pair-score precision of the PyTorch selector: fp32 (the reference) | bf16 (z-lab's vLLM rounding).
+SELECTOR_PRECISIONS = ("fp32", "bf16")
+
 # Runtime backends; "auto" = TensorRT when it can run here, else ONNX Runtime.
 BACKENDS = ("ort", "trt", "torch")
 BACKEND_CHOICES = ("auto", "ort", "trt")  # what the export-folder CLIs accept (torch runs --target/--drafter)

@@ -1,8 +1,11 @@
 """Drafter checkpoints: ``config.json`` + ``model.safetensors`` (or sharded ``model-*.safetensors``).
 
 Safetensors only — pickle files are refused. Tensor names are those of SPEC §2, so z-lab-format DFlash 2
-and DFlash v1 checkpoints load. Missing, unexpected or mis-shaped tensors raise :class:`DFlash2Error`
-naming the tensor (and both shapes).
+and DFlash v1 checkpoints load; the codebooks are also accepted as ``candidate_selector.*_codebook.weight``
+(what a fresh z-lab ``save_pretrained`` writes: their codebooks are ``nn.Embedding`` modules, and their
+``from_pretrained`` maps the released bare names onto ``.weight``). Missing, unexpected or mis-shaped
+tensors raise :class:`DFlash2Error` naming the tensor (and both shapes). Saving writes the bare names of
+the released checkpoints.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from dflash2_trt.model.drafter import DFlash2Drafter
 WEIGHTS_NAME = "model.safetensors"
 # prefixes some exporters put in front of the SPEC names; stripped on load
 _STRIP_PREFIXES = ("model.", "drafter.")
+# z-lab's nn.Embedding names -> the released (and our) bare parameter names
+_ALIASES = {f"candidate_selector.{n}_codebook.weight": f"candidate_selector.{n}_codebook"
+            for n in ("predecessor", "successor")}
 
 
 def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -42,6 +48,9 @@ def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
             for p in _STRIP_PREFIXES:
                 if k.startswith(p):
                     k = k[len(p):]
+            k = _ALIASES.get(k, k)
+            if k in out:
+                raise DFlash2Error(f"{f}: tensor {k!r} appears twice (under two names or in two shards)")
             out[k] = v
     return out
 

@@ -21,9 +21,9 @@ from torch import nn
 
 from dflash2_trt.config import ARCH_V2, DFlash2Config
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.vocabulary import INDEPENDENT
+from dflash2_trt.vocabulary import INDEPENDENT, SELECTOR_PRECISIONS
 from dflash2_trt.model import selector as sel
-from dflash2_trt.model.layers import MLP, POST, PRE, Attention, DynamicConv, RMSNorm, attention_biases, rope_cos_sin
+from dflash2_trt.model.layers import MLP, POST, PRE, Attention, DynamicConv, RMSNorm, attention_biases, rope_tables
 
 
 class DrafterLayer(nn.Module):
@@ -31,8 +31,9 @@ class DrafterLayer(nn.Module):
         super().__init__()
         H = cfg.hidden_size
         assert cfg.head_dim is not None
-        self.self_attn = Attention(H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps)
-        self.mlp = MLP(H, cfg.intermediate_size)
+        self.self_attn = Attention(H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                   bias=cfg.attention_bias)
+        self.mlp = MLP(H, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         if with_conv:
@@ -61,19 +62,57 @@ class DrafterLayer(nn.Module):
         return h + m
 
 
+_MIN_CONTEXT_CAPACITY = 64
+
+
 @dataclass
 class DraftContext:
-    """Per-request draft context cache: per layer K/V of the fused context rows (positions 0..n-1).
+    """Per-request draft context cache: per layer K/V of the fused context rows (positions 0..length-1).
 
     Invariant: the cache holds exactly the committed positions strictly before the current anchor.
+    Rows live in per-layer buffers ``[1, kvh, capacity, d]`` that grow by doubling, so appending m rows
+    costs O(m) amortised instead of re-copying the whole history every cycle; ``k`` / ``v`` are views of
+    the filled part (valid until the next append that grows the buffer).
     """
 
-    k: list[torch.Tensor] = field(default_factory=list)  # per layer [1, kvh, n, d]
-    v: list[torch.Tensor] = field(default_factory=list)
+    buf_k: list[torch.Tensor] = field(default_factory=list)  # per layer [1, kvh, capacity, d]
+    buf_v: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0
 
     @property
-    def length(self) -> int:
-        return 0 if not self.k else int(self.k[0].shape[2])
+    def capacity(self) -> int:
+        return 0 if not self.buf_k else int(self.buf_k[0].shape[2])
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """Per layer [1, kvh, length, d] (views)."""
+        return [b[:, :, : self.length] for b in self.buf_k]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return [b[:, :, : self.length] for b in self.buf_v]
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append per-layer (k, v) [1, kvh, m, d] at the end."""
+        m = int(kv[0][0].shape[2])
+        need = self.length + m
+        if need > self.capacity:
+            cap = max(need, 2 * self.capacity, _MIN_CONTEXT_CAPACITY)
+
+            def grown(old: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+                new = like.new_zeros(like.shape[0], like.shape[1], cap, like.shape[3])
+                if old is not None:
+                    new[:, :, : self.length] = old[:, :, : self.length]
+                return new
+
+            olds_k = self.buf_k or [None] * len(kv)
+            olds_v = self.buf_v or [None] * len(kv)
+            self.buf_k = [grown(o, k) for o, (k, _) in zip(olds_k, kv)]
+            self.buf_v = [grown(o, v) for o, (_, v) in zip(olds_v, kv)]
+        for bk, bv, (k, v) in zip(self.buf_k, self.buf_v, kv):
+            bk[:, :, self.length : need] = k
+            bv[:, :, self.length : need] = v
+        self.length = need
 
 
 @dataclass
@@ -102,6 +141,8 @@ class DFlash2Drafter(nn.Module):
             self.mask_embedding = nn.Parameter(torch.zeros(H))  # [H]
         self.use_conv = cfg.use_conv and has_v2_parts
         self.use_selector = cfg.use_selector and has_v2_parts
+        # "fp32" (default, the reference) or "bf16": z-lab's vLLM rounding of the pair term (selector.lattice)
+        self.selector_precision = SELECTOR_PRECISIONS[0]
         self.register_buffer("mask_ids", torch.full((1, cfg.num_draft_rows), cfg.mask_token_id, dtype=torch.long),
                              persistent=False)  # [1, L]
         # shared, frozen target tensors (never saved with the drafter)
@@ -150,7 +191,7 @@ class DFlash2Drafter(nn.Module):
         """c [S, n, H], positions [S, n] or [n] -> per layer (k, v) [S, kvh, n, d]."""
         cfg = self.config
         assert cfg.head_dim is not None
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, c.dtype)  # [.., n, d]
+        cos, sin = rope_tables(positions, cfg, c.dtype)  # [.., n, d]
         return [layer.self_attn.kv(c, cos, sin) for layer in self.layers]
 
     def extend_context(self, ctx: DraftContext, feats: torch.Tensor, start: int) -> None:
@@ -160,12 +201,7 @@ class DFlash2Drafter(nn.Module):
         m = feats.shape[0]
         pos = torch.arange(start, start + m, device=feats.device)
         kv = self.context_kv(self.fuse_context(feats).unsqueeze(0), pos)
-        if not ctx.k:
-            ctx.k = [k for k, _ in kv]
-            ctx.v = [v for _, v in kv]
-        else:
-            ctx.k = [torch.cat([a, k], dim=2) for a, (k, _) in zip(ctx.k, kv)]
-            ctx.v = [torch.cat([a, v], dim=2) for a, (_, v) in zip(ctx.v, kv)]
+        ctx.append(kv)
 
     # ------------------------------------------------------------------ block pass
     def block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
@@ -182,6 +218,35 @@ class DFlash2Drafter(nn.Module):
             x = x * cfg.input_embedding_scale
         return x
 
+    def visibility(
+        self,
+        anchor_pos: torch.Tensor,  # [nb] int64
+        C: int,  # context slots; slot j holds position j
+        causal: bool,
+        window: int | None,
+        ctx_valid: torch.Tensor | None = None,  # [nb or 1, C] bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ctx_ok [nb, bs, C], blk_ok [nb, bs, bs]) bool, True = may attend, for one kind of layer.
+
+        Context slots strictly before the anchor (and valid). A window hides keys ``window`` or more positions
+        behind the query and, on a non-causal layer, block rows that far ahead too (z-lab's two-sided window;
+        context rows are never ahead). Broadcasting only, so the exported block graph traces it as it is."""
+        nb, bs = anchor_pos.shape[0], self.config.block_size
+        block_pos = anchor_pos.view(nb, 1) + torch.arange(bs, device=anchor_pos.device)  # [nb, bs]
+        ctx_pos = torch.arange(C, device=anchor_pos.device).view(1, 1, -1)  # [1, 1, C]
+        qp = block_pos.unsqueeze(-1)  # [nb, bs, 1]
+        kp = block_pos.unsqueeze(1)  # [nb, 1, bs]
+        ctx_ok = (ctx_pos < anchor_pos.view(nb, 1, 1)) & (qp >= 0)  # [nb, bs, C]
+        if ctx_valid is not None:
+            ctx_ok = ctx_ok & ctx_valid.unsqueeze(1)
+        blk_ok = kp <= qp if causal else (kp >= 0) & (qp >= 0)  # [nb, bs, bs]
+        if window is not None:
+            ctx_ok = ctx_ok & (qp - ctx_pos < window)
+            blk_ok = blk_ok & (qp - kp < window)
+            if not causal:
+                blk_ok = blk_ok & (kp - qp < window)
+        return ctx_ok, blk_ok
+
     def block_forward(
         self,
         anchor_ids: torch.Tensor,  # [nb] int64
@@ -192,33 +257,21 @@ class DFlash2Drafter(nn.Module):
     ) -> torch.Tensor:
         """One-shot block pass -> normed hidden states h [nb, bs, H].
 
-        Block rows see the context slots strictly before the anchor (and inside a sliding window), and the
-        block rows (bidirectional, or causal). Masks are built with broadcasting only, so the exported block
-        graph traces this method as it is."""
+        Block rows see what :meth:`visibility` allows for their layer. Masks are built with broadcasting
+        only, so the exported block graph traces this method as it is."""
         cfg = self.config
         assert cfg.head_dim is not None
         nb, bs = anchor_ids.shape[0], cfg.block_size
         h = self.block_embeddings(anchor_ids).to(self.fc.weight.dtype)
         block_pos = anchor_pos.view(nb, 1) + torch.arange(bs, device=anchor_ids.device)  # [nb, bs]
-        cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, h.dtype)  # [nb, bs, d]
+        cos, sin = rope_tables(block_pos, cfg, h.dtype)  # [nb, bs, d]
         C = ctx_k[0].shape[2] if len(ctx_k) else 0
-        ctx_pos = torch.arange(C, device=anchor_ids.device).view(1, 1, -1)  # [1, 1, C]
-        qp = block_pos.unsqueeze(-1)  # [nb, bs, 1]
-        kp = block_pos.unsqueeze(1)  # [nb, 1, bs]
-        ctx_ok = (ctx_pos < anchor_pos.view(nb, 1, 1)) & (qp >= 0)  # [nb, bs, C]
-        if ctx_valid is not None:
-            ctx_ok = ctx_ok & ctx_valid.unsqueeze(1)
         rep = cfg.num_attention_heads // cfg.num_key_value_heads
         biases: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):
             key = (cfg.layer_is_causal(i), cfg.layer_window(i))
             if key not in biases:
-                c_ok = ctx_ok
-                b_ok = kp <= qp if key[0] else (kp >= 0) & (qp >= 0)  # [nb, bs, bs]
-                if key[1] is not None:
-                    c_ok = c_ok & (qp - ctx_pos < key[1])
-                    b_ok = b_ok & (qp - kp < key[1])
-                biases[key] = attention_biases(c_ok, b_ok, rep, h.dtype)
+                biases[key] = attention_biases(*self.visibility(anchor_pos, C, *key, ctx_valid), rep, h.dtype)
             h = layer(h, cos, sin, ctx_k[i], ctx_v[i], *biases[key], self.use_conv)
         return self.norm(h)
 
@@ -270,6 +323,7 @@ class DFlash2Drafter(nn.Module):
         cs = self.candidate_selector
         g = cs.hidden_projection(rows).float()  # [nb, L, r]
         ids, _, qk = sel.select_paths(cand, unary, g, anchor_ids, cs.predecessor_codebook, cs.successor_codebook,
-                                      mode=mode, temperature=temperature, uniforms=uniforms)
+                                      mode=mode, temperature=temperature, uniforms=uniforms,
+                                      precision=self.selector_precision)
         q = torch.zeros(nb, L, V, dtype=torch.float32, device=logits.device).scatter_(-1, cand, qk)
         return Draft(tokens=ids, proposal=q, cand=cand, logits=logits)

@@ -10,11 +10,28 @@ d head dim, G conv groups, kc taps (2).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from dflash2_trt.config import DFlash2Config
+
 PRE, POST = 0, 1  # conv sides: index 0 of base_kernel / dyn is applied before the sublayer
+
+# config.HIDDEN_ACTS -> function (transformers' ACT2FN semantics; gelu_new is the tanh approximation)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
 
 
 class RMSNorm(nn.Module):
@@ -32,12 +49,78 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [...] int64 -> cos, sin [..., d] (Llama/Qwen 'rotate_half' layout)."""
+    """positions [...] int64 -> cos, sin [..., d] (Llama/Qwen 'rotate_half' layout), default RoPE only."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
                                 / head_dim))  # [d/2]
+    return _cos_sin(positions, inv_freq, 1.0, dtype)
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # [..., d/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [..., d]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def rope_inv_freq(cfg: "DFlash2Config", device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """inv_freq [d/2] fp32 and the cos/sin scale of the config's RoPE (default, linear, yarn, llama3).
+
+    Same formulas as transformers' ROPE_INIT_FUNCTIONS (which z-lab's drafter uses through
+    Qwen3RotaryEmbedding); the config has already refused every other rope_type.
+    """
+    d, base = cfg.head_dim, float(cfg.rope_theta)
+    assert d is not None
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))  # [d/2]
+    s = cfg.rope_scaling or {}
+    rtype = s.get("rope_type", "default")
+    if rtype == "default":
+        return inv, 1.0
+    factor = float(s["factor"])
+    if rtype == "linear":
+        return inv / factor, 1.0
+    orig = float(s["original_max_position_embeddings"])
+    if rtype == "llama3":
+        low_f, high_f = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > orig / low_f, inv / factor, inv)
+        smooth = (orig / wavelen - low_f) / (high_f - low_f)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < orig / high_f) * ~(wavelen > orig / low_f)
+        return torch.where(medium, smoothed, out), 1.0
+    assert rtype == "yarn", rtype
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    att = s.get("attention_factor")
+    if att is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        att = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return (d * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # share of the unscaled frequency per dimension pair
+    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(att)
+
+
+def rope_tables(positions: torch.Tensor, cfg: "DFlash2Config", dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] int64 -> cos, sin [..., d] for the config's RoPE (incl. yarn's cos/sin scale)."""
+    inv, scale = rope_inv_freq(cfg, positions.device)
+    return _cos_sin(positions, inv, scale, dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d: int) -> torch.Tensor:
@@ -97,13 +180,13 @@ class DynamicConv(nn.Module):
 class Attention(nn.Module):
     """KV-injection attention: queries from block rows; keys/values = [context rows | block rows]."""
 
-    def __init__(self, hidden: int, nh: int, kvh: int, d: int, eps: float) -> None:
+    def __init__(self, hidden: int, nh: int, kvh: int, d: int, eps: float, bias: bool = False) -> None:
         super().__init__()
         self.nh, self.kvh, self.d = nh, kvh, d
-        self.q_proj = nn.Linear(hidden, nh * d, bias=False)
-        self.k_proj = nn.Linear(hidden, kvh * d, bias=False)
-        self.v_proj = nn.Linear(hidden, kvh * d, bias=False)
-        self.o_proj = nn.Linear(nh * d, hidden, bias=False)
+        self.q_proj = nn.Linear(hidden, nh * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, kvh * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, kvh * d, bias=bias)
+        self.o_proj = nn.Linear(nh * d, hidden, bias=bias)
         self.q_norm = RMSNorm(d, eps)
         self.k_norm = RMSNorm(d, eps)
 
@@ -156,11 +239,14 @@ def attention_biases(ok_ctx: torch.Tensor, ok_blk: torch.Tensor, rep: int, dtype
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
+    """Gated MLP: down(act(gate(x)) * up(x)); ``act`` one of config.HIDDEN_ACTS (SwiGLU for silu)."""
+
+    def __init__(self, hidden: int, inter: int, act: str = "silu") -> None:
         super().__init__()
+        self.act = ACTIVATIONS[act]
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

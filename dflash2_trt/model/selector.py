@@ -2,6 +2,11 @@
 and the exported drafter head graph (:class:`dflash2_trt.export.onnx_graphs.DecomposedSelector`) all run
 :func:`lattice` + :func:`walk`. Mirrors :mod:`dflash2_trt.reference` exactly (same lattice, tie rule,
 inverse-CDF sampling); computed in fp32.
+
+``precision="bf16"`` reproduces z-lab's vLLM selector instead: there the projection ``g``, the codebook rows,
+their product and the rank contraction are bf16 tensors (the model dtype) while the unary scores are fp32,
+so the pair term of every lattice entry is rounded to bf16 before the fp32 add (z-lab's own comment: such
+rounding moves a row's argmax 0.81% of the time on real checkpoints). fp32 stays the default and the reference.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import torch
 from torch import nn
 
 from dflash2_trt.vocabulary import SELECTOR_MODES as MODES
+from dflash2_trt.vocabulary import SELECTOR_PRECISIONS
 
 
 class CandidateSelector(nn.Module):
@@ -31,10 +37,19 @@ def lattice(
     anchor: torch.Tensor,  # [B] int64
     pred_codebook: torch.Tensor,  # [V, r]
     succ_codebook: torch.Tensor,  # [V, r]
+    precision: str = "fp32",
 ) -> torch.Tensor:
     """S [B, L, K_prev, K_cur] fp32; row 0 repeats the anchor as predecessor for every i."""
     B, L, K = cand.shape
     prev = torch.cat([anchor.view(B, 1, 1).expand(B, 1, K), cand[:, :-1]], dim=1)  # [B, L, K]
+    if precision == "bf16":
+        # z-lab vLLM order: (A[prev] * g) in bf16, contracted with B[cand], result rounded to bf16
+        bf = torch.bfloat16
+        ag = (pred_codebook[prev].to(bf) * g.to(bf).unsqueeze(2)).float()  # [B, L, K, r] bf16 values
+        pair = (ag @ succ_codebook[cand].to(bf).float().transpose(-1, -2)).to(bf).float()  # [B, L, K, K]
+        return unary.float().unsqueeze(2) + pair
+    if precision not in SELECTOR_PRECISIONS:
+        raise ValueError(f"precision must be one of {SELECTOR_PRECISIONS}, got {precision!r}")
     a = pred_codebook[prev].float()  # [B, L, K, r] (gather, then cast: never the whole [V, r] table)
     b = succ_codebook[cand].float() * g.float().unsqueeze(2)  # [B, L, K, r]
     return unary.float().unsqueeze(2) + a @ b.transpose(-1, -2)  # [B, L, K, K]
@@ -147,9 +162,10 @@ def select_paths(
     mode: str = "greedy",
     temperature: torch.Tensor | float = 0.0,
     uniforms: torch.Tensor | None = None,
+    precision: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as ``reference.select_paths``: (path_ids [B, L], path_idx [B, L], proposals [B, L, K])."""
-    S = lattice(cand.long(), unary, g, anchor.long(), pred_codebook, succ_codebook)
+    S = lattice(cand.long(), unary, g, anchor.long(), pred_codebook, succ_codebook, precision)
     t = torch.as_tensor(temperature, dtype=torch.float32, device=S.device).reshape(-1)
     idx, q = walk(S, mode, t, uniforms)
     ids = cand.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
