@@ -414,6 +414,11 @@ class DFlash2Config:
         rope.update(self.rope_scaling or {})
         d["rope_parameters"] = rope
         dc = {k: getattr(self, k) for k in _DFLASH_KEYS if getattr(self, k) is not None}
+        # our extension switches only when they say something the architecture does not imply
+        implied = self.architecture == ARCH_V2
+        for k, default in (("use_conv", implied), ("use_selector", implied), ("learned_mask_embedding", False)):
+            if dc[k] == default:
+                del dc[k]
         extra = dict(self.extra)
         dc.update(extra.pop("dflash_config", {}))
         for k in ("rope_theta", "rope_scaling", "rope_parameters"):  # only ever one θ field
