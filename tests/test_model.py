@@ -250,3 +250,96 @@ def test_checkpoint_errors(tmp_path):
         load_drafter(tmp_path / "nope")
     with pytest.raises(DFlash2Error, match="not bound"):
         DFlash2Drafter(d.config).block_embeddings(torch.tensor([1]))
+
+
+def test_window_mask_is_two_sided_on_non_causal_layers():
+    """z-lab: a window hides keys `win` or more behind the query and, off causal layers, block rows that
+    far ahead too; context rows stay strictly before the anchor."""
+    win = 3
+    for causal in (False, True):
+        d = _drafter(layer_types=["sliding_attention"] * 2, use_sliding_window=True, sliding_window=win,
+                     is_causal=causal)
+        n, bs = 7, d.config.block_size
+        anchor_pos = torch.tensor([n])
+        block_pos = anchor_pos.view(1, 1) + torch.arange(bs)
+        m = d._mask(0, block_pos, torch.arange(n), anchor_pos)[0]  # [bs, n + bs]
+        for qi in range(bs):
+            q = n + qi
+            for kj in range(n + bs):
+                k = kj if kj < n else n + (kj - n)
+                want = q - k < win and (k < n or not causal or k <= q)
+                if not causal:
+                    want = want and k - q < win
+                if kj < n:
+                    want = want and k < n
+                assert bool(m[qi, kj]) == want, (causal, qi, kj)
+        # the row-ahead rule is really exercised: block row 0 sees row win-1 but not row win when non-causal
+        assert bool(m[0, n + win - 1]) == (not causal) and not bool(m[0, n + win])
+
+
+def test_use_sliding_window_false_keeps_sliding_layers_causal_without_window():
+    d = _drafter(layer_types=["sliding_attention"] * 2, use_sliding_window=False, sliding_window=2)
+    n, bs = 9, d.config.block_size
+    block_pos = torch.tensor([[n]]) + torch.arange(bs)
+    m = d._mask(0, block_pos, torch.arange(n), torch.tensor([n]))[0]
+    assert bool(m[:, :n].all())  # no window over the context
+    assert torch.equal(m[:, n:], torch.ones(bs, bs, dtype=torch.bool).tril())  # causal, no window
+
+
+def test_context_buffer_grows_amortised_and_views_match():
+    d = _drafter(identity=False)
+    g = torch.Generator().manual_seed(9)
+    feats = torch.randn(150, d.config.context_in_features, generator=g)
+    ctx = DraftContext()
+    caps = []
+    pos = 0
+    for m in [5, 1, 3] * 16 + [2]:
+        d.extend_context(ctx, feats[pos:pos + m], pos)
+        pos += m
+        caps.append(ctx.capacity)
+    assert ctx.length == pos == 146 and ctx.k[0].shape[2] == pos
+    assert sorted(set(caps)) == [64, 128, 256]  # doubling: 2 re-allocations for 49 appends
+    whole = DraftContext()
+    d.extend_context(whole, feats[:pos], 0)
+    for a, b in zip(ctx.k + ctx.v, whole.k + whole.v):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.5},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 0.7, "mscale_all_dim": 1.0, "truncate": False},
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 1.3},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+])
+def test_rope_scaling_matches_transformers(rope):
+    """Twin: transformers' ROPE_INIT_FUNCTIONS (what z-lab's Qwen3RotaryEmbedding calls)."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from dflash2_trt.model.layers import rope_inv_freq
+
+    cfg = DFlash2Config(**{**CFG, "head_dim": 32, "rope_theta": 50000.0, "rope_scaling": rope})
+    hf = Qwen3Config(hidden_size=32, num_attention_heads=4, head_dim=32, max_position_embeddings=256,
+                     rope_parameters={"rope_theta": 50000.0, **rope})
+    want_inv, want_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, torch.device("cpu"))
+    inv, scale = rope_inv_freq(cfg)
+    torch.testing.assert_close(inv, want_inv.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(want_scale, rel=1e-12)
+    assert not torch.allclose(inv, rope_inv_freq(cfg.replace(rope_scaling=None))[0])  # scaling did something
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "swish"])
+def test_activation_and_bias_options(act):
+    from transformers.activations import ACT2FN
+
+    d = _drafter(hidden_act=act, attention_bias=True)
+    assert d.layers[0].self_attn.q_proj.bias is not None and d.layers[0].self_attn.o_proj.bias is not None
+    x = torch.randn(5, 32)
+    mlp = d.layers[0].mlp
+    torch.testing.assert_close(mlp(x), mlp.down_proj(ACT2FN[act](mlp.gate_proj(x)) * mlp.up_proj(x)),
+                               rtol=1e-5, atol=1e-6)
+    names = set(d.state_dict())
+    assert {"layers.0.self_attn.q_proj.bias", "layers.1.self_attn.o_proj.bias"} <= names
