@@ -143,6 +143,18 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, params
 
 
+def rope_from_hf(hf_config: Any) -> dict[str, Any]:
+    """RoPE of a transformers config (object or dict) as DFlash2Config fields ``{rope_theta, rope_scaling}``.
+
+    transformers 5 keeps θ only in ``rope_parameters`` (``getattr(cfg, "rope_theta", 10000)`` silently
+    gives 10000); transformers 4 in ``rope_theta`` (+ ``rope_scaling``). Missing or unsupported -> DFlash2Error.
+    """
+    d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    d = {k: d[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if d.get(k) is not None}
+    theta, scaling = _read_rope(d)
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
 @dataclass
 class DFlash2Config:
     """Drafter configuration (SPEC §2). Sizes: H hidden, V vocab, bs block size, L = bs - 1, K top-k, r rank."""

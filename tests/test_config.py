@@ -222,3 +222,19 @@ def test_saved_config_has_no_nulls_and_one_theta(tmp_path):
     cfg = DFlash2Config.from_dict({**_v2(), "foo": 1})
     assert cfg.to_dict()["foo"] == 1
     assert "rope_theta" not in cfg.replace(extra={**cfg.extra, "rope_theta": 1.0}).to_dict()
+
+
+def test_rope_from_a_transformers_target_config():
+    from transformers import LlamaConfig
+
+    from dflash2_trt.config import rope_from_hf
+
+    hf = LlamaConfig(rope_theta=100000.0)  # SmolLM2's θ; transformers 5 has no hf.rope_theta attribute
+    assert rope_from_hf(hf) == {"rope_theta": 100000.0, "rope_scaling": None}
+    hf = LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    got = rope_from_hf(hf)
+    assert got["rope_theta"] == 5e5 and got["rope_scaling"]["rope_type"] == "llama3"
+    assert DFlash2Config(**got).rope_type == "llama3"
+    with pytest.raises(DFlash2Error, match="rope_theta missing"):
+        rope_from_hf({"hidden_size": 8})

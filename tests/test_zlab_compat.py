@@ -168,3 +168,22 @@ def test_codebook_alias_both_names_refused(tmp_path):
     save_file(t, str(tmp_path / "ck" / "model.safetensors"))
     with pytest.raises(DFlash2Error, match="appears twice"):
         load_drafter(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_export_graph_modules_reproduce_zlab_reference(name):
+    """The ONNX drafter graphs (as torch modules, before export) give z-lab's block hidden states too."""
+    from dflash2_trt.export.onnx_graphs import DrafterBlockGraph, DrafterContextGraph
+
+    d = _drafter(name)
+    gold = _golden(name)
+    ctx_graph, block_graph = DrafterContextGraph(d), DrafterBlockGraph(d)
+    with torch.no_grad():
+        for j in (1, 3):
+            feats, anchor = gold[f"single{j}.context"], gold[f"single{j}.anchor"]
+            n, cap = feats.shape[0], feats.shape[0] + 5  # 5 unused slots that the mask must hide
+            padded = torch.cat([feats, torch.randn(5, feats.shape[1])])[None]  # [1, cap, 3H]
+            kv = ctx_graph(padded, torch.arange(cap)[None])
+            mask = (torch.arange(cap) < n).long()[None]
+            h = block_graph(anchor, torch.tensor([n]), mask, *kv)[0]
+            torch.testing.assert_close(h, gold[f"single{j}.hidden"], **TOL)
