@@ -260,9 +260,11 @@ def test_window_mask_is_two_sided_on_non_causal_layers():
         d = _drafter(layer_types=["sliding_attention"] * 2, use_sliding_window=True, sliding_window=win,
                      is_causal=causal)
         n, bs = 7, d.config.block_size
-        anchor_pos = torch.tensor([n])
-        block_pos = anchor_pos.view(1, 1) + torch.arange(bs)
-        m = d._mask(0, block_pos, torch.arange(n), anchor_pos)[0]  # [bs, n + bs]
+        cfg = d.config
+        m = torch.cat(d.visibility(torch.tensor([n]), n + 2, cfg.layer_is_causal(0), cfg.layer_window(0)),
+                      dim=-1)[0]  # [bs, n + 2 + bs]; slots n, n+1 lie at or after the anchor
+        m = torch.cat([m[:, :n], m[:, n + 2:]], dim=-1)  # [bs, n + bs]
+        assert not bool(d.visibility(torch.tensor([n]), n + 2, causal, win)[0][0, :, n:].any())
         for qi in range(bs):
             q = n + qi
             for kj in range(n + bs):
@@ -280,8 +282,8 @@ def test_window_mask_is_two_sided_on_non_causal_layers():
 def test_use_sliding_window_false_keeps_sliding_layers_causal_without_window():
     d = _drafter(layer_types=["sliding_attention"] * 2, use_sliding_window=False, sliding_window=2)
     n, bs = 9, d.config.block_size
-    block_pos = torch.tensor([[n]]) + torch.arange(bs)
-    m = d._mask(0, block_pos, torch.arange(n), torch.tensor([n]))[0]
+    cfg = d.config
+    m = torch.cat(d.visibility(torch.tensor([n]), n, cfg.layer_is_causal(0), cfg.layer_window(0)), dim=-1)[0]
     assert bool(m[:, :n].all())  # no window over the context
     assert torch.equal(m[:, n:], torch.ones(bs, bs, dtype=torch.bool).tril())  # causal, no window
 

@@ -105,7 +105,7 @@ def test_reproduces_zlab_reference(name):
             n = feats.shape[0]
             ctx = DraftContext()
             d.extend_context(ctx, feats, 0)
-            h = d.block_hidden(anchor, torch.tensor([n]), ctx.k, ctx.v, torch.arange(n))[0]  # [bs, H]
+            h = d.block_forward(anchor, torch.tensor([n]), ctx.k, ctx.v)[0]  # [bs, H]
             torch.testing.assert_close(h, gold[f"{s}.hidden"], **TOL)
             draft = d.draft_from_hidden(h[None], anchor)
             torch.testing.assert_close(draft.logits[0], gold[f"{s}.logits"], **TOL)
@@ -128,7 +128,7 @@ def test_reproduces_zlab_reference(name):
         feats, anchors = gold["batch.context"], gold["batch.anchor"]  # [B, n, 3H], [B]
         B, n = feats.shape[:2]
         kv = d.context_kv(d.fuse_context(feats), torch.arange(n))
-        h = d.block_hidden(anchors, torch.full((B,), n), [k for k, _ in kv], [v for _, v in kv], torch.arange(n))
+        h = d.block_forward(anchors, torch.full((B,), n), [k for k, _ in kv], [v for _, v in kv])
         torch.testing.assert_close(h, gold["batch.hidden"], **TOL)
         tokens = d.draft_from_hidden(h, anchors).tokens
         assert tokens.tolist() == gold["batch.path"].tolist()
@@ -151,7 +151,7 @@ def test_our_save_reloads_identically_with_released_names(tmp_path):
     B, n = feats.shape[:2]
     with torch.no_grad():
         kv = e.context_kv(e.fuse_context(feats), torch.arange(n))
-        h = e.block_hidden(anchors, torch.full((B,), n), [k for k, _ in kv], [v for _, v in kv], torch.arange(n))
+        h = e.block_forward(anchors, torch.full((B,), n), [k for k, _ in kv], [v for _, v in kv])
     assert e.draft_from_hidden(h, anchors).tokens.tolist() == gold["batch.path"].tolist()
 
 
