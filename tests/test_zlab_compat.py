@@ -187,3 +187,23 @@ def test_export_graph_modules_reproduce_zlab_reference(name):
             mask = (torch.arange(cap) < n).long()[None]
             h = block_graph(anchor, torch.tensor([n]), mask, *kv)[0]
             torch.testing.assert_close(h, gold[f"single{j}.hidden"], **TOL)
+
+
+def test_cli_selector_precision_reaches_the_selector(tiny_dir, monkeypatch, capsys):
+    from dflash2_trt.cli import main
+    from dflash2_trt.model import selector as sel
+
+    seen = []
+    real = sel.lattice
+
+    def spy(*a, **k):
+        seen.append(a[6] if len(a) > 6 else k.get("precision", "fp32"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(sel, "lattice", spy)
+    rc = main(["generate", "--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"),
+               "--prompt", "hello", "--max-new-tokens", "4", "--no-oracle", "--selector-precision", "bf16", "--json"])
+    assert rc == 0 and seen and set(seen) == {"bf16"}
+    with pytest.raises(SystemExit):  # exported selector graphs are fp32: refused, not ignored
+        main(["generate", "--model-dir", str(tiny_dir), "--prompt", "x", "--selector-precision", "bf16"])
+    assert "--selector-precision applies to --target/--drafter" in capsys.readouterr().err
