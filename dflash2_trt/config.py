@@ -399,6 +399,8 @@ class DFlash2Config:
                     raise _bad("layer_types", "missing while use_sliding_window is true; give layer_types or "
                                "max_window_layers")
                 mw = d["max_window_layers"]
+                if not _is_int(mw):
+                    raise _bad("max_window_layers", f"must be an integer, got {mw!r}")
                 kw["layer_types"] = ["sliding_attention" if i >= mw else "full_attention" for i in range(n)]
         fls = kw.get("final_logit_softcapping")
         if _is_number(fls) and fls == 0:  # z-lab: a cap <= 0 means no cap

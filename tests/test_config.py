@@ -196,6 +196,8 @@ def test_zlab_sliding_window_rules(tmp_path):
     assert cfg.layer_types == ["full_attention", "sliding_attention"]
     with pytest.raises(DFlash2Error, match="max_window_layers"):
         _load(tmp_path, _v2(layer_types=_DROP, use_sliding_window=True, sliding_window=4))
+    with pytest.raises(DFlash2Error, match="max_window_layers must be an integer"):
+        _load(tmp_path, _v2(layer_types=_DROP, use_sliding_window=True, sliding_window=4, max_window_layers="1"))
 
 
 def test_zlab_value_conventions(tmp_path):
