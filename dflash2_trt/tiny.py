@@ -140,6 +140,7 @@ _H, _HD = 64, 16  # hidden size, head dim of both models (make_tiny's shapes)
 _CONST, _CODE, _COPY, _MARK = slice(0, 8), slice(8, 32), slice(32, 56), slice(56, 64)  # hidden-dim roles
 _TARGET_SHARPNESS, _DRAFTER_SHARPNESS = 80.0, 20.0  # attention logit scales: peak vs next-best distance > 7
 _COPY_GAIN, _HEAD_GAIN = 4.0, 3.0  # copied code vs own code in the residual; LM head logit scale
+_TIE_BREAK = 0.3  # LM head weights on the own-token code: logit offsets of std ~2 (the copy's margin is ~19)
 _DEVIATION = 0.01  # scale of layer 1's random MLP: the target departs from the copy on ~15% of tokens
 
 
@@ -191,6 +192,10 @@ def _copying_target_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str,
     emb[:, _CONST] = 1.0
     emb[:, _CODE] = codes
     out["lm_head.weight"][:, _COPY] = _HEAD_GAIN * codes
+    # codes give integer dot products, so thousands of exact logit ties; a small random read of the own-token
+    # code spreads them (top-K candidates then do not depend on rounding) without moving the copy's argmax
+    g = torch.Generator().manual_seed(seed + 3)
+    out["lm_head.weight"][:, _CODE] = torch.randn(V, 24, generator=g) * _TIE_BREAK
     r = math.sqrt((8 + 24) / _H)  # rms of every embedding row: input_layernorm divides by it
     q, k = _rope_peak(COPY_PERIOD - 1)  # position n attends n + 1 - P
     out.update(_copy_heads("model.layers.0.self_attn.", q * _TARGET_SHARPNESS * r, k * r, 0, 0, r))
