@@ -4,7 +4,7 @@ Subcommands::
 
     dflash2 export ... | build-engines DIR ... | triton-repo DIR ...   see :mod:`dflash2_trt.export.cli`
     dflash2 train ...                                                  see :mod:`dflash2_trt.train.cli`
-    dflash2 make-tiny --out DIR [--seed S] [--block-size N]
+    dflash2 make-tiny --out DIR [--seed S] [--block-size N] [--accepting]
         writes DIR/target (random Llama-style HF model + local tokenizer) and DIR/drafter (matching
         random DFlash 2 drafter).
     dflash2 generate (--target PATH --drafter PATH | --model-dir DIR [--backend auto|ort|trt])
@@ -64,6 +64,8 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     t.add_argument("--out", required=True)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--accepting", action="store_true",
+                   help="a copying target and a drafter whose drafts are accepted often (tau well above 1)")
 
     train_cli.add_parser(sub)
 
@@ -286,7 +288,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 def _cmd_make_tiny(a: argparse.Namespace) -> int:
     from dflash2_trt.tiny import make_tiny
 
-    t, d = make_tiny(a.out, seed=a.seed, block_size=a.block_size)
+    t, d = make_tiny(a.out, seed=a.seed, block_size=a.block_size, accepting=a.accepting)
     print(f"wrote {t} and {d}")
     return 0
 

@@ -135,6 +135,7 @@ class TargetModel:
         self.max_positions: int = int(getattr(cfg, "max_position_embeddings", 1 << 30) or (1 << 30))
         self.layer_ids: list[int] = []
         self.cache = None
+        self.generation_eos: int | list[int] | None = None  # the generation config's EOS id(s), read at load
         import inspect
 
         import transformers
@@ -158,9 +159,15 @@ class TargetModel:
         tok = None
         if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
             tok = AutoTokenizer.from_pretrained(str(folder))
+        gen_eos = None
         if getattr(model, "generation_config", None) is not None:
+            # read the generation config's stop ids (Llama-3 style lists live only there) before clearing them:
+            # HF generate must not stop on its own, but eos_ids() must still see them
+            gen_eos = model.generation_config.eos_token_id
             model.generation_config.eos_token_id = None  # we stop on EOS ourselves
-        return cls(model, tok, str(folder))
+        t = cls(model, tok, str(folder))
+        t.generation_eos = gen_eos
+        return t
 
     # ------------------------------------------------------------------ shared tensors
     @property
@@ -173,12 +180,14 @@ class TargetModel:
 
     def eos_ids(self) -> set[int]:
         ids: set[int] = set()
-        for src in (self.model.config, getattr(self.model, "generation_config", None), self.tokenizer):
-            v = getattr(src, "eos_token_id", None) if src is not None else None
+        for v in (getattr(src, "eos_token_id", None) if src is not None else None
+                  for src in (self.model.config, getattr(self.model, "generation_config", None), self.tokenizer)):
             if isinstance(v, int):
                 ids.add(v)
             elif isinstance(v, (list, tuple)):
                 ids.update(int(x) for x in v)
+        g = self.generation_eos
+        ids.update([g] if isinstance(g, int) else [int(x) for x in g or []])
         return ids
 
     # ------------------------------------------------------------------ compatibility

@@ -1,6 +1,18 @@
 """``make-tiny``: a small random-weight Llama-style target (with a locally built tokenizer) and a matching
 random DFlash 2 drafter, for smoke tests of any pipeline. Nothing is downloaded.
 
+``--accepting``: instead, a pair whose drafts are accepted often, so the commit / crop / context paths run on
+most cycles. Both models are set by hand (no training, deterministic, well under a second):
+
+* the target copies: the token after position n is the token at n + 1 - P (P = ``COPY_PERIOD``), done by one
+  attention head pair in layer 0 whose RoPE scores peak at distance P - 1 (queries and keys read a constant
+  part of every embedding; values carry the token's code; the LM head reads the copied code). A small random
+  MLP in layer 1 makes it deviate from the copy now and then (~15% of tokens), so acceptance stops mid-block;
+  the deviations are copied in turn, so decoding really depends on the KV cache;
+* the drafter's layer 0 does the same from the context features (RoPE peak at distance P): draft row k
+  copies the context token at anchor + k - P, which is what the target will say unless it deviates. Its
+  selector has small random weights (it can reorder near-equal candidates, and does so rarely).
+
 Layout written::
 
     OUT/target/   config.json, model.safetensors, tokenizer.json, tokenizer_config.json, ...
@@ -11,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -63,12 +76,17 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB):
     return fast
 
 
-def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16) -> tuple[Path, Path]:
-    """Write OUT/target and OUT/drafter (atomically: built in a temp folder, moved into place)."""
+def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16, accepting: bool = False
+              ) -> tuple[Path, Path]:
+    """Write OUT/target and OUT/drafter (atomically: built in a temp folder, moved into place).
+    ``accepting``: the copying pair of the module docstring (block_size <= COPY_PERIOD)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from dflash2_trt.errors import DFlash2Error
     from dflash2_trt.model import DFlash2Drafter, save_drafter
 
+    if accepting and not 2 <= block_size <= COPY_PERIOD:
+        raise DFlash2Error(f"--accepting needs --block-size in [2, {COPY_PERIOD}], got {block_size}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -79,6 +97,8 @@ def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16) -> tu
                        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=0,
                        pad_token_id=0, initializer_range=0.2)
     target = LlamaForCausalLM(tcfg).eval()
+    if accepting:
+        target.load_state_dict(_copying_target_weights(target.state_dict(), seed))
     tmp = Path(tempfile.mkdtemp(prefix=".target.", dir=out))
     target.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
@@ -92,16 +112,116 @@ def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16) -> tu
                          target_layer_ids=[0, 2], block_size=block_size, mask_token_id=1, selector_rank=24,
                          selector_top_k=16, rms_norm_eps=1e-6, rope_theta=10000.0)
     drafter = DFlash2Drafter(dcfg)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                continue
-            if "base_kernel" in name:  # identity plus a random perturbation, so the convolutions matter
-                p.add_(torch.randn_like(p) * 0.1)
-            elif "kernel_projection" in name:
-                p.normal_(0.0, 0.02)
-            else:
-                p.normal_(0.0, 0.2)
+    if accepting:
+        drafter.load_state_dict(_copying_drafter_weights(drafter.state_dict(), seed))
+    else:
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if name.endswith("norm.weight"):
+                    continue
+                if "base_kernel" in name:  # identity plus a random perturbation, so the convolutions matter
+                    p.add_(torch.randn_like(p) * 0.1)
+                elif "kernel_projection" in name:
+                    p.normal_(0.0, 0.02)
+                else:
+                    p.normal_(0.0, 0.2)
     save_drafter(drafter, out / "drafter")
-    (out / "README.txt").write_text(json.dumps({"made_by": "dflash2 make-tiny", "seed": seed}) + "\n")
+    (out / "README.txt").write_text(json.dumps({"made_by": "dflash2 make-tiny", "seed": seed,
+                                                "accepting": accepting}) + "\n")
     return out / "target", out / "drafter"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The accepting pair (--accepting): a copying target and a drafter that copies the same way
+# ----------------------------------------------------------------------------------------------------
+
+COPY_PERIOD = 16  # P: the target repeats the token P positions back; draft rows 1..P-1 read only context
+_H, _HD = 64, 16  # hidden size, head dim of both models (make_tiny's shapes)
+_CONST, _CODE, _COPY, _MARK = slice(0, 8), slice(8, 32), slice(32, 56), slice(56, 64)  # hidden-dim roles
+_TARGET_SHARPNESS, _DRAFTER_SHARPNESS = 80.0, 20.0  # attention logit scales: peak vs next-best distance > 7
+_COPY_GAIN, _HEAD_GAIN = 4.0, 3.0  # copied code vs own code in the residual; LM head logit scale
+_TIE_BREAK = 0.3  # LM head weights on the own-token code: logit offsets of std ~2 (the copy's margin is ~19)
+_DEVIATION = 0.01  # scale of layer 1's random MLP: the target departs from the copy on ~15% of tokens
+
+
+def _rope_peak(distance: int, theta: float = 10000.0, freqs: tuple[int, ...] = (0, 1, 2, 3)
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [_HD] (rotate_half layout) with RoPE(q, n) . RoPE(k, n - d) = sum_j cos(theta_j (d - distance)):
+    largest at d == distance (the four fastest frequencies do not realign within the 2048 positions)."""
+    q, k = torch.zeros(_HD, dtype=torch.float64), torch.zeros(_HD, dtype=torch.float64)
+    half = _HD // 2
+    for j in freqs:
+        th = theta ** (-2 * j / _HD)
+        q[j] = 1.0
+        k[j], k[j + half] = math.cos(th * distance), math.sin(th * distance)
+    return q.float(), k.float()
+
+
+def _token_codes(vocab: int, seed: int) -> torch.Tensor:
+    """[V, 24] random +-1 codes, any two differing in >= 2 places (so the copied code's argmax is unique)."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        codes = torch.randint(0, 2, (vocab, 24), generator=g).double() * 2 - 1  # [V, 24]
+        dist = (24 - codes @ codes.T) / 2
+        dist.fill_diagonal_(99)
+        if dist.min() >= 2:
+            return codes.float()
+
+
+def _copy_heads(prefix: str, q: torch.Tensor, k: torch.Tensor, q_src: int, k_src: int, v_scale: float
+                ) -> dict[str, torch.Tensor]:
+    """Attention weights of heads 0 and 2 (kv heads 0 and 1): constant query/key from dims q_src / k_src,
+    values = the 24 code dims (12 per kv head), written by o_proj into the copy dims."""
+    qw, kw = torch.zeros(4 * _HD, _H), torch.zeros(2 * _HD, _H)
+    vw, ow = torch.zeros(2 * _HD, _H), torch.zeros(_H, 4 * _HD)
+    for qh, kh in ((0, 0), (2, 1)):
+        qw[qh * _HD:(qh + 1) * _HD, q_src] = q
+        kw[kh * _HD:(kh + 1) * _HD, k_src] = k
+        for i in range(12):
+            vw[kh * _HD + i, _CODE.start + 12 * kh + i] = v_scale
+            ow[_COPY.start + 12 * kh + i, qh * _HD + i] = _COPY_GAIN
+    return {prefix + "q_proj.weight": qw, prefix + "k_proj.weight": kw, prefix + "v_proj.weight": vw,
+            prefix + "o_proj.weight": ow}
+
+
+def _copying_target_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    V = sd["model.embed_tokens.weight"].shape[0]
+    out = {k: torch.ones_like(v) if k.endswith("norm.weight") else torch.zeros_like(v) for k, v in sd.items()}
+    codes = _token_codes(V, seed)  # [V, 24]
+    emb = out["model.embed_tokens.weight"]  # [V, H]
+    emb[:, _CONST] = 1.0
+    emb[:, _CODE] = codes
+    out["lm_head.weight"][:, _COPY] = _HEAD_GAIN * codes
+    # codes give integer dot products, so thousands of exact logit ties; a small random read of the own-token
+    # code spreads them (top-K candidates then do not depend on rounding) without moving the copy's argmax
+    g = torch.Generator().manual_seed(seed + 3)
+    out["lm_head.weight"][:, _CODE] = torch.randn(V, 24, generator=g) * _TIE_BREAK
+    r = math.sqrt((8 + 24) / _H)  # rms of every embedding row: input_layernorm divides by it
+    q, k = _rope_peak(COPY_PERIOD - 1)  # position n attends n + 1 - P
+    out.update(_copy_heads("model.layers.0.self_attn.", q * _TARGET_SHARPNESS * r, k * r, 0, 0, r))
+    g = torch.Generator().manual_seed(seed + 1)
+    m = "model.layers.1.mlp."
+    out[m + "gate_proj.weight"] = torch.randn(out[m + "gate_proj.weight"].shape, generator=g)
+    out[m + "up_proj.weight"] = torch.randn(out[m + "up_proj.weight"].shape, generator=g)
+    out[m + "down_proj.weight"] = torch.randn(out[m + "down_proj.weight"].shape, generator=g) * _DEVIATION
+    return out
+
+
+def _copying_drafter_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    for k in out:
+        if k.endswith("norm.weight"):  # q_norm / k_norm set the attention sharpness
+            out[k] += math.sqrt(_DRAFTER_SHARPNESS) if ".self_attn." in k else 1.0
+        if "base_kernel" in k:  # identity convolutions
+            out[k][:, 0, :] = 1.0
+    fc = out["fc.weight"]  # [H, 2H]: context = target layer 0's output (constant part -> marker, code -> code)
+    fc[_MARK, _CONST] = torch.eye(8)
+    fc[_CODE, _CODE] = torch.eye(24)
+    q, k = _rope_peak(COPY_PERIOD)  # row at s + k attends context position s + k - P
+    out.update(_copy_heads("layers.0.self_attn.", q, k, _CONST.start, _MARK.start, 1.0))
+    g = torch.Generator().manual_seed(seed + 2)
+    cs = "candidate_selector."
+    out[cs + "hidden_projection.weight"] = torch.randn(out[cs + "hidden_projection.weight"].shape, generator=g) * 0.05
+    out[cs + "predecessor_codebook"] = torch.randn(out[cs + "predecessor_codebook"].shape, generator=g) * 0.5
+    out[cs + "successor_codebook"] = torch.randn(out[cs + "successor_codebook"].shape, generator=g) * 0.5
+    return out

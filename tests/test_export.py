@@ -49,7 +49,9 @@ def test_layout_manifest_and_checker(tiny_export):
             onnx.checker.check_model(str(tiny_export / g.file), full_check=True)
     # the shared weights file holds each tensor once: smaller than the parameters of all graphs together
     assert (tiny_export / "weights.bin").stat().st_size < 2_000_000
-    assert all(v < 2e-3 for k, v in m.verification.items() if not k.endswith("_match"))
+    assert all(v < 2e-3 for k, v in m.verification.items() if not k.endswith(("_match", "_compared")))
+    assert all(v == 1.0 for k, v in m.verification.items() if k.endswith("_match"))  # fp32: decisions exact
+    assert all(v == 15 for k, v in m.verification.items() if k.endswith("_compared"))  # every proposal row
 
 
 def test_plugin_variant_has_exactly_the_contract_node(tiny_export):
@@ -269,3 +271,45 @@ def test_dflash_v1_drafter_exports_and_runs(tiny_dir, tiny_target, tiny_drafter,
         got = D.speculative_generate(target, drafter, p, 20, eos_ids=set(), oracle=oracle_count)
         assert got.tokens == want.tokens and got.stats() == want.stats()
         assert got.tokens == ref_autoregressive(tiny_target, p, 20, eos_ids=set()).tokens
+
+
+def test_verification_is_exact_at_fp32_and_can_fail(acc_export, acc_target, acc_drafter, monkeypatch):
+    """fp32: every decision equal and every proposal row compared (on the accepting pair, whose heads have
+    near-ties only where its tie-break says); a head that picks another path fails the check."""
+    from dflash2_trt.export import verify as V
+
+    m = json.loads((acc_export / "manifest.json").read_text())
+    paths = {k: acc_export / g["file"] for k, g in m["graphs"].items()}
+    rep = V.verify_drafter(paths, acc_drafter, "fp32", np.float32, seed=3)
+    assert all(v == 1.0 for k, v in rep.items() if k.endswith("_match"))
+    assert {v for k, v in rep.items() if k.endswith("_compared")} == {15.0}
+    real = V.session
+
+    class OffByOnePath:  # the head's path_ids shifted by one row: a wrong selector
+        def __init__(self, path):
+            self.s = real(path)
+            self.head = "drafter_head_greedy" in str(path)
+
+        def run(self, names, feed):
+            out = self.s.run(names, feed)
+            if self.head:
+                out[1] = np.roll(out[1], 1, axis=-1)
+            return out
+
+    monkeypatch.setattr(V, "session", OffByOnePath)
+    with pytest.raises(DFlash2Error, match="path_ids agrees with PyTorch on only"):
+        V.verify_drafter(paths, acc_drafter, "fp32", np.float32, seed=3)
+
+
+def test_fp16_export_is_verified(acc_dir, tmp_path):
+    """fp16 graphs run under ONNX Runtime and are verified with the stated tolerances (TOL, MIN_MATCH), the
+    proposals included."""
+    from dflash2_trt.export import verify as V
+    from dflash2_trt.export.exporter import export_model
+
+    m = export_model(acc_dir / "target", acc_dir / "drafter", tmp_path / "fp16", progress=False, max_seq_len=256,
+                     dtype="fp16", block_size=4)
+    rep = m.verification
+    assert "skipped" not in rep and rep["target.logits"] <= V.TOL["fp16"]
+    assert all(v >= V.MIN_MATCH["fp16"][0] for k, v in rep.items() if k.endswith("_match"))
+    assert all(f"drafter_head_{mode}.T{t}.proposal_probs" in rep for mode in ("greedy", "viterbi") for t in (0.0, 0.8))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import with_block_size
+from conftest import assert_accepts, with_block_size
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime.torch_backend import TorchDraftSource
 from torch_ref import ref_autoregressive, ref_speculative
@@ -33,24 +33,32 @@ def ar_refs(tiny_target):
 GRID = list(itertools.product((2, 8, 16), ("greedy", "viterbi"), (True, False), (True, False)))
 
 
-def test_lossless_greedy_grid(tiny_target, tiny_drafter, ar_refs):
-    """>= 50 prompts; every (block size, selector mode, conv on/off, selector on/off) combination used."""
-    prompts, refs = ar_refs
+@pytest.fixture(scope="module")
+def acc_refs(acc_target):
+    prompts = _prompts(acc_target.vocab_size)
+    return prompts, [ref_autoregressive(acc_target, p, MAX_NEW, eos_ids=set()).tokens for p in prompts]
+
+
+def test_lossless_greedy_grid(acc_target, acc_drafter, acc_refs):
+    """>= 50 prompts on the accepting pair; every (block size, selector mode, conv on/off, selector on/off)
+    combination used, each one committing drafts (assert_accepts), each output equal to the target's own."""
+    prompts, refs = acc_refs
     drafters = {}
-    used = set()
+    accepted: dict[tuple, list[int]] = {g: [] for g in GRID}
     for i, (p, want) in enumerate(zip(prompts, refs)):
         for j in range(2):  # two combinations per prompt -> each of the 24 combinations >= 4 times
             bs, mode, conv, selector = GRID[(2 * i + j) % len(GRID)]
             key = (bs, conv)
             if key not in drafters:
-                drafters[key] = with_block_size(tiny_drafter, bs, conv)
+                drafters[key] = with_block_size(acc_drafter, bs, conv)
             d = drafters[key]
-            res = ref_speculative(tiny_target, TorchDraftSource(d, mode if selector else INDEPENDENT), p, MAX_NEW, eos_ids=set(),
-                                       layer_ids=d.config.target_layer_ids)
+            res = ref_speculative(acc_target, TorchDraftSource(d, mode if selector else INDEPENDENT), p, MAX_NEW,
+                                  eos_ids=set(), layer_ids=d.config.target_layer_ids)
             assert res.tokens == want, (bs, mode, conv, selector, p)
             assert sum(a + 1 for a in res.accepted) == len(want) - 1  # every token after the first is committed by a cycle
-            used.add((bs, mode, conv, selector))
-    assert used == set(GRID)
+            accepted[(bs, mode, conv, selector)] += res.accepted
+    for g, acc in accepted.items():
+        assert_accepts(acc, g[0] - 1, g)
 
 
 class OracleSource:

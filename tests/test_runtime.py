@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import with_block_size
+from conftest import assert_accepts, with_block_size
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime.torch_backend import TorchDraftSource
 from torch_ref import ref_autoregressive, ref_speculative
@@ -21,14 +21,14 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def exports(tiny_dir, tiny_export, tmp_path_factory):
-    """block size -> export folder (16 is the drafter's own; 3 is an override)."""
+def exports(acc_dir, acc_export, tmp_path_factory):
+    """The accepting pair: block size -> export folder (16 is the drafter's own; 3 is an override)."""
     from dflash2_trt.export.exporter import export_model
 
-    out = {16: tiny_export}
+    out = {16: acc_export}
     for bs in (3,):
         out[bs] = tmp_path_factory.mktemp("export") / f"bs{bs}"
-        export_model(tiny_dir / "target", tiny_dir / "drafter", out[bs], progress=False, block_size=bs,
+        export_model(acc_dir / "target", acc_dir / "drafter", out[bs], progress=False, block_size=bs,
                      max_seq_len=512, verify=False)
     return out
 
@@ -39,40 +39,48 @@ def _prompts(n, seed=99):
 
 
 @pytest.mark.parametrize("bs", [3, 16])
-def test_greedy_equals_pytorch_reference(exports, tiny_target, tiny_drafter, bs):
+def test_greedy_equals_pytorch_reference(exports, acc_target, acc_drafter, bs):
+    """ORT (plugin-free decomposed selector heads) vs PyTorch on the accepting pair, both selector modes:
+    same tokens and metrics, lossless, and drafts really committed (assert_accepts per mode)."""
     be, _ = open_backend(exports[bs], "ort")
     assert be.manifest.block_size == bs
     target = be.target_runner()
-    d = with_block_size(tiny_drafter, bs)
-    for i, p in enumerate(_prompts(4, seed=bs)):
+    d = with_block_size(acc_drafter, bs)
+    accepted: dict[str, list[int]] = {"greedy": [], "viterbi": []}
+    for i, p in enumerate(_prompts(6, seed=bs)):
         mode = ("greedy", "viterbi")[i % 2]
-        want = ref_speculative(tiny_target, TorchDraftSource(d, mode), p, MAX_NEW, eos_ids=set(),
-                                    layer_ids=[0, 2])
+        want = ref_speculative(acc_target, TorchDraftSource(d, mode), p, MAX_NEW, eos_ids=set(),
+                               layer_ids=[0, 2])
         got = D.speculative_generate(target, be.draft_runner(mode), p, MAX_NEW, eos_ids=set(), oracle=oracle_count)
         assert got.tokens == want.tokens  # token for token
         assert (got.accepted, got.proposed, got.oracle_accepted) == (want.accepted, want.proposed, want.oracle_accepted)
         assert got.stats() == want.stats()  # identical SPEC §4 metrics, oracle τ included
         ar = D.target_generate(target, p, MAX_NEW, eos_ids=set())
-        assert ar.tokens == got.tokens == ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens  # lossless
+        assert ar.tokens == got.tokens == ref_autoregressive(acc_target, p, MAX_NEW, eos_ids=set()).tokens  # lossless
+        accepted[mode] += got.accepted
+    for mode, acc in accepted.items():
+        assert_accepts(acc, bs - 1, (bs, mode))
 
 
 @pytest.mark.parametrize("mode", ["greedy", "viterbi"])
-def test_sampling_equals_pytorch_reference(tiny_export, tiny_target, tiny_drafter, mode):
+def test_sampling_equals_pytorch_reference(acc_export, acc_target, acc_drafter, mode):
     """Same seed, same random stream: rejection sampling reproduces the reference's samples. fp32 rounding
     differences (~1e-6) between ORT and PyTorch can move a draw that lands on a CDF boundary, so one
     divergent request of four is tolerated (the distributional test of the reference covers losslessness)."""
-    be, _ = open_backend(tiny_export, "ort")
+    be, _ = open_backend(acc_export, "ort")
     target, drafter = be.target_runner(), be.draft_runner(mode)
-    same = 0
+    same, accepted = 0, []
     for seed, p in enumerate(_prompts(4, seed=5)):
-        want = ref_speculative(tiny_target, TorchDraftSource(tiny_drafter, mode), p, MAX_NEW, temperature=0.8,
-                                    eos_ids=set(), seed=seed, layer_ids=[0, 2], measure_oracle=False)
+        want = ref_speculative(acc_target, TorchDraftSource(acc_drafter, mode), p, MAX_NEW, temperature=0.8,
+                               eos_ids=set(), seed=seed, layer_ids=[0, 2], measure_oracle=False)
         got = D.speculative_generate(target, drafter, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed)
         same += got.tokens == want.tokens and got.accepted == want.accepted
         assert got.tokens[:3] == want.tokens[:3] and len(got.tokens) == MAX_NEW
+        accepted += got.accepted
     assert same >= 3
+    assert_accepts(accepted, 15, ("T=0.8", mode))
     p = _prompts(1, seed=8)[0]
-    ar_want = ref_autoregressive(tiny_target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1)
+    ar_want = ref_autoregressive(acc_target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1)
     assert D.target_generate(target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1).tokens == ar_want.tokens
 
 
@@ -187,17 +195,21 @@ def test_cli_generate_model_dir_matches_reference(tiny_dir, tiny_export, capsys)
         main(["generate", "--model-dir", str(tiny_export), "--target", str(tiny_dir / "target"), "--prompt", "x"])
 
 
-def test_no_selector_head_equals_pytorch(tiny_export, tiny_target, tiny_drafter):
+def test_no_selector_head_equals_pytorch(acc_export, acc_target, acc_drafter):
     """The selector-off ablation of a DFlash 2 export (``drafter_head_independent``, ``--no-selector``) equals
-    the PyTorch drafter with the selector off: tokens, metrics (oracle top-K τ included); lossless."""
-    be, _ = open_backend(tiny_export, "ort")
+    the PyTorch drafter with the selector off on the accepting pair: tokens, metrics (oracle top-K τ included);
+    lossless; drafts committed."""
+    be, _ = open_backend(acc_export, "ort")
     target, drafter = be.target_runner(), be.draft_runner("independent")
-    d = with_block_size(tiny_drafter, 16)
+    accepted = []
     for p in _prompts(3, seed=11):
-        want = ref_speculative(tiny_target, TorchDraftSource(d, "independent"), p, MAX_NEW, eos_ids=set(), layer_ids=[0, 2])
+        want = ref_speculative(acc_target, TorchDraftSource(acc_drafter, "independent"), p, MAX_NEW, eos_ids=set(),
+                               layer_ids=[0, 2])
         got = D.speculative_generate(target, drafter, p, MAX_NEW, eos_ids=set(), oracle=oracle_count)
         assert got.tokens == want.tokens and got.stats() == want.stats()
-        assert got.tokens == ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens
+        assert got.tokens == ref_autoregressive(acc_target, p, MAX_NEW, eos_ids=set()).tokens
+        accepted += got.accepted
+    assert_accepts(accepted, 15, "independent head")
     with pytest.raises(DFlash2Error, match="draft mode must be one of"):
         be.draft_runner("beam")
 

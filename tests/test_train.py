@@ -52,7 +52,49 @@ def test_blocks_see_only_context_before_their_anchor(tiny_drafter):
         d.extend_context(ctx, feats[0, :a], 0)
         hb = d.block_forward(torch.tensor([5 + b]), torch.tensor([int(a)]), ctx.k, ctx.v)
         torch.testing.assert_close(h[b: b + 1], hb, rtol=1e-4, atol=1e-5)
-    assert Batch  # the type compute_loss consumes
+
+
+def test_trainer_block_equals_what_the_runtime_feeds_the_drafter(acc_target, acc_drafter, tmp_path, monkeypatch):
+    """Same text, same anchor: the block compute_loss builds (anchor id, positions, context strictly before the
+    anchor from the cached target features, MASK rows) gives the drafter the hidden states the runtime's first
+    cycle gives it; the labels are the target's own greedy chain (what verification accepts); slot 0 carries no
+    loss. compute_loss runs for real (spied, not replaced)."""
+    from dflash2_trt.runtime import decoder
+    from dflash2_trt.runtime.torch_backend import TorchDraftSource, TorchTargetRunner
+    from dflash2_trt.train.trainer import Batch, build_feature_cache, compute_loss
+    from torch_ref import ref_autoregressive
+
+    d, bs = acc_drafter, acc_drafter.config.block_size
+    prompt = np.random.default_rng(4).integers(4, 500, 20).tolist()
+    text = prompt + ref_autoregressive(acc_target, prompt, 40, eos_ids=set()).tokens  # target-generated text
+    tokens = np.asarray([text], dtype=np.int64)  # [1, T]
+    feats, preds = build_feature_cache(acc_target, tokens, [0, 2], tmp_path, batch=1, progress=False)
+    a = 27  # anchor position (a response position)
+    calls = []
+    real = d.block_forward
+
+    def spy(anchor_ids, anchor_pos, ctx_k, ctx_v):  # noqa: ANN001
+        h = real(anchor_ids, anchor_pos, ctx_k, ctx_v)
+        calls.append((anchor_ids.tolist(), anchor_pos.tolist(), h.detach().clone()))
+        return h
+
+    monkeypatch.setattr(d, "block_forward", spy)
+    b = Batch(seq_rows=np.array([0]), blk_seq=np.array([0]), anchors=np.array([a]),
+              labels=D.block_labels(np.asarray(preds[0]), np.array([a]), bs))
+    w = torch.from_numpy(D.slot_weights(bs)).float()
+    loss, m = compute_loss(d, tokens, feats, b, w)
+    assert torch.isfinite(loss) and loss.requires_grad and len(calls) == 1
+    (t_anchor, t_pos, t_h), = calls
+    assert b.labels[0, 0] == -100 and w[0] == 0  # slot 0: no label, no weight
+    assert b.labels[0, 1:].tolist() == text[a + 1: a + bs]  # labels lie on the target's greedy chain
+
+    calls.clear()
+    res = decoder.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), TorchDraftSource(d), text[:a], bs,
+                                       eos_ids=set())
+    r_anchor, r_pos, r_h = calls[0]  # the first cycle: anchor text[a] at position a, context = positions < a
+    assert (t_anchor, t_pos) == (r_anchor, r_pos) == ([text[a]], [a])
+    torch.testing.assert_close(t_h, r_h, rtol=2e-2, atol=2e-2)  # the trainer caches features in fp16
+    assert res.tokens == text[a: a + bs]  # and what the runtime commits is the trainer's label chain
 
 
 def _tc(tiny_dir, out, **kw):

@@ -6,8 +6,12 @@
 * drafter: :class:`~dflash2_trt.model.DFlash2Drafter` (extend_context, block_forward, draft_from_hidden) on
   random features vs the context → block → head graphs, for both selector modes, argmax and sampling.
 
-Tolerances are relative to the reference's magnitude. Candidate/path decisions may differ only on near
-ties (tie-aware check), so a real model with two almost-equal logits does not fail an export.
+Tolerances (``TOL``) are relative to the reference's magnitude. Decisions (argmax, top-K candidates, selected
+paths) must agree exactly at fp32; at fp16 a fraction may differ (``MIN_MATCH``: rounding moves near ties).
+Proposal probabilities are always compared, as distributions over token ids, on every row whose chosen path
+before it agrees (all rows at fp32, at least row 0 otherwise). bf16 graphs are not
+run (ONNX Runtime's CPU provider has no bf16 kernels): the exporter records that up front, never as the
+result of an exception.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.vocabulary import SELECTOR_MODES
 
 TOL = {"fp32": 2e-3, "fp16": 5e-2, "bf16": 1e-1}
+# fraction of decisions that must equal PyTorch's: (argmax and top-K candidates, selected paths)
+# (fp16 logits of magnitude ~100 round in steps of 0.06, so near-equal candidates may swap places in top-K)
+MIN_MATCH = {"fp32": (1.0, 1.0), "fp16": (0.75, 0.8), "bf16": (0.75, 0.8)}
 
 
 def _close(name: str, got: np.ndarray, want: np.ndarray, tol: float, report: dict) -> None:
@@ -87,7 +94,8 @@ def verify_target(path: Path, target, layer_ids: list[int], dtype: str, np_dtype
     _close("target.logits", np.concatenate(logits), want_logits.float().numpy(), tol, report)
     _close("target.context_features", np.concatenate(feats).astype(np.float32), want_feats.float().numpy(), tol,
            report)
-    _decisions("target.argmax", np.concatenate(logits).argmax(-1), want_logits.argmax(-1).numpy(), report, 0.9)
+    _decisions("target.argmax", np.concatenate(logits).argmax(-1), want_logits.argmax(-1).numpy(), report,
+               MIN_MATCH[dtype][0])
     return report
 
 
@@ -129,7 +137,8 @@ def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: 
     with torch.no_grad():
         ref_logits = drafter.logits(h_ref[:, 1:]).float().numpy()
     _close("drafter_head_independent.logits", logits, ref_logits, tol, report)
-    _decisions("drafter_head_independent.argmax", logits.argmax(-1), ref_logits.argmax(-1), report, 0.9)
+    _decisions("drafter_head_independent.argmax", logits.argmax(-1), ref_logits.argmax(-1), report,
+               MIN_MATCH[dtype][0])
     for mode in SELECTOR_MODES:
         if f"drafter_head_{mode}" not in paths:
             continue
@@ -143,9 +152,15 @@ def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: 
                                             "anchor_ids": np.array([anchor], dtype=np.int32),
                                             "temperature": np.array([temp], dtype=np.float32), "uniforms": u})
             key = f"drafter_head_{mode}.T{temp}"
-            _decisions(key + ".cand_ids", cand, drafter_mode.cand.numpy(), report, 0.9)
-            _decisions(key + ".path_ids", path, drafter_mode.tokens.numpy(), report, 0.8)
-            ref_q = np.take_along_axis(drafter_mode.proposal.numpy(), cand.astype(np.int64), -1)  # [1, L, K]
-            if np.array_equal(cand, drafter_mode.cand.numpy()) and np.array_equal(path, drafter_mode.tokens.numpy()):
-                _close(key + ".proposal_probs", q, ref_q, tol, report)
+            _decisions(key + ".cand_ids", cand, drafter_mode.cand.numpy(), report, MIN_MATCH[dtype][0])
+            _decisions(key + ".path_ids", path, drafter_mode.tokens.numpy(), report, MIN_MATCH[dtype][1])
+            # proposals over token ids (a reordered near-tie among the candidates moves no mass), on the rows
+            # whose chosen path before them agrees (the proposal is conditional on it): every row at fp32
+            got_q = np.zeros((L, cfg.vocab_size), dtype=np.float64)  # [L, V]
+            np.put_along_axis(got_q, cand[0].astype(np.int64), q[0].astype(np.float64), axis=-1)
+            ref_path = drafter_mode.tokens.numpy()[0]
+            rows = np.concatenate([[True], np.cumprod(path[0] == ref_path)[:-1].astype(bool)])  # [L]
+            report[key + ".proposal_rows_compared"] = float(rows.sum())
+            _close(key + ".proposal_probs", got_q[rows], drafter_mode.proposal.numpy()[0][rows], tol, report)
     return report
+

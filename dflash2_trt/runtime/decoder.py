@@ -60,6 +60,12 @@ def _next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator
     return int(rng.choice(p.shape[-1], p=p))
 
 
+def check_temperature(temperature: float) -> None:
+    """T = 0 is greedy, T > 0 samples; a negative or NaN T is a user error, never silently greedy."""
+    if not temperature >= 0 or temperature == float("inf"):  # `not >=` catches NaN
+        raise DFlash2Error(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+
+
 def check_prompt(prompt_ids: list[int], target: TargetRunner, max_new_tokens: int) -> None:
     if not prompt_ids:
         raise DFlash2Error("empty prompt")
@@ -78,6 +84,7 @@ def target_generate(target: TargetRunner, prompt_ids: list[int], max_new_tokens:
                     ) -> GenerationResult:
     """Plain autoregressive decoding on the same backend (the lossless reference and the speed baseline)."""
     check_prompt(prompt_ids, target, max_new_tokens)
+    check_temperature(temperature)
     rng = np.random.default_rng(seed)
     eos = set(getattr(target, "eos_ids", set())) if eos_ids is None else eos_ids
     res = GenerationResult(prompt_tokens=list(prompt_ids))
@@ -121,6 +128,7 @@ def speculative_generate(
 ) -> GenerationResult:
     """Speculative decoding of one prompt (SPEC §4)."""
     check_prompt(prompt_ids, target, max_new_tokens)
+    check_temperature(temperature)
     rng = np.random.default_rng(seed)
     eos = set(getattr(target, "eos_ids", set())) if eos_ids is None else eos_ids
     L = drafter.block_size - 1
@@ -158,17 +166,18 @@ def speculative_generate(
         # commit: crop the target cache; committed positions become draft context
         target.crop(pos + acc + 1)
         drafter.add_context(v_feats[: acc + 1], pos)
-        res.accepted.append(acc)
-        res.proposed.append(n_rows)
-        if oracle is not None:
-            t_o = time.perf_counter()
-            res.oracle_accepted.append(oracle(target, draft.cand, drafts, n_rows, acc, bonus, pos))
-            oracle_s += time.perf_counter() - t_o
         new = drafts[:acc] + [bonus]
         for i, t in enumerate(new):
             if t in eos:
                 new = new[: i + 1]
                 break
+        # an accepted EOS ends the request: drafts after it are not committed, so they do not count for τ
+        res.accepted.append(min(acc, len(new)))
+        res.proposed.append(n_rows)
+        if oracle is not None:
+            t_o = time.perf_counter()
+            res.oracle_accepted.append(oracle(target, draft.cand, drafts, n_rows, acc, bonus, pos))
+            oracle_s += time.perf_counter() - t_o
         res.tokens.extend(new)
         if on_tokens:
             on_tokens(new)
