@@ -118,6 +118,12 @@ def _bench_options(b: argparse.ArgumentParser, max_new_tokens: int = 128) -> Non
     b.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    b.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
+                   help="plain target steps while measured acceptance does not pay for a cycle, probing again "
+                        "later (lossless; default on)")
+    b.add_argument("--min-confidence", type=float, default=0.0,
+                   help="verify only the leading draft rows whose cumulative drafter confidence reaches this "
+                        "(lossless; 0 = every row)")
     b.add_argument("--plot", help="draw the per-position acceptance curve into FILE.png")
     b.add_argument("--json", action="store_true")
 
@@ -242,6 +248,7 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_t
     the first prompt's speculative output (``text``)."""
     from dflash2_trt.bench import harness as bench
     from dflash2_trt.bench.prompts import encode_items
+    from dflash2_trt.runtime.guard import GuardConfig
 
     if a.max_new_tokens < 1:
         raise DFlash2Error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
@@ -251,10 +258,12 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_t
     mode = a.selector
     with be:
         r = bench.run_bench(be.target_runner(), be.draft_runner(mode), prompts, a.max_new_tokens, a.temperature,
-                            a.seed, not a.no_oracle, eos, progress=True, texts=tok.decode if show_text else None)
+                            a.seed, not a.no_oracle, eos, progress=True, texts=tok.decode if show_text else None,
+                            guard=GuardConfig() if a.guard else None, min_confidence=a.min_confidence)
     texts = r.pop("texts", None)
     r = {"backend": be.description, **r, "selector": mode, "temperature": a.temperature,
-         "max_new_tokens": a.max_new_tokens}
+         "max_new_tokens": a.max_new_tokens, "guard": "on" if a.guard else "off",
+         "min_confidence": a.min_confidence}
     if a.plot:
         bench.plot(r, a.plot)
     if texts:

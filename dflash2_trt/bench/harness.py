@@ -5,7 +5,9 @@ Aggregation (SPEC §4): τ and oracle τ are averaged over cycles within a reque
 per-position cumulative acceptance r_i is averaged over requests the same way (so τ = 1 + Σ r_i holds for
 full blocks) and the conditional c_i = r_i / r_{i-1} is derived from it. Tokens/s = all generated tokens
 ÷ all decode time (oracle passes excluded). ``lossless`` (greedy only): every speculative output equals the
-autoregressive one; null at T > 0.
+autoregressive one; null at T > 0. ``guard``: a :class:`~dflash2_trt.runtime.guard.GuardConfig` (a fresh
+guard per prompt; ``spec_cycles`` / ``plain_steps`` / ``guard_switches`` / ``guard_probes`` are totals over
+the prompts); ``min_confidence``: the confidence-adapted verify length (0: every row).
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ import numpy as np
 
 from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.runtime import decoder as D
+from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig
 
 
 def run_bench(target, drafter, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,  # noqa: ANN001
               seed: int = 0, measure_oracle: bool = True, eos_ids: set[int] | None = None,
-              progress: bool = True, texts=None) -> dict:  # noqa: ANN001
+              progress: bool = True, texts=None, guard: GuardConfig | None = None,  # noqa: ANN001
+              min_confidence: float = 0.0) -> dict:
     """``texts``: a decode function; when given, the result also holds ``texts`` (speculative outputs)."""
     from tqdm import tqdm
 
     specs, ars = [], []
     for i, p in enumerate(tqdm(prompts, desc="dflash2 bench", unit="prompt", file=sys.stderr, disable=not progress)):
         specs.append(D.speculative_generate(target, drafter, p, max_new_tokens, temperature, eos_ids, seed + i,
-                                            oracle_count if measure_oracle else None))
+                                            oracle_count if measure_oracle else None,
+                                            guard=AcceptanceGuard(guard) if guard is not None else None,
+                                            min_confidence=min_confidence))
         ars.append(D.target_generate(target, p, max_new_tokens, temperature, eos_ids, seed + i))
     r = summarize(specs, ars, temperature)
     if texts is not None:
@@ -59,6 +65,10 @@ def summarize(specs: list, ars: list, temperature: float) -> dict:  # noqa: ANN0
         "lossless": all(s.tokens == a.tokens for s, a in zip(specs, ars)) if temperature <= 0 else None,
         "spec_tokens": sum(len(s.tokens) for s in specs),
         "ar_tokens": sum(len(a.tokens) for a in ars),
+        "spec_cycles": sum(len(s.accepted) for s in specs),
+        "plain_steps": sum(s.plain_steps for s in specs),
+        "guard_switches": sum(s.guard_switches for s in specs),
+        "guard_probes": sum(s.guard_probes for s in specs),
     }
 
 
@@ -75,6 +85,9 @@ def format_table(r: dict) -> str:
         "position     " + "".join(f"{i + 1:>6}" for i in range(len(r["per_position_cumulative"]))),
         "cumulative   " + "".join(f"{x:>6.2f}" for x in r["per_position_cumulative"]),
         "conditional  " + "".join(f"{x:>6.2f}" for x in r["per_position_conditional"]),
+        f"guard {r.get('guard', 'off')}   min confidence {r.get('min_confidence', 0.0)}   "
+        f"cycles {r['spec_cycles']}   plain steps {r['plain_steps']}   switches {r['guard_switches']}   "
+        f"probes {r['guard_probes']}",
     ]
     return "\n".join(lines)
 

@@ -39,6 +39,10 @@ class Draft:
     # [L, V] proposal over the whole vocabulary, for drafters whose proposal is not confined to ``cand``
     # (DFlash v1 / no-selector sampling draws from the full softmax); None: ``proposal`` scattered at ``cand``
     vocab_proposal: np.ndarray | None = None
+    # [L] row i's confidence before its draft is drawn (largest probability of the row's distribution given
+    # rows < i), for drafters whose ``proposal`` is one-hot at T = 0; None: derived from the proposal at T > 0
+    # (:func:`dflash2_trt.runtime.guard.verify_rows`)
+    confidence: np.ndarray | None = None
 
 
 def independent_draft(logits: np.ndarray, temperature: float, uniforms: np.ndarray | None, top_k: int) -> Draft:
@@ -67,7 +71,9 @@ def independent_draft(logits: np.ndarray, temperature: float, uniforms: np.ndarr
         return Draft(tokens=tok, proposal=np.take_along_axis(q, cand, -1), cand=cand, vocab_proposal=q)
     tok = logits.argmax(-1).astype(np.int64)
     proposal = (cand == tok[:, None]).astype(np.float32)
-    return Draft(tokens=tok, proposal=proposal, cand=cand)
+    m = logits.max(-1, keepdims=True)
+    conf = (1.0 / np.exp(logits - m).sum(-1)).astype(np.float32)  # [L] softmax probability of the argmax
+    return Draft(tokens=tok, proposal=proposal, cand=cand, confidence=conf)
 
 
 class TargetRunner(Protocol):

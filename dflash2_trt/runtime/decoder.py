@@ -7,6 +7,11 @@ random number is drawn from one ``numpy.random.Generator`` in a fixed order (fir
 the drafter's uniforms, then the rejection test), so a backend whose graphs match PyTorch reproduces the
 reference's tokens and metrics exactly for a given seed.
 
+``guard``: an :class:`~dflash2_trt.runtime.guard.AcceptanceGuard` that runs plain target steps while measured
+acceptance does not pay for a cycle (exact: a plain step is the target's own step); ``min_confidence``: verify
+only the leading draft rows whose cumulative drafter confidence reaches it
+(:func:`~dflash2_trt.runtime.guard.verify_rows`; exact, the rule looks at the proposal side only).
+
 ``oracle``: a per-cycle oracle top-K counter (:func:`dflash2_trt.bench.oracle.oracle_count`); its extra
 target passes are excluded from the timing. ``on_tokens`` streams each newly committed chunk of tokens.
 """
@@ -23,6 +28,7 @@ from dflash2_trt import reference as ref
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.reference import acceptance_stats
 from dflash2_trt.runtime.base import Draft, DraftRunner, TargetRunner
+from dflash2_trt.runtime.guard import AcceptanceGuard, verify_rows
 
 OnTokens = Callable[[list[int]], None]
 # (target, cand [L, K], drafts, n_rows, accepted, bonus, anchor position) -> oracle top-K count of the cycle
@@ -39,6 +45,9 @@ class GenerationResult:
     proposed: list[int] = field(default_factory=list)  # per cycle: drafts verified
     oracle_accepted: list[int] = field(default_factory=list)  # per cycle: oracle top-K count
     elapsed_s: float = 0.0  # wall time excluding oracle measurement passes
+    plain_steps: int = 0  # plain target steps run by the guard (each commits one token)
+    guard_switches: int = 0  # speculative -> plain switches
+    guard_probes: int = 0  # plain -> speculative probes
 
     @property
     def tokens_per_s(self) -> float:
@@ -48,6 +57,8 @@ class GenerationResult:
         """SPEC §4 metrics: acceptance_stats + oracle_tau (None when not measured)."""
         s = acceptance_stats(self.accepted, self.proposed)
         s["oracle_tau"] = float(np.mean(np.asarray(self.oracle_accepted) + 1)) if self.oracle_accepted else None
+        s.update(spec_cycles=len(self.accepted), plain_steps=self.plain_steps, guard_switches=self.guard_switches,
+                 guard_probes=self.guard_probes)
         return s
 
 
@@ -115,6 +126,16 @@ def _proposal_in_vocab(draft: Draft, n_rows: int, vocab: int) -> np.ndarray:
     return q.astype(np.float64)
 
 
+def _confidence(draft: Draft, temperature: float) -> np.ndarray | None:
+    """[L] per-row confidence given the rows before (see :func:`~dflash2_trt.runtime.guard.verify_rows`)."""
+    if draft.confidence is not None:
+        return draft.confidence
+    if temperature <= 0:
+        return None  # a one-hot proposal says nothing
+    q = draft.vocab_proposal if draft.vocab_proposal is not None else draft.proposal  # [L, V] | [L, K]
+    return q.max(-1)
+
+
 def speculative_generate(
     target: TargetRunner,
     drafter: DraftRunner,
@@ -125,8 +146,10 @@ def speculative_generate(
     seed: int = 0,
     oracle: OracleFn | None = None,
     on_tokens: OnTokens | None = None,
+    guard: AcceptanceGuard | None = None,
+    min_confidence: float = 0.0,
 ) -> GenerationResult:
-    """Speculative decoding of one prompt (SPEC §4)."""
+    """Speculative decoding of one prompt (SPEC §4); ``guard`` holds one request's state (a fresh one per call)."""
     check_prompt(prompt_ids, target, max_new_tokens)
     check_temperature(temperature)
     rng = np.random.default_rng(seed)
@@ -147,12 +170,30 @@ def speculative_generate(
     drafter.add_context(feats, 0)
     pos = len(prompt_ids)  # anchor position
     limit = min(max_new_tokens, target.max_positions - len(prompt_ids))
+    pending: list[np.ndarray] = []  # features [1, F] of plain steps, not yet in the draft context
 
     while len(res.tokens) < limit and anchor not in eos:
+        t_step = time.perf_counter()
+        if guard is not None and guard.plain_next():
+            # plain step: the target's own next token (exactly target_generate's step)
+            logits, feats = target.forward([anchor])  # [1, V], [1, F]
+            anchor = _next_token(logits[-1], temperature, rng)
+            pending.append(feats)
+            pos += 1
+            res.tokens.append(anchor)
+            res.plain_steps += 1
+            if on_tokens:
+                on_tokens([anchor])
+            guard.record_step(time.perf_counter() - t_step)
+            continue
+        if pending:  # back from plain steps: their positions join the draft context in one pass
+            drafter.add_context(np.concatenate(pending), pos - len(pending))
+            pending = []
         n_rows = min(L, limit - len(res.tokens) - 1)  # a final partial block verifies fewer rows
         # draft + select (all bs rows always run, as in training)
         uniforms = rng.random((1, L), dtype=np.float32) if temperature > 0 else None
         draft = drafter.propose(anchor, pos, temperature, uniforms)
+        n_rows = verify_rows(_confidence(draft, temperature), n_rows, min_confidence)
         drafts = [int(t) for t in draft.tokens[:n_rows]]
         # verify [anchor, d_1..d_n] at positions pos..pos+n
         v_logits, v_feats = target.forward([anchor] + drafts)  # [n+1, V], [n+1, F]
@@ -174,15 +215,21 @@ def speculative_generate(
         # an accepted EOS ends the request: drafts after it are not committed, so they do not count for τ
         res.accepted.append(min(acc, len(new)))
         res.proposed.append(n_rows)
+        cycle_oracle_s = 0.0
         if oracle is not None:
             t_o = time.perf_counter()
             res.oracle_accepted.append(oracle(target, draft.cand, drafts, n_rows, acc, bonus, pos))
-            oracle_s += time.perf_counter() - t_o
+            cycle_oracle_s = time.perf_counter() - t_o
+            oracle_s += cycle_oracle_s
         res.tokens.extend(new)
         if on_tokens:
             on_tokens(new)
         pos += acc + 1
         anchor = new[-1]
+        if guard is not None:
+            guard.record_cycle(len(new), time.perf_counter() - t_step - cycle_oracle_s)
 
+    if guard is not None:
+        res.guard_switches, res.guard_probes = guard.switches, guard.probes
     res.elapsed_s = time.perf_counter() - t0 - oracle_s
     return res

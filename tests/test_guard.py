@@ -1,0 +1,225 @@
+"""The acceptance guard and the confidence-adapted verify length (dflash2_trt.runtime.guard) in the decoder loop:
+lossless at T = 0 (token for token the target's own greedy output), exact in law at T > 0, and the paths
+taken (switched to plain steps, probed back, fewer rows verified). NumPy only: a Markov toy target and
+drafters that know it; no torch, no export (about 5 s)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.reference import softmax_t
+from dflash2_trt.runtime import decoder as D
+from dflash2_trt.runtime.base import Draft
+from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig, verify_rows
+
+
+class MarkovTarget:
+    """TargetRunner whose next-token logits depend on the current token only: logits row = W[token]."""
+
+    def __init__(self, W: np.ndarray) -> None:
+        self.W = W  # [V, V]
+        self.vocab_size = W.shape[0]
+        self.max_positions = 10_000
+        self.eos_ids: set[int] = set()
+        self.toks: list[int] = []
+        self.forwards: list[int] = []  # rows per forward call
+
+    def reset(self) -> None:
+        self.toks = []
+
+    @property
+    def cache_length(self) -> int:
+        return len(self.toks)
+
+    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        self.toks += list(ids)
+        self.forwards.append(len(ids))
+        feats = np.eye(self.vocab_size, dtype=np.float32)[ids]  # [m, V]
+        return self.W[ids].astype(np.float32), feats
+
+    def crop(self, length: int) -> None:
+        self.toks = self.toks[:length]
+
+
+class ScheduledOracleDrafter:
+    """DraftRunner proposing the target's greedy continuation for ``good(pos)`` rows, then wrong tokens;
+    confidence 0.9 on right rows and 0.2 on wrong ones (so a threshold cuts the block where it goes wrong)."""
+
+    def __init__(self, W: np.ndarray, block_size: int, good) -> None:  # noqa: ANN001
+        self.W, self.block_size, self.good = W, block_size, good
+        self.ctx = 0
+
+    def reset(self) -> None:
+        self.ctx = 0
+
+    def add_context(self, feats: np.ndarray, start: int) -> None:
+        assert start == self.ctx, (start, self.ctx)  # the decoder hands over every position exactly once
+        self.ctx += feats.shape[0]
+
+    def propose(self, anchor: int, pos: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
+        assert pos == self.ctx
+        L, V = self.block_size - 1, self.W.shape[0]
+        k = self.good(pos)
+        toks, t = [], anchor
+        for i in range(L):
+            t = int(self.W[t].argmax())
+            toks.append(t if i < k else (t + 1) % V)
+        toks = np.asarray(toks, dtype=np.int64)
+        conf = np.where(np.arange(L) < k, 0.9, 0.2).astype(np.float32)
+        return Draft(tokens=toks, proposal=np.ones((L, 1), np.float32), cand=toks[:, None], confidence=conf)
+
+
+def _toy(V: int = 50, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(V, V)).astype(np.float32) * 3
+
+
+def test_guard_switches_to_plain_and_probes_back_losslessly():
+    W = _toy()
+    target = MarkovTarget(W)
+    # the drafter is useless for the first 40 positions, then perfect
+    drafter = ScheduledOracleDrafter(W, 8, lambda pos: 0 if pos < 45 else 7)
+    prompt = [3, 1, 4]
+    want = D.target_generate(target, prompt, 120).tokens
+    guard = AcceptanceGuard(GuardConfig(window=2, backoff=4, max_backoff=16, cost_ratio=2.0))
+    target.forwards = []
+    res = D.speculative_generate(target, drafter, prompt, 120, guard=guard)
+    assert res.tokens == want
+    assert res.guard_switches >= 1 and res.guard_probes >= 1 and res.plain_steps > 0
+    # failed probes doubled the backoff, the passed one reset it; the late cycles are full blocks
+    assert guard.backoff == guard.cfg.backoff
+    assert res.accepted[-3:] == res.proposed[-3:] and res.proposed[-3] == 7  # the last may be a partial block
+    s = res.stats()
+    assert s["spec_cycles"] == len(res.accepted) and s["plain_steps"] == res.plain_steps
+    assert len(res.tokens) == 1 + res.plain_steps + sum(a + 1 for a in res.accepted)
+    # a plain step is one target row: the forwards are prefill, cycles (8 rows) and plain steps (1 row)
+    fw = target.forwards[1:]  # after the prefill
+    assert fw.count(1) == res.plain_steps and fw.count(8) >= len(res.accepted) - 1
+
+
+def test_guard_stays_speculative_when_drafts_pay():
+    W = _toy(seed=1)
+    target = MarkovTarget(W)
+    drafter = ScheduledOracleDrafter(W, 8, lambda pos: 7)
+    want = D.target_generate(target, [5], 80).tokens
+    res = D.speculative_generate(target, drafter, [5], 80, guard=AcceptanceGuard(GuardConfig(cost_ratio=2.0)))
+    assert res.tokens == want
+    assert res.plain_steps == 0 and res.guard_switches == 0
+
+
+def test_guard_measured_cost_calibrates_then_decides():
+    g = AcceptanceGuard(GuardConfig(window=2, backoff=3, max_backoff=6))
+    g.record_cycle(2, 3.0)
+    assert not g.plain_next()
+    g.record_cycle(2, 3.0)  # window full, no plain step timed yet -> one calibration step
+    assert g.plain_next() and g.calibrating and g.break_even() is None
+    g.record_step(1.0)  # t_step = 1 s: a cycle must commit > 3 tokens
+    assert not g.plain_next() and g.probes == 0 and g.break_even() == pytest.approx(3.0)
+    g.record_cycle(2, 3.0)
+    assert g.switches == 1 and g.plain_left == 3 and g.backoff == 6
+    for _ in range(3):
+        g.record_step(1.0)
+    assert g.probes == 1 and not g.plain_next() and len(g.window) == 0
+    g.record_cycle(5, 3.0)
+    g.record_cycle(4, 3.0)  # τ_w 4.5 > 3: keeps speculating, backoff reset
+    assert g.switches == 1 and g.backoff == 3 and not g.plain_next()
+
+
+def test_guard_config_rejects_bad_values():
+    for kw in ({"window": 0}, {"backoff": 0}, {"backoff": 9, "max_backoff": 8}, {"cost_ratio": 0.0}):
+        with pytest.raises(DFlash2Error):
+            GuardConfig(**kw)
+
+
+def test_verify_rows_cumulative_threshold():
+    conf = np.array([0.9, 0.9, 0.5, 0.9], np.float32)  # cumulative 0.9, 0.81, 0.405, 0.36
+    assert verify_rows(conf, 4, 0.8) == 2
+    assert verify_rows(conf, 4, 0.4) == 3
+    assert verify_rows(conf, 2, 0.1) == 2
+    assert verify_rows(conf, 4, 0.95) == 0
+    assert verify_rows(None, 4, 0.5) == 4 and verify_rows(conf, 4, 0.0) == 4
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_confidence_verify_length_lossless_greedy(guard):
+    W = _toy(seed=2)
+    target = MarkovTarget(W)
+    rng = np.random.default_rng(0)
+    ks = {}
+    drafter = ScheduledOracleDrafter(W, 8, lambda pos: ks.setdefault(pos, int(rng.integers(0, 8))))
+    want = D.target_generate(target, [7, 8], 100).tokens
+    g = AcceptanceGuard(GuardConfig(window=2, backoff=2, cost_ratio=1.5)) if guard else None
+    target.forwards = []
+    res = D.speculative_generate(target, drafter, [7, 8], 100, guard=g, min_confidence=0.5)
+    assert res.tokens == want
+    # the cut fell where the drafter's confidence fell: every verified row was a right one
+    assert all(a == n for a, n in zip(res.accepted, res.proposed))
+    assert any(n < 7 for n in res.proposed[:-1]) and max(res.proposed) >= 4
+    # fewer rows verified = smaller target passes
+    assert sorted(target.forwards[1:])[: len(res.accepted)] != [8] * len(res.accepted)
+    if guard:
+        assert res.plain_steps > 0 and res.guard_probes > 0
+
+
+class SamplingDrafter:
+    """DraftRunner sampling a Markov proposal chain Q[prev] (a full-vocabulary proposal, like DFlash v1) by
+    inverse CDF with the decoder's uniforms; each row's law depends on the row before, so the confidence of
+    row i (max of its proposal) depends on the drafts of rows < i."""
+
+    def __init__(self, Q: np.ndarray, block_size: int) -> None:
+        self.Q, self.block_size = Q, block_size
+
+    def reset(self) -> None:
+        pass
+
+    def add_context(self, feats: np.ndarray, start: int) -> None:
+        pass
+
+    def propose(self, anchor: int, pos: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
+        L, V = self.block_size - 1, self.Q.shape[0]
+        toks, qs, t = [], [], anchor
+        for i in range(L):
+            q = self.Q[t]
+            t = int(min((np.cumsum(q) <= uniforms[0, i]).sum(), V - 1))
+            toks.append(t)
+            qs.append(q)
+        q = np.asarray(qs, np.float32)  # [L, V]
+        return Draft(tokens=np.asarray(toks, np.int64), proposal=q, cand=np.tile(np.arange(V), (L, 1)),
+                     vocab_proposal=q)
+
+
+def test_guard_and_confidence_exact_in_law_at_t1():
+    """T = 1: the joint law of the first 4 tokens equals the target's own (chi-square over all 3^4 outcomes),
+    with the guard switching and the verify length cut by confidence — both paths asserted taken."""
+    V, n_tok, N = 3, 4, 6000
+    rng = np.random.default_rng(4)
+    W = rng.normal(size=(V, V)).astype(np.float32) * 1.5
+    Q = rng.dirichlet(np.ones(V) * 0.7, size=V).astype(np.float32)  # proposals unlike the target
+    P = softmax_t(W, 1.0).astype(np.float64)  # [V, V] target transition law
+    prompt = [0]
+    counts: dict[tuple, int] = {}
+    cut = switched = 0
+    for seed in range(N):
+        target = MarkovTarget(W)
+        g = AcceptanceGuard(GuardConfig(window=1, backoff=1, max_backoff=2, cost_ratio=2.0))
+        r = D.speculative_generate(target, SamplingDrafter(Q, 4), prompt, n_tok, temperature=1.0, seed=seed,
+                                   guard=g, min_confidence=0.35)
+        counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+        cut += any(n < min(3, n_tok - 1) for n in r.proposed[:1])
+        switched += r.plain_steps > 0
+    assert cut > N // 10 and switched > N // 10
+    outcomes = list(itertools.product(range(V), repeat=n_tok))
+    exp = []
+    for o in outcomes:
+        p, prev = 1.0, prompt[-1]
+        for t in o:
+            p *= P[prev, t]
+            prev = t
+        exp.append(p * N)
+    obs = [counts.get(o, 0) for o in outcomes]
+    assert sum(obs) == N
+    assert stats.chisquare(obs, exp).pvalue > 1e-3
