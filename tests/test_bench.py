@@ -27,11 +27,15 @@ def test_bench_json_and_plot(tiny_export, tmp_path, capsys):
     assert r["spec_tokens"] == r["ar_tokens"] == 48
     assert len(r["per_position_cumulative"]) == 15 and r["oracle_tau"] >= r["tau"] >= 1.0
     assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["ar_tokens_per_s"])
+    # the guard is on by default; every token is committed by the prefill, a cycle or a guard's plain step
+    assert r["guard"] == "on" and r["spec_cycles"] >= 1
+    assert r["plain_steps"] + r["spec_cycles"] <= r["spec_tokens"] - r["n_prompts"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["bench", "--model-dir", str(tiny_export), "--prompts", str(f), "--limit", "1", "--max-new-tokens",
-                 "8", "--temperature", "0.7", "--no-oracle"]) == 0
+                 "8", "--temperature", "0.7", "--no-oracle", "--no-guard", "--min-confidence", "0.2"]) == 0
     out = capsys.readouterr().out
     assert "speculative" in out and "autoregressive" in out and "n/a (T > 0)" in out
+    assert "guard off   min confidence 0.2" in out and "plain steps 0" in out
 
 
 def test_bench_from_target_and_drafter_uses_the_export_cache(tiny_dir, tmp_path, monkeypatch, capsys):
