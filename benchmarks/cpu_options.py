@@ -34,7 +34,7 @@ def main() -> int:
 
     from dflash2_trt.bench.harness import summarize
     from dflash2_trt.bench.prompts import encode_items, load_prompts
-    from dflash2_trt.cli import DEMO_MAX_SEQ_LEN, demo_drafter_path
+    from dflash2_trt.bench.demo import DEMO_MAX_SEQ_LEN, demo_drafter_path
     from dflash2_trt.runtime import decoder as D
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.guard import AcceptanceGuard
