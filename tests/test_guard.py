@@ -112,25 +112,31 @@ def test_guard_stays_speculative_when_drafts_pay():
 
 
 def test_guard_measured_cost_calibrates_then_decides():
-    g = AcceptanceGuard(GuardConfig(window=2, backoff=3, max_backoff=6))
+    g = AcceptanceGuard(GuardConfig(window=3, probe_window=2, backoff=3, max_backoff=6))
+    assert g.plain_next() and g.calibrating and g.break_even() is None  # the first step is a timed plain one
+    g.record_step(1.0)  # t_step = 1 s
+    assert not g.plain_next() and g.probes == 0
     g.record_cycle(2, 3.0)
-    assert not g.plain_next()
-    g.record_cycle(2, 3.0)  # window full, no plain step timed yet -> one calibration step
-    assert g.plain_next() and g.calibrating and g.break_even() is None
-    g.record_step(1.0)  # t_step = 1 s: a cycle must commit > 3 tokens
-    assert not g.plain_next() and g.probes == 0 and g.break_even() == pytest.approx(3.0)
     g.record_cycle(2, 3.0)
+    assert not g.plain_next() and g.break_even() == pytest.approx(3.0)  # judged after `window` cycles only
+    g.record_cycle(2, 3.0)  # τ_w 2 < 3: plain steps
     assert g.switches == 1 and g.plain_left == 3 and g.backoff == 6
     for _ in range(3):
         g.record_step(1.0)
     assert g.probes == 1 and not g.plain_next() and len(g.window) == 0
     g.record_cycle(5, 3.0)
-    g.record_cycle(4, 3.0)  # τ_w 4.5 > 3: keeps speculating, backoff reset
+    assert not g.plain_next()
+    g.record_cycle(4, 3.0)  # the probe's 2 cycles: τ_w 4.5 > 3, keeps speculating, backoff reset
     assert g.switches == 1 and g.backoff == 3 and not g.plain_next()
+    g.record_cycle(1, 3.0)  # rolling window (5, 4, 1): τ_w 3.33 still pays
+    assert not g.plain_next()
+    g.record_cycle(1, 3.0)  # (4, 1, 1): 2 < 3
+    assert g.switches == 2 and g.plain_left == 3
 
 
 def test_guard_config_rejects_bad_values():
-    for kw in ({"window": 0}, {"backoff": 0}, {"backoff": 9, "max_backoff": 8}, {"cost_ratio": 0.0}):
+    for kw in ({"window": 0}, {"probe_window": 0}, {"window": 2, "probe_window": 3}, {"backoff": 0},
+               {"backoff": 9, "max_backoff": 8}, {"cost_ratio": 0.0}):
         with pytest.raises(DFlash2Error):
             GuardConfig(**kw)
 
@@ -205,7 +211,7 @@ def test_guard_and_confidence_exact_in_law_at_t1():
     cut = switched = 0
     for seed in range(N):
         target = MarkovTarget(W)
-        g = AcceptanceGuard(GuardConfig(window=1, backoff=1, max_backoff=2, cost_ratio=2.0))
+        g = AcceptanceGuard(GuardConfig(window=1, probe_window=1, backoff=1, max_backoff=2, cost_ratio=2.0))
         r = D.speculative_generate(target, SamplingDrafter(Q, 4), prompt, n_tok, temperature=1.0, seed=seed,
                                    guard=g, min_confidence=0.35)
         counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
@@ -223,3 +229,28 @@ def test_guard_and_confidence_exact_in_law_at_t1():
     obs = [counts.get(o, 0) for o in outcomes]
     assert sum(obs) == N
     assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_guard_measured_cost_in_the_loop(monkeypatch):
+    """The default guard (cost measured online): a fake clock that a target pass advances by 1 + 0.25 per row
+    (a 16-row verify costs 4 plain steps) — a drafter accepting ~2 drafts per cycle (τ 3) does not pay, one
+    accepting all 15 (τ 16) does; the guard must find both from its own timings."""
+    clock = [0.0]
+
+    class TimedTarget(MarkovTarget):
+        def forward(self, ids):  # noqa: ANN001, ANN201
+            clock[0] += 1.0 + 0.25 * len(ids)
+            return super().forward(ids)
+
+    monkeypatch.setattr(D, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    W = _toy(seed=3)
+    target = TimedTarget(W)
+    want = D.target_generate(target, [2], 400).tokens
+    drafter = ScheduledOracleDrafter(W, 16, lambda pos: 2 if pos < 150 else 15)
+    g = AcceptanceGuard()
+    res = D.speculative_generate(target, drafter, [2], 400, guard=g)
+    assert res.tokens == want
+    # measured: a plain step 1.25 s, a full cycle (16 rows) 5 s -> break-even τ 4, between the two drafters' τ
+    assert g.t_step == pytest.approx(1.25) and (16, pytest.approx(5.0)) in g.window
+    assert res.guard_switches >= 1 and res.guard_probes >= 1 and res.plain_steps >= g.cfg.backoff
+    assert res.accepted[-2] == 15 and res.elapsed_s < D.target_generate(target, [2], 400).elapsed_s

@@ -2,10 +2,14 @@
 
 :class:`AcceptanceGuard` — one request's switch between speculative cycles and plain target steps. It keeps
 the tokens committed and the wall time of the last ``window`` speculative cycles and the running time of a
-plain target step, both measured in this run on this machine. While the window's throughput
-(Σ tokens / Σ seconds) is below a plain step's (1 / t_step) — i.e. the mean tokens per cycle τ_w is below
-the measured break-even t_cycle / t_step — the decoder runs ``backoff`` plain steps, then probes with a new
-window of cycles; each failed probe doubles ``backoff`` (up to ``max_backoff``), a passed one resets it.
+plain target step, both measured in this run on this machine (the first decode step is a plain one, timed).
+While the window's throughput (Σ tokens / Σ seconds) is below a plain step's (1 / t_step) — i.e. the mean
+tokens per cycle τ_w is below the measured break-even t_cycle / t_step — the decoder runs ``backoff`` plain
+steps, then probes with ``probe_window`` cycles; each failed probe doubles ``backoff`` (up to
+``max_backoff``), a passed one resets it. Why these sizes: a failed probe wastes about
+``probe_window`` × (break-even − 1) plain steps; with a break-even near 2 (a cycle costs about two steps on
+CPU) 2 probe cycles per 32 plain steps bound the loss of a useless drafter to ~6 % (less as the backoff
+doubles), while a drafter that pays is judged after 3 cycles.
 TensorRT-LLM's ``acceptance_rate_threshold`` is the model: a rolling acceptance average over the last N
 speculative iterations; there the threshold is a fixed rate and speculation stops for good, here the
 threshold is the measured cost ratio and speculation is probed again (acceptance changes along a request:
@@ -35,15 +39,16 @@ from dflash2_trt.errors import DFlash2Error
 
 @dataclass(frozen=True)
 class GuardConfig:
-    window: int = 4  # speculative cycles per estimate (a probe runs this many cycles too)
-    backoff: int = 16  # plain steps after the first failed estimate
-    max_backoff: int = 256  # cap of the doubling backoff
+    window: int = 3  # speculative cycles per estimate (rolling)
+    probe_window: int = 2  # cycles a probe runs before it is judged
+    backoff: int = 32  # plain steps after the first failed estimate
+    max_backoff: int = 512  # cap of the doubling backoff
     # fixed break-even τ (t_cycle / t_step); None: measured online in the run (the default)
     cost_ratio: float | None = None
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise DFlash2Error(f"guard window must be >= 1, got {self.window}")
+        if not 1 <= self.probe_window <= self.window:
+            raise DFlash2Error(f"guard window must be >= probe_window >= 1, got {self.window}, {self.probe_window}")
         if not 1 <= self.backoff <= self.max_backoff:
             raise DFlash2Error(f"guard backoff must be in [1, max_backoff={self.max_backoff}], got {self.backoff}")
         if self.cost_ratio is not None and not self.cost_ratio > 0:
@@ -60,10 +65,12 @@ class AcceptanceGuard:
         self.t_step: float | None = None  # running mean seconds of a plain target step
         self.n_steps_timed = 0
         self.backoff = self.cfg.backoff
-        self.plain_left = 0  # plain steps still to run before the next probe
         self.switches = 0  # speculative -> plain transitions
         self.probes = 0  # plain -> speculative transitions
-        self.calibrating = False  # a single plain step run only to time t_step
+        self.need = self.cfg.window  # cycles before the next judgement
+        # a measured cost needs t_step: the first step is a plain one, timed (it commits a token like any other)
+        self.calibrating = self.cfg.cost_ratio is None
+        self.plain_left = 1 if self.calibrating else 0  # plain steps still to run before the next (probe) cycle
 
     def plain_next(self) -> bool:
         return self.plain_left > 0
@@ -85,16 +92,17 @@ class AcceptanceGuard:
             if not self.calibrating:
                 self.probes += 1
                 self.window.clear()  # the probe is judged on its own cycles
+                self.need = self.cfg.probe_window
             self.calibrating = False
 
     def record_cycle(self, tokens: int, seconds: float) -> None:
         self.window.append((tokens, seconds))
-        if len(self.window) < self.window.maxlen:
+        self.need -= 1
+        if self.need > 0:
             return
+        self.need = 1  # from now on judged after every cycle, on the rolling window
         be = self.break_even()
-        if be is None:  # no plain step timed yet: time one (it commits a token like any other step)
-            self.plain_left, self.calibrating = 1, True
-            return
+        assert be is not None  # t_step is timed by the first step
         tau_w = float(np.mean([t for t, _ in self.window]))
         if tau_w < be:
             self.switches += 1
