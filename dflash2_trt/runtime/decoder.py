@@ -133,7 +133,7 @@ def _confidence(draft: Draft, temperature: float) -> np.ndarray | None:
     if temperature <= 0:
         return None  # a one-hot proposal says nothing
     q = draft.vocab_proposal if draft.vocab_proposal is not None else draft.proposal  # [L, V] | [L, K]
-    return q.max(-1)
+    return np.asarray(q.max(-1), dtype=np.float64)  # [L]
 
 
 def speculative_generate(
