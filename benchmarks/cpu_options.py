@@ -8,6 +8,7 @@ decoding with the guard off / on and with confidence-adapted verify lengths.
 
 --model-dir defaults to the demo export (SmolLM2-135M-Instruct + the packaged drafter, ONNX Runtime CPU).
 Prints one line per (set, variant): tok/s, speedup over autoregressive, τ, cycles / plain steps, lossless.
+--out is rewritten after every prompt (the prompts done so far), so a long run can be stopped early.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
-    from dflash2_trt.bench.harness import summarize
     from dflash2_trt.bench.prompts import encode_items, load_prompts
     from dflash2_trt.bench.demo import DEMO_MAX_SEQ_LEN, demo_drafter_path
     from dflash2_trt.runtime import decoder as D
@@ -66,21 +66,31 @@ def main() -> int:
                         target, drafter, p, a.max_new_tokens, a.temperature, seed=i,
                         guard=AcceptanceGuard() if guard else None, min_confidence=conf))
                 print(f"{name} {i + 1}/{len(prompts)} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-            results["sets"][name] = {}
+                results["sets"][name] = {label: _summary(runs[label], ars, a.temperature) for label, _, _ in variants}
+                _write(results, a.out)
             for label, _, _ in variants:
-                r = summarize(runs[label], ars, a.temperature)
-                r["per_prompt_speedup"] = [s.tokens_per_s / max(1e-9, x.tokens_per_s) for s, x in zip(runs[label], ars)]
-                results["sets"][name][label] = r
+                r = results["sets"][name][label]
                 print(f"{name:10} {label:22} spec {r['spec_tokens_per_s']:6.2f} tok/s  ar {r['ar_tokens_per_s']:6.2f}"
                       f"  speedup {r['speedup']:.2f}x  tau {r['tau']:.2f}  cycles {r['spec_cycles']}"
                       f"  plain {r['plain_steps']}  switches {r['guard_switches']}  probes {r['guard_probes']}"
                       f"  lossless {r['lossless']}", flush=True)
-    if a.out:
-        tmp = Path(a.out).with_suffix(".tmp")
+    return 0
+
+
+def _summary(specs: list, ars: list, temperature: float) -> dict:
+    from dflash2_trt.bench.harness import summarize
+
+    r = summarize(specs, ars, temperature)
+    r["per_prompt_speedup"] = [s.tokens_per_s / max(1e-9, x.tokens_per_s) for s, x in zip(specs, ars)]
+    return r
+
+
+def _write(results: dict, out: str | None) -> None:
+    if out:
+        tmp = Path(out).with_suffix(".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(results, indent=1))
-        tmp.replace(a.out)
-    return 0
+        tmp.replace(out)
 
 
 if __name__ == "__main__":
