@@ -33,7 +33,8 @@ def test_packaged_drafter_is_small_fp16_and_fits_smollm2():
 def test_demo_default_and_bench_options(capsys):
     from dflash2_trt.cli import main
 
-    assert main(["demo", "--max-new-tokens", "16", "--backend", "ort", "--json"]) == 0
+    # --no-guard: this checks the drafter's acceptance, which the (timing-driven) guard may cut short
+    assert main(["demo", "--max-new-tokens", "16", "--backend", "ort", "--json", "--no-guard"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert KEYS <= set(r) and r["n_prompts"] == 1 and r["lossless"] is True and isinstance(r["text"], str)
     # the packaged drafter gets drafts accepted on the default prompt (tau 1.36 measured: 15 tokens committed
