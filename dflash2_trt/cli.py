@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
             return _cmd_bench(a)
         if a.cmd == "demo":
             return _cmd_demo(a)
-        if a.cmd == "train":
+        if a.cmd in ("train", "make-data", "eval-tau"):
             from dflash2_trt.train import cli as train_cli
 
             return train_cli.run(a)

@@ -5,39 +5,134 @@ from __future__ import annotations
 import argparse
 import json
 
-from dflash2_trt.train.data import SOURCES
 
 
 def add_parser(sub) -> None:  # noqa: ANN001
-    t = sub.add_parser("train", help="distil a DFlash 2 drafter for a target (SPEC §5)")
+    """Register ``train`` and ``make-data``."""
+    m = sub.add_parser("make-data", help="self-distilled training data: the target answers prompts (SPEC §5)")
+    m.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
+    m.add_argument("--out", required=True, help="data folder (outside the repository); rerun to resume")
+    m.add_argument("--prompts", type=int, default=2048, help="number of prompts (all sources together)")
+    m.add_argument("--max-new-tokens", type=int, default=160)
+    m.add_argument("--max-prompt-tokens", type=int, default=320)
+    m.add_argument("--batch", type=int, default=16)
+    m.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
+    m.add_argument("--sample-every", type=int, default=4, help="every N-th batch samples at T=1 (0: all greedy)")
+    m.add_argument("--mix", default="0.5,0.35,0.15", help="fractions sharegpt,code,self-written")
+    m.add_argument("--self-instructions", type=int, default=256, help="instructions the target writes")
+    m.add_argument("--target-layer-ids", default=None, help="comma list of tapped target layers")
+    m.add_argument("--topk", type=int, default=8, help="target top-k log-probs kept per position")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+    t = sub.add_parser("train", help="distil a DFlash 2 drafter from make-data output (SPEC §5)")
     t.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
+    t.add_argument("--data", required=True, help="a `dflash2 make-data` folder")
     t.add_argument("--out", required=True, help="drafter folder (also holds train_state/ for --resume)")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
     t.add_argument("--selector-rank", type=int, default=64)
     t.add_argument("--no-conv", action="store_true", help="train without the dynamic convolutions")
     t.add_argument("--no-selector", action="store_true", help="train without the candidate selector")
-    t.add_argument("--data", default="stdlib,sharegpt,pydocs", help=f"comma list of {', '.join(SOURCES)}")
-    t.add_argument("--max-tokens", type=int, default=200_000, help="training text budget (tokens)")
-    t.add_argument("--seq-len", type=int, default=256)
+    t.add_argument("--init", default="target",
+                   help="'target' (copy target layers), 'random', or a drafter folder to warm-start from")
+    t.add_argument("--init-layers", default=None, help="comma list of target layers copied by --init target")
     t.add_argument("--steps", type=int, default=500)
-    t.add_argument("--batch-seqs", type=int, default=4)
-    t.add_argument("--anchors-per-seq", type=int, default=16)
+    t.add_argument("--batch-seqs", type=int, default=8)
+    t.add_argument("--anchors-per-seq", type=int, default=32)
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--mask-token-id", type=int, default=None)
-    t.add_argument("--no-init-from-target", action="store_true",
-                   help="random drafter layers instead of copies of the target's last layers")
-    t.add_argument("--cache-dir", default=None, help="target-feature cache (default ~/.cache/dflash2_trt/features)")
-    t.add_argument("--sampled-softmax", type=int, default=0, metavar="N",
-                   help="CE over the corpus' label ids + N random other ids per step (0 = full vocabulary)")
+    t.add_argument("--sampled-softmax", type=int, default=8192, metavar="F",
+                   help="CE over the F most frequent response ids + the batch's ids + random ones (0 = full)")
+    t.add_argument("--random-negatives", type=int, default=1024)
+    t.add_argument("--selector-full-topk", action="store_true",
+                   help="selector candidates from the full-vocabulary top-K (as decoding; slower)")
+    t.add_argument("--kl-weight", type=float, default=0.0, help="weight of CE to the target's top-k distribution")
     t.add_argument("--gamma", type=float, default=None, help="slot-weight decay (default by block size, SPEC §5)")
+    t.add_argument("--heldout-shards", type=int, default=1, help="last shards held out for the offline τ")
+    t.add_argument("--max-shards", type=int, default=None, help="use only the first N shards")
+    t.add_argument("--eval-rows", type=int, default=24)
+    t.add_argument("--eval-every", type=int, default=0, help="offline τ every N steps (0: at the end)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/train_state")
 
+    e = sub.add_parser("eval-tau", help="offline τ of a drafter on held-out make-data rows (seconds)")
+    e.add_argument("--target", required=True)
+    e.add_argument("--drafter", required=True)
+    e.add_argument("--data", required=True)
+    e.add_argument("--heldout-shards", type=int, default=1)
+    e.add_argument("--rows", type=int, default=24)
+    e.add_argument("--block-size", type=int, default=None, help="evaluate at another block size")
+    e.add_argument("--max-new-tokens", type=int, default=None)
+    e.add_argument("--no-selector", action="store_true")
+    e.add_argument("--threads", type=int, default=None)
+
 
 def run(a: argparse.Namespace) -> int:
+    if a.cmd == "make-data":
+        return _run_make_data(a)
+    if a.cmd == "eval-tau":
+        return _run_eval_tau(a)
+    return _run_train(a)
+
+
+def _run_make_data(a: argparse.Namespace) -> int:
+    from dflash2_trt.errors import DFlash2Error
+    from dflash2_trt.train.make_data import MakeDataConfig, make_data
+
+    try:
+        mix = tuple(float(x) for x in a.mix.split(","))
+        ids = [int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None
+    except ValueError:
+        raise DFlash2Error(f"--mix / --target-layer-ids: comma lists of numbers expected") from None
+    if len(mix) != 3 or min(mix) < 0 or abs(sum(mix) - 1) > 1e-6:
+        raise DFlash2Error(f"--mix needs three non-negative fractions summing to 1, got {a.mix}")
+    if a.batch < 1 or a.prompts < 1 or a.shard_size < a.batch:
+        raise DFlash2Error("--batch and --prompts must be >= 1 and --shard-size >= --batch")
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    cfg = MakeDataConfig(target=a.target, out=a.out, n_prompts=a.prompts, max_new_tokens=a.max_new_tokens,
+                         max_prompt_tokens=a.max_prompt_tokens, batch=a.batch, shard_size=a.shard_size,
+                         sample_every=a.sample_every, mix=mix, n_self=a.self_instructions,  # type: ignore[arg-type]
+                         target_layer_ids=ids, topk=a.topk, seed=a.seed)
+    print(json.dumps({"out": str(make_data(cfg))}))
+    return 0
+
+
+def _run_eval_tau(a: argparse.Namespace) -> int:
+    import numpy as np
+
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    from dflash2_trt.model import DFlash2Drafter, load_drafter
+    from dflash2_trt.target import TargetModel
+    from dflash2_trt.train.data import GeneratedData
+    from dflash2_trt.train.trainer import offline_tau
+
+    target = TargetModel.load(a.target)
+    d = load_drafter(a.drafter)
+    if a.block_size:
+        d2 = DFlash2Drafter(d.config.replace(block_size=a.block_size))
+        d2.load_state_dict(d.state_dict())
+        d = d2
+    d.bind_target(target.embed_weight, target.lm_head_weight)
+    if a.no_selector:
+        d.set_ablation(use_selector=False)
+    data = GeneratedData(a.data)
+    _, held = data.split(a.heldout_shards, need_train=False)
+    r = offline_tau(d, data, held[: a.rows], a.max_new_tokens)
+    r.update({"drafter": a.drafter, "block_size": d.config.block_size})
+    print(json.dumps({k: (np.round(v, 4).tolist() if isinstance(v, (list, float)) else v) for k, v in r.items()}))
+    return 0
+
+
+def _run_train(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dflash2_trt.errors import DFlash2Error
@@ -48,13 +143,15 @@ def run(a: argparse.Namespace) -> int:
         raise DFlash2Error(f"{a.out} already holds a training run: pass --resume, or choose another --out")
     if a.resume and not state.is_file():
         raise DFlash2Error(f"--resume: no checkpoint in {Path(a.out) / 'train_state'}")
-    tc = TrainConfig(target=a.target, out=a.out, block_size=a.block_size, layers=a.layers,
+    tc = TrainConfig(target=a.target, data=a.data, out=a.out, block_size=a.block_size, layers=a.layers,
                      selector_rank=a.selector_rank, use_conv=not a.no_conv, use_selector=not a.no_selector,
-                     sources=[s.strip() for s in a.data.split(",") if s.strip()], max_tokens=a.max_tokens,
-                     seq_len=a.seq_len, steps=a.steps, batch_seqs=a.batch_seqs, anchors_per_seq=a.anchors_per_seq,
-                     lr=a.lr, seed=a.seed, checkpoint_every=a.checkpoint_every, mask_token_id=a.mask_token_id,
-                     init_from_target=not a.no_init_from_target, cache_dir=a.cache_dir,
-                     sampled_softmax=a.sampled_softmax, gamma=a.gamma)
+                     init=a.init, init_layers=[int(x) for x in a.init_layers.split(",")] if a.init_layers else None,
+                     steps=a.steps, batch_seqs=a.batch_seqs, anchors_per_seq=a.anchors_per_seq, lr=a.lr, seed=a.seed,
+                     checkpoint_every=a.checkpoint_every, mask_token_id=a.mask_token_id,
+                     sampled_softmax=a.sampled_softmax, random_negatives=a.random_negatives,
+                     selector_full_topk=a.selector_full_topk, kl_weight=a.kl_weight, gamma=a.gamma,
+                     heldout_shards=a.heldout_shards, max_shards=a.max_shards, eval_rows=a.eval_rows,
+                     eval_every=a.eval_every)
     if a.threads:
         import torch
 

@@ -1,50 +1,58 @@
-"""Distillation trainer for DFlash 2 drafters (SPEC §5).
+"""Distillation trainer for DFlash 2 drafters on self-distilled data (SPEC §5).
 
-Two stages:
+The data is a :mod:`dflash2_trt.train.make_data` folder: prompts, the target's own answers (token ids as
+generated) and the tap features captured while generating — so a training step costs only the drafter.
 
-1. **Target features, cached.** The training text is cut into rows of ``seq_len`` tokens; the frozen
-   target runs over them once in batches and the context features of the drafter's layers (fp16) plus its
-   greedy next-token predictions (the self-distillation labels) are written to a memory-mapped cache.
-   Every training step then costs only the drafter: on a CPU the target pass would otherwise dominate.
-2. **Drafter steps.** Each step samples ``batch_seqs`` rows and ``anchors_per_seq`` anchors per row (from
-   a generator seeded by ``(seed, step)``, so ``--resume`` replays exactly the data an uninterrupted run
-   would see). Blocks ``[anchor, MASK...]`` see context strictly before their anchor and their own rows;
-   blocks never see each other. Loss = decay-weighted full-vocab CE + 1.0 x the selector's K-way CE over
-   the backbone's own (detached) top-K with the predecessor teacher-forced to the true previous token.
+* **Labels** are the generated tokens for every slot (block slot k of an anchor at a predicts the token
+  at a + k of the target's own chain); anchors lie in response positions only; slots past a row's end
+  are unlabelled.
+* **Loss** = decay-weighted CE (``w_k = exp(-(k-1)/γ)``) + optional ``kl_weight`` x CE to the target's
+  renormalised top-k distribution at the same position + 1.0 x the selector's K-way CE over the backbone's
+  own (detached) top-K with the predecessor teacher-forced to the true previous token.
+* **Sampled softmax** (``sampled_softmax = F``): the CE runs over the F most frequent response ids of the
+  training rows ∪ the step's labels (and KL ids) ∪ ``random_negatives`` fresh random ids; the selector's
+  candidates are the top-K over that same set (with ``selector_full_topk``, over the full vocabulary,
+  exactly as decoding does — slower on a CPU).
+* **RoPE θ** is read from the target's ``rope_parameters`` (transformers 5; or ``rope_theta`` of older
+  configs); a missing or non-default RoPE is a :class:`DFlash2Error`, never a silent 10000.
+* Each step's rows, anchors and negatives come from a generator seeded by ``(seed, step)``, so ``--resume``
+  replays exactly the data an uninterrupted run would see.
+* :func:`offline_tau` walks the drafter along held-out greedy rows exactly as greedy decoding would (the
+  target's greedy chain *is* the stored row): τ and oracle top-K τ in seconds, no target pass.
 
 Output folder::
 
     OUT/config.json, OUT/model.safetensors     the drafter (loadable by `dflash2 generate`)
     OUT/train_state/                            optimizer.safetensors + state.json (for --resume)
-    OUT/train_log.jsonl                         one JSON line per logged step
+    OUT/train_log.jsonl                         one JSON line per logged step (+ offline τ evaluations)
 
 Checkpoints are written to temporary files and renamed into place (a crash never leaves a torn file).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash2_trt.config import ARCH_V1, ARCH_V2, DFlash2Config, default_target_layer_ids
+from dflash2_trt.config import ARCH_V1, ARCH_V2, DFlash2Config
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model import DFlash2Drafter
-from dflash2_trt.model.checkpoint import WEIGHTS_NAME, load_state_into
+from dflash2_trt.model.checkpoint import WEIGHTS_NAME, _read_tensors, load_state_into
 from dflash2_trt.train import data as D
 
 
 @dataclass
 class TrainConfig:
     target: str
+    data: str  # make-data folder
     out: str
     block_size: int = 16
     layers: int = 1
@@ -52,66 +60,60 @@ class TrainConfig:
     selector_top_k: int = 16
     use_conv: bool = True
     use_selector: bool = True
-    target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None  # default: the tokenizer's mask/unk/pad token, else the last id
-    sources: list[str] = field(default_factory=lambda: ["stdlib", "sharegpt", "pydocs"])
-    max_tokens: int = 200_000
-    seq_len: int = 256
+    init: str = "target"  # "target" (copy target layers), "random", or a drafter folder (warm start)
+    init_layers: list[int] | None = None  # target layers copied into the drafter layers (default: the last ones)
     steps: int = 500
-    batch_seqs: int = 4
-    anchors_per_seq: int = 16
+    batch_seqs: int = 8
+    anchors_per_seq: int = 32
     lr: float = 6e-4
     warmup: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     gamma: float | None = None
+    kl_weight: float = 0.0
+    sampled_softmax: int = 8192  # F most frequent response ids; 0 = full-vocab CE
+    random_negatives: int = 1024
+    selector_full_topk: bool = False
+    heldout_shards: int = 1
+    max_shards: int | None = None
+    eval_rows: int = 24
+    eval_every: int = 0  # 0: evaluate at the end only
     seed: int = 0
     checkpoint_every: int = 100
     log_every: int = 10
-    init_from_target: bool = True
-    feature_batch: int = 8
-    cache_dir: str | None = None
-    sampled_softmax: int = 0  # 0 = full-vocab CE; N > 0 = corpus label vocab + N random negatives per step
-
-
-# ----------------------------------------------------------------------------------------------------
-# Stage 1: target features
-# ----------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def build_feature_cache(target, tokens: np.ndarray, layer_ids: list[int], cache: Path, batch: int,  # noqa: ANN001
-                        progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Run the target over ``tokens`` [N, T]; returns memmaps feats [N, T, n*H] fp16, preds [N, T] int32."""
-    N, T = tokens.shape
-    Fdim = len(layer_ids) * target.hidden_size
-    key = hashlib.sha1(tokens.tobytes() + json.dumps([layer_ids, str(target.path)]).encode()).hexdigest()[:16]
-    cache.mkdir(parents=True, exist_ok=True)
-    fpath, ppath, done = cache / f"feats-{key}.f16", cache / f"preds-{key}.i32", cache / f"done-{key}"
-    if done.is_file():
-        return (np.memmap(fpath, np.float16, "r", shape=(N, T, Fdim)),
-                np.memmap(ppath, np.int32, "r", shape=(N, T)))
-    feats = np.memmap(fpath, np.float16, "w+", shape=(N, T, Fdim))
-    preds = np.memmap(ppath, np.int32, "w+", shape=(N, T))
-    it = range(0, N, batch)
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(it, desc="target features", unit="batch", total=math.ceil(N / batch))
-    for i in it:
-        ids = torch.from_numpy(tokens[i: i + batch])
-        out = target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
-        feats[i: i + batch] = torch.cat([out.hidden_states[j + 1] for j in layer_ids], -1).to(torch.float16).numpy()
-        preds[i: i + batch] = out.logits.argmax(-1).to(torch.int32).numpy()
-    feats.flush()
-    preds.flush()
-    done.write_text("ok\n")
-    return (np.memmap(fpath, np.float16, "r", shape=(N, T, Fdim)), np.memmap(ppath, np.int32, "r", shape=(N, T)))
 
 
 # ----------------------------------------------------------------------------------------------------
 # Drafter construction
 # ----------------------------------------------------------------------------------------------------
+
+
+def rope_theta_of(hf_config) -> float:  # noqa: ANN001
+    """The target's RoPE base: transformers 5 ``rope_parameters['rope_theta']``, else a top-level
+    ``rope_theta``. Missing, malformed or scaled RoPE (which the drafter does not implement) raises."""
+    rp = getattr(hf_config, "rope_parameters", None)
+    if isinstance(rp, dict) and "full_attention" in rp and isinstance(rp["full_attention"], dict):
+        rp = rp["full_attention"]  # per-layer-type form
+    theta = None
+    if isinstance(rp, dict):
+        kind = rp.get("rope_type", "default")
+        if kind not in ("default", None):
+            raise DFlash2Error(f"target rope_parameters.rope_type is {kind!r}; the drafter implements plain "
+                               "RoPE ('default') only")
+        theta = rp.get("rope_theta")
+    if theta is None:
+        theta = getattr(hf_config, "rope_theta", None)
+    if theta is None:
+        raise DFlash2Error("target config has neither rope_parameters['rope_theta'] nor rope_theta: "
+                           "cannot choose the drafter's RoPE base")
+    try:
+        theta = float(theta)
+    except (TypeError, ValueError):
+        raise DFlash2Error(f"target RoPE theta {theta!r} is not a number") from None
+    if not theta > 0:
+        raise DFlash2Error(f"target RoPE theta must be > 0, got {theta}")
+    return theta
 
 
 def _mask_token_id(target) -> int:  # noqa: ANN001
@@ -123,29 +125,38 @@ def _mask_token_id(target) -> int:  # noqa: ANN001
     return target.vocab_size - 1
 
 
-def make_drafter_config(tc: TrainConfig, target) -> DFlash2Config:  # noqa: ANN001
+def make_drafter_config(tc: TrainConfig, target, layer_ids: list[int]) -> DFlash2Config:  # noqa: ANN001
+    """The drafter's config from the target's; a warm start keeps its drafter's MASK id unless one is given."""
     hf = target.model.config
-    n_layers = target.num_layers
-    ids = tc.target_layer_ids or default_target_layer_ids(n_layers, min(5, max(1, n_layers - 3)))
+    mask = tc.mask_token_id
+    if mask is None and tc.init not in ("target", "random"):
+        mask = DFlash2Config.from_json_file(Path(tc.init) / "config.json").mask_token_id
+    if mask is None:
+        mask = _mask_token_id(target)
     heads = int(hf.num_attention_heads)
     return DFlash2Config(
         hidden_size=target.hidden_size, intermediate_size=int(hf.intermediate_size), num_hidden_layers=tc.layers,
-        num_attention_heads=heads, num_key_value_heads=int(getattr(hf, "num_key_value_heads", heads)),
+        num_attention_heads=heads, num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(hf, "head_dim", None) or target.hidden_size // heads),
-        rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)), rope_theta=float(getattr(hf, "rope_theta", 10000.0) or 10000.0),
-        vocab_size=target.vocab_size, num_target_layers=n_layers, target_layer_ids=ids, block_size=tc.block_size,
-        mask_token_id=tc.mask_token_id if tc.mask_token_id is not None else _mask_token_id(target),
+        rms_norm_eps=float(hf.rms_norm_eps), rope_theta=rope_theta_of(hf),
+        vocab_size=target.vocab_size, num_target_layers=target.num_layers, target_layer_ids=list(layer_ids),
+        block_size=tc.block_size,
+        mask_token_id=mask,
         selector_rank=tc.selector_rank, selector_top_k=tc.selector_top_k,
         architecture=ARCH_V2 if (tc.use_conv or tc.use_selector) else ARCH_V1,
         use_conv=tc.use_conv, use_selector=tc.use_selector)
 
 
 @torch.no_grad()
-def init_drafter(cfg: DFlash2Config, target, seed: int, from_target: bool) -> DFlash2Drafter:  # noqa: ANN001
-    """Normal(0, 0.02) init, identity convolutions; optionally copy the target's last decoder layers.
+def init_drafter(cfg: DFlash2Config, target, seed: int, init: str = "target",  # noqa: ANN001
+                 init_layers: list[int] | None = None) -> tuple[DFlash2Drafter, dict]:
+    """Normal(0, 0.02) init, identity convolutions, then per ``init``:
 
-    [decision] Copying the last ``layers`` target layers (when shapes match) gives the drafter a working
-    attention/MLP from the start — the CPU training budget is small.
+    * ``"target"``: drafter layer i copies target layer ``init_layers[i]`` (default: the last layers) and the
+      final norm — a working attention/MLP from the start on a small CPU budget;
+    * ``"random"``: nothing more;
+    * a drafter folder: every tensor whose name and shape match is copied (warm start; a DFlash v1 twin takes
+      the backbone of a DFlash 2 drafter). Returns (drafter, {"copied": [...], "kept_init": [...]}).
     """
     torch.manual_seed(seed)
     d = DFlash2Drafter(cfg)
@@ -154,10 +165,14 @@ def init_drafter(cfg: DFlash2Config, target, seed: int, from_target: bool) -> DF
             continue
         p.normal_(0.0, 0.02)
     d.reset_identity_convs()
-    if from_target:
+    info: dict = {"init": init}
+    if init == "target":
         layers = target.model.model.layers
-        for i, layer in enumerate(d.layers):
-            src = layers[len(layers) - len(d.layers) + i]
+        src_ids = init_layers or list(range(len(layers) - len(d.layers), len(layers)))
+        if len(src_ids) != len(d.layers) or not all(0 <= i < len(layers) for i in src_ids):
+            raise DFlash2Error(f"--init-layers {src_ids}: need {len(d.layers)} target layers in [0, {len(layers)})")
+        for layer, si in zip(d.layers, src_ids):
+            src = layers[si]
             pairs = [(layer.self_attn.q_proj, src.self_attn.q_proj), (layer.self_attn.k_proj, src.self_attn.k_proj),
                      (layer.self_attn.v_proj, src.self_attn.v_proj), (layer.self_attn.o_proj, src.self_attn.o_proj),
                      (layer.mlp.gate_proj, src.mlp.gate_proj), (layer.mlp.up_proj, src.mlp.up_proj),
@@ -167,8 +182,17 @@ def init_drafter(cfg: DFlash2Config, target, seed: int, from_target: bool) -> DF
                 if dst.weight.shape == s.weight.shape:
                     dst.weight.copy_(s.weight)
         d.norm.weight.copy_(target.model.model.norm.weight)
+        info["target_layers"] = src_ids
+    elif init != "random":
+        src = _read_tensors(Path(init))
+        own = d.state_dict()
+        copied = [k for k, v in src.items() if k in own and tuple(v.shape) == tuple(own[k].shape)]
+        if not copied:
+            raise DFlash2Error(f"--init {init}: no tensor matches this drafter's names and shapes")
+        d.load_state_dict({**own, **{k: src[k].to(own[k].dtype) for k in copied}}, strict=True)
+        info.update({"copied": len(copied), "kept_init": sorted(set(own) - set(copied))})
     d.bind_target(target.embed_weight, target.lm_head_weight)
-    return d
+    return d, info
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -178,83 +202,145 @@ def init_drafter(cfg: DFlash2Config, target, seed: int, from_target: bool) -> DF
 
 @dataclass
 class Batch:
-    seq_rows: np.ndarray  # [S] rows of the token matrix
-    blk_seq: np.ndarray  # [nb] index into seq_rows
-    anchors: np.ndarray  # [nb] anchor positions
-    labels: np.ndarray  # [nb, bs] (slot 0 = -100)
+    tokens: np.ndarray  # [S, T] int64 (rows right-padded with 0; pads are never context nor label)
+    feats: np.ndarray  # [S, T, nH] float32
+    blk_seq: np.ndarray  # [nb] row of each block
+    anchors: np.ndarray  # [nb] anchor positions (response positions)
+    labels: np.ndarray  # [nb, bs] int64 (slot 0 and past-the-end = -100)
+    kl_ids: np.ndarray  # [nb, bs, k] int64 target top-k ids for slot k (position a + k - 1)
+    kl_logp: np.ndarray  # [nb, bs, k] float32
 
 
-def make_batch(step: int, seed: int, preds: np.ndarray, block_size: int, batch_seqs: int, anchors_per_seq: int
-               ) -> Batch:
+def gather_batch(data: D.GeneratedData, rows: np.ndarray, anchors: list[np.ndarray], block_size: int) -> Batch:
+    rs = [data.row(int(i)) for i in rows]
+    T = max(r.tokens.shape[0] for r in rs)
+    Fd = rs[0].feats.shape[1]
+    K = rs[0].topk_ids.shape[1]
+    tokens = np.zeros((len(rs), T), np.int64)
+    feats = np.zeros((len(rs), T, Fd), np.float32)
+    blk_seq, anc, labels, kli, klp = [], [], [], [], []
+    for j, (r, a) in enumerate(zip(rs, anchors)):
+        n = r.tokens.shape[0]
+        tokens[j, :n] = r.tokens
+        feats[j, :n] = r.feats
+        blk_seq.append(np.full(a.shape[0], j))
+        anc.append(a)
+        labels.append(D.block_labels(r.tokens, a, block_size))
+        p = np.clip(a[:, None] + np.arange(block_size)[None, :] - 1, 0, n - 1)  # [nb_j, bs]
+        kli.append(np.asarray(r.topk_ids)[p].astype(np.int64))
+        klp.append(np.asarray(r.topk_logp)[p].astype(np.float32))
+    z = (lambda xs, shape: np.concatenate(xs) if xs else np.zeros(shape))
+    return Batch(tokens, feats, z(blk_seq, (0,)).astype(np.int64), z(anc, (0,)).astype(np.int64),
+                 z(labels, (0, block_size)).astype(np.int64), z(kli, (0, block_size, K)).astype(np.int64),
+                 z(klp, (0, block_size, K)).astype(np.float32))
+
+
+def make_batch(step: int, seed: int, data: D.GeneratedData, train_rows: np.ndarray, block_size: int,
+               batch_seqs: int, anchors_per_seq: int) -> Batch:
     """Deterministic in (seed, step): the data a resumed run sees equals an uninterrupted one."""
     rng = np.random.default_rng([seed, step])
-    N, T = preds.shape
-    rows = rng.choice(N, size=min(batch_seqs, N), replace=False)
-    blk_seq, anchors, labels = [], [], []
-    for j, r in enumerate(rows):
-        a = D.sample_anchors(rng, T, block_size, anchors_per_seq)
-        blk_seq.append(np.full(a.shape[0], j))
-        anchors.append(a)
-        labels.append(D.block_labels(np.asarray(preds[r]), a, block_size))
-    return Batch(rows, np.concatenate(blk_seq), np.concatenate(anchors), np.concatenate(labels))
+    rows = rng.choice(train_rows, size=min(batch_seqs, train_rows.size), replace=False)
+    anchors = []
+    for i in rows:
+        r = data.row(int(i))
+        anchors.append(D.response_anchors(rng, r.tokens.shape[0], r.prompt_len, anchors_per_seq))
+    return gather_batch(data, rows, anchors, block_size)
 
 
-def softmax_vocab(step: int, seed: int, label_vocab: np.ndarray, vocab_size: int, negatives: int) -> np.ndarray:
-    """Sorted token ids the CE of one step runs over: every label of the corpus plus ``negatives`` other ids.
+def frequent_ids(counts: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` most frequent ids (ties: lower id first), sorted: [min(n, V)] int64."""
+    order = np.lexsort((np.arange(counts.size), -counts))
+    return np.sort(order[:n]).astype(np.int64)
 
-    [decision] (``--sampled-softmax N``) On a CPU the frozen 49k-row LM head dominates a step (forward and
-    backward through it). The self-distillation labels of a training corpus use a few thousand distinct ids, so
-    the softmax runs over those plus N ids drawn uniformly from the rest of the vocabulary, fresh each step
-    (seeded by ``(seed, step)`` like the batch, so ``--resume`` stays exact). The random negatives keep the
-    ids that never occur as labels pushed down; inference still uses the full head.
+
+def softmax_vocab(step: int, seed: int, frequent: np.ndarray, batch_ids: np.ndarray, vocab_size: int,
+                  negatives: int) -> np.ndarray:
+    """Sorted ids one step's CE runs over: frequent ids ∪ the batch's label/KL ids ∪ ``negatives`` random others.
+
+    [decision] On a CPU the frozen 49k-row LM head dominates a step. The frequent ids of the generated
+    answers carry nearly all label mass, the batch ids make every label present, and fresh random ids
+    (seeded by ``(seed, step)``, so ``--resume`` stays exact) keep the rest of the vocabulary pushed down.
+    Inference still uses the full head.
     """
     rng = np.random.default_rng([seed, step, 1])
-    rest = np.setdiff1d(np.arange(vocab_size), label_vocab, assume_unique=True)
+    base = np.union1d(frequent, batch_ids[batch_ids >= 0])
+    rest = np.setdiff1d(np.arange(vocab_size), base, assume_unique=False)
     neg = rng.choice(rest, size=min(negatives, rest.size), replace=False) if rest.size else rest
-    return np.union1d(label_vocab, neg)
+    return np.union1d(base, neg).astype(np.int64)
 
 
-def compute_loss(d: DFlash2Drafter, tokens: np.ndarray, feats: np.ndarray, b: Batch, weights: torch.Tensor,
-                 vocab: np.ndarray | None = None) -> tuple[torch.Tensor, dict]:
+def compute_loss(d: DFlash2Drafter, b: Batch, weights: torch.Tensor, vocab: np.ndarray | None = None,
+                 kl_weight: float = 0.0, selector_full_topk: bool = False) -> tuple[torch.Tensor, dict]:
     """Returns (loss, metrics). weights [bs] (slot 0 = 0). ``vocab``: the sorted ids the CE runs over
-    (None = the full vocabulary); every label must be in it."""
+    (None = the full vocabulary); every label (and KL id when ``kl_weight`` > 0) must be in it."""
     cfg = d.config
-    T = tokens.shape[1]
-    f = torch.from_numpy(np.asarray(feats[b.seq_rows], dtype=np.float32))  # [S, T, n*H_t]
+    S, T = b.tokens.shape
+    f = torch.from_numpy(b.feats)  # [S, T, nH_t]
     ctx_pos = torch.arange(T)
     kv = d.context_kv(d.fuse_context(f), ctx_pos)  # per layer [S, kvh, T, d]
-    sel = torch.from_numpy(b.blk_seq)
-    ctx_k = [k[sel] for k, _ in kv]  # [nb, kvh, T, d]
-    ctx_v = [v[sel] for _, v in kv]
     anchor_pos = torch.from_numpy(b.anchors)
-    anchor_ids = torch.from_numpy(tokens[b.seq_rows[b.blk_seq], b.anchors])
-    h = d.block_forward(anchor_ids, anchor_pos, ctx_k, ctx_v)  # [nb, bs, H]
+    anchor_ids = torch.from_numpy(b.tokens[b.blk_seq, b.anchors])  # [nb]
+    counts = np.bincount(b.blk_seq, minlength=S).tolist()
+    if np.any(np.diff(b.blk_seq) < 0):
+        raise DFlash2Error("blocks must be grouped by row")
+
+    def per_block(x: torch.Tensor) -> torch.Tensor:  # [S, kvh, T, d] -> [nb, kvh, T, d]
+        # expand + cat: its backward is a plain sum (indexing's accumulate is not deterministic on CPU,
+        # and --resume must be exact)
+        return torch.cat([x[j: j + 1].expand(c, -1, -1, -1) for j, c in enumerate(counts) if c], 0)
+
+    h = d.block_hidden(anchor_ids, anchor_pos, [per_block(k) for k, _ in kv], [per_block(v) for _, v in kv],
+                       ctx_pos)
     rows = h[:, 1:]  # [nb, L, H]
-    labels = torch.from_numpy(b.labels[:, 1:])  # [nb, L]
+    true_ids = torch.from_numpy(b.labels[:, 1:])  # [nb, L] (-100 = no label)
+    valid_lab = true_ids >= 0  # [nb, L]
     if vocab is None:
         logits = d.logits(rows).float()  # [nb, L, V]
+        labels = true_ids.clamp(min=0)
+        to_col = None
     else:
-        logits = d.logits(rows, rows_of_head=torch.from_numpy(vocab)).float()  # [nb, L, |vocab|]
-        pos = np.searchsorted(vocab, b.labels[:, 1:])
-        if not np.array_equal(vocab[np.minimum(pos, vocab.size - 1)], b.labels[:, 1:]):
+        vt = torch.from_numpy(vocab)
+        logits = d.logits(rows, rows_of_head=vt).float()  # [nb, L, |vocab|]
+        need = b.labels[:, 1:][b.labels[:, 1:] >= 0]
+        pos = np.searchsorted(vocab, need)
+        if not np.array_equal(vocab[np.minimum(pos, vocab.size - 1)], need):
             raise DFlash2Error("sampled softmax: a label is missing from the step's vocabulary")
-        labels = torch.from_numpy(pos.astype(np.int64))  # labels as indices into vocab
+
+        def to_col(ids: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.searchsorted(vocab, ids).clip(0, vocab.size - 1).astype(np.int64))
+
+        labels = to_col(np.maximum(b.labels[:, 1:], 0))
     nb, L, V = logits.shape
-    w = weights[1:].view(1, L)  # [1, L]
+    w = weights[1:].view(1, L) * valid_lab.float()  # [nb, L]
+    wsum = w.sum().clamp(min=1e-6)
     ce = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view(nb, L)
-    loss_lm = (ce * w).sum() / (w.sum() * nb)
-    metrics = {"loss_lm": float(loss_lm.detach()), "slot_loss": ce.detach().mean(0).tolist(),
-               "slot_acc": (logits.argmax(-1) == labels).float().mean(0).tolist()}
+    loss_lm = (ce * w).sum() / wsum
+    hit1 = (logits.argmax(-1) == labels) & valid_lab
+    nv = valid_lab.float().sum(0).clamp(min=1)
+    metrics = {"loss_lm": float(loss_lm.detach()), "slot_acc": (hit1.float().sum(0) / nv).tolist()}
     loss = loss_lm
+    if kl_weight > 0:
+        p_t = torch.softmax(torch.from_numpy(b.kl_logp[:, 1:]), -1)  # [nb, L, k] renormalised top-k
+        cols = torch.from_numpy(b.kl_ids[:, 1:]) if to_col is None else to_col(b.kl_ids[:, 1:])
+        if to_col is not None and not np.array_equal(vocab[cols.numpy()], b.kl_ids[:, 1:]):
+            raise DFlash2Error("sampled softmax: a KL id is missing from the step's vocabulary")
+        logq = torch.log_softmax(logits, -1).gather(-1, cols)  # [nb, L, k]
+        kl = -(p_t * logq).sum(-1)  # [nb, L] CE to the target's top-k distribution
+        loss_kl = (kl * w).sum() / wsum
+        loss = loss + kl_weight * loss_kl
+        metrics["loss_kl"] = float(loss_kl.detach())
     if d.use_selector:
         K = cfg.selector_top_k
-        unary, cand = torch.topk(logits.detach(), K, dim=-1)  # [nb, L, K]
-        hit = cand == labels.unsqueeze(-1)  # [nb, L, K]
-        valid = hit.any(-1)  # [nb, L] true token among the top-K
-        if vocab is not None:
-            cand = torch.from_numpy(vocab)[cand]  # back to token ids for the codebooks
-        true_ids = torch.from_numpy(b.labels[:, 1:])
-        prev = torch.cat([anchor_ids.view(nb, 1), true_ids[:, :-1]], dim=1)  # teacher-forced predecessor
+        if selector_full_topk and vocab is not None:
+            with torch.no_grad():
+                unary, cand = torch.topk(d.logits(rows.detach()).float(), K, dim=-1)  # [nb, L, K] full vocab
+        else:
+            unary, cand = torch.topk(logits.detach(), K, dim=-1)  # [nb, L, K]
+            if vocab is not None:
+                cand = torch.from_numpy(vocab)[cand]  # back to token ids
+        hit = cand == true_ids.unsqueeze(-1)  # [nb, L, K]
+        valid = hit.any(-1) & valid_lab  # [nb, L] true token among the top-K
+        prev = torch.cat([anchor_ids.view(nb, 1), true_ids[:, :-1].clamp(min=0)], dim=1)  # teacher-forced
         cs = d.candidate_selector
         g = cs.hidden_projection(rows.detach())  # [nb, L, r]
         # F.embedding: its CPU backward is deterministic (indexing's accumulate is not), so --resume is exact
@@ -263,12 +349,13 @@ def compute_loss(d: DFlash2Drafter, tokens: np.ndarray, feats: np.ndarray, b: Ba
         scores = unary + torch.einsum("nlr,nlkr->nlk", a * g, bq)  # [nb, L, K]
         tgt = hit.float().argmax(-1)  # [nb, L]
         ce_s = F.cross_entropy(scores.reshape(-1, K), tgt.reshape(-1), reduction="none").view(nb, L)
-        ws = w * valid.float()
+        ws = weights[1:].view(1, L) * valid.float()
         loss_sel = (ce_s * ws).sum() / ws.sum().clamp(min=1e-6)
         loss = loss + 1.0 * loss_sel
         with torch.no_grad():
             sel_acc = ((scores.argmax(-1) == tgt) & valid).float().sum() / valid.float().sum().clamp(min=1)
-        metrics.update({"loss_sel": float(loss_sel.detach()), "topk_recall": float(valid.float().mean()),
+        metrics.update({"loss_sel": float(loss_sel.detach()),
+                        "topk_recall": float(valid.float().sum() / valid_lab.float().sum().clamp(min=1)),
                         "selector_acc": float(sel_acc)})
     metrics["loss"] = float(loss.detach())
     return loss, metrics
@@ -281,6 +368,76 @@ def lr_at(step: int, total: int, base: float, warmup: float) -> float:
         return base * (step + 1) / w
     p = (step - w) / max(1, total - w)
     return base * 0.5 * (1.0 + math.cos(math.pi * min(1.0, p)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Offline τ: greedy decoding replayed on held-out generated rows
+# ----------------------------------------------------------------------------------------------------
+
+
+def accepted_prefix(draft: np.ndarray, truth: np.ndarray) -> int:
+    """Leading slots where draft == truth (truth -100 = past the end: stops acceptance)."""
+    m = 0
+    for x, y in zip(draft.tolist(), truth.tolist()):
+        if y < 0 or x != y:
+            break
+        m += 1
+    return m
+
+
+@torch.no_grad()
+def offline_tau(d: DFlash2Drafter, data: D.GeneratedData, rows: np.ndarray, max_new_tokens: int | None = None,
+                mode: str = "greedy") -> dict:
+    """Replay greedy speculative decoding on generated greedy rows: returns τ, oracle top-K τ, per-slot
+    cumulative acceptance and the number of cycles, averaged as SPEC §4 says (over cycles, then rows).
+
+    The stored row *is* the target's greedy chain and its features are the ones verification would
+    commit, so each cycle's acceptance is exact up to floating-point differences between batched
+    generation and one-request decoding. Rows sampled at T = 1 are skipped (their tokens are not the
+    greedy chain). The walk is lock-step across rows: one block per active row per iteration.
+    """
+    d = d.eval()
+    cfg = d.config
+    bs, L = cfg.block_size, cfg.block_size - 1
+    keep = [int(i) for i in rows
+            if data.row(int(i)).temperature == 0.0 and data.row(int(i)).tokens.shape[0] - data.row(int(i)).prompt_len >= 2]
+    if not keep:
+        raise DFlash2Error("offline τ: no greedy held-out row")
+    rs = [data.row(i) for i in keep]
+    ends = [r.tokens.shape[0] if max_new_tokens is None else min(r.tokens.shape[0], r.prompt_len + max_new_tokens)
+            for r in rs]
+    b = gather_batch(data, np.asarray(keep), [np.zeros(0, np.int64)] * len(rs), bs)
+    S, T = b.tokens.shape
+    kv = d.context_kv(d.fuse_context(torch.from_numpy(b.feats)), torch.arange(T))  # per layer [S, kvh, T, d]
+    cursor = np.asarray([r.prompt_len for r in rs])  # anchor = first generated token
+    cycles: list[list[int]] = [[] for _ in rs]
+    oracle: list[list[int]] = [[] for _ in rs]
+    while True:
+        act = np.asarray([j for j in range(len(rs)) if cursor[j] <= ends[j] - 2])
+        if act.size == 0:
+            break
+        sel = torch.from_numpy(act)
+        anchors = torch.from_numpy(cursor[act].astype(np.int64))
+        aid = torch.from_numpy(b.tokens[act, cursor[act]])
+        h = d.block_hidden(aid, anchors, [k[sel] for k, _ in kv], [v[sel] for _, v in kv], torch.arange(T))
+        dr = d.draft_from_hidden(h, aid, mode=mode)
+        toks, cand = dr.tokens.numpy(), dr.cand.numpy()  # [na, L], [na, L, K]
+        for n_, j in enumerate(act):
+            idx = cursor[j] + 1 + np.arange(L)
+            truth = np.where(idx < ends[j], b.tokens[j, np.minimum(idx, T - 1)], -100)  # [L]
+            m = accepted_prefix(toks[n_], truth)
+            o = 0
+            while o < L and truth[o] >= 0 and truth[o] in cand[n_, o]:
+                o += 1
+            cycles[j].append(m)
+            oracle[j].append(o)
+            cursor[j] += m + 1
+    per_row = [1 + np.mean(c) for c in cycles if c]
+    per_row_o = [1 + np.mean(c) for c in oracle if c]
+    allc = np.concatenate([np.asarray(c) for c in cycles if c])
+    return {"tau": float(np.mean(per_row)), "oracle_tau": float(np.mean(per_row_o)),
+            "cum_accept": [float(np.mean(allc >= k)) for k in range(1, L + 1)],
+            "rows": len(per_row), "cycles": int(allc.size)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -351,39 +508,41 @@ def _read_tensors_file(path: Path) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def prepare(tc: TrainConfig, progress: bool = True):  # noqa: ANN201
-    """Load the target, the text and the feature cache. Returns (target, drafter config, tokens, feats, preds)."""
-    from dflash2_trt.target import TargetModel, cache_dir
+def prepare(tc: TrainConfig):  # noqa: ANN201
+    """Load the target (frozen embedding / LM head / config) and the data. Returns (target, cfg, data)."""
+    from dflash2_trt.target import TargetModel
 
     target = TargetModel.load(tc.target)
-    if target.tokenizer is None:
-        raise DFlash2Error("the target has no tokenizer; training needs one")
-    cfg = make_drafter_config(tc, target)
+    data = D.GeneratedData(tc.data, tc.max_shards)
+    if int(data.meta.get("hidden_size", target.hidden_size)) != target.hidden_size:
+        raise DFlash2Error(f"{tc.data} was made by a target of hidden size {data.meta['hidden_size']}, "
+                           f"not {target.hidden_size}")
+    cfg = make_drafter_config(tc, target, data.layer_ids)
     target.check_drafter(cfg)
-    texts = D.iter_texts(tc.sources, target.tokenizer, target)
-    tokens = D.pack_sequences(texts, lambda t: target.tokenizer(t, add_special_tokens=False)["input_ids"],
-                              tc.seq_len, tc.max_tokens)
-    cache = Path(tc.cache_dir) if tc.cache_dir else cache_dir() / "features"
-    assert cfg.target_layer_ids is not None
-    feats, preds = build_feature_cache(target, tokens, cfg.target_layer_ids, cache, tc.feature_batch, progress)
-    return target, cfg, tokens, feats, preds
+    return target, cfg, data
 
 
 def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None) -> DFlash2Drafter:
     """Run (or resume) training; ``stop_after`` ends the process-local run early (tests of --resume)."""
-    target, cfg, tokens, feats, preds = prepare(tc, progress)
-    d = init_drafter(cfg, target, tc.seed, tc.init_from_target).train()
+    target, cfg, data = prepare(tc)
+    train_rows, held_rows = data.split(tc.heldout_shards)
+    d, info = init_drafter(cfg, target, tc.seed, tc.init, tc.init_layers)
+    d.train()
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     out = Path(tc.out)
     out.mkdir(parents=True, exist_ok=True)
     start = 0
-    resume = (out / "train_state" / "state.json").is_file()
-    if resume:
+    if (out / "train_state" / "state.json").is_file():
         start = load_checkpoint(d, opt, tc)
     weights = torch.from_numpy(D.slot_weights(cfg.block_size, tc.gamma)).float()
-    label_vocab = np.unique(np.asarray(preds)).astype(np.int64) if tc.sampled_softmax > 0 else None
+    frequent = (frequent_ids(data.response_token_counts(train_rows, cfg.vocab_size), tc.sampled_softmax)
+                if tc.sampled_softmax > 0 else None)
+    eval_rows = held_rows[: tc.eval_rows]
     log = open(out / "train_log.jsonl", "a")
+    if start == 0:
+        log.write(json.dumps({"init": info, "train_rows": int(train_rows.size), "heldout_rows": int(held_rows.size),
+                              "rope_theta": cfg.rope_theta, "train_config": asdict(tc)}) + "\n")
     it = range(start, tc.steps)
     bar = None
     if progress:
@@ -392,16 +551,30 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None)
         bar = tqdm(it, desc="train", unit="step", initial=start, total=tc.steps)
         it = bar
     t0, rows_done = time.perf_counter(), 0
+
+    def evaluate(step: int) -> None:
+        t = time.perf_counter()
+        try:
+            r = offline_tau(d, data, eval_rows)
+        except DFlash2Error as e:  # e.g. only T = 1 rows held out: training still completes
+            r = {"eval_skipped": str(e)}
+        d.train()
+        r.update({"eval_step": step, "eval_s": round(time.perf_counter() - t, 1)})
+        log.write(json.dumps(r) + "\n")
+        log.flush()
+
     try:
         for step in it:
             if stop_after is not None and step >= stop_after:
                 break
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, tc.steps, tc.lr, tc.warmup)
-            b = make_batch(step, tc.seed, preds, cfg.block_size, tc.batch_seqs, tc.anchors_per_seq)
-            vocab = (softmax_vocab(step, tc.seed, label_vocab, cfg.vocab_size, tc.sampled_softmax)
-                     if label_vocab is not None else None)
-            loss, m = compute_loss(d, tokens, feats, b, weights, vocab)
+            b = make_batch(step, tc.seed, data, train_rows, cfg.block_size, tc.batch_seqs, tc.anchors_per_seq)
+            vocab = None
+            if frequent is not None:
+                ids = np.concatenate([b.labels.ravel(), b.kl_ids.ravel() if tc.kl_weight > 0 else b.labels[:0].ravel()])
+                vocab = softmax_vocab(step, tc.seed, frequent, ids, cfg.vocab_size, tc.random_negatives)
+            loss, m = compute_loss(d, b, weights, vocab, tc.kl_weight, tc.selector_full_topk)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if tc.grad_clip > 0:
@@ -417,6 +590,11 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None)
                 log.flush()
             if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
                 save_checkpoint(d, opt, step + 1, tc)
+            if eval_rows.size and tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
+                evaluate(step + 1)
+        else:
+            if eval_rows.size and start < tc.steps:
+                evaluate(tc.steps)
     finally:
         log.close()
     return d.eval()

