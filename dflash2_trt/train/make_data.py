@@ -67,6 +67,7 @@ class MakeDataConfig:
     target_layer_ids: list[int] | None = None
     topk: int = 8
     seed: int = 0
+    max_shards: int | None = None  # stop after the first N shards (the prompt list stays the same)
 
 
 def _default_layer_ids(n_layers: int) -> list[int]:
@@ -285,6 +286,8 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
     os.replace(out / "prompts.jsonl.tmp", out / "prompts.jsonl")
 
     n_shards = (len(plist) + cfg.shard_size - 1) // cfg.shard_size
+    if cfg.max_shards is not None:
+        n_shards = min(n_shards, cfg.max_shards)
     todo = [s for s in range(n_shards) if not (out / f"shard-{s:05d}").is_dir()]
     bar = None
     if progress:
