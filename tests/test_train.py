@@ -239,7 +239,9 @@ def test_warm_start_and_v1_twin(tiny_dir, tiny_data, tmp_path):
 def test_offline_tau_equals_speculative_decoding(tiny_dir, tiny_data, tiny_target, trained_tiny):
     """The offline τ on generated greedy rows equals the τ (and oracle τ) of greedy speculative decoding of
     the same prompts for the same number of new tokens."""
-    from dflash2_trt.generate import TorchDraftSource, speculative_generate
+    from dflash2_trt.bench.oracle import oracle_count
+    from dflash2_trt.runtime.decoder import speculative_generate
+    from dflash2_trt.runtime.torch_backend import TorchDraftSource, TorchTargetRunner
     from dflash2_trt.train.data import GeneratedData
     from dflash2_trt.train.trainer import offline_tau
 
@@ -254,8 +256,8 @@ def test_offline_tau_equals_speculative_decoding(tiny_dir, tiny_data, tiny_targe
     for i in greedy:
         r = data.row(i)
         n_new = r.tokens.shape[0] - r.prompt_len
-        res = speculative_generate(tiny_target, TorchDraftSource(d), r.tokens[: r.prompt_len].tolist(), n_new,
-                                   eos_ids=set(), layer_ids=cfg.target_layer_ids)
+        res = speculative_generate(TorchTargetRunner(tiny_target, cfg.target_layer_ids), TorchDraftSource(d),
+                                   r.tokens[: r.prompt_len].tolist(), n_new, eos_ids=set(), oracle=oracle_count)
         assert res.tokens == r.tokens[r.prompt_len:].tolist()
         s = res.stats()
         taus.append(s["tau"])

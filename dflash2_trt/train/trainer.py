@@ -289,8 +289,8 @@ def compute_loss(d: DFlash2Drafter, b: Batch, weights: torch.Tensor, vocab: np.n
         # and --resume must be exact)
         return torch.cat([x[j: j + 1].expand(c, -1, -1, -1) for j, c in enumerate(counts) if c], 0)
 
-    h = d.block_hidden(anchor_ids, anchor_pos, [per_block(k) for k, _ in kv], [per_block(v) for _, v in kv],
-                       ctx_pos)
+    # context slot j holds position j (rows are right-padded; pads sit after every anchor, never seen)
+    h = d.block_forward(anchor_ids, anchor_pos, [per_block(k) for k, _ in kv], [per_block(v) for _, v in kv])
     rows = h[:, 1:]  # [nb, L, H]
     true_ids = torch.from_numpy(b.labels[:, 1:])  # [nb, L] (-100 = no label)
     valid_lab = true_ids >= 0  # [nb, L]
@@ -419,7 +419,7 @@ def offline_tau(d: DFlash2Drafter, data: D.GeneratedData, rows: np.ndarray, max_
         sel = torch.from_numpy(act)
         anchors = torch.from_numpy(cursor[act].astype(np.int64))
         aid = torch.from_numpy(b.tokens[act, cursor[act]])
-        h = d.block_hidden(aid, anchors, [k[sel] for k, _ in kv], [v[sel] for _, v in kv], torch.arange(T))
+        h = d.block_forward(aid, anchors, [k[sel] for k, _ in kv], [v[sel] for _, v in kv])
         dr = d.draft_from_hidden(h, aid, mode=mode)
         toks, cand = dr.tokens.numpy(), dr.cand.numpy()  # [na, L], [na, L, K]
         for n_, j in enumerate(act):
