@@ -111,29 +111,28 @@ def test_labels_are_the_generated_chain_and_anchors_in_responses():
 
 
 def test_rope_theta_from_rope_parameters_or_loud():
-    from types import SimpleNamespace as NS
+    """The trainer builds the drafter's RoPE with config.rope_from_hf (one reader of HF RoPE fields)."""
+    from dflash2_trt.config import rope_from_hf
 
-    from dflash2_trt.train.trainer import rope_theta_of
-
-    assert rope_theta_of(NS(rope_parameters={"rope_type": "default", "rope_theta": 100000.0})) == 100000.0
-    assert rope_theta_of(NS(rope_parameters={"full_attention": {"rope_theta": 5e5}})) == 5e5
-    assert rope_theta_of(NS(rope_theta=123.0)) == 123.0  # transformers 4 layout
-    with pytest.raises(DFlash2Error, match="neither"):
-        rope_theta_of(NS())
-    with pytest.raises(DFlash2Error, match="rope_type"):
-        rope_theta_of(NS(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}))
-    with pytest.raises(DFlash2Error, match="not a number"):
-        rope_theta_of(NS(rope_parameters={"rope_theta": "x"}))
+    assert rope_from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}})["rope_theta"] == 1e5
+    assert rope_from_hf({"rope_theta": 123.0})["rope_theta"] == 123.0  # transformers 4 layout
+    assert rope_from_hf({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 8192}})["rope_scaling"]
+    with pytest.raises(DFlash2Error):
+        rope_from_hf({})
+    with pytest.raises(DFlash2Error):
+        rope_from_hf({"rope_parameters": {"rope_theta": "x"}})
 
 
 def test_smollm2_config_theta_is_read():
     """The real transformers-5 config of a Llama model keeps θ only in rope_parameters."""
     from transformers import LlamaConfig
 
-    from dflash2_trt.train.trainer import rope_theta_of
+    from dflash2_trt.config import rope_from_hf
 
     cfg = LlamaConfig(rope_theta=100000.0)
-    assert rope_theta_of(cfg) == 100000.0
+    assert rope_from_hf(cfg)["rope_theta"] == 100000.0
 
 
 def _tc(tiny_dir, data, out, **kw):

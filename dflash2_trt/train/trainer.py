@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash2_trt.config import ARCH_V1, ARCH_V2, DFlash2Config
+from dflash2_trt.config import ARCH_V1, ARCH_V2, DFlash2Config, rope_from_hf
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model import DFlash2Drafter
 from dflash2_trt.model.checkpoint import WEIGHTS_NAME, _read_tensors, load_state_into
@@ -89,33 +89,6 @@ class TrainConfig:
 # ----------------------------------------------------------------------------------------------------
 
 
-def rope_theta_of(hf_config) -> float:  # noqa: ANN001
-    """The target's RoPE base: transformers 5 ``rope_parameters['rope_theta']``, else a top-level
-    ``rope_theta``. Missing, malformed or scaled RoPE (which the drafter does not implement) raises."""
-    rp = getattr(hf_config, "rope_parameters", None)
-    if isinstance(rp, dict) and "full_attention" in rp and isinstance(rp["full_attention"], dict):
-        rp = rp["full_attention"]  # per-layer-type form
-    theta = None
-    if isinstance(rp, dict):
-        kind = rp.get("rope_type", "default")
-        if kind not in ("default", None):
-            raise DFlash2Error(f"target rope_parameters.rope_type is {kind!r}; the drafter implements plain "
-                               "RoPE ('default') only")
-        theta = rp.get("rope_theta")
-    if theta is None:
-        theta = getattr(hf_config, "rope_theta", None)
-    if theta is None:
-        raise DFlash2Error("target config has neither rope_parameters['rope_theta'] nor rope_theta: "
-                           "cannot choose the drafter's RoPE base")
-    try:
-        theta = float(theta)
-    except (TypeError, ValueError):
-        raise DFlash2Error(f"target RoPE theta {theta!r} is not a number") from None
-    if not theta > 0:
-        raise DFlash2Error(f"target RoPE theta must be > 0, got {theta}")
-    return theta
-
-
 def _mask_token_id(target) -> int:  # noqa: ANN001
     tok = target.tokenizer
     for name in ("mask_token_id", "unk_token_id", "pad_token_id"):
@@ -138,7 +111,7 @@ def make_drafter_config(tc: TrainConfig, target, layer_ids: list[int]) -> DFlash
         hidden_size=target.hidden_size, intermediate_size=int(hf.intermediate_size), num_hidden_layers=tc.layers,
         num_attention_heads=heads, num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(hf, "head_dim", None) or target.hidden_size // heads),
-        rms_norm_eps=float(hf.rms_norm_eps), rope_theta=rope_theta_of(hf),
+        rms_norm_eps=float(hf.rms_norm_eps), **rope_from_hf(hf),
         vocab_size=target.vocab_size, num_target_layers=target.num_layers, target_layer_ids=list(layer_ids),
         block_size=tc.block_size,
         mask_token_id=mask,
