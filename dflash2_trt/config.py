@@ -131,6 +131,8 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if legacy is not None and not isinstance(legacy, dict):
             raise _bad("rope_scaling", f"must be an object or null, got {legacy!r}")
         params = dict(legacy or {})
+    if not _is_number(theta):  # the range is checked by validate()
+        raise _bad("rope_theta", f"must be a number, got {theta!r}")
     if "type" in params and "rope_type" not in params:  # older spelling
         params["rope_type"] = params.pop("type")
     params.pop("type", None)
