@@ -107,7 +107,7 @@ _DROP = object()
 def test_shipped_drafter_config_loads_and_round_trips(tmp_path):
     path = Path(__file__).parent.parent / "dflash2_trt" / "drafters" / "smollm2-135m-instruct-dflash2"
     cfg = DFlash2Config.from_json_file(path)
-    assert cfg.rope_theta == 10000.0 and cfg.layer_window(0) is None and not cfg.layer_is_causal(0)
+    assert cfg.rope_theta == 100000.0 and cfg.layer_window(0) is None and not cfg.layer_is_causal(0)  # = SmolLM2
     cfg.save(tmp_path)
     assert DFlash2Config.from_json_file(tmp_path) == cfg
 
