@@ -134,6 +134,14 @@ class BackendBase:
         self.close()
 
 
+def target_ids(ids: list[int], vocab_size: int) -> np.ndarray:
+    """A target call's token ids as [1, m] int64, or DFlash2Error when one is outside [0, vocab_size)."""
+    arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        raise DFlash2Error(f"token id out of range [0, {vocab_size}) in target input")
+    return arr
+
+
 def grown_capacity(n: int, capacity: int, step: int, max_capacity: int) -> int:
     """The KV capacity policy shared by the host and device buffers: the capacity that holds ``n``
     positions — ``capacity`` when it fits, else ``n`` rounded up to a multiple of ``step`` (at most

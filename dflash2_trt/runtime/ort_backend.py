@@ -19,7 +19,7 @@ import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import ExportManifest, read_manifest
-from dflash2_trt.runtime.base import BackendBase, BackendUnavailable, Draft, KVBuffer, independent_draft
+from dflash2_trt.runtime.base import BackendBase, BackendUnavailable, Draft, KVBuffer, independent_draft, target_ids
 from dflash2_trt.runtime.ort_fused import ORT_SUFFIX, TARGET_ORT, OrtFusedTarget
 from dflash2_trt.vocabulary import INDEPENDENT, head_key
 
@@ -196,9 +196,7 @@ class OrtTarget:
 
     def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""
-        arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            raise DFlash2Error(f"token id out of range [0, {self.vocab_size}) in target input")
+        arr = target_ids(ids, self.vocab_size)  # [1, m]
         n, S = self.kv.length, arr.shape[1]
         self.kv.reserve(n + S)
         feed = {"input_ids": arr, "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1),

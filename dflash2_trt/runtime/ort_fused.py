@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.base import KVBuffer
+from dflash2_trt.runtime.base import KVBuffer, target_ids
 
 TARGET_ORT = "target_ort"  # graph key of the fused target in the manifest
 ORT_SUFFIX = "_ort"  # graph key K + "_ort": the ONNX Runtime variant of K (the ORT backend prefers it)
@@ -70,9 +69,7 @@ class OrtFusedTarget:
 
     def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""
-        arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            raise DFlash2Error(f"token id out of range [0, {self.vocab_size}) in target input")
+        arr = target_ids(ids, self.vocab_size)  # [1, m]
         n, S = self.kv.length, arr.shape[1]
         self.kv.reserve(n + S)
         io = self._binding()
