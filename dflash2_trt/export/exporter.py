@@ -52,6 +52,19 @@ def _prepare_out(out: Path) -> None:
                            f"replace it")
 
 
+def move_into_place(tmp: Path, out: Path) -> None:
+    """Make the finished temporary folder ``tmp`` (a sibling of ``out``) the folder ``out``. A previous ``out``
+    is renamed aside first and removed only after the new one is in place, so ``out`` is never partial."""
+    tmp.chmod(0o755)  # mkdtemp makes it private
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
 def export_model(
     target_path: str | Path,
     drafter_path: str | Path,
@@ -91,13 +104,7 @@ def export_model(
     try:
         manifest = _export_into(tmp, Path(target_path), Path(drafter_path), opset, dtype, block_size, max_seq_len,
                                 progress, verify, ort_flavour and dtype == "fp32", quant, verify_cost)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        move_into_place(tmp, out)
         return manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -282,7 +289,6 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
                         if verify_cost and ort_flavour else None),  # block-size recommendation for this machine
     })
     manifest = write_manifest(tmp, manifest)
-    tmp.chmod(0o755)  # mkdtemp makes it private
     bar.update(1)
     bar.close()
     return manifest

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.export.exporter import move_into_place
 from dflash2_trt.manifest import GraphSpec, read_manifest
 from dflash2_trt.vocabulary import BACKEND_CHOICES, DRAFT_MODES
 
@@ -183,14 +184,7 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
                 if lib:
                     _link_or_copy(export_dir / plug, tmp / name / "1" / lib)
                 names.append(name)
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        if repo.exists():
-            old = repo.with_name(f".{repo.name}.old-{tmp.name[-8:]}")
-            repo.rename(old)
-            tmp.rename(repo)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(repo)
+        move_into_place(tmp, repo)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return names
