@@ -96,6 +96,7 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     b.add_argument("--drafter", help="drafter folder (with --target)")
     b.add_argument("--prompts", required=True, help="humaneval | mtbench | FILE.jsonl")
     _bench_options(b)
+    _export_options(b)
 
     d = sub.add_parser("demo", help="SmolLM2-135M-Instruct + the packaged DFlash 2 drafter: export once, decode, "
                                     "compare with autoregressive decoding")
@@ -104,7 +105,21 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     x.add_argument("--prompts", default=None, help="humaneval | mtbench | FILE.jsonl: benchmark the demo pair "
                                                    "instead (the keys of `dflash2 bench --json`)")
     _bench_options(d, max_new_tokens=96)
+    _export_options(d)
     return p
+
+
+def _export_options(b: argparse.ArgumentParser) -> None:
+    """Export options of the cached export that ``bench --target --drafter`` and ``demo`` make."""
+    b.add_argument("--block-size", type=int, default=None, help="export at this block size (cached export)")
+    b.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="export with the drafter's LM head restricted to its N most frequent ids (cached export)")
+
+
+def _cached_export_options(a: argparse.Namespace) -> dict:
+    """The non-default export options of ``_export_options`` (defaults keep the cache key of a plain export)."""
+    opts = {"block_size": a.block_size, "draft_vocab": a.draft_vocab}
+    return {k: v for k, v in opts.items() if v}
 
 
 def _bench_options(b: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
@@ -239,7 +254,10 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     if model_dir is None:
         from dflash2_trt.export.cache import cached_export
 
-        model_dir = str(cached_export(a.target, a.drafter, progress=not a.json))
+        model_dir = str(cached_export(a.target, a.drafter, progress=not a.json, **_cached_export_options(a)))
+    elif a.block_size or a.draft_vocab:
+        raise DFlash2Error("--block-size / --draft-vocab shape the export made from --target/--drafter; "
+                           "with --model-dir, export with them instead")
     return _bench_and_report(a, model_dir, items)
 
 
@@ -287,7 +305,8 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     if not a.json:
         print(f"dflash2: demo pair: SmolLM2-135M-Instruct + {drafter.name} (exported once into the cache)",
               file=sys.stderr)
-    model_dir = str(cached_export("smollm2", drafter, progress=not a.json, max_seq_len=DEMO_MAX_SEQ_LEN))
+    model_dir = str(cached_export("smollm2", drafter, progress=not a.json, max_seq_len=DEMO_MAX_SEQ_LEN,
+                                  **_cached_export_options(a)))
     if a.prompts is not None:
         return _bench_and_report(a, model_dir, load_prompts(a.prompts, a.limit))
     items = [{"messages": [{"role": "user", "content": a.prompt or DEMO_PROMPT}]}]

@@ -9,7 +9,7 @@ One writer (:func:`write_manifest`: fills the checksums, writes atomically) and 
 Layout (``MANIFEST_VERSION`` 2)::
 
     {"format": "dflash2-trt-export", "manifest_version": 2, "project_version", "exporter_revision",
-     "opset", "dtype": fp32|fp16|bf16, "quantization": {"kind": none|int8|int4, ...},
+     "opset", "dtype": fp32|fp16|bf16, "quantization": {"kind": none|int8|int4, ...}, "draft_vocab",
      "max_seq_len", "kv_capacity_step",
      "target":  {"model_type", "vocab_size", "num_layers", "hidden_size", "num_key_value_heads", "head_dim",
                  "max_positions", "eos_token_ids", "layer_ids", "source"},
@@ -169,6 +169,7 @@ class ExportManifest:
     tokenizer: TokenizerSpec
     kv_capacity_step: int = KV_CAPACITY_STEP
     quantization: Quantization = Quantization()
+    draft_vocab: int = 0  # export --draft-vocab: ids the drafter's LM head keeps (0 = the full vocabulary)
     weights: str = "weights.bin"
     verification: dict[str, Any] = field(default_factory=dict)
     verify_cost: Union[dict[str, Any], None] = None  # export --verify-cost (runtime/verify_cost.py)
@@ -319,6 +320,8 @@ def parse_manifest(data: Any, where: str = MANIFEST_FILE) -> ExportManifest:
                                f"got {g.selector!r}")
         if g.mode is not None and g.mode not in DRAFT_MODES:
             raise DFlash2Error(f"manifest.graphs.{key}.mode must be one of {', '.join(DRAFT_MODES)}, got {g.mode!r}")
+    if not 0 <= m.draft_vocab <= m.target.vocab_size:
+        raise DFlash2Error(f"manifest.draft_vocab must be in [0, {m.target.vocab_size}], got {m.draft_vocab}")
     if m.max_seq_len < 1 or m.kv_capacity_step < 1:
         raise DFlash2Error("manifest.max_seq_len and manifest.kv_capacity_step must be >= 1")
     cfg = m.drafter_config  # DFlash2Error naming the config field when the drafter entry is bad

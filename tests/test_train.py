@@ -149,7 +149,8 @@ def test_sampled_softmax_vocab_and_selector_candidates(tiny_dir, tiny_data):
     """The step's vocabulary = frequent ids ∪ batch ids ∪ fresh random ids (deterministic per step); over the
     whole vocabulary the loss equals the full-vocab loss; the selector's full-top-K candidates are those of
     decoding (draft_from_hidden)."""
-    from dflash2_trt.train.trainer import (compute_loss, frequent_ids, init_drafter, make_batch, prepare,
+    from dflash2_trt.model.checkpoint import frequent_ids
+    from dflash2_trt.train.trainer import (compute_loss, init_drafter, make_batch, prepare,
                                            softmax_vocab)
 
     counts = np.array([0, 5, 1, 9, 9, 0, 2])

@@ -49,6 +49,9 @@ def add_parsers(sub) -> None:  # noqa: ANN001
     p.add_argument("--no-quantize-lm-head", action="store_true", help="keep the LM head MatMul in fp32")
     p.add_argument("--verify-cost", action="store_true",
                    help="time the fused target's verification (1/4/8/16 rows) here; record a recommended block size")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="the drafter's LM head keeps only the N most frequent ids of its training responses "
+                        "(the drafter's token_counts.npy): a cheaper head, still lossless; 0 = full vocabulary")
     p.add_argument("--engines", action="store_true", help="then build TensorRT engines (needs TensorRT + a GPU)")
     add_engine_options(p)
     add_triton_options(p)
@@ -72,7 +75,8 @@ def run_export(a: argparse.Namespace, prog: str) -> int:
     quant = QuantSpec(a.quantize, a.quant_block_size, a.quant_accuracy_level, not a.no_quantize_lm_head)
     m = export_model(a.target, a.drafter, a.out, opset=a.opset, dtype=a.dtype, block_size=a.block_size,
                      max_seq_len=a.max_seq_len, progress=not a.quiet, verify=not a.no_verify,
-                     ort_flavour=not a.no_ort_flavour, quantization=quant, verify_cost=a.verify_cost)
+                     ort_flavour=not a.no_ort_flavour, quantization=quant, verify_cost=a.verify_cost,
+                     draft_vocab=a.draft_vocab)
     print(f"exported {len(m.graphs)} graphs (opset {m.opset}, {m.dtype}, block size {m.block_size}) to {a.out}")
     if m.verify_cost:
         print(f"recommended block size on this machine: {m.verify_cost['recommended_block_size']} (assuming each "

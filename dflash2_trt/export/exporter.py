@@ -79,12 +79,14 @@ def export_model(
     ort_flavour: bool = True,
     quantization: Any = None,
     verify_cost: bool = False,
+    draft_vocab: int = 0,
 ) -> ExportManifest:
     """Export and return the manifest. Raises :class:`DFlash2Error` on bad input; DIR is left untouched
     (absent or as it was) on any failure. ``ort_flavour``: also write the fused ONNX Runtime target
     (``target_ort.onnx``, fp32 only; :mod:`dflash2_trt.export.ort_fused`); ``quantization``: a
     :class:`~dflash2_trt.export.quantize.QuantSpec` (weight-only, ORT graphs only); ``verify_cost``: time the
-    fused target's verification here and record a recommended block size."""
+    fused target's verification here and record a recommended block size; ``draft_vocab`` N > 0: the drafter's
+    LM head keeps only the N most frequent ids of its training responses (``token_counts.npy``)."""
     from dflash2_trt.export.quantize import QuantSpec
 
     quant = quantization if quantization is not None else QuantSpec()
@@ -97,13 +99,15 @@ def export_model(
         raise DFlash2Error(f"--opset must be in [14, 20] (the TorchScript exporter's range), got {opset}")
     if block_size is not None and block_size < 2:
         raise DFlash2Error(f"--block-size must be >= 2, got {block_size}")
+    if draft_vocab < 0:
+        raise DFlash2Error(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {draft_vocab}")
     out = Path(out)
     _prepare_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
         manifest = _export_into(tmp, Path(target_path), Path(drafter_path), opset, dtype, block_size, max_seq_len,
-                                progress, verify, ort_flavour and dtype == "fp32", quant, verify_cost)
+                                progress, verify, ort_flavour and dtype == "fp32", quant, verify_cost, draft_vocab)
         move_into_place(tmp, out)
         return manifest
     except BaseException:
@@ -113,7 +117,7 @@ def export_model(
 
 def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str,
                  block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool, ort_flavour: bool,
-                 quant: Any, verify_cost: bool) -> ExportManifest:
+                 quant: Any, verify_cost: bool, draft_vocab: int) -> ExportManifest:
     import numpy as np
     import torch
 
@@ -121,6 +125,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     from dflash2_trt.export import onnx_graphs, onnx_utils
     from dflash2_trt.export import selector_contract as sc
     from dflash2_trt.model import load_drafter
+    from dflash2_trt.model.checkpoint import draft_vocabulary
     from dflash2_trt.target import TargetModel, resolve_target_path
 
     steps = ["load models", "export target", "export drafter", "export heads", "save", "onnx.checker",
@@ -143,6 +148,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         cfg = cfg.replace(block_size=block_size)
         fresh = type(drafter)(cfg)
         fresh.load_state_dict(drafter.state_dict(), strict=True)
+        fresh.token_counts = drafter.token_counts
         drafter = fresh.eval()
     max_pos = target.max_positions
     if max_seq_len is None:
@@ -155,6 +161,8 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     target.model.to(tdt)
     drafter.to(tdt)
     drafter.bind_target(target.embed_weight, target.lm_head_weight)
+    if draft_vocab:
+        drafter.restrict_vocab(torch.from_numpy(draft_vocabulary(drafter, draft_vocab)))
     layer_ids = list(cfg.target_layer_ids or [])
     hf_cfg = target.model.config
     nl, kvh = target.num_layers, int(hf_cfg.num_key_value_heads)
@@ -285,6 +293,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         "tokenizer": {"files": tok_files, "chat_template": chat},
         "verification": report,
         "quantization": quant.manifest(),
+        "draft_vocab": int(draft_vocab),
         "verify_cost": (ort_fused.verify_cost_entry(tmp / graph_meta["target_ort"]["file"], target, int(max_seq_len))
                         if verify_cost and ort_flavour else None),  # block-size recommendation for this machine
     })

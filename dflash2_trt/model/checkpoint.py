@@ -14,6 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dflash2_trt.config import DFlash2Config
@@ -21,6 +22,9 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model.drafter import DFlash2Drafter
 
 WEIGHTS_NAME = "model.safetensors"
+# optional: how often each token id occurs in the drafter's training responses ([V] int64, written by
+# ``dflash2 train``); ``dflash2 export --draft-vocab N`` keeps the N most frequent ids in the drafter's LM head
+TOKEN_COUNTS_NAME = "token_counts.npy"
 # prefixes some exporters put in front of the SPEC names; stripped on load
 _STRIP_PREFIXES = ("model.", "drafter.")
 # z-lab's nn.Embedding names -> the released (and our) bare parameter names
@@ -82,8 +86,40 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32) ->
     cfg = DFlash2Config.from_json_file(directory / "config.json")
     model = DFlash2Drafter(cfg).to(dtype)
     load_state_into(model, _read_tensors(directory), str(directory))
+    if (directory / TOKEN_COUNTS_NAME).is_file():
+        model.token_counts = read_token_counts(directory / TOKEN_COUNTS_NAME, cfg.vocab_size)
     model.eval()
     return model
+
+
+def read_token_counts(path: Path, vocab_size: int) -> np.ndarray:
+    try:
+        counts = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DFlash2Error(f"{path}: not a NumPy array file ({e})") from None
+    if counts.shape != (vocab_size,) or counts.dtype.kind not in "iu" or (counts < 0).any():
+        raise DFlash2Error(f"{path}: expected [{vocab_size}] non-negative integer counts, got {counts.dtype} "
+                           f"{list(counts.shape)}")
+    return counts.astype(np.int64)
+
+
+def frequent_ids(counts: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` most frequent ids (ties: lower id first), sorted: [min(n, V)] int64."""
+    order = np.lexsort((np.arange(counts.size), -counts))
+    return np.sort(order[:n]).astype(np.int64)
+
+
+def draft_vocabulary(model: DFlash2Drafter, n: int) -> np.ndarray:
+    """The ``n`` ids a restricted drafter head keeps (``export --draft-vocab``): the most frequent ones of the
+    drafter's training responses."""
+    V = model.config.vocab_size
+    if not model.config.selector_top_k <= n <= V:
+        raise DFlash2Error(f"--draft-vocab must be in [{model.config.selector_top_k}, {V}] (the selector's top-K "
+                           f".. the vocabulary size), got {n}")
+    if model.token_counts is None:
+        raise DFlash2Error(f"--draft-vocab needs the drafter's {TOKEN_COUNTS_NAME} (token frequencies of its "
+                           "training responses, written by `dflash2 train`)")
+    return frequent_ids(model.token_counts, n)
 
 
 def save_drafter(model: DFlash2Drafter, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
@@ -100,6 +136,8 @@ def save_drafter(model: DFlash2Drafter, path: str | os.PathLike, dtype: torch.dt
         model.config.save(tmp)
         tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "producer": "dflash2_trt"})
+        if model.token_counts is not None:
+            np.save(tmp / TOKEN_COUNTS_NAME, model.token_counts)
         if directory.exists():
             old = directory.with_name(directory.name + ".old")
             directory.rename(old)

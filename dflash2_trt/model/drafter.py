@@ -148,6 +148,10 @@ class DFlash2Drafter(nn.Module):
         # shared, frozen target tensors (never saved with the drafter)
         self.register_buffer("embed_weight", torch.zeros(0), persistent=False)  # [V, H] once bound
         self.register_buffer("lm_head_weight", torch.zeros(0), persistent=False)  # [V, H] once bound
+        # draft vocabulary (restrict_vocab): the token ids the head may propose and their LM-head rows
+        self.register_buffer("draft_vocab", torch.zeros(0, dtype=torch.long), persistent=False)  # [N]
+        self.register_buffer("draft_head_weight", torch.zeros(0), persistent=False)  # [N, H]
+        self.token_counts = None  # [V] int64 NumPy array from the checkpoint's token_counts.npy, if any
 
     # ------------------------------------------------------------------ wiring
     def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
@@ -159,6 +163,24 @@ class DFlash2Drafter(nn.Module):
                                    f"hidden_size={H})")
         self.embed_weight = embed_weight.detach()
         self.lm_head_weight = lm_head_weight.detach()
+
+    def restrict_vocab(self, ids: torch.Tensor | None) -> None:
+        """Let the head propose only the token ids ``ids`` [N] (the LM head keeps their rows: an N/V share of
+        its cost); every other id gets the dtype's lowest logit, so it is never drafted. Drafts stay lossless
+        (the target verifies every token). ``None`` restores the full vocabulary. Call after bind_target."""
+        self._check_bound()
+        if ids is None:
+            self.draft_vocab = torch.zeros(0, dtype=torch.long, device=self.lm_head_weight.device)
+            self.draft_head_weight = torch.zeros(0, device=self.lm_head_weight.device)
+            return
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.lm_head_weight.device)
+        V = self.config.vocab_size
+        if ids.ndim != 1 or not self.config.selector_top_k <= ids.numel() <= V or int(ids.min()) < 0 or int(ids.max()) >= V \
+                or torch.unique(ids).numel() != ids.numel():
+            raise DFlash2Error(f"a draft vocabulary must be {self.config.selector_top_k}..{V} distinct token ids "
+                               f"in [0, {V})")
+        self.draft_vocab = ids
+        self.draft_head_weight = self.lm_head_weight[ids].clone()
 
     def set_ablation(self, use_conv: bool | None = None, use_selector: bool | None = None) -> None:
         """Turn the convolutions and/or the selector off (DFlash v1 behaviour); cannot turn on absent parts."""
@@ -281,13 +303,21 @@ class DFlash2Drafter(nn.Module):
         ``rows_of_head`` (training's sampled softmax): only those vocabulary ids -> [..., len(rows)]."""
         self._check_bound()
         cfg = self.config
-        w = self.lm_head_weight if rows_of_head is None else self.lm_head_weight[rows_of_head]
+        restricted = rows_of_head is None and self.draft_vocab.numel() > 0
+        if restricted:
+            w = self.draft_head_weight
+        else:
+            w = self.lm_head_weight if rows_of_head is None else self.lm_head_weight[rows_of_head]
         x = h @ w.t()
         if cfg.output_multiplier is not None:
             x = x * cfg.output_multiplier
         if cfg.final_logit_softcapping is not None:
             c = cfg.final_logit_softcapping
             x = torch.tanh(x / c) * c
+        if restricted:  # back to [..., V]: ids outside the draft vocabulary get the lowest logit
+            full = torch.full((*x.shape[:-1], cfg.vocab_size), torch.finfo(x.dtype).min, dtype=x.dtype,
+                              device=x.device)
+            x = full.scatter(-1, self.draft_vocab.expand(*x.shape[:-1], -1), x)
         return x
 
     # ------------------------------------------------------------------ drafting

@@ -69,6 +69,8 @@ def add_parser(sub) -> None:  # noqa: ANN001
     e.add_argument("--block-size", type=int, default=None, help="evaluate at another block size")
     e.add_argument("--max-new-tokens", type=int, default=None)
     e.add_argument("--no-selector", action="store_true")
+    e.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="restrict the drafter's LM head to its N most frequent ids (as export --draft-vocab)")
     e.add_argument("--threads", type=int, default=None)
 
 
@@ -107,12 +109,12 @@ def _run_make_data(a: argparse.Namespace) -> int:
 
 def _run_eval_tau(a: argparse.Namespace) -> int:
     import numpy as np
+    import torch
 
     if a.threads:
-        import torch
-
         torch.set_num_threads(a.threads)
     from dflash2_trt.model import DFlash2Drafter, load_drafter
+    from dflash2_trt.model.checkpoint import draft_vocabulary
     from dflash2_trt.target import TargetModel
     from dflash2_trt.train.data import GeneratedData
     from dflash2_trt.train.trainer import offline_tau
@@ -122,14 +124,17 @@ def _run_eval_tau(a: argparse.Namespace) -> int:
     if a.block_size:
         d2 = DFlash2Drafter(d.config.replace(block_size=a.block_size))
         d2.load_state_dict(d.state_dict())
+        d2.token_counts = d.token_counts
         d = d2
     d.bind_target(target.embed_weight, target.lm_head_weight)
+    if a.draft_vocab:
+        d.restrict_vocab(torch.from_numpy(draft_vocabulary(d, a.draft_vocab)))
     if a.no_selector:
         d.set_ablation(use_selector=False)
     data = GeneratedData(a.data)
     _, held = data.split(a.heldout_shards, need_train=False)
     r = offline_tau(d, data, held[: a.rows], a.max_new_tokens)
-    r.update({"drafter": a.drafter, "block_size": d.config.block_size})
+    r.update({"drafter": a.drafter, "block_size": d.config.block_size, "draft_vocab": a.draft_vocab})
     print(json.dumps({k: (np.round(v, 4).tolist() if isinstance(v, (list, float)) else v) for k, v in r.items()}))
     return 0
 

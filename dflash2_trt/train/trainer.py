@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from dflash2_trt.config import ARCH_V1, ARCH_V2, DFlash2Config, rope_from_hf
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model import DFlash2Drafter
-from dflash2_trt.model.checkpoint import WEIGHTS_NAME, _read_tensors, load_state_into
+from dflash2_trt.model.checkpoint import (TOKEN_COUNTS_NAME, WEIGHTS_NAME, _read_tensors, frequent_ids,
+                                         load_state_into)
 from dflash2_trt.train import data as D
 
 
@@ -218,12 +219,6 @@ def make_batch(step: int, seed: int, data: D.GeneratedData, train_rows: np.ndarr
         r = data.row(int(i))
         anchors.append(D.response_anchors(rng, r.tokens.shape[0], r.prompt_len, anchors_per_seq))
     return gather_batch(data, rows, anchors, block_size)
-
-
-def frequent_ids(counts: np.ndarray, n: int) -> np.ndarray:
-    """The ``n`` most frequent ids (ties: lower id first), sorted: [min(n, V)] int64."""
-    order = np.lexsort((np.arange(counts.size), -counts))
-    return np.sort(order[:n]).astype(np.int64)
 
 
 def softmax_vocab(step: int, seed: int, frequent: np.ndarray, batch_ids: np.ndarray, vocab_size: int,
@@ -509,8 +504,12 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None)
     if (out / "train_state" / "state.json").is_file():
         start = load_checkpoint(d, opt, tc)
     weights = torch.from_numpy(D.slot_weights(cfg.block_size, tc.gamma)).float()
-    frequent = (frequent_ids(data.response_token_counts(train_rows, cfg.vocab_size), tc.sampled_softmax)
-                if tc.sampled_softmax > 0 else None)
+    counts = data.response_token_counts(train_rows, cfg.vocab_size)
+    d.token_counts = counts
+    with open(out / (TOKEN_COUNTS_NAME + ".tmp"), "wb") as f:  # export --draft-vocab reads it
+        np.save(f, counts)
+    os.replace(out / (TOKEN_COUNTS_NAME + ".tmp"), out / TOKEN_COUNTS_NAME)
+    frequent = frequent_ids(counts, tc.sampled_softmax) if tc.sampled_softmax > 0 else None
     eval_rows = held_rows[: tc.eval_rows]
     log = open(out / "train_log.jsonl", "a")
     if start == 0:
