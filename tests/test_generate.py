@@ -202,57 +202,140 @@ def _chi2_pvalue(counts, law, n):
     return chisquare(obs_p, exp_p)[1]
 
 
-def _exact_pair_law(t, prompt, T):
-    """P(first two generated tokens) under target-only sampling, by enumeration."""
+def _exact_law(t, prompt, T, n=3):
+    """P(first n generated tokens) under target-only sampling, by enumeration: [SMALL_V] * n."""
     from dflash2_trt.reference import softmax_t
 
-    t.reset([])
-    l0, _ = t.forward(torch.tensor(prompt))
-    p0 = softmax_t(l0[-1].numpy(), T)
-    law = np.zeros((SMALL_V, SMALL_V))
-    for a in range(SMALL_V):
+    def next_p(seq):
         t.reset([])
-        l1, _ = t.forward(torch.tensor(prompt + [a]))
-        law[a] = p0[a] * softmax_t(l1[-1].numpy(), T)
+        logits, _ = t.forward(torch.tensor(seq))
+        return softmax_t(logits[-1].numpy(), T)
+
+    law = next_p(prompt)
+    for k in range(1, n):
+        nxt = np.zeros(law.shape + (SMALL_V,))
+        for idx in itertools.product(range(SMALL_V), repeat=k):
+            nxt[idx] = law[idx] * next_p(prompt + list(idx))
+        law = nxt
     return law
+
+
+class _MemoTarget:
+    """The small target behind the runner protocol, memoized by token sequence: the same logits / features the
+    model computes (it is deterministic), without recomputing them on each of the thousand sampled runs."""
+
+    def __init__(self, t, layer_ids):
+        from dflash2_trt.runtime.torch_backend import TorchTargetRunner
+
+        self.runner = TorchTargetRunner(t, layer_ids)
+        self.vocab_size, self.max_positions, self.eos_ids = t.vocab_size, t.max_positions, set()
+        self.seq: list[int] = []
+        self.memo: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def reset(self):
+        self.seq = []
+
+    @property
+    def cache_length(self):
+        return len(self.seq)
+
+    def forward(self, ids):
+        key = (tuple(self.seq), tuple(ids))
+        if key not in self.memo:
+            self.runner.reset()
+            logits, feats = self.runner.forward(self.seq + list(ids))
+            self.memo[key] = logits[len(self.seq):], feats[len(self.seq):]
+        self.seq += list(ids)
+        return self.memo[key]
+
+    def crop(self, length):
+        self.seq = self.seq[:length]
+
+
+class _MemoDraftSource(TorchDraftSource):
+    """TorchDraftSource whose block hidden states are memoized by (context features, anchor, position); the
+    head and selector (the proposal under test) run on every call with that run's uniforms."""
+
+    memo: dict = {}
+
+    def reset(self):
+        super().reset()
+        self.key = ()
+
+    def add_context(self, feats, start):
+        super().add_context(feats, start)
+        self.key = getattr(self, "key", ()) + (start, np.asarray(feats).tobytes())
+
+    @torch.no_grad()
+    def propose(self, anchor, pos, temperature, uniforms):
+        k = (self.key, anchor, pos)
+        if k not in self.memo:
+            self.memo[k] = self.drafter.block_forward(torch.tensor([anchor]), torch.tensor([pos]), self.ctx.k,
+                                                      self.ctx.v)
+        u = None if uniforms is None else torch.from_numpy(np.asarray(uniforms, dtype=np.float32))
+        d = self.drafter.draft_from_hidden(self.memo[k], torch.tensor([anchor]), self.mode, temperature, u)
+        q = d.proposal[0]
+        return Draft(tokens=d.tokens[0].numpy(), proposal=q.gather(-1, d.cand[0]).numpy(), cand=d.cand[0].numpy(),
+                     vocab_proposal=q.numpy())
+
+
+def _chain_counts(t, d, mode, prompt, T, N):
+    """Counts of the first 3 generated tokens over N seeds. Block size 4: the prefill samples token 1 (the
+    anchor), the first cycle drafts and verifies a 3-row chain, so tokens 2 and 3 are chain rows (accepted
+    drafts, or the rejection sample / bonus after them). Returns (counts [V, V, V], first-cycle accepted)."""
+    from dflash2_trt.runtime import decoder
+
+    target = _MemoTarget(t, [0, 1])
+    _MemoDraftSource.memo = {}
+    counts = np.zeros((SMALL_V,) * 3)
+    accepted = []
+    for seed in range(N):
+        r = decoder.speculative_generate(target, _MemoDraftSource(d, mode), prompt, 5, temperature=T,
+                                         eos_ids=set(), seed=seed)
+        assert r.proposed[0] == 3
+        counts[tuple(r.tokens[:3])] += 1
+        accepted.append(r.accepted[0])
+    return counts, np.asarray(accepted)
 
 
 @pytest.mark.parametrize("mode,use_selector", [("greedy", True), ("viterbi", True), ("greedy", False)])
 def test_sampling_preserves_target_distribution(small_pair, mode, use_selector):
-    """Chi-square goodness of fit of the first two generated tokens against the exact target law.
+    """Chi-square goodness of fit of the first three generated tokens (the prefill sample, then two rows of a
+    3-row draft chain) against the exact target law, for greedy and Viterbi chain proposals at T > 0 and the
+    no-selector drafter.
 
     Cells expecting fewer than 5 draws are pooled; with threshold p < 1e-3 the false-failure rate is 0.1%
-    per test (seeds are fixed, so a given run is deterministic). A negative control shows the test has power: skipping the rejection
-    step (accepting every draft) is detected by the same statistic.
+    per test (seeds are fixed, so a given run is deterministic). test_sampling_test_has_power is the negative
+    control: wrong acceptance rules are detected by the same statistic.
     """
     t, d = small_pair
     mode = mode if use_selector else INDEPENDENT
-    prompt, T, N = [1, 2, 3], 1.0, 1000
-    law = _exact_pair_law(t, prompt, T)
-    counts = np.zeros((SMALL_V, SMALL_V))
-    accepted_any = 0
-    for seed in range(N):
-        r = ref_speculative(t, TorchDraftSource(d, mode), prompt, 3, temperature=T, eos_ids=set(), seed=seed,
-                                 measure_oracle=False, layer_ids=[0, 1])
-        counts[r.tokens[0], r.tokens[1]] += 1
-        accepted_any += r.accepted[0] > 0
-    assert accepted_any > N // 10  # drafts really were accepted, so the rejection rule was exercised
-    pval = _chi2_pvalue(counts, law, N)
+    prompt, T, N = [1, 2, 3], 1.0, 3000
+    counts, accepted = _chain_counts(t, d, mode, prompt, T, N)
+    # multi-row chains really were accepted, so the rejection rule ran past row 1
+    assert (accepted >= 2).sum() > N // 20 and (accepted >= 1).sum() > N // 5, np.bincount(accepted)
+    pval = _chi2_pvalue(counts, _exact_law(t, prompt, T), N)
     assert pval > 1e-3, pval
 
 
-def test_sampling_test_has_power(small_pair, monkeypatch):
-    """Negative control: accept every draft (no rejection) and the chi-square test must reject."""
+@pytest.mark.parametrize("rule", ["accept_all", "residual_is_p"])
+def test_sampling_test_has_power(small_pair, monkeypatch, rule):
+    """Negative controls: two wrong acceptance rules, each detected by the chi-square test on the chain law —
+    accepting every draft, and resampling a rejected row from p instead of normalize(max(p - q, 0))."""
     import dflash2_trt.reference as ref
 
     t, d = small_pair
-    monkeypatch.setattr(ref, "accept_rejection", lambda drafts, q, p, rng: (
-        len(drafts), int(rng.choice(p.shape[1], p=p[len(drafts)]))))
-    prompt, T, N = [1, 2, 3], 1.0, 600
-    law = _exact_pair_law(t, prompt, T)
-    counts = np.zeros((SMALL_V, SMALL_V))
-    for seed in range(N):
-        r = ref_speculative(t, TorchDraftSource(d, "greedy"), prompt, 3, temperature=T, eos_ids=set(),
-                                   seed=seed, measure_oracle=False, layer_ids=[0, 1])
-        counts[r.tokens[0], r.tokens[1]] += 1
-    assert _chi2_pvalue(counts, law, N) < 1e-3
+
+    def accept_all(drafts, q, p, rng):  # noqa: ANN001
+        return len(drafts), int(rng.choice(p.shape[1], p=p[len(drafts)]))
+
+    def residual_is_p(drafts, q, p, rng):  # noqa: ANN001
+        for i, tok in enumerate(drafts):
+            if not (q[i, tok] > 0 and rng.random() < min(1.0, p[i, tok] / q[i, tok])):
+                return i, int(rng.choice(p.shape[1], p=p[i]))
+        return len(drafts), int(rng.choice(p.shape[1], p=p[len(drafts)]))
+
+    monkeypatch.setattr(ref, "accept_rejection", {"accept_all": accept_all, "residual_is_p": residual_is_p}[rule])
+    prompt, T, N = [1, 2, 3], 1.0, 3000
+    counts, _ = _chain_counts(t, d, "greedy", prompt, T, N)
+    assert _chi2_pvalue(counts, _exact_law(t, prompt, T), N) < 1e-3
