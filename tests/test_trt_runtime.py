@@ -1,6 +1,8 @@
 """TensorRT runtime backend on the CPU: bindings, CUDA-graph use, KV buffers and identity checks against the
-recording fakes (FakeTrt engines compute nothing, so decoded *values* are meaningless here — token equality
-with ONNX Runtime is checked only by benchmarks/trt_gpu_check.py on a GPU), and backend selection."""
+recording fakes, and backend selection. Plain FakeTrt engines compute nothing (values are meaningless there);
+``FakeTrt(compute=True)`` engines run their ONNX graphs with ONNX Runtime, so the backend's decoding is checked
+token for token against the ORT backend on the accepting pair. Real TensorRT engines run only in
+benchmarks/trt_gpu_check.py on a GPU."""
 
 from __future__ import annotations
 
@@ -307,3 +309,50 @@ def test_engines_with_auxiliary_streams_are_never_captured(fake_engines):
     assert dr.last_path == "eager"
     assert cuda.count("begin_capture") == 0 and len(be.graphs) == 0
     be.close()
+
+
+@pytest.fixture(scope="module")
+def acc_engines(acc_export, tmp_path_factory):
+    """The accepting pair's export (block size 16) with FakeTrt engines of the decomposed-selector heads."""
+    d = tmp_path_factory.mktemp("trt") / "acc"
+    shutil.copytree(acc_export, d)
+    cuda = FakeCuda()
+    E.build_engines(d, selector="decomposed", progress=False, trt_module=FakeTrt(cuda), api=cuda)
+    return d
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
+    """The TensorRT backend's buffers, bindings, KV crop/commit and (replayed) CUDA graphs around engines that
+    really compute (FakeTrt(compute=True) runs each engine's ONNX graph with ONNX Runtime): greedy output equals
+    the target's own and the ORT backend's, cycle for cycle, with drafts accepted; T = 0.8 sampling equals ORT's."""
+    from conftest import assert_accepts
+    from dflash2_trt.runtime.backends import open_backend
+    from dflash2_trt.runtime.decoder import speculative_generate, target_generate
+
+    cuda = FakeCuda()
+    be, trt, _ = _open(acc_engines, cuda=cuda, trt=FakeTrt(cuda, compute=True), cuda_graphs=cuda_graphs)
+    ort_be, _ = open_backend(acc_engines, "ort")
+    tgt, ort_tgt = be.target_runner(), ort_be.target_runner()
+    rng = np.random.default_rng(11)
+    accepted: dict[str, list[int]] = {"greedy": [], "viterbi": []}
+    for i in range(4):
+        mode = ("greedy", "viterbi")[i % 2]
+        p = rng.integers(4, 500, size=int(rng.integers(5, 40))).tolist()
+        got = speculative_generate(tgt, be.draft_runner(mode), p, 40, eos_ids=set())
+        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p, 40, eos_ids=set())
+        assert got.tokens == want.tokens == target_generate(ort_tgt, p, 40, eos_ids=set()).tokens
+        assert got.accepted == want.accepted
+        assert target_generate(tgt, p, 12, eos_ids=set()).tokens == want.tokens[:12]
+        accepted[mode] += got.accepted
+    for mode, acc in accepted.items():
+        assert_accepts(acc, 15, ("TensorRT backend", mode))
+    p = rng.integers(4, 500, size=20).tolist()
+    got = speculative_generate(tgt, be.draft_runner("greedy"), p, 30, temperature=0.8, eos_ids=set(), seed=3)
+    want = speculative_generate(ort_tgt, ort_be.draft_runner("greedy"), p, 30, temperature=0.8, eos_ids=set(), seed=3)
+    assert got.tokens == want.tokens
+    runs = cuda.executor.runs
+    assert runs["target.onnx"] and runs["drafter_block.onnx"] and runs["drafter_head_viterbi.onnx"]
+    assert (be.graphs.stats.replays > 0) == cuda_graphs
+    be.close()
+    ort_be.close()

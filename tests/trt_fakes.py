@@ -12,7 +12,9 @@ They *record* what the code under test asks of CUDA and TensorRT; they never com
   and serialises a JSON description of the graph's I/O (read from the ONNX file) as the "plan"; the "engine"
   answers I/O queries from it; ``execute_async_v3`` enqueues a record (engine, context, shapes, addresses)
   which, when it executes, zeroes the output buffers (a real engine writes every output; this one computes
-  nothing). Like TensorRT: the plugin registry's ``load_library`` returns None
+  nothing) — or, with ``FakeTrt(cuda, compute=True)``, runs the engine's ONNX graph with ONNX Runtime on the
+  bytes at the bound addresses and writes its outputs there (:class:`OrtEngineExecutor`), so decoding through
+  the TensorRT backend produces real tokens that can be compared with the other backends. Like TensorRT: the plugin registry's ``load_library`` returns None
   when a creator of the library is already registered (``IPluginRegistry::loadLibrary``); the ONNX parser
   fails with errors when ``parse_errors`` is set; ``set_optimization_profile_async`` raises RuntimeError
   (the Python binding's way of reporting false) when ``profile_error`` is set.
@@ -56,6 +58,7 @@ class FakeCuda:
         self.fail_capture = False
         self._next_exec = 0
         self.streams: set[int] = set()
+        self.executor: Any = None  # OrtEngineExecutor when FakeTrt(compute=True)
 
     # memory -------------------------------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> int:
@@ -130,9 +133,12 @@ class FakeCuda:
         elif kind == "memset":
             _, ptr, value, n = op
             self._mem(ptr, n)[:] = value
-        elif kind == "execute":  # a real engine writes all of its outputs; this one writes zeros
-            for ptr in op[6]:
-                self._rest_of_allocation(ptr)[:] = 0
+        elif kind == "execute":  # a real engine writes all of its outputs; the plain fake writes zeros
+            if self.executor is not None:
+                self.executor(self, op)
+            else:
+                for ptr in op[6]:
+                    self._rest_of_allocation(ptr)[:] = 0
 
     def _rest_of_allocation(self, ptr: int) -> np.ndarray:
         for base, arr in self.dev.items():
@@ -225,8 +231,10 @@ class FakeTrt:
     Builder: Any
     OnnxParser: Any
 
-    def __init__(self, cuda: FakeCuda, version: str = "10.13.0.35") -> None:
+    def __init__(self, cuda: FakeCuda, version: str = "10.13.0.35", compute: bool = False) -> None:
         fake = self
+        if compute:
+            cuda.executor = OrtEngineExecutor()
         self.__version__ = version
         self.cuda = cuda
         self.loaded_plugins: list[str] = []
@@ -442,5 +450,38 @@ class FakeContext:
         self.engine.fake.cuda.enqueue(stream, ("execute", self.engine.name, id(self), self.profile,
                                                tuple(sorted(self.shapes.items())),
                                                tuple(sorted(self.addresses.items())),
-                                               tuple(self.addresses[n] for n in self.engine.plan["outputs"])))
+                                               tuple(self.addresses[n] for n in self.engine.plan["outputs"]),
+                                               self.engine))
         return True
+
+
+_NP_DTYPE = {"FLOAT": np.float32, "HALF": np.float16, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_}
+
+
+class OrtEngineExecutor:
+    """Runs a fake engine's ONNX graph with ONNX Runtime (CPU) when its ``execute`` operation executes: inputs
+    are read from the fake device memory at the bound addresses with the set shapes, outputs are written back
+    at theirs. The decomposed-selector graphs only (ONNX Runtime has no DFlash2PathSelector kernel)."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Any] = {}
+        self.runs: dict[str, int] = {}
+
+    def __call__(self, cuda: FakeCuda, op: tuple) -> None:
+        import onnxruntime as ort
+
+        _, name, _, _, shapes, addresses, _, engine = op
+        plan, shapes, addresses = engine.plan, dict(shapes), dict(addresses)
+        if plan["file"] not in self.sessions:
+            self.sessions[plan["file"]] = ort.InferenceSession(plan["file"], providers=["CPUExecutionProvider"])
+        feeds = {}
+        for n, spec in plan["inputs"].items():
+            dt = np.dtype(_NP_DTYPE[spec["dtype"]])
+            shape = shapes[n]
+            raw = cuda._mem(addresses[n], int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
+            feeds[n] = raw.view(dt).reshape(shape).copy()
+        outs = self.sessions[plan["file"]].run(list(plan["outputs"]), feeds)
+        for n, arr in zip(plan["outputs"], outs):
+            data = np.ascontiguousarray(arr, dtype=_NP_DTYPE[plan["outputs"][n]["dtype"]]).view(np.uint8).ravel()
+            cuda._mem(addresses[n], data.size)[:] = data
+        self.runs[name] = self.runs.get(name, 0) + 1
