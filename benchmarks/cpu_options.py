@@ -1,12 +1,15 @@
 """The CPU decoding options side by side (the README's "CPU options" table): for every prompt, in one process
 and interleaved (so machine load hits every variant alike), plain autoregressive decoding and speculative
-decoding with the guard off / on and with confidence-adapted verify lengths.
+decoding with the guard off / on, with confidence-adapted verify lengths, and — one export each — at other
+block sizes and with the drafter's LM head restricted to its most frequent ids (``export --draft-vocab``).
 
     python benchmarks/cpu_options.py [--prompts humaneval mtbench] [--limit 20] [--max-new-tokens 128]
-        [--model-dir DIR] [--min-confidence 0.3 0.6] [--selector greedy|independent] [--temperature 0]
-        [--out benchmarks/results/cpu_options.json]
+        [--model-dir DIR | --exports BS:VOCAB ...] [--guard off on] [--min-confidence 0.3 0.6]
+        [--selector greedy|independent] [--temperature 0] [--out benchmarks/results/cpu_options.json]
 
---model-dir defaults to the demo export (SmolLM2-135M-Instruct + the packaged drafter, ONNX Runtime CPU).
+--model-dir defaults to the demo export (SmolLM2-135M-Instruct + the packaged drafter, ONNX Runtime CPU);
+``--exports 8:0 4:0 4:4096`` instead exports the demo pair (or SmolLM2 + ``--drafter``) at each block size : draft vocabulary (0 = full)
+once into the cache and runs every variant on each. Autoregressive decoding runs on the first export's target.
 Prints one line per (set, variant): tok/s, speedup over autoregressive, τ, cycles / plain steps, lossless.
 --out is rewritten after every prompt (the prompts done so far), so a long run can be stopped early.
 """
@@ -26,6 +29,10 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--exports", nargs="+", default=[], metavar="BS:VOCAB",
+                    help="demo-pair exports at these block sizes / draft vocabularies (0: full)")
+    ap.add_argument("--drafter", default=None, help="drafter folder for --exports (default: the packaged one)")
+    ap.add_argument("--guard", nargs="+", choices=["off", "on"], default=["off", "on"])
     ap.add_argument("--selector", default="greedy")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--min-confidence", type=float, nargs="*", default=[])
@@ -40,40 +47,52 @@ def main() -> int:
     from dflash2_trt.runtime.guard import AcceptanceGuard
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
-    model_dir = a.model_dir
-    if model_dir is None:
+    dirs = {}
+    if a.model_dir and a.exports:
+        ap.error("--model-dir and --exports exclude each other")
+    if a.model_dir:
+        dirs[""] = a.model_dir
+    else:
         from dflash2_trt.export.cache import cached_export
 
-        model_dir = str(cached_export("smollm2", demo_drafter_path(), max_seq_len=DEMO_MAX_SEQ_LEN))
-    variants = [("guard off", False, 0.0), ("guard on", True, 0.0)]
-    variants += [(f"guard on, conf {c}", True, c) for c in a.min_confidence]
-    variants += [(f"guard off, conf {c}", False, c) for c in a.min_confidence]
-    be, _ = open_backend(model_dir, "ort", threads=a.threads)
-    tok = TextTokenizer(model_dir)
-    results = {"model_dir": model_dir, "backend": be.description, "max_new_tokens": a.max_new_tokens,
+        for spec in a.exports or ["0:0"]:
+            bs, vocab = (int(x) for x in spec.split(":"))
+            opts = {k: v for k, v in {"block_size": bs, "draft_vocab": vocab}.items() if v}
+            label = ", ".join([f"bs {bs}"] * bool(bs) + [f"vocab {vocab}"] * bool(vocab)) if a.exports else ""
+            dirs[label] = str(cached_export("smollm2", a.drafter or demo_drafter_path(), max_seq_len=DEMO_MAX_SEQ_LEN, **opts))
+    modes = [(f"guard {g}", g == "on", 0.0) for g in a.guard]
+    modes += [(f"guard {g}, conf {c}", g == "on", c) for c in a.min_confidence for g in a.guard]
+    variants = [(f"{e}: {m}" if e else m, e, guard, conf) for e in dirs for m, guard, conf in modes]
+    backends = {e: open_backend(d, "ort", threads=a.threads)[0] for e, d in dirs.items()}
+    first = next(iter(backends.values()))
+    tok = TextTokenizer(next(iter(dirs.values())))
+    results = {"model_dirs": dirs, "backend": first.description, "max_new_tokens": a.max_new_tokens,
                "selector": a.selector, "temperature": a.temperature, "sets": {}}
-    with be:
-        target, drafter = be.target_runner(), be.draft_runner(a.selector)
-        for name in a.prompts:
-            prompts = encode_items(load_prompts(name, a.limit), tok.encode, tok.apply_chat_template)
-            runs: dict[str, list] = {v[0]: [] for v in variants}
-            ars = []
-            t0 = time.time()
-            for i, p in enumerate(prompts):
-                ars.append(D.target_generate(target, p, a.max_new_tokens, a.temperature, seed=i))
-                for label, guard, conf in variants:
-                    runs[label].append(D.speculative_generate(
-                        target, drafter, p, a.max_new_tokens, a.temperature, seed=i,
-                        guard=AcceptanceGuard() if guard else None, min_confidence=conf))
-                print(f"{name} {i + 1}/{len(prompts)} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-                results["sets"][name] = {label: _summary(runs[label], ars, a.temperature) for label, _, _ in variants}
-                _write(results, a.out)
-            for label, _, _ in variants:
-                r = results["sets"][name][label]
-                print(f"{name:10} {label:22} spec {r['spec_tokens_per_s']:6.2f} tok/s  ar {r['ar_tokens_per_s']:6.2f}"
-                      f"  speedup {r['speedup']:.2f}x  tau {r['tau']:.2f}  cycles {r['spec_cycles']}"
-                      f"  plain {r['plain_steps']}  switches {r['guard_switches']}  probes {r['guard_probes']}"
-                      f"  lossless {r['lossless']}", flush=True)
+    runners = {e: (be.target_runner(), be.draft_runner(a.selector)) for e, be in backends.items()}
+    ar_target = runners[next(iter(runners))][0]
+    for name in a.prompts:
+        prompts = encode_items(load_prompts(name, a.limit), tok.encode, tok.apply_chat_template)
+        runs: dict[str, list] = {v[0]: [] for v in variants}
+        ars = []
+        t0 = time.time()
+        for i, p in enumerate(prompts):
+            ars.append(D.target_generate(ar_target, p, a.max_new_tokens, a.temperature, seed=i))
+            for label, e, guard, conf in variants:
+                target, drafter = runners[e]
+                runs[label].append(D.speculative_generate(
+                    target, drafter, p, a.max_new_tokens, a.temperature, seed=i,
+                    guard=AcceptanceGuard() if guard else None, min_confidence=conf))
+            print(f"{name} {i + 1}/{len(prompts)} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+            results["sets"][name] = {v[0]: _summary(runs[v[0]], ars, a.temperature) for v in variants}
+            _write(results, a.out)
+        for label, *_ in variants:
+            r = results["sets"][name][label]
+            print(f"{name:10} {label:30} spec {r['spec_tokens_per_s']:6.2f} tok/s  ar {r['ar_tokens_per_s']:6.2f}"
+                  f"  speedup {r['speedup']:.2f}x  tau {r['tau']:.2f}  cycles {r['spec_cycles']}"
+                  f"  plain {r['plain_steps']}  switches {r['guard_switches']}  probes {r['guard_probes']}"
+                  f"  lossless {r['lossless']}", flush=True)
+    for be in backends.values():
+        be.close()
     return 0
 
 
