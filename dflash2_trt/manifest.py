@@ -26,7 +26,9 @@ selector), and for drafters with a selector ``drafter_head_{greedy,viterbi}`` (d
 ``drafter_head_{greedy,viterbi}_plugin`` (the TensorRT plugin node). The block size lives in the drafter
 configuration only (``block_size``; ``num_draft_rows`` = block size - 1). ONNX Runtime flavour (``flavour``:
 "ort", com.microsoft ops): ``target_ort`` (fused target, shared KV buffers) and, in quantized exports,
-``KEY_ort`` (MatMulNBits) variants that the ORT backend runs instead of ``KEY``.
+``KEY_ort`` (MatMulNBits) variants that the ORT backend runs instead of ``KEY``. TensorRT flavour of a
+quantized export (``flavour`` "qdq"): ``target_qdq`` (standard ONNX, DequantizeLinear weights), which
+``build-engines`` builds the target engine from.
 
 Imports only the standard library, ``errors``, ``vocabulary`` and the torch-free ``config``.
 """
@@ -47,7 +49,8 @@ from typing import Any, Union
 
 from dflash2_trt.config import DFlash2Config
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.vocabulary import DRAFT_MODES, DTYPES, INDEPENDENT, QUANTIZATIONS, SELECTOR_IMPLS, head_key
+from dflash2_trt.vocabulary import (DRAFT_MODES, DTYPES, GRAPH_FLAVOURS, INDEPENDENT, QUANTIZATIONS, SELECTOR_IMPLS,
+                                    head_key)
 
 FORMAT = "dflash2-trt-export"
 MANIFEST_VERSION = 2
@@ -70,7 +73,9 @@ class GraphSpec:
     role: str  # target | drafter_context | drafter_block | drafter_head
     selector: Union[str, None] = None  # decomposed | plugin | None (no selector in this graph)
     mode: Union[str, None] = None  # draft mode of a head graph
-    flavour: Union[str, None] = None  # "ort": ONNX Runtime only (com.microsoft ops); see runtime/ort_fused.py
+    # "ort": ONNX Runtime only (com.microsoft ops; runtime/ort_fused.py); "qdq": the TensorRT flavour of a
+    # quantized export (explicit Q/DQ weights; build-engines builds the target engine from it)
+    flavour: Union[str, None] = None
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
 
@@ -318,6 +323,9 @@ def parse_manifest(data: Any, where: str = MANIFEST_FILE) -> ExportManifest:
         if g.selector is not None and g.selector not in SELECTOR_IMPLS:
             raise DFlash2Error(f"manifest.graphs.{key}.selector must be one of {', '.join(SELECTOR_IMPLS)} or null, "
                                f"got {g.selector!r}")
+        if g.flavour is not None and g.flavour not in GRAPH_FLAVOURS:
+            raise DFlash2Error(f"manifest.graphs.{key}.flavour must be one of {', '.join(GRAPH_FLAVOURS)} or null, "
+                               f"got {g.flavour!r}")
         if g.mode is not None and g.mode not in DRAFT_MODES:
             raise DFlash2Error(f"manifest.graphs.{key}.mode must be one of {', '.join(DRAFT_MODES)}, got {g.mode!r}")
     if not 0 <= m.draft_vocab <= m.target.vocab_size:

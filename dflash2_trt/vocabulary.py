@@ -23,6 +23,8 @@ BACKEND_CHOICES = ("auto", "ort", "trt")  # what the export-folder CLIs accept (
 # Export precisions and weight-only quantization kinds.
 DTYPES = ("fp32", "fp16", "bf16")
 QUANTIZATIONS = ("none", "int8", "int4")
+# Graph flavours beside standard ONNX: ONNX Runtime only (com.microsoft ops) | TensorRT Q/DQ (quantized target)
+GRAPH_FLAVOURS = ("ort", "qdq")
 
 # How the path selector is built into the drafter head graph / engine.
 SELECTOR_IMPLS = ("decomposed", "plugin")  # standard ONNX ops | the DFlash2PathSelector TensorRT plugin node

@@ -6,6 +6,7 @@ respect to the quantized target with drafts actually accepted, manifest and bad 
 from __future__ import annotations
 
 import json
+import onnx
 
 import numpy as np
 import pytest
@@ -134,6 +135,41 @@ def test_quantized_graphs_and_manifest(quantized, kind):
     for key in ("target", "drafter_block", "drafter_head_greedy_plugin"):
         g, _ = _graph(quantized[kind], key)
         assert not [n for n in g.graph.node if n.domain == "com.microsoft"]
+    # ... and the TensorRT flavour of the target carries the quantization as explicit Q/DQ weights
+    assert m["graphs"]["target_qdq"]["flavour"] == "qdq"
+    assert m["verification"]["target_qdq.dequantized_weights"] > 0
+    assert m["verification"]["target_qdq.max_error_in_steps"] <= 1.0
+    g, _ = _graph(quantized[kind], "target_qdq")
+    inits = {t.name: t for t in g.graph.initializer}
+    dq = [n for n in g.graph.node if n.op_type == "DequantizeLinear"]
+    assert dq and not [n for n in g.graph.node if n.domain == "com.microsoft"]
+    for n in dq:
+        attrs = {a.name: a.i for a in n.attribute}
+        assert len(n.input) == 2  # symmetric: no zero point (TensorRT's INT4 DequantizeLinear takes none)
+        if kind == "int4":
+            assert inits[n.input[0]].data_type == onnx.TensorProto.INT4
+            assert attrs == {"axis": 0, "block_size": 16}
+        else:
+            assert inits[n.input[0]].data_type == onnx.TensorProto.INT8 and attrs == {"axis": 1}
+    float_mm = [n for n in g.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    vocab = m["target"]["vocab_size"]
+    assert [list(inits[n.input[1]].dims) for n in float_mm] == ([] if lm_head else [[m["target"]["hidden_size"], vocab]])
+    assert next(o.version for o in g.opset_import if o.domain == "") >= (21 if kind == "int4" else 17)
+
+
+def test_qdq_check_catches_a_wrong_dequantization(quantized):
+    """verify_qdq (the export check of target_qdq) fails when a dequantized weight is not the original's."""
+    from onnx import numpy_helper
+
+    from dflash2_trt.export.quantize import verify_qdq
+
+    m = json.loads((quantized["int8"] / "manifest.json").read_text())
+    g, ref = (onnx.load(str(quantized["int8"] / m["graphs"][k]["file"])) for k in ("target_qdq", "target"))
+    assert verify_qdq(g, ref)["target_qdq.dequantized_weights"] > 0
+    scale = next(t for t in g.graph.initializer if t.name.endswith("_DQ_scales"))
+    scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * 3, scale.name))
+    with pytest.raises(DFlash2Error, match="dequantizes .* away from the weight"):
+        verify_qdq(g, ref)
 
 
 class AcceptingDrafter:
@@ -199,9 +235,9 @@ def test_quantize_bad_input(tiny_dir, tmp_path, capsys):
     with pytest.raises(DFlash2Error, match="--quantize"):
         QuantSpec("int3")
     rc = main(["--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), "--out",
-               str(tmp_path / "x"), "--dtype", "fp16", "--quantize", "int4", "--quiet"])
+               str(tmp_path / "x"), "--dtype", "bf16", "--quantize", "int4", "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 1 and len(err) == 1 and "fp32 export" in err[0] and not (tmp_path / "x").exists()
+    assert rc == 1 and len(err) == 1 and "not bf16" in err[0] and not (tmp_path / "x").exists()
 
 
 def test_recommend_block_size_follows_cost():

@@ -233,3 +233,24 @@ def test_supported_tensorrt_versions(monkeypatch, version, error):
     else:
         with pytest.raises(BackendUnavailable, match=f"TensorRT {version} is {error}"):
             import_tensorrt()
+
+
+def test_quantized_export_builds_its_target_engine_from_the_qdq_graph(tiny_dir, tmp_path):
+    """--quantize: the target engine comes from target_qdq.onnx (DequantizeLinear weights; TensorRT turns them
+    into weight-only quantized GEMMs), the drafter engines from the standard graphs; fp16 exports quantize too
+    (Q/DQ only: the ONNX Runtime flavour is fp32)."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.export.quantize import QuantSpec
+
+    d = tmp_path / "q"
+    export_model(tiny_dir / "target", tiny_dir / "drafter", d, progress=False, max_seq_len=512, dtype="fp16",
+                 quantization=QuantSpec("int4", block_size=32))
+    m = read_manifest(d)
+    assert m.graphs["target_qdq"].flavour == "qdq" and "target_ort" not in m.graphs
+    assert m.verification["target_qdq.dequantized_weights"] > 0
+    cuda = FakeCuda()
+    trt = FakeTrt(cuda)
+    E.build_engines(d, selector="decomposed", progress=False, trt_module=trt, api=cuda)
+    files = [b["file"].rsplit("/", 1)[-1] for b in trt.builds]
+    assert files[0] == "target_qdq.onnx" and "target.onnx" not in files and "drafter_block.onnx" in files
+    assert set(read_manifest(d).engines.plans) >= {"target", "drafter_block"}

@@ -110,6 +110,14 @@ def graph_keys(manifest: ExportManifest, selector: str) -> list[str]:
     return keys
 
 
+def source_graph(manifest: ExportManifest, key: str) -> str:
+    """The graph an engine is built from: a quantized export's target engine from its Q/DQ flavour
+    (``target_qdq``: int4/int8 weights behind DequantizeLinear, TensorRT's weight-only GEMMs), else ``key``."""
+    from dflash2_trt.export.quantize import QDQ_KEY
+
+    return QDQ_KEY if key == "target" and QDQ_KEY in manifest.graphs else key
+
+
 def profiles_for(manifest: ExportManifest, key: str, prefill_rows: int) -> list[EngineProfile]:
     """Optimization profiles of one graph as named dim ranges ``{dim: (min, opt, max)}``."""
     bs = manifest.block_size
@@ -275,7 +283,7 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
         shared: dict[str, Any] = {}
         plans: dict[str, EnginePlan] = {}
         for i, key in enumerate(keys):
-            g = manifest.graphs[key]
+            g = manifest.graphs[source_graph(manifest, key)]
             profiles = profiles_for(manifest, key, prefill_rows)
             t0 = time.perf_counter()
             if progress:

@@ -84,15 +84,16 @@ def export_model(
     """Export and return the manifest. Raises :class:`DFlash2Error` on bad input; DIR is left untouched
     (absent or as it was) on any failure. ``ort_flavour``: also write the fused ONNX Runtime target
     (``target_ort.onnx``, fp32 only; :mod:`dflash2_trt.export.ort_fused`); ``quantization``: a
-    :class:`~dflash2_trt.export.quantize.QuantSpec` (weight-only, ORT graphs only); ``verify_cost``: time the
+    :class:`~dflash2_trt.export.quantize.QuantSpec` (weight-only: MatMulNBits variants of the ORT graphs of an
+    fp32 export, and the TensorRT flavour ``target_qdq.onnx`` with explicit Q/DQ weights); ``verify_cost``: time the
     fused target's verification here and record a recommended block size; ``draft_vocab`` N > 0: the drafter's
     LM head keeps only the N most frequent ids of its training responses (``token_counts.npy``)."""
     from dflash2_trt.export.quantize import QuantSpec
 
     quant = quantization if quantization is not None else QuantSpec()
-    if quant.enabled and (dtype != "fp32" or not ort_flavour):
-        raise DFlash2Error(f"--quantize {quant.kind} quantizes the ONNX Runtime graphs of an fp32 export "
-                           f"(got --dtype {dtype}{'' if ort_flavour else ' and no ORT flavour'})")
+    if quant.enabled and dtype == "bf16":
+        raise DFlash2Error(f"--quantize {quant.kind} takes fp32 (ONNX Runtime + TensorRT graphs) or fp16 (TensorRT "
+                           "Q/DQ target) exports, not bf16")
     if dtype not in DTYPES:
         raise DFlash2Error(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     if not isinstance(opset, int) or not 14 <= opset <= 20:
@@ -217,6 +218,15 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     if drafter.use_selector:
         _export_selector_heads(drafter, cfg, B, tdt, dtype, opset, models, graph_meta)
 
+    qdq_report: dict[str, Any] = {}
+    if quant.enabled:  # TensorRT flavour: explicit Q/DQ weights in standard ONNX (build-engines uses it)
+        from dflash2_trt.export import quantize
+
+        models[quantize.QDQ_FILE] = quantize.qdq_graph(models["target.onnx"], quant, target.vocab_size)
+        graph_meta[quantize.QDQ_KEY] = {"file": quantize.QDQ_FILE, "role": "target", "selector": None, "mode": None,
+                                        "flavour": "qdq"}
+        if verify:
+            qdq_report = quantize.verify_qdq(models[quantize.QDQ_FILE], models["target.onnx"])
     ort_report: dict[str, Any] = {}
     if ort_flavour:  # fused ORT target (+ quantized ORT variants); checked against PyTorch in memory
         from dflash2_trt.export import ort_fused
@@ -252,6 +262,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
                 try:
                     report.update(V.verify_target(tmp / "target.onnx", target, layer_ids, dtype, npdt))
                     report.update(ort_report)
+                    report.update(qdq_report)
                     report.update(V.verify_drafter({k: tmp / m["file"] for k, m in graph_meta.items()}, drafter,
                                                    dtype, npdt))
                 except DFlash2Error:

@@ -8,7 +8,17 @@ blockwise along K, one scale (+ zero point when asymmetric) per block). Activati
 the target's level: the drafter graphs always use level 4 (``ort_fused.DRAFTER_ACCURACY_LEVEL``).
 The LM head (the target's and the drafter's: they are the same weight) is a separate choice
 (``lm_head``); embeddings stay fp32 (a ``Gather`` reads one row per token, quantizing it saves memory,
-not time). ``MatMulNBits`` exists only in ONNX Runtime: TensorRT graphs are never quantized here.
+not time). ``MatMulNBits`` exists only in ONNX Runtime.
+
+TensorRT flavour (:func:`qdq_graph`, ``target_qdq.onnx``): the same weight-only choice as explicit
+``DequantizeLinear`` → ``MatMul`` pairs in standard ONNX, which TensorRT's builder turns into weight-only
+quantized GEMMs — int4: blockwise along K, symmetric (TensorRT's ``IDequantizeLayer`` takes no zero point for
+INT4), opset 21 (INT4 tensors and the ``block_size`` attribute; the graph is converted with
+``onnx.version_converter``), made by ONNX Runtime's quantizer in its QDQ format; int8: one symmetric scale per
+output channel (``axis`` 1, opset 13 per-axis DequantizeLinear). :func:`verify_qdq` checks every dequantized
+weight (computed by ``onnx.reference``, an independent implementation of the ONNX semantics TensorRT follows)
+lies within one quantization step of the original (rounding costs half a step; ONNX Runtime's symmetric int4
+maps a block's largest magnitude to -8 steps, so a positive maximum clips at +7: one step).
 
 The manifest records :meth:`QuantSpec.manifest` as its ``quantization`` entry.
 """
@@ -100,3 +110,122 @@ def quantize_graph(model, spec: QuantSpec, vocab_size: int):  # noqa: ANN001, AN
 
 def quantized_matmuls(model) -> int:  # noqa: ANN001
     return sum(n.op_type == "MatMulNBits" for n in model.graph.node)
+
+
+QDQ_OPSET = 21  # INT4 tensors and DequantizeLinear's block_size
+QDQ_KEY, QDQ_FILE = "target_qdq", "target_qdq.onnx"  # the TensorRT flavour's quantized target
+
+
+def qdq_graph(model, spec: QuantSpec, vocab_size: int):  # noqa: ANN001, ANN201
+    """A TensorRT-flavour copy of ``model`` whose MatMul weights are int4 / int8 behind ``DequantizeLinear``."""
+    import onnx
+    from onnx import version_converter
+
+    work = version_converter.convert_version(model, max(QDQ_OPSET, _opset(model)))
+    work.ir_version = max(work.ir_version, 10)  # INT4 needs IR 10
+    for n in work.graph.node:
+        if not n.name:
+            n.name = f"{n.op_type}_{id(n)}"
+    exclude = set() if spec.lm_head else set(_lm_head_nodes(work, vocab_size))
+    if spec.kind == "int4":
+        import logging
+
+        from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
+                                                                     MatMulNBitsQuantizer)
+        from onnxruntime.quantization.quant_utils import QuantFormat
+
+        cfg = DefaultWeightOnlyQuantConfig(block_size=spec.block_size, is_symmetric=True, bits=4,
+                                           quant_format=QuantFormat.QDQ, op_types_to_quantize=("MatMul",))
+        level = logging.getLogger("onnxruntime.quantization").level
+        logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+        try:
+            q = MatMulNBitsQuantizer(work, algo_config=cfg, nodes_to_exclude=sorted(exclude))
+            q.process()
+        finally:
+            logging.getLogger("onnxruntime.quantization").setLevel(level)
+        out = q.model.model
+    else:
+        out = _int8_per_channel(work, exclude)
+    onnx.checker.check_model(out)
+    return out
+
+
+def _opset(model) -> int:  # noqa: ANN001
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _int8_per_channel(model, exclude: set[str]):  # noqa: ANN001, ANN202
+    """MatMul(x, W[K, N]) -> MatMul(x, DequantizeLinear(W_q int8, scale[N], axis=1)), symmetric round to
+    nearest (ONNX Runtime's weight-only quantizer writes int8 only as MatMulNBits, so this one is ours)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    users: dict[str, int] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            users[i] = users.get(i, 0) + 1
+    new_nodes, made = [], set()
+    for n in model.graph.node:
+        w = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if w is None or len(w.dims) != 2 or n.name in exclude:
+            new_nodes.append(n)
+            continue
+        q_name, s_name = f"{w.name}_DQ_Q8", f"{w.name}_DQ_scales"
+        if w.name not in made:
+            arr = numpy_helper.to_array(w)
+            a32 = arr.astype(np.float32)
+            scale = np.maximum(np.abs(a32).max(axis=0), 1e-12) / 127.0  # [N]
+            qw = np.clip(np.rint(a32 / scale), -127, 127).astype(np.int8)
+            model.graph.initializer.extend([numpy_helper.from_array(qw, q_name),
+                                            numpy_helper.from_array(scale.astype(arr.dtype), s_name)])
+            made.add(w.name)
+        out = f"{n.name}_DQ_Q8_output"
+        new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name], [out], name=f"{n.name}_DQ_Q8",
+                                          axis=1))
+        new_nodes.append(helper.make_node("MatMul", [n.input[0], out], list(n.output), name=n.name))
+        users[w.name] -= 1
+    del model.graph.node[:]
+    model.graph.node.extend(new_nodes)
+    keep = [t for t in model.graph.initializer if users.get(t.name, 1) > 0]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    return model
+
+
+def verify_qdq(qdq, original) -> dict:  # noqa: ANN001
+    """Every DequantizeLinear of ``qdq`` (evaluated by ``onnx.reference``) reproduces the weight it replaced in
+    ``original`` within one quantization step; returns the report entries. Raises DFlash2Error otherwise."""
+    import numpy as np
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    orig = {t.name: t for t in original.graph.initializer}
+    inits = {t.name: t for t in qdq.graph.initializer}
+    checked, worst = 0, 0.0
+    for n in qdq.graph.node:
+        if n.op_type != "DequantizeLinear":
+            continue
+        wq = ReferenceEvaluator(_single_node_model(qdq, n, inits)).run(None, {})[0].astype(np.float32)
+        src = orig.get(n.input[0].rsplit("_DQ_Q", 1)[0])  # both quantizers name the int weight W_DQ_Q{bits}
+        if src is None:
+            raise DFlash2Error(f"Q/DQ check: no original weight for {n.name}")
+        w = numpy_helper.to_array(src).astype(np.float32)
+        step = float(np.abs(numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)).max())
+        err = float(np.abs(wq - w.reshape(wq.shape)).max())
+        if not err <= step * (1 + 1e-3) + 1e-6:
+            raise DFlash2Error(f"Q/DQ check: {n.name} dequantizes {err:.3g} away from the weight "
+                               f"(one quantization step is {step:.3g})")
+        checked += 1
+        worst = max(worst, err / max(step, 1e-12))
+    if not checked:
+        raise DFlash2Error("Q/DQ check: the graph has no DequantizeLinear")
+    return {"target_qdq.dequantized_weights": checked, "target_qdq.max_error_in_steps": round(worst, 4)}
+
+
+def _single_node_model(model, node, inits):  # noqa: ANN001, ANN202
+    from onnx import helper
+
+    g = helper.make_graph([node], "dq", [], [helper.make_tensor_value_info(node.output[0], 0, None)],
+                          [inits[i] for i in node.input if i])
+    return helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
