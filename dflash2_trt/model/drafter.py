@@ -164,21 +164,16 @@ class DFlash2Drafter(nn.Module):
         self.embed_weight = embed_weight.detach()
         self.lm_head_weight = lm_head_weight.detach()
 
-    def restrict_vocab(self, ids: torch.Tensor | None) -> None:
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
         """Let the head propose only the token ids ``ids`` [N] (the LM head keeps their rows: an N/V share of
         its cost); every other id gets the dtype's lowest logit, so it is never drafted. Drafts stay lossless
-        (the target verifies every token). ``None`` restores the full vocabulary. Call after bind_target."""
+        (the target verifies every token). Call after bind_target."""
         self._check_bound()
-        if ids is None:
-            self.draft_vocab = torch.zeros(0, dtype=torch.long, device=self.lm_head_weight.device)
-            self.draft_head_weight = torch.zeros(0, device=self.lm_head_weight.device)
-            return
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.lm_head_weight.device)
-        V = self.config.vocab_size
-        if ids.ndim != 1 or not self.config.selector_top_k <= ids.numel() <= V or int(ids.min()) < 0 or int(ids.max()) >= V \
-                or torch.unique(ids).numel() != ids.numel():
-            raise DFlash2Error(f"a draft vocabulary must be {self.config.selector_top_k}..{V} distinct token ids "
-                               f"in [0, {V})")
+        V, K = self.config.vocab_size, self.config.selector_top_k
+        if ids.ndim != 1 or not K <= ids.numel() <= V or torch.unique(ids).numel() != ids.numel() \
+                or not 0 <= int(ids.min()) <= int(ids.max()) < V:
+            raise DFlash2Error(f"a draft vocabulary must be {K}..{V} distinct token ids in [0, {V})")
         self.draft_vocab = ids
         self.draft_head_weight = self.lm_head_weight[ids].clone()
 
