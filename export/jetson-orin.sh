@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Recipe: Jetson Orin (JetPack 6.2 = TensorRT 10.3; JetPack 7 = TensorRT 10.x). Make the fp16 ONNX export on
 # any machine, copy the folder to the Orin, then build the engines there (they are tied to its TensorRT and GPU):
-#   host:  dflash2 export --target T --drafter D --out EXPORT --dtype fp16 --block-size 8 --max-seq-len 2048
+#   host:  dflash2 export --target T --drafter D --out EXPORT --dtype fp16 --block-size 8 --max-seq-len 2048 \
+#            [--quantize int4]
 #   orin:  EXPORT=... ./export/jetson-orin.sh
-# Block size 8 (not 16): an edge GPU pays more per verified row. The script prints the export's memory budget
+# Block size 8 (not 16): an edge GPU pays more per verified row. --quantize int4 adds target_qdq.onnx (int4
+# weights behind DequantizeLinear, blockwise, symmetric), which build-engines then uses for the target engine:
+# about a quarter of the target's fp16 weight memory, the usual reason to quantize on an 8 GB Orin. The script prints the export's memory budget
 # first: an 8 GB Orin shares its memory between CPU and GPU, and the OS + CUDA context take ~2-2.5 GB of it.
 # Status: never run (no Jetson here).
 set -euo pipefail
@@ -19,6 +22,9 @@ m = read_manifest(d, verify_checksums=False)
 t, c = m.target, m.drafter_config
 elem = 2 if m.dtype in ("fp16", "bf16") else 4
 weights = sum((d / f).stat().st_size for f in m.files if f.endswith((".bin", ".onnx", ".data")))
+if m.quantization.kind != "none":
+    print(f"quantized export ({m.quantization.kind}): the target engine is built from target_qdq; the files "
+          "below also hold the unquantized graphs")
 kv_target = 2 * t.num_layers * t.num_key_value_heads * t.head_dim * elem * m.max_capacity
 kv_drafter = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.head_dim or 0) * elem * m.max_capacity
 gib = 1 << 30
