@@ -1,7 +1,8 @@
 """Side-by-side CPU benchmark, one sitting, same prompts, same chat template, greedy, exactly N new tokens:
 
 * ours: ONNX Runtime fused graphs (``target_ort``) at fp32 / int8 / int4 — autoregressive and DFlash 2
-  speculative decoding (the packaged SmolLM2 drafter, exported with ``--block-size``);
+  speculative decoding (the packaged SmolLM2 drafter, exported with ``--block-size`` / ``--draft-vocab``; the
+  acceptance guard on, as the runtime's default, unless ``--no-guard``);
 * onnxruntime-genai: its model builder's fp32 / int4 graphs, autoregressive and its n-gram speculation;
 * llama.cpp (llama-cpp-python) on the PyPI GGUF (Q4_1), autoregressive, when importable.
 
@@ -39,13 +40,15 @@ def _prompts(tok, sets: list[str], limit: int) -> dict[str, list[list[int]]]:
 
 
 class Ours:
-    def __init__(self, kind: str, block_size: int, threads: int) -> None:
+    def __init__(self, kind: str, block_size: int, threads: int, draft_vocab: int, guard: bool) -> None:
         from dflash2_trt.export.cache import cached_export
         from dflash2_trt.runtime.ort_backend import OrtBackend
 
         q = QuantSpec(kind)
+        opts = {"draft_vocab": draft_vocab} if draft_vocab else {}
         folder = cached_export("smollm2", DRAFTER, progress=True, block_size=block_size, max_seq_len=2048,
-                               quantization=q, verify_cost=True)
+                               quantization=q, verify_cost=True, **opts)
+        self.guard = guard
         self.folder = folder
         self.be = OrtBackend(folder, threads=threads)
         self.target = self.be.target_runner()
@@ -61,7 +64,10 @@ class Ours:
     def spec(self, p: list[int], n: int) -> dict:
         t0 = time.perf_counter()
         first = []
+        from dflash2_trt.runtime.guard import AcceptanceGuard
+
         res = D.speculative_generate(self.target, self.drafter, p, n, eos_ids=set(),
+                                     guard=AcceptanceGuard() if self.guard else None,
                                      on_tokens=lambda t: first.append(time.perf_counter() - t0) if not first else None)
         return {"tokens": res.tokens, "s": res.elapsed_s, "ttft": first[0], "tau": res.stats()["tau"]}
 
@@ -144,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=20, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=4, help="block size of our speculative exports")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="export --draft-vocab of our speculative exports")
+    ap.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
+                    help="our speculative decoding with the acceptance guard (the runtime's default)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precisions", nargs="+", default=["none", "int8", "int4"])
     ap.add_argument("--no-genai", action="store_true")
@@ -157,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     systems: dict[str, object] = {}
     quant: dict[str, dict] = {}
     for kind in a.precisions:
-        o = Ours(kind, a.block_size, a.threads)
+        o = Ours(kind, a.block_size, a.threads, a.draft_vocab, a.guard)
         label = "fp32" if kind == "none" else kind
         quant[label] = o.be.manifest.to_json()["quantization"]
         systems[f"ours {label} AR"] = o.ar
