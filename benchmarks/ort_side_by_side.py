@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash2_trt.export.quantize import QuantSpec  # noqa: E402
 from dflash2_trt.runtime import decoder as D  # noqa: E402
+from dflash2_trt.runtime.guard import AcceptanceGuard  # noqa: E402
 
 DRAFTER = ROOT / "dflash2_trt" / "drafters" / "smollm2-135m-instruct-dflash2"
 
@@ -64,8 +65,6 @@ class Ours:
     def spec(self, p: list[int], n: int) -> dict:
         t0 = time.perf_counter()
         first = []
-        from dflash2_trt.runtime.guard import AcceptanceGuard
-
         res = D.speculative_generate(self.target, self.drafter, p, n, eos_ids=set(),
                                      guard=AcceptanceGuard() if self.guard else None,
                                      on_tokens=lambda t: first.append(time.perf_counter() - t0) if not first else None)
