@@ -47,7 +47,7 @@ import json
 import sys
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.bench.demo import DEMO_MAX_SEQ_LEN, DEMO_PROMPT, demo_drafter_path
+from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, DEMO_PROMPT, demo_drafter_path
 from dflash2_trt.vocabulary import BACKEND_CHOICES, INDEPENDENT, SELECTOR_MODES, SELECTOR_PRECISIONS
 
 
@@ -105,15 +105,17 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     x.add_argument("--prompts", default=None, help="humaneval | mtbench | FILE.jsonl: benchmark the demo pair "
                                                    "instead (the keys of `dflash2 bench --json`)")
     _bench_options(d, max_new_tokens=96)
-    _export_options(d)
+    _export_options(d, draft_vocab=DEMO_DRAFT_VOCAB)
     return p
 
 
-def _export_options(b: argparse.ArgumentParser) -> None:
+def _export_options(b: argparse.ArgumentParser, draft_vocab: int = 0) -> None:
     """Export options of the cached export that ``bench --target --drafter`` and ``demo`` make."""
-    b.add_argument("--block-size", type=int, default=None, help="export at this block size (cached export)")
-    b.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="export with the drafter's LM head restricted to its N most frequent ids (cached export)")
+    b.add_argument("--block-size", type=int, default=None,
+                   help="export at this block size (default: the drafter's own; cached export)")
+    b.add_argument("--draft-vocab", type=int, default=draft_vocab, metavar="N",
+                   help="export with the drafter's LM head restricted to its N most frequent ids, 0 = all "
+                        f"(default {draft_vocab}; cached export)")
 
 
 def _cached_export_options(a: argparse.Namespace) -> dict:
