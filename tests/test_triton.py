@@ -411,11 +411,12 @@ def test_model_refuses_to_load_under_numpy2(tiny_export, tmp_path):
 # -- the real server: SmolLM2-135M-Instruct + the shipped drafter -------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_shipped_drafter_streams_equal_the_runtime(tmp_path):
-    from dflash2_trt.bench.demo import DEMO_MAX_SEQ_LEN, demo_drafter_path
+    from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, demo_drafter_path
     from dflash2_trt.export.cache import cached_export
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
-    export = cached_export("smollm2", demo_drafter_path(), progress=False, max_seq_len=DEMO_MAX_SEQ_LEN)  # = demo's
+    export = cached_export("smollm2", demo_drafter_path(), progress=False, max_seq_len=DEMO_MAX_SEQ_LEN,
+                           draft_vocab=DEMO_DRAFT_VOCAB)  # = the demo's export
     repo = tmp_path / "repo"
     T.write_triton_repo(export, repo, instances=1, verify_checksums=False)
     tok = TextTokenizer(export)
