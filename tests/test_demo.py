@@ -37,8 +37,8 @@ def test_demo_default_and_bench_options(capsys):
     assert main(["demo", "--max-new-tokens", "16", "--backend", "ort", "--json", "--no-guard"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert KEYS <= set(r) and r["n_prompts"] == 1 and r["lossless"] is True and isinstance(r["text"], str)
-    # the packaged drafter gets drafts accepted on the default prompt (tau 1.36 measured: 15 tokens committed
-    # by 11 cycles), and tau is consistent with the per-position rates and the oracle ceiling
+    # the packaged drafter gets drafts accepted on the default prompt, and tau is consistent with the
+    # per-position rates and the oracle ceiling
     assert r["selector"] == "greedy" and r["tau"] > 1.0 and r["per_position_cumulative"][0] > 0
     assert r["oracle_tau"] >= r["tau"]
     assert main(["demo", "--prompts", "mtbench", "--limit", "1", "--max-new-tokens", "8", "--no-selector",
