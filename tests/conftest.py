@@ -12,13 +12,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
+def _make_pair(tmp_path_factory, name: str, accepting: bool = False):
     from dflash2_trt.tiny import make_tiny
 
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny(out, seed=0, block_size=16)
+    out = tmp_path_factory.mktemp(name)
+    make_tiny(out, seed=0, block_size=16, accepting=accepting)
     return out
+
+
+def _bound_drafter(pair_dir, target):
+    from dflash2_trt.model import load_drafter
+
+    d = load_drafter(pair_dir / "drafter")
+    d.bind_target(target.embed_weight, target.lm_head_weight)
+    return d
+
+
+def _export(pair_dir, tmp_path_factory, name: str):
+    """The pair exported by dflash2-export (its block size 16, max 512 positions)."""
+    from dflash2_trt.export.exporter import export_model
+
+    out = tmp_path_factory.mktemp("export") / name
+    export_model(pair_dir / "target", pair_dir / "drafter", out, progress=False, max_seq_len=512)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return _make_pair(tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="session")
@@ -30,43 +51,26 @@ def tiny_target(tiny_dir):
 
 @pytest.fixture(scope="session")
 def tiny_drafter(tiny_dir, tiny_target):
-    from dflash2_trt.model import load_drafter
-
-    d = load_drafter(tiny_dir / "drafter")
-    d.bind_target(tiny_target.embed_weight, tiny_target.lm_head_weight)
-    return d
+    return _bound_drafter(tiny_dir, tiny_target)
 
 
 def with_block_size(drafter, bs: int, use_conv: bool = True):
     """The same weights under another block size / convolutions-off ablation (weights do not depend on bs)."""
-    from dflash2_trt.model import DFlash2Drafter
-
-    d = DFlash2Drafter(drafter.config.replace(block_size=bs))
-    d.load_state_dict(drafter.state_dict(), strict=True)
-    d.bind_target(drafter.embed_weight, drafter.lm_head_weight)
+    d = drafter.at_block_size(bs)
     d.set_ablation(use_conv=use_conv)
-    return d.eval()
+    return d
 
 
 @pytest.fixture(scope="session")
 def tiny_export(tiny_dir, tmp_path_factory):
-    """The tiny pair exported by dflash2-export (block size 16, max 512 positions), shared by the
-    export / runtime / bench tests."""
-    from dflash2_trt.export.exporter import export_model
-
-    out = tmp_path_factory.mktemp("export") / "tiny"
-    export_model(tiny_dir / "target", tiny_dir / "drafter", out, progress=False, max_seq_len=512)
-    return out
+    """The tiny pair exported once, shared by the export / runtime / bench tests."""
+    return _export(tiny_dir, tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="session")
 def acc_dir(tmp_path_factory):
     """``make-tiny --accepting`` (block size 16): a copying target and a drafter whose drafts it accepts."""
-    from dflash2_trt.tiny import make_tiny
-
-    out = tmp_path_factory.mktemp("accepting")
-    make_tiny(out, seed=0, block_size=16, accepting=True)
-    return out
+    return _make_pair(tmp_path_factory, "accepting", accepting=True)
 
 
 @pytest.fixture(scope="session")
@@ -78,21 +82,13 @@ def acc_target(acc_dir):
 
 @pytest.fixture(scope="session")
 def acc_drafter(acc_dir, acc_target):
-    from dflash2_trt.model import load_drafter
-
-    d = load_drafter(acc_dir / "drafter")
-    d.bind_target(acc_target.embed_weight, acc_target.lm_head_weight)
-    return d.eval()
+    return _bound_drafter(acc_dir, acc_target)
 
 
 @pytest.fixture(scope="session")
 def acc_export(acc_dir, tmp_path_factory):
-    """The accepting pair exported once (block size 16, max 512 positions)."""
-    from dflash2_trt.export.exporter import export_model
-
-    out = tmp_path_factory.mktemp("export") / "accepting"
-    export_model(acc_dir / "target", acc_dir / "drafter", out, progress=False, max_seq_len=512)
-    return out
+    """The accepting pair exported once."""
+    return _export(acc_dir, tmp_path_factory, "accepting")
 
 
 def assert_accepts(accepted: list[int], draft_rows: int, what: object = "") -> None:

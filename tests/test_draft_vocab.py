@@ -49,10 +49,7 @@ def _restricted(path, target, bs=None):
     d = load_drafter(path)
     d.bind_target(target.embed_weight, target.lm_head_weight)
     if bs is not None:
-        from conftest import with_block_size
-
-        d, counts = with_block_size(d, bs), d.token_counts
-        d.token_counts = counts
+        d = d.at_block_size(bs)
     d.restrict_vocab(torch.from_numpy(draft_vocabulary(d, N)))
     return d.eval()
 

@@ -257,6 +257,7 @@ class _MemoDraftSource(TorchDraftSource):
     head and selector (the proposal under test) run on every call with that run's uniforms."""
 
     memo: dict = {}
+    key: tuple = ()  # the context features added so far
 
     def reset(self):
         super().reset()
@@ -264,7 +265,7 @@ class _MemoDraftSource(TorchDraftSource):
 
     def add_context(self, feats, start):
         super().add_context(feats, start)
-        self.key = getattr(self, "key", ()) + (start, np.asarray(feats).tobytes())
+        self.key = self.key + (start, np.asarray(feats).tobytes())
 
     @torch.no_grad()
     def propose(self, anchor, pos, temperature, uniforms):

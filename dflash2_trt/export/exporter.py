@@ -144,13 +144,9 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     target_dir = resolve_target_path(target_path)
     target.check_drafter(drafter.config)
     onnx_graphs.check_target_supported(target.model)
+    if block_size is not None and block_size != drafter.config.block_size:
+        drafter = drafter.at_block_size(block_size)
     cfg = drafter.config
-    if block_size is not None and block_size != cfg.block_size:
-        cfg = cfg.replace(block_size=block_size)
-        fresh = type(drafter)(cfg)
-        fresh.load_state_dict(drafter.state_dict(), strict=True)
-        fresh.token_counts = drafter.token_counts
-        drafter = fresh.eval()
     max_pos = target.max_positions
     if max_seq_len is None:
         max_seq_len = min(max_pos, 4096)

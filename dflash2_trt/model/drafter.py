@@ -164,6 +164,16 @@ class DFlash2Drafter(nn.Module):
         self.embed_weight = embed_weight.detach()
         self.lm_head_weight = lm_head_weight.detach()
 
+    def at_block_size(self, block_size: int) -> DFlash2Drafter:
+        """The same weights drafting blocks of ``block_size`` (no weight depends on it): a new eval-mode
+        drafter with the token counts and, when bound, the target binding of this one."""
+        d = type(self)(self.config.replace(block_size=block_size))
+        d.load_state_dict(self.state_dict(), strict=True)
+        d.token_counts = self.token_counts
+        if self.embed_weight.numel():
+            d.bind_target(self.embed_weight, self.lm_head_weight)
+        return d.eval()
+
     def restrict_vocab(self, ids: torch.Tensor) -> None:
         """Let the head propose only the token ids ``ids`` [N] (the LM head keeps their rows: an N/V share of
         its cost); every other id gets the dtype's lowest logit, so it is never drafted. Drafts stay lossless

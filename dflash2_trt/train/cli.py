@@ -113,7 +113,7 @@ def _run_eval_tau(a: argparse.Namespace) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    from dflash2_trt.model import DFlash2Drafter, load_drafter
+    from dflash2_trt.model import load_drafter
     from dflash2_trt.model.checkpoint import draft_vocabulary
     from dflash2_trt.target import TargetModel
     from dflash2_trt.train.data import GeneratedData
@@ -122,10 +122,7 @@ def _run_eval_tau(a: argparse.Namespace) -> int:
     target = TargetModel.load(a.target)
     d = load_drafter(a.drafter)
     if a.block_size:
-        d2 = DFlash2Drafter(d.config.replace(block_size=a.block_size))
-        d2.load_state_dict(d.state_dict())
-        d2.token_counts = d.token_counts
-        d = d2
+        d = d.at_block_size(a.block_size)
     d.bind_target(target.embed_weight, target.lm_head_weight)
     if a.draft_vocab:
         d.restrict_vocab(torch.from_numpy(draft_vocabulary(d, a.draft_vocab)))
