@@ -144,7 +144,7 @@ def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[di
                 dr.reset()
                 dr.add_context(feats, 0)
                 u = np.full((1, dr.L), 0.37, np.float32)
-                drafts.append(dr.propose(p[-1], len(p), temp, u if temp > 0 else None))
+                drafts.append(dr.propose(p[-1], len(p), dr.L, temp, u if temp > 0 else None))
             d_plug, d_dec = drafts
             same &= np.array_equal(d_plug.cand, d_dec.cand) and np.array_equal(d_plug.tokens, d_dec.tokens)
             dq = max(dq, float(np.abs(d_plug.proposal - d_dec.proposal).max()))

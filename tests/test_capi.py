@@ -143,7 +143,7 @@ class _ToyDrafter:
         self.calls.append({"op": "add_context", "rows": int(feats.shape[0]), "start": int(start)})
         self.length += feats.shape[0]
 
-    def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
+    def propose(self, anchor: int, pos: int, n_rows: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
         L, K = self.block_size - 1, self.top_k
         prev, rows, toks, props, cands = anchor, [], [], [], []
         for r in range(L):
@@ -171,7 +171,8 @@ class _ToyDrafter:
         else:
             draft = Draft(tokens=np.asarray(toks, np.int64), proposal=np.stack(props), cand=np.stack(cands))
         self.calls.append({
-            "op": "propose", "anchor": int(anchor), "pos": int(pos), "temperature": float(temperature),
+            "op": "propose", "anchor": int(anchor), "pos": int(pos), "rows": int(n_rows),
+            "temperature": float(temperature),
             "uniforms": None if uniforms is None else uniforms.reshape(-1).astype(np.float64).tolist(),
             "tokens": draft.tokens.tolist(), "proposal": draft.proposal.astype(np.float64).tolist(),
             "cand": draft.cand.tolist(),
@@ -389,7 +390,7 @@ _TR = C.CFUNCTYPE(C.c_int32, C.c_void_p)
 _TF = C.CFUNCTYPE(C.c_int32, C.c_void_p, P(C.c_int32), C.c_int32, P(C.c_float), P(C.c_float))
 _TC = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32)
 _DA = C.CFUNCTYPE(C.c_int32, C.c_void_p, P(C.c_float), C.c_int32, C.c_int32)
-_DP = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, C.c_int32, C.c_float, P(C.c_float), P(C.c_int32), P(C.c_float),
+_DP = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, C.c_int32, C.c_int32, C.c_float, P(C.c_float), P(C.c_int32), P(C.c_float),
                   P(C.c_int32), P(C.c_float), P(C.c_int32))
 _TOKENS = C.CFUNCTYPE(C.c_int32, C.c_void_p, P(C.c_int32), C.c_size_t)
 _UNIFORM = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int, P(C.c_double), C.c_size_t)
@@ -492,10 +493,10 @@ class CRuntime:
         f = np.ctypeslib.as_array(feats, (m, self.F)).copy() if self.F else np.zeros((m, 0), np.float32)
         self.drafter.add_context(f, start)
 
-    def _propose(self, u, anchor, pos, temperature, uniforms, tokens, proposal, cand, vocab, used) -> None:  # noqa: ANN001
+    def _propose(self, u, anchor, pos, rows, temperature, uniforms, tokens, proposal, cand, vocab, used) -> None:  # noqa: ANN001
         self.calls["propose"] += 1
         un = np.ctypeslib.as_array(uniforms, (1, self.L)).copy() if uniforms else None
-        d = self.drafter.propose(anchor, pos, temperature, un)
+        d = self.drafter.propose(anchor, pos, rows, temperature, un)
         L, K = self.L, self.K
         np.ctypeslib.as_array(tokens, (L,))[:] = d.tokens[:L]
         np.ctypeslib.as_array(proposal, (L, K))[:] = d.proposal[:L]
@@ -634,7 +635,7 @@ class _OracleDrafter:
         assert start == self.length
         self.length += feats.shape[0]
 
-    def propose(self, anchor: int, pos: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
+    def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
         L = self.block_size - 1
         toks = [self.seq[p + 1] if p + 1 < len(self.seq) else 0 for p in range(pos, pos + L)]
         toks = [(t + 1) % self.V if (pos + i) % 5 == 4 else t for i, t in enumerate(toks)]

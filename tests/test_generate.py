@@ -80,8 +80,8 @@ class OracleSource:
     def add_context(self, feats, start):
         self.inner.add_context(feats, start)
 
-    def propose(self, anchor, pos, temperature, uniforms):
-        d = self.inner.propose(anchor, pos, temperature, uniforms)
+    def propose(self, anchor, pos, rows, temperature, uniforms):
+        d = self.inner.propose(anchor, pos, rows, temperature, uniforms)
         L = self.block_size - 1
         k = int(self.rng.integers(0, L + 1))
         off = pos - self.n_prompt + 1  # index in the continuation of the token after the anchor
@@ -268,13 +268,14 @@ class _MemoDraftSource(TorchDraftSource):
         self.key = self.key + (start, np.asarray(feats).tobytes())
 
     @torch.no_grad()
-    def propose(self, anchor, pos, temperature, uniforms):
+    def propose(self, anchor, pos, rows, temperature, uniforms):
         k = (self.key, anchor, pos)
         if k not in self.memo:
             self.memo[k] = self.drafter.block_forward(torch.tensor([anchor]), torch.tensor([pos]), self.ctx.k,
                                                       self.ctx.v)
         u = None if uniforms is None else torch.from_numpy(np.asarray(uniforms, dtype=np.float32))
-        d = self.drafter.draft_from_hidden(self.memo[k], torch.tensor([anchor]), self.mode, temperature, u)
+        d = self.drafter.draft_from_hidden(self.memo[k], torch.tensor([anchor]), self.mode, temperature, u,
+                                           verified_rows=rows)
         q = d.proposal[0]
         return Draft(tokens=d.tokens[0].numpy(), proposal=q.gather(-1, d.cand[0]).numpy(), cand=d.cand[0].numpy(),
                      vocab_proposal=q.numpy())

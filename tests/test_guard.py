@@ -61,7 +61,7 @@ class ScheduledOracleDrafter:
         assert start == self.ctx, (start, self.ctx)  # the decoder hands over every position exactly once
         self.ctx += feats.shape[0]
 
-    def propose(self, anchor: int, pos: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
+    def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
         assert pos == self.ctx
         L, V = self.block_size - 1, self.W.shape[0]
         k = self.good(pos)
@@ -185,7 +185,7 @@ class SamplingDrafter:
     def add_context(self, feats: np.ndarray, start: int) -> None:
         pass
 
-    def propose(self, anchor: int, pos: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
+    def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
         L, V = self.block_size - 1, self.Q.shape[0]
         toks, qs, t = [], [], anchor
         for i in range(L):

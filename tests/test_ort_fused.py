@@ -187,8 +187,8 @@ class AcceptingDrafter:
     def add_context(self, feats, start):
         self.inner.add_context(feats, start)
 
-    def propose(self, anchor, pos, temperature, uniforms):
-        d = self.inner.propose(anchor, pos, temperature, uniforms)  # the real drafter runs every cycle
+    def propose(self, anchor, pos, rows, temperature, uniforms):
+        d = self.inner.propose(anchor, pos, rows, temperature, uniforms)  # the real drafter runs every cycle
         L = self.block_size - 1
         k = int(self.rng.integers(0, L + 1))
         truth = self.cont[pos - self.n_prompt + 1:][:L]

@@ -170,3 +170,4 @@ def test_drafter_selector_precision_switch():
     finally:
         S.lattice = real
     assert calls == ["fp32", "bf16"]
+

@@ -116,10 +116,10 @@ def test_drafter_step_is_one_graph_for_block_and_head(fake_engines):
     assert dr.kv.length == 20
     # the context features reached the pinned buffer that the prefill run copied from
     np.testing.assert_array_equal(dr.cio["context_features"].host_view((1, 20, 128))[0], feats)
-    d1 = dr.propose(anchor=5, pos=20, temperature=0.0, uniforms=None)
+    d1 = dr.propose(anchor=5, pos=20, rows=15, temperature=0.0, uniforms=None)
     assert dr.last_path == "captured" and d1.tokens.shape == (15,) and d1.cand.shape == (15, 16)
     start = len(cuda.log)
-    d2 = dr.propose(anchor=7, pos=20, temperature=0.7, uniforms=np.full((1, 15), 0.25, np.float32))
+    d2 = dr.propose(anchor=7, pos=20, rows=15, temperature=0.7, uniforms=np.full((1, 15), 0.25, np.float32))
     assert dr.last_path == "replay" and d2.proposal.shape == (15, 16)
     ex = _executes(cuda.log[start:])
     assert [e[1] for e in ex] == ["drafter_block.onnx", "drafter_head_viterbi.plugin.onnx"]
@@ -128,7 +128,7 @@ def test_drafter_step_is_one_graph_for_block_and_head(fake_engines):
     assert dr.hio["anchor_ids"].host_view((1,))[0] == 7 and dr.hio["anchor_ids"].dtype == np.int32
     assert dr.bio["anchor_ids"].dtype == np.int64
     with pytest.raises(DFlash2Error, match="anchor is at 21"):
-        dr.propose(5, 21, 0.0, None)
+        dr.propose(5, 21, 15, 0.0, None)
     dr.add_context(feats[:3], 20)  # a cycle's commit: step profile, captured
     assert dr.kv.length == 23
     be.close()
@@ -305,7 +305,7 @@ def test_engines_with_auxiliary_streams_are_never_captured(fake_engines):
         tgt.forward([1, 2, 3])
         assert tgt.last_path == "eager"
     dr.add_context(np.zeros((20, 128), np.float32), 0)
-    dr.propose(1, 20, 0.0, None)
+    dr.propose(1, 20, 15, 0.0, None)
     assert dr.last_path == "eager"
     assert cuda.count("begin_capture") == 0 and len(be.graphs) == 0
     be.close()
@@ -354,5 +354,57 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
     runs = cuda.executor.runs
     assert runs["target.onnx"] and runs["drafter_block.onnx"] and runs["drafter_head_viterbi.onnx"]
     assert (be.graphs.stats.replays > 0) == cuda_graphs
+    be.close()
+    ort_be.close()
+
+
+
+class _HiddenSpy:
+    """Wraps an ONNX Runtime session: records each ``hidden`` input it is fed."""
+
+    def __init__(self, sess, seen: list) -> None:  # noqa: ANN001
+        self.sess, self.seen = sess, seen
+
+    def run(self, feed: dict):  # noqa: ANN201
+        self.seen.append(feed["hidden"].copy())
+        return self.sess.run(feed)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_partial_block_draft_is_the_verified_rows_path(acc_engines, acc_drafter, temperature):
+    """A final partial block (n < L rows verified): the ORT and TensorRT draft runners hand the Viterbi head zero
+    hidden states past row n (ORT: the array fed to the head; TensorRT: a memset between the block and head
+    engines, run eagerly) and draft what the PyTorch drafter drafts with ``verified_rows=n`` — whose path is
+    the reference walk of the n-row lattice (tests/test_findings.py)."""
+    from dflash2_trt.runtime.backends import open_backend
+    from dflash2_trt.runtime.torch_backend import TorchDraftSource
+
+    cuda = FakeCuda()
+    be, _, _ = _open(acc_engines, cuda=cuda, trt=FakeTrt(cuda, compute=True))
+    ort_be, _ = open_backend(acc_engines, "ort")
+    runners = {"trt": be.draft_runner("viterbi"), "ort": ort_be.draft_runner("viterbi"),
+               "torch": TorchDraftSource(acc_drafter, "viterbi")}
+    seen: list[np.ndarray] = []
+    runners["ort"].head_sess = _HiddenSpy(runners["ort"].head_sess, seen)
+    rng = np.random.default_rng(5)
+    feats = rng.standard_normal((20, acc_drafter.fc.weight.shape[1])).astype(np.float32)
+    for r in runners.values():
+        r.add_context(feats, 0)
+    L = runners["trt"].L
+    hid = runners["trt"].bio["hidden"]
+    row_bytes = hid.max_shape[-1] * np.dtype(hid.dtype).itemsize
+    for n in (0, 3, 9, L):
+        u = rng.random((1, L), dtype=np.float32) if temperature > 0 else None
+        start = len(cuda.log)
+        d = {k: r.propose(7, 20, n, temperature, u) for k, r in runners.items()}
+        for k in ("trt", "ort"):
+            assert d[k].tokens[:n].tolist() == d["torch"].tokens[:n].tolist(), (k, n)
+            assert d[k].cand[:n].tolist() == d["torch"].cand[:n].tolist(), (k, n)
+            np.testing.assert_allclose(d[k].proposal[:n], d["torch"].proposal[:n], atol=1e-4)
+        h = seen[-1][0]  # [bs, H]: what the ORT head was fed
+        assert not h[1 + n:].any() and h[: 1 + n].any(axis=-1).all(), n
+        memsets = [op[1:] for op in cuda.log[start:] if op[0] == "memset"]
+        assert memsets == ([(hid.dev + (1 + n) * row_bytes, 0, (L - n) * row_bytes)] if n < L else []), n
+        assert runners["trt"].last_path == ("eager" if n < L else "captured"), n
     be.close()
     ort_be.close()

@@ -333,9 +333,18 @@ class DFlash2Drafter(nn.Module):
         mode: str = "greedy",
         temperature: float = 0.0,
         uniforms: torch.Tensor | None = None,  # [nb, L] in [0, 1)
+        verified_rows: int | None = None,
     ) -> Draft:
         """Head + selector: rows 1..bs-1 -> drafts. ``mode`` 'independent' (or a drafter without the selector):
-        each row's own argmax / sample."""
+        each row's own argmax / sample.
+
+        ``verified_rows`` n < L (a final partial block): the rows past n get zero hidden states, so their
+        logits, the selector's projection and hence their lattice scores are exactly 0 — the path (Viterbi's
+        argmax, its sampled chain) of the first n rows is then the one over those n rows alone
+        (:func:`dflash2_trt.reference.walk_one` on ``S[:n]``). Drafts past n are meaningless."""
+        if verified_rows is not None and verified_rows < h.shape[1] - 1:
+            h = h.clone()
+            h[:, 1 + verified_rows:] = 0
         rows = h[:, 1:]  # [nb, L, H]
         logits = self.logits(rows).float()  # [nb, L, V]
         nb, L, V = logits.shape

@@ -10,7 +10,9 @@ A backend gives the decoder loop two runners per request:
 * :class:`TargetRunner` — ``reset()``, ``forward(ids) -> (logits [m, V] fp32, features [m, F])`` at positions
   ``cache_length ..``, ``crop(length)``, ``cache_length``;
 * :class:`DraftRunner` — ``reset()``, ``add_context(features [m, F], start)``,
-  ``propose(anchor, pos, temperature, uniforms [1, L] | None) -> Draft``.
+  ``propose(anchor, pos, rows, temperature, uniforms [1, L] | None) -> Draft``: the block at positions
+  ``pos ..``; ``rows`` (<= L) draft rows will be verified — fewer than L on a final partial block, where the
+  drafter chooses its path over those rows alone (the rows past them get zero hidden states, SPEC §3).
 
 Runners hold one request's state (KV caches) and are not thread safe; use one per concurrent request.
 """
@@ -98,7 +100,7 @@ class DraftRunner(Protocol):
 
     def add_context(self, feats: np.ndarray, start: int) -> None: ...
 
-    def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft: ...
+    def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms: np.ndarray | None) -> Draft: ...
 
 
 class Backend(Protocol):

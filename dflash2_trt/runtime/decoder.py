@@ -192,7 +192,7 @@ def speculative_generate(
         n_rows = min(L, limit - len(res.tokens) - 1)  # a final partial block verifies fewer rows
         # draft + select (all bs rows always run, as in training)
         uniforms = rng.random((1, L), dtype=np.float32) if temperature > 0 else None
-        draft = drafter.propose(anchor, pos, temperature, uniforms)
+        draft = drafter.propose(anchor, pos, n_rows, temperature, uniforms)
         n_rows = verify_rows(_confidence(draft, temperature), n_rows, min_confidence)
         drafts = [int(t) for t in draft.tokens[:n_rows]]
         # verify [anchor, d_1..d_n] at positions pos..pos+n

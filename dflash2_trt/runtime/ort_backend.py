@@ -241,7 +241,7 @@ class OrtDrafter:
                                  "position_ids": np.arange(start, start + m, dtype=np.int64).reshape(1, -1)})
         self.kv.append(out)
 
-    def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
+    def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
         if self.kv.length != pos:
             raise DFlash2Error(f"draft context holds {self.kv.length} positions, anchor is at {pos}")
         self.kv.reserve(max(1, pos))
@@ -250,6 +250,7 @@ class OrtDrafter:
         feed.update(zip(self.names, self.kv.arrays))
         hidden = self.block_sess.run(feed)[0]  # [1, bs, H]
         L = self.num_draft_rows
+        hidden[:, 1 + rows:] = 0  # a final partial block: the path over the verified rows alone
         if self.mode == INDEPENDENT:
             logits = self.head_sess.run({"hidden": hidden})[0][0]  # [L, V] fp32
             return independent_draft(logits, temperature, uniforms, self.top_k)

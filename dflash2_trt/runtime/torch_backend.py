@@ -74,13 +74,13 @@ class TorchDraftSource:
                                     start)
 
     @torch.no_grad()
-    def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
+    def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
         if self.ctx.length != pos:
             raise DFlash2Error(f"draft context holds {self.ctx.length} positions, anchor is at {pos}")
         a = torch.tensor([anchor])
         h = self.drafter.block_forward(a, torch.tensor([pos]), self.ctx.k, self.ctx.v)
         u = None if uniforms is None else torch.from_numpy(np.asarray(uniforms, dtype=np.float32))
-        d = self.drafter.draft_from_hidden(h, a, self.mode, temperature, u)
+        d = self.drafter.draft_from_hidden(h, a, self.mode, temperature, u, verified_rows=rows)
         q = d.proposal[0]  # [L, V] proposal scattered into the vocabulary
         return Draft(tokens=d.tokens[0].numpy(), proposal=q.gather(-1, d.cand[0]).numpy(),
                      cand=d.cand[0].numpy(), vocab_proposal=q.numpy())

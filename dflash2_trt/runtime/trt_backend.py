@@ -45,7 +45,7 @@ from dflash2_trt.manifest import EngineProfile, ExportManifest, read_manifest, s
 from dflash2_trt.runtime.base import BackendBase, BackendUnavailable, Draft
 from dflash2_trt.runtime.cuda_api import CudaApi, CudaRuntime
 from dflash2_trt.runtime.cuda_graphs import GraphCache, GraphKey
-from dflash2_trt.runtime.device_buffers import BufferPool, DeviceKV, IOTensor
+from dflash2_trt.runtime.device_buffers import BufferPool, DeviceKV, IOTensor, nbytes_of
 from dflash2_trt.runtime.trt_env import (check_engine_identity, current_identity, engine_set, import_tensorrt,
                                          load_plugin_library, resolve_plugin)
 from dflash2_trt.vocabulary import SELECTOR_MODES, head_key
@@ -440,7 +440,7 @@ class TrtDrafter:
             step()
         self.kv.append([io[n].dev for n in self.names], m)
 
-    def propose(self, anchor: int, pos: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
+    def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
         be, kv, bio, hio = self.be, self.kv, self.bio, self.hio
         if kv.length != pos:
             raise DFlash2Error(f"draft context holds {kv.length} positions, anchor is at {pos}")
@@ -469,7 +469,14 @@ class TrtDrafter:
         step = _step(be, [(self.block_eng, bctx), (self.head_eng, hctx)], h2d, d2h)
         key = GraphKey(f"drafter_step:{self.mode}", 0, (C,),
                        _addresses(baddr, bio, bctx) + _addresses(haddr, hio, hctx))
-        if captured:
+        if rows < L:  # a final partial block, eagerly: the rows past the verified ones get zero hidden states
+            H, hid = bio["hidden"].max_shape[-1], bio["hidden"]
+            _step(be, [(self.block_eng, bctx)], h2d, [])()
+            be.api.memset_async(hid.dev + nbytes_of((1 + rows, H), hid.dtype), 0,
+                                nbytes_of((L - rows, H), hid.dtype), be.stream)
+            _step(be, [(self.head_eng, hctx)], [], d2h)()
+            self.last_path = "eager"
+        elif captured:
             self.last_path = be.graphs.run(key, be.stream, step)
         else:
             step()
@@ -489,8 +496,6 @@ def _addresses(addr: dict[str, int], io: dict[str, IOTensor], ctx: object) -> tu
 def _step(be: TrtBackend, runs: Sequence[tuple[TrtEngine, Any]], h2d: Sequence[tuple[IOTensor, tuple[int, ...]]],
           d2h: Sequence[tuple[IOTensor, tuple[int, ...]]]) -> Callable[[], None]:
     """The enqueue-only body of a step (captured as one graph): copies in, engines in order, copies out."""
-    from dflash2_trt.runtime.device_buffers import nbytes_of
-
     api, stream = be.api, be.stream
 
     def step() -> None:

@@ -56,6 +56,7 @@ typedef struct Toy {
     int forwards;
     int badDraftToken;     /* propose an out-of-range token */
     int addContextRows;    /* rows handed to the drafter in total */
+    int32_t lastRows;      /* rows the latest drafter_propose was told would be verified */
 } Toy;
 
 static float toyLogit(int32_t tok, int32_t pos, int32_t v)
@@ -122,13 +123,15 @@ static int32_t toyAddContext(void* u, const float* features, int32_t m, int32_t 
     return 0;
 }
 
-static int32_t toyPropose(void* u, int32_t anchor, int32_t pos, float temperature, const float* uniforms,
+static int32_t toyPropose(void* u, int32_t anchor, int32_t pos, int32_t rows, float temperature, const float* uniforms,
                           int32_t* tokens, float* proposal, int32_t* cand, float* vocabProposal, int32_t* used)
 {
     Toy* t = (Toy*) u;
     (void) vocabProposal;
     (void) used;
     if (pos != t->draftLength) return 5;
+    if (rows < 0 || rows > L) return 6;
+    t->lastRows = rows;
     int32_t prev = anchor;
     for (int32_t r = 0; r < L; ++r) {
         int32_t p = pos + r; /* the row predicts the token at p + 1 from prev at p */
@@ -526,6 +529,7 @@ static void testGeneration(void)
     /* 1 + accepted drafts + bonus per cycle = tokens; the last block was partial (40 - 1 is not a multiple) */
     CHECK(1 + accepted + st.cycles == 40);
     CHECK(drafted > 0 && st.proposed[st.cycles - 1] <= L);
+    CHECK(toy.lastRows == st.proposed[st.cycles - 1]); /* the drafter was told the verified rows */
     CHECK(st.finish_reason == DFL2_FINISH_LENGTH);
     /* every committed position went to the drafter exactly once: prompt + generated - the last anchor */
     CHECK(toy.draftLength == 4 + 40 - 1 || toy.draftLength == 4 + 40);

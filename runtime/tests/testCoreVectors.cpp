@@ -151,10 +151,12 @@ public:
         expect(c["rows"].get<int32_t>() == rows && c["start"].get<int32_t>() == start && rows <= mLastForwardRows,
             "add_context rows/start");
     }
-    void drafterPropose(int32_t anchor, int32_t pos, float temperature, float const* uniforms, Draft& out) override
+    void drafterPropose(
+        int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out) override
     {
         json const& c = next("propose");
-        expect(c["anchor"].get<int32_t>() == anchor && c["pos"].get<int32_t>() == pos, "propose anchor/pos");
+        expect(c["anchor"].get<int32_t>() == anchor && c["pos"].get<int32_t>() == pos && c["rows"].get<int32_t>() == rows,
+            "propose anchor/pos/rows");
         expect(static_cast<float>(c["temperature"].get<double>()) == temperature, "propose temperature");
         if (c["uniforms"].is_null())
         {

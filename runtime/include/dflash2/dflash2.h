@@ -174,12 +174,15 @@ typedef struct dfl2_callbacks {
     int32_t (*drafter_reset)(void* user_data);
     /* Drafter: features [m, F] of positions start .. start + m - 1 join the draft context. */
     int32_t (*drafter_add_context)(void* user_data, const float* features, int32_t m, int32_t start);
-    /* Drafter: draft the block [anchor, MASK x L] at positions pos .. pos + L. uniforms [L] in [0, 1) when
-     * temperature > 0, else NULL. Write tokens [L], proposal [L, K] (the probability the drafter gave each
-     * candidate; one-hot at T = 0) and cand [L, K] (the row's top-K candidates). A drafter whose sampling
-     * proposal is not confined to cand (no selector) writes it over the whole vocabulary into
-     * vocab_proposal [L, V] and sets *vocab_proposal_used = 1 (else leave both untouched). */
-    int32_t (*drafter_propose)(void* user_data, int32_t anchor, int32_t pos, float temperature,
+    /* Drafter: draft the block [anchor, MASK x L] at positions pos .. pos + L, of which the first `rows`
+     * (0 <= rows <= L; fewer than L on a final partial block) will be verified: a selector drafter chooses
+     * its path over those rows alone by giving the rows past them zero hidden states. uniforms [L] in
+     * [0, 1) when temperature > 0, else NULL. Write tokens [L], proposal [L, K] (the probability the
+     * drafter gave each candidate; one-hot at T = 0) and cand [L, K] (the row's top-K candidates); rows past
+     * `rows` are not read. A drafter whose sampling proposal is not confined to cand (no selector) writes it
+     * over the whole vocabulary into vocab_proposal [L, V] and sets *vocab_proposal_used = 1 (else leave
+     * both untouched). */
+    int32_t (*drafter_propose)(void* user_data, int32_t anchor, int32_t pos, int32_t rows, float temperature,
                                const float* uniforms, int32_t* tokens, float* proposal, int32_t* cand,
                                float* vocab_proposal, int32_t* vocab_proposal_used);
 } dfl2_callbacks;

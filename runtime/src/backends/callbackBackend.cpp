@@ -72,7 +72,8 @@ public:
         }
         check(mCb.drafter_add_context(mCb.user_data, mFeatures.data(), rows, start), "drafter_add_context");
     }
-    void drafterPropose(int32_t anchor, int32_t pos, float temperature, float const* uniforms, Draft& out) override
+    void drafterPropose(
+        int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out) override
     {
         size_t const L = static_cast<size_t>(mCb.block_size - 1);
         size_t const K = static_cast<size_t>(mCb.top_k);
@@ -83,7 +84,7 @@ public:
         // the [L, V] buffer is only offered (and sized) when sampling: greedy acceptance never reads it
         out.vocabProposal.assign(temperature > 0 ? L * V : 0, 0.0F);
         int32_t used = 0;
-        check(mCb.drafter_propose(mCb.user_data, anchor, pos, temperature, uniforms, out.tokens.data(),
+        check(mCb.drafter_propose(mCb.user_data, anchor, pos, rows, temperature, uniforms, out.tokens.data(),
                   out.proposal.data(), out.cand.data(), temperature > 0 ? out.vocabProposal.data() : nullptr, &used),
             "drafter_propose");
         out.hasVocabProposal = temperature > 0 && used != 0;

@@ -383,7 +383,8 @@ public:
         mDraftKV.length = 0;
     }
     void drafterAddContext(int32_t rows, int32_t start) override;
-    void drafterPropose(int32_t anchor, int32_t pos, float temperature, float const* uniforms, Draft& out) override;
+    void drafterPropose(
+        int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out) override;
 
 private:
     IOTensor& tensor(std::map<std::string, IOTensor>& io, Engine const& e, std::string const& name,
@@ -906,7 +907,8 @@ void TrtRunners::drafterAddContext(int32_t rows, int32_t start)
     }
 }
 
-void TrtRunners::drafterPropose(int32_t anchor, int32_t pos, float temperature, float const* uniforms, Draft& out)
+void TrtRunners::drafterPropose(
+    int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out)
 {
     Engine const& be = mModel.engine("drafter_block");
     Engine const& he = mModel.engine(mModel.headKeyUsed);
@@ -977,12 +979,20 @@ void TrtRunners::drafterPropose(int32_t anchor, int32_t pos, float temperature, 
         h2d(mHio["temperature"], sizeof(float));
         h2d(mHio["uniforms"], static_cast<size_t>(L) * sizeof(float));
         enqueue(be, bctx);
+        if (rows < L)  // a final partial block: the rows past the verified ones get zero hidden states
+        {
+            IOTensor& hid = mBio["hidden"];
+            size_t const rowBytes = static_cast<size_t>(mModel.manifest.hiddenSize) * elementSize(hid.type);
+            cudaCheck(cudaMemsetAsync(static_cast<char*>(hid.dev) + static_cast<size_t>(1 + rows) * rowBytes, 0,
+                          static_cast<size_t>(L - rows) * rowBytes, mStream),
+                "zero unverified draft rows");
+        }
         enqueue(he, hctx);
         d2h(mHio["cand_ids"]);
         d2h(mHio["path_ids"]);
         d2h(mHio["proposal_probs"]);
     };
-    runStep(key, true, step);
+    runStep(key, rows == L, step);  // a partial block (once per request) runs eagerly
     cudaCheck(cudaStreamSynchronize(mStream), "draft sync");
     out.tokens.resize(static_cast<size_t>(L));
     out.cand.resize(static_cast<size_t>(L * K));

@@ -446,8 +446,8 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
                 u32[i] = static_cast<float>(u64[i]);
             }
         }
-        runners.drafterPropose(anchor, pos, static_cast<float>(cfg.temperature), sampling ? u32.data() : nullptr,
-            draft);
+        runners.drafterPropose(
+            anchor, pos, nRows, static_cast<float>(cfg.temperature), sampling ? u32.data() : nullptr, draft);
         checkDraft(draft, nRows, K, V);  // rows past nRows are never read
         std::vector<int32_t> const drafts(draft.tokens.begin(), draft.tokens.begin() + nRows);
         // verify [anchor, d_1..d_n] at positions pos..pos+n

@@ -71,8 +71,10 @@ public:
     virtual void drafterReset() = 0;
     //! rows of the latest targetForward's features [rows, F] for positions start..start+rows-1
     virtual void drafterAddContext(int32_t rows, int32_t start) = 0;
-    //! uniforms [L] or nullptr at T <= 0; fills out (tokens [L], proposal/cand [L, K], maybe vocab [L, V])
-    virtual void drafterPropose(int32_t anchor, int32_t pos, float temperature, float const* uniforms, Draft& out)
+    //! the first `rows` (<= L) rows will be verified (the path is chosen over them alone); uniforms [L] or nullptr
+    //! at T <= 0; fills out (tokens [L], proposal/cand [L, K], maybe vocab [L, V])
+    virtual void drafterPropose(
+        int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out)
         = 0;
 };
 
