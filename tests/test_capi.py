@@ -586,34 +586,53 @@ def ort(tiny_export):
     return open_backend(tiny_export, "ort")[0]
 
 
+@pytest.fixture(scope="module")
+def acc_ort(acc_export):
+    """ONNX Runtime runners of the accepting pair (block size 16): the C loop commits drafts every cycle."""
+    from dflash2_trt.runtime.backends import open_backend
+
+    return open_backend(acc_export, "ort")[0]
+
+
 @pytest.mark.parametrize("mode", ["greedy", "viterbi"])
-def test_c_loop_equals_python_runtime_greedy(lib, ort, mode):
-    """Greedy, both selector modes, oracle τ measured: identical tokens, counts and metrics."""
-    c = CRuntime(lib, ort.target_runner(), ort.draft_runner(mode), _feature_dim(ort), ort.draft_runner(mode).top_k)
+def test_c_loop_equals_python_runtime_greedy(lib, acc_ort, mode):
+    """Greedy, both selector modes, oracle τ measured, on the accepting pair: identical tokens, counts and
+    metrics, drafts accepted (final partial blocks included: 40 tokens at block size 16)."""
+    from conftest import assert_accepts
+
+    dr = acc_ort.draft_runner(mode)
+    c = CRuntime(lib, acc_ort.target_runner(), dr, _feature_dim(acc_ort), dr.top_k)
+    accepted = []
     try:
         for p in _prompts(3, seed=21):
-            py = D.speculative_generate(ort.target_runner(), ort.draft_runner(mode), p, 24, eos_ids=set(),
+            py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner(mode), p, 40, eos_ids=set(),
                                         oracle=oracle_count)
-            toks, st, chunks = c.generate(p, {"max_new_tokens": 24, "eos_ids": [], "measure_oracle": True})
+            toks, st, chunks = c.generate(p, {"max_new_tokens": 40, "eos_ids": [], "measure_oracle": True})
             _assert_same(toks, st, py)
             assert sum(chunks, []) == toks and len(chunks) == st["cycles"] + 1
+            accepted += st["accepted"]
         assert not c.errors and c.calls["propose"] > 0
+        assert_accepts(accepted, acc_ort.manifest.block_size - 1, ("C loop", mode))
     finally:
         c.close()
 
 
 @pytest.mark.parametrize("mode", ["greedy", "viterbi", "independent"])
-def test_c_loop_equals_python_runtime_sampling(lib, ort, mode):
-    """T > 0 with numpy's uniforms in the Python runtime's order: the same samples, token for token."""
-    c = CRuntime(lib, ort.target_runner(), ort.draft_runner(mode), _feature_dim(ort), ort.draft_runner(mode).top_k)
+def test_c_loop_equals_python_runtime_sampling(lib, acc_ort, mode):
+    """T > 0 with numpy's uniforms in the Python runtime's order: the same samples, token for token, with
+    drafts accepted by the rejection rule."""
+    dr = acc_ort.draft_runner(mode)
+    c = CRuntime(lib, acc_ort.target_runner(), dr, _feature_dim(acc_ort), dr.top_k)
+    accepted = []
     try:
         for seed, p in enumerate(_prompts(3, seed=5)):
-            py = D.speculative_generate(ort.target_runner(), ort.draft_runner(mode), p, 24, temperature=0.8,
+            py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner(mode), p, 24, temperature=0.8,
                                         eos_ids=set(), seed=seed)
             toks, st, _ = c.generate(p, {"max_new_tokens": 24, "temperature": 0.8, "eos_ids": []}, numpy_seed=seed)
             _assert_same(toks, st, py)
-        assert not c.errors
-        ar = D.target_generate(ort.target_runner(), p, 16, temperature=0.8, eos_ids=set(), seed=3)
+            accepted += st["accepted"]
+        assert not c.errors and max(accepted) >= 3, accepted
+        ar = D.target_generate(acc_ort.target_runner(), p, 16, temperature=0.8, eos_ids=set(), seed=3)
         toks, _, _ = c.generate(p, {"max_new_tokens": 16, "temperature": 0.8, "eos_ids": [], "speculative": False},
                                 numpy_seed=3)
         assert toks == ar.tokens
@@ -664,6 +683,38 @@ def test_c_loop_with_accepting_drafter(lib, ort):
         toks, st, _ = c.generate(p, {"max_new_tokens": n, "temperature": 0.1, "eos_ids": []}, numpy_seed=11)
         _assert_same(toks, st, py)
         assert sum(st["accepted"]) > 0  # a low temperature keeps the samples near the drafted greedy chain
+    finally:
+        c.close()
+
+
+def test_c_loop_counts_no_drafts_after_an_accepted_eos(lib, ort, monkeypatch):
+    """An EOS accepted mid-block with accepted drafts after it: the request ends there and the cycle counts
+    only the drafts up to the EOS — in the C loop as in the Python runtime (the C loop used to count all)."""
+    import dflash2_trt.reference as ref
+
+    p = _prompts(1, seed=77)[0]
+    n = 40
+    cont = D.target_generate(ort.target_runner(), p, n, eos_ids=set()).tokens
+    greedy = list(p) + cont
+    make = lambda: _OracleDrafter(greedy, ort.manifest.block_size, ort.manifest.target.vocab_size)  # noqa: E731
+    raw: list[int] = []  # acceptance counts before the EOS cut
+    real = ref.accept_greedy
+    monkeypatch.setattr(ref, "accept_greedy", lambda d, lg: (lambda r: (raw.append(r[0]), r)[1])(real(d, lg)))
+    c = CRuntime(lib, ort.target_runner(), make(), _feature_dim(ort), 4)
+    try:
+        cases = 0
+        for i, eos in enumerate(cont[1:-1], 1):
+            if eos in cont[:i]:
+                continue  # the first occurrence ends the request
+            raw.clear()
+            py = D.speculative_generate(ort.target_runner(), make(), p, n, eos_ids={eos})
+            if raw[-1] <= py.accepted[-1]:
+                continue  # the EOS was the bonus or the last accepted draft: nothing to cut
+            toks, st, _ = c.generate(p, {"max_new_tokens": n, "eos_ids": [eos]})
+            _assert_same(toks, st, py)
+            assert toks == cont[: i + 1] and st["finish"] == 1
+            cases += 1
+        assert cases >= 3, cases
     finally:
         c.close()
 

@@ -37,6 +37,17 @@ def test_make_tiny_cli(tmp_path, capsys):
     assert (tmp_path / "t" / "target" / "tokenizer.json").is_file()
 
 
+def test_make_tiny_accepting_then_generate_shows_tau(tmp_path, capsys):
+    """The accepting pair as a user makes it: ``make-tiny --accepting`` then ``generate --json`` is lossless
+    with τ well above 1."""
+    assert main(["make-tiny", "--out", str(tmp_path / "a"), "--accepting", "--block-size", "8"]) == 0
+    capsys.readouterr()
+    rc = main(["generate", "--target", str(tmp_path / "a" / "target"), "--drafter", str(tmp_path / "a" / "drafter"),
+               "--prompt", "Hello world", "--max-new-tokens", "40", "--check-lossless", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["lossless"] is True and out["stats"]["tau"] >= 2.0, out["stats"]
+
+
 def _err(capsys, argv):
     rc = main(argv)
     err = capsys.readouterr().err.strip()

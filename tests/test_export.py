@@ -239,9 +239,11 @@ def test_export_bad_input(tiny_dir, tmp_path, capsys):
     assert not (tmp_path / "o").exists() and (busy / "keep.txt").read_text() == "x"
 
 
-def test_dflash_v1_drafter_exports_and_runs(tiny_dir, tiny_target, tiny_drafter, tmp_path):
+def test_dflash_v1_drafter_exports_and_runs(acc_dir, acc_target, acc_drafter, tmp_path):
     """A DFlash v1 drafter (no convolutions, no selector) exports with the independent head only and the ORT
-    runtime decodes like the PyTorch v1 drafter, losslessly; the selector modes are refused clearly."""
+    runtime decodes like the PyTorch v1 drafter (the accepting drafter's weights without them), losslessly and
+    with drafts accepted; the selector modes are refused clearly."""
+    from conftest import assert_accepts
     from dflash2_trt.config import ARCH_V1
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.runtime.torch_backend import TorchDraftSource
@@ -250,27 +252,30 @@ def test_dflash_v1_drafter_exports_and_runs(tiny_dir, tiny_target, tiny_drafter,
     from dflash2_trt.runtime import decoder as D
     from dflash2_trt.runtime.backends import open_backend
 
-    v1 = DFlash2Drafter(tiny_drafter.config.replace(architecture=ARCH_V1, use_conv=False, use_selector=False))
-    sd = {k: v for k, v in tiny_drafter.state_dict().items() if k in v1.state_dict()}
+    v1 = DFlash2Drafter(acc_drafter.config.replace(architecture=ARCH_V1, use_conv=False, use_selector=False))
+    sd = {k: v for k, v in acc_drafter.state_dict().items() if k in v1.state_dict()}
     v1.load_state_dict(sd, strict=True)
     save_drafter(v1, tmp_path / "v1")
     out = tmp_path / "v1-export"
-    m = export_model(tiny_dir / "target", tmp_path / "v1", out, progress=False, max_seq_len=256)
+    m = export_model(acc_dir / "target", tmp_path / "v1", out, progress=False, max_seq_len=256)
     assert set(m.graphs) == {"target", "drafter_context", "drafter_block", "drafter_head_independent",
                              "target_ort"}
     assert m.verification["drafter_head_independent.argmax_match"] == 1.0 and m.draft_modes == ("independent",)
     be, _ = open_backend(out, "ort")
     with pytest.raises(DFlash2Error, match="no 'greedy' draft head.*--no-selector"):
         be.draft_runner("greedy")
-    v1.bind_target(tiny_target.embed_weight, tiny_target.lm_head_weight)
+    v1.bind_target(acc_target.embed_weight, acc_target.lm_head_weight)
     target, drafter = be.target_runner(), be.draft_runner("independent")
     rng = np.random.default_rng(21)
+    accepted = []
     for _ in range(3):
         p = rng.integers(4, 500, size=int(rng.integers(1, 20))).tolist()
-        want = ref_speculative(tiny_target, TorchDraftSource(v1.eval(), "independent"), p, 20, eos_ids=set(), layer_ids=[0, 2])
+        want = ref_speculative(acc_target, TorchDraftSource(v1.eval(), "independent"), p, 20, eos_ids=set(), layer_ids=[0, 2])
         got = D.speculative_generate(target, drafter, p, 20, eos_ids=set(), oracle=oracle_count)
         assert got.tokens == want.tokens and got.stats() == want.stats()
-        assert got.tokens == ref_autoregressive(tiny_target, p, 20, eos_ids=set()).tokens
+        assert got.tokens == ref_autoregressive(acc_target, p, 20, eos_ids=set()).tokens
+        accepted += got.accepted
+    assert_accepts(accepted, 15, "DFlash v1 export")
 
 
 def test_verification_is_exact_at_fp32_and_can_fail(acc_export, acc_target, acc_drafter, monkeypatch):
@@ -299,6 +304,61 @@ def test_verification_is_exact_at_fp32_and_can_fail(acc_export, acc_target, acc_
     monkeypatch.setattr(V, "session", OffByOnePath)
     with pytest.raises(DFlash2Error, match="path_ids agrees with PyTorch on only"):
         V.verify_drafter(paths, acc_drafter, "fp32", np.float32, seed=3)
+
+
+def test_bf16_export_is_verified_through_fp32_twins(acc_dir, tmp_path, monkeypatch):
+    """A bf16 export is checked, not skipped: the fp32 twins of its graphs (its bf16 weights in fp32
+    arithmetic) equal the upcast PyTorch models at the fp32 bounds, every decision included; a twin with one
+    wrong weight fails the export; the shipped graphs stay bf16."""
+    import onnx
+
+    from dflash2_trt.export import onnx_utils
+    from dflash2_trt.export import verify as V
+    from dflash2_trt.export.exporter import export_model
+
+    m = export_model(acc_dir / "target", acc_dir / "drafter", tmp_path / "bf16", progress=False, max_seq_len=256,
+                     dtype="bf16", block_size=4)
+    rep = m.verification
+    assert "skipped" not in rep and rep["bf16_checked_as"].startswith("fp32 twins")
+    assert rep["target.logits"] <= V.TOL["fp32"] and rep["drafter_block.hidden"] <= V.TOL["fp32"]
+    assert all(v == 1.0 for k, v in rep.items() if k.endswith("_match"))
+    assert all(f"drafter_head_{mode}.T{t}.proposal_probs" in rep for mode in ("greedy", "viterbi") for t in (0.0, 0.8))
+    block = onnx.load(str(tmp_path / "bf16" / "drafter_block.onnx"), load_external_data=False)
+    assert onnx.TensorProto.BFLOAT16 in {t.data_type for t in block.graph.initializer}
+    assert not list((tmp_path / "bf16").glob("*.data"))  # the twins never reach the export
+    real = onnx_utils.fp32_twin
+
+    def broken(src, dst):  # noqa: ANN001, ANN202
+        real(src, dst)
+        if dst.name == "drafter_block.onnx":  # the twin of a graph with wrong weights
+            g = onnx.load(str(dst))
+            for t in g.graph.initializer:
+                if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2:
+                    t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t)[::-1].copy(), t.name))
+            onnx.save_model(g, str(dst), save_as_external_data=True, location=dst.name + ".data")
+        return dst
+
+    monkeypatch.setattr(onnx_utils, "fp32_twin", broken)
+    with pytest.raises(DFlash2Error, match="drafter_block.hidden differs from PyTorch"):
+        export_model(acc_dir / "target", acc_dir / "drafter", tmp_path / "bad", progress=False, max_seq_len=256,
+                     dtype="bf16", block_size=4)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_graph_ort_cannot_run_fails_the_export(tiny_dir, tmp_path, monkeypatch):
+    """An exception while checking (here: ORT refusing a graph) is a failed export with a one-line error and
+    nothing written — never a "skipped" check."""
+    from dflash2_trt.export import verify as V
+    from dflash2_trt.export.exporter import export_model
+
+    def refuse(path):  # noqa: ANN001, ANN202
+        raise RuntimeError(f"[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : no kernel for {path.name}\nsecond line")
+
+    monkeypatch.setattr(V, "session", refuse)
+    with pytest.raises(DFlash2Error) as e:
+        export_model(tiny_dir / "target", tiny_dir / "drafter", tmp_path / "out", progress=False, max_seq_len=256)
+    assert str(e.value).startswith("export check failed (fp32): RuntimeError: [ONNXRuntimeError]")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
 
 
 def test_fp16_export_is_verified(acc_dir, tmp_path):

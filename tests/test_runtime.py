@@ -84,8 +84,12 @@ def test_sampling_equals_pytorch_reference(acc_export, acc_target, acc_drafter, 
     assert D.target_generate(target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1).tokens == ar_want.tokens
 
 
-def test_streaming_eos_and_cache_growth(tiny_export, tiny_target, tiny_drafter):
-    be, note = open_backend(tiny_export, "auto")
+def test_streaming_eos_and_cache_growth(acc_export, acc_target):
+    """Streamed chunks, an EOS stop and KV buffers that grow mid-request, on the accepting pair (drafts
+    committed in the streamed cycles and across the growth)."""
+    from conftest import assert_accepts
+
+    be, note = open_backend(acc_export, "auto")
     assert note.startswith("TensorRT not available (TensorRT is not installed")
     assert note.endswith("using ONNX Runtime (CPUExecutionProvider)")
     target = be.target_runner()
@@ -93,6 +97,7 @@ def test_streaming_eos_and_cache_growth(tiny_export, tiny_target, tiny_drafter):
     chunks: list[list[int]] = []
     res = D.speculative_generate(target, be.draft_runner(), p, MAX_NEW, eos_ids=set(), on_tokens=chunks.append)
     assert [t for c in chunks for t in c] == res.tokens and len(chunks) == len(res.accepted) + 1
+    assert_accepts(res.accepted, 15, "streaming")
     eos = {res.tokens[6]}
     stop = res.tokens.index(res.tokens[6]) + 1
     assert D.speculative_generate(target, be.draft_runner(), p, MAX_NEW, eos_ids=eos).tokens == res.tokens[:stop]
@@ -100,7 +105,8 @@ def test_streaming_eos_and_cache_growth(tiny_export, tiny_target, tiny_drafter):
     long_p = np.random.default_rng(0).integers(4, 500, 250).tolist()
     got = D.speculative_generate(target, be.draft_runner("viterbi"), long_p, 40, eos_ids=set(), oracle=oracle_count)
     assert target.kv.capacity == 512
-    assert got.tokens == ref_autoregressive(tiny_target, long_p, 40, eos_ids=set()).tokens
+    assert got.tokens == ref_autoregressive(acc_target, long_p, 40, eos_ids=set()).tokens
+    assert_accepts(got.accepted, 15, "across the cache growth")
 
 
 def test_runtime_bad_input(tiny_export, tmp_path):
@@ -169,18 +175,20 @@ def test_tokenizer_matches_transformers(tiny_export, tiny_target):
         assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
 
 
-def test_cli_generate_model_dir_matches_reference(tiny_dir, tiny_export, capsys):
+def test_cli_generate_model_dir_matches_reference(tiny_dir, tiny_export, acc_dir, acc_export, capsys):
+    """``generate --model-dir`` (ORT) equals ``generate --target --drafter`` (PyTorch) on the accepting pair,
+    drafts accepted; then the CLI's streaming and argument errors."""
     from dflash2_trt.cli import main
 
-    common = ["--prompt", "Hello world", "--max-new-tokens", "20", "--json", "--check-lossless", "--selector", "viterbi"]
-    assert main(["generate", "--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), *common]) == 0
+    common = ["--prompt", "Hello world", "--max-new-tokens", "40", "--json", "--check-lossless", "--selector", "viterbi"]
+    assert main(["generate", "--target", str(acc_dir / "target"), "--drafter", str(acc_dir / "drafter"), *common]) == 0
     want = json.loads(capsys.readouterr().out)
-    assert main(["generate", "--model-dir", str(tiny_export), "--backend", "auto", *common]) == 0
+    assert main(["generate", "--model-dir", str(acc_export), "--backend", "auto", *common]) == 0
     cap = capsys.readouterr()
     got = json.loads(cap.out)
     assert "TensorRT not available" in cap.err and got["backend"] == "ONNX Runtime (CPUExecutionProvider)"
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["stats"] == want["stats"]
-    assert got["lossless"] is True
+    assert got["lossless"] is True and got["stats"]["tau"] >= 2.0, got["stats"]
     # streaming prints the same text
     assert main(["generate", "--model-dir", str(tiny_export), "--prompt", "Hello world", "--max-new-tokens", "20",
                  "--stream", "--chat"]) == 0

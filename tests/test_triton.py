@@ -1,7 +1,8 @@
 """Triton model repository (``dflash2-export --triton-repo``) served by the real ``tritonserver`` of the PyPI
 nvidia-pytriton wheel on loopback (CPU, python backend, ONNX Runtime inside), streamed with tritonclient's gRPC
 client and compared token for token with the Python runtime (``runtime.decoder.speculative_generate`` on the
-same export): the make-tiny pair and SmolLM2-135M-Instruct with the shipped drafter. Also: the config files
+same export): the accepting make-tiny pair (drafts committed on most cycles) and SmolLM2-135M-Instruct with
+the shipped drafter. Also: the config files
 parse with tritonclient's ModelConfig (unknown fields rejected), tensorrt_plan models when engines exist,
 16 concurrent streaming clients, bad requests beside a good one, a client that disconnects mid-stream, and a
 clean shutdown that leaves no process behind. Every server is started and stopped by the test itself.
@@ -146,7 +147,8 @@ def _backend(export: Path):  # noqa: ANN202
     return _BACKENDS[export]
 
 
-def check_against_runtime(out: dict, export: Path, prompt: list[int], max_tokens: int, **kw) -> None:  # noqa: ANN003
+def check_against_runtime(out: dict, export: Path, prompt: list[int], max_tokens: int, **kw):  # noqa: ANN003, ANN201
+    """The streamed response equals the Python runtime's result (returned) token for token, stats included."""
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
     assert out["error"] is None, out["error"]
@@ -159,6 +161,7 @@ def check_against_runtime(out: dict, export: Path, prompt: list[int], max_tokens
     assert out["final"]["tau"] == pytest.approx(ref.stats()["tau"], rel=1e-6)
     text = "".join(c["text"] for c in out["chunks"]) + out["final"]["text"]
     assert text == TextTokenizer(export).decode(ref.tokens)
+    return ref
 
 
 def serve(repo: Path, log: Path, **kw):  # noqa: ANN003, ANN201
@@ -252,12 +255,10 @@ def test_cli_triton_repo_from_existing_export(tiny_export, tmp_path, capsys):
     assert err.startswith("dflash2: error:") and "not empty" in err and "\n" not in err
 
 
-# -- the real server: tiny pair -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_server(tiny_export, tmp_path_factory):
-    root = tmp_path_factory.mktemp("triton_tiny")
+# -- the real server: the make-tiny pairs ---------------------------------------------------------------------------
+def _server(export, root):  # noqa: ANN001, ANN202
     repo = root / "repo"
-    T.write_triton_repo(tiny_export, repo, instances=2, ort_threads=1)
+    T.write_triton_repo(export, repo, instances=2, ort_threads=1)
     srv = serve(repo, root / "server.log")
     srv.start()
     try:
@@ -268,43 +269,63 @@ def tiny_server(tiny_export, tmp_path_factory):
     assert _processes_using(repo) == []
 
 
-def test_tiny_streams_equal_the_runtime(tiny_server, tiny_export):
-    url = tiny_server.grpc_url
+@pytest.fixture(scope="module")
+def acc_server(acc_export, tmp_path_factory):
+    """The accepting make-tiny pair's repository (drafts are committed on most cycles) under tritonserver."""
+    yield from _server(acc_export, tmp_path_factory.mktemp("triton_acc"))
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_export, tmp_path_factory):
+    """The plain make-tiny pair (τ ≈ 1: long requests stay in flight long enough to be cut off mid-stream)."""
+    yield from _server(tiny_export, tmp_path_factory.mktemp("triton_tiny"))
+
+
+def test_tiny_streams_equal_the_runtime(acc_server, acc_export):
+    from conftest import assert_accepts
+
+    url = acc_server.grpc_url
     prompt = [1, 5, 9, 22, 7]
-    check_against_runtime(run_request(url, ids=prompt, max_tokens=24), tiny_export, prompt, 24)
+    ref = check_against_runtime(run_request(url, ids=prompt, max_tokens=40), acc_export, prompt, 40)
+    assert_accepts(ref.accepted, 15, "Triton")
     check_against_runtime(run_request(url, ids=prompt, max_tokens=20, temperature=1.0, seed=3, mode="viterbi"),
-                          tiny_export, prompt, 20, temperature=1.0, seed=3, mode="viterbi")
-    check_against_runtime(run_request(url, ids=prompt, max_tokens=9, mode="independent"), tiny_export, prompt, 9,
+                          acc_export, prompt, 20, temperature=1.0, seed=3, mode="viterbi")
+    check_against_runtime(run_request(url, ids=prompt, max_tokens=9, mode="independent"), acc_export, prompt, 9,
                           mode="independent")
     # text in: the user message goes through the target's chat template, as the runtime's tokenizer renders it
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
-    tok = TextTokenizer(tiny_export)
+    tok = TextTokenizer(acc_export)
     msg = "hello there"
     ids = tok.apply_chat_template([{"role": "user", "content": msg}]) if tok.chat_template else tok.encode(msg)
-    check_against_runtime(run_request(url, text=msg, max_tokens=12), tiny_export, ids, 12)
+    check_against_runtime(run_request(url, text=msg, max_tokens=12), acc_export, ids, 12)
     # the server log says which backend runs the loop
-    assert tiny_server.log().count("using ONNX Runtime (CPUExecutionProvider)") == 2  # one line per instance
+    assert acc_server.log().count("using ONNX Runtime (CPUExecutionProvider)") == 2  # one line per instance
 
 
-def test_tiny_16_concurrent_streaming_clients(tiny_server, tiny_export):
+def test_tiny_16_concurrent_streaming_clients(acc_server, acc_export):
     reqs = [{"ids": [1 + i, 5, 9 + 2 * i, 22], "max_tokens": 10 + i % 7, "temperature": (0.0, 0.8)[i % 2],
              "seed": i, "mode": ("greedy", "viterbi")[i // 2 % 2]} for i in range(16)]
     results: list = [None] * 16
 
     def client(i: int) -> None:
-        results[i] = run_request(tiny_server.grpc_url, **reqs[i])
+        results[i] = run_request(acc_server.grpc_url, **reqs[i])
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
+    from conftest import assert_accepts
+
+    greedy = []
     for r, out in zip(reqs, results):
-        check_against_runtime(out, tiny_export, r["ids"], r["max_tokens"], temperature=r["temperature"],
-                              seed=r["seed"], mode=r["mode"])
+        ref = check_against_runtime(out, acc_export, r["ids"], r["max_tokens"], temperature=r["temperature"],
+                                    seed=r["seed"], mode=r["mode"])
+        greedy += ref.accepted if r["temperature"] == 0 else []
+    assert_accepts(greedy, 15, "16 clients, T = 0")
     # Triton's metrics endpoint shows the model, and the custom gauge is back to zero
-    text = _metrics(tiny_server)
+    text = _metrics(acc_server)
     assert _metric_sum(text, "nv_inference_request_success") >= 16
     assert 'nv_inference_request_success{model="dflash2",version="1"}' in text
     assert 'dflash2_active_requests{instance="dflash2_0_0",model="dflash2"} 0' in text
@@ -387,10 +408,11 @@ def test_tiny_client_that_disconnects_frees_its_state(tiny_server, tiny_export):
     check_against_runtime(run_request(url, ids=[2, 3, 4], max_tokens=8), tiny_export, [2, 3, 4], 8)
 
 
-def test_tiny_server_shuts_down_cleanly(tiny_server):
-    """Last of the tiny-server tests: SIGINT stops the server (exit code 0), the models unload and no stub or
-    server process is left."""
-    shut_down_cleanly(tiny_server, tiny_server.repo)
+def test_tiny_servers_shut_down_cleanly(tiny_server, acc_server):
+    """Last of the tiny-server tests: SIGINT stops each server (exit code 0), the models unload and no stub
+    or server process is left."""
+    for srv in (tiny_server, acc_server):
+        shut_down_cleanly(srv, srv.repo)
 
 
 def test_model_refuses_to_load_under_numpy2(tiny_export, tmp_path):

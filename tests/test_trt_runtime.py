@@ -325,7 +325,8 @@ def acc_engines(acc_export, tmp_path_factory):
 def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
     """The TensorRT backend's buffers, bindings, KV crop/commit and (replayed) CUDA graphs around engines that
     really compute (FakeTrt(compute=True) runs each engine's ONNX graph with ONNX Runtime): greedy output equals
-    the target's own and the ORT backend's, cycle for cycle, with drafts accepted; T = 0.8 sampling equals ORT's."""
+    the target's own and the ORT backend's, cycle for cycle, with drafts accepted; T = 0.8 sampling (greedy and
+    Viterbi chains) equals ORT's, drafts accepted."""
     from conftest import assert_accepts
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.decoder import speculative_generate, target_generate
@@ -347,10 +348,14 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
         accepted[mode] += got.accepted
     for mode, acc in accepted.items():
         assert_accepts(acc, 15, ("TensorRT backend", mode))
-    p = rng.integers(4, 500, size=20).tolist()
-    got = speculative_generate(tgt, be.draft_runner("greedy"), p, 30, temperature=0.8, eos_ids=set(), seed=3)
-    want = speculative_generate(ort_tgt, ort_be.draft_runner("greedy"), p, 30, temperature=0.8, eos_ids=set(), seed=3)
-    assert got.tokens == want.tokens
+    sampled = []
+    for mode in ("greedy", "viterbi"):  # T = 0.8: the same samples, drafts accepted by the rejection rule
+        p = rng.integers(4, 500, size=20).tolist()
+        got = speculative_generate(tgt, be.draft_runner(mode), p, 30, temperature=0.8, eos_ids=set(), seed=3)
+        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p, 30, temperature=0.8, eos_ids=set(), seed=3)
+        assert got.tokens == want.tokens and got.accepted == want.accepted
+        sampled += got.accepted
+    assert max(sampled) >= 3 and sum(a >= 1 for a in sampled) >= len(sampled) / 2, sampled
     runs = cuda.executor.runs
     assert runs["target.onnx"] and runs["drafter_block.onnx"] and runs["drafter_head_viterbi.onnx"]
     assert (be.graphs.stats.replays > 0) == cuda_graphs

@@ -29,7 +29,7 @@ from typing import Any
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (FORMAT, KV_CAPACITY_STEP, MANIFEST_FILE, MANIFEST_VERSION, ExportManifest,
                                  parse_manifest, write_manifest)
-from dflash2_trt.vocabulary import DTYPES, INDEPENDENT, SELECTOR_MODES, head_key
+from dflash2_trt.vocabulary import DRAFT_MODES, DTYPES, INDEPENDENT, SELECTOR_MODES, head_key
 
 DEFAULT_OPSET = 17
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -251,21 +251,20 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         except ImportError:
             report["skipped"] = "onnxruntime is not installed"
         else:
-            if dtype == "bf16":  # decided up front: ORT's CPU provider has no bf16 kernels (e.g. Where)
-                report["skipped"] = ("bf16 graphs are not run: ONNX Runtime's CPU provider has no bf16 kernels; "
-                                     "checked with onnx.checker only")
-            else:
-                try:
+            try:
+                if dtype == "bf16":  # ORT's CPU provider has no bf16 kernels: check the graphs' fp32 twins
+                    report.update(_verify_bf16(tmp, graph_meta, target, drafter, layer_ids))
+                else:
                     report.update(V.verify_target(tmp / "target.onnx", target, layer_ids, dtype, npdt))
-                    report.update(ort_report)
-                    report.update(qdq_report)
                     report.update(V.verify_drafter({k: tmp / m["file"] for k, m in graph_meta.items()}, drafter,
                                                    dtype, npdt))
-                except DFlash2Error:
-                    raise
-                except Exception as e:  # an fp32 or fp16 graph that ORT cannot run is a failed export
-                    raise DFlash2Error(f"export check failed ({dtype}): {type(e).__name__}: "
-                                       f"{str(e).splitlines()[0][:300]}") from None
+                report.update(ort_report)
+                report.update(qdq_report)
+            except DFlash2Error:
+                raise
+            except Exception as e:  # a graph that ORT cannot run is a failed export, never a skipped check
+                raise DFlash2Error(f"export check failed ({dtype}): {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:300]}") from None
 
     step(7)
     tok_files = []
@@ -345,6 +344,33 @@ def _export_selector_heads(drafter, cfg, B: int, tdt, dtype: str, opset: int, mo
         models[f"drafter_head_{mode}.plugin.onnx"] = onnx_utils.merge_selector(head, plug)
         graph_meta[head_key(mode, plugin=True)] = {"file": f"drafter_head_{mode}.plugin.onnx",
                                                    "role": "drafter_head", "selector": "plugin", "mode": mode}
+
+
+def _verify_bf16(tmp: Path, graph_meta: dict, target, drafter, layer_ids: list[int]) -> dict:  # noqa: ANN001
+    """A bf16 export's check on a CPU: the fp32 twin of each checked graph (:func:`onnx_utils.fp32_twin`: the
+    export's structure and bf16 weights, fp32 arithmetic) against the PyTorch models upcast the same way
+    (exact: bf16 values are fp32 values), within the fp32 bounds — every decision equal. What it cannot see,
+    the rounding of bf16 arithmetic, is the bf16 runtime's (TensorRT's); the manifest records how it checked."""
+    import numpy as np
+    import torch
+
+    from dflash2_trt.export import onnx_utils
+    from dflash2_trt.export import verify as V
+
+    keys = {"drafter_context", "drafter_block", *(head_key(m) for m in DRAFT_MODES)} & set(graph_meta)
+    target.model.float()
+    drafter.float()
+    try:
+        with tempfile.TemporaryDirectory(prefix="dflash2-bf16-") as d:
+            twin = lambda name: onnx_utils.fp32_twin(tmp / name, Path(d) / name)  # noqa: E731
+            report = {"bf16_checked_as": "fp32 twins: the bf16 weights in fp32 arithmetic"}
+            report.update(V.verify_target(twin("target.onnx"), target, layer_ids, "fp32", np.float32))
+            report.update(V.verify_drafter({k: twin(graph_meta[k]["file"]) for k in keys}, drafter, "fp32",
+                                           np.float32))
+    finally:
+        target.model.to(torch.bfloat16)
+        drafter.to(torch.bfloat16)
+    return report
 
 
 def _json_get(path: Path, key: str) -> Any:

@@ -176,6 +176,38 @@ def save_with_shared_weights(models: dict[str, Any], out_dir: Path) -> None:
             onnx.save_model(model, str(out_dir / name))
 
 
+def fp32_twin(src: Path, dst: Path) -> Path:
+    """The bf16 graph ``src`` (external data beside it) as fp32, saved at ``dst``: every bf16 tensor type,
+    initializer, constant attribute and Cast target becomes fp32 — exactly, bf16 values are fp32 values — so
+    ONNX Runtime's CPU provider, which has no bf16 kernels, runs the export's own structure and weights; only
+    the arithmetic's rounding differs."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    bf16, fp32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    model = onnx.load(str(src))
+
+    def tensor(t) -> None:  # noqa: ANN001
+        if t.data_type == bf16:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+
+    g = model.graph
+    for t in g.initializer:
+        tensor(t)
+    for vi in (*g.input, *g.output, *g.value_info):
+        if vi.type.tensor_type.elem_type == bf16:
+            vi.type.tensor_type.elem_type = fp32
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                tensor(a.t)
+            elif n.op_type == "Cast" and a.name == "to" and a.i == bf16:
+                a.i = fp32
+    onnx.save_model(model, str(dst), save_as_external_data=True, location=dst.name + ".data")
+    return dst
+
+
 def _raw_bytes(t) -> bytes:  # noqa: ANN001
     from onnx import numpy_helper
 

@@ -9,9 +9,10 @@
 Tolerances (``TOL``) are relative to the reference's magnitude. Decisions (argmax, top-K candidates, selected
 paths) must agree exactly at fp32; at fp16 a fraction may differ (``MIN_MATCH``: rounding moves near ties).
 Proposal probabilities are always compared, as distributions over token ids, on every row whose chosen path
-before it agrees (all rows at fp32, at least row 0 otherwise). bf16 graphs are not
-run (ONNX Runtime's CPU provider has no bf16 kernels): the exporter records that up front, never as the
-result of an exception.
+before it agrees (all rows at fp32, at least row 0 otherwise). ONNX Runtime's CPU provider has no bf16
+kernels, so a bf16 export is checked through fp32 twins of its graphs (its bf16 weights in fp32 arithmetic)
+against the upcast PyTorch models, at the fp32 bounds (``exporter._verify_bf16``). A graph ORT cannot run
+fails the export; nothing is ever turned into "skipped".
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import torch
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.vocabulary import SELECTOR_MODES
 
-TOL = {"fp32": 2e-3, "fp16": 5e-2, "bf16": 1e-1}
+TOL = {"fp32": 2e-3, "fp16": 5e-2}
 # fraction of decisions that must equal PyTorch's: (argmax and top-K candidates, selected paths)
 # (fp16 logits of magnitude ~100 round in steps of 0.06, so near-equal candidates may swap places in top-K)
-MIN_MATCH = {"fp32": (1.0, 1.0), "fp16": (0.75, 0.8), "bf16": (0.75, 0.8)}
+MIN_MATCH = {"fp32": (1.0, 1.0), "fp16": (0.75, 0.8)}
 
 
 def _close(name: str, got: np.ndarray, want: np.ndarray, tol: float, report: dict) -> None:

@@ -476,14 +476,6 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
         // commit: crop the target cache; committed positions become draft context
         runners.targetCrop(pos + acc + 1);
         runners.drafterAddContext(acc + 1, pos);
-        res.accepted.push_back(acc);
-        res.proposed.push_back(nRows);
-        if (cfg.measureOracle)
-        {
-            auto const tO = Clock::now();
-            res.oracleAccepted.push_back(oracleCount(runners, draft, drafts, nRows, acc, bonus, pos, logits));
-            oracleS += secondsSince(tO);
-        }
         std::vector<int32_t> fresh(drafts.begin(), drafts.begin() + acc);
         fresh.push_back(bonus);
         for (size_t i = 0; i < fresh.size(); ++i)
@@ -493,6 +485,15 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
                 fresh.resize(i + 1);
                 break;
             }
+        }
+        // an accepted EOS ends the request: drafts after it are not committed, so they do not count for τ
+        res.accepted.push_back(std::min(acc, static_cast<int32_t>(fresh.size())));
+        res.proposed.push_back(nRows);
+        if (cfg.measureOracle)
+        {
+            auto const tO = Clock::now();
+            res.oracleAccepted.push_back(oracleCount(runners, draft, drafts, nRows, acc, bonus, pos, logits));
+            oracleS += secondsSince(tO);
         }
         res.tokens.insert(res.tokens.end(), fresh.begin(), fresh.end());
         cancelled = sink && !sink(fresh.data(), fresh.size());
