@@ -85,7 +85,7 @@ def test_guard_switches_to_plain_and_probes_back_losslessly():
     drafter = ScheduledOracleDrafter(W, 8, lambda pos: 0 if pos < 45 else 7)
     prompt = [3, 1, 4]
     want = D.target_generate(target, prompt, 120).tokens
-    guard = AcceptanceGuard(GuardConfig(window=2, backoff=4, max_backoff=16, cost_ratio=2.0))
+    guard = AcceptanceGuard(GuardConfig(window=2, min_cycles=2, backoff=4, max_backoff=16, cost_ratio=2.0))
     target.forwards = []
     res = D.speculative_generate(target, drafter, prompt, 120, guard=guard)
     assert res.tokens == want
@@ -112,31 +112,47 @@ def test_guard_stays_speculative_when_drafts_pay():
 
 
 def test_guard_measured_cost_calibrates_then_decides():
-    g = AcceptanceGuard(GuardConfig(window=3, probe_window=2, backoff=3, max_backoff=6))
+    g = AcceptanceGuard(GuardConfig(window=3, min_cycles=3, probe_window=2, backoff=3, max_backoff=6))
     assert g.plain_next() and g.calibrating and g.break_even() is None  # the first step is a timed plain one
     g.record_step(1.0)  # t_step = 1 s
     assert not g.plain_next() and g.probes == 0
     g.record_cycle(2, 3.0)
     g.record_cycle(2, 3.0)
-    assert not g.plain_next() and g.break_even() == pytest.approx(3.0)  # judged after `window` cycles only
-    g.record_cycle(2, 3.0)  # τ_w 2 < 3: plain steps
+    assert not g.plain_next() and g.break_even() == pytest.approx(3.0)  # judged after min_cycles only
+    g.record_cycle(2, 3.0)  # (2, 2, 2): bound 2 < 3, plain steps
     assert g.switches == 1 and g.plain_left == 3 and g.backoff == 6
     for _ in range(3):
         g.record_step(1.0)
-    assert g.probes == 1 and not g.plain_next() and len(g.window) == 0
+    assert g.probes == 1 and not g.plain_next() and len(g.window) == 3  # the evidence is kept
     g.record_cycle(5, 3.0)
     assert not g.plain_next()
-    g.record_cycle(4, 3.0)  # the probe's 2 cycles: τ_w 4.5 > 3, keeps speculating, backoff reset
+    g.record_cycle(4, 3.0)  # the probe's 2 cycles: window (2, 5, 4), bound 3.67 + 1.53/√3 >= 3, backoff reset
     assert g.switches == 1 and g.backoff == 3 and not g.plain_next()
-    g.record_cycle(1, 3.0)  # rolling window (5, 4, 1): τ_w 3.33 still pays
-    assert not g.plain_next()
-    g.record_cycle(1, 3.0)  # (4, 1, 1): 2 < 3
+    g.record_cycle(1, 3.0)  # (5, 4, 1): mean 3.33
+    g.record_cycle(2, 3.0)  # (4, 1, 2): the mean 2.33 is below 3, the bound 2.33 + 1.53/√3 = 3.22 is not
+    assert not g.plain_next() and g.switches == 1
+    g.record_cycle(1, 3.0)  # (1, 2, 1): bound 1.67
     assert g.switches == 2 and g.plain_left == 3
+
+
+def test_guard_switches_on_evidence_not_on_an_unlucky_stretch():
+    """z = 0 is the plain mean rule; with the default z = 1 a stretch of 1-token cycles around a mean that may
+    still pay does not switch the drafter off, while cycles that all commit one token do."""
+    rules = {z: AcceptanceGuard(GuardConfig(window=4, min_cycles=4, z=z, cost_ratio=1.5)) for z in (0.0, 1.0)}
+    for t in (3, 1, 1, 2, 1):  # windows (3, 1, 1, 2): mean 1.75; then (1, 1, 2, 1): mean 1.25, bound 1.5
+        for g in rules.values():
+            g.record_cycle(t, 1.0)
+    assert rules[0.0].switches == 1 and rules[1.0].switches == 0
+    g = rules[1.0]
+    for t in (1, 1, 1):  # ... then (1, 1, 1, 1): every cycle commits one token
+        g.record_cycle(t, 1.0)
+    assert g.switches == 1 and g.plain_next()
 
 
 def test_guard_config_rejects_bad_values():
     for kw in ({"window": 0}, {"probe_window": 0}, {"window": 2, "probe_window": 3}, {"backoff": 0},
-               {"backoff": 9, "max_backoff": 8}, {"cost_ratio": 0.0}):
+               {"backoff": 9, "max_backoff": 8}, {"cost_ratio": 0.0}, {"min_cycles": 0},
+               {"window": 2, "min_cycles": 3}, {"z": -1.0}, {"z": float("nan")}, {"z": float("inf")}):
         with pytest.raises(DFlash2Error):
             GuardConfig(**kw)
 
@@ -158,7 +174,7 @@ def test_confidence_verify_length_lossless_greedy(guard):
     ks = {}
     drafter = ScheduledOracleDrafter(W, 8, lambda pos: ks.setdefault(pos, int(rng.integers(0, 8))))
     want = D.target_generate(target, [7, 8], 100).tokens
-    g = AcceptanceGuard(GuardConfig(window=2, backoff=2, cost_ratio=1.5)) if guard else None
+    g = AcceptanceGuard(GuardConfig(window=2, min_cycles=2, backoff=2, cost_ratio=1.5)) if guard else None
     target.forwards = []
     res = D.speculative_generate(target, drafter, [7, 8], 100, guard=g, min_confidence=0.5)
     assert res.tokens == want
@@ -211,7 +227,7 @@ def test_guard_and_confidence_exact_in_law_at_t1():
     cut = switched = 0
     for seed in range(N):
         target = MarkovTarget(W)
-        g = AcceptanceGuard(GuardConfig(window=1, probe_window=1, backoff=1, max_backoff=2, cost_ratio=2.0))
+        g = AcceptanceGuard(GuardConfig(window=1, min_cycles=1, probe_window=1, backoff=1, max_backoff=2, cost_ratio=2.0))
         r = D.speculative_generate(target, SamplingDrafter(Q, 4), prompt, n_tok, temperature=1.0, seed=seed,
                                    guard=g, min_confidence=0.35)
         counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1

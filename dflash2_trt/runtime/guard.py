@@ -1,15 +1,20 @@
 """When speculation does not pay: the acceptance guard and the confidence-adapted verify length (NumPy only).
 
 :class:`AcceptanceGuard` — one request's switch between speculative cycles and plain target steps. It keeps
-the tokens committed and the wall time of the last ``window`` speculative cycles and the running time of a
-plain target step, both measured in this run on this machine (the first decode step is a plain one, timed).
-While the window's throughput (Σ tokens / Σ seconds) is below a plain step's (1 / t_step) — i.e. the mean
-tokens per cycle τ_w is below the measured break-even t_cycle / t_step — the decoder runs ``backoff`` plain
-steps, then probes with ``probe_window`` cycles; each failed probe doubles ``backoff`` (up to
-``max_backoff``), a passed one resets it. Why these sizes: a failed probe wastes about
-``probe_window`` × (break-even − 1) plain steps; with a break-even near 2 (a cycle costs about two steps on
-CPU) 2 probe cycles per 32 plain steps bound the loss of a useless drafter to ~6 % (less as the backoff
-doubles), while a drafter that pays is judged after 3 cycles.
+the tokens committed and the wall time of the last ``window`` speculative cycles (kept across plain
+stretches) and the running time of a plain target step, both measured in this run on this machine (the first
+decode step is a plain one, timed). The break-even is the measured t_cycle / t_step: a cycle pays when it
+commits more tokens than that. Tokens per cycle vary a lot (a τ 1.5 drafter commits 1 token in ~2 of 3
+cycles), so the window's mean τ_w alone switches a drafter that pays off after any unlucky stretch; the guard
+switches only when the evidence says it does not pay — when the upper bound τ_w + z·s/√n (s the sample
+standard deviation of the n cycles in the window) is below the break-even. It then runs ``backoff`` plain
+steps and probes with ``probe_window`` cycles, judged with the window's earlier cycles; each failed probe
+doubles ``backoff`` (up to ``max_backoff``), a passed one resets it. Why these sizes: the first judgement
+comes after ``min_cycles`` = 3 cycles (a useless drafter's cycles all commit 1 token: s = 0, switched at
+once); a failed probe wastes about ``probe_window`` × (break-even − 1) plain steps, so 2 probe cycles per 32
+plain steps bound the loss of a useless drafter to ~6 % (less as the backoff doubles); a 64-cycle window
+with z = 1 keeps a drafter that pays ~10 % on average switched on where a 3-cycle mean kept switching it off
+(the README's CPU options table measures both).
 TensorRT-LLM's ``acceptance_rate_threshold`` is the model: a rolling acceptance average over the last N
 speculative iterations; there the threshold is a fixed rate and speculation stops for good, here the
 threshold is the measured cost ratio and speculation is probed again (acceptance changes along a request:
@@ -39,16 +44,21 @@ from dflash2_trt.errors import DFlash2Error
 
 @dataclass(frozen=True)
 class GuardConfig:
-    window: int = 3  # speculative cycles per estimate (rolling)
+    window: int = 64  # speculative cycles per estimate (rolling, kept across plain stretches)
+    min_cycles: int = 3  # cycles before the first judgement
     probe_window: int = 2  # cycles a probe runs before it is judged
+    z: float = 1.0  # switch when τ_w + z·s/√n is below the break-even (0: when the mean τ_w is)
     backoff: int = 32  # plain steps after the first failed estimate
     max_backoff: int = 512  # cap of the doubling backoff
     # fixed break-even τ (t_cycle / t_step); None: measured online in the run (the default)
     cost_ratio: float | None = None
 
     def __post_init__(self) -> None:
-        if not 1 <= self.probe_window <= self.window:
-            raise DFlash2Error(f"guard window must be >= probe_window >= 1, got {self.window}, {self.probe_window}")
+        if not 1 <= self.probe_window <= self.window or not 1 <= self.min_cycles <= self.window:
+            raise DFlash2Error(f"guard window must be >= probe_window, min_cycles >= 1, got {self.window}, "
+                               f"{self.probe_window}, {self.min_cycles}")
+        if not 0 <= self.z < float("inf"):
+            raise DFlash2Error(f"guard z must be a finite number >= 0, got {self.z}")
         if not 1 <= self.backoff <= self.max_backoff:
             raise DFlash2Error(f"guard backoff must be in [1, max_backoff={self.max_backoff}], got {self.backoff}")
         if self.cost_ratio is not None and not self.cost_ratio > 0:
@@ -67,7 +77,7 @@ class AcceptanceGuard:
         self.backoff = self.cfg.backoff
         self.switches = 0  # speculative -> plain transitions
         self.probes = 0  # plain -> speculative transitions
-        self.need = self.cfg.window  # cycles before the next judgement
+        self.need = self.cfg.min_cycles  # cycles before the next judgement
         # a measured cost needs t_step: the first step is a plain one, timed (it commits a token like any other)
         self.calibrating = self.cfg.cost_ratio is None
         self.plain_left = 1 if self.calibrating else 0  # plain steps still to run before the next (probe) cycle
@@ -91,8 +101,7 @@ class AcceptanceGuard:
         if self.plain_left == 0:
             if not self.calibrating:
                 self.probes += 1
-                self.window.clear()  # the probe is judged on its own cycles
-                self.need = self.cfg.probe_window
+                self.need = self.cfg.probe_window  # judged with the window's earlier cycles
             self.calibrating = False
 
     def record_cycle(self, tokens: int, seconds: float) -> None:
@@ -103,8 +112,9 @@ class AcceptanceGuard:
         self.need = 1  # from now on judged after every cycle, on the rolling window
         be = self.break_even()
         assert be is not None  # t_step is timed by the first step
-        tau_w = float(np.mean([t for t, _ in self.window]))
-        if tau_w < be:
+        per_cycle = np.array([t for t, _ in self.window], dtype=np.float64)
+        spread = float(per_cycle.std(ddof=1)) / np.sqrt(per_cycle.size) if per_cycle.size > 1 else 0.0
+        if float(per_cycle.mean()) + self.cfg.z * spread < be:
             self.switches += 1
             self.plain_left = self.backoff
             self.backoff = min(2 * self.backoff, self.cfg.max_backoff)
