@@ -699,7 +699,13 @@ def test_c_loop_counts_no_drafts_after_an_accepted_eos(lib, ort, monkeypatch):
     make = lambda: _OracleDrafter(greedy, ort.manifest.block_size, ort.manifest.target.vocab_size)  # noqa: E731
     raw: list[int] = []  # acceptance counts before the EOS cut
     real = ref.accept_greedy
-    monkeypatch.setattr(ref, "accept_greedy", lambda d, lg: (lambda r: (raw.append(r[0]), r)[1])(real(d, lg)))
+
+    def recording(drafts, logits):  # noqa: ANN001, ANN202
+        acc, bonus = real(drafts, logits)
+        raw.append(acc)
+        return acc, bonus
+
+    monkeypatch.setattr(ref, "accept_greedy", recording)
     c = CRuntime(lib, ort.target_runner(), make(), _feature_dim(ort), 4)
     try:
         cases = 0

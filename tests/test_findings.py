@@ -146,14 +146,14 @@ def test_partial_block_walks_the_verified_rows(temp):
 def test_decoder_tells_the_drafter_the_verified_rows(acc_target, acc_drafter):
     """The loop hands ``propose`` the rows it will verify: L on full blocks, fewer on the final partial one."""
 
-    class Spy(TorchDraftSource):
-        rows: list[int] = []
+    told: list[int] = []
 
+    class Spy(TorchDraftSource):
         def propose(self, anchor, pos, rows, temperature, uniforms):  # noqa: ANN001, ANN201
-            self.rows.append(rows)
+            told.append(rows)
             return super().propose(anchor, pos, rows, temperature, uniforms)
 
     p = np.random.default_rng(8).integers(4, 500, 20).tolist()
     res = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), Spy(acc_drafter, "viterbi"), p, 37,
                                  eos_ids=set())
-    assert Spy.rows == res.proposed and Spy.rows[-1] < acc_drafter.config.block_size - 1 and max(res.accepted) >= 3
+    assert told == res.proposed and told[-1] < acc_drafter.config.block_size - 1 and max(res.accepted) >= 3

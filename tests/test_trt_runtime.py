@@ -355,13 +355,12 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
         want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p, 30, temperature=0.8, eos_ids=set(), seed=3)
         assert got.tokens == want.tokens and got.accepted == want.accepted
         sampled += got.accepted
-    assert max(sampled) >= 3 and sum(a >= 1 for a in sampled) >= len(sampled) / 2, sampled
+    assert_accepts(sampled, 15, "TensorRT backend, T = 0.8")
     runs = cuda.executor.runs
     assert runs["target.onnx"] and runs["drafter_block.onnx"] and runs["drafter_head_viterbi.onnx"]
     assert (be.graphs.stats.replays > 0) == cuda_graphs
     be.close()
     ort_be.close()
-
 
 
 class _HiddenSpy:

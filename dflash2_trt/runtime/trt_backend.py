@@ -466,20 +466,20 @@ class TrtDrafter:
         h2d = [(bio["anchor_ids"], (1,)), (bio["anchor_position"], (1,)), (bio["context_mask"], (1, C)),
                (hio["anchor_ids"], (1,)), (hio["temperature"], (1,)), (hio["uniforms"], (1, L))]
         d2h = [(hio[k], hio[k].max_shape) for k in ("cand_ids", "path_ids", "proposal_probs")]
-        step = _step(be, [(self.block_eng, bctx), (self.head_eng, hctx)], h2d, d2h)
-        key = GraphKey(f"drafter_step:{self.mode}", 0, (C,),
-                       _addresses(baddr, bio, bctx) + _addresses(haddr, hio, hctx))
+        runs = [(self.block_eng, bctx), (self.head_eng, hctx)]
         if rows < L:  # a final partial block, eagerly: the rows past the verified ones get zero hidden states
             H, hid = bio["hidden"].max_shape[-1], bio["hidden"]
-            _step(be, [(self.block_eng, bctx)], h2d, [])()
+            _step(be, runs[:1], h2d, [])()
             be.api.memset_async(hid.dev + nbytes_of((1 + rows, H), hid.dtype), 0,
                                 nbytes_of((L - rows, H), hid.dtype), be.stream)
-            _step(be, [(self.head_eng, hctx)], [], d2h)()
+            _step(be, runs[1:], [], d2h)()
             self.last_path = "eager"
         elif captured:
-            self.last_path = be.graphs.run(key, be.stream, step)
+            key = GraphKey(f"drafter_step:{self.mode}", 0, (C,),
+                           _addresses(baddr, bio, bctx) + _addresses(haddr, hio, hctx))
+            self.last_path = be.graphs.run(key, be.stream, _step(be, runs, h2d, d2h))
         else:
-            step()
+            _step(be, runs, h2d, d2h)()
             self.last_path = "eager"
         be.sync()
         return Draft(tokens=hio["path_ids"].host_view((1, L))[0].astype(np.int64),
