@@ -25,6 +25,8 @@ def add_parser(sub) -> None:  # noqa: ANN001
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--max-shards", type=int, default=None,
                    help="stop after the first N shards (same prompt list; rerun without it to continue)")
+    m.add_argument("--exclude", nargs="+", default=(), metavar="DATA",
+                   help="earlier make-data folders: skip their prompts (to add new data beside them)")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
     t = sub.add_parser("train", help="distil a DFlash 2 drafter from make-data output (SPEC §5)")
@@ -102,7 +104,8 @@ def _run_make_data(a: argparse.Namespace) -> int:
     cfg = MakeDataConfig(target=a.target, out=a.out, n_prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                          max_prompt_tokens=a.max_prompt_tokens, batch=a.batch, shard_size=a.shard_size,
                          sample_every=a.sample_every, mix=mix, n_self=a.self_instructions,  # type: ignore[arg-type]
-                         target_layer_ids=ids, topk=a.topk, seed=a.seed, max_shards=a.max_shards)
+                         target_layer_ids=ids, topk=a.topk, seed=a.seed, max_shards=a.max_shards,
+                         exclude=tuple(a.exclude))
     print(json.dumps({"out": str(make_data(cfg))}))
     return 0
 

@@ -68,6 +68,7 @@ class MakeDataConfig:
     topk: int = 8
     seed: int = 0
     max_shards: int | None = None  # stop after the first N shards (the prompt list stays the same)
+    exclude: tuple[str, ...] = ()  # make-data folders whose prompts this one must not repeat (more data)
 
 
 def _default_layer_ids(n_layers: int) -> list[int]:
@@ -180,19 +181,33 @@ def self_instructions(target, n: int, seed: int, batch: int, max_tokens: int = 4
     return out[:n]
 
 
+def previous_prompts(folders: tuple[str, ...]) -> set[str]:
+    """The prompt texts of earlier make-data folders (their ``prompts.jsonl``), for ``--exclude``."""
+    seen: set[str] = set()
+    for f in folders:
+        path = Path(f) / "prompts.jsonl"
+        if not path.is_file():
+            raise DFlash2Error(f"--exclude {f}: not a make-data folder (no prompts.jsonl)")
+        seen.update(json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip())
+    return seen
+
+
 def build_prompt_list(cfg: MakeDataConfig, target, self_instr: list[str]) -> tuple[list[dict], dict]:  # noqa: ANN001
     """Mix the three sources (ratio ``cfg.mix``), drop benchmark overlaps and long prompts; deterministic."""
     from dflash2_trt.train import prompts as P
 
     bench = P.benchmark_texts()
+    seen = previous_prompts(cfg.exclude)
     srcs = {"sharegpt": P.sharegpt_first_turns(), "code": P.stdlib_completion_prompts(), "self": self_instr}
     counts: dict = {}
     pools = {}
     for name, items in srcs.items():
         kept, dropped = P.overlap_filter(items, bench)
-        random.Random(cfg.seed).shuffle(kept)
-        pools[name] = kept
-        counts[name] = {"candidates": len(items), "dropped_benchmark_8gram": len(dropped)}
+        fresh = [t for t in kept if t not in seen]
+        random.Random(cfg.seed).shuffle(fresh)
+        pools[name] = fresh
+        counts[name] = {"candidates": len(items), "dropped_benchmark_8gram": len(dropped),
+                        "excluded_seen": len(kept) - len(fresh)}
     tok = target.tokenizer
     out: list[dict] = []
     want = {n: int(round(cfg.n_prompts * w)) for n, w in zip(("sharegpt", "code", "self"), cfg.mix)}
