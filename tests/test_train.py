@@ -93,6 +93,61 @@ def test_benchmark_overlap_filter():
     assert dropped == prompts[:2] and kept == prompts[2:]
 
 
+def test_exclude_skips_the_prompts_of_earlier_folders(tiny_data, tiny_target, monkeypatch):
+    """`make-data --exclude DATA`: a prompt an earlier folder already answered is never drawn again."""
+    from dflash2_trt.train import prompts as P
+    from dflash2_trt.train.make_data import MakeDataConfig, build_prompt_list
+
+    out, cfg = tiny_data
+    old = [p["text"] for p in PROMPTS]
+    new = ["Name three birds that cannot fly.", "How do tides work?", "def area(r):\n    \"\"\"Circle area.\"\"\"\n"]
+    monkeypatch.setattr(P, "sharegpt_first_turns", lambda: old[:12] + new[:2])
+    monkeypatch.setattr(P, "stdlib_completion_prompts", lambda: old[12:] + new[2:])
+    c = MakeDataConfig(target=cfg.target, out="unused", n_prompts=6, mix=(0.5, 0.5, 0.0), seed=3)
+    plist, _ = build_prompt_list(c, tiny_target, [])
+    assert len(plist) == 5 and {p["text"] for p in plist} & set(old)  # without --exclude old prompts come back
+    c.exclude = (str(out),)
+    plist, counts = build_prompt_list(c, tiny_target, [])
+    assert sorted(p["text"] for p in plist) == sorted(new)
+    assert counts["sharegpt"]["excluded_seen"] == 12 and counts["code"]["excluded_seen"] == 1
+    c.exclude = (str(out.parent),)
+    with pytest.raises(DFlash2Error, match="no prompts.jsonl"):
+        build_prompt_list(c, tiny_target, [])
+
+
+def test_several_folders_train_together(tiny_dir, tiny_data, tmp_path, capsys):
+    """`train --data A B`: rows of both folders, the last shard of each held out (A's rows first); folders
+    made with other taps are refused with one line."""
+    from dflash2_trt.cli import main
+    from dflash2_trt.train.make_data import MakeDataConfig, make_data
+
+    out, cfg = tiny_data
+    more = [{"src": "t", "chat": True, "text": t} for t in
+            ("Name three birds that cannot fly.", "How do tides work?", "Why is the sky blue?", "Count to five.",
+             "What is a prime number?", "Give me a haiku about rain.")]
+    b = make_data(MakeDataConfig(**{**cfg.__dict__, "out": str(tmp_path / "b")}), progress=False, prompts=more)
+    a_data, both = D.GeneratedData(out), D.GeneratedData([out, b])
+    assert len(both) == len(a_data) + len(more) and len(both.shards) == 4 + 2
+    tr, held = both.split(1)
+    a_tr, a_held = a_data.split(1)
+    assert held.tolist() == a_held.tolist() + [len(a_data) + 4, len(a_data) + 5]  # b: shards of 4 + 2 rows
+    assert tr.tolist() == a_tr.tolist() + list(range(len(a_data), len(a_data) + 4))
+    with pytest.raises(DFlash2Error, match="leaves no training shard"):
+        both.split(2)  # b has two shards only
+    run = tmp_path / "run"
+    rc = main(["train", "--target", cfg.target, "--data", str(out), str(b), "--out", str(run), "--block-size", "4",
+               "--steps", "2", "--eval-rows", "2", "--sampled-softmax", "0", "--threads", "1"])
+    assert rc == 0
+    log = json.loads((run / "train_log.jsonl").read_text().splitlines()[0])
+    assert log["train_rows"] == tr.size and log["heldout_rows"] == held.size
+    other = make_data(MakeDataConfig(**{**cfg.__dict__, "out": str(tmp_path / "c"), "target_layer_ids": [0, 1]}),
+                      progress=False, prompts=more[:4])
+    capsys.readouterr()
+    rc = main(["eval-tau", "--target", cfg.target, "--drafter", str(run), "--data", str(out), str(other)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "target_layer_ids" in err and err.count("\n") == 1
+
+
 def test_labels_are_the_generated_chain_and_anchors_in_responses():
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 50, size=30)

@@ -31,7 +31,8 @@ def add_parser(sub) -> None:  # noqa: ANN001
 
     t = sub.add_parser("train", help="distil a DFlash 2 drafter from make-data output (SPEC §5)")
     t.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
-    t.add_argument("--data", required=True, help="a `dflash2 make-data` folder")
+    t.add_argument("--data", required=True, nargs="+", metavar="DATA",
+                   help="`dflash2 make-data` folders (same target and taps), trained on together")
     t.add_argument("--out", required=True, help="drafter folder (also holds train_state/ for --resume)")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
@@ -65,7 +66,8 @@ def add_parser(sub) -> None:  # noqa: ANN001
     e = sub.add_parser("eval-tau", help="offline τ of a drafter on held-out make-data rows (seconds)")
     e.add_argument("--target", required=True)
     e.add_argument("--drafter", required=True)
-    e.add_argument("--data", required=True)
+    e.add_argument("--data", required=True, nargs="+", metavar="DATA",
+                   help="make-data folders; held-out rows of the first come first")
     e.add_argument("--heldout-shards", type=int, default=1)
     e.add_argument("--rows", type=int, default=24)
     e.add_argument("--block-size", type=int, default=None, help="evaluate at another block size")

@@ -11,6 +11,7 @@ Anchors lie in response positions only (the loss mask).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,22 +33,37 @@ class Row:
 
 
 class GeneratedData:
-    """All complete shards of a make-data folder, memory-mapped. Rows are indexed 0..len-1 in shard order."""
+    """All complete shards of one or more make-data folders (same target and taps), memory-mapped. Rows are
+    indexed 0..len-1 in folder, then shard order."""
 
-    def __init__(self, root: str | Path, max_shards: int | None = None) -> None:
-        self.root = Path(root)
-        mpath = self.root / "meta.json"
-        if not mpath.is_file():
-            raise DFlash2Error(f"{self.root} is not a make-data folder (no meta.json)")
-        self.meta = json.loads(mpath.read_text())
+    def __init__(self, roots: str | Path | Sequence[str | Path], max_shards: int | None = None) -> None:
+        self.roots = [Path(roots)] if isinstance(roots, (str, Path)) else [Path(r) for r in roots]
+        if not self.roots:
+            raise DFlash2Error("no make-data folder given")
+        metas = []
+        for root in self.roots:
+            mpath = root / "meta.json"
+            if not mpath.is_file():
+                raise DFlash2Error(f"{root} is not a make-data folder (no meta.json)")
+            metas.append(json.loads(mpath.read_text()))
+        self.meta = metas[0]
         self.layer_ids: list[int] = list(self.meta["target_layer_ids"])
-        shards = sorted(p for p in self.root.glob("shard-?????") if p.is_dir())[:max_shards]
-        if not shards:
-            raise DFlash2Error(f"{self.root} holds no complete shard yet")
-        self.shards = shards
+        for root, m in zip(self.roots[1:], metas[1:]):
+            for k in ("target_layer_ids", "hidden_size", "eos_ids"):
+                if m.get(k) != self.meta.get(k):
+                    raise DFlash2Error(f"{root} was made with {k} = {m.get(k)}, {self.roots[0]} with "
+                                       f"{self.meta.get(k)}: the folders do not belong together")
+        self.shards: list[Path] = []
+        self._folder: list[int] = []  # folder of each shard
+        for f, root in enumerate(self.roots):
+            shards = sorted(p for p in root.glob("shard-?????") if p.is_dir())[:max_shards]
+            if not shards:
+                raise DFlash2Error(f"{root} holds no complete shard yet")
+            self.shards += shards
+            self._folder += [f] * len(shards)
         self._arr: list[dict[str, np.ndarray]] = []
         self.index: list[tuple[int, int]] = []  # (shard, row in shard)
-        for s, p in enumerate(shards):
+        for s, p in enumerate(self.shards):
             a = {n: np.load(p / f"{n}.npy", mmap_mode="r") for n in
                  ("tokens", "offsets", "prompt_len", "temperature", "feats", "topk_ids", "topk_logp")}
             self._arr.append(a)
@@ -64,14 +80,18 @@ class GeneratedData:
                    float(a["temperature"][r]), a["topk_ids"][lo:hi], a["topk_logp"][lo:hi])
 
     def split(self, heldout_shards: int, need_train: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """Row ids of (train, held-out): the last ``heldout_shards`` shards are held out."""
-        if heldout_shards >= len(self.shards) + (0 if need_train else 1):
+        """Row ids of (train, held-out): the last ``heldout_shards`` shards of each folder are held out
+        (held-out rows in folder order: the first folder's come first)."""
+        folder = np.asarray(self._folder)
+        per = np.bincount(folder, minlength=len(self.roots))
+        if heldout_shards >= per.min() + (0 if need_train else 1):
             raise DFlash2Error(f"--heldout-shards {heldout_shards} leaves no training shard "
-                               f"({len(self.shards)} complete)")
-        cut = len(self.shards) - heldout_shards
+                               f"({per.min()} complete in {self.roots[int(per.argmin())]})")
+        rank = np.arange(len(self.shards)) - np.concatenate([[0], np.cumsum(per)[:-1]])[folder]
+        held_shard = rank >= per[folder] - heldout_shards
         ids = np.arange(len(self.index))
         shard_of = np.asarray([s for s, _ in self.index])
-        return ids[shard_of < cut], ids[shard_of >= cut]
+        return ids[~held_shard[shard_of]], ids[held_shard[shard_of]]
 
     def response_token_counts(self, rows: np.ndarray, vocab_size: int) -> np.ndarray:
         """[V] int64: how often each id occurs as a response token in ``rows`` (the frequent-id set)."""

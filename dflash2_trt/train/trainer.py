@@ -53,7 +53,7 @@ from dflash2_trt.train import data as D
 @dataclass
 class TrainConfig:
     target: str
-    data: str  # make-data folder
+    data: str | list[str]  # make-data folder(s)
     out: str
     block_size: int = 16
     layers: int = 1
@@ -483,7 +483,7 @@ def prepare(tc: TrainConfig):  # noqa: ANN201
     target = TargetModel.load(tc.target)
     data = D.GeneratedData(tc.data, tc.max_shards)
     if int(data.meta.get("hidden_size", target.hidden_size)) != target.hidden_size:
-        raise DFlash2Error(f"{tc.data} was made by a target of hidden size {data.meta['hidden_size']}, "
+        raise DFlash2Error(f"{data.roots[0]} was made by a target of hidden size {data.meta['hidden_size']}, "
                            f"not {target.hidden_size}")
     cfg = make_drafter_config(tc, target, data.layer_ids)
     target.check_drafter(cfg)
