@@ -82,13 +82,13 @@ class GeneratedData:
     def split(self, heldout_shards: int, need_train: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Row ids of (train, held-out): the last ``heldout_shards`` shards of each folder are held out
         (held-out rows in folder order: the first folder's come first)."""
-        folder = np.asarray(self._folder)
-        per = np.bincount(folder, minlength=len(self.roots))
+        per = np.bincount(self._folder, minlength=len(self.roots))  # shards per folder
         if heldout_shards >= per.min() + (0 if need_train else 1):
             raise DFlash2Error(f"--heldout-shards {heldout_shards} leaves no training shard "
                                f"({per.min()} complete in {self.roots[int(per.argmin())]})")
-        rank = np.arange(len(self.shards)) - np.concatenate([[0], np.cumsum(per)[:-1]])[folder]
-        held_shard = rank >= per[folder] - heldout_shards
+        held_shard = np.zeros(len(self.shards), dtype=bool)
+        for end in np.cumsum(per):  # each folder's shards end at its running total
+            held_shard[end - heldout_shards: end] = True
         ids = np.arange(len(self.index))
         shard_of = np.asarray([s for s, _ in self.index])
         return ids[~held_shard[shard_of]], ids[held_shard[shard_of]]
