@@ -43,12 +43,12 @@ def _prompts(tok, sets: list[str], limit: int) -> dict[str, list[list[int]]]:
 class Ours:
     def __init__(self, kind: str, block_size: int, threads: int, draft_vocab: int, guard: bool) -> None:
         from dflash2_trt.export.cache import cached_export
-        from dflash2_trt.runtime.ort_backend import OrtBackend
+        from dflash2_trt.runtime.ort.backend import OrtBackend
 
         q = QuantSpec(kind)
         opts = {"draft_vocab": draft_vocab} if draft_vocab else {}
         folder = cached_export("smollm2", DRAFTER, progress=True, block_size=block_size, max_seq_len=2048,
-                               quantization=q, verify_cost=True, **opts)
+                               quantization=q, **opts)
         self.guard = guard
         self.folder = folder
         self.be = OrtBackend(folder, threads=threads)

@@ -8,7 +8,7 @@ one row each in the printed table (markdown; ``--json`` for machine-readable out
 1. **version**: TensorRT version and major supported; the plugin library built for the same major
    (``dfl2PluginsTensorRTMajor``);
 2. **double load**: TensorRT's raw ``load_library`` of an already registered library answers None (the
-   semantics the CPU fakes model), and :func:`~dflash2_trt.runtime.trt_env.load_plugin_library` accepts a
+   semantics the CPU fakes model), and :func:`~dflash2_trt.runtime.trt.env.load_plugin_library` accepts a
    second load; two backends open in one process;
 3. **contexts on one profile**: verify steps of every row count 1..block size (one execution context per
    shape bucket, all on the ``step`` profile) give the same logits as the eager backend;
@@ -23,7 +23,7 @@ one row each in the printed table (markdown; ``--json`` for machine-readable out
 
 The former per-layer "selector share" is gone: once TensorRT fuses layers, layer names no longer say which
 work belongs to the selector. Exit 1 when a check of 1-7 fails; 8 is a measurement. Status: never run (no
-machine with TensorRT was available while writing it; see dflash2_trt/runtime/TRT_README.md).
+machine with TensorRT was available while writing it; see dflash2_trt/runtime/trt/README.md).
 """
 
 from __future__ import annotations
@@ -75,9 +75,9 @@ def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[di
     import tensorrt as trt
 
     from dflash2_trt.runtime.decoder import speculative_generate
-    from dflash2_trt.runtime.ort_backend import OrtBackend
-    from dflash2_trt.runtime.trt_backend import TrtBackend
-    from dflash2_trt.runtime.trt_env import SUPPORTED_TRT_MAJORS, load_plugin_library, version_tuple
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.runtime.trt.backend import TrtBackend
+    from dflash2_trt.runtime.trt.env import SUPPORTED_TRT_MAJORS, load_plugin_library, version_tuple
     from dflash2_trt.vocabulary import head_key
 
     rows: list[dict[str, Any]] = []

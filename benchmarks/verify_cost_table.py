@@ -1,7 +1,7 @@
 """Verify-cost table: one target forward over 1/4/8/16 new rows on top of 256 / 1024 cached positions, for
 our ONNX Runtime graphs of SmolLM2-135M-Instruct — the standard (unfused) fp32 graph and the fused graphs
 at fp32 / int8 / int4 — measured in one process, interleaved cell by cell (minimum over repeats), plus the block size each export recommends (the
-``verify_cost`` entry its manifest recorded at export time on this machine, and the one from this run).
+``verify_cost`` entry `dflash2 export --verify-cost` stores in its manifest, timed alone, and the one from this interleaved run).
 
     python benchmarks/verify_cost_table.py [--block-size 4] [--threads 2] [--json OUT]
 
@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 def main(argv: list[str] | None = None) -> int:
     from dflash2_trt.export.cache import cached_export
     from dflash2_trt.export.quantize import QuantSpec
-    from dflash2_trt.runtime import verify_cost as VC
-    from dflash2_trt.runtime.ort_backend import OrtBackend
+    from dflash2_trt.bench import verify_cost as VC
+    from dflash2_trt.runtime.ort.backend import OrtBackend
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--block-size", type=int, default=4)
@@ -36,15 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     runners, recorded, recommended = {}, {}, {}
     for kind in ("none", "int8", "int4"):
         folder = cached_export("smollm2", drafter, progress=True, block_size=a.block_size, max_seq_len=2048,
-                               quantization=QuantSpec(kind), verify_cost=True)
+                               quantization=QuantSpec(kind))
         label = "fp32" if kind == "none" else kind
-        m = json.loads((folder / "manifest.json").read_text())
         if kind == "none":
             std = OrtBackend(folder, threads=a.threads, flavour="standard")
             runners["fp32 standard ONNX"] = std.target_runner()
         be = OrtBackend(folder, threads=a.threads)
         runners[f"{label} fused"] = be.target_runner()
-        recorded[f"{label} fused"] = m.get("verify_cost", {}).get("recommended_block_size")
+        recorded[f"{label} fused"] = VC.record(folder, threads=a.threads)["recommended_block_size"]
     tables = VC.measure_many(runners, repeats=a.repeats)
     for k, t in tables.items():
         recommended[k] = VC.recommend_block_size(t)

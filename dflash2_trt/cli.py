@@ -20,7 +20,9 @@ Subcommands::
                   [--no-selector] [--max-new-tokens N] [--seed S] [--no-oracle] [--ignore-eos] [--plot FILE.png]
                   [--json]
         Speculative and plain autoregressive decoding of the same target on the same backend, side by
-        side; prints a table, or with --json one object: ``backend``, ``n_prompts``, ``tau``,
+        side; prints a table, or with --json one object: ``backend``, ``n_prompts``, ``tau`` (pooled: tokens
+        of all speculative cycles ÷ their number), ``tau_prompt_mean`` (the mean of the prompts' own τ),
+        ``capped_by_capacity`` (prompts whose --max-new-tokens the cache capacity cut short; said on stderr),
         ``per_position_cumulative``, ``per_position_conditional``, ``oracle_tau``, ``spec_tokens_per_s``,
         ``ar_tokens_per_s``, ``speedup``, ``lossless`` (greedy: every output equals the autoregressive
         one; null at T > 0), plus ``spec_tokens``, ``ar_tokens``, ``selector`` (greedy | viterbi |
@@ -32,12 +34,16 @@ Subcommands::
         and the bench table (with --json: the bench keys plus ``text``).
 
 Output of ``generate --json``: one JSON object with ``text``, ``tokens``, ``stats`` {``tau``, ``cycles``,
-``per_position_cumulative``, ``per_position_conditional``, ``oracle_tau``}, ``tokens_per_s`` and, with
+``per_position_cumulative``, ``per_position_conditional``, ``oracle_tau``}, ``tokens_per_s``,
+``capped_by_capacity`` (1 when the cache capacity cuts --max-new-tokens short, also said on stderr) and, with
 ``--check-lossless``, ``lossless`` (greedy: output == the target's own greedy decode; T > 0: the check
 is distributional and is done by the test suite, so ``lossless`` is null); with --model-dir also ``backend``.
 
-User errors print one line ``dflash2: error: ...`` and exit with code 1; bad flag combinations are argparse
-errors (exit 2).
+Every bad input prints one line ``dflash2: error: ...`` and exits with code 1, before any work starts where it
+can be seen from the flags: a bad value (checked by :mod:`dflash2_trt.validate` as the flags are parsed), an
+unknown flag or a bad combination (argparse's errors, also one line and exit 1), and errors found later
+(:class:`DFlash2Error`, or the file system's ``OSError``). Folders are written as :mod:`dflash2_trt.outdir`
+says: never a folder that dflash2 did not write.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import argparse
 import json
 import sys
 
+from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, DEMO_PROMPT, demo_drafter_path
 from dflash2_trt.vocabulary import BACKEND_CHOICES, INDEPENDENT, SELECTOR_MODES, SELECTOR_PRECISIONS
@@ -56,14 +63,14 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     from dflash2_trt.export import cli as export_cli
     from dflash2_trt.train import cli as train_cli
 
-    p = argparse.ArgumentParser(prog=prog, description="DFlash 2 speculative decoding")
+    p = V.Parser(prog=prog, description="DFlash 2 speculative decoding")
     sub = p.add_subparsers(dest="cmd", required=True)
     export_cli.add_parsers(sub)
 
     t = sub.add_parser("make-tiny", help="write a tiny random target + drafter pair")
     t.add_argument("--out", required=True)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--seed", type=V.SEED, default=0)
+    t.add_argument("--block-size", type=V.BLOCK_SIZE, default=16)
     t.add_argument("--accepting", action="store_true",
                    help="a copying target and a drafter whose drafts are accepted often (tau well above 1)")
 
@@ -75,9 +82,9 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     g.add_argument("--model-dir", help="a dflash2-export folder (runs without torch)")
     g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="runtime backend for --model-dir")
     g.add_argument("--stream", action="store_true", help="print tokens as they are committed (--model-dir)")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--prompt", required=True, type=V.text)
+    g.add_argument("--max-new-tokens", type=V.COUNT, default=64)
+    g.add_argument("--temperature", type=V.NON_NEGATIVE_NUMBER, default=0.0)
     _draft_options(g)
     g.add_argument("--no-conv", action="store_true", help="turn the dynamic convolutions off (ablation; "
                    "--target/--drafter only: an export has them baked in)")
@@ -87,7 +94,7 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     g.add_argument("--check-lossless", action="store_true", help="also run target-only greedy and compare")
     g.add_argument("--chat", action="store_true", help="render the prompt with the target's chat template")
     g.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=V.SEED, default=0)
     g.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="speculative vs autoregressive decoding, side by side")
@@ -101,7 +108,7 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="SmolLM2-135M-Instruct + the packaged DFlash 2 drafter: export once, decode, "
                                     "compare with autoregressive decoding")
     x = d.add_mutually_exclusive_group()
-    x.add_argument("--prompt", default=None, help=f"text (chat-rendered); default: {DEMO_PROMPT!r}")
+    x.add_argument("--prompt", default=None, type=V.text, help=f"text (chat-rendered); default: {DEMO_PROMPT!r}")
     x.add_argument("--prompts", default=None, help="humaneval | mtbench | FILE.jsonl: benchmark the demo pair "
                                                    "instead (the keys of `dflash2 bench --json`)")
     _bench_options(d, max_new_tokens=96)
@@ -111,9 +118,9 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
 
 def _export_options(b: argparse.ArgumentParser, draft_vocab: int = 0) -> None:
     """Export options of the cached export that ``bench --target --drafter`` and ``demo`` make."""
-    b.add_argument("--block-size", type=int, default=None,
+    b.add_argument("--block-size", type=V.BLOCK_SIZE, default=None,
                    help="export at this block size (default: the drafter's own; cached export)")
-    b.add_argument("--draft-vocab", type=int, default=draft_vocab, metavar="N",
+    b.add_argument("--draft-vocab", type=V.NON_NEGATIVE, default=draft_vocab, metavar="N",
                    help="export with the drafter's LM head restricted to its N most frequent ids, 0 = all "
                         f"(default {draft_vocab}; cached export)")
 
@@ -126,19 +133,19 @@ def _cached_export_options(a: argparse.Namespace) -> dict:
 
 def _bench_options(b: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
     """Options shared by ``bench`` and ``demo``."""
-    b.add_argument("--limit", type=int, default=None, help="first N prompts")
+    b.add_argument("--limit", type=V.COUNT, default=None, help="first N prompts")
     b.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
-    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--temperature", type=V.NON_NEGATIVE_NUMBER, default=0.0)
     _draft_options(b)
-    b.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--max-new-tokens", type=V.COUNT, default=max_new_tokens)
+    b.add_argument("--seed", type=V.SEED, default=0)
     b.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    b.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    b.add_argument("--threads", type=V.THREADS, default=None, help="ONNX Runtime intra-op threads")
     b.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
                    help="plain target steps while measured acceptance does not pay for a cycle, probing again "
                         "later (lossless; default on)")
-    b.add_argument("--min-confidence", type=float, default=0.0,
+    b.add_argument("--min-confidence", type=V.PROBABILITY, default=0.0,
                    help="verify only the leading draft rows whose cumulative drafter confidence reaches this "
                         "(lossless; 0 = every row)")
     b.add_argument("--plot", help="draw the per-position acceptance curve into FILE.png")
@@ -180,10 +187,12 @@ def _generate_and_report(a: argparse.Namespace, target, drafter, prompt: list[in
     from dflash2_trt.bench.oracle import oracle_count
     from dflash2_trt.runtime import decoder as D
 
+    capped = _capacity_note(a.max_new_tokens, [len(prompt)], target.max_positions)
     res = D.speculative_generate(target, drafter, prompt, a.max_new_tokens, a.temperature, seed=a.seed,
                                  oracle=None if a.no_oracle else oracle_count, on_tokens=stream)
     text = decode(res.tokens)
-    out: dict = {"text": text, "tokens": res.tokens, "stats": res.stats(), "tokens_per_s": res.tokens_per_s}
+    out: dict = {"text": text, "tokens": res.tokens, "stats": res.stats(), "tokens_per_s": res.tokens_per_s,
+                 "capped_by_capacity": capped}
     if backend is not None:
         out["backend"] = backend
     if a.check_lossless:
@@ -207,7 +216,7 @@ def _generate_and_report(a: argparse.Namespace, target, drafter, prompt: list[in
 
 def _cmd_generate(a: argparse.Namespace) -> int:
     """--target/--drafter: the PyTorch reference."""
-    from dflash2_trt.runtime.torch_backend import TorchBackend
+    from dflash2_trt.runtime.torch.backend import TorchBackend
 
     with TorchBackend(a.target, a.drafter, use_conv=False if a.no_conv else None) as be:
         be.drafter.selector_precision = a.selector_precision
@@ -249,8 +258,11 @@ def _cmd_generate_runtime(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
+    from dflash2_trt.bench import harness
     from dflash2_trt.bench.prompts import load_prompts
 
+    if a.plot:
+        harness.check_plot(a.plot)
     items = load_prompts(a.prompts, a.limit)
     model_dir = a.model_dir
     if model_dir is None:
@@ -274,6 +286,7 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_t
         raise DFlash2Error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     be, tok = _open_runtime(a, model_dir)
     prompts = encode_items(items, tok.encode, tok.apply_chat_template)
+    capped = _capacity_note(a.max_new_tokens, [len(p) for p in prompts], be.target_runner().max_positions)
     eos = set() if a.ignore_eos else None
     mode = a.selector
     with be:
@@ -282,20 +295,33 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_t
                             guard=GuardConfig() if a.guard else None, min_confidence=a.min_confidence)
     texts = r.pop("texts", None)
     r = {"backend": be.description, **r, "selector": mode, "temperature": a.temperature,
-         "max_new_tokens": a.max_new_tokens, "guard": "on" if a.guard else "off",
+         "max_new_tokens": a.max_new_tokens, "capped_by_capacity": capped, "guard": "on" if a.guard else "off",
          "min_confidence": a.min_confidence}
-    if a.plot:
-        bench.plot(r, a.plot)
     if texts:
         r["text"] = texts[0]
     if a.json:
-        print(json.dumps(r))
+        print(json.dumps(r), flush=True)
     else:
         if texts:
             print(texts[0])
             print("--")
-        print(bench.format_table(r))
+        print(bench.format_table(r), flush=True)
+    if a.plot:  # last: a failing plot never loses the figures printed above
+        bench.plot(r, a.plot)
     return 0
+
+
+def _capacity_note(max_new_tokens: int, prompt_lens: list[int], max_positions: int) -> int:
+    """How many requests the cache capacity cuts short of --max-new-tokens; said once on stderr (the loop stops
+    at the capacity: prompt + generated tokens <= max_positions)."""
+    cut = [n for n in prompt_lens if n + max_new_tokens > max_positions]
+    if cut:
+        most = max_positions - max(cut)
+        print(f"dflash2: note: --max-new-tokens {max_new_tokens} exceeds the cache capacity ({max_positions} "
+              f"positions, prompt included) for {len(cut)} of {len(prompt_lens)} prompt(s), which stop earlier (the "
+              f"longest after {max(most, 0)} new tokens); export with a larger --max-seq-len to go further",
+              file=sys.stderr)
+    return len(cut)
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
@@ -303,6 +329,10 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     from dflash2_trt.bench.prompts import load_prompts
     from dflash2_trt.export.cache import cached_export
 
+    if a.plot:
+        from dflash2_trt.bench.harness import check_plot
+
+        check_plot(a.plot)
     drafter = demo_drafter_path()
     if not a.json:
         print(f"dflash2: demo pair: SmolLM2-135M-Instruct + {drafter.name} (exported once into the cache)",
@@ -325,8 +355,8 @@ def _cmd_make_tiny(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
     parser = _build_parser(prog)
-    a = parser.parse_args(argv)
     try:
+        a = parser.parse_args(argv)
         if a.cmd == "export":
             from dflash2_trt.export import cli as export_cli
 
@@ -360,6 +390,9 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
         parser.error(f"unknown command {a.cmd}")
     except DFlash2Error as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the file system's answer (disk full, permissions) on a path the user gave
+        print(f"{prog}: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted (nothing written)", file=sys.stderr)

@@ -57,7 +57,31 @@ MANIFEST_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 SCHEMA_FILE = Path(__file__).with_name("manifest.schema.json")
 KV_CAPACITY_STEP = 256  # default KV capacity granularity (positions) of exports
+BLOCK_HIDDEN = "hidden"  # drafter_block's output and the heads' input: [B, block_size, H]
 REQUIRED_GRAPHS = ("target", "drafter_context", "drafter_block", head_key(INDEPENDENT))
+TARGET_ORT = "target_ort"  # graph key of the fused ONNX Runtime target
+ORT_SUFFIX = "_ort"  # graph key K + "_ort": the ONNX Runtime variant of K (the ORT backend prefers it)
+
+
+# Graph input/output names, spelt once (every exporter, verifier and runner takes them from here).
+def kv_names(n_layers: int, prefix: str) -> list[str]:
+    """``{prefix}.{i}.key`` / ``.value`` for i < n_layers, interleaved (2 per layer)."""
+    return [f"{prefix}.{i}.{k}" for i in range(n_layers) for k in ("key", "value")]
+
+
+def target_kv_names(n_layers: int) -> list[str]:
+    """The target graph's KV inputs (capacity buffers), 2 per layer."""
+    return kv_names(n_layers, "past_key_values")
+
+
+def target_present_names(n_layers: int) -> list[str]:
+    """The target graph's KV outputs, 2 per layer."""
+    return kv_names(n_layers, "present")
+
+
+def drafter_context_names(n_layers: int) -> list[str]:
+    """The drafter's context K/V (outputs of the context graph, inputs of the block graph), 2 per layer."""
+    return kv_names(n_layers, "context")
 
 
 @dataclass(frozen=True)
@@ -73,7 +97,7 @@ class GraphSpec:
     role: str  # target | drafter_context | drafter_block | drafter_head
     selector: Union[str, None] = None  # decomposed | plugin | None (no selector in this graph)
     mode: Union[str, None] = None  # draft mode of a head graph
-    # "ort": ONNX Runtime only (com.microsoft ops; runtime/ort_fused.py); "qdq": the TensorRT flavour of a
+    # "ort": ONNX Runtime only (com.microsoft ops; runtime/ort/fused_target.py); "qdq": the TensorRT flavour of a
     # quantized export (explicit Q/DQ weights; build-engines builds the target engine from it)
     flavour: Union[str, None] = None
     inputs: tuple[TensorSpec, ...] = ()
@@ -177,7 +201,7 @@ class ExportManifest:
     draft_vocab: int = 0  # export --draft-vocab: ids the drafter's LM head keeps (0 = the full vocabulary)
     weights: str = "weights.bin"
     verification: dict[str, Any] = field(default_factory=dict)
-    verify_cost: Union[dict[str, Any], None] = None  # export --verify-cost (runtime/verify_cost.py)
+    verify_cost: Union[dict[str, Any], None] = None  # export --verify-cost (bench/verify_cost.py)
     engines: Union[EngineSet, None] = None
     files: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT
@@ -210,15 +234,14 @@ class ExportManifest:
 
     def target_kv_names(self) -> list[str]:
         """The target graph's KV inputs, 2 per layer (key, value)."""
-        return [f"past_key_values.{i}.{k}" for i in range(self.target.num_layers) for k in ("key", "value")]
+        return target_kv_names(self.target.num_layers)
 
     def target_present_names(self) -> list[str]:
-        return [f"present.{i}.{k}" for i in range(self.target.num_layers) for k in ("key", "value")]
+        return target_present_names(self.target.num_layers)
 
     def drafter_context_names(self) -> list[str]:
         """The drafter's context K/V (inputs of the block graph, outputs of the context graph)."""
-        n = self.drafter_config.num_hidden_layers
-        return [f"context.{i}.{k}" for i in range(n) for k in ("key", "value")]
+        return drafter_context_names(self.drafter_config.num_hidden_layers)
 
     @property
     def draft_modes(self) -> tuple[str, ...]:
@@ -333,6 +356,12 @@ def parse_manifest(data: Any, where: str = MANIFEST_FILE) -> ExportManifest:
     if m.max_seq_len < 1 or m.kv_capacity_step < 1:
         raise DFlash2Error("manifest.max_seq_len and manifest.kv_capacity_step must be >= 1")
     cfg = m.drafter_config  # DFlash2Error naming the config field when the drafter entry is bad
+    for key, g in m.graphs.items():  # the drafter's hidden states [B, block_size, H] fit its block size
+        for t in (*g.inputs, *g.outputs):
+            if t.name == BLOCK_HIDDEN and len(t.shape) == 3 and isinstance(t.shape[1], int) and \
+                    t.shape[1] != cfg.block_size:
+                raise DFlash2Error(f"{where}: graph {key!r} has {t.name} of {t.shape[1]} rows but the drafter's "
+                                   f"block size is {cfg.block_size} (graphs of another export?)")
     if cfg.vocab_size != m.target.vocab_size or cfg.target_hidden_size != m.target.hidden_size:
         raise DFlash2Error(f"{where}: drafter (vocab {cfg.vocab_size}, target hidden {cfg.target_hidden_size}) "
                            f"does not fit the target (vocab {m.target.vocab_size}, hidden {m.target.hidden_size})")
@@ -404,6 +433,7 @@ def write_manifest(model_dir: Path, manifest: ExportManifest, rehash: bool = Tru
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a server running as another user reads it
         os.replace(tmp, model_dir / MANIFEST_FILE)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

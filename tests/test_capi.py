@@ -36,7 +36,7 @@ import pytest
 from dflash2_trt import reference as ref
 from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.runtime import decoder as D
-from dflash2_trt.runtime.base import Draft, independent_draft
+from dflash2_trt.runtime.protocol import Draft, independent_draft
 
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME = REPO / "runtime"

@@ -18,7 +18,7 @@ from dflash2_trt import DFlash2Error
 from dflash2_trt.model.checkpoint import TOKEN_COUNTS_NAME, draft_vocabulary, load_drafter
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.backends import open_backend
-from dflash2_trt.runtime.torch_backend import TorchDraftSource
+from dflash2_trt.runtime.torch.backend import TorchDraftRunner
 from torch_ref import ref_speculative
 
 N = 256  # the accepting pair's vocabulary is 512: keep ids 0..255 (the counts below rank them first)
@@ -117,7 +117,7 @@ def test_export_decodes_losslessly_with_drafts_inside_the_vocabulary(dv_export, 
         p = rng.integers(4, hi, size=int(rng.integers(8, 30))).tolist()
         rec = _Recording(be.draft_runner(mode))
         got = D.speculative_generate(target, rec, p, MAX_NEW, eos_ids=set())
-        want = ref_speculative(acc_target, TorchDraftSource(ref_d, mode), p, MAX_NEW, eos_ids=set(),
+        want = ref_speculative(acc_target, TorchDraftRunner(ref_d, mode), p, MAX_NEW, eos_ids=set(),
                                layer_ids=[0, 2], measure_oracle=False)
         assert got.tokens == want.tokens and got.accepted == want.accepted  # = the restricted PyTorch drafter
         assert got.tokens == D.target_generate(target, p, MAX_NEW, eos_ids=set()).tokens  # lossless

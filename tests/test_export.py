@@ -246,7 +246,7 @@ def test_dflash_v1_drafter_exports_and_runs(acc_dir, acc_target, acc_drafter, tm
     from conftest import assert_accepts
     from dflash2_trt.config import ARCH_V1
     from dflash2_trt.export.exporter import export_model
-    from dflash2_trt.runtime.torch_backend import TorchDraftSource
+    from dflash2_trt.runtime.torch.backend import TorchDraftRunner
     from torch_ref import ref_autoregressive, ref_speculative
     from dflash2_trt.model import DFlash2Drafter, save_drafter
     from dflash2_trt.runtime import decoder as D
@@ -270,7 +270,7 @@ def test_dflash_v1_drafter_exports_and_runs(acc_dir, acc_target, acc_drafter, tm
     accepted = []
     for _ in range(3):
         p = rng.integers(4, 500, size=int(rng.integers(1, 20))).tolist()
-        want = ref_speculative(acc_target, TorchDraftSource(v1.eval(), "independent"), p, 20, eos_ids=set(), layer_ids=[0, 2])
+        want = ref_speculative(acc_target, TorchDraftRunner(v1.eval(), "independent"), p, 20, eos_ids=set(), layer_ids=[0, 2])
         got = D.speculative_generate(target, drafter, p, 20, eos_ids=set(), oracle=oracle_count)
         assert got.tokens == want.tokens and got.stats() == want.stats()
         assert got.tokens == ref_autoregressive(acc_target, p, 20, eos_ids=set()).tokens

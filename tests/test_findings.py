@@ -13,7 +13,7 @@ import torch
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import decoder as D
-from dflash2_trt.runtime.torch_backend import TorchDraftSource, TorchTargetRunner
+from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
 from torch_ref import ref_speculative
 
 
@@ -21,7 +21,7 @@ def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
     """EOS accepted as the 2nd draft of a multi-draft cycle: that cycle counts 2 accepted drafts (the drafts
     after the EOS are never committed), not all it verified."""
     p = np.random.default_rng(5).integers(4, 500, 20).tolist()
-    full = ref_speculative(acc_target, TorchDraftSource(acc_drafter), p, 48, eos_ids=set(), measure_oracle=False,
+    full = ref_speculative(acc_target, TorchDraftRunner(acc_drafter), p, 48, eos_ids=set(), measure_oracle=False,
                            layer_ids=[0, 2])
     idx = 1  # index in tokens of the current cycle's first draft
     for c, a in enumerate(full.accepted):
@@ -31,7 +31,7 @@ def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
         idx += a + 1
     else:
         pytest.fail(f"no cycle accepted >= 3 drafts with a fresh 2nd draft: {full.accepted}")
-    res = ref_speculative(acc_target, TorchDraftSource(acc_drafter), p, 48, eos_ids={eos}, measure_oracle=False,
+    res = ref_speculative(acc_target, TorchDraftRunner(acc_drafter), p, 48, eos_ids={eos}, measure_oracle=False,
                           layer_ids=[0, 2])
     assert res.tokens == full.tokens[:idx + 2] and res.tokens[-1] == eos
     assert res.accepted == full.accepted[:c] + [2]
@@ -42,7 +42,7 @@ def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
 def test_bad_temperature_is_an_error(acc_target, acc_drafter, temp):
     target = TorchTargetRunner(acc_target, [0, 2])
     with pytest.raises(DFlash2Error, match="temperature must be a finite number >= 0"):
-        D.speculative_generate(target, TorchDraftSource(acc_drafter), [5, 6], 4, temperature=temp)
+        D.speculative_generate(target, TorchDraftRunner(acc_drafter), [5, 6], 4, temperature=temp)
     with pytest.raises(DFlash2Error, match="temperature must be a finite number >= 0"):
         D.target_generate(target, [5, 6], 4, temperature=temp)
 
@@ -75,7 +75,7 @@ def test_oracle_tau_at_positive_temperature_follows_its_definition(acc_target, a
     from dflash2_trt.bench.oracle import oracle_count
 
     runner = TorchTargetRunner(acc_target, [0, 2])
-    src = TorchDraftSource(acc_drafter)
+    src = TorchDraftRunner(acc_drafter)
     seen = []
 
     def spy(target, cand, drafts, n_rows, acc, bonus, pos):  # noqa: ANN001
@@ -148,7 +148,7 @@ def test_decoder_tells_the_drafter_the_verified_rows(acc_target, acc_drafter):
 
     told: list[int] = []
 
-    class Spy(TorchDraftSource):
+    class Spy(TorchDraftRunner):
         def propose(self, anchor, pos, rows, temperature, uniforms):  # noqa: ANN001, ANN201
             told.append(rows)
             return super().propose(anchor, pos, rows, temperature, uniforms)

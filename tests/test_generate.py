@@ -10,9 +10,9 @@ import torch
 
 from conftest import assert_accepts, with_block_size
 from dflash2_trt import DFlash2Error
-from dflash2_trt.runtime.torch_backend import TorchDraftSource
+from dflash2_trt.runtime.torch.backend import TorchDraftRunner
 from torch_ref import ref_autoregressive, ref_speculative
-from dflash2_trt.runtime.base import Draft
+from dflash2_trt.runtime.protocol import Draft
 from dflash2_trt.vocabulary import INDEPENDENT
 
 N_PROMPTS = 50
@@ -52,7 +52,7 @@ def test_lossless_greedy_grid(acc_target, acc_drafter, acc_refs):
             if key not in drafters:
                 drafters[key] = with_block_size(acc_drafter, bs, conv)
             d = drafters[key]
-            res = ref_speculative(acc_target, TorchDraftSource(d, mode if selector else INDEPENDENT), p, MAX_NEW,
+            res = ref_speculative(acc_target, TorchDraftRunner(d, mode if selector else INDEPENDENT), p, MAX_NEW,
                                   eos_ids=set(), layer_ids=d.config.target_layer_ids)
             assert res.tokens == want, (bs, mode, conv, selector, p)
             assert sum(a + 1 for a in res.accepted) == len(want) - 1  # every token after the first is committed by a cycle
@@ -67,7 +67,7 @@ class OracleSource:
     It wraps the real drafter so the Draft objects (candidates, proposals) are real ones."""
 
     def __init__(self, drafter, prompt, continuation, rng):
-        self.inner = TorchDraftSource(drafter)
+        self.inner = TorchDraftRunner(drafter)
         self.block_size = drafter.config.block_size
         self.n_prompt = len(prompt)
         self.cont = continuation
@@ -128,7 +128,7 @@ def test_eos_and_max_tokens(tiny_target, tiny_drafter, ar_refs):
     base = ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=eos)
     assert base.tokens == want[:stop]
     for n in (1, 2, 9, 17):
-        r = ref_speculative(tiny_target, TorchDraftSource(tiny_drafter), p, n, eos_ids=set(), layer_ids=[0, 2])
+        r = ref_speculative(tiny_target, TorchDraftRunner(tiny_drafter), p, n, eos_ids=set(), layer_ids=[0, 2])
         assert r.tokens == want[:n]
 
 
@@ -146,7 +146,7 @@ def test_metrics_consistent(tiny_target, tiny_drafter, ar_refs):
 
 
 def test_bad_prompts(tiny_target, tiny_drafter):
-    src = TorchDraftSource(tiny_drafter)
+    src = TorchDraftRunner(tiny_drafter)
     with pytest.raises(DFlash2Error, match="out of range"):
         ref_speculative(tiny_target, src, [1, tiny_target.vocab_size], 4, layer_ids=[0, 2])
     with pytest.raises(DFlash2Error, match="empty prompt"):
@@ -225,7 +225,7 @@ class _MemoTarget:
     model computes (it is deterministic), without recomputing them on each of the thousand sampled runs."""
 
     def __init__(self, t, layer_ids):
-        from dflash2_trt.runtime.torch_backend import TorchTargetRunner
+        from dflash2_trt.runtime.torch.backend import TorchTargetRunner
 
         self.runner = TorchTargetRunner(t, layer_ids)
         self.vocab_size, self.max_positions, self.eos_ids = t.vocab_size, t.max_positions, set()
@@ -252,8 +252,8 @@ class _MemoTarget:
         self.seq = self.seq[:length]
 
 
-class _MemoDraftSource(TorchDraftSource):
-    """TorchDraftSource whose block hidden states are memoized by (context features, anchor, position); the
+class _MemoDraftSource(TorchDraftRunner):
+    """TorchDraftRunner whose block hidden states are memoized by (context features, anchor, position); the
     head and selector (the proposal under test) run on every call with that run's uniforms."""
 
     memo: dict = {}

@@ -14,7 +14,7 @@ import torch
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import decoder as D
-from dflash2_trt.runtime.base import Draft
+from dflash2_trt.runtime.protocol import Draft
 
 MAX_NEW = 24
 
@@ -49,12 +49,12 @@ def test_fused_target_vs_pytorch_with_crops(tiny_export, tiny_target):
     through shared buffers that grow (capacity step 8 -> rebinding) vs one HF pass over the kept tokens."""
     import onnxruntime as ort
 
-    from dflash2_trt.runtime.ort_backend import OrtBackend
-    from dflash2_trt.runtime.ort_fused import OrtFusedTarget
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 
     be = OrtBackend(tiny_export)
     cfg = tiny_target.model.config
-    run = OrtFusedTarget(be.session("target_ort").sess, ort, tiny_target.num_layers, cfg.num_key_value_heads,
+    run = OrtFusedTargetRunner(be.session("target_ort").sess, ort, tiny_target.num_layers, cfg.num_key_value_heads,
                          cfg.hidden_size // cfg.num_attention_heads, tiny_target.vocab_size, 512, set(), step=8)
     rng = np.random.default_rng(1234)
     for trial in range(3):
@@ -77,11 +77,11 @@ def test_fused_target_vs_pytorch_with_crops(tiny_export, tiny_target):
 
 def test_backend_picks_fused_graphs(tiny_export, tiny_target):
     from torch_ref import ref_autoregressive
-    from dflash2_trt.runtime.ort_backend import OrtBackend, OrtTarget
-    from dflash2_trt.runtime.ort_fused import OrtFusedTarget
+    from dflash2_trt.runtime.ort.backend import OrtBackend, OrtTargetRunner
+    from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 
     fused, std = OrtBackend(tiny_export), OrtBackend(tiny_export, flavour="standard")
-    assert isinstance(fused.target_runner(), OrtFusedTarget) and isinstance(std.target_runner(), OrtTarget)
+    assert isinstance(fused.target_runner(), OrtFusedTargetRunner) and isinstance(std.target_runner(), OrtTargetRunner)
     assert (fused.graphs_note, std.graphs_note) == ("fused", "standard")
     p = np.random.default_rng(3).integers(4, 500, 17).tolist()
     want = ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens
@@ -202,12 +202,12 @@ class AcceptingDrafter:
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_quantized_decoding_is_lossless_wrt_quantized_target(quantized, tiny_target, kind):
     from torch_ref import ref_autoregressive
-    from dflash2_trt.runtime.ort_backend import OrtBackend
-    from dflash2_trt.runtime.ort_fused import OrtFusedTarget
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 
     be = OrtBackend(quantized[kind])
     target = be.target_runner()
-    assert isinstance(target, OrtFusedTarget) and be.session("drafter_block").path.endswith("drafter_block_ort.onnx")
+    assert isinstance(target, OrtFusedTargetRunner) and be.session("drafter_block").path.endswith("drafter_block_ort.onnx")
     rng = np.random.default_rng(7)
     accepted, differs = [], 0
     for i in range(6):
@@ -241,7 +241,7 @@ def test_quantize_bad_input(tiny_dir, tmp_path, capsys):
 
 
 def test_recommend_block_size_follows_cost():
-    from dflash2_trt.runtime.verify_cost import recommend_block_size
+    from dflash2_trt.bench.verify_cost import recommend_block_size
 
     def table(ms):
         return [{"cached": 256, "rows": r, "ms": m, "ratio": m / ms[0]} for r, m in zip((1, 4, 8, 16), ms)]
@@ -258,11 +258,14 @@ def test_recommend_block_size_follows_cost():
 
 
 def test_export_records_verify_cost(tiny_dir, tmp_path):
+    from dflash2_trt.bench import verify_cost
     from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.manifest import read_manifest
 
-    m = export_model(tiny_dir / "target", tiny_dir / "drafter", tmp_path / "vc", progress=False, max_seq_len=300,
-                     verify=False, verify_cost=True)
-    vc = m.verify_cost
+    export_model(tiny_dir / "target", tiny_dir / "drafter", tmp_path / "vc", progress=False, max_seq_len=300,
+                 verify=False)
+    vc = verify_cost.record(tmp_path / "vc")
+    assert read_manifest(tmp_path / "vc").verify_cost == vc  # stored, checksums still valid
     assert [(r["cached"], r["rows"]) for r in vc["table"]] == [(256, r) for r in (1, 4, 8, 16)]
     assert all(r["ms"] > 0 for r in vc["table"]) and vc["table"][0]["ratio"] == 1.0
     assert 2 <= vc["recommended_block_size"] <= 16

@@ -44,7 +44,7 @@ def test_generate_without_torch(venv, tiny_dir, tiny_export, capsys):
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     # the installed copy really ran (not this checkout) and never loaded torch
-    r2 = subprocess.run([str(py), "-c", "import sys, dflash2_trt.cli as c, dflash2_trt.runtime.ort_backend, "
+    r2 = subprocess.run([str(py), "-c", "import sys, dflash2_trt.cli as c, dflash2_trt.runtime.ort.backend, "
                          "dflash2_trt.runtime.decoder; print(c.__file__); print('torch' in sys.modules)"],
                         capture_output=True, text=True, env=env, cwd=str(venv))
     assert str(venv) in r2.stdout.splitlines()[0] and r2.stdout.splitlines()[1] == "False"

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dflash2_trt import DFlash2Error
-from dflash2_trt.runtime.cuda_graphs import GraphCache, GraphKey
-from dflash2_trt.runtime.device_buffers import BufferPool, DeviceKV
+from dflash2_trt.runtime.trt.cuda_graphs import GraphCache, GraphKey
+from dflash2_trt.runtime.trt.device_buffers import BufferPool, DeviceKV
 from trt_fakes import FakeCuda
 
 

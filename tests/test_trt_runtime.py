@@ -13,8 +13,8 @@ import pytest
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.export import engines as E
-from dflash2_trt.runtime.base import BackendUnavailable
-from dflash2_trt.runtime.trt_backend import TrtBackend
+from dflash2_trt.runtime.protocol import BackendUnavailable
+from dflash2_trt.runtime.trt.backend import TrtBackend
 from trt_fakes import FakeCuda, FakeTrt
 
 
@@ -181,7 +181,7 @@ def test_auto_falls_back_to_ort_saying_why(fake_engines):
 
 
 def test_no_engines_message(tiny_export):
-    from dflash2_trt.runtime.base import BackendUnavailable
+    from dflash2_trt.runtime.protocol import BackendUnavailable
 
     cuda = FakeCuda()
     with pytest.raises(BackendUnavailable, match="has no TensorRT engines: build them with dflash2 build-engines"):
@@ -197,7 +197,7 @@ def test_second_backend_and_another_plugin_build(fake_engines, tmp_path):
         pass
     assert len(trt.get_plugin_registry().load_calls) == 1
     from dflash2_trt.manifest import read_manifest
-    from dflash2_trt.runtime.trt_env import load_plugin_library
+    from dflash2_trt.runtime.trt.env import load_plugin_library
 
     spec = read_manifest(fake_engines).plugin  # the creator the library registers
     other = tmp_path / "libother.so"
@@ -212,7 +212,7 @@ def test_second_backend_and_another_plugin_build(fake_engines, tmp_path):
 
 
 def _patch_trt(monkeypatch, trt, cuda):
-    import dflash2_trt.runtime.trt_backend as tb
+    import dflash2_trt.runtime.trt.backend as tb
 
     monkeypatch.setattr(tb, "import_tensorrt", lambda: trt)
     monkeypatch.setattr(tb, "CudaRuntime", lambda: cuda)
@@ -381,13 +381,13 @@ def test_partial_block_draft_is_the_verified_rows_path(acc_engines, acc_drafter,
     engines, run eagerly) and draft what the PyTorch drafter drafts with ``verified_rows=n`` — whose path is
     the reference walk of the n-row lattice (tests/test_findings.py)."""
     from dflash2_trt.runtime.backends import open_backend
-    from dflash2_trt.runtime.torch_backend import TorchDraftSource
+    from dflash2_trt.runtime.torch.backend import TorchDraftRunner
 
     cuda = FakeCuda()
     be, _, _ = _open(acc_engines, cuda=cuda, trt=FakeTrt(cuda, compute=True))
     ort_be, _ = open_backend(acc_engines, "ort")
     runners = {"trt": be.draft_runner("viterbi"), "ort": ort_be.draft_runner("viterbi"),
-               "torch": TorchDraftSource(acc_drafter, "viterbi")}
+               "torch": TorchDraftRunner(acc_drafter, "viterbi")}
     seen: list[np.ndarray] = []
     runners["ort"].head_sess = _HiddenSpy(runners["ort"].head_sess, seen)
     rng = np.random.default_rng(5)

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKED = ["dflash2_trt/runtime/cuda_api.py", "dflash2_trt/runtime/cuda_graphs.py",
-           "dflash2_trt/runtime/device_buffers.py", "dflash2_trt/runtime/trt_backend.py",
-           "dflash2_trt/export/engines.py", "dflash2_trt/runtime/trt_env.py",
+CHECKED = ["dflash2_trt/runtime/trt/cuda_api.py", "dflash2_trt/runtime/trt/cuda_graphs.py",
+           "dflash2_trt/runtime/trt/device_buffers.py", "dflash2_trt/runtime/trt/backend.py",
+           "dflash2_trt/export/engines.py", "dflash2_trt/runtime/trt/env.py",
            "benchmarks/trt_gpu_check.py", "plugins/tests/cuda_layer_check.py"]  # the GPU checks too
 STUB = ROOT / "typings" / "cuda" / "bindings" / "runtime.pyi"
 
@@ -114,14 +114,14 @@ def test_cudart_stub_matches_installed_cuda_bindings():
             assert hasattr(real, node.target.id), node.target.id
     assert n_funcs >= 20
     # every cudart call in cuda_api.py is stubbed (so mypy checks each of them)
-    used = set(re.findall(r"rt\.(cuda[A-Za-z0-9]+)\(", (ROOT / "dflash2_trt/runtime/cuda_api.py").read_text()))
+    used = set(re.findall(r"rt\.(cuda[A-Za-z0-9]+)\(", (ROOT / "dflash2_trt/runtime/trt/cuda_api.py").read_text()))
     stubbed = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert used and used <= stubbed, used - stubbed
 
 
 def test_cuda_runtime_without_a_gpu_is_one_clear_error():
     _require("cuda.bindings.runtime")
-    from dflash2_trt.runtime.cuda_api import cuda_unavailable_reason
+    from dflash2_trt.runtime.trt.cuda_api import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()
     if reason is None:

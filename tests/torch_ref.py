@@ -6,7 +6,7 @@ from __future__ import annotations
 from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.runtime import decoder
 from dflash2_trt.runtime.decoder import GenerationResult
-from dflash2_trt.runtime.torch_backend import TorchTargetRunner
+from dflash2_trt.runtime.torch.backend import TorchTargetRunner
 
 
 def ref_autoregressive(target, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,  # noqa: ANN001

@@ -2,7 +2,7 @@
 
 They *record* what the code under test asks of CUDA and TensorRT; they never compute a model:
 
-* :class:`FakeCuda` implements :class:`~dflash2_trt.runtime.cuda_api.CudaApi` with host memory standing in
+* :class:`FakeCuda` implements :class:`~dflash2_trt.runtime.trt.cuda_api.CudaApi` with host memory standing in
   for device memory, so copies (plain, 2-D pitched, H2D/D2H) move real bytes and the buffer arithmetic can
   be checked. Like ``cudaMalloc``, ``malloc`` hands out memory that is *not* zeroed: it is filled with
   0xFF bytes, a NaN in every float format, so a read of never-written device memory shows. Like CUDA, work enqueued on a capturing stream is *recorded into the graph, not executed*;
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.cuda_api import DeviceInfo, HostBuffer
+from dflash2_trt.runtime.trt.cuda_api import DeviceInfo, HostBuffer
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2_trt.runtime.base import TargetRunner
+from dflash2_trt.runtime.protocol import TargetRunner
 
 
 def oracle_count(target: TargetRunner, cand: np.ndarray, drafts: list[int], n_rows: int, accepted: int, bonus: int,

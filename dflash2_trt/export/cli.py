@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from dflash2_trt import validate as V
 from dflash2_trt.vocabulary import DTYPES, QUANTIZATIONS
 
 
@@ -32,26 +33,29 @@ def add_parsers(sub) -> None:  # noqa: ANN001
     p.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
     p.add_argument("--drafter", required=True, help="drafter folder (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
-    p.add_argument("--opset", type=int, default=17)
+    p.add_argument("--opset", type=V.integer(14, 20), default=17)
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
-    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
-    p.add_argument("--max-seq-len", type=int, default=None, help="max prompt + generated tokens")
+    p.add_argument("--block-size", type=V.BLOCK_SIZE, default=None, help="override the drafter's block size")
+    p.add_argument("--max-seq-len", type=V.integer(2), default=None, help="max prompt + generated tokens")
     p.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime vs PyTorch comparison")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-ort-flavour", action="store_true",
                    help="skip target_ort.onnx (the fused ONNX Runtime target; written for fp32 exports)")
     p.add_argument("--quantize", choices=QUANTIZATIONS, default="none",
                    help="weight-only MatMulNBits quantization of the ONNX Runtime graphs (fp32 exports)")
-    p.add_argument("--quant-block-size", type=int, default=32, help="elements per quantization block (K axis)")
-    p.add_argument("--quant-accuracy-level", type=int, default=0,
+    p.add_argument("--quant-block-size", type=V.COUNT, default=32, help="elements per quantization block (K axis)")
+    p.add_argument("--quant-accuracy-level", type=V.integer(0, 4), default=0,
                    help="MatMulNBits accuracy_level: 0 (fp32 compute; speculative decoding reproduces the quantized "
                         "target exactly) or 4 (int8 activations: faster, but 1-row and multi-row calls differ)")
     p.add_argument("--no-quantize-lm-head", action="store_true", help="keep the LM head MatMul in fp32")
     p.add_argument("--verify-cost", action="store_true",
                    help="time the fused target's verification (1/4/8/16 rows) here; record a recommended block size")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+    p.add_argument("--draft-vocab", type=V.NON_NEGATIVE, default=0, metavar="N",
                    help="the drafter's LM head keeps only the N most frequent ids of its training responses "
                         "(the drafter's token_counts.npy): a cheaper head, still lossless; 0 = full vocabulary")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace our own export / Triton repository even when it holds files its record does not list "
+                        "(TensorRT engines, user files): they are named, then removed")
     p.add_argument("--engines", action="store_true", help="then build TensorRT engines (needs TensorRT + a GPU)")
     add_engine_options(p)
     add_triton_options(p)
@@ -66,6 +70,8 @@ def add_parsers(sub) -> None:  # noqa: ANN001
                        description="Write a Triton Inference Server model repository for an export folder")
     t.add_argument("dir", help="export folder (written by dflash2 export)")
     add_triton_options(t, required=True)
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace our own repository even when it holds files its record does not list (named first)")
 
 
 def run_export(a: argparse.Namespace, prog: str) -> int:
@@ -75,12 +81,15 @@ def run_export(a: argparse.Namespace, prog: str) -> int:
     quant = QuantSpec(a.quantize, a.quant_block_size, a.quant_accuracy_level, not a.no_quantize_lm_head)
     m = export_model(a.target, a.drafter, a.out, opset=a.opset, dtype=a.dtype, block_size=a.block_size,
                      max_seq_len=a.max_seq_len, progress=not a.quiet, verify=not a.no_verify,
-                     ort_flavour=not a.no_ort_flavour, quantization=quant, verify_cost=a.verify_cost,
-                     draft_vocab=a.draft_vocab)
+                     ort_flavour=not a.no_ort_flavour, quantization=quant,
+                     draft_vocab=a.draft_vocab, overwrite=a.overwrite)
     print(f"exported {len(m.graphs)} graphs (opset {m.opset}, {m.dtype}, block size {m.block_size}) to {a.out}")
-    if m.verify_cost:
-        print(f"recommended block size on this machine: {m.verify_cost['recommended_block_size']} (assuming each "
-              f"draft row is accepted with probability {m.verify_cost['assumed_acceptance']} given the previous one)")
+    if a.verify_cost:  # timing the graphs here is evaluation, not export: bench.verify_cost (imports a runtime)
+        from dflash2_trt.bench import verify_cost
+
+        vc = verify_cost.record(a.out)
+        print(f"recommended block size on this machine: {vc['recommended_block_size']} (assuming each "
+              f"draft row is accepted with probability {vc['assumed_acceptance']} given the previous one)")
     if a.engines:
         rc = run_build_engines(a, prog, a.out)
         if rc:

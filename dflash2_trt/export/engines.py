@@ -47,11 +47,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (EnginePlan, EngineProfile, EngineSet, ExportManifest, GraphSpec, parse_engine_set,
                                  read_manifest, sha256_file, write_manifest)
-from dflash2_trt.runtime.cuda_api import CudaApi
-from dflash2_trt.runtime.trt_env import (PLUGIN_ENV, current_identity, import_tensorrt, load_plugin_library,
+from dflash2_trt.runtime.trt.cuda_api import CudaApi
+from dflash2_trt.runtime.trt.env import (PLUGIN_ENV, current_identity, import_tensorrt, load_plugin_library,
                                          version_tuple)
 from dflash2_trt.vocabulary import DTYPES, ENGINE_SELECTORS, SELECTOR_MODES, head_key
 
@@ -257,7 +258,7 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
         raise DFlash2Error(f"--prefill-rows must be >= 1, got {prefill_rows}")
     trt_mod: Any = trt_module if trt_module is not None else import_tensorrt()
     if api is None:
-        from dflash2_trt.runtime.cuda_api import CudaRuntime
+        from dflash2_trt.runtime.trt.cuda_api import CudaRuntime
 
         api = CudaRuntime()
     ident = current_identity(trt_mod.__version__, api.device_info())
@@ -340,8 +341,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="drafter head variant(s) to build (default: the plugin)")
     p.add_argument("--weak-typing", action="store_true", help="TensorRT 10.x: precision flags instead of strong typing")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 exports (not token-exact)")
-    p.add_argument("--workspace-gib", type=float, default=None, help="builder workspace limit")
-    p.add_argument("--prefill-rows", type=int, default=DEFAULT_PREFILL_ROWS, help="max rows per prefill chunk")
+    p.add_argument("--workspace-gib", type=V.POSITIVE_NUMBER, default=None, help="builder workspace limit")
+    p.add_argument("--prefill-rows", type=V.COUNT, default=DEFAULT_PREFILL_ROWS, help="max rows per prefill chunk")
 
 
 def run_build(model_dir: str | Path, a: argparse.Namespace, prog: str = "dflash2") -> int:

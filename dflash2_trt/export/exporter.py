@@ -28,7 +28,10 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (FORMAT, KV_CAPACITY_STEP, MANIFEST_FILE, MANIFEST_VERSION, ExportManifest,
-                                 parse_manifest, write_manifest)
+                                 drafter_context_names, parse_manifest, target_kv_names,
+                                 target_present_names, write_manifest)
+from dflash2_trt.outdir import TempFolder, check_replace, export_owner, write_error
+from dflash2_trt.validate import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, check_size
 from dflash2_trt.vocabulary import DRAFT_MODES, DTYPES, INDEPENDENT, SELECTOR_MODES, head_key
 
 DEFAULT_OPSET = 17
@@ -44,27 +47,6 @@ def _progress(steps: list[str], enabled: bool):  # noqa: ANN202
                 bar_format="{desc}: {n}/{total} |{bar:20}| {postfix} [{elapsed}]")
 
 
-def _prepare_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise DFlash2Error(f"--out {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
-        raise DFlash2Error(f"--out {out} is a non-empty folder that is not a previous export; refusing to "
-                           f"replace it")
-
-
-def move_into_place(tmp: Path, out: Path) -> None:
-    """Make the finished temporary folder ``tmp`` (a sibling of ``out``) the folder ``out``. A previous ``out``
-    is renamed aside first and removed only after the new one is in place, so ``out`` is never partial."""
-    tmp.chmod(0o755)  # mkdtemp makes it private
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
-
-
 def export_model(
     target_path: str | Path,
     drafter_path: str | Path,
@@ -78,16 +60,16 @@ def export_model(
     verify: bool = True,
     ort_flavour: bool = True,
     quantization: Any = None,
-    verify_cost: bool = False,
     draft_vocab: int = 0,
+    overwrite: bool = False,
 ) -> ExportManifest:
     """Export and return the manifest. Raises :class:`DFlash2Error` on bad input; DIR is left untouched
     (absent or as it was) on any failure. ``ort_flavour``: also write the fused ONNX Runtime target
-    (``target_ort.onnx``, fp32 only; :mod:`dflash2_trt.export.ort_fused`); ``quantization``: a
+    (``target_ort.onnx``, fp32 only; :mod:`dflash2_trt.export.ort_graph`); ``quantization``: a
     :class:`~dflash2_trt.export.quantize.QuantSpec` (weight-only: MatMulNBits variants of the ORT graphs of an
-    fp32 export, and the TensorRT flavour ``target_qdq.onnx`` with explicit Q/DQ weights); ``verify_cost``: time the
-    fused target's verification here and record a recommended block size; ``draft_vocab`` N > 0: the drafter's
-    LM head keeps only the N most frequent ids of its training responses (``token_counts.npy``)."""
+    fp32 export, and the TensorRT flavour ``target_qdq.onnx`` with explicit Q/DQ weights); ``draft_vocab`` N > 0: the drafter's
+    LM head keeps only the N most frequent ids of its training responses (``token_counts.npy``); ``overwrite``:
+    replace an export of ours that holds files its manifest does not list (see :mod:`dflash2_trt.outdir`)."""
     from dflash2_trt.export.quantize import QuantSpec
 
     quant = quantization if quantization is not None else QuantSpec()
@@ -98,27 +80,27 @@ def export_model(
         raise DFlash2Error(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     if not isinstance(opset, int) or not 14 <= opset <= 20:
         raise DFlash2Error(f"--opset must be in [14, 20] (the TorchScript exporter's range), got {opset}")
-    if block_size is not None and block_size < 2:
-        raise DFlash2Error(f"--block-size must be >= 2, got {block_size}")
     if draft_vocab < 0:
         raise DFlash2Error(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {draft_vocab}")
+    check_size("--block-size", block_size, MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)
     out = Path(out)
-    _prepare_out(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    check_replace(out, "--out", export_owner, overwrite)
     try:
-        manifest = _export_into(tmp, Path(target_path), Path(drafter_path), opset, dtype, block_size, max_seq_len,
-                                progress, verify, ort_flavour and dtype == "fp32", quant, verify_cost, draft_vocab)
-        move_into_place(tmp, out)
-        return manifest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with TempFolder(out, "export") as t:
+            manifest = _export_into(t.path, Path(target_path), Path(drafter_path), opset, dtype, block_size,
+                                    max_seq_len, progress, verify, ort_flavour and dtype == "fp32", quant,
+                                    draft_vocab)
+            if not overwrite:
+                check_replace(out, "--out", export_owner)  # again: it may have changed meanwhile
+            t.publish()
+    except OSError as e:  # disk full, permissions: the temporary folder is gone, ``out`` as it was
+        raise write_error(e, out) from None
+    return manifest
 
 
 def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str,
                  block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool, ort_flavour: bool,
-                 quant: Any, verify_cost: bool, draft_vocab: int) -> ExportManifest:
+                 quant: Any, draft_vocab: int) -> ExportManifest:
     import numpy as np
     import torch
 
@@ -171,8 +153,8 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     graph_meta: dict[str, dict] = {}
 
     step(1)
-    kv_names = [f"past_key_values.{i}.{k}" for i in range(nl) for k in ("key", "value")]
-    present = [f"present.{i}.{k}" for i in range(nl) for k in ("key", "value")]
+    kv_names = target_kv_names(nl)
+    present = target_present_names(nl)
     dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
            "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, "logits": {0: "batch", 1: "sequence"},
            "context_features": {0: "batch", 1: "sequence"}}
@@ -186,7 +168,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
     graph_meta["target"] = {"file": "target.onnx", "role": "target", "selector": None, "mode": None}
 
     step(2)
-    ctx_names = [f"context.{i}.{k}" for i in range(cfg.num_hidden_layers) for k in ("key", "value")]
+    ctx_names = drafter_context_names(cfg.num_hidden_layers)
     dyn = {"context_features": {0: "batch", 1: "rows"}, "position_ids": {0: "batch", 1: "rows"}}
     dyn.update({n: {0: "batch", 2: "rows"} for n in ctx_names})
     args = (torch.randn(B, 3, cfg.context_in_features, dtype=tdt), torch.arange(3).repeat(B, 1))
@@ -225,10 +207,10 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
             qdq_report = quantize.verify_qdq(models[quantize.QDQ_FILE], models["target.onnx"])
     ort_report: dict[str, Any] = {}
     if ort_flavour:  # fused ORT target (+ quantized ORT variants); checked against PyTorch in memory
-        from dflash2_trt.export import ort_fused
+        from dflash2_trt.export import ort_graph
 
         rope_rows = -(-int(max_seq_len) // KV_CAPACITY_STEP) * KV_CAPACITY_STEP  # the largest KV capacity
-        ort_report = ort_fused.add_ort_flavour(models, graph_meta, target, layer_ids, rope_rows, opset, quant, verify)
+        ort_report = ort_graph.add_ort_flavour(models, graph_meta, target, layer_ids, rope_rows, opset, quant, verify)
 
     step(4)
     onnx_utils.save_with_shared_weights(models, tmp)
@@ -300,8 +282,6 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         "verification": report,
         "quantization": quant.manifest(),
         "draft_vocab": int(draft_vocab),
-        "verify_cost": (ort_fused.verify_cost_entry(tmp / graph_meta["target_ort"]["file"], target, int(max_seq_len))
-                        if verify_cost and ort_flavour else None),  # block-size recommendation for this machine
     })
     manifest = write_manifest(tmp, manifest)
     bar.update(1)

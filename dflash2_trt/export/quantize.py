@@ -5,7 +5,7 @@ Runtime's own maintained quantizer (``onnxruntime.quantization.matmul_nbits_quan
 blockwise along K, one scale (+ zero point when asymmetric) per block). Activations stay fp32; the
 ``accuracy_level`` tells the CPU kernel what it may compute in (4 = int8 activations, the fast path).
 ``accuracy_level`` 0 (the default) keeps speculative decoding lossless; see ``DEFAULT_ACCURACY_LEVEL``. It is
-the target's level: the drafter graphs always use level 4 (``ort_fused.DRAFTER_ACCURACY_LEVEL``).
+the target's level: the drafter graphs always use level 4 (``ort_graph.DRAFTER_ACCURACY_LEVEL``).
 The LM head (the target's and the drafter's: they are the same weight) is a separate choice
 (``lm_head``); embeddings stay fp32 (a ``Gather`` reads one row per token, quantizing it saves memory,
 not time). ``MatMulNBits`` exists only in ONNX Runtime.

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.manifest import drafter_context_names, target_kv_names
 from dflash2_trt.vocabulary import SELECTOR_MODES
 
 TOL = {"fp32": 2e-3, "fp16": 5e-2}
@@ -81,9 +82,7 @@ def verify_target(path: Path, target, layer_ids: list[int], dtype: str, np_dtype
         mask[0, cap:] = 1
         feed = {"input_ids": chunk.reshape(1, -1).astype(np.int64),
                 "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1), "attention_mask": mask}
-        for i in range(nl):
-            feed[f"past_key_values.{i}.key"] = past[2 * i]
-            feed[f"past_key_values.{i}.value"] = past[2 * i + 1]
+        feed.update(zip(target_kv_names(nl), past))
         out = sess.run(None, feed)
         logits.append(out[0][0])
         feats.append(out[1][0])
@@ -126,11 +125,10 @@ def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: 
     # (b) block, through a capacity buffer with stale slots
     feed = {"anchor_ids": np.array([anchor], dtype=np.int64), "anchor_position": np.array([n], dtype=np.int64),
             "context_mask": (np.arange(cap) < n).astype(np.int64)[None]}
-    for i in range(cfg.num_hidden_layers):
-        for j, kind in enumerate(("key", "value")):
-            buf = rng.standard_normal((1, out[0].shape[1], cap, out[0].shape[3])).astype(np_dtype)  # stale garbage
-            buf[:, :, :n] = out[2 * i + j]
-            feed[f"context.{i}.{kind}"] = buf
+    for j, name in enumerate(drafter_context_names(cfg.num_hidden_layers)):
+        buf = rng.standard_normal((1, out[0].shape[1], cap, out[0].shape[3])).astype(np_dtype)  # stale garbage
+        buf[:, :, :n] = out[j]
+        feed[name] = buf
     h = session(paths["drafter_block"]).run(None, feed)[0]
     _close("drafter_block.hidden", h, h_ref.float().numpy(), tol, report)
     # (c) heads, fed the reference hidden so selector decisions are compared on equal inputs

@@ -1,7 +1,7 @@
 """Backend selection: ``open_backend(model_dir, "auto" | "ort" | "trt") -> (backend, note)``.
 
 ``auto`` constructs the TensorRT backend and, when it raises
-:class:`~dflash2_trt.runtime.base.BackendUnavailable`, falls back to ONNX Runtime; ``note`` says what was
+:class:`~dflash2_trt.runtime.protocol.BackendUnavailable`, falls back to ONNX Runtime; ``note`` says what was
 chosen and why (the CLIs print it on stderr), e.g. ``TensorRT not available (TensorRT is not installed ...),
 using ONNX Runtime (CPUExecutionProvider)``. Nothing is checked before a backend is constructed.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.base import Backend, BackendUnavailable
+from dflash2_trt.runtime.protocol import Backend, BackendUnavailable
 from dflash2_trt.vocabulary import BACKEND_CHOICES
 
 
@@ -23,7 +23,7 @@ def open_backend(model_dir: str | Path, backend: str = "auto", verify_checksums:
     model_dir = Path(model_dir)
     reason = ""
     if backend in ("trt", "auto"):
-        from dflash2_trt.runtime.trt_backend import TrtBackend
+        from dflash2_trt.runtime.trt.backend import TrtBackend
 
         try:
             trt_be = TrtBackend(model_dir, verify_checksums=verify_checksums)
@@ -32,7 +32,7 @@ def open_backend(model_dir: str | Path, backend: str = "auto", verify_checksums:
             if backend == "trt":
                 raise DFlash2Error(f"TensorRT backend unavailable: {e}") from None
             reason = str(e)
-    from dflash2_trt.runtime.ort_backend import OrtBackend
+    from dflash2_trt.runtime.ort.backend import OrtBackend
 
     be = OrtBackend(model_dir, verify_checksums=verify_checksums, threads=threads)
     if backend == "auto":

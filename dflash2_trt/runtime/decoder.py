@@ -1,5 +1,5 @@
 """The SPEC §4 decoding loop over any backend (NumPy; no torch). The PyTorch reference
-(:mod:`~dflash2_trt.runtime.torch_backend`) runs through this same loop, so backends differ only in their
+(:mod:`~dflash2_trt.runtime.torch.backend`) runs through this same loop, so backends differ only in their
 runners.
 
 One request, a flat loop of named steps: prefill → (draft → select → verify → accept → commit)*. Every
@@ -27,7 +27,7 @@ import numpy as np
 from dflash2_trt import reference as ref
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.reference import acceptance_stats
-from dflash2_trt.runtime.base import Draft, DraftRunner, TargetRunner
+from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
 from dflash2_trt.runtime.guard import AcceptanceGuard, verify_rows
 
 OnTokens = Callable[[list[int]], None]

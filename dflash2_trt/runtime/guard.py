@@ -127,7 +127,7 @@ def verify_rows(confidence: np.ndarray | None, n_rows: int, threshold: float) ->
     is >= ``threshold``; all ``n_rows`` when the drafter reports no confidence or the threshold is <= 0.
 
     ``confidence`` [L] float: row i's confidence computed *before* row i's draft is drawn — the largest
-    probability of row i's proposal given the drafts of rows < i (see :class:`~dflash2_trt.runtime.base.Draft`).
+    probability of row i's proposal given the drafts of rows < i (see :class:`~dflash2_trt.runtime.protocol.Draft`).
     Why not the probability of the drawn draft itself: at T > 0 a row's inclusion must not depend on the value
     verified in it, or rejection sampling is biased (proposal q = (0.9, 0.1), target p = (0.5, 0.5), verify
     only when the draft is token 0: P(token 0) = 0.9 · 0.5/0.9 + 0.1 · 0.5 = 0.55). A rule that decides row i

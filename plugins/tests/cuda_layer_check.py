@@ -1,6 +1,6 @@
 """GPU check of the runtime's CUDA layer on real CUDA, without TensorRT (run by plugins/tests/gpu_check.sh):
-:class:`~dflash2_trt.runtime.cuda_api.CudaRuntime`, :class:`~dflash2_trt.runtime.device_buffers.BufferPool` /
-:class:`~dflash2_trt.runtime.device_buffers.DeviceKV` and :class:`~dflash2_trt.runtime.cuda_graphs.GraphCache`
+:class:`~dflash2_trt.runtime.trt.cuda_api.CudaRuntime`, :class:`~dflash2_trt.runtime.trt.device_buffers.BufferPool` /
+:class:`~dflash2_trt.runtime.trt.device_buffers.DeviceKV` and :class:`~dflash2_trt.runtime.trt.cuda_graphs.GraphCache`
 — the parts of the TensorRT backend that are CUDA, not TensorRT. The CPU tests run the same code against
 ``tests/trt_fakes.FakeCuda``; this checks that the fake's semantics are CUDA's.
 
@@ -27,7 +27,7 @@ def main() -> int:
         import numpy  # noqa: F401 - the runtime needs it; report its absence as a skip
 
         from dflash2_trt.errors import DFlash2Error
-        from dflash2_trt.runtime.cuda_api import CudaRuntime
+        from dflash2_trt.runtime.trt.cuda_api import CudaRuntime
 
         api = CudaRuntime()
     except (ImportError, DFlash2Error) as e:  # BackendUnavailable is a DFlash2Error
@@ -40,8 +40,8 @@ def run_checks(api: Any) -> int:
     """The checks on ``api`` (a CudaRuntime; the CPU tests pass tests/trt_fakes.FakeCuda)."""
     import numpy as np
 
-    from dflash2_trt.runtime.cuda_graphs import GraphCache, GraphKey
-    from dflash2_trt.runtime.device_buffers import BufferPool, DeviceKV
+    from dflash2_trt.runtime.trt.cuda_graphs import GraphCache, GraphKey
+    from dflash2_trt.runtime.trt.device_buffers import BufferPool, DeviceKV
 
     rt = getattr(api, "rt", None)  # cudart, for the capture-status query (None on the fake)
     info = api.device_info()

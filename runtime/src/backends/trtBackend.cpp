@@ -3,7 +3,7 @@
 //!
 //! STATUS: NEVER RUN. It is compiled (with -Werror) against the TensorRT 10.14 headers of the kernel-lens wheel
 //! and the CUDA toolkit's runtime headers on machines without a GPU or TensorRT libraries; the logic mirrors
-//! dflash2_trt/runtime/trt_backend.py (itself tested on the CPU against recording fakes). Run the GPU check
+//! dflash2_trt/runtime/trt/backend.py (itself tested on the CPU against recording fakes). Run the GPU check
 //! (runtime/README.md) before relying on it.
 //!
 //! libnvinfer is not linked: it is dlopen'ed at model load (libnvinfer.so.10, then libnvinfer.so), so the

@@ -52,7 +52,7 @@ struct Draft
     bool hasVocabProposal{false};
 };
 
-//! The backend interface: one request's target and drafter (runtime/base.py's TargetRunner + DraftRunner).
+//! The backend interface: one request's target and drafter (runtime/protocol.py's TargetRunner + DraftRunner).
 //! Context features never leave the backend: drafterAddContext takes the first `rows` rows of the features
 //! that the latest targetForward produced, so a device backend keeps them on the device.
 class Runners

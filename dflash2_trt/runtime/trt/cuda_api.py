@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.base import BackendUnavailable
+from dflash2_trt.runtime.protocol import BackendUnavailable
 
 
 @dataclass(frozen=True)

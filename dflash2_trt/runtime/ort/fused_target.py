@@ -1,12 +1,12 @@
 """Target runner over ``target_ort.onnx`` (the fused ONNX Runtime flavour, see
-:mod:`dflash2_trt.export.ort_fused`): one shared past/present KV buffer per layer, bound once with IOBinding.
+:mod:`dflash2_trt.export.ort_graph`): one shared past/present KV buffer per layer, bound once with IOBinding.
 
 GroupQueryAttention writes the K/V of the new rows straight into the bound capacity buffers (past and
 present are the same OrtValue), so a call copies no cache, and ``crop`` only lowers the length: the next
 call's ``seqlens_k`` / ``total_sequence_length`` hide the rejected rows, which it then overwrites.
 
 Ownership: one runner = one request's caches; not thread safe. The numpy arrays of the
-:class:`~dflash2_trt.runtime.base.KVBuffer` back the bound OrtValues (no copy); growing the buffer
+:class:`~dflash2_trt.runtime.protocol.KVBuffer` back the bound OrtValues (no copy); growing the buffer
 reallocates them and rebinds.
 """
 
@@ -16,13 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from dflash2_trt.runtime.base import KVBuffer, target_ids
-
-TARGET_ORT = "target_ort"  # graph key of the fused target in the manifest
-ORT_SUFFIX = "_ort"  # graph key K + "_ort": the ONNX Runtime variant of K (the ORT backend prefers it)
+from dflash2_trt.manifest import TARGET_ORT, target_kv_names, target_present_names
+from dflash2_trt.runtime.kv import KVBuffer, target_ids
 
 
-class OrtFusedTarget:
+class OrtFusedTargetRunner:
     """TargetRunner over the fused target graph (CPU provider)."""
 
     def __init__(self, sess: Any, ort: Any, n_layers: int, kv_heads: int, head_dim: int, vocab_size: int,
@@ -34,13 +32,13 @@ class OrtFusedTarget:
         self.eos_ids = set(eos_ids)
         self.n_layers = n_layers
         self.kv = KVBuffer(n_layers, kv_heads, head_dim, np.float32, step, max_positions)
-        self.past = [f"past_key_values.{i}.{k}" for i in range(n_layers) for k in ("key", "value")]
-        self.present = [f"present.{i}.{k}" for i in range(n_layers) for k in ("key", "value")]
+        self.past = target_kv_names(n_layers)
+        self.present = target_present_names(n_layers)
         self._io: Any = None
         self._bound_capacity = -1
 
     @classmethod
-    def from_backend(cls, be: Any) -> "OrtFusedTarget":  # be: OrtBackend
+    def from_backend(cls, be: Any) -> "OrtFusedTargetRunner":  # be: OrtBackend
         m = be.manifest
         t = m.target
         return cls(be.session(TARGET_ORT).sess, be.ort, t.num_layers, t.num_key_value_heads, t.head_dim,

@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash2_trt.runtime.cuda_api import CudaApi
+from dflash2_trt.runtime.trt.cuda_api import CudaApi
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Providers: CUDAExecutionProvider when onnxruntime-gpu and a GPU are present (inputs and outputs go
 through IOBinding; the fixed-shape head graph is captured as a CUDA graph), else CPUExecutionProvider.
-KV caches live in host :class:`~dflash2_trt.runtime.base.KVBuffer` capacity buffers; a graph call feeds
+KV caches live in host :class:`~dflash2_trt.runtime.protocol.KVBuffer` capacity buffers; a graph call feeds
 the whole buffer plus a validity mask and returns only the new rows, so a cycle costs O(capacity), never
 O(length²) (see :mod:`dflash2_trt.export.onnx_graphs`).
 
@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import ExportManifest, read_manifest
-from dflash2_trt.runtime.base import BackendBase, BackendUnavailable, Draft, KVBuffer, independent_draft, target_ids
-from dflash2_trt.runtime.ort_fused import ORT_SUFFIX, TARGET_ORT, OrtFusedTarget
+from dflash2_trt.manifest import ORT_SUFFIX, TARGET_ORT, ExportManifest, GraphSpec, read_manifest
+from dflash2_trt.runtime.kv import KVBuffer, target_ids
+from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft, independent_draft
+from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 from dflash2_trt.vocabulary import INDEPENDENT, head_key
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
@@ -108,6 +109,19 @@ class _Session:
         return [self._bound["outs"][o].numpy() for o in self.outputs]
 
 
+def _check_interface(s: _Session, g: GraphSpec) -> None:
+    """The graph file has the interface the manifest records (names, ranks, fixed dims): a graph of another export
+    (another block size) put in with re-signed checksums is refused here, not met as a shape error mid-decode."""
+    got = {a.name: a.shape for a in (*s.sess.get_inputs(), *s.sess.get_outputs())}
+    for t in (*g.inputs, *g.outputs):
+        shape = got.get(t.name)
+        if shape is None or len(shape) != len(t.shape) or any(
+                isinstance(want, int) and want > 0 and have != want for have, want in zip(shape, t.shape)):
+            raise DFlash2Error(f"{g.file}: tensor {t.name!r} is {shape if shape is not None else 'missing'} in the "
+                               f"graph but {list(t.shape)} in the manifest: the graph does not belong to this export "
+                               f"(re-export)")
+
+
 class OrtBackend(BackendBase):
     """An export folder opened with ONNX Runtime."""
 
@@ -116,7 +130,7 @@ class OrtBackend(BackendBase):
     def __init__(self, model_dir: str | Path, provider: str = "auto", verify_checksums: bool = True,
                  threads: int | None = None, flavour: str = "auto") -> None:
         """flavour: 'auto' runs the fused ONNX Runtime graphs (``target_ort`` and ``*_ort`` variants, see
-        :mod:`dflash2_trt.runtime.ort_fused`) when the export has them and the provider is the CPU;
+        :mod:`dflash2_trt.runtime.ort.fused_target`) when the export has them and the provider is the CPU;
         'standard' runs the standard-ONNX graphs (the TensorRT flavour) only."""
         self.dir = Path(model_dir)
         ort = import_ort()
@@ -158,22 +172,23 @@ class OrtBackend(BackendBase):
             if g.selector == "plugin":
                 raise DFlash2Error(f"graph {key!r} holds the TensorRT plugin node; ONNX Runtime runs the decomposed "
                                    f"variant")
-            self._sessions[key] = _Session(self.ort, self.dir / g.file, self.provider, self.threads,
-                                           cuda_graph=g.role == "drafter_head")
+            s = _Session(self.ort, self.dir / g.file, self.provider, self.threads, cuda_graph=g.role == "drafter_head")
+            _check_interface(s, g)
+            self._sessions[key] = s
         return self._sessions[key]
 
-    def target_runner(self) -> "OrtTarget | OrtFusedTarget":
-        return OrtFusedTarget.from_backend(self) if self.fused else OrtTarget(self)
+    def target_runner(self) -> "OrtTargetRunner | OrtFusedTargetRunner":
+        return OrtFusedTargetRunner.from_backend(self) if self.fused else OrtTargetRunner(self)
 
-    def draft_runner(self, mode: str = "greedy") -> "OrtDrafter":
+    def draft_runner(self, mode: str = "greedy") -> "OrtDraftRunner":
         """mode: a selector mode, or 'independent' (no selector: each row's argmax / sample)."""
-        return OrtDrafter(self, self.manifest.check_draft_mode(mode))
+        return OrtDraftRunner(self, self.manifest.check_draft_mode(mode))
 
     def close(self) -> None:
         self._sessions.clear()
 
 
-class OrtTarget:
+class OrtTargetRunner:
     """TargetRunner over ``target.onnx``."""
 
     def __init__(self, be: OrtBackend) -> None:
@@ -210,7 +225,7 @@ class OrtTarget:
         self.kv.crop(length)
 
 
-class OrtDrafter:
+class OrtDraftRunner:
     """DraftRunner over ``drafter_context``, ``drafter_block`` and ``drafter_head_{mode}`` (decomposed)."""
 
     def __init__(self, be: OrtBackend, mode: str) -> None:

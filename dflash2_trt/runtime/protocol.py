@@ -1,4 +1,4 @@
-"""What every backend implements (STYLE rule 3), and the KV capacity buffer they share.
+"""What every backend implements (STYLE rule 3): the backend and runner protocols, the draft they exchange.
 
 A :class:`Backend` (ONNX Runtime, TensorRT, PyTorch) is constructed on a model, describes what it runs on,
 hands out runners and is closed (also as a context manager). A backend that cannot run here raises
@@ -134,73 +134,3 @@ class BackendBase:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def target_ids(ids: list[int], vocab_size: int) -> np.ndarray:
-    """A target call's token ids as [1, m] int64, or DFlash2Error when one is outside [0, vocab_size)."""
-    arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-        raise DFlash2Error(f"token id out of range [0, {vocab_size}) in target input")
-    return arr
-
-
-def grown_capacity(n: int, capacity: int, step: int, max_capacity: int) -> int:
-    """The KV capacity policy shared by the host and device buffers: the capacity that holds ``n``
-    positions — ``capacity`` when it fits, else ``n`` rounded up to a multiple of ``step`` (at most
-    ``max_capacity``); beyond ``max_capacity`` a :class:`DFlash2Error`."""
-    if n > max_capacity:
-        raise DFlash2Error(f"sequence of {n} positions exceeds the exported cache capacity {max_capacity} "
-                           f"(re-export with a larger --max-seq-len)")
-    if n <= capacity:
-        return capacity
-    return min(max_capacity, -(-n // step) * step)
-
-
-class KVBuffer:
-    """K/V of one sequence for ``n_layers`` layers in capacity buffers ``[1, heads, capacity, d]``.
-
-    Invariant: slots ``0..length-1`` hold positions ``0..length-1``; slots beyond are stale and masked by
-    :meth:`valid_mask`. Capacity grows in multiples of ``step`` (so graph input shapes change rarely) up
-    to ``max_length`` rounded up; cropping only lowers ``length`` (no copy). Growing reallocates: a captured
-    CUDA graph bound to the old arrays must be dropped then.
-    """
-
-    def __init__(self, n_layers: int, heads: int, head_dim: int, dtype: np.dtype, step: int, max_length: int
-                 ) -> None:
-        self.n_layers, self.heads, self.head_dim = n_layers, heads, head_dim
-        self.dtype = np.dtype(dtype)
-        self.step = max(1, int(step))
-        self.max_capacity = -(-max_length // self.step) * self.step
-        self.length = 0
-        self.capacity = 0
-        self.arrays: list[np.ndarray] = []  # 2 per layer: key, value
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def reserve(self, n: int) -> None:
-        """Make room for ``n`` positions."""
-        cap = grown_capacity(n, self.capacity, self.step, self.max_capacity)
-        if cap == self.capacity:
-            return
-        new = [np.zeros((1, self.heads, cap, self.head_dim), dtype=self.dtype) for _ in range(2 * self.n_layers)]
-        for a, b in zip(new, self.arrays):
-            a[:, :, : self.length] = b[:, :, : self.length]
-        self.arrays, self.capacity = new, cap
-
-    def valid_mask(self) -> np.ndarray:
-        """[1, capacity] int64: 1 for slots holding a position."""
-        m = np.zeros((1, self.capacity), dtype=np.int64)
-        m[0, : self.length] = 1
-        return m
-
-    def append(self, new: list[np.ndarray]) -> None:
-        """new: 2 per layer [1, heads, S, d] -> slots length..length+S-1."""
-        S = new[0].shape[2]
-        self.reserve(self.length + S)
-        for buf, x in zip(self.arrays, new):
-            buf[:, :, self.length: self.length + S] = x
-        self.length += S
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, max(0, int(length)))

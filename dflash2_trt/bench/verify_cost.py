@@ -8,11 +8,14 @@ are accepted with conditional probability ``alpha`` each (expected tokens per cy
 ``sum_{i<bs} alpha^i``; cost = verify(bs rows) + ``draft_cost`` x a 1-row step), interpolating the timed row
 counts linearly. With a measured drafter pass ``alpha`` should come from its benchmarked per-position
 acceptance; the default (0.6) is an assumption, stated wherever the recommendation is printed.
+:func:`record` times an export's fused target on this machine through the runtime's own runner and writes the
+result into its manifest (``dflash2 export --verify-cost``: writing graphs is export, timing them here is not).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -87,3 +90,29 @@ def markdown(tables: dict[str, list[dict]]) -> str:
             lines.append(f"| {label} | {n} | " + " | ".join(
                 f"{cells[r]['ms']:.1f} ms ({cells[r]['ratio']:.2f}x)" if r in cells else "" for r in rows) + " |")
     return "\n".join(lines)
+
+
+def record(model_dir: str | Path, threads: int | None = None) -> dict[str, Any]:
+    """Time ``model_dir``'s fused target (ONNX Runtime CPU, the runtime's runner) over :data:`ROWS` rows at the
+    :data:`CACHED` lengths that fit, recommend a block size, and store it as the manifest's ``verify_cost``
+    (written atomically; the folder must be an export of ours). Returns the entry."""
+    import dataclasses
+
+    from dflash2_trt.errors import DFlash2Error
+    from dflash2_trt.manifest import TARGET_ORT, read_manifest, write_manifest
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
+
+    m = read_manifest(model_dir)
+    if TARGET_ORT not in m.graphs:
+        raise DFlash2Error("--verify-cost times the fused ONNX Runtime target; this export has none "
+                           "(exported with --no-ort-flavour or not fp32)")
+    with OrtBackend(model_dir, threads=threads) as be:
+        run = OrtFusedTargetRunner.from_backend(be)
+        cached = tuple(n for n in CACHED if n + max(ROWS) <= m.max_seq_len) or (max(1, m.max_seq_len // 2),)
+        table = measure(run, cached=cached)
+    entry = {"table": table, "recommended_block_size": recommend_block_size(table),
+             "assumed_acceptance": DEFAULT_ALPHA, "draft_cost": DEFAULT_DRAFT_COST,
+             "threads": threads or "ort default"}
+    write_manifest(Path(model_dir), dataclasses.replace(m, verify_cost=entry), rehash=False)
+    return entry

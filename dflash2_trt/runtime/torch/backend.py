@@ -2,7 +2,7 @@
 
 :class:`TorchBackend` opens a HF target (folder, .gguf or ``smollm2``) and a drafter folder — not an export
 folder — and hands out :class:`TorchTargetRunner` (over :class:`~dflash2_trt.target.TargetModel`, tapping the
-drafter's layers) and :class:`TorchDraftSource` (over :class:`~dflash2_trt.model.DFlash2Drafter`, one
+drafter's layers) and :class:`TorchDraftRunner` (over :class:`~dflash2_trt.model.DFlash2Drafter`, one
 request's draft context cache). The loop is :mod:`dflash2_trt.runtime.decoder`, as for every backend: greedy
 (T = 0) output equals the target's own greedy decode; T > 0 uses rejection sampling.
 
@@ -18,7 +18,7 @@ import torch
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model.drafter import DFlash2Drafter, DraftContext
-from dflash2_trt.runtime.base import BackendBase, Draft
+from dflash2_trt.runtime.protocol import BackendBase, Draft
 from dflash2_trt.target import TargetModel
 from dflash2_trt.vocabulary import DRAFT_MODES, INDEPENDENT
 
@@ -49,7 +49,7 @@ class TorchTargetRunner:
         self.target.crop(length)
 
 
-class TorchDraftSource:
+class TorchDraftRunner:
     """:class:`DFlash2Drafter` behind the runner protocol (holds one request's draft context cache).
     ``mode``: a draft mode of :data:`~dflash2_trt.vocabulary.DRAFT_MODES` ('independent': no selector)."""
 
@@ -108,5 +108,5 @@ class TorchBackend(BackendBase):
     def target_runner(self) -> TorchTargetRunner:
         return TorchTargetRunner(self.target, self.drafter.config.target_layer_ids)
 
-    def draft_runner(self, mode: str = "greedy") -> TorchDraftSource:
-        return TorchDraftSource(self.drafter, mode)
+    def draft_runner(self, mode: str = "greedy") -> TorchDraftRunner:
+        return TorchDraftRunner(self.drafter, mode)

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from dflash2_trt.manifest import ORT_SUFFIX, TARGET_ORT, target_kv_names, target_present_names
+
 ORT_DOMAIN = "com.microsoft"
 
 
@@ -102,6 +104,7 @@ def build_target(hf_model, layer_ids: list[int], n_positions: int, opset: int = 
     x = g.op("SimplifiedLayerNormalization", [res, g.init("layers.0.input_norm", _np(base.layers[0].input_layernorm.weight))],
              name="layers.0/input_norm", axis=-1, epsilon=eps)[0]
     taps: dict[int, str] = {}
+    past, present = target_kv_names(nl), target_present_names(nl)
     for i, layer in enumerate(base.layers):
         a = layer.self_attn
         p = f"layers.{i}"
@@ -119,9 +122,9 @@ def build_target(hf_model, layer_ids: list[int], n_positions: int, opset: int = 
         else:
             attn_in = [qkv, "", ""]  # packed QKV
         o = g.op("GroupQueryAttention",
-                 [*attn_in, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
+                 [*attn_in, *past[2 * i: 2 * i + 2], "seqlens_k",
                   "total_sequence_length", "rope_cos", "rope_sin"],
-                 outputs=[f"{p}/attn_out", f"present.{i}.key", f"present.{i}.value"], name=f"{p}/attn",
+                 outputs=[f"{p}/attn_out", *present[2 * i: 2 * i + 2]], name=f"{p}/attn",
                  domain=ORT_DOMAIN, num_heads=nh, kv_num_heads=kvh, scale=float(a.scaling), do_rotary=1,
                  rotary_interleaved=0, local_window_size=-1)[0]  # [B, S, nh*d]
         o = g.op("MatMul", [o, g.init(f"{p}.o_proj", _np(a.o_proj.weight).T)], name=f"{p}/o_proj")[0]
@@ -148,10 +151,10 @@ def build_target(hf_model, layer_ids: list[int], n_positions: int, opset: int = 
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
     outputs = [helper.make_tensor_value_info("logits", F, ["batch", "sequence", int(lm.shape[1])]),
                helper.make_tensor_value_info("context_features", F, ["batch", "sequence", len(layer_ids) * H])]
-    for i in range(nl):
-        for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", F, ["batch", kvh, "capacity", d]))
-            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", F, ["batch", kvh, "present_capacity", d]))
+    for name in past:
+        inputs.append(helper.make_tensor_value_info(name, F, ["batch", kvh, "capacity", d]))
+    for name in present:
+        outputs.append(helper.make_tensor_value_info(name, F, ["batch", kvh, "present_capacity", d]))
     graph = helper.make_graph(g.nodes, "dflash2_target_ort", inputs, outputs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(ORT_DOMAIN, 1)],
                               producer_name="dflash2_trt")
@@ -194,22 +197,32 @@ def session_from_model(model, threads: int | None = None):  # noqa: ANN001, ANN2
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _run_chunks(sess, target, ids: np.ndarray, n1: int, garbage: np.ndarray, max_positions: int):  # noqa: ANN001
-    """Through the runtime's own runner (shared buffers, growth + rebinding with a small capacity step):
-    ids[:n1], then ``garbage`` rows that are cropped away, then ids[n1:]. -> logits, features of ids."""
-    import onnxruntime as ort
-
-    from dflash2_trt.runtime.ort_fused import OrtFusedTarget
-
+def _run_chunks(sess, target, ids: np.ndarray, n1: int, garbage: np.ndarray, capacity: int):  # noqa: ANN001
+    """Plain ``session.run`` calls over capacity buffers holding stale slots (the graph, not the runtime's
+    runner, is under test): ids[:n1], then ``garbage`` rows that are cropped away (their slots stay written and
+    must be hidden by ``seqlens_k``), then ids[n1:]. -> logits, features of ids."""
     cfg = target.model.config
     d = int(target.model.model.layers[0].self_attn.head_dim)
-    run = OrtFusedTarget(sess, ort, target.num_layers, int(cfg.num_key_value_heads), d, target.vocab_size,
-                         max_positions, set(), step=8)
-    run.reset()
-    l1, f1 = run.forward(ids[:n1].tolist())
-    run.forward(garbage.tolist())
-    run.crop(n1)
-    l2, f2 = run.forward(ids[n1:].tolist())
+    rng = np.random.default_rng(1)
+    names = target_kv_names(target.num_layers)
+    past = [rng.standard_normal((1, int(cfg.num_key_value_heads), capacity, d)).astype(np.float32) for _ in names]
+    n = 0
+
+    def run(chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        nonlocal past, n
+        S = len(chunk)
+        feed = {"input_ids": chunk.reshape(1, -1).astype(np.int64),
+                "seqlens_k": np.array([n + S - 1], dtype=np.int32),
+                "total_sequence_length": np.array(n + S, dtype=np.int32), **dict(zip(names, past))}
+        out = sess.run(None, feed)
+        past = list(out[2:])  # present = past with slots n..n+S-1 written
+        n += S
+        return out[0][0], out[1][0]
+
+    l1, f1 = run(ids[:n1])
+    run(garbage)
+    n = n1  # crop: the garbage rows' slots stay written, hidden by seqlens_k
+    l2, f2 = run(ids[n1:])
     return np.concatenate([l1, l2]), np.concatenate([f1, f2])
 
 
@@ -244,7 +257,6 @@ def add_ort_flavour(models: dict, graph_meta: dict, target, layer_ids: list[int]
     """Add ``target_ort.onnx`` (+ with ``quant`` enabled, ``*_ort.onnx`` quantized variants of the drafter graphs
     that ONNX Runtime runs) to ``models`` / ``graph_meta``; returns the verification report."""
     from dflash2_trt.export.quantize import quantize_graph, quantized_matmuls
-    from dflash2_trt.runtime.ort_fused import ORT_SUFFIX, TARGET_ORT
 
     fused = build_target(target.model, layer_ids, n_positions, opset)
     q = quantize_graph(fused, quant, target.vocab_size) if quant.enabled else None
@@ -265,28 +277,3 @@ def add_ort_flavour(models: dict, graph_meta: dict, target, layer_ids: list[int]
                 models[name] = qm
                 graph_meta[key + ORT_SUFFIX] = dict(meta, file=name, flavour="ort")
     return report
-
-
-def verify_cost_entry(path, target, max_seq_len: int, threads: int | None = None) -> dict:  # noqa: ANN001
-    """Time the written fused target (``path``) over 1/4/8/16 rows at 256/1024 cached positions (those that
-    fit) and recommend a block size (:mod:`dflash2_trt.runtime.verify_cost`); the manifest's
-    ``verify_cost`` entry."""
-    import onnxruntime as ort
-
-    from dflash2_trt.runtime import verify_cost as VC
-    from dflash2_trt.runtime.ort_fused import OrtFusedTarget
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if threads:
-        so.intra_op_num_threads = threads
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    cfg = target.model.config
-    run = OrtFusedTarget(sess, ort, target.num_layers, int(cfg.num_key_value_heads),
-                         int(target.model.model.layers[0].self_attn.head_dim), target.vocab_size, max_seq_len, set())
-    cached = tuple(n for n in VC.CACHED if n + max(VC.ROWS) <= max_seq_len) or (max(1, max_seq_len // 2),)
-    table = VC.measure(run, cached=cached)
-    return {"table": table, "recommended_block_size": VC.recommend_block_size(table),
-            "assumed_acceptance": VC.DEFAULT_ALPHA, "draft_cost": VC.DEFAULT_DRAFT_COST,
-            "threads": threads or "ort default"}

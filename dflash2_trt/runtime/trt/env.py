@@ -17,8 +17,8 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import EngineSet, ExportManifest, PluginSpec, sha256_file
-from dflash2_trt.runtime.base import BackendUnavailable
-from dflash2_trt.runtime.cuda_api import DeviceInfo
+from dflash2_trt.runtime.protocol import BackendUnavailable
+from dflash2_trt.runtime.trt.cuda_api import DeviceInfo
 
 MIN_TRT = (10, 3)
 SUPPORTED_TRT_MAJORS = (10, 11)  # the plugin library is built for one of these (plugins/CMakeLists.txt)

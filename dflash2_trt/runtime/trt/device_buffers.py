@@ -1,5 +1,5 @@
 """Fixed device buffers for the TensorRT backend: I/O tensors with pinned host mirrors, and the device
-twin of :class:`~dflash2_trt.runtime.base.KVBuffer`.
+twin of :class:`~dflash2_trt.runtime.protocol.KVBuffer`.
 
 Ownership and lifetime (STYLE rule 12): a :class:`BufferPool` owns every allocation of one runner and frees
 them in :meth:`BufferPool.close`. I/O buffers are allocated once at their largest shape and never move, so
@@ -7,7 +7,7 @@ CUDA graphs that read or write them stay valid for the runner's life. :class:`De
 the cache grows past its capacity bucket: new buffers are zeroed (stale slots are masked by adding -inf to
 their scores, which a NaN or Inf left in device memory would still poison), the old contents are copied (pitched 2-D copies, one per
 tensor), the stream is synchronised, the old buffers are freed, and ``on_move`` receives their addresses —
-the owner passes them to :meth:`~dflash2_trt.runtime.cuda_graphs.GraphCache.invalidate`, so no captured
+the owner passes them to :meth:`~dflash2_trt.runtime.trt.cuda_graphs.GraphCache.invalidate`, so no captured
 graph that reads a freed cache is ever replayed.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.base import grown_capacity
-from dflash2_trt.runtime.cuda_api import CudaApi, HostBuffer
+from dflash2_trt.runtime.kv import grown_capacity
+from dflash2_trt.runtime.trt.cuda_api import CudaApi, HostBuffer
 
 
 def nbytes_of(shape: Sequence[int], dtype: np.dtype) -> int:
@@ -90,7 +90,7 @@ class BufferPool:
 class DeviceKV:
     """K/V of one sequence on the device: 2 buffers per layer laid out ``[1, heads, capacity, d]``.
 
-    Same invariants as :class:`~dflash2_trt.runtime.base.KVBuffer` (slots ``0..length-1`` valid, capacity in
+    Same invariants as :class:`~dflash2_trt.runtime.protocol.KVBuffer` (slots ``0..length-1`` valid, capacity in
     multiples of ``step`` up to ``max_length`` rounded up, crop = lower ``length``). The buffers are bound
     in place as the engine's ``past`` inputs (no copy per step); new rows arrive in a contiguous staging
     tensor ``[1, heads, S, d]`` (the engine's ``present`` output) and are written to slots

@@ -1,4 +1,4 @@
-"""TensorRT backend: the runners of :mod:`dflash2_trt.runtime.base` over the engines that
+"""TensorRT backend: the runners of :mod:`dflash2_trt.runtime.protocol` over the engines that
 ``dflash2 build-engines`` wrote (see :mod:`dflash2_trt.export.engines` for the manifest entry).
 
 Same NumPy decoder loop as ONNX Runtime (:mod:`dflash2_trt.runtime.decoder`); only the graph calls differ,
@@ -13,7 +13,7 @@ addresses, so a context that has a graph is never re-shaped. Profiles are shared
 10+). All work of a backend runs in order on one stream (engines are built without auxiliary streams), which
 is what makes sharing the scratch safe.
 
-Steps and graphs (:mod:`dflash2_trt.runtime.cuda_graphs`): the target's verify / decode call (rows <= the
+Steps and graphs (:mod:`dflash2_trt.runtime.trt.cuda_graphs`): the target's verify / decode call (rows <= the
 block size) and the drafter step (block pass + head with the selector, one graph for both engines) each run
 as one CUDA graph per (rows, capacity bucket, buffers): inputs are written into pinned host buffers, the
 graph copies them in, runs the engine(s) and copies logits / features / drafts out. The KV caches are bound
@@ -42,11 +42,11 @@ import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import EngineProfile, ExportManifest, read_manifest, sha256_file
-from dflash2_trt.runtime.base import BackendBase, BackendUnavailable, Draft
-from dflash2_trt.runtime.cuda_api import CudaApi, CudaRuntime
-from dflash2_trt.runtime.cuda_graphs import GraphCache, GraphKey
-from dflash2_trt.runtime.device_buffers import BufferPool, DeviceKV, IOTensor, nbytes_of
-from dflash2_trt.runtime.trt_env import (check_engine_identity, current_identity, engine_set, import_tensorrt,
+from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft
+from dflash2_trt.runtime.trt.cuda_api import CudaApi, CudaRuntime
+from dflash2_trt.runtime.trt.cuda_graphs import GraphCache, GraphKey
+from dflash2_trt.runtime.trt.device_buffers import BufferPool, DeviceKV, IOTensor, nbytes_of
+from dflash2_trt.runtime.trt.env import (check_engine_identity, current_identity, engine_set, import_tensorrt,
                                          load_plugin_library, resolve_plugin)
 from dflash2_trt.vocabulary import SELECTOR_MODES, head_key
 
@@ -195,7 +195,7 @@ class TrtEngine:
 class TrtBackend(BackendBase):
     """An export folder's TensorRT engines. ``trt_module`` / ``api`` exist for the CPU tests' fakes.
 
-    Raises :class:`~dflash2_trt.runtime.base.BackendUnavailable` when TensorRT, CUDA or a GPU is missing, the
+    Raises :class:`~dflash2_trt.runtime.protocol.BackendUnavailable` when TensorRT, CUDA or a GPU is missing, the
     export has no engines, or they were built for another TensorRT version, GPU or plugin library."""
 
     name = "trt"
@@ -256,14 +256,14 @@ class TrtBackend(BackendBase):
                 return k
         raise DFlash2Error(f"{self.dir} has no TensorRT engine for the {mode} drafter head")
 
-    def target_runner(self) -> TrtTarget:
-        return TrtTarget(self)
+    def target_runner(self) -> TrtTargetRunner:
+        return TrtTargetRunner(self)
 
-    def draft_runner(self, mode: str = "greedy") -> TrtDrafter:
+    def draft_runner(self, mode: str = "greedy") -> TrtDraftRunner:
         if mode not in SELECTOR_MODES:
             raise DFlash2Error(f"the TensorRT backend runs the selector modes {', '.join(SELECTOR_MODES)} only, got "
                                f"{mode!r} (no-selector drafting runs with --backend ort)")
-        return TrtDrafter(self, mode)
+        return TrtDraftRunner(self, mode)
 
     def sync(self) -> None:
         self.api.stream_synchronize(self.stream)
@@ -283,7 +283,7 @@ def _io(be: TrtBackend, eng: TrtEngine, max_shapes: dict[str, tuple[int, ...]], 
     return {n: be.pool.tensor(n, eng.dtypes[n], max_shapes[n], n in host) for n in max_shapes}
 
 
-class TrtTarget:
+class TrtTargetRunner:
     """TargetRunner over the ``target`` engine (profiles ``prefill`` and ``step``)."""
 
     def __init__(self, be: TrtBackend) -> None:
@@ -373,7 +373,7 @@ class TrtTarget:
         self.kv.crop(length)
 
 
-class TrtDrafter:
+class TrtDraftRunner:
     """DraftRunner over ``drafter_context``, ``drafter_block`` and the head engine of ``mode`` (plugin
     variant when built, else decomposed). Block + head run as one captured step."""
 
