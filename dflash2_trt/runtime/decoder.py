@@ -31,13 +31,14 @@ from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
 from dflash2_trt.runtime.guard import AcceptanceGuard, verify_rows
 
 OnTokens = Callable[[list[int]], None]
+OnCycle = Callable[[int, int], None]  # (accepted drafts, verified rows) of a speculative cycle
 # (target, cand [L, K], drafts, n_rows, accepted, bonus, anchor position) -> oracle top-K count of the cycle
 OracleFn = Callable[[TargetRunner, np.ndarray, list[int], int, int, int, int], int]
 
 
 @dataclass
 class GenerationResult:
-    """One request's output and per-cycle counts; shared by the PyTorch loop and the runtime loop."""
+    """One request's output and per-cycle counts (every backend, PyTorch included, runs this one loop)."""
 
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)  # generated (EOS included when hit)
@@ -97,7 +98,7 @@ def target_generate(target: TargetRunner, prompt_ids: list[int], max_new_tokens:
     check_prompt(prompt_ids, target, max_new_tokens)
     check_temperature(temperature)
     rng = np.random.default_rng(seed)
-    eos = set(getattr(target, "eos_ids", set())) if eos_ids is None else eos_ids
+    eos = set(target.eos_ids) if eos_ids is None else eos_ids
     res = GenerationResult(prompt_tokens=list(prompt_ids))
     t0 = time.perf_counter()
     target.reset()
@@ -148,12 +149,15 @@ def speculative_generate(
     on_tokens: OnTokens | None = None,
     guard: AcceptanceGuard | None = None,
     min_confidence: float = 0.0,
+    on_cycle: OnCycle | None = None,
 ) -> GenerationResult:
-    """Speculative decoding of one prompt (SPEC §4); ``guard`` holds one request's state (a fresh one per call)."""
+    """Speculative decoding of one prompt (SPEC §4); ``guard`` holds one request's state (a fresh one per call).
+    ``on_cycle(accepted, rows)`` is called for each speculative cycle just before ``on_tokens`` gets its tokens
+    (the prefill's first token and the guard's plain steps reach ``on_tokens`` alone)."""
     check_prompt(prompt_ids, target, max_new_tokens)
     check_temperature(temperature)
     rng = np.random.default_rng(seed)
-    eos = set(getattr(target, "eos_ids", set())) if eos_ids is None else eos_ids
+    eos = set(target.eos_ids) if eos_ids is None else eos_ids
     L = drafter.block_size - 1
     res = GenerationResult(prompt_tokens=list(prompt_ids))
     oracle_s = 0.0
@@ -222,6 +226,8 @@ def speculative_generate(
             cycle_oracle_s = time.perf_counter() - t_o
             oracle_s += cycle_oracle_s
         res.tokens.extend(new)
+        if on_cycle:
+            on_cycle(res.accepted[-1], n_rows)
         if on_tokens:
             on_tokens(new)
         pos += acc + 1

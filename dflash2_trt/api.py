@@ -1,0 +1,309 @@
+"""The public Python front door: ``dflash2_trt.load(model_dir) -> Generator``.
+
+    import dflash2_trt
+
+    with dflash2_trt.load("my-export") as gen:           # a `dflash2 export` folder; TensorRT, else ONNX Runtime
+        r = gen.generate("Write a haiku about GPUs.", max_new_tokens=64)
+        print(r.text, r.stats.tau, r.stats.tokens_per_s)
+        for chunk in gen.stream("Count to five.", max_new_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+A ``str`` prompt is a user message rendered with the target's chat template (``chat=False``, or a tokenizer
+without a template: the raw text); a ``list[int]`` prompt is used as it is. Greedy output (T = 0) is
+token for token the target's own; T > 0 samples with lossless rejection sampling. ``seed=None`` draws a
+fresh seed; equal seeds give equal tokens.
+
+Thread safety: a :class:`Generator` owns one backend and one request's caches; its methods may be called from
+any thread and are serialised by a lock (a second call waits for the first, including a stream being
+iterated). For requests in parallel open one Generator per worker. ``close()`` (or the ``with`` block) frees
+the backend; a closed Generator raises :class:`~dflash2_trt.errors.DFlash2Error`.
+
+The CLI's ``generate`` / ``bench`` / ``demo``, the Triton model and ``benchmarks/`` decode through this
+module. Importing it needs only the standard library; the runtime (numpy, onnxruntime or TensorRT) is imported
+by :func:`load`, never torch.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash2_trt.errors import DFlash2Error
+
+__all__ = ["Chunk", "Generator", "Result", "Stats", "load"]
+
+FINISH_REASONS = ("stop", "length", "capacity")  # EOS, max_new_tokens, the export's cache capacity
+
+
+@dataclass(frozen=True)
+class Stats:
+    """One request's decoding figures."""
+
+    tau: float  # tokens committed per speculative cycle (accepted drafts + 1), pooled over the cycles; 0: none
+    cycles: int  # speculative cycles (draft + verify)
+    acceptance: list[float]  # [L] r_i: fraction of cycles (verifying >= i rows) that accepted >= i drafts
+    plain_steps: int  # plain target steps the acceptance guard ran instead of cycles
+    tokens_per_s: float  # generated tokens / decode time (prefill included)
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str
+    tokens: list[int]  # generated ids (an EOS that ended the request included)
+    prompt_tokens: list[int]
+    stats: Stats
+    finish_reason: str  # one of FINISH_REASONS
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one step committed: the prefill's first token, a plain step's token, or a cycle's accepted drafts
+    plus the target's bonus token."""
+
+    text: str  # the text these tokens add (empty while a UTF-8 character is split; it follows with the next)
+    tokens: list[int]
+    accepted: int | None  # drafts accepted in the cycle; None for the first token and plain steps
+
+
+class _TextDelta:
+    """Incremental detokenisation: the text each chunk adds, never taking back what was sent."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode, self.ids, self.sent = decode, [], ""
+
+    def add(self, new: list[int], final: bool = False) -> str:
+        self.ids.extend(new)
+        full = self.decode(self.ids)
+        if (not final and full.endswith("\ufffd")) or not full.startswith(self.sent):
+            return ""
+        delta, self.sent = full[len(self.sent):], full
+        return delta
+
+
+class _Cancelled(Exception):
+    """Raised from the decode loop's callback when a stream's consumer went away."""
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    selector: str
+    guard: bool
+    min_confidence: float
+    speculative: bool
+    eos_ids: set[int] | None
+    oracle: Any = None
+    accepted: list[int] = field(default_factory=list)
+
+
+class Generator:
+    """A loaded export: ``generate``, ``stream``, ``close``. Build it with :func:`load`."""
+
+    def __init__(self, backend: Any, tokenizer: Any, note: str) -> None:
+        self._backend = backend
+        self._tok = tokenizer
+        self.note = note  # how the backend was chosen, e.g. "TensorRT not available (...), using ONNX Runtime"
+        self._lock = threading.Lock()
+        self._target: Any = None
+        self._drafters: dict[str, Any] = {}
+        self._closed = False
+
+    # -- properties -----------------------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """What decodes, e.g. ``ONNX Runtime (CPUExecutionProvider)``."""
+        return str(self._backend.description)
+
+    @property
+    def max_positions(self) -> int:
+        """Prompt + generated tokens the export's caches hold."""
+        return int(self._runner().max_positions)
+
+    @property
+    def selectors(self) -> tuple[str, ...]:
+        """Draft modes this export can run (:data:`dflash2_trt.vocabulary.DRAFT_MODES`)."""
+        return tuple(self._backend.manifest.draft_modes)
+
+    # -- text ------------------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int], chat: bool = True) -> list[int]:
+        """A prompt as the ids :meth:`generate` decodes from (see the module docstring)."""
+        if isinstance(prompt, str):
+            if chat and self._tok.chat_template:
+                return self._tok.apply_chat_template([{"role": "user", "content": prompt}])
+            return self._tok.encode(prompt)
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise DFlash2Error("prompt must be a str or a list of token ids") from None
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+    # -- decoding --------------------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+                 seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
+                 min_confidence: float = 0.0, speculative: bool = True, eos_ids: set[int] | None = None,
+                 oracle: Any = None) -> Result:
+        """Decode one prompt. ``selector``: a draft mode of :attr:`selectors`; ``guard``: run plain target steps
+        while measured acceptance does not pay; ``speculative=False``: plain autoregressive decoding on the same
+        backend (the baseline); ``eos_ids``: stop tokens (default: the target's; an empty set never stops
+        early); ``oracle``: an evaluation hook counting oracle top-K acceptance per cycle
+        (:func:`dflash2_trt.bench.oracle.oracle_count`), its passes excluded from the timing."""
+        req = self._request(prompt, max_new_tokens, temperature, seed, selector, guard, chat, min_confidence,
+                            speculative, eos_ids, oracle)
+        with self._lock:
+            res = self._run(req, None)
+        return self._result(req, res)
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+               seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
+               min_confidence: float = 0.0, eos_ids: set[int] | None = None) -> Iterator[Chunk]:
+        """Decode one prompt chunk by chunk (same arguments and tokens as :meth:`generate`). Leaving the loop
+        early (``break``, or closing the iterator) stops the decoding at its next step."""
+        req = self._request(prompt, max_new_tokens, temperature, seed, selector, guard, chat, min_confidence,
+                            True, eos_ids, None)
+        return self._stream(req)
+
+    def _stream(self, req: _Request) -> Iterator[Chunk]:
+        chunks: queue.Queue = queue.Queue(maxsize=64)
+        stop = threading.Event()
+        delta = _TextDelta(self._tok.decode)
+        cycle: list[int | None] = [None]
+
+        def on_cycle(accepted: int, rows: int) -> None:
+            cycle[0] = accepted
+
+        def on_tokens(new: list[int]) -> None:
+            if stop.is_set():
+                raise _Cancelled
+            chunks.put(Chunk(delta.add(new), list(new), cycle[0]))
+            cycle[0] = None
+
+        def work() -> None:
+            try:
+                with self._lock:
+                    self._run(req, (on_tokens, on_cycle))
+                chunks.put(None)
+            except _Cancelled:
+                chunks.put(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                chunks.put(e)
+
+        worker = threading.Thread(target=work, name="dflash2-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = chunks.get()
+                if item is None:
+                    tail = delta.add([], final=True)
+                    if tail:
+                        yield Chunk(tail, [], None)
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            while worker.is_alive():  # unblock a producer waiting on a full queue, then let it finish
+                try:
+                    chunks.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            worker.join()
+
+    def close(self) -> None:
+        """Free the backend (sessions, engines, device memory); idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._target, self._drafters = None, {}
+                self._backend.close()
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------------------------
+    def _runner(self) -> Any:
+        if self._closed:
+            raise DFlash2Error("this Generator is closed")
+        if self._target is None:
+            self._target = self._backend.target_runner()
+        return self._target
+
+    def _drafter(self, selector: str) -> Any:
+        if selector not in self._drafters:
+            self._drafters[selector] = self._backend.draft_runner(selector)  # checks the mode against the export
+        return self._drafters[selector]
+
+    def _request(self, prompt: str | list[int], max_new_tokens: int, temperature: float, seed: int | None,
+                 selector: str, guard: bool, chat: bool, min_confidence: float, speculative: bool,
+                 eos_ids: set[int] | None, oracle: Any) -> _Request:
+        from dflash2_trt.runtime.decoder import check_temperature
+
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise DFlash2Error(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        check_temperature(float(temperature))
+        if seed is None:
+            seed = secrets.randbits(63)
+        elif isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise DFlash2Error(f"seed must be an integer >= 0 or None, got {seed!r}")
+        if not 0.0 <= float(min_confidence) <= 1.0:  # `not <=` also refuses NaN
+            raise DFlash2Error(f"min_confidence must be in [0, 1], got {min_confidence!r}")
+        return _Request(self.encode(prompt, chat), max_new_tokens, float(temperature), seed, selector, bool(guard),
+                        float(min_confidence), bool(speculative), None if eos_ids is None else set(eos_ids), oracle)
+
+    def _run(self, req: _Request, hooks: tuple[Callable, Callable] | None) -> Any:
+        """One request on this Generator's runners; the caller holds the lock."""
+        from dflash2_trt.runtime import decoder as D
+        from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig
+
+        target = self._runner()
+        on_tokens, on_cycle = hooks if hooks else (None, None)
+        if not req.speculative:
+            return D.target_generate(target, req.prompt, req.max_new_tokens, req.temperature, req.eos_ids, req.seed,
+                                     on_tokens=on_tokens)
+        return D.speculative_generate(target, self._drafter(req.selector), req.prompt, req.max_new_tokens,
+                                      req.temperature, req.eos_ids, req.seed, oracle=req.oracle, on_tokens=on_tokens,
+                                      guard=AcceptanceGuard(GuardConfig()) if req.guard else None,
+                                      min_confidence=req.min_confidence, on_cycle=on_cycle)
+
+    def _result(self, req: _Request, res: Any) -> Result:
+        s = res.stats()
+        eos = self._target.eos_ids if req.eos_ids is None else req.eos_ids
+        if res.tokens and res.tokens[-1] in eos:
+            reason = "stop"
+        elif len(res.tokens) >= req.max_new_tokens:
+            reason = "length"
+        else:
+            reason = "capacity"
+        stats = Stats(tau=s["tau"], cycles=s["cycles"], acceptance=list(s["per_position_cumulative"]),
+                      plain_steps=res.plain_steps, tokens_per_s=res.tokens_per_s, elapsed_s=res.elapsed_s)
+        return Result(self._tok.decode(res.tokens), list(res.tokens), list(res.prompt_tokens), stats, reason)
+
+
+def load(model_dir: str | Path, backend: str = "auto", threads: int | None = None,
+         verify_checksums: bool = True) -> Generator:
+    """Open a ``dflash2 export`` folder. ``backend``: ``auto`` (TensorRT when it can run here, else ONNX
+    Runtime; :attr:`Generator.note` says which and why), ``trt`` or ``ort``; ``threads``: ONNX Runtime intra-op
+    threads (default: ONNX Runtime's); ``verify_checksums``: check every file against the manifest."""
+    from dflash2_trt.runtime.backends import open_backend
+    from dflash2_trt.runtime.tokenizer import TextTokenizer
+
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise DFlash2Error(f"threads must be an integer >= 1 or None, got {threads!r}")
+    tok = TextTokenizer(model_dir)  # before the backend: a folder without a tokenizer fails cheaply
+    be, note = open_backend(model_dir, backend, verify_checksums=verify_checksums, threads=threads)
+    return Generator(be, tok, note)

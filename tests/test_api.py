@@ -1,0 +1,120 @@
+"""The public Python API (``dflash2_trt.load`` -> Generator): generate / stream / close on the accepting pair's
+export, drafts accepted; bad arguments refused with the project error; calls from several threads serialised."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import dflash2_trt
+from dflash2_trt import DFlash2Error
+from conftest import assert_accepts
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def gen(acc_export):
+    with dflash2_trt.load(acc_export, backend="ort", threads=1) as g:
+        yield g
+
+
+def test_generate_is_the_targets_own_output_with_drafts_accepted(gen):
+    for selector in gen.selectors:
+        spec = gen.generate(PROMPT, max_new_tokens=40, selector=selector, guard=False, eos_ids=set())
+        ar = gen.generate(PROMPT, max_new_tokens=40, speculative=False, eos_ids=set())
+        assert spec.tokens == ar.tokens and spec.text == ar.text == gen.decode(ar.tokens)
+        assert spec.finish_reason == "length" and len(spec.tokens) == 40
+        assert spec.stats.cycles > 0 and spec.stats.tau >= 2.0, spec.stats
+        assert ar.stats.cycles == 0 and ar.stats.tokens_per_s > 0
+        assert spec.prompt_tokens == gen.encode(PROMPT)  # chat template applied to a str prompt by default
+
+
+def test_stream_yields_the_same_tokens_and_text_chunk_by_chunk(gen):
+    want = gen.generate(PROMPT, max_new_tokens=30, guard=False, eos_ids=set())
+    chunks = list(gen.stream(PROMPT, max_new_tokens=30, guard=False, eos_ids=set()))
+    assert [t for c in chunks for t in c.tokens] == want.tokens
+    assert "".join(c.text for c in chunks) == want.text
+    assert chunks[0].accepted is None and len(chunks[0].tokens) == 1  # the prefill's token
+    cycles = [c.accepted for c in chunks[1:] if c.tokens]
+    assert all(a is not None for a in cycles)
+    assert_accepts(cycles, 3, "(stream)")
+    assert all(len(c.tokens) <= c.accepted + 1 for c in chunks[1:] if c.tokens)
+
+
+def test_guard_plain_steps_are_chunks_without_acceptance(gen):
+    ids = list(range(3, 60))  # token ids the copy target does not continue: drafts mostly rejected
+    chunks = list(gen.stream(ids, max_new_tokens=60, eos_ids=set(), seed=1))
+    res = gen.generate(ids, max_new_tokens=60, eos_ids=set(), seed=1)
+    assert [t for c in chunks for t in c.tokens] == res.tokens
+    assert res.stats.plain_steps > 0 and res.stats.cycles > 0  # both paths taken
+    assert sum(c.accepted is None for c in chunks[1:]) == res.stats.plain_steps
+
+
+def test_leaving_a_stream_early_stops_it_and_frees_the_generator(gen):
+    it = gen.stream(PROMPT, max_new_tokens=200, eos_ids=set())
+    first = next(it)
+    assert first.tokens
+    it.close()  # the worker stops at its next step and releases the lock
+    assert len(gen.generate(PROMPT, max_new_tokens=5, eos_ids=set()).tokens) == 5
+
+
+def test_list_prompt_and_sampling_seed(gen):
+    ids = gen.encode(PROMPT)
+    a = gen.generate(ids, max_new_tokens=20, temperature=0.8, seed=7, eos_ids=set())
+    b = gen.generate(ids, max_new_tokens=20, temperature=0.8, seed=7, eos_ids=set())
+    assert a.tokens == b.tokens and a.prompt_tokens == ids
+    raw = gen.generate(PROMPT, max_new_tokens=4, chat=False, eos_ids=set())
+    assert raw.prompt_tokens == gen.encode(PROMPT, chat=False) != ids or gen._tok.chat_template is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"min_confidence": 2.0}, "min_confidence"),
+    ({"selector": "nope"}, "draft mode"),
+])
+def test_bad_arguments_raise_the_project_error(gen, kwargs, match):
+    with pytest.raises(DFlash2Error, match=match):
+        gen.generate(PROMPT, **kwargs)
+
+
+def test_bad_prompt_and_bad_folder(gen, tmp_path):
+    with pytest.raises(DFlash2Error, match="prompt"):
+        gen.generate([0, "x"])  # type: ignore[list-item]
+    with pytest.raises(DFlash2Error, match="out of range"):
+        gen.generate([10**9])
+    with pytest.raises(DFlash2Error):
+        dflash2_trt.load(tmp_path)
+    with pytest.raises(DFlash2Error, match="threads"):
+        dflash2_trt.load(tmp_path, threads=0)
+
+
+def test_threads_are_serialised_and_get_their_own_results(gen):
+    want = {n: gen.generate(PROMPT, max_new_tokens=n, eos_ids=set()).tokens for n in (8, 16, 24)}
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            got[n] = gen.generate(PROMPT, max_new_tokens=n, eos_ids=set()).tokens
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in want]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == want
+
+
+def test_close_is_idempotent_and_final(acc_export):
+    g = dflash2_trt.load(acc_export, backend="ort")
+    g.close()
+    g.close()
+    with pytest.raises(DFlash2Error, match="closed"):
+        g.generate(PROMPT, max_new_tokens=2)
