@@ -239,8 +239,9 @@ def test_profile_refusal_falls_back_to_ort_and_bugs_do_not(fake_engines, monkeyp
     n0 = len(trt.contexts)
     be, note = open_backend(fake_engines, "auto")
     assert be.name == "trt" and note == "using TensorRT 10.13.0.35 on FakeGPU H0"
-    # the probe opened a context per profile of target, drafter_context (2 each) and drafter_block (1)
-    assert [c.profile for c in trt.contexts[n0:]] == [0, 1, 0, 1, 0]
+    # the probe opened a context per profile of target, drafter_context (2 each), drafter_block and the two
+    # heads (1 each)
+    assert [c.profile for c in trt.contexts[n0:]] == [0, 1, 0, 1, 0, 0, 0]
     be.close()
 
     def broken(self, strategy):
@@ -249,6 +250,46 @@ def test_profile_refusal_falls_back_to_ort_and_bugs_do_not(fake_engines, monkeyp
     monkeypatch.setattr(FakeEngine, "create_execution_context", broken)
     with pytest.raises(AttributeError, match="a bug"):
         open_backend(fake_engines, "auto")
+
+
+def test_auto_falls_back_when_the_head_engine_fails(fake_engines, monkeypatch, capsys):
+    """Every engine a runner uses is opened while the backend is constructed, the plugin head included (the
+    likeliest to fail: creator missing, another TensorRT major): a head plan TensorRT refuses ends on ONNX
+    Runtime with the reason printed, nothing left allocated; with it, both heads were opened up front."""
+    import argparse
+
+    from dflash2_trt import cli
+
+    cuda = FakeCuda()
+    trt = FakeTrt(cuda)
+    trt.refuse_plans = {"drafter_head_viterbi.plugin.onnx"}
+    _patch_trt(monkeypatch, trt, cuda)
+    be, _ = cli._open_runtime(argparse.Namespace(backend="auto"), str(fake_engines))
+    err = capsys.readouterr().err
+    assert be.name == "ort" and err.startswith("dflash2: TensorRT not available (TensorRT could not deserialize")
+    assert "drafter_head_viterbi_plugin" in err and "using ONNX Runtime" in err, err
+    assert set(cuda.dev) == set() and cuda.count("stream_destroy") == 1
+    be.close()
+    trt.refuse_plans = set()
+    with TrtBackend(fake_engines, trt_module=trt, api=cuda) as tbe:
+        assert tbe.engine_keys() == ["target", "drafter_context", "drafter_block", "drafter_head_greedy_plugin",
+                                     "drafter_head_viterbi_plugin"]
+        assert set(tbe._engines) == set(tbe.engine_keys())
+
+
+def test_auto_falls_back_without_cuda_python(fake_engines, monkeypatch):
+    """TensorRT importable but cuda-python missing: one line and ONNX Runtime, not an ImportError."""
+    import sys
+
+    import dflash2_trt.runtime.trt.backend as tb
+    from dflash2_trt.runtime.backends import open_backend
+
+    for name in ("cuda", "cuda.bindings", "cuda.bindings.runtime", "cuda.cudart"):
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: the import raises ImportError
+    monkeypatch.setattr(tb, "import_tensorrt", lambda: FakeTrt(FakeCuda()))
+    be, note = open_backend(fake_engines, "auto")
+    assert be.name == "ort" and note.startswith("TensorRT not available (cuda-python is not installed"), note
+    be.close()
 
 
 def test_contexts_and_graphs_are_bounded(fake_engines):

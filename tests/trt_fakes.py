@@ -17,7 +17,8 @@ They *record* what the code under test asks of CUDA and TensorRT; they never com
   the TensorRT backend produces real tokens that can be compared with the other backends. Like TensorRT: the plugin registry's ``load_library`` returns None
   when a creator of the library is already registered (``IPluginRegistry::loadLibrary``); the ONNX parser
   fails with errors when ``parse_errors`` is set; ``set_optimization_profile_async`` raises RuntimeError
-  (the Python binding's way of reporting false) when ``profile_error`` is set.
+  (the Python binding's way of reporting false) when ``profile_error`` is set; ``deserialize_cuda_engine``
+  returns None for the plan files named in ``refuse_plans``.
 """
 
 from __future__ import annotations
@@ -245,6 +246,7 @@ class FakeTrt:
         self.parse_errors: list[str] = []  # set: the ONNX parser fails with these
         self.shape_override: dict[str, tuple[int, ...]] = {}  # engine tensor shapes that differ from the ONNX
         self.aux_streams_override: int | None = None  # engines that report auxiliary streams
+        self.refuse_plans: set[str] = set()  # plan file names deserialize_cuda_engine refuses (returns None)
         self.Logger = type("Logger", (), {"WARNING": "WARNING", "__init__": lambda s, sev=None: None})
         self.TensorIOMode = _Ns(INPUT=_Enum("INPUT"), OUTPUT=_Enum("OUTPUT"))
         self.ExecutionContextAllocationStrategy = _Ns(USER_MANAGED=_Enum("USER_MANAGED"))
@@ -279,9 +281,12 @@ class FakeTrt:
 
             def deserialize_cuda_engine(self, blob: bytes) -> FakeEngine | None:
                 try:
-                    return FakeEngine(fake, json.loads(blob))
+                    plan = json.loads(blob)
                 except ValueError:
                     return None
+                if plan["file"].rsplit("/", 1)[-1] in fake.refuse_plans:
+                    return None  # as TensorRT does for a plugin whose creator is missing
+                return FakeEngine(fake, plan)
 
         self.Runtime = Runtime
         self.Builder = lambda logger: FakeBuilder(fake)

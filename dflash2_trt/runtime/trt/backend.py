@@ -5,13 +5,14 @@ Same NumPy decoder loop as ONNX Runtime (:mod:`dflash2_trt.runtime.decoder`); on
 so token equality with ORT / PyTorch reduces to engine-vs-ONNX equality.
 
 Per engine: the deserialised ``ICudaEngine`` and one scratch allocation (``device_memory_size_v2``) shared by
-its execution contexts (``USER_MANAGED`` memory). Contexts: one per optimization profile for eager calls
-(opened while the backend is constructed, so a TensorRT that refuses them raises ``BackendUnavailable``
-there and ``--backend auto`` falls back), plus one per captured shape bucket, at most ``max_contexts`` per
-engine (least recently used dropped with its graphs) — a captured CUDA graph fixes the context's shapes and
-addresses, so a context that has a graph is never re-shaped. Profiles are shared between contexts (TensorRT
-10+). All work of a backend runs in order on one stream (engines are built without auxiliary streams), which
-is what makes sharing the scratch safe.
+its execution contexts (``USER_MANAGED`` memory). Every engine a runner can use (target, drafter context and
+block, the head of each selector mode) is deserialised while the backend is constructed, with one context per
+optimization profile for eager calls, so a TensorRT that refuses any of them raises ``BackendUnavailable``
+there and ``--backend auto`` falls back. Captured steps add one context per shape bucket, at most
+``max_contexts`` per engine (least recently used dropped with its graphs) — a captured CUDA graph fixes the
+context's shapes and addresses, so a context that has a graph is never re-shaped. Profiles are shared between
+contexts of one backend, which never run concurrently: all work of a backend runs in order on one stream
+(engines are built without auxiliary streams), which is also what makes sharing the scratch safe.
 
 Steps and graphs (:mod:`dflash2_trt.runtime.trt.cuda_graphs`): the target's verify / decode call (rows <= the
 block size) and the drafter step (block pass + head with the selector, one graph for both engines) each run
@@ -228,10 +229,9 @@ class TrtBackend(BackendBase):
         self.graphs = GraphCache(self.api, enabled=cuda_graphs, max_graphs=self.max_graphs)
         self._engines: dict[str, TrtEngine] = {}
         self.profiler: trt.IProfiler | None = None  # set before creating runners to time layers
-        try:  # deserialise the mode-independent engines and open a context per profile now (see open_contexts)
-            for key in ("target", "drafter_context", "drafter_block"):
-                if key in self.entry.plans:
-                    self.engine(key).open_contexts()
+        try:  # deserialise every engine a runner can use and open a context per profile now (see open_contexts)
+            for key in self.engine_keys():
+                self.engine(key).open_contexts()
         except BaseException:
             self.close()
             raise
@@ -249,6 +249,16 @@ class TrtBackend(BackendBase):
                                    f"dflash2 build-engines --selector ...")
             self._engines[key] = TrtEngine(self, key, self.dir / plan.file, plan.profiles)
         return self._engines[key]
+
+    def engine_keys(self) -> list[str]:
+        """The engines the runners of this export use: target, drafter context and block, and per selector mode
+        the head :meth:`head_engine_key` picks. All are opened while the backend is constructed — the head
+        (plugin creator missing, another TensorRT major) is the likeliest to fail, and a failure after
+        ``open_backend`` returned could no longer fall back to ONNX Runtime."""
+        keys: list[str] = [k for k in ("target", "drafter_context", "drafter_block") if k in self.entry.plans]
+        for mode in SELECTOR_MODES:
+            keys += [k for k in (head_key(mode, plugin=True), head_key(mode)) if k in self.entry.plans][:1]
+        return keys
 
     def head_engine_key(self, mode: str) -> str:
         for k in (head_key(mode, plugin=True), head_key(mode)):

@@ -110,9 +110,10 @@ class CudaRuntime:
     caller selected another with ``CUDA_VISIBLE_DEVICES``)."""
 
     def __init__(self, device: int = 0) -> None:
-        from cuda.bindings import runtime as rt  # typed by typings/cuda (import checked in _import_cudart)
-
-        _import_cudart()
+        try:
+            from cuda.bindings import runtime as rt  # typed by typings/cuda
+        except ImportError:  # the older module name, or BackendUnavailable: never an ImportError out of here
+            rt = _import_cudart()
         self.rt = rt
         self.device = device
         err, count = rt.cudaGetDeviceCount()
