@@ -787,6 +787,50 @@ def test_tensorrt_backend_compiles(capi_build):
     out = subprocess.run([str(capi_build / "bin" / "generate"), str(capi_build / "tests" / "capi-scratch" / "valid"),
                           "1", "-o", "verify_checksums=false"], capture_output=True, text=True)
     assert out.returncode == 1 and "libnvinfer.so.10 not found" in out.stderr
+    assert re.search(r"trtParts \.+\s+Passed", _ctest(capi_build)), "trtParts ctest"
+
+
+@pytest.fixture(scope="module")
+def engines_export(tiny_export, tmp_path_factory) -> Path:
+    """The tiny export with FakeTrt "engines" recorded in its manifest (built with TensorRT "10.13.0.35")."""
+    from dflash2_trt.export import engines as E
+    from trt_fakes import FakeCuda, FakeTrt
+
+    d = tmp_path_factory.mktemp("capi-trt") / "exp"
+    shutil.copytree(tiny_export, d)
+    cuda = FakeCuda()
+    E.build_engines(d, selector="decomposed", progress=False, trt_module=FakeTrt(cuda), api=cuda)
+    return d
+
+
+def test_tensorrt_backend_opens_only_its_libnvinfer_major(capi_build, engines_export, tmp_path):
+    """The TensorRT backend opens libnvinfer.so.<its headers' major> only (a fake libnvinfer on LD_LIBRARY_PATH):
+    an unversioned libnvinfer.so is never opened; a library reporting another major is refused as UNAVAILABLE
+    before any TensorRT object is made; the engines' full version (major.minor.patch.build) must equal the
+    library's; a library that passes both gets as far as CUDA (none here)."""
+    if not _trt_args():
+        pytest.fail("needs the TensorRT backend compiled (CUDA toolkit + kernel-lens headers)")
+    fake = next((capi_build / "fake-nvinfer").glob("libnvinfer.so.*"))
+    major = fake.name.rsplit(".", 1)[-1]
+    unversioned = tmp_path / "unversioned"
+    unversioned.mkdir()
+    shutil.copy(fake, unversioned / "libnvinfer.so")
+
+    def run(libdir: Path, version: str, build: str = "35") -> str:
+        env = dict(os.environ, LD_LIBRARY_PATH=str(libdir), DFLASH2_FAKE_NVINFER_VERSION=version,
+                   DFLASH2_FAKE_NVINFER_BUILD=build)
+        out = subprocess.run([str(capi_build / "bin" / "generate"), str(engines_export), "1", "2"],
+                             capture_output=True, text=True, env=env)
+        assert out.returncode == 1, out
+        return out.stderr
+
+    assert f"libnvinfer.so.{major} not found" in run(unversioned, "101300")
+    other = int(major) + 1
+    err = run(fake.parent, f"{other}0400")
+    assert f"libnvinfer reports TensorRT {other}.4, this libdflash2 was built against TensorRT {major} headers" in err
+    assert "engines were built with TensorRT 10.13.0.35, this is TensorRT 10.3.0.35" in run(fake.parent, "100300")
+    assert "engines were built with TensorRT 10.13.0.35, this is TensorRT 10.13.0.36" in run(fake.parent, "101300", "36")
+    assert "no CUDA device 0 here" in run(fake.parent, "101300")  # past every library check
 
 
 # --------------------------------------------------------------------------------------------------

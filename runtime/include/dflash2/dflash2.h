@@ -33,7 +33,9 @@
  *   - A model may be shared by sessions on several threads. Sessions of a callbacks model call the same
  *     caller functions: the library serializes their dfl2_session_generate calls with a lock held by the
  *     model, so the callbacks never run concurrently. A TensorRT model gives each session its own
- *     execution contexts, buffers and CUDA stream.
+ *     execution contexts (at most 8 captured shape buckets per engine, least recently used dropped), buffers
+ *     and CUDA stream, and also serializes dfl2_session_generate across its sessions (their contexts share
+ *     the engines' optimization profiles): sessions on several threads are safe but take turns.
  *   - A session is used by one thread at a time (no internal locking).
  *   - Callbacks run on the thread that called dfl2_session_generate.
  *

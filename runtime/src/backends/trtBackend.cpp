@@ -6,15 +6,24 @@
 //! dflash2_trt/runtime/trt/backend.py (itself tested on the CPU against recording fakes). Run the GPU check
 //! (runtime/README.md) before relying on it.
 //!
-//! libnvinfer is not linked: it is dlopen'ed at model load (libnvinfer.so.10, then libnvinfer.so), so the
-//! library loads and reports DFL2_ERR_UNAVAILABLE on hosts without TensorRT. CUDA runtime: cudart_static.
+//! libnvinfer is not linked: it is dlopen'ed at model load, and only as libnvinfer.so.<the major of the headers
+//! this file was compiled with>, so the library loads and reports DFL2_ERR_UNAVAILABLE on hosts without that
+//! TensorRT. A libnvinfer whose getInferLibVersion() reports another major is refused (UNAVAILABLE: its objects
+//! are another major's virtual tables); the engines' TensorRT version must equal the library's
+//! (major.minor.patch.build, VERSION_MISMATCH). Both are checked before CUDA is touched. CUDA runtime:
+//! cudart_static. The parts without CUDA or TensorRT (KV cache, size and version checks, context LRU) live in
+//! trtParts.h and are tested on the host.
 //!
 //! Ownership and lifetime (STYLE rule 12):
 //! * TrtModel (one per dfl2_model) owns the IRuntime, the deserialized ICudaEngines and the loaded plugin library;
 //!   engines are immutable and shared by the sessions.
 //! * TrtRunners (one per dfl2_session) owns everything mutable: its CUDA stream, one scratch allocation per engine
 //!   (USER_MANAGED device memory), execution contexts, fixed I/O buffers with pinned host mirrors, the target and
-//!   draft KV caches, and its CUDA graphs. Sessions therefore run concurrently on different threads.
+//!   draft KV caches, and its CUDA graphs. Contexts of captured shape buckets are bounded per engine
+//!   (kMAX_CAPTURED_CONTEXTS, least recently used dropped with the graphs that used it).
+//! * Thread safety: the sessions of one model generate one at a time (Model::generateLock): their contexts share
+//!   the engines' optimization profiles, and TensorRT does not promise that contexts of one engine may run one
+//!   profile concurrently; execution contexts are therefore also created one at a time.
 //! * I/O buffers are allocated once at their largest shape and never move, so captured graphs stay valid; KV
 //!   caches move only when they grow past their capacity bucket (kv_capacity_step): every graph is then dropped
 //!   before the old buffers are freed. One graph per (step, profile, shape, capacity); a context that a graph
@@ -22,6 +31,7 @@
 //! * The verify step (target rows <= block size) and the draft step (block + head engines) are captured; prefill
 //!   and long context updates run eagerly in chunks of the prefill profile's rows.
 #include "../model.h"
+#include "trtParts.h"
 
 #include <NvInferRuntime.h>
 #include <cuda_fp16.h>
@@ -103,33 +113,46 @@ nv::Dims dimsOf(std::vector<int64_t> const& shape)
     return d;
 }
 
-//! The TensorRT library, loaded at run time.
+//! The TensorRT library, loaded at run time: libnvinfer.so.<built major> only, and only when it reports that
+//! major (a TensorRT of another major has other virtual tables: a crash, not an error).
 struct NvInferLib
 {
     void* handle{nullptr};
     void* (*createRuntime)(void*, int32_t){nullptr};
-    int32_t (*libVersion)(){nullptr};
+    int32_t version{0};          //!< getInferLibVersion(): major * 10000 + minor * 100 + patch
+    std::vector<int32_t> parts;  //!< major, minor, patch[, build]
+
+    template <typename Fn>
+    Fn symbol(char const* name) const
+    {
+        void* sym = ::dlsym(handle, name);
+        Fn fn{};
+        std::memcpy(&fn, &sym, sizeof(fn)); // a cast from void* is not portable C++
+        return fn;
+    }
 
     NvInferLib()
     {
-        for (char const* name : {"libnvinfer.so.10", "libnvinfer.so"})
-        {
-            handle = ::dlopen(name, RTLD_NOW | RTLD_GLOBAL);
-            if (handle != nullptr)
-            {
-                break;
-            }
-        }
+        std::string const soname = "libnvinfer.so." + std::to_string(NV_TENSORRT_MAJOR);
+        handle = ::dlopen(soname.c_str(), RTLD_NOW | RTLD_GLOBAL);
         if (handle == nullptr)
         {
-            throw Error(DFL2_ERR_UNAVAILABLE, "TensorRT is not installed here (libnvinfer.so.10 not found): install "
-                                              "TensorRT >= 10.3 (JetPack 6.2 on Jetson)");
+            throw Error(DFL2_ERR_UNAVAILABLE, "TensorRT " + std::to_string(NV_TENSORRT_MAJOR)
+                    + " is not installed here (" + soname + " not found): install TensorRT "
+                    + std::to_string(NV_TENSORRT_MAJOR) + ".x >= 10.3 (JetPack 6.2 on Jetson)");
         }
-        createRuntime = reinterpret_cast<void* (*) (void*, int32_t)>(::dlsym(handle, "createInferRuntime_INTERNAL"));
-        libVersion = reinterpret_cast<int32_t (*)()>(::dlsym(handle, "getInferLibVersion"));
+        createRuntime = symbol<void* (*) (void*, int32_t)>("createInferRuntime_INTERNAL");
+        auto libVersion = symbol<int32_t (*)()>("getInferLibVersion");
         if (createRuntime == nullptr || libVersion == nullptr)
         {
-            throw Error(DFL2_ERR_UNAVAILABLE, "libnvinfer lacks createInferRuntime_INTERNAL / getInferLibVersion");
+            throw Error(DFL2_ERR_UNAVAILABLE, soname + " lacks createInferRuntime_INTERNAL / getInferLibVersion");
+        }
+        version = libVersion();
+        checkLibraryMajor(NV_TENSORRT_MAJOR, version);
+        parts = {version / 10000, version / 100 % 100, version % 100};
+        if (auto build = symbol<int32_t (*)()>("getInferLibBuildVersion"))
+        {
+            parts.push_back(build());
         }
     }
     NvInferLib(NvInferLib const&) = delete;
@@ -140,17 +163,43 @@ struct NvInferLib
     }
 };
 
-//! "10.3.0.30" -> 100300 (getInferLibVersion's encoding, major * 10000 + minor * 100 + patch)
-int32_t encodedVersion(std::string const& v)
+//! DeviceOps over the CUDA runtime.
+class CudaOps : public DeviceOps
 {
-    int32_t parts[3] = {0, 0, 0};
-    std::stringstream ss(v);
-    std::string p;
-    for (int i = 0; i < 3 && std::getline(ss, p, '.'); ++i)
+public:
+    void* alloc(size_t bytes) override
     {
-        parts[i] = std::atoi(p.c_str());
+        void* p = nullptr;
+        cudaCheck(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc KV");
+        return p;
     }
-    return parts[0] * 10000 + parts[1] * 100 + parts[2];
+    void release(void* p) noexcept override
+    {
+        cudaFree(p);
+    }
+    void zero(void* p, size_t bytes, void* stream) override
+    {
+        cudaCheck(cudaMemsetAsync(p, 0, bytes, static_cast<cudaStream_t>(stream)), "KV zero");
+    }
+    void copy2D(void* dst, size_t dpitch, void const* src, size_t spitch, size_t width, size_t height,
+        void* stream) override
+    {
+        if (width != 0 && height != 0)
+        {
+            cudaCheck(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice,
+                          static_cast<cudaStream_t>(stream)),
+                "KV copy");
+        }
+    }
+    void sync(void* stream) override
+    {
+        cudaCheck(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "KV sync");
+    }
+};
+
+std::vector<int64_t> dimsVector(nv::Dims const& d)
+{
+    return std::vector<int64_t>(d.d, d.d + std::max(0, d.nbDims));
 }
 
 std::vector<char> readFile(std::string const& path)
@@ -172,6 +221,7 @@ struct Engine
     std::vector<std::string> names;
     std::map<std::string, nv::DataType> types;
     std::map<std::string, bool> isInput;
+    int32_t auxStreams{0}; //!< > 0: never captured (a failed capture could leave TensorRT's own streams capturing)
 
     int32_t profileIndex(std::string const& name) const
     {
@@ -205,76 +255,6 @@ struct IOTensor
     size_t bytes{0};
     void* dev{nullptr};
     void* host{nullptr};
-};
-
-//! One request's KV cache on the device: 2 buffers per layer [1, heads, capacity, d].
-struct DeviceKV
-{
-    int32_t layers{0}, heads{0}, headDim{0};
-    size_t elem{0};
-    int32_t step{256}, maxCapacity{0};
-    int32_t length{0}, capacity{0};
-    std::vector<void*> ptrs;
-
-    size_t rowBytes() const
-    {
-        return static_cast<size_t>(headDim) * elem;
-    }
-    //! Grows to hold n positions (base.grown_capacity): returns true when the buffers moved.
-    bool reserve(int32_t n, cudaStream_t stream)
-    {
-        if (n > maxCapacity)
-        {
-            throw Error(DFL2_ERR_TOO_LONG, "sequence of " + std::to_string(n)
-                    + " positions exceeds the exported cache capacity " + std::to_string(maxCapacity));
-        }
-        if (n <= capacity)
-        {
-            return false;
-        }
-        int32_t const cap = std::min(maxCapacity, (n + step - 1) / step * step);
-        std::vector<void*> fresh(ptrs.empty() ? static_cast<size_t>(2 * layers) : ptrs.size(), nullptr);
-        for (void*& p : fresh)
-        {
-            cudaCheck(cudaMalloc(&p, static_cast<size_t>(heads) * static_cast<size_t>(cap) * rowBytes()), "cudaMalloc KV");
-        }
-        for (size_t i = 0; i < ptrs.size(); ++i)  // keep slots 0..length-1, head by head (pitched copy)
-        {
-            if (length > 0)
-            {
-                cudaCheck(cudaMemcpy2DAsync(fresh[i], static_cast<size_t>(cap) * rowBytes(), ptrs[i],
-                              static_cast<size_t>(capacity) * rowBytes(), static_cast<size_t>(length) * rowBytes(),
-                              static_cast<size_t>(heads), cudaMemcpyDeviceToDevice, stream),
-                    "KV grow copy");
-            }
-        }
-        cudaCheck(cudaStreamSynchronize(stream), "KV grow sync");
-        release();
-        ptrs = fresh;
-        capacity = cap;
-        return true;
-    }
-    //! present [1, heads, S, d] (contiguous) -> slots length..length+S-1
-    void append(std::vector<void*> const& present, int32_t S, cudaStream_t stream)
-    {
-        for (size_t i = 0; i < ptrs.size(); ++i)
-        {
-            cudaCheck(cudaMemcpy2DAsync(static_cast<char*>(ptrs[i]) + static_cast<size_t>(length) * rowBytes(),
-                          static_cast<size_t>(capacity) * rowBytes(), present[i], static_cast<size_t>(S) * rowBytes(),
-                          static_cast<size_t>(S) * rowBytes(), static_cast<size_t>(heads), cudaMemcpyDeviceToDevice,
-                          stream),
-                "KV append");
-        }
-        length += S;
-    }
-    void release()
-    {
-        for (void* p : ptrs)
-        {
-            cudaFree(p);
-        }
-        ptrs.clear();
-    }
 };
 
 //! Writes 0..n-1 / ids / masks into a host mirror in the engine's integer type.
@@ -322,6 +302,11 @@ public:
         mRuntime.reset();
     }
     std::unique_ptr<Runners> newRunners() override;
+    //! Sessions of one model generate one at a time (see the file comment).
+    std::mutex* generateLock() override
+    {
+        return &mGenerateLock;
+    }
 
     Engine const& engine(std::string const& key) const
     {
@@ -341,6 +326,7 @@ public:
 private:
     NvInferLib mLib;
     Logger mLogger;
+    std::mutex mGenerateLock;
     std::unique_ptr<nv::IRuntime> mRuntime;
     std::map<std::string, std::unique_ptr<Engine>> mEngines;
 };
@@ -389,22 +375,30 @@ public:
 private:
     IOTensor& tensor(std::map<std::string, IOTensor>& io, Engine const& e, std::string const& name,
         std::vector<int64_t> const& maxShape, bool host);
-    nv::IExecutionContext& context(Engine const& e, int32_t profile, std::string const& bucket);
+    //! The context of (engine, profile, bucket): "eager" / "fixed" buckets are kept for the session, captured
+    //! shape buckets are bounded per engine (LRU; an evicted context's graphs are destroyed first).
+    nv::IExecutionContext& context(Engine const& e, int32_t profile, std::string const& bucket, bool captured);
+    std::unique_ptr<nv::IExecutionContext> newContext(Engine const& e, int32_t profile);
     void bind(Engine const& e, nv::IExecutionContext& ctx, std::map<std::string, std::vector<int64_t>> const& shapes,
         std::map<std::string, void*> const& addr, bool reshape);
     void enqueue(Engine const& e, nv::IExecutionContext& ctx);
     //! runs `step` as a CUDA graph keyed by `key` (captured on first use), or eagerly
+    //! `contexts`: the context keys the step uses (an evicted context takes its graphs with it)
     template <typename F>
-    void runStep(std::string const& key, bool capturable, F&& step);
+    void runStep(std::string const& key, bool capturable, std::vector<std::string> const& contexts, F&& step);
     void dropGraphs();
+    void dropGraphsOf(std::string const& contextKey);
     void targetCall(int32_t const* ids, int32_t S, float* logits, std::vector<char>& feats);
     void contextCall(char const* feats, int32_t m, int32_t start);
 
     TrtModel& mModel;
     cudaStream_t mStream{nullptr};
     std::map<std::string, void*> mScratch;                   //!< per engine key
-    std::map<std::string, std::unique_ptr<nv::IExecutionContext>> mContexts;  //!< per (engine, profile, bucket)
+    CudaOps mOps;
+    std::map<std::string, std::unique_ptr<nv::IExecutionContext>> mContexts;  //!< eager / fixed, per (engine, profile)
+    std::map<std::string, LruMap<std::unique_ptr<nv::IExecutionContext>>> mCaptured; //!< per engine: bucket contexts
     std::map<std::string, cudaGraphExec_t> mGraphs;
+    std::map<std::string, std::vector<std::string>> mGraphContexts; //!< graph key -> context keys it uses
     bool mGraphsOk{true};
     std::map<std::string, IOTensor> mTio, mCio, mBio, mHio;  //!< target, context, block, head I/O
     DeviceKV mTargetKV, mDraftKV;
@@ -415,6 +409,9 @@ private:
     std::vector<char> mFeatures;  //!< [rows, F] raw bytes of the latest target forward (host)
     int32_t mFeatureRows{0};
 };
+
+//! Captured shape-bucket contexts kept per engine and session (each holds TensorRT per-context state).
+constexpr size_t kMAX_CAPTURED_CONTEXTS = 8;
 
 TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& options)
     : manifest(m)
@@ -431,20 +428,14 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
     {
         throw Error(DFL2_ERR_OPTION_VALUE, "the TensorRT backend runs the selector modes greedy / viterbi only");
     }
+    // engine identity: TensorRT version (before CUDA is touched), then the GPU
+    checkEngineVersion(m.engines.tensorrtVersion, mLib.parts, dir);
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev <= device)
     {
         throw Error(DFL2_ERR_UNAVAILABLE, "no CUDA device " + std::to_string(device) + " here");
     }
     cudaCheck(cudaSetDevice(device), "cudaSetDevice");
-    // engine identity: TensorRT version and GPU (engines only load where they were built)
-    int32_t const here = mLib.libVersion();
-    if (encodedVersion(m.engines.tensorrtVersion) / 100 != here / 100)
-    {
-        throw Error(DFL2_ERR_VERSION_MISMATCH, "engines were built with TensorRT " + m.engines.tensorrtVersion
-                + ", this is TensorRT " + std::to_string(here / 10000) + "." + std::to_string(here / 100 % 100)
-                + ": rebuild them here with dflash2 build-engines " + dir);
-    }
     cudaDeviceProp prop{};
     cudaCheck(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
     std::string const cc = std::to_string(prop.major) + "." + std::to_string(prop.minor);
@@ -489,6 +480,17 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
             e->names.push_back(name);
             e->types[name] = e->engine->getTensorDataType(name.c_str());
             e->isInput[name] = e->engine->getTensorIOMode(name.c_str()) == nv::TensorIOMode::kINPUT;
+        }
+        e->auxStreams = e->engine->getNbAuxStreams();
+        // the host reads these as fp32 / fp16 (readFloat); a bf16 engine output would be misread
+        for (char const* out : {"logits", "proposal_probs"})
+        {
+            auto t = e->types.find(out);
+            if (t != e->types.end() && t->second != nv::DataType::kFLOAT && t->second != nv::DataType::kHALF)
+            {
+                throw Error(DFL2_ERR_CORRUPT, "engine " + key + ": output " + out
+                        + " is neither fp32 nor fp16; rebuild with dflash2 build-engines");
+            }
         }
         mEngines[key] = std::move(e);
     }
@@ -536,7 +538,7 @@ TrtRunners::TrtRunners(TrtModel& model)
             mTargetPresent.push_back("present." + std::to_string(i) + "." + kv);
         }
     }
-    mTargetKV = DeviceKV{m.targetLayers, m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mTargetPast[0])),
+    mTargetKV = DeviceKV{&mOps, m.targetLayers, m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mTargetPast[0])),
         m.kvCapacityStep, maxCap, 0, 0, {}};
     mTargetChunk = te.maxDim("prefill", "sequence");
     mTargetStepRows = te.maxDim("step", "sequence");
@@ -551,6 +553,11 @@ TrtRunners::TrtRunners(TrtModel& model)
     {
         tensor(mTio, te, p, {1, m.targetKvHeads, mTargetChunk, m.targetHeadDim}, false);
     }
+    for (std::string const& p : mTargetPast) // bound to the KV cache buffers, sized from the manifest
+    {
+        checkBindingShape(te.key, p, dimsVector(te.engine->getTensorShape(p.c_str())),
+            {1, m.targetKvHeads, maxCap, m.targetHeadDim});
+    }
 
     Engine const& ce = model.engine("drafter_context");
     Engine const& be = model.engine("drafter_block");
@@ -562,7 +569,7 @@ TrtRunners::TrtRunners(TrtModel& model)
             mDraftKVNames.push_back("context." + std::to_string(i) + "." + kv);
         }
     }
-    mDraftKV = DeviceKV{m.drafterLayers, m.drafterKvHeads, m.drafterHeadDim, elementSize(ce.types.at(mDraftKVNames[0])),
+    mDraftKV = DeviceKV{&mOps, m.drafterLayers, m.drafterKvHeads, m.drafterHeadDim, elementSize(ce.types.at(mDraftKVNames[0])),
         m.kvCapacityStep, maxCap, 0, 0, {}};
     mContextChunk = ce.maxDim("prefill", "rows");
     mContextStepRows = ce.maxDim("step", "rows");
@@ -571,6 +578,11 @@ TrtRunners::TrtRunners(TrtModel& model)
     for (std::string const& n : mDraftKVNames)
     {
         tensor(mCio, ce, n, {1, m.drafterKvHeads, mContextChunk, m.drafterHeadDim}, false);
+    }
+    for (std::string const& n : mDraftKVNames)
+    {
+        checkBindingShape(be.key, n, dimsVector(be.engine->getTensorShape(n.c_str())),
+            {1, m.drafterKvHeads, maxCap, m.drafterHeadDim});
     }
     tensor(mBio, be, "anchor_ids", {1}, true);
     tensor(mBio, be, "anchor_position", {1}, true);
@@ -582,6 +594,7 @@ TrtRunners::TrtRunners(TrtModel& model)
     tensor(mHio, he, "cand_ids", {1, L, K}, true);
     tensor(mHio, he, "path_ids", {1, L}, true);
     tensor(mHio, he, "proposal_probs", {1, L, K}, true);
+    checkBindingShape(he.key, "hidden", dimsVector(he.engine->getTensorShape("hidden")), {1, bs, m.hiddenSize});
     for (Engine const* e : {&te, &ce, &be, &he})
     {
         void* scratch = nullptr;
@@ -598,6 +611,7 @@ TrtRunners::~TrtRunners()
         cudaStreamSynchronize(mStream);
     }
     dropGraphs();
+    mCaptured.clear();
     mContexts.clear();
     for (auto* io : {&mTio, &mCio, &mBio, &mHio})
     {
@@ -630,6 +644,8 @@ IOTensor& TrtRunners::tensor(std::map<std::string, IOTensor>& io, Engine const& 
     {
         throw Error(DFL2_ERR_CORRUPT, "engine " + e.key + " has no tensor " + name);
     }
+    // every buffer is sized from the manifest: the engine's static dims must agree, or it writes past them
+    checkBindingShape(e.key, name, dimsVector(e.engine->getTensorShape(name.c_str())), maxShape);
     IOTensor t;
     t.type = it->second;
     t.bytes = static_cast<size_t>(volume(maxShape)) * elementSize(t.type);
@@ -641,14 +657,8 @@ IOTensor& TrtRunners::tensor(std::map<std::string, IOTensor>& io, Engine const& 
     return io[name] = t;
 }
 
-nv::IExecutionContext& TrtRunners::context(Engine const& e, int32_t profile, std::string const& bucket)
+std::unique_ptr<nv::IExecutionContext> TrtRunners::newContext(Engine const& e, int32_t profile)
 {
-    std::string const key = e.key + "/" + std::to_string(profile) + "/" + bucket;
-    auto it = mContexts.find(key);
-    if (it != mContexts.end())
-    {
-        return *it->second;
-    }
     std::unique_ptr<nv::IExecutionContext> ctx(
         e.engine->createExecutionContext(nv::ExecutionContextAllocationStrategy::kUSER_MANAGED));
     if (!ctx)
@@ -660,7 +670,27 @@ nv::IExecutionContext& TrtRunners::context(Engine const& e, int32_t profile, std
     {
         throw Error(DFL2_ERR_BACKEND, e.key + ": cannot select optimization profile " + std::to_string(profile));
     }
-    return *(mContexts[key] = std::move(ctx));
+    return ctx;
+}
+
+nv::IExecutionContext& TrtRunners::context(Engine const& e, int32_t profile, std::string const& bucket, bool captured)
+{
+    std::string const key = e.key + "/" + std::to_string(profile) + "/" + bucket;
+    if (!captured)
+    {
+        auto it = mContexts.find(key);
+        if (it != mContexts.end())
+        {
+            return *it->second;
+        }
+        return *(mContexts[key] = newContext(e, profile));
+    }
+    auto& lru = mCaptured.try_emplace(e.key, kMAX_CAPTURED_CONTEXTS).first->second;
+    if (auto* ctx = lru.find(key))
+    {
+        return **ctx;
+    }
+    return *lru.insert(key, newContext(e, profile), [this](std::string const& old) { dropGraphsOf(old); });
 }
 
 void TrtRunners::bind(Engine const& e, nv::IExecutionContext& ctx,
@@ -701,10 +731,27 @@ void TrtRunners::dropGraphs()
         cudaGraphExecDestroy(g);
     }
     mGraphs.clear();
+    mGraphContexts.clear();
+}
+
+void TrtRunners::dropGraphsOf(std::string const& contextKey)
+{
+    for (auto it = mGraphContexts.begin(); it != mGraphContexts.end();)
+    {
+        auto const& used = it->second;
+        if (std::find(used.begin(), used.end(), contextKey) == used.end())
+        {
+            ++it;
+            continue;
+        }
+        cudaGraphExecDestroy(mGraphs.at(it->first));
+        mGraphs.erase(it->first);
+        it = mGraphContexts.erase(it);
+    }
 }
 
 template <typename F>
-void TrtRunners::runStep(std::string const& key, bool capturable, F&& step)
+void TrtRunners::runStep(std::string const& key, bool capturable, std::vector<std::string> const& contexts, F&& step)
 {
     if (!capturable || !mModel.cudaGraphs || !mGraphsOk)
     {
@@ -729,7 +776,7 @@ void TrtRunners::runStep(std::string const& key, bool capturable, F&& step)
         {
             step();
         }
-        catch (Error const&)
+        catch (...) // whatever failed, the capture must end before this stream is used again
         {
             ok = false;
         }
@@ -747,6 +794,7 @@ void TrtRunners::runStep(std::string const& key, bool capturable, F&& step)
         return;  // the eager run above already produced this step's outputs
     }
     mGraphs[key] = exec;
+    mGraphContexts[key] = contexts;
 }
 
 void TrtRunners::targetCall(int32_t const* ids, int32_t S, float* logits, std::vector<char>& feats)
@@ -759,8 +807,9 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, float* logits, std::v
         dropGraphs();  // the graphs read the old cache addresses
     }
     int32_t const C = kv.capacity;
-    bool const captured = S <= mTargetStepRows;
-    int32_t const profile = e.profileIndex(captured ? "step" : "prefill");
+    bool const stepProfile = S <= mTargetStepRows;
+    bool const captured = stepProfile && e.auxStreams == 0;
+    int32_t const profile = e.profileIndex(stepProfile ? "step" : "prefill");
     std::vector<int64_t> buf(static_cast<size_t>(std::max(S, C + S)));
     for (int32_t i = 0; i < S; ++i)
     {
@@ -790,8 +839,9 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, float* logits, std::v
         addr[mTargetPast[i]] = kv.ptrs[i];
     }
     std::string const bucket = captured ? std::to_string(S) + "x" + std::to_string(C) : "eager";
-    nv::IExecutionContext& ctx = context(e, profile, bucket);
+    nv::IExecutionContext& ctx = context(e, profile, bucket, captured);
     bind(e, ctx, shapes, addr, !captured || mGraphs.count("target/" + bucket) == 0);
+    std::string const ctxKey = e.key + "/" + std::to_string(profile) + "/" + bucket;
     size_t const V = static_cast<size_t>(mModel.vocabSize);
     size_t const idBytes = static_cast<size_t>(S) * elementSize(mTio["input_ids"].type);
     size_t const maskBytes = static_cast<size_t>(C + S) * elementSize(mTio["attention_mask"].type);
@@ -813,7 +863,7 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, float* logits, std::v
                       cudaMemcpyDeviceToHost, mStream),
             "D2H features");
     };
-    runStep("target/" + bucket, captured, step);
+    runStep("target/" + bucket, captured, {ctxKey}, step);
     std::vector<void*> present;
     for (std::string const& p : mTargetPresent)
     {
@@ -850,8 +900,9 @@ void TrtRunners::contextCall(char const* feats, int32_t m, int32_t start)
     {
         dropGraphs();
     }
-    bool const captured = m <= mContextStepRows;
-    int32_t const profile = e.profileIndex(captured ? "step" : "prefill");
+    bool const stepProfile = m <= mContextStepRows;
+    bool const captured = stepProfile && e.auxStreams == 0;
+    int32_t const profile = e.profileIndex(stepProfile ? "step" : "prefill");
     size_t const featBytes = static_cast<size_t>(m) * static_cast<size_t>(mFeatDim) * mFeatElem;
     std::memcpy(mCio["context_features"].host, feats, featBytes);
     std::vector<int64_t> pos(static_cast<size_t>(m));
@@ -866,9 +917,10 @@ void TrtRunners::contextCall(char const* feats, int32_t m, int32_t start)
         addr[name] = t.dev;
     }
     std::string const bucket = captured ? std::to_string(m) : "eager";
-    nv::IExecutionContext& ctx = context(e, profile, bucket);
+    nv::IExecutionContext& ctx = context(e, profile, bucket, captured);
     bind(e, ctx, {{"context_features", {1, m, mFeatDim}}, {"position_ids", {1, m}}}, addr,
         !captured || mGraphs.count("context/" + bucket) == 0);
+    std::string const ctxKey = e.key + "/" + std::to_string(profile) + "/" + bucket;
     size_t const posBytes = static_cast<size_t>(m) * elementSize(mCio["position_ids"].type);
     auto step = [&] {
         cudaCheck(cudaMemcpyAsync(mCio["context_features"].dev, mCio["context_features"].host, featBytes,
@@ -879,7 +931,7 @@ void TrtRunners::contextCall(char const* feats, int32_t m, int32_t start)
             "H2D context positions");
         enqueue(e, ctx);
     };
-    runStep("context/" + bucket, captured, step);
+    runStep("context/" + bucket, captured, {ctxKey}, step);
     std::vector<void*> present;
     for (std::string const& n : mDraftKVNames)
     {
@@ -959,9 +1011,10 @@ void TrtRunners::drafterPropose(
     }
     haddr["hidden"] = mBio["hidden"].dev;  // the block's output is the head's input: no copy
     std::string const key = "draft/" + std::to_string(C);
+    bool const capturable = be.auxStreams == 0 && he.auxStreams == 0;
+    nv::IExecutionContext& bctx = context(be, 0, std::to_string(C), capturable);
+    nv::IExecutionContext& hctx = context(he, 0, "fixed", false); // fixed shapes: one context for every graph
     bool const fresh = mGraphs.count(key) == 0;
-    nv::IExecutionContext& bctx = context(be, 0, std::to_string(C));
-    nv::IExecutionContext& hctx = context(he, 0, "fixed");
     bind(be, bctx, bshapes, baddr, fresh);
     bind(he, hctx, {{"hidden", {1, mModel.blockSize, mModel.manifest.hiddenSize}}, {"anchor_ids", {1}},
         {"temperature", {1}}, {"uniforms", {1, L}}}, haddr, fresh);
@@ -992,7 +1045,8 @@ void TrtRunners::drafterPropose(
         d2h(mHio["path_ids"]);
         d2h(mHio["proposal_probs"]);
     };
-    runStep(key, rows == L, step);  // a partial block (once per request) runs eagerly
+    // a partial block (once per request) runs eagerly
+    runStep(key, capturable && rows == L, {be.key + "/0/" + std::to_string(C)}, step);
     cudaCheck(cudaStreamSynchronize(mStream), "draft sync");
     out.tokens.resize(static_cast<size_t>(L));
     out.cand.resize(static_cast<size_t>(L * K));
