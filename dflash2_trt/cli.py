@@ -314,6 +314,10 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_t
 def _capacity_note(max_new_tokens: int, prompt_lens: list[int], max_positions: int) -> int:
     """How many requests the cache capacity cuts short of --max-new-tokens; said once on stderr (the loop stops
     at the capacity: prompt + generated tokens <= max_positions)."""
+    for i, n in enumerate(prompt_lens):
+        if n + 1 > max_positions:  # before any work: a later prompt that cannot run would waste the earlier ones
+            raise DFlash2Error(f"prompt {i + 1} of {n} tokens does not fit the {max_positions} positions available "
+                               f"(the --max-seq-len of the export)")
     cut = [n for n in prompt_lens if n + max_new_tokens > max_positions]
     if cut:
         most = max_positions - max(cut)

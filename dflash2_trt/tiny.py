@@ -88,7 +88,10 @@ def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16, accep
     if accepting and not 2 <= block_size <= COPY_PERIOD:
         raise DFlash2Error(f"--accepting needs --block-size in [2, {COPY_PERIOD}], got {block_size}")
     out = Path(out)
+    _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
+    # written first: a folder make-tiny was interrupted in is still recognisably its own
+    (out / README).write_text(json.dumps({"made_by": MADE_BY, "seed": seed, "accepting": accepting}) + "\n")
     torch.manual_seed(seed)
     tok = build_tokenizer()
     vocab = len(tok)
@@ -126,9 +129,29 @@ def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16, accep
                 else:
                     p.normal_(0.0, 0.2)
     save_drafter(drafter, out / "drafter")
-    (out / "README.txt").write_text(json.dumps({"made_by": "dflash2 make-tiny", "seed": seed,
-                                                "accepting": accepting}) + "\n")
     return out / "target", out / "drafter"
+
+
+README, MADE_BY = "README.txt", "dflash2 make-tiny"
+
+
+def _check_out(out: Path) -> None:
+    """OUT is absent, empty, or a folder make-tiny wrote (its README.txt says so, and it holds only what
+    make-tiny writes): OUT/target is replaced, so it must never be someone else's."""
+    from dflash2_trt.errors import DFlash2Error
+    from dflash2_trt.outdir import check_entries
+
+    if not out.is_dir() or not any(out.iterdir()):
+        return check_entries(out, "--out", lambda n: False, "make-tiny output")
+    try:
+        ours = json.loads((out / README).read_text()).get("made_by") == MADE_BY
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise DFlash2Error(f"--out {out} is a non-empty folder that make-tiny did not write (no {README} of "
+                           f"make-tiny); refusing to write into it: choose another --out")
+    check_entries(out, "--out", lambda n: n in (README, "target", "drafter") or n.startswith(".target."),
+                  "make-tiny output")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -78,3 +78,54 @@ def test_bench_bad_input(tiny_export, tmp_path, capsys):
     long.write_text(json.dumps({"prompt": "word " * 3000}) + "\n")
     assert main(["bench", "--model-dir", str(tiny_export), "--prompts", str(long)]) == 1
     assert "does not fit" in capsys.readouterr().err
+
+
+def test_tau_is_pooled_over_cycles_with_the_prompt_mean_named_apart():
+    """τ = tokens of all speculative cycles ÷ all cycles; a 1-cycle prompt does not weigh as much as a 4-cycle one
+    (the per-prompt mean is kept, as ``tau_prompt_mean``)."""
+    from dflash2_trt.bench.harness import summarize
+    from dflash2_trt.runtime.decoder import GenerationResult
+
+    long = GenerationResult([1], tokens=[5] * 17, accepted=[3, 3, 3, 3], proposed=[3, 3, 3, 3],
+                            oracle_accepted=[3, 3, 3, 3], elapsed_s=1.0)
+    short = GenerationResult([1], tokens=[5] * 2, accepted=[0], proposed=[3], oracle_accepted=[1], elapsed_s=1.0)
+    ar = [GenerationResult([1], tokens=[5] * 17, elapsed_s=1.0), GenerationResult([1], tokens=[5] * 2, elapsed_s=1.0)]
+    r = summarize([long, short], ar, 0.0)
+    assert r["tau"] == pytest.approx((4 * 4 + 1) / 5) and r["tau_prompt_mean"] == pytest.approx((4 + 1) / 2)
+    assert r["oracle_tau"] == pytest.approx((4 * 4 + 2) / 5)
+    assert r["per_position_cumulative"] == pytest.approx([4 / 5, 4 / 5, 4 / 5])  # τ = 1 + Σ r_i
+    assert r["tau"] == pytest.approx(1 + sum(r["per_position_cumulative"]))
+
+
+def test_plot_path_is_checked_before_the_work(tiny_export, tmp_path, monkeypatch, capsys):
+    from dflash2_trt.bench import harness
+    from dflash2_trt.cli import main
+
+    def never(*a, **k):  # noqa: ANN002, ANN003
+        raise AssertionError("the benchmark ran before --plot was checked")
+
+    monkeypatch.setattr(harness, "run_bench", never)
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    for plot, want in [(tmp_path / "missing" / "c.png", "does not exist"), (tmp_path / "c.txt", "must end in"),
+                       (tmp_path, "must end in")]:
+        assert main(["bench", "--model-dir", str(tiny_export), "--prompts", str(f), "--plot", str(plot)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("dflash2: error: --plot") and want in err and err.count("\n") == 1, err
+
+
+def test_results_are_printed_before_the_plot(tiny_export, tmp_path, monkeypatch, capsys):
+    """A plot that fails at the end never loses the computed figures: they are printed first."""
+    from dflash2_trt.bench import harness
+    from dflash2_trt.cli import main
+
+    def broken(r, path):  # noqa: ANN001
+        raise DFlash2Error(f"cannot write --plot {path}: injected")
+
+    monkeypatch.setattr(harness, "plot", broken)
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    assert main(["bench", "--model-dir", str(tiny_export), "--prompts", str(f), "--max-new-tokens", "6", "--json",
+                 "--no-oracle", "--plot", str(tmp_path / "c.png")]) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)["n_prompts"] == 1 and "injected" in out.err

@@ -70,7 +70,8 @@ def test_errors_are_one_line(tiny_dir, tmp_path, capsys):
     assert "vocab_size 1000 != target vocab" in _err(capsys, base + ["--drafter", str(tmp_path / "other")])
 
 
-def test_bad_flags_exit_2(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["generate", "--selector", "beam"])
-    assert e.value.code == 2
+def test_bad_flags_exit_1(capsys):
+    """argparse's errors too are one line and exit 1 (tests/test_bad_input.py: every bad input)."""
+    assert main(["generate", "--selector", "beam"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dflash2: error: argument --selector: invalid choice") and len(err.splitlines()) == 1

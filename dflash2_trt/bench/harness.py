@@ -1,10 +1,12 @@
 """``dflash2 bench``: speculative vs plain autoregressive decoding of the same target on the same backend,
 side by side, prompt by prompt (no torch on the ORT path).
 
-Aggregation (SPEC §4): τ and oracle τ are averaged over cycles within a request, then over requests; the
-per-position cumulative acceptance r_i is averaged over requests the same way (so τ = 1 + Σ r_i holds for
-full blocks) and the conditional c_i = r_i / r_{i-1} is derived from it. Tokens/s = all generated tokens
-÷ all decode time (oracle passes excluded). ``lossless`` (greedy only): every speculative output equals the
+Aggregation (SPEC §4): τ is pooled — tokens committed by speculative cycles ÷ those cycles, over every cycle of
+every request (what a reader expects of "tokens per cycle"); ``tau_prompt_mean``, the mean of the requests' own
+τ, is kept as a second, named figure (short requests weigh as much as long ones in it). Oracle τ and the
+per-position cumulative acceptance r_i are pooled over cycles the same way (so τ = 1 + Σ r_i holds for full
+blocks) and the conditional c_i = r_i / r_{i-1} is derived from it. Tokens/s = all generated tokens ÷ all decode
+time (oracle passes excluded). ``lossless`` (greedy only): every speculative output equals the
 autoregressive one; null at T > 0. ``guard``: a :class:`~dflash2_trt.runtime.guard.GuardConfig` (a fresh
 guard per prompt; ``spec_cycles`` / ``plain_steps`` / ``guard_switches`` / ``guard_probes`` are totals over
 the prompts); ``min_confidence``: the confidence-adapted verify length (0: every row).
@@ -13,10 +15,12 @@ the prompts); ``min_confidence``: the confidence-adapted verify length (0: every
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from dflash2_trt.bench.oracle import oracle_count
+from dflash2_trt.reference import acceptance_stats
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig
 
@@ -42,23 +46,18 @@ def run_bench(target, drafter, prompts: list[list[int]], max_new_tokens: int, te
 
 
 def summarize(specs: list, ars: list, temperature: float) -> dict:  # noqa: ANN001
-    stats = [s.stats() for s in specs if s.accepted]
-    tau = float(np.mean([s["tau"] for s in stats])) if stats else 0.0
-    width = max((len(s["per_position_cumulative"]) for s in stats), default=0)
-    cum = []
-    for i in range(width):
-        vals = [s["per_position_cumulative"][i] for s in stats if len(s["per_position_cumulative"]) > i]
-        cum.append(float(np.mean(vals)))
-    cond = [c / (1.0 if i == 0 else cum[i - 1]) if (i == 0 or cum[i - 1] > 0) else 0.0 for i, c in enumerate(cum)]
-    oracle = [s["oracle_tau"] for s in stats if s["oracle_tau"] is not None]
+    pooled = acceptance_stats([a for s in specs for a in s.accepted], [n for s in specs for n in s.proposed])
+    per_prompt = [s.stats()["tau"] for s in specs if s.accepted]
+    oracle = [o for s in specs for o in s.oracle_accepted]
     spec_tps = sum(len(s.tokens) for s in specs) / max(1e-9, sum(s.elapsed_s for s in specs))
     ar_tps = sum(len(a.tokens) for a in ars) / max(1e-9, sum(a.elapsed_s for a in ars))
     return {
         "n_prompts": len(specs),
-        "tau": tau,
-        "per_position_cumulative": cum,
-        "per_position_conditional": cond,
-        "oracle_tau": float(np.mean(oracle)) if oracle else None,
+        "tau": pooled["tau"],
+        "tau_prompt_mean": float(np.mean(per_prompt)) if per_prompt else 0.0,
+        "per_position_cumulative": pooled["per_position_cumulative"],
+        "per_position_conditional": pooled["per_position_conditional"],
+        "oracle_tau": float(np.mean(np.asarray(oracle) + 1)) if oracle else None,
         "spec_tokens_per_s": spec_tps,
         "ar_tokens_per_s": ar_tps,
         "speedup": spec_tps / ar_tps if ar_tps > 0 else 0.0,
@@ -80,7 +79,8 @@ def format_table(r: dict) -> str:
         f"{'':16}{'tokens':>8}{'tok/s':>9}",
         f"{'speculative':16}{r['spec_tokens']:>8}{r['spec_tokens_per_s']:>9.2f}",
         f"{'autoregressive':16}{r['ar_tokens']:>8}{r['ar_tokens_per_s']:>9.2f}",
-        f"speedup {r['speedup']:.2f}x   tau {f(r['tau'])}   oracle tau {f(r['oracle_tau'])}   "
+        f"speedup {r['speedup']:.2f}x   tau {f(r['tau'])} (per-prompt mean {f(r.get('tau_prompt_mean'))})   "
+        f"oracle tau {f(r['oracle_tau'])}   "
         f"lossless {r['lossless'] if r['lossless'] is not None else 'n/a (T > 0)'}",
         "position     " + "".join(f"{i + 1:>6}" for i in range(len(r["per_position_cumulative"]))),
         "cumulative   " + "".join(f"{x:>6.2f}" for x in r["per_position_cumulative"]),
@@ -90,6 +90,32 @@ def format_table(r: dict) -> str:
         f"probes {r['guard_probes']}",
     ]
     return "\n".join(lines)
+
+
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+
+
+def check_plot(path: str) -> None:
+    """Before any work: ``--plot PATH`` can be written (a known format, an existing writable folder, not a
+    folder itself) and matplotlib is there; DFlash2Error otherwise."""
+    import os
+
+    from dflash2_trt.errors import DFlash2Error
+
+    p = Path(path)
+    if p.suffix.lower() not in PLOT_FORMATS:
+        raise DFlash2Error(f"--plot {path}: the file name must end in one of {', '.join(PLOT_FORMATS)}")
+    if p.is_dir():
+        raise DFlash2Error(f"--plot {path} is a folder")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise DFlash2Error(f"--plot {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise DFlash2Error(f"--plot {path}: not writable")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise DFlash2Error("--plot needs matplotlib: pip install matplotlib") from None
 
 
 def plot(r: dict, path: str) -> None:

@@ -46,7 +46,11 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
         path = Path(name)
         if not path.is_file():
             raise DFlash2Error(f"--prompts {name!r}: not 'humaneval', 'mtbench' or an existing .jsonl file")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DFlash2Error(f"{path}: not valid UTF-8 text (byte {e.start})") from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:

@@ -6,7 +6,10 @@
     triton options: --triton-model-name NAME (dflash2) --triton-instances N (1) --triton-backend auto|ort|trt
                     --triton-selector greedy|viterbi|independent --triton-max-tokens N (128: a request's default)
 
-Layout (written into a temporary folder beside DIR and moved into place whole)::
+Layout (written into a temporary folder beside DIR and moved into place whole; an existing DIR is replaced
+only when it is a repository we wrote, see :mod:`dflash2_trt.outdir`)::
+
+    DIR/dflash2-repo.json            the files we wrote (Triton reads model folders only)
 
     DIR/<name>/config.pbtxt          python backend, decoupled (token streaming), inputs/outputs/parameters
     DIR/<name>/1/model.py            triton_templates/dflash2_model.py: the DFlash 2 loop over
@@ -49,9 +52,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.export.exporter import move_into_place
 from dflash2_trt.manifest import GraphSpec, read_manifest
+from dflash2_trt.outdir import TempFolder, check_replace, repo_owner, write_error, write_repo_record
 from dflash2_trt.vocabulary import BACKEND_CHOICES, DRAFT_MODES
 
 TEMPLATE = Path(__file__).resolve().parent / "triton_templates" / "dflash2_model.py"
@@ -152,7 +156,8 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
                       instances: int = 1, backend: str = "auto", default_mode: str = "greedy",
                       default_max_tokens: int = 128, ort_threads: int = 0, verify_checksums: bool = True,
                       overwrite: bool = False) -> list[str]:
-    """Write the model repository for ``export_dir`` into ``repo_dir``; returns the model names written."""
+    """Write the model repository for ``export_dir`` into ``repo_dir``; returns the model names written.
+    ``overwrite``: replace a repository of ours that holds files its record does not list (named first)."""
     export_dir, repo = Path(export_dir), Path(repo_dir)
     m = read_manifest(export_dir, verify_checksums=False)  # the server's instances verify them when they load
     if instances < 1:
@@ -162,31 +167,40 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
     m.check_draft_mode(default_mode)
     if not 1 <= default_max_tokens <= m.max_seq_len:
         raise DFlash2Error(f"--triton-max-tokens must be in [1, {m.max_seq_len}], got {default_max_tokens}")
-    if repo.exists() and not (overwrite or (repo.is_dir() and not any(repo.iterdir()))):
-        raise DFlash2Error(f"{repo} exists and is not empty (remove it first)")
-    repo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.triton-", dir=repo.parent))
+    check_replace(repo, "--triton-repo", repo_owner, overwrite)
     try:
-        names = [model_name]
-        mdir = tmp / model_name
-        _write_config(mdir, python_model_config(model_name, instances, backend, default_mode, default_max_tokens,
-                                                m.max_seq_len, ort_threads, verify_checksums))
-        (mdir / "1").mkdir()
-        shutil.copy2(TEMPLATE, mdir / "1" / "model.py")
-        _copy_tree(export_dir, mdir / "1" / EXPORT_SUBDIR)
-        if m.engines is not None:
-            plug = m.engines.plugin.file if m.engines.plugin else None
-            for key, plan in sorted(m.engines.plans.items()):
-                name = f"{model_name}_{key}"
-                lib = Path(plug).name if plug and m.graphs[key].selector == "plugin" else None
-                _write_config(tmp / name, plan_model_config(name, m.graphs[key], f"1/{lib}" if lib else None))
-                _link_or_copy(export_dir / plan.file, tmp / name / "1" / "model.plan")
-                if lib:
-                    _link_or_copy(export_dir / plug, tmp / name / "1" / lib)
-                names.append(name)
-        move_into_place(tmp, repo)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with TempFolder(repo, "triton") as t:
+            names = _write_repo(t.path, export_dir, m, model_name, instances, backend, default_mode,
+                                default_max_tokens, ort_threads, verify_checksums)
+            write_repo_record(t.path)
+            if not overwrite:
+                check_replace(repo, "--triton-repo", repo_owner)  # again: it may have changed meanwhile
+            t.publish()
+    except OSError as e:
+        raise write_error(e, repo) from None
+    return names
+
+
+def _write_repo(tmp: Path, export_dir: Path, m, model_name: str, instances: int, backend: str,  # noqa: ANN001
+                default_mode: str, default_max_tokens: int, ort_threads: int, verify_checksums: bool) -> list[str]:
+    """Build the repository in ``tmp``; returns the model names."""
+    names = [model_name]
+    mdir = tmp / model_name
+    _write_config(mdir, python_model_config(model_name, instances, backend, default_mode, default_max_tokens,
+                                            m.max_seq_len, ort_threads, verify_checksums))
+    (mdir / "1").mkdir()
+    shutil.copy2(TEMPLATE, mdir / "1" / "model.py")
+    _copy_tree(export_dir, mdir / "1" / EXPORT_SUBDIR)
+    if m.engines is not None:
+        plug = m.engines.plugin.file if m.engines.plugin else None
+        for key, plan in sorted(m.engines.plans.items()):
+            name = f"{model_name}_{key}"
+            lib = Path(plug).name if plug and m.graphs[key].selector == "plugin" else None
+            _write_config(tmp / name, plan_model_config(name, m.graphs[key], f"1/{lib}" if lib else None))
+            _link_or_copy(export_dir / plan.file, tmp / name / "1" / "model.plan")
+            if lib:
+                _link_or_copy(export_dir / plug, tmp / name / "1" / lib)
+            names.append(name)
     return names
 
 
@@ -350,12 +364,12 @@ def add_triton_options(p: argparse.ArgumentParser, required: bool = False) -> No
     p.add_argument("--triton-repo", required=required, metavar="DIR",
                    help="write a Triton Inference Server model repository to DIR")
     p.add_argument("--triton-model-name", default=DEFAULT_MODEL_NAME)
-    p.add_argument("--triton-instances", type=int, default=1, help="model instances (concurrent requests)")
+    p.add_argument("--triton-instances", type=V.integer(1, 1024), default=1, help="model instances (concurrent requests)")
     p.add_argument("--triton-backend", choices=BACKEND_CHOICES, default="auto",
                    help="runtime backend inside the server")
     p.add_argument("--triton-selector", choices=DRAFT_MODES, default="greedy",
                    help="default selector mode (a request may choose another)")
-    p.add_argument("--triton-max-tokens", type=int, default=128, help="default max tokens of a request")
+    p.add_argument("--triton-max-tokens", type=V.COUNT, default=128, help="default max tokens of a request")
 
 
 def run_write(export_dir: str | Path, a: argparse.Namespace) -> int:
@@ -363,7 +377,7 @@ def run_write(export_dir: str | Path, a: argparse.Namespace) -> int:
     what was written and the command that serves it (user errors raise DFlash2Error: one line from the CLI)."""
     names = write_triton_repo(export_dir, a.triton_repo, model_name=a.triton_model_name, instances=a.triton_instances,
                               backend=a.triton_backend, default_mode=a.triton_selector,
-                              default_max_tokens=a.triton_max_tokens)
+                              default_max_tokens=a.triton_max_tokens, overwrite=getattr(a, "overwrite", False))
     print(f"wrote Triton model repository {a.triton_repo} (models: {', '.join(names)})")
     try:
         from dflash2_trt.target import cache_dir

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from dflash2_trt import validate as V
+
 
 
 def add_parser(sub) -> None:  # noqa: ANN001
@@ -12,55 +14,55 @@ def add_parser(sub) -> None:  # noqa: ANN001
     m = sub.add_parser("make-data", help="self-distilled training data: the target answers prompts (SPEC §5)")
     m.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
     m.add_argument("--out", required=True, help="data folder (outside the repository); rerun to resume")
-    m.add_argument("--prompts", type=int, default=2048, help="number of prompts (all sources together)")
-    m.add_argument("--max-new-tokens", type=int, default=160)
-    m.add_argument("--max-prompt-tokens", type=int, default=320)
-    m.add_argument("--batch", type=int, default=16)
-    m.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
-    m.add_argument("--sample-every", type=int, default=4, help="every N-th batch samples at T=1 (0: all greedy)")
+    m.add_argument("--prompts", type=V.COUNT, default=2048, help="number of prompts (all sources together)")
+    m.add_argument("--max-new-tokens", type=V.COUNT, default=160)
+    m.add_argument("--max-prompt-tokens", type=V.COUNT, default=320)
+    m.add_argument("--batch", type=V.COUNT, default=16)
+    m.add_argument("--shard-size", type=V.COUNT, default=64, help="prompts per shard")
+    m.add_argument("--sample-every", type=V.NON_NEGATIVE, default=4, help="every N-th batch samples at T=1 (0: all greedy)")
     m.add_argument("--mix", default="0.5,0.35,0.15", help="fractions sharegpt,code,self-written")
-    m.add_argument("--self-instructions", type=int, default=256, help="instructions the target writes")
+    m.add_argument("--self-instructions", type=V.NON_NEGATIVE, default=256, help="instructions the target writes")
     m.add_argument("--target-layer-ids", default=None, help="comma list of tapped target layers")
-    m.add_argument("--topk", type=int, default=8, help="target top-k log-probs kept per position")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--max-shards", type=int, default=None,
+    m.add_argument("--topk", type=V.COUNT, default=8, help="target top-k log-probs kept per position")
+    m.add_argument("--seed", type=V.SEED, default=0)
+    m.add_argument("--max-shards", type=V.COUNT, default=None,
                    help="stop after the first N shards (same prompt list; rerun without it to continue)")
     m.add_argument("--exclude", nargs="+", default=(), metavar="DATA",
                    help="earlier make-data folders: skip their prompts (to add new data beside them)")
-    m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    m.add_argument("--threads", type=V.THREADS, default=None, help="torch CPU threads")
 
     t = sub.add_parser("train", help="distil a DFlash 2 drafter from make-data output (SPEC §5)")
     t.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
     t.add_argument("--data", required=True, nargs="+", metavar="DATA",
                    help="`dflash2 make-data` folders (same target and taps), trained on together")
     t.add_argument("--out", required=True, help="drafter folder (also holds train_state/ for --resume)")
-    t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
-    t.add_argument("--selector-rank", type=int, default=64)
+    t.add_argument("--block-size", type=V.BLOCK_SIZE, default=16)
+    t.add_argument("--layers", type=V.COUNT, default=1, help="drafter decoder layers")
+    t.add_argument("--selector-rank", type=V.COUNT, default=64)
     t.add_argument("--no-conv", action="store_true", help="train without the dynamic convolutions")
     t.add_argument("--no-selector", action="store_true", help="train without the candidate selector")
     t.add_argument("--init", default="target",
                    help="'target' (copy target layers), 'random', or a drafter folder to warm-start from")
     t.add_argument("--init-layers", default=None, help="comma list of target layers copied by --init target")
-    t.add_argument("--steps", type=int, default=500)
-    t.add_argument("--batch-seqs", type=int, default=8)
-    t.add_argument("--anchors-per-seq", type=int, default=32)
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--checkpoint-every", type=int, default=100)
-    t.add_argument("--mask-token-id", type=int, default=None)
-    t.add_argument("--sampled-softmax", type=int, default=8192, metavar="F",
+    t.add_argument("--steps", type=V.COUNT, default=500)
+    t.add_argument("--batch-seqs", type=V.COUNT, default=8)
+    t.add_argument("--anchors-per-seq", type=V.COUNT, default=32)
+    t.add_argument("--lr", type=V.POSITIVE_NUMBER, default=6e-4)
+    t.add_argument("--seed", type=V.SEED, default=0)
+    t.add_argument("--checkpoint-every", type=V.COUNT, default=100)
+    t.add_argument("--mask-token-id", type=V.NON_NEGATIVE, default=None)
+    t.add_argument("--sampled-softmax", type=V.NON_NEGATIVE, default=8192, metavar="F",
                    help="CE over the F most frequent response ids + the batch's ids + random ones (0 = full)")
-    t.add_argument("--random-negatives", type=int, default=1024)
+    t.add_argument("--random-negatives", type=V.NON_NEGATIVE, default=1024)
     t.add_argument("--selector-full-topk", action="store_true",
                    help="selector candidates from the full-vocabulary top-K (as decoding; slower)")
-    t.add_argument("--kl-weight", type=float, default=0.0, help="weight of CE to the target's top-k distribution")
-    t.add_argument("--gamma", type=float, default=None, help="slot-weight decay (default by block size, SPEC §5)")
-    t.add_argument("--heldout-shards", type=int, default=1, help="last shards held out for the offline τ")
-    t.add_argument("--max-shards", type=int, default=None, help="use only the first N shards")
-    t.add_argument("--eval-rows", type=int, default=24)
-    t.add_argument("--eval-every", type=int, default=0, help="offline τ every N steps (0: at the end)")
-    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    t.add_argument("--kl-weight", type=V.NON_NEGATIVE_NUMBER, default=0.0, help="weight of CE to the target's top-k distribution")
+    t.add_argument("--gamma", type=V.POSITIVE_NUMBER, default=None, help="slot-weight decay (default by block size, SPEC §5)")
+    t.add_argument("--heldout-shards", type=V.NON_NEGATIVE, default=1, help="last shards held out for the offline τ")
+    t.add_argument("--max-shards", type=V.COUNT, default=None, help="use only the first N shards")
+    t.add_argument("--eval-rows", type=V.COUNT, default=24)
+    t.add_argument("--eval-every", type=V.NON_NEGATIVE, default=0, help="offline τ every N steps (0: at the end)")
+    t.add_argument("--threads", type=V.THREADS, default=None, help="torch CPU threads (default: torch's choice)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/train_state")
 
     e = sub.add_parser("eval-tau", help="offline τ of a drafter on held-out make-data rows (seconds)")
@@ -68,14 +70,14 @@ def add_parser(sub) -> None:  # noqa: ANN001
     e.add_argument("--drafter", required=True)
     e.add_argument("--data", required=True, nargs="+", metavar="DATA",
                    help="make-data folders; held-out rows of the first come first")
-    e.add_argument("--heldout-shards", type=int, default=1)
-    e.add_argument("--rows", type=int, default=24)
-    e.add_argument("--block-size", type=int, default=None, help="evaluate at another block size")
-    e.add_argument("--max-new-tokens", type=int, default=None)
+    e.add_argument("--heldout-shards", type=V.COUNT, default=1)
+    e.add_argument("--rows", type=V.COUNT, default=24)
+    e.add_argument("--block-size", type=V.BLOCK_SIZE, default=None, help="evaluate at another block size")
+    e.add_argument("--max-new-tokens", type=V.COUNT, default=None)
     e.add_argument("--no-selector", action="store_true")
-    e.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+    e.add_argument("--draft-vocab", type=V.NON_NEGATIVE, default=0, metavar="N",
                    help="restrict the drafter's LM head to its N most frequent ids (as export --draft-vocab)")
-    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--threads", type=V.THREADS, default=None)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -145,8 +147,10 @@ def _run_train(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dflash2_trt.errors import DFlash2Error
+    from dflash2_trt.outdir import check_entries
     from dflash2_trt.train.trainer import TrainConfig, train
 
+    check_entries(Path(a.out), "--out", _is_drafter_file, "a drafter folder that train writes")
     state = Path(a.out) / "train_state" / "state.json"
     if state.is_file() and not a.resume:
         raise DFlash2Error(f"{a.out} already holds a training run: pass --resume, or choose another --out")
@@ -169,3 +173,10 @@ def _run_train(a: argparse.Namespace) -> int:
     last = (Path(a.out) / "train_log.jsonl").read_text().strip().splitlines()[-1]
     print(json.dumps({"out": a.out, "last_log": json.loads(last)}))
     return 0
+
+
+def _is_drafter_file(name: str) -> bool:
+    """What train writes into --out (a resumed run finds them there): the drafter, its token counts, the log,
+    the checkpoint folder, and their temporaries."""
+    return name.removesuffix(".tmp") in ("config.json", ".config.json", "model.safetensors", "token_counts.npy",
+                                          "train_log.jsonl", "train_state")

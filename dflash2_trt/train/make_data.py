@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -39,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.outdir import check_entries
 
 SELF_TOPICS = (
     "cooking", "travel", "personal finance", "history", "physics", "chemistry", "biology", "geography",
@@ -244,6 +246,12 @@ def _write_shard(path: Path, rows: list[tuple], prompt_lens: list[int], temps: l
     os.replace(tmp, path)
 
 
+def _is_data_file(name: str) -> bool:
+    """The names make-data writes into its folder (a resumed folder holds some of them)."""
+    return re.fullmatch(r"(self_instructions\.(json|tmp)|meta\.json|prompts\.jsonl(\.tmp)?|shard-\d{5}(\.tmp)?)",
+                        name) is not None
+
+
 def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | None = None) -> Path:
     """Generate (or resume) the data folder. ``prompts`` ({"src", "chat", "text"} items) replaces the
     built-in prompt mix (tests, custom sets); the benchmark-overlap filter applies to them too."""
@@ -252,6 +260,7 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
     from dflash2_trt.target import TargetModel
 
     out = Path(cfg.out)
+    check_entries(out, "--out", _is_data_file, "make-data output")  # it resumes here: never in a foreign folder
     out.mkdir(parents=True, exist_ok=True)
     target = TargetModel.load(cfg.target)
     tok = target.tokenizer
