@@ -267,7 +267,7 @@ dfl2_status* dfl2_model_create_callbacks(dfl2_callbacks const* callbacks, dfl2_o
         need(callbacks, "callbacks");
         (void) options;  // no model option applies to caller-run engines
         auto model = std::make_unique<dfl2_model>();
-        model->impl = dflash2::createCallbackModel(*callbacks);
+        model->impl = dflash2::createCallbackModel(callbacks);
         *out = model.release();
     });
 }

@@ -6,6 +6,7 @@
 #include "manifest.h"
 #include "options.h"
 
+#include <cstddef>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -34,8 +35,12 @@ public:
     std::vector<int32_t> eosIds;
 };
 
-//! dfl2_callbacks -> Model (validates the struct; copies it).
-std::unique_ptr<Model> createCallbackModel(dfl2_callbacks const& callbacks);
+//! dfl2_callbacks -> Model (validates the struct; copies its first struct_size bytes: fields a caller's older,
+//! smaller struct lacks are absent, i.e. zero).
+std::unique_ptr<Model> createCallbackModel(dfl2_callbacks const* callbacks);
+
+//! The smallest struct_size accepted: the struct as API version 1.0 defined it (through drafter_propose).
+constexpr size_t kCALLBACKS_V1_SIZE = offsetof(dfl2_callbacks, drafter_propose) + sizeof(void (*)());
 
 //! The TensorRT backend (backends/trtBackend.cpp when built with DFLASH2_RUNTIME_TENSORRT, else a stub
 //! that reports DFL2_ERR_UNAVAILABLE).

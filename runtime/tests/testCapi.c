@@ -9,8 +9,11 @@
  * position, so cycles accept some drafts and reject others. */
 #include "dflash2/dflash2.h"
 
+#include "dfl2Test.h"
+
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,16 +26,6 @@
 #define K 4
 #define MAXPOS 96
 
-static int gFailures = 0;
-
-#define CHECK(cond)                                                                                            \
-    do {                                                                                                       \
-        if (!(cond)) {                                                                                         \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);                           \
-            ++gFailures;                                                                                       \
-        }                                                                                                      \
-    } while (0)
-
 /* Expect a status with `code` and a non-empty message containing `needle` (may be NULL); frees it. */
 static void expectStatus(dfl2_status* st, dfl2_code code, const char* needle, int line)
 {
@@ -40,7 +33,7 @@ static void expectStatus(dfl2_status* st, dfl2_code code, const char* needle, in
     if (dfl2_status_code(st) != code || msg == NULL || msg[0] == '\0' || (needle && !strstr(msg, needle))) {
         fprintf(stderr, "line %d: expected code %d containing '%s', got code %d: %s\n", line, (int) code,
                 needle ? needle : "", (int) dfl2_status_code(st), msg ? msg : "(null)");
-        ++gFailures;
+        ++*dfl2TestCounter();
     }
     dfl2_status_free(st);
 }
@@ -57,6 +50,8 @@ typedef struct Toy {
     int badDraftToken;     /* propose an out-of-range token */
     int addContextRows;    /* rows handed to the drafter in total */
     int32_t lastRows;      /* rows the latest drafter_propose was told would be verified */
+    int inside;            /* callbacks running now (> 1: two sessions overlapped) */
+    int overlaps;
 } Toy;
 
 static float toyLogit(int32_t tok, int32_t pos, int32_t v)
@@ -88,6 +83,7 @@ static int32_t toyTargetForward(void* u, const int32_t* ids, int32_t n, float* l
 {
     Toy* t = (Toy*) u;
     if (t->failForwardAt && ++t->forwards == t->failForwardAt) return 7;
+    t->overlaps += t->inside++ > 0;
     for (int32_t i = 0; i < n; ++i) {
         int32_t pos = t->targetLength + i;
         for (int32_t v = 0; v < V; ++v) logits[i * V + v] = toyLogit(ids[i], pos, v);
@@ -95,6 +91,7 @@ static int32_t toyTargetForward(void* u, const int32_t* ids, int32_t n, float* l
         features[i * F + 1] = (float) pos;
     }
     t->targetLength += n;
+    --t->inside;
     return 0;
 }
 
@@ -221,7 +218,7 @@ static dfl2_session* run(dfl2_model* model, const char** opts, const int32_t* pr
     if (dfl2_status_code(st) != want) {
         fprintf(stderr, "generate: expected %d, got %d: %s\n", (int) want, (int) dfl2_status_code(st),
                 dfl2_status_message(st));
-        ++gFailures;
+        ++*dfl2TestCounter();
     }
     dfl2_status_free(st);
     return s;
@@ -588,6 +585,52 @@ static void testGeneration(void)
     dfl2_model_free(m);
 }
 
+/* Sessions of one model on several threads: generate calls take turns (the model's lock), so the shared toy
+ * state is never used by two at once, and every thread gets the single-threaded result. */
+typedef struct Job {
+    dfl2_model* model;
+    const int32_t* prompt;
+    Stream out;
+} Job;
+
+static void* generateJob(void* arg)
+{
+    Job* job = (Job*) arg;
+    static const char* opts[] = {"max_new_tokens=30", NULL};
+    for (int rep = 0; rep < 3; ++rep) {
+        job->out.n = 0;
+        dfl2_session_free(run(job->model, opts, job->prompt, 3, &job->out, DFL2_OK));
+    }
+    return NULL;
+}
+
+static void testConcurrentSessions(void)
+{
+    enum { kTHREADS = 4 };
+    Toy toy;
+    memset(&toy, 0, sizeof toy);
+    dfl2_callbacks cb = toyCallbacks(&toy);
+    dfl2_model* m = NULL;
+    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
+    static const int32_t prompt[3] = {3, 9, 4};
+    Job ref = {m, prompt, {{0}, 0, 0, 0}};
+    generateJob(&ref);
+    CHECK(ref.out.n == 30);
+    Job jobs[kTHREADS];
+    pthread_t threads[kTHREADS];
+    for (int i = 0; i < kTHREADS; ++i) {
+        jobs[i] = ref;
+        jobs[i].out.n = 0;
+        CHECK(pthread_create(&threads[i], NULL, generateJob, &jobs[i]) == 0);
+    }
+    for (int i = 0; i < kTHREADS; ++i) {
+        pthread_join(threads[i], NULL);
+        CHECK(jobs[i].out.n == ref.out.n && memcmp(jobs[i].out.tokens, ref.out.tokens, ref.out.n * sizeof(int32_t)) == 0);
+    }
+    CHECK(toy.overlaps == 0);
+    dfl2_model_free(m);
+}
+
 int main(int argc, char** argv)
 {
     if (argc != 2) {
@@ -599,10 +642,6 @@ int main(int argc, char** argv)
     testManifestErrors(argv[1]);
     testCallbackErrors();
     testGeneration();
-    if (gFailures) {
-        fprintf(stderr, "%d check(s) failed\n", gFailures);
-        return 1;
-    }
-    printf("capiC: all checks passed\n");
-    return 0;
+    testConcurrentSessions();
+    return dfl2TestReport("capiC");
 }

@@ -155,7 +155,8 @@ DFL2_API dfl2_status* dfl2_manifest_check(const char* export_dir, const dfl2_opt
  * row-major; V = vocab_size, F = feature_dim, L = block_size - 1, K = top_k. The library owns every buffer
  * passed to a callback; they are valid only during the call. */
 typedef struct dfl2_callbacks {
-    uint32_t struct_size;  /* sizeof(dfl2_callbacks), so the struct can grow */
+    uint32_t struct_size;  /* sizeof(dfl2_callbacks): only that many bytes are read, so the struct can grow;
+                            * fields past a caller's (older, smaller) struct read as absent (zero) */
     void* user_data;       /* first argument of every callback */
     int32_t vocab_size;    /* V */
     int32_t feature_dim;   /* F: context features per position (target -> drafter); may be 0 */

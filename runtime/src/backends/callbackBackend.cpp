@@ -3,6 +3,8 @@
 //! passes; the features of the latest target forward stay here until the loop hands rows to the drafter.
 #include "../model.h"
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 
 namespace dflash2
@@ -121,14 +123,18 @@ private:
 
 } // namespace
 
-std::unique_ptr<Model> createCallbackModel(dfl2_callbacks const& cb)
+std::unique_ptr<Model> createCallbackModel(dfl2_callbacks const* caller)
 {
     auto bad = [](std::string const& why) { throw Error(DFL2_ERR_INVALID_ARGUMENT, "dfl2_callbacks: " + why); };
-    if (cb.struct_size < sizeof(dfl2_callbacks))
+    uint32_t size = 0; // read first, alone: the caller's struct may be smaller than this library's
+    std::memcpy(&size, caller, sizeof(size));
+    if (size < kCALLBACKS_V1_SIZE)
     {
-        bad("struct_size " + std::to_string(cb.struct_size) + " < sizeof(dfl2_callbacks) = "
-            + std::to_string(sizeof(dfl2_callbacks)) + " (set it to sizeof(dfl2_callbacks))");
+        bad("struct_size " + std::to_string(size) + " < " + std::to_string(kCALLBACKS_V1_SIZE)
+            + ", the size of the first version (set it to sizeof(dfl2_callbacks))");
     }
+    dfl2_callbacks cb{}; // fields past the caller's struct_size stay zero (absent)
+    std::memcpy(&cb, caller, std::min<size_t>(size, sizeof(cb)));
     if (cb.vocab_size < 1 || cb.block_size < 2 || cb.top_k < 1 || cb.top_k > cb.vocab_size || cb.feature_dim < 0
         || cb.max_positions < 2)
     {
