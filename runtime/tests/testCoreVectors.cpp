@@ -6,6 +6,8 @@
 // usage: coreVectors VECTORS.json
 #include "core/decoder.h"
 
+#include "dfl2Test.h"
+
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -22,7 +24,6 @@ using namespace dflash2;
 namespace
 {
 
-int gFailures = 0;
 int gChecks = 0;
 
 void check(bool ok, std::string const& what)
@@ -30,7 +31,7 @@ void check(bool ok, std::string const& what)
     ++gChecks;
     if (!ok)
     {
-        ++gFailures;
+        ++*dfl2TestCounter();
         std::cerr << "FAIL: " << what << "\n";
     }
 }
@@ -333,6 +334,6 @@ int main(int argc, char** argv)
             check(false, e.what());
         }
     }
-    std::printf("coreVectors: %d checks, %d loops, %d failures\n", gChecks, loops, gFailures);
-    return gFailures == 0 && loops > 0 ? 0 : 1;
+    std::printf("coreVectors: %d checks, %d loops, %d failures\n", gChecks, loops, dfl2TestFailures());
+    return dfl2TestFailures() == 0 && loops > 0 ? 0 : 1;
 }
