@@ -129,3 +129,43 @@ def test_results_are_printed_before_the_plot(tiny_export, tmp_path, monkeypatch,
                  "--no-oracle", "--plot", str(tmp_path / "c.png")]) == 1
     out = capsys.readouterr()
     assert json.loads(out.out)["n_prompts"] == 1 and "injected" in out.err
+
+
+def test_side_by_side_table_has_no_tautological_cells():
+    """benchmarks/ort_side_by_side.py: an AR row is its own reference, so its agreement is not reported (it was
+    1.00 by construction); a speculative row is compared with its AR row; τ is pooled over cycles."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ort_side_by_side.py"
+    spec = importlib.util.spec_from_file_location("ort_side_by_side", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    run = lambda toks, **k: {"tokens": toks, "s": 1.0, "ttft": 0.1, **k}  # noqa: E731
+    rows = mod.summarize({
+        "ours fp32 AR": [run([1, 2]), run([3, 4])],
+        "ours fp32 DFlash2 bs3": [run([1, 2], tau=4.0, cycles=4), run([3, 5], tau=1.0, cycles=1)],
+        "genai fp32 AR": [run([1, 2]), run([3, 4])],
+        "genai fp32 n-gram": [run([1, 2]), run([3, 4])],
+    })
+    assert rows["ours fp32 AR"]["agreement_own_greedy"] is None
+    assert rows["genai fp32 AR"]["agreement_own_greedy"] is None
+    assert rows["ours fp32 DFlash2 bs3"]["agreement_own_greedy"] == 0.5
+    assert rows["genai fp32 n-gram"]["agreement_own_greedy"] == 1.0
+    assert rows["ours fp32 DFlash2 bs3"]["tau"] == pytest.approx(17 / 5)
+    assert rows["ours fp32 DFlash2 bs3"]["tau_prompt_mean"] == pytest.approx(2.5)
+
+
+def test_every_results_file_is_indexed_with_its_drafter_and_command():
+    """benchmarks/results/README.md lists every file there (drafter, command) and no file that is not there."""
+    import re
+    from pathlib import Path
+
+    d = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    index = (d / "README.md").read_text()
+    rows = [ln for ln in index.splitlines() if ln.startswith("| `")]
+    listed = {n for ln in rows for n in re.findall(r"`([\w.]+\.(?:json|png))`", ln.split("|")[1])}
+    assert listed == {p.name for p in d.iterdir() if p.name != "README.md"}
+    for ln in rows:
+        cells = [c.strip() for c in ln.split("|")[1:-1]]
+        assert cells[1] in ("stage 3", "stage 2") and cells[2].startswith("`python benchmarks/"), ln
