@@ -11,7 +11,8 @@
 A ``str`` prompt is a user message rendered with the target's chat template (``chat=False``, or a tokenizer
 without a template: the raw text); a ``list[int]`` prompt is used as it is. Greedy output (T = 0) is
 token for token the target's own; T > 0 samples with lossless rejection sampling. ``seed=None`` draws a
-fresh seed; equal seeds give equal tokens.
+fresh seed; equal seeds give equal tokens with ``guard=False`` (the acceptance guard decides from measured
+timings, so with it on a seed fixes the sampling law, not the tokens).
 
 Thread safety: a :class:`Generator` owns one backend and one request's caches; its methods may be called from
 any thread and are serialised by a lock (a second call waits for the first, including a stream being
@@ -132,6 +133,10 @@ class Generator:
     def selectors(self) -> tuple[str, ...]:
         """Draft modes this export can run (:data:`dflash2_trt.vocabulary.DRAFT_MODES`)."""
         return tuple(self._backend.manifest.draft_modes)
+
+    def check_selector(self, selector: str) -> str:
+        """``selector`` when this export can draft with it, else :class:`DFlash2Error` naming the choices."""
+        return str(self._backend.manifest.check_draft_mode(selector))
 
     # -- text ------------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = True) -> list[int]:
@@ -262,6 +267,7 @@ class Generator:
             raise DFlash2Error(f"seed must be an integer >= 0 or None, got {seed!r}")
         if not 0.0 <= float(min_confidence) <= 1.0:  # `not <=` also refuses NaN
             raise DFlash2Error(f"min_confidence must be in [0, 1], got {min_confidence!r}")
+        self.check_selector(selector)
         return _Request(self.encode(prompt, chat), max_new_tokens, float(temperature), seed, selector, bool(guard),
                         float(min_confidence), bool(speculative), None if eos_ids is None else set(eos_ids), oracle)
 

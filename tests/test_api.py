@@ -62,8 +62,8 @@ def test_leaving_a_stream_early_stops_it_and_frees_the_generator(gen):
 
 def test_list_prompt_and_sampling_seed(gen):
     ids = gen.encode(PROMPT)
-    a = gen.generate(ids, max_new_tokens=20, temperature=0.8, seed=7, eos_ids=set())
-    b = gen.generate(ids, max_new_tokens=20, temperature=0.8, seed=7, eos_ids=set())
+    a = gen.generate(ids, max_new_tokens=20, temperature=0.8, seed=7, guard=False, eos_ids=set())
+    b = gen.generate(ids, max_new_tokens=20, temperature=0.8, seed=7, guard=False, eos_ids=set())
     assert a.tokens == b.tokens and a.prompt_tokens == ids
     raw = gen.generate(PROMPT, max_new_tokens=4, chat=False, eos_ids=set())
     assert raw.prompt_tokens == gen.encode(PROMPT, chat=False) != ids or gen._tok.chat_template is None

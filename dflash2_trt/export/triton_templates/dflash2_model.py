@@ -17,13 +17,16 @@ Outputs of every response::
     output_ids   INT64 [n]  tokens committed by this response (empty in the final one)
     text_output  BYTES [1]  their text (decoded incrementally; a partial UTF-8 character waits for the next)
     accepted     INT32 [c]  chunk responses: the drafts accepted in the cycle that produced the chunk
-                            (len(chunk) - 1; [] for the prefill's token); final response: every cycle's count
+                            ([] for the prefill's token and plain steps); final response: every cycle's count
     tau          FP32  [1]  chunk responses: mean (accepted + 1) over the cycles so far; final: the request's τ
 
-Each request gets its own runners (caches), so requests never share state; an instance runs one request at
-a time and concurrency comes from ``instance_group`` count. A bad request gets one Triton error (INVALID_ARG)
-and leaves the instance serving; a cancelled request (the client cancelled or disconnected) stops at the
-next chunk and its runners are dropped. Custom metrics, per instance: ``dflash2_active_requests`` (gauge),
+An instance decodes through the public API (one :class:`dflash2_trt.api.Generator`, its caches reset at every
+request, so requests never share state); it runs one request at a time and concurrency comes from
+``instance_group`` count. Parameter ``guard`` ("false" by default): "true" lets the acceptance guard run plain
+target steps (chunks with ``accepted`` []); it decides from measured timings, so a seed then fixes the
+sampling law but not the tokens. A bad request gets one Triton error (INVALID_ARG) and
+leaves the instance serving; a cancelled request (the client cancelled or disconnected) stops at the next
+chunk. Custom metrics, per instance: ``dflash2_active_requests`` (gauge),
 ``dflash2_requests`` (counter: requests that started decoding) and ``dflash2_cancelled_requests`` (counter).
 """
 
@@ -53,10 +56,6 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from dflash2_trt.errors import DFlash2Error  # noqa: E402
 
 
-class _Cancelled(Exception):
-    """Raised from the streaming callback to leave the decode loop when the request was cancelled."""
-
-
 def _scalar(request, name: str):  # noqa: ANN001, ANN202
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
@@ -75,19 +74,17 @@ class TritonPythonModel:
             # reach the client empty, so refuse to load instead
             raise DFlash2Error(f"NumPy {np.__version__} is first on the server's path; the python backend needs "
                                f"NumPy 1.x (see dflash2_trt.export.triton_repo.numpy1_dir)")
-        from dflash2_trt.runtime.backends import open_backend
-        from dflash2_trt.runtime.tokenizer import TextTokenizer
+        import dflash2_trt
 
         cfg = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
         self.dir = Path(args["model_repository"]) / args["model_version"] / params.get("export_dir", "export")
         self.name = f"{cfg['name']}/{args['model_instance_name']}"
         threads = int(params.get("ort_threads", "0")) or None
-        self.backend, note = open_backend(self.dir, params.get("backend", "auto"),
-                                          verify_checksums=params.get("verify_checksums", "true") == "true",
-                                          threads=threads)
-        pb_utils.Logger.log_info(f"dflash2 {self.name}: {note}")
-        self.tok = TextTokenizer(self.dir)
+        self.gen = dflash2_trt.load(self.dir, params.get("backend", "auto"), threads=threads,
+                                    verify_checksums=params.get("verify_checksums", "true") == "true")
+        pb_utils.Logger.log_info(f"dflash2 {self.name}: {self.gen.note}")
+        self.guard = params.get("guard", "false") == "true"
         self.default_mode = params.get("default_selector_mode", "greedy")
         self.default_max_tokens = int(params.get("default_max_tokens", "128"))
         self.max_tokens_limit = int(params.get("max_tokens_limit", "4096"))
@@ -119,7 +116,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
-        self.backend.close()
+        self.gen.close()
 
     # -- one request -------------------------------------------------------------------------------------
     def _parse(self, request) -> dict:  # noqa: ANN001
@@ -129,8 +126,7 @@ class TritonPythonModel:
             raise DFlash2Error("give exactly one of the inputs 'text_input' (a user message) and 'input_ids' "
                                "(prompt token ids)")
         if text is not None:
-            prompt = (self.tok.apply_chat_template([{"role": "user", "content": text}]) if self.tok.chat_template
-                      else self.tok.encode(text))
+            prompt = self.gen.encode(text)  # the chat template when the tokenizer has one, else the raw text
         else:
             prompt = [int(t) for t in ids_t.as_numpy().reshape(-1)]
         max_tokens = _scalar(request, "max_tokens")
@@ -149,63 +145,49 @@ class TritonPythonModel:
         return {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "mode": mode}
 
     def _serve(self, request) -> None:  # noqa: ANN001
-        from dflash2_trt.runtime.decoder import speculative_generate
-
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
             spec = self._parse(request)
-            drafter = self.backend.draft_runner(spec["mode"])  # checks the mode against the export
+            self.gen.check_selector(spec["mode"])
         except (DFlash2Error, ValueError, UnicodeError) as e:
             self._send_error(sender, str(e))
             return
-        target = self.backend.target_runner()
-        tokens: list[int] = []
-        state = {"text": "", "cycles": 0, "tau_sum": 0}
-
-        def on_tokens(new: list[int]) -> None:
-            if sender.is_cancelled():
-                raise _Cancelled
-            acc = [len(new) - 1] if tokens else []  # the first chunk is the prefill's token, not a cycle
-            tokens.extend(new)
-            if acc:
-                state["cycles"] += 1
-                state["tau_sum"] += len(new)
-            tau = state["tau_sum"] / state["cycles"] if state["cycles"] else 0.0
-            sender.send(self._response(new, self._text_delta(tokens, state, final=False), acc, tau))
-
+        tokens, accepted = 0, []
         self.m_active.increment(1)
         self.m_requests.increment(1)
+        chunks = self.gen.stream(spec["prompt"], spec["max_tokens"], spec["temperature"], spec["seed"],
+                                 spec["mode"], self.guard, chat=False)
         try:
-            res = speculative_generate(target, drafter, spec["prompt"], spec["max_tokens"], spec["temperature"],
-                                       seed=spec["seed"], on_tokens=on_tokens)
-            sender.send(self._response([], self._text_delta(tokens, state, final=True), res.accepted,
-                                       res.stats()["tau"]), flags=final)
-        except _Cancelled:
-            self.m_cancelled.increment(1)
-            pb_utils.Logger.log_info(f"dflash2 {self.name}: request {request.request_id()!r} cancelled after "
-                                     f"{len(tokens)} tokens; its state is freed")
-            try:
-                sender.send(flags=final)
-            except Exception:  # noqa: BLE001 - the stream may already be gone; nothing is left to free
-                pass
+            for c in chunks:
+                if sender.is_cancelled():
+                    chunks.close()  # the decoding stops at its next step
+                    self.m_cancelled.increment(1)
+                    pb_utils.Logger.log_info(f"dflash2 {self.name}: request {request.request_id()!r} cancelled "
+                                             f"after {tokens} tokens")
+                    try:
+                        sender.send(flags=final)
+                    except Exception:  # noqa: BLE001 - the stream may already be gone; nothing is left to free
+                        pass
+                    return
+                tokens += len(c.tokens)
+                acc = [] if c.accepted is None else [c.accepted]
+                accepted += acc
+                sender.send(self._response(c.tokens, c.text, acc, self._tau(accepted)))
+            sender.send(self._response([], "", accepted, self._tau(accepted)), flags=final)
         except DFlash2Error as e:
             self._send_error(sender, str(e))
         except Exception as e:  # noqa: BLE001 - an unexpected failure fails this request, not the instance
             pb_utils.Logger.log_error(f"dflash2 {self.name}: {type(e).__name__}: {e}")
             self._send_error(sender, f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
         finally:
+            chunks.close()
             self.m_active.increment(-1)
-            del target, drafter  # the request's caches go now, not at the next request
 
-    def _text_delta(self, tokens: list[int], state: dict, final: bool) -> str:
-        """The text that ``tokens`` add to what was already sent (empty while a character is still split, or
-        in the rare case the tokenizer spells the earlier text differently now: nothing sent is taken back)."""
-        full = self.tok.decode(tokens)
-        if (not final and full.endswith("\ufffd")) or not full.startswith(state["text"]):
-            return ""
-        delta, state["text"] = full[len(state["text"]):], full
-        return delta
+    @staticmethod
+    def _tau(accepted: list[int]) -> float:
+        """Tokens per cycle so far (accepted drafts + the bonus token), pooled over the request's cycles."""
+        return (sum(accepted) + len(accepted)) / len(accepted) if accepted else 0.0
 
     @staticmethod
     def _response(ids: list[int], text: str, accepted: list[int], tau: float):  # noqa: ANN205
