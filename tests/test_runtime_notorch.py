@@ -54,3 +54,19 @@ def test_generate_without_torch(venv, tiny_dir, tiny_export, capsys):
     want = json.loads(capsys.readouterr().out)
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["stats"] == want["stats"]
     assert got["lossless"] is True
+
+
+def test_readme_python_example_runs_without_torch(venv, tiny_export):
+    """The README's "From Python" example, as printed there, against the tiny export, in the torch-free venv."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### From Python"):]
+    code = section[section.index("```python\n") + len("```python\n"):]
+    code = code[:code.index("```")]
+    assert "out/tiny/export" in code
+    code = "import sys\n" + code.replace('"out/tiny/export"', repr(str(tiny_export))) + \
+        "\nassert 'torch' not in sys.modules\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, env=env,
+                       cwd=str(venv))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ONNX Runtime" in r.stdout  # gen.note: TensorRT is not installed there
