@@ -6,14 +6,17 @@ entry point, :func:`dflash2_trt.cli.export_main`).
                    [--block-size N] [--max-seq-len N] [--no-verify] [--quiet] [--engines [engine options]]
                    [--triton-repo REPO [triton options]]
                    [--no-ort-flavour] [--quantize none|int8|int4 [--quant-block-size N] [--quant-accuracy-level N]
-                   [--no-quantize-lm-head]] [--verify-cost]
+                   [--no-quantize-lm-head]] [--verify-cost] [--overwrite]
     dflash2 build-engines DIR [engine options]      (TensorRT engines: see :mod:`dflash2_trt.export.engines`)
-    dflash2 triton-repo DIR --triton-repo REPO [triton options]   (see :mod:`dflash2_trt.export.triton_repo`)
+    dflash2 triton-repo DIR --triton-repo REPO [triton options] [--overwrite]
+                                                    (see :mod:`dflash2_trt.export.triton_repo`)
 
 --target takes a HF folder, a .gguf file or the alias ``smollm2``; --block-size overrides the drafter's
 (weights do not depend on it); --max-seq-len bounds prompt + generated tokens (default: the target's
 max_position_embeddings, at most 4096). Prints one line on success; user errors print one line
-``<prog>: error: ...`` and exit 1, leaving no partial DIR.
+``<prog>: error: ...`` and exit 1, leaving no partial DIR. An existing DIR (or REPO) is replaced only when it is
+ours and its record lists every file in it; ``--overwrite`` also removes files it does not list (TensorRT
+engines built since, user files), naming them first (:mod:`dflash2_trt.outdir`).
 """
 
 from __future__ import annotations
