@@ -2,7 +2,8 @@
 
 The first test configures and builds the CMake project (cached in ``build/plugins-tests``) against
 the TensorRT headers of the ``kernel-lens`` wheel and runs ctest (shared-math unit test, the dlopen
-test of ``libdflash2_plugins.so`` without TensorRT, static registration against a stand-in registry;
+test of ``libdflash2_plugins.so`` without TensorRT, its load paths (loadLibrary, dfl2PluginsInit, opt-in load-time
+registration, another major) against a stand-in registry;
 the GPU check is skipped without a GPU). Then the host twin ``libdflash2_selector_host.so`` — compiled
 from the same math header as the kernel — is called through ctypes on fresh random inputs and compared
 with :func:`dflash2_trt.reference.select_paths`. Finally the contract yaml, the ONNX op schema and the
@@ -106,7 +107,8 @@ def test_build_and_ctest(plugin_build):
     """The CMake build is warning-clean (-Werror) and every ctest passes (GPU check: skipped here)."""
     proc = _run(["ctest", "--test-dir", str(plugin_build), "--output-on-failure"], "ctest")
     assert "tests failed" not in proc.stdout.replace("0 tests failed", "")
-    for name in ("selectorMath", "pluginHost", "staticRegistration", "staticRegistrationOtherMajor", "staticRegistrationOff"):
+    for name in ("selectorMath", "pluginHost", "registration_loadLibrary", "registration_init", "registration_static",
+                 "registration_major"):
         assert name in proc.stdout
 
 

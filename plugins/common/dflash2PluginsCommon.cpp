@@ -2,8 +2,9 @@
  * dflash2_trt — library entry points of libdflash2_plugins.so, logging, static registration.
  *
  * The library never links libnvinfer: TensorRT objects are only reached through the virtual
- * interfaces TensorRT hands over (creators, ILoggerFinder/ILogger) or, for the static
- * registration, through getPluginRegistry looked up with dlsym at load time.
+ * interfaces TensorRT hands over (creators, ILoggerFinder/ILogger, the registry given to
+ * dfl2PluginsInit) or, for the opt-in load-time registration, through getPluginRegistry looked up
+ * with dlsym.
  */
 #include "dflash2PluginsCommon.h"
 
@@ -113,58 +114,72 @@ nvinfer1::IPluginCreatorInterface* const* creatorList() noexcept
 
 constexpr int32_t kNB_CREATORS = 1;
 
-//! Load-time registration into the registry of a TensorRT that is already loaded and globally
-//! visible (an application linked against libnvinfer, or trtexec). It never loads TensorRT
-//! itself and does nothing when TensorRT is absent or older than 10 (the IPluginV3 registry
-//! API); set DFLASH2_PLUGINS_STATIC_REGISTRATION=0 to switch it off.
+//! Registers the creators into `registry` unless a creator of the same name/version/namespace is already
+//! there (another copy of this library got there first: theirs is kept). True when ours are registered.
+bool registerInto(nvinfer1::IPluginRegistry& registry) noexcept
+{
+    try
+    {
+        bool all = true;
+        for (int32_t k = 0; k < kNB_CREATORS; ++k)
+        {
+            auto* creator = static_cast<nvinfer1::IPluginCreatorV3One*>(creatorList()[k]);
+            if (registry.getCreator(creator->getPluginName(), creator->getPluginVersion(),
+                    creator->getPluginNamespace())
+                != nullptr)
+            {
+                all = false;
+                continue;
+            }
+            all = registry.registerCreator(*creator, creator->getPluginNamespace()) && all;
+        }
+        return all;
+    }
+    catch (...)
+    {
+        return false;
+    }
+}
+
+//! The registry of a TensorRT that is loaded and globally visible in this process (an application linked
+//! against libnvinfer, trtexec), found with dlsym; nullptr when there is none or it is of another major.
+nvinfer1::IPluginRegistry* processRegistry() noexcept
+{
+    void* versionSym = dlsym(RTLD_DEFAULT, "getInferLibVersion");
+    void* registrySym = dlsym(RTLD_DEFAULT, "getPluginRegistry");
+    if (versionSym == nullptr || registrySym == nullptr || !runtimeMajorMatches())
+    {
+        return nullptr; // another major's registry has another virtual table
+    }
+    using RegistryFn = nvinfer1::IPluginRegistry* (*) ();
+    RegistryFn getRegistry{};
+    std::memcpy(&getRegistry, &registrySym, sizeof(getRegistry)); // a cast from void* is not portable C++
+    return getRegistry();
+}
+
+#ifndef DFLASH2_PLUGINS_STATIC_REGISTRATION_DEFAULT
+#define DFLASH2_PLUGINS_STATIC_REGISTRATION_DEFAULT 0
+#endif
+
+//! Load-time registration, opt-in: the build option DFLASH2_PLUGINS_STATIC_REGISTRATION (default OFF) or
+//! $DFLASH2_PLUGINS_STATIC_REGISTRATION=1 (=0 turns a build's default off). Off by default because
+//! IPluginRegistry::loadLibrary (trtexec --dynamicPlugins, the Python and C runtimes) dlopens this library
+//! from inside the registry: registering from a load-time initializer then re-enters the registry, and
+//! getCreators would report 0 creators to the loadLibrary in progress. Applications linked against TensorRT
+//! call dfl2PluginsInit instead. Never loads TensorRT itself.
 struct StaticRegistrar
 {
     StaticRegistrar() noexcept
     {
-        try
+        char const* env = std::getenv("DFLASH2_PLUGINS_STATIC_REGISTRATION");
+        bool const on = env != nullptr ? std::strcmp(env, "1") == 0 : DFLASH2_PLUGINS_STATIC_REGISTRATION_DEFAULT != 0;
+        if (!on)
         {
-            char const* env = std::getenv("DFLASH2_PLUGINS_STATIC_REGISTRATION");
-            if (env != nullptr && std::strcmp(env, "0") == 0)
-            {
-                return;
-            }
-            void* versionSym = dlsym(RTLD_DEFAULT, "getInferLibVersion");
-            void* registrySym = dlsym(RTLD_DEFAULT, "getPluginRegistry");
-            if (versionSym == nullptr || registrySym == nullptr)
-            {
-                return;
-            }
-            if (!runtimeMajorMatches()) // another major's registry has another virtual table
-            {
-                return;
-            }
-            // function pointers from dlsym: copy the bits (a cast from void* is not portable C++)
-            using RegistryFn = nvinfer1::IPluginRegistry* (*)();
-            RegistryFn getRegistry{};
-            std::memcpy(&getRegistry, &registrySym, sizeof(getRegistry));
-            nvinfer1::IPluginRegistry* registry = getRegistry();
-            if (registry == nullptr)
-            {
-                return;
-            }
-            bool all = true;
-            for (int32_t k = 0; k < kNB_CREATORS; ++k)
-            {
-                auto* creator = static_cast<nvinfer1::IPluginCreatorV3One*>(creatorList()[k]);
-                if (registry->getCreator(creator->getPluginName(), creator->getPluginVersion(),
-                        creator->getPluginNamespace())
-                    != nullptr)
-                {
-                    all = false; // another copy of this library got there first; keep theirs
-                    continue;
-                }
-                all = registry->registerCreator(*creator, creator->getPluginNamespace()) && all;
-            }
-            gStaticallyRegistered.store(all);
+            return;
         }
-        catch (...)
+        if (nvinfer1::IPluginRegistry* registry = processRegistry())
         {
-            gStaticallyRegistered.store(false);
+            gStaticallyRegistered.store(registerInto(*registry));
         }
     }
 };
@@ -250,6 +265,29 @@ extern "C" nvinfer1::IPluginCreatorInterface* const* dfl2PluginsAllCreators(int3
         *nbCreators = dflash2::plugin::kNB_CREATORS;
     }
     return dflash2::plugin::creatorList();
+}
+
+extern "C" int32_t dfl2PluginsInit(nvinfer1::IPluginRegistry* registry) noexcept
+{
+    if (!dflash2::plugin::runtimeMajorMatches())
+    {
+        return 0;
+    }
+    if (registry == nullptr)
+    {
+        registry = dflash2::plugin::processRegistry();
+    }
+    if (registry == nullptr)
+    {
+        return 0;
+    }
+    if (dflash2::plugin::gStaticallyRegistered.load())
+    {
+        return 1;
+    }
+    bool const ok = dflash2::plugin::registerInto(*registry);
+    dflash2::plugin::gStaticallyRegistered.store(ok);
+    return ok ? 1 : 0;
 }
 
 extern "C" int32_t dfl2PluginsStaticallyRegistered() noexcept

@@ -43,8 +43,8 @@ extern "C"
     //! TensorRT entry point: logger finder for the library (IPluginRegistry::loadLibrary, trtexec).
     DFL2_PLUGIN_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept;
 
-    //! TensorRT entry point: the creators of this library. Reports 0 creators when the static
-    //! registration at load time already put them into the process's registry, so a following
+    //! TensorRT entry point: the creators of this library. Reports 0 creators when dfl2PluginsInit or
+    //! the opt-in load-time registration already put them into the process's registry, so a following
     //! IPluginRegistry::loadLibrary() does not register a duplicate (see pathSelector/README.md).
     DFL2_PLUGIN_API nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) noexcept;
 
@@ -55,7 +55,14 @@ extern "C"
     //! TensorRT of another major loading it gets no creators and one line on stderr.
     DFL2_PLUGIN_API int32_t dfl2PluginsTensorRTMajor() noexcept;
 
-    //! 1 if the load-time static registration registered the creators, else 0.
+    //! Registers the creators into `registry` (nullptr: the registry of the TensorRT this process is linked
+    //! against, found with dlsym) — the load path of applications that link libnvinfer and this library
+    //! (or dlopen it themselves) instead of calling IPluginRegistry::loadLibrary. Idempotent; afterwards
+    //! getCreators reports 0 creators, so a later loadLibrary does not register a duplicate. Returns 1 when
+    //! the creators are registered, 0 when not (no TensorRT, another major, or another copy's creator is
+    //! already there).
+    DFL2_PLUGIN_API int32_t dfl2PluginsInit(nvinfer1::IPluginRegistry* registry) noexcept;
+    //! 1 if dfl2PluginsInit or the opt-in load-time registration registered the creators, else 0.
     DFL2_PLUGIN_API int32_t dfl2PluginsStaticallyRegistered() noexcept;
 
     //! The calling thread's last error message ("" if none); valid until the next error.

@@ -18,6 +18,8 @@
 
 #include <cuda_runtime.h>
 
+#include "dfl2Test.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,17 +34,6 @@ namespace sel = dflash2::selector;
 
 namespace
 {
-
-#define CUDA_OK(call)                                                                                                  \
-    do                                                                                                                 \
-    {                                                                                                                  \
-        cudaError_t const status_ = (call);                                                                            \
-        if (status_ != cudaSuccess)                                                                                    \
-        {                                                                                                              \
-            std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(status_));         \
-            std::exit(1);                                                                                              \
-        }                                                                                                              \
-    } while (0)
 
 //! fp32 -> fp16 / bf16 bits, round to nearest even (inputs here are finite and in range).
 uint16_t toHalfBits(float f)

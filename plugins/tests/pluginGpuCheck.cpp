@@ -23,6 +23,8 @@
 #include <NvInferRuntime.h>
 #include <cuda_runtime_api.h>
 
+#include "dfl2Test.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,17 +41,6 @@ using namespace nvinfer1;
 
 namespace
 {
-
-#define CUDA_OK(call)                                                                                                  \
-    do                                                                                                                 \
-    {                                                                                                                  \
-        cudaError_t const status_ = (call);                                                                            \
-        if (status_ != cudaSuccess)                                                                                    \
-        {                                                                                                              \
-            std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(status_));         \
-            std::exit(1);                                                                                              \
-        }                                                                                                              \
-    } while (0)
 
 struct PluginDeleter
 {
@@ -370,9 +361,7 @@ int main(int argc, char** argv)
         return 1;
     }
     using GetCreatorsFn = IPluginCreatorInterface* const* (*) (int32_t&);
-    void* sym = dlsym(handle, "getCreators");
-    GetCreatorsFn getCreators{};
-    std::memcpy(&getCreators, &sym, sizeof(getCreators));
+    auto getCreators = dfl2Test::symbol<GetCreatorsFn>(handle, "getCreators");
     int32_t nb = 0;
     IPluginCreatorInterface* const* list = getCreators != nullptr ? getCreators(nb) : nullptr;
     IPluginCreatorV3One* creator = nullptr;

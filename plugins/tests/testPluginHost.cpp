@@ -13,6 +13,8 @@
  */
 #include <NvInferRuntime.h>
 
+#include "dfl2Test.h"
+
 #include <cstdio>
 #include <cstring>
 #include <dlfcn.h>
@@ -25,35 +27,13 @@ using namespace nvinfer1;
 namespace
 {
 
-int gFailures = 0;
-
-#define CHECK(cond)                                                                                                    \
-    do                                                                                                                 \
-    {                                                                                                                  \
-        if (!(cond))                                                                                                   \
-        {                                                                                                              \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);                             \
-            ++gFailures;                                                                                               \
-        }                                                                                                              \
-    } while (0)
-
 using GetCreatorsFn = IPluginCreatorInterface* const* (*) (int32_t&);
 using AllCreatorsFn = IPluginCreatorInterface* const* (*) (int32_t*);
 using SetLoggerFinderFn = void (*)(ILoggerFinder*);
 using LastErrorFn = char const* (*) ();
 using StaticallyRegisteredFn = int32_t (*)();
 
-template <typename Fn>
-Fn symbol(void* handle, char const* name)
-{
-    void* sym = dlsym(handle, name);
-    Fn fn{};
-    if (sym != nullptr)
-    {
-        std::memcpy(&fn, &sym, sizeof(fn));
-    }
-    return fn;
-}
+using dfl2Test::symbol;
 
 //! Collects what the library logs through the TensorRT logger interface.
 class RecordingLogger : public ILogger
@@ -325,7 +305,7 @@ void checkRefused(IPluginCreatorV3One* creator, LastErrorFn lastError, Fields& f
     if (message.find(expectInMessage) == std::string::npos)
     {
         std::fprintf(stderr, "expected '%s' in the error message, got '%s'\n", expectInMessage, message.c_str());
-        ++gFailures;
+        ++*dfl2TestCounter();
     }
 }
 
@@ -691,7 +671,7 @@ int main(int argc, char** argv)
 
     if (argc > 2 && std::strcmp(argv[2], "--print-contract") == 0)
     {
-        return printContract(creator) != 0 || gFailures != 0 ? 1 : 0;
+        return printContract(creator) != 0 || dfl2TestFailures() != 0 ? 1 : 0;
     }
 
     // without a logger finder errors go to stderr; install one and check they arrive there
@@ -710,11 +690,5 @@ int main(int argc, char** argv)
     CHECK(!logger.messages.empty());
     CHECK(logger.messages.back().rfind("DFlash2PathSelector: ", 0) == 0);
 
-    if (gFailures != 0)
-    {
-        std::fprintf(stderr, "%d check(s) failed\n", gFailures);
-        return 1;
-    }
-    std::printf("testPluginHost: all checks passed\n");
-    return 0;
+    return dfl2TestReport("testPluginHost");
 }

@@ -5,6 +5,8 @@
  */
 #include "pathSelectorMath.h"
 
+#include "dfl2Test.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -14,18 +16,6 @@ namespace sel = dflash2::selector;
 
 namespace
 {
-
-int gFailures = 0;
-
-#define CHECK(cond)                                                                                                    \
-    do                                                                                                                 \
-    {                                                                                                                  \
-        if (!(cond))                                                                                                   \
-        {                                                                                                              \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);                             \
-            ++gFailures;                                                                                               \
-        }                                                                                                              \
-    } while (0)
 
 //! binary16 decoded with double arithmetic (independent of the bit recipe under test).
 double halfReference(uint16_t h)
@@ -179,11 +169,5 @@ int main()
     testExpLog();
     testPairDotOrder();
     testHelpers();
-    if (gFailures != 0)
-    {
-        std::fprintf(stderr, "%d check(s) failed\n", gFailures);
-        return 1;
-    }
-    std::printf("testSelectorMath: all checks passed\n");
-    return 0;
+    return dfl2TestReport("testSelectorMath");
 }
