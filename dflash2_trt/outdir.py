@@ -162,11 +162,22 @@ def _try_lock(path: Path) -> int | None:
 
 def clean_stale(out: Path) -> list[Path]:
     """Remove the temporaries of interrupted writes of ``out`` (older than this process, not locked); say so."""
+    return _clean(out.parent, _temp_re(out.name))
+
+
+ENGINES_TEMP = re.compile(r"^\.engines-[0-9a-f]{8}\.tmp$")  # build-engines' folder inside an export
+
+
+def clean_stale_engines(export_dir: Path) -> list[Path]:
+    """The same for the engine folders an interrupted ``build-engines`` left inside ``export_dir``."""
+    return _clean(export_dir, ENGINES_TEMP)
+
+
+def _clean(folder: Path, pat: re.Pattern) -> list[Path]:
     removed: list[Path] = []
-    if not out.parent.is_dir():
+    if not folder.is_dir():
         return removed
-    pat = _temp_re(out.name)
-    for p in sorted(out.parent.iterdir()):
+    for p in sorted(folder.iterdir()):
         if not pat.match(p.name) or p.is_symlink() or not p.is_dir():
             continue
         try:
@@ -185,6 +196,12 @@ def clean_stale(out: Path) -> list[Path]:
             removed.append(p)
             _say(f"removed {p}: a temporary folder left by an interrupted run")
     return removed
+
+
+def lock_folder(path: Path) -> int | None:
+    """Hold an exclusive flock on the folder ``path`` (until the returned fd is closed or the process ends), so
+    that :func:`clean_stale` leaves it alone; None when another process holds it."""
+    return _try_lock(path)
 
 
 class TempFolder:

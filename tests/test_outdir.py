@@ -207,3 +207,18 @@ def test_folder_writers_refuse_foreign_folders(tiny_dir, tmp_path, capsys):
     # a make-tiny folder is make-tiny's to rewrite
     assert main(["make-tiny", "--out", str(tmp_path / "t")]) == 0
     assert main(["make-tiny", "--out", str(tmp_path / "t"), "--seed", "1"]) == 0
+
+
+def test_build_engines_cleans_the_folder_an_interrupted_build_left(tiny_export, tmp_path, capsys):
+    """build-engines builds in .engines-XXXXXXXX.tmp inside the export: a stale one (an interrupted build) is
+    removed on the next build-engines, even when that build then fails (no TensorRT here)."""
+    exp = tmp_path / "exp"
+    shutil.copytree(tiny_export, exp)
+    stale = exp / ".engines-0123abcd.tmp"
+    stale.mkdir()
+    (stale / "target.plan").write_bytes(b"half a plan")
+    past = time.time() - 3600
+    os.utime(stale, (past, past))
+    main(["build-engines", str(exp), "--quiet"])
+    assert not stale.exists() and f"removed {stale}" in capsys.readouterr().err
+    assert read_manifest(exp).files  # the export intact

@@ -51,6 +51,7 @@ from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (EnginePlan, EngineProfile, EngineSet, ExportManifest, GraphSpec, parse_engine_set,
                                  read_manifest, sha256_file, write_manifest)
+from dflash2_trt.outdir import clean_stale_engines, lock_folder
 from dflash2_trt.runtime.trt.cuda_api import CudaApi
 from dflash2_trt.runtime.trt.env import (PLUGIN_ENV, current_identity, import_tensorrt, load_plugin_library,
                                          version_tuple)
@@ -253,6 +254,7 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
     Raises DFlash2Error (folder untouched) when TensorRT, a GPU or the plugin library is missing."""
     d = Path(model_dir)
     manifest = read_manifest(d, verify_checksums=True)
+    clean_stale_engines(d)  # an interrupted build's folder: never listed, so no longer "ours" to replace freely
     keys = graph_keys(manifest, selector)
     if prefill_rows < 1:
         raise DFlash2Error(f"--prefill-rows must be >= 1, got {prefill_rows}")
@@ -280,6 +282,7 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
     name = f"engines-{uuid.uuid4().hex[:8]}"
     tmp = d / f".{name}.tmp"
     tmp.mkdir()
+    lock = lock_folder(tmp)  # a live build is not stale
     try:
         shared: dict[str, Any] = {}
         plans: dict[str, EnginePlan] = {}
@@ -307,6 +310,9 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
     try:
         update_manifest_engines(d, entry)
     except BaseException:
