@@ -15,10 +15,12 @@ TensorRT flavour (:func:`qdq_graph`, ``target_qdq.onnx``): the same weight-only 
 quantized GEMMs — int4: blockwise along K, symmetric (TensorRT's ``IDequantizeLayer`` takes no zero point for
 INT4), opset 21 (INT4 tensors and the ``block_size`` attribute; the graph is converted with
 ``onnx.version_converter``), made by ONNX Runtime's quantizer in its QDQ format; int8: one symmetric scale per
-output channel (``axis`` 1, opset 13 per-axis DequantizeLinear). :func:`verify_qdq` checks every dequantized
-weight (computed by ``onnx.reference``, an independent implementation of the ONNX semantics TensorRT follows)
-lies within one quantization step of the original (rounding costs half a step; ONNX Runtime's symmetric int4
-maps a block's largest magnitude to -8 steps, so a positive maximum clips at +7: one step).
+output channel (``axis`` 1, per-axis DequantizeLinear, opset 13+), left at the export's opset (17 by default):
+the flavour the Jetson recipe uses, since no TensorRT 10.3 (JetPack 6.2) has been shown to parse opset 21.
+:func:`verify_qdq` checks every dequantized weight (computed by ``onnx.reference``, an independent
+implementation of the ONNX semantics TensorRT follows) lies within one quantization step of the original
+(rounding costs half a step; ONNX Runtime's symmetric int4 maps a block's largest magnitude to -8 steps, so a
+positive maximum clips at +7: one step).
 
 The manifest records :meth:`QuantSpec.manifest` as its ``quantization`` entry.
 """
@@ -121,8 +123,12 @@ def qdq_graph(model, spec: QuantSpec, vocab_size: int):  # noqa: ANN001, ANN201
     import onnx
     from onnx import version_converter
 
-    work = version_converter.convert_version(model, max(QDQ_OPSET, _opset(model)))
-    work.ir_version = max(work.ir_version, 10)  # INT4 needs IR 10
+    if spec.kind == "int4":
+        work = version_converter.convert_version(model, max(QDQ_OPSET, _opset(model)))
+        work.ir_version = max(work.ir_version, 10)  # INT4 needs IR 10
+    else:  # int8 stays at the export's opset (>= 13: per-axis DequantizeLinear), which TensorRT 10.3 parses
+        work = onnx.ModelProto()
+        work.CopyFrom(model)
     for n in work.graph.node:
         if not n.name:
             n.name = f"{n.op_type}_{id(n)}"
@@ -228,4 +234,6 @@ def _single_node_model(model, node, inits):  # noqa: ANN001, ANN202
 
     g = helper.make_graph([node], "dq", [], [helper.make_tensor_value_info(node.output[0], 0, None)],
                           [inits[i] for i in node.input if i])
-    return helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    # onnx.reference implements DequantizeLinear from opset 19 on; for int8 per-axis its meaning is opset 13's
+    opset = helper.make_opsetid("", max(_opset(model), 19))
+    return helper.make_model(g, opset_imports=[opset], ir_version=max(model.ir_version, 9))
