@@ -110,8 +110,19 @@ def test_exclude_skips_the_prompts_of_earlier_folders(tiny_data, tiny_target, mo
     plist, counts = build_prompt_list(c, tiny_target, [])
     assert sorted(p["text"] for p in plist) == sorted(new)
     assert counts["sharegpt"]["excluded_seen"] == 12 and counts["code"]["excluded_seen"] == 1
+    # a drafter's trained_prompts.txt (hashes of every prompt it was trained on) excludes the same prompts
+    hashes = out.parent / "drafter" / "trained_prompts.txt"
+    hashes.parent.mkdir(exist_ok=True)
+    hashes.write_text("# prompts\n" + "".join(P.prompt_hash(t) + "\n" for t in old))
+    for ex in (hashes.parent, hashes):
+        c.exclude = (str(ex),)
+        assert sorted(p["text"] for p in build_prompt_list(c, tiny_target, [])[0]) == sorted(new)
     c.exclude = (str(out.parent),)
-    with pytest.raises(DFlash2Error, match="no prompts.jsonl"):
+    with pytest.raises(DFlash2Error, match="neither a make-data folder"):
+        build_prompt_list(c, tiny_target, [])
+    hashes.write_text("not-a-hash\n")
+    c.exclude = (str(hashes),)
+    with pytest.raises(DFlash2Error, match="not a prompt hash"):
         build_prompt_list(c, tiny_target, [])
 
 
@@ -163,6 +174,75 @@ def test_labels_are_the_generated_chain_and_anchors_in_responses():
     assert D.response_anchors(rng, 12, 11, 4).size == 0  # one response token: no label, no anchor
     w = D.slot_weights(16)
     assert w[0] == 0 and w[1] == 1.0 and abs(w[8] - np.exp(-1.0)) < 1e-12
+
+
+def test_chain_labels_stop_where_the_text_leaves_the_target_chain():
+    """Teacher-forced text: slot k = the target's greedy token after a + k - 1 while the text agrees with the
+    chain (only the first disagreeing slot differs from the text); anchors only where the text is on the chain."""
+    #                 0  1  2  3  4  5  6  7
+    tokens = np.array([5, 6, 7, 8, 9, 1, 2, 3])
+    greedy = np.array([6, 7, 4, 9, 1, 0, 3, 4])  # greedy[p]: the target's next token after position p
+    lab = D.chain_labels(tokens, greedy, np.array([1, 3, 6]), 4)
+    I = D.IGNORE
+    # a=1: text 7 == greedy[1] (on), text 8 != greedy[2]=4 -> slots 1, 2 labelled; slot 2 = 4 (not the text's 8)
+    # a=3: text 9, 1 on the chain, text 2 != greedy[5]=0 -> slots 1..3 = 9, 1, 0
+    # a=6: slot 1 = greedy[6] = 3, slot 2 = greedy[7] = 4, slot 3 past the end
+    assert lab.tolist() == [[I, 7, 4, I], [I, 9, 1, 0], [I, 3, 4, I]]
+    a = D.chain_anchors(np.random.default_rng(0), tokens, greedy, 1, 100)
+    assert a.tolist() == [1, 2, 4, 5, 7]  # tokens[a] == greedy[a - 1]
+
+
+def test_teacher_forced_data_and_training(tiny_dir, tiny_data, tiny_target, tmp_path):
+    """make-data --teacher-forced: every row's features and top-k equal one unpadded forward over it, labels come
+    from the target's chain, training takes both kinds of folder (every anchor, by epoch), offline τ skips
+    teacher-forced rows, and the drafter's trained_prompts.txt lists every prompt and text, inherited ones too."""
+    from dflash2_trt.train import prompts as P
+    from dflash2_trt.train.make_data import TRAINED_PROMPTS
+    from dflash2_trt.train.teacher_force import TeacherForcedConfig, make_teacher_forced
+    from dflash2_trt.train.trainer import make_batch, offline_tau, train
+
+    out = tmp_path / "tf"
+    make_teacher_forced(TeacherForcedConfig(target=str(tiny_dir / "target"), out=str(out), n_texts=12, max_tokens=64,
+                                            min_tokens=8, tokens_per_batch=200, shard_size=6, target_layer_ids=[0, 2],
+                                            topk=4, packages=("attr",)))
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["mode"] == "teacher_forced" and meta["licences"]["pkgcode"]["attr"]["licence"] == "MIT"
+    data = D.GeneratedData(out)
+    assert len(data) == 12 and len(data.shards) == 2
+    agree = []
+    for i in range(len(data)):
+        r = data.row(i)
+        assert r.teacher_forced and r.temperature == 0
+        with torch.no_grad():
+            o = tiny_target.model(input_ids=torch.from_numpy(r.tokens.astype(np.int64))[None], output_hidden_states=True)
+        ref = torch.cat([o.hidden_states[j + 1][0] for j in (0, 2)], -1).numpy()  # [n, 2H]
+        np.testing.assert_allclose(np.asarray(r.feats, np.float32), ref, atol=2e-2, rtol=2e-2)
+        assert np.array_equal(np.asarray(r.topk_ids[:, 0]), o.logits[0].argmax(-1).numpy())
+        agree.append(np.mean(r.tokens[1:] == np.asarray(r.topk_ids[:-1, 0])))
+    b = make_batch(0, 0, data, np.arange(len(data)), 4, 3, 0)
+    assert (b.labels[:, 1] >= 0).all()  # slot 1 always labelled: the target's own next token
+    with pytest.raises(DFlash2Error, match="permissive"):
+        make_teacher_forced(TeacherForcedConfig(target=str(tiny_dir / "target"), out=str(tmp_path / "x"),
+                                                packages=("tqdm",)))
+    # training on generated + teacher-forced folders; the warm start's list is inherited
+    init = tmp_path / "init"
+    init.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (init / f).write_bytes((tiny_dir / "drafter" / f).read_bytes())
+    (init / TRAINED_PROMPTS).write_text("# older stage\n0123456789abcdef\n")
+    run = tmp_path / "run"
+    tc = _tc(tiny_dir, tiny_data[0], run, init=str(init), layers=2, selector_rank=24, steps=1, epochs=0.5,
+             anchors_per_seq=0, batch_seqs=4, heldout_shards=1)
+    tc.data = [str(tiny_data[0]), str(out)]
+    d = train(tc, progress=False)
+    logs = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines()]
+    assert logs[0]["train_config"]["steps"] == int(np.ceil(0.5 * logs[0]["train_rows"] / 4))  # 0.5 epoch
+    listed = P.read_hash_list(run / TRAINED_PROMPTS)
+    both = D.GeneratedData([tiny_data[0], out])
+    assert listed == {P.prompt_hash(t) for t in both.prompt_texts()} | {"0123456789abcdef"}
+    rs = [both.row(i) for i in range(len(both))]
+    assert offline_tau(d, both, np.arange(len(both)))["rows"] == sum(
+        1 for r in rs if not r.teacher_forced and r.temperature == 0 and r.tokens.shape[0] - r.prompt_len >= 2)
 
 
 def test_rope_theta_from_rope_parameters_or_loud():

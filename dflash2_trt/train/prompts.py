@@ -8,7 +8,13 @@ Three sources, never the benchmark sets:
   drafter README;
 * ``code``     — code-completion prompts from the CPython standard library on this machine: a function's
   ``def`` line through the end of its docstring (HumanEval's shape), raw text, no chat template;
-* ``self``     — instructions the target writes itself (made by :mod:`dflash2_trt.train.make_data`).
+* ``self``     — instructions the target writes itself (made by :mod:`dflash2_trt.train.make_data`);
+* ``pkgcode``  — the same code-completion shape from installed permissively-licensed packages
+  (:data:`PERMISSIVE_PACKAGES`; each one's licence is recorded in the data's ``meta.json``); their whole
+  documented functions are the text of ``make-data --teacher-forced``.
+
+Prompts are identified by :func:`prompt_hash` (sha1 of the text): a drafter's folder lists the hashes of every
+prompt it was trained on (``trained_prompts.txt``), and ``make-data --exclude`` reads such lists.
 
 :func:`overlap_filter` drops any prompt sharing a word 8-gram with HumanEval or MT-Bench (both turns).
 """
@@ -16,6 +22,8 @@ Three sources, never the benchmark sets:
 from __future__ import annotations
 
 import ast
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import re
@@ -102,6 +110,105 @@ def stdlib_completion_prompts(min_doc_chars: int = 30) -> list[str]:
             start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
             body = "\n".join(lines[start - 1: node.body[0].end_lineno])
             out.append(textwrap.dedent(body) + "\n")
+    return out
+
+
+# Installed packages whose source may be training text: name -> the licence their distribution declares (SPDX).
+# Only permissive licences; copyleft (GPL, LGPL, MPL) and undeclared licences are never read.
+PERMISSIVE_PACKAGES = {
+    "numpy": "BSD-3-Clause", "torch": "BSD-3-Clause", "transformers": "Apache-2.0", "jinja2": "BSD-3-Clause",
+    "attr": "MIT", "click": "BSD-3-Clause", "huggingface_hub": "Apache-2.0", "accelerate": "Apache-2.0",
+    "jsonschema": "MIT", "networkx": "BSD-3-Clause", "sympy": "BSD-3-Clause", "mpmath": "BSD-3-Clause",
+    "pygments": "BSD-2-Clause", "rich": "MIT", "pydantic": "MIT", "onnx": "Apache-2.0", "scipy": "BSD-3-Clause",
+    "matplotlib": "PSF-2.0 (matplotlib licence)", "packaging": "Apache-2.0 OR BSD-2-Clause",
+    "safetensors": "Apache-2.0", "gguf": "MIT", "fsspec": "BSD-3-Clause", "filelock": "MIT",
+    "markdown_it": "MIT", "yaml": "MIT", "contourpy": "BSD-3-Clause", "fontTools": "MIT", "kiwisolver": "BSD-3-Clause",
+}
+_DIST = {"attr": "attrs", "yaml": "PyYAML", "markdown_it": "markdown-it-py", "fontTools": "fonttools"}
+
+
+def prompt_hash(text: str) -> str:
+    """16 hex digits of the sha1 of a prompt's text: how drafters record what they were trained on."""
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+
+
+def read_hash_list(path: Path) -> set[str]:
+    """A ``trained_prompts.txt``: one prompt hash per line (``#`` starts a comment)."""
+    out = set()
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            if not re.fullmatch(r"[0-9a-f]{16}", line):
+                raise DFlash2Error(f"{path}: '{line}' is not a prompt hash (16 hex digits)")
+            out.add(line)
+    return out
+
+
+def package_licences(packages: Iterable[str] = PERMISSIVE_PACKAGES) -> dict[str, dict]:
+    """{package: {"licence", "declared", "version"}} for the installed ones (declared: the distribution's own
+    License-Expression / License field / licence classifiers, as found)."""
+    out = {}
+    for name in packages:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            md = importlib.metadata.metadata(_DIST.get(name, name))
+            declared = md.get("License-Expression") or (md.get("License") or "").split("\n")[0][:80] or "; ".join(
+                c for c in md.get_all("Classifier") or [] if c.startswith("License"))
+            version = md.get("Version")
+        except importlib.metadata.PackageNotFoundError:
+            declared, version = "", None
+        out[name] = {"licence": PERMISSIVE_PACKAGES[name], "declared": declared, "version": version}
+    return out
+
+
+def _functions(src: str, min_doc_chars: int):  # noqa: ANN202
+    """(node, header end line, lines) of documented public functions in ``src``."""
+    try:
+        tree = ast.parse(src)
+    except (SyntaxError, ValueError):
+        return
+    lines = src.splitlines()
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or len(doc) < min_doc_chars or node.body[0].end_lineno is None:
+            continue
+        yield node, node.body[0].end_lineno, lines
+
+
+def package_functions(packages: Iterable[str] = PERMISSIVE_PACKAGES, whole: bool = False, min_doc_chars: int = 30,
+                      max_lines: int = 80) -> list[tuple[str, str, int]]:
+    """Documented public functions of installed ``packages`` (sorted files, deterministic) as
+    ``(text, package, header_chars)``: ``whole`` = the def line through the end of the body (at most
+    ``max_lines``, with a body past the docstring), else def .. end of docstring (the completion prompt);
+    ``header_chars`` = length of the def .. docstring part (the prompt of a whole function)."""
+    out = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(list(spec.submodule_search_locations)[0])
+        for p in sorted(root.rglob("*.py")):
+            try:
+                if p.stat().st_size > 400_000:
+                    continue
+                src = p.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            for node, head_end, lines in _functions(src, min_doc_chars):
+                start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+                head = textwrap.dedent("\n".join(lines[start - 1: head_end])) + "\n"
+                if not whole:
+                    out.append((head, name, len(head)))
+                    continue
+                end = node.end_lineno or head_end
+                if end <= head_end or end - start + 1 > max_lines:
+                    continue
+                body = textwrap.dedent("\n".join(lines[start - 1: end])) + "\n"
+                hlen = len("\n".join(body.split("\n")[: head_end - start + 1])) + 1  # through the docstring's line
+                out.append((body, name, hlen))
     return out
 
 

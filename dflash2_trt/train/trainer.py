@@ -46,7 +46,7 @@ from dflash2_trt.config import ARCH_V1, ARCH_V2, DFlash2Config, rope_from_hf
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model import DFlash2Drafter
 from dflash2_trt.model.checkpoint import (TOKEN_COUNTS_NAME, WEIGHTS_NAME, _read_tensors, frequent_ids,
-                                         load_state_into)
+                                         load_state_into, read_token_counts)
 from dflash2_trt.train import data as D
 
 
@@ -66,7 +66,8 @@ class TrainConfig:
     init_layers: list[int] | None = None  # target layers copied into the drafter layers (default: the last ones)
     steps: int = 500
     batch_seqs: int = 8
-    anchors_per_seq: int = 32
+    anchors_per_seq: int = 32  # 0: every response position (every on-chain position of teacher-forced text)
+    epochs: float = 0.0  # > 0: steps = ceil(epochs x train rows / batch_seqs), rows drawn epoch by epoch
     lr: float = 6e-4
     warmup: float = 0.04
     weight_decay: float = 0.0
@@ -199,7 +200,7 @@ def gather_batch(data: D.GeneratedData, rows: np.ndarray, anchors: list[np.ndarr
         feats[j, :n] = r.feats
         blk_seq.append(np.full(a.shape[0], j))
         anc.append(a)
-        labels.append(D.block_labels(r.tokens, a, block_size))
+        labels.append(data.labels(int(rows[j]), a, block_size))
         p = np.clip(a[:, None] + np.arange(block_size)[None, :] - 1, 0, n - 1)  # [nb_j, bs]
         kli.append(np.asarray(r.topk_ids)[p].astype(np.int64))
         klp.append(np.asarray(r.topk_logp)[p].astype(np.float32))
@@ -210,14 +211,20 @@ def gather_batch(data: D.GeneratedData, rows: np.ndarray, anchors: list[np.ndarr
 
 
 def make_batch(step: int, seed: int, data: D.GeneratedData, train_rows: np.ndarray, block_size: int,
-               batch_seqs: int, anchors_per_seq: int) -> Batch:
-    """Deterministic in (seed, step): the data a resumed run sees equals an uninterrupted one."""
+               batch_seqs: int, anchors_per_seq: int, by_epoch: bool = False) -> Batch:
+    """Deterministic in (seed, step): the data a resumed run sees equals an uninterrupted one.
+
+    Rows: ``batch_seqs`` random ones per step, or (``by_epoch``) the step's slice of a per-epoch permutation
+    (every row once per epoch). Anchors: ``anchors_per_seq`` random ones per row (0: all of them)."""
     rng = np.random.default_rng([seed, step])
-    rows = rng.choice(train_rows, size=min(batch_seqs, train_rows.size), replace=False)
-    anchors = []
-    for i in rows:
-        r = data.row(int(i))
-        anchors.append(D.response_anchors(rng, r.tokens.shape[0], r.prompt_len, anchors_per_seq))
+    if by_epoch:
+        per_epoch = -(-train_rows.size // batch_seqs)
+        epoch, k = divmod(step, per_epoch)
+        perm = np.random.default_rng([seed, epoch, 2]).permutation(train_rows)
+        rows = perm[k * batch_seqs: (k + 1) * batch_seqs]
+    else:
+        rows = rng.choice(train_rows, size=min(batch_seqs, train_rows.size), replace=False)
+    anchors = [data.anchors(rng, int(i), anchors_per_seq if anchors_per_seq > 0 else 1 << 30) for i in rows]
     return gather_batch(data, rows, anchors, block_size)
 
 
@@ -366,14 +373,15 @@ def offline_tau(d: DFlash2Drafter, data: D.GeneratedData, rows: np.ndarray, max_
 
     The stored row *is* the target's greedy chain and its features are the ones verification would
     commit, so each cycle's acceptance is exact up to floating-point differences between batched
-    generation and one-request decoding. Rows sampled at T = 1 are skipped (their tokens are not the
+    generation and one-request decoding. Rows sampled at T = 1 and teacher-forced rows are skipped (their tokens are not the
     greedy chain). The walk is lock-step across rows: one block per active row per iteration.
     """
     d = d.eval()
     cfg = d.config
     bs, L = cfg.block_size, cfg.block_size - 1
     keep = [int(i) for i in rows
-            if data.row(int(i)).temperature == 0.0 and data.row(int(i)).tokens.shape[0] - data.row(int(i)).prompt_len >= 2]
+            if data.row(int(i)).temperature == 0.0 and not data.row(int(i)).teacher_forced
+            and data.row(int(i)).tokens.shape[0] - data.row(int(i)).prompt_len >= 2]
     if not keep:
         raise DFlash2Error("offline τ: no greedy held-out row")
     rs = [data.row(i) for i in keep]
@@ -481,6 +489,24 @@ def _read_tensors_file(path: Path) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------
 
 
+def write_trained_prompts(out: Path, data: D.GeneratedData, init_dir: Path | None) -> None:
+    """OUT/trained_prompts.txt: the hashes of every prompt (or teacher-forced text) of the data folders — held-out
+    shards included — and of the warm start's own list, so a drafter's folder names everything any of its
+    stages saw (``make-data --exclude DRAFTER`` keeps it out of new data; the shards themselves are too
+    big to keep)."""
+    from dflash2_trt.train.make_data import TRAINED_PROMPTS
+    from dflash2_trt.train.prompts import prompt_hash, read_hash_list
+
+    hashes = {prompt_hash(t) for t in data.prompt_texts()}
+    inherited = set()
+    if init_dir is not None and (init_dir / TRAINED_PROMPTS).is_file():
+        inherited = read_hash_list(init_dir / TRAINED_PROMPTS)
+    head = (f"# prompt hashes (sha1[:16] of the text) of every prompt this drafter was trained on: "
+            f"{len(hashes)} in {', '.join(str(r) for r in data.roots)}; {len(inherited)} inherited from "
+            f"{init_dir}\n")
+    _atomic_write_text(head + "".join(h + "\n" for h in sorted(hashes | inherited)), out / TRAINED_PROMPTS)
+
+
 def prepare(tc: TrainConfig):  # noqa: ANN201
     """Load the target (frozen embedding / LM head / config) and the data. Returns (target, cfg, data)."""
     from dflash2_trt.target import TargetModel
@@ -499,6 +525,8 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None)
     """Run (or resume) training; ``stop_after`` ends the process-local run early (tests of --resume)."""
     target, cfg, data = prepare(tc)
     train_rows, held_rows = data.split(tc.heldout_shards)
+    if tc.epochs > 0:
+        tc.steps = max(1, math.ceil(tc.epochs * train_rows.size / tc.batch_seqs))
     d, info = init_drafter(cfg, target, tc.seed, tc.init, tc.init_layers)
     d.train()
     params = [p for p in d.parameters() if p.requires_grad]
@@ -510,7 +538,11 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None)
         start = load_checkpoint(d, opt, tc)
     weights = torch.from_numpy(D.slot_weights(cfg.block_size, tc.gamma)).float()
     counts = data.response_token_counts(train_rows, cfg.vocab_size)
+    init_dir = Path(tc.init) if tc.init not in ("target", "random") else None
+    if init_dir is not None and (init_dir / TOKEN_COUNTS_NAME).is_file():  # a stage counts its ancestors' ids too
+        counts = counts + read_token_counts(init_dir / TOKEN_COUNTS_NAME, cfg.vocab_size)
     d.token_counts = counts
+    write_trained_prompts(out, data, init_dir)
     with open(out / (TOKEN_COUNTS_NAME + ".tmp"), "wb") as f:  # export --draft-vocab reads it
         np.save(f, counts)
     os.replace(out / (TOKEN_COUNTS_NAME + ".tmp"), out / TOKEN_COUNTS_NAME)
@@ -546,7 +578,8 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None)
                 break
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, tc.steps, tc.lr, tc.warmup)
-            b = make_batch(step, tc.seed, data, train_rows, cfg.block_size, tc.batch_seqs, tc.anchors_per_seq)
+            b = make_batch(step, tc.seed, data, train_rows, cfg.block_size, tc.batch_seqs, tc.anchors_per_seq,
+                           by_epoch=tc.epochs > 0)
             vocab = None
             if frequent is not None:
                 ids = np.concatenate([b.labels.ravel(), b.kl_ids.ravel() if tc.kl_weight > 0 else b.labels[:0].ravel()])
