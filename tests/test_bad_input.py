@@ -74,6 +74,8 @@ def test_prompt_file_of_invalid_utf8(tiny_export, tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_bytes(b'{"prompt": "caf\xe9"}\n')
     _one_line(capsys, main(["bench", "--model-dir", str(tiny_export), "--prompts", str(f)]), "not valid UTF-8")
+    f.write_text('{"prompt": "caf\\udce9"}\n')  # valid UTF-8 bytes, but JSON spells a lone surrogate
+    _one_line(capsys, main(["bench", "--model-dir", str(tiny_export), "--prompts", str(f)]), "p.jsonl:1: not valid")
 
 
 @pytest.fixture(scope="module")

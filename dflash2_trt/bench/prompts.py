@@ -57,6 +57,10 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
                 obj = json.loads(line)
             except ValueError as e:
                 raise DFlash2Error(f"{path}:{n}: not valid JSON: {e}") from None
+            try:  # JSON may spell a lone surrogate (\udcff): no tokenizer can encode it
+                json.dumps(obj, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise DFlash2Error(f"{path}:{n}: not valid UTF-8 text (a lone surrogate escape)") from None
             if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
                 items.append({"prompt": obj["prompt"]})
             elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and obj["messages"]:
