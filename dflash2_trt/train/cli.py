@@ -28,7 +28,13 @@ def add_parser(sub) -> None:  # noqa: ANN001
     m.add_argument("--max-shards", type=V.COUNT, default=None,
                    help="stop after the first N shards (same prompt list; rerun without it to continue)")
     m.add_argument("--exclude", nargs="+", default=(), metavar="DATA",
-                   help="earlier make-data folders: skip their prompts (to add new data beside them)")
+                   help="earlier make-data folders, or drafter folders / their trained_prompts.txt: skip those "
+                        "prompts (new data beside them)")
+    m.add_argument("--code-packages", action="store_true",
+                   help="code prompts also from installed permissively-licensed packages (licences in meta.json)")
+    m.add_argument("--teacher-forced", action="store_true",
+                   help="no generation: run package functions through the target, label only where the text "
+                        "stays on its greedy chain (--prompts texts, --max-prompt-tokens tokens each)")
     m.add_argument("--threads", type=V.THREADS, default=None, help="torch CPU threads")
 
     t = sub.add_parser("train", help="distil a DFlash 2 drafter from make-data output (SPEC §5)")
@@ -46,7 +52,9 @@ def add_parser(sub) -> None:  # noqa: ANN001
     t.add_argument("--init-layers", default=None, help="comma list of target layers copied by --init target")
     t.add_argument("--steps", type=V.COUNT, default=500)
     t.add_argument("--batch-seqs", type=V.COUNT, default=8)
-    t.add_argument("--anchors-per-seq", type=V.COUNT, default=32)
+    t.add_argument("--anchors-per-seq", type=V.NON_NEGATIVE, default=32, help="0: every response position")
+    t.add_argument("--epochs", type=V.NON_NEGATIVE_NUMBER, default=0.0,
+                   help="> 0: steps = epochs x train rows / batch-seqs, each row once per epoch (overrides --steps)")
     t.add_argument("--lr", type=V.POSITIVE_NUMBER, default=6e-4)
     t.add_argument("--seed", type=V.SEED, default=0)
     t.add_argument("--checkpoint-every", type=V.COUNT, default=100)
@@ -105,11 +113,19 @@ def _run_make_data(a: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
+    if a.teacher_forced:
+        from dflash2_trt.train.teacher_force import TeacherForcedConfig, make_teacher_forced
+
+        tf = TeacherForcedConfig(target=a.target, out=a.out, n_texts=a.prompts, max_tokens=a.max_prompt_tokens,
+                                 shard_size=a.shard_size, target_layer_ids=ids, topk=a.topk, seed=a.seed,
+                                 max_shards=a.max_shards, exclude=tuple(a.exclude))
+        print(json.dumps({"out": str(make_teacher_forced(tf))}))
+        return 0
     cfg = MakeDataConfig(target=a.target, out=a.out, n_prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                          max_prompt_tokens=a.max_prompt_tokens, batch=a.batch, shard_size=a.shard_size,
                          sample_every=a.sample_every, mix=mix, n_self=a.self_instructions,  # type: ignore[arg-type]
                          target_layer_ids=ids, topk=a.topk, seed=a.seed, max_shards=a.max_shards,
-                         exclude=tuple(a.exclude))
+                         exclude=tuple(a.exclude), code_packages=a.code_packages)
     print(json.dumps({"out": str(make_data(cfg))}))
     return 0
 
@@ -160,6 +176,7 @@ def _run_train(a: argparse.Namespace) -> int:
                      selector_rank=a.selector_rank, use_conv=not a.no_conv, use_selector=not a.no_selector,
                      init=a.init, init_layers=[int(x) for x in a.init_layers.split(",")] if a.init_layers else None,
                      steps=a.steps, batch_seqs=a.batch_seqs, anchors_per_seq=a.anchors_per_seq, lr=a.lr, seed=a.seed,
+                     epochs=a.epochs,
                      checkpoint_every=a.checkpoint_every, mask_token_id=a.mask_token_id,
                      sampled_softmax=a.sampled_softmax, random_negatives=a.random_negatives,
                      selector_full_topk=a.selector_full_topk, kl_weight=a.kl_weight, gamma=a.gamma,
