@@ -200,3 +200,42 @@ def test_fuzz_cli_options(tmp_path, monkeypatch, capsys):
         seen_rc.add(rc)
         shutil.rmtree(tmp_path / "out", ignore_errors=True)
     assert 1 in seen_rc
+
+
+def test_fuzz_generate_and_bench_on_a_real_export(small_exports, tmp_path, monkeypatch, capsys):
+    """The same fuzz where the work really runs: random decoding options on a 64-position export (so every run is
+    short), through generate and bench. Exit 0 or 1, never a traceback, nothing written."""
+    exp = str(small_exports / "bs4")
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Hello"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "x"}]})
+                 + "\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    rng = random.Random(7)
+    options = {"--max-new-tokens": ["1", "2", "7", "63", "64", "100000", "0", "-1", "x"],
+               "--temperature": ["0", "0.7", "1", "1e-30", "1e30", "nan", "-1"],
+               "--seed": ["0", "1", "4294967295", "4294967296", "-5"],
+               "--selector": ["greedy", "viterbi", "beam"],
+               "--min-confidence": ["0", "0.5", "1", "1.5", "nan"]}
+    flags = ["--no-selector", "--no-oracle", "--json", "--chat", "--check-lossless"]
+    bench_flags = ["--no-guard", "--ignore-eos", "--json", "--no-oracle"]
+    seen = set()
+    for i in range(30):
+        bench = i % 3 == 2
+        argv = (["bench", "--model-dir", exp, "--prompts", str(f)] if bench
+                else ["generate", "--model-dir", exp, "--prompt", rng.choice(["Hello", "é", BAD_UTF8, ""])])
+        for flag, pool in options.items():
+            if rng.random() < 0.5 and (bench or flag != "--min-confidence"):
+                argv += [flag, rng.choice(pool)]
+        argv += [x for x in (bench_flags if bench else flags) if rng.random() < 0.3]
+        if "--selector" in argv and "--no-selector" in argv:
+            argv.remove("--no-selector")
+        rc = main(argv)
+        out = capsys.readouterr()
+        errors = [ln for ln in out.err.splitlines() if "error" in ln.lower()]
+        assert rc in (0, 1) and "Traceback" not in out.err and len(errors) <= 1, (argv, out.err)
+        assert (rc == 1) == bool(errors) or "--check-lossless" in argv, (argv, rc, out.err)
+        assert list(cwd.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "p.jsonl"]
+        seen.add((argv[0], rc))
+    assert seen == {("generate", 0), ("generate", 1), ("bench", 0), ("bench", 1)}, seen
