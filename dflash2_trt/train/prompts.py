@@ -183,7 +183,27 @@ def package_functions(packages: Iterable[str] = PERMISSIVE_PACKAGES, whole: bool
     """Documented public functions of installed ``packages`` (sorted files, deterministic) as
     ``(text, package, header_chars)``: ``whole`` = the def line through the end of the body (at most
     ``max_lines``, with a body past the docstring), else def .. end of docstring (the completion prompt);
-    ``header_chars`` = length of the def .. docstring part (the prompt of a whole function)."""
+    ``header_chars`` = length of the def .. docstring part (the prompt of a whole function).
+
+    Parsing every installed package takes minutes of CPU: the result is cached under
+    ``~/.cache/dflash2_trt/`` keyed by the arguments and the packages' versions (a resumed make-data reads it)."""
+    import os
+
+    packages = tuple(packages)
+    versions = {k: v["version"] for k, v in package_licences(packages).items()}
+    key = hashlib.sha1(json.dumps([packages, versions, whole, min_doc_chars, max_lines]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2_trt")) / f"package_functions-{key}.json"
+    if cache.is_file():
+        return [tuple(x) for x in json.loads(cache.read_text())]  # type: ignore[misc]
+    out = _package_functions(packages, whole, min_doc_chars, max_lines)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.with_suffix(".tmp").write_text(json.dumps(out))
+    cache.with_suffix(".tmp").replace(cache)
+    return out
+
+
+def _package_functions(packages: tuple[str, ...], whole: bool, min_doc_chars: int, max_lines: int
+                       ) -> list[tuple[str, str, int]]:
     out = []
     for name in packages:
         spec = importlib.util.find_spec(name)
