@@ -222,3 +222,16 @@ def test_build_engines_cleans_the_folder_an_interrupted_build_left(tiny_export, 
     main(["build-engines", str(exp), "--quiet"])
     assert not stale.exists() and f"removed {stale}" in capsys.readouterr().err
     assert read_manifest(exp).files  # the export intact
+
+
+def test_folder_writers_accept_their_own_files():
+    """What train / make-data write (and leave when interrupted) is theirs to continue in."""
+    from dflash2_trt.train.cli import _is_drafter_file
+    from dflash2_trt.train.make_data import _is_data_file
+
+    assert all(map(_is_drafter_file, ["config.json", ".config.json.tmp", "model.safetensors", "model.safetensors.tmp",
+                                      "token_counts.npy", "trained_prompts.txt", "train_log.jsonl", "train_state"]))
+    assert all(map(_is_data_file, ["meta.json", "prompts.jsonl", "prompts.jsonl.tmp", "self_instructions.json",
+                                   "self_instructions.tmp", "shard-00000", "shard-00001.tmp", "shard-00002.part",
+                                   "shard-00002.part.tmp"]))
+    assert not any(map(_is_drafter_file, ["thesis.tex", "target"])) and not _is_data_file("notes.txt")

@@ -195,5 +195,8 @@ def _run_train(a: argparse.Namespace) -> int:
 def _is_drafter_file(name: str) -> bool:
     """What train writes into --out (a resumed run finds them there): the drafter, its token counts, the log,
     the checkpoint folder, and their temporaries."""
-    return name.removesuffix(".tmp") in ("config.json", ".config.json", "model.safetensors", "token_counts.npy",
-                                          "train_log.jsonl", "train_state")
+    from dflash2_trt.model.checkpoint import TOKEN_COUNTS_NAME, WEIGHTS_NAME
+    from dflash2_trt.train.make_data import TRAINED_PROMPTS
+
+    return name.removesuffix(".tmp") in ("config.json", ".config.json", WEIGHTS_NAME, TOKEN_COUNTS_NAME,
+                                          TRAINED_PROMPTS, "train_log.jsonl", "train_state")

@@ -267,8 +267,8 @@ def _write_shard(path: Path, rows: list[tuple], prompt_lens: list[int], temps: l
 
 def _is_data_file(name: str) -> bool:
     """The names make-data writes into its folder (a resumed folder holds some of them)."""
-    return re.fullmatch(r"(self_instructions\.(json|tmp)|meta\.json|prompts\.jsonl(\.tmp)?|shard-\d{5}(\.tmp)?)",
-                        name) is not None
+    return re.fullmatch(r"self_instructions\.(json|tmp)|meta\.json|prompts\.jsonl(\.tmp)?"
+                        r"|shard-\d{5}(\.part)?(\.tmp)?", name) is not None
 
 
 def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | None = None) -> Path:
