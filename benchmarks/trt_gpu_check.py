@@ -181,7 +181,7 @@ def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[di
         same, dq = True, 0.0
         for mode, temp in (("greedy", 0.0), ("viterbi", 0.0), ("viterbi", 0.8)):
             plug = e.draft_runner(mode)  # the plugin head (preferred when built)
-            e.head_engine_key = lambda m: head_key(m)  # type: ignore[method-assign]
+            e.head_engine_key = lambda mode: head_key(mode)  # type: ignore[method-assign]
             dec = e.draft_runner(mode)
             del e.head_engine_key
             plug.reset()

@@ -14,7 +14,9 @@ They *record* what the code under test asks of CUDA and TensorRT; they never com
   which, when it executes, zeroes the output buffers (a real engine writes every output; this one computes
   nothing) — or, with ``FakeTrt(cuda, compute=True)``, runs the engine's ONNX graph with ONNX Runtime on the
   bytes at the bound addresses and writes its outputs there (:class:`OrtEngineExecutor`), so decoding through
-  the TensorRT backend produces real tokens that can be compared with the other backends. Like TensorRT: the plugin registry's ``load_library`` returns None
+  the TensorRT backend produces real tokens that can be compared with the other backends; a graph with the
+  ``DFlash2PathSelector`` plugin node runs that node through the plugin's host twin
+  (``libdflash2_selector_host.so``, ``FakeTrt(..., selector_host=PATH)``), as TensorRT would run the plugin. Like TensorRT: the plugin registry's ``load_library`` returns None
   when a creator of the library is already registered (``IPluginRegistry::loadLibrary``); the ONNX parser
   fails with errors when ``parse_errors`` is set; ``set_optimization_profile_async`` raises RuntimeError
   (the Python binding's way of reporting false) when ``profile_error`` is set; ``deserialize_cuda_engine``
@@ -232,10 +234,11 @@ class FakeTrt:
     Builder: Any
     OnnxParser: Any
 
-    def __init__(self, cuda: FakeCuda, version: str = "10.13.0.35", compute: bool = False) -> None:
+    def __init__(self, cuda: FakeCuda, version: str = "10.13.0.35", compute: bool = False,
+                 selector_host: str | None = None) -> None:
         fake = self
         if compute:
-            cuda.executor = OrtEngineExecutor()
+            cuda.executor = OrtEngineExecutor(selector_host)
         self.__version__ = version
         self.cuda = cuda
         self.loaded_plugins: list[str] = []
@@ -245,6 +248,7 @@ class FakeTrt:
         self.profile_error: str | None = None  # set: set_optimization_profile_async raises RuntimeError(it)
         self.parse_errors: list[str] = []  # set: the ONNX parser fails with these
         self.shape_override: dict[str, tuple[int, ...]] = {}  # engine tensor shapes that differ from the ONNX
+        self.dtype_override: dict[str, str] = {}  # engine tensor types that differ from the ONNX ("BF16", ...)
         self.aux_streams_override: int | None = None  # engines that report auxiliary streams
         self.refuse_plans: set[str] = set()  # plan file names deserialize_cuda_engine refuses (returns None)
         self.Logger = type("Logger", (), {"WARNING": "WARNING", "__init__": lambda s, sev=None: None})
@@ -403,7 +407,7 @@ class FakeEngine:
         return self.fake.TensorIOMode.INPUT if name in self.plan["inputs"] else self.fake.TensorIOMode.OUTPUT
 
     def get_tensor_dtype(self, name: str) -> _Enum:
-        return _Enum(self.tensors[name]["dtype"])
+        return _Enum(self.fake.dtype_override.get(name, self.tensors[name]["dtype"]))
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.fake.shape_override.get(name, self.tensors[name]["shape"]))
@@ -466,27 +470,95 @@ _NP_DTYPE = {"FLOAT": np.float32, "HALF": np.float16, "INT32": np.int32, "INT64"
 class OrtEngineExecutor:
     """Runs a fake engine's ONNX graph with ONNX Runtime (CPU) when its ``execute`` operation executes: inputs
     are read from the fake device memory at the bound addresses with the set shapes, outputs are written back
-    at theirs. The decomposed-selector graphs only (ONNX Runtime has no DFlash2PathSelector kernel)."""
+    at theirs. ONNX Runtime has no DFlash2PathSelector kernel: a graph with that plugin node runs as ONNX
+    Runtime up to the node's inputs, then the node through the plugin's host twin (``selector_host``: the path
+    of ``libdflash2_selector_host.so``, the CPU twin the plugin's kernel is checked against bit for bit)."""
 
-    def __init__(self) -> None:
+    def __init__(self, selector_host: str | None = None) -> None:
         self.sessions: dict[str, Any] = {}
+        self.plugin_nodes: dict[str, Any] = {}  # plan file -> (node, constant inputs) for plugin graphs
         self.runs: dict[str, int] = {}
+        self.selector_host = selector_host
+        self.plugin_runs = 0
 
-    def __call__(self, cuda: FakeCuda, op: tuple) -> None:
+    def _session(self, path: str) -> Any:
+        import onnx
         import onnxruntime as ort
 
+        if path in self.sessions:
+            return self.sessions[path]
+        model = onnx.load(path)
+        node = next((n for n in model.graph.node if n.op_type == "DFlash2PathSelector"), None)
+        if node is None:
+            sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        else:
+            from onnx import helper, numpy_helper
+
+            inits = {t.name: t for t in model.graph.initializer}
+            graph_in = {v.name for v in model.graph.input}
+            consts = {}
+            for name in node.input:
+                if name in inits:
+                    arr = numpy_helper.to_array(inits[name])
+                    consts[name] = arr.view(np.uint16) if arr.dtype.itemsize == 2 and arr.dtype != np.float16 else arr
+            computed = [n for n in node.input if n not in inits and n not in graph_in]
+            model.graph.node.remove(node)
+            for n in list(model.graph.output):
+                if n.name in node.output:
+                    model.graph.output.remove(n)
+            info = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+            outs = {v.name for v in model.graph.output}
+            model.graph.output.extend(info[n] for n in dict.fromkeys(computed) if n not in outs)
+            sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            self.plugin_nodes[path] = (node, consts)
+        self.sessions[path] = sess
+        return sess
+
+    def _plugin(self, node: Any, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The DFlash2PathSelector node on ``values`` (its inputs by name) through the host twin."""
+        import ctypes
+
+        assert self.selector_host, "a plugin graph needs FakeTrt(..., selector_host=libdflash2_selector_host.so)"
+        lib = ctypes.CDLL(self.selector_host)
+        attrs = {a.name: (a.s.decode() if a.type == a.STRING else a.i) for a in node.attribute}
+        cand, unary, hid, anchor, pred, succ, temp, uni = (np.ascontiguousarray(values[n]) for n in node.input)
+        B, L, K = cand.shape
+        V, r = pred.shape
+        elem = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}[hid.dtype]
+        path = np.zeros((B, L), np.int32)
+        probs = np.zeros((B, L, K), np.float32)
+        keep = [cand.astype(np.int32), unary.astype(np.float32), anchor.astype(np.int32), temp.astype(np.float32),
+                uni.astype(np.float32)]  # converted inputs, alive through the call
+        ptr = [keep[0].ctypes.data_as(ctypes.c_void_p), keep[1].ctypes.data_as(ctypes.c_void_p),
+               hid.ctypes.data_as(ctypes.c_void_p), keep[2].ctypes.data_as(ctypes.c_void_p),
+               pred.ctypes.data_as(ctypes.c_void_p), succ.ctypes.data_as(ctypes.c_void_p),
+               keep[3].ctypes.data_as(ctypes.c_void_p), keep[4].ctypes.data_as(ctypes.c_void_p)]
+        I = ctypes.c_int32
+        mode = {"greedy": 0, "viterbi": 1}[attrs.get("mode", "greedy")]
+        rc = lib.dfl2SelectPathsHost(*ptr, I(B), I(L), I(K), I(r), I(V), I(elem), I(mode),
+                                     path.ctypes.data_as(ctypes.c_void_p), probs.ctypes.data_as(ctypes.c_void_p),
+                                     ctypes.c_void_p())
+        assert rc == 0, f"dfl2SelectPathsHost refused its arguments ({rc})"
+        self.plugin_runs += 1
+        return dict(zip(node.output, (path, probs)))
+
+    def __call__(self, cuda: FakeCuda, op: tuple) -> None:
         _, name, _, _, shapes, addresses, _, engine = op
         plan, shapes, addresses = engine.plan, dict(shapes), dict(addresses)
-        if plan["file"] not in self.sessions:
-            self.sessions[plan["file"]] = ort.InferenceSession(plan["file"], providers=["CPUExecutionProvider"])
+        sess = self._session(plan["file"])
         feeds = {}
         for n, spec in plan["inputs"].items():
             dt = np.dtype(_NP_DTYPE[spec["dtype"]])
             shape = shapes[n]
             raw = cuda._mem(addresses[n], int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
             feeds[n] = raw.view(dt).reshape(shape).copy()
-        outs = self.sessions[plan["file"]].run(list(plan["outputs"]), feeds)
-        for n, arr in zip(plan["outputs"], outs):
-            data = np.ascontiguousarray(arr, dtype=_NP_DTYPE[plan["outputs"][n]["dtype"]]).view(np.uint8).ravel()
+        out_names = [o.name for o in sess.get_outputs()]
+        results = dict(zip(out_names, sess.run(out_names, {k: v for k, v in feeds.items()
+                                                           if k in {i.name for i in sess.get_inputs()}})))
+        if plan["file"] in self.plugin_nodes:
+            node, consts = self.plugin_nodes[plan["file"]]
+            results.update(self._plugin(node, {**feeds, **consts, **results}))
+        for n in plan["outputs"]:
+            data = np.ascontiguousarray(results[n], dtype=_NP_DTYPE[plan["outputs"][n]["dtype"]]).view(np.uint8).ravel()
             cuda._mem(addresses[n], data.size)[:] = data
         self.runs[name] = self.runs.get(name, 0) + 1

@@ -183,6 +183,14 @@ class TrtEngine:
                                f"{expected}: the engines do not belong to this export (rebuild with dflash2 "
                                f"build-engines)")
 
+    def check_float_output(self, name: str) -> None:
+        """The host reads ``name`` as fp32 or fp16: a bf16 output (it arrives as its uint16 bit pattern) would be
+        misread as integers, so it is refused at load."""
+        if self.dtypes[name] not in (np.dtype(np.float32), np.dtype(np.float16)):
+            kind = "BF16" if self.dtypes[name] == np.dtype(np.uint16) else str(self.dtypes[name])
+            raise DFlash2Error(f"{self.key}: engine output {name} is {kind}; this runtime reads fp32 or fp16 only "
+                               f"(rebuild with dflash2 build-engines)")
+
     def execute(self, ctx: trt.IExecutionContext) -> None:
         if not ctx.execute_async_v3(self.be.stream):
             raise DFlash2Error(f"TensorRT execution of {self.key} failed (see the TensorRT log above)")
@@ -319,6 +327,7 @@ class TrtTargetRunner:
         shapes.update({n: (1, kvh, self.chunk, d) for n in self.present})
         for name in ("logits", *self.present):  # buffer sizes come from the manifest: the engine must agree
             self.eng.check_static_shape(name, shapes[name])
+        self.eng.check_float_output("logits")
         self.io = _io(be, self.eng, shapes, {"input_ids", "position_ids", "attention_mask", "logits",
                                              "context_features"})
         self.last_path = ""  # "replay" | "captured" | "eager" (for the GPU check)
@@ -418,6 +427,7 @@ class TrtDraftRunner:
             self.head_eng.check_static_shape(name, self.hio[name].max_shape)
         self.head_eng.check_static_shape("hidden", self.bio["hidden"].max_shape)
         self.block_eng.check_static_shape("hidden", self.bio["hidden"].max_shape)
+        self.head_eng.check_float_output("proposal_probs")
         self.K, self.L = K, L
         self.last_path = ""
 
