@@ -15,6 +15,7 @@ from dflash2_trt import DFlash2Error
 from dflash2_trt.export import engines as E
 from dflash2_trt.runtime.protocol import BackendUnavailable
 from dflash2_trt.runtime.trt.backend import TrtBackend
+from test_plugin_selector import plugin_build  # noqa: F401  (the host twin of the plugin, built once)
 from trt_fakes import FakeCuda, FakeTrt
 
 
@@ -330,6 +331,20 @@ def test_head_buffers_sized_by_the_engine(fake_engines):
     be.close()
 
 
+def test_bf16_outputs_are_refused_at_load(fake_engines):
+    """The host reads logits and proposals as fp32 / fp16; a bf16 engine output (its uint16 bits) would be
+    misread as integers: refused when the runner is made, in one line."""
+    be, trt, cuda = _open(fake_engines)
+    trt.dtype_override = {"logits": "BF16", "proposal_probs": "BF16"}
+    be.close()
+    be, _, _ = _open(fake_engines, cuda=cuda, trt=trt)
+    with pytest.raises(DFlash2Error, match="target: engine output logits is BF16; this runtime reads fp32 or fp16"):
+        be.target_runner()
+    with pytest.raises(DFlash2Error, match="engine output proposal_probs is BF16"):
+        be.draft_runner("greedy")
+    be.close()
+
+
 def test_engines_with_auxiliary_streams_are_never_captured(fake_engines):
     """An engine that uses TensorRT auxiliary streams (not one of build-engines': max_aux_streams = 0) runs
     eagerly: a failed capture could leave those streams capturing."""
@@ -400,6 +415,51 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
     runs = cuda.executor.runs
     assert runs["target.onnx"] and runs["drafter_block.onnx"] and runs["drafter_head_viterbi.onnx"]
     assert (be.graphs.stats.replays > 0) == cuda_graphs
+    be.close()
+    ort_be.close()
+
+
+@pytest.fixture(scope="module")
+def acc_plugin_engines(acc_export, tmp_path_factory):
+    """The accepting pair's export with FakeTrt engines of the plugin heads (the default TensorRT path)."""
+    d = tmp_path_factory.mktemp("trt") / "acc-plugin"
+    shutil.copytree(acc_export, d)
+    plugin = d.parent / "libdflash2_plugins.so"
+    plugin.write_bytes(b"\x7fELF fake plugin")
+    cuda = FakeCuda()
+    E.build_engines(d, plugin=plugin, selector="plugin", progress=False, trt_module=FakeTrt(cuda), api=cuda)
+    return d
+
+
+def test_plugin_heads_decode_like_ort_on_the_accepting_pair(acc_plugin_engines, plugin_build):  # noqa: F811
+    """The default TensorRT path, plugin heads, decodes: the fake runs each head's DFlash2PathSelector node
+    through the plugin's host twin (the CPU twin the kernel is checked against bit for bit), the rest of the
+    head with ONNX Runtime. Greedy and Viterbi, T = 0 and 0.8: token for token the ORT backend's output
+    (decomposed selector graphs), drafts accepted."""
+    from conftest import assert_accepts
+    from dflash2_trt.runtime.backends import open_backend
+    from dflash2_trt.runtime.decoder import speculative_generate
+
+    cuda = FakeCuda()
+    trt = FakeTrt(cuda, compute=True, selector_host=str(plugin_build / "lib" / "libdflash2_selector_host.so"))
+    be, _, _ = _open(acc_plugin_engines, cuda=cuda, trt=trt)
+    ort_be, _ = open_backend(acc_plugin_engines, "ort")
+    tgt, ort_tgt = be.target_runner(), ort_be.target_runner()
+    rng = np.random.default_rng(12)
+    accepted: list[int] = []
+    for mode, temp in (("greedy", 0.0), ("viterbi", 0.0), ("greedy", 0.8), ("viterbi", 0.8)):
+        dr = be.draft_runner(mode)
+        assert dr.head_eng.key == f"drafter_head_{mode}_plugin"
+        p = rng.integers(4, 500, size=int(rng.integers(5, 30))).tolist()
+        got = speculative_generate(tgt, dr, p, 30, temperature=temp, eos_ids=set(), seed=4)
+        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p, 30, temperature=temp, eos_ids=set(),
+                                    seed=4)
+        assert got.tokens == want.tokens and got.accepted == want.accepted, (mode, temp)
+        accepted += got.accepted
+    assert_accepts(accepted, 15, "TensorRT plugin heads")
+    runs = cuda.executor.runs
+    assert runs["drafter_head_greedy.plugin.onnx"] and runs["drafter_head_viterbi.plugin.onnx"]
+    assert cuda.executor.plugin_runs == runs["drafter_head_greedy.plugin.onnx"] + runs["drafter_head_viterbi.plugin.onnx"]
     be.close()
     ort_be.close()
 
