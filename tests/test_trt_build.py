@@ -48,14 +48,17 @@ def test_profiles_cover_every_dynamic_input(tiny_export):
     assert [p.name for p in tp] == ["prefill", "step"]
     shapes = E.input_shapes(m.graphs["target"], tp[1].dims)
     assert shapes["input_ids"] == ((1, 1), (1, 16), (1, 16))
-    assert shapes["attention_mask"] == ((1, 257), (1, 272), (1, 528))
-    assert shapes["past_key_values.0.key"] == ((1, 2, 256, 16), (1, 2, 256, 16), (1, 2, 512, 16))
+    # capacity opt: the bucket of a typical length (TYPICAL_POSITIONS, here capped by the 512 exported)
+    assert shapes["attention_mask"] == ((1, 257), (1, 528), (1, 528))
+    assert shapes["past_key_values.0.key"] == ((1, 2, 256, 16), (1, 2, 512, 16), (1, 2, 512, 16))
+    long = dataclasses.replace(m, max_seq_len=4000)  # capacity 4096: opt at the 1024 bucket, not the smallest
+    assert E.profiles_for(long, "target", 256)[1].dims["capacity"] == (256, 1024, 4096)
     assert E.input_shapes(m.graphs["target"], tp[0].dims)["input_ids"][2] == (1, 256)
     for key in E.graph_keys(m, "both"):
         for p in E.profiles_for(m, key, 64):
             E.input_shapes(m.graphs[key], p.dims)  # raises if a dynamic dim is not covered
     blk = E.input_shapes(m.graphs["drafter_block"], E.profiles_for(m, "drafter_block", 64)[0].dims)
-    assert blk["context_mask"] == ((1, 256), (1, 256), (1, 512))
+    assert blk["context_mask"] == ((1, 256), (1, 512), (1, 512))
     head = E.input_shapes(m.graphs["drafter_head_greedy_plugin"],
                           E.profiles_for(m, "drafter_head_greedy_plugin", 64)[0].dims)
     assert head["hidden"] == ((1, 16, 64),) * 3

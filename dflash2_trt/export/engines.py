@@ -120,13 +120,20 @@ def source_graph(manifest: ExportManifest, key: str) -> str:
     return QDQ_KEY if key == "target" and QDQ_KEY in manifest.graphs else key
 
 
+#: the cache length TensorRT tunes the capacity dims at (profile opt): a typical request's prompt + output,
+#: not the smallest bucket (tactics picked for 256 positions can be slow at the lengths requests run at)
+TYPICAL_POSITIONS = 1024
+
+
 def profiles_for(manifest: ExportManifest, key: str, prefill_rows: int) -> list[EngineProfile]:
-    """Optimization profiles of one graph as named dim ranges ``{dim: (min, opt, max)}``."""
+    """Optimization profiles of one graph as named dim ranges ``{dim: (min, opt, max)}``. Capacity dims: min one
+    ``kv_capacity_step`` bucket, opt the bucket holding ``TYPICAL_POSITIONS`` (at most the exported capacity)."""
     bs = manifest.block_size
     step = manifest.kv_capacity_step
     P = max(bs, min(int(prefill_rows), manifest.max_seq_len))
     batch = (1, 1, 1)
-    capacity = (step, step, manifest.max_capacity)
+    typical = min(manifest.max_capacity, -(-TYPICAL_POSITIONS // step) * step)
+    capacity = (step, typical, manifest.max_capacity)
     role = manifest.graphs[key].role
     if role == "target":
         def tgt(rows: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
