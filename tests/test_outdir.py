@@ -204,6 +204,21 @@ def test_folder_writers_refuse_foreign_folders(tiny_dir, tmp_path, capsys):
                                          "--out", str(mine)]))
     assert "not a drafter folder" in line
     assert _tree(mine) == before
+    # names alone prove nothing: a model folder (config.json + weights) is not a training run, a meta.json
+    # without make-data's key is not make-data's
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    line = _one_line_error(capsys, main(["train", "--target", str(tiny_dir / "target"), "--data", str(tmp_path),
+                                         "--out", str(model)]))
+    assert "no training run to resume" in line
+    (model / "config.json").unlink()
+    (model / "model.safetensors").unlink()
+    (model / "meta.json").write_text("{}")
+    line = _one_line_error(capsys, main(["make-data", "--target", str(tiny_dir / "target"), "--out", str(model)]))
+    assert "no make-data meta.json" in line
+    assert _tree(model) == {"meta.json": b"{}"}
     # a make-tiny folder is make-tiny's to rewrite
     assert main(["make-tiny", "--out", str(tmp_path / "t")]) == 0
     assert main(["make-tiny", "--out", str(tmp_path / "t"), "--seed", "1"]) == 0

@@ -172,6 +172,9 @@ def _run_train(a: argparse.Namespace) -> int:
         raise DFlash2Error(f"{a.out} already holds a training run: pass --resume, or choose another --out")
     if a.resume and not state.is_file():
         raise DFlash2Error(f"--resume: no checkpoint in {Path(a.out) / 'train_state'}")
+    if not a.resume and Path(a.out).is_dir() and any(Path(a.out).iterdir()):  # a drafter we did not train
+        raise DFlash2Error(f"--out {a.out} is not empty and holds no training run to resume; refusing to write "
+                           f"into it: choose another --out")
     tc = TrainConfig(target=a.target, data=a.data, out=a.out, block_size=a.block_size, layers=a.layers,
                      selector_rank=a.selector_rank, use_conv=not a.no_conv, use_selector=not a.no_selector,
                      init=a.init, init_layers=[int(x) for x in a.init_layers.split(",")] if a.init_layers else None,

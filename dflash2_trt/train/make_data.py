@@ -271,6 +271,23 @@ def _is_data_file(name: str) -> bool:
                         r"|shard-\d{5}(\.part)?(\.tmp)?", name) is not None
 
 
+def _check_resumable(out: Path) -> None:
+    """A non-empty --out must be make-data's own: its meta.json (with the settings key), or only the self-written
+    instructions of a run interrupted before it."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if isinstance(meta, dict) and "key" in meta:
+        return
+    if {p.name for p in out.iterdir()} <= {"self_instructions.json", "self_instructions.tmp"}:
+        return
+    raise DFlash2Error(f"--out {out} holds no make-data meta.json to resume from; refusing to write into it: "
+                       f"choose another --out")
+
+
 def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | None = None) -> Path:
     """Generate (or resume) the data folder. ``prompts`` ({"src", "chat", "text"} items) replaces the
     built-in prompt mix (tests, custom sets); the benchmark-overlap filter applies to them too."""
@@ -280,6 +297,7 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
 
     out = Path(cfg.out)
     check_entries(out, "--out", _is_data_file, "make-data output")  # it resumes here: never in a foreign folder
+    _check_resumable(out)
     out.mkdir(parents=True, exist_ok=True)
     target = TargetModel.load(cfg.target)
     tok = target.tokenizer
@@ -346,7 +364,7 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
 
         bar = tqdm(total=n_shards * cfg.shard_size, initial=(n_shards - len(todo)) * cfg.shard_size,
                    desc="make-data", unit="prompt", file=sys.stderr)
-    t0, n_tok = time.perf_counter(), 0
+    t0, c0, n_tok = time.perf_counter(), time.process_time(), 0
     for s in todo:
         items = plist[s * cfg.shard_size: (s + 1) * cfg.shard_size]
         order = sorted(range(len(items)), key=lambda i: len(items[i]["ids"]))  # similar lengths per batch
@@ -367,8 +385,11 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
                 bar.update(len(bi))
                 bar.set_postfix(gen_tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}")
         _write_shard(out / f"shard-{s:05d}", rows, plens, temps)
+        # CPU seconds too: on a shared machine the wall-clock rate says little about the cost
         print(json.dumps({"shard": s, "generated_tokens": n_tok,
-                          "tokens_per_s": round(n_tok / (time.perf_counter() - t0), 1)}), file=sys.stderr, flush=True)
+                          "tokens_per_s": round(n_tok / (time.perf_counter() - t0), 1),
+                          "tokens_per_cpu_s": round(n_tok / max(time.process_time() - c0, 1e-9), 1)}),
+              file=sys.stderr, flush=True)
     if bar is not None:
         bar.close()
     el = time.perf_counter() - t0
