@@ -142,7 +142,7 @@ def make_teacher_forced(cfg: TeacherForcedConfig, progress: bool = True) -> Path
     if cfg.max_shards is not None:
         n_shards = min(n_shards, cfg.max_shards)
     todo = [s for s in range(n_shards) if not (out / f"shard-{s:05d}").is_dir()]
-    t0, n_tok, n_lab = time.perf_counter(), 0, 0
+    t0, c0, n_tok, n_lab = time.perf_counter(), time.process_time(), 0, 0
     for s in todo:
         items = plist[s * cfg.shard_size: (s + 1) * cfg.shard_size]
         order = sorted(range(len(items)), key=lambda i: len(items[i]["ids"]))  # little padding per batch
@@ -167,5 +167,7 @@ def make_teacher_forced(cfg: TeacherForcedConfig, progress: bool = True) -> Path
         os.replace(part, out / f"shard-{s:05d}")
         el = time.perf_counter() - t0
         print(json.dumps({"shard": s, "tokens": n_tok, "on_chain_tokens": n_lab, "agreement": round(n_lab / max(n_tok, 1), 3),
-                          "tokens_per_s": round(n_tok / el, 1)}), file=sys.stderr, flush=True)
+                          "tokens_per_s": round(n_tok / el, 1),
+                          "tokens_per_cpu_s": round(n_tok / max(time.process_time() - c0, 1e-9), 1)}),
+              file=sys.stderr, flush=True)
     return out
