@@ -24,6 +24,7 @@ from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft,
 from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 from dflash2_trt.vocabulary import INDEPENDENT, head_key
 
+ATTENTION_CHOICES = ("auto", "decode", "gqa")  # OrtBackend(attention=...): the fused target's attention op
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
 
 
@@ -36,18 +37,33 @@ def import_ort():  # noqa: ANN201
     return ort
 
 
+def cpu_session_options(ort, threads: int | None):  # noqa: ANN001, ANN201
+    """The session options of every graph this backend opens (benchmarks that profile a graph take them from here)."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        so.intra_op_num_threads = threads
+    # no busy-waiting worker threads: decode calls are short and CPUs are often shared (a spinning pool
+    # made small graphs ~6x slower on a loaded 2-core machine)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
 class _Session:
     """One graph: plain ``run`` on CPU; IOBinding on CUDA (optionally replaying a captured CUDA graph)."""
 
-    def __init__(self, ort, path: Path, provider: str, threads: int | None, cuda_graph: bool = False) -> None:  # noqa: ANN001
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            so.intra_op_num_threads = threads
-        # no busy-waiting worker threads: decode calls are short and CPUs are often shared (a spinning pool
-        # made small graphs ~6x slower on a loaded 2-core machine)
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    def __init__(self, ort, path: Path, provider: str, threads: int | None, cuda_graph: bool = False,  # noqa: ANN001
+                 decode_attention: bool = False) -> None:
+        so = cpu_session_options(ort, threads)
+        model: str | bytes = str(path)
+        self.decode_attention = False
+        if decode_attention:  # the fused target with dflash2.DecodeAttention (see runtime/ort/decode_attention.py)
+            from dflash2_trt.runtime.ort import decode_attention as DA
+
+            swapped = DA.prepare(so, path)
+            if swapped is not None:
+                model, self.decode_attention = swapped, True
         self.provider = provider
         self.cuda_graph = cuda_graph and provider == "CUDAExecutionProvider"
         if provider == "CUDAExecutionProvider":
@@ -56,7 +72,7 @@ class _Session:
         else:
             providers = ["CPUExecutionProvider"]
         try:
-            self.sess = ort.InferenceSession(str(path), so, providers=providers)
+            self.sess = ort.InferenceSession(model, so, providers=providers)
         except Exception as e:  # ORT raises its own exception types
             raise DFlash2Error(f"ONNX Runtime cannot load {path.name}: {str(e).splitlines()[0][:300]}") from None
         self.ort = ort
@@ -128,10 +144,13 @@ class OrtBackend(BackendBase):
     name = "ort"
 
     def __init__(self, model_dir: str | Path, provider: str = "auto", verify_checksums: bool = True,
-                 threads: int | None = None, flavour: str = "auto") -> None:
+                 threads: int | None = None, flavour: str = "auto", attention: str = "auto") -> None:
         """flavour: 'auto' runs the fused ONNX Runtime graphs (``target_ort`` and ``*_ort`` variants, see
         :mod:`dflash2_trt.runtime.ort.fused_target`) when the export has them and the provider is the CPU;
-        'standard' runs the standard-ONNX graphs (the TensorRT flavour) only."""
+        'standard' runs the standard-ONNX graphs (the TensorRT flavour) only.
+        attention (fused target only): 'auto' swaps GroupQueryAttention for dflash2.DecodeAttention when its
+        library is built (:mod:`dflash2_trt.runtime.ort.decode_attention`), 'decode' requires it, 'gqa' keeps
+        ORT's op."""
         self.dir = Path(model_dir)
         ort = import_ort()
         self.manifest: ExportManifest = read_manifest(self.dir, verify_checksums)
@@ -151,6 +170,16 @@ class OrtBackend(BackendBase):
         if flavour not in ("auto", "standard"):
             raise DFlash2Error(f"ORT graph flavour must be 'auto' or 'standard', got {flavour!r}")
         self.fused = flavour == "auto" and provider == "CPUExecutionProvider" and TARGET_ORT in m.graphs
+        if attention not in ATTENTION_CHOICES:
+            raise DFlash2Error(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
+        self.decode_attention = False
+        if self.fused and attention != "gqa":
+            from dflash2_trt.runtime.ort import decode_attention as DA
+
+            ok, why = DA.available()
+            if not ok and attention == "decode":
+                raise DFlash2Error(f"attention 'decode' is unavailable: {why}")
+            self.decode_attention = ok
 
     @property
     def description(self) -> str:
@@ -162,6 +191,15 @@ class OrtBackend(BackendBase):
         q = self.manifest.quantization.kind
         return ("fused" + (f", {q}" if q != "none" else "")) if self.fused else "standard"
 
+    @property
+    def attention_op(self) -> str | None:
+        """The fused target's attention op: 'DecodeAttention' or 'GroupQueryAttention' (None: not fused)."""
+        if not self.fused:
+            return None
+        s = self._sessions.get(TARGET_ORT)
+        swapped = s.decode_attention if s is not None else self.decode_attention
+        return "DecodeAttention" if swapped else "GroupQueryAttention"
+
     def session(self, key: str) -> _Session:
         if self.fused and key + ORT_SUFFIX in self.manifest.graphs:
             key = key + ORT_SUFFIX  # the (quantized) ONNX Runtime variant of the graph
@@ -172,7 +210,8 @@ class OrtBackend(BackendBase):
             if g.selector == "plugin":
                 raise DFlash2Error(f"graph {key!r} holds the TensorRT plugin node; ONNX Runtime runs the decomposed "
                                    f"variant")
-            s = _Session(self.ort, self.dir / g.file, self.provider, self.threads, cuda_graph=g.role == "drafter_head")
+            s = _Session(self.ort, self.dir / g.file, self.provider, self.threads, cuda_graph=g.role == "drafter_head",
+                         decode_attention=key == TARGET_ORT and self.decode_attention)
             _check_interface(s, g)
             self._sessions[key] = s
         return self._sessions[key]

@@ -1,0 +1,98 @@
+"""The fused target with ``dflash2.DecodeAttention`` in place of ``com.microsoft.GroupQueryAttention``: the
+custom-op library of ``plugins/ortDecodeAttention`` (built with CMake, loaded into the session) and the load-time
+graph rewrite that swaps the op.
+
+Why: ORT's CPU GroupQueryAttention runs Q x K' and P x V as small per-head GEMMs, and with more than one new row it
+leaves the GEMV path and packs V per head per call: at 1024 cached positions a 2-row call's attention costs about
+twice a 1-row call's (benchmarks/ort_op_profile.py). DecodeAttention walks each row's keys and values once, so k
+rows cost k x their arithmetic, and a row's output does not depend on the number of rows in the call (row i of a
+k-row verify equals the plain step at that position bit for bit; tests/test_ort_decode_attention.py).
+
+The rewrite keeps every other node and the weights (read from the export folder's external data file, so the
+weights are on disk and in memory once). It needs the ``onnx`` package to edit the graph and the built library;
+without either, the runtime runs GroupQueryAttention as before (:func:`available` says why).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+LIBRARY_ENV = "DFLASH2_ORT_OPS"  # path of libdflash2_ort_ops.so, overriding the search below
+LIBRARY_NAME = "libdflash2_ort_ops.so"
+OP_DOMAIN = "dflash2"
+OP_TYPE = "DecodeAttention"
+_ROOT = Path(__file__).resolve().parents[3]
+
+
+def find_library() -> Path | None:
+    """$DFLASH2_ORT_OPS, else the package folder, else the source tree's CMake build (build/ort_ops)."""
+    env = os.environ.get(LIBRARY_ENV)
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    for p in (Path(__file__).resolve().parent / LIBRARY_NAME, _ROOT / "build" / "ort_ops" / LIBRARY_NAME):
+        if p.is_file():
+            return p
+    return None
+
+
+def available() -> tuple[bool, str]:
+    """(usable, why not)."""
+    if find_library() is None:
+        return False, (f"{LIBRARY_NAME} not built (cmake -S plugins/ortDecodeAttention -B build/ort_ops "
+                       f"-DORT_INCLUDE_DIR=...; or set {LIBRARY_ENV})")
+    try:
+        import onnx  # noqa: F401
+    except ImportError:
+        return False, "the onnx package is not installed (needed to swap the attention op)"
+    return True, ""
+
+
+def rewrite(path: Path) -> bytes | None:
+    """target_ort.onnx (fp32, external weights left on disk) with every GroupQueryAttention node replaced by
+    DecodeAttention -> serialized model; None when the graph has none or its caches are not fp32."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    kv = [i for i in model.graph.input if i.name.startswith("past_key_values")]
+    if not kv or kv[0].type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
+        return None
+    n_swapped = 0
+    for node in model.graph.node:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("do_rotary", 0) != 1 or attrs.get("rotary_interleaved", 0) != 0 or \
+                attrs.get("local_window_size", -1) not in (-1, 0) or attrs.get("softcap", 0.0) != 0.0:
+            return None  # a variant DecodeAttention does not implement
+        ins = list(node.input)
+        # qkv (packed; key/value inputs empty), past_key, past_value, seqlens_k, total_sequence_length, cos, sin
+        if len(ins) < 9 or ins[1] or ins[2]:
+            return None
+        node.ClearField("input")
+        node.input.extend([ins[0], *ins[3:9]])
+        node.ClearField("attribute")
+        node.attribute.extend([helper.make_attribute("num_heads", int(attrs["num_heads"])),
+                               helper.make_attribute("kv_num_heads", int(attrs["kv_num_heads"])),
+                               helper.make_attribute("scale", float(attrs.get("scale", 0.0)))])
+        node.op_type, node.domain = OP_TYPE, OP_DOMAIN
+        n_swapped += 1
+    if not n_swapped:
+        return None
+    model.opset_import.append(helper.make_opsetid(OP_DOMAIN, 1))
+    return model.SerializeToString()
+
+
+def prepare(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.SessionOptions
+    """Register the library on ``so`` and return the rewritten model (weights from ``path``'s folder), or None
+    (``so`` untouched) when the graph cannot take the op."""
+    model = rewrite(path)
+    if model is None:
+        return None
+    lib = find_library()
+    assert lib is not None
+    so.register_custom_ops_library(str(lib))
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    return model

@@ -1,0 +1,262 @@
+//! \file decodeAttention.cpp
+//! See decodeAttention.h. Loops are written so the compiler vectorizes them (`omp simd` reductions over d).
+#include "decodeAttention.h"
+
+#include <algorithm>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <vector>
+
+namespace dflash2
+{
+namespace
+{
+
+//! Non-interleaved rotary (rotate_half) of one head vector x [d] at position pos -> y [d].
+inline void rotate(float const* x, float const* cosRow, float const* sinRow, int64_t d, float* y) noexcept
+{
+    int64_t const h = d / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i)
+    {
+        float const a = x[i];
+        float const b = x[i + h];
+        y[i] = a * cosRow[i] - b * sinRow[i];
+        y[i + h] = b * cosRow[i] + a * sinRow[i];
+    }
+}
+
+} // namespace
+
+void decodeAttentionWriteKv(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
+    float const* sinTable, float* keyCache, float* valueCache) noexcept
+{
+    int64_t const d = s.headDim;
+    int64_t const rowStride = (s.numHeads + 2 * s.kvHeads) * d;
+    for (int64_t r = 0; r < s.rows; ++r)
+    {
+        int64_t const pos = s.past + r;
+        float const* row = qkv + r * rowStride;
+        for (int64_t k = 0; k < s.kvHeads; ++k)
+        {
+            float const* key = row + (s.numHeads + k) * d;
+            float const* value = row + (s.numHeads + s.kvHeads + k) * d;
+            rotate(key, cosTable + pos * (d / 2), sinTable + pos * (d / 2), d, keyCache + (k * s.capacity + pos) * d);
+            std::copy(value, value + d, valueCache + (k * s.capacity + pos) * d);
+        }
+    }
+}
+
+namespace
+{
+
+#if defined(__AVX2__) && defined(__FMA__)
+//! e^x for 8 lanes (Cephes expf: Cody-Waite range reduction + degree-5 polynomial; relative error ~1e-7);
+//! inputs are scores minus their maximum, so x <= 0 (clamped below at -87.3, where e^x underflows).
+inline __m256 exp8(__m256 x) noexcept
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3F));
+    __m256 const n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341F)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375F), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4F), r);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4F);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3F));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3F));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2F));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1F));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1F));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.F)));
+    __m256i const e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+//! 8 dot products q . keys[k] (k < 8), keys [8, d] row-major, d % 8 == 0.
+inline __m256 dot8(float const* q, float const* keys, int64_t d) noexcept
+{
+    __m256 a[8];
+    for (auto& v : a)
+    {
+        v = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < d; i += 8)
+    {
+        __m256 const qv = _mm256_loadu_ps(q + i);
+        for (int k = 0; k < 8; ++k)
+        {
+            a[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + k * d + i), a[k]);
+        }
+    }
+    __m256 const t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 const t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+#endif
+
+inline float dot(float const* q, float const* key, int64_t d) noexcept
+{
+    float acc = 0.F;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < d; ++i)
+    {
+        acc += q[i] * key[i];
+    }
+    return acc;
+}
+
+//! One query row against slots 0..n-1: out [d] = softmax(scale q . K') V. scores: n + 8 floats.
+void attendRow(float const* q, float const* keys, float const* values, int64_t n, int64_t capacity, int64_t d,
+    float scale, float* scores, float* out) noexcept
+{
+    int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d % 8 == 0)
+    {
+        __m256 const vs = _mm256_set1_ps(scale);
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (; j + 8 <= capacity && j < n; j += 8) // whole blocks of 8 slots (slots >= n are computed, not used)
+        {
+            __m256 const sc = _mm256_mul_ps(dot8(q, keys + j * d, d), vs);
+            _mm256_storeu_ps(scores + j, sc);
+            if (j + 8 <= n)
+            {
+                vmax = _mm256_max_ps(vmax, sc);
+            }
+        }
+        for (int64_t t = j; t < n; ++t)
+        {
+            scores[t] = dot(q, keys + t * d, d) * scale;
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        float maxScore = -INFINITY;
+        for (float v : lanes)
+        {
+            maxScore = std::max(maxScore, v);
+        }
+        for (int64_t t = (n / 8) * 8; t < n; ++t)
+        {
+            maxScore = std::max(maxScore, scores[t]);
+        }
+        __m256 const vm = _mm256_set1_ps(maxScore);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8)
+        {
+            __m256 const e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vm));
+            _mm256_storeu_ps(scores + t, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        _mm256_storeu_ps(lanes, vsum);
+        float sum = 0.F;
+        for (float v : lanes)
+        {
+            sum += v;
+        }
+        if (t < n) // tail: the same exp8 on a padded block
+        {
+            float block[8] = {};
+            for (int64_t u = t; u < n; ++u)
+            {
+                block[u - t] = scores[u] - maxScore;
+            }
+            _mm256_storeu_ps(block, exp8(_mm256_loadu_ps(block)));
+            for (int64_t u = t; u < n; ++u)
+            {
+                scores[u] = block[u - t];
+                sum += block[u - t];
+            }
+        }
+        __m256 acc[16];
+        int64_t const chunks = d / 8;
+        if (chunks <= 16)
+        {
+            for (int64_t c = 0; c < chunks; ++c)
+            {
+                acc[c] = _mm256_setzero_ps();
+            }
+            for (int64_t u = 0; u < n; ++u)
+            {
+                __m256 const p = _mm256_set1_ps(scores[u]);
+                float const* v = values + u * d;
+                for (int64_t c = 0; c < chunks; ++c)
+                {
+                    acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                }
+            }
+            __m256 const inv = _mm256_set1_ps(1.F / sum);
+            for (int64_t c = 0; c < chunks; ++c)
+            {
+                _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+            }
+            return;
+        }
+        j = n; // scores done; fall through to the generic P x V below
+        float const inv = 1.F / sum;
+        std::fill(out, out + d, 0.F);
+        for (int64_t u = 0; u < n; ++u)
+        {
+            float const p = scores[u] * inv;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i)
+            {
+                out[i] += p * values[u * d + i];
+            }
+        }
+        return;
+    }
+#endif
+    (void) capacity;
+    float maxScore = -INFINITY;
+    for (; j < n; ++j)
+    {
+        scores[j] = dot(q, keys + j * d, d) * scale;
+        maxScore = std::max(maxScore, scores[j]);
+    }
+    float sum = 0.F;
+    for (int64_t u = 0; u < n; ++u)
+    {
+        scores[u] = std::exp(scores[u] - maxScore);
+        sum += scores[u];
+    }
+    float const inv = 1.F / sum;
+    std::fill(out, out + d, 0.F);
+    for (int64_t u = 0; u < n; ++u)
+    {
+        float const p = scores[u] * inv;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i)
+        {
+            out[i] += p * values[u * d + i];
+        }
+    }
+}
+
+} // namespace
+
+void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
+    float const* sinTable, float const* keyCache, float const* valueCache, float* out, int64_t headBegin,
+    int64_t headEnd, float* scores) noexcept
+{
+    int64_t const d = s.headDim;
+    int64_t const rowStride = (s.numHeads + 2 * s.kvHeads) * d;
+    int64_t const group = s.numHeads / s.kvHeads;
+    float const scale = s.scale != 0.F ? s.scale : 1.F / std::sqrt(static_cast<float>(d));
+    std::vector<float> q(static_cast<size_t>(d));
+    for (int64_t h = headBegin; h < headEnd; ++h)
+    {
+        int64_t const kv = h / group;
+        float const* keys = keyCache + kv * s.capacity * d;     // [C, d]
+        float const* values = valueCache + kv * s.capacity * d; // [C, d]
+        for (int64_t r = 0; r < s.rows; ++r)
+        {
+            int64_t const pos = s.past + r;
+            rotate(qkv + r * rowStride + h * d, cosTable + pos * (d / 2), sinTable + pos * (d / 2), d, q.data());
+            attendRow(q.data(), keys, values, pos + 1, s.capacity, d, scale, scores, out + r * s.numHeads * d + h * d);
+        }
+    }
+}
+
+} // namespace dflash2

@@ -1,0 +1,43 @@
+//! \file decodeAttention.h
+//! The CPU kernel of dflash2.DecodeAttention: GroupQueryAttention (packed QKV, rotary non-interleaved, causal,
+//! one sequence) over a capacity KV buffer, written for the few new rows of a decode or verify step.
+//!
+//! Why not ORT's GroupQueryAttention: its CPU kernel runs Q x K' and P x V as one small GEMM per query head
+//! (MLAS packs K' and, for more than one row, V per head per call), so a 2-row call costs about twice a
+//! 1-row call at long contexts. Here each query row walks its head's keys and values once, and a row's
+//! output does not depend on how many rows share the call: row i of a k-row call equals the 1-row call at
+//! that position bit for bit (the property the lossless verify relies on).
+//!
+//! No ONNX Runtime headers: the op wrapper (ortCustomOp.cpp) calls this with raw pointers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dflash2
+{
+
+struct DecodeAttentionShape
+{
+    int64_t rows;       //!< S: new rows (positions past .. past+S-1)
+    int64_t past;       //!< P: valid cached positions before the new rows
+    int64_t capacity;   //!< C: slots of the KV buffers
+    int64_t numHeads;   //!< query heads
+    int64_t kvHeads;    //!< key/value heads (numHeads % kvHeads == 0)
+    int64_t headDim;    //!< d (even)
+    int64_t ropeRows;   //!< rows of the cos/sin tables (> P + S - 1)
+    float scale;        //!< softmax scale (0: 1/sqrt(d))
+};
+
+//! Step 1 (serial, cheap): rotate the new keys and write keys and values of rows 0..S-1 into slots P..P+S-1.
+//! qkv [S, (numHeads + 2 kvHeads) d]; keyCache / valueCache [kvHeads, C, d]; cos / sin [ropeRows, d/2].
+void decodeAttentionWriteKv(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
+    float const* sinTable, float* keyCache, float* valueCache) noexcept;
+
+//! Step 2 (parallel over query heads): out [S, numHeads d] rows for heads [headBegin, headEnd).
+//! scratch: at least P + S + 8 floats per call.
+void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
+    float const* sinTable, float const* keyCache, float const* valueCache, float* out, int64_t headBegin,
+    int64_t headEnd, float* scratch) noexcept;
+
+} // namespace dflash2
