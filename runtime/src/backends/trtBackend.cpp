@@ -336,6 +336,8 @@ class TrtRunners : public Runners
 public:
     explicit TrtRunners(TrtModel& model);
     ~TrtRunners() override;
+    TrtRunners(TrtRunners const&) = delete;
+    TrtRunners& operator=(TrtRunners const&) = delete;
 
     int32_t vocabSize() const override
     {
@@ -373,6 +375,8 @@ public:
         int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out) override;
 
 private:
+    void setUp();
+    void releaseAll() noexcept;
     IOTensor& tensor(std::map<std::string, IOTensor>& io, Engine const& e, std::string const& name,
         std::vector<int64_t> const& maxShape, bool host);
     //! The context of (engine, profile, bucket): "eager" / "fixed" buckets are kept for the session, captured
@@ -521,6 +525,20 @@ std::unique_ptr<Runners> TrtModel::newRunners()
 TrtRunners::TrtRunners(TrtModel& model)
     : mModel(model)
 {
+    try
+    {
+        setUp();
+    }
+    catch (...) // a size check or an allocation failed: free what was made (no destructor runs)
+    {
+        releaseAll();
+        throw;
+    }
+}
+
+void TrtRunners::setUp()
+{
+    TrtModel& model = mModel;
     Manifest const& m = model.manifest;
     cudaCheck(cudaSetDevice(model.device), "cudaSetDevice");
     cudaCheck(cudaStreamCreateWithFlags(&mStream, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -606,6 +624,11 @@ TrtRunners::TrtRunners(TrtModel& model)
 
 TrtRunners::~TrtRunners()
 {
+    releaseAll();
+}
+
+void TrtRunners::releaseAll() noexcept
+{
     if (mStream != nullptr)
     {
         cudaStreamSynchronize(mStream);
@@ -633,7 +656,13 @@ TrtRunners::~TrtRunners()
     if (mStream != nullptr)
     {
         cudaStreamDestroy(mStream);
+        mStream = nullptr;
     }
+    mTio.clear();
+    mCio.clear();
+    mBio.clear();
+    mHio.clear();
+    mScratch.clear();
 }
 
 IOTensor& TrtRunners::tensor(std::map<std::string, IOTensor>& io, Engine const& e, std::string const& name,
@@ -646,7 +675,7 @@ IOTensor& TrtRunners::tensor(std::map<std::string, IOTensor>& io, Engine const& 
     }
     // every buffer is sized from the manifest: the engine's static dims must agree, or it writes past them
     checkBindingShape(e.key, name, dimsVector(e.engine->getTensorShape(name.c_str())), maxShape);
-    IOTensor t;
+    IOTensor& t = io[name]; // recorded before allocating: a failure below leaves nothing unreleased
     t.type = it->second;
     t.bytes = static_cast<size_t>(volume(maxShape)) * elementSize(t.type);
     cudaCheck(cudaMalloc(&t.dev, std::max<size_t>(t.bytes, 1)), "cudaMalloc I/O");
@@ -654,7 +683,7 @@ IOTensor& TrtRunners::tensor(std::map<std::string, IOTensor>& io, Engine const& 
     {
         cudaCheck(cudaMallocHost(&t.host, std::max<size_t>(t.bytes, 1)), "cudaMallocHost");
     }
-    return io[name] = t;
+    return t;
 }
 
 std::unique_ptr<nv::IExecutionContext> TrtRunners::newContext(Engine const& e, int32_t profile)
