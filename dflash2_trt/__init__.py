@@ -5,9 +5,9 @@ Importing the package needs only the standard library; the runtime, torch, trans
 imported lazily by the modules that use them (``dflash2_trt.runtime``, ``dflash2_trt.model``, ...).
 """
 
-from dflash2_trt.api import Chunk, Generator, Result, Stats, load
+from dflash2_trt.api import Chunk, Generator, Result, Stats, Stream, load
 from dflash2_trt.errors import DFlash2Error
 
 __version__ = "0.1.0"
 
-__all__ = ["Chunk", "DFlash2Error", "Generator", "Result", "Stats", "__version__", "load"]
+__all__ = ["Chunk", "DFlash2Error", "Generator", "Result", "Stats", "Stream", "__version__", "load"]

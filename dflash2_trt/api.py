@@ -36,21 +36,39 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 
-__all__ = ["Chunk", "Generator", "Result", "Stats", "load"]
+__all__ = ["Chunk", "Generator", "Result", "Stats", "Stream", "load"]
 
+Prompt = str | list[int] | list[dict[str, str]]  # a user message, token ids, or chat messages
 FINISH_REASONS = ("stop", "length", "capacity")  # EOS, max_new_tokens, the export's cache capacity
 
 
 @dataclass(frozen=True)
 class Stats:
-    """One request's decoding figures."""
+    """One request's decoding figures (SPEC §4)."""
 
     tau: float  # tokens committed per speculative cycle (accepted drafts + 1), pooled over the cycles; 0: none
     cycles: int  # speculative cycles (draft + verify)
     acceptance: list[float]  # [L] r_i: fraction of cycles (verifying >= i rows) that accepted >= i drafts
+    acceptance_conditional: list[float]  # [L] c_i = r_i / r_{i-1}
     plain_steps: int  # plain target steps the acceptance guard ran instead of cycles
-    tokens_per_s: float  # generated tokens / decode time (prefill included)
+    tokens_per_s: float  # generated tokens / decode time (prefill included; oracle passes excluded)
     elapsed_s: float
+    accepted: list[int]  # per cycle: drafts accepted
+    verified: list[int]  # per cycle: draft rows verified
+    oracle_tau: float | None = None  # oracle top-K τ, when an ``oracle`` hook measured it
+    oracle_accepted: list[int] = field(default_factory=list)  # per cycle, when measured
+    guard_switches: int = 0  # speculative -> plain switches of the acceptance guard
+    guard_probes: int = 0  # plain -> speculative probes
+
+    @classmethod
+    def of(cls, res: Any) -> Stats:
+        """The figures of a :class:`dflash2_trt.runtime.decoder.GenerationResult`."""
+        s = res.stats()
+        return cls(tau=s["tau"], cycles=s["cycles"], acceptance=list(s["per_position_cumulative"]),
+                   acceptance_conditional=list(s["per_position_conditional"]), plain_steps=res.plain_steps,
+                   tokens_per_s=res.tokens_per_s, elapsed_s=res.elapsed_s, accepted=list(res.accepted),
+                   verified=list(res.proposed), oracle_tau=s["oracle_tau"], oracle_accepted=list(res.oracle_accepted),
+                   guard_switches=res.guard_switches, guard_probes=res.guard_probes)
 
 
 @dataclass(frozen=True)
@@ -109,7 +127,9 @@ class _Request:
 class Generator:
     """A loaded export: ``generate``, ``stream``, ``close``. Build it with :func:`load`."""
 
-    def __init__(self, backend: Any, tokenizer: Any, note: str) -> None:
+    def __init__(self, backend: Any, tokenizer: Any, note: str = "") -> None:
+        """``backend``: a :class:`~dflash2_trt.runtime.protocol.Backend` (the Generator owns and closes it);
+        ``tokenizer``: :class:`~dflash2_trt.runtime.tokenizer.TextTokenizer` or one with its methods."""
         self._backend = backend
         self._tok = tokenizer
         self.note = note  # how the backend was chosen, e.g. "TensorRT not available (...), using ONNX Runtime"
@@ -131,31 +151,40 @@ class Generator:
 
     @property
     def selectors(self) -> tuple[str, ...]:
-        """Draft modes this export can run (:data:`dflash2_trt.vocabulary.DRAFT_MODES`)."""
-        return tuple(self._backend.manifest.draft_modes)
+        """Draft modes this model can run (of :data:`dflash2_trt.vocabulary.DRAFT_MODES`)."""
+        return tuple(self._backend.draft_modes)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._tok.chat_template)
 
     def check_selector(self, selector: str) -> str:
-        """``selector`` when this export can draft with it, else :class:`DFlash2Error` naming the choices."""
-        return str(self._backend.manifest.check_draft_mode(selector))
+        """``selector`` when this model can draft with it, else :class:`DFlash2Error` naming the choices."""
+        return str(self._backend.check_draft_mode(selector))
 
     # -- text ------------------------------------------------------------------------------------------------
-    def encode(self, prompt: str | list[int], chat: bool = True) -> list[int]:
-        """A prompt as the ids :meth:`generate` decodes from (see the module docstring)."""
+    def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        """A prompt as the ids :meth:`generate` decodes from: a ``str`` is a user message rendered with the chat
+        template (the raw text with ``chat=False`` or without a template); a list of ``{"role", "content"}``
+        messages is rendered with the template; a list of ints is used as it is."""
         if isinstance(prompt, str):
             if chat and self._tok.chat_template:
                 return self._tok.apply_chat_template([{"role": "user", "content": prompt}])
             return self._tok.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            if not self._tok.chat_template:
+                raise DFlash2Error("chat messages need a chat template; this tokenizer has none")
+            return self._tok.apply_chat_template(prompt)
         try:
-            ids = [int(t) for t in prompt]
+            return [int(t) for t in prompt]  # type: ignore[union-attr]
         except (TypeError, ValueError):
-            raise DFlash2Error("prompt must be a str or a list of token ids") from None
-        return ids
+            raise DFlash2Error("prompt must be a str, a list of chat messages or a list of token ids") from None
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
     # -- decoding --------------------------------------------------------------------------------------------
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
                  min_confidence: float = 0.0, speculative: bool = True, eos_ids: set[int] | None = None,
                  oracle: Any = None) -> Result:
@@ -170,61 +199,15 @@ class Generator:
             res = self._run(req, None)
         return self._result(req, res)
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+    def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
-               min_confidence: float = 0.0, eos_ids: set[int] | None = None) -> Iterator[Chunk]:
-        """Decode one prompt chunk by chunk (same arguments and tokens as :meth:`generate`). Leaving the loop
-        early (``break``, or closing the iterator) stops the decoding at its next step."""
+               min_confidence: float = 0.0, eos_ids: set[int] | None = None, oracle: Any = None) -> Stream:
+        """Decode one prompt chunk by chunk (same arguments and tokens as :meth:`generate`): iterate the returned
+        :class:`Stream` for :class:`Chunk` s; its ``result`` is the :class:`Result` once the iteration ended.
+        Leaving the loop early (``break``, or ``close()``) stops the decoding at its next step."""
         req = self._request(prompt, max_new_tokens, temperature, seed, selector, guard, chat, min_confidence,
-                            True, eos_ids, None)
-        return self._stream(req)
-
-    def _stream(self, req: _Request) -> Iterator[Chunk]:
-        chunks: queue.Queue = queue.Queue(maxsize=64)
-        stop = threading.Event()
-        delta = _TextDelta(self._tok.decode)
-        cycle: list[int | None] = [None]
-
-        def on_cycle(accepted: int, rows: int) -> None:
-            cycle[0] = accepted
-
-        def on_tokens(new: list[int]) -> None:
-            if stop.is_set():
-                raise _Cancelled
-            chunks.put(Chunk(delta.add(new), list(new), cycle[0]))
-            cycle[0] = None
-
-        def work() -> None:
-            try:
-                with self._lock:
-                    self._run(req, (on_tokens, on_cycle))
-                chunks.put(None)
-            except _Cancelled:
-                chunks.put(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-                chunks.put(e)
-
-        worker = threading.Thread(target=work, name="dflash2-stream", daemon=True)
-        worker.start()
-        try:
-            while True:
-                item = chunks.get()
-                if item is None:
-                    tail = delta.add([], final=True)
-                    if tail:
-                        yield Chunk(tail, [], None)
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            while worker.is_alive():  # unblock a producer waiting on a full queue, then let it finish
-                try:
-                    chunks.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            worker.join()
+                            True, eos_ids, oracle)
+        return Stream(self, req)
 
     def close(self) -> None:
         """Free the backend (sessions, engines, device memory); idempotent."""
@@ -253,7 +236,7 @@ class Generator:
             self._drafters[selector] = self._backend.draft_runner(selector)  # checks the mode against the export
         return self._drafters[selector]
 
-    def _request(self, prompt: str | list[int], max_new_tokens: int, temperature: float, seed: int | None,
+    def _request(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int | None,
                  selector: str, guard: bool, chat: bool, min_confidence: float, speculative: bool,
                  eos_ids: set[int] | None, oracle: Any) -> _Request:
         from dflash2_trt.runtime.decoder import check_temperature
@@ -287,7 +270,6 @@ class Generator:
                                       min_confidence=req.min_confidence, on_cycle=on_cycle)
 
     def _result(self, req: _Request, res: Any) -> Result:
-        s = res.stats()
         eos = self._target.eos_ids if req.eos_ids is None else req.eos_ids
         if res.tokens and res.tokens[-1] in eos:
             reason = "stop"
@@ -295,9 +277,77 @@ class Generator:
             reason = "length"
         else:
             reason = "capacity"
-        stats = Stats(tau=s["tau"], cycles=s["cycles"], acceptance=list(s["per_position_cumulative"]),
-                      plain_steps=res.plain_steps, tokens_per_s=res.tokens_per_s, elapsed_s=res.elapsed_s)
-        return Result(self._tok.decode(res.tokens), list(res.tokens), list(res.prompt_tokens), stats, reason)
+        return Result(self._tok.decode(res.tokens), list(res.tokens), list(res.prompt_tokens), Stats.of(res), reason)
+
+
+class Stream:
+    """The chunks of one request being decoded (from :meth:`Generator.stream`): iterate it once; ``result`` is
+    the request's :class:`Result` after the last chunk (None before, or when the stream was closed early).
+    The decoding runs in a worker thread holding the Generator's lock; ``close()`` (also on leaving a ``for``
+    loop early, or garbage collection) stops it at its next step and waits for it."""
+
+    def __init__(self, gen: Generator, req: _Request) -> None:
+        self.result: Result | None = None
+        self._it = self._run(gen, req)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self._it
+
+    def __next__(self) -> Chunk:
+        return next(self._it)
+
+    def close(self) -> None:
+        self._it.close()
+
+    def _run(self, gen: Generator, req: _Request) -> Iterator[Chunk]:
+        chunks: queue.Queue = queue.Queue(maxsize=64)
+        stop = threading.Event()
+        delta = _TextDelta(gen._tok.decode)
+        cycle: list[int | None] = [None]
+        done: list[Any] = []
+
+        def on_cycle(accepted: int, rows: int) -> None:
+            cycle[0] = accepted
+
+        def on_tokens(new: list[int]) -> None:
+            if stop.is_set():
+                raise _Cancelled
+            chunks.put(Chunk(delta.add(new), list(new), cycle[0]))
+            cycle[0] = None
+
+        def work() -> None:
+            try:
+                with gen._lock:
+                    done.append(gen._run(req, (on_tokens, on_cycle)))
+                chunks.put(None)
+            except _Cancelled:
+                chunks.put(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                chunks.put(e)
+
+        worker = threading.Thread(target=work, name="dflash2-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = chunks.get()
+                if item is None:
+                    tail = delta.add([], final=True)
+                    if done:
+                        self.result = gen._result(req, done[0])
+                    if tail:
+                        yield Chunk(tail, [], None)
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            while worker.is_alive():  # unblock a producer waiting on a full queue, then let it finish
+                try:
+                    chunks.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            worker.join()
 
 
 def load(model_dir: str | Path, backend: str = "auto", threads: int | None = None,

@@ -83,14 +83,18 @@ def test_bench_bad_input(tiny_export, tmp_path, capsys):
 def test_tau_is_pooled_over_cycles_with_the_prompt_mean_named_apart():
     """τ = tokens of all speculative cycles ÷ all cycles; a 1-cycle prompt does not weigh as much as a 4-cycle one
     (the per-prompt mean is kept, as ``tau_prompt_mean``)."""
+    from dflash2_trt.api import Result, Stats
     from dflash2_trt.bench.harness import summarize
     from dflash2_trt.runtime.decoder import GenerationResult
+
+    def result(g: GenerationResult) -> Result:
+        return Result("", g.tokens, g.prompt_tokens, Stats.of(g), "length")
 
     long = GenerationResult([1], tokens=[5] * 17, accepted=[3, 3, 3, 3], proposed=[3, 3, 3, 3],
                             oracle_accepted=[3, 3, 3, 3], elapsed_s=1.0)
     short = GenerationResult([1], tokens=[5] * 2, accepted=[0], proposed=[3], oracle_accepted=[1], elapsed_s=1.0)
     ar = [GenerationResult([1], tokens=[5] * 17, elapsed_s=1.0), GenerationResult([1], tokens=[5] * 2, elapsed_s=1.0)]
-    r = summarize([long, short], ar, 0.0)
+    r = summarize([result(long), result(short)], [result(g) for g in ar], 0.0)
     assert r["tau"] == pytest.approx((4 * 4 + 1) / 5) and r["tau_prompt_mean"] == pytest.approx((4 + 1) / 2)
     assert r["oracle_tau"] == pytest.approx((4 * 4 + 2) / 5)
     assert r["per_position_cumulative"] == pytest.approx([4 / 5, 4 / 5, 4 / 5])  # τ = 1 + Σ r_i

@@ -257,20 +257,18 @@ def test_auto_falls_back_when_the_head_engine_fails(fake_engines, monkeypatch, c
     """Every engine a runner uses is opened while the backend is constructed, the plugin head included (the
     likeliest to fail: creator missing, another TensorRT major): a head plan TensorRT refuses ends on ONNX
     Runtime with the reason printed, nothing left allocated; with it, both heads were opened up front."""
-    import argparse
-
-    from dflash2_trt import cli
+    from dflash2_trt.bench.cli import open_generator
 
     cuda = FakeCuda()
     trt = FakeTrt(cuda)
     trt.refuse_plans = {"drafter_head_viterbi.plugin.onnx"}
     _patch_trt(monkeypatch, trt, cuda)
-    be, _ = cli._open_runtime(argparse.Namespace(backend="auto"), str(fake_engines))
+    gen = open_generator(str(fake_engines), "auto")
     err = capsys.readouterr().err
-    assert be.name == "ort" and err.startswith("dflash2: TensorRT not available (TensorRT could not deserialize")
+    assert gen.backend.startswith("ONNX Runtime") and err.startswith("dflash2: TensorRT not available (TensorRT could not deserialize")
     assert "drafter_head_viterbi_plugin" in err and "using ONNX Runtime" in err, err
     assert set(cuda.dev) == set() and cuda.count("stream_destroy") == 1
-    be.close()
+    gen.close()
     trt.refuse_plans = set()
     with TrtBackend(fake_engines, trt_module=trt, api=cuda) as tbe:
         assert tbe.engine_keys() == ["target", "drafter_context", "drafter_block", "drafter_head_greedy_plugin",

@@ -7,7 +7,7 @@ every request (what a reader expects of "tokens per cycle"); ``tau_prompt_mean``
 per-position cumulative acceptance r_i are pooled over cycles the same way (so τ = 1 + Σ r_i holds for full
 blocks) and the conditional c_i = r_i / r_{i-1} is derived from it. Tokens/s = all generated tokens ÷ all decode
 time (oracle passes excluded). ``lossless`` (greedy only): every speculative output equals the
-autoregressive one; null at T > 0. ``guard``: a :class:`~dflash2_trt.runtime.guard.GuardConfig` (a fresh
+autoregressive one; null at T > 0. ``guard``: the acceptance guard on (default :class:`~dflash2_trt.runtime.guard.GuardConfig`, a fresh
 guard per prompt; ``spec_cycles`` / ``plain_steps`` / ``guard_switches`` / ``guard_probes`` are totals over
 the prompts); ``min_confidence``: the confidence-adapted verify length (0: every row).
 """
@@ -21,36 +21,34 @@ import numpy as np
 
 from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.reference import acceptance_stats
-from dflash2_trt.runtime import decoder as D
-from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig
 
 
-def run_bench(target, drafter, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,  # noqa: ANN001
+def run_bench(gen, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,  # noqa: ANN001
               seed: int = 0, measure_oracle: bool = True, eos_ids: set[int] | None = None,
-              progress: bool = True, texts=None, guard: GuardConfig | None = None,  # noqa: ANN001
+              progress: bool = True, texts: bool = False, guard: bool = False, selector: str = "greedy",
               min_confidence: float = 0.0) -> dict:
-    """``texts``: a decode function; when given, the result also holds ``texts`` (speculative outputs)."""
+    """Each prompt decoded speculatively and autoregressively, in turn, by ``gen`` (a
+    :class:`dflash2_trt.api.Generator`); ``texts``: the result also holds ``texts`` (speculative outputs)."""
     from tqdm import tqdm
 
     specs, ars = [], []
     for i, p in enumerate(tqdm(prompts, desc="dflash2 bench", unit="prompt", file=sys.stderr, disable=not progress)):
-        specs.append(D.speculative_generate(target, drafter, p, max_new_tokens, temperature, eos_ids, seed + i,
-                                            oracle_count if measure_oracle else None,
-                                            guard=AcceptanceGuard(guard) if guard is not None else None,
-                                            min_confidence=min_confidence))
-        ars.append(D.target_generate(target, p, max_new_tokens, temperature, eos_ids, seed + i))
+        specs.append(gen.generate(p, max_new_tokens, temperature, seed + i, selector, guard, eos_ids=eos_ids,
+                                  min_confidence=min_confidence, oracle=oracle_count if measure_oracle else None))
+        ars.append(gen.generate(p, max_new_tokens, temperature, seed + i, eos_ids=eos_ids, speculative=False))
     r = summarize(specs, ars, temperature)
-    if texts is not None:
-        r["texts"] = [texts(s.tokens) for s in specs]
+    if texts:
+        r["texts"] = [s.text for s in specs]
     return r
 
 
-def summarize(specs: list, ars: list, temperature: float) -> dict:  # noqa: ANN001
-    pooled = acceptance_stats([a for s in specs for a in s.accepted], [n for s in specs for n in s.proposed])
-    per_prompt = [s.stats()["tau"] for s in specs if s.accepted]
-    oracle = [o for s in specs for o in s.oracle_accepted]
-    spec_tps = sum(len(s.tokens) for s in specs) / max(1e-9, sum(s.elapsed_s for s in specs))
-    ar_tps = sum(len(a.tokens) for a in ars) / max(1e-9, sum(a.elapsed_s for a in ars))
+def summarize(specs: list, ars: list, temperature: float) -> dict:  # noqa: ANN001 - api.Result lists
+    pooled = acceptance_stats([a for s in specs for a in s.stats.accepted],
+                              [n for s in specs for n in s.stats.verified])
+    per_prompt = [s.stats.tau for s in specs if s.stats.cycles]
+    oracle = [o for s in specs for o in s.stats.oracle_accepted]
+    spec_tps = sum(len(s.tokens) for s in specs) / max(1e-9, sum(s.stats.elapsed_s for s in specs))
+    ar_tps = sum(len(a.tokens) for a in ars) / max(1e-9, sum(a.stats.elapsed_s for a in ars))
     return {
         "n_prompts": len(specs),
         "tau": pooled["tau"],
@@ -64,10 +62,10 @@ def summarize(specs: list, ars: list, temperature: float) -> dict:  # noqa: ANN0
         "lossless": all(s.tokens == a.tokens for s, a in zip(specs, ars)) if temperature <= 0 else None,
         "spec_tokens": sum(len(s.tokens) for s in specs),
         "ar_tokens": sum(len(a.tokens) for a in ars),
-        "spec_cycles": sum(len(s.accepted) for s in specs),
-        "plain_steps": sum(s.plain_steps for s in specs),
-        "guard_switches": sum(s.guard_switches for s in specs),
-        "guard_probes": sum(s.guard_probes for s in specs),
+        "spec_cycles": sum(s.stats.cycles for s in specs),
+        "plain_steps": sum(s.stats.plain_steps for s in specs),
+        "guard_switches": sum(s.stats.guard_switches for s in specs),
+        "guard_probes": sum(s.stats.guard_probes for s in specs),
     }
 
 

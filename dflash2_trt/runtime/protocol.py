@@ -112,6 +112,11 @@ class Backend(Protocol):
     @property
     def description(self) -> str: ...  # what it runs on, e.g. "ONNX Runtime (CPUExecutionProvider)"
 
+    @property
+    def draft_modes(self) -> tuple[str, ...]: ...  # the draft modes this model can run
+
+    def check_draft_mode(self, mode: str) -> str: ...  # ``mode`` when it can run, else DFlash2Error naming them
+
     def target_runner(self) -> TargetRunner: ...
 
     def draft_runner(self, mode: str = "greedy") -> DraftRunner: ...
@@ -124,7 +129,18 @@ class Backend(Protocol):
 
 
 class BackendBase:
-    """Context-manager behaviour shared by the backends: ``with open_backend(...) as be:`` closes ``be``."""
+    """Behaviour shared by the backends: the draft modes of an export (its ``manifest``; the PyTorch backend,
+    which opens no export, overrides them) and the context manager (``with open_backend(...) as be:`` closes
+    ``be``)."""
+
+    manifest: Any  # dflash2_trt.manifest.ExportManifest of the export folder
+
+    @property
+    def draft_modes(self) -> tuple[str, ...]:
+        return tuple(self.manifest.draft_modes)
+
+    def check_draft_mode(self, mode: str) -> str:
+        return str(self.manifest.check_draft_mode(mode))
 
     def close(self) -> None:
         """Free what the backend holds (sessions, engines, device memory); idempotent."""

@@ -54,11 +54,6 @@ class TorchDraftRunner:
     ``mode``: a draft mode of :data:`~dflash2_trt.vocabulary.DRAFT_MODES` ('independent': no selector)."""
 
     def __init__(self, drafter: DFlash2Drafter, mode: str = "greedy") -> None:
-        if mode not in DRAFT_MODES:
-            raise DFlash2Error(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")
-        if mode != INDEPENDENT and not drafter.use_selector:
-            raise DFlash2Error(f"draft mode {mode!r} needs the candidate selector, which this drafter has not "
-                               f"(DFlash v1); use --no-selector")
         self.drafter = drafter
         self.mode = mode
         self.block_size = drafter.config.block_size
@@ -105,8 +100,43 @@ class TorchBackend(BackendBase):
     def description(self) -> str:
         return f"PyTorch {torch.__version__} (CPU)"
 
+    @property
+    def draft_modes(self) -> tuple[str, ...]:
+        return DRAFT_MODES if self.drafter.use_selector else (INDEPENDENT,)
+
+    def check_draft_mode(self, mode: str) -> str:
+        if mode not in DRAFT_MODES:
+            raise DFlash2Error(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")
+        if mode not in self.draft_modes:
+            raise DFlash2Error(f"draft mode {mode!r} needs the candidate selector, which this drafter has not "
+                               f"(DFlash v1); use --no-selector")
+        return mode
+
     def target_runner(self) -> TorchTargetRunner:
         return TorchTargetRunner(self.target, self.drafter.config.target_layer_ids)
 
     def draft_runner(self, mode: str = "greedy") -> TorchDraftRunner:
-        return TorchDraftRunner(self.drafter, mode)
+        return TorchDraftRunner(self.drafter, self.check_draft_mode(mode))
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind :class:`~dflash2_trt.runtime.tokenizer.TextTokenizer`'s interface (what
+    :class:`dflash2_trt.api.Generator` uses), for the PyTorch backend's HF targets."""
+
+    def __init__(self, tok) -> None:  # noqa: ANN001 - a transformers PreTrainedTokenizer
+        if tok is None:
+            raise DFlash2Error("the target has no tokenizer files")
+        self.tok = tok
+        self.chat_template: str | None = getattr(tok, "chat_template", None)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tok.decode([int(i) for i in ids], skip_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
