@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +53,7 @@ typedef struct Toy {
     int32_t lastRows;      /* rows the latest drafter_propose was told would be verified */
     int inside;            /* callbacks running now (> 1: two sessions overlapped) */
     int overlaps;
+    int yieldInside;       /* yield the CPU inside target_forward (widens the window an overlap would need) */
 } Toy;
 
 static float toyLogit(int32_t tok, int32_t pos, int32_t v)
@@ -84,6 +86,7 @@ static int32_t toyTargetForward(void* u, const int32_t* ids, int32_t n, float* l
     Toy* t = (Toy*) u;
     if (t->failForwardAt && ++t->forwards == t->failForwardAt) return 7;
     t->overlaps += t->inside++ > 0;
+    if (t->yieldInside) sched_yield();
     for (int32_t i = 0; i < n; ++i) {
         int32_t pos = t->targetLength + i;
         for (int32_t v = 0; v < V; ++v) logits[i * V + v] = toyLogit(ids[i], pos, v);
@@ -402,6 +405,7 @@ static void testCallbackErrors(void)
 {
     Toy toy;
     memset(&toy, 0, sizeof toy);
+    toy.yieldInside = 1;
     dfl2_callbacks cb = toyCallbacks(&toy);
     dfl2_model* m = NULL;
     EXPECT(dfl2_model_create_callbacks(NULL, NULL, &m), DFL2_ERR_INVALID_ARGUMENT, "callbacks");
@@ -482,6 +486,7 @@ static void testGeneration(void)
 {
     Toy toy;
     memset(&toy, 0, sizeof toy);
+    toy.yieldInside = 1;
     dfl2_callbacks cb = toyCallbacks(&toy);
     dfl2_model* m = NULL;
     OK(dfl2_model_create_callbacks(&cb, NULL, &m));
@@ -609,6 +614,7 @@ static void testConcurrentSessions(void)
     enum { kTHREADS = 4 };
     Toy toy;
     memset(&toy, 0, sizeof toy);
+    toy.yieldInside = 1;
     dfl2_callbacks cb = toyCallbacks(&toy);
     dfl2_model* m = NULL;
     OK(dfl2_model_create_callbacks(&cb, NULL, &m));
