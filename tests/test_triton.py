@@ -260,9 +260,12 @@ def test_cli_triton_repo_from_existing_export(tiny_export, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"wrote Triton model repository {repo}" in out and "tritonserver" in out
     assert T.summary(repo)[MODEL]["instanceGroup"][0]["count"] == 2
+    assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo)]) == 0  # ours: replaced
+    capsys.readouterr()
+    (repo / "notes.txt").write_text("mine")
     assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo)]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("dflash2: error:") and "not empty" in err and "\n" not in err
+    assert err.startswith("dflash2: error:") and "notes.txt" in err and "--overwrite" in err and "\n" not in err
 
 
 # -- the real server: the make-tiny pairs ---------------------------------------------------------------------------
