@@ -20,15 +20,18 @@ KV caches use the capacity-buffer convention of :mod:`dflash2_trt.export.onnx_gr
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import (FORMAT, KV_CAPACITY_STEP, MANIFEST_FILE, MANIFEST_VERSION, ExportManifest,
-                                 drafter_context_names, parse_manifest, target_kv_names,
+from dflash2_trt.manifest import (BLOCK_HIDDEN, KV_CAPACITY_STEP, ExportManifest, GraphSpec, PluginSpec, TargetSpec,
+                                 TensorSpec, TokenizerSpec, drafter_context_names, target_kv_names,
                                  target_present_names, write_manifest)
 from dflash2_trt.outdir import TempFolder, check_replace, export_owner, write_error
 from dflash2_trt.validate import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, check_size
@@ -38,6 +41,7 @@ DEFAULT_OPSET = 17
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 #: bump when the graphs' content or conventions change (keys caches of exported models)
 EXPORTER_REVISION = 3
+_TRACE_BATCH = 2  # graphs are traced with batch 2 so that no batch-1 shape gets baked in
 
 
 def _progress(steps: list[str], enabled: bool):  # noqa: ANN202
@@ -98,199 +102,250 @@ def export_model(
     return manifest
 
 
+@dataclass
+class _Build:
+    """What the export stages share: the loaded models, the ONNX graphs traced so far (file name -> ModelProto)
+    and their typed entries (graph key -> :class:`GraphSpec`; inputs/outputs filled once saved)."""
+
+    tmp: Path  # the temporary folder written into
+    target: Any  # dflash2_trt.target.TargetModel, in the export dtype
+    target_dir: Path
+    drafter: Any  # dflash2_trt.model.DFlash2Drafter, bound to the target
+    dtype: str
+    opset: int
+    max_seq_len: int
+    quant: Any  # dflash2_trt.export.quantize.QuantSpec
+    layer_ids: list[int]
+    models: dict[str, Any] = field(default_factory=dict)
+    graphs: dict[str, GraphSpec] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=dict)  # verification figures
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
+
+    def add(self, key: str, model: Any, spec: GraphSpec) -> None:
+        self.models[spec.file] = model
+        self.graphs[key] = spec
+
+
 def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str,
                  block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool, ort_flavour: bool,
                  quant: Any, draft_vocab: int) -> ExportManifest:
-    import numpy as np
+    """The export as named stages, each one step of the progress bar."""
+    stages: list[tuple[str, Callable[[_Build], None]]] = [
+        ("export target", _trace_target), ("export drafter", _trace_drafter), ("export heads", _trace_heads),
+        ("flavours", lambda b: _add_flavours(b, ort_flavour, verify)), ("save + onnx.checker", _save_and_check),
+        ("verify vs PyTorch", _verify if verify else lambda b: None)]
+    bar = _progress(["load models", *(name for name, _ in stages), "tokenizer + manifest"], progress)
+    bar.set_postfix_str("load models")
+    b = _load(tmp, target_path, drafter_path, opset, dtype, block_size, max_seq_len, quant, draft_vocab)
+    for name, stage in stages:
+        bar.update(1)
+        bar.set_postfix_str(name)
+        stage(b)
+    bar.update(1)
+    bar.set_postfix_str("tokenizer + manifest")
+    manifest = _write_manifest(b, draft_vocab)
+    bar.update(1)
+    bar.close()
+    return manifest
+
+
+def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str, block_size: int | None,
+          max_seq_len: int | None, quant: Any, draft_vocab: int) -> _Build:
+    """Both models in the export dtype, the drafter bound to the target (at the asked block size, with its LM
+    head restricted to ``draft_vocab`` ids)."""
     import torch
 
-    from dflash2_trt import __version__
-    from dflash2_trt.export import onnx_graphs, onnx_utils
-    from dflash2_trt.export import selector_contract as sc
+    from dflash2_trt.export import onnx_graphs
     from dflash2_trt.model import load_drafter
     from dflash2_trt.model.checkpoint import draft_vocabulary
     from dflash2_trt.target import TargetModel, resolve_target_path
 
-    steps = ["load models", "export target", "export drafter", "export heads", "save", "onnx.checker",
-             "verify vs PyTorch", "tokenizer + manifest"]
-    bar = _progress(steps, progress)
-
-    def step(i: int) -> None:
-        bar.set_postfix_str(steps[i])
-        if i:
-            bar.update(1)
-
-    step(0)
     drafter = load_drafter(drafter_path)
     target = TargetModel.load(target_path)
-    target_dir = resolve_target_path(target_path)
     target.check_drafter(drafter.config)
     onnx_graphs.check_target_supported(target.model)
     if block_size is not None and block_size != drafter.config.block_size:
         drafter = drafter.at_block_size(block_size)
-    cfg = drafter.config
     max_pos = target.max_positions
     if max_seq_len is None:
         max_seq_len = min(max_pos, 4096)
     if not 2 <= max_seq_len <= max_pos:
         raise DFlash2Error(f"--max-seq-len must be in [2, {max_pos}] (the target's max_position_embeddings), "
                            f"got {max_seq_len}")
-    tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    npdt = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[dtype]
-    target.model.to(tdt)
-    drafter.to(tdt)
+    b = _Build(tmp, target, resolve_target_path(target_path), drafter, dtype, opset, int(max_seq_len), quant,
+               list(drafter.config.target_layer_ids or []))
+    target.model.to(b.torch_dtype)
+    drafter.to(b.torch_dtype)
     drafter.bind_target(target.embed_weight, target.lm_head_weight)
     if draft_vocab:
         drafter.restrict_vocab(torch.from_numpy(draft_vocabulary(drafter, draft_vocab)))
-    layer_ids = list(cfg.target_layer_ids or [])
-    hf_cfg = target.model.config
-    nl, kvh = target.num_layers, int(hf_cfg.num_key_value_heads)
-    d = int(target.model.model.layers[0].self_attn.head_dim)
-    B = 2  # traced with batch 2 so no batch-1 shape gets baked in
-    bs = cfg.block_size
-    dkvh, dd = cfg.num_key_value_heads, cfg.head_dim
-    models: dict[str, Any] = {}
-    graph_meta: dict[str, dict] = {}
+    return b
 
-    step(1)
-    kv_names = target_kv_names(nl)
-    present = target_present_names(nl)
+
+def _trace_target(b: _Build) -> None:
+    """target.onnx: the standard graph (TensorRT, ORT's standard flavour) over KV capacity buffers."""
+    import torch
+
+    from dflash2_trt.export import onnx_graphs, onnx_utils
+
+    nl, hf = b.target.num_layers, b.target.model.config
+    kvh, d, B = int(hf.num_key_value_heads), int(b.target.model.model.layers[0].self_attn.head_dim), _TRACE_BATCH
+    kv_names, present = target_kv_names(nl), target_present_names(nl)
     dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
            "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, "logits": {0: "batch", 1: "sequence"},
            "context_features": {0: "batch", 1: "sequence"}}
     dyn.update({n: {0: "batch", 2: "capacity"} for n in kv_names})
     dyn.update({n: {0: "batch", 2: "sequence"} for n in present})
-    args = (torch.randint(0, target.vocab_size, (B, 3)), torch.arange(3).repeat(B, 1),
-            torch.ones(B, 4 + 3, dtype=torch.long), *[torch.zeros(B, kvh, 4, d, dtype=tdt) for _ in kv_names])
-    models["target.onnx"] = onnx_utils.trace(onnx_graphs.TargetGraph(target.model, layer_ids).eval(), args,
-                                             ["input_ids", "position_ids", "attention_mask", *kv_names],
-                                             ["logits", "context_features", *present], dyn, opset)
-    graph_meta["target"] = {"file": "target.onnx", "role": "target", "selector": None, "mode": None}
+    args = (torch.randint(0, b.target.vocab_size, (B, 3)), torch.arange(3).repeat(B, 1),
+            torch.ones(B, 4 + 3, dtype=torch.long), *[torch.zeros(B, kvh, 4, d, dtype=b.torch_dtype) for _ in kv_names])
+    model = onnx_utils.trace(onnx_graphs.TargetGraph(b.target.model, b.layer_ids).eval(), args,
+                             ["input_ids", "position_ids", "attention_mask", *kv_names],
+                             ["logits", "context_features", *present], dyn, b.opset)
+    b.add("target", model, GraphSpec(file="target.onnx", role="target"))
 
-    step(2)
+
+def _trace_drafter(b: _Build) -> None:
+    """drafter_context.onnx (target features -> context K/V) and drafter_block.onnx (the block's hidden)."""
+    import torch
+
+    from dflash2_trt.export import onnx_graphs, onnx_utils
+
+    cfg, tdt, B = b.drafter.config, b.torch_dtype, _TRACE_BATCH
     ctx_names = drafter_context_names(cfg.num_hidden_layers)
     dyn = {"context_features": {0: "batch", 1: "rows"}, "position_ids": {0: "batch", 1: "rows"}}
     dyn.update({n: {0: "batch", 2: "rows"} for n in ctx_names})
     args = (torch.randn(B, 3, cfg.context_in_features, dtype=tdt), torch.arange(3).repeat(B, 1))
-    models["drafter_context.onnx"] = onnx_utils.trace(onnx_graphs.DrafterContextGraph(drafter).eval(), args,
-                                                      ["context_features", "position_ids"], ctx_names, dyn, opset)
-    graph_meta["drafter_context"] = {"file": "drafter_context.onnx", "role": "drafter_context", "selector": None,
-                                     "mode": None}
+    model = onnx_utils.trace(onnx_graphs.DrafterContextGraph(b.drafter).eval(), args,
+                             ["context_features", "position_ids"], ctx_names, dyn, b.opset)
+    b.add("drafter_context", model, GraphSpec(file="drafter_context.onnx", role="drafter_context"))
     dyn = {"anchor_ids": {0: "batch"}, "anchor_position": {0: "batch"},
-           "context_mask": {0: "batch", 1: "context_capacity"}, "hidden": {0: "batch"}}
+           "context_mask": {0: "batch", 1: "context_capacity"}, BLOCK_HIDDEN: {0: "batch"}}
     dyn.update({n: {0: "batch", 2: "context_capacity"} for n in ctx_names})
-    args = (torch.randint(0, target.vocab_size, (B,)), torch.tensor([3, 4]), torch.ones(B, 5, dtype=torch.long),
-            *[torch.randn(B, dkvh, 5, dd, dtype=tdt) for _ in ctx_names])
-    models["drafter_block.onnx"] = onnx_utils.trace(onnx_graphs.DrafterBlockGraph(drafter).eval(), args,
-                                                    ["anchor_ids", "anchor_position", "context_mask", *ctx_names],
-                                                    ["hidden"], dyn, opset)
-    graph_meta["drafter_block"] = {"file": "drafter_block.onnx", "role": "drafter_block", "selector": None,
-                                   "mode": None}
+    args = (torch.randint(0, b.target.vocab_size, (B,)), torch.tensor([3, 4]), torch.ones(B, 5, dtype=torch.long),
+            *[torch.randn(B, cfg.num_key_value_heads, 5, cfg.head_dim, dtype=tdt) for _ in ctx_names])
+    model = onnx_utils.trace(onnx_graphs.DrafterBlockGraph(b.drafter).eval(), args,
+                             ["anchor_ids", "anchor_position", "context_mask", *ctx_names], [BLOCK_HIDDEN], dyn,
+                             b.opset)
+    b.add("drafter_block", model, GraphSpec(file="drafter_block.onnx", role="drafter_block"))
 
-    step(3)
-    models["drafter_head_independent.onnx"] = onnx_utils.trace(
-        onnx_graphs.DrafterHeadLogits(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),), ["hidden"],
-        ["logits"], {"hidden": {0: "batch"}, "logits": {0: "batch"}}, opset)
-    graph_meta[head_key(INDEPENDENT)] = {"file": "drafter_head_independent.onnx", "role": "drafter_head",
-                                         "selector": None, "mode": INDEPENDENT}
-    if drafter.use_selector:
-        _export_selector_heads(drafter, cfg, B, tdt, dtype, opset, models, graph_meta)
 
-    qdq_report: dict[str, Any] = {}
-    if quant.enabled:  # TensorRT flavour: explicit Q/DQ weights in standard ONNX (build-engines uses it)
+def _trace_heads(b: _Build) -> None:
+    """drafter_head_independent.onnx (the rows' logits) and, with a selector, the selector heads."""
+    import torch
+
+    from dflash2_trt.export import onnx_graphs, onnx_utils
+
+    cfg = b.drafter.config
+    model = onnx_utils.trace(onnx_graphs.DrafterHeadLogits(b.drafter).eval(),
+                             (torch.randn(_TRACE_BATCH, cfg.block_size, cfg.hidden_size, dtype=b.torch_dtype),),
+                             [BLOCK_HIDDEN], ["logits"], {BLOCK_HIDDEN: {0: "batch"}, "logits": {0: "batch"}}, b.opset)
+    b.add(head_key(INDEPENDENT), model, GraphSpec(file="drafter_head_independent.onnx", role="drafter_head",
+                                                  mode=INDEPENDENT))
+    if b.drafter.use_selector:
+        _export_selector_heads(b)
+
+
+def _add_flavours(b: _Build, ort_flavour: bool, verify: bool) -> None:
+    """The TensorRT Q/DQ target of a quantized export, and the fused ONNX Runtime flavour (+ its quantized
+    variants), each checked in memory."""
+    if b.quant.enabled:  # TensorRT flavour: explicit Q/DQ weights in standard ONNX (build-engines uses it)
         from dflash2_trt.export import quantize
 
-        models[quantize.QDQ_FILE] = quantize.qdq_graph(models["target.onnx"], quant, target.vocab_size)
-        graph_meta[quantize.QDQ_KEY] = {"file": quantize.QDQ_FILE, "role": "target", "selector": None, "mode": None,
-                                        "flavour": "qdq"}
+        qdq = quantize.qdq_graph(b.models["target.onnx"], b.quant, b.target.vocab_size)
+        b.add(quantize.QDQ_KEY, qdq, GraphSpec(file=quantize.QDQ_FILE, role="target", flavour="qdq"))
         if verify:
-            qdq_report = quantize.verify_qdq(models[quantize.QDQ_FILE], models["target.onnx"])
-    ort_report: dict[str, Any] = {}
-    if ort_flavour:  # fused ORT target (+ quantized ORT variants); checked against PyTorch in memory
+            b.report.update(quantize.verify_qdq(qdq, b.models["target.onnx"]))
+    if ort_flavour and b.dtype == "fp32":
         from dflash2_trt.export import ort_graph
 
-        rope_rows = -(-int(max_seq_len) // KV_CAPACITY_STEP) * KV_CAPACITY_STEP  # the largest KV capacity
-        ort_report = ort_graph.add_ort_flavour(models, graph_meta, target, layer_ids, rope_rows, opset, quant, verify)
+        rope_rows = -(-b.max_seq_len // KV_CAPACITY_STEP) * KV_CAPACITY_STEP  # the largest KV capacity
+        models, graphs, report = ort_graph.ort_flavour(b.models, b.graphs, b.target, b.layer_ids, rope_rows,
+                                                       b.opset, b.quant, verify)
+        b.models.update(models)
+        b.graphs.update(graphs)
+        b.report.update(report)
 
-    step(4)
-    onnx_utils.save_with_shared_weights(models, tmp)
-    for key, meta in graph_meta.items():
-        meta.update(onnx_utils.describe_io(models[meta["file"]]))
 
-    step(5)
-    ort_only = {m["file"] for m in graph_meta.values() if m.get("flavour") == "ort"}
-    for name in models:
-        if name not in ort_only:  # onnx.checker knows no com.microsoft op: ORT itself checked those above
-            onnx_utils.check_graph(tmp / name)
+def _save_and_check(b: _Build) -> None:
+    """Every graph saved with one shared weight file, its inputs/outputs recorded, and ``onnx.checker``."""
+    from dflash2_trt.export import onnx_utils
 
-    step(6)
-    report: dict[str, Any] = {}
-    if verify:
-        from dflash2_trt.export import verify as V
+    onnx_utils.save_with_shared_weights(b.models, b.tmp)
+    for key, spec in b.graphs.items():
+        io = onnx_utils.describe_io(b.models[spec.file])
+        b.graphs[key] = dataclasses.replace(
+            spec, inputs=tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in io["inputs"]),
+            outputs=tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in io["outputs"]))
+    for spec in b.graphs.values():
+        if spec.flavour != "ort":  # onnx.checker knows no com.microsoft op: ORT itself checked those
+            onnx_utils.check_graph(b.tmp / spec.file)
 
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError:
-            report["skipped"] = "onnxruntime is not installed"
+
+def _verify(b: _Build) -> None:
+    """ONNX Runtime against PyTorch (:mod:`dflash2_trt.export.verify`); a graph ORT cannot run fails."""
+    import numpy as np
+
+    from dflash2_trt.export import verify as V
+
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        b.report["skipped"] = "onnxruntime is not installed"
+        return
+    npdt = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[b.dtype]
+    try:
+        if b.dtype == "bf16":  # ORT's CPU provider has no bf16 kernels: check the graphs' fp32 twins
+            b.report.update(_verify_bf16(b))
         else:
-            try:
-                if dtype == "bf16":  # ORT's CPU provider has no bf16 kernels: check the graphs' fp32 twins
-                    report.update(_verify_bf16(tmp, graph_meta, target, drafter, layer_ids))
-                else:
-                    report.update(V.verify_target(tmp / "target.onnx", target, layer_ids, dtype, npdt))
-                    report.update(V.verify_drafter({k: tmp / m["file"] for k, m in graph_meta.items()}, drafter,
-                                                   dtype, npdt))
-                report.update(ort_report)
-                report.update(qdq_report)
-            except DFlash2Error:
-                raise
-            except Exception as e:  # a graph that ORT cannot run is a failed export, never a skipped check
-                raise DFlash2Error(f"export check failed ({dtype}): {type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:300]}") from None
+            b.report.update(V.verify_target(b.tmp / "target.onnx", b.target, b.layer_ids, b.dtype, npdt))
+            b.report.update(V.verify_drafter({k: b.tmp / g.file for k, g in b.graphs.items()}, b.drafter, b.dtype,
+                                             npdt))
+    except DFlash2Error:
+        raise
+    except Exception as e:  # a graph that ORT cannot run is a failed export, never a skipped check
+        raise DFlash2Error(f"export check failed ({b.dtype}): {type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:300]}") from None
 
-    step(7)
+
+def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
+    """The tokenizer files copied beside the graphs, and the typed manifest (checksums filled) written."""
+    from dflash2_trt import __version__
+    from dflash2_trt.export import onnx_utils
+    from dflash2_trt.export import selector_contract as sc
+
     tok_files = []
     for name in TOKENIZER_FILES:
-        if (target_dir / name).is_file():
-            shutil.copy2(target_dir / name, tmp / name)
+        if (b.target_dir / name).is_file():
+            shutil.copy2(b.target_dir / name, b.tmp / name)
             tok_files.append(name)
     if "tokenizer.json" not in tok_files:
-        raise DFlash2Error(f"target folder {target_dir} has no tokenizer.json (needed at run time)")
-    chat = (target_dir / "chat_template.jinja").is_file() or bool(
-        _json_get(target_dir / "tokenizer_config.json", "chat_template"))
-    manifest = parse_manifest({
-        "format": FORMAT,
-        "manifest_version": MANIFEST_VERSION,
-        "project_version": __version__,
-        "exporter_revision": EXPORTER_REVISION,
-        "opset": opset,
-        "dtype": dtype,
-        "max_seq_len": int(max_seq_len),
-        "kv_capacity_step": KV_CAPACITY_STEP,
-        "target": {
-            "model_type": hf_cfg.model_type, "vocab_size": target.vocab_size, "num_layers": nl,
-            "hidden_size": target.hidden_size, "num_key_value_heads": kvh, "head_dim": d,
-            "max_positions": max_pos, "eos_token_ids": sorted(target.eos_ids()), "layer_ids": layer_ids,
-            "source": str(target_dir),
-        },
-        "drafter": cfg.to_dict(),
-        "plugin": {"op_type": sc.OP_TYPE, "domain": sc.DOMAIN, "plugin_version": sc.PLUGIN_VERSION,
-                   "plugin_namespace": sc.PLUGIN_NAMESPACE},
-        "graphs": graph_meta,
-        "weights": onnx_utils.WEIGHTS_FILE,
-        "tokenizer": {"files": tok_files, "chat_template": chat},
-        "verification": report,
-        "quantization": quant.manifest(),
-        "draft_vocab": int(draft_vocab),
-    })
-    manifest = write_manifest(tmp, manifest)
-    bar.update(1)
-    bar.close()
-    return manifest
+        raise DFlash2Error(f"target folder {b.target_dir} has no tokenizer.json (needed at run time)")
+    chat = (b.target_dir / "chat_template.jinja").is_file() or bool(
+        _json_get(b.target_dir / "tokenizer_config.json", "chat_template"))
+    t, hf = b.target, b.target.model.config
+    manifest = ExportManifest(
+        opset=b.opset, dtype=b.dtype, max_seq_len=b.max_seq_len,
+        target=TargetSpec(model_type=hf.model_type, vocab_size=t.vocab_size, num_layers=t.num_layers,
+                          hidden_size=t.hidden_size, num_key_value_heads=int(hf.num_key_value_heads),
+                          head_dim=int(t.model.model.layers[0].self_attn.head_dim), max_positions=t.max_positions,
+                          eos_token_ids=tuple(sorted(t.eos_ids())), layer_ids=tuple(b.layer_ids),
+                          source=str(b.target_dir)),
+        drafter=b.drafter.config.to_dict(),
+        plugin=PluginSpec(op_type=sc.OP_TYPE, domain=sc.DOMAIN, plugin_version=sc.PLUGIN_VERSION,
+                          plugin_namespace=sc.PLUGIN_NAMESPACE),
+        graphs=dict(b.graphs), tokenizer=TokenizerSpec(files=tuple(tok_files), chat_template=chat),
+        kv_capacity_step=KV_CAPACITY_STEP, quantization=b.quant.manifest(),
+        draft_vocab=int(draft_vocab), weights=onnx_utils.WEIGHTS_FILE, verification=dict(b.report),
+        project_version=__version__, exporter_revision=EXPORTER_REVISION)
+    return write_manifest(b.tmp, manifest)
 
 
-def _export_selector_heads(drafter, cfg, B: int, tdt, dtype: str, opset: int, models: dict,  # noqa: ANN001
-                           graph_meta: dict) -> None:
+def _export_selector_heads(b: _Build) -> None:
     """drafter_head_{greedy,viterbi}.onnx (decomposed selector) and their .plugin.onnx twins."""
     import numpy as np
     import torch
@@ -298,12 +353,13 @@ def _export_selector_heads(drafter, cfg, B: int, tdt, dtype: str, opset: int, mo
     from dflash2_trt.export import onnx_graphs, onnx_utils
     from dflash2_trt.export import selector_contract as sc
 
+    cfg, tdt, B = b.drafter.config, b.torch_dtype, _TRACE_BATCH
     bs, L, K, r = cfg.block_size, cfg.num_draft_rows, cfg.selector_top_k, cfg.selector_rank
-    head = onnx_utils.trace(onnx_graphs.DrafterHeadBase(drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),),
-                            ["hidden"], ["cand_ids", "unary", "hidden_proj"],
-                            {"hidden": {0: "batch"}, "cand_ids": {0: "batch"}, "unary": {0: "batch"},
-                             "hidden_proj": {0: "batch"}}, opset)
-    cs = drafter.candidate_selector
+    head = onnx_utils.trace(onnx_graphs.DrafterHeadBase(b.drafter).eval(), (torch.randn(B, bs, cfg.hidden_size, dtype=tdt),),
+                            [BLOCK_HIDDEN], ["cand_ids", "unary", "hidden_proj"],
+                            {BLOCK_HIDDEN: {0: "batch"}, "cand_ids": {0: "batch"}, "unary": {0: "batch"},
+                             "hidden_proj": {0: "batch"}}, b.opset)
+    cs = b.drafter.candidate_selector
     sel_names = [n for n, _, _ in sc.INPUTS if n not in ("pred_codebook", "succ_codebook")]
     sel_args = (torch.randint(0, cfg.vocab_size, (B, L, K), dtype=torch.int32),
                 torch.randn(B, L, K).sort(-1, descending=True).values, torch.randn(B, L, r, dtype=tdt),
@@ -312,21 +368,19 @@ def _export_selector_heads(drafter, cfg, B: int, tdt, dtype: str, opset: int, mo
     for mode in SELECTOR_MODES:
         sel = onnx_utils.trace(onnx_graphs.DecomposedSelector(cs.predecessor_codebook, cs.successor_codebook, mode).eval(),
                                sel_args, sel_names, ["path_ids", "proposal_probs"],
-                               {n: {0: "batch"} for n in [*sel_names, "path_ids", "proposal_probs"]}, opset)
-        models[f"drafter_head_{mode}.onnx"] = onnx_utils.merge_selector(head, sel)
-        graph_meta[head_key(mode)] = {"file": f"drafter_head_{mode}.onnx", "role": "drafter_head",
-                                      "selector": "decomposed", "mode": mode}
-        cb = [w.detach().float().numpy() if dtype != "bf16" else w.detach().view(torch.int16).numpy().view(np.uint16)
+                               {n: {0: "batch"} for n in [*sel_names, "path_ids", "proposal_probs"]}, b.opset)
+        b.add(head_key(mode), onnx_utils.merge_selector(head, sel),
+              GraphSpec(file=f"drafter_head_{mode}.onnx", role="drafter_head", selector="decomposed", mode=mode))
+        cb = [w.detach().float().numpy() if b.dtype != "bf16" else w.detach().view(torch.int16).numpy().view(np.uint16)
               for w in (cs.predecessor_codebook, cs.successor_codebook)]
-        if dtype == "fp16":
+        if b.dtype == "fp16":
             cb = [w.astype(np.float16) for w in cb]
-        plug = onnx_utils.plugin_selector_graph(cb[0], cb[1], L, K, r, mode, dtype, opset)
-        models[f"drafter_head_{mode}.plugin.onnx"] = onnx_utils.merge_selector(head, plug)
-        graph_meta[head_key(mode, plugin=True)] = {"file": f"drafter_head_{mode}.plugin.onnx",
-                                                   "role": "drafter_head", "selector": "plugin", "mode": mode}
+        plug = onnx_utils.plugin_selector_graph(cb[0], cb[1], L, K, r, mode, b.dtype, b.opset)
+        b.add(head_key(mode, plugin=True), onnx_utils.merge_selector(head, plug),
+              GraphSpec(file=f"drafter_head_{mode}.plugin.onnx", role="drafter_head", selector="plugin", mode=mode))
 
 
-def _verify_bf16(tmp: Path, graph_meta: dict, target, drafter, layer_ids: list[int]) -> dict:  # noqa: ANN001
+def _verify_bf16(b: _Build) -> dict:
     """A bf16 export's check on a CPU: the fp32 twin of each checked graph (:func:`onnx_utils.fp32_twin`: the
     export's structure and bf16 weights, fp32 arithmetic) against the PyTorch models upcast the same way
     (exact: bf16 values are fp32 values), within the fp32 bounds — every decision equal. What it cannot see,
@@ -337,19 +391,19 @@ def _verify_bf16(tmp: Path, graph_meta: dict, target, drafter, layer_ids: list[i
     from dflash2_trt.export import onnx_utils
     from dflash2_trt.export import verify as V
 
-    keys = {"drafter_context", "drafter_block", *(head_key(m) for m in DRAFT_MODES)} & set(graph_meta)
-    target.model.float()
-    drafter.float()
+    keys = {"drafter_context", "drafter_block", *(head_key(m) for m in DRAFT_MODES)} & set(b.graphs)
+    b.target.model.float()
+    b.drafter.float()
     try:
         with tempfile.TemporaryDirectory(prefix="dflash2-bf16-") as d:
-            twin = lambda name: onnx_utils.fp32_twin(tmp / name, Path(d) / name)  # noqa: E731
+            twin = lambda name: onnx_utils.fp32_twin(b.tmp / name, Path(d) / name)  # noqa: E731
             report = {"bf16_checked_as": "fp32 twins: the bf16 weights in fp32 arithmetic"}
-            report.update(V.verify_target(twin("target.onnx"), target, layer_ids, "fp32", np.float32))
-            report.update(V.verify_drafter({k: twin(graph_meta[k]["file"]) for k in keys}, drafter, "fp32",
+            report.update(V.verify_target(twin("target.onnx"), b.target, b.layer_ids, "fp32", np.float32))
+            report.update(V.verify_drafter({k: twin(b.graphs[k].file) for k in keys}, b.drafter, "fp32",
                                            np.float32))
     finally:
-        target.model.to(torch.bfloat16)
-        drafter.to(torch.bfloat16)
+        b.target.model.to(torch.bfloat16)
+        b.drafter.to(torch.bfloat16)
     return report
 
 

@@ -252,28 +252,29 @@ def verify_target_ort(model, target, layer_ids: list[int], quantized=None, seed:
     return report
 
 
-def add_ort_flavour(models: dict, graph_meta: dict, target, layer_ids: list[int], n_positions: int, opset: int,  # noqa: ANN001
-                    quant, verify: bool) -> dict:  # noqa: ANN001
-    """Add ``target_ort.onnx`` (+ with ``quant`` enabled, ``*_ort.onnx`` quantized variants of the drafter graphs
-    that ONNX Runtime runs) to ``models`` / ``graph_meta``; returns the verification report."""
+def ort_flavour(models: dict, graphs: dict, target, layer_ids: list[int], n_positions: int, opset: int,  # noqa: ANN001
+                quant, verify: bool) -> tuple[dict, dict, dict]:  # noqa: ANN001
+    """``target_ort.onnx`` and, with ``quant`` enabled, ``*_ort.onnx`` quantized variants of the drafter graphs
+    that ONNX Runtime runs, beside the standard ``models`` / ``graphs`` (graph key -> GraphSpec) -> the new
+    (file -> ModelProto, key -> GraphSpec, verification report)."""
     from dflash2_trt.export.quantize import quantize_graph, quantized_matmuls
+    from dflash2_trt.manifest import GraphSpec
 
     fused = build_target(target.model, layer_ids, n_positions, opset)
     q = quantize_graph(fused, quant, target.vocab_size) if quant.enabled else None
     report = verify_target_ort(fused, target, layer_ids, q) if verify else {}
-    models[TARGET_ORT_FILE] = q if q is not None else fused
-    graph_meta[TARGET_ORT] = {"file": TARGET_ORT_FILE, "role": "target", "selector": None, "mode": None,
-                                "flavour": "ort"}
+    new_models = {TARGET_ORT_FILE: q if q is not None else fused}
+    new_graphs = {TARGET_ORT: GraphSpec(file=TARGET_ORT_FILE, role="target", flavour="ort")}
     if quant.enabled:
         # drafts need not reproduce anything (verification decides), so the drafter always takes the fast
         # int8-activation kernels; only the target's accuracy level decides losslessness
         draft_quant = dataclasses.replace(quant, accuracy_level=DRAFTER_ACCURACY_LEVEL)
-        for key, meta in list(graph_meta.items()):
-            if meta["role"] == "target" or meta.get("selector") == "plugin" or meta.get("flavour") == "ort":
+        for key, spec in graphs.items():
+            if spec.role == "target" or spec.selector == "plugin" or spec.flavour == "ort":
                 continue
-            qm = quantize_graph(models[meta["file"]], draft_quant, target.vocab_size)
+            qm = quantize_graph(models[spec.file], draft_quant, target.vocab_size)
             if quantized_matmuls(qm):  # else the standard graph serves ORT too (e.g. an fp32 LM head alone)
-                name = meta["file"].replace(".onnx", f"{ORT_SUFFIX}.onnx")
-                models[name] = qm
-                graph_meta[key + ORT_SUFFIX] = dict(meta, file=name, flavour="ort")
-    return report
+                name = spec.file.replace(".onnx", f"{ORT_SUFFIX}.onnx")
+                new_models[name] = qm
+                new_graphs[key + ORT_SUFFIX] = dataclasses.replace(spec, file=name, flavour="ort")
+    return new_models, new_graphs, report

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.manifest import Quantization
 from dflash2_trt.vocabulary import QUANTIZATIONS
 
 _BITS = {"int8": 8, "int4": 4}
@@ -63,11 +64,12 @@ class QuantSpec:
     def enabled(self) -> bool:
         return self.kind != "none"
 
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self) -> Quantization:
+        """The manifest's typed ``quantization`` entry."""
         if not self.enabled:
-            return {"kind": "none", "block_size": None, "accuracy_level": None, "lm_head": False}
-        return {"kind": self.kind, "block_size": self.block_size, "accuracy_level": self.accuracy_level,
-                "lm_head": self.lm_head, "symmetric": self.symmetric}
+            return Quantization()
+        return Quantization(kind=self.kind, block_size=self.block_size, accuracy_level=self.accuracy_level,
+                            lm_head=self.lm_head, symmetric=self.symmetric)
 
 
 def _lm_head_nodes(model, vocab_size: int) -> list[str]:  # noqa: ANN001
