@@ -239,3 +239,19 @@ def test_fuzz_generate_and_bench_on_a_real_export(small_exports, tmp_path, monke
         assert list(cwd.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "p.jsonl"]
         seen.add((argv[0], rc))
     assert seen == {("generate", 0), ("generate", 1), ("bench", 0), ("bench", 1)}, seen
+
+
+def test_demo_checks_its_prompts_and_plot_before_the_export(tmp_path, monkeypatch, capsys):
+    """The demo exports SmolLM2 first (minutes on a fresh machine): a bad prompt file or plot path is one line
+    before that, not after."""
+    from dflash2_trt.export import cache
+
+    def never(*a, **k):  # noqa: ANN002, ANN003
+        raise AssertionError("exported before the inputs were checked")
+
+    monkeypatch.setattr(cache, "cached_export", never)
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    _one_line(capsys, main(["demo", "--prompts", str(f)]), "not valid UTF-8")
+    _one_line(capsys, main(["demo", "--prompts", str(tmp_path / "missing.jsonl")]), "not 'humaneval'")
+    _one_line(capsys, main(["demo", "--plot", str(tmp_path / "no" / "c.png")]), "does not exist")

@@ -145,14 +145,16 @@ def run_demo(a: argparse.Namespace) -> int:
         from dflash2_trt.bench.harness import check_plot
 
         check_plot(a.plot)
+    # the prompts before the export: a bad prompt set is one line before minutes of work, not after
+    items = load_prompts(a.prompts, a.limit) if a.prompts is not None else None
     drafter = demo_drafter_path()
     if not a.json:
         print(f"dflash2: demo pair: SmolLM2-135M-Instruct + {drafter.name} (exported once into the cache)",
               file=sys.stderr)
     model_dir = str(cached_export("smollm2", drafter, progress=not a.json, max_seq_len=DEMO_MAX_SEQ_LEN,
                                   **_cached_export_options(a)))
-    if a.prompts is not None:
-        return _bench_and_report(a, model_dir, load_prompts(a.prompts, a.limit))
+    if items is not None:
+        return _bench_and_report(a, model_dir, items)
     items = [{"messages": [{"role": "user", "content": a.prompt or DEMO_PROMPT}]}]
     return _bench_and_report(a, model_dir, items, show_text=True)
 
