@@ -5,6 +5,7 @@ work or allocation starts.
     integer(lo, hi)          an int in [lo, hi] (hi None: no upper bound)
     number(lo, hi, lo_open)  a finite float in [lo, hi] ((lo, hi] with lo_open): nan / inf are refused
     BLOCK_SIZE, SEED, COUNT, THREADS, PROBABILITY, POSITIVE_NUMBER: the common ones
+    DEVICE                   cpu | cuda | cuda:N (torch's names; availability is checked at run time)
     text(value)              a str argument whose bytes decoded to valid UTF-8 (argv holds surrogate escapes
                              otherwise)
 
@@ -90,6 +91,19 @@ THREADS = integer(1, 1024)
 PROBABILITY = number(0.0, 1.0)
 POSITIVE_NUMBER = number(0.0, lo_open=True)
 NON_NEGATIVE_NUMBER = number(0.0)
+
+
+def device(s: str) -> str:
+    """A torch device name: ``cpu``, ``cuda`` or ``cuda:N`` (whether CUDA is there is checked when the command
+    runs: parsing imports no torch)."""
+    import re
+
+    if re.fullmatch(r"cpu|cuda(:\d+)?", s) is None:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {s!r}")
+    return s
+
+
+DEVICE = device
 
 
 def check_size(flag: str, value: int | None, lo: int, hi: int) -> None:
