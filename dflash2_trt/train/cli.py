@@ -6,6 +6,7 @@ import argparse
 import json
 
 from dflash2_trt import validate as V
+from dflash2_trt.train.dist import DTYPES
 
 
 
@@ -35,7 +36,11 @@ def add_parser(sub) -> None:  # noqa: ANN001
     m.add_argument("--teacher-forced", action="store_true",
                    help="no generation: run package functions through the target, label only where the text "
                         "stays on its greedy chain (--prompts texts, --max-prompt-tokens tokens each)")
+    m.add_argument("--prompt-file", default=None, metavar="JSONL",
+                   help='your own prompts instead of the built-in mix: one {"text": ..., "chat": true|false} per line '
+                        "(the first --prompts of them; the benchmark filter still applies)")
     m.add_argument("--threads", type=V.THREADS, default=None, help="torch CPU threads")
+    _device_flags(m)
 
     t = sub.add_parser("train", help="distil a DFlash 2 drafter from make-data output (SPEC §5)")
     t.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
@@ -72,6 +77,9 @@ def add_parser(sub) -> None:  # noqa: ANN001
     t.add_argument("--eval-every", type=V.NON_NEGATIVE, default=0, help="offline τ every N steps (0: at the end)")
     t.add_argument("--threads", type=V.THREADS, default=None, help="torch CPU threads (default: torch's choice)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/train_state")
+    t.add_argument("--grad-accum", type=V.COUNT, default=1, metavar="A",
+                   help="split each process's share of --batch-seqs into A micro-batches (the step is the same)")
+    _device_flags(t)
 
     e = sub.add_parser("eval-tau", help="offline τ of a drafter on held-out make-data rows (seconds)")
     e.add_argument("--target", required=True)
@@ -86,6 +94,15 @@ def add_parser(sub) -> None:  # noqa: ANN001
     e.add_argument("--draft-vocab", type=V.NON_NEGATIVE, default=0, metavar="N",
                    help="restrict the drafter's LM head to its N most frequent ids (as export --draft-vocab)")
     e.add_argument("--threads", type=V.THREADS, default=None)
+    _device_flags(e)
+
+
+def _device_flags(p) -> None:  # noqa: ANN001
+    p.add_argument("--device", type=V.DEVICE, default="cpu",
+                   help="cpu, cuda or cuda:N (under torchrun, cuda = cuda:LOCAL_RANK)")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32",
+                   help="the frozen target's dtype (make-data: its greedy chain at this dtype is the label); the "
+                        "drafter trains under autocast to it with fp32 master weights and an fp32 loss")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -109,6 +126,10 @@ def _run_make_data(a: argparse.Namespace) -> int:
         raise DFlash2Error(f"--mix needs three non-negative fractions summing to 1, got {a.mix}")
     if a.batch < 1 or a.prompts < 1 or a.shard_size < a.batch:
         raise DFlash2Error("--batch and --prompts must be >= 1 and --shard-size >= --batch")
+    if a.teacher_forced and (a.device != "cpu" or a.dtype != "fp32" or a.prompt_file or _world() > 1):
+        raise DFlash2Error("--teacher-forced runs in one CPU process in fp32: drop --device / --dtype / "
+                           "--prompt-file and torchrun")
+    plist = _read_prompt_file(a.prompt_file, a.prompts) if a.prompt_file else None
     if a.threads:
         import torch
 
@@ -125,9 +146,50 @@ def _run_make_data(a: argparse.Namespace) -> int:
                          max_prompt_tokens=a.max_prompt_tokens, batch=a.batch, shard_size=a.shard_size,
                          sample_every=a.sample_every, mix=mix, n_self=a.self_instructions,  # type: ignore[arg-type]
                          target_layer_ids=ids, topk=a.topk, seed=a.seed, max_shards=a.max_shards,
-                         exclude=tuple(a.exclude), code_packages=a.code_packages)
-    print(json.dumps({"out": str(make_data(cfg))}))
+                         exclude=tuple(a.exclude), code_packages=a.code_packages, device=a.device, dtype=a.dtype)
+    from dflash2_trt.train.dist import setup
+
+    dist = setup(a.device)
+    try:
+        out = make_data(cfg, prompts=plist, dist=dist)
+    finally:
+        dist.close()
+    if dist.is_main:
+        print(json.dumps({"out": str(out)}))
     return 0
+
+
+def _world() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _read_prompt_file(path: str, n: int) -> list[dict]:
+    """--prompt-file: the first ``n`` lines' {"text", "chat" (default true), "src" (default "file")}."""
+    from dflash2_trt.errors import DFlash2Error
+
+    out = []
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise DFlash2Error(f"--prompt-file {path}: {e.strerror or e}") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            text = item["text"]
+        except (ValueError, KeyError, TypeError):
+            raise DFlash2Error(f'--prompt-file {path}:{i}: expected a JSON object with "text"') from None
+        if not isinstance(text, str) or not text.strip():
+            raise DFlash2Error(f'--prompt-file {path}:{i}: "text" must be a non-empty string')
+        out.append({"src": str(item.get("src", "file")), "chat": bool(item.get("chat", True)), "text": text})
+        if len(out) >= n:
+            break
+    if not out:
+        raise DFlash2Error(f"--prompt-file {path}: no prompt in it")
+    return out
 
 
 def _run_eval_tau(a: argparse.Namespace) -> int:
@@ -139,13 +201,17 @@ def _run_eval_tau(a: argparse.Namespace) -> int:
     from dflash2_trt.model import load_drafter
     from dflash2_trt.model.checkpoint import draft_vocabulary
     from dflash2_trt.target import TargetModel
+    from dflash2_trt.train import dist as DI
     from dflash2_trt.train.data import GeneratedData
     from dflash2_trt.train.trainer import offline_tau
 
-    target = TargetModel.load(a.target)
+    dev = DI.check_device(a.device)
+    target = TargetModel.load(a.target, DI.torch_dtype(a.dtype))
+    target.model.to(dev)
     d = load_drafter(a.drafter)
     if a.block_size:
         d = d.at_block_size(a.block_size)
+    d = d.to(dev)
     d.bind_target(target.embed_weight, target.lm_head_weight)
     if a.draft_vocab:
         d.restrict_vocab(torch.from_numpy(draft_vocabulary(d, a.draft_vocab)))
@@ -153,8 +219,10 @@ def _run_eval_tau(a: argparse.Namespace) -> int:
         d.set_ablation(use_selector=False)
     data = GeneratedData(a.data)
     _, held = data.split(a.heldout_shards, need_train=False)
-    r = offline_tau(d, data, held[: a.rows], a.max_new_tokens)
-    r.update({"drafter": a.drafter, "block_size": d.config.block_size, "draft_vocab": a.draft_vocab})
+    with DI.autocast(dev, a.dtype):
+        r = offline_tau(d, data, held[: a.rows], a.max_new_tokens)
+    r.update({"drafter": a.drafter, "block_size": d.config.block_size, "draft_vocab": a.draft_vocab,
+              "device": dev.type, "dtype": a.dtype})
     print(json.dumps({k: (np.round(v, 4).tolist() if isinstance(v, (list, float)) else v) for k, v in r.items()}))
     return 0
 
@@ -164,8 +232,10 @@ def _run_train(a: argparse.Namespace) -> int:
 
     from dflash2_trt.errors import DFlash2Error
     from dflash2_trt.outdir import check_entries
+    from dflash2_trt.train.dist import setup
     from dflash2_trt.train.trainer import TrainConfig, train
 
+    dist = setup(a.device)  # first: no rank may write into --out before every rank checked it
     check_entries(Path(a.out), "--out", _is_drafter_file, "a drafter folder that train writes")
     state = Path(a.out) / "train_state" / "state.json"
     if state.is_file() and not a.resume:
@@ -184,14 +254,19 @@ def _run_train(a: argparse.Namespace) -> int:
                      sampled_softmax=a.sampled_softmax, random_negatives=a.random_negatives,
                      selector_full_topk=a.selector_full_topk, kl_weight=a.kl_weight, gamma=a.gamma,
                      heldout_shards=a.heldout_shards, max_shards=a.max_shards, eval_rows=a.eval_rows,
-                     eval_every=a.eval_every)
+                     eval_every=a.eval_every, device=a.device, dtype=a.dtype, grad_accum=a.grad_accum)
     if a.threads:
         import torch
 
         torch.set_num_threads(a.threads)
-    train(tc)
-    last = (Path(a.out) / "train_log.jsonl").read_text().strip().splitlines()[-1]
-    print(json.dumps({"out": a.out, "last_log": json.loads(last)}))
+    dist.barrier()
+    try:
+        train(tc, dist=dist)
+    finally:
+        dist.close()
+    if dist.is_main:
+        last = (Path(a.out) / "train_log.jsonl").read_text().strip().splitlines()[-1]
+        print(json.dumps({"out": a.out, "last_log": json.loads(last)}))
     return 0
 
 

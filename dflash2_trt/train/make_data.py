@@ -8,7 +8,9 @@ target's top-``topk`` log-probabilities at every response position (for an optio
 
 Output folder (``--out``, outside the repository)::
 
-    OUT/meta.json                 target, tap layers, generation settings, prompt counts, filter counts
+    OUT/meta.json                 target, tap layers, generation settings, prompt counts, filter counts,
+                                  target_dtype (the labels are the greedy chain at that dtype), device,
+                                  world_size, last_run (every rank's shards, tokens and seconds)
     OUT/prompts.jsonl             the final prompt list in generation order: {"src", "chat", "text"}
     OUT/self_instructions.json    instructions the target wrote itself (cached; made first)
     OUT/shard-00000/              one folder per ``shard_size`` prompts, renamed into place when complete:
@@ -22,6 +24,8 @@ Output folder (``--out``, outside the repository)::
                                   at each position (row p predicts position p + 1)
 
 Resumable: the prompt list is deterministic, so a rerun skips shards that exist and continues.
+Many processes: ``torchrun --nproc_per_node N -m dflash2_trt.cli make-data ...`` deals the shards over the ranks
+(see :func:`make_data`); the folder equals a one-process run's.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class MakeDataConfig:
     max_shards: int | None = None  # stop after the first N shards (the prompt list stays the same)
     exclude: tuple[str, ...] = ()  # make-data folders / trained_prompts.txt lists whose prompts this one skips
     code_packages: bool = False  # code prompts also from installed permissively-licensed packages (pkgcode)
+    device: str = "cpu"  # cpu | cuda | cuda:N (under torchrun: cuda -> cuda:LOCAL_RANK)
+    dtype: str = "fp32"  # the target's dtype: its greedy chain at this dtype is the label (meta.json records it)
 
 
 def _default_layer_ids(n_layers: int) -> list[int]:
@@ -95,10 +101,12 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int, temper
 
     Left padding; each row's positions count its real tokens only; features and top-k come from the very
     forward passes that generate. A row stops at its first EOS (kept) or after ``max_new_tokens``.
+    Runs on the target's device (``gen`` must live there too); results come back to the host once per step.
     """
     import torch
     from transformers import DynamicCache
 
+    dev = target.model.device
     B = len(prompts)
     P = max(len(p) for p in prompts)
     ids = torch.full((B, P), pad_id, dtype=torch.long)  # [B, P]
@@ -107,6 +115,7 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int, temper
         ids[i, P - len(p):] = torch.tensor(p)
         mask[i, P - len(p):] = 1
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # [B, P]
+    ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
     cache = DynamicCache(config=target.model.config)
     feats: list[list[np.ndarray]] = [[] for _ in range(B)]
     tk_ids: list[list[np.ndarray]] = [[] for _ in range(B)]
@@ -121,7 +130,7 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int, temper
                              use_cache=True, output_hidden_states=bool(layer_ids), logits_to_keep=1)
         b = live.size
         if layer_ids:
-            f = torch.cat([o.hidden_states[j + 1] for j in layer_ids], -1).to(torch.float16).numpy()  # [b, m, nH]
+            f = torch.cat([o.hidden_states[j + 1] for j in layer_ids], -1).to(torch.float16).cpu().numpy()  # [b, m, nH]
         else:
             f = np.zeros((b, ids.shape[1], 0), np.float16)
         logp = torch.log_softmax(o.logits[:, -1].float(), -1)  # [b, V]
@@ -131,12 +140,14 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int, temper
                                     generator=gen)[:, 0]  # [b]
         else:
             nxt = logp.argmax(-1)  # [b]
+        li_h, lp_h = li.to(torch.int32).cpu().numpy(), lp.to(torch.float16).cpu().numpy()  # [b, k] on the host
+        nxt_h = nxt.cpu().numpy()  # [b]
         for j, i in enumerate(live.tolist()):
             # prefill: only this row's real prompt positions; later: the one new position
             feats[i].append(f[j, P - len(prompts[i]):] if first else f[j])
-            tk_ids[i].append(li[j].to(torch.int32).numpy()[None])
-            tk_lp[i].append(lp[j].to(torch.float16).numpy()[None])
-            t = int(nxt[j])
+            tk_ids[i].append(li_h[j][None])
+            tk_lp[i].append(lp_h[j][None])
+            t = int(nxt_h[j])
             out_ids[i].append(t)
             if t in eos:
                 done[i] = True
@@ -144,11 +155,11 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int, temper
         if done.all():
             break
         ids = nxt.view(b, 1)  # [b, 1]
-        mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], 1)
+        mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long, device=dev)], 1)
         pos = pos[:, -1:] + 1
         keep = np.flatnonzero(~done[live])  # [b'] batch rows still generating
         if keep.size < b:  # finished rows leave: their cache rows, mask and position go too
-            kt = torch.from_numpy(keep)
+            kt = torch.from_numpy(keep).to(dev)
             cache.batch_select_indices(kt)
             ids, mask, pos, live = ids[kt], mask[kt], pos[kt], live[keep]
     rows = []
@@ -170,7 +181,7 @@ def self_instructions(target, n: int, seed: int, batch: int, max_tokens: int = 4
 
     tok = target.tokenizer
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=target.model.device).manual_seed(seed)
     eos = target.eos_ids()
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos)))
     out: list[str] = []
@@ -267,7 +278,7 @@ def _write_shard(path: Path, rows: list[tuple], prompt_lens: list[int], temps: l
 
 def _is_data_file(name: str) -> bool:
     """The names make-data writes into its folder (a resumed folder holds some of them)."""
-    return re.fullmatch(r"self_instructions\.(json|tmp)|meta\.json|prompts\.jsonl(\.tmp)?"
+    return re.fullmatch(r"self_instructions\.(json|tmp)|meta\.json(\.tmp)?|prompts\.jsonl(\.tmp)?"
                         r"|shard-\d{5}(\.part)?(\.tmp)?", name) is not None
 
 
@@ -288,18 +299,31 @@ def _check_resumable(out: Path) -> None:
                        f"choose another --out")
 
 
-def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | None = None) -> Path:
+def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | None = None,
+              dist=None) -> Path:  # noqa: ANN001 - dist.Dist
     """Generate (or resume) the data folder. ``prompts`` ({"src", "chat", "text"} items) replaces the
-    built-in prompt mix (tests, custom sets); the benchmark-overlap filter applies to them too."""
+    built-in prompt mix (tests, custom sets); the benchmark-overlap filter applies to them too.
+
+    ``dist`` (:func:`dflash2_trt.train.dist.setup`; None = one process on ``cfg.device``): under torchrun every
+    rank builds the same prompt list and generates whole shards, the pending ones dealt round-robin
+    (``todo[rank::world]``): a shard's batches, seeds and outputs are those of a one-process run, so the
+    folder's union is token for token the same. Rank 0 alone writes the self-written instructions,
+    meta.json and prompts.jsonl, and merges every rank's counts into meta.json at the end."""
     import torch
 
     from dflash2_trt.target import TargetModel
+    from dflash2_trt.train import dist as DI
 
+    dist = dist or DI.Dist(device=DI.check_device(cfg.device))
+    dev = dist.device
     out = Path(cfg.out)
-    check_entries(out, "--out", _is_data_file, "make-data output")  # it resumes here: never in a foreign folder
-    _check_resumable(out)
-    out.mkdir(parents=True, exist_ok=True)
-    target = TargetModel.load(cfg.target)
+    if dist.is_main:
+        check_entries(out, "--out", _is_data_file, "make-data output")  # it resumes here: never in a foreign folder
+        _check_resumable(out)
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    target = TargetModel.load(cfg.target, DI.torch_dtype(cfg.dtype))
+    target.model.to(dev)
     tok = target.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise DFlash2Error("make-data needs a target tokenizer with a chat template")
@@ -324,19 +348,22 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
         plist = [p for p in plist if len(p["ids"]) <= cfg.max_prompt_tokens]
         counts: dict = {"given": {"candidates": len(prompts), "dropped_benchmark_8gram": len(dropped),
                                   "used": len(plist)}}
-    elif not si.is_file():
+    elif not si.is_file() and dist.is_main:
         t0 = time.perf_counter()
         instr = self_instructions(target, cfg.n_self, cfg.seed, cfg.batch) if cfg.n_self > 0 and cfg.mix[2] > 0 else []
         si.with_suffix(".tmp").write_text(json.dumps(instr, indent=0))
         si.with_suffix(".tmp").replace(si)
         print(f"self-written instructions: {len(instr)} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    dist.barrier()  # the other ranks read rank 0's instructions
     if prompts is None:
         plist, counts = build_prompt_list(cfg, target, json.loads(si.read_text()))
+    # a non-fp32 target's chain is other data; fp32 keeps the key of folders made before --dtype existed
     key = hashlib.sha1(json.dumps([[p["ids"] for p in plist], layer_ids, asdict(cfg)["max_new_tokens"],
-                                   cfg.sample_every, cfg.batch, cfg.topk, cfg.seed]).encode()).hexdigest()[:16]
+                                   cfg.sample_every, cfg.batch, cfg.topk, cfg.seed]
+                                  + ([cfg.dtype] if cfg.dtype != "fp32" else [])).encode()).hexdigest()[:16]
     meta = {"target": str(target.path), "target_layer_ids": layer_ids, "hidden_size": target.hidden_size,
             "config": asdict(cfg), "key": key, "prompt_counts": counts, "n_prompts": len(plist),
-            "eos_ids": sorted(eos)}
+            "eos_ids": sorted(eos), "target_dtype": cfg.dtype, "device": dev.type, "world_size": dist.world}
     if prompts is None:  # where each built-in source's text comes from, and under which licence
         from dflash2_trt.train import prompts as P
 
@@ -346,24 +373,28 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
         if cfg.code_packages:
             meta["licences"]["code_packages"] = P.package_licences()
     mpath = out / "meta.json"
-    if mpath.is_file() and json.loads(mpath.read_text()).get("key") != key:
-        raise DFlash2Error(f"{out} holds data made with other settings (meta.json key differs): choose another --out")
-    mpath.write_text(json.dumps(meta, indent=1))
-    with open(out / "prompts.jsonl.tmp", "w") as f:
-        for p in plist:
-            f.write(json.dumps({k: p[k] for k in ("src", "chat", "text")}) + "\n")
-    os.replace(out / "prompts.jsonl.tmp", out / "prompts.jsonl")
+    if dist.is_main:
+        if mpath.is_file() and json.loads(mpath.read_text()).get("key") != key:
+            raise DFlash2Error(f"{out} holds data made with other settings (meta.json key differs): choose another --out")
+        _write_json(mpath, meta)
+        with open(out / "prompts.jsonl.tmp", "w") as f:
+            for p in plist:
+                f.write(json.dumps({k: p[k] for k in ("src", "chat", "text")}) + "\n")
+        os.replace(out / "prompts.jsonl.tmp", out / "prompts.jsonl")
+    dist.barrier()
 
     n_shards = (len(plist) + cfg.shard_size - 1) // cfg.shard_size
     if cfg.max_shards is not None:
         n_shards = min(n_shards, cfg.max_shards)
     todo = [s for s in range(n_shards) if not (out / f"shard-{s:05d}").is_dir()]
+    dist.barrier()  # every rank listed the folder before any rank adds a shard to it
+    todo = todo[dist.rank:: dist.world]
     bar = None
-    if progress:
+    if progress and dist.is_main:
         from tqdm import tqdm
 
-        bar = tqdm(total=n_shards * cfg.shard_size, initial=(n_shards - len(todo)) * cfg.shard_size,
-                   desc="make-data", unit="prompt", file=sys.stderr)
+        bar = tqdm(total=len(todo) * cfg.shard_size, desc="make-data" + (f" rank 0/{dist.world}" if dist.world > 1
+                                                                         else ""), unit="prompt", file=sys.stderr)
     t0, c0, n_tok = time.perf_counter(), time.process_time(), 0
     for s in todo:
         items = plist[s * cfg.shard_size: (s + 1) * cfg.shard_size]
@@ -373,7 +404,7 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
             bi = order[b0: b0 + cfg.batch]
             batch_no = (s * cfg.shard_size + b0) // cfg.batch
             temp = 1.0 if cfg.sample_every > 0 and batch_no % cfg.sample_every == cfg.sample_every - 1 else 0.0
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch_no)
+            gen = torch.Generator(device=dev).manual_seed(cfg.seed * 1_000_003 + batch_no)
             res = generate_batch(target, [items[i]["ids"] for i in bi], cfg.max_new_tokens, temp, layer_ids,
                                  cfg.topk, eos, pad, gen)
             for i, r in zip(bi, res):
@@ -386,7 +417,7 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
                 bar.set_postfix(gen_tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}")
         _write_shard(out / f"shard-{s:05d}", rows, plens, temps)
         # CPU seconds too: on a shared machine the wall-clock rate says little about the cost
-        print(json.dumps({"shard": s, "generated_tokens": n_tok,
+        print(json.dumps({"shard": s, "rank": dist.rank, "generated_tokens": n_tok,
                           "tokens_per_s": round(n_tok / (time.perf_counter() - t0), 1),
                           "tokens_per_cpu_s": round(n_tok / max(time.process_time() - c0, 1e-9), 1)}),
               file=sys.stderr, flush=True)
@@ -394,5 +425,21 @@ def make_data(cfg: MakeDataConfig, progress: bool = True, prompts: list[dict] | 
         bar.close()
     el = time.perf_counter() - t0
     print(f"make-data: {len(todo)} shards, {n_tok} generated tokens in {el:.0f} s "
-          f"({n_tok / max(el, 1e-9):.1f} tok/s)", file=sys.stderr)
+          f"({n_tok / max(el, 1e-9):.1f} tok/s)" + (f" on rank {dist.rank}" if dist.world > 1 else ""), file=sys.stderr)
+    ranks = dist.gather_objects({"rank": dist.rank, "shards": todo, "generated_tokens": n_tok,
+                                 "seconds": round(el, 2)})
+    if dist.is_main:  # meta.json merged: this run's shards and rates, every rank's
+        meta["last_run"] = {"world_size": dist.world, "device": dev.type, "target_dtype": cfg.dtype,
+                            "generated_tokens": sum(r["generated_tokens"] for r in ranks),
+                            "tokens_per_s": round(sum(r["generated_tokens"] for r in ranks)
+                                                  / max(max(r["seconds"] for r in ranks), 1e-9), 1),
+                            "ranks": ranks}
+        _write_json(mpath, meta)
+    dist.barrier()  # the folder is complete when any rank returns
     return out
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)

@@ -82,6 +82,9 @@ class TrainConfig:
     eval_rows: int = 24
     eval_every: int = 0  # 0: evaluate at the end only
     seed: int = 0
+    device: str = "cpu"  # cpu | cuda | cuda:N (torchrun: dist.setup gives each rank its own)
+    dtype: str = "fp32"  # the frozen target's embedding / LM head; the drafter autocasts to it (fp32 masters)
+    grad_accum: int = 1  # micro-batches per process per step (the step's rows and update stay the same)
     checkpoint_every: int = 100
     log_every: int = 10
 
@@ -186,10 +189,12 @@ class Batch:
     kl_logp: np.ndarray  # [nb, bs, k] float32
 
 
-def gather_batch(data: D.GeneratedData, rows: np.ndarray, anchors: list[np.ndarray], block_size: int) -> Batch:
+def gather_batch(data: D.GeneratedData, rows: np.ndarray, anchors: list[np.ndarray], block_size: int,
+                 with_feats: bool = True) -> Batch:
+    """``with_feats`` False: feats [S, T, 0] (the labels and top-k ids of a whole step, without its memory)."""
     rs = [data.row(int(i)) for i in rows]
     T = max(r.tokens.shape[0] for r in rs)
-    Fd = rs[0].feats.shape[1]
+    Fd = rs[0].feats.shape[1] if with_feats else 0
     K = rs[0].topk_ids.shape[1]
     tokens = np.zeros((len(rs), T), np.int64)
     feats = np.zeros((len(rs), T, Fd), np.float32)
@@ -197,7 +202,8 @@ def gather_batch(data: D.GeneratedData, rows: np.ndarray, anchors: list[np.ndarr
     for j, (r, a) in enumerate(zip(rs, anchors)):
         n = r.tokens.shape[0]
         tokens[j, :n] = r.tokens
-        feats[j, :n] = r.feats
+        if with_feats:
+            feats[j, :n] = r.feats
         blk_seq.append(np.full(a.shape[0], j))
         anc.append(a)
         labels.append(data.labels(int(rows[j]), a, block_size))
@@ -216,6 +222,13 @@ def make_batch(step: int, seed: int, data: D.GeneratedData, train_rows: np.ndarr
 
     Rows: ``batch_seqs`` random ones per step, or (``by_epoch``) the step's slice of a per-epoch permutation
     (every row once per epoch). Anchors: ``anchors_per_seq`` random ones per row (0: all of them)."""
+    rows, anchors = batch_plan(step, seed, data, train_rows, batch_seqs, anchors_per_seq, by_epoch)
+    return gather_batch(data, rows, anchors, block_size)
+
+
+def batch_plan(step: int, seed: int, data: D.GeneratedData, train_rows: np.ndarray, batch_seqs: int,
+               anchors_per_seq: int, by_epoch: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The rows and anchors of :func:`make_batch` (every process draws the whole step's; each gathers its part)."""
     rng = np.random.default_rng([seed, step])
     if by_epoch:
         per_epoch = -(-train_rows.size // batch_seqs)
@@ -225,7 +238,7 @@ def make_batch(step: int, seed: int, data: D.GeneratedData, train_rows: np.ndarr
     else:
         rows = rng.choice(train_rows, size=min(batch_seqs, train_rows.size), replace=False)
     anchors = [data.anchors(rng, int(i), anchors_per_seq if anchors_per_seq > 0 else 1 << 30) for i in rows]
-    return gather_batch(data, rows, anchors, block_size)
+    return rows, anchors
 
 
 def softmax_vocab(step: int, seed: int, frequent: np.ndarray, batch_ids: np.ndarray, vocab_size: int,
@@ -245,16 +258,25 @@ def softmax_vocab(step: int, seed: int, frequent: np.ndarray, batch_ids: np.ndar
 
 
 def compute_loss(d: DFlash2Drafter, b: Batch, weights: torch.Tensor, vocab: np.ndarray | None = None,
-                 kl_weight: float = 0.0, selector_full_topk: bool = False) -> tuple[torch.Tensor, dict]:
+                 kl_weight: float = 0.0, selector_full_topk: bool = False,
+                 lm_norm: float | None = None) -> tuple[torch.Tensor, dict]:
     """Returns (loss, metrics). weights [bs] (slot 0 = 0). ``vocab``: the sorted ids the CE runs over
-    (None = the full vocabulary); every label (and KL id when ``kl_weight`` > 0) must be in it."""
+    (None = the full vocabulary); every label (and KL id when ``kl_weight`` > 0) must be in it. Runs on the
+    drafter's device.
+
+    ``lm_norm`` (one part of a step split over processes / micro-batches): the CE and KL sums are divided by
+    this, the whole step's label weight, and the selector's loss is left a *sum* — its normaliser (the weight
+    of slots whose label is in the top-K) depends on every part's forward, so the caller divides the selector's
+    gradients by the step's total afterwards (they come from this term alone: its inputs are detached).
+    ``metrics["sums"]`` then holds the raw sums the caller adds up over the parts."""
     cfg = d.config
+    dev = d.fc.weight.device
     S, T = b.tokens.shape
-    f = torch.from_numpy(b.feats)  # [S, T, nH_t]
-    ctx_pos = torch.arange(T)
+    f = torch.from_numpy(b.feats).to(dev)  # [S, T, nH_t]
+    ctx_pos = torch.arange(T, device=dev)
     kv = d.context_kv(d.fuse_context(f), ctx_pos)  # per layer [S, kvh, T, d]
-    anchor_pos = torch.from_numpy(b.anchors)
-    anchor_ids = torch.from_numpy(b.tokens[b.blk_seq, b.anchors])  # [nb]
+    anchor_pos = torch.from_numpy(b.anchors).to(dev)
+    anchor_ids = torch.from_numpy(b.tokens[b.blk_seq, b.anchors]).to(dev)  # [nb]
     counts = np.bincount(b.blk_seq, minlength=S).tolist()
     if np.any(np.diff(b.blk_seq) < 0):
         raise DFlash2Error("blocks must be grouped by row")
@@ -271,14 +293,14 @@ def compute_loss(d: DFlash2Drafter, b: Batch, weights: torch.Tensor, vocab: np.n
     # the head product as ONE 2-D GEMM [nb*L, H] x [H, V']: the strided 3-D view made PyTorch run a batched
     # matmul that re-streams the head slice per block (1/9 the speed on a CPU; forward + backward ≈ 10x)
     rows2 = rows.reshape(nb * L, H)  # [nb*L, H]
-    true_ids = torch.from_numpy(b.labels[:, 1:])  # [nb, L] (-100 = no label)
+    true_ids = torch.from_numpy(b.labels[:, 1:]).to(dev)  # [nb, L] (-100 = no label)
     valid_lab = true_ids >= 0  # [nb, L]
     if vocab is None:
         logits = d.logits(rows2).float().view(nb, L, -1)  # [nb, L, V]
         labels = true_ids.clamp(min=0)
         to_col = None
     else:
-        vt = torch.from_numpy(vocab)
+        vt = torch.from_numpy(vocab).to(dev)
         logits = d.logits(rows2, rows_of_head=vt).float().view(nb, L, -1)  # [nb, L, |vocab|]
         need = b.labels[:, 1:][b.labels[:, 1:] >= 0]
         pos = np.searchsorted(vocab, need)
@@ -286,26 +308,29 @@ def compute_loss(d: DFlash2Drafter, b: Batch, weights: torch.Tensor, vocab: np.n
             raise DFlash2Error("sampled softmax: a label is missing from the step's vocabulary")
 
         def to_col(ids: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.searchsorted(vocab, ids).clip(0, vocab.size - 1).astype(np.int64))
+            return torch.from_numpy(np.searchsorted(vocab, ids).clip(0, vocab.size - 1).astype(np.int64)).to(dev)
 
         labels = to_col(np.maximum(b.labels[:, 1:], 0))
     V = logits.shape[-1]
     w = weights[1:].view(1, L) * valid_lab.float()  # [nb, L]
-    wsum = w.sum().clamp(min=1e-6)
+    wsum = w.sum().clamp(min=1e-6) if lm_norm is None else lm_norm
     ce = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view(nb, L)
     loss_lm = (ce * w).sum() / wsum
     hit1 = (logits.argmax(-1) == labels) & valid_lab
     nv = valid_lab.float().sum(0).clamp(min=1)
     metrics = {"loss_lm": float(loss_lm.detach()), "slot_acc": (hit1.float().sum(0) / nv).tolist()}
+    sums = {"lm": float((ce * w).sum().detach()), "hit1": hit1.float().sum(0).tolist(),
+            "labelled": valid_lab.float().sum(0).tolist()}
     loss = loss_lm
     if kl_weight > 0:
-        p_t = torch.softmax(torch.from_numpy(b.kl_logp[:, 1:]), -1)  # [nb, L, k] renormalised top-k
-        cols = torch.from_numpy(b.kl_ids[:, 1:]) if to_col is None else to_col(b.kl_ids[:, 1:])
-        if to_col is not None and not np.array_equal(vocab[cols.numpy()], b.kl_ids[:, 1:]):
+        p_t = torch.softmax(torch.from_numpy(b.kl_logp[:, 1:]).to(dev), -1)  # [nb, L, k] renormalised top-k
+        cols = torch.from_numpy(b.kl_ids[:, 1:]).to(dev) if to_col is None else to_col(b.kl_ids[:, 1:])
+        if to_col is not None and not np.array_equal(vocab[cols.cpu().numpy()], b.kl_ids[:, 1:]):
             raise DFlash2Error("sampled softmax: a KL id is missing from the step's vocabulary")
         logq = torch.log_softmax(logits, -1).gather(-1, cols)  # [nb, L, k]
         kl = -(p_t * logq).sum(-1)  # [nb, L] CE to the target's top-k distribution
         loss_kl = (kl * w).sum() / wsum
+        sums["kl"] = float((kl * w).sum().detach())
         loss = loss + kl_weight * loss_kl
         metrics["loss_kl"] = float(loss_kl.detach())
     if d.use_selector:
@@ -317,7 +342,7 @@ def compute_loss(d: DFlash2Drafter, b: Batch, weights: torch.Tensor, vocab: np.n
         else:
             unary, cand = torch.topk(logits.detach(), K, dim=-1)  # [nb, L, K]
             if vocab is not None:
-                cand = torch.from_numpy(vocab)[cand]  # back to token ids
+                cand = vt[cand]  # back to token ids
         hit = cand == true_ids.unsqueeze(-1)  # [nb, L, K]
         valid = hit.any(-1) & valid_lab  # [nb, L] true token among the top-K
         prev = torch.cat([anchor_ids.view(nb, 1), true_ids[:, :-1].clamp(min=0)], dim=1)  # teacher-forced
@@ -330,14 +355,19 @@ def compute_loss(d: DFlash2Drafter, b: Batch, weights: torch.Tensor, vocab: np.n
         tgt = hit.float().argmax(-1)  # [nb, L]
         ce_s = F.cross_entropy(scores.reshape(-1, K), tgt.reshape(-1), reduction="none").view(nb, L)
         ws = weights[1:].view(1, L) * valid.float()
-        loss_sel = (ce_s * ws).sum() / ws.sum().clamp(min=1e-6)
+        loss_sel = (ce_s * ws).sum() / (ws.sum().clamp(min=1e-6) if lm_norm is None else 1.0)
         loss = loss + 1.0 * loss_sel
         with torch.no_grad():
             sel_acc = ((scores.argmax(-1) == tgt) & valid).float().sum() / valid.float().sum().clamp(min=1)
         metrics.update({"loss_sel": float(loss_sel.detach()),
                         "topk_recall": float(valid.float().sum() / valid_lab.float().sum().clamp(min=1)),
                         "selector_acc": float(sel_acc)})
+        sums.update({"sel": float((ce_s * ws).sum().detach()), "sel_w": float(ws.sum()),
+                     "in_topk": float(valid.float().sum()),
+                     "sel_hit": float(((scores.argmax(-1) == tgt) & valid).float().sum())})
     metrics["loss"] = float(loss.detach())
+    if lm_norm is not None:
+        metrics["sums"] = sums
     return loss, metrics
 
 
@@ -389,7 +419,9 @@ def offline_tau(d: DFlash2Drafter, data: D.GeneratedData, rows: np.ndarray, max_
             for r in rs]
     b = gather_batch(data, np.asarray(keep), [np.zeros(0, np.int64)] * len(rs), bs)
     S, T = b.tokens.shape
-    kv = d.context_kv(d.fuse_context(torch.from_numpy(b.feats)), torch.arange(T))  # per layer [S, kvh, T, d]
+    dev = d.fc.weight.device
+    kv = d.context_kv(d.fuse_context(torch.from_numpy(b.feats).to(dev)),
+                      torch.arange(T, device=dev))  # per layer [S, kvh, T, d]
     cursor = np.asarray([r.prompt_len for r in rs])  # anchor = first generated token
     cycles: list[list[int]] = [[] for _ in rs]
     oracle: list[list[int]] = [[] for _ in rs]
@@ -397,12 +429,12 @@ def offline_tau(d: DFlash2Drafter, data: D.GeneratedData, rows: np.ndarray, max_
         act = np.asarray([j for j in range(len(rs)) if cursor[j] <= ends[j] - 2])
         if act.size == 0:
             break
-        sel = torch.from_numpy(act)
-        anchors = torch.from_numpy(cursor[act].astype(np.int64))
-        aid = torch.from_numpy(b.tokens[act, cursor[act]])
+        sel = torch.from_numpy(act).to(dev)
+        anchors = torch.from_numpy(cursor[act].astype(np.int64)).to(dev)
+        aid = torch.from_numpy(b.tokens[act, cursor[act]]).to(dev)
         h = d.block_forward(aid, anchors, [k[sel] for k, _ in kv], [v[sel] for _, v in kv])
         dr = d.draft_from_hidden(h, aid, mode=mode)
-        toks, cand = dr.tokens.numpy(), dr.cand.numpy()  # [na, L], [na, L, K]
+        toks, cand = dr.tokens.cpu().numpy(), dr.cand.cpu().numpy()  # [na, L], [na, L, K]
         for n_, j in enumerate(act):
             idx = cursor[j] + 1 + np.arange(L)
             truth = np.where(idx < ends[j], b.tokens[j, np.minimum(idx, T - 1)], -100)  # [L]
@@ -440,7 +472,8 @@ def _atomic_write_text(text: str, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(d: DFlash2Drafter, opt: torch.optim.Optimizer, step: int, tc: TrainConfig) -> None:
+def save_checkpoint(d: DFlash2Drafter, opt: torch.optim.Optimizer, step: int, tc: TrainConfig,
+                    extra: dict | None = None) -> None:
     out = Path(tc.out)
     st = out / "train_state"
     st.mkdir(parents=True, exist_ok=True)
@@ -452,8 +485,8 @@ def save_checkpoint(d: DFlash2Drafter, opt: torch.optim.Optimizer, step: int, tc
     _atomic_save_tensors(tensors, st / "optimizer.safetensors")
     _atomic_save_tensors(dict(d.state_dict()), st / WEIGHTS_NAME)
     # the state file is written last: it names the step the other two files belong to
-    _atomic_write_text(json.dumps({"step": step, "param_groups": sd["param_groups"], "train_config": asdict(tc)},
-                                  indent=1), st / "state.json")
+    _atomic_write_text(json.dumps({"step": step, "param_groups": sd["param_groups"], "train_config": asdict(tc),
+                                   **(extra or {})}, indent=1), st / "state.json")
     d.config.save(out)
     _atomic_save_tensors(dict(d.state_dict()), out / WEIGHTS_NAME)
 
@@ -511,7 +544,9 @@ def prepare(tc: TrainConfig):  # noqa: ANN201
     """Load the target (frozen embedding / LM head / config) and the data. Returns (target, cfg, data)."""
     from dflash2_trt.target import TargetModel
 
-    target = TargetModel.load(tc.target)
+    from dflash2_trt.train.dist import torch_dtype
+
+    target = TargetModel.load(tc.target, torch_dtype(tc.dtype))
     data = D.GeneratedData(tc.data, tc.max_shards)
     if int(data.meta.get("hidden_size", target.hidden_size)) != target.hidden_size:
         raise DFlash2Error(f"{data.roots[0]} was made by a target of hidden size {data.meta['hidden_size']}, "
@@ -521,40 +556,125 @@ def prepare(tc: TrainConfig):  # noqa: ANN201
     return target, cfg, data
 
 
-def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None) -> DFlash2Drafter:
-    """Run (or resume) training; ``stop_after`` ends the process-local run early (tests of --resume)."""
+def _on_device(d: DFlash2Drafter, target, dev: torch.device) -> None:  # noqa: ANN001
+    """The drafter (fp32 master weights) on ``dev``, bound to one copy there of the target's embedding and LM
+    head (one tensor when they are tied); the rest of the target stays on the host."""
+    emb, head = target.embed_weight, target.lm_head_weight
+    d.embed_weight, d.lm_head_weight = torch.zeros(0), torch.zeros(0)  # not copied twice by .to
+    d.to(dev)
+    e = emb.detach().to(dev)
+    d.bind_target(e, e if head is emb else head.detach().to(dev))
+
+
+class _StepLoss(torch.nn.Module):
+    """:func:`compute_loss` as a module's forward, for DDP (it hooks its gradient all-reduce on forward)."""
+
+    def __init__(self, d: DFlash2Drafter) -> None:
+        super().__init__()
+        self.d = d
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return compute_loss(self.d, *args, **kwargs)
+
+
+def _ddp(d: DFlash2Drafter, dev: torch.device):  # noqa: ANN201
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    w = _StepLoss(d)
+    # buffers (the frozen target embedding / LM head among them) are DDP's business neither in gradients nor in
+    # broadcasts: every rank bound its own copy of the same target
+    DDP._set_params_and_buffers_to_ignore_for_model(w, [f"d.{n}" for n, _ in d.named_buffers()])
+    return DDP(w, device_ids=[dev] if dev.type == "cuda" else None, broadcast_buffers=False,
+               find_unused_parameters=True)
+
+
+#: the raw sums of :func:`compute_loss` (``lm_norm`` given) that one step adds up over its parts
+_SUM_KEYS = ("lm", "kl", "sel", "sel_w", "in_topk", "sel_hit")
+
+
+def _step_metrics(tot: np.ndarray, L: int, lm_norm: float, kl_weight: float, use_selector: bool) -> dict:
+    """The metrics a one-process step logs, from the step's summed parts (layout: _SUM_KEYS, hit1 [L],
+    labelled [L])."""
+    v = dict(zip(_SUM_KEYS, tot[: len(_SUM_KEYS)].tolist()))
+    hit1, lab = tot[len(_SUM_KEYS): len(_SUM_KEYS) + L], tot[len(_SUM_KEYS) + L:]
+    m = {"loss_lm": v["lm"] / lm_norm, "slot_acc": (hit1 / np.maximum(lab, 1)).tolist()}
+    loss = m["loss_lm"]
+    if kl_weight > 0:
+        m["loss_kl"] = v["kl"] / lm_norm
+        loss += kl_weight * m["loss_kl"]
+    if use_selector:
+        m.update({"loss_sel": v["sel"] / max(v["sel_w"], 1e-6), "topk_recall": v["in_topk"] / max(lab.sum(), 1),
+                  "selector_acc": v["sel_hit"] / max(v["in_topk"], 1)})
+        loss += m["loss_sel"]
+    m["loss"] = loss
+    return m
+
+
+def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None,
+          dist=None) -> DFlash2Drafter:  # noqa: ANN001 - dist.Dist
+    """Run (or resume) training; ``stop_after`` ends the process-local run early (tests of --resume).
+
+    ``dist`` (:func:`dflash2_trt.train.dist.setup`; None = one process on ``tc.device``): with several processes
+    or ``grad_accum`` > 1 a step is split into world x grad_accum parts of the same ``batch_seqs`` rows that one
+    process would draw (every rank draws the whole plan and gathers only its parts' features); the CE / KL
+    are normalised by the whole step's label weight and the selector's gradients by the whole step's top-K
+    weight, so the update equals the one-process update (up to summation order). Gradients are all-reduced
+    by DDP (the last part of each rank; the others under ``no_sync``). Rank 0 alone writes the folder: the
+    log, the checkpoints (atomically), the token counts, the offline τ.
+    """
+    from contextlib import nullcontext
+
+    from dflash2_trt.train import dist as DI
+
+    dist = dist or DI.Dist(device=DI.check_device(tc.device))
+    dev = dist.device
+    parts = dist.world * tc.grad_accum
+    if tc.batch_seqs < parts:
+        raise DFlash2Error(f"--batch-seqs {tc.batch_seqs} is less than processes x --grad-accum = {parts}: every "
+                           f"part of a step needs a row")
     target, cfg, data = prepare(tc)
     train_rows, held_rows = data.split(tc.heldout_shards)
     if tc.epochs > 0:
         tc.steps = max(1, math.ceil(tc.epochs * train_rows.size / tc.batch_seqs))
     d, info = init_drafter(cfg, target, tc.seed, tc.init, tc.init_layers)
+    _on_device(d, target, dev)
+    del target  # only its embedding and LM head are needed (bound to the drafter)
     d.train()
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    scaler = torch.amp.GradScaler(dev.type, enabled=tc.dtype == "fp16")  # fp16 only: bf16 / fp32 need none
     out = Path(tc.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
     start = 0
     if (out / "train_state" / "state.json").is_file():
         start = load_checkpoint(d, opt, tc)
-    weights = torch.from_numpy(D.slot_weights(cfg.block_size, tc.gamma)).float()
+        sc = json.loads((out / "train_state" / "state.json").read_text()).get("scaler")
+        if sc and scaler.is_enabled():
+            scaler.load_state_dict(sc)
+    weights = torch.from_numpy(D.slot_weights(cfg.block_size, tc.gamma)).float().to(dev)
     counts = data.response_token_counts(train_rows, cfg.vocab_size)
     init_dir = Path(tc.init) if tc.init not in ("target", "random") else None
     if init_dir is not None and (init_dir / TOKEN_COUNTS_NAME).is_file():  # a stage counts its ancestors' ids too
         counts = counts + read_token_counts(init_dir / TOKEN_COUNTS_NAME, cfg.vocab_size)
     d.token_counts = counts
-    write_trained_prompts(out, data, init_dir)
-    with open(out / (TOKEN_COUNTS_NAME + ".tmp"), "wb") as f:  # export --draft-vocab reads it
-        np.save(f, counts)
-    os.replace(out / (TOKEN_COUNTS_NAME + ".tmp"), out / TOKEN_COUNTS_NAME)
+    if dist.is_main:
+        write_trained_prompts(out, data, init_dir)
+        with open(out / (TOKEN_COUNTS_NAME + ".tmp"), "wb") as f:  # export --draft-vocab reads it
+            np.save(f, counts)
+        os.replace(out / (TOKEN_COUNTS_NAME + ".tmp"), out / TOKEN_COUNTS_NAME)
     frequent = frequent_ids(counts, tc.sampled_softmax) if tc.sampled_softmax > 0 else None
     eval_rows = held_rows[: tc.eval_rows]
-    log = open(out / "train_log.jsonl", "a")
-    if start == 0:
+    log = open(out / "train_log.jsonl", "a") if dist.is_main else None
+    if start == 0 and log is not None:
         log.write(json.dumps({"init": info, "train_rows": int(train_rows.size), "heldout_rows": int(held_rows.size),
-                              "rope_theta": cfg.rope_theta, "train_config": asdict(tc)}) + "\n")
+                              "rope_theta": cfg.rope_theta, "train_config": asdict(tc), "world_size": dist.world,
+                              "device": dev.type, "data_target_dtype": data.meta.get("target_dtype", "fp32")}) + "\n")
+    ddp = _ddp(d, dev) if dist.world > 1 else None
+    L = cfg.block_size - 1
     it = range(start, tc.steps)
     bar = None
-    if progress:
+    if progress and dist.is_main:
         from tqdm import tqdm
 
         bar = tqdm(it, desc="train", unit="step", initial=start, total=tc.steps)
@@ -564,7 +684,8 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None)
     def evaluate(step: int) -> None:
         t = time.perf_counter()
         try:
-            r = offline_tau(d, data, eval_rows)
+            with DI.autocast(dev, tc.dtype):
+                r = offline_tau(d, data, eval_rows)
         except DFlash2Error as e:  # e.g. only T = 1 rows held out: training still completes
             r = {"eval_skipped": str(e)}
         d.train()
@@ -572,39 +693,83 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None)
         log.write(json.dumps(r) + "\n")
         log.flush()
 
+    def vocab_of(b: Batch, step: int) -> np.ndarray | None:
+        if frequent is None:
+            return None
+        ids = np.concatenate([b.labels.ravel(), b.kl_ids.ravel() if tc.kl_weight > 0 else b.labels[:0].ravel()])
+        return softmax_vocab(step, tc.seed, frequent, ids, cfg.vocab_size, tc.random_negatives)
+
+    def one_part_step(step: int) -> tuple[dict, int, float | None]:
+        b = make_batch(step, tc.seed, data, train_rows, cfg.block_size, tc.batch_seqs, tc.anchors_per_seq,
+                       by_epoch=tc.epochs > 0)
+        with DI.autocast(dev, tc.dtype):
+            loss, m = compute_loss(d, b, weights, vocab_of(b, step), tc.kl_weight, tc.selector_full_topk)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        return m, b.labels.shape[0], None
+
+    loss_of = ddp if ddp is not None else (lambda *a, **k: compute_loss(d, *a, **k))
+
+    def split_step(step: int) -> tuple[dict, int, float | None]:
+        """Returns (metrics, blocks, the selector gradients' divisor)."""
+        rows, anchors = batch_plan(step, tc.seed, data, train_rows, tc.batch_seqs, tc.anchors_per_seq,
+                                   by_epoch=tc.epochs > 0)
+        whole = gather_batch(data, rows, anchors, cfg.block_size, with_feats=False)  # labels, top-k ids
+        vocab = vocab_of(whole, step)
+        w = D.slot_weights(cfg.block_size, tc.gamma)[1:]
+        lm_norm = max(float((w[None, :] * (whole.labels[:, 1:] >= 0)).sum()), 1e-6)
+        mine = np.array_split(np.arange(rows.size), parts)[dist.rank * tc.grad_accum: (dist.rank + 1) * tc.grad_accum]
+        opt.zero_grad(set_to_none=True)
+        tot = np.zeros(len(_SUM_KEYS) + 2 * L)
+        for k, idx in enumerate(mine):
+            b = gather_batch(data, rows[idx], [anchors[i] for i in idx], cfg.block_size)
+            last = k == len(mine) - 1
+            with ddp.no_sync() if ddp is not None and not last else nullcontext():
+                with DI.autocast(dev, tc.dtype):
+                    loss, m = loss_of(b, weights, vocab, tc.kl_weight, tc.selector_full_topk, lm_norm=lm_norm)
+                # DDP averages over ranks: x world makes it the sum, the one-process gradient
+                scaler.scale(loss * dist.world).backward()
+            sm = m["sums"]
+            tot += np.asarray([sm.get(key, 0.0) for key in _SUM_KEYS] + sm["hit1"] + sm["labelled"])
+        tot_t = dist.all_reduce_sum(torch.from_numpy(tot).to(dev))
+        tot = tot_t.cpu().numpy()
+        sel_norm = max(float(tot[_SUM_KEYS.index("sel_w")]), 1e-6) if d.use_selector else None
+        return _step_metrics(tot, L, lm_norm, tc.kl_weight, d.use_selector), whole.labels.shape[0], sel_norm
+
     try:
         for step in it:
             if stop_after is not None and step >= stop_after:
                 break
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, tc.steps, tc.lr, tc.warmup)
-            b = make_batch(step, tc.seed, data, train_rows, cfg.block_size, tc.batch_seqs, tc.anchors_per_seq,
-                           by_epoch=tc.epochs > 0)
-            vocab = None
-            if frequent is not None:
-                ids = np.concatenate([b.labels.ravel(), b.kl_ids.ravel() if tc.kl_weight > 0 else b.labels[:0].ravel()])
-                vocab = softmax_vocab(step, tc.seed, frequent, ids, cfg.vocab_size, tc.random_negatives)
-            loss, m = compute_loss(d, b, weights, vocab, tc.kl_weight, tc.selector_full_topk)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            m, n_blocks, sel_norm = (split_step if parts > 1 else one_part_step)(step)
+            scaler.unscale_(opt)  # (a no-op but with fp16)
+            if sel_norm is not None:  # a split step's selector loss was a sum (compute_loss's lm_norm)
+                for p in d.candidate_selector.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(sel_norm)
             if tc.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-            opt.step()
-            rows_done += b.labels.shape[0] * (cfg.block_size - 1)
+            scaler.step(opt)
+            scaler.update()
+            rows_done += n_blocks * (cfg.block_size - 1)
             if bar is not None:
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc1=f"{m['slot_acc'][0]:.2f}")
-            if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+            if log is not None and ((step + 1) % tc.log_every == 0 or step + 1 == tc.steps):
                 el = time.perf_counter() - t0
                 m.update({"step": step + 1, "lr": opt.param_groups[0]["lr"], "rows_per_s": rows_done / el})
                 log.write(json.dumps(m) + "\n")
                 log.flush()
-            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
-                save_checkpoint(d, opt, step + 1, tc)
-            if eval_rows.size and tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
+            if dist.is_main and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
+                save_checkpoint(d, opt, step + 1, tc, {"scaler": scaler.state_dict()} if scaler.is_enabled() else None)
+            if (log is not None and eval_rows.size and tc.eval_every and (step + 1) % tc.eval_every == 0
+                    and step + 1 < tc.steps):
                 evaluate(step + 1)
         else:
-            if eval_rows.size and start < tc.steps:
+            if log is not None and eval_rows.size and start < tc.steps:
                 evaluate(tc.steps)
     finally:
-        log.close()
+        if log is not None:
+            log.close()
+    dist.barrier()  # the folder is complete when any rank returns
     return d.eval()
