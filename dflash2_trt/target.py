@@ -19,13 +19,9 @@ import torch
 
 from dflash2_trt.config import DFlash2Config
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.paths import cache_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """Where converted models live (outside the repo): $DFLASH2_CACHE or ~/.cache/dflash2_trt."""
-    return Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2_trt"))
 
 
 def _quiet_transformers() -> None:

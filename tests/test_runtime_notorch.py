@@ -70,3 +70,19 @@ def test_readme_python_example_runs_without_torch(venv, tiny_export):
                        cwd=str(venv))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ONNX Runtime" in r.stdout  # gen.note: TensorRT is not installed there
+
+
+def test_triton_repo_without_torch(venv, tiny_export, tmp_path):
+    """``dflash2 triton-repo`` in a torch-free install (+ the triton extra's tritonclient) writes the repository
+    and prints how to serve it, importing nothing torch-side (it used to die on ``target.cache_dir``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "tritonclient[grpc]"],
+                       capture_output=True, text=True, env=dict(env, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    repo = tmp_path / "repo"
+    r = subprocess.run([str(venv / "bin" / "dflash2"), "triton-repo", str(tiny_export), "--triton-repo", str(repo)],
+                       capture_output=True, text=True, env=env, cwd=str(venv))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "wrote Triton model repository" in r.stdout and (repo / "dflash2" / "config.pbtxt").is_file()
+    assert "bundled server" in r.stdout or "tritonserver" in r.stdout  # the hint, or why there is none
+    assert "Traceback" not in r.stderr

@@ -29,6 +29,7 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is part of the dev install")
 
 from dflash2_trt.errors import DFlash2Error  # noqa: E402
+from dflash2_trt import serving as S  # noqa: E402
 from dflash2_trt.export import triton_repo as T  # noqa: E402
 
 MODEL = "dflash2"
@@ -104,7 +105,7 @@ def _tokens(out: dict) -> list[int]:
     return [t for c in out["chunks"] for t in c["ids"]]
 
 
-def _metrics(srv: T.TritonServer) -> str:
+def _metrics(srv: S.TritonServer) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10) as r:
         return r.read().decode()
 
@@ -173,10 +174,10 @@ def check_against_runtime(out: dict, export: Path, prompt: list[int], max_tokens
 
 
 def serve(repo: Path, log: Path, **kw):  # noqa: ANN003, ANN201
-    return T.TritonServer(repo, T.backend_dir(repo.parent), log, **kw)
+    return S.TritonServer(repo, S.backend_dir(repo.parent), log, **kw)
 
 
-def shut_down_cleanly(srv: T.TritonServer, repo: Path) -> None:
+def shut_down_cleanly(srv: S.TritonServer, repo: Path) -> None:
     assert srv.stop() == 0, srv.log()[-3000:]
     time.sleep(0.5)
     assert _processes_using(repo) == []

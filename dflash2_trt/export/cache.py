@@ -1,4 +1,4 @@
-"""Exports cached outside the repo (``target.cache_dir()/exports/<key>``) for ``dflash2 bench --target
+"""Exports cached outside the repo (``paths.cache_dir()/exports/<key>``) for ``dflash2 bench --target
 --drafter`` and the real-model tests.
 
 The key hashes the exporter's own source (export/ and model/ modules), the export options, the target
@@ -50,7 +50,8 @@ def cached_export(target: str | Path, drafter: str | Path, progress: bool = True
     """Export (once) and return the folder. ``options``: those of ``export_model``."""
     from dflash2_trt.errors import DFlash2Error
     from dflash2_trt.export.exporter import export_model
-    from dflash2_trt.target import cache_dir, resolve_target_path
+    from dflash2_trt.paths import cache_dir
+    from dflash2_trt.target import resolve_target_path
 
     target_dir = resolve_target_path(target)
     drafter_dir = Path(drafter)

@@ -110,5 +110,8 @@ def run_build_engines(a: argparse.Namespace, prog: str, model_dir: str | None = 
 
 def run_triton_repo(a: argparse.Namespace, prog: str, model_dir: str | None = None) -> int:
     from dflash2_trt.export.triton_repo import run_write
+    from dflash2_trt.serving import serve_hint
 
-    return run_write(model_dir or a.dir, a)
+    rc = run_write(model_dir or a.dir, a)
+    print(serve_hint(a.triton_repo))
+    return rc
