@@ -584,8 +584,11 @@ def _ddp(d: DFlash2Drafter, dev: torch.device):  # noqa: ANN201
     # buffers (the frozen target embedding / LM head among them) are DDP's business neither in gradients nor in
     # broadcasts: every rank bound its own copy of the same target
     DDP._set_params_and_buffers_to_ignore_for_model(w, [f"d.{n}" for n, _ in d.named_buffers()])
+    # an ablated part (no convolutions / no selector) keeps its parameters but gives them no gradient
+    unused = any(n.startswith("candidate_selector.") for n, _ in d.named_parameters()) and not d.use_selector
+    unused |= any("conv" in n for n, _ in d.named_parameters()) and not d.use_conv
     return DDP(w, device_ids=[dev] if dev.type == "cuda" else None, broadcast_buffers=False,
-               find_unused_parameters=True)
+               find_unused_parameters=unused)
 
 
 #: the raw sums of :func:`compute_loss` (``lm_norm`` given) that one step adds up over its parts
