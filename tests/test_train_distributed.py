@@ -113,6 +113,14 @@ def test_torchrun_train_equals_one_process(tiny_dir, one_proc_data, tmp_path):
         assert abs(sa[k] - sb[k]) < 1e-5, k
     np.testing.assert_allclose(sa["slot_acc"], sb["slot_acc"], atol=1e-6)
     assert lb[0]["world_size"] == 2 and lb[0]["train_config"]["grad_accum"] == 2
+    # z-lab's checkpoint format (their loaders and vLLM's read it): the released tensor names, layer for layer
+    import re
+
+    released = json.loads((REPO / "tests" / "data" / "zlab" / "dflash2-safetensors-header.json").read_text())
+    assert ({re.sub(r"^layers\.\d+\.", "layers.N.", k) for k in b} ==
+            {re.sub(r"^layers\.\d+\.", "layers.N.", k) for k in released if k != "__metadata__"})
+    cfg = json.loads((tmp_path / "t2" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["block_size"] == 8
 
 
 _KILLER = """
