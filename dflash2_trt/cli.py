@@ -149,6 +149,9 @@ def _cmd_make_tiny(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
     parser = _build_parser(prog)
+    if prog == "dflash2-export":  # the export subcommand is the whole program: no "dflash2-export export"
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices["export"].prog = prog
     try:
         a = parser.parse_args(argv)
         if a.cmd == "export":
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    """``dflash2-export ARGS``: the same as ``dflash2 export ARGS``."""
+    """``dflash2-export ARGS``: the same as ``dflash2 export ARGS`` (its usage and errors say ``dflash2-export``)."""
     return main(["export", *(sys.argv[1:] if argv is None else argv)], prog="dflash2-export")
 
 

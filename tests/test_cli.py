@@ -75,3 +75,13 @@ def test_bad_flags_exit_1(capsys):
     assert main(["generate", "--selector", "beam"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("dflash2: error: argument --selector: invalid choice") and len(err.splitlines()) == 1
+
+
+def test_dflash2_export_help_names_itself(capsys):
+    from dflash2_trt.cli import export_main
+
+    with pytest.raises(SystemExit) as e:
+        export_main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dflash2-export [-h]") and "dflash2-export export" not in out

