@@ -6,7 +6,7 @@ import argparse
 import json
 
 from dflash2_trt import validate as V
-from dflash2_trt.train.dist import DTYPES
+from dflash2_trt.vocabulary import DTYPES
 
 
 

@@ -9,7 +9,7 @@ the process group (NCCL on CUDA, gloo on a CPU) and gives every process its devi
 ``cuda:LOCAL_RANK``. Multi-node is torchrun's own flags (``--nnodes``, ``--node_rank``, ``--rdzv_backend c10d
 --rdzv_endpoint HOST:PORT --rdzv_id JOB``); nothing here is node-aware.
 
-Vocabulary: :data:`DTYPES` (the target's dtype; the drafter runs under autocast to it with fp32 master weights
+Vocabulary: ``vocabulary.DTYPES`` (the target's dtype; the drafter runs under autocast to it with fp32 master weights
 and an fp32 loss). Importing this module needs no torch (``--help`` on a base install).
 """
 
@@ -21,9 +21,8 @@ import os
 from dataclasses import dataclass
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.vocabulary import DTYPES  # --dtype: the frozen target's (taps, labels); the drafter autocasts to it
 
-#: --dtype values: the frozen target runs in this dtype (taps and labels); the drafter autocasts to it
-DTYPES = ("fp32", "bf16", "fp16")
 _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: a collective waits this long for the slowest rank (rank 0 writes self-instructions, evaluates, checkpoints)
 TIMEOUT = datetime.timedelta(hours=2)
