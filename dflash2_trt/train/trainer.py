@@ -17,6 +17,10 @@ generated) and the tap features captured while generating — so a training step
   configs); a missing or non-default RoPE is a :class:`DFlash2Error`, never a silent 10000.
 * Each step's rows, anchors and negatives come from a generator seeded by ``(seed, step)``, so ``--resume``
   replays exactly the data an uninterrupted run would see.
+* **Devices, dtypes, processes** (:mod:`dflash2_trt.train.dist`): ``device`` cpu / cuda; ``dtype`` is the
+  frozen target's (embedding, LM head) and the drafter's autocast, with fp32 master weights, an fp32 loss and
+  a GradScaler for fp16; under torchrun each step's ``batch_seqs`` rows are split over ranks x ``grad_accum``
+  parts under DDP and the update equals one process's (see :func:`train`).
 * :func:`offline_tau` walks the drafter along held-out greedy rows exactly as greedy decoding would (the
   target's greedy chain *is* the stored row): τ and oracle top-K τ in seconds, no target pass.
 
