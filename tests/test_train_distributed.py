@@ -213,3 +213,6 @@ def test_bf16_labels_recorded_and_trained_with_fp32_masters(tiny_dir, prompt_fil
     assert main(["eval-tau", "--target", t, "--drafter", str(run), "--data", str(out), "--dtype", "bf16"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["dtype"] == "bf16" and r["tau"] >= 1.0
+    # bf16 labels never mix with fp32 ones
+    assert main(["train", "--target", t, "--data", str(out), str(one_proc_data), "--out", str(tmp_path / "mix")]) == 1
+    assert "labels of the fp32 target" in capsys.readouterr().err

@@ -54,6 +54,11 @@ class GeneratedData:
                 if m.get(k) != self.meta.get(k):
                     raise DFlash2Error(f"{root} was made with {k} = {m.get(k)}, {self.roots[0]} with "
                                        f"{self.meta.get(k)}: the folders do not belong together")
+            # labels are the target's chain at the dtype it ran in (folders older than --dtype: fp32)
+            if m.get("target_dtype", "fp32") != self.meta.get("target_dtype", "fp32"):
+                raise DFlash2Error(f"{root} holds labels of the {m.get('target_dtype', 'fp32')} target, "
+                                   f"{self.roots[0]} of the {self.meta.get('target_dtype', 'fp32')} one: make the "
+                                   f"data at the dtype you deploy, in every folder")
         self.shards: list[Path] = []
         self._folder: list[int] = []  # folder of each shard
         for f, root in enumerate(self.roots):
