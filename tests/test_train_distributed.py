@@ -216,3 +216,20 @@ def test_bf16_labels_recorded_and_trained_with_fp32_masters(tiny_dir, prompt_fil
     # bf16 labels never mix with fp32 ones
     assert main(["train", "--target", t, "--data", str(out), str(one_proc_data), "--out", str(tmp_path / "mix")]) == 1
     assert "labels of the fp32 target" in capsys.readouterr().err
+
+
+def test_a_part_without_blocks_still_joins_the_all_reduce(tiny_drafter, one_proc_data):
+    """A rank whose rows give no anchor (answers of < 2 tokens) returns a zero loss over every parameter: its
+    backward gives zero gradients everywhere (DDP's all-reduce then runs on every rank, nothing hangs)."""
+    from dflash2_trt.train import data as D
+    from dflash2_trt.train.trainer import _StepLoss, gather_batch
+
+    data = D.GeneratedData(one_proc_data)
+    d = tiny_drafter.at_block_size(8)
+    d.train()
+    b = gather_batch(data, np.asarray([0]), [np.zeros(0, np.int64)], 8)
+    loss, m = _StepLoss(d)(b, torch.ones(8), None, 0.0, False, lm_norm=1.0)
+    loss.backward()
+    params = [p for p in d.parameters() if p.requires_grad]
+    assert float(loss.detach()) == 0.0 and all(p.grad is not None and not p.grad.any() for p in params)
+    assert m["sums"]["labelled"] == [0.0] * 7

@@ -571,14 +571,20 @@ def _on_device(d: DFlash2Drafter, target, dev: torch.device) -> None:  # noqa: A
 
 
 class _StepLoss(torch.nn.Module):
-    """:func:`compute_loss` as a module's forward, for DDP (it hooks its gradient all-reduce on forward)."""
+    """:func:`compute_loss` of one part of a step as a module's forward, for DDP (it hooks its gradient all-reduce
+    on forward). A part without a block (its rows' answers too short for an anchor) gives a zero loss that
+    still touches every parameter, so its rank joins the all-reduce like the others."""
 
     def __init__(self, d: DFlash2Drafter) -> None:
         super().__init__()
         self.d = d
 
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-        return compute_loss(self.d, *args, **kwargs)
+    def forward(self, b: Batch, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        if b.labels.shape[0] == 0:
+            L = self.d.config.block_size - 1
+            zero = sum(p.sum() for p in self.d.parameters() if p.requires_grad) * 0.0
+            return zero, {"sums": {"lm": 0.0, "hit1": [0.0] * L, "labelled": [0.0] * L}}
+        return compute_loss(self.d, b, *args, **kwargs)
 
 
 def _ddp(d: DFlash2Drafter, dev: torch.device):  # noqa: ANN201
@@ -715,7 +721,7 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None,
         scaler.scale(loss).backward()
         return m, b.labels.shape[0], None
 
-    loss_of = ddp if ddp is not None else (lambda *a, **k: compute_loss(d, *a, **k))
+    loss_of = ddp if ddp is not None else _StepLoss(d)
 
     def split_step(step: int) -> tuple[dict, int, float | None]:
         """Returns (metrics, blocks, the selector gradients' divisor)."""
