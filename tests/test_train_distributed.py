@@ -233,3 +233,20 @@ def test_a_part_without_blocks_still_joins_the_all_reduce(tiny_drafter, one_proc
     params = [p for p in d.parameters() if p.requires_grad]
     assert float(loss.detach()) == 0.0 and all(p.grad is not None and not p.grad.any() for p in params)
     assert m["sums"]["labelled"] == [0.0] * 7
+
+
+def test_an_epochs_short_last_step_leaves_parts_without_rows(tiny_dir, one_proc_data, tmp_path):
+    """--epochs: the last step of an epoch may hold fewer rows than parts (here 10 train rows, steps of 4 rows in
+    4 parts: the third step has 2 rows); the empty parts join in and the run ends like one process's."""
+    from dflash2_trt.train.trainer import TrainConfig, train
+
+    kw = dict(target=str(tiny_dir / "target"), data=str(one_proc_data), block_size=8, layers=1, selector_rank=16,
+              batch_seqs=4, anchors_per_seq=4, lr=3e-3, log_every=1, init="random", sampled_softmax=0,
+              heldout_shards=2, eval_rows=0, epochs=1.0)
+    train(TrainConfig(out=str(tmp_path / "one"), **kw), progress=False)
+    train(TrainConfig(out=str(tmp_path / "four"), grad_accum=4, **kw), progress=False)
+    assert max(_losses(tmp_path / "one")) == 3
+    la, lb = _losses(tmp_path / "one"), _losses(tmp_path / "four")
+    assert all(abs(la[k] - lb[k]) < 1e-5 for k in la)
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "four")
+    assert all(float((a[k] - b[k]).abs().max()) < 1e-5 for k in a)

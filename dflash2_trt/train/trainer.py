@@ -601,6 +601,13 @@ def _ddp(d: DFlash2Drafter, dev: torch.device):  # noqa: ANN201
                find_unused_parameters=unused)
 
 
+def _no_rows(block_size: int) -> Batch:
+    """The part of a step that got no row (its rank still joins the all-reduce: :class:`_StepLoss`)."""
+    z = np.zeros
+    return Batch(z((0, 0), np.int64), z((0, 0, 0), np.float32), z(0, np.int64), z(0, np.int64),
+                 z((0, block_size), np.int64), z((0, block_size, 0), np.int64), z((0, block_size, 0), np.float32))
+
+
 #: the raw sums of :func:`compute_loss` (``lm_norm`` given) that one step adds up over its parts
 _SUM_KEYS = ("lm", "kl", "sel", "sel_w", "in_topk", "sel_hit")
 
@@ -735,7 +742,8 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None,
         opt.zero_grad(set_to_none=True)
         tot = np.zeros(len(_SUM_KEYS) + 2 * L)
         for k, idx in enumerate(mine):
-            b = gather_batch(data, rows[idx], [anchors[i] for i in idx], cfg.block_size)
+            b = (gather_batch(data, rows[idx], [anchors[i] for i in idx], cfg.block_size) if idx.size else
+                 _no_rows(cfg.block_size))  # an epoch's last, short step can leave a part without a row
             last = k == len(mine) - 1
             with ddp.no_sync() if ddp is not None and not last else nullcontext():
                 with DI.autocast(dev, tc.dtype):
