@@ -128,7 +128,7 @@ def make_teacher_forced(cfg: TeacherForcedConfig, progress: bool = True) -> Path
                                    cfg.tokens_per_batch, cfg.shard_size]).encode()).hexdigest()[:16]
     meta = {"mode": "teacher_forced", "target": str(target.path), "target_layer_ids": layer_ids,
             "hidden_size": target.hidden_size, "config": asdict(cfg), "key": key, "prompt_counts": {"pkgcode": counts},
-            "n_prompts": len(plist), "eos_ids": sorted(target.eos_ids()),
+            "n_prompts": len(plist), "eos_ids": sorted(target.eos_ids()), "target_dtype": "fp32",  # labels' dtype
             "licences": {"pkgcode": P.package_licences(cfg.packages or P.PERMISSIVE_PACKAGES)}}
     mpath = out / "meta.json"
     if mpath.is_file() and json.loads(mpath.read_text()).get("key") != key:
