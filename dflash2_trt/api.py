@@ -136,6 +136,7 @@ class Generator:
         self._lock = threading.Lock()
         self._target: Any = None
         self._drafters: dict[str, Any] = {}
+        self._batched: dict[int, Any] = {}  # slots -> batched target runner (generate_batch)
         self._closed = False
 
     # -- properties -----------------------------------------------------------------------------------------
@@ -209,12 +210,57 @@ class Generator:
                             True, eos_ids, oracle)
         return Stream(self, req)
 
+    def generate_batch(self, prompts: list[Prompt], max_new_tokens: int | list[int] = 128,
+                       temperature: float | list[float] = 0.0, seed: int | None | list[int | None] = None,
+                       selector: str = "greedy", *, chat: bool = True, speculative: bool = True,
+                       eos_ids: set[int] | None = None, max_batch: int = 8, adaptive: bool = True) -> list[Result]:
+        """Decode many prompts together (continuous batching, :mod:`dflash2_trt.runtime.batch`): up to
+        ``max_batch`` sequences share each batched target call; as one finishes the next prompt takes its slot.
+        ``max_new_tokens`` / ``temperature`` / ``seed``: one value for all, or one per prompt. Each sequence's
+        tokens are its own :meth:`generate` tokens at T = 0 (and, at T > 0 with ``speculative=False``, its
+        ``generate(..., speculative=False)`` tokens for the same seed); ``speculative``: let sequences draft while
+        the load-adaptive rule says it pays (``adaptive=False``: draft every step). Results in prompt order;
+        ``Stats.elapsed_s`` is a sequence's time from joining the batch to finishing. Needs the fused ONNX Runtime
+        target (``ort`` backend on the CPU); other backends decode the prompts one after another."""
+        from dflash2_trt.runtime import batch as B
+
+        n = len(prompts)
+        if not n:
+            return []
+        B.check_batch_size(max_batch)
+
+        def per(v: Any, what: str) -> list:
+            if isinstance(v, (list, tuple)):
+                if len(v) != n:
+                    raise DFlash2Error(f"{what}: {len(v)} values for {n} prompts")
+                return list(v)
+            return [v] * n
+
+        reqs = [self._request(p, m, t, s, selector, False, chat, 0.0, speculative, eos_ids, None)
+                for p, m, t, s in zip(prompts, per(max_new_tokens, "max_new_tokens"), per(temperature, "temperature"),
+                                      per(seed, "seed"))]
+        with self._lock:
+            self._runner()  # the Result's default EOS set; raises when closed
+            if not getattr(self._backend, "fused", False):
+                return [self._result(r, self._run(r, None)) for r in reqs]
+            from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+
+            slots = min(max_batch, n)
+            if slots not in self._batched:  # kept: its buffers and (with DecodeAttention) its own GQA session
+                self._batched[slots] = OrtBatchedTargetRunner.from_backend(self._backend, slots)
+            target = self._batched[slots]
+            make = (lambda: self._backend.draft_runner(selector)) if speculative else None
+            dec = B.BatchDecoder(target, make, B.SpeculationRule(adaptive=adaptive))
+            out = dec.run([B.BatchRequest(r.prompt, r.max_new_tokens, r.temperature, r.seed, r.eos_ids,
+                                          r.speculative) for r in reqs])
+        return [self._result(r, o) for r, o in zip(reqs, out)]
+
     def close(self) -> None:
         """Free the backend (sessions, engines, device memory); idempotent."""
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._target, self._drafters = None, {}
+                self._target, self._drafters, self._batched = None, {}, {}
                 self._backend.close()
 
     def __enter__(self) -> Generator:

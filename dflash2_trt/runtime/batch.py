@@ -1,0 +1,360 @@
+"""Continuous batching (NumPy; no torch): many requests decoded together over one batched target runner
+(:class:`~dflash2_trt.runtime.ort.batched_target.OrtBatchedTargetRunner`), speculating only while it pays.
+
+Requests join and leave between steps (in-flight batching): :meth:`BatchDecoder.submit` queues a request, each
+:meth:`~BatchDecoder.step` first admits queued requests into free slots (each prompt prefilled alone, its first
+token drawn), then runs one step for every active sequence, then retires the finished ones (their own EOS set,
+max tokens, the cache's capacity, or :meth:`~BatchDecoder.cancel`), freeing their slots for the next step.
+
+One step, flat (the names of :mod:`dflash2_trt.runtime.decoder`):
+
+    choose  which sequences draft this step (the rule below)
+    draft   per drafting sequence: its pending context features join its drafter's cache, the drafter proposes
+            (the drafter runner is B = 1: one per slot, called per sequence)
+    plain   every other sequence's anchor, in ONE batched target call (one row per sequence)
+    verify  per drafting sequence: [anchor, drafts] in its own target call (GroupQueryAttention takes B > 1 only
+            with one new row per sequence; see the runner)
+    accept  per sequence its own accepted length (ragged acceptance): greedy matching at T = 0, rejection
+            sampling at T > 0; plain sequences draw the target's own next token
+    commit  crop each verified slot to its accepted length; committed positions' features become draft context
+
+Randomness: each sequence has its own ``numpy.random.Generator(seed)`` drawn in the order of
+:func:`~dflash2_trt.runtime.decoder.speculative_generate` (first token; a plain step: one draw; a cycle: the
+drafter's uniforms, then the rejection test), so a sequence's tokens never depend on the others in the batch:
+at T = 0 each sequence's output is its own B = 1 greedy output, and a T > 0 sequence that never drafts gives
+:func:`~dflash2_trt.runtime.decoder.target_generate`'s tokens for its seed.
+
+The load-adaptive rule (:class:`SpeculationRule`). Per step, with n active sequences and the speculative ones
+sorted by their estimated tokens per cycle τ̂_1 >= τ̂_2 >= ..., draft for the k that maximise the step's
+estimated throughput
+
+    tokens(k) / time(k),  tokens(k) = (n - k) + Σ_{i<=k} τ̂_i,
+                          time(k)   = t_plain(n - k) + k · (t_draft + t_verify)        (t_plain(0) = 0)
+
+where t_plain(m) is the measured time of a batched plain call over m sequences, t_draft one drafter proposal
+(context update included) and t_verify one verify call, all measured in this run (running means; t_plain
+interpolated linearly in m between measured batch sizes). τ̂ of a sequence is the mean tokens committed over
+its last ``window`` cycles with a prior of ``prior_tau`` worth ``prior_weight`` cycles. Because a batched
+plain call over n sequences costs little more than over one on a memory-bound CPU while each verify runs alone,
+at low load a sequence with good acceptance drafts (k = 1: τ̂ / (t_draft + t_verify) > 1 / t_plain(1), the B = 1
+guard's break-even) and at high load k falls to 0: batched plain decoding, never worse than it by the cost
+model. Until t_plain and the draft costs are measured the rule explores: the first step of a batch is plain,
+the next one drafts for every speculative sequence. Lossless either way: the rule picks which exact procedure
+makes a sequence's next tokens, from past timings and counts only. Not yet: probing a sequence that stopped
+drafting (its τ̂ is kept; it drafts again only when the load falls).
+
+Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot; not thread
+safe (the caller serialises, as :meth:`dflash2_trt.api.Generator.generate_batch` does with its lock).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dflash2_trt import reference as ref
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.decoder import (GenerationResult, _next_token, _proposal_in_vocab, check_prompt,
+                                         check_temperature)
+from dflash2_trt.runtime.protocol import DraftRunner
+
+
+@dataclass
+class BatchRequest:
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    eos_ids: set[int] | None = None  # None: the target's
+    speculative: bool = True  # may draft (when the decoder has a drafter and the rule says it pays)
+
+
+class MeasuredCosts:
+    """The rule's step costs, measured in this run (seconds; running means, then exponential over 16)."""
+
+    def __init__(self) -> None:
+        self._plain: dict[int, tuple[float, int]] = {}  # sequences in the call -> (mean s, count)
+        self._draft: tuple[float, int] = (0.0, 0)
+        self._verify: tuple[float, int] = (0.0, 0)
+
+    @staticmethod
+    def _update(old: tuple[float, int], s: float) -> tuple[float, int]:
+        m, n = old
+        n += 1
+        return m + (s - m) / min(n, 16), n
+
+    def record_plain(self, n: int, s: float) -> None:
+        self._plain[n] = self._update(self._plain.get(n, (0.0, 0)), s)
+
+    def record_draft(self, s: float) -> None:
+        self._draft = self._update(self._draft, s)
+
+    def record_verify(self, s: float) -> None:
+        self._verify = self._update(self._verify, s)
+
+    def plain(self, n: int) -> float | None:
+        """t_plain(n): measured, else linear between the nearest measured sizes (flat beyond them); None: none."""
+        if n <= 0:
+            return 0.0
+        if n in self._plain:
+            return self._plain[n][0]
+        if not self._plain:
+            return None
+        ks = sorted(self._plain)
+        return float(np.interp(n, ks, [self._plain[k][0] for k in ks]))
+
+    def draft(self) -> float | None:
+        return self._draft[0] if self._draft[1] else None
+
+    def verify(self) -> float | None:
+        return self._verify[0] if self._verify[1] else None
+
+
+@dataclass
+class FixedCosts:
+    """Costs given, not measured (tests; a deployment that calibrated them): t_plain(n), t_draft, t_verify."""
+
+    plain_fn: Callable[[int], float]
+    draft_s: float
+    verify_s: float
+
+    def record_plain(self, n: int, s: float) -> None: ...
+
+    def record_draft(self, s: float) -> None: ...
+
+    def record_verify(self, s: float) -> None: ...
+
+    def plain(self, n: int) -> float:
+        return 0.0 if n <= 0 else float(self.plain_fn(n))
+
+    def draft(self) -> float:
+        return self.draft_s
+
+    def verify(self) -> float:
+        return self.verify_s
+
+
+@dataclass
+class SpeculationRule:
+    """Which sequences draft this step (the module docstring's rule)."""
+
+    prior_tau: float = 2.0  # τ̂ of a sequence before its first cycles
+    prior_weight: float = 2.0  # cycles the prior counts for
+    window: int = 32  # cycles per sequence in τ̂
+    adaptive: bool = True  # False: every speculative sequence drafts every step
+    costs: Any = field(default_factory=MeasuredCosts)  # MeasuredCosts | FixedCosts
+
+    def tau(self, committed: deque) -> float:
+        return (self.prior_tau * self.prior_weight + float(sum(committed))) / (self.prior_weight + len(committed))
+
+    def choose(self, n_active: int, candidates: dict[int, float]) -> set[int]:
+        """candidates: sequence id -> τ̂ (the speculative sequences that can draft) -> the ids that draft."""
+        if not candidates:
+            return set()
+        if not self.adaptive:
+            return set(candidates)
+        c = self.costs
+        t_all = c.plain(n_active)
+        if t_all is None:
+            return set()  # explore: measure a plain step first
+        t_d, t_v = c.draft(), c.verify()
+        if t_d is None or t_v is None:
+            return set(candidates)  # explore: measure a drafting step
+        order = sorted(candidates, key=lambda i: -candidates[i])
+        best_k, best = 0, n_active / max(t_all, 1e-12)
+        tokens = float(n_active)
+        for k, i in enumerate(order, start=1):
+            tokens += candidates[i] - 1.0
+            rate = tokens / max(c.plain(n_active - k) + k * (t_d + t_v), 1e-12)
+            if rate > best:
+                best_k, best = k, rate
+        return set(order[:best_k])
+
+
+@dataclass
+class _Seq:
+    id: int
+    req: BatchRequest
+    slot: int
+    rng: np.random.Generator
+    res: GenerationResult
+    eos: set[int]
+    limit: int
+    t0: float
+    anchor: int = -1
+    pos: int = 0  # the anchor's position
+    pending: list[np.ndarray] = field(default_factory=list)  # [m, F] features not yet in the draft context
+    pending_start: int = 0
+    committed: deque = field(default_factory=deque)  # tokens per cycle, last `window` cycles
+    done: bool = False
+
+
+class BatchDecoder:
+    """Continuous batching over ``target`` (a batched target runner) with optional drafting (``drafter_factory``
+    makes one B = 1 drafter per slot). ``submit`` / ``step`` / ``cancel`` / ``results``; or :meth:`run`."""
+
+    def __init__(self, target: Any, drafter_factory: Callable[[], DraftRunner] | None = None,
+                 rule: SpeculationRule | None = None) -> None:
+        self.target = target  # OrtBatchedTargetRunner (join/leave/crop/forward over slots)
+        self.rule = rule or SpeculationRule()
+        self._make_drafter = drafter_factory
+        self._drafters: dict[int, DraftRunner] = {}  # slot -> its drafter
+        self._queue: deque[_Seq] = deque()
+        self._active: dict[int, _Seq] = {}  # id -> sequence
+        self.results: dict[int, GenerationResult] = {}  # id -> result, once finished
+        self._next_id = 0
+        self.steps = 0  # batch steps run
+        self.drafting_steps = 0  # steps where at least one sequence drafted
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def submit(self, req: BatchRequest) -> int:
+        """Queue a request (it joins at the next step with a free slot) -> its id."""
+        check_prompt(req.prompt, self.target, req.max_new_tokens)
+        check_temperature(req.temperature)
+        i = self._next_id
+        self._next_id += 1
+        eos = set(self.target.eos_ids) if req.eos_ids is None else set(req.eos_ids)
+        limit = min(req.max_new_tokens, self.target.max_positions - len(req.prompt))
+        self._queue.append(_Seq(i, req, -1, np.random.default_rng(req.seed),
+                                GenerationResult(prompt_tokens=list(req.prompt)), eos, limit, 0.0,
+                                committed=deque(maxlen=self.rule.window)))
+        return i
+
+    def cancel(self, i: int) -> None:
+        """Stop request ``i`` now (queued or active): it keeps the tokens it has, its slot is freed."""
+        for s in list(self._queue):
+            if s.id == i:
+                self._queue.remove(s)
+                self.results[i] = s.res
+        if i in self._active:
+            self._finish(self._active[i])
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue or self._active)
+
+    def run(self, reqs: list[BatchRequest]) -> list[GenerationResult]:
+        ids = [self.submit(r) for r in reqs]
+        while self.busy:
+            self.step()
+        return [self.results[i] for i in ids]
+
+    # -- the step -------------------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Admit, then one plain step or speculative cycle per active sequence, then retire the finished."""
+        self._admit()
+        seqs = list(self._active.values())
+        if not seqs:
+            return
+        self.steps += 1
+        drafting = self._choose(seqs)
+        if drafting:
+            self.drafting_steps += 1
+        plain = [s for s in seqs if s.id not in drafting]
+        if plain:
+            self._plain(plain)
+        for s in seqs:
+            if s.id in drafting:
+                self._cycle(s)
+        for s in seqs:
+            if s.res.tokens and (len(s.res.tokens) >= s.limit or s.res.tokens[-1] in s.eos):
+                self._finish(s)
+
+    def _admit(self) -> None:
+        while self._queue and self.target.free_slots:
+            s = self._queue.popleft()
+            s.slot, s.t0 = self.target.join(), time.perf_counter()
+            logits, feats = self.target.forward({s.slot: list(s.req.prompt)})[s.slot]  # [n, V], [n, F]
+            s.anchor = _next_token(logits[-1], s.req.temperature, s.rng)
+            s.res.tokens.append(s.anchor)
+            s.pos = len(s.req.prompt)
+            if self._can_draft(s):
+                s.pending, s.pending_start = [feats], 0
+                self._drafter(s.slot).reset()
+            self._active[s.id] = s
+            if len(s.res.tokens) >= s.limit or s.anchor in s.eos:
+                self._finish(s)
+
+    def _can_draft(self, s: _Seq) -> bool:
+        return s.req.speculative and self._make_drafter is not None
+
+    def _drafter(self, slot: int) -> DraftRunner:
+        if slot not in self._drafters:
+            assert self._make_drafter is not None
+            self._drafters[slot] = self._make_drafter()
+        return self._drafters[slot]
+
+    def _choose(self, seqs: list[_Seq]) -> set[int]:
+        # a cycle needs >= 1 draft row left before the limit
+        cand = {s.id: self.rule.tau(s.committed) for s in seqs if self._can_draft(s) and s.limit - len(s.res.tokens) >= 2}
+        return self.rule.choose(len(seqs), cand)
+
+    def _plain(self, seqs: list[_Seq]) -> None:
+        """One batched target call: each sequence's anchor -> its next token (exactly a B = 1 plain step)."""
+        t = time.perf_counter()
+        out = self.target.forward({s.slot: [s.anchor] for s in seqs})
+        self.rule.costs.record_plain(len(seqs), time.perf_counter() - t)
+        for s in seqs:
+            logits, feats = out[s.slot]  # [1, V], [1, F]
+            s.anchor = _next_token(logits[-1], s.req.temperature, s.rng)
+            if self._can_draft(s):
+                s.pending.append(feats)
+            s.pos += 1
+            s.res.tokens.append(s.anchor)
+            s.res.plain_steps += 1
+
+    def _cycle(self, s: _Seq) -> None:
+        """draft → verify → accept → commit for one sequence (decoder.speculative_generate's cycle)."""
+        T = s.req.temperature
+        drafter = self._drafter(s.slot)
+        L = drafter.block_size - 1
+        t = time.perf_counter()
+        if s.pending:  # features of the prompt / plain steps join the draft context in one pass
+            drafter.add_context(np.concatenate(s.pending), s.pending_start)
+            s.pending = []
+        n_rows = min(L, s.limit - len(s.res.tokens) - 1)  # a final partial block verifies fewer rows
+        uniforms = s.rng.random((1, L), dtype=np.float32) if T > 0 else None
+        draft = drafter.propose(s.anchor, s.pos, n_rows, T, uniforms)
+        drafts = [int(x) for x in draft.tokens[:n_rows]]
+        t_v = time.perf_counter()
+        v_logits, v_feats = self.target.forward({s.slot: [s.anchor] + drafts})[s.slot]  # [n+1, V], [n+1, F]
+        t_end = time.perf_counter()
+        self.rule.costs.record_draft(t_v - t)
+        self.rule.costs.record_verify(t_end - t_v)
+        if T <= 0:
+            acc, bonus = ref.accept_greedy(np.asarray(drafts, dtype=np.int64), v_logits)
+        else:
+            p = ref.softmax_t(v_logits, T)  # [n+1, V]
+            q = _proposal_in_vocab(draft, n_rows, p.shape[-1])  # [n, V]
+            acc, bonus = ref.accept_rejection(np.asarray(drafts, dtype=np.int64), q, p, s.rng)
+        self.target.crop(s.slot, s.pos + acc + 1)
+        s.pending, s.pending_start = [v_feats[: acc + 1]], s.pos
+        new = drafts[:acc] + [bonus]
+        for i, tok in enumerate(new):
+            if tok in s.eos:
+                new = new[: i + 1]
+                break
+        s.res.accepted.append(min(acc, len(new)))
+        s.res.proposed.append(n_rows)
+        s.res.tokens.extend(new)
+        s.committed.append(len(new))
+        s.pos += acc + 1
+        s.anchor = new[-1]
+
+    def _finish(self, s: _Seq) -> None:
+        s.done = True
+        s.res.elapsed_s = time.perf_counter() - s.t0
+        self.target.leave(s.slot)
+        self._active.pop(s.id, None)
+        self.results[s.id] = s.res
+
+
+def check_batch_size(max_batch: Any) -> int:
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise DFlash2Error(f"max_batch must be an integer >= 1, got {max_batch!r}")
+    return max_batch

@@ -1,0 +1,202 @@
+"""Batched decoding (issue 29, first slice): the batched fused target runner against B = 1 calls (ragged rows,
+right padding, idle and free slots, crops, capacity growth, joins into freed slots), the batch loop's greedy
+output against each sequence's own B = 1 output (different prompt lengths and max tokens, one joining mid-way,
+one leaving early, T > 0 requests mixed in), the load-adaptive speculation rule switching, and
+``Generator.generate_batch``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dflash2_trt
+from dflash2_trt import DFlash2Error
+from dflash2_trt.runtime import batch as BT
+from dflash2_trt.runtime import decoder as D
+
+
+@pytest.fixture(scope="module")
+def be(acc_export):
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    with OrtBackend(acc_export, attention="gqa", threads=1) as b:
+        yield b
+
+
+def _runners(be, slots, step=8):
+    import onnxruntime as ort
+
+    from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+    from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
+
+    t = be.manifest.target
+    sess = be.session("target_ort").sess
+    batched = OrtBatchedTargetRunner(sess, ort, t.num_layers, t.num_key_value_heads, t.head_dim, t.vocab_size, 512,
+                                     set(), slots, step=step)
+
+    def single():
+        return OrtFusedTargetRunner(sess, ort, t.num_layers, t.num_key_value_heads, t.head_dim, t.vocab_size, 512,
+                                    set(), step=step)
+
+    return batched, single
+
+
+def test_ragged_rows_equal_b1_calls(be):
+    """GroupQueryAttention with per-slot seqlens_k and right padding: every slot's logits and features equal a
+    B = 1 runner fed the same rows, over random ragged calls (1..7 rows, some slots idle), crops, capacity
+    growth (step 8), a slot leaving and a new sequence joining its slot."""
+    rng = np.random.default_rng(7)
+    V = be.manifest.target.vocab_size
+    run, single = _runners(be, slots=4)
+    refs: dict[int, object] = {}
+
+    def join(n):
+        b = run.join()
+        refs[b] = single()
+        prompt = rng.integers(0, V, n).tolist()
+        got = run.forward({b: prompt})[b]
+        want = refs[b].forward(prompt)
+        np.testing.assert_allclose(got[0], want[0], atol=1e-4, rtol=1e-4)
+        return b
+
+    for n in (3, 11, 20):
+        join(n)
+    for it in range(14):
+        if it == 6:  # slot 1 leaves; a new sequence takes it
+            run.leave(1)
+            del refs[1]
+            assert join(5) == 1
+        rows = {b: rng.integers(0, V, int(rng.choice([1, 1, 1, 2, 7]))).tolist() for b in refs if rng.random() < 0.8}
+        if not rows:
+            continue
+        got = run.forward(rows)
+        for b, r in rows.items():
+            want = refs[b].forward(r)
+            np.testing.assert_allclose(got[b][0], want[0], atol=1e-4, rtol=1e-4, err_msg=f"slot {b} step {it}")
+            np.testing.assert_allclose(got[b][1], want[1], atol=1e-4, rtol=1e-4)
+            keep = int(rng.integers(1, len(r) + 1))  # a verify keeps a prefix
+            run.crop(b, refs[b].cache_length - len(r) + keep)
+            refs[b].crop(refs[b].cache_length - len(r) + keep)
+        assert all(run.lengths[b] == refs[b].cache_length for b in refs)
+    assert run.capacity > 8  # grew (rebinding) along the way
+    assert run.batched_calls >= 3 and run.single_calls >= 3  # both paths ran
+
+
+def test_runner_refuses_bad_use(be):
+    run, _ = _runners(be, slots=2)
+    a, b = run.join(), run.join()
+    with pytest.raises(DFlash2Error, match="slots are in use"):
+        run.join()
+    run.leave(b)
+    with pytest.raises(DFlash2Error, match="not active"):
+        run.forward({b: [1]})
+    with pytest.raises(DFlash2Error, match="out of range"):
+        run.forward({a: [10**6]})
+
+
+# -- the batch loop --------------------------------------------------------------------------------------------
+
+def _decoder(be, slots, rule=None, draft=True):
+    from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+
+    target = OrtBatchedTargetRunner.from_backend(be, slots)
+    return BT.BatchDecoder(target, (lambda: be.draft_runner("greedy")) if draft else None, rule)
+
+
+def _prompts(be, lengths, seed=3):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, be.manifest.target.vocab_size, n).tolist() for n in lengths]
+
+
+def test_greedy_batch_equals_b1_with_joins_and_leaves(be):
+    """4 sequences in 3 slots (the 4th joins when the first leaves), different prompt lengths and max tokens, a
+    5th submitted mid-way and one cancelled early: every finished sequence's greedy tokens == its B = 1 plain
+    output; drafting cycles ran and accepted drafts (the accepting pair)."""
+    from helpers import assert_accepts
+
+    prompts = _prompts(be, [5, 13, 8, 21, 9])
+    max_new = [40, 12, 33, 25, 30]
+    dec = _decoder(be, 3, BT.SpeculationRule(adaptive=False))
+    ids = [dec.submit(BT.BatchRequest(p, m)) for p, m in zip(prompts[:4], max_new[:4])]
+    victim = dec.submit(BT.BatchRequest(prompts[0], 100))  # cancelled once it has a few tokens
+    for _ in range(4):
+        dec.step()
+    ids.append(dec.submit(BT.BatchRequest(prompts[4], max_new[4])))  # joins mid-way
+    cancelled = False
+    while dec.busy:
+        dec.step()
+        if not cancelled and victim in dec._active and len(dec._active[victim].res.tokens) >= 5:
+            dec.cancel(victim)
+            cancelled = True
+    assert cancelled
+    tgt = be.target_runner()
+    for i, p, m in zip(ids, prompts, max_new):
+        want = D.target_generate(tgt, p, m).tokens
+        assert dec.results[i].tokens == want, f"request {i}"
+    assert 5 <= len(dec.results[victim].tokens) < 100
+    assert_accepts([a for i in ids for a in dec.results[i].accepted], 15, "(batched cycles)")
+    assert dec.target.free_slots == 3
+
+
+def test_plain_batch_mixed_temperatures(be):
+    """Plain batched decoding (no drafter): greedy sequences unchanged by T > 0 neighbours, and each T > 0
+    sequence draws target_generate's tokens for its seed (its own generator, the same draw order)."""
+    prompts = _prompts(be, [6, 14, 9, 11], seed=5)
+    temps, seeds = [0.0, 0.8, 0.0, 1.3], [0, 11, 0, 12]
+    dec = _decoder(be, 4, draft=False)
+    out = dec.run([BT.BatchRequest(p, 24, t, s) for p, t, s in zip(prompts, temps, seeds)])
+    tgt = be.target_runner()
+    for o, p, t, s in zip(out, prompts, temps, seeds):
+        assert o.tokens == D.target_generate(tgt, p, 24, t, seed=s).tokens
+        assert o.plain_steps == len(o.tokens) - 1 and not o.accepted
+    assert dec.target.batched_calls > 0
+
+
+def test_rule_switches_with_load():
+    """The rule: a good drafter drafts alone; at 8 sequences the batched plain step wins; a useless drafter
+    never drafts; unmeasured costs explore (plain first, then drafting)."""
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=1.4)
+    rule = BT.SpeculationRule(costs=costs)
+    assert rule.choose(1, {0: 4.0}) == {0}  # 4 / 1.9 > 1 / 1.05
+    assert rule.choose(8, {i: 4.0 for i in range(8)}) == set()  # 8 / 1.4 beats any drafting
+    assert rule.choose(2, {0: 6.0, 1: 1.2}) == {0}  # only the sequence that pays
+    assert rule.choose(1, {0: 1.5}) == set()
+    fresh = BT.SpeculationRule()
+    assert fresh.choose(3, {0: 2.0}) == set()  # t_plain unknown: plain first
+    fresh.costs.record_plain(3, 0.01)
+    assert fresh.choose(3, {0: 2.0}) == {0}  # draft costs unknown: draft to measure
+    assert BT.SpeculationRule(adaptive=False, costs=costs).choose(8, {1: 1.0}) == {1}
+
+
+def test_adaptive_loop_drafts_alone_and_goes_plain_under_load(be):
+    """The loop follows the rule: one sequence of the accepting pair drafts (cycles); 6 sequences under a cost
+    model where drafting does not pay at that load decode in batched plain steps — and stay exact."""
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=1.4)
+    prompts = _prompts(be, [7, 10, 12, 5, 9, 15], seed=9)
+    one = _decoder(be, 1, BT.SpeculationRule(costs=costs)).run([BT.BatchRequest(prompts[0], 40)])[0]
+    assert len(one.accepted) > 0
+    dec = _decoder(be, 6, BT.SpeculationRule(costs=costs, prior_tau=4.0))
+    many = dec.run([BT.BatchRequest(p, 20) for p in prompts])
+    tgt = be.target_runner()
+    assert one.tokens == D.target_generate(tgt, prompts[0], 40).tokens
+    for o, p in zip(many, prompts):
+        assert o.tokens == D.target_generate(tgt, p, 20).tokens
+    # drafting starts only once the load fell: the first steps (6 sequences) are all plain
+    assert all(o.plain_steps >= 5 for o in many)
+
+
+def test_generate_batch_api(acc_export):
+    with dflash2_trt.load(acc_export, backend="ort", threads=1) as g:
+        prompts = _prompts(g._backend, [6, 17, 9], seed=21)
+        want = [g.generate(p, max_new_tokens=m, guard=False) for p, m in zip(prompts, [30, 10, 20])]
+        got = g.generate_batch(prompts, max_new_tokens=[30, 10, 20], max_batch=2)
+        for w, r in zip(want, got):
+            assert r.tokens == w.tokens and r.finish_reason == w.finish_reason and r.text == w.text
+        plain = g.generate_batch(prompts[:2], max_new_tokens=8, speculative=False, temperature=[0.0, 0.7], seed=[0, 4])
+        assert plain[0].tokens == want[0].tokens[:8] and plain[0].stats.plain_steps == 7
+        assert plain[1].tokens == g.generate(prompts[1], 8, 0.7, seed=4, speculative=False).tokens
+        assert g.generate_batch([]) == []
+        with pytest.raises(DFlash2Error, match="max_batch"):
+            g.generate_batch(prompts, max_batch=0)
+        with pytest.raises(DFlash2Error, match="2 values for 3 prompts"):
+            g.generate_batch(prompts, max_new_tokens=[1, 2])
