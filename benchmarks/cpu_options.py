@@ -40,12 +40,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
-    from dflash2_trt.bench.prompts import encode_items, load_prompts
+    import dflash2_trt
     from dflash2_trt.bench.demo import DEMO_MAX_SEQ_LEN, demo_drafter_path
-    from dflash2_trt.runtime import decoder as D
-    from dflash2_trt.runtime.backends import open_backend
-    from dflash2_trt.runtime.guard import AcceptanceGuard
-    from dflash2_trt.runtime.tokenizer import TextTokenizer
+    from dflash2_trt.bench.prompts import encode_items, load_prompts
 
     dirs = {}
     if a.model_dir and a.exports:
@@ -63,25 +60,20 @@ def main() -> int:
     modes = [(f"guard {g}", g == "on", 0.0) for g in a.guard]
     modes += [(f"guard {g}, conf {c}", g == "on", c) for c in a.min_confidence for g in a.guard]
     variants = [(f"{e}: {m}" if e else m, e, guard, conf) for e in dirs for m, guard, conf in modes]
-    backends = {e: open_backend(d, "ort", threads=a.threads)[0] for e, d in dirs.items()}
-    first = next(iter(backends.values()))
-    tok = TextTokenizer(next(iter(dirs.values())))
-    results = {"model_dirs": dirs, "backend": first.description, "max_new_tokens": a.max_new_tokens,
+    gens = {e: dflash2_trt.load(d, "ort", threads=a.threads) for e, d in dirs.items()}
+    first = next(iter(gens.values()))
+    results = {"model_dirs": dirs, "backend": first.backend, "max_new_tokens": a.max_new_tokens,
                "selector": a.selector, "temperature": a.temperature, "sets": {}}
-    runners = {e: (be.target_runner(), be.draft_runner(a.selector)) for e, be in backends.items()}
-    ar_target = runners[next(iter(runners))][0]
     for name in a.prompts:
-        prompts = encode_items(load_prompts(name, a.limit), tok.encode, tok.apply_chat_template)
+        prompts = encode_items(load_prompts(name, a.limit), lambda t: first.encode(t, chat=False), first.encode)
         runs: dict[str, list] = {v[0]: [] for v in variants}
         ars = []
         t0 = time.time()
         for i, p in enumerate(prompts):
-            ars.append(D.target_generate(ar_target, p, a.max_new_tokens, a.temperature, seed=i))
+            ars.append(first.generate(p, a.max_new_tokens, a.temperature, seed=i, speculative=False))
             for label, e, guard, conf in variants:
-                target, drafter = runners[e]
-                runs[label].append(D.speculative_generate(
-                    target, drafter, p, a.max_new_tokens, a.temperature, seed=i,
-                    guard=AcceptanceGuard() if guard else None, min_confidence=conf))
+                runs[label].append(gens[e].generate(p, a.max_new_tokens, a.temperature, seed=i, selector=a.selector,
+                                                    guard=guard, min_confidence=conf))
             print(f"{name} {i + 1}/{len(prompts)} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
             results["sets"][name] = {v[0]: _summary(runs[v[0]], ars, a.temperature) for v in variants}
             _write(results, a.out)
@@ -91,8 +83,8 @@ def main() -> int:
                   f"  speedup {r['speedup']:.2f}x  tau {r['tau']:.2f}  cycles {r['spec_cycles']}"
                   f"  plain {r['plain_steps']}  switches {r['guard_switches']}  probes {r['guard_probes']}"
                   f"  lossless {r['lossless']}", flush=True)
-    for be in backends.values():
-        be.close()
+    for gen in gens.values():
+        gen.close()
     return 0
 
 
@@ -100,7 +92,7 @@ def _summary(specs: list, ars: list, temperature: float) -> dict:
     from dflash2_trt.bench.harness import summarize
 
     r = summarize(specs, ars, temperature)
-    r["per_prompt_speedup"] = [s.tokens_per_s / max(1e-9, x.tokens_per_s) for s, x in zip(specs, ars)]
+    r["per_prompt_speedup"] = [s.stats.tokens_per_s / max(1e-9, x.stats.tokens_per_s) for s, x in zip(specs, ars)]
     return r
 
 

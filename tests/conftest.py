@@ -1,6 +1,6 @@
 """Shared fixtures: one tiny target/drafter pair per session (made by the project's own make-tiny), the
-accepting pair (``make-tiny --accepting``: drafts accepted on most cycles) and one export of each; the shared
-acceptance check of the lossless / equivalence tests."""
+accepting pair (``make-tiny --accepting``: drafts accepted on most cycles) and one export of each. Helpers that
+are not fixtures live in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -8,38 +8,15 @@ import os
 
 import pytest
 
+from helpers import assert_accepts, bound_drafter, export_pair, make_pair, with_block_size  # noqa: F401 - re-exported
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def _make_pair(tmp_path_factory, name: str, accepting: bool = False):
-    from dflash2_trt.tiny import make_tiny
-
-    out = tmp_path_factory.mktemp(name)
-    make_tiny(out, seed=0, block_size=16, accepting=accepting)
-    return out
-
-
-def _bound_drafter(pair_dir, target):
-    from dflash2_trt.model import load_drafter
-
-    d = load_drafter(pair_dir / "drafter")
-    d.bind_target(target.embed_weight, target.lm_head_weight)
-    return d
-
-
-def _export(pair_dir, tmp_path_factory, name: str):
-    """The pair exported by dflash2-export (its block size 16, max 512 positions)."""
-    from dflash2_trt.export.exporter import export_model
-
-    out = tmp_path_factory.mktemp("export") / name
-    export_model(pair_dir / "target", pair_dir / "drafter", out, progress=False, max_seq_len=512)
-    return out
-
-
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    return _make_pair(tmp_path_factory, "tiny")
+    return make_pair(tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="session")
@@ -51,26 +28,19 @@ def tiny_target(tiny_dir):
 
 @pytest.fixture(scope="session")
 def tiny_drafter(tiny_dir, tiny_target):
-    return _bound_drafter(tiny_dir, tiny_target)
-
-
-def with_block_size(drafter, bs: int, use_conv: bool = True):
-    """The same weights under another block size / convolutions-off ablation (weights do not depend on bs)."""
-    d = drafter.at_block_size(bs)
-    d.set_ablation(use_conv=use_conv)
-    return d
+    return bound_drafter(tiny_dir, tiny_target)
 
 
 @pytest.fixture(scope="session")
-def tiny_export(tiny_dir, tmp_path_factory):
+def tinyexport_pair(tiny_dir, tmp_path_factory):
     """The tiny pair exported once, shared by the export / runtime / bench tests."""
-    return _export(tiny_dir, tmp_path_factory, "tiny")
+    return export_pair(tiny_dir, tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="session")
 def acc_dir(tmp_path_factory):
     """``make-tiny --accepting`` (block size 16): a copying target and a drafter whose drafts it accepts."""
-    return _make_pair(tmp_path_factory, "accepting", accepting=True)
+    return make_pair(tmp_path_factory, "accepting", accepting=True)
 
 
 @pytest.fixture(scope="session")
@@ -82,20 +52,10 @@ def acc_target(acc_dir):
 
 @pytest.fixture(scope="session")
 def acc_drafter(acc_dir, acc_target):
-    return _bound_drafter(acc_dir, acc_target)
+    return bound_drafter(acc_dir, acc_target)
 
 
 @pytest.fixture(scope="session")
-def acc_export(acc_dir, tmp_path_factory):
+def accexport_pair(acc_dir, tmp_path_factory):
     """The accepting pair exported once."""
-    return _export(acc_dir, tmp_path_factory, "accepting")
-
-
-def assert_accepts(accepted: list[int], draft_rows: int, what: object = "") -> None:
-    """The path under test really committed drafts: at least half of the cycles accepted >= 1 draft and some
-    cycle accepted >= 3 (or every row, when a block has fewer than 3). ``accepted``: per-cycle counts, pooled
-    over the requests of one configuration; ``draft_rows``: L = block size - 1."""
-    assert accepted, f"no cycles ran {what}"
-    frac = sum(a >= 1 for a in accepted) / len(accepted)
-    assert frac >= 0.5, f"only {frac:.0%} of {len(accepted)} cycles accepted a draft {what}"
-    assert max(accepted) >= min(3, draft_rows), f"no cycle accepted {min(3, draft_rows)} drafts {what}: {accepted}"
+    return export_pair(acc_dir, tmp_path_factory, "accepting")

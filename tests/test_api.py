@@ -9,7 +9,7 @@ import pytest
 
 import dflash2_trt
 from dflash2_trt import DFlash2Error
-from conftest import assert_accepts
+from helpers import assert_accepts
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 

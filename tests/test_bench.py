@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
+
+from dflash2_trt.runtime import decoder as D
+
+import torch
+
+import numpy as np
+
 import json
 
 import pytest
@@ -174,3 +182,36 @@ def test_every_results_file_is_indexed_with_its_drafter_and_command():
         cells = [c.strip() for c in ln.split("|")[1:-1]]
         assert cells[1] in ("stage 3", "stage 2"), ln
         assert cells[2].startswith(("`python benchmarks/", "`dflash2 ", "the same")), ln
+
+
+# -- pinned review findings (issue #12), each failed before its fix ----------------------------------------
+def test_oracle_tau_at_positive_temperature_follows_its_definition(acc_target, acc_drafter):
+    """bench/oracle.py: at T > 0 a cycle's oracle count is the number of leading rows whose token — the
+    committed prefix (accepted drafts + the sampled bonus), then the target's argmax continuation — is among
+    the row's candidates. Recomputed here from scratch with fresh target passes."""
+    from dflash2_trt.bench.oracle import oracle_count
+
+    runner = TorchTargetRunner(acc_target, [0, 2])
+    src = TorchDraftRunner(acc_drafter)
+    seen = []
+
+    def spy(target, cand, drafts, n_rows, acc, bonus, pos):  # noqa: ANN001
+        o = oracle_count(target, cand, drafts, n_rows, acc, bonus, pos)
+        seen.append((cand.copy(), list(drafts), n_rows, acc, bonus, pos, o, target.cache_length))
+        return o
+
+    p = np.random.default_rng(9).integers(4, 500, 18).tolist()
+    res = D.speculative_generate(runner, src, p, 40, temperature=0.7, eos_ids=set(), seed=3, oracle=spy)
+    assert res.oracle_accepted == [s[6] for s in seen] and len(seen) == len(res.accepted)
+    assert any(s[3] > 0 for s in seen)  # drafts were accepted, so the committed-prefix part is exercised
+    for cand, drafts, n_rows, acc, bonus, pos, o, cache_len in seen:
+        assert cache_len == pos + acc + 1  # the oracle left the cache at the committed length
+        seq = (p + res.tokens)[: pos + 1] + drafts[:acc] + [bonus]
+        while len(seq) < pos + 1 + n_rows:  # the target's argmax continuation after the committed prefix
+            acc_target.reset([])
+            logits, _ = acc_target.forward(torch.tensor(seq))
+            seq.append(int(logits[-1].argmax()))
+        want = 0
+        while want < n_rows and seq[pos + 1 + want] in cand[want].tolist():
+            want += 1
+        assert o == want

@@ -598,7 +598,7 @@ def acc_ort(acc_export):
 def test_c_loop_equals_python_runtime_greedy(lib, acc_ort, mode):
     """Greedy, both selector modes, oracle τ measured, on the accepting pair: identical tokens, counts and
     metrics, drafts accepted (final partial blocks included: 40 tokens at block size 16)."""
-    from conftest import assert_accepts
+    from helpers import assert_accepts
 
     dr = acc_ort.draft_runner(mode)
     c = CRuntime(lib, acc_ort.target_runner(), dr, _feature_dim(acc_ort), dr.top_k)

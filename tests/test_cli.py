@@ -85,3 +85,13 @@ def test_dflash2_export_help_names_itself(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: dflash2-export [-h]") and "dflash2-export export" not in out
+
+
+# -- pinned review findings (issue #12), each failed before its fix ----------------------------------------
+def test_cli_bad_temperature_is_one_line(acc_dir, capsys):
+    from dflash2_trt.cli import main
+
+    assert main(["generate", "--target", str(acc_dir / "target"), "--drafter", str(acc_dir / "drafter"),
+                 "--prompt", "x", "--temperature", "-1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dflash2: error: temperature must be") and "\n" not in err

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_accepts
+from helpers import assert_accepts
 from dflash2_trt import DFlash2Error
 from dflash2_trt.model.checkpoint import TOKEN_COUNTS_NAME, draft_vocabulary, load_drafter
 from dflash2_trt.runtime import decoder as D

@@ -243,7 +243,7 @@ def test_dflash_v1_drafter_exports_and_runs(acc_dir, acc_target, acc_drafter, tm
     """A DFlash v1 drafter (no convolutions, no selector) exports with the independent head only and the ORT
     runtime decodes like the PyTorch v1 drafter (the accepting drafter's weights without them), losslessly and
     with drafts accepted; the selector modes are refused clearly."""
-    from conftest import assert_accepts
+    from helpers import assert_accepts
     from dflash2_trt.config import ARCH_V1
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.runtime.torch.backend import TorchDraftRunner

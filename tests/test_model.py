@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 import json
 
 import pytest
@@ -345,3 +347,47 @@ def test_activation_and_bias_options(act):
                                rtol=1e-5, atol=1e-6)
     names = set(d.state_dict())
     assert {"layers.0.self_attn.q_proj.bias", "layers.1.self_attn.o_proj.bias"} <= names
+
+
+# -- pinned review findings (issue #12), each failed before its fix ----------------------------------------
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_partial_block_walks_the_verified_rows(temp):
+    """A final partial block verifies n < L rows: the drafter (``verified_rows=n``) gives the rows past n zero
+    hidden states, and its first n drafts and proposals are then the reference Viterbi walk (argmax, or the
+    exactly sampled chain) of the n-row lattice. Strong pair terms make the full-length path differ for some
+    n, so this fails on a drafter that ignores ``verified_rows``."""
+    import dflash2_trt.reference as ref
+    from dflash2_trt.config import DFlash2Config
+    from dflash2_trt.model import DFlash2Drafter
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(17)
+    V, H, bs, K = 64, 32, 8, 8
+    L = bs - 1
+    d = DFlash2Drafter(DFlash2Config(hidden_size=H, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+                                     target_layer_ids=[1], selector_rank=8, selector_top_k=K, block_size=bs))
+    d.bind_target(torch.randn(V, H), torch.randn(V, H))
+    cs = d.candidate_selector
+    with torch.no_grad():
+        cs.predecessor_codebook.normal_(0, 1.0)
+        cs.successor_codebook.normal_(0, 1.0)
+    A, Bc = cs.predecessor_codebook.detach().numpy(), cs.successor_codebook.detach().numpy()
+    differs = 0
+    with torch.no_grad():
+        for _ in range(12):
+            h = torch.randn(1, bs, H)
+            a = torch.tensor([int(rng.integers(V))])
+            u = torch.from_numpy(rng.random((1, L), dtype=np.float32)) if temp > 0 else None
+            full = d.draft_from_hidden(h, a, "viterbi", temp, u)
+            unary, cand = torch.topk(d.logits(h[:, 1:]).float(), K, dim=-1)
+            g = cs.hidden_projection(h[:, 1:]).float()
+            assert torch.equal(d.draft_from_hidden(h, a, "viterbi", temp, u, verified_rows=L).tokens, full.tokens)
+            for n in range(1, L):
+                got = d.draft_from_hidden(h, a, "viterbi", temp, u, verified_rows=n)
+                Sn = ref.lattice(cand[0, :n].numpy(), unary[0, :n].numpy(), g[0, :n].numpy(), int(a), A, Bc)
+                idx, q = ref.walk_one(Sn, "viterbi", temp, None if u is None else u[0, :n].numpy())
+                assert got.tokens[0, :n].tolist() == cand[0, np.arange(n), idx].tolist(), n
+                np.testing.assert_allclose(got.proposal[0, :n].gather(-1, cand[0, :n]).numpy(), q, atol=1e-5)
+                differs += got.tokens[0, :n].tolist() != full.tokens[0, :n].tolist()
+    assert differs > 0

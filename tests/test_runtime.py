@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import assert_accepts, with_block_size
+from helpers import assert_accepts, with_block_size
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime.torch.backend import TorchDraftRunner
 from torch_ref import ref_autoregressive, ref_speculative
@@ -87,7 +87,7 @@ def test_sampling_equals_pytorch_reference(acc_export, acc_target, acc_drafter, 
 def test_streaming_eos_and_cache_growth(acc_export, acc_target):
     """Streamed chunks, an EOS stop and KV buffers that grow mid-request, on the accepting pair (drafts
     committed in the streamed cycles and across the growth)."""
-    from conftest import assert_accepts
+    from helpers import assert_accepts
 
     be, note = open_backend(acc_export, "auto")
     assert note.startswith("TensorRT not available (TensorRT is not installed")

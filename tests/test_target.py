@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+
+import json
+
 import pytest
 import torch
 
@@ -98,3 +102,16 @@ def test_other_families_lossless(family, tmp_path):
         want = ref_autoregressive(target, prompt, 12, eos_ids=set()).tokens
         got = ref_speculative(target, TorchDraftRunner(d.eval()), prompt, 12, eos_ids=set(), layer_ids=[0, 1])
         assert got.tokens == want
+
+
+# -- pinned review findings (issue #12), each failed before its fix ----------------------------------------
+def test_generation_config_eos_ids_survive_loading(acc_dir, tmp_path):
+    """Llama-3 style: the stop ids [eos, eot] live only in generation_config.json; eos_ids() must see them."""
+    from dflash2_trt.target import TargetModel
+
+    d = tmp_path / "t"
+    shutil.copytree(acc_dir / "target", d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 3]}))
+    t = TargetModel.load(d)
+    assert {0, 3} <= t.eos_ids()
+    assert t.model.generation_config.eos_token_id is None  # HF generate still never stops on its own

@@ -296,7 +296,7 @@ def tiny_server(tiny_export, tmp_path_factory):
 
 
 def test_tiny_streams_equal_the_runtime(acc_server, acc_export):
-    from conftest import assert_accepts
+    from helpers import assert_accepts
 
     url = acc_server.grpc_url
     prompt = [1, 5, 9, 22, 7]
@@ -330,7 +330,7 @@ def test_tiny_16_concurrent_streaming_clients(acc_server, acc_export):
         t.start()
     for t in threads:
         t.join(timeout=300)
-    from conftest import assert_accepts
+    from helpers import assert_accepts
 
     greedy = []
     for r, out in zip(reqs, results):

@@ -381,7 +381,7 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
     really compute (FakeTrt(compute=True) runs each engine's ONNX graph with ONNX Runtime): greedy output equals
     the target's own and the ORT backend's, cycle for cycle, with drafts accepted; T = 0.8 sampling (greedy and
     Viterbi chains) equals ORT's, drafts accepted."""
-    from conftest import assert_accepts
+    from helpers import assert_accepts
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.decoder import speculative_generate, target_generate
 
@@ -434,7 +434,7 @@ def test_plugin_heads_decode_like_ort_on_the_accepting_pair(acc_plugin_engines, 
     through the plugin's host twin (the CPU twin the kernel is checked against bit for bit), the rest of the
     head with ONNX Runtime. Greedy and Viterbi, T = 0 and 0.8: token for token the ORT backend's output
     (decomposed selector graphs), drafts accepted."""
-    from conftest import assert_accepts
+    from helpers import assert_accepts
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.decoder import speculative_generate
 
@@ -478,7 +478,7 @@ def test_partial_block_draft_is_the_verified_rows_path(acc_engines, acc_drafter,
     """A final partial block (n < L rows verified): the ORT and TensorRT draft runners hand the Viterbi head zero
     hidden states past row n (ORT: the array fed to the head; TensorRT: a memset between the block and head
     engines, run eagerly) and draft what the PyTorch drafter drafts with ``verified_rows=n`` — whose path is
-    the reference walk of the n-row lattice (tests/test_findings.py)."""
+    the reference walk of the n-row lattice (tests/test_model.py)."""
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.torch.backend import TorchDraftRunner
 

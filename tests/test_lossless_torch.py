@@ -1,4 +1,5 @@
-"""Reference speculative decoding: lossless greedy, distribution-preserving sampling, stopping, metrics."""
+"""The decode loop on the PyTorch reference backend: lossless greedy, distribution-preserving sampling, stopping,
+metrics (τ stops at an accepted EOS), bad temperatures, the verified rows told to the drafter."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_accepts, with_block_size
 from dflash2_trt import DFlash2Error
-from dflash2_trt.runtime.torch.backend import TorchDraftRunner
-from torch_ref import ref_autoregressive, ref_speculative
+from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.protocol import Draft
+from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
 from dflash2_trt.vocabulary import INDEPENDENT
+from helpers import assert_accepts, with_block_size
+from torch_ref import ref_autoregressive, ref_speculative
 
 N_PROMPTS = 50
 MAX_NEW = 24
@@ -341,3 +343,50 @@ def test_sampling_test_has_power(small_pair, monkeypatch, rule):
     prompt, T, N = [1, 2, 3], 1.0, 3000
     counts, _ = _chain_counts(t, d, "greedy", prompt, T, N)
     assert _chi2_pvalue(counts, _exact_law(t, prompt, T), N) < 1e-3
+
+
+# -- pinned review findings (issue #12), each failed before its fix ----------------------------------------
+def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
+    """EOS accepted as the 2nd draft of a multi-draft cycle: that cycle counts 2 accepted drafts (the drafts
+    after the EOS are never committed), not all it verified."""
+    p = np.random.default_rng(5).integers(4, 500, 20).tolist()
+    full = ref_speculative(acc_target, TorchDraftRunner(acc_drafter), p, 48, eos_ids=set(), measure_oracle=False,
+                           layer_ids=[0, 2])
+    idx = 1  # index in tokens of the current cycle's first draft
+    for c, a in enumerate(full.accepted):
+        eos = full.tokens[idx + 1] if a >= 3 else None
+        if eos is not None and eos not in full.tokens[:idx + 1]:
+            break
+        idx += a + 1
+    else:
+        pytest.fail(f"no cycle accepted >= 3 drafts with a fresh 2nd draft: {full.accepted}")
+    res = ref_speculative(acc_target, TorchDraftRunner(acc_drafter), p, 48, eos_ids={eos}, measure_oracle=False,
+                          layer_ids=[0, 2])
+    assert res.tokens == full.tokens[:idx + 2] and res.tokens[-1] == eos
+    assert res.accepted == full.accepted[:c] + [2]
+    assert sum(a + 1 for a in res.accepted) - 1 == len(res.tokens) - 1  # the last cycle commits no bonus
+
+
+@pytest.mark.parametrize("temp", [-0.5, float("nan"), float("inf")])
+def test_bad_temperature_is_an_error(acc_target, acc_drafter, temp):
+    target = TorchTargetRunner(acc_target, [0, 2])
+    with pytest.raises(DFlash2Error, match="temperature must be a finite number >= 0"):
+        D.speculative_generate(target, TorchDraftRunner(acc_drafter), [5, 6], 4, temperature=temp)
+    with pytest.raises(DFlash2Error, match="temperature must be a finite number >= 0"):
+        D.target_generate(target, [5, 6], 4, temperature=temp)
+
+
+def test_decoder_tells_the_drafter_the_verified_rows(acc_target, acc_drafter):
+    """The loop hands ``propose`` the rows it will verify: L on full blocks, fewer on the final partial one."""
+
+    told: list[int] = []
+
+    class Spy(TorchDraftRunner):
+        def propose(self, anchor, pos, rows, temperature, uniforms):  # noqa: ANN001, ANN201
+            told.append(rows)
+            return super().propose(anchor, pos, rows, temperature, uniforms)
+
+    p = np.random.default_rng(8).integers(4, 500, 20).tolist()
+    res = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), Spy(acc_drafter, "viterbi"), p, 37,
+                                 eos_ids=set())
+    assert told == res.proposed and told[-1] < acc_drafter.config.block_size - 1 and max(res.accepted) >= 3
