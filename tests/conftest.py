@@ -32,7 +32,7 @@ def tiny_drafter(tiny_dir, tiny_target):
 
 
 @pytest.fixture(scope="session")
-def tinyexport_pair(tiny_dir, tmp_path_factory):
+def tiny_export(tiny_dir, tmp_path_factory):
     """The tiny pair exported once, shared by the export / runtime / bench tests."""
     return export_pair(tiny_dir, tmp_path_factory, "tiny")
 
@@ -56,6 +56,6 @@ def acc_drafter(acc_dir, acc_target):
 
 
 @pytest.fixture(scope="session")
-def accexport_pair(acc_dir, tmp_path_factory):
+def acc_export(acc_dir, tmp_path_factory):
     """The accepting pair exported once."""
     return export_pair(acc_dir, tmp_path_factory, "accepting")
