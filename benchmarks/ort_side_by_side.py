@@ -32,6 +32,7 @@ from dflash2_trt.runtime import decoder as D  # noqa: E402
 from dflash2_trt.runtime.guard import AcceptanceGuard  # noqa: E402
 
 DRAFTER = ROOT / "dflash2_trt" / "drafters" / "smollm2-135m-instruct-dflash2"
+NGRAM_ROWS = 4  # most prompt-lookup drafts per cycle (genai's max_draft_tokens below)
 
 
 def _prompts(tok, sets: list[str], limit: int) -> dict[str, list[list[int]]]:
@@ -41,17 +42,19 @@ def _prompts(tok, sets: list[str], limit: int) -> dict[str, list[list[int]]]:
 
 
 class Ours:
-    def __init__(self, kind: str, block_size: int, threads: int, draft_vocab: int, guard: bool) -> None:
+    def __init__(self, kind: str, block_size: int, threads: int, draft_vocab: int, guard: bool,
+                 attention: str = "auto", folder: str | None = None) -> None:
         from dflash2_trt.export.cache import cached_export
         from dflash2_trt.runtime.ort.backend import OrtBackend
 
         q = QuantSpec(kind)
         opts = {"draft_vocab": draft_vocab} if draft_vocab else {}
-        folder = cached_export("smollm2", DRAFTER, progress=True, block_size=block_size, max_seq_len=2048,
-                               quantization=q, **opts)
+        if folder is None:
+            folder = cached_export("smollm2", DRAFTER, progress=True, block_size=block_size, max_seq_len=2048,
+                                   quantization=q, **opts)
         self.guard = guard
         self.folder = folder
-        self.be = OrtBackend(folder, threads=threads)
+        self.be = OrtBackend(folder, threads=threads, attention=attention)
         self.target = self.be.target_runner()
         self.drafter = self.be.draft_runner("greedy")
 
@@ -62,11 +65,12 @@ class Ours:
                                 on_tokens=lambda t: first.append(time.perf_counter() - t0) if not first else None)
         return {"tokens": res.tokens, "s": res.elapsed_s, "ttft": first[0]}
 
-    def spec(self, p: list[int], n: int) -> dict:
+    def spec(self, p: list[int], n: int, proposer: str = "dflash2") -> dict:
         t0 = time.perf_counter()
         first = []
         res = D.speculative_generate(self.target, self.drafter, p, n, eos_ids=set(),
-                                     guard=AcceptanceGuard() if self.guard else None,
+                                     guard=AcceptanceGuard() if self.guard else None, proposer=proposer,
+                                     ngram_rows=NGRAM_ROWS,
                                      on_tokens=lambda t: first.append(time.perf_counter() - t0) if not first else None)
         return {"tokens": res.tokens, "s": res.elapsed_s, "ttft": first[0], "tau": res.stats()["tau"],
                 "cycles": len(res.accepted)}
@@ -180,7 +184,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="our speculative decoding with the acceptance guard (the runtime's default)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precisions", nargs="+", default=["none", "int8", "int4"])
+    ap.add_argument("--model-dir", default=None, help="our fp32 export folder (default: a cached export from the "
+                    "options above)")
+    ap.add_argument("--proposers", nargs="+", default=["dflash2"], help="our speculative systems' proposers "
+                    "(dflash2 | ngram | auto), each its own system")
+    ap.add_argument("--before", action="store_true", help="also our fp32 AR and DFlash2 with ORT's "
+                    "GroupQueryAttention (the target before dflash2.DecodeAttention)")
     ap.add_argument("--no-genai", action="store_true")
+    ap.add_argument("--genai-precisions", nargs="+", default=["fp32", "int4"])
+    ap.add_argument("--spinning", action="store_true", help="our ORT sessions with spinning intra-op threads, as "
+                    "genai's (DFLASH2_ORT_SPINNING=1; for quiet machines)")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--plot", default=None, help="PNG bar plot of tokens/s")
@@ -188,17 +201,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
+    if a.spinning:
+        import os
+
+        from dflash2_trt.runtime.ort.backend import SPINNING_ENV
+
+        os.environ[SPINNING_ENV] = "1"
     systems: dict[str, object] = {}
     quant: dict[str, dict] = {}
     for kind in a.precisions:
-        o = Ours(kind, a.block_size, a.threads, a.draft_vocab, a.guard)
+        folder = a.model_dir if kind == "none" else None
+        o = Ours(kind, a.block_size, a.threads, a.draft_vocab, a.guard, folder=folder)
         label = "fp32" if kind == "none" else kind
         quant[label] = o.be.manifest.to_json()["quantization"]
         systems[f"ours {label} AR"] = o.ar
-        systems[f"ours {label} DFlash2 bs{a.block_size}"] = o.spec
+        for prop in a.proposers:
+            name = {"dflash2": f"DFlash2 bs{a.block_size}", "ngram": "n-gram", "auto": f"auto bs{a.block_size}"}[prop]
+            systems[f"ours {label} {name}"] = (lambda o, prop: lambda p, n: o.spec(p, n, prop))(o, prop)
+        if a.before and kind == "none":
+            b = Ours(kind, a.block_size, a.threads, a.draft_vocab, a.guard, attention="gqa", folder=str(o.folder))
+            systems["ours(gqa) fp32 AR"] = b.ar
+            systems[f"ours(gqa) fp32 DFlash2 bs{a.block_size}"] = b.spec
         tok = TextTokenizer(o.folder)
     if not a.no_genai:
-        for prec in ("fp32", "int4"):
+        for prec in a.genai_precisions:
             g = Genai(prec, a.threads)
             systems[f"genai {prec} AR"] = g.ar
             systems[f"genai {prec} n-gram"] = g.ngram

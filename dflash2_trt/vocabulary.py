@@ -20,6 +20,13 @@ SELECTOR_PRECISIONS = ("fp32", "bf16")
 BACKENDS = ("ort", "trt", "torch")
 BACKEND_CHOICES = ("auto", "ort", "trt")  # what the export-folder CLIs accept (torch runs --target/--drafter)
 
+# Who proposes a speculative cycle's drafts: the DFlash 2 drafter, prompt lookup (n-gram continuation of the
+# context, no model), or per cycle whichever the measured acceptance favours (runtime/ngram.py).
+PROPOSERS = ("dflash2", "ngram", "auto")
+# The fused ONNX Runtime target's attention op: auto (DecodeAttention when its library is built) | the custom op |
+# ORT's GroupQueryAttention (runtime/ort/decode_attention.py).
+ORT_ATTENTIONS = ("auto", "decode", "gqa")
+
 # Export precisions and weight-only quantization kinds.
 DTYPES = ("fp32", "fp16", "bf16")
 QUANTIZATIONS = ("none", "int8", "int4")

@@ -165,7 +165,7 @@ def test_attention_choice(tiny_export):
 
 
 def test_speculative_equals_autoregressive_with_decode_attention(acc_export):
-    from conftest import assert_accepts
+    from helpers import assert_accepts
     from dflash2_trt.runtime import decoder as D
     from dflash2_trt.runtime.ort.backend import OrtBackend
 

@@ -29,6 +29,7 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.reference import acceptance_stats
 from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
 from dflash2_trt.runtime.guard import AcceptanceGuard, verify_rows
+from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice
 
 OnTokens = Callable[[list[int]], None]
 OnCycle = Callable[[int, int], None]  # (accepted drafts, verified rows) of a speculative cycle
@@ -49,6 +50,7 @@ class GenerationResult:
     plain_steps: int = 0  # plain target steps run by the guard (each commits one token)
     guard_switches: int = 0  # speculative -> plain switches
     guard_probes: int = 0  # plain -> speculative probes
+    proposers: list[str] = field(default_factory=list)  # per cycle: who proposed ('dflash2' | 'ngram')
 
     @property
     def tokens_per_s(self) -> float:
@@ -60,6 +62,10 @@ class GenerationResult:
         s["oracle_tau"] = float(np.mean(np.asarray(self.oracle_accepted) + 1)) if self.oracle_accepted else None
         s.update(spec_cycles=len(self.accepted), plain_steps=self.plain_steps, guard_switches=self.guard_switches,
                  guard_probes=self.guard_probes)
+        for who in (DFLASH2, NGRAM):  # each proposer's own acceptance
+            acc = [a for a, p in zip(self.accepted, self.proposers) if p == who]
+            s[f"{who}_cycles"] = len(acc)
+            s[f"{who}_tau"] = float(np.mean(acc)) + 1 if acc else None
         return s
 
 
@@ -150,10 +156,15 @@ def speculative_generate(
     guard: AcceptanceGuard | None = None,
     min_confidence: float = 0.0,
     on_cycle: OnCycle | None = None,
+    proposer: str = DFLASH2,
+    ngram_rows: int | None = None,
 ) -> GenerationResult:
     """Speculative decoding of one prompt (SPEC §4); ``guard`` holds one request's state (a fresh one per call).
     ``on_cycle(accepted, rows)`` is called for each speculative cycle just before ``on_tokens`` gets its tokens
-    (the prefill's first token and the guard's plain steps reach ``on_tokens`` alone)."""
+    (the prefill's first token and the guard's plain steps reach ``on_tokens`` alone).
+    ``proposer``: 'dflash2' (the drafter), 'ngram' (prompt lookup only: the drafter never runs; no match = a plain
+    step), 'auto' (per cycle, :class:`~dflash2_trt.runtime.ngram.ProposerChoice`); ``ngram_rows``: most lookup
+    drafts per cycle (default: the drafter's block size - 1)."""
     check_prompt(prompt_ids, target, max_new_tokens)
     check_temperature(temperature)
     rng = np.random.default_rng(seed)
@@ -171,34 +182,47 @@ def speculative_generate(
     res.tokens.append(anchor)
     if on_tokens:
         on_tokens([anchor])
-    drafter.add_context(feats, 0)
+    choice = ProposerChoice(proposer, list(prompt_ids) + [anchor], ngram_rows or L)
+    if choice.uses_drafter:
+        drafter.add_context(feats, 0)
     pos = len(prompt_ids)  # anchor position
     limit = min(max_new_tokens, target.max_positions - len(prompt_ids))
     pending: list[np.ndarray] = []  # features [1, F] of plain steps, not yet in the draft context
 
     while len(res.tokens) < limit and anchor not in eos:
         t_step = time.perf_counter()
-        if guard is not None and guard.plain_next():
+        guard_plain = guard is not None and guard.plain_next()
+        looked_up = [] if guard_plain else choice.ngram(limit - len(res.tokens) - 1)
+        who = DFLASH2 if guard_plain else choice.pick(looked_up)
+        if guard_plain or (who == NGRAM and not looked_up):
             # plain step: the target's own next token (exactly target_generate's step)
             logits, feats = target.forward([anchor])  # [1, V], [1, F]
             anchor = _next_token(logits[-1], temperature, rng)
-            pending.append(feats)
+            if choice.uses_drafter:
+                pending.append(feats)
             pos += 1
             res.tokens.append(anchor)
+            choice.extend([anchor])
             res.plain_steps += 1
             if on_tokens:
                 on_tokens([anchor])
-            guard.record_step(time.perf_counter() - t_step)
+            if guard is not None:
+                guard.record_step(time.perf_counter() - t_step)
             continue
         if pending:  # back from plain steps: their positions join the draft context in one pass
             drafter.add_context(np.concatenate(pending), pos - len(pending))
             pending = []
-        n_rows = min(L, limit - len(res.tokens) - 1)  # a final partial block verifies fewer rows
-        # draft + select (all bs rows always run, as in training)
-        uniforms = rng.random((1, L), dtype=np.float32) if temperature > 0 else None
-        draft = drafter.propose(anchor, pos, n_rows, temperature, uniforms)
-        n_rows = verify_rows(_confidence(draft, temperature), n_rows, min_confidence)
-        drafts = [int(t) for t in draft.tokens[:n_rows]]
+        if who == NGRAM:  # prompt lookup: deterministic drafts, a one-hot proposal
+            drafts, n_rows = looked_up, len(looked_up)
+            draft = Draft(tokens=np.asarray(drafts, dtype=np.int64), proposal=np.ones((n_rows, 1), np.float32),
+                          cand=np.asarray(drafts, dtype=np.int64)[:, None])
+        else:
+            n_rows = min(L, limit - len(res.tokens) - 1)  # a final partial block verifies fewer rows
+            # draft + select (all bs rows always run, as in training)
+            uniforms = rng.random((1, L), dtype=np.float32) if temperature > 0 else None
+            draft = drafter.propose(anchor, pos, n_rows, temperature, uniforms)
+            n_rows = verify_rows(_confidence(draft, temperature), n_rows, min_confidence)
+            drafts = [int(t) for t in draft.tokens[:n_rows]]
         # verify [anchor, d_1..d_n] at positions pos..pos+n
         v_logits, v_feats = target.forward([anchor] + drafts)  # [n+1, V], [n+1, F]
         # accept
@@ -210,7 +234,8 @@ def speculative_generate(
             acc, bonus = ref.accept_rejection(np.asarray(drafts, dtype=np.int64), q, p, rng)
         # commit: crop the target cache; committed positions become draft context
         target.crop(pos + acc + 1)
-        drafter.add_context(v_feats[: acc + 1], pos)
+        if choice.uses_drafter:
+            drafter.add_context(v_feats[: acc + 1], pos)
         new = drafts[:acc] + [bonus]
         for i, t in enumerate(new):
             if t in eos:
@@ -219,6 +244,9 @@ def speculative_generate(
         # an accepted EOS ends the request: drafts after it are not committed, so they do not count for τ
         res.accepted.append(min(acc, len(new)))
         res.proposed.append(n_rows)
+        res.proposers.append(who)
+        choice.extend(new)
+        choice.record(who, len(new))
         cycle_oracle_s = 0.0
         if oracle is not None:
             t_o = time.perf_counter()

@@ -236,6 +236,124 @@ void attendRow(float const* q, float const* keys, float const* values, int64_t n
 
 } // namespace
 
+#if defined(__AVX2__) && defined(__FMA__)
+namespace
+{
+
+constexpr int64_t kBlock = 32; //!< keys per block: K and V of a block (2 x 8 KB at d = 64) stay in L1 for all rows
+
+//! All rows of one query head, blockwise over the keys with an online softmax (running max m, sum l, unnormalised
+//! accumulator acc per row): a block of keys and values is read from memory once and from L1 for the other rows.
+//! Each row's sequence of operations depends only on its own causal length, never on the number of rows.
+void attendRowsBlocked(float const* const* q, int64_t rows, int64_t past, float const* keys, float const* values,
+    int64_t d, float scale, float* state) noexcept
+{
+    int64_t const chunks = d / 8;
+    float* m = state;              // [rows]
+    float* l = state + rows;       // [rows]
+    float* acc = state + 2 * rows; // [rows, d]
+    std::fill(m, m + rows, -INFINITY);
+    std::fill(l, l + rows, 0.F);
+    std::fill(acc, acc + rows * d, 0.F);
+    __m256 const vs = _mm256_set1_ps(scale);
+    int64_t const nMax = past + rows;
+    alignas(32) float sc[kBlock];
+    for (int64_t j0 = 0; j0 < nMax; j0 += kBlock)
+    {
+        for (int64_t r = 0; r < rows; ++r)
+        {
+            int64_t const n = past + r + 1;
+            if (j0 >= n)
+            {
+                continue;
+            }
+            int64_t const cnt = std::min(kBlock, n - j0);
+            int64_t const blocks8 = (cnt + 7) / 8;
+            __m256 vmax = _mm256_set1_ps(-INFINITY);
+            for (int64_t b = 0; b < blocks8; ++b)
+            {
+                int64_t const j = j0 + 8 * b;
+                __m256 v;
+                if (j + 8 <= n)
+                {
+                    v = _mm256_mul_ps(dot8(q[r], keys + j * d, d), vs);
+                }
+                else
+                {
+                    alignas(32) float t[8];
+                    for (int64_t u = 0; u < 8; ++u)
+                    {
+                        t[u] = j + u < n ? dot(q[r], keys + (j + u) * d, d) * scale : -INFINITY;
+                    }
+                    v = _mm256_load_ps(t);
+                }
+                _mm256_store_ps(sc + 8 * b, v);
+                vmax = _mm256_max_ps(vmax, v);
+            }
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, vmax);
+            float bm = lanes[0];
+            for (int u = 1; u < 8; ++u)
+            {
+                bm = std::max(bm, lanes[u]);
+            }
+            float const mNew = std::max(m[r], bm);
+            float const corr = std::exp(m[r] - mNew); // 0 on the first block (m = -inf)
+            m[r] = mNew;
+            __m256 const vm = _mm256_set1_ps(mNew);
+            __m256 vsum = _mm256_setzero_ps();
+            for (int64_t b = 0; b < blocks8; ++b)
+            {
+                // lanes past n hold -inf: exp8 clamps them to e^-87.3 ~ 1e-38, so they are zeroed explicitly
+                __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(sc + 8 * b), vm));
+                int64_t const valid = std::min<int64_t>(8, cnt - 8 * b);
+                if (valid < 8)
+                {
+                    alignas(32) float t[8];
+                    _mm256_store_ps(t, e);
+                    for (int64_t u = valid; u < 8; ++u)
+                    {
+                        t[u] = 0.F;
+                    }
+                    e = _mm256_load_ps(t);
+                }
+                _mm256_store_ps(sc + 8 * b, e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            _mm256_store_ps(lanes, vsum);
+            float bs = 0.F;
+            for (float v : lanes)
+            {
+                bs += v;
+            }
+            l[r] = l[r] * corr + bs;
+            float* a = acc + r * d;
+            __m256 const vc = _mm256_set1_ps(corr);
+            __m256 av[16];
+            for (int64_t c = 0; c < chunks; ++c)
+            {
+                av[c] = _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), vc);
+            }
+            for (int64_t u = 0; u < cnt; ++u)
+            {
+                __m256 const pu = _mm256_set1_ps(sc[u]);
+                float const* v = values + (j0 + u) * d;
+                for (int64_t c = 0; c < chunks; ++c)
+                {
+                    av[c] = _mm256_fmadd_ps(pu, _mm256_loadu_ps(v + 8 * c), av[c]);
+                }
+            }
+            for (int64_t c = 0; c < chunks; ++c)
+            {
+                _mm256_storeu_ps(a + 8 * c, av[c]);
+            }
+        }
+    }
+}
+
+} // namespace
+#endif
+
 void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
     float const* sinTable, float const* keyCache, float const* valueCache, float* out, int64_t headBegin,
     int64_t headEnd, float* scores) noexcept
@@ -244,7 +362,8 @@ void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float
     int64_t const rowStride = (s.numHeads + 2 * s.kvHeads) * d;
     int64_t const group = s.numHeads / s.kvHeads;
     float const scale = s.scale != 0.F ? s.scale : 1.F / std::sqrt(static_cast<float>(d));
-    std::vector<float> q(static_cast<size_t>(d));
+    std::vector<float> q(static_cast<size_t>(d * s.rows));
+    std::vector<float const*> qRows(static_cast<size_t>(s.rows));
     for (int64_t h = headBegin; h < headEnd; ++h)
     {
         int64_t const kv = h / group;
@@ -253,10 +372,40 @@ void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float
         for (int64_t r = 0; r < s.rows; ++r)
         {
             int64_t const pos = s.past + r;
-            rotate(qkv + r * rowStride + h * d, cosTable + pos * (d / 2), sinTable + pos * (d / 2), d, q.data());
-            attendRow(q.data(), keys, values, pos + 1, s.capacity, d, scale, scores, out + r * s.numHeads * d + h * d);
+            rotate(qkv + r * rowStride + h * d, cosTable + pos * (d / 2), sinTable + pos * (d / 2), d,
+                q.data() + r * d);
+            qRows[static_cast<size_t>(r)] = q.data() + r * d;
+        }
+#if defined(__AVX2__) && defined(__FMA__)
+        if (d % 8 == 0 && d <= 128)
+        {
+            // scratch: m, l [rows] + acc [rows, d] (the caller sizes it, see decodeAttentionScratch)
+            attendRowsBlocked(qRows.data(), s.rows, s.past, keys, values, d, scale, scores);
+            float const* l = scores + s.rows;
+            float const* acc = scores + 2 * s.rows;
+            for (int64_t r = 0; r < s.rows; ++r)
+            {
+                float const inv = 1.F / l[r];
+                float* o = out + r * s.numHeads * d + h * d;
+                for (int64_t i = 0; i < d; ++i)
+                {
+                    o[i] = acc[r * d + i] * inv;
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t r = 0; r < s.rows; ++r)
+        {
+            attendRow(qRows[static_cast<size_t>(r)], keys, values, s.past + r + 1, s.capacity, d, scale, scores,
+                out + r * s.numHeads * d + h * d);
         }
     }
+}
+
+int64_t decodeAttentionScratch(DecodeAttentionShape const& s) noexcept
+{
+    return std::max(s.past + s.rows + 8, s.rows * (s.headDim + 2));
 }
 
 } // namespace dflash2

@@ -35,9 +35,12 @@ void decodeAttentionWriteKv(DecodeAttentionShape const& s, float const* qkv, flo
     float const* sinTable, float* keyCache, float* valueCache) noexcept;
 
 //! Step 2 (parallel over query heads): out [S, numHeads d] rows for heads [headBegin, headEnd).
-//! scratch: at least P + S + 8 floats per call.
+//! scratch: decodeAttentionScratch(s) floats per call.
 void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
     float const* sinTable, float const* keyCache, float const* valueCache, float* out, int64_t headBegin,
     int64_t headEnd, float* scratch) noexcept;
+
+//! Floats of scratch decodeAttentionHeads needs.
+int64_t decodeAttentionScratch(DecodeAttentionShape const& s) noexcept;
 
 } // namespace dflash2

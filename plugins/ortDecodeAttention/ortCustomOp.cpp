@@ -71,7 +71,7 @@ void runHead(void* user, size_t head)
 {
     auto const* a = static_cast<ParallelArgs const*>(user);
     thread_local std::vector<float> scratch;
-    size_t const need = static_cast<size_t>(a->shape->past + a->shape->rows + 8);
+    size_t const need = static_cast<size_t>(dflash2::decodeAttentionScratch(*a->shape));
     if (scratch.size() < need)
     {
         scratch.resize(need);

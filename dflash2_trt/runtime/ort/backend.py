@@ -12,6 +12,7 @@ request's caches and must not be shared between threads.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,9 @@ from dflash2_trt.manifest import ORT_SUFFIX, TARGET_ORT, ExportManifest, GraphSp
 from dflash2_trt.runtime.kv import KVBuffer, target_ids
 from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft, independent_draft
 from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
-from dflash2_trt.vocabulary import INDEPENDENT, head_key
+from dflash2_trt.vocabulary import INDEPENDENT, ORT_ATTENTIONS, head_key
 
-ATTENTION_CHOICES = ("auto", "decode", "gqa")  # OrtBackend(attention=...): the fused target's attention op
+SPINNING_ENV = "DFLASH2_ORT_SPINNING"  # "1": ORT's intra-op threads spin between ops (quiet machines)
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
 
 
@@ -45,8 +46,10 @@ def cpu_session_options(ort, threads: int | None):  # noqa: ANN001, ANN201
     if threads:
         so.intra_op_num_threads = threads
     # no busy-waiting worker threads: decode calls are short and CPUs are often shared (a spinning pool
-    # made small graphs ~6x slower on a loaded 2-core machine)
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # made small graphs ~6x slower on a loaded 2-core machine). On a quiet machine a spinning pool saves a
+    # worker wake-up per parallel op (onnxruntime-genai spins by default): DFLASH2_ORT_SPINNING=1 turns it on.
+    spin = os.environ.get(SPINNING_ENV, "0") == "1"
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return so
 
 
@@ -170,8 +173,8 @@ class OrtBackend(BackendBase):
         if flavour not in ("auto", "standard"):
             raise DFlash2Error(f"ORT graph flavour must be 'auto' or 'standard', got {flavour!r}")
         self.fused = flavour == "auto" and provider == "CPUExecutionProvider" and TARGET_ORT in m.graphs
-        if attention not in ATTENTION_CHOICES:
-            raise DFlash2Error(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
+        if attention not in ORT_ATTENTIONS:
+            raise DFlash2Error(f"attention must be one of {', '.join(ORT_ATTENTIONS)}, got {attention!r}")
         self.decode_attention = False
         if self.fused and attention != "gqa":
             from dflash2_trt.runtime.ort import decode_attention as DA

@@ -1,0 +1,78 @@
+"""Prompt lookup (n-gram) proposals beside the DFlash 2 drafter (NumPy only).
+
+:func:`lookup` — the continuation of the context's latest earlier occurrence of its own last n tokens (n from
+``max_n`` down to ``min_n``): what onnxruntime-genai's n-gram speculation and vLLM's prompt lookup propose. It
+costs microseconds where a drafter pass costs milliseconds, and on code and on answers that quote the prompt its
+drafts are often long and right.
+
+:class:`ProposerChoice` — which proposer makes a cycle's drafts (``dflash2`` | ``ngram`` | ``auto``). ``auto``:
+prompt lookup when the context has a match and its measured acceptance (tokens committed per cycle, an
+exponential mean per proposer, optimistic at the start) is at least the drafter's, else the drafter. Lossless
+either way: every draft is verified by the target (greedy matching; at T > 0 rejection sampling against the
+one-hot proposal of a deterministic lookup), and the choice looks only at the past.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.vocabulary import PROPOSERS
+
+DFLASH2, NGRAM, AUTO = PROPOSERS
+
+
+def lookup(tokens: np.ndarray, rows: int, max_n: int = 4, min_n: int = 2) -> list[int]:
+    """tokens [T] int64 (prompt + generated, the last one the anchor) -> up to ``rows`` tokens that followed
+    the latest earlier occurrence of the longest suffix n-gram (max_n >= n >= min_n); [] when none."""
+    T = tokens.shape[0]
+    for n in range(min(max_n, T - 1), min_n - 1, -1):
+        suffix = tokens[T - n:]
+        # starts s < T - n with tokens[s:s+n] == suffix (the suffix itself excluded)
+        hit = np.ones(T - n, dtype=bool)
+        for i in range(n):
+            hit &= tokens[i: T - n + i] == suffix[i]
+        starts = np.flatnonzero(hit)
+        if starts.size:
+            s = int(starts[-1]) + n  # the continuation of the latest match
+            return [int(t) for t in tokens[s: s + rows]]
+    return []
+
+
+class ProposerChoice:
+    """One request's proposer state: the context so far and each proposer's measured acceptance."""
+
+    def __init__(self, mode: str, prompt: list[int], ngram_rows: int, decay: float = 0.8) -> None:
+        if mode not in PROPOSERS:
+            raise DFlash2Error(f"proposer must be one of {', '.join(PROPOSERS)}, got {mode!r}")
+        self.mode = mode
+        self.rows = int(ngram_rows)
+        self.tokens = np.asarray(prompt, dtype=np.int64)
+        self.decay = decay
+        # tokens committed per cycle (accepted + 1), exponential mean; optimistic start so each gets tried
+        self.rate = {DFLASH2: 2.0, NGRAM: 2.0}
+
+    def extend(self, new: list[int]) -> None:
+        if self.mode != DFLASH2:  # the drafter alone never looks the context up
+            self.tokens = np.concatenate([self.tokens, np.asarray(new, dtype=np.int64)])
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.mode != NGRAM
+
+    def ngram(self, rows: int) -> list[int]:
+        """Up to ``rows`` lookup drafts for the next cycle (the last token of the context is the anchor)."""
+        return lookup(self.tokens, min(rows, self.rows)) if self.mode != DFLASH2 and rows > 0 else []
+
+    def pick(self, drafts: list[int]) -> str:
+        """The proposer of the next cycle given the lookup's drafts ('ngram' with no drafts: a plain step)."""
+        if self.mode != AUTO:
+            return self.mode
+        if drafts and self.rate[NGRAM] >= self.rate[DFLASH2]:
+            return NGRAM
+        if drafts:  # not chosen: its estimate drifts back to the prior, so a changed context gets another try
+            self.rate[NGRAM] += (1 - self.decay) / 4 * (2.0 - self.rate[NGRAM])
+        return DFLASH2
+
+    def record(self, proposer: str, committed: int) -> None:
+        self.rate[proposer] = self.decay * self.rate[proposer] + (1 - self.decay) * committed

@@ -1,0 +1,70 @@
+"""Prompt lookup beside the drafter (runtime/ngram.py): the lookup against a brute-force twin on fresh random
+contexts (ties: the latest match wins; the longest n first), the proposer choice, and decoding with
+``proposer`` = ngram / auto: the same tokens as autoregressive decoding (T = 0), lookups accepted on a repetitive
+prompt, each proposer's acceptance in the stats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash2_trt import DFlash2Error
+from dflash2_trt.runtime.ngram import ProposerChoice, lookup
+
+
+def lookup_twin(tokens: list[int], rows: int, max_n: int = 4, min_n: int = 2) -> list[int]:
+    T = len(tokens)
+    for n in range(min(max_n, T - 1), min_n - 1, -1):
+        for s in range(T - n - 1, -1, -1):
+            if tokens[s: s + n] == tokens[T - n:]:
+                return tokens[s + n: s + n + rows]
+    return []
+
+
+def test_lookup_vs_twin():
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        T = int(rng.integers(1, 60))
+        toks = rng.integers(0, int(rng.choice([2, 3, 5, 50])), T).tolist()
+        rows = int(rng.integers(1, 6))
+        assert lookup(np.asarray(toks, dtype=np.int64), rows) == lookup_twin(toks, rows), toks
+    assert lookup(np.array([7, 8, 9, 1, 7, 8]), 3) == [9, 1, 7]
+    assert lookup(np.array([5]), 3) == [] and lookup(np.array([1, 2, 3, 4]), 2) == []
+
+
+def test_choice():
+    c = ProposerChoice("auto", [1, 2, 3, 1, 2], ngram_rows=4)
+    assert c.ngram(10) == [3, 1, 2] and c.pick([3]) == "ngram" and c.pick([]) == "dflash2"
+    for _ in range(10):
+        c.record("ngram", 1)
+    assert c.pick([3]) == "dflash2"  # lookups that keep failing lose to the drafter
+    assert ProposerChoice("ngram", [1], 2).pick([]) == "ngram"  # -> a plain step
+    assert not ProposerChoice("ngram", [1], 2).uses_drafter
+    with pytest.raises(DFlash2Error, match="proposer"):
+        ProposerChoice("lookahead", [1], 2)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "auto", "dflash2"])
+def test_lossless_with_lookup(acc_export, proposer):
+    from dflash2_trt.runtime import decoder as D
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    be = OrtBackend(acc_export)
+    target, drafter = be.target_runner(), be.draft_runner("greedy")
+    rng = np.random.default_rng(5)
+    used = []
+    for i in range(5):
+        base = rng.integers(4, target.vocab_size, int(rng.integers(3, 12))).tolist()
+        p = base * 3 if i % 2 else base  # a repetitive prompt: lookups find matches
+        spec = D.speculative_generate(target, drafter, p, 32, eos_ids=set(), proposer=proposer, ngram_rows=4)
+        assert spec.tokens == D.target_generate(target, p, 32, eos_ids=set()).tokens
+        s = spec.stats()
+        assert s["ngram_cycles"] + s["dflash2_cycles"] == s["spec_cycles"]
+        used += spec.proposers
+        if proposer == "ngram":
+            assert s["dflash2_cycles"] == 0
+    if proposer != "dflash2":
+        assert "ngram" in used
+    spec = D.speculative_generate(target, drafter, [5, 6, 5, 6, 5], 16, temperature=0.8, eos_ids=set(),
+                                  proposer=proposer)
+    assert len(spec.tokens) == 16
