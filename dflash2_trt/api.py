@@ -121,7 +121,6 @@ class _Request:
     speculative: bool
     eos_ids: set[int] | None
     oracle: Any = None
-    accepted: list[int] = field(default_factory=list)
 
 
 class Generator:
