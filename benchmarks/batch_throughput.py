@@ -6,7 +6,8 @@ stream makes exactly ``--tokens`` tokens::
 
     python benchmarks/batch_throughput.py --threads 2 --tokens 64 --repeats 2 --out benchmarks/results/batch_throughput.json
 
-Each cell is the best of ``--repeats`` (cells interleaved per repeat); prints tokens/s and the ratio to the
+Each cell is the best of ``--repeats`` (cells interleaved per repeat); prints tokens per wall second and per
+process CPU second (the work done; steadier than wall time on a loaded machine) with their ratios to the
 single-stream AR run, and the load average (a shared machine: read the ratios, measured in one run). Also
 checks that every batched stream's tokens equal its single-stream greedy tokens. ``--spec`` adds single-stream
 speculative decoding (``generate``, guard on) and batched + adaptive speculation (``generate_batch``) with the
@@ -24,6 +25,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _rates(tokens: int, t: tuple[float, float]) -> tuple[float, float]:
+    """tokens per wall second and per process CPU second (the work: steadier on a loaded machine) since t."""
+    w, c = _clock()
+    return tokens / (w - t[0]), tokens / max(c - t[1], 1e-9)
+
+
+def _best(old: tuple[float, float] | None, new: tuple[float, float]) -> tuple[float, float]:
+    return new if old is None else (max(old[0], new[0]), max(old[1], new[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,47 +67,46 @@ def main(argv: list[str] | None = None) -> int:
         kw = dict(max_new_tokens=a.tokens, eos_ids=set())
         g.generate(prompts[0], speculative=False, **kw)  # warm-up (sessions, buffers)
         g.generate_batch(prompts[:n_max], speculative=False, max_batch=n_max, **kw)
-        best: dict[str, float] = {}
+        best: dict[str, tuple[float, float]] = {}  # cell -> (wall, cpu) tokens/s
         single_tokens: dict[int, list[int]] = {}
         cycles: dict[int, tuple[int, int]] = {}  # streams -> (speculative cycles, plain steps) of the last run
         for _ in range(a.repeats):
-            t = time.perf_counter()
+            t = _clock()
             for i, p in enumerate(prompts[:n_max]):
                 single_tokens[i] = g.generate(p, speculative=False, **kw).tokens
-            best["single"] = max(best.get("single", 0.0), n_max * a.tokens / (time.perf_counter() - t))
+            best["single"] = _best(best.get("single"), _rates(n_max * a.tokens, t))
             if a.spec:
-                t = time.perf_counter()
+                t = _clock()
                 for p in prompts[:n_max]:
                     g.generate(p, **kw)
-                best["single_spec"] = max(best.get("single_spec", 0.0), n_max * a.tokens / (time.perf_counter() - t))
+                best["single_spec"] = _best(best.get("single_spec"), _rates(n_max * a.tokens, t))
             for n in a.streams:
-                t = time.perf_counter()
+                t = _clock()
                 out = g.generate_batch(prompts[:n], speculative=False, max_batch=n, **kw)
-                rate = sum(len(r.tokens) for r in out) / (time.perf_counter() - t)
-                best[f"batch{n}"] = max(best.get(f"batch{n}", 0.0), rate)
+                best[f"batch{n}"] = _best(best.get(f"batch{n}"), _rates(sum(len(r.tokens) for r in out), t))
                 if a.spec:
-                    t = time.perf_counter()
+                    t = _clock()
                     sp = g.generate_batch(prompts[:n], max_batch=n, **kw)
-                    rate = sum(len(r.tokens) for r in sp) / (time.perf_counter() - t)
-                    best[f"spec{n}"] = max(best.get(f"spec{n}", 0.0), rate)
+                    best[f"spec{n}"] = _best(best.get(f"spec{n}"), _rates(sum(len(r.tokens) for r in sp), t))
                     cycles[n] = (sum(r.stats.cycles for r in sp), sum(r.stats.plain_steps for r in sp))
                     out = out + sp
                 same = sum(r.tokens == single_tokens[i % n] for i, r in enumerate(out))
                 if same != len(out):
                     print(f"  note: {len(out) - same} of {len(out)} batched streams differ from single-stream greedy tokens "
                           f"(attention op: single {be.attention_op}, batch GroupQueryAttention)")
-        base = best["single"]
-        rows = [("single-stream AR (generate, one after another)", base, 1.0)]
-        rows += [(f"batched AR, {n} streams", best[f"batch{n}"], best[f"batch{n}"] / base) for n in a.streams]
+        rows = [("single-stream AR (generate, one after another)", "single")]
+        rows += [(f"batched AR, {n} streams", f"batch{n}") for n in a.streams]
         if a.spec:
-            rows.append(("single-stream speculative (generate, guard on)", best["single_spec"], best["single_spec"] / base))
-            rows += [(f"batched + adaptive speculation, {n} streams (cycles {cycles[n][0]}, plain {cycles[n][1]})",
-                      best[f"spec{n}"], best[f"spec{n}"] / base) for n in a.streams]
+            rows.append(("single-stream speculative (generate, guard on)", "single_spec"))
+            rows += [(f"batched + adaptive spec., {n} streams (cycles {cycles[n][0]}, plain {cycles[n][1]})", f"spec{n}")
+                     for n in a.streams]
         print(f"SmolLM2 fused fp32, {a.threads} threads, {a.tokens} tokens per stream, best of {a.repeats}, "
               f"single-stream attention {be.attention_op}, load average {os.getloadavg()[0]:.1f}")
-        print(f"{'':72s} {'tok/s':>8s} {'x single':>9s}")
-        for name, rate, ratio in rows:
-            print(f"{name:72s} {rate:8.1f} {ratio:9.2f}")
+        print(f"{'':66s} {'wall tok/s':>10s} {'x single':>8s} {'cpu tok/s':>10s} {'x single':>8s}")
+        w0, c0 = best["single"]
+        for name, key in rows:
+            w, c = best[key]
+            print(f"{name:66s} {w:10.1f} {w / w0:8.2f} {c:10.1f} {c / c0:8.2f}")
         if a.out:
             Path(a.out).write_text(json.dumps({
                 "command": " ".join(["python", "benchmarks/batch_throughput.py", *(argv or sys.argv[1:])]),

@@ -42,12 +42,29 @@ def _runners(be, slots, step=8):
 
 
 def test_ragged_rows_equal_b1_calls(be):
-    """GroupQueryAttention with per-slot seqlens_k and right padding: every slot's logits and features equal a
-    B = 1 runner fed the same rows, over random ragged calls (1..7 rows, some slots idle), crops, capacity
-    growth (step 8), a slot leaving and a new sequence joining its slot."""
+    """GroupQueryAttention with per-slot seqlens_k: every slot's logits and features equal a B = 1 runner fed the
+    same rows, over random ragged calls (1, 2 or 7 rows, some slots idle), crops, capacity growth (step 8), a slot
+    leaving and a new sequence joining its slot."""
+    _check_ragged(*_runners(be, slots=4), be.manifest.target.vocab_size)
+
+
+def test_ragged_rows_with_decode_attention(acc_export):
+    """The same with dflash2.DecodeAttention swapped in: one-slot calls on its session, batched calls on GQA."""
+    from dflash2_trt.runtime.ort import decode_attention as DA
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+
+    if not DA.available()[0]:
+        pytest.skip(DA.available()[1])
+    with OrtBackend(acc_export, attention="decode", threads=1) as b:
+        run = OrtBatchedTargetRunner.from_backend(b, 4)
+        assert run.single_sess is not None and run.single_sess is not run.sess
+        run.step = 8
+        _check_ragged(run, b.target_runner, b.manifest.target.vocab_size)
+
+
+def _check_ragged(run, single, V):
     rng = np.random.default_rng(7)
-    V = be.manifest.target.vocab_size
-    run, single = _runners(be, slots=4)
     refs: dict[int, object] = {}
 
     def join(n):

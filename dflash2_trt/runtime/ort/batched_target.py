@@ -21,7 +21,9 @@ when sequence_length > 1 and past context is given"). So a call of :meth:`forwar
   B = 1 runner's crop invariant; their outputs are dropped.
 * every slot with several rows (a prefill, a verify) in its own B = 1 call bound to its slot's view of the
   buffers (still in place; no padding: a prefill or verify of m rows padded into every slot's call would cost
-  m rows per slot anyway).
+  m rows per slot anyway). When the backend swapped in ``dflash2.DecodeAttention`` (batch 1 only; k rows cost k
+  x one row) these one-slot calls run on that session, the batched calls on a GroupQueryAttention session of
+  the same file.
 
 Ragged rows are therefore exact by construction; tests/test_batch.py checks every slot against a B = 1 runner
 fed the same rows, with crops, idle and free slots, growth and joins into freed slots.
@@ -45,11 +47,14 @@ class OrtBatchedTargetRunner:
     """``slots`` sequences over the fused target graph (CPU provider, GroupQueryAttention)."""
 
     def __init__(self, sess: Any, ort: Any, n_layers: int, kv_heads: int, head_dim: int, vocab_size: int,
-                 max_positions: int, eos_ids: set[int], slots: int, step: int = 256) -> None:
+                 max_positions: int, eos_ids: set[int], slots: int, step: int = 256, single_sess: Any = None) -> None:
         if slots < 1:
             raise DFlash2Error(f"batch slots must be >= 1, got {slots}")
         self.ort = ort
         self.sess = sess  # onnxruntime.InferenceSession of target_ort.onnx (GroupQueryAttention, any batch)
+        # the same graph with dflash2.DecodeAttention (batch 1 only, cheaper multi-row verifies) for the one-slot
+        # calls; None: those run on ``sess`` too
+        self.single_sess = single_sess
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.eos_ids = set(eos_ids)
@@ -76,17 +81,18 @@ class OrtBatchedTargetRunner:
         if not getattr(be, "fused", False):
             raise DFlash2Error("batched decoding needs the fused ONNX Runtime target (target_ort.onnx on the CPU "
                                "provider)")
-        s = be.session(TARGET_ORT) if not be.decode_attention else None
-        if s is None or s.decode_attention:
+        main = be.session(TARGET_ORT)
+        s, single = main, None
+        if main.decode_attention:
             from dflash2_trt.runtime.ort.backend import _Session
 
             key = TARGET_ORT + "#gqa"  # kept (and closed) with the backend's sessions
             if key not in be._sessions:
                 be._sessions[key] = _Session(be.ort, be.dir / m.graphs[TARGET_ORT].file, be.provider, be.threads,
                                              decode_attention=False)
-            s = be._sessions[key]
+            s, single = be._sessions[key], main.sess
         return cls(s.sess, be.ort, t.num_layers, t.num_key_value_heads, t.head_dim, t.vocab_size, m.max_seq_len,
-                   set(t.eos_token_ids), slots, m.kv_capacity_step)
+                   set(t.eos_token_ids), slots, m.kv_capacity_step, single)
 
     # -- slots --------------------------------------------------------------------------------------------------
     def join(self) -> int:
@@ -123,10 +129,11 @@ class OrtBatchedTargetRunner:
 
     def _binding(self, lo: int, hi: int) -> Any:
         """IOBinding over slots lo..hi-1: each buffer's contiguous view bound as past AND present (in place)."""
+        single = hi - lo == 1 and self.single_sess is not None
         key = (lo, hi)
         io = self._io.get(key)
         if io is None:
-            io = self.sess.io_binding()
+            io = (self.single_sess if single else self.sess).io_binding()
             # logits / features first: get_outputs() returns outputs in binding order
             io.bind_output("logits")
             io.bind_output("context_features")
@@ -153,7 +160,8 @@ class OrtBatchedTargetRunner:
         io.bind_cpu_input("total_sequence_length", np.array(int(start.max()) + S, dtype=np.int32))
         io.bind_output("logits")  # rebound each call: ORT would keep the last call's shape
         io.bind_output("context_features")
-        self.sess.run_with_iobinding(io)
+        single = hi - lo == 1 and self.single_sess is not None
+        (self.single_sess if single else self.sess).run_with_iobinding(io)
         if hi - lo > 1:
             self.batched_calls += 1
         else:
