@@ -185,6 +185,24 @@ def test_rule_switches_with_load():
     assert BT.SpeculationRule(adaptive=False, costs=costs).choose(8, {1: 1.0}) == {1}
 
 
+def test_rule_probes_a_sequence_kept_plain(be):
+    """A sequence whose cycles fell below break-even is kept plain, and drafts again after probe_after plain steps
+    (its τ̂ back to the prior)."""
+    # break-even at one sequence: tau > (0.5 + 1.4) / 1.05 = 1.81; the prior 2.0 drafts, 1-token cycles do not
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=1.4)
+    rule = BT.SpeculationRule(costs=costs, prior_weight=1.0, probe_after=5)
+    dec = _decoder(be, 1, rule)
+    i = dec.submit(BT.BatchRequest(_prompts(be, [9])[0], 60, eos_ids=set()))
+    dec.step()  # admits and drafts (prior 2.0)
+    s = dec._active[i]
+    s.committed.extend([1, 1, 1, 1])  # as if its recent cycles committed 1 token: tau = 1.4
+    picks = []
+    for _ in range(12):
+        picks.append(bool(dec._choose([s])))
+    assert picks[:5] == [False] * 5 and picks[5]  # 5 plain, then the probe drafts
+    assert s.plain_run == 0 and not s.committed
+
+
 def test_adaptive_loop_drafts_alone_and_goes_plain_under_load(be):
     """The loop follows the rule: one sequence of the accepting pair drafts (cycles); 6 sequences under a cost
     model where drafting does not pay at that load decode in batched plain steps — and stay exact."""

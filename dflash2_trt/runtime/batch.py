@@ -39,9 +39,10 @@ plain call over n sequences costs little more than over one on a memory-bound CP
 at low load a sequence with good acceptance drafts (k = 1: τ̂ / (t_draft + t_verify) > 1 / t_plain(1), the B = 1
 guard's break-even) and at high load k falls to 0: batched plain decoding, never worse than it by the cost
 model. Until t_plain and the draft costs are measured the rule explores: the first step of a batch is plain,
-the next one drafts for every speculative sequence. Lossless either way: the rule picks which exact procedure
-makes a sequence's next tokens, from past timings and counts only. Not yet: probing a sequence that stopped
-drafting (its τ̂ is kept; it drafts again only when the load falls).
+the next one drafts for every speculative sequence. A sequence the rule kept plain for ``probe_after`` steps in a
+row forgets its cycles (τ̂ back to the prior), so acceptance that changed along a request (code vs prose) is
+measured again when the cost model lets the prior draft. Lossless either way: the rule picks which exact
+procedure makes a sequence's next tokens, from past timings and counts only.
 
 Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot; not thread
 safe (the caller serialises, as :meth:`dflash2_trt.api.Generator.generate_batch` does with its lock).
@@ -147,6 +148,7 @@ class SpeculationRule:
     prior_weight: float = 2.0  # cycles the prior counts for
     window: int = 32  # cycles per sequence in τ̂
     adaptive: bool = True  # False: every speculative sequence drafts every step
+    probe_after: int = 64  # plain steps in a row after which a candidate's τ̂ returns to the prior
     costs: Any = field(default_factory=MeasuredCosts)  # MeasuredCosts | FixedCosts
 
     def tau(self, committed: deque) -> float:
@@ -191,6 +193,7 @@ class _Seq:
     pending: list[np.ndarray] = field(default_factory=list)  # [m, F] features not yet in the draft context
     pending_start: int = 0
     committed: deque = field(default_factory=deque)  # tokens per cycle, last `window` cycles
+    plain_run: int = 0  # steps in a row the rule kept this candidate plain
     done: bool = False
 
 
@@ -291,8 +294,15 @@ class BatchDecoder:
 
     def _choose(self, seqs: list[_Seq]) -> set[int]:
         # a cycle needs >= 1 draft row left before the limit
-        cand = {s.id: self.rule.tau(s.committed) for s in seqs if self._can_draft(s) and s.limit - len(s.res.tokens) >= 2}
-        return self.rule.choose(len(seqs), cand)
+        cands = [s for s in seqs if self._can_draft(s) and s.limit - len(s.res.tokens) >= 2]
+        for s in cands:
+            if s.plain_run >= self.rule.probe_after:  # probe: measure this sequence's acceptance again
+                s.committed.clear()
+                s.plain_run = 0
+        chosen = self.rule.choose(len(seqs), {s.id: self.rule.tau(s.committed) for s in cands})
+        for s in cands:
+            s.plain_run = 0 if s.id in chosen else s.plain_run + 1
+        return chosen
 
     def _plain(self, seqs: list[_Seq]) -> None:
         """One batched target call: each sequence's anchor -> its next token (exactly a B = 1 plain step)."""
