@@ -135,7 +135,7 @@ class Generator:
         self._lock = threading.Lock()
         self._target: Any = None
         self._drafters: dict[str, Any] = {}
-        self._batched: dict[int, Any] = {}  # slots -> batched target runner (generate_batch)
+        self._batched: dict[int, Any] = {}  # slots -> the batched target runner of generate_batch (at most one)
         self._closed = False
 
     # -- properties -----------------------------------------------------------------------------------------
@@ -245,8 +245,8 @@ class Generator:
             from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
 
             slots = min(max_batch, n)
-            if slots not in self._batched:  # kept: its buffers and (with DecodeAttention) its own GQA session
-                self._batched[slots] = OrtBatchedTargetRunner.from_backend(self._backend, slots)
+            if slots not in self._batched:  # one kept (its KV buffers are slots x capacity): the last size used
+                self._batched = {slots: OrtBatchedTargetRunner.from_backend(self._backend, slots)}
             target = self._batched[slots]
             make = (lambda: self._backend.draft_runner(selector)) if speculative else None
             dec = B.BatchDecoder(target, make, B.SpeculationRule(adaptive=adaptive))
