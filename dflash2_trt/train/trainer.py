@@ -5,7 +5,11 @@ generated) and the tap features captured while generating — so a training step
 
 * **Labels** are the generated tokens for every slot (block slot k of an anchor at a predicts the token
   at a + k of the target's own chain); anchors lie in response positions only; slots past a row's end
-  are unlabelled.
+  are unlabelled. Teacher-forced rows (:mod:`dflash2_trt.train.teacher_force`): the target's greedy chain
+  as far as the text stays on it, anchors only on it (:func:`dflash2_trt.train.data.chain_labels`).
+  ``anchors_per_seq`` 0 takes every anchor; ``epochs`` > 0 draws every row once per epoch.
+* **Provenance**: ``OUT/trained_prompts.txt`` lists the hash of every prompt of the data folders plus the
+  warm start's own list, so ``make-data --exclude DRAFTER`` keeps a new stage's data apart from all earlier ones.
 * **Loss** = decay-weighted CE (``w_k = exp(-(k-1)/γ)``) + optional ``kl_weight`` x CE to the target's
   renormalised top-k distribution at the same position + 1.0 x the selector's K-way CE over the backbone's
   own (detached) top-K with the predecessor teacher-forced to the true previous token.
