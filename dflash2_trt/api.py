@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.vocabulary import PROPOSERS
 
 __all__ = ["Chunk", "Generator", "Result", "Stats", "Stream", "load"]
 
@@ -59,6 +60,7 @@ class Stats:
     oracle_accepted: list[int] = field(default_factory=list)  # per cycle, when measured
     guard_switches: int = 0  # speculative -> plain switches of the acceptance guard
     guard_probes: int = 0  # plain -> speculative probes
+    proposers: list[str] = field(default_factory=list)  # per cycle: who proposed (dflash2_trt.vocabulary.PROPOSERS)
 
     @classmethod
     def of(cls, res: Any) -> Stats:
@@ -68,7 +70,8 @@ class Stats:
                    acceptance_conditional=list(s["per_position_conditional"]), plain_steps=res.plain_steps,
                    tokens_per_s=res.tokens_per_s, elapsed_s=res.elapsed_s, accepted=list(res.accepted),
                    verified=list(res.proposed), oracle_tau=s["oracle_tau"], oracle_accepted=list(res.oracle_accepted),
-                   guard_switches=res.guard_switches, guard_probes=res.guard_probes)
+                   guard_switches=res.guard_switches, guard_probes=res.guard_probes,
+                   proposers=list(res.proposers))
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class _Request:
     speculative: bool
     eos_ids: set[int] | None
     oracle: Any = None
+    proposer: str = "dflash2"
 
 
 class Generator:
@@ -187,26 +191,29 @@ class Generator:
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
                  min_confidence: float = 0.0, speculative: bool = True, eos_ids: set[int] | None = None,
-                 oracle: Any = None) -> Result:
+                 proposer: str = "dflash2", oracle: Any = None) -> Result:
         """Decode one prompt. ``selector``: a draft mode of :attr:`selectors`; ``guard``: run plain target steps
         while measured acceptance does not pay; ``speculative=False``: plain autoregressive decoding on the same
-        backend (the baseline); ``eos_ids``: stop tokens (default: the target's; an empty set never stops
+        backend (the baseline); ``proposer``: who drafts — ``dflash2`` (the drafter), ``ngram`` (prompt lookup:
+        continuations of the context's last n-gram where it occurred before; no match = a plain step) or
+        ``auto`` (per cycle, the one whose measured acceptance is higher); ``eos_ids``: stop tokens (default: the target's; an empty set never stops
         early); ``oracle``: an evaluation hook counting oracle top-K acceptance per cycle
         (:func:`dflash2_trt.bench.oracle.oracle_count`), its passes excluded from the timing."""
         req = self._request(prompt, max_new_tokens, temperature, seed, selector, guard, chat, min_confidence,
-                            speculative, eos_ids, oracle)
+                            speculative, eos_ids, oracle, proposer)
         with self._lock:
             res = self._run(req, None)
         return self._result(req, res)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
-               min_confidence: float = 0.0, eos_ids: set[int] | None = None, oracle: Any = None) -> Stream:
+               min_confidence: float = 0.0, eos_ids: set[int] | None = None, proposer: str = "dflash2",
+               oracle: Any = None) -> Stream:
         """Decode one prompt chunk by chunk (same arguments and tokens as :meth:`generate`): iterate the returned
         :class:`Stream` for :class:`Chunk` s; its ``result`` is the :class:`Result` once the iteration ended.
         Leaving the loop early (``break``, or ``close()``) stops the decoding at its next step."""
         req = self._request(prompt, max_new_tokens, temperature, seed, selector, guard, chat, min_confidence,
-                            True, eos_ids, oracle)
+                            True, eos_ids, oracle, proposer)
         return Stream(self, req)
 
     def generate_batch(self, prompts: list[Prompt], max_new_tokens: int | list[int] = 128,
@@ -283,7 +290,7 @@ class Generator:
 
     def _request(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int | None,
                  selector: str, guard: bool, chat: bool, min_confidence: float, speculative: bool,
-                 eos_ids: set[int] | None, oracle: Any) -> _Request:
+                 eos_ids: set[int] | None, oracle: Any, proposer: str = "dflash2") -> _Request:
         from dflash2_trt.runtime.decoder import check_temperature
 
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -296,8 +303,11 @@ class Generator:
         if not 0.0 <= float(min_confidence) <= 1.0:  # `not <=` also refuses NaN
             raise DFlash2Error(f"min_confidence must be in [0, 1], got {min_confidence!r}")
         self.check_selector(selector)
+        if proposer not in PROPOSERS:
+            raise DFlash2Error(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}")
         return _Request(self.encode(prompt, chat), max_new_tokens, float(temperature), seed, selector, bool(guard),
-                        float(min_confidence), bool(speculative), None if eos_ids is None else set(eos_ids), oracle)
+                        float(min_confidence), bool(speculative), None if eos_ids is None else set(eos_ids), oracle,
+                        proposer)
 
     def _run(self, req: _Request, hooks: tuple[Callable, Callable] | None) -> Any:
         """One request on this Generator's runners; the caller holds the lock."""
@@ -312,7 +322,7 @@ class Generator:
         return D.speculative_generate(target, self._drafter(req.selector), req.prompt, req.max_new_tokens,
                                       req.temperature, req.eos_ids, req.seed, oracle=req.oracle, on_tokens=on_tokens,
                                       guard=AcceptanceGuard(GuardConfig()) if req.guard else None,
-                                      min_confidence=req.min_confidence, on_cycle=on_cycle)
+                                      min_confidence=req.min_confidence, on_cycle=on_cycle, proposer=req.proposer)
 
     def _result(self, req: _Request, res: Any) -> Result:
         eos = self._target.eos_ids if req.eos_ids is None else req.eos_ids

@@ -103,7 +103,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         gen.check_selector(a.selector)
         capped = bench_cli.capacity_note(a.max_new_tokens, [len(prompt)], gen.max_positions)
         opts = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed, selector=a.selector,
-                    guard=a.guard, min_confidence=a.min_confidence)
+                    guard=a.guard, min_confidence=a.min_confidence, proposer=a.proposer)
         oracle = None if a.no_oracle else oracle_count
         if a.stream and not a.json:
             chunks = gen.stream(prompt, **opts, oracle=oracle)
@@ -117,7 +117,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         out: dict = {"text": r.text, "tokens": r.tokens,
                      "stats": {"tau": s.tau, "cycles": s.cycles, "per_position_cumulative": s.acceptance,
                                "per_position_conditional": s.acceptance_conditional, "oracle_tau": s.oracle_tau,
-                               "plain_steps": s.plain_steps},
+                               "plain_steps": s.plain_steps,
+                               "proposer_cycles": {p: s.proposers.count(p) for p in sorted(set(s.proposers))}},
                      "tokens_per_s": s.tokens_per_s, "finish_reason": r.finish_reason, "capped_by_capacity": capped}
         if a.model_dir:
             out["backend"] = gen.backend

@@ -118,3 +118,19 @@ def test_close_is_idempotent_and_final(acc_export):
     g.close()
     with pytest.raises(DFlash2Error, match="closed"):
         g.generate(PROMPT, max_new_tokens=2)
+
+
+def test_prompt_lookup_proposers_are_lossless_and_counted(gen):
+    """``proposer='ngram'`` drafts continuations of earlier n-grams (the copy target repeats the prompt, so they
+    are accepted), ``auto`` picks per cycle; every output is the target's own, each cycle names its proposer."""
+    ids = gen.encode(PROMPT) * 2
+    ar = gen.generate(ids, max_new_tokens=40, speculative=False, eos_ids=set())
+    for proposer in ("ngram", "auto"):
+        r = gen.generate(ids, max_new_tokens=40, guard=False, proposer=proposer, eos_ids=set())
+        assert r.tokens == ar.tokens
+        assert len(r.stats.proposers) == r.stats.cycles and set(r.stats.proposers) <= {"dflash2", "ngram"}
+        if proposer == "ngram":  # (auto keeps the drafter here: its measured acceptance is the higher)
+            lookups = [a for a, p in zip(r.stats.accepted, r.stats.proposers) if p == "ngram"]
+            assert lookups and max(lookups) >= 1, lookups  # lookup drafts were accepted
+    with pytest.raises(DFlash2Error, match="proposer"):
+        gen.generate(PROMPT, proposer="psychic")

@@ -94,4 +94,4 @@ def test_cli_bad_temperature_is_one_line(acc_dir, capsys):
     assert main(["generate", "--target", str(acc_dir / "target"), "--drafter", str(acc_dir / "drafter"),
                  "--prompt", "x", "--temperature", "-1"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("dflash2: error: temperature must be") and "\n" not in err
+    assert err.startswith("dflash2: error: argument --temperature: must be >= 0") and "\n" not in err

@@ -20,7 +20,7 @@ import sys
 from dflash2_trt import validate as V
 from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, DEMO_PROMPT, demo_drafter_path
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.vocabulary import BACKEND_CHOICES, INDEPENDENT, SELECTOR_MODES
+from dflash2_trt.vocabulary import BACKEND_CHOICES, INDEPENDENT, PROPOSERS, SELECTOR_MODES
 
 
 def add_parsers(sub) -> None:  # noqa: ANN001
@@ -47,7 +47,7 @@ def add_parsers(sub) -> None:  # noqa: ANN001
 
 def add_draft_options(p: argparse.ArgumentParser, guard: bool = True) -> None:
     """--selector MODE | --no-selector, into one ``selector`` draft mode; --guard (default ``guard``);
-    --min-confidence."""
+    --min-confidence; --proposer."""
     x = p.add_mutually_exclusive_group()
     x.add_argument("--selector", choices=SELECTOR_MODES, default=SELECTOR_MODES[0], help="path selection mode")
     x.add_argument("--no-selector", dest="selector", action="store_const", const=INDEPENDENT,
@@ -58,6 +58,9 @@ def add_draft_options(p: argparse.ArgumentParser, guard: bool = True) -> None:
     p.add_argument("--min-confidence", type=V.PROBABILITY, default=0.0,
                    help="verify only the leading draft rows whose cumulative drafter confidence reaches this "
                         "(lossless; 0 = every row)")
+    p.add_argument("--proposer", choices=PROPOSERS, default=PROPOSERS[0],
+                   help="who drafts: the DFlash 2 drafter, prompt lookup (n-gram continuations of the context; "
+                        "no match = a plain step) or, per cycle, whichever measured acceptance favours (lossless)")
 
 
 def _export_options(b: argparse.ArgumentParser, draft_vocab: int = 0) -> None:
@@ -171,12 +174,12 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_t
         capped = capacity_note(a.max_new_tokens, [len(p) for p in prompts], gen.max_positions)
         r = harness.run_bench(gen, prompts, a.max_new_tokens, a.temperature, a.seed, not a.no_oracle,
                               set() if a.ignore_eos else None, progress=True, texts=show_text, guard=a.guard,
-                              selector=a.selector, min_confidence=a.min_confidence)
+                              selector=a.selector, min_confidence=a.min_confidence, proposer=a.proposer)
         backend = gen.backend
     texts = r.pop("texts", None)
     r = {"backend": backend, **r, "selector": a.selector, "temperature": a.temperature,
          "max_new_tokens": a.max_new_tokens, "capped_by_capacity": capped, "guard": "on" if a.guard else "off",
-         "min_confidence": a.min_confidence}
+         "min_confidence": a.min_confidence, "proposer": a.proposer}
     if texts:
         r["text"] = texts[0]
     if a.json:

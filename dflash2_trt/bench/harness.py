@@ -26,7 +26,7 @@ from dflash2_trt.reference import acceptance_stats
 def run_bench(gen, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,  # noqa: ANN001
               seed: int = 0, measure_oracle: bool = True, eos_ids: set[int] | None = None,
               progress: bool = True, texts: bool = False, guard: bool = False, selector: str = "greedy",
-              min_confidence: float = 0.0) -> dict:
+              min_confidence: float = 0.0, proposer: str = "dflash2") -> dict:
     """Each prompt decoded speculatively and autoregressively, in turn, by ``gen`` (a
     :class:`dflash2_trt.api.Generator`); ``texts``: the result also holds ``texts`` (speculative outputs)."""
     from tqdm import tqdm
@@ -34,7 +34,8 @@ def run_bench(gen, prompts: list[list[int]], max_new_tokens: int, temperature: f
     specs, ars = [], []
     for i, p in enumerate(tqdm(prompts, desc="dflash2 bench", unit="prompt", file=sys.stderr, disable=not progress)):
         specs.append(gen.generate(p, max_new_tokens, temperature, seed + i, selector, guard, eos_ids=eos_ids,
-                                  min_confidence=min_confidence, oracle=oracle_count if measure_oracle else None))
+                                  min_confidence=min_confidence, proposer=proposer,
+                                  oracle=oracle_count if measure_oracle else None))
         ars.append(gen.generate(p, max_new_tokens, temperature, seed + i, eos_ids=eos_ids, speculative=False))
     r = summarize(specs, ars, temperature)
     if texts:
@@ -66,7 +67,19 @@ def summarize(specs: list, ars: list, temperature: float) -> dict:  # noqa: ANN0
         "plain_steps": sum(s.stats.plain_steps for s in specs),
         "guard_switches": sum(s.stats.guard_switches for s in specs),
         "guard_probes": sum(s.stats.guard_probes for s in specs),
+        # each proposer's own pooled τ and cycles (the drafter alone unless --proposer ngram / auto)
+        "proposer_tau": {who: acceptance_stats(*zip(*rows))["tau"] for who, rows in _by_proposer(specs).items()},
+        "proposer_cycles": {who: len(rows) for who, rows in _by_proposer(specs).items()},
     }
+
+
+def _by_proposer(specs: list) -> dict[str, list[tuple[int, int]]]:  # noqa: ANN001 - api.Result list
+    """{proposer: [(accepted, verified) of each of its cycles]} over every prompt."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for s in specs:
+        for who, a, n in zip(s.stats.proposers, s.stats.accepted, s.stats.verified):
+            out.setdefault(who, []).append((a, n))
+    return out
 
 
 def format_table(r: dict) -> str:
