@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             runners["fp32 standard ONNX"] = std.target_runner()
         be = OrtBackend(folder, threads=a.threads)
         runners[f"{label} fused"] = be.target_runner()
-        recorded[f"{label} fused"] = VC.record(folder, threads=a.threads)["recommended_block_size"]
+        recorded[f"{label} fused"] = VC.record(folder, threads=a.threads).recommended_block_size
     tables = VC.measure_many(runners, repeats=a.repeats)
     for k, t in tables.items():
         recommended[k] = VC.recommend_block_size(t)

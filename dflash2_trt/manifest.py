@@ -187,6 +187,26 @@ class EngineSet:
 
 
 @dataclass(frozen=True)
+class VerifyCostRow:
+    cached: int  # positions already in the cache
+    rows: int  # new rows of the timed target call
+    ms: float
+    ratio: float  # ms / ms of 1 row at the same cached length
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """``dflash2 export --verify-cost``: the fused target's verification timed on the export machine
+    (:func:`dflash2_trt.bench.verify_cost.record`) and the block size it recommends."""
+
+    table: tuple[VerifyCostRow, ...]
+    recommended_block_size: int
+    assumed_acceptance: float = 0.0  # per-row conditional acceptance the recommendation assumed
+    draft_cost: float = 0.0  # a drafter pass, in 1-row verify steps
+    threads: Union[int, str] = "ort default"  # ONNX Runtime intra-op threads of the timing
+
+
+@dataclass(frozen=True)
 class ExportManifest:
     opset: int
     dtype: str
@@ -200,8 +220,9 @@ class ExportManifest:
     quantization: Quantization = Quantization()
     draft_vocab: int = 0  # export --draft-vocab: ids the drafter's LM head keeps (0 = the full vocabulary)
     weights: str = "weights.bin"
-    verification: dict[str, Any] = field(default_factory=dict)
-    verify_cost: Union[dict[str, Any], None] = None  # export --verify-cost (bench/verify_cost.py)
+    # export-time checks: measure name -> figure (max errors, match rates), or a note (e.g. why one was skipped)
+    verification: dict[str, Union[float, str]] = field(default_factory=dict)
+    verify_cost: Union[VerifyCost, None] = None  # export --verify-cost (bench/verify_cost.py)
     engines: Union[EngineSet, None] = None
     files: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT

@@ -267,6 +267,6 @@ def test_export_records_verify_cost(tiny_dir, tmp_path):
                  verify=False)
     vc = verify_cost.record(tmp_path / "vc")
     assert read_manifest(tmp_path / "vc").verify_cost == vc  # stored, checksums still valid
-    assert [(r["cached"], r["rows"]) for r in vc["table"]] == [(256, r) for r in (1, 4, 8, 16)]
-    assert all(r["ms"] > 0 for r in vc["table"]) and vc["table"][0]["ratio"] == 1.0
-    assert 2 <= vc["recommended_block_size"] <= 16
+    assert [(r.cached, r.rows) for r in vc.table] == [(256, r) for r in (1, 4, 8, 16)]
+    assert all(r.ms > 0 for r in vc.table) and vc.table[0].ratio == 1.0
+    assert 2 <= vc.recommended_block_size <= 16

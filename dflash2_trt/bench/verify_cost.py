@@ -98,14 +98,15 @@ def markdown(tables: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def record(model_dir: str | Path, threads: int | None = None) -> dict[str, Any]:
+def record(model_dir: str | Path, threads: int | None = None) -> Any:
     """Time ``model_dir``'s fused target (ONNX Runtime CPU, the runtime's runner) over :data:`ROWS` rows at the
     :data:`CACHED` lengths that fit, recommend a block size, and store it as the manifest's ``verify_cost``
-    (written atomically; the folder must be an export of ours). Returns the entry."""
+    (written atomically; the folder must be an export of ours). Returns the entry, a
+    :class:`~dflash2_trt.manifest.VerifyCost`."""
     import dataclasses
 
     from dflash2_trt.errors import DFlash2Error
-    from dflash2_trt.manifest import TARGET_ORT, read_manifest, write_manifest
+    from dflash2_trt.manifest import TARGET_ORT, VerifyCost, VerifyCostRow, read_manifest, write_manifest
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 
@@ -117,8 +118,7 @@ def record(model_dir: str | Path, threads: int | None = None) -> dict[str, Any]:
         run = OrtFusedTargetRunner.from_backend(be)
         cached = tuple(n for n in CACHED if n + max(ROWS) <= m.max_seq_len) or (max(1, m.max_seq_len // 2),)
         table = measure(run, cached=cached)
-    entry = {"table": table, "recommended_block_size": recommend_block_size(table),
-             "assumed_acceptance": DEFAULT_ALPHA, "draft_cost": DEFAULT_DRAFT_COST,
-             "threads": threads or "ort default"}
+    entry = VerifyCost(table=tuple(VerifyCostRow(**r) for r in table), recommended_block_size=recommend_block_size(table),
+                       assumed_acceptance=DEFAULT_ALPHA, draft_cost=DEFAULT_DRAFT_COST, threads=threads or "ort default")
     write_manifest(Path(model_dir), dataclasses.replace(m, verify_cost=entry), rehash=False)
     return entry

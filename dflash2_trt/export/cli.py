@@ -91,8 +91,8 @@ def run_export(a: argparse.Namespace, prog: str) -> int:
         from dflash2_trt.bench import verify_cost
 
         vc = verify_cost.record(a.out)
-        print(f"recommended block size on this machine: {vc['recommended_block_size']} (assuming each "
-              f"draft row is accepted with probability {vc['assumed_acceptance']} given the previous one)")
+        print(f"recommended block size on this machine: {vc.recommended_block_size} (assuming each "
+              f"draft row is accepted with probability {vc.assumed_acceptance} given the previous one)")
     if a.engines:
         rc = run_build_engines(a, prog, a.out)
         if rc:
