@@ -75,13 +75,6 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     return p
 
 
-def _model_source(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    if a.model_dir and (a.target or a.drafter):
-        parser.error("give either --model-dir or --target/--drafter, not both")
-    if not a.model_dir and not (a.target and a.drafter):
-        parser.error("give --model-dir DIR, or both --target and --drafter")
-
-
 def _cmd_generate(a: argparse.Namespace) -> int:
     """Speculative decoding of one prompt: an export (--model-dir, no torch) or the PyTorch reference
     (--target/--drafter), both through :class:`dflash2_trt.api.Generator`."""
@@ -170,7 +163,7 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
         if a.cmd == "make-tiny":
             return _cmd_make_tiny(a)
         if a.cmd == "generate":
-            _model_source(parser, a)
+            bench_cli.check_model_source(parser, a)
             if a.model_dir and a.no_conv:
                 parser.error("--no-conv is baked in at export time; it does not apply to --model-dir")
             if a.model_dir and a.selector_precision != SELECTOR_PRECISIONS[0]:

@@ -101,6 +101,14 @@ def open_generator(model_dir: str, backend: str, threads: int | None = None):  #
     return gen
 
 
+def check_model_source(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Exactly one of --model-dir and the --target/--drafter pair (``generate`` and ``bench``)."""
+    if a.model_dir and (a.target or a.drafter):
+        parser.error("give either --model-dir or --target/--drafter, not both")
+    if not a.model_dir and not (a.target and a.drafter):
+        parser.error("give --model-dir DIR, or both --target and --drafter")
+
+
 def capacity_note(max_new_tokens: int, prompt_lens: list[int], max_positions: int) -> int:
     """How many requests the cache capacity cuts short of --max-new-tokens; said once on stderr (the loop stops
     at the capacity: prompt + generated tokens <= max_positions)."""
@@ -122,10 +130,7 @@ def run_bench(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from dflash2_trt.bench import harness
     from dflash2_trt.bench.prompts import load_prompts
 
-    if a.model_dir and (a.target or a.drafter):
-        parser.error("give either --model-dir or --target/--drafter, not both")
-    if not a.model_dir and not (a.target and a.drafter):
-        parser.error("give --model-dir DIR, or both --target and --drafter")
+    check_model_source(parser, a)
     if a.plot:
         harness.check_plot(a.plot)
     items = load_prompts(a.prompts, a.limit)
