@@ -50,7 +50,7 @@ from typing import Any, Union
 from dflash2_trt.config import DFlash2Config
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.vocabulary import (DRAFT_MODES, DTYPES, GRAPH_FLAVOURS, INDEPENDENT, QUANTIZATIONS, SELECTOR_IMPLS,
-                                    head_key)
+                                    check_draft_mode, head_key)
 
 FORMAT = "dflash2-trt-export"
 MANIFEST_VERSION = 2
@@ -271,12 +271,7 @@ class ExportManifest:
 
     def check_draft_mode(self, mode: str) -> str:
         """``mode`` when this export can draft with it, else DFlash2Error."""
-        if mode not in DRAFT_MODES:
-            raise DFlash2Error(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")
-        if mode not in self.draft_modes:
-            raise DFlash2Error(f"this export has no {mode!r} draft head: the drafter has no candidate selector "
-                               f"(DFlash v1); use --no-selector")
-        return mode
+        return check_draft_mode(mode, self.draft_modes, "this export")
 
     def to_json(self) -> dict[str, Any]:
         return _encode(self)

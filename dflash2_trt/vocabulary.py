@@ -6,6 +6,8 @@ Only the standard library is needed.
 
 from __future__ import annotations
 
+from dflash2_trt.errors import DFlash2Error
+
 # Path selection over the candidate lattice (SPEC §3); the default first.
 SELECTOR_MODES = ("greedy", "viterbi")
 # No selector: each draft row's own argmax / sample (DFlash v1 drafters, the selector-off ablation).
@@ -41,3 +43,14 @@ ENGINE_SELECTORS = (*SELECTOR_IMPLS, "both")  # `build-engines --selector`
 def head_key(mode: str, plugin: bool = False) -> str:
     """Graph key of the drafter head for a draft mode: ``drafter_head_{mode}[_plugin]``."""
     return f"drafter_head_{mode}" + ("_plugin" if plugin else "")
+
+
+def check_draft_mode(mode: str, available: tuple[str, ...], holder: str) -> str:
+    """``mode`` when it is one of ``available`` (the draft modes ``holder`` can run: an export, a drafter), else
+    DFlash2Error: an unknown name, or a selector mode of a model without the candidate selector."""
+    if mode not in DRAFT_MODES:
+        raise DFlash2Error(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")
+    if mode not in available:
+        raise DFlash2Error(f"{holder} has no {mode!r} draft mode: the drafter has no candidate selector "
+                           f"(DFlash v1); use --no-selector")
+    return mode

@@ -20,7 +20,7 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model.drafter import DFlash2Drafter, DraftContext
 from dflash2_trt.runtime.protocol import BackendBase, Draft
 from dflash2_trt.target import TargetModel
-from dflash2_trt.vocabulary import DRAFT_MODES, INDEPENDENT
+from dflash2_trt.vocabulary import DRAFT_MODES, INDEPENDENT, check_draft_mode
 
 
 class TorchTargetRunner:
@@ -105,12 +105,7 @@ class TorchBackend(BackendBase):
         return DRAFT_MODES if self.drafter.use_selector else (INDEPENDENT,)
 
     def check_draft_mode(self, mode: str) -> str:
-        if mode not in DRAFT_MODES:
-            raise DFlash2Error(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")
-        if mode not in self.draft_modes:
-            raise DFlash2Error(f"draft mode {mode!r} needs the candidate selector, which this drafter has not "
-                               f"(DFlash v1); use --no-selector")
-        return mode
+        return check_draft_mode(mode, self.draft_modes, "this drafter")
 
     def target_runner(self) -> TorchTargetRunner:
         return TorchTargetRunner(self.target, self.drafter.config.target_layer_ids)
