@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.paths import cache_dir
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 NGRAM = 8
@@ -97,19 +98,11 @@ def stdlib_completion_prompts(min_doc_chars: int = 30) -> list[str]:
     for p in sorted(root.glob("*.py")):
         try:
             src = p.read_text(encoding="utf-8")
-            tree = ast.parse(src)
-        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+        except (UnicodeDecodeError, OSError):
             continue
-        lines = src.splitlines()
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            if not doc or len(doc) < min_doc_chars or node.body[0].end_lineno is None:
-                continue
+        for node, head_end, lines in _functions(src, min_doc_chars):
             start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-            body = "\n".join(lines[start - 1: node.body[0].end_lineno])
-            out.append(textwrap.dedent(body) + "\n")
+            out.append(textwrap.dedent("\n".join(lines[start - 1: head_end])) + "\n")
     return out
 
 
@@ -186,13 +179,12 @@ def package_functions(packages: Iterable[str] = PERMISSIVE_PACKAGES, whole: bool
     ``header_chars`` = length of the def .. docstring part (the prompt of a whole function).
 
     Parsing every installed package takes minutes of CPU: the result is cached under
-    ``~/.cache/dflash2_trt/`` keyed by the arguments and the packages' versions (a resumed make-data reads it)."""
-    import os
-
+    :func:`dflash2_trt.paths.cache_dir` keyed by the arguments and the packages' versions (a resumed make-data
+    reads it)."""
     packages = tuple(packages)
     versions = {k: v["version"] for k, v in package_licences(packages).items()}
     key = hashlib.sha1(json.dumps([packages, versions, whole, min_doc_chars, max_lines]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2_trt")) / f"package_functions-{key}.json"
+    cache = cache_dir() / f"package_functions-{key}.json"
     if cache.is_file():
         return [tuple(x) for x in json.loads(cache.read_text())]  # type: ignore[misc]
     out = _package_functions(packages, whole, min_doc_chars, max_lines)
