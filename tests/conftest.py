@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from helpers import assert_accepts, bound_drafter, export_pair, make_pair, with_block_size  # noqa: F401 - re-exported
+from helpers import bound_drafter, export_pair, make_pair
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -59,3 +59,23 @@ def acc_drafter(acc_dir, acc_target):
 def acc_export(acc_dir, tmp_path_factory):
     """The accepting pair exported once."""
     return export_pair(acc_dir, tmp_path_factory, "accepting")
+
+
+@pytest.fixture(scope="session")
+def smol_export():
+    """SmolLM2-135M-Instruct exported with an identity-initialised DFlash 2 drafter (bs 8, seed 0; made once
+    into the cache by benchmarks/make_smollm2_drafter.py), max 1024 positions: the real-model runtime tests."""
+    import sys
+    from pathlib import Path
+
+    from dflash2_trt.export.cache import cached_export
+    from dflash2_trt.paths import cache_dir
+    from dflash2_trt.target import smollm2_path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from make_smollm2_drafter import make_drafter
+
+    drafter = cache_dir() / "drafters" / "smollm2-identity-bs8-seed0"
+    if not (drafter / "config.json").is_file():
+        make_drafter(drafter, seed=0, block_size=8)
+    return cached_export(smollm2_path(), drafter, progress=False, max_seq_len=1024)

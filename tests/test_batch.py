@@ -237,24 +237,6 @@ def test_generate_batch_api(acc_export):
             g.generate_batch(prompts, max_new_tokens=[1, 2])
 
 
-@pytest.fixture(scope="module")
-def smol_export():
-    """The SmolLM2 export test_runtime_smollm2 makes (same drafter, same cache key: exported once)."""
-    import sys
-    from pathlib import Path
-
-    from dflash2_trt.export.cache import cached_export
-    from dflash2_trt.target import cache_dir, smollm2_path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from make_smollm2_drafter import make_drafter
-
-    drafter = cache_dir() / "drafters" / "smollm2-identity-bs8-seed0"
-    if not (drafter / "config.json").is_file():
-        make_drafter(drafter, seed=0, block_size=8)
-    return cached_export(smollm2_path(), drafter, progress=False, max_seq_len=1024)
-
-
 @pytest.mark.slow
 def test_smollm2_batch_equals_b1(smol_export):
     """SmolLM2-135M-Instruct: 3 chat prompts of different lengths in 2 slots (the third joins when one leaves),

@@ -4,31 +4,13 @@ ONNX Runtime: lossless against ONNX Runtime and PyTorch autoregressive decoding.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-from dflash2_trt.bench.oracle import oracle_count
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
            "List three colors."]
 MAX_NEW = 20
-
-
-@pytest.fixture(scope="module")
-def smol_export():
-    from dflash2_trt.export.cache import cached_export
-    from dflash2_trt.target import cache_dir, smollm2_path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from make_smollm2_drafter import make_drafter
-
-    drafter = cache_dir() / "drafters" / "smollm2-identity-bs8-seed0"
-    if not (drafter / "config.json").is_file():
-        make_drafter(drafter, seed=0, block_size=8)
-    return cached_export(smollm2_path(), drafter, progress=False, max_seq_len=1024)
 
 
 def test_smollm2_ort_lossless(smol_export):
