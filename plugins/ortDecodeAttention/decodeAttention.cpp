@@ -106,6 +106,21 @@ inline float dot(float const* q, float const* key, int64_t d) noexcept
     return acc;
 }
 
+//! out [d] = sum_u scores[u] * inv * values[u] over n value rows of d (the softmax-weighted sum of V).
+inline void weightedSum(float const* scores, float inv, float const* values, int64_t n, int64_t d, float* out) noexcept
+{
+    std::fill(out, out + d, 0.F);
+    for (int64_t u = 0; u < n; ++u)
+    {
+        float const p = scores[u] * inv;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i)
+        {
+            out[i] += p * values[u * d + i];
+        }
+    }
+}
+
 //! One query row against slots 0..n-1: out [d] = softmax(scale q . K') V. scores: n + 8 floats.
 void attendRow(float const* q, float const* keys, float const* values, int64_t n, int64_t capacity, int64_t d,
     float scale, float* scores, float* out) noexcept
@@ -194,17 +209,7 @@ void attendRow(float const* q, float const* keys, float const* values, int64_t n
             return;
         }
         j = n; // scores done; fall through to the generic P x V below
-        float const inv = 1.F / sum;
-        std::fill(out, out + d, 0.F);
-        for (int64_t u = 0; u < n; ++u)
-        {
-            float const p = scores[u] * inv;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i)
-            {
-                out[i] += p * values[u * d + i];
-            }
-        }
+        weightedSum(scores, 1.F / sum, values, n, d, out);
         return;
     }
 #endif
@@ -221,17 +226,7 @@ void attendRow(float const* q, float const* keys, float const* values, int64_t n
         scores[u] = std::exp(scores[u] - maxScore);
         sum += scores[u];
     }
-    float const inv = 1.F / sum;
-    std::fill(out, out + d, 0.F);
-    for (int64_t u = 0; u < n; ++u)
-    {
-        float const p = scores[u] * inv;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i)
-        {
-            out[i] += p * values[u * d + i];
-        }
-    }
+    weightedSum(scores, 1.F / sum, values, n, d, out);
 }
 
 } // namespace
