@@ -51,6 +51,6 @@ def check_draft_mode(mode: str, available: tuple[str, ...], holder: str) -> str:
     if mode not in DRAFT_MODES:
         raise DFlash2Error(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {mode!r}")
     if mode not in available:
-        raise DFlash2Error(f"{holder} has no {mode!r} draft mode: the drafter has no candidate selector "
+        raise DFlash2Error(f"{holder} has no {mode!r} draft head: the drafter has no candidate selector "
                            f"(DFlash v1); use --no-selector")
     return mode
