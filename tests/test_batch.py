@@ -54,8 +54,7 @@ def test_ragged_rows_with_decode_attention(acc_export):
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
 
-    if not DA.available()[0]:
-        pytest.skip(DA.available()[1])
+    assert DA.available()[0], DA.available()[1]
     with OrtBackend(acc_export, attention="decode", threads=1) as b:
         run = OrtBatchedTargetRunner.from_backend(b, 4)
         assert run.single_sess is not None and run.single_sess is not run.sess

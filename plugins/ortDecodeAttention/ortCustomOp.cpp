@@ -55,6 +55,16 @@ OrtStatus* shapeOf(OrtValue const* v, Shape& out)
     return st;
 }
 
+// An input's data. GetTensorData (const) is newer than the API version built against (Debian's 1.21 headers,
+// ORT_API_VERSION 21); GetTensorMutableData has been there since version 1 and the kernel only reads.
+OrtStatus* tensorData(OrtValue const* v, void const** out)
+{
+    void* p = nullptr;
+    OrtStatus* st = gApi->GetTensorMutableData(const_cast<OrtValue*>(v), &p);
+    *out = p;
+    return st;
+}
+
 OrtStatus* fail(std::string const& msg)
 {
     return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("dflash2.DecodeAttention: " + msg).c_str());
@@ -103,7 +113,7 @@ OrtStatus* compute(Kernel const& k, OrtKernelContext* ctx)
         return fail("expects batch 1: qkv [1, S, (nh + 2 kvh) d], past [1, kvh, C, d]");
     }
     void const* p = nullptr;
-    if (OrtStatus* st = gApi->GetTensorData(in[3], &p))
+    if (OrtStatus* st = tensorData(in[3], &p))
     {
         return st;
     }
@@ -144,7 +154,7 @@ OrtStatus* compute(Kernel const& k, OrtKernelContext* ctx)
     void const* data[7] = {};
     for (size_t i : {0, 1, 2, 5, 6})
     {
-        if (OrtStatus* st = gApi->GetTensorData(in[i], &data[i]))
+        if (OrtStatus* st = tensorData(in[i], &data[i]))
         {
             return st;
         }
