@@ -2,7 +2,7 @@
 adds the test toolchain (apt included), one line per step, a log file named on failure, re-runs are one line.
 
 Run on a copy of the scripts with a stand-in ``.venv/bin/python`` (records its arguments, prints pip-like noise)
-and stand-in ``dpkg`` / ``id`` / ``apt-get`` on PATH (every C API package missing, running as root): nothing is
+and stand-in ``dpkg`` / ``id`` / ``apt-get`` / ``scripts/build_ort_ops.sh`` on PATH (every C API package missing, running as root): nothing is
 installed."""
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def sandbox(tmp_path):
     for name in ("setup.sh", "demo.sh", "test.sh"):
         shutil.copy2(ROOT / "scripts" / name, tmp_path / "scripts" / name)
     shutil.copy2(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    _exe(tmp_path / "scripts" / "build_ort_ops.sh", NOISY.format(name="build_ort_ops"))  # records, builds nothing
     _exe(tmp_path / ".venv" / "bin" / "python", NOISY.format(name="python"))
     (tmp_path / ".venv" / "bin" / "activate").write_text(f'export PATH="{tmp_path / ".venv" / "bin"}:$PATH"\n')
     stubs = tmp_path / "stubs"
@@ -74,6 +75,7 @@ def test_demo_setup_installs_only_the_demos_needs_one_line_per_step(sandbox):
     assert not any(x.startswith("apt-get") for x in c), c  # no cross compilers, qemu or clang for the demo
     assert not any(".[dev]" in x or "nvidia-pytriton" in x or "kernel-lens" in x for x in c), c
     assert any("torch==" in x for x in c) and any(".[export,ort,bench]" in x for x in c)
+    assert any(x.startswith("build_ort_ops") for x in c)  # the attention op: apt-get and cmake are on PATH
     assert "Requirement already satisfied" in (root / "build" / "setup.log").read_text()
     r = run("demo")  # idempotent: one line
     assert r.returncode == 0 and r.stdout.splitlines() == ["setup: .venv is up to date (demo)"] and calls() == []
@@ -86,6 +88,7 @@ def test_test_setup_adds_the_test_toolchain(sandbox):
     c = calls()
     assert any(x.startswith("apt-get install") and "qemu-user" in x for x in c), c
     assert any(".[dev]" in x for x in c) and any("torch==" in x for x in c)  # the demo's part too
+    assert any(x.startswith("build_ort_ops") for x in c)
     assert all(ln.startswith("setup: ") for ln in r.stdout.splitlines()) and len(r.stdout.splitlines()) <= 14
     assert run().stdout.splitlines() == ["setup: .venv is up to date (test)"]  # no argument: everything
     assert run("demo").stdout.splitlines() == ["setup: .venv is up to date (demo)"]
