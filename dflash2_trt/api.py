@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.vocabulary import PROPOSERS
+from dflash2_trt.vocabulary import DEFAULT_PROPOSER, PROPOSERS
 
 __all__ = ["Chunk", "Generator", "Result", "Stats", "Stream", "load"]
 
@@ -124,7 +124,7 @@ class _Request:
     speculative: bool
     eos_ids: set[int] | None
     oracle: Any = None
-    proposer: str = "dflash2"
+    proposer: str = DEFAULT_PROPOSER
 
 
 class Generator:
@@ -191,12 +191,12 @@ class Generator:
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
                  min_confidence: float = 0.0, speculative: bool = True, eos_ids: set[int] | None = None,
-                 proposer: str = "dflash2", oracle: Any = None) -> Result:
+                 proposer: str = DEFAULT_PROPOSER, oracle: Any = None) -> Result:
         """Decode one prompt. ``selector``: a draft mode of :attr:`selectors`; ``guard``: run plain target steps
         while measured acceptance does not pay; ``speculative=False``: plain autoregressive decoding on the same
         backend (the baseline); ``proposer``: who drafts — ``dflash2`` (the drafter), ``ngram`` (prompt lookup:
         continuations of the context's last n-gram where it occurred before; no match = a plain step) or
-        ``auto`` (per cycle, the one whose measured acceptance is higher); ``eos_ids``: stop tokens (default: the target's; an empty set never stops
+        ``auto``, the default (per cycle, the one whose measured acceptance is higher); ``eos_ids``: stop tokens (default: the target's; an empty set never stops
         early); ``oracle``: an evaluation hook counting oracle top-K acceptance per cycle
         (:func:`dflash2_trt.bench.oracle.oracle_count`), its passes excluded from the timing."""
         req = self._request(prompt, max_new_tokens, temperature, seed, selector, guard, chat, min_confidence,
@@ -207,7 +207,7 @@ class Generator:
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
-               min_confidence: float = 0.0, eos_ids: set[int] | None = None, proposer: str = "dflash2",
+               min_confidence: float = 0.0, eos_ids: set[int] | None = None, proposer: str = DEFAULT_PROPOSER,
                oracle: Any = None) -> Stream:
         """Decode one prompt chunk by chunk (same arguments and tokens as :meth:`generate`): iterate the returned
         :class:`Stream` for :class:`Chunk` s; its ``result`` is the :class:`Result` once the iteration ended.
@@ -290,7 +290,7 @@ class Generator:
 
     def _request(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int | None,
                  selector: str, guard: bool, chat: bool, min_confidence: float, speculative: bool,
-                 eos_ids: set[int] | None, oracle: Any, proposer: str = "dflash2") -> _Request:
+                 eos_ids: set[int] | None, oracle: Any, proposer: str = DEFAULT_PROPOSER) -> _Request:
         from dflash2_trt.runtime.decoder import check_temperature
 
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

@@ -25,6 +25,9 @@ BACKEND_CHOICES = ("auto", "ort", "trt")  # what the export-folder CLIs accept (
 # Who proposes a speculative cycle's drafts: the DFlash 2 drafter, prompt lookup (n-gram continuation of the
 # context, no model), or per cycle whichever the measured acceptance favours (runtime/ngram.py).
 PROPOSERS = ("dflash2", "ngram", "auto")
+# the API's, CLI's and Triton model's default: side by side on a quiet machine (README, issue #25) `auto` was
+# 1.43x / 1.10x / 1.27x the drafter alone on HumanEval / MT-Bench / long code, and never below it
+DEFAULT_PROPOSER = "auto"
 # The fused ONNX Runtime target's attention op: auto (DecodeAttention when its library is built) | the custom op |
 # ORT's GroupQueryAttention (runtime/ort/decode_attention.py).
 ORT_ATTENTIONS = ("auto", "decode", "gqa")

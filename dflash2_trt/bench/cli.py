@@ -20,7 +20,7 @@ import sys
 from dflash2_trt import validate as V
 from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, DEMO_PROMPT, demo_drafter_path
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.vocabulary import BACKEND_CHOICES, INDEPENDENT, PROPOSERS, SELECTOR_MODES
+from dflash2_trt.vocabulary import BACKEND_CHOICES, DEFAULT_PROPOSER, INDEPENDENT, PROPOSERS, SELECTOR_MODES
 
 
 def add_parsers(sub) -> None:  # noqa: ANN001
@@ -58,9 +58,9 @@ def add_draft_options(p: argparse.ArgumentParser, guard: bool = True) -> None:
     p.add_argument("--min-confidence", type=V.PROBABILITY, default=0.0,
                    help="verify only the leading draft rows whose cumulative drafter confidence reaches this "
                         "(lossless; 0 = every row)")
-    p.add_argument("--proposer", choices=PROPOSERS, default=PROPOSERS[0],
+    p.add_argument("--proposer", choices=PROPOSERS, default=DEFAULT_PROPOSER,
                    help="who drafts: the DFlash 2 drafter, prompt lookup (n-gram continuations of the context; "
-                        "no match = a plain step) or, per cycle, whichever measured acceptance favours (lossless)")
+                        "no match = a plain step) or, per cycle, whichever measured acceptance favours (lossless; default: %(default)s)")
 
 
 def _export_options(b: argparse.ArgumentParser, draft_vocab: int = 0) -> None:

@@ -21,12 +21,13 @@ import numpy as np
 
 from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.reference import acceptance_stats
+from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
 
 def run_bench(gen, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,  # noqa: ANN001
               seed: int = 0, measure_oracle: bool = True, eos_ids: set[int] | None = None,
               progress: bool = True, texts: bool = False, guard: bool = False, selector: str = "greedy",
-              min_confidence: float = 0.0, proposer: str = "dflash2") -> dict:
+              min_confidence: float = 0.0, proposer: str = DEFAULT_PROPOSER) -> dict:
     """Each prompt decoded speculatively and autoregressively, in turn, by ``gen`` (a
     :class:`dflash2_trt.api.Generator`); ``texts``: the result also holds ``texts`` (speculative outputs)."""
     from tqdm import tqdm

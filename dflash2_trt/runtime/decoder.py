@@ -29,7 +29,7 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.reference import acceptance_stats
 from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
 from dflash2_trt.runtime.guard import AcceptanceGuard, verify_rows
-from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice
+from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, NGRAM_ROWS, ProposerChoice
 
 OnTokens = Callable[[list[int]], None]
 OnCycle = Callable[[int, int], None]  # (accepted drafts, verified rows) of a speculative cycle
@@ -164,7 +164,7 @@ def speculative_generate(
     (the prefill's first token and the guard's plain steps reach ``on_tokens`` alone).
     ``proposer``: 'dflash2' (the drafter), 'ngram' (prompt lookup only: the drafter never runs; no match = a plain
     step), 'auto' (per cycle, :class:`~dflash2_trt.runtime.ngram.ProposerChoice`); ``ngram_rows``: most lookup
-    drafts per cycle (default: the drafter's block size - 1)."""
+    drafts per cycle (default: ``NGRAM_ROWS`` = 4, or the drafter's block size - 1 where larger)."""
     check_prompt(prompt_ids, target, max_new_tokens)
     check_temperature(temperature)
     rng = np.random.default_rng(seed)
@@ -182,7 +182,7 @@ def speculative_generate(
     res.tokens.append(anchor)
     if on_tokens:
         on_tokens([anchor])
-    choice = ProposerChoice(proposer, list(prompt_ids) + [anchor], ngram_rows or L)
+    choice = ProposerChoice(proposer, list(prompt_ids) + [anchor], ngram_rows or max(L, NGRAM_ROWS))
     if choice.uses_drafter:
         drafter.add_context(feats, 0)
     pos = len(prompt_ids)  # anchor position

@@ -20,6 +20,7 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.vocabulary import PROPOSERS
 
 DFLASH2, NGRAM, AUTO = PROPOSERS
+NGRAM_ROWS = 4  # most lookup drafts per cycle by default (onnxruntime-genai's max_draft_tokens in our side-by-side runs)
 
 
 def lookup(tokens: np.ndarray, rows: int, max_n: int = 4, min_n: int = 2) -> list[int]:
