@@ -68,3 +68,44 @@ def test_lossless_with_lookup(acc_export, proposer):
     spec = D.speculative_generate(target, drafter, [5, 6, 5, 6, 5], 16, temperature=0.8, eos_ids=set(),
                                   proposer=proposer)
     assert len(spec.tokens) == 16
+
+
+def test_draft_context_stays_contiguous_across_lookup_cycles(acc_export):
+    """Prompt-lookup cycles and plain steps defer their positions' features; when the drafter runs again they join
+    its context in one pass: before every proposal the context covers exactly positions 0 .. anchor - 1, each once."""
+    from dflash2_trt.runtime import decoder as D
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    class Recording:
+        def __init__(self, inner) -> None:  # noqa: ANN001
+            self.inner, self.covered, self.batched, self.proposals = inner, [], 0, 0
+
+        def __getattr__(self, name):  # noqa: ANN001, ANN204
+            return getattr(self.inner, name)
+
+        def reset(self) -> None:
+            self.covered = []
+            self.inner.reset()
+
+        def add_context(self, feats, start):  # noqa: ANN001, ANN202
+            self.covered += range(start, start + feats.shape[0])
+            self.batched += feats.shape[0] > 1
+            return self.inner.add_context(feats, start)
+
+        def propose(self, anchor, pos, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            assert self.covered == list(range(pos)), (pos, self.covered[-8:])
+            self.proposals += 1
+            return self.inner.propose(anchor, pos, *a, **k)
+
+    be = OrtBackend(acc_export)
+    target, drafter = be.target_runner(), Recording(be.draft_runner("greedy"))
+    rng = np.random.default_rng(11)
+    whos: list[str] = []
+    for _ in range(4):
+        base = rng.integers(4, target.vocab_size, int(rng.integers(3, 9))).tolist()
+        p = base * 3 + rng.integers(4, target.vocab_size, 5).tolist()  # matches, then a fresh tail
+        spec = D.speculative_generate(target, drafter, p, 40, eos_ids=set(), proposer="auto", ngram_rows=4)
+        assert spec.tokens == D.target_generate(target, p, 40, eos_ids=set()).tokens
+        whos += [a + "->" + b for a, b in zip(spec.proposers, spec.proposers[1:])]
+    assert "ngram->dflash2" in whos  # the deferred features were flushed into a drafter cycle
+    assert drafter.proposals > 0

@@ -187,7 +187,9 @@ def speculative_generate(
         drafter.add_context(feats, 0)
     pos = len(prompt_ids)  # anchor position
     limit = min(max_new_tokens, target.max_positions - len(prompt_ids))
-    pending: list[np.ndarray] = []  # features [1, F] of plain steps, not yet in the draft context
+    # features [rows, F] of committed positions not yet in the draft context: plain steps and prompt-lookup cycles
+    # add none until the drafter runs again, then all of them in one pass
+    pending: list[np.ndarray] = []
 
     while len(res.tokens) < limit and anchor not in eos:
         t_step = time.perf_counter()
@@ -209,8 +211,9 @@ def speculative_generate(
             if guard is not None:
                 guard.record_step(time.perf_counter() - t_step)
             continue
-        if pending:  # back from plain steps: their positions join the draft context in one pass
-            drafter.add_context(np.concatenate(pending), pos - len(pending))
+        if pending and who != NGRAM:  # the drafter runs: the pending positions join its context in one pass
+            ctx = np.concatenate(pending)
+            drafter.add_context(ctx, pos - ctx.shape[0])
             pending = []
         if who == NGRAM:  # prompt lookup: deterministic drafts, a one-hot proposal
             drafts, n_rows = looked_up, len(looked_up)
@@ -234,7 +237,9 @@ def speculative_generate(
             acc, bonus = ref.accept_rejection(np.asarray(drafts, dtype=np.int64), q, p, rng)
         # commit: crop the target cache; committed positions become draft context
         target.crop(pos + acc + 1)
-        if choice.uses_drafter:
+        if who == NGRAM and choice.uses_drafter:
+            pending.append(v_feats[: acc + 1])
+        elif choice.uses_drafter:
             drafter.add_context(v_feats[: acc + 1], pos)
         new = drafts[:acc] + [bonus]
         for i, t in enumerate(new):
