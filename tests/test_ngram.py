@@ -38,7 +38,16 @@ def test_choice():
     for _ in range(10):
         c.record("ngram", 1)
     assert c.pick([3]) == "dflash2"  # lookups that keep failing lose to the drafter
-    assert ProposerChoice("ngram", [1], 2).pick([]) == "ngram"  # -> a plain step
+    assert ProposerChoice("ngram", [1], 2).pick([]) is None  # no match: a plain step
+    # a lookup runs only while its measured tokens per second reach a plain step's
+    g = ProposerChoice("ngram", [1, 2, 1], 4)
+    assert g.pick([2], t_plain=0.03) == "ngram"  # not timed yet: tried
+    for _ in range(10):
+        g.record("ngram", 1, 0.045)  # 1 token per 45 ms cycle against a 30 ms plain step
+    assert not g.lookup_pays(0.03) and g.pick([2], t_plain=0.03) is None and g.pick([2]) == "ngram"
+    for _ in range(10):
+        g.record("ngram", 3, 0.045)
+    assert g.lookup_pays(0.03) and g.pick([2], t_plain=0.03) == "ngram"
     assert not ProposerChoice("ngram", [1], 2).uses_drafter
     with pytest.raises(DFlash2Error, match="proposer"):
         ProposerChoice("lookahead", [1], 2)
@@ -109,3 +118,38 @@ def test_draft_context_stays_contiguous_across_lookup_cycles(acc_export):
         whos += [a + "->" + b for a, b in zip(spec.proposers, spec.proposers[1:])]
     assert "ngram->dflash2" in whos  # the deferred features were flushed into a drafter cycle
     assert drafter.proposals > 0
+
+
+def test_guard_rules_the_drafter_and_a_paying_lookup_still_runs(acc_export):
+    """A drafter that never pays (fixed break-even 100) is switched off by the guard; during its plain stretches
+    prompt-lookup cycles still run (their drafts cost nothing), the guard never judges them, and the output is
+    the target's own."""
+    from dflash2_trt.runtime import decoder as D
+    from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    class Watching(AcceptanceGuard):
+        said_plain = False
+        judged = 0
+
+        def plain_next(self) -> bool:
+            self.said_plain = super().plain_next()
+            return self.said_plain
+
+        def record_cycle(self, tokens: int, seconds: float) -> None:
+            self.judged += 1
+            super().record_cycle(tokens, seconds)
+
+    be = OrtBackend(acc_export)
+    target, drafter = be.target_runner(), be.draft_runner("greedy")
+    rng = np.random.default_rng(3)
+    base = rng.integers(4, target.vocab_size, 6).tolist()
+    p = base * 4
+    guard = Watching(GuardConfig(cost_ratio=100.0))
+    during_plain = []
+    spec = D.speculative_generate(target, drafter, p, 48, eos_ids=set(), proposer="auto", guard=guard,
+                                  on_cycle=lambda a, n: during_plain.append(guard.said_plain))
+    assert spec.tokens == D.target_generate(target, p, 48, eos_ids=set()).tokens
+    assert spec.guard_switches >= 1 and spec.plain_steps > 0
+    assert any(during_plain)  # lookup cycles while the guard kept the drafter off
+    assert guard.judged == spec.proposers.count("dflash2") >= 3  # the guard saw drafter cycles only

@@ -193,10 +193,13 @@ def speculative_generate(
 
     while len(res.tokens) < limit and anchor not in eos:
         t_step = time.perf_counter()
-        guard_plain = guard is not None and guard.plain_next()
-        looked_up = [] if guard_plain else choice.ngram(limit - len(res.tokens) - 1)
-        who = DFLASH2 if guard_plain else choice.pick(looked_up)
-        if guard_plain or (who == NGRAM and not looked_up):
+        looked_up = choice.ngram(limit - len(res.tokens) - 1)
+        t_plain = guard.t_step if guard is not None else None
+        if guard is not None and guard.plain_next():  # the guard rules the drafter; a lookup that pays still runs
+            who = NGRAM if looked_up and choice.lookup_pays(t_plain) else None
+        else:
+            who = choice.pick(looked_up, t_plain)
+        if who is None:
             # plain step: the target's own next token (exactly target_generate's step)
             logits, feats = target.forward([anchor])  # [1, V], [1, F]
             anchor = _next_token(logits[-1], temperature, rng)
@@ -251,7 +254,7 @@ def speculative_generate(
         res.proposed.append(n_rows)
         res.proposers.append(who)
         choice.extend(new)
-        choice.record(who, len(new))
+        choice.record(who, len(new), time.perf_counter() - t_step)
         cycle_oracle_s = 0.0
         if oracle is not None:
             t_o = time.perf_counter()
@@ -265,7 +268,7 @@ def speculative_generate(
             on_tokens(new)
         pos += acc + 1
         anchor = new[-1]
-        if guard is not None:
+        if guard is not None and who == DFLASH2:
             guard.record_cycle(len(new), time.perf_counter() - t_step - cycle_oracle_s)
 
     if guard is not None:

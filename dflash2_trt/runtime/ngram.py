@@ -7,9 +7,13 @@ drafts are often long and right.
 
 :class:`ProposerChoice` — which proposer makes a cycle's drafts (``dflash2`` | ``ngram`` | ``auto``). ``auto``:
 prompt lookup when the context has a match and its measured acceptance (tokens committed per cycle, an
-exponential mean per proposer, optimistic at the start) is at least the drafter's, else the drafter. Lossless
-either way: every draft is verified by the target (greedy matching; at T > 0 rejection sampling against the
-one-hot proposal of a deterministic lookup), and the choice looks only at the past.
+exponential mean per proposer, optimistic at the start) is at least the drafter's, else the drafter. A lookup
+runs only while it pays: its measured tokens per second (committed tokens ÷ cycle time, exponential means) at
+least a plain step's (:meth:`ProposerChoice.lookup_pays`). The acceptance guard (runtime/guard.py) rules the
+drafter alone: while it says plain steps, a lookup that pays still runs (its proposals cost nothing; only its
+verify does, and that is what its rate is measured against). Lossless either way: every draft is verified by the
+target (greedy matching; at T > 0 rejection sampling against the one-hot proposal of a deterministic lookup), and
+the choice looks only at the past (tokens committed, times measured).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class ProposerChoice:
         self.decay = decay
         # tokens committed per cycle (accepted + 1), exponential mean; optimistic start so each gets tried
         self.rate = {DFLASH2: 2.0, NGRAM: 2.0}
+        self.seconds: dict[str, float | None] = {DFLASH2: None, NGRAM: None}  # cycle time, exponential mean
 
     def extend(self, new: list[int]) -> None:
         if self.mode != DFLASH2:  # the drafter alone never looks the context up
@@ -65,15 +70,28 @@ class ProposerChoice:
         """Up to ``rows`` lookup drafts for the next cycle (the last token of the context is the anchor)."""
         return lookup(self.tokens, min(rows, self.rows)) if self.mode != DFLASH2 and rows > 0 else []
 
-    def pick(self, drafts: list[int]) -> str:
-        """The proposer of the next cycle given the lookup's drafts ('ngram' with no drafts: a plain step)."""
-        if self.mode != AUTO:
-            return self.mode
-        if drafts and self.rate[NGRAM] >= self.rate[DFLASH2]:
+    def lookup_pays(self, t_plain: float | None) -> bool:
+        """Whether a lookup cycle is expected to beat plain steps of ``t_plain`` seconds (True until both are
+        measured)."""
+        t = self.seconds[NGRAM]
+        return t is None or t_plain is None or self.rate[NGRAM] / t >= 1.0 / t_plain
+
+    def pick(self, drafts: list[int], t_plain: float | None = None) -> str | None:
+        """The proposer of the next cycle given the lookup's drafts and a plain step's measured time; None: a plain
+        step (``ngram`` with no drafts, or drafts that do not pay)."""
+        if self.mode == DFLASH2:
+            return DFLASH2
+        pays = bool(drafts) and self.lookup_pays(t_plain)
+        if self.mode == NGRAM:
+            return NGRAM if pays else None
+        if pays and self.rate[NGRAM] >= self.rate[DFLASH2]:
             return NGRAM
         if drafts:  # not chosen: its estimate drifts back to the prior, so a changed context gets another try
             self.rate[NGRAM] += (1 - self.decay) / 4 * (2.0 - self.rate[NGRAM])
         return DFLASH2
 
-    def record(self, proposer: str, committed: int) -> None:
+    def record(self, proposer: str, committed: int, seconds: float | None = None) -> None:
         self.rate[proposer] = self.decay * self.rate[proposer] + (1 - self.decay) * committed
+        if seconds is not None:
+            t = self.seconds[proposer]
+            self.seconds[proposer] = seconds if t is None else self.decay * t + (1 - self.decay) * seconds
