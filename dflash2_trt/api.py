@@ -14,10 +14,22 @@ token for token the target's own; T > 0 samples with lossless rejection sampling
 fresh seed; equal seeds give equal tokens with ``guard=False`` (the acceptance guard decides from measured
 timings, so with it on a seed fixes the sampling law, not the tokens).
 
-Thread safety: a :class:`Generator` owns one backend and one request's caches; its methods may be called from
-any thread and are serialised by a lock (a second call waits for the first, including a stream being
-iterated). For requests in parallel open one Generator per worker. ``close()`` (or the ``with`` block) frees
-the backend; a closed Generator raises :class:`~dflash2_trt.errors.DFlash2Error`.
+Many requests at once (servers): :meth:`Generator.submit` queues a request from any thread and returns a
+:class:`Handle` at once (a bad request raises :class:`~dflash2_trt.errors.DFlash2Error` there and is never
+queued); one background thread per Generator decodes every submitted request in one continuous batch
+(:mod:`dflash2_trt.runtime.batch`: sequences join and leave between steps, up to ``max_batch`` at a time, the
+rest wait in arrival order). Iterating a handle streams its :class:`Chunk` s as the shared loop commits them;
+``handle.cancel()`` frees its slot before it returns (within one batch step); ``handle.result()`` waits for the
+:class:`Result`. :meth:`Generator.generate_batch` is submit + result for a list of prompts;
+:meth:`Generator.set_batching` sets ``max_batch`` and whether drafting is load-adaptive. Batching needs the
+fused ONNX Runtime target (the ``ort`` backend on the CPU); on other backends the same loop serves the
+submitted requests one after another.
+
+Thread safety: a :class:`Generator` owns one backend. ``generate`` / ``stream`` decode one request at a time on
+their own runners, serialised by a lock (a second call waits for the first, including a stream being
+iterated); the batch loop has its own runners and runs beside them. Every method may be called from any
+thread. ``close()`` (or the ``with`` block) stops the loop (requests still in it fail with DFlash2Error) and
+frees the backend; a closed Generator raises :class:`~dflash2_trt.errors.DFlash2Error`.
 
 The CLI's ``generate`` / ``bench`` / ``demo``, the Triton model and ``benchmarks/`` decode through this
 module. Importing it needs only the standard library; the runtime (numpy, onnxruntime or TensorRT) is imported
@@ -26,9 +38,11 @@ by :func:`load`, never torch.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import secrets
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +51,11 @@ from typing import Any
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER, PROPOSERS
 
-__all__ = ["Chunk", "Generator", "Result", "Stats", "Stream", "load"]
+__all__ = ["Chunk", "Generator", "Handle", "Result", "Stats", "Stream", "load"]
 
 Prompt = str | list[int] | list[dict[str, str]]  # a user message, token ids, or chat messages
-FINISH_REASONS = ("stop", "length", "capacity")  # EOS, max_new_tokens, the export's cache capacity
+# EOS, max_new_tokens, the export's cache capacity, Handle.cancel()
+FINISH_REASONS = ("stop", "length", "capacity", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -136,10 +151,13 @@ class Generator:
         self._backend = backend
         self._tok = tokenizer
         self.note = note  # how the backend was chosen, e.g. "TensorRT not available (...), using ONNX Runtime"
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # generate / stream: one request at a time on the runners below
+        self._init_lock = threading.Lock()  # creating the B = 1 target runner; starting / replacing the loop
         self._target: Any = None
         self._drafters: dict[str, Any] = {}
-        self._batched: dict[int, Any] = {}  # slots -> the batched target runner of generate_batch (at most one)
+        self._loop: _BatchLoop | None = None  # submit's background loop, started by the first submit
+        self._max_batch, self._adaptive = 8, True  # its settings (set_batching)
+        self._batch_sizes: dict[int, int] = {}  # sequences decoded in one batch step -> steps (written by the loop)
         self._closed = False
 
     # -- properties -----------------------------------------------------------------------------------------
@@ -216,24 +234,33 @@ class Generator:
                             True, eos_ids, oracle, proposer)
         return Stream(self, req)
 
+    def submit(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
+               selector: str = "greedy", *, chat: bool = True, speculative: bool = True,
+               eos_ids: set[int] | None = None) -> Handle:
+        """Queue one prompt for the background batch loop (see the module docstring) -> its :class:`Handle`;
+        returns at once. Arguments as :meth:`generate`; ``speculative``: may draft while the loop's rule says it
+        pays (with ``set_batching(adaptive=False)``: every step). A bad request raises DFlash2Error here and
+        nothing is queued. Each sequence's greedy tokens are its own :meth:`generate` tokens."""
+        return self._submit(self._batch_request(prompt, max_new_tokens, temperature, seed, selector, chat,
+                                                speculative, eos_ids))
+
     def generate_batch(self, prompts: list[Prompt], max_new_tokens: int | list[int] = 128,
                        temperature: float | list[float] = 0.0, seed: int | None | list[int | None] = None,
                        selector: str = "greedy", *, chat: bool = True, speculative: bool = True,
-                       eos_ids: set[int] | None = None, max_batch: int = 8, adaptive: bool = True) -> list[Result]:
-        """Decode many prompts together (continuous batching, :mod:`dflash2_trt.runtime.batch`): up to
-        ``max_batch`` sequences share each batched target call; as one finishes the next prompt takes its slot.
-        ``max_new_tokens`` / ``temperature`` / ``seed``: one value for all, or one per prompt. Each sequence's
-        tokens are its own :meth:`generate` tokens at T = 0 (and, at T > 0 with ``speculative=False``, its
-        ``generate(..., speculative=False)`` tokens for the same seed); ``speculative``: let sequences draft while
-        the load-adaptive rule says it pays (``adaptive=False``: draft every step). Results in prompt order;
-        ``Stats.elapsed_s`` is a sequence's time from joining the batch to finishing. Needs the fused ONNX Runtime
-        target (``ort`` backend on the CPU); other backends decode the prompts one after another."""
-        from dflash2_trt.runtime import batch as B
-
+                       eos_ids: set[int] | None = None, max_batch: int | None = None,
+                       adaptive: bool | None = None) -> list[Result]:
+        """Decode many prompts together: :meth:`submit` each (every prompt checked before any is queued), then
+        wait for the results (in prompt order). ``max_new_tokens`` / ``temperature`` / ``seed``: one value for
+        all, or one per prompt; ``max_batch`` / ``adaptive``: :meth:`set_batching` first (None: keep the loop's).
+        Each sequence's tokens are its own :meth:`generate` tokens at T = 0 (and, at T > 0 with
+        ``speculative=False``, its ``generate(..., speculative=False)`` tokens for the same seed).
+        ``Stats.elapsed_s`` is a sequence's time from joining the batch to finishing."""
         n = len(prompts)
+        if max_batch is not None or adaptive is not None:
+            self.set_batching(self._max_batch if max_batch is None else max_batch,
+                              self._adaptive if adaptive is None else adaptive)
         if not n:
             return []
-        B.check_batch_size(max_batch)
 
         def per(v: Any, what: str) -> list:
             if isinstance(v, (list, tuple)):
@@ -242,31 +269,55 @@ class Generator:
                 return list(v)
             return [v] * n
 
-        reqs = [self._request(p, m, t, s, selector, False, chat, 0.0, speculative, eos_ids, None)
+        reqs = [self._batch_request(p, m, t, s, selector, chat, speculative, eos_ids)
                 for p, m, t, s in zip(prompts, per(max_new_tokens, "max_new_tokens"), per(temperature, "temperature"),
                                       per(seed, "seed"))]
-        with self._lock:
-            self._runner()  # the Result's default EOS set; raises when closed
-            if not getattr(self._backend, "fused", False):
-                return [self._result(r, self._run(r, None)) for r in reqs]
-            from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+        handles: list[Handle] = []
+        try:
+            for r in reqs:
+                handles.append(self._submit(r))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return [h.result() for h in handles]
 
-            slots = min(max_batch, n)
-            if slots not in self._batched:  # one kept (its KV buffers are slots x capacity): the last size used
-                self._batched = {slots: OrtBatchedTargetRunner.from_backend(self._backend, slots)}
-            target = self._batched[slots]
-            make = (lambda: self._backend.draft_runner(selector)) if speculative else None
-            dec = B.BatchDecoder(target, make, B.SpeculationRule(adaptive=adaptive))
-            out = dec.run([B.BatchRequest(r.prompt, r.max_new_tokens, r.temperature, r.seed, r.eos_ids,
-                                          r.speculative) for r in reqs])
-        return [self._result(r, o) for r, o in zip(reqs, out)]
+    def set_batching(self, max_batch: int = 8, adaptive: bool = True) -> None:
+        """The batch loop's settings: ``max_batch`` sequences decoded together (more wait for a slot);
+        ``adaptive``: a sequence drafts only while the load-adaptive rule of :mod:`dflash2_trt.runtime.batch`
+        says it pays (False: every speculative sequence drafts every step). Needs no request in flight
+        (DFlash2Error otherwise) when they change; the loop then restarts with fresh measured costs."""
+        from dflash2_trt.runtime.batch import check_batch_size
+
+        check_batch_size(max_batch)
+        with self._init_lock:
+            if self._closed:
+                raise DFlash2Error("this Generator is closed")
+            if (max_batch, bool(adaptive)) == (self._max_batch, self._adaptive):
+                return  # the loop keeps its runners and measured costs
+            if self._loop is not None:
+                if not self._loop.idle:
+                    raise DFlash2Error("set_batching needs the batch loop idle; requests are in flight")
+                self._loop.close()
+                self._loop = None
+            self._max_batch, self._adaptive = max_batch, bool(adaptive)
+
+    @property
+    def batch_sizes(self) -> dict[int, int]:
+        """{sequences decoded together in one batch step: steps} of the batch loop, since the Generator opened."""
+        return dict(self._batch_sizes)
 
     def close(self) -> None:
         """Free the backend (sessions, engines, device memory); idempotent."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._target, self._drafters, self._batched = None, {}, {}
+        with self._init_lock:
+            loop, self._loop = self._loop, None
+            closing = not self._closed
+            self._closed = True
+        if loop is not None:
+            loop.close()  # requests still in it fail with DFlash2Error
+        if closing:
+            with self._lock:
+                self._target, self._drafters = None, {}
                 self._backend.close()
 
     def __enter__(self) -> Generator:
@@ -280,7 +331,9 @@ class Generator:
         if self._closed:
             raise DFlash2Error("this Generator is closed")
         if self._target is None:
-            self._target = self._backend.target_runner()
+            with self._init_lock:
+                if self._target is None:
+                    self._target = self._backend.target_runner()
         return self._target
 
     def _drafter(self, selector: str) -> Any:
@@ -308,6 +361,26 @@ class Generator:
         return _Request(self.encode(prompt, chat), max_new_tokens, float(temperature), seed, selector, bool(guard),
                         float(min_confidence), bool(speculative), None if eos_ids is None else set(eos_ids), oracle,
                         proposer)
+
+    def _batch_request(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int | None,
+                       selector: str, chat: bool, speculative: bool, eos_ids: set[int] | None) -> _Request:
+        """A request for the batch loop, checked in full now (prompt ids, length against the cache capacity)."""
+        from dflash2_trt.runtime.decoder import check_prompt
+
+        req = self._request(prompt, max_new_tokens, temperature, seed, selector, self._adaptive, chat, 0.0,
+                            speculative, eos_ids, None)
+        check_prompt(req.prompt, self._runner(), req.max_new_tokens)
+        return req
+
+    def _submit(self, req: _Request) -> Handle:
+        with self._init_lock:
+            if self._closed:
+                raise DFlash2Error("this Generator is closed")
+            if self._loop is None:
+                self._loop = _BatchLoop(self, self._max_batch, self._adaptive)
+            h = Handle(self._loop, req)
+            self._loop.put(h)
+        return h
 
     def _run(self, req: _Request, hooks: tuple[Callable, Callable] | None) -> Any:
         """One request on this Generator's runners; the caller holds the lock."""
@@ -403,6 +476,294 @@ class Stream:
                 except queue.Empty:
                     pass
             worker.join()
+
+
+_END = object()  # a Handle's last queue item
+
+
+class Handle:
+    """One request of :meth:`Generator.submit`. Iterate it (from any one thread) for its :class:`Chunk` s as the
+    batch loop commits them (the prefill's first token, then each plain step's token or cycle's tokens; the
+    iteration ends when the request finished and raises its error if it failed); ``result()`` waits for its
+    :class:`Result`; ``cancel()`` stops it. Chunks queue without bound until read (a slow reader never stalls
+    the batch; they are at most ``max_new_tokens`` tokens)."""
+
+    def __init__(self, loop: _BatchLoop, req: _Request) -> None:
+        self._loop, self._req = loop, req
+        self._chunks: queue.Queue = queue.Queue()  # Chunk ..., then _END
+        self._done = threading.Event()
+        self._cancel = threading.Event()
+        self._result: Result | None = None
+        self._error: BaseException | None = None
+        # the loop's bookkeeping (its thread only)
+        self._delta = _TextDelta(loop.gen._tok.decode)
+        self._tokens: list[int] = []  # sent so far
+        self._cycles = 0  # cycles already reported
+        self._stopped = False  # the loop took it out on cancel() (a request that finished first keeps its reason)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return list(self._req.prompt)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return (c for c in self.chunks() if c is not None)
+
+    def chunks(self, poll: float | None = None) -> Iterator[Chunk | None]:
+        """The chunks; with ``poll`` seconds it also yields None whenever none came for that long (a server
+        checks whether its client is still there)."""
+        while True:
+            try:
+                item = self._chunks.get(timeout=poll)
+            except queue.Empty:
+                yield None
+                continue
+            if item is _END:
+                self._chunks.put(_END)  # a second iteration ends too
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> Result:
+        """The request's Result once it finished (``finish_reason`` 'cancelled' after :meth:`cancel`: the tokens
+        made until then); its DFlash2Error if it failed."""
+        if not self._done.wait(timeout):
+            raise DFlash2Error(f"the request did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def cancel(self) -> None:
+        """Stop decoding this request and free its slot; returns once that is done (within one batch step). No
+        effect on a finished request."""
+        if not self._done.is_set():
+            self._cancel.set()
+            self._loop.wake()
+            self._done.wait()
+
+    # -- the loop's side ---------------------------------------------------------------------------------
+    def _emit(self, tokens: list[int], accepted: int | None) -> None:
+        self._tokens.extend(tokens)
+        self._chunks.put(Chunk(self._delta.add(tokens), list(tokens), accepted))
+
+    def _finish(self, result: Result | None, error: BaseException | None = None) -> None:
+        if result is not None:
+            tail = self._delta.add([], final=True)
+            if tail:
+                self._chunks.put(Chunk(tail, [], None))
+            if self._stopped:
+                result = dataclasses.replace(result, finish_reason="cancelled")
+        self._result, self._error = result, error
+        self._chunks.put(_END)
+        self._done.set()
+
+
+class _BatchLoop:
+    """The background thread behind :meth:`Generator.submit`: one :class:`~dflash2_trt.runtime.batch.BatchDecoder`
+    per draft mode asked for (its own batched target runner of ``max_batch`` slots; requests of one mode share
+    steps), stepped in turn while any is busy. Between steps it takes in submitted handles and applies
+    cancellations; after each step it hands every sequence's new tokens to its handle. A step that raises fails
+    the requests of that decoder (DFlash2Error) and drops it; the others go on. Backends without the fused target
+    serve the queued requests one after another through :meth:`Generator._run` (under the Generator's lock)."""
+
+    def __init__(self, gen: Generator, max_batch: int, adaptive: bool) -> None:
+        self.gen, self.max_batch, self.adaptive = gen, max_batch, adaptive
+        self.batched = bool(getattr(gen._backend, "fused", False))
+        self._cond = threading.Condition()
+        self._inbox: deque[Handle] = deque()  # submitted, not yet taken in (under _cond)
+        self._pending = 0  # handles not finished (under _cond)
+        self._closed = False
+        self._decoders: dict[str, Any] = {}  # draft mode -> BatchDecoder (loop thread only, as below)
+        self._live: dict[str, dict[int, Handle]] = {}  # draft mode -> decoder's request id -> handle
+        self._serial: deque[Handle] = deque()  # unbatched backends: taken in, not yet served
+        self._thread = threading.Thread(target=self._main, name="dflash2-batch", daemon=True)
+        self._thread.start()
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return self._pending == 0
+
+    def put(self, h: Handle) -> None:
+        with self._cond:
+            if self._closed:
+                raise DFlash2Error("this Generator is closed")
+            self._inbox.append(h)
+            self._pending += 1
+            self._cond.notify()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # -- the thread ----------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        why: BaseException = DFlash2Error("this Generator was closed while the request was in flight")
+        try:
+            while True:
+                with self._cond:
+                    while not (self._closed or self._inbox or self._serial
+                               or any(d.busy for d in self._decoders.values())):
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                self._take_inbox()
+                if self.batched:
+                    self._cancel_asked()
+                    self._step()
+                else:
+                    self._serve_one()
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop: every request gets it, none hangs
+            why = DFlash2Error(f"the batch loop failed: {type(e).__name__}: {e}")
+        with self._cond:
+            self._closed = True
+            left = list(self._inbox) + list(self._serial) + [h for live in self._live.values() for h in live.values()]
+            self._inbox.clear()
+        for h in left:
+            self._done(h, None, why)
+
+    def _done(self, h: Handle, res: Any, error: BaseException | None = None) -> None:
+        h._finish(None if res is None else self.gen._result(h._req, res), error)
+        with self._cond:
+            self._pending -= 1
+
+    def _take_inbox(self) -> None:
+        with self._cond:
+            new = list(self._inbox)
+            self._inbox.clear()
+        for h in new:
+            self._take(h)
+
+    def _take(self, h: Handle) -> None:
+        if not self.batched:
+            self._serial.append(h)
+            return
+        from dflash2_trt.runtime import batch as B
+
+        r, mode = h._req, h._req.selector
+        try:
+            dec = self._decoders.get(mode)
+            if dec is None:
+                from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+
+                be = self.gen._backend
+                dec = B.BatchDecoder(OrtBatchedTargetRunner.from_backend(be, self.max_batch),
+                                     lambda: be.draft_runner(mode), B.SpeculationRule(adaptive=self.adaptive))
+                self._decoders[mode], self._live[mode] = dec, {}
+            i = dec.submit(B.BatchRequest(r.prompt, r.max_new_tokens, r.temperature, r.seed, r.eos_ids,
+                                          r.speculative))
+        except DFlash2Error as e:  # checked in submit already; whatever is left fails this request alone
+            self._done(h, None, e)
+            return
+        self._live[mode][i] = h
+
+    def _cancel_asked(self) -> None:
+        for mode, live in self._live.items():
+            asked = [i for i, h in live.items() if h._cancel.is_set()]
+            for i in asked:
+                live[i]._stopped = True
+                self._decoders[mode].cancel(i)
+            if asked:
+                self._deliver(mode)
+
+    def _step(self) -> None:
+        for mode, dec in list(self._decoders.items()):
+            if not dec.busy:
+                continue
+            try:
+                dec.step()
+            except Exception as e:  # noqa: BLE001 - fails this decoder's requests, not the loop
+                err = DFlash2Error(f"batch step failed: {type(e).__name__}: {e}")
+                for h in self._live.pop(mode).values():
+                    self._done(h, None, err)
+                del self._decoders[mode]
+                continue
+            self._deliver(mode)
+
+    def _deliver(self, mode: str) -> None:
+        """Each sequence's tokens committed since the last delivery -> chunks; finished ones -> results."""
+        dec, live = self._decoders[mode], self._live[mode]
+        stepped = 0
+        for i, h in list(live.items()):
+            fin = dec.results.pop(i, None)  # popped: a long-running loop keeps no finished results
+            res = fin if fin is not None else _in_flight(dec, i)
+            if res is None:  # still waiting for a slot
+                continue
+            new = res.tokens[len(h._tokens):]
+            if new:
+                stepped += 1
+                if not h._tokens:  # the prefill's first token is a chunk of its own
+                    h._emit(new[:1], None)
+                    new = new[1:]
+            if new:  # one plain step's token or one cycle's tokens (a step runs one or the other)
+                cycled = len(res.accepted) > h._cycles
+                h._cycles = len(res.accepted)
+                h._emit(new, res.accepted[-1] if cycled else None)
+            if fin is not None:
+                del live[i]
+                self._done(h, fin)
+        if stepped:  # a new dict each time: Generator.batch_sizes copies it from other threads
+            self.gen._batch_sizes = {**self.gen._batch_sizes, stepped: self.gen._batch_sizes.get(stepped, 0) + 1}
+
+    def _drop_cancelled_serial(self) -> None:
+        """Queued requests of an unbatched backend whose cancel() waits: finished now, not after those before."""
+        from dflash2_trt.runtime.decoder import GenerationResult
+
+        for h in [h for h in self._serial if h._cancel.is_set()]:
+            self._serial.remove(h)
+            h._stopped = True
+            self._done(h, GenerationResult(prompt_tokens=list(h._req.prompt)))
+
+    def _serve_one(self) -> None:
+        from dflash2_trt.runtime.decoder import GenerationResult
+
+        self._drop_cancelled_serial()
+        if not self._serial:
+            return
+        h = self._serial.popleft()
+        cycle: list[int | None] = [None]
+
+        def on_cycle(accepted: int, rows: int) -> None:
+            cycle[0] = accepted
+
+        def on_tokens(new: list[int]) -> None:
+            if h._cancel.is_set():
+                raise _Cancelled
+            h._emit(new, cycle[0])
+            cycle[0] = None
+            self._take_inbox()
+            self._drop_cancelled_serial()
+
+        try:
+            with self.gen._lock:
+                res = self.gen._run(h._req, (on_tokens, on_cycle))
+        except _Cancelled:
+            h._stopped = True
+            res = GenerationResult(prompt_tokens=list(h._req.prompt), tokens=list(h._tokens))
+        except Exception as e:  # noqa: BLE001 - fails this request, not the loop
+            self._done(h, None, e if isinstance(e, DFlash2Error) else
+                       DFlash2Error(f"decoding failed: {type(e).__name__}: {e}"))
+            return
+        self._done(h, res)
+
+
+def _in_flight(dec: Any, i: int) -> Any:
+    """The GenerationResult of request ``i`` of a BatchDecoder while it decodes (None while queued).
+    BatchDecoder exposes finished results only (``results``); this reads its active table."""
+    s = dec._active.get(i)
+    return None if s is None else s.res
 
 
 def load(model_dir: str | Path, backend: str = "auto", threads: int | None = None,

@@ -28,6 +28,9 @@ PROPOSERS = ("dflash2", "ngram", "auto")
 # the API's, CLI's and Triton model's default: side by side on a quiet machine (README, issue #25) `auto` was
 # 1.43x / 1.10x / 1.27x the drafter alone on HumanEval / MT-Bench / long code, and never below it
 DEFAULT_PROPOSER = "auto"
+# How a server's batch loop drafts (the Triton model's ``speculation``): only while the load-adaptive rule of
+# runtime/batch.py says it pays | every step | never (batched plain decoding).
+SPECULATION_MODES = ("adaptive", "always", "off")
 # The fused ONNX Runtime target's attention op: auto (DecodeAttention when its library is built) | the custom op |
 # ORT's GroupQueryAttention (runtime/ort/decode_attention.py).
 ORT_ATTENTIONS = ("auto", "decode", "gqa")

@@ -1,11 +1,13 @@
 """Triton model repository (``dflash2-export --triton-repo``) served by the real ``tritonserver`` of the PyPI
 nvidia-pytriton wheel on loopback (CPU, python backend, ONNX Runtime inside), streamed with tritonclient's gRPC
 client and compared token for token with the Python runtime (``runtime.decoder.speculative_generate`` on the
-same export): the accepting make-tiny pair (drafts committed on most cycles) and SmolLM2-135M-Instruct with
+same export, the server's batch loop with one request): the accepting make-tiny pair (drafts committed on most cycles) and SmolLM2-135M-Instruct with
 the shipped drafter. Also: the config files
 parse with tritonclient's ModelConfig (unknown fields rejected), tensorrt_plan models when engines exist,
-16 concurrent streaming clients, bad requests beside a good one, a client that disconnects mid-stream, and a
-clean shutdown that leaves no process behind. Every server is started and stopped by the test itself.
+16 concurrent streams decoded in one continuous batch with cancellations and bad requests mixed in (batch
+sizes > 1 observed, every stream its own output), bad requests beside a good one, a client that disconnects
+mid-stream, and a clean shutdown that leaves no process behind. Every server is started and stopped by the test
+itself.
 """
 
 from __future__ import annotations
@@ -130,8 +132,10 @@ def _processes_using(path: Path) -> list[str]:
 
 @dataclass
 class Expected:
-    """What the public API streams for one request (the server decodes through it: they must agree chunk for
-    chunk), and its per-cycle acceptance."""
+    """What the public API streams for one request decoded alone by the batch loop (``Generator.submit``, drafting
+    every step: the servers here run ``speculation always``; the server decodes through it, and with drafting
+    every step a sequence's chunks do not depend on what shares its steps: they must agree chunk for chunk), and
+    its per-cycle acceptance."""
 
     chunks: list
     accepted: list[int]
@@ -139,7 +143,9 @@ class Expected:
 
 def expected(export: Path, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
              mode: str = "greedy") -> Expected:
-    chunks = list(_generator(export).stream(prompt, max_tokens, temperature, seed, mode, guard=False, chat=False))
+    g = _generator(export)
+    g.set_batching(adaptive=False)
+    chunks = list(g.submit(prompt, max_tokens, temperature, seed, mode, chat=False))
     return Expected(chunks, [c.accepted for c in chunks if c.accepted is not None])
 
 
@@ -197,6 +203,8 @@ def test_repo_configs_parse_strictly(tiny_export, tmp_path):
     assert all(i["optional"] for i in c["input"])
     assert c["instanceGroup"] == [{"count": 3, "kind": "KIND_CPU"}]
     assert c["parameters"]["default_selector_mode"] == {"stringValue": "viterbi"}
+    assert c["parameters"]["max_batch"] == {"stringValue": "8"}  # the batch loop's defaults
+    assert c["parameters"]["speculation"] == {"stringValue": "adaptive"}
     assert (repo / MODEL / "1" / "model.py").read_text() == T.TEMPLATE.read_text()
     # the export travels inside the repository (hard links: same inode where the filesystem allows)
     w = repo / MODEL / "1" / "export" / "weights.bin"
@@ -214,6 +222,10 @@ def test_repo_configs_parse_strictly(tiny_export, tmp_path):
         T.write_triton_repo(tiny_export, repo)
     with pytest.raises(DFlash2Error, match="instances"):
         T.write_triton_repo(tiny_export, tmp_path / "r2", instances=0)
+    with pytest.raises(DFlash2Error, match="--triton-max-batch must be >= 1"):
+        T.write_triton_repo(tiny_export, tmp_path / "r2", max_batch=0)
+    with pytest.raises(DFlash2Error, match="--triton-speculation must be one of adaptive, always, off, got 'x'"):
+        T.write_triton_repo(tiny_export, tmp_path / "r2", speculation="x")
     assert not (tmp_path / "r2").exists()
 
 
@@ -257,10 +269,13 @@ def test_cli_triton_repo_from_existing_export(tiny_export, tmp_path, capsys):
     from dflash2_trt.cli import main
 
     repo = tmp_path / "repo"
-    assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo), "--triton-instances", "2"]) == 0
+    assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo), "--triton-instances", "2",
+                 "--triton-max-batch", "3", "--triton-speculation", "off"]) == 0
     out = capsys.readouterr().out
     assert f"wrote Triton model repository {repo}" in out and "tritonserver" in out
-    assert T.summary(repo)[MODEL]["instanceGroup"][0]["count"] == 2
+    c = T.summary(repo)[MODEL]
+    assert c["instanceGroup"][0]["count"] == 2
+    assert c["parameters"]["max_batch"] == {"stringValue": "3"} and c["parameters"]["speculation"] == {"stringValue": "off"}
     assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo)]) == 0  # ours: replaced
     capsys.readouterr()
     (repo / "notes.txt").write_text("mine")
@@ -270,9 +285,9 @@ def test_cli_triton_repo_from_existing_export(tiny_export, tmp_path, capsys):
 
 
 # -- the real server: the make-tiny pairs ---------------------------------------------------------------------------
-def _server(export, root):  # noqa: ANN001, ANN202
+def _server(export, root, instances, max_batch):  # noqa: ANN001, ANN202
     repo = root / "repo"
-    T.write_triton_repo(export, repo, instances=2, ort_threads=1)
+    T.write_triton_repo(export, repo, instances=instances, max_batch=max_batch, speculation="always", ort_threads=1)
     srv = serve(repo, root / "server.log")
     srv.start()
     try:
@@ -285,14 +300,16 @@ def _server(export, root):  # noqa: ANN001, ANN202
 
 @pytest.fixture(scope="module")
 def acc_server(acc_export, tmp_path_factory):
-    """The accepting make-tiny pair's repository (drafts are committed on most cycles) under tritonserver."""
-    yield from _server(acc_export, tmp_path_factory.mktemp("triton_acc"))
+    """The accepting make-tiny pair's repository (drafts are committed on most cycles) under tritonserver: one
+    instance batching up to 6 requests."""
+    yield from _server(acc_export, tmp_path_factory.mktemp("triton_acc"), instances=1, max_batch=6)
 
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_export, tmp_path_factory):
-    """The plain make-tiny pair (τ ≈ 1: long requests stay in flight long enough to be cut off mid-stream)."""
-    yield from _server(tiny_export, tmp_path_factory.mktemp("triton_tiny"))
+    """The plain make-tiny pair (τ ≈ 1: long requests stay in flight long enough to be cut off mid-stream): two
+    instances batching up to 4 requests each."""
+    yield from _server(tiny_export, tmp_path_factory.mktemp("triton_tiny"), instances=2, max_batch=4)
 
 
 def test_tiny_streams_equal_the_runtime(acc_server, acc_export):
@@ -314,38 +331,80 @@ def test_tiny_streams_equal_the_runtime(acc_server, acc_export):
     ids = tok.apply_chat_template([{"role": "user", "content": msg}]) if tok.chat_template else tok.encode(msg)
     check_against_runtime(run_request(url, text=msg, max_tokens=12), acc_export, ids, 12)
     # the server log says which backend runs the loop
-    assert acc_server.log().count("using ONNX Runtime (CPUExecutionProvider)") == 2  # one line per instance
+    assert acc_server.log().count("using ONNX Runtime (CPUExecutionProvider)") == 1  # one line per instance
 
 
-def test_tiny_16_concurrent_streaming_clients(acc_server, acc_export):
+def test_tiny_16_concurrent_streams_share_one_batch(acc_server, acc_export):
+    """16 clients at once on one instance batching 6: 11 good requests (T = 0 and T > 0, two draft modes, so two
+    decoders), 3 that their clients cancel mid-stream and 2 bad ones. Every good stream equals the same request
+    decoded alone chunk for chunk (greedy ones: the target's own tokens), the cancelled ones got a prefix of
+    theirs and freed their slots, the bad ones got their error and nothing else; batch steps decoded several
+    sequences together (the model's dflash2_batch_steps gauge)."""
+    from helpers import assert_accepts
+
+    url = acc_server.grpc_url
+    before = _metrics(acc_server)
+    kinds = ["good"] * 11 + ["cancel"] * 3 + ["bad"] * 2
+    order = [0, 11, 1, 2, 14, 3, 4, 12, 5, 6, 7, 15, 8, 13, 9, 10]  # kinds interleaved in arrival order
     reqs = [{"ids": [1 + i, 5, 9 + 2 * i, 22], "max_tokens": 10 + i % 7, "temperature": (0.0, 0.8)[i % 2],
-             "seed": i, "mode": ("greedy", "viterbi")[i // 2 % 2]} for i in range(16)]
+             "seed": i, "mode": ("greedy", "viterbi")[i // 2 % 2]} for i in range(11)]
+    reqs += [{"ids": [2 + i, 3, 4], "max_tokens": 400} for i in range(3)]  # cancelled after 3 responses
+    reqs += [{"ids": [1, 10**6], "max_tokens": 5}, {"ids": [1, 2], "mode": "bogus"}]
     results: list = [None] * 16
+    start = threading.Barrier(16)
 
     def client(i: int) -> None:
-        results[i] = run_request(acc_server.grpc_url, **reqs[i])
+        start.wait()
+        s = Stream(url, _inputs(**reqs[i]), request_id=f"r{i}")
+        if kinds[i] != "cancel":
+            results[i] = s.collect()
+            return
+        got = [s.next() for _ in range(3)]
+        s.close(cancel=True)
+        results[i] = got
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in order]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
-    from helpers import assert_accepts
-
     greedy = []
-    for r, out in zip(reqs, results):
-        ref = check_against_runtime(out, acc_export, r["ids"], r["max_tokens"], temperature=r["temperature"],
-                                    seed=r["seed"], mode=r["mode"])
-        greedy += ref.accepted if r["temperature"] == 0 else []
-    assert_accepts(greedy, 15, "16 clients, T = 0")
-    # Triton's metrics endpoint shows the model, and the custom gauge is back to zero
+    for i, out in enumerate(results):
+        if kinds[i] == "good":
+            r = reqs[i]
+            ref = check_against_runtime(out, acc_export, r["ids"], r["max_tokens"], temperature=r["temperature"],
+                                        seed=r["seed"], mode=r["mode"])
+            greedy += ref.accepted if r["temperature"] == 0 else []
+        elif kinds[i] == "cancel":
+            assert all(err is None and resp is not None for resp, err, _ in out), out
+            ids = [t for resp, _, _ in out for t in resp["ids"]]
+            ref = [t for c in expected(acc_export, reqs[i]["ids"], 400).chunks for t in c.tokens]
+            assert ids == ref[:len(ids)]
+        else:
+            assert out["chunks"] == [] and out["error"] is not None
+    assert "out of range" in results[14]["error"] and "draft mode must be one of" in results[15]["error"]
+    assert_accepts(greedy, 8, "16 clients, T = 0")
+    deadline = time.monotonic() + 60
+    while _metric_sum(_metrics(acc_server), "dflash2_active_requests") and time.monotonic() < deadline:
+        time.sleep(0.2)  # the cancelled requests' forwarders notice within 0.1 s
     text = _metrics(acc_server)
-    assert _metric_sum(text, "nv_inference_request_success") >= 16
-    assert 'nv_inference_request_success{model="dflash2",version="1"}' in text
-    assert 'dflash2_active_requests{instance="dflash2_0_0",model="dflash2"} 0' in text
-    # both instances decoded some of them (concurrency through model instances)
-    served = dict(re.findall(r'^dflash2_requests{instance="(\w+)",model="dflash2"} (\S+)$', text, flags=re.M))
-    assert set(served) == {"dflash2_0_0", "dflash2_0_1"} and all(float(v) > 0 for v in served.values()), served
+    assert _metric_sum(text, "dflash2_active_requests") == 0
+    assert _metric_sum(text, "dflash2_cancelled_requests") == _metric_sum(before, "dflash2_cancelled_requests") + 3
+    assert _metric_sum(text, "dflash2_requests") == _metric_sum(before, "dflash2_requests") + 14
+    sizes = {int(k): float(v) for k, v in re.findall(r'^dflash2_batch_steps{[^}]*size="(\d+)"[^}]*} (\S+)$', text,
+                                                      flags=re.M)}
+    assert sum(v for k, v in sizes.items() if k > 1) > 0 and max(sizes) <= 6, sizes  # batching happened
+    # every slot is free again: 6 new requests decode together and equal their references
+    again = [threading.Thread(target=lambda i=i: results.__setitem__(i, run_request(url, **reqs[i])))
+             for i in range(6)]
+    for t in again:
+        t.start()
+    for t in again:
+        t.join(timeout=300)
+    for i in range(6):
+        check_against_runtime(results[i], acc_export, reqs[i]["ids"], reqs[i]["max_tokens"],
+                              temperature=reqs[i]["temperature"], seed=reqs[i]["seed"], mode=reqs[i]["mode"])
+    assert "Stub process" not in acc_server.log()
 
 
 BAD = [  # (request, part of the error message)
@@ -454,7 +513,7 @@ def test_smollm2_shipped_drafter_streams_equal_the_runtime(tmp_path):
     export = cached_export("smollm2", demo_drafter_path(), progress=False, max_seq_len=DEMO_MAX_SEQ_LEN,
                            draft_vocab=DEMO_DRAFT_VOCAB)  # = the demo's export
     repo = tmp_path / "repo"
-    T.write_triton_repo(export, repo, instances=1, verify_checksums=False)
+    T.write_triton_repo(export, repo, instances=1, verify_checksums=False, speculation="always")
     tok = TextTokenizer(export)
     cases = [("What is the capital of France?", {"max_tokens": 32}),
              ("Write a Python function that reverses a string.", {"max_tokens": 32, "mode": "viterbi"}),

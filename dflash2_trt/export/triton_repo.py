@@ -5,6 +5,7 @@
 
     triton options: --triton-model-name NAME (dflash2) --triton-instances N (1) --triton-backend auto|ort|trt
                     --triton-selector greedy|viterbi|independent --triton-max-tokens N (128: a request's default)
+                    --triton-max-batch N (8) --triton-speculation adaptive|always|off
 
 Layout (written into a temporary folder beside DIR and moved into place whole; an existing DIR is replaced
 only when it is a repository we wrote, see :mod:`dflash2_trt.outdir`)::
@@ -27,8 +28,11 @@ written text back (protobuf text format rejects unknown fields).
 
 Serving the repository (the bundled server, its command and environment) is :mod:`dflash2_trt.serving`'s.
 
-Concurrency is ``instance_group`` count (one request per instance at a time, each with its own runners and
-caches); the runtime decodes one sequence per runner, so requests are not batched into shared steps.
+Concurrency: each instance decodes all the requests it holds in one continuous batch (``Generator.submit``: up
+to ``--triton-max-batch`` sequences share each step, more wait for a slot; ``--triton-speculation``: drafting
+load-adaptive, every step, or never); ``instance_group`` count (``--triton-instances``) adds independent
+instances, each with its own runners and caches (``--triton-max-batch 1 --triton-instances N``: N requests at a
+time, each decoded alone).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import GraphSpec, read_manifest
 from dflash2_trt.outdir import TempFolder, check_replace, repo_owner, write_error, write_repo_record
-from dflash2_trt.vocabulary import BACKEND_CHOICES, DRAFT_MODES
+from dflash2_trt.vocabulary import BACKEND_CHOICES, DRAFT_MODES, SPECULATION_MODES
 
 TEMPLATE = Path(__file__).resolve().parent / "triton_templates" / "dflash2_model.py"
 DEFAULT_MODEL_NAME = "dflash2"
@@ -100,7 +104,8 @@ def _copy_tree(src: Path, dst: Path) -> None:
 
 
 def python_model_config(name: str, instances: int, backend: str, default_mode: str, default_max_tokens: int,
-                        max_tokens_limit: int, ort_threads: int, verify_checksums: bool) -> Any:
+                        max_tokens_limit: int, ort_threads: int, verify_checksums: bool, max_batch: int = 8,
+                        speculation: str = "adaptive") -> Any:
     pb, _ = _pb()
     cfg = pb.ModelConfig(name=name, backend="python", max_batch_size=0)
     cfg.model_transaction_policy.decoupled = True
@@ -112,7 +117,8 @@ def python_model_config(name: str, instances: int, backend: str, default_mode: s
     cfg.instance_group.add(count=instances, kind=pb.ModelInstanceGroup.Kind.KIND_CPU)
     params = {"export_dir": EXPORT_SUBDIR, "backend": backend, "default_selector_mode": default_mode,
               "default_max_tokens": str(default_max_tokens), "max_tokens_limit": str(max_tokens_limit),
-              "ort_threads": str(ort_threads), "verify_checksums": "true" if verify_checksums else "false"}
+              "ort_threads": str(ort_threads), "verify_checksums": "true" if verify_checksums else "false",
+              "max_batch": str(max_batch), "speculation": speculation}
     for k, v in params.items():
         cfg.parameters[k].string_value = v
     return cfg
@@ -142,7 +148,7 @@ def plan_model_config(name: str, graph: GraphSpec, plugin_file: str | None) -> A
 def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_name: str = DEFAULT_MODEL_NAME,
                       instances: int = 1, backend: str = "auto", default_mode: str = "greedy",
                       default_max_tokens: int = 128, ort_threads: int = 0, verify_checksums: bool = True,
-                      overwrite: bool = False) -> list[str]:
+                      max_batch: int = 8, speculation: str = "adaptive", overwrite: bool = False) -> list[str]:
     """Write the model repository for ``export_dir`` into ``repo_dir``; returns the model names written.
     ``overwrite``: replace a repository of ours that holds files its record does not list (named first)."""
     export_dir, repo = Path(export_dir), Path(repo_dir)
@@ -151,6 +157,10 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
         raise DFlash2Error(f"--triton-instances must be >= 1, got {instances}")
     if backend not in BACKEND_CHOICES:
         raise DFlash2Error(f"--triton-backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
+    if max_batch < 1:
+        raise DFlash2Error(f"--triton-max-batch must be >= 1, got {max_batch}")
+    if speculation not in SPECULATION_MODES:
+        raise DFlash2Error(f"--triton-speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
     m.check_draft_mode(default_mode)
     if not 1 <= default_max_tokens <= m.max_seq_len:
         raise DFlash2Error(f"--triton-max-tokens must be in [1, {m.max_seq_len}], got {default_max_tokens}")
@@ -158,7 +168,7 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
     try:
         with TempFolder(repo, "triton") as t:
             names = _write_repo(t.path, export_dir, m, model_name, instances, backend, default_mode,
-                                default_max_tokens, ort_threads, verify_checksums)
+                                default_max_tokens, ort_threads, verify_checksums, max_batch, speculation)
             write_repo_record(t.path)
             if not overwrite:
                 check_replace(repo, "--triton-repo", repo_owner)  # again: it may have changed meanwhile
@@ -169,12 +179,13 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
 
 
 def _write_repo(tmp: Path, export_dir: Path, m, model_name: str, instances: int, backend: str,  # noqa: ANN001
-                default_mode: str, default_max_tokens: int, ort_threads: int, verify_checksums: bool) -> list[str]:
+                default_mode: str, default_max_tokens: int, ort_threads: int, verify_checksums: bool, max_batch: int,
+                speculation: str) -> list[str]:
     """Build the repository in ``tmp``; returns the model names."""
     names = [model_name]
     mdir = tmp / model_name
     _write_config(mdir, python_model_config(model_name, instances, backend, default_mode, default_max_tokens,
-                                            m.max_seq_len, ort_threads, verify_checksums))
+                                            m.max_seq_len, ort_threads, verify_checksums, max_batch, speculation))
     (mdir / "1").mkdir()
     shutil.copy2(TEMPLATE, mdir / "1" / "model.py")
     _copy_tree(export_dir, mdir / "1" / EXPORT_SUBDIR)
@@ -202,6 +213,10 @@ def add_triton_options(p: argparse.ArgumentParser, required: bool = False) -> No
     p.add_argument("--triton-selector", choices=DRAFT_MODES, default="greedy",
                    help="default selector mode (a request may choose another)")
     p.add_argument("--triton-max-tokens", type=V.COUNT, default=128, help="default max tokens of a request")
+    p.add_argument("--triton-max-batch", type=V.integer(1, 1024), default=8,
+                   help="requests an instance decodes together in one continuous batch (more wait for a slot)")
+    p.add_argument("--triton-speculation", choices=SPECULATION_MODES, default="adaptive",
+                   help="drafting in the batch: while the load-adaptive rule says it pays, every step, or never")
 
 
 def run_write(export_dir: str | Path, a: argparse.Namespace) -> int:
@@ -209,7 +224,8 @@ def run_write(export_dir: str | Path, a: argparse.Namespace) -> int:
     print what was written (user errors raise DFlash2Error: one line from the CLI)."""
     names = write_triton_repo(export_dir, a.triton_repo, model_name=a.triton_model_name, instances=a.triton_instances,
                               backend=a.triton_backend, default_mode=a.triton_selector,
-                              default_max_tokens=a.triton_max_tokens, overwrite=getattr(a, "overwrite", False))
+                              default_max_tokens=a.triton_max_tokens, max_batch=a.triton_max_batch,
+                              speculation=a.triton_speculation, overwrite=getattr(a, "overwrite", False))
     print(f"wrote Triton model repository {a.triton_repo} (models: {', '.join(names)})")
     return 0
 

@@ -2,14 +2,14 @@
 as ``<repo>/<model>/1/model.py``; the export folder it runs sits beside it in ``1/export/``).
 
 Decoupled: one request streams one response per committed chunk (the prefill's first token, then each
-cycle's accepted drafts + bonus token), then a final response flagged FINAL that carries the request's
+cycle's accepted drafts + bonus token or plain step's token), then a final response flagged FINAL that carries the request's
 totals. Inputs (one of ``text_input`` / ``input_ids``; the rest optional)::
 
     text_input     BYTES [1]   a user message, rendered with the target's chat template (raw text if none)
     input_ids      INT64 [-1]  prompt token ids, used as they are
     max_tokens     INT32 [1]   default: parameter default_max_tokens; at most parameter max_tokens_limit
     temperature    FP32  [1]   0 = greedy (default); > 0 samples (lossless rejection sampling)
-    seed           INT64 [1]   the request's random stream (default 0): equal seeds give equal tokens
+    seed           INT64 [1]   the request's random stream (default 0; see parameter speculation below)
     selector_mode  BYTES [1]   greedy | viterbi | independent (default: parameter default_selector_mode)
 
 Outputs of every response::
@@ -20,14 +20,19 @@ Outputs of every response::
                             ([] for the prefill's token and plain steps); final response: every cycle's count
     tau          FP32  [1]  chunk responses: mean (accepted + 1) over the cycles so far; final: the request's τ
 
-An instance decodes through the public API (one :class:`dflash2_trt.api.Generator`, its caches reset at every
-request, so requests never share state); it runs one request at a time and concurrency comes from
-``instance_group`` count. Parameter ``guard`` ("false" by default): "true" lets the acceptance guard run plain
-target steps (chunks with ``accepted`` []); it decides from measured timings, so a seed then fixes the
-sampling law but not the tokens. A bad request gets one Triton error (INVALID_ARG) and
-leaves the instance serving; a cancelled request (the client cancelled or disconnected) stops at the next
-chunk. Custom metrics, per instance: ``dflash2_active_requests`` (gauge),
-``dflash2_requests`` (counter: requests that started decoding) and ``dflash2_cancelled_requests`` (counter).
+An instance decodes through the public API: one :class:`dflash2_trt.api.Generator` whose background loop
+(``Generator.submit``) decodes every request the instance holds in one continuous batch — ``execute`` only
+submits and returns (decoupled), a thread per request forwards its chunks, so concurrent requests join and
+leave the shared steps (up to parameter ``max_batch`` at a time; more wait in arrival order). Parameter
+``speculation`` (of ``dflash2_trt.vocabulary.SPECULATION_MODES``): ``adaptive`` (default) drafts for a sequence
+only while the load-adaptive rule says it pays (at high load: batched plain decoding), ``always`` drafts every
+step, ``off`` never drafts. Greedy output is the target's own either way; at T > 0 a seed fixes the tokens with
+``always`` / ``off`` and the sampling law with ``adaptive`` (the rule decides from measured timings). A bad
+request gets one Triton error (INVALID_ARG) and is never queued; a cancelled request (the client cancelled or
+disconnected, checked at least every 0.1 s) leaves the batch at the next step, freeing its slot. Custom
+metrics, per instance: ``dflash2_active_requests`` (gauge), ``dflash2_requests`` (counter: requests queued for
+decoding), ``dflash2_cancelled_requests`` (counter) and ``dflash2_batch_steps`` (gauge, label ``size``: batch
+steps that decoded ``size`` sequences together, updated as requests end).
 """
 
 import os
@@ -48,12 +53,14 @@ _add_python_path()
 
 import json  # noqa: E402
 import math  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from dflash2_trt.errors import DFlash2Error  # noqa: E402
+from dflash2_trt.vocabulary import SPECULATION_MODES  # noqa: E402
 
 
 def _scalar(request, name: str):  # noqa: ANN001, ANN202
@@ -81,10 +88,15 @@ class TritonPythonModel:
         self.dir = Path(args["model_repository"]) / args["model_version"] / params.get("export_dir", "export")
         self.name = f"{cfg['name']}/{args['model_instance_name']}"
         threads = int(params.get("ort_threads", "0")) or None
+        speculation = params.get("speculation", "adaptive")
+        if speculation not in SPECULATION_MODES:
+            raise DFlash2Error(f"parameter speculation must be one of {', '.join(SPECULATION_MODES)}, "
+                               f"got {speculation!r}")
         self.gen = dflash2_trt.load(self.dir, params.get("backend", "auto"), threads=threads,
                                     verify_checksums=params.get("verify_checksums", "true") == "true")
         pb_utils.Logger.log_info(f"dflash2 {self.name}: {self.gen.note}")
-        self.guard = params.get("guard", "false") == "true"
+        self.speculative = speculation != "off"
+        self.gen.set_batching(int(params.get("max_batch", "8")), adaptive=speculation == "adaptive")
         self.default_mode = params.get("default_selector_mode", "greedy")
         self.default_max_tokens = int(params.get("default_max_tokens", "128"))
         self.max_tokens_limit = int(params.get("max_tokens_limit", "4096"))
@@ -98,6 +110,13 @@ class TritonPythonModel:
                                                  kind=pb_utils.MetricFamily.COUNTER)
         self.f_requests = pb_utils.MetricFamily(name="dflash2_requests", description="DFlash 2 requests decoded",
                                                 kind=pb_utils.MetricFamily.COUNTER)
+        self.f_batch = pb_utils.MetricFamily(name="dflash2_batch_steps",
+                                             description="batch steps that decoded `size` sequences together",
+                                             kind=pb_utils.MetricFamily.GAUGE)
+        self.labels, self.m_batch = labels, {}
+        # every call into the python backend (send, is_cancelled, metrics, log) under one lock: the forwarding
+        # threads made concurrent calls that crashed the server (boost::interprocess::lock_exception)
+        self.ipc = threading.RLock()
         self.m_active = self.f_active.Metric(labels=labels)
         self.m_requests = self.f_requests.Metric(labels=labels)
         self.m_cancelled = self.f_cancelled.Metric(labels=labels)
@@ -105,9 +124,10 @@ class TritonPythonModel:
     def execute(self, requests: list) -> None:
         for request in requests:
             try:
-                self._serve(request)
+                self._submit(request)
             except Exception as e:  # noqa: BLE001 - nothing may escape: the stub would be marked unhealthy
-                pb_utils.Logger.log_error(f"dflash2 {self.name}: {type(e).__name__}: {e}")
+                with self.ipc:
+                    pb_utils.Logger.log_error(f"dflash2 {self.name}: {type(e).__name__}: {e}")
                 try:
                     self._send_error(request.get_response_sender(), f"internal error: {type(e).__name__}: {e}",
                                      pb_utils.TritonError.INTERNAL)
@@ -144,45 +164,68 @@ class TritonPythonModel:
         mode = _scalar(request, "selector_mode") or self.default_mode
         return {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "mode": mode}
 
-    def _serve(self, request) -> None:  # noqa: ANN001
-        sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    def _submit(self, request) -> None:  # noqa: ANN001
+        """Check and queue one request, then forward its chunks from a thread of its own."""
         try:
-            spec = self._parse(request)
-            self.gen.check_selector(spec["mode"])
+            with self.ipc:
+                sender = request.get_response_sender()
+                request_id = request.request_id()
+                spec = self._parse(request)
+            handle = self.gen.submit(spec["prompt"], spec["max_tokens"], spec["temperature"], spec["seed"],
+                                     spec["mode"], chat=False, speculative=self.speculative)
         except (DFlash2Error, ValueError, UnicodeError) as e:
             self._send_error(sender, str(e))
             return
+        with self.ipc:
+            self.m_active.increment(1)
+            self.m_requests.increment(1)
+        threading.Thread(target=self._forward, args=(sender, handle, request_id), daemon=True,
+                         name="dflash2-forward").start()
+
+    def _forward(self, sender, handle, request_id: str) -> None:  # noqa: ANN001
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         tokens, accepted = 0, []
-        self.m_active.increment(1)
-        self.m_requests.increment(1)
-        chunks = self.gen.stream(spec["prompt"], spec["max_tokens"], spec["temperature"], spec["seed"],
-                                 spec["mode"], self.guard, chat=False)
         try:
-            for c in chunks:
-                if sender.is_cancelled():
-                    chunks.close()  # the decoding stops at its next step
-                    self.m_cancelled.increment(1)
-                    pb_utils.Logger.log_info(f"dflash2 {self.name}: request {request.request_id()!r} cancelled "
-                                             f"after {tokens} tokens")
-                    try:
-                        sender.send(flags=final)
-                    except Exception:  # noqa: BLE001 - the stream may already be gone; nothing is left to free
-                        pass
+            for c in handle.chunks(poll=0.1):
+                with self.ipc:
+                    cancelled = sender.is_cancelled()
+                if cancelled:
+                    handle.cancel()  # out of the batch: its slot is free when this returns
+                    with self.ipc:
+                        self.m_cancelled.increment(1)
+                        pb_utils.Logger.log_info(f"dflash2 {self.name}: request {request_id!r} cancelled after "
+                                                 f"{tokens} tokens")
+                        try:
+                            sender.send(flags=final)
+                        except Exception:  # noqa: BLE001 - the stream may already be gone; nothing is left to free
+                            pass
                     return
+                if c is None:
+                    continue
                 tokens += len(c.tokens)
                 acc = [] if c.accepted is None else [c.accepted]
                 accepted += acc
-                sender.send(self._response(c.tokens, c.text, acc, self._tau(accepted)))
-            sender.send(self._response([], "", accepted, self._tau(accepted)), flags=final)
+                with self.ipc:
+                    sender.send(self._response(c.tokens, c.text, acc, self._tau(accepted)))
+            with self.ipc:
+                sender.send(self._response([], "", accepted, self._tau(accepted)), flags=final)
         except DFlash2Error as e:
             self._send_error(sender, str(e))
         except Exception as e:  # noqa: BLE001 - an unexpected failure fails this request, not the instance
-            pb_utils.Logger.log_error(f"dflash2 {self.name}: {type(e).__name__}: {e}")
-            self._send_error(sender, f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+            try:
+                with self.ipc:
+                    pb_utils.Logger.log_error(f"dflash2 {self.name}: {type(e).__name__}: {e}")
+                self._send_error(sender, f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+            except Exception:  # noqa: BLE001 - the stream is gone
+                pass
         finally:
-            chunks.close()
-            self.m_active.increment(-1)
+            handle.cancel()  # no effect once finished; frees the slot when sending failed mid-stream
+            with self.ipc:
+                self.m_active.increment(-1)
+                for size, steps in self.gen.batch_sizes.items():
+                    if size not in self.m_batch:
+                        self.m_batch[size] = self.f_batch.Metric(labels={**self.labels, "size": str(size)})
+                    self.m_batch[size].set(steps)
 
     @staticmethod
     def _tau(accepted: list[int]) -> float:
@@ -198,9 +241,9 @@ class TritonPythonModel:
             pb_utils.Tensor("tau", np.asarray([tau], dtype=np.float32)),  # [1]
         ])
 
-    @staticmethod
-    def _send_error(sender, message: str, code=None) -> None:  # noqa: ANN001
-        code = pb_utils.TritonError.INVALID_ARG if code is None else code
-        error = pb_utils.TritonError(f"dflash2: {message}", code)
-        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    def _send_error(self, sender, message: str, code=None) -> None:  # noqa: ANN001
+        with self.ipc:
+            code = pb_utils.TritonError.INVALID_ARG if code is None else code
+            error = pb_utils.TritonError(f"dflash2: {message}", code)
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
