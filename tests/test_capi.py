@@ -204,6 +204,43 @@ def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_
     }  # fmt: skip
 
 
+def _rule_cases(rng: np.random.Generator) -> list[dict]:
+    """batch.SpeculationRule over batch.MeasuredCosts: random recorded step costs (none, some, many; below and above
+    16 samples), priors and windows, candidates' committed tokens -> t_plain(n) for n = 0..10 and the chosen set."""
+    from collections import deque
+
+    from dflash2_trt.runtime import batch as BT
+
+    cases = []
+    for i in range(60):
+        costs = BT.MeasuredCosts()
+        records = []
+        for _ in range(int(rng.integers(0, 40)) if i % 6 else 0):
+            kind, n = ["plain", "draft", "verify"][int(rng.integers(3))], int(rng.integers(1, 9))
+            sec = float(rng.uniform(0.001, 0.05)) * (1.0 if kind == "plain" else 0.3 if kind == "draft"
+                                                     else float(rng.uniform(-0.2, 1.0)))  # a verify may be < 0 (noise)
+            if kind == "plain":
+                costs.record_plain(n, sec)
+            elif kind == "draft":
+                costs.record_draft(sec)
+            else:
+                costs.record_verify(sec)
+            records.append({"kind": kind, "n": n, "s": sec})
+        rule = BT.SpeculationRule(prior_tau=float(rng.uniform(1, 5)), prior_weight=float(rng.uniform(0.5, 4)),
+                                  window=int(rng.integers(1, 8)), adaptive=bool(i % 10), costs=costs)
+        n_active = int(rng.integers(1, 9))
+        committed = [deque(rng.integers(1, 9, int(rng.integers(0, 10))).tolist(), maxlen=rule.window)
+                     for _ in range(int(rng.integers(0, n_active + 1)))]
+        cands = {10 + j: rule.tau(c) for j, c in enumerate(committed)}
+        cases.append({
+            "records": records, "prior_tau": rule.prior_tau, "prior_weight": rule.prior_weight,
+            "window": rule.window, "adaptive": rule.adaptive, "n_active": n_active,
+            "committed": [list(c) for c in committed], "tau": list(cands.values()),
+            "plain": [costs.plain(n) for n in range(11)], "chosen": sorted(rule.choose(n_active, cands)),
+        })  # fmt: skip
+    return cases
+
+
 def write_core_vectors(path: Path) -> dict:
     """Reference vectors for the coreVectors ctest (fresh random inputs from a fixed seed)."""
     rng = np.random.default_rng(1234)
@@ -249,6 +286,7 @@ def write_core_vectors(path: Path) -> dict:
         accepted = [int(rng.integers(0, k + 1)) for k in proposed]
         v["stats"].append({"accepted": accepted, "proposed": proposed.tolist(),
                            "want": ref.acceptance_stats(accepted, proposed.tolist())})
+    v["rule"] = _rule_cases(rng)
     v["loops"] = [
         _loop_case("greedy-selector-oracle", True, "selector", 0.0, 40, [], True, seed=1),
         _loop_case("greedy-vocab", True, "vocab", 0.0, 33, [], False, seed=2),
@@ -368,6 +406,12 @@ def test_core_vectors_exercise_every_branch(vectors_path):
     assert loops["greedy-eos"]["tokens"][-1] in (5, 11) and len(loops["greedy-eos"]["tokens"]) < 60
     assert any(c["op"] == "propose" and c["vocab_proposal"] for c in loops["sample-vocab"]["calls"])
     assert any(d["use"] == "draft" for d in loops["sample-selector"]["uniforms"])
+    rule = v["rule"]  # the speculation rule: every outcome, measured costs interpolated
+    assert any(c["tau"] and not c["records"] and not c["chosen"] for c in rule)  # explore: plain first
+    assert any(c["tau"] and c["records"] and len(c["chosen"]) == len(c["tau"]) and c["adaptive"] for c in rule)
+    assert any(c["records"] and 0 < len(c["chosen"]) < len(c["tau"]) for c in rule)  # some draft, some not
+    assert any(c["records"] and c["tau"] and not c["chosen"] and None not in c["plain"] for c in rule)
+    assert any(not c["adaptive"] and c["tau"] for c in rule)
 
 
 def test_core_vectors_detect_a_wrong_core(capi_build, vectors_path, tmp_path):
@@ -404,6 +448,35 @@ class _Callbacks(C.Structure):
                 ("drafter_add_context", _DA), ("drafter_propose", _DP)]
 
 
+# the batched callbacks (API 1.1), appended to dfl2_callbacks
+_BSLOT = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32)
+_BTF = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, P(C.c_int32), P(C.c_int32), P(C.c_int32), P(C.c_int32),
+                   P(C.c_float), P(C.c_float))
+_BTC = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, C.c_int32)
+_BDA = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, P(C.c_float), C.c_int32, C.c_int32)
+_BDP = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, C.c_int32, C.c_int32, C.c_int32, C.c_float, P(C.c_float),
+                   P(C.c_int32), P(C.c_float), P(C.c_int32), P(C.c_float), P(C.c_int32))
+_DONE = C.CFUNCTYPE(None, C.c_void_p, C.c_uint64, C.c_int, C.c_void_p)
+
+
+class _BatchCallbacks(_Callbacks):
+    _fields_ = [("max_batch", C.c_int32), ("batch_target_reset", _BSLOT), ("batch_target_release", _BSLOT),
+                ("batch_target_forward", _BTF), ("batch_target_crop", _BTC), ("batch_drafter_reset", _BSLOT),
+                ("batch_drafter_add_context", _BDA), ("batch_drafter_propose", _BDP)]
+
+
+class _Request(C.Structure):
+    _fields_ = [("struct_size", C.c_uint32), ("prompt", P(C.c_int32)), ("n_prompt", C.c_size_t),
+                ("options", C.c_void_p), ("on_tokens", _TOKENS), ("on_done", _DONE), ("user_data", C.c_void_p),
+                ("uniforms", _UNIFORM), ("uniforms_user_data", C.c_void_p)]
+
+
+class _BatchInfo(C.Structure):
+    _fields_ = [("max_batch", C.c_int32), ("active", C.c_int32), ("queued", C.c_int32), ("largest_step", C.c_int32),
+                ("largest_plain", C.c_int32), ("steps", C.c_int64), ("drafting_steps", C.c_int64),
+                ("cycles", C.c_int64)]
+
+
 class _Stats(C.Structure):
     _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
                 ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("per_position_cumulative", P(C.c_double)),
@@ -428,10 +501,14 @@ def lib(capi_build):
         "dfl2_session_set_uniform_source": [V, _UNIFORM, V], "dfl2_session_get_tokens": [V, P(P(C.c_int32)),
                                                                                        P(C.c_size_t)],
         "dfl2_session_get_stats": [V, P(_Stats)], "dfl2_model_load": [C.c_char_p, V, P(V)],
+        "dfl2_batch_create": [V, V, P(V)], "dfl2_batch_submit": [V, P(_Request), P(C.c_uint64)],
+        "dfl2_batch_cancel": [V, C.c_uint64], "dfl2_batch_step": [V, P(C.c_size_t)],
+        "dfl2_batch_get_result": [V, C.c_uint64, P(P(C.c_int32)), P(C.c_size_t), P(_Stats), P(C.c_int32)],
+        "dfl2_batch_get_info": [V, P(_BatchInfo)],
     }.items():  # fmt: skip
         getattr(lib, name).restype = V
         getattr(lib, name).argtypes = args
-    for name in ("dfl2_options_free", "dfl2_model_free", "dfl2_session_free"):
+    for name in ("dfl2_options_free", "dfl2_model_free", "dfl2_session_free", "dfl2_batch_free"):
         getattr(lib, name).argtypes = [V]
     return lib
 
@@ -449,13 +526,61 @@ def _check(lib, status) -> None:  # noqa: ANN001
         raise CapiError(code, msg)
 
 
-class CRuntime:
+def _c_options(lib, options: dict):  # noqa: ANN001, ANN202
+    """A dfl2_options from a dict (lists as comma-separated ids, bools as true/false); the caller frees it."""
+    opts = C.c_void_p()
+    _check(lib, lib.dfl2_options_create(C.byref(opts)))
+    try:
+        for k, v in options.items():
+            v = ",".join(map(str, v)) if isinstance(v, (list, set)) else str(v).lower() if isinstance(v, bool) else v
+            _check(lib, lib.dfl2_options_parse(opts, f"{k}={v}".encode()))
+    except BaseException:
+        lib.dfl2_options_free(opts)
+        raise
+    return opts
+
+
+def _numpy_uniforms(rng: np.random.Generator, use: int, out, n: int) -> None:  # noqa: ANN001
+    """A dfl2_uniform_fn request served from numpy's generator as the Python runtime draws: DRAFT (use 0) as
+    ``random((1, n), float32)``, ACCEPT as ``random()``."""
+    vals = rng.random((1, n), dtype=np.float32).reshape(-1) if use == 0 else np.array([rng.random()])
+    np.ctypeslib.as_array(out, (n,))[:] = vals
+
+
+def _write_draft(d: Draft, L: int, K: int, V: int, tokens, proposal, cand, vocab, used) -> None:  # noqa: ANN001
+    """A Python Draft into drafter_propose's output buffers."""
+    np.ctypeslib.as_array(tokens, (L,))[:] = d.tokens[:L]
+    np.ctypeslib.as_array(proposal, (L, K))[:] = d.proposal[:L]
+    np.ctypeslib.as_array(cand, (L, K))[:] = d.cand[:L]
+    if d.vocab_proposal is not None and vocab:
+        np.ctypeslib.as_array(vocab, (L, V))[:] = d.vocab_proposal[:L]
+        used[0] = 1
+
+
+class _CallbackHost:
+    """Python callbacks handed to the library: an exception becomes a non-zero return, kept in ``errors``."""
+
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+
+    def _guard(self, fn):  # noqa: ANN001, ANN202
+        def call(*a):  # noqa: ANN002, ANN202
+            try:
+                fn(*a)
+                return 0
+            except BaseException as e:  # noqa: BLE001 - reported to the C loop as a non-zero return
+                self.errors.append(e)
+                return 1
+        return call
+
+
+class CRuntime(_CallbackHost):
     """The C loop over Python runners (TargetRunner / DraftRunner protocol) through dfl2_callbacks."""
 
     def __init__(self, lib, target, drafter, feature_dim: int, top_k: int) -> None:  # noqa: ANN001
+        super().__init__()
         self.lib, self.target, self.drafter = lib, target, drafter
         self.V, self.F, self.K, self.L = target.vocab_size, feature_dim, top_k, drafter.block_size - 1
-        self.errors: list[BaseException] = []
         self.calls = {"forward": 0, "propose": 0, "add_context": 0}
         self._fns = [  # kept alive as long as the model
             _TR(self._guard(lambda u: target.reset())),
@@ -469,16 +594,6 @@ class CRuntime:
                         None, 0, *self._fns)
         self.model = C.c_void_p()
         _check(lib, lib.dfl2_model_create_callbacks(C.byref(cb), None, C.byref(self.model)))
-
-    def _guard(self, fn):  # noqa: ANN001, ANN202
-        def call(*a):  # noqa: ANN002, ANN202
-            try:
-                fn(*a)
-                return 0
-            except BaseException as e:  # noqa: BLE001 - reported to the C loop as a non-zero return
-                self.errors.append(e)
-                return 1
-        return call
 
     def _forward(self, u, ids, n, logits, feats) -> None:  # noqa: ANN001
         self.calls["forward"] += 1
@@ -497,23 +612,13 @@ class CRuntime:
         self.calls["propose"] += 1
         un = np.ctypeslib.as_array(uniforms, (1, self.L)).copy() if uniforms else None
         d = self.drafter.propose(anchor, pos, rows, temperature, un)
-        L, K = self.L, self.K
-        np.ctypeslib.as_array(tokens, (L,))[:] = d.tokens[:L]
-        np.ctypeslib.as_array(proposal, (L, K))[:] = d.proposal[:L]
-        np.ctypeslib.as_array(cand, (L, K))[:] = d.cand[:L]
-        if d.vocab_proposal is not None and vocab:
-            np.ctypeslib.as_array(vocab, (L, self.V))[:] = d.vocab_proposal[:L]
-            used[0] = 1
+        _write_draft(d, self.L, self.K, self.V, tokens, proposal, cand, vocab, used)
 
     def generate(self, prompt: list[int], options: dict, numpy_seed: int | None = None, cancel_after: int = 0):  # noqa: ANN201
         """-> (tokens, stats dict, streamed chunks). numpy_seed: uniforms from numpy.random.default_rng(seed)."""
         lib = self.lib
-        opts, sess = C.c_void_p(), C.c_void_p()
-        _check(lib, lib.dfl2_options_create(C.byref(opts)))
+        opts, sess = _c_options(lib, options), C.c_void_p()
         try:
-            for k, v in options.items():
-                v = ",".join(map(str, v)) if isinstance(v, (list, set)) else str(v).lower() if isinstance(v, bool) else v
-                _check(lib, lib.dfl2_options_parse(opts, f"{k}={v}".encode()))
             _check(lib, lib.dfl2_session_create(self.model, opts, C.byref(sess)))
         finally:
             lib.dfl2_options_free(opts)
@@ -526,8 +631,7 @@ class CRuntime:
         rng = np.random.default_rng(numpy_seed) if numpy_seed is not None else None
 
         def uniforms(u, use, out, n):  # noqa: ANN001, ANN202
-            vals = rng.random((1, n), dtype=np.float32).reshape(-1) if use == 0 else np.array([rng.random()])
-            np.ctypeslib.as_array(out, (n,))[:] = vals
+            _numpy_uniforms(rng, use, out, n)
             return 0
 
         tok_cb, uni_cb = _TOKENS(on_tokens), _UNIFORM(uniforms)
@@ -745,6 +849,323 @@ def test_c_loop_streaming_cancel_and_errors(lib, ort):
             c.generate(p, {"max_new_tokens": 8})
         assert e.value.code == 11 and "callback drafter_add_context returned 1" in e.value.message
         assert isinstance(c.errors[-1], AttributeError)
+    finally:
+        c.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Batched decoding: the C core (dfl2_batch) against the Python BatchDecoder on the same runners
+# --------------------------------------------------------------------------------------------------
+
+
+def _features_sum(feats) -> float:  # noqa: ANN001
+    return float(np.asarray(feats, np.float64).sum())
+
+
+class _LoggedTarget:
+    """A batched target runner whose calls are logged the way :class:`CBatch` logs the C core's callbacks."""
+
+    def __init__(self, run, log: list) -> None:  # noqa: ANN001
+        self.run, self.log = run, log
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - vocab_size, max_positions, eos_ids, free_slots, ...
+        return getattr(self.run, name)
+
+    def join(self) -> int:
+        b = self.run.join()
+        self.log.append(("reset", b))
+        return b
+
+    def leave(self, slot: int) -> None:
+        self.log.append(("release", slot))
+        self.run.leave(slot)
+
+    def crop(self, slot: int, length: int) -> None:
+        self.log.append(("crop", slot, length))
+        self.run.crop(slot, length)
+
+    def forward(self, rows: dict) -> dict:
+        self.log.append(("forward", [(b, list(r), int(self.run.lengths[b])) for b, r in rows.items()]))
+        return self.run.forward(rows)
+
+
+class _LoggedDrafter:
+    def __init__(self, d, log: list) -> None:  # noqa: ANN001
+        self.d, self.log = d, log
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - block_size, top_k
+        return getattr(self.d, name)
+
+    def reset(self) -> None:
+        self.log.append(("drafter_reset",))
+        self.d.reset()
+
+    def add_context(self, feats: np.ndarray, start: int) -> None:
+        self.log.append(("add_context", len(feats), start, _features_sum(feats)))
+        self.d.add_context(feats, start)
+
+    def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms):  # noqa: ANN001, ANN201
+        self.log.append(("propose", anchor, pos, rows))
+        return self.d.propose(anchor, pos, rows, temperature, uniforms)
+
+
+class CBatch(_CallbackHost):
+    """dfl2_batch over Python runners through the batched callbacks: a batched target runner (slots chosen by the C
+    core: each batch_target_reset must be the runner's next join) and one drafter per slot; every call logged as
+    :class:`_LoggedTarget` / :class:`_LoggedDrafter` log the Python BatchDecoder's."""
+
+    def __init__(self, lib, target, make_drafter, feature_dim: int, options: dict) -> None:  # noqa: ANN001
+        super().__init__()
+        self.lib, self.target, self.make_drafter = lib, target, make_drafter
+        self.V, self.F = target.vocab_size, feature_dim
+        d0 = make_drafter()
+        self.K, self.L, self.bs = d0.top_k, d0.block_size - 1, d0.block_size
+        self.drafters: dict = {}
+        self.log: list = []
+        self.chunks: dict[int, list[list[int]]] = {}
+        self.done: dict[int, tuple[int, int]] = {}  # request id -> (finish reason, error code)
+        self.rngs: dict[int, np.random.Generator] = {}
+        g = self._guard
+        unused = g(self._unused)
+        self._fns = [_TR(unused), _TF(unused), _TC(unused), _TR(unused), _DA(unused), _DP(unused),
+                     _BSLOT(g(self._reset)), _BSLOT(g(self._release)), _BTF(g(self._forward)), _BTC(g(self._crop)),
+                     _BSLOT(g(self._drafter_reset)), _BDA(g(self._add_context)), _BDP(g(self._propose)),
+                     _TOKENS(self._on_tokens), _DONE(self._on_done), _UNIFORM(self._uniforms)]
+        cb = _BatchCallbacks(C.sizeof(_BatchCallbacks), None, self.V, self.F, self.bs, self.K, target.max_positions,
+                             None, 0, *self._fns[:6], target.slots, *self._fns[6:13])
+        self.model, self.batch = C.c_void_p(), C.c_void_p()
+        _check(lib, lib.dfl2_model_create_callbacks(C.byref(cb), None, C.byref(self.model)))
+        opts = _c_options(lib, options)
+        try:
+            _check(lib, lib.dfl2_batch_create(self.model, opts, C.byref(self.batch)))
+        finally:
+            lib.dfl2_options_free(opts)
+
+    def _unused(self, *a) -> None:  # noqa: ANN002
+        raise AssertionError("a B = 1 callback ran in batched decoding")
+
+    def _drafter(self, slot: int):  # noqa: ANN202
+        if slot not in self.drafters:
+            self.drafters[slot] = self.make_drafter()
+        return self.drafters[slot]
+
+    def _reset(self, u, slot) -> None:  # noqa: ANN001
+        assert self.target.join() == slot  # the C core gives the lowest free slot, as the runner does
+        self.log.append(("reset", slot))
+
+    def _release(self, u, slot) -> None:  # noqa: ANN001
+        self.log.append(("release", slot))
+        self.target.leave(slot)
+
+    def _forward(self, u, n, slots, lengths, rows, ids, logits, feats) -> None:  # noqa: ANN001
+        batch, off = {}, 0
+        for i in range(n):
+            assert lengths[i] == self.target.lengths[slots[i]], "cache length differs from the runner's"
+            batch[slots[i]] = [ids[off + j] for j in range(rows[i])]
+            off += rows[i]
+        self.log.append(("forward", [(b, r, int(self.target.lengths[b])) for b, r in batch.items()]))
+        out = self.target.forward(batch)
+        lg, ft = np.ctypeslib.as_array(logits, (off, self.V)), np.ctypeslib.as_array(feats, (off, self.F))
+        row = 0
+        for b, r in batch.items():
+            lg[row:row + len(r)] = out[b][0]
+            ft[row:row + len(r)] = out[b][1]
+            row += len(r)
+
+    def _crop(self, u, slot, length) -> None:  # noqa: ANN001
+        self.log.append(("crop", slot, length))
+        self.target.crop(slot, length)
+
+    def _drafter_reset(self, u, slot) -> None:  # noqa: ANN001
+        self.log.append(("drafter_reset",))
+        self._drafter(slot).reset()
+
+    def _add_context(self, u, slot, feats, m, start) -> None:  # noqa: ANN001
+        f = np.ctypeslib.as_array(feats, (m, self.F)).copy()
+        self.log.append(("add_context", m, start, _features_sum(f)))
+        self._drafter(slot).add_context(f, start)
+
+    def _propose(self, u, slot, anchor, pos, rows, temperature, uniforms, tokens, proposal, cand, vocab, used) -> None:  # noqa: ANN001
+        self.log.append(("propose", anchor, pos, rows))
+        un = np.ctypeslib.as_array(uniforms, (1, self.L)).copy() if uniforms else None
+        d = self._drafter(slot).propose(anchor, pos, rows, temperature, un)
+        _write_draft(d, self.L, self.K, self.V, tokens, proposal, cand, vocab, used)
+
+    def _on_tokens(self, u, toks, n) -> int:  # noqa: ANN001
+        self.chunks.setdefault(u or 0, []).append([toks[i] for i in range(n)])
+        return 0
+
+    def _on_done(self, u, request, reason, error) -> None:  # noqa: ANN001
+        self.done[request] = (reason, self.lib.dfl2_status_code(error) if error else 0)
+
+    def _uniforms(self, u, use, out, n) -> int:  # noqa: ANN001
+        _numpy_uniforms(self.rngs[u or 0], use, out, n)
+        return 0
+
+    def submit(self, key: int, prompt: list[int], max_new: int, temperature: float, seed: int, eos: list[int],
+               speculative: bool) -> int:
+        """-> the request id; ``key`` names the request in chunks / uniforms (numpy's generator for ``seed``)."""
+        self.rngs[key] = np.random.default_rng(seed)
+        opts = _c_options(self.lib, {"max_new_tokens": max_new, "temperature": temperature, "eos_ids": eos,
+                                     "speculative": speculative})
+        ids = (C.c_int32 * len(prompt))(*prompt)
+        req = _Request(C.sizeof(_Request), C.cast(ids, P(C.c_int32)), len(prompt), opts, self._fns[13],
+                       self._fns[14], key, self._fns[15], key)
+        rid = C.c_uint64()
+        try:
+            _check(self.lib, self.lib.dfl2_batch_submit(self.batch, C.byref(req), C.byref(rid)))
+        finally:
+            self.lib.dfl2_options_free(opts)
+        return rid.value
+
+    def step(self) -> int:
+        pending = C.c_size_t()
+        _check(self.lib, self.lib.dfl2_batch_step(self.batch, C.byref(pending)))
+        return pending.value
+
+    def cancel(self, rid: int) -> None:
+        _check(self.lib, self.lib.dfl2_batch_cancel(self.batch, rid))
+
+    def result(self, rid: int) -> dict:
+        ptr, n, st, plain = P(C.c_int32)(), C.c_size_t(), _Stats(), C.c_int32()
+        _check(self.lib, self.lib.dfl2_batch_get_result(self.batch, rid, C.byref(ptr), C.byref(n), C.byref(st),
+                                                        C.byref(plain)))
+        return {"tokens": [ptr[i] for i in range(n.value)], "accepted": [st.accepted[i] for i in range(st.cycles)],
+                "proposed": [st.proposed[i] for i in range(st.cycles)], "plain_steps": plain.value,
+                "finish": st.finish_reason}
+
+    def info(self) -> _BatchInfo:
+        out = _BatchInfo()
+        _check(self.lib, self.lib.dfl2_batch_get_info(self.batch, C.byref(out)))
+        return out
+
+    def close(self) -> None:
+        self.lib.dfl2_batch_free(self.batch)
+        self.lib.dfl2_model_free(self.model)
+
+
+@pytest.fixture(scope="module")
+def batch_be(acc_export):
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    with OrtBackend(acc_export, attention="gqa", threads=1) as b:
+        yield b
+
+
+def _batch_scenario(be) -> list[dict]:  # noqa: ANN001
+    """7 requests: different prompt lengths and max tokens, greedy and sampling, one with an EOS it reaches, one that
+    never speculates; the first 6 submitted at once into 3 slots, the 7th after step 4; request 0 cancelled after
+    step 6 (active then)."""
+    rng = np.random.default_rng(29)
+    V = be.manifest.target.vocab_size
+    lengths, max_new = [5, 13, 8, 21, 9, 6, 11], [120, 12, 33, 25, 30, 20, 60]
+    temps, seeds = [0.0, 0.0, 0.8, 0.0, 1.0, 0.0, 0.0], [0, 0, 11, 0, 12, 0, 0]
+    reqs = [{"prompt": rng.integers(0, V, n).tolist(), "max_new": m, "temperature": t, "seed": sd, "eos": [],
+             "speculative": i != 5} for i, (n, m, t, sd) in enumerate(zip(lengths, max_new, temps, seeds))]
+    b1 = D.target_generate(be.target_runner(), reqs[3]["prompt"], reqs[3]["max_new"], eos_ids=set()).tokens
+    reqs[3]["eos"] = [b1[9]]  # an EOS it reaches
+    return reqs
+
+
+_JOIN_AFTER, _CANCEL_AFTER = {4: [6]}, {6: 0}
+
+
+def _run_python_batch(be, rule, reqs: list[dict]):  # noqa: ANN001, ANN202
+    from dflash2_trt.runtime import batch as BT
+    from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+
+    log: list = []
+    dec = BT.BatchDecoder(_LoggedTarget(OrtBatchedTargetRunner.from_backend(be, 3), log),
+                          lambda: _LoggedDrafter(be.draft_runner("greedy"), log), rule)
+
+    def submit(i: int) -> int:
+        r = reqs[i]
+        return dec.submit(BT.BatchRequest(r["prompt"], r["max_new"], r["temperature"], r["seed"], set(r["eos"]),
+                                          r["speculative"]))
+
+    ids = {i: submit(i) for i in range(6)}
+    k = 0
+    while dec.busy or k < max(_JOIN_AFTER):
+        dec.step()
+        k += 1
+        ids.update({i: submit(i) for i in _JOIN_AFTER.get(k, [])})
+        if k in _CANCEL_AFTER:
+            dec.cancel(ids[_CANCEL_AFTER[k]])
+    return [dec.results[ids[i]] for i in range(len(reqs))], dec, log
+
+
+def _run_c_batch(lib, be, options: dict, reqs: list[dict]) -> tuple[list[dict], CBatch]:  # noqa: ANN001
+    from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+
+    c = CBatch(lib, OrtBatchedTargetRunner.from_backend(be, 3), lambda: be.draft_runner("greedy"), _feature_dim(be),
+               options)
+
+    def submit(i: int) -> int:
+        r = reqs[i]
+        return c.submit(i, r["prompt"], r["max_new"], r["temperature"], r["seed"], r["eos"], r["speculative"])
+
+    ids = {i: submit(i) for i in range(6)}
+    k, pending = 0, 1
+    while pending or k < max(_JOIN_AFTER):
+        pending = c.step()
+        k += 1
+        for i in _JOIN_AFTER.get(k, []):
+            ids[i] = submit(i)
+            pending += 1
+        if k in _CANCEL_AFTER:
+            c.cancel(ids[_CANCEL_AFTER[k]])
+    out = []
+    for i in range(len(reqs)):
+        r = c.result(ids[i])
+        r["chunks"], r["done"] = c.chunks.get(i, []), c.done[ids[i]]
+        out.append(r)
+    return out, c
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "always-draft"])
+def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
+    """The C batched core (dfl2_batch through the batched callbacks) against the Python BatchDecoder on the same
+    runners (the accepting pair's batched ONNX Runtime target, one drafter per slot): the same runner calls in the
+    same order (slots, ragged rows, cache lengths, crops, drafter context and its features, proposals), the same
+    tokens, accepted / verified drafts and plain steps per request, the same step counts — with the load-adaptive
+    rule (fixed costs: a request drafts while its measured acceptance pays, one whose drafts fail steps plain beside
+    the drafting ones) and with every request drafting. Every greedy request equals its own B = 1 output; a T > 0
+    request draws numpy's uniforms in the Python order; the batched path was taken (3 requests per target call,
+    plain steps and verifies in the same call, drafted and plain steps, drafts accepted)."""
+    from helpers import assert_accepts
+
+    from dflash2_trt.runtime import batch as BT
+
+    reqs = _batch_scenario(batch_be)
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.1, verify_s=0.2)
+    py, dec, py_log = _run_python_batch(batch_be, BT.SpeculationRule(costs=costs, adaptive=adaptive), reqs)
+    got, c = _run_c_batch(lib, batch_be, {"fixed_costs": "1.0,0.05,0.1,0.2", "adaptive": adaptive}, reqs)
+    try:
+        assert not c.errors, c.errors
+        assert c.log == py_log  # call for call
+        for i, (r, p) in enumerate(zip(got, py)):
+            assert (r["tokens"], r["accepted"], r["proposed"], r["plain_steps"]) == (
+                p.tokens, p.accepted, p.proposed, p.plain_steps), f"request {i}"
+            assert sum(r["chunks"], []) == r["tokens"] and r["done"] == (r["finish"], 0)
+        info = c.info()
+        assert (info.steps, info.drafting_steps) == (dec.steps, dec.drafting_steps)
+        # the scenario did what it claims
+        finish = [r["finish"] for r in got]
+        assert finish[0] == 3 and finish[3] == 1 and all(f == 2 for i, f in enumerate(finish) if i not in (0, 3))
+        tgt = batch_be.target_runner()
+        for i, r in enumerate(reqs):
+            if r["temperature"] == 0 and i != 0:
+                want = D.target_generate(tgt, r["prompt"], r["max_new"], eos_ids=set(r["eos"])).tokens
+                assert got[i]["tokens"] == want, f"request {i} differs from its B = 1 output"
+        assert 5 <= len(got[0]["tokens"]) < reqs[0]["max_new"]
+        assert info.largest_step == 3 and info.cycles > 0 and 0 < info.drafting_steps
+        assert sum(r["plain_steps"] for r in got) > 0 and got[5]["accepted"] == []
+        mixed = [e for e in c.log if e[0] == "forward" and {len(ids) > 1 for _, ids, _ in e[1]} == {True, False}]
+        assert mixed  # plain steps and verifies in one target call
+        if adaptive:
+            assert info.drafting_steps < info.steps and info.largest_plain >= 2
+        assert_accepts([a for r, q in zip(got, reqs) if q["temperature"] == 0 for a in r["accepted"]], c.L,
+                       ("C batch", adaptive))
     finally:
         c.close()
 

@@ -2,6 +2,7 @@
 //! What a dfl2_model is inside: a backend that hands out one Runners per session.
 #pragma once
 
+#include "core/batch.h"
 #include "core/decoder.h"
 #include "manifest.h"
 #include "options.h"
@@ -21,7 +22,15 @@ public:
     virtual ~Model() = default;
     //! One request's runners (a session holds one for its lifetime).
     virtual std::unique_ptr<Runners> newRunners() = 0;
-    //! Non-null when sessions must not generate concurrently (callbacks share the caller's state).
+    //! `slots` sequences decoded together (dfl2_batch). Backends without a batched path (TensorRT: B = 1) refuse.
+    virtual std::unique_ptr<BatchRunners> newBatchRunners(int32_t slots)
+    {
+        (void) slots;
+        throw Error(DFL2_ERR_UNAVAILABLE,
+            "the " + backend + " backend decodes one sequence per session (B = 1); batched decoding needs a callbacks "
+            "model with batched callbacks (dfl2_callbacks.max_batch >= 1)");
+    }
+    //! Non-null when sessions (and batches) must not run concurrently (callbacks share the caller's state).
     virtual std::mutex* generateLock()
     {
         return nullptr;
@@ -32,6 +41,7 @@ public:
     int32_t blockSize{0};
     int32_t topK{0};
     int32_t maxPositions{0};
+    int32_t maxBatch{0};  //!< slots of the batched backend (0: none)
     std::vector<int32_t> eosIds;
 };
 

@@ -24,6 +24,13 @@ std::vector<OptionSpec> const& optionSpecs()
         {"plugin_library", OptionType::kSTRING, nullptr},
         {"device", OptionType::kINT, nullptr},
         {"cuda_graphs", OptionType::kBOOL, nullptr},
+        {"max_batch", OptionType::kINT, nullptr},
+        {"adaptive", OptionType::kBOOL, nullptr},
+        {"prior_tau", OptionType::kDOUBLE, nullptr},
+        {"prior_weight", OptionType::kDOUBLE, nullptr},
+        {"tau_window", OptionType::kINT, nullptr},
+        {"probe_after", OptionType::kINT, nullptr},
+        {"fixed_costs", OptionType::kSTRING, nullptr},
     };
     return kSpecs;
 }
@@ -79,6 +86,28 @@ void checkRange(std::string const& key, OptionSpec const& spec, OptionValue cons
     if (key == "device" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > 1024))
     {
         bad("must be a CUDA device ordinal >= 0, got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if ((key == "tau_window" || key == "probe_after") && std::get<int64_t>(v) < 1)
+    {
+        bad("must be >= 1, got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "max_batch" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > INT32_MAX))
+    {
+        bad("must be >= 0 (0: the model's), got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "prior_tau" || key == "prior_weight")
+    {
+        double const x = std::get<double>(v);
+        if (!std::isfinite(x) || x < 0 || (key == "prior_weight" && x == 0))
+        {
+            std::ostringstream os;
+            os << "must be a finite number " << (key == "prior_weight" ? "> 0" : ">= 0") << ", got " << x;
+            bad(os.str());
+        }
+    }
+    if (key == "fixed_costs")
+    {
+        parseFixedCosts(std::get<std::string>(v));
     }
     if (key == "temperature")
     {
@@ -224,6 +253,35 @@ std::vector<int32_t> Options::getIntArray(std::string const& key, std::vector<in
 {
     auto it = mValues.find(key);
     return it == mValues.end() ? fallback : std::get<std::vector<int32_t>>(it->second);
+}
+
+std::vector<double> parseFixedCosts(std::string const& text)
+{
+    std::vector<double> costs;
+    if (text.empty())
+    {
+        return costs;
+    }
+    std::stringstream ss(text);
+    std::string item;
+    while (std::getline(ss, item, ','))
+    {
+        char* end = nullptr;
+        double const x = std::strtod(item.c_str(), &end);
+        if (item.empty() || end != item.c_str() + item.size() || !std::isfinite(x) || x < 0)
+        {
+            costs.clear();
+            break;
+        }
+        costs.push_back(x);
+    }
+    if (costs.size() != 4 || text.back() == ',')
+    {
+        throw Error(DFL2_ERR_OPTION_VALUE,
+            "option 'fixed_costs' must be empty (measured) or 4 numbers >= 0 in seconds, "
+            "'plain_base,plain_per_sequence,draft,verify', got '" + text + "'");
+    }
+    return costs;
 }
 
 GenerateConfig generateConfig(Options const& options, std::vector<int32_t> const& modelEos)

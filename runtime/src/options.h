@@ -60,7 +60,10 @@ private:
     std::map<std::string, OptionValue> mValues;
 };
 
-//! The generation settings a session reads from options (defaults from the header's table).
+//! "fixed_costs": "" -> {} (measured), "a,b,d,v" -> {a, b, d, v} (seconds, each >= 0), else DFL2_ERR_OPTION_VALUE.
+std::vector<double> parseFixedCosts(std::string const& text);
+
+//! The generation settings a session (and a batched request) reads from options (defaults from the header's table).
 GenerateConfig generateConfig(Options const& options, std::vector<int32_t> const& modelEos);
 
 } // namespace dflash2

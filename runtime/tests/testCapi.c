@@ -1,6 +1,8 @@
 /* The C API from C99: every error path returns a status with the right code and a message (never a crash),
  * and end-to-end runs of a toy model behind dfl2_callbacks: speculative == autoregressive tokens (greedy),
- * drafts accepted and rejected, streaming == result, cancellation, EOS, partial blocks, stats, sampling.
+ * drafts accepted and rejected, streaming == result, cancellation, EOS, partial blocks, stats, sampling; and
+ * batched decoding (dfl2_batch) behind the batch_* callbacks: every request == its own session output, joins,
+ * cancels, T > 0 beside T = 0, the rule's drafted and plain steps, per-request failures, a served queue.
  *
  * usage: capiC SCRATCH_DIR   (manifest fixtures are written there)
  *
@@ -637,6 +639,673 @@ static void testConcurrentSessions(void)
     dfl2_model_free(m);
 }
 
+/* ---- batched decoding (dfl2_batch) -------------------------------------------------------------------------
+ * The batched toy: one Toy per slot behind the batch_* callbacks. batch_target_forward checks that every request's
+ * cache_length is its slot's own count (ragged caches) and records how the library batched the rows. */
+
+#define MAXB 4
+
+typedef struct BatchToy {
+    Toy slot[MAXB];
+    int active[MAXB];      /* between batch_target_reset and batch_target_release */
+    int resets, releases;
+    int forwards;          /* batch_target_forward calls */
+    int badCalls;          /* a cache length or slot the toy did not expect */
+    int largestCall;       /* most requests in one call */
+    int mixedCalls;        /* calls with plain (1 row) and verify (> 1 row) requests together */
+    int failProposeSlot;   /* batch_drafter_propose of this slot + 1 fails (0: never) */
+    int failForwardAt;     /* the Nth batch_target_forward fails (0: never) */
+} BatchToy;
+
+static int32_t btReset(void* u, int32_t slot)
+{
+    BatchToy* b = (BatchToy*) u;
+    if (slot < 0 || slot >= MAXB || b->active[slot]) ++b->badCalls;
+    b->active[slot] = 1;
+    ++b->resets;
+    return toyTargetReset(&b->slot[slot]);
+}
+
+static int32_t btRelease(void* u, int32_t slot)
+{
+    BatchToy* b = (BatchToy*) u;
+    if (!b->active[slot]) ++b->badCalls;
+    b->active[slot] = 0;
+    ++b->releases;
+    return 0;
+}
+
+static int32_t btForward(void* u, int32_t nSeqs, const int32_t* slots, const int32_t* lengths, const int32_t* rows,
+                         const int32_t* ids, float* logits, float* features)
+{
+    BatchToy* b = (BatchToy*) u;
+    if (b->failForwardAt && ++b->forwards == b->failForwardAt) return 9;
+    if (!b->failForwardAt) ++b->forwards;
+    int ones = 0, many = 0;
+    size_t off = 0;
+    for (int32_t i = 0; i < nSeqs; ++i) {
+        Toy* t = &b->slot[slots[i]];
+        if (!b->active[slots[i]] || lengths[i] != t->targetLength || rows[i] < 1) {
+            ++b->badCalls;
+            return 8;
+        }
+        int32_t rc = toyTargetForward(t, ids + off, rows[i], logits + off * V, features + off * F);
+        if (rc != 0) return rc;
+        off += (size_t) rows[i];
+        ones += rows[i] == 1;
+        many += rows[i] > 1;
+    }
+    if (nSeqs > b->largestCall) b->largestCall = nSeqs;
+    b->mixedCalls += ones > 0 && many > 0;
+    return 0;
+}
+
+static int32_t btCrop(void* u, int32_t slot, int32_t length)
+{
+    return toyTargetCrop(&((BatchToy*) u)->slot[slot], length);
+}
+
+static int32_t btDrafterReset(void* u, int32_t slot)
+{
+    return toyDrafterReset(&((BatchToy*) u)->slot[slot]);
+}
+
+static int32_t btAddContext(void* u, int32_t slot, const float* features, int32_t m, int32_t start)
+{
+    return toyAddContext(&((BatchToy*) u)->slot[slot], features, m, start);
+}
+
+static int32_t btPropose(void* u, int32_t slot, int32_t anchor, int32_t pos, int32_t rows, float temperature,
+                         const float* uniforms, int32_t* tokens, float* proposal, int32_t* cand, float* vocabProposal,
+                         int32_t* used)
+{
+    BatchToy* b = (BatchToy*) u;
+    if (b->failProposeSlot == slot + 1) return 6;
+    return toyPropose(&b->slot[slot], anchor, pos, rows, temperature, uniforms, tokens, proposal, cand, vocabProposal,
+                      used);
+}
+
+/* The toy's B = 1 callbacks (on slot 0's state: sessions of this model are not used beside its batches here)
+ * plus the batched ones. */
+static dfl2_callbacks batchToyCallbacks(BatchToy* b, int32_t maxBatch)
+{
+    dfl2_callbacks cb = toyCallbacks(&b->slot[0]);
+    cb.user_data = b; /* b->slot[0] is its first member: the B = 1 callbacks read it as a Toy */
+    cb.max_batch = maxBatch;
+    cb.batch_target_reset = btReset;
+    cb.batch_target_release = btRelease;
+    cb.batch_target_forward = btForward;
+    cb.batch_target_crop = btCrop;
+    cb.batch_drafter_reset = btDrafterReset;
+    cb.batch_drafter_add_context = btAddContext;
+    cb.batch_drafter_propose = btPropose;
+    return cb;
+}
+
+/* One request's stream and end, as a server would keep them. */
+typedef struct Req {
+    Stream stream;            /* first: on_tokens reads the user data as a Stream */
+    int done;                 /* on_done calls */
+    dfl2_finish_reason reason;
+    dfl2_code error;
+    uint64_t id;              /* from dfl2_batch_submit */
+    uint64_t doneId;          /* from on_done */
+    pthread_mutex_t* lock;    /* guards done/reason/error when on_done runs on a serving thread (may be NULL) */
+    pthread_cond_t* cond;
+} Req;
+
+static void onDone(void* u, uint64_t id, dfl2_finish_reason reason, const dfl2_status* error)
+{
+    Req* r = (Req*) u;
+    if (r->lock) pthread_mutex_lock(r->lock);
+    r->done += 1;
+    r->reason = reason;
+    r->error = dfl2_status_code(error);
+    r->doneId = id;
+    if (r->cond) pthread_cond_broadcast(r->cond);
+    if (r->lock) pthread_mutex_unlock(r->lock);
+}
+
+static dfl2_options* optionsOf(const char** opts)
+{
+    dfl2_options* o = NULL;
+    OK(dfl2_options_create(&o));
+    for (; opts && *opts; ++opts) OK(dfl2_options_parse(o, *opts));
+    return o;
+}
+
+static dfl2_batch* makeBatch(dfl2_model* m, const char** opts)
+{
+    dfl2_options* o = optionsOf(opts);
+    dfl2_batch* b = NULL;
+    OK(dfl2_batch_create(m, o, &b));
+    dfl2_options_free(o);
+    return b;
+}
+
+static uint64_t submit(dfl2_batch* b, const int32_t* prompt, size_t n, const char** opts, Req* r)
+{
+    dfl2_options* o = optionsOf(opts);
+    dfl2_request q;
+    memset(&q, 0, sizeof q);
+    q.struct_size = sizeof q;
+    q.prompt = prompt;
+    q.n_prompt = n;
+    q.options = o;
+    q.on_tokens = onTokens;
+    q.on_done = onDone;
+    q.user_data = r;
+    uint64_t id = 0;
+    OK(dfl2_batch_submit(b, &q, &id));
+    dfl2_options_free(o); /* copied by submit */
+    r->id = id;
+    return id;
+}
+
+static size_t stepUntilIdle(dfl2_batch* b)
+{
+    size_t pending = 1, steps = 0;
+    while (pending && steps < 10000) {
+        OK(dfl2_batch_step(b, &pending));
+        ++steps;
+    }
+    return steps;
+}
+
+/* A single session's tokens for the same request (the B = 1 reference). */
+static size_t sessionTokens(dfl2_model* m, const char** opts, const int32_t* prompt, size_t n, int32_t* out)
+{
+    dfl2_session* s = run(m, opts, prompt, n, NULL, DFL2_OK);
+    const int32_t* t = NULL;
+    size_t k = 0;
+    OK(dfl2_session_get_tokens(s, &t, &k));
+    memcpy(out, t, k * sizeof(int32_t));
+    dfl2_session_free(s);
+    return k;
+}
+
+/* Its result equals `want` [k] (tokens and the stream), ended with `reason`. */
+static void expectResult(dfl2_batch* b, const Req* r, const int32_t* want, size_t k, dfl2_finish_reason reason, int line)
+{
+    const int32_t* t = NULL;
+    size_t n = 0;
+    dfl2_stats st;
+    int32_t plain = -1;
+    dfl2_status* status = dfl2_batch_get_result(b, r->id, &t, &n, &st, &plain);
+    int ok = status == NULL && n == k && memcmp(t, want, k * sizeof(int32_t)) == 0 && r->stream.n == n &&
+             memcmp(r->stream.tokens, t, n * sizeof(int32_t)) == 0 && r->done == 1 && r->doneId == r->id && r->reason == reason &&
+             st.finish_reason == reason && st.n_tokens == (int32_t) n;
+    int committed = 1 + plain; /* the first token, one per plain step, accepted + bonus per cycle (no EOS cut) */
+    for (int c = 0; c < st.cycles; ++c) committed += st.accepted[c] + 1;
+    if (reason != DFL2_FINISH_EOS) ok = ok && committed == (int) n;
+    if (!ok) {
+        fprintf(stderr, "line %d: request %llu: %s; %zu tokens (want %zu), streamed %zu, done %d, reason %d (want %d), "
+                "plain %d + cycles %d -> %d\n", line, (unsigned long long) r->id, dfl2_status_message(status), n, k,
+                r->stream.n, r->done, (int) r->reason, (int) reason, plain, st.cycles, committed);
+        ++*dfl2TestCounter();
+    }
+    dfl2_status_free(status);
+}
+#define EXPECT_RESULT(b, r, want, k, reason) expectResult((b), (r), (want), (k), (reason), __LINE__)
+
+static void testBatchErrors(void)
+{
+    Toy toy;
+    memset(&toy, 0, sizeof toy);
+    dfl2_callbacks plainCb = toyCallbacks(&toy);
+    dfl2_model* single = NULL;
+    OK(dfl2_model_create_callbacks(&plainCb, NULL, &single));
+    dfl2_batch* b = (dfl2_batch*) (void*) &b;
+    EXPECT(dfl2_batch_create(single, NULL, &b), DFL2_ERR_UNAVAILABLE, "no batched callbacks");
+    CHECK(b == NULL);
+    EXPECT(dfl2_batch_create(NULL, NULL, &b), DFL2_ERR_INVALID_ARGUMENT, "model");
+    EXPECT(dfl2_batch_create(single, NULL, NULL), DFL2_ERR_INVALID_ARGUMENT, "out");
+    dfl2_model_free(single);
+
+    static BatchToy bt;
+    memset(&bt, 0, sizeof bt);
+    dfl2_callbacks cb = batchToyCallbacks(&bt, 2);
+    dfl2_model* m = NULL;
+    cb.batch_target_forward = NULL;
+    EXPECT(dfl2_model_create_callbacks(&cb, NULL, &m), DFL2_ERR_INVALID_ARGUMENT, "batch_* function pointer");
+    cb = batchToyCallbacks(&bt, -1);
+    EXPECT(dfl2_model_create_callbacks(&cb, NULL, &m), DFL2_ERR_INVALID_ARGUMENT, "max_batch");
+    cb = batchToyCallbacks(&bt, 2);
+    cb.batch_target_release = NULL; /* optional */
+    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
+    dfl2_model_free(m);
+    cb = batchToyCallbacks(&bt, 2);
+    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
+
+    const char* tooMany[] = {"max_batch=3", NULL};
+    dfl2_options* o = optionsOf(tooMany);
+    EXPECT(dfl2_batch_create(m, o, &b), DFL2_ERR_OPTION_VALUE, "exceeds the model's 2");
+    dfl2_options_free(o);
+    OK(dfl2_options_create(&o));
+    EXPECT(dfl2_options_parse(o, "fixed_costs=1,2,3"), DFL2_ERR_OPTION_VALUE, "4 numbers");
+    EXPECT(dfl2_options_parse(o, "fixed_costs=1,2,3,-4"), DFL2_ERR_OPTION_VALUE, "4 numbers");
+    EXPECT(dfl2_options_parse(o, "fixed_costs=1,2,3,4,"), DFL2_ERR_OPTION_VALUE, "4 numbers");
+    EXPECT(dfl2_options_parse(o, "prior_weight=0"), DFL2_ERR_OPTION_VALUE, "> 0");
+    EXPECT(dfl2_options_parse(o, "prior_tau=-1"), DFL2_ERR_OPTION_VALUE, ">= 0");
+    EXPECT(dfl2_options_parse(o, "tau_window=0"), DFL2_ERR_OPTION_VALUE, ">= 1");
+    EXPECT(dfl2_options_parse(o, "probe_after=0"), DFL2_ERR_OPTION_VALUE, ">= 1");
+    EXPECT(dfl2_options_parse(o, "max_batch=-1"), DFL2_ERR_OPTION_VALUE, ">= 0");
+    OK(dfl2_options_parse(o, "fixed_costs=1,0.05,0.5,1.4"));
+    OK(dfl2_options_parse(o, "fixed_costs="));
+    dfl2_options_free(o);
+
+    b = makeBatch(m, NULL);
+    dfl2_batch_info info;
+    OK(dfl2_batch_get_info(b, &info));
+    CHECK(info.max_batch == 2 && info.active == 0 && info.queued == 0 && info.steps == 0);
+    const int32_t good[3] = {1, 2, 3}, bad[2] = {4, V};
+    int32_t longPrompt[MAXPOS];
+    for (int i = 0; i < MAXPOS; ++i) longPrompt[i] = 1;
+    Req r;
+    memset(&r, 0, sizeof r);
+    dfl2_request q;
+    memset(&q, 0, sizeof q);
+    q.struct_size = sizeof q;
+    q.prompt = good;
+    q.n_prompt = 3;
+    uint64_t id = 99;
+    EXPECT(dfl2_batch_submit(NULL, &q, &id), DFL2_ERR_INVALID_ARGUMENT, "batch");
+    CHECK(id == 0);
+    EXPECT(dfl2_batch_submit(b, NULL, &id), DFL2_ERR_INVALID_ARGUMENT, "request");
+    EXPECT(dfl2_batch_submit(b, &q, NULL), DFL2_ERR_INVALID_ARGUMENT, "request_id");
+    q.struct_size = 8;
+    EXPECT(dfl2_batch_submit(b, &q, &id), DFL2_ERR_INVALID_ARGUMENT, "struct_size");
+    q.struct_size = sizeof q;
+    q.prompt = bad;
+    q.n_prompt = 2;
+    EXPECT(dfl2_batch_submit(b, &q, &id), DFL2_ERR_OUT_OF_RANGE, "32 out of range [0, 32)");
+    q.prompt = longPrompt;
+    q.n_prompt = MAXPOS;
+    EXPECT(dfl2_batch_submit(b, &q, &id), DFL2_ERR_TOO_LONG, "does not fit");
+    q.prompt = NULL;
+    q.n_prompt = 3;
+    EXPECT(dfl2_batch_submit(b, &q, &id), DFL2_ERR_INVALID_ARGUMENT, "prompt");
+    q.n_prompt = 0;
+    EXPECT(dfl2_batch_submit(b, &q, &id), DFL2_ERR_INVALID_ARGUMENT, "empty prompt");
+    const char* oracle[] = {"measure_oracle=true", NULL};
+    o = optionsOf(oracle);
+    q.prompt = good;
+    q.n_prompt = 3;
+    q.options = o;
+    EXPECT(dfl2_batch_submit(b, &q, &id), DFL2_ERR_OPTION_VALUE, "measure_oracle");
+    dfl2_options_free(o);
+    EXPECT(dfl2_batch_cancel(b, 1), DFL2_ERR_INVALID_ARGUMENT, "no request 1"); /* nothing was accepted */
+
+    const char* opts[] = {"max_new_tokens=6", NULL};
+    uint64_t first = submit(b, good, 3, opts, &r);
+    CHECK(first == 1);
+    OK(dfl2_batch_get_info(b, &info));
+    CHECK(info.queued == 1);
+    const int32_t* t = NULL;
+    size_t n = 0;
+    EXPECT(dfl2_batch_get_result(b, first, &t, &n, NULL, NULL), DFL2_ERR_INVALID_ARGUMENT, "has not ended");
+    EXPECT(dfl2_batch_release(b, first), DFL2_ERR_INVALID_ARGUMENT, "has not ended");
+    EXPECT(dfl2_batch_get_result(b, first, NULL, &n, NULL, NULL), DFL2_ERR_INVALID_ARGUMENT, "tokens");
+    EXPECT(dfl2_batch_step(NULL, NULL), DFL2_ERR_INVALID_ARGUMENT, "batch");
+    stepUntilIdle(b);
+    OK(dfl2_batch_get_result(b, first, &t, &n, NULL, NULL));
+    CHECK(n == 6 && r.done == 1 && r.reason == DFL2_FINISH_LENGTH);
+    OK(dfl2_batch_cancel(b, first)); /* ended: nothing happens */
+    OK(dfl2_batch_release(b, first));
+    EXPECT(dfl2_batch_release(b, first), DFL2_ERR_INVALID_ARGUMENT, "released");
+    EXPECT(dfl2_batch_get_result(b, 77, &t, &n, NULL, NULL), DFL2_ERR_INVALID_ARGUMENT, "never submitted");
+    EXPECT(dfl2_batch_get_info(b, NULL), DFL2_ERR_INVALID_ARGUMENT, "out");
+    CHECK(bt.badCalls == 0 && bt.resets == 1 && bt.releases == 1);
+    dfl2_batch_free(b);
+    dfl2_batch_free(NULL);
+    dfl2_model_free(m);
+}
+
+/* Greedy: every request's tokens == its own B = 1 output; requests of different lengths join when slots free and
+ * mid-way; a cancel frees its slot for a queued request; the rule drafts alone and goes plain under load. */
+static void testBatchGreedy(void)
+{
+    Toy toy;
+    memset(&toy, 0, sizeof toy);
+    dfl2_callbacks plainCb = toyCallbacks(&toy);
+    dfl2_model* ref = NULL;
+    OK(dfl2_model_create_callbacks(&plainCb, NULL, &ref));
+    static BatchToy bt;
+    memset(&bt, 0, sizeof bt);
+    dfl2_callbacks cb = batchToyCallbacks(&bt, 3);
+    dfl2_model* m = NULL;
+    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
+
+    enum { kN = 6 };
+    static const int32_t prompts[kN][8] = {{3, 9, 27, 17}, {5, 1, 8, 30, 2, 7, 11}, {12}, {4, 4, 19, 23, 6},
+                                           {31, 2, 9}, {7, 14, 21, 28, 3, 10, 17, 24}};
+    static const size_t lens[kN] = {4, 7, 1, 5, 3, 8};
+    static const char* maxNew[kN] = {"max_new_tokens=40", "max_new_tokens=12", "max_new_tokens=33",
+                                     "max_new_tokens=25", "max_new_tokens=30", "max_new_tokens=80"};
+    int32_t want[kN][MAXPOS];
+    size_t nWant[kN];
+    for (int i = 0; i < kN; ++i) {
+        const char* ar[] = {"speculative=false", maxNew[i], NULL};
+        nWant[i] = sessionTokens(ref, ar, prompts[i], lens[i], want[i]);
+    }
+
+    /* 1. the adaptive rule with fixed costs (plain(n) = 1 + 0.05 n, draft 0.5, verify 1.4, prior 4): two or more
+     *    requests decode in batched plain steps, a request alone drafts (4 / (1.05 + 1.9) > 1 / 1.05) */
+    const char* adaptive[] = {"fixed_costs=1,0.05,0.5,1.4", "prior_tau=4", NULL};
+    dfl2_batch* b = makeBatch(m, adaptive);
+    static Req r[kN];
+    memset(r, 0, sizeof r);
+    for (int i = 0; i < 4; ++i) {
+        const char* o[] = {maxNew[i], NULL};
+        submit(b, prompts[i], lens[i], o, &r[i]);
+    }
+    const char* victimOpts[] = {maxNew[5], NULL};
+    submit(b, prompts[5], lens[5], victimOpts, &r[5]); /* queued behind the first four; cancelled below */
+    size_t pending = 0;
+    for (int s = 0; s < 3; ++s) OK(dfl2_batch_step(b, &pending));
+    const char* o4[] = {maxNew[4], NULL};
+    submit(b, prompts[4], lens[4], o4, &r[4]); /* joins mid-way */
+    dfl2_batch_info info;
+    int cancelled = 0;
+    while (pending) {
+        OK(dfl2_batch_step(b, &pending));
+        if (!cancelled && r[5].stream.n >= 5) {
+            OK(dfl2_batch_cancel(b, r[5].id));
+            cancelled = 1;
+        }
+    }
+    CHECK(cancelled);
+    for (int i = 0; i < 5; ++i) EXPECT_RESULT(b, &r[i], want[i], nWant[i], DFL2_FINISH_LENGTH);
+    CHECK(r[5].done == 1 && r[5].reason == DFL2_FINISH_CANCELLED);
+    const int32_t* t = NULL;
+    size_t n = 0;
+    OK(dfl2_batch_get_result(b, r[5].id, &t, &n, NULL, NULL));
+    CHECK(n >= 5 && n < nWant[5] && memcmp(t, want[5], n * sizeof(int32_t)) == 0);
+    OK(dfl2_batch_get_info(b, &info));
+    CHECK(info.active == 0 && info.queued == 0);
+    CHECK(info.largest_plain >= 2 && info.drafting_steps > 0 && info.drafting_steps < info.steps && info.cycles > 0);
+    CHECK(bt.largestCall >= 3 && bt.badCalls == 0 && bt.resets == kN && bt.releases == kN);
+    dfl2_batch_free(b);
+
+    /* 2. every speculative request drafts (adaptive=false): a request with one token left steps plain in the same
+     *    call as the others' verifies (ragged rows in one call); a request that never speculates rides along */
+    memset(&bt, 0, sizeof bt);
+    const char* always[] = {"adaptive=false", "max_batch=2", NULL};
+    b = makeBatch(m, always);
+    memset(r, 0, sizeof r);
+    for (int i = 0; i < kN; ++i) {
+        const char* o[] = {maxNew[i], i == 3 ? "speculative=false" : "speculative=true", NULL};
+        submit(b, prompts[i], lens[i], o, &r[i]);
+    }
+    stepUntilIdle(b);
+    int accepted = 0, plain = 0;
+    for (int i = 0; i < kN; ++i) {
+        EXPECT_RESULT(b, &r[i], want[i], nWant[i], DFL2_FINISH_LENGTH);
+        dfl2_stats st;
+        int32_t p = 0;
+        OK(dfl2_batch_get_result(b, r[i].id, &t, &n, &st, &p));
+        for (int c = 0; c < st.cycles; ++c) accepted += st.accepted[c];
+        plain += p;
+        if (i == 3) CHECK(st.cycles == 0 && p == (int32_t) n - 1);
+    }
+    OK(dfl2_batch_get_info(b, &info));
+    CHECK(accepted > 0 && plain > 0 && bt.mixedCalls > 0 && info.largest_step == 2 && bt.badCalls == 0);
+    dfl2_batch_free(b);
+    dfl2_model_free(m);
+    dfl2_model_free(ref);
+}
+
+/* T > 0 beside T = 0: a plain sampling request draws exactly its own session's tokens for its seed (the built-in
+ * generator, the same draw order); with every request drafting (adaptive=false) a speculative sampling request's
+ * tokens do not depend on its neighbours; seeds differ; greedy neighbours are unchanged. */
+static void testBatchSampling(void)
+{
+    Toy toy;
+    memset(&toy, 0, sizeof toy);
+    dfl2_callbacks plainCb = toyCallbacks(&toy);
+    dfl2_model* ref = NULL;
+    OK(dfl2_model_create_callbacks(&plainCb, NULL, &ref));
+    static BatchToy bt;
+    memset(&bt, 0, sizeof bt);
+    dfl2_callbacks cb = batchToyCallbacks(&bt, 4);
+    dfl2_model* m = NULL;
+    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
+    static const int32_t prompt[4] = {3, 9, 27, 17};
+    const char* greedy[] = {"speculative=false", "max_new_tokens=30", NULL};
+    const char* t09[] = {"speculative=false", "max_new_tokens=30", "temperature=0.9", "seed=5", NULL};
+    const char* t13[] = {"speculative=false", "max_new_tokens=30", "temperature=1.3", "seed=6", NULL};
+    const char* spec[] = {"max_new_tokens=30", "temperature=0.8", "seed=7", NULL};
+    const char* spec8[] = {"max_new_tokens=30", "temperature=0.8", "seed=8", NULL};
+    int32_t wantG[MAXPOS], want09[MAXPOS], want13[MAXPOS];
+    size_t nG = sessionTokens(ref, greedy, prompt, 4, wantG);
+    size_t n09 = sessionTokens(ref, t09, prompt, 4, want09);
+    size_t n13 = sessionTokens(ref, t13, prompt, 4, want13);
+    CHECK(n09 == 30 && n13 == 30 && memcmp(want09, want13, 30 * sizeof(int32_t)) != 0);
+
+    const char* always[] = {"adaptive=false", NULL};
+    dfl2_batch* b = makeBatch(m, always);
+    static Req r[5];
+    memset(r, 0, sizeof r);
+    submit(b, prompt, 4, greedy, &r[0]);
+    submit(b, prompt, 4, t09, &r[1]);
+    submit(b, prompt, 4, spec, &r[2]);
+    submit(b, prompt, 4, t13, &r[3]);
+    stepUntilIdle(b);
+    EXPECT_RESULT(b, &r[0], wantG, nG, DFL2_FINISH_LENGTH);
+    EXPECT_RESULT(b, &r[1], want09, n09, DFL2_FINISH_LENGTH);
+    EXPECT_RESULT(b, &r[3], want13, n13, DFL2_FINISH_LENGTH);
+    const int32_t* t = NULL;
+    size_t n = 0;
+    dfl2_stats st;
+    OK(dfl2_batch_get_result(b, r[2].id, &t, &n, &st, NULL));
+    int32_t beside[MAXPOS];
+    memcpy(beside, t, n * sizeof(int32_t));
+    size_t nBeside = n;
+    int accepted = 0;
+    for (int c = 0; c < st.cycles; ++c) accepted += st.accepted[c];
+    CHECK(nBeside == 30 && st.cycles > 0 && accepted > 0);
+    /* the same speculative sampling request alone, and with another seed */
+    memset(r, 0, sizeof r);
+    submit(b, prompt, 4, spec, &r[0]);
+    submit(b, prompt, 4, spec8, &r[1]);
+    stepUntilIdle(b);
+    EXPECT_RESULT(b, &r[0], beside, nBeside, DFL2_FINISH_LENGTH);
+    OK(dfl2_batch_get_result(b, r[1].id, &t, &n, NULL, NULL));
+    CHECK(n == 30 && memcmp(t, beside, 30 * sizeof(int32_t)) != 0);
+    CHECK(bt.badCalls == 0);
+    dfl2_batch_free(b);
+    dfl2_model_free(m);
+    dfl2_model_free(ref);
+}
+
+/* A request's own failure ends only that request (its error through on_done and get_result); a failed target call
+ * ends the requests in it; the batch goes on; uniforms that are not in [0, 1) fail their request. */
+static int32_t badBatchUniforms(void* u, dfl2_uniform_use use, double* out, size_t n)
+{
+    (void) u;
+    (void) use;
+    for (size_t i = 0; i < n; ++i) out[i] = -0.5;
+    return 0;
+}
+
+static void testBatchFailures(void)
+{
+    Toy toy;
+    memset(&toy, 0, sizeof toy);
+    dfl2_callbacks plainCb = toyCallbacks(&toy);
+    dfl2_model* ref = NULL;
+    OK(dfl2_model_create_callbacks(&plainCb, NULL, &ref));
+    static BatchToy bt;
+    memset(&bt, 0, sizeof bt);
+    dfl2_callbacks cb = batchToyCallbacks(&bt, 3);
+    dfl2_model* m = NULL;
+    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
+    static const int32_t prompt[4] = {3, 9, 27, 17};
+    const char* ar[] = {"speculative=false", "max_new_tokens=20", NULL};
+    int32_t want[MAXPOS];
+    size_t nWant = sessionTokens(ref, ar, prompt, 4, want);
+
+    const char* always[] = {"adaptive=false", NULL};
+    dfl2_batch* b = makeBatch(m, always);
+    const char* opts[] = {"max_new_tokens=20", NULL};
+    static Req r[3];
+    memset(r, 0, sizeof r);
+    submit(b, prompt, 4, opts, &r[0]); /* slot 0 */
+    submit(b, prompt, 4, opts, &r[1]); /* slot 1: its drafter fails */
+    dfl2_options* o = optionsOf((const char*[]){"max_new_tokens=20", "temperature=0.7", NULL});
+    dfl2_request q;
+    memset(&q, 0, sizeof q);
+    q.struct_size = sizeof q;
+    q.prompt = prompt;
+    q.n_prompt = 4;
+    q.options = o;
+    q.on_done = onDone;
+    q.user_data = &r[2];
+    q.uniforms = badBatchUniforms;
+    OK(dfl2_batch_submit(b, &q, &r[2].id)); /* slot 2: its first token's uniform is refused */
+    dfl2_options_free(o);
+    bt.failProposeSlot = 2;
+    stepUntilIdle(b);
+    EXPECT_RESULT(b, &r[0], want, nWant, DFL2_FINISH_LENGTH);
+    const int32_t* t = NULL;
+    size_t n = 0;
+    EXPECT(dfl2_batch_get_result(b, r[1].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK, "batch_drafter_propose returned 6");
+    CHECK(n == 1 && t[0] == want[0] && r[1].done == 1 && r[1].reason == DFL2_FINISH_ERROR && r[1].error == DFL2_ERR_CALLBACK);
+    EXPECT(dfl2_batch_get_result(b, r[2].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK, "outside [0, 1)");
+    CHECK(n == 0 && r[2].reason == DFL2_FINISH_ERROR);
+    CHECK(bt.resets == 3 && bt.releases == 3 && bt.badCalls == 0);
+
+    /* a failing target call ends the requests in it; the next requests run */
+    bt.failProposeSlot = 0;
+    bt.forwards = 0;
+    bt.failForwardAt = 3; /* admission, one step, then the failing step */
+    memset(r, 0, sizeof r);
+    submit(b, prompt, 4, opts, &r[0]);
+    submit(b, prompt, 4, opts, &r[1]);
+    stepUntilIdle(b);
+    for (int i = 0; i < 2; ++i) {
+        EXPECT(dfl2_batch_get_result(b, r[i].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK, "target forward: callback batch_target_forward returned 9");
+        CHECK(r[i].reason == DFL2_FINISH_ERROR && n >= 2 && memcmp(t, want, n * sizeof(int32_t)) == 0);
+    }
+    bt.failForwardAt = 0;
+    memset(r, 0, sizeof r);
+    submit(b, prompt, 4, opts, &r[0]);
+    stepUntilIdle(b);
+    EXPECT_RESULT(b, &r[0], want, nWant, DFL2_FINISH_LENGTH);
+    CHECK(bt.badCalls == 0);
+    dfl2_batch_free(b);
+    dfl2_model_free(m);
+    dfl2_model_free(ref);
+}
+
+/* A request queue served on one thread while two threads submit, one cancels, and the main thread waits for
+ * on_done: every request ends once with its own tokens; a second stepper is refused; stop ends serve. */
+typedef struct Server {
+    dfl2_batch* batch;
+    dfl2_status* status;
+} Server;
+
+static void* serveThread(void* arg)
+{
+    Server* s = (Server*) arg;
+    s->status = dfl2_batch_serve(s->batch);
+    return NULL;
+}
+
+typedef struct Client {
+    dfl2_batch* batch;
+    Req* reqs;
+    int n;
+    int cancelLast;
+} Client;
+
+static void* clientThread(void* arg)
+{
+    Client* c = (Client*) arg;
+    static const int32_t prompt[4] = {3, 9, 27, 17};
+    const char* opts[] = {"max_new_tokens=24", NULL};
+    const char* longOpts[] = {"max_new_tokens=90", NULL};
+    for (int i = 0; i < c->n; ++i) {
+        int isLast = i == c->n - 1 && c->cancelLast;
+        submit(c->batch, prompt, 4, isLast ? longOpts : opts, &c->reqs[i]);
+    }
+    if (c->cancelLast) OK(dfl2_batch_cancel(c->batch, c->reqs[c->n - 1].id));
+    return NULL;
+}
+
+static void testBatchServe(void)
+{
+    Toy toy;
+    memset(&toy, 0, sizeof toy);
+    dfl2_callbacks plainCb = toyCallbacks(&toy);
+    dfl2_model* ref = NULL;
+    OK(dfl2_model_create_callbacks(&plainCb, NULL, &ref));
+    static BatchToy bt;
+    memset(&bt, 0, sizeof bt);
+    dfl2_callbacks cb = batchToyCallbacks(&bt, 2);
+    dfl2_model* m = NULL;
+    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
+    static const int32_t prompt[4] = {3, 9, 27, 17};
+    const char* ar[] = {"speculative=false", "max_new_tokens=24", NULL};
+    int32_t want[MAXPOS];
+    size_t nWant = sessionTokens(ref, ar, prompt, 4, want);
+
+    dfl2_batch* b = makeBatch(m, NULL);
+    Server server = {b, NULL};
+    pthread_t st;
+    CHECK(pthread_create(&st, NULL, serveThread, &server) == 0);
+    pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cond = PTHREAD_COND_INITIALIZER;
+    enum { kPER = 3 };
+    static Req reqs[2][kPER];
+    memset(reqs, 0, sizeof reqs);
+    for (int c = 0; c < 2; ++c) {
+        for (int i = 0; i < kPER; ++i) {
+            reqs[c][i].lock = &lock;
+            reqs[c][i].cond = &cond;
+        }
+    }
+    Client clients[2] = {{b, reqs[0], kPER, 0}, {b, reqs[1], kPER, 1}};
+    pthread_t ct[2];
+    for (int c = 0; c < 2; ++c) CHECK(pthread_create(&ct[c], NULL, clientThread, &clients[c]) == 0);
+    for (int c = 0; c < 2; ++c) pthread_join(ct[c], NULL);
+    pthread_mutex_lock(&lock);
+    for (;;) {
+        int all = 1;
+        for (int c = 0; c < 2; ++c) {
+            for (int i = 0; i < kPER; ++i) all = all && reqs[c][i].done;
+        }
+        if (all) break;
+        pthread_cond_wait(&cond, &lock);
+    }
+    pthread_mutex_unlock(&lock);
+    size_t pending = 0;
+    EXPECT(dfl2_batch_step(b, &pending), DFL2_ERR_INVALID_ARGUMENT, "already being stepped");
+    OK(dfl2_batch_stop(b));
+    pthread_join(st, NULL);
+    CHECK(server.status == NULL);
+    dfl2_status_free(server.status);
+    for (int c = 0; c < 2; ++c) {
+        for (int i = 0; i < kPER; ++i) {
+            Req* r = &reqs[c][i];
+            if (c == 1 && i == kPER - 1) {
+                const int32_t* t = NULL;
+                size_t n = 0;
+                OK(dfl2_batch_get_result(b, r->id, &t, &n, NULL, NULL));
+                CHECK(r->done == 1 && r->reason == DFL2_FINISH_CANCELLED && n < 90 && n == r->stream.n);
+            } else {
+                EXPECT_RESULT(b, r, want, nWant, DFL2_FINISH_LENGTH);
+            }
+        }
+    }
+    OK(dfl2_batch_stop(b)); /* no serve running: the next serve returns at once */
+    OK(dfl2_batch_serve(b));
+    CHECK(bt.badCalls == 0 && bt.resets >= 2 * kPER - 1 && bt.releases == bt.resets); /* the cancel may come before admission */
+    dfl2_batch_free(b);
+    dfl2_model_free(m);
+    dfl2_model_free(ref);
+}
+
 int main(int argc, char** argv)
 {
     if (argc != 2) {
@@ -649,5 +1318,10 @@ int main(int argc, char** argv)
     testCallbackErrors();
     testGeneration();
     testConcurrentSessions();
+    testBatchErrors();
+    testBatchGreedy();
+    testBatchSampling();
+    testBatchFailures();
+    testBatchServe();
     return dfl2TestReport("capiC");
 }

@@ -1,15 +1,18 @@
 // The C++ decoding core against vectors written by the Python reference (tests/test_capi.py): the step
-// functions (softmax, choice, greedy and rejection acceptance, statistics) and whole loops replayed from
-// recorded runner calls — the core must make the same calls with the same arguments, draw the same
-// uniforms, and produce the same tokens, per-cycle counts and metrics.
+// functions (softmax, choice, greedy and rejection acceptance, statistics), the batched loop's speculation rule
+// over measured costs (batch.SpeculationRule / MeasuredCosts), and whole loops replayed from recorded runner
+// calls — the core must make the same calls with the same arguments, draw the same uniforms, and produce the
+// same tokens, per-cycle counts and metrics.
 //
 // usage: coreVectors VECTORS.json
+#include "core/batch.h"
 #include "core/decoder.h"
 
 #include "dfl2Test.h"
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -296,6 +299,56 @@ int main(int argc, char** argv)
     {
         Stats const s = acceptanceStats(flat<int32_t>(c["accepted"]), flat<int32_t>(c["proposed"]));
         checkStats(s, c["want"], "stats " + std::to_string(i++));
+    }
+    i = 0;
+    for (json const& c : v["rule"])
+    {
+        std::string const name = "rule " + std::to_string(i++);
+        auto costs = std::make_unique<MeasuredCosts>();
+        for (json const& r : c["records"])
+        {
+            std::string const kind = r["kind"].get<std::string>();
+            double const sec = r["s"].get<double>();
+            if (kind == "plain")
+            {
+                costs->recordPlain(r["n"].get<int32_t>(), sec);
+            }
+            else if (kind == "draft")
+            {
+                costs->recordDraft(sec);
+            }
+            else
+            {
+                costs->recordVerify(sec);
+            }
+        }
+        bool plainSame = true;
+        for (int32_t n = 0; n < static_cast<int32_t>(c["plain"].size()); ++n)
+        {
+            json const& want = c["plain"][static_cast<size_t>(n)];
+            std::optional<double> const got = costs->plain(n);
+            plainSame = plainSame && (want.is_null() ? !got : (got && close(*got, want.get<double>(), 1e-12)));
+        }
+        check(plainSame, name + ": t_plain(n)");
+        SpeculationRule rule;
+        rule.priorTau = c["prior_tau"].get<double>();
+        rule.priorWeight = c["prior_weight"].get<double>();
+        rule.window = c["window"].get<int32_t>();
+        rule.adaptive = c["adaptive"].get<bool>();
+        rule.costs = std::move(costs);
+        std::vector<std::pair<uint64_t, double>> cands;
+        bool tauSame = true;
+        for (size_t j = 0; j < c["committed"].size(); ++j)
+        {
+            std::vector<int32_t> const committed = flat<int32_t>(c["committed"][j]);
+            double const tau = rule.tau(std::deque<int32_t>(committed.begin(), committed.end()));
+            tauSame = tauSame && close(tau, c["tau"][j].get<double>(), 1e-12);
+            cands.emplace_back(10 + j, tau);
+        }
+        check(tauSame, name + ": tau");
+        std::vector<uint64_t> chosen = rule.choose(c["n_active"].get<int32_t>(), cands);
+        std::sort(chosen.begin(), chosen.end());
+        check(chosen == flat<uint64_t>(c["chosen"]), name + ": chosen");
     }
     int loops = 0;
     for (json const& c : v["loops"])

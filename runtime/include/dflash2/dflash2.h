@@ -1,9 +1,11 @@
 /*
  * dflash2.h — the C API of the dflash2_trt runtime (C99; also valid C++17).
  *
- * DFlash 2 speculative decoding of one prompt at a time, lossless: the tokens equal the target model's own
- * decoding (greedy: identical; sampling: identical in distribution, and identical token for token to the
- * Python runtime when the same uniforms are supplied, see dfl2_uniform_fn).
+ * DFlash 2 speculative decoding, lossless: the tokens equal the target model's own decoding (greedy: identical;
+ * sampling: identical in distribution, and identical token for token to the Python runtime when the same
+ * uniforms are supplied, see dfl2_uniform_fn). One prompt at a time per session (dfl2_session), or many at once
+ * in a batch (dfl2_batch: continuous batching with ragged acceptance and load-adaptive speculation; callbacks
+ * models with batched callbacks only — the TensorRT backend decodes one sequence per session, B = 1).
  *
  * TOKEN IDS ONLY. Prompts go in and generated tokens come out as int32 token ids; turning text into ids
  * and back is the caller's tokenizer's job (the export folder carries the tokenizer files for that).
@@ -14,6 +16,8 @@
  *   dfl2_model    what generation runs on: an export folder loaded by dfl2_model_load (backend chosen by the
  *                 manifest and the "backend" option), or caller-supplied engines (dfl2_model_create_callbacks).
  *   dfl2_session  one generation's state (KV caches through the backend, tokens, statistics).
+ *   dfl2_batch    a request queue decoded together (BATCHED DECODING below): requests are submitted, stream
+ *                 their tokens, end (EOS, length, cancel, error) and leave a result until released.
  *
  * OWNERSHIP AND LIFETIME.
  *   - A function returning dfl2_status* returns NULL on success; a non-NULL status belongs to the caller,
@@ -40,12 +44,12 @@
  *   - Callbacks run on the thread that called dfl2_session_generate.
  *
  * OPTIONS (key: type, default; unknown keys and wrong types are rejected by the setter):
- *   generation (read by dfl2_session_create):
+ *   generation (read by dfl2_session_create and, per request, by dfl2_batch_submit):
  *     "max_new_tokens"  int    64     tokens to generate at most (>= 1; the export's capacity also limits)
  *     "temperature"     double 0.0    0 = greedy (argmax); > 0 samples softmax(logits / T)
  *     "seed"            int    0      seed of the built-in uniform generator (see dfl2_uniform_fn)
  *     "speculative"     bool   true   false = plain autoregressive decoding of the target (the baseline)
- *     "measure_oracle"  bool   false  also count the oracle top-K acceptance (extra target passes)
+ *     "measure_oracle"  bool   false  also count the oracle top-K acceptance (extra target passes; sessions only)
  *     "eos_ids"         int[]  model  stop tokens (an empty array disables EOS stopping)
  *   model (read by dfl2_model_load / dfl2_model_create_callbacks):
  *     "backend"         string "auto" "auto" | "tensorrt" (dfl2_model_load); callbacks models ignore it
@@ -54,6 +58,15 @@
  *     "plugin_library"  string ""     libdflash2_plugins.so to load ("": $DFLASH2_PLUGIN_LIB, else the engines' copy)
  *     "device"          int    0      CUDA device ordinal (TensorRT)
  *     "cuda_graphs"     bool   true   capture the draft and verify steps as CUDA graphs (TensorRT)
+ *   batch (read by dfl2_batch_create; the rule is stated under BATCHED DECODING):
+ *     "max_batch"       int    0      sequences decoded together (slots); 0 = the model's max_batch
+ *     "adaptive"        bool   true   draft only while it pays (the rule); false = every speculative request drafts
+ *     "prior_tau"       double 2.0    a request's estimated tokens per cycle before its first cycles
+ *     "prior_weight"    double 2.0    cycles the prior counts for (> 0)
+ *     "tau_window"      int    32     cycles per request in its estimate
+ *     "probe_after"     int    64     plain steps in a row after which a request's estimate returns to the prior
+ *     "fixed_costs"     string ""     "" = step costs measured in this run; "a,b,d,v" = given costs in seconds:
+ *                                     plain target call over n requests a + b * n, one draft d, one verify v
  *   A setter stores any known key on any options object; each create reads the keys it uses.
  */
 #ifndef DFLASH2_DFLASH2_H
@@ -77,7 +90,7 @@ extern "C" {
 /* ---- version ---------------------------------------------------------------------------------------- */
 
 #define DFL2_API_VERSION_MAJOR 1
-#define DFL2_API_VERSION_MINOR 0
+#define DFL2_API_VERSION_MINOR 1 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR */
 #define DFL2_API_VERSION_PATCH 0
 /* (major << 16) | (minor << 8) | patch, of the header a program was compiled with */
 #define DFL2_API_VERSION \
@@ -188,6 +201,37 @@ typedef struct dfl2_callbacks {
     int32_t (*drafter_propose)(void* user_data, int32_t anchor, int32_t pos, int32_t rows, float temperature,
                                const float* uniforms, int32_t* tokens, float* proposal, int32_t* cand,
                                float* vocab_proposal, int32_t* vocab_proposal_used);
+
+    /* ---- batched decoding (dfl2_batch; API 1.1). A model that only runs sessions leaves these zero. ----
+     * Slots 0 .. max_batch - 1: a request holds one slot from its admission to its end; each slot has its own
+     * target cache (ragged: every slot its own length) and its own drafter context. Buffers as above (owned by
+     * the library, valid during the call). The functions above are still required (sessions use them). */
+    int32_t max_batch; /* slots the batched callbacks serve (>= 1 to use dfl2_batch; 0: no batched callbacks) */
+    /* Target: a new request takes `slot`; its cache starts empty. */
+    int32_t (*batch_target_reset)(void* user_data, int32_t slot);
+    /* Target: the slot's request ended (free its memory, skip it) until the next batch_target_reset of the slot.
+     * May be NULL. */
+    int32_t (*batch_target_release)(void* user_data, int32_t slot);
+    /* Target, one call over n_seqs >= 1 requests of distinct slots: request i appends rows[i] >= 1 ids at
+     * positions cache_lengths[i] .. cache_lengths[i] + rows[i] - 1 of its slot's cache (cache_lengths[i] = the
+     * positions its slot holds, as this library counts them after crops). ids are packed [sum(rows)] in request
+     * order; write logits [sum(rows), V] and features [sum(rows), F] in the same order. One call per step over
+     * every active request (plain: 1 row, drafting: 1 + drafts), and one per admission over the new prompts. */
+    int32_t (*batch_target_forward)(void* user_data, int32_t n_seqs, const int32_t* slots,
+                                    const int32_t* cache_lengths, const int32_t* rows, const int32_t* ids,
+                                    float* logits, float* features);
+    /* Target: the slot keeps its first `length` cached positions. */
+    int32_t (*batch_target_crop)(void* user_data, int32_t slot, int32_t length);
+    /* Drafter of a slot: forget the context (a new request). */
+    int32_t (*batch_drafter_reset)(void* user_data, int32_t slot);
+    /* Drafter of a slot: features [m, F] of positions start .. start + m - 1 join its context (the prompt's and
+     * the plain steps' features arrive together, before the slot's next draft). */
+    int32_t (*batch_drafter_add_context)(void* user_data, int32_t slot, const float* features, int32_t m,
+                                         int32_t start);
+    /* Drafter of a slot: drafter_propose. */
+    int32_t (*batch_drafter_propose)(void* user_data, int32_t slot, int32_t anchor, int32_t pos, int32_t rows,
+                                     float temperature, const float* uniforms, int32_t* tokens, float* proposal,
+                                     int32_t* cand, float* vocab_proposal, int32_t* vocab_proposal_used);
 } dfl2_callbacks;
 
 DFL2_API dfl2_status* dfl2_model_create_callbacks(const dfl2_callbacks* callbacks, const dfl2_options* options,
@@ -238,7 +282,8 @@ typedef enum dfl2_finish_reason {
     DFL2_FINISH_NONE = 0,       /* no generation yet, or it failed */
     DFL2_FINISH_EOS = 1,        /* a stop token was generated (it is the last token) */
     DFL2_FINISH_LENGTH = 2,     /* max_new_tokens or the export's capacity reached */
-    DFL2_FINISH_CANCELLED = 3   /* the token callback asked to stop */
+    DFL2_FINISH_CANCELLED = 3,  /* the token callback asked to stop (batches: or dfl2_batch_cancel) */
+    DFL2_FINISH_ERROR = 4       /* batches: the request failed (its error: on_done, dfl2_batch_get_result) */
 } dfl2_finish_reason;
 
 /* The tokens of the last generate (EOS included when hit); valid until the next generate / free. */
@@ -264,6 +309,118 @@ typedef struct dfl2_stats {
 } dfl2_stats;
 
 DFL2_API dfl2_status* dfl2_session_get_stats(const dfl2_session* session, dfl2_stats* out);
+
+/* ---- batched decoding (API 1.1) --------------------------------------------------------------------------
+ *
+ * A dfl2_batch is a request queue decoded together, the twin of the Python runtime's BatchDecoder
+ * (dflash2_trt/runtime/batch.py): requests join and leave between steps (continuous batching), every request has
+ * its own accepted length each cycle (ragged acceptance), its own EOS ids, max tokens, temperature and seed. Greedy,
+ * a request's tokens are exactly its own single-session output whatever the batch; at T > 0 it draws its own
+ * uniforms in the single loop's order, so its tokens follow the target's law and depend on the others only through
+ * the rule's choice of plain step or cycle (not at all with "adaptive" false or "speculative" false).
+ * A step: admit queued requests into free slots (their prompts prefilled together in one target call, each its
+ * first token drawn); choose which requests draft (the rule below); draft for those; ONE target call for every
+ * active request (ragged rows: a plain request's last token, a drafting request's [last token, drafts], each slot
+ * at its own cache length); accept per request (its own accepted length); retire the ended ones, freeing their
+ * slots.
+ *
+ * THE RULE ("adaptive" = true). Per step, with n active requests and the speculative ones sorted by their
+ * estimated tokens per cycle t_1 >= t_2 >= ..., draft for the k that maximise
+ *     ((n - k) + t_1 + ... + t_k) / (plain(n) + k * (draft + max(verify, 0))),
+ * plain(m) = the time of a step's target call over m requests none of which drafts, draft = one drafter
+ * proposal, verify = what one drafting request adds to a step's target call: measured in this run (running
+ * means; plain linear between measured sizes) or "fixed_costs". A request's estimate = (prior_tau * prior_weight
+ * + tokens committed over its last tau_window cycles) / (prior_weight + cycles). Until costs are measured: the
+ * first step is plain, the next drafts for every speculative request. A request kept plain probe_after steps in a
+ * row returns to the prior (its acceptance is measured again). So at low load a request whose drafts are accepted
+ * drafts, at high load the batch decodes in batched plain steps. Lossless either way (the rule picks which exact
+ * procedure makes a request's next tokens).
+ *
+ * BACKENDS. A callbacks model with max_batch >= 1 and the batch_* callbacks. The TensorRT backend decodes one
+ * sequence per session (B = 1): dfl2_batch_create on it fails with DFL2_ERR_UNAVAILABLE.
+ *
+ * OWNERSHIP AND LIFETIME. A batch keeps a reference to its model (free batches before the model). A request's
+ * prompt and options are copied by dfl2_batch_submit. The result of an ended request (tokens, statistics) stays
+ * in the batch until dfl2_batch_release or dfl2_batch_free; the pointers dfl2_batch_get_result returns are valid
+ * until then. dfl2_batch_free drops requests still queued or active without calling their on_done.
+ *
+ * THREADS.
+ *   - dfl2_batch_submit, dfl2_batch_cancel, dfl2_batch_stop, dfl2_batch_get_info, dfl2_batch_get_result and
+ *     dfl2_batch_release may be called from any thread at any time, also from inside this batch's callbacks
+ *     (they take the batch's own lock, never the model's).
+ *   - dfl2_batch_step and dfl2_batch_serve run the loop on the calling thread, one at a time: a second caller
+ *     (another thread, or a callback of this batch) gets DFL2_ERR_INVALID_ARGUMENT and nothing runs.
+ *   - Every callback (the model's, on_tokens, on_done, uniforms) runs on the thread inside dfl2_batch_step or
+ *     dfl2_batch_serve. The model's callbacks and on_tokens run under the model's lock (the model's sessions and
+ *     other batches take turns), so they must not call dfl2_session_generate or step a batch of the same model;
+ *     on_done runs after the lock is released.
+ *   - dfl2_batch_free: no other call on the batch may be running or follow.
+ */
+
+typedef struct dfl2_batch dfl2_batch;
+
+/* Called once when a request ends: reason EOS / LENGTH / CANCELLED, or ERROR with `error` (owned by the library,
+ * valid during the call; NULL otherwise). Its result can be read (dfl2_batch_get_result) from inside the call. */
+typedef void (*dfl2_done_fn)(void* user_data, uint64_t request, dfl2_finish_reason reason, const dfl2_status* error);
+
+typedef struct dfl2_request {
+    uint32_t struct_size;          /* sizeof(dfl2_request) */
+    const int32_t* prompt;         /* [n_prompt] ids in [0, vocab); 1 <= n_prompt and n_prompt + 1 <= max_positions */
+    size_t n_prompt;
+    const dfl2_options* options;   /* the generation keys ("measure_oracle" is refused); NULL: defaults */
+    dfl2_token_fn on_tokens;       /* each committed chunk (as for sessions); non-zero return cancels; may be NULL */
+    dfl2_done_fn on_done;          /* may be NULL */
+    void* user_data;               /* first argument of on_tokens and on_done */
+    dfl2_uniform_fn uniforms;      /* this request's random numbers; NULL: the built-in generator seeded by "seed" */
+    void* uniforms_user_data;
+} dfl2_request;
+
+/* A batch over a model's batched backend (options: the batch keys). DFL2_ERR_UNAVAILABLE when the model has no
+ * batched backend; DFL2_ERR_OPTION_VALUE when max_batch exceeds the model's. */
+DFL2_API dfl2_status* dfl2_batch_create(dfl2_model* model, const dfl2_options* options, dfl2_batch** out);
+DFL2_API void dfl2_batch_free(dfl2_batch* batch);
+
+/* Queue a request (checked now: prompt ids, length, options); it joins at the next step with a free slot.
+ * *request_id: its id (>= 1, never reused by this batch). */
+DFL2_API dfl2_status* dfl2_batch_submit(dfl2_batch* batch, const dfl2_request* request, uint64_t* request_id);
+
+/* Cancel a queued or active request: it ends at the start of the next step (DFL2_FINISH_CANCELLED, keeping the
+ * tokens it has; its slot is freed). A request that already ended: nothing happens. An id this batch never
+ * gave: DFL2_ERR_INVALID_ARGUMENT. */
+DFL2_API dfl2_status* dfl2_batch_cancel(dfl2_batch* batch, uint64_t request_id);
+
+/* One step on the calling thread. *pending (may be NULL): requests queued or active afterwards (0: idle). A
+ * request's own failure (a callback error in its slot's reset, its draft or acceptance, its uniforms; every request
+ * of a failed target call) ends that request with DFL2_FINISH_ERROR and is not the step's error. */
+DFL2_API dfl2_status* dfl2_batch_step(dfl2_batch* batch, size_t* pending);
+
+/* Serve on the calling thread: step while requests are queued or active, wait for submissions when idle, return
+ * once dfl2_batch_stop was called (after the step in progress; requests left stay for a later step / serve). */
+DFL2_API dfl2_status* dfl2_batch_serve(dfl2_batch* batch);
+/* Make dfl2_batch_serve return (the running one, or else the next one at once). */
+DFL2_API dfl2_status* dfl2_batch_stop(dfl2_batch* batch);
+
+/* The result of an ended request: tokens (valid until release / free), statistics (stats may be NULL; its
+ * arrays valid as long as the tokens; oracle fields unmeasured) and plain steps (may be NULL: tokens made by
+ * batched plain steps). For a request that failed the outputs are filled too (the tokens it made) and the
+ * request's error is returned. DFL2_ERR_INVALID_ARGUMENT while the request is queued or active, or after release. */
+DFL2_API dfl2_status* dfl2_batch_get_result(dfl2_batch* batch, uint64_t request_id, const int32_t** tokens,
+                                            size_t* n, dfl2_stats* stats, int32_t* plain_steps);
+/* Forget an ended request's result. */
+DFL2_API dfl2_status* dfl2_batch_release(dfl2_batch* batch, uint64_t request_id);
+
+typedef struct dfl2_batch_info {
+    int32_t max_batch;      /* slots */
+    int32_t active;         /* requests in slots after the last step */
+    int32_t queued;         /* requests waiting for a slot */
+    int32_t largest_step;   /* most requests in one step's target call so far */
+    int32_t largest_plain;  /* most plain steps (one row each) in one step's target call so far */
+    int64_t steps;          /* steps that ran requests */
+    int64_t drafting_steps; /* steps where at least one request drafted */
+    int64_t cycles;         /* speculative cycles, all requests */
+} dfl2_batch_info;
+
+DFL2_API dfl2_status* dfl2_batch_get_info(dfl2_batch* batch, dfl2_batch_info* out);
 
 #ifdef __cplusplus
 } /* extern "C" */

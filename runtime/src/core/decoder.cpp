@@ -5,10 +5,35 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <new>
 #include <string>
 
 namespace dflash2
 {
+
+std::pair<dfl2_code, std::string> errorOfCurrentException()
+{
+    try
+    {
+        throw;
+    }
+    catch (Error const& e)
+    {
+        return {e.code(), e.what()};
+    }
+    catch (std::bad_alloc const&)
+    {
+        return {DFL2_ERR_OUT_OF_MEMORY, "out of memory"};
+    }
+    catch (std::exception const& e)
+    {
+        return {DFL2_ERR_INTERNAL, std::string("internal error: ") + e.what()};
+    }
+    catch (...)
+    {
+        return {DFL2_ERR_INTERNAL, "internal error"};
+    }
+}
 
 void SplitMixUniforms::draw(dfl2_uniform_use use, double* out, size_t n)
 {
@@ -225,11 +250,15 @@ Stats resultStats(Result const& r)
 // decoder.check_prompt
 void checkPrompt(std::vector<int32_t> const& prompt, Runners const& runners, int64_t maxNewTokens)
 {
+    checkPrompt(prompt, runners.vocabSize(), runners.maxPositions(), maxNewTokens);
+}
+
+void checkPrompt(std::vector<int32_t> const& prompt, int32_t V, int32_t maxPositions, int64_t maxNewTokens)
+{
     if (prompt.empty())
     {
         throw Error(DFL2_ERR_INVALID_ARGUMENT, "empty prompt");
     }
-    int32_t const V = runners.vocabSize();
     for (int32_t t : prompt)
     {
         if (t < 0 || t >= V)
@@ -238,11 +267,11 @@ void checkPrompt(std::vector<int32_t> const& prompt, Runners const& runners, int
                 "prompt token id " + std::to_string(t) + " out of range [0, " + std::to_string(V) + ")");
         }
     }
-    if (static_cast<int64_t>(prompt.size()) + 1 > runners.maxPositions())
+    if (static_cast<int64_t>(prompt.size()) + 1 > maxPositions)
     {
         throw Error(DFL2_ERR_TOO_LONG,
             "prompt of " + std::to_string(prompt.size()) + " tokens does not fit the "
-                + std::to_string(runners.maxPositions())
+                + std::to_string(maxPositions)
                 + " positions available (the export's --max-seq-len)");
     }
     if (maxNewTokens < 1)
@@ -261,23 +290,6 @@ double secondsSince(Clock::time_point t0)
     return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-bool isEos(GenerateConfig const& cfg, int32_t t)
-{
-    return std::find(cfg.eosIds.begin(), cfg.eosIds.end(), t) != cfg.eosIds.end();
-}
-
-// decoder._next_token: argmax at T <= 0, else a sample of softmax(logits / T) (one ACCEPT uniform)
-int32_t nextToken(float const* logits, size_t V, double temperature, UniformSource& uniforms)
-{
-    if (temperature <= 0)
-    {
-        return argmaxRow(logits, V);
-    }
-    std::vector<double> p(V);
-    softmaxT(logits, V, temperature, p.data());
-    return choiceIndex(p.data(), V, drawOne(uniforms));
-}
-
 int64_t lengthLimit(Runners const& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg)
 {
     return std::min<int64_t>(cfg.maxNewTokens, runners.maxPositions() - static_cast<int64_t>(prompt.size()));
@@ -285,9 +297,7 @@ int64_t lengthLimit(Runners const& runners, std::vector<int32_t> const& prompt, 
 
 void finish(Result& res, GenerateConfig const& cfg, bool cancelled)
 {
-    res.finish = cancelled                                     ? DFL2_FINISH_CANCELLED
-        : (!res.tokens.empty() && isEos(cfg, res.tokens.back())) ? DFL2_FINISH_EOS
-                                                                 : DFL2_FINISH_LENGTH;
+    res.finish = finishReason(res, cfg, cancelled);
 }
 
 // bench/oracle.oracle_count: leading rows whose target continuation is among the row's candidates
@@ -348,6 +358,35 @@ void proposalInVocab(Draft const& draft, int32_t nRows, size_t V, int32_t K, std
     }
 }
 
+} // namespace
+
+bool isEos(GenerateConfig const& cfg, int32_t t)
+{
+    return std::find(cfg.eosIds.begin(), cfg.eosIds.end(), t) != cfg.eosIds.end();
+}
+
+// decoder._next_token
+int32_t nextToken(float const* logits, size_t V, double temperature, UniformSource& uniforms)
+{
+    if (temperature <= 0)
+    {
+        return argmaxRow(logits, V);
+    }
+    std::vector<double> p(V);
+    softmaxT(logits, V, temperature, p.data());
+    return choiceIndex(p.data(), V, drawOne(uniforms));
+}
+
+void drawDraftUniforms(UniformSource& uniforms, std::vector<double>& u64, std::vector<float>& u32)
+{
+    uniforms.draw(DFL2_UNIFORM_DRAFT, u64.data(), u64.size());
+    u32.resize(u64.size());
+    for (size_t i = 0; i < u64.size(); ++i)
+    {
+        u32[i] = static_cast<float>(u64[i]);
+    }
+}
+
 void checkDraft(Draft const& draft, int32_t nRows, int32_t K, int32_t V)
 {
     for (int32_t t = 0; t < nRows; ++t)
@@ -370,7 +409,47 @@ void checkDraft(Draft const& draft, int32_t nRows, int32_t K, int32_t V)
     }
 }
 
-} // namespace
+std::pair<int32_t, int32_t> acceptDrafts(Draft const& draft, std::vector<int32_t> const& drafts,
+    float const* logits, int32_t V, int32_t K, double temperature, UniformSource& uniforms)
+{
+    size_t const Vs = static_cast<size_t>(V);
+    int32_t const nRows = static_cast<int32_t>(drafts.size());
+    if (temperature <= 0)
+    {
+        return acceptGreedy(drafts.data(), nRows, logits, Vs);
+    }
+    std::vector<double> p(static_cast<size_t>(nRows + 1) * Vs);
+    for (int32_t r = 0; r <= nRows; ++r)
+    {
+        softmaxT(logits + static_cast<size_t>(r) * Vs, Vs, temperature, p.data() + static_cast<size_t>(r) * Vs);
+    }
+    std::vector<double> q;
+    proposalInVocab(draft, nRows, Vs, K, q);
+    return acceptRejection(drafts.data(), nRows, q.data(), p.data(), Vs, uniforms);
+}
+
+std::vector<int32_t> committedTokens(
+    std::vector<int32_t> const& drafts, int32_t accepted, int32_t bonus, GenerateConfig const& cfg)
+{
+    std::vector<int32_t> fresh(drafts.begin(), drafts.begin() + accepted);
+    fresh.push_back(bonus);
+    for (size_t i = 0; i < fresh.size(); ++i)
+    {
+        if (isEos(cfg, fresh[i]))
+        {
+            fresh.resize(i + 1);
+            break;
+        }
+    }
+    return fresh;
+}
+
+dfl2_finish_reason finishReason(Result const& r, GenerateConfig const& cfg, bool cancelled)
+{
+    return cancelled                                        ? DFL2_FINISH_CANCELLED
+        : (!r.tokens.empty() && isEos(cfg, r.tokens.back())) ? DFL2_FINISH_EOS
+                                                             : DFL2_FINISH_LENGTH;
+}
 
 // decoder.target_generate
 Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
@@ -429,8 +508,6 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
     Draft draft;
     std::vector<double> u64(static_cast<size_t>(L));
     std::vector<float> u32(static_cast<size_t>(L));
-    std::vector<double> p;
-    std::vector<double> q;
     std::vector<int32_t> verifyIds;
     while (!cancelled && static_cast<int64_t>(res.tokens.size()) < limit && !isEos(cfg, anchor))
     {
@@ -440,11 +517,7 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
         // draft + select (all bs rows always run, as in training)
         if (sampling)
         {
-            uniforms.draw(DFL2_UNIFORM_DRAFT, u64.data(), u64.size());
-            for (size_t i = 0; i < u64.size(); ++i)
-            {
-                u32[i] = static_cast<float>(u64[i]);
-            }
+            drawDraftUniforms(uniforms, u64, u32);
         }
         runners.drafterPropose(
             anchor, pos, nRows, static_cast<float>(cfg.temperature), sampling ? u32.data() : nullptr, draft);
@@ -455,37 +528,11 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
         verifyIds.insert(verifyIds.end(), drafts.begin(), drafts.end());
         runners.targetForward(verifyIds.data(), nRows + 1, logits);  // [nRows + 1, V]
         // accept
-        std::pair<int32_t, int32_t> ab;
-        if (!sampling)
-        {
-            ab = acceptGreedy(drafts.data(), nRows, logits.data(), Vs);
-        }
-        else
-        {
-            p.resize(static_cast<size_t>(nRows + 1) * Vs);
-            for (int32_t r = 0; r <= nRows; ++r)
-            {
-                softmaxT(logits.data() + static_cast<size_t>(r) * Vs, Vs, cfg.temperature,
-                    p.data() + static_cast<size_t>(r) * Vs);
-            }
-            proposalInVocab(draft, nRows, Vs, K, q);
-            ab = acceptRejection(drafts.data(), nRows, q.data(), p.data(), Vs, uniforms);
-        }
-        int32_t const acc = ab.first;
-        int32_t const bonus = ab.second;
+        auto const [acc, bonus] = acceptDrafts(draft, drafts, logits.data(), V, K, cfg.temperature, uniforms);
         // commit: crop the target cache; committed positions become draft context
         runners.targetCrop(pos + acc + 1);
         runners.drafterAddContext(acc + 1, pos);
-        std::vector<int32_t> fresh(drafts.begin(), drafts.begin() + acc);
-        fresh.push_back(bonus);
-        for (size_t i = 0; i < fresh.size(); ++i)
-        {
-            if (isEos(cfg, fresh[i]))
-            {
-                fresh.resize(i + 1);
-                break;
-            }
-        }
+        std::vector<int32_t> const fresh = committedTokens(drafts, acc, bonus, cfg);
         // an accepted EOS ends the request: drafts after it are not committed, so they do not count for τ
         res.accepted.push_back(std::min(acc, static_cast<int32_t>(fresh.size())));
         res.proposed.push_back(nRows);

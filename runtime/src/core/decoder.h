@@ -19,6 +19,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dflash2
@@ -41,6 +42,10 @@ public:
 private:
     dfl2_code mCode;
 };
+
+//! The code and message of the exception being handled (call inside a catch block): Error -> its code,
+//! bad_alloc -> DFL2_ERR_OUT_OF_MEMORY, anything else -> DFL2_ERR_INTERNAL.
+std::pair<dfl2_code, std::string> errorOfCurrentException();
 
 //! One drafted block of L = bs - 1 rows.
 struct Draft
@@ -117,6 +122,7 @@ struct Result
     std::vector<int32_t> proposed;        //!< per cycle: drafts verified
     std::vector<int32_t> oracleAccepted;  //!< per cycle: oracle top-K count (when measured)
     double elapsedS{0.0};                 //!< wall time excluding oracle passes
+    int32_t plainSteps{0};                //!< plain target steps (batched decoding; each commits one token)
     dfl2_finish_reason finish{DFL2_FINISH_NONE};
 };
 
@@ -151,9 +157,29 @@ std::pair<int32_t, int32_t> acceptRejection(
 Stats acceptanceStats(std::vector<int32_t> const& accepted, std::vector<int32_t> const& proposed);
 Stats resultStats(Result const& r);
 
+// ---- pieces of a cycle (shared by the loops here and the batched loop, core/batch.cpp) ----------------
+
+bool isEos(GenerateConfig const& cfg, int32_t token);
+//! decoder._next_token: argmax at T <= 0, else a sample of softmax(logits / T) (one ACCEPT uniform)
+int32_t nextToken(float const* logits, size_t V, double temperature, UniformSource& uniforms);
+//! the drafter's L uniforms of a sampling cycle (one DRAFT request), in float32 as the Python runtime hands them
+void drawDraftUniforms(UniformSource& uniforms, std::vector<double>& u64, std::vector<float>& u32);
+//! the drafter's tokens and candidates of the first nRows rows are ids in [0, V) (else DFL2_ERR_OUT_OF_RANGE)
+void checkDraft(Draft const& draft, int32_t nRows, int32_t K, int32_t V);
+//! accept: drafts [n] against the verify logits [n + 1, V] -> (accepted, bonus): greedy matching at T <= 0,
+//! rejection sampling at T > 0 (the proposal scattered into the vocabulary)
+std::pair<int32_t, int32_t> acceptDrafts(Draft const& draft, std::vector<int32_t> const& drafts,
+    float const* logits, int32_t V, int32_t K, double temperature, UniformSource& uniforms);
+//! commit: drafts[:accepted] + [bonus], cut after the first EOS
+std::vector<int32_t> committedTokens(
+    std::vector<int32_t> const& drafts, int32_t accepted, int32_t bonus, GenerateConfig const& cfg);
+//! cancelled, else EOS when the last token is one, else LENGTH
+dfl2_finish_reason finishReason(Result const& r, GenerateConfig const& cfg, bool cancelled);
+
 // ---- the loops ----------------------------------------------------------------------------------------
 
 //! Rejects an empty prompt, out-of-range ids, a prompt that does not fit, max_new_tokens < 1.
+void checkPrompt(std::vector<int32_t> const& prompt, int32_t vocabSize, int32_t maxPositions, int64_t maxNewTokens);
 void checkPrompt(std::vector<int32_t> const& prompt, Runners const& runners, int64_t maxNewTokens);
 //! Plain autoregressive decoding (decoder.target_generate).
 Result targetGenerate(

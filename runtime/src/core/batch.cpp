@@ -1,0 +1,632 @@
+//! \file batch.cpp
+//! Continuous batching; see batch.h. Each function names its Python twin in dflash2_trt/runtime/batch.py.
+#include "batch.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <iterator>
+#include <string>
+
+namespace dflash2
+{
+
+namespace
+{
+
+using Clock = std::chrono::steady_clock;
+
+double secondsBetween(Clock::time_point a, Clock::time_point b)
+{
+    return std::chrono::duration<double>(b - a).count();
+}
+
+} // namespace
+
+// ---- costs and the rule ------------------------------------------------------------------------------------
+
+// MeasuredCosts._update
+void MeasuredCosts::Mean::update(double s)
+{
+    ++n;
+    m += (s - m) / static_cast<double>(std::min<int64_t>(n, 16));
+}
+
+void MeasuredCosts::recordPlain(int32_t n, double s)
+{
+    mPlain[n].update(s);
+}
+
+void MeasuredCosts::recordDraft(double s)
+{
+    mDraft.update(s);
+}
+
+void MeasuredCosts::recordVerify(double s)
+{
+    mVerify.update(s);
+}
+
+// MeasuredCosts.plain: exact size, else numpy.interp over the measured sizes
+std::optional<double> MeasuredCosts::plain(int32_t n) const
+{
+    if (n <= 0)
+    {
+        return 0.0;
+    }
+    auto const hit = mPlain.find(n);
+    if (hit != mPlain.end())
+    {
+        return hit->second.m;
+    }
+    if (mPlain.empty())
+    {
+        return std::nullopt;
+    }
+    auto const hi = mPlain.upper_bound(n);
+    if (hi == mPlain.begin())
+    {
+        return hi->second.m;  // below the smallest measured size: flat
+    }
+    auto const lo = std::prev(hi);
+    if (hi == mPlain.end())
+    {
+        return lo->second.m;  // above the largest: flat
+    }
+    double const slope = (hi->second.m - lo->second.m) / static_cast<double>(hi->first - lo->first);
+    return slope * static_cast<double>(n - lo->first) + lo->second.m;
+}
+
+std::optional<double> MeasuredCosts::draft() const
+{
+    return mDraft.n ? std::optional<double>(mDraft.m) : std::nullopt;
+}
+
+std::optional<double> MeasuredCosts::verify() const
+{
+    return mVerify.n ? std::optional<double>(mVerify.m) : std::nullopt;
+}
+
+// SpeculationRule.tau
+double SpeculationRule::tau(std::deque<int32_t> const& committed) const
+{
+    double sum = 0.0;
+    for (int32_t c : committed)
+    {
+        sum += c;
+    }
+    return (priorTau * priorWeight + sum) / (priorWeight + static_cast<double>(committed.size()));
+}
+
+// SpeculationRule.choose
+std::vector<uint64_t> SpeculationRule::choose(
+    int32_t nActive, std::vector<std::pair<uint64_t, double>> const& candidates) const
+{
+    std::vector<uint64_t> all;
+    for (auto const& c : candidates)
+    {
+        all.push_back(c.first);
+    }
+    if (candidates.empty() || !adaptive)
+    {
+        return all;
+    }
+    std::optional<double> const tAll = costs->plain(nActive);
+    if (!tAll)
+    {
+        return {};  // explore: measure a plain step first
+    }
+    std::optional<double> const tD = costs->draft();
+    std::optional<double> const tV = costs->verify();
+    if (!tD || !tV)
+    {
+        return all;  // explore: measure a drafting step
+    }
+    std::vector<std::pair<uint64_t, double>> order = candidates;
+    std::stable_sort(order.begin(), order.end(), [](auto const& a, auto const& b) { return -a.second < -b.second; });
+    size_t bestK = 0;
+    double best = nActive / std::max(*tAll, 1e-12);
+    double tokens = nActive;
+    double const perSeq = *tD + std::max(*tV, 0.0);
+    for (size_t k = 1; k <= order.size(); ++k)
+    {
+        tokens += order[k - 1].second - 1.0;
+        double const rate = tokens / std::max(*tAll + static_cast<double>(k) * perSeq, 1e-12);
+        if (rate > best)
+        {
+            bestK = k;
+            best = rate;
+        }
+    }
+    std::vector<uint64_t> chosen;
+    for (size_t k = 0; k < bestK; ++k)
+    {
+        chosen.push_back(order[k].first);
+    }
+    return chosen;
+}
+
+// ---- the decoder -------------------------------------------------------------------------------------------
+
+// batch._Seq
+struct BatchDecoder::Seq
+{
+    uint64_t id{0};
+    BatchRequest req;
+    int32_t slot{-1};
+    Result res;
+    int64_t limit{0};
+    Clock::time_point t0{};
+    int32_t anchor{-1};
+    int32_t pos{0};            //!< the anchor's position
+    int32_t pendingRows{0};    //!< features queued in the backend, not yet in the draft context
+    int32_t pendingStart{0};
+    std::deque<int32_t> committed;  //!< tokens per cycle, last `window` cycles
+    int32_t plainRun{0};       //!< steps in a row the rule kept this candidate plain
+    bool cancelled{false};
+    bool done{false};
+
+    bool canDraft() const
+    {
+        return req.config.speculative;
+    }
+    int64_t made() const
+    {
+        return static_cast<int64_t>(res.tokens.size());
+    }
+};
+
+BatchDecoder::BatchDecoder(BatchRunners& runners, SpeculationRule rule)
+    : mRunners(runners)
+    , mRule(std::move(rule))
+    , mSlotUsed(static_cast<size_t>(runners.slots()), false)
+    , mCacheLength(static_cast<size_t>(runners.slots()), 0)
+{
+}
+
+BatchDecoder::~BatchDecoder() = default;
+
+// batch.BatchDecoder.submit's checks (decoder.check_prompt, check_temperature)
+void checkBatchRequest(BatchRequest const& request, int32_t vocabSize, int32_t maxPositions)
+{
+    GenerateConfig const& cfg = request.config;
+    checkPrompt(request.prompt, vocabSize, maxPositions, cfg.maxNewTokens);
+    if (!std::isfinite(cfg.temperature) || cfg.temperature < 0)
+    {
+        throw Error(DFL2_ERR_OPTION_VALUE, "temperature must be a finite number >= 0 (0 = greedy)");
+    }
+    if (cfg.measureOracle)
+    {
+        throw Error(DFL2_ERR_OPTION_VALUE, "measure_oracle is not available in batched decoding (use a session)");
+    }
+    if (!request.uniforms)
+    {
+        throw Error(DFL2_ERR_INTERNAL, "batched request without a uniform source");
+    }
+}
+
+// BatchDecoder.submit
+void BatchDecoder::submit(uint64_t id, BatchRequest request)
+{
+    checkBatchRequest(request, mRunners.vocabSize(), mRunners.maxPositions());
+    GenerateConfig const& cfg = request.config;
+    auto s = std::make_unique<Seq>();
+    s->id = id;
+    s->limit = std::min<int64_t>(cfg.maxNewTokens, mRunners.maxPositions() - static_cast<int64_t>(request.prompt.size()));
+    s->req = std::move(request);
+    mQueue.push_back(std::move(s));
+}
+
+// BatchDecoder.cancel
+void BatchDecoder::cancel(uint64_t id)
+{
+    for (auto it = mQueue.begin(); it != mQueue.end(); ++it)
+    {
+        if ((*it)->id == id)
+        {
+            (*it)->cancelled = true;
+            finish(**it);
+            mQueue.erase(it);
+            return;
+        }
+    }
+    for (auto& s : mActive)
+    {
+        if (s->id == id && !s->done)
+        {
+            s->cancelled = true;
+            finish(*s);
+        }
+    }
+    mActive.erase(std::remove_if(mActive.begin(), mActive.end(), [](auto const& s) { return s->done; }), mActive.end());
+}
+
+std::vector<BatchFinished> BatchDecoder::takeFinished()
+{
+    std::vector<BatchFinished> out;
+    out.swap(mFinished);
+    return out;
+}
+
+// BatchDecoder.step
+void BatchDecoder::step()
+{
+    admit();
+    std::vector<Seq*> seqs;
+    for (auto& s : mActive)
+    {
+        if (!s->done)  // (a request can end at admission)
+        {
+            seqs.push_back(s.get());
+        }
+    }
+    if (!seqs.empty())
+    {
+        ++mCounters.steps;
+        std::vector<Seq*> const drafting = choose(seqs);
+        if (!drafting.empty())
+        {
+            ++mCounters.draftingSteps;
+        }
+        std::map<Seq*, Proposal> proposals;  // the drafting sequences' drafts
+        for (Seq* s : drafting)
+        {
+            try
+            {
+                Proposal p = draft(*s);
+                proposals.emplace(s, std::move(p));
+            }
+            catch (...)
+            {
+                auto const [code, message] = errorOfCurrentException();
+                finish(*s, code, message);
+            }
+        }
+        // ONE target forward: a plain sequence's anchor, a drafting sequence's [anchor, drafts]
+        std::vector<Seq*> fed;
+        std::vector<SlotRows> rows;
+        for (Seq* s : seqs)
+        {
+            if (s->done)
+            {
+                continue;
+            }
+            fed.push_back(s);
+            rows.push_back(SlotRows{s->slot, mCacheLength[static_cast<size_t>(s->slot)], {s->anchor}});
+            auto const p = proposals.find(s);
+            if (p != proposals.end())
+            {
+                rows.back().ids.insert(rows.back().ids.end(), p->second.drafts.begin(), p->second.drafts.end());
+            }
+        }
+        std::vector<float> logits;  // [Σ rows, V]
+        bool ok = !fed.empty();
+        if (ok)
+        {
+            auto const t = Clock::now();
+            try
+            {
+                mRunners.targetForward(rows, logits);
+            }
+            catch (...)
+            {
+                auto const [code, message] = errorOfCurrentException();
+                for (Seq* s : fed)
+                {
+                    finish(*s, code, "the step's target forward: " + message);
+                }
+                ok = false;
+            }
+            if (ok)
+            {
+                recordForward(static_cast<int32_t>(seqs.size()), static_cast<int32_t>(proposals.size()),
+                    secondsBetween(t, Clock::now()));
+            }
+        }
+        size_t const V = static_cast<size_t>(mRunners.vocabSize());
+        size_t row = 0;
+        int32_t plainInCall = 0;
+        for (size_t i = 0; ok && i < fed.size(); ++i)
+        {
+            Seq& s = *fed[i];
+            int32_t const n = static_cast<int32_t>(rows[i].ids.size());
+            mCacheLength[static_cast<size_t>(s.slot)] += n;
+            float const* lg = logits.data() + row * V;
+            row += static_cast<size_t>(n);
+            try
+            {
+                auto const p = proposals.find(&s);
+                if (p != proposals.end())
+                {
+                    accept(s, p->second, lg);
+                }
+                else
+                {
+                    ++plainInCall;
+                    plain(s, lg);
+                }
+            }
+            catch (...)
+            {
+                auto const [code, message] = errorOfCurrentException();
+                finish(s, code, message);
+            }
+        }
+        if (ok)
+        {
+            ++mCounters.forwardCalls;
+            mCounters.largestForward = std::max(mCounters.largestForward, static_cast<int32_t>(fed.size()));
+            mCounters.largestPlain = std::max(mCounters.largestPlain, plainInCall);
+        }
+        for (Seq* s : seqs)
+        {
+            GenerateConfig const& cfg = s->req.config;
+            if (!s->done
+                && (s->cancelled || (!s->res.tokens.empty() && (s->made() >= s->limit || isEos(cfg, s->res.tokens.back())))))
+            {
+                finish(*s);
+            }
+        }
+    }
+    mActive.erase(std::remove_if(mActive.begin(), mActive.end(), [](auto const& s) { return s->done; }), mActive.end());
+}
+
+// BatchDecoder._admit: queued requests into free slots (slots assigned shortest prompt first), their prompts
+// prefilled in one target forward, each its first token drawn
+void BatchDecoder::admit()
+{
+    std::vector<Seq*> fresh;
+    size_t const freeSlots = static_cast<size_t>(std::count(mSlotUsed.begin(), mSlotUsed.end(), false));
+    while (!mQueue.empty() && fresh.size() < freeSlots)
+    {
+        mActive.push_back(std::move(mQueue.front()));
+        mQueue.pop_front();
+        fresh.push_back(mActive.back().get());
+    }
+    if (fresh.empty())
+    {
+        return;
+    }
+    auto const t0 = Clock::now();
+    std::vector<Seq*> byLength = fresh;
+    std::stable_sort(byLength.begin(), byLength.end(),
+        [](Seq const* a, Seq const* b) { return a->req.prompt.size() < b->req.prompt.size(); });
+    for (Seq* s : byLength)  // like lengths in neighbouring slots (each takes the lowest free slot)
+    {
+        auto const slot = std::find(mSlotUsed.begin(), mSlotUsed.end(), false);
+        s->slot = static_cast<int32_t>(slot - mSlotUsed.begin());
+        s->t0 = t0;
+        *slot = true;
+        mCacheLength[static_cast<size_t>(s->slot)] = 0;
+        try
+        {
+            mRunners.targetReset(s->slot);
+        }
+        catch (...)
+        {
+            auto const [code, message] = errorOfCurrentException();
+            finish(*s, code, message);
+        }
+    }
+    std::vector<Seq*> fed;
+    std::vector<SlotRows> rows;
+    for (Seq* s : fresh)
+    {
+        if (!s->done)
+        {
+            fed.push_back(s);
+            rows.push_back(SlotRows{s->slot, 0, s->req.prompt});
+        }
+    }
+    std::vector<float> logits;  // [Σ prompt lengths, V]
+    if (fed.empty())
+    {
+        return;
+    }
+    try
+    {
+        mRunners.targetForward(rows, logits);
+    }
+    catch (...)
+    {
+        auto const [code, message] = errorOfCurrentException();
+        for (Seq* s : fed)
+        {
+            finish(*s, code, "the prefill's target forward: " + message);
+        }
+        return;
+    }
+    size_t const V = static_cast<size_t>(mRunners.vocabSize());
+    size_t row = 0;
+    for (Seq* sp : fed)
+    {
+        Seq& s = *sp;
+        int32_t const n = static_cast<int32_t>(s.req.prompt.size());
+        mCacheLength[static_cast<size_t>(s.slot)] = n;
+        row += static_cast<size_t>(n);
+        try
+        {
+            s.anchor = nextToken(logits.data() + (row - 1) * V, V, s.req.config.temperature, *s.req.uniforms);
+            s.res.tokens.push_back(s.anchor);
+            s.pos = n;
+            if (s.canDraft())
+            {
+                mRunners.drafterReset(s.slot);
+                mRunners.drafterQueueContext(s.slot, n);
+                s.pendingRows = n;
+                s.pendingStart = 0;
+            }
+            emit(s, &s.anchor, 1);
+            if (s.cancelled || s.made() >= s.limit || isEos(s.req.config, s.anchor))
+            {
+                finish(s);
+            }
+        }
+        catch (...)
+        {
+            auto const [code, message] = errorOfCurrentException();
+            finish(s, code, message);
+        }
+    }
+}
+
+// BatchDecoder._choose: a cycle needs >= 1 draft row left before the limit
+std::vector<BatchDecoder::Seq*> BatchDecoder::choose(std::vector<Seq*> const& seqs)
+{
+    std::vector<Seq*> cands;
+    std::vector<std::pair<uint64_t, double>> taus;
+    for (Seq* s : seqs)
+    {
+        if (s->canDraft() && s->limit - s->made() >= 2)
+        {
+            if (s->plainRun >= mRule.probeAfter)  // probe: measure this sequence's acceptance again
+            {
+                s->committed.clear();
+                s->plainRun = 0;
+            }
+            cands.push_back(s);
+            taus.emplace_back(s->id, mRule.tau(s->committed));
+        }
+    }
+    std::vector<uint64_t> const ids = mRule.choose(static_cast<int32_t>(seqs.size()), taus);
+    std::vector<Seq*> chosen;
+    for (Seq* s : cands)
+    {
+        bool const in = std::find(ids.begin(), ids.end(), s->id) != ids.end();
+        s->plainRun = in ? 0 : s->plainRun + 1;
+        if (in)
+        {
+            chosen.push_back(s);
+        }
+    }
+    return chosen;
+}
+
+// BatchDecoder._record_forward: a step's forward over n sequences, k verifying -> t_plain(n), or t_verify per
+// drafting sequence (its share of the time above t_plain(n))
+void BatchDecoder::recordForward(int32_t n, int32_t k, double seconds)
+{
+    StepCosts& c = *mRule.costs;
+    if (k == 0)
+    {
+        c.recordPlain(n, seconds);
+        return;
+    }
+    std::optional<double> const base = c.plain(n);
+    if (base)
+    {
+        c.recordVerify((seconds - *base) / k);
+    }
+}
+
+// BatchDecoder._plain: the target's next token after the anchor (logits [1, V]): exactly a B = 1 plain step
+void BatchDecoder::plain(Seq& s, float const* logits)
+{
+    size_t const V = static_cast<size_t>(mRunners.vocabSize());
+    s.anchor = nextToken(logits, V, s.req.config.temperature, *s.req.uniforms);
+    if (s.canDraft())
+    {
+        mRunners.drafterQueueContext(s.slot, 1);
+        ++s.pendingRows;
+    }
+    ++s.pos;
+    s.res.tokens.push_back(s.anchor);
+    ++s.res.plainSteps;
+    emit(s, &s.anchor, 1);
+}
+
+// BatchDecoder._draft: pending features join the slot's drafter, the drafter proposes
+BatchDecoder::Proposal BatchDecoder::draft(Seq& s)
+{
+    GenerateConfig const& cfg = s.req.config;
+    int32_t const L = mRunners.blockSize() - 1;
+    auto const t = Clock::now();
+    if (s.pendingRows > 0)  // features of the prompt / plain steps join the draft context in one pass
+    {
+        mRunners.drafterAddContext(s.slot, s.pendingStart);
+        s.pendingRows = 0;
+    }
+    // a final partial block verifies fewer rows
+    int32_t const nRows = static_cast<int32_t>(std::min<int64_t>(L, s.limit - s.made() - 1));
+    std::vector<double> u64(static_cast<size_t>(L));
+    std::vector<float> u32;
+    if (cfg.temperature > 0)
+    {
+        drawDraftUniforms(*s.req.uniforms, u64, u32);
+    }
+    Proposal p;
+    mRunners.drafterPropose(s.slot, s.anchor, s.pos, nRows, static_cast<float>(cfg.temperature),
+        cfg.temperature > 0 ? u32.data() : nullptr, p.draft);
+    mRule.costs->recordDraft(secondsBetween(t, Clock::now()));
+    checkDraft(p.draft, nRows, mRunners.topK(), mRunners.vocabSize());
+    p.drafts.assign(p.draft.tokens.begin(), p.draft.tokens.begin() + nRows);
+    return p;
+}
+
+// BatchDecoder._accept: accept -> commit of one sequence's verify (logits [nRows + 1, V] of [anchor, drafts])
+void BatchDecoder::accept(Seq& s, Proposal const& p, float const* logits)
+{
+    GenerateConfig const& cfg = s.req.config;
+    int32_t const nRows = static_cast<int32_t>(p.drafts.size());
+    auto const [acc, bonus] = acceptDrafts(
+        p.draft, p.drafts, logits, mRunners.vocabSize(), mRunners.topK(), cfg.temperature, *s.req.uniforms);
+    int32_t const keep = s.pos + acc + 1;
+    mRunners.targetCrop(s.slot, keep);
+    int32_t& cached = mCacheLength[static_cast<size_t>(s.slot)];
+    cached = std::min(cached, keep);
+    mRunners.drafterQueueContext(s.slot, acc + 1);
+    s.pendingRows = acc + 1;
+    s.pendingStart = s.pos;
+    std::vector<int32_t> const fresh = committedTokens(p.drafts, acc, bonus, cfg);
+    // an accepted EOS ends the request: drafts after it are not committed, so they do not count for τ
+    s.res.accepted.push_back(std::min(acc, static_cast<int32_t>(fresh.size())));
+    s.res.proposed.push_back(nRows);
+    s.res.tokens.insert(s.res.tokens.end(), fresh.begin(), fresh.end());
+    s.committed.push_back(static_cast<int32_t>(fresh.size()));
+    while (static_cast<int32_t>(s.committed.size()) > mRule.window)
+    {
+        s.committed.pop_front();
+    }
+    s.pos += acc + 1;
+    s.anchor = fresh.back();
+    ++mCounters.cycles;
+    emit(s, fresh.data(), fresh.size());
+}
+
+void BatchDecoder::emit(Seq& s, int32_t const* tokens, size_t n)
+{
+    if (s.req.sink && !s.req.sink(tokens, n))
+    {
+        s.cancelled = true;
+    }
+}
+
+// BatchDecoder._finish: the slot is freed (the backend told), the result handed out by takeFinished
+void BatchDecoder::finish(Seq& s, dfl2_code error, std::string const& message)
+{
+    s.done = true;
+    BatchFinished f{s.id, std::move(s.res), error, message};
+    if (s.slot >= 0)
+    {
+        f.result.elapsedS = secondsBetween(s.t0, Clock::now());
+        mSlotUsed[static_cast<size_t>(s.slot)] = false;
+        mCacheLength[static_cast<size_t>(s.slot)] = 0;
+        try
+        {
+            mRunners.targetRelease(s.slot);
+        }
+        catch (...)
+        {
+            auto const [code, why] = errorOfCurrentException();
+            if (f.error == DFL2_OK)
+            {
+                f.error = code;
+                f.message = why;
+            }
+        }
+    }
+    f.result.finish = f.error != DFL2_OK ? DFL2_FINISH_ERROR : finishReason(f.result, s.req.config, s.cancelled);
+    mFinished.push_back(std::move(f));
+}
+
+} // namespace dflash2

@@ -1,0 +1,271 @@
+//! \file batch.h
+//! Continuous batching in plain C++: the twin of dflash2_trt/runtime/batch.py's BatchDecoder and
+//! SpeculationRule (the Python reference defines the behaviour; tests/test_capi.py runs both on the same
+//! callbacks and compares them request by request).
+//!
+//! Requests join and leave between steps: submit() queues one, each step() first admits queued requests into
+//! free slots (slots given shortest prompt first; their prompts prefilled together in one target forward, each its
+//! first token drawn), then runs one step for every active sequence, then retires the finished ones (their own
+//! EOS set, max tokens, the capacity, a cancel), freeing their slots.
+//!
+//! One step, flat (the names of batch.py):
+//!   choose  which sequences draft this step (SpeculationRule, below)
+//!   draft   per drafting sequence: its pending context features join its slot's drafter, the drafter proposes
+//!   target  ONE target forward for every sequence (ragged rows, each slot its own cache length): a plain
+//!           sequence's anchor (one row), a drafting sequence's [anchor, drafts] (its verify)
+//!   accept  per sequence its own accepted length (ragged acceptance): greedy matching at T = 0, rejection
+//!           sampling at T > 0; plain sequences draw the target's own next token
+//!   commit  crop each verified slot to its accepted length; committed positions' features become draft context
+//!
+//! Randomness: each request has its own UniformSource, asked in the order of speculativeGenerate (first token; a
+//! plain step: one ACCEPT draw; a cycle: the drafter's DRAFT uniforms, then the rejection test): greedy, a
+//! sequence's tokens are its own B = 1 output whatever the batch; at T > 0 they depend on the others only through
+//! the rule's choice of plain step or cycle.
+//!
+//! The load-adaptive rule (SpeculationRule::choose). Per step, with n active sequences and the speculative ones
+//! sorted by their estimated tokens per cycle τ̂_1 >= τ̂_2 >= ..., draft for the k that maximise
+//!     tokens(k) / time(k),  tokens(k) = (n - k) + Σ_{i<=k} τ̂_i,
+//!                           time(k)   = t_plain(n) + k · (t_draft + max(t_verify, 0))
+//! with t_plain(m) the time of a step's target forward over m sequences none of which drafts, t_draft one drafter
+//! proposal (context update included) and t_verify what one drafting sequence adds to the step's forward ((forward
+//! time - t_plain(n)) / k over drafting steps): measured in this run (MeasuredCosts: running means, then
+//! exponential over 16; t_plain linear between measured sizes, flat beyond them) or given (FixedCosts). τ̂ of a
+//! sequence = (prior_tau · prior_weight + Σ committed over its last `window` cycles) / (prior_weight + cycles).
+//! Until the costs are measured the rule explores: plain first, then a step where every candidate drafts. A
+//! candidate kept plain for probe_after steps in a row forgets its cycles (τ̂ back to the prior).
+//!
+//! Errors: the Python loop raises out of step(); here a failure is the request's own (this is the one place the
+//! twins differ, on purpose: a server must not lose every request to one engine error). A failing per-sequence
+//! call (its slot's reset, its draft, its acceptance, its uniform source) ends that request with
+//! DFL2_FINISH_ERROR and its message; a failing target forward ends every request in that forward. The others
+//! go on.
+//!
+//! Not thread safe: one thread at a time calls submit / cancel / step (capi.cpp's dfl2_batch adds the locking).
+#pragma once
+
+#include "decoder.h"
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dflash2
+{
+
+//! One sequence's rows in a batched target call.
+struct SlotRows
+{
+    int32_t slot;
+    int32_t cacheLength;          //!< the slot's cached positions: the rows land at cacheLength..cacheLength+n-1
+    std::vector<int32_t> ids;     //!< [n] n >= 1
+};
+
+//! The batched backend: `slots` sequences' target caches (ragged: each slot its own length) and one B = 1
+//! drafter per slot. Context features stay in the backend: targetForward keeps each slot's latest features, and
+//! drafterQueueContext / drafterAddContext move rows of them into the slot's drafter.
+class BatchRunners
+{
+public:
+    virtual ~BatchRunners() = default;
+    virtual int32_t vocabSize() const = 0;
+    virtual int32_t blockSize() const = 0;
+    virtual int32_t topK() const = 0;
+    virtual int32_t maxPositions() const = 0;
+    virtual int32_t slots() const = 0;
+
+    //! a new sequence takes `slot`: its target cache starts empty
+    virtual void targetReset(int32_t slot) = 0;
+    //! the slot's sequence ended (the engine may free it until the next targetReset of the slot)
+    virtual void targetRelease(int32_t slot) = 0;
+    //! one call over distinct slots -> logits [Σ n, V] in the order of `seqs` (resized by the callee)
+    virtual void targetForward(std::vector<SlotRows> const& seqs, std::vector<float>& logits) = 0;
+    virtual void targetCrop(int32_t slot, int32_t length) = 0;
+    virtual void drafterReset(int32_t slot) = 0;
+    //! the first `rows` rows of the slot's latest targetForward features join its pending context
+    virtual void drafterQueueContext(int32_t slot, int32_t rows) = 0;
+    //! the slot's pending context (positions start..) joins its drafter in one call; pending emptied
+    virtual void drafterAddContext(int32_t slot, int32_t start) = 0;
+    //! Runners::drafterPropose for the slot's drafter
+    virtual void drafterPropose(int32_t slot, int32_t anchor, int32_t pos, int32_t rows, float temperature,
+        float const* uniforms, Draft& out)
+        = 0;
+};
+
+//! The rule's step costs (seconds). plain(n) / draft() / verify(): nullopt while not known.
+class StepCosts
+{
+public:
+    virtual ~StepCosts() = default;
+    virtual void recordPlain(int32_t n, double s) = 0;
+    virtual void recordDraft(double s) = 0;
+    virtual void recordVerify(double s) = 0;
+    virtual std::optional<double> plain(int32_t n) const = 0;
+    virtual std::optional<double> draft() const = 0;
+    virtual std::optional<double> verify() const = 0;
+};
+
+//! batch.MeasuredCosts: running means, then exponential over 16 samples.
+class MeasuredCosts : public StepCosts
+{
+public:
+    void recordPlain(int32_t n, double s) override;
+    void recordDraft(double s) override;
+    void recordVerify(double s) override;
+    //! measured, else linear between the nearest measured sizes (flat beyond them), as numpy.interp
+    std::optional<double> plain(int32_t n) const override;
+    std::optional<double> draft() const override;
+    std::optional<double> verify() const override;
+
+private:
+    struct Mean
+    {
+        double m{0.0};
+        int64_t n{0};
+        void update(double s);
+    };
+    std::map<int32_t, Mean> mPlain;
+    Mean mDraft;
+    Mean mVerify;
+};
+
+//! batch.FixedCosts with t_plain(n) = plainBase + plainPerSeq · n, t_verify = what one drafting sequence adds to a
+//! step's forward (costs a deployment calibrated; tests).
+class FixedCosts : public StepCosts
+{
+public:
+    FixedCosts(double plainBase, double plainPerSeq, double draftS, double verifyS)
+        : mBase(plainBase)
+        , mPerSeq(plainPerSeq)
+        , mDraft(draftS)
+        , mVerify(verifyS)
+    {
+    }
+    void recordPlain(int32_t, double) override {}
+    void recordDraft(double) override {}
+    void recordVerify(double) override {}
+    std::optional<double> plain(int32_t n) const override
+    {
+        return n <= 0 ? 0.0 : mBase + mPerSeq * n;
+    }
+    std::optional<double> draft() const override
+    {
+        return mDraft;
+    }
+    std::optional<double> verify() const override
+    {
+        return mVerify;
+    }
+
+private:
+    double mBase, mPerSeq, mDraft, mVerify;
+};
+
+//! batch.SpeculationRule (the file comment states the rule).
+struct SpeculationRule
+{
+    double priorTau{2.0};
+    double priorWeight{2.0};
+    int32_t window{32};
+    bool adaptive{true};
+    int32_t probeAfter{64};
+    std::unique_ptr<StepCosts> costs{std::make_unique<MeasuredCosts>()};
+
+    double tau(std::deque<int32_t> const& committed) const;
+    //! candidates: (request id, τ̂) in the active order -> the ids that draft this step
+    std::vector<uint64_t> choose(int32_t nActive, std::vector<std::pair<uint64_t, double>> const& candidates) const;
+};
+
+//! One request (batch.BatchRequest + where its uniforms come from and where its tokens go).
+struct BatchRequest
+{
+    std::vector<int32_t> prompt;
+    GenerateConfig config;                     //!< maxNewTokens, temperature, speculative, eosIds (no oracle)
+    std::unique_ptr<UniformSource> uniforms;   //!< never null
+    TokenSink sink;                            //!< may be empty; returning false cancels the request
+};
+
+//! What submit checks: the prompt (ids, length), max tokens, temperature, no oracle asked, a uniform source.
+void checkBatchRequest(BatchRequest const& request, int32_t vocabSize, int32_t maxPositions);
+
+//! A request that ended: its result, and for DFL2_FINISH_ERROR the error.
+struct BatchFinished
+{
+    uint64_t id{0};
+    Result result;
+    dfl2_code error{DFL2_OK};
+    std::string message;
+};
+
+struct BatchCounters
+{
+    int64_t steps{0};           //!< steps that ran at least one sequence
+    int64_t draftingSteps{0};   //!< steps where at least one sequence drafted
+    int64_t forwardCalls{0};    //!< the steps' target forwards (prefills not counted)
+    int32_t largestForward{0};  //!< most sequences in one step's target forward
+    int32_t largestPlain{0};    //!< most plain steps (one row each) in one step's target forward
+    int64_t cycles{0};          //!< speculative cycles over all sequences
+};
+
+class BatchDecoder
+{
+public:
+    BatchDecoder(BatchRunners& runners, SpeculationRule rule);
+    ~BatchDecoder();  //!< (Seq is complete in batch.cpp only)
+
+    //! Queue a request under the caller's id (checks the prompt, max tokens, and that no oracle is asked).
+    void submit(uint64_t id, BatchRequest request);
+    //! Stop a queued or active request now: it keeps its tokens, finishes DFL2_FINISH_CANCELLED, its slot is
+    //! freed. Unknown or finished ids are ignored.
+    void cancel(uint64_t id);
+    //! Admit, then one plain step or speculative cycle per active sequence, then retire the finished.
+    void step();
+    bool busy() const
+    {
+        return !mQueue.empty() || !mActive.empty();
+    }
+    int32_t activeCount() const
+    {
+        return static_cast<int32_t>(mActive.size());
+    }
+    int32_t queuedCount() const
+    {
+        return static_cast<int32_t>(mQueue.size());
+    }
+    //! The requests that ended since the last call, in the order they ended.
+    std::vector<BatchFinished> takeFinished();
+    BatchCounters const& counters() const
+    {
+        return mCounters;
+    }
+
+private:
+    struct Seq;
+    struct Proposal
+    {
+        Draft draft;
+        std::vector<int32_t> drafts;  //!< [nRows] to verify
+    };
+    void admit();
+    std::vector<Seq*> choose(std::vector<Seq*> const& seqs);
+    void recordForward(int32_t n, int32_t k, double seconds);
+    void plain(Seq& s, float const* logits);
+    Proposal draft(Seq& s);
+    void accept(Seq& s, Proposal const& p, float const* logits);
+    void emit(Seq& s, int32_t const* tokens, size_t n);
+    void finish(Seq& s, dfl2_code error = DFL2_OK, std::string const& message = {});
+
+    BatchRunners& mRunners;
+    SpeculationRule mRule;
+    std::deque<std::unique_ptr<Seq>> mQueue;
+    std::vector<std::unique_ptr<Seq>> mActive;  //!< in admission order (batch.py's dict order)
+    std::vector<bool> mSlotUsed;
+    std::vector<int32_t> mCacheLength;  //!< per slot
+    std::vector<BatchFinished> mFinished;
+    BatchCounters mCounters;
+};
+
+} // namespace dflash2
