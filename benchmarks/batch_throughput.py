@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 same = sum(r.tokens == single_tokens[i % n] for i, r in enumerate(out))
                 if same != len(out):
                     print(f"  note: {len(out) - same} of {len(out)} batched streams differ from single-stream greedy tokens "
-                          f"(attention op: single {be.attention_op}, batch GroupQueryAttention)")
+                          f"(attention op {be.attention_op})")
         rows = [("single-stream AR (generate, one after another)", "single")]
         rows += [(f"batched AR, {n} streams", f"batch{n}") for n in a.streams]
         if a.spec:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += [(f"batched + adaptive spec., {n} streams (cycles {cycles[n][0]}, plain {cycles[n][1]})", f"spec{n}")
                      for n in a.streams]
         print(f"SmolLM2 fused fp32, {a.threads} threads, {a.tokens} tokens per stream, best of {a.repeats}, "
-              f"single-stream attention {be.attention_op}, load average {os.getloadavg()[0]:.1f}")
+              f"attention {be.attention_op}, load average {os.getloadavg()[0]:.1f}")
         print(f"{'':66s} {'wall tok/s':>10s} {'x single':>8s} {'cpu tok/s':>10s} {'x single':>8s}")
         w0, c0 = best["single"]
         for name, key in rows:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(a.out).write_text(json.dumps({
                 "command": " ".join(["python", "benchmarks/batch_throughput.py", *(argv or sys.argv[1:])]),
                 "threads": a.threads, "tokens": a.tokens, "repeats": a.repeats, "loadavg": os.getloadavg()[0],
-                "single_attention": be.attention_op, "tokens_per_s": best,
+                "attention": be.attention_op, "tokens_per_s": best,
                 "spec_cycles_plain": cycles}, indent=1) + "\n")
     return 0
 

@@ -61,6 +61,12 @@ BLOCK_HIDDEN = "hidden"  # drafter_block's output and the heads' input: [B, bloc
 REQUIRED_GRAPHS = ("target", "drafter_context", "drafter_block", head_key(INDEPENDENT))
 TARGET_ORT = "target_ort"  # graph key of the fused ONNX Runtime target
 ORT_SUFFIX = "_ort"  # graph key K + "_ort": the ONNX Runtime variant of K (the ORT backend prefers it)
+# [B] int32: each sequence's cached length; an input of target_ort only once the runtime swapped in
+# dflash2.DecodeAttention at load (runtime/ort/decode_attention.py: ragged rows per sequence in one batched call)
+TARGET_PAST_SEQLENS = "past_seqlens"
+# [B, R, 1] int64: of each sequence's S new rows, the R whose logits target_ort computes (a batched prefill needs
+# its last row's only); an input only once the runtime rewrote the graph at load (runtime/ort/decode_attention.py)
+TARGET_LOGITS_INDEX = "logits_index"
 
 
 # Graph input/output names, spelt once (every exporter, verifier and runner takes them from here).

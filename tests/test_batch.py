@@ -1,8 +1,10 @@
-"""Batched decoding (issue 29, first slice): the batched fused target runner against B = 1 calls (ragged rows,
-right padding, idle and free slots, crops, capacity growth, joins into freed slots), the batch loop's greedy
-output against each sequence's own B = 1 output (different prompt lengths and max tokens, one joining mid-way,
-one leaving early, T > 0 requests mixed in), the load-adaptive speculation rule switching, and
-``Generator.generate_batch``."""
+"""Batched decoding (issue 29): the batched fused target runner against B = 1 calls (ragged rows, right padding,
+idle and free slots, crops, capacity growth, joins into freed slots) with dflash2.DecodeAttention (ragged calls:
+verifies and prefills of several sequences in one call, counted) and with GroupQueryAttention (one-row calls
+batched, the rest alone); how the runner groups slots into calls; the batch loop's greedy output against each
+sequence's own B = 1 output on both attention ops (different prompt lengths and max tokens, one joining mid-way,
+one leaving early, T > 0 requests mixed in; batched verifies counted), the load-adaptive speculation rule
+switching, and ``Generator.generate_batch``."""
 
 from __future__ import annotations
 
@@ -15,15 +17,21 @@ from dflash2_trt.runtime import batch as BT
 from dflash2_trt.runtime import decoder as D
 
 
-@pytest.fixture(scope="module")
-def be(acc_export):
+@pytest.fixture(scope="module", params=["decode", "gqa"])
+def be(request, acc_export):
+    """The accepting pair's ORT backend with dflash2.DecodeAttention (ragged batched calls) or GroupQueryAttention."""
+    from dflash2_trt.runtime.ort import decode_attention as DA
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
-    with OrtBackend(acc_export, attention="gqa", threads=1) as b:
+    if request.param == "decode":
+        assert DA.available()[0], DA.available()[1]
+    with OrtBackend(acc_export, attention=request.param, threads=1) as b:
+        assert b.attention_op == {"decode": "DecodeAttention", "gqa": "GroupQueryAttention"}[request.param]
         yield b
 
 
 def _runners(be, slots, step=8):
+    """(batched runner over slots, factory of B = 1 runners), both on be's fused target session."""
     import onnxruntime as ort
 
     from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
@@ -42,46 +50,54 @@ def _runners(be, slots, step=8):
 
 
 def test_ragged_rows_equal_b1_calls(be):
-    """GroupQueryAttention with per-slot seqlens_k: every slot's logits and features equal a B = 1 runner fed the
-    same rows, over random ragged calls (1, 2 or 7 rows, some slots idle), crops, capacity growth (step 8), a slot
-    leaving and a new sequence joining its slot."""
-    _check_ragged(*_runners(be, slots=4), be.manifest.target.vocab_size)
+    """Every slot's logits and features equal a B = 1 runner fed the same rows, over random ragged calls (1, 2 or
+    7 rows, some slots idle), crops, capacity growth (step 8), a slot leaving and a new sequence joining its slot.
+    With DecodeAttention (past_seqlens) slots of several rows share calls; with GroupQueryAttention they run
+    alone."""
+    run, single = _runners(be, slots=4)
+    assert run.ragged == (be.attention_op == "DecodeAttention")
+    _check_ragged(run, single, be.manifest.target.vocab_size)
+    if run.ragged:
+        assert run.multirow_calls >= 3  # several multi-row slots in one call
+    else:
+        assert run.multirow_calls == 0
 
 
-def test_ragged_rows_with_decode_attention(acc_export):
-    """The same with dflash2.DecodeAttention swapped in: one-slot calls on its session, batched calls on GQA."""
-    from dflash2_trt.runtime.ort import decode_attention as DA
-    from dflash2_trt.runtime.ort.backend import OrtBackend
-    from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+def test_plan_calls():
+    """The runner's grouping of ragged rows into calls (cost: call_rows per call + padded rows of the bound range)."""
+    from dflash2_trt.runtime.ort.batched_target import plan_calls
 
-    assert DA.available()[0], DA.available()[1]
-    with OrtBackend(acc_export, attention="decode", threads=1) as b:
-        run = OrtBatchedTargetRunner.from_backend(b, 4)
-        assert run.single_sess is not None and run.single_sess is not run.sess
-        run.step = 8
-        _check_ragged(run, b.target_runner, b.manifest.target.vocab_size)
+    assert plan_calls({b: 1 for b in range(8)}) == [list(range(8))]  # plain steps: one call
+    assert plan_calls({0: 1, 1: 1, 2: 3, 3: 1}) == [[0, 1, 2, 3]]  # a verify shares the plain steps' call
+    assert plan_calls({0: 3, 1: 3, 2: 2, 3: 3}) == [[0, 1, 2, 3]]  # verifies, one a final partial block
+    assert plan_calls({0: 1, 1: 1, 2: 100, 3: 1}) == [[0, 1, 3], [2]]  # a prefill does not pad the plain steps
+    assert plan_calls({0: 40, 1: 45, 2: 300}) == [[0, 1], [2]]
+    assert plan_calls({0: 40, 1: 45}, max_rows=80) == [[0], [1]]  # padded rows capped
+    assert plan_calls({0: 2000}, max_rows=80) == [[0]]  # one slot always fits
+    assert plan_calls({0: 1, 5: 1}, call_rows=2) == [[0], [5]]  # six bound slots cost more than two calls
 
 
 def _check_ragged(run, single, V):
     rng = np.random.default_rng(7)
     refs: dict[int, object] = {}
 
-    def join(n):
-        b = run.join()
-        refs[b] = single()
-        prompt = rng.integers(0, V, n).tolist()
-        got = run.forward({b: prompt})[b]
-        want = refs[b].forward(prompt)
-        np.testing.assert_allclose(got[0], want[0], atol=1e-4, rtol=1e-4)
-        return b
+    def join(*lengths, last=False):
+        """Sequences join and prefill in one forward (``last``: the last row's logits only)."""
+        prompts = {run.join(): rng.integers(0, V, n).tolist() for n in lengths}
+        got = run.forward(prompts, last_logits=last)
+        for b, prompt in prompts.items():
+            refs[b] = single()
+            want = refs[b].forward(prompt)
+            np.testing.assert_allclose(got[b][0], want[0][-1:] if last else want[0], atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(got[b][1], want[1], atol=1e-4, rtol=1e-4)
+        return list(prompts)
 
-    for n in (3, 11, 20):
-        join(n)
+    join(3, 11, 20, last=True)  # a batched prefill
     for it in range(14):
         if it == 6:  # slot 1 leaves; a new sequence takes it
             run.leave(1)
             del refs[1]
-            assert join(5) == 1
+            assert join(5) == [1]
         rows = {b: rng.integers(0, V, int(rng.choice([1, 1, 1, 2, 7]))).tolist() for b in refs if rng.random() < 0.8}
         if not rows:
             continue
@@ -95,7 +111,7 @@ def _check_ragged(run, single, V):
             refs[b].crop(refs[b].cache_length - len(r) + keep)
         assert all(run.lengths[b] == refs[b].cache_length for b in refs)
     assert run.capacity > 8  # grew (rebinding) along the way
-    assert run.batched_calls >= 3 and run.single_calls >= 3  # both paths ran
+    assert run.batched_calls + run.multirow_calls >= 3 and run.single_calls >= 3  # shared and lone calls ran
 
 
 def test_runner_refuses_bad_use(be):
@@ -152,6 +168,10 @@ def test_greedy_batch_equals_b1_with_joins_and_leaves(be):
     assert 5 <= len(dec.results[victim].tokens) < 100
     assert_accepts([a for i in ids for a in dec.results[i].accepted], 15, "(batched cycles)")
     assert dec.target.free_slots == 3
+    if dec.target.ragged:  # the verifies (and the first prefills) of several sequences shared calls
+        assert dec.target.multirow_calls >= 10, dec.target.multirow_calls
+    else:
+        assert dec.target.multirow_calls == 0
 
 
 def test_plain_batch_mixed_temperatures(be):
@@ -171,11 +191,12 @@ def test_plain_batch_mixed_temperatures(be):
 def test_rule_switches_with_load():
     """The rule: a good drafter drafts alone; at 8 sequences the batched plain step wins; a useless drafter
     never drafts; unmeasured costs explore (plain first, then drafting)."""
-    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=1.4)
+    # a step's forward: 1 + 0.05 n; a drafting sequence adds 0.5 (its drafter) + 0.4 (its verify rows)
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=0.4)
     rule = BT.SpeculationRule(costs=costs)
-    assert rule.choose(1, {0: 4.0}) == {0}  # 4 / 1.9 > 1 / 1.05
-    assert rule.choose(8, {i: 4.0 for i in range(8)}) == set()  # 8 / 1.4 beats any drafting
-    assert rule.choose(2, {0: 6.0, 1: 1.2}) == {0}  # only the sequence that pays
+    assert rule.choose(1, {0: 4.0}) == {0}  # 4 / 1.95 > 1 / 1.05
+    assert rule.choose(8, {i: 4.0 for i in range(8)}) == set()  # 8 / 1.4 beats 11 / 2.3, ..., 32 / 8.6
+    assert rule.choose(2, {0: 6.0, 1: 1.2}) == {0}  # only the sequence that pays: 7 / 2.0
     assert rule.choose(1, {0: 1.5}) == set()
     fresh = BT.SpeculationRule()
     assert fresh.choose(3, {0: 2.0}) == set()  # t_plain unknown: plain first
@@ -187,8 +208,8 @@ def test_rule_switches_with_load():
 def test_rule_probes_a_sequence_kept_plain(be):
     """A sequence whose cycles fell below break-even is kept plain, and drafts again after probe_after plain steps
     (its τ̂ back to the prior)."""
-    # break-even at one sequence: tau > (0.5 + 1.4) / 1.05 = 1.81; the prior 2.0 drafts, 1-token cycles do not
-    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=1.4)
+    # break-even at one sequence: tau > (1.05 + 0.5 + 0.4) / 1.05 = 1.86; the prior 2.0 drafts, 1-token cycles do not
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=0.4)
     rule = BT.SpeculationRule(costs=costs, prior_weight=1.0, probe_after=5)
     dec = _decoder(be, 1, rule)
     i = dec.submit(BT.BatchRequest(_prompts(be, [9])[0], 60, eos_ids=set()))
@@ -205,7 +226,7 @@ def test_rule_probes_a_sequence_kept_plain(be):
 def test_adaptive_loop_drafts_alone_and_goes_plain_under_load(be):
     """The loop follows the rule: one sequence of the accepting pair drafts (cycles); 6 sequences under a cost
     model where drafting does not pay at that load decode in batched plain steps — and stay exact."""
-    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=1.4)
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=0.4)
     prompts = _prompts(be, [7, 10, 12, 5, 9, 15], seed=9)
     one = _decoder(be, 1, BT.SpeculationRule(costs=costs)).run([BT.BatchRequest(prompts[0], 40)])[0]
     assert len(one.accepted) > 0

@@ -1,9 +1,11 @@
 """dflash2.DecodeAttention (plugins/ortDecodeAttention, loaded into ONNX Runtime) and the fused target that runs it:
 the op vs its NumPy twin on fresh random inputs (edge sizes: no past, one row, a capacity that is not a multiple
-of 8, a head size without the vector path, shared and unshared KV buffers); the fused target with it vs with ORT's
-GroupQueryAttention; every row of a k-row call vs k 1-row calls (the lossless verify: same argmax, logits within
-1e-4 relative, bit-equal with this op); speculative = autoregressive decoding on the accepting pair with drafts
-accepted. The library is built by scripts/setup.sh test (scripts/build_ort_ops.sh); where it is missing these
+of 8, a head size without the vector path, shared and unshared KV buffers); batches with ragged cached lengths and
+ragged new rows (``past_seqlens``: padding rows are zeros and write nothing, a sequence of no rows takes no part)
+vs the twin, and every sequence of a batch bit-equal to its own batch-1 call (GroupQueryAttention's inputs: B = 1
+unchanged); the fused target with it vs with ORT's GroupQueryAttention; every row of a k-row call vs k 1-row calls
+(the lossless verify: same argmax, logits within 1e-4 relative, bit-equal with this op); speculative =
+autoregressive decoding on the accepting pair with drafts accepted. The library is built by scripts/setup.sh test (scripts/build_ort_ops.sh); where it is missing these
 tests fail, saying so."""
 
 from __future__ import annotations
@@ -50,22 +52,37 @@ def twin(qkv, past_k, past_v, past, nh, kvh, cos, sin, scale):  # noqa: ANN001, 
     return out.reshape(S, nh * d), K, V
 
 
-def _op_session(nh: int, kvh: int, d: int, rope_rows: int, scale: float):  # noqa: ANN202
+def twin_batch(qkv, past_k, past_v, past, rows, nh, kvh, cos, sin, scale):  # noqa: ANN001, ANN201
+    """NumPy spec of a batch: qkv [B, S, W]; past_* [B, kvh, C, d]; past [B] cached lengths P_b; rows [B] real new
+    rows S_b (right-padded to S) -> out [B, S, nh d] (padding rows 0), K/V with each sequence's rows written."""
+    B, S = qkv.shape[:2]
+    out = np.zeros((B, S, nh * past_k.shape[-1]))
+    K, V = past_k.astype(np.float64).copy(), past_v.astype(np.float64).copy()
+    for b in range(B):
+        if rows[b]:
+            out[b, : rows[b]], K[b], V[b] = twin(qkv[b, : rows[b]], past_k[b], past_v[b], int(past[b]), nh, kvh,
+                                                 cos, sin, scale)
+    return out, K, V
+
+
+def _op_session(nh: int, kvh: int, d: int, rope_rows: int, scale: float, ragged: bool = False):  # noqa: ANN202
+    """A one-node graph; ``ragged``: with the optional past_seqlens input."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
     F = TensorProto.FLOAT
-    node = helper.make_node("DecodeAttention", ["qkv", "past_key", "past_value", "seqlens_k", "total", "cos", "sin"],
-                            ["out", "present_key", "present_value"], domain=DA.OP_DOMAIN, num_heads=nh,
-                            kv_num_heads=kvh, scale=scale)
+    names = ["qkv", "past_key", "past_value", "seqlens_k", "total", "cos", "sin"] + (["past_seqlens"] if ragged else [])
+    node = helper.make_node("DecodeAttention", names, ["out", "present_key", "present_value"], domain=DA.OP_DOMAIN,
+                            num_heads=nh, kv_num_heads=kvh, scale=scale)
     g = helper.make_graph([node], "t", [
-        helper.make_tensor_value_info("qkv", F, [1, "S", (nh + 2 * kvh) * d]),
-        helper.make_tensor_value_info("past_key", F, [1, kvh, "C", d]),
-        helper.make_tensor_value_info("past_value", F, [1, kvh, "C", d]),
-        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+        helper.make_tensor_value_info("qkv", F, ["B", "S", (nh + 2 * kvh) * d]),
+        helper.make_tensor_value_info("past_key", F, ["B", kvh, "C", d]),
+        helper.make_tensor_value_info("past_value", F, ["B", kvh, "C", d]),
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
         helper.make_tensor_value_info("total", TensorProto.INT32, []),
         helper.make_tensor_value_info("cos", F, [rope_rows, d // 2]),
-        helper.make_tensor_value_info("sin", F, [rope_rows, d // 2])],
+        helper.make_tensor_value_info("sin", F, [rope_rows, d // 2])]
+        + ([helper.make_tensor_value_info("past_seqlens", TensorProto.INT32, ["B"])] if ragged else []),
         [helper.make_tensor_value_info("out", F, None), helper.make_tensor_value_info("present_key", F, None),
          helper.make_tensor_value_info("present_value", F, None)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DA.OP_DOMAIN, 1)])
@@ -74,10 +91,26 @@ def _op_session(nh: int, kvh: int, d: int, rope_rows: int, scale: float):  # noq
     return ort, ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
+def _bind_in_place(ort, sess, feed: dict, kb: np.ndarray, vb: np.ndarray):  # noqa: ANN001, ANN202
+    """IOBinding with present_* bound to the past buffers kb / vb (the runtime's way) -> out."""
+    io = sess.io_binding()
+    io.bind_output("out")  # first: get_outputs() follows the binding order
+    for name, arr in feed.items():
+        if name not in ("past_key", "past_value"):
+            io.bind_cpu_input(name, arr)
+    for name, arr in (("key", kb), ("value", vb)):
+        val = ort.OrtValue.ortvalue_from_numpy(arr)
+        io.bind_ortvalue_input(f"past_{name}", val)
+        io.bind_ortvalue_output(f"present_{name}", val)
+    sess.run_with_iobinding(io)
+    return io.get_outputs()[0].numpy()
+
+
 @pytest.mark.parametrize("nh,kvh,d,cap,past,S", [(9, 3, 64, 256, 200, 4), (9, 3, 64, 256, 0, 7), (4, 2, 16, 13, 9, 1),
                                                  (4, 4, 12, 21, 17, 3), (6, 2, 32, 40, 31, 9), (2, 1, 8, 8, 0, 8)])
 def test_op_vs_numpy_twin(nh, kvh, d, cap, past, S):
-    """Plain runs (present is a new buffer: slots 0..past-1 copied) and IOBinding with past == present (in place)."""
+    """Plain runs (present is a new buffer: slots 0..past-1 copied), IOBinding with past == present (in place), and
+    past_seqlens given (bit-equal)."""
     rng = np.random.default_rng(nh * 1000 + d + past)
     rope_rows = past + S + 5
     f = rng.standard_normal((rope_rows, d // 2))
@@ -98,18 +131,82 @@ def test_op_vs_numpy_twin(nh, kvh, d, cap, past, S):
     np.testing.assert_array_equal(v[0, :, :n], wv[:, :n])
     # in place: present bound to the past buffers; slots >= past + S untouched
     kb, vb = pk.copy(), pv.copy()
-    io = sess.io_binding()
-    io.bind_output("out")  # first: get_outputs() follows the binding order
-    for name in ("qkv", "seqlens_k", "total", "cos", "sin"):
-        io.bind_cpu_input(name, feed[name])
-    for name, arr in (("key", kb), ("value", vb)):
-        val = ort.OrtValue.ortvalue_from_numpy(arr)
-        io.bind_ortvalue_input(f"past_{name}", val)
-        io.bind_ortvalue_output(f"present_{name}", val)
-    sess.run_with_iobinding(io)
-    np.testing.assert_array_equal(io.get_outputs()[0].numpy(), out)
+    np.testing.assert_array_equal(_bind_in_place(ort, sess, feed, kb, vb), out)
+    # past_seqlens = [past] (what the runtime's rewritten graph feeds at B = 1): the same bits
+    _, rag = _op_session(nh, kvh, d, rope_rows, scale, ragged=True)
+    np.testing.assert_array_equal(rag.run(["out"], {**feed, "past_seqlens": np.array([past], np.int32)})[0], out)
     np.testing.assert_array_equal(kb[0, :, :n], k[0, :, :n])
     np.testing.assert_array_equal(kb[0, :, n:], pk[0, :, n:])
+
+
+@pytest.mark.parametrize("nh,kvh,d,cap,S,seed", [(9, 3, 64, 256, 4, 0), (4, 2, 16, 13, 3, 1), (4, 4, 12, 40, 7, 2),
+                                                 (6, 2, 32, 57, 1, 3), (2, 1, 8, 24, 9, 4)])
+def test_op_batch_ragged_vs_twin_and_b1(nh, kvh, d, cap, S, seed):
+    """B = 5 sequences, each its own cached length P_b (0 .. cap - S_b) and its own real rows S_b (S, fewer,
+    1, 0), padding right-aligned: outputs vs the NumPy twin (padding rows exactly 0), the cache with each
+    sequence's rows written and every other slot untouched (in place and copied), and each sequence's real rows
+    bit-equal to its own batch-1 call with GroupQueryAttention's inputs (no past_seqlens)."""
+    rng = np.random.default_rng(1000 + seed)
+    B, W = 5, (nh + 2 * kvh) * d
+    rope_rows = cap + 3
+    f = rng.standard_normal((rope_rows, d // 2))
+    cos, sin = np.cos(f).astype(np.float32), np.sin(f).astype(np.float32)
+    scale = float(1 / np.sqrt(d))
+    rows = np.array([S, max(0, S - 2), 1, 0, S])[rng.permutation(B)]
+    past = np.array([int(rng.integers(0, cap - r + 1)) for r in rows])
+    past[rng.integers(B)] = 0  # a sequence with no past
+    qkv = rng.standard_normal((B, S, W)).astype(np.float32)
+    pk = rng.standard_normal((B, kvh, cap, d)).astype(np.float32)
+    pv = rng.standard_normal((B, kvh, cap, d)).astype(np.float32)
+    ort, sess = _op_session(nh, kvh, d, rope_rows, scale, ragged=True)
+    feed = {"qkv": qkv, "past_key": pk, "past_value": pv, "seqlens_k": (past + rows - 1).astype(np.int32),
+            "total": np.array((past + rows).max(), np.int32), "cos": cos, "sin": sin,
+            "past_seqlens": past.astype(np.int32)}
+    want, wk, wv = twin_batch(qkv, pk, pv, past, rows, nh, kvh, cos, sin, scale)
+    out, k, v = sess.run(None, feed)  # present in new buffers: slots 0..P_b-1 copied
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+    assert k.shape == (B, kvh, cap, d)
+    kb, vb = pk.copy(), pv.copy()
+    out_io = _bind_in_place(ort, sess, feed, kb, vb)
+    np.testing.assert_array_equal(out_io, out)
+    _, b1 = _op_session(nh, kvh, d, rope_rows, scale)
+    for b in range(B):
+        n = past[b] + rows[b]
+        assert not out[b, rows[b]:].any(), f"sequence {b}: padding rows are not zeros"
+        np.testing.assert_allclose(k[b, :, :n], wk[b, :, :n], atol=1e-5)
+        np.testing.assert_array_equal(v[b, :, :n], wv[b, :, :n])
+        np.testing.assert_array_equal(kb[b, :, :n], k[b, :, :n])
+        np.testing.assert_array_equal(kb[b, :, n:], pk[b, :, n:])  # padding wrote nothing
+        np.testing.assert_array_equal(vb[b, :, n:], pv[b, :, n:])
+        if not rows[b]:
+            continue
+        one = {"qkv": qkv[b:b + 1, : rows[b]], "past_key": pk[b:b + 1], "past_value": pv[b:b + 1],
+               "seqlens_k": np.array([n - 1], np.int32), "total": np.array(n, np.int32), "cos": cos, "sin": sin}
+        o1, k1, _ = b1.run(None, one)
+        np.testing.assert_array_equal(out[b, : rows[b]], o1[0], err_msg=f"sequence {b} vs its batch-1 call")
+        np.testing.assert_array_equal(k[b, :, :n], k1[0, :, :n])
+
+
+def test_op_batch_without_past_seqlens():
+    """GroupQueryAttention's convention at B > 1 (no past_seqlens): every sequence's S rows are new, at
+    P_b = seqlens_k[b] + 1 - S."""
+    rng = np.random.default_rng(42)
+    nh, kvh, d, cap, S = 4, 2, 16, 30, 3
+    rope_rows = cap
+    f = rng.standard_normal((rope_rows, d // 2))
+    cos, sin = np.cos(f).astype(np.float32), np.sin(f).astype(np.float32)
+    past = np.array([0, 11, 27, 5])
+    qkv = rng.standard_normal((4, S, (nh + 2 * kvh) * d)).astype(np.float32)
+    pk = rng.standard_normal((4, kvh, cap, d)).astype(np.float32)
+    pv = rng.standard_normal((4, kvh, cap, d)).astype(np.float32)
+    _, sess = _op_session(nh, kvh, d, rope_rows, 0.25)
+    out, k, _ = sess.run(None, {"qkv": qkv, "past_key": pk, "past_value": pv,
+                                "seqlens_k": (past + S - 1).astype(np.int32), "total": np.array(cap, np.int32),
+                                "cos": cos, "sin": sin})
+    want, wk, _ = twin_batch(qkv, pk, pv, past, [S] * 4, nh, kvh, cos, sin, 0.25)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+    for b in range(4):  # a new present buffer: slots past P_b + S were never written
+        np.testing.assert_allclose(k[b, :, : past[b] + S], wk[b, :, : past[b] + S], atol=1e-5)
 
 
 def test_op_refuses_bad_lengths():
@@ -119,6 +216,16 @@ def test_op_refuses_bad_lengths():
             "total": np.array(6, np.int32), "cos": np.zeros((4, 4), np.float32), "sin": np.zeros((4, 4), np.float32)}
     with pytest.raises(Exception, match="seqlens_k out of range"):
         sess.run(None, feed)
+    _, rag = _op_session(2, 1, 8, 12, 0.3, ragged=True)
+    feed = {**feed, "qkv": np.zeros((2, 3, 32), np.float32), "past_key": np.zeros((2, 1, 8, 8), np.float32),
+            "past_value": np.zeros((2, 1, 8, 8), np.float32), "cos": np.zeros((12, 4), np.float32),
+            "sin": np.zeros((12, 4), np.float32)}
+    for past, seqlens, why in (([2, 2], [0, 3], "out of range for sequence 0"),  # S_b < 0
+                               ([2, 2], [3, 5], "out of range for sequence 1"),  # S_b = 4 > S = 3
+                               ([2, 9], [3, 9], "out of range for sequence 1"),  # P_b > capacity 8
+                               ([2, 2, 2], [3, 3], "past_seqlens must hold one value per sequence")):
+        with pytest.raises(Exception, match=why):
+            rag.run(None, {**feed, "past_seqlens": np.array(past, np.int32), "seqlens_k": np.array(seqlens, np.int32)})
 
 
 def _rows_vs_steps(target, prompt: list[int], rows: list[int]):  # noqa: ANN001, ANN202

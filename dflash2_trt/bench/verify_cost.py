@@ -37,8 +37,8 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 def measure_many(targets: dict[str, Any], rows: tuple[int, ...] = ROWS, cached: tuple[int, ...] = CACHED,
                  repeats: int = 7, seed: int = 0, clock: str = "wall") -> dict[str, list[dict]]:
-    """Several runners timed interleaved (each cell alternates between them), so load changes on a shared
-    machine hit all alike; a cell's time is the *minimum* over ``repeats`` (the least-disturbed run; the
+    """Several runners timed interleaved (each cell alternates between them, the order reversed every other
+    round), so load changes on a shared machine hit all alike; a cell's time is the *minimum* over ``repeats`` (the least-disturbed run; the
     median moves with other processes' bursts). ``clock``: 'wall' (latency) or 'cpu' (CPU time of all the
     process's threads: the work, blind to time spent descheduled by other processes on a loaded machine; with
     ORT's non-spinning pool it is the sum of the threads' busy time)."""
@@ -57,7 +57,8 @@ def measure_many(targets: dict[str, Any], rows: tuple[int, ...] = ROWS, cached: 
             times: dict[str, list[float]] = {k: [] for k in targets}
             for rep in range(repeats + 1):  # the first round warms up
                 new = rng.integers(0, vocab, r).tolist()
-                for k, t in targets.items():
+                # the order alternates: on a loaded machine the first runner of a round fared differently
+                for k, t in (list(targets.items()) if rep % 2 else list(targets.items())[::-1]):
                     t0 = now()
                     t.forward(new)
                     if rep:

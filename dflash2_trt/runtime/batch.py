@@ -2,18 +2,20 @@
 (:class:`~dflash2_trt.runtime.ort.batched_target.OrtBatchedTargetRunner`), speculating only while it pays.
 
 Requests join and leave between steps (in-flight batching): :meth:`BatchDecoder.submit` queues a request, each
-:meth:`~BatchDecoder.step` first admits queued requests into free slots (each prompt prefilled alone, its first
-token drawn), then runs one step for every active sequence, then retires the finished ones (their own EOS set,
-max tokens, the cache's capacity, or :meth:`~BatchDecoder.cancel`), freeing their slots for the next step.
+:meth:`~BatchDecoder.step` first admits queued requests into free slots (their prompts prefilled together in one
+target forward, each its first token drawn), then runs one step for every active sequence, then retires the
+finished ones (their own EOS set, max tokens, the cache's capacity, or :meth:`~BatchDecoder.cancel`), freeing
+their slots for the next step.
 
 One step, flat (the names of :mod:`dflash2_trt.runtime.decoder`):
 
     choose  which sequences draft this step (the rule below)
     draft   per drafting sequence: its pending context features join its drafter's cache, the drafter proposes
             (the drafter runner is B = 1: one per slot, called per sequence)
-    plain   every other sequence's anchor, in ONE batched target call (one row per sequence)
-    verify  per drafting sequence: [anchor, drafts] in its own target call (GroupQueryAttention takes B > 1 only
-            with one new row per sequence; see the runner)
+    target  ONE target forward for every sequence: a plain sequence's anchor (one row), a drafting sequence's
+            [anchor, drafts] (its verify); ragged rows share graph calls where the runner can (with
+            dflash2.DecodeAttention: the verifies and the plain steps in one call; with GroupQueryAttention the
+            verifies run one by one, see the runner)
     accept  per sequence its own accepted length (ragged acceptance): greedy matching at T = 0, rejection
             sampling at T > 0; plain sequences draw the target's own next token
     commit  crop each verified slot to its accepted length; committed positions' features become draft context
@@ -29,16 +31,17 @@ sorted by their estimated tokens per cycle τ̂_1 >= τ̂_2 >= ..., draft for th
 estimated throughput
 
     tokens(k) / time(k),  tokens(k) = (n - k) + Σ_{i<=k} τ̂_i,
-                          time(k)   = t_plain(n - k) + k · (t_draft + t_verify)        (t_plain(0) = 0)
+                          time(k)   = t_plain(n) + k · (t_draft + t_verify)
 
-where t_plain(m) is the measured time of a batched plain call over m sequences, t_draft one drafter proposal
-(context update included) and t_verify one verify call, all measured in this run (running means; t_plain
-interpolated linearly in m between measured batch sizes). τ̂ of a sequence is the mean tokens committed over
-its last ``window`` cycles with a prior of ``prior_tau`` worth ``prior_weight`` cycles. Because a batched
-plain call over n sequences costs little more than over one on a memory-bound CPU while each verify runs alone,
-at low load a sequence with good acceptance drafts (k = 1: τ̂ / (t_draft + t_verify) > 1 / t_plain(1), the B = 1
-guard's break-even) and at high load k falls to 0: batched plain decoding, never worse than it by the cost
-model. Until t_plain and the draft costs are measured the rule explores: the first step of a batch is plain,
+where t_plain(m) is the measured time of the target forward of a step with m sequences and no drafting, t_draft
+one drafter proposal (context update included) and t_verify what one drafting sequence adds to a step's target
+forward (its verify rows in the shared call: (forward time - t_plain(n)) / k over drafting steps), all measured
+in this run (running means; t_plain interpolated linearly in m between measured batch sizes). τ̂ of a sequence is
+the mean tokens committed over its last ``window`` cycles with a prior of ``prior_tau`` worth ``prior_weight``
+cycles. At one sequence this is the B = 1 guard's break-even (τ̂ / (t_plain(1) + t_draft + t_verify) >
+1 / t_plain(1)); as n grows, the n - k plain tokens come almost free with the call while each drafting sequence
+still pays its drafter and its verify rows, so k falls to 0: batched plain decoding, never worse than it by the
+cost model. Until t_plain and the draft costs are measured the rule explores: the first step of a batch is plain,
 the next one drafts for every speculative sequence. A sequence the rule kept plain for ``probe_after`` steps in a
 row forgets its cycles (τ̂ back to the prior), so acceptance that changed along a request (code vs prose) is
 measured again when the cost model lets the prior draft. Lossless either way: the rule picks which exact
@@ -76,7 +79,9 @@ class BatchRequest:
 
 
 class MeasuredCosts:
-    """The rule's step costs, measured in this run (seconds; running means, then exponential over 16)."""
+    """The rule's step costs, measured in this run (seconds; running means, then exponential over 16): t_plain(n)
+    per batch size, t_draft per proposal, t_verify per drafting sequence (its share of a step's extra forward
+    time; may be measured below 0 by noise, used as >= 0)."""
 
     def __init__(self) -> None:
         self._plain: dict[int, tuple[float, int]] = {}  # sequences in the call -> (mean s, count)
@@ -118,7 +123,8 @@ class MeasuredCosts:
 
 @dataclass
 class FixedCosts:
-    """Costs given, not measured (tests; a deployment that calibrated them): t_plain(n), t_draft, t_verify."""
+    """Costs given, not measured (tests; a deployment that calibrated them): t_plain(n), t_draft, t_verify (what
+    one drafting sequence adds to a step's target forward)."""
 
     plain_fn: Callable[[int], float]
     draft_s: float
@@ -170,9 +176,10 @@ class SpeculationRule:
         order = sorted(candidates, key=lambda i: -candidates[i])
         best_k, best = 0, n_active / max(t_all, 1e-12)
         tokens = float(n_active)
+        per_seq = t_d + max(t_v, 0.0)
         for k, i in enumerate(order, start=1):
             tokens += candidates[i] - 1.0
-            rate = tokens / max(c.plain(n_active - k) + k * (t_d + t_v), 1e-12)
+            rate = tokens / max(t_all + k * per_seq, 1e-12)
             if rate > best:
                 best_k, best = k, rate
         return set(order[:best_k])
@@ -258,21 +265,37 @@ class BatchDecoder:
         drafting = self._choose(seqs)
         if drafting:
             self.drafting_steps += 1
-        plain = [s for s in seqs if s.id not in drafting]
-        if plain:
-            self._plain(plain)
+        proposals = {s.id: self._draft(s) for s in seqs if s.id in drafting}  # id -> (proposal, drafts)
+        rows = {s.slot: [s.anchor] + (proposals[s.id][1] if s.id in proposals else []) for s in seqs}
+        t = time.perf_counter()
+        out = self.target.forward(rows)  # slot -> (logits [m, V], features [m, F])
+        self._record_forward(len(seqs), len(proposals), time.perf_counter() - t)
         for s in seqs:
-            if s.id in drafting:
-                self._cycle(s)
+            logits, feats = out[s.slot]
+            if s.id in proposals:
+                self._accept(s, *proposals[s.id], logits, feats)
+            else:
+                self._plain(s, logits, feats)
         for s in seqs:
             if s.res.tokens and (len(s.res.tokens) >= s.limit or s.res.tokens[-1] in s.eos):
                 self._finish(s)
 
     def _admit(self) -> None:
-        while self._queue and self.target.free_slots:
-            s = self._queue.popleft()
-            s.slot, s.t0 = self.target.join(), time.perf_counter()
-            logits, feats = self.target.forward({s.slot: list(s.req.prompt)})[s.slot]  # [n, V], [n, F]
+        """Queued requests into free slots, their prompts prefilled in one target forward (the runner shares
+        graph calls between them where that pays), each its first token drawn."""
+        new: list[_Seq] = []
+        while self._queue and len(new) < self.target.free_slots:
+            new.append(self._queue.popleft())
+        if not new:
+            return
+        t0 = time.perf_counter()
+        # prompts of like lengths in neighbouring slots: a graph call binds a slot range, padded to its longest
+        for s in sorted(new, key=lambda s: len(s.req.prompt)):
+            s.slot, s.t0 = self.target.join(), t0
+        # slot -> (logits [1, V] of the last prompt row, features [n, F])
+        out = self.target.forward({s.slot: list(s.req.prompt) for s in new}, last_logits=True)
+        for s in new:
+            logits, feats = out[s.slot]
             s.anchor = _next_token(logits[-1], s.req.temperature, s.rng)
             s.res.tokens.append(s.anchor)
             s.pos = len(s.req.prompt)
@@ -304,22 +327,29 @@ class BatchDecoder:
             s.plain_run = 0 if s.id in chosen else s.plain_run + 1
         return chosen
 
-    def _plain(self, seqs: list[_Seq]) -> None:
-        """One batched target call: each sequence's anchor -> its next token (exactly a B = 1 plain step)."""
-        t = time.perf_counter()
-        out = self.target.forward({s.slot: [s.anchor] for s in seqs})
-        self.rule.costs.record_plain(len(seqs), time.perf_counter() - t)
-        for s in seqs:
-            logits, feats = out[s.slot]  # [1, V], [1, F]
-            s.anchor = _next_token(logits[-1], s.req.temperature, s.rng)
-            if self._can_draft(s):
-                s.pending.append(feats)
-            s.pos += 1
-            s.res.tokens.append(s.anchor)
-            s.res.plain_steps += 1
+    def _record_forward(self, n: int, k: int, seconds: float) -> None:
+        """A step's target forward over n sequences, k of them verifying -> t_plain(n), or t_verify per drafting
+        sequence (its share of the time above t_plain(n))."""
+        c = self.rule.costs
+        if not k:
+            c.record_plain(n, seconds)
+            return
+        base = c.plain(n)
+        if base is not None:
+            c.record_verify((seconds - base) / k)
 
-    def _cycle(self, s: _Seq) -> None:
-        """draft → verify → accept → commit for one sequence (decoder.speculative_generate's cycle)."""
+    def _plain(self, s: _Seq, logits: np.ndarray, feats: np.ndarray) -> None:
+        """The target's next token after the anchor (logits [1, V], features [1, F]): exactly a B = 1 plain step."""
+        s.anchor = _next_token(logits[-1], s.req.temperature, s.rng)
+        if self._can_draft(s):
+            s.pending.append(feats)
+        s.pos += 1
+        s.res.tokens.append(s.anchor)
+        s.res.plain_steps += 1
+
+    def _draft(self, s: _Seq) -> tuple[Any, list[int]]:
+        """draft (decoder.speculative_generate's cycle, first half): pending features join the drafter's context,
+        the drafter proposes -> (its proposal, the drafts to verify)."""
         T = s.req.temperature
         drafter = self._drafter(s.slot)
         L = drafter.block_size - 1
@@ -330,12 +360,13 @@ class BatchDecoder:
         n_rows = min(L, s.limit - len(s.res.tokens) - 1)  # a final partial block verifies fewer rows
         uniforms = s.rng.random((1, L), dtype=np.float32) if T > 0 else None
         draft = drafter.propose(s.anchor, s.pos, n_rows, T, uniforms)
-        drafts = [int(x) for x in draft.tokens[:n_rows]]
-        t_v = time.perf_counter()
-        v_logits, v_feats = self.target.forward({s.slot: [s.anchor] + drafts})[s.slot]  # [n+1, V], [n+1, F]
-        t_end = time.perf_counter()
-        self.rule.costs.record_draft(t_v - t)
-        self.rule.costs.record_verify(t_end - t_v)
+        self.rule.costs.record_draft(time.perf_counter() - t)
+        return draft, [int(x) for x in draft.tokens[:n_rows]]
+
+    def _accept(self, s: _Seq, draft: Any, drafts: list[int], v_logits: np.ndarray, v_feats: np.ndarray) -> None:
+        """accept → commit of one sequence's verify (v_logits [n+1, V], v_feats [n+1, F] of [anchor, drafts])."""
+        T = s.req.temperature
+        n_rows = len(drafts)
         if T <= 0:
             acc, bonus = ref.accept_greedy(np.asarray(drafts, dtype=np.int64), v_logits)
         else:

@@ -2,14 +2,23 @@
 //! ONNX Runtime custom-op library: registers dflash2.DecodeAttention (CPU) through the ORT C API
 //! (`SessionOptions.register_custom_ops_library(path)` calls RegisterCustomOps).
 //!
-//! Op contract (same inputs, attributes and outputs as com.microsoft.GroupQueryAttention as the fused target
-//! graph uses it: packed QKV, do_rotary=1, rotary_interleaved=0, batch 1):
-//!   inputs  qkv [1, S, (num_heads + 2 kv_num_heads) d] f32, past_key / past_value [1, kvh, C, d] f32,
-//!           seqlens_k [1] i32 (= P + S - 1), total_sequence_length [] i32 (= P + S), cos / sin [R, d/2] f32
-//!   outputs out [1, S, num_heads d] f32, present_key / present_value [1, kvh, max(C, P + S), d] f32
+//! Op contract (the inputs, attributes and outputs of com.microsoft.GroupQueryAttention as the fused target graph
+//! uses it: packed QKV, do_rotary=1, rotary_interleaved=0; plus one optional input for ragged rows):
+//!   inputs  qkv [B, S, (num_heads + 2 kv_num_heads) d] f32, past_key / past_value [B, kvh, C, d] f32,
+//!           seqlens_k [B] i32, total_sequence_length [] i32 (read by nobody: sizes come from seqlens_k),
+//!           cos / sin [R, d/2] f32, past_seqlens [B] i32 (optional)
+//!   outputs out [B, S, num_heads d] f32, present_key / present_value [B, kvh, max(C, max_b T_b), d] f32
 //!   attrs   num_heads, kv_num_heads (int), scale (float, 0 = 1/sqrt(d))
+//! Sequence b has P_b valid cached slots (its own length in the shared capacity buffer) and S_b <= S new rows at
+//! positions P_b .. P_b+S_b-1; seqlens_k[b] = T_b - 1 with T_b = P_b + S_b, as GroupQueryAttention defines it:
+//!   * without past_seqlens (GroupQueryAttention's own inputs): every row is new, S_b = S, P_b = seqlens_k[b] + 1 - S;
+//!   * with past_seqlens: P_b = past_seqlens[b], S_b = seqlens_k[b] + 1 - P_b (0 <= S_b <= S; 0: b takes no part).
+//!     Rows S_b .. S-1 of b are padding: right-aligned after its real rows, their outputs are zeros, they write no
+//!     cache slot and cost no attention.
+//! Sequence b's real rows are computed exactly as a batch-1 call on b alone would compute them (the same kernel
+//! call on b's rows and b's buffers): batching never changes a sequence's numbers.
 //! When present is bound to the same buffer as past (the runtime's IOBinding), the new rows are written in place
-//! and nothing is copied; otherwise slots 0..P-1 are copied from past first.
+//! and nothing is copied; otherwise slots 0..P_b-1 of every b are copied from past first.
 //! Errors come back as OrtStatus (no exception crosses the library boundary).
 #include "decodeAttention.h"
 
@@ -18,6 +27,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace
@@ -70,30 +80,70 @@ OrtStatus* fail(std::string const& msg)
     return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("dflash2.DecodeAttention: " + msg).c_str());
 }
 
-struct ParallelArgs
+//! One sequence of the batch: its shape (rows = S_b real rows, past = P_b) and its slices of the tensors.
+struct Sequence
 {
-    dflash2::DecodeAttentionShape const* shape;
-    float const *qkv, *cosTable, *sinTable, *keys, *values;
-    float* out;
+    dflash2::DecodeAttentionShape shape;
+    float const* qkv;    //!< [S, W]: its rows (the first S_b real)
+    float* keys;         //!< [kvh, C', d]: its present buffer
+    float* values;       //!< [kvh, C', d]
+    float* out;          //!< [S, nh d]
 };
 
-void runHead(void* user, size_t head)
+struct ParallelArgs
+{
+    std::vector<Sequence> const* seqs;
+    std::vector<std::pair<int32_t, int32_t>> const* items; //!< (sequence, query head), costliest first
+    float const *cosTable, *sinTable;
+};
+
+void runHead(void* user, size_t i)
 {
     auto const* a = static_cast<ParallelArgs const*>(user);
+    auto const [b, head] = (*a->items)[i];
+    Sequence const& q = (*a->seqs)[static_cast<size_t>(b)];
     thread_local std::vector<float> scratch;
-    size_t const need = static_cast<size_t>(dflash2::decodeAttentionScratch(*a->shape));
+    size_t const need = static_cast<size_t>(dflash2::decodeAttentionScratch(q.shape));
     if (scratch.size() < need)
     {
         scratch.resize(need);
     }
-    dflash2::decodeAttentionHeads(*a->shape, a->qkv, a->cosTable, a->sinTable, a->keys, a->values, a->out,
-        static_cast<int64_t>(head), static_cast<int64_t>(head) + 1, scratch.data());
+    dflash2::decodeAttentionHeads(q.shape, q.qkv, a->cosTable, a->sinTable, q.keys, q.values, q.out, head, head + 1,
+        scratch.data());
+}
+
+OrtStatus* int32Values(OrtValue const* v, int64_t expected, char const* name, int32_t const** out)
+{
+    Shape shape;
+    if (OrtStatus* st = shapeOf(v, shape))
+    {
+        return st;
+    }
+    int64_t n = 1;
+    for (int64_t x : shape.dims)
+    {
+        n *= x;
+    }
+    if (n != expected)
+    {
+        return fail(std::string(name) + " must hold one value per sequence (" + std::to_string(expected) + "), got "
+            + std::to_string(n));
+    }
+    void const* p = nullptr;
+    OrtStatus* st = tensorData(v, &p);
+    *out = static_cast<int32_t const*>(p);
+    return st;
 }
 
 OrtStatus* compute(Kernel const& k, OrtKernelContext* ctx)
 {
-    OrtValue const* in[7] = {};
-    for (size_t i = 0; i < 7; ++i)
+    size_t nIn = 0;
+    if (OrtStatus* st = gApi->KernelContext_GetInputCount(ctx, &nIn))
+    {
+        return st;
+    }
+    OrtValue const* in[8] = {};
+    for (size_t i = 0; i < std::min<size_t>(nIn, 8); ++i)
     {
         if (OrtStatus* st = gApi->KernelContext_GetInput(ctx, i, &in[i]))
         {
@@ -108,37 +158,55 @@ OrtStatus* compute(Kernel const& k, OrtKernelContext* ctx)
             return st;
         }
     }
-    if (qkvShape.dims.size() != 3 || qkvShape.dims[0] != 1 || pastShape.dims.size() != 4 || pastShape.dims[0] != 1)
+    if (qkvShape.dims.size() != 3 || pastShape.dims.size() != 4 || pastShape.dims[0] != qkvShape.dims[0])
     {
-        return fail("expects batch 1: qkv [1, S, (nh + 2 kvh) d], past [1, kvh, C, d]");
+        return fail("expects qkv [B, S, (nh + 2 kvh) d] and past [B, kvh, C, d] of the same B");
     }
-    void const* p = nullptr;
-    if (OrtStatus* st = tensorData(in[3], &p))
-    {
-        return st;
-    }
-    int32_t const seqlensK = *static_cast<int32_t const*>(p);
-    dflash2::DecodeAttentionShape s{};
-    s.rows = qkvShape.dims[1];
-    s.past = static_cast<int64_t>(seqlensK) + 1 - s.rows;
-    s.capacity = pastShape.dims[2];
-    s.numHeads = k.numHeads;
-    s.kvHeads = k.kvHeads;
-    s.headDim = pastShape.dims[3];
-    s.ropeRows = ropeShape.dims[0];
-    s.scale = k.scale;
-    if (pastShape.dims[1] != s.kvHeads || qkvShape.dims[2] != (s.numHeads + 2 * s.kvHeads) * s.headDim
-        || s.headDim % 2 != 0 || ropeShape.dims.size() != 2 || ropeShape.dims[1] != s.headDim / 2)
+    int64_t const batch = qkvShape.dims[0];
+    int64_t const S = qkvShape.dims[1];
+    int64_t const capacity = pastShape.dims[2];
+    int64_t const d = pastShape.dims[3];
+    if (pastShape.dims[1] != k.kvHeads || qkvShape.dims[2] != (k.numHeads + 2 * k.kvHeads) * d || d % 2 != 0
+        || ropeShape.dims.size() != 2 || ropeShape.dims[1] != d / 2)
     {
         return fail("shapes do not match num_heads / kv_num_heads / head size");
     }
-    if (s.past < 0 || s.past + s.rows > s.ropeRows)
+    int64_t const ropeRows = ropeShape.dims[0];
+    int32_t const* seqlensK = nullptr;
+    int32_t const* pastSeqlens = nullptr; // null: GroupQueryAttention's convention (all S rows new)
+    if (OrtStatus* st = int32Values(in[3], batch, "seqlens_k", &seqlensK))
     {
-        return fail("seqlens_k out of range (needs P + S - 1 with 0 <= P and P + S <= rows of cos/sin)");
+        return st;
     }
-    int64_t const total = s.past + s.rows;
-    int64_t const outDims[3] = {1, s.rows, s.numHeads * s.headDim};
-    int64_t const presentDims[4] = {1, s.kvHeads, std::max(s.capacity, total), s.headDim};
+    if (in[7] != nullptr)
+    {
+        if (OrtStatus* st = int32Values(in[7], batch, "past_seqlens", &pastSeqlens))
+        {
+            return st;
+        }
+    }
+    std::vector<Sequence> seqs(static_cast<size_t>(batch));
+    int64_t total = 0; // max_b T_b
+    for (int64_t b = 0; b < batch; ++b)
+    {
+        dflash2::DecodeAttentionShape& s = seqs[static_cast<size_t>(b)].shape;
+        s.past = pastSeqlens ? pastSeqlens[b] : static_cast<int64_t>(seqlensK[b]) + 1 - S;
+        s.rows = static_cast<int64_t>(seqlensK[b]) + 1 - s.past;
+        s.numHeads = k.numHeads;
+        s.kvHeads = k.kvHeads;
+        s.headDim = d;
+        s.ropeRows = ropeRows;
+        s.scale = k.scale;
+        if (s.past < 0 || s.rows < 0 || s.rows > S || s.past > capacity || s.past + s.rows > ropeRows)
+        {
+            return fail("seqlens_k out of range for sequence " + std::to_string(b) + " (needs P + S_b - 1 with 0 <= P "
+                "<= capacity, 0 <= S_b <= S and P + S_b <= rows of cos/sin; P = past_seqlens, or seqlens_k + 1 - S "
+                "without it)");
+        }
+        total = std::max(total, s.past + s.rows);
+    }
+    int64_t const outDims[3] = {batch, S, k.numHeads * d};
+    int64_t const presentDims[4] = {batch, k.kvHeads, std::max(capacity, total), d};
     OrtValue* out[3] = {};
     if (OrtStatus* st = gApi->KernelContext_GetOutput(ctx, 0, outDims, 3, &out[0]))
     {
@@ -169,26 +237,60 @@ OrtStatus* compute(Kernel const& k, OrtKernelContext* ctx)
     }
     auto* keys = static_cast<float*>(outData[1]);
     auto* values = static_cast<float*>(outData[2]);
-    int64_t const presentCapacity = presentDims[2];
-    if (keys != data[1] || values != data[2])
-    {
-        // not sharing past and present (a plain session.run): slots 0..P-1 of each head from past
-        for (int64_t h = 0; h < s.kvHeads; ++h)
-        {
-            size_t const n = static_cast<size_t>(s.past * s.headDim) * sizeof(float);
-            std::memcpy(keys + h * presentCapacity * s.headDim,
-                static_cast<float const*>(data[1]) + h * s.capacity * s.headDim, n);
-            std::memcpy(values + h * presentCapacity * s.headDim,
-                static_cast<float const*>(data[2]) + h * s.capacity * s.headDim, n);
-        }
-    }
-    s.capacity = presentCapacity;
+    auto* attnOut = static_cast<float*>(outData[0]);
     auto const* qkv = static_cast<float const*>(data[0]);
     auto const* cosTable = static_cast<float const*>(data[5]);
     auto const* sinTable = static_cast<float const*>(data[6]);
-    dflash2::decodeAttentionWriteKv(s, qkv, cosTable, sinTable, keys, values);
-    ParallelArgs args{&s, qkv, cosTable, sinTable, keys, values, static_cast<float*>(outData[0])};
-    return gApi->KernelContext_ParallelFor(ctx, runHead, static_cast<size_t>(s.numHeads), 0, &args);
+    int64_t const presentCapacity = presentDims[2];
+    int64_t const rowWidth = qkvShape.dims[2];
+    int64_t const outWidth = k.numHeads * d;
+    bool const inPlace = keys == data[1] && values == data[2];
+    std::vector<std::pair<int32_t, int32_t>> items;
+    items.reserve(static_cast<size_t>(batch * k.numHeads));
+    for (int64_t b = 0; b < batch; ++b)
+    {
+        Sequence& q = seqs[static_cast<size_t>(b)];
+        q.shape.capacity = presentCapacity;
+        q.qkv = qkv + b * S * rowWidth;
+        q.keys = keys + b * k.kvHeads * presentCapacity * d;
+        q.values = values + b * k.kvHeads * presentCapacity * d;
+        q.out = attnOut + b * S * outWidth;
+        if (!inPlace)
+        {
+            // not sharing past and present (a plain session.run): slots 0..P_b-1 of each head from past
+            size_t const n = static_cast<size_t>(q.shape.past * d) * sizeof(float);
+            for (int64_t h = 0; h < k.kvHeads; ++h)
+            {
+                int64_t const from = (b * k.kvHeads + h) * capacity * d;
+                std::memcpy(q.keys + h * presentCapacity * d, static_cast<float const*>(data[1]) + from, n);
+                std::memcpy(q.values + h * presentCapacity * d, static_cast<float const*>(data[2]) + from, n);
+            }
+        }
+        // padding rows: zeros
+        std::fill(q.out + q.shape.rows * outWidth, q.out + S * outWidth, 0.F);
+        if (q.shape.rows == 0)
+        {
+            continue;
+        }
+        dflash2::decodeAttentionWriteKv(q.shape, q.qkv, cosTable, sinTable, q.keys, q.values);
+        for (int64_t h = 0; h < k.numHeads; ++h)
+        {
+            items.emplace_back(static_cast<int32_t>(b), static_cast<int32_t>(h));
+        }
+    }
+    // costliest (rows x keys) first, so a long prefill's heads are not left for the end of the parallel loop
+    auto cost = [&](std::pair<int32_t, int32_t> const& it)
+    {
+        auto const& s = seqs[static_cast<size_t>(it.first)].shape;
+        return s.rows * (s.past + s.rows);
+    };
+    std::stable_sort(items.begin(), items.end(), [&](auto const& x, auto const& y) { return cost(x) > cost(y); });
+    if (items.empty())
+    {
+        return nullptr;
+    }
+    ParallelArgs args{&seqs, &items, cosTable, sinTable};
+    return gApi->KernelContext_ParallelFor(ctx, runHead, items.size(), 0, &args);
 }
 
 char const* ORT_API_CALL opName(OrtCustomOp const*)
@@ -203,12 +305,12 @@ char const* ORT_API_CALL opProvider(OrtCustomOp const*)
 
 ONNXTensorElementDataType ORT_API_CALL inputType(OrtCustomOp const*, size_t i)
 {
-    return (i == 3 || i == 4) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return (i == 3 || i == 4 || i == 7) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 
 size_t ORT_API_CALL inputCount(OrtCustomOp const*)
 {
-    return 7;
+    return 8;
 }
 
 ONNXTensorElementDataType ORT_API_CALL outputType(OrtCustomOp const*, size_t)
@@ -226,10 +328,15 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(OrtCustomOp const*, s
     return INPUT_OUTPUT_REQUIRED;
 }
 
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL inputCharacteristic(OrtCustomOp const*, size_t i)
+{
+    return i == 7 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED; // past_seqlens
+}
+
 OrtMemType ORT_API_CALL inputMemory(OrtCustomOp const*, size_t i)
 {
-    // seqlens_k / total_sequence_length are read on the host
-    return (i == 3 || i == 4) ? OrtMemTypeCPUInput : OrtMemTypeDefault;
+    // seqlens_k / total_sequence_length / past_seqlens are read on the host
+    return (i == 3 || i == 4 || i == 7) ? OrtMemTypeCPUInput : OrtMemTypeDefault;
 }
 
 OrtStatus* ORT_API_CALL createKernel(OrtCustomOp const*, OrtApi const* api, OrtKernelInfo const* info, void** kernel)
@@ -292,7 +399,7 @@ OrtCustomOp makeOp()
     op.GetInputTypeCount = inputCount;
     op.GetOutputType = outputType;
     op.GetOutputTypeCount = outputCount;
-    op.GetInputCharacteristic = required;
+    op.GetInputCharacteristic = inputCharacteristic;
     op.GetOutputCharacteristic = required;
     op.GetInputMemoryType = inputMemory;
     op.CreateKernelV2 = createKernel;

@@ -6,27 +6,33 @@ Buffers (per layer, key and value)::
     kv[j]      [slots, kvh, C, d] fp32     slot b's positions 0..lengths[b]-1 valid, the rest stale
     lengths    [slots] int                 valid positions per slot (0: free or just joined)
 
-What ONNX Runtime's GroupQueryAttention allows (CPU, onnxruntime 1.32, checked): per-sequence ``seqlens_k`` for
-B > 1 only with ONE new row per sequence — with past context and S > 1 it refuses B > 1 ("batch_size must be 1
-when sequence_length > 1 and past context is given"). So a call of :meth:`forward` runs:
+A graph call runs over a slot range ``lo .. hi-1`` (one contiguous view of each buffer, bound without a copy).
+:meth:`forward` takes ragged rows (slot -> m_b new tokens: 1 for a plain step, 1 + drafts for a verify, the
+prompt for a prefill) and runs them in as few calls as pays, two ways:
 
-* every slot with one new row (plain steps) in ONE call over slots ``lo .. hi-1`` (a slot range is one
-  contiguous view of each buffer, bound without a copy)::
+* **ragged** (the backend swapped in ``dflash2.DecodeAttention``: the graph takes ``past_seqlens``): any slots
+  with any row counts share one call, each slot right-padded to the call's S::
 
-      input_ids  [hi-lo, 1] int64    seqlens_k [hi-lo] int32 = lengths (the new row lands at slot lengths[b])
-      total_sequence_length = max(lengths) + 1
+      input_ids     [hi-lo, S] int64   slot b's m_b tokens, then token 0 (padding)
+      past_seqlens  [hi-lo] int32      lengths[b]                (the slot's cached length P_b)
+      seqlens_k     [hi-lo] int32      lengths[b] + m_b - 1      (GroupQueryAttention's "total length - 1")
+      total_sequence_length = max_b (lengths[b] + m_b)
+      logits_index  [hi-lo, R, 1] int64  rows 0..S-1 (R = S), or each slot's last row m_b - 1 (R = 1: a prefill,
+                                         ``forward(..., last_logits=True)``: the LM head skips the other rows)
 
-  Slots of the range that are not in the call (free, or active but idle this step) run a dummy row (token 0) at
-  their own ``lengths[b]``, i.e. into a stale slot past their valid length that the next call overwrites — the
-  B = 1 runner's crop invariant; their outputs are dropped.
-* every slot with several rows (a prefill, a verify) in its own B = 1 call bound to its slot's view of the
-  buffers (still in place; no padding: a prefill or verify of m rows padded into every slot's call would cost
-  m rows per slot anyway). When the backend swapped in ``dflash2.DecodeAttention`` (batch 1 only; k rows cost k
-  x one row) these one-slot calls run on that session, the batched calls on a GroupQueryAttention session of
-  the same file.
+  Padding rows and slots of the range that take no part (m_b = 0) cost MatMul rows but no attention, and write no
+  cache slot (the op's contract). Which slots share a call is a small optimisation (:func:`plan_calls`): a call
+  costs about ``call_rows`` rows of fixed cost (weight reads) plus its padded rows, so a 3-row verify shares the
+  plain steps' call while a 100-token prefill does not pad every plain step to 100 rows.
+* **GroupQueryAttention** (the op is not built, or ``attention='gqa'``): ONNX Runtime 1.32's GroupQueryAttention
+  takes per-sequence ``seqlens_k`` for B > 1 only with ONE new row per sequence (with past context and S > 1 it
+  refuses B > 1: "batch_size must be 1 when sequence_length > 1 and past context is given"). So every one-row slot
+  shares one call, slots of the range not in it running a dummy row (token 0) at their own ``lengths[b]``, i.e. into
+  a stale slot that the next call overwrites — the B = 1 runner's crop invariant — and every multi-row slot runs
+  alone (B = 1 on its slot's view).
 
-Ragged rows are therefore exact by construction; tests/test_batch.py checks every slot against a B = 1 runner
-fed the same rows, with crops, idle and free slots, growth and joins into freed slots.
+Every slot's rows are exact either way: tests/test_batch.py checks every slot against a B = 1 runner fed the same
+rows, with crops, idle and free slots, growth and joins into freed slots, and counts the calls of each kind.
 
 Ownership: one runner = ``slots`` requests' caches; not thread safe (the batch loop owns it). Growing the
 capacity reallocates every buffer (copying it) and drops the cached bindings.
@@ -39,22 +45,54 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import TARGET_ORT, target_kv_names, target_present_names
+from dflash2_trt.manifest import (TARGET_LOGITS_INDEX, TARGET_ORT, TARGET_PAST_SEQLENS, target_kv_names,
+                                  target_present_names)
 from dflash2_trt.runtime.kv import grown_capacity
+
+CALL_ROWS = 12  # a graph call's fixed cost in rows (SmolLM2 fp32, 2 threads: ~29 ms a call + ~2.3 ms a row)
+MAX_CALL_ROWS = 1024  # padded rows a call of several slots may hold (its logits: rows x vocabulary x 4 bytes)
+
+
+def plan_calls(rows: dict[int, int], call_rows: float = CALL_ROWS, max_rows: int = MAX_CALL_ROWS) -> list[list[int]]:
+    """slot -> rows (>= 1) -> the slots of each call, minimising sum over calls of ``call_rows`` + (hi - lo) x S
+    (a call binds the slot range lo..hi-1 and pads every slot in it to S = its longest row count); a call of
+    several slots holds at most ``max_rows`` padded rows. Exact over groups that are contiguous in row-count order
+    (dynamic programming; slots <= a few dozen)."""
+    order = sorted(rows, key=lambda b: (rows[b], b))
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[i]: cost of the first i slots in order
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        lo = hi = order[i - 1]
+        for j in range(i - 1, -1, -1):  # the group order[j:i]; its S is rows[order[i-1]] (sorted)
+            lo, hi = min(lo, order[j]), max(hi, order[j])
+            padded = (hi - lo + 1) * rows[order[i - 1]]
+            if padded > max_rows and i - j > 1:
+                break  # a longer group only grows
+            c = best[j] + call_rows + padded
+            if c < best[i]:
+                best[i], cut[i] = c, j
+    groups: list[list[int]] = []
+    i = n
+    while i:
+        groups.append(sorted(order[cut[i]:i]))
+        i = cut[i]
+    return groups[::-1]
 
 
 class OrtBatchedTargetRunner:
-    """``slots`` sequences over the fused target graph (CPU provider, GroupQueryAttention)."""
+    """``slots`` sequences over the fused target graph (CPU provider)."""
 
     def __init__(self, sess: Any, ort: Any, n_layers: int, kv_heads: int, head_dim: int, vocab_size: int,
-                 max_positions: int, eos_ids: set[int], slots: int, step: int = 256, single_sess: Any = None) -> None:
+                 max_positions: int, eos_ids: set[int], slots: int, step: int = 256,
+                 call_rows: float = CALL_ROWS) -> None:
         if slots < 1:
             raise DFlash2Error(f"batch slots must be >= 1, got {slots}")
         self.ort = ort
-        self.sess = sess  # onnxruntime.InferenceSession of target_ort.onnx (GroupQueryAttention, any batch)
-        # the same graph with dflash2.DecodeAttention (batch 1 only, cheaper multi-row verifies) for the one-slot
-        # calls; None: those run on ``sess`` too
-        self.single_sess = single_sess
+        self.sess = sess  # onnxruntime.InferenceSession of target_ort.onnx
+        # ragged calls: the graph runs dflash2.DecodeAttention with each sequence's cached length as an input
+        self.ragged = TARGET_PAST_SEQLENS in {i.name for i in sess.get_inputs()}
+        self.call_rows = call_rows
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.eos_ids = set(eos_ids)
@@ -69,34 +107,26 @@ class OrtBatchedTargetRunner:
         self.past = target_kv_names(n_layers)
         self.present = target_present_names(n_layers)
         self._io: dict[tuple[int, int], Any] = {}  # (first slot, slots bound) -> IOBinding
-        self.batched_calls = 0  # graph calls over several slots (plain steps)
-        self.single_calls = 0  # B = 1 calls on one slot's view (prefills, verifies, lone steps)
+        # graph calls by the slots taking part: several with one row each (plain steps); several of which at
+        # least two have more than one row (batched verifies / prefills: ragged calls only); one slot alone
+        self.batched_calls = 0
+        self.multirow_calls = 0
+        self.single_calls = 0
 
     @classmethod
     def from_backend(cls, be: Any, slots: int) -> OrtBatchedTargetRunner:  # be: OrtBackend (fused)
-        """Over ``be``'s fused target. When the backend swapped in ``dflash2.DecodeAttention`` (batch 1 only) this
-        opens its own GroupQueryAttention session of the same file."""
+        """Over ``be``'s fused target session (ragged calls when it runs ``dflash2.DecodeAttention``)."""
         m = be.manifest
         t = m.target
         if not getattr(be, "fused", False):
             raise DFlash2Error("batched decoding needs the fused ONNX Runtime target (target_ort.onnx on the CPU "
                                "provider)")
-        main = be.session(TARGET_ORT)
-        s, single = main, None
-        if main.decode_attention:
-            from dflash2_trt.runtime.ort.backend import _Session
-
-            key = TARGET_ORT + "#gqa"  # kept (and closed) with the backend's sessions
-            if key not in be._sessions:
-                be._sessions[key] = _Session(be.ort, be.dir / m.graphs[TARGET_ORT].file, be.provider, be.threads,
-                                             decode_attention=False)
-            s, single = be._sessions[key], main.sess
-        return cls(s.sess, be.ort, t.num_layers, t.num_key_value_heads, t.head_dim, t.vocab_size, m.max_seq_len,
-                   set(t.eos_token_ids), slots, m.kv_capacity_step, single)
+        return cls(be.session(TARGET_ORT).sess, be.ort, t.num_layers, t.num_key_value_heads, t.head_dim,
+                   t.vocab_size, m.max_seq_len, set(t.eos_token_ids), slots, m.kv_capacity_step)
 
     # -- slots --------------------------------------------------------------------------------------------------
     def join(self) -> int:
-        """The lowest free slot, now active with length 0 (lowest: keeps the bound range ``0 .. hi-1`` short)."""
+        """The lowest free slot, now active with length 0 (lowest: keeps the bound ranges short)."""
         free = np.flatnonzero(~self.active)
         if not free.size:
             raise DFlash2Error(f"all {self.slots} batch slots are in use")
@@ -129,11 +159,10 @@ class OrtBatchedTargetRunner:
 
     def _binding(self, lo: int, hi: int) -> Any:
         """IOBinding over slots lo..hi-1: each buffer's contiguous view bound as past AND present (in place)."""
-        single = hi - lo == 1 and self.single_sess is not None
         key = (lo, hi)
         io = self._io.get(key)
         if io is None:
-            io = (self.single_sess if single else self.sess).io_binding()
+            io = self.sess.io_binding()
             # logits / features first: get_outputs() returns outputs in binding order
             io.bind_output("logits")
             io.bind_output("context_features")
@@ -144,36 +173,58 @@ class OrtBatchedTargetRunner:
             self._io[key] = io
         return io
 
-    def _run(self, lo: int, hi: int, rows: dict[int, list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """One graph call over slots lo..hi-1 (S = 1 when hi - lo > 1) -> logits [hi-lo, S, V], features
-        [hi-lo, S, F]."""
+    def _run(self, lo: int, hi: int, rows: dict[int, list[int]], last: bool) -> tuple[np.ndarray, np.ndarray]:
+        """One graph call over slots lo..hi-1 -> logits [hi-lo, R, V] (ragged and ``last``: R = 1, each slot's last
+        row; else R = S), features [hi-lo, S, F]. Ragged: slot b runs len(rows[b]) rows (0 when absent),
+        right-padded; GroupQueryAttention: S = 1 when hi - lo > 1, absent slots run a dummy row."""
         S = max(len(r) for r in rows.values())
-        assert S == 1 or hi - lo == 1
-        ids = np.zeros((hi - lo, S), dtype=np.int64)  # [n, S] idle slots: token 0
+        assert self.ragged or S == 1 or hi - lo == 1
+        ids = np.zeros((hi - lo, S), dtype=np.int64)  # [n, S] padding / idle slots: token 0
         start = self.lengths[lo:hi].copy()  # [n] where each slot's rows land
+        m = np.full(hi - lo, 0 if self.ragged else S, dtype=np.int64)  # [n] rows each slot runs
         for b, r in rows.items():
             ids[b - lo, : len(r)] = r
-        self._reserve(int(start.max()) + S)
+            m[b - lo] = len(r)
+        end = start + m  # [n] each slot's length after the call
+        self._reserve(int(end.max()))
         io = self._binding(lo, hi)
         io.bind_cpu_input("input_ids", ids)
-        io.bind_cpu_input("seqlens_k", (start + S - 1).astype(np.int32))
-        io.bind_cpu_input("total_sequence_length", np.array(int(start.max()) + S, dtype=np.int32))
+        io.bind_cpu_input("seqlens_k", (end - 1).astype(np.int32))
+        io.bind_cpu_input("total_sequence_length", np.array(int(end.max()), dtype=np.int32))
+        if self.ragged:
+            io.bind_cpu_input(TARGET_PAST_SEQLENS, start.astype(np.int32))
+            index = np.maximum(m - 1, 0)[:, None] if last else np.broadcast_to(np.arange(S), (hi - lo, S))
+            io.bind_cpu_input(TARGET_LOGITS_INDEX, np.ascontiguousarray(index, dtype=np.int64)[..., None])
         io.bind_output("logits")  # rebound each call: ORT would keep the last call's shape
         io.bind_output("context_features")
-        single = hi - lo == 1 and self.single_sess is not None
-        (self.single_sess if single else self.sess).run_with_iobinding(io)
-        if hi - lo > 1:
-            self.batched_calls += 1
-        else:
+        self.sess.run_with_iobinding(io)
+        if len(rows) == 1:
             self.single_calls += 1
+        elif sum(len(r) > 1 for r in rows.values()) >= 2:
+            self.multirow_calls += 1
+        else:
+            self.batched_calls += 1
         out = io.get_outputs()
         return out[0].numpy(), out[1].numpy()
 
+    def _calls(self, rows: dict[int, list[int]]) -> list[list[int]]:
+        """The slots of each graph call (see the module docstring)."""
+        if self.ragged:
+            return plan_calls({b: len(r) for b, r in rows.items()}, self.call_rows)
+        ones = sorted(b for b, r in rows.items() if len(r) == 1)
+        calls: list[list[int]] = []
+        # an idle slot's dummy row must stay inside the RoPE table; else these slots run alone
+        if len(ones) > 1 and int(self.lengths[ones[0]: ones[-1] + 1].max()) + 1 <= self.max_positions:
+            calls.append(ones)
+        done = {b for c in calls for b in c}
+        return calls + [[b] for b in rows if b not in done]
+
     # -- forward ------------------------------------------------------------------------------------------------
-    def forward(self, rows: dict[int, list[int]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def forward(self, rows: dict[int, list[int]],
+                last_logits: bool = False) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """rows: slot -> m_b token ids at positions lengths[slot].. (m_b >= 1) -> slot -> (logits [m_b, V] fp32,
-        features [m_b, F]); each slot's length grows by m_b. The one-row slots share one call, each other slot
-        runs alone (see the module docstring)."""
+        or [1, V] of the last row with ``last_logits`` (a prefill), features [m_b, F]); each slot's length grows by
+        m_b. How the slots share graph calls: the module docstring."""
         for b, r in rows.items():
             if not self.active[b]:
                 raise DFlash2Error(f"batch slot {b} is not active")
@@ -186,17 +237,15 @@ class OrtBatchedTargetRunner:
                 raise DFlash2Error(f"sequence of {int(self.lengths[b]) + len(r)} positions exceeds the exported "
                                    f"cache capacity {self.max_positions} (re-export with a larger --max-seq-len)")
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        ones = {b: r for b, r in rows.items() if len(r) == 1}
-        if len(ones) > 1:
-            lo, hi = min(ones), max(ones) + 1
-            # an idle slot's dummy row must stay inside the RoPE table; else these slots run alone
-            if int(self.lengths[lo:hi].max()) + 1 <= self.max_positions:
-                lg, ft = self._run(lo, hi, ones)
-                for b in ones:
-                    out[b] = lg[b - lo, :1], ft[b - lo, :1]
+        for call in self._calls(rows):
+            lo, hi = call[0], call[-1] + 1
+            lg, ft = self._run(lo, hi, {b: rows[b] for b in call}, last_logits)
+            for b in call:
+                m = len(rows[b])
+                if not last_logits:
+                    out[b] = lg[b - lo, :m], ft[b - lo, :m]
+                else:  # ragged: the one row computed; else the last of the m
+                    out[b] = lg[b - lo, -1:] if self.ragged else lg[b - lo, m - 1: m], ft[b - lo, :m]
         for b, r in rows.items():
-            if b not in out:
-                lg, ft = self._run(b, b + 1, {b: r})
-                out[b] = lg[0], ft[0]
             self.lengths[b] += len(r)
         return out

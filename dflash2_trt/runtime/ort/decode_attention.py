@@ -8,6 +8,17 @@ twice a 1-row call's (benchmarks/ort_op_profile.py). DecodeAttention walks each 
 rows cost k x their arithmetic, and a row's output does not depend on the number of rows in the call (row i of a
 k-row verify equals the plain step at that position bit for bit; tests/test_ort_decode_attention.py).
 
+The rewrite also gives the graph one more input, ``past_seqlens`` [B] int32 (each sequence's cached length P_b,
+:data:`~dflash2_trt.manifest.TARGET_PAST_SEQLENS`), fed to every DecodeAttention node: with it a call carries a
+different number of new rows per sequence (a batch of plain steps, verifies and prefills in one call): sequence b
+has ``seqlens_k[b] + 1 - past_seqlens[b]`` real rows, right-padded to the call's S; padding rows return zeros and
+write nothing (the op's contract: plugins/ortDecodeAttention/ortCustomOp.cpp). A B = 1 call feeds
+``past_seqlens = [P]`` and computes exactly what it computed without it. And a third: ``logits_index`` [B, R, 1]
+int64 (:data:`~dflash2_trt.manifest.TARGET_LOGITS_INDEX`) picks, per sequence, the R rows whose logits the LM
+head computes (a GatherND before it): a prefill needs its last row's only, and on a CPU the LM head is a fifth of
+a prompt's arithmetic (SmolLM2-135M: 28M of 135M weights). The runners feed all rows except for a batched
+prefill; the context features stay every row's.
+
 The rewrite keeps every other node and the weights (read from the export folder's external data file, so the
 weights are on disk and in memory once). It needs the ``onnx`` package to edit the graph and the built library;
 without either, the runtime runs GroupQueryAttention as before (:func:`available` says why).
@@ -51,9 +62,13 @@ def available() -> tuple[bool, str]:
 
 def rewrite(path: Path) -> bytes | None:
     """target_ort.onnx (fp32, external weights left on disk) with every GroupQueryAttention node replaced by
-    DecodeAttention -> serialized model; None when the graph has none or its caches are not fp32."""
+    DecodeAttention (and the graph input ``past_seqlens`` [batch] int32 fed to each), and the LM head's input
+    gathered by ``logits_index`` -> serialized model; None when the graph has no GroupQueryAttention or no LM head
+    producing ``logits``, or its caches are not fp32."""
     import onnx
     from onnx import helper
+
+    from dflash2_trt.manifest import TARGET_LOGITS_INDEX, TARGET_PAST_SEQLENS
 
     model = onnx.load(str(path), load_external_data=False)
     kv = [i for i in model.graph.input if i.name.startswith("past_key_values")]
@@ -72,15 +87,28 @@ def rewrite(path: Path) -> bytes | None:
         if len(ins) < 9 or ins[1] or ins[2]:
             return None
         node.ClearField("input")
-        node.input.extend([ins[0], *ins[3:9]])
+        node.input.extend([ins[0], *ins[3:9], TARGET_PAST_SEQLENS])
         node.ClearField("attribute")
         node.attribute.extend([helper.make_attribute("num_heads", int(attrs["num_heads"])),
                                helper.make_attribute("kv_num_heads", int(attrs["kv_num_heads"])),
                                helper.make_attribute("scale", float(attrs.get("scale", 0.0)))])
         node.op_type, node.domain = OP_TYPE, OP_DOMAIN
         n_swapped += 1
-    if not n_swapped:
+    head = [n for n in model.graph.node if list(n.output) == ["logits"]]
+    if not n_swapped or len(head) != 1:
         return None
+    # hidden [B, S, H] -> its rows logits_index [B, R, 1] -> [B, R, H] -> the LM head -> logits [B, R, V]
+    rows = "lm_head/rows"
+    gather = helper.make_node("GatherND", [head[0].input[0], TARGET_LOGITS_INDEX], [rows], name="lm_head/gather_rows",
+                              batch_dims=1)
+    head[0].input[0] = rows
+    model.graph.node.insert(list(model.graph.node).index(head[0]), gather)
+    for out in model.graph.output:
+        if out.name == "logits":
+            out.type.tensor_type.shape.dim[1].dim_param = "logits_rows"
+    model.graph.input.append(helper.make_tensor_value_info(TARGET_PAST_SEQLENS, onnx.TensorProto.INT32, ["batch"]))
+    model.graph.input.append(helper.make_tensor_value_info(TARGET_LOGITS_INDEX, onnx.TensorProto.INT64,
+                                                           ["batch", "logits_rows", 1]))
     model.opset_import.append(helper.make_opsetid(OP_DOMAIN, 1))
     return model.SerializeToString()
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from dflash2_trt.manifest import TARGET_ORT, target_kv_names, target_present_names
+from dflash2_trt.manifest import (TARGET_LOGITS_INDEX, TARGET_ORT, TARGET_PAST_SEQLENS, target_kv_names,
+                                  target_present_names)
 from dflash2_trt.runtime.kv import KVBuffer, target_ids
 
 
@@ -36,6 +37,9 @@ class OrtFusedTargetRunner:
         self.present = target_present_names(n_layers)
         self._io: Any = None
         self._bound_capacity = -1
+        # the graph rewritten at load (dflash2.DecodeAttention swapped in) takes each sequence's cached length and
+        # the rows whose logits to compute (here: all)
+        self._rewritten = TARGET_PAST_SEQLENS in {i.name for i in sess.get_inputs()}
 
     @classmethod
     def from_backend(cls, be: Any) -> "OrtFusedTargetRunner":  # be: OrtBackend
@@ -74,6 +78,9 @@ class OrtFusedTargetRunner:
         io.bind_cpu_input("input_ids", arr)
         io.bind_cpu_input("seqlens_k", np.array([n + S - 1], dtype=np.int32))
         io.bind_cpu_input("total_sequence_length", np.array(n + S, dtype=np.int32))
+        if self._rewritten:
+            io.bind_cpu_input(TARGET_PAST_SEQLENS, np.array([n], dtype=np.int32))
+            io.bind_cpu_input(TARGET_LOGITS_INDEX, np.arange(S, dtype=np.int64).reshape(1, S, 1))
         io.bind_output("logits")  # rebound each call: ORT would keep last call's [1, S, V] buffer
         io.bind_output("context_features")
         self.sess.run_with_iobinding(io)
