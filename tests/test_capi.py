@@ -884,9 +884,9 @@ class _LoggedTarget:
         self.log.append(("crop", slot, length))
         self.run.crop(slot, length)
 
-    def forward(self, rows: dict) -> dict:
+    def forward(self, rows: dict, **kw) -> dict:  # noqa: ANN003 - the runner's own options (last_logits)
         self.log.append(("forward", [(b, list(r), int(self.run.lengths[b])) for b, r in rows.items()]))
-        return self.run.forward(rows)
+        return self.run.forward(rows, **kw)
 
 
 class _LoggedDrafter:
