@@ -451,7 +451,7 @@ class _Callbacks(C.Structure):
 # the batched callbacks (API 1.1), appended to dfl2_callbacks
 _BSLOT = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32)
 _BTF = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, P(C.c_int32), P(C.c_int32), P(C.c_int32), P(C.c_int32),
-                   P(C.c_float), P(C.c_float))
+                   C.c_int32, P(C.c_float), P(C.c_float))
 _BTC = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, C.c_int32)
 _BDA = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, P(C.c_float), C.c_int32, C.c_int32)
 _BDP = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, C.c_int32, C.c_int32, C.c_int32, C.c_float, P(C.c_float),
@@ -884,9 +884,9 @@ class _LoggedTarget:
         self.log.append(("crop", slot, length))
         self.run.crop(slot, length)
 
-    def forward(self, rows: dict, **kw) -> dict:  # noqa: ANN003 - the runner's own options (last_logits)
-        self.log.append(("forward", [(b, list(r), int(self.run.lengths[b])) for b, r in rows.items()]))
-        return self.run.forward(rows, **kw)
+    def forward(self, rows: dict, last_logits: bool = False) -> dict:
+        self.log.append(("forward", [(b, list(r), int(self.run.lengths[b])) for b, r in rows.items()], last_logits))
+        return self.run.forward(rows, last_logits=last_logits)
 
 
 class _LoggedDrafter:
@@ -957,18 +957,22 @@ class CBatch(_CallbackHost):
         self.log.append(("release", slot))
         self.target.leave(slot)
 
-    def _forward(self, u, n, slots, lengths, rows, ids, logits, feats) -> None:  # noqa: ANN001
+    def _forward(self, u, n, slots, lengths, rows, ids, last, logits, feats) -> None:  # noqa: ANN001
         batch, off = {}, 0
         for i in range(n):
             assert lengths[i] == self.target.lengths[slots[i]], "cache length differs from the runner's"
             batch[slots[i]] = [ids[off + j] for j in range(rows[i])]
             off += rows[i]
-        self.log.append(("forward", [(b, r, int(self.target.lengths[b])) for b, r in batch.items()]))
-        out = self.target.forward(batch)
-        lg, ft = np.ctypeslib.as_array(logits, (off, self.V)), np.ctypeslib.as_array(feats, (off, self.F))
+        self.log.append(("forward", [(b, r, int(self.target.lengths[b])) for b, r in batch.items()], bool(last)))
+        out = self.target.forward(batch, last_logits=bool(last))
+        lg = np.ctypeslib.as_array(logits, (n if last else off, self.V))
+        ft = np.ctypeslib.as_array(feats, (off, self.F))
         row = 0
-        for b, r in batch.items():
-            lg[row:row + len(r)] = out[b][0]
+        for i, (b, r) in enumerate(batch.items()):
+            if last:
+                lg[i] = out[b][0][-1]
+            else:
+                lg[row:row + len(r)] = out[b][0]
             ft[row:row + len(r)] = out[b][1]
             row += len(r)
 
@@ -1160,7 +1164,8 @@ def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
         assert 5 <= len(got[0]["tokens"]) < reqs[0]["max_new"]
         assert info.largest_step == 3 and info.cycles > 0 and 0 < info.drafting_steps
         assert sum(r["plain_steps"] for r in got) > 0 and got[5]["accepted"] == []
-        mixed = [e for e in c.log if e[0] == "forward" and {len(ids) > 1 for _, ids, _ in e[1]} == {True, False}]
+        mixed = [e for e in c.log if e[0] == "forward" and {len(ids) > 1 for _, ids, _ in e[1]} == {True, False}
+                 and not e[2]]
         assert mixed  # plain steps and verifies in one target call
         if adaptive:
             assert info.drafting_steps < info.steps and info.largest_plain >= 2

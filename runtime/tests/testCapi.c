@@ -676,21 +676,24 @@ static int32_t btRelease(void* u, int32_t slot)
 }
 
 static int32_t btForward(void* u, int32_t nSeqs, const int32_t* slots, const int32_t* lengths, const int32_t* rows,
-                         const int32_t* ids, float* logits, float* features)
+                         const int32_t* ids, int32_t lastLogits, float* logits, float* features)
 {
     BatchToy* b = (BatchToy*) u;
     if (b->failForwardAt && ++b->forwards == b->failForwardAt) return 9;
     if (!b->failForwardAt) ++b->forwards;
     int ones = 0, many = 0;
     size_t off = 0;
+    static float all[MAXPOS * V]; /* one request's logits, when only its last row is asked for */
     for (int32_t i = 0; i < nSeqs; ++i) {
         Toy* t = &b->slot[slots[i]];
-        if (!b->active[slots[i]] || lengths[i] != t->targetLength || rows[i] < 1) {
+        if (!b->active[slots[i]] || lengths[i] != t->targetLength || rows[i] < 1 || rows[i] > MAXPOS) {
             ++b->badCalls;
             return 8;
         }
-        int32_t rc = toyTargetForward(t, ids + off, rows[i], logits + off * V, features + off * F);
+        float* out = lastLogits ? all : logits + off * V;
+        int32_t rc = toyTargetForward(t, ids + off, rows[i], out, features + off * F);
         if (rc != 0) return rc;
+        if (lastLogits) memcpy(logits + (size_t) i * V, all + (size_t) (rows[i] - 1) * V, V * sizeof(float));
         off += (size_t) rows[i];
         ones += rows[i] == 1;
         many += rows[i] > 1;

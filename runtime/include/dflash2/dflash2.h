@@ -215,11 +215,12 @@ typedef struct dfl2_callbacks {
     /* Target, one call over n_seqs >= 1 requests of distinct slots: request i appends rows[i] >= 1 ids at
      * positions cache_lengths[i] .. cache_lengths[i] + rows[i] - 1 of its slot's cache (cache_lengths[i] = the
      * positions its slot holds, as this library counts them after crops). ids are packed [sum(rows)] in request
-     * order; write logits [sum(rows), V] and features [sum(rows), F] in the same order. One call per step over
-     * every active request (plain: 1 row, drafting: 1 + drafts), and one per admission over the new prompts. */
+     * order; write features [sum(rows), F] and logits in the same order: [sum(rows), V], or with last_logits = 1
+     * only each request's last row, [n_seqs, V]. One call per step over every active request (plain: 1 row,
+     * drafting: 1 + drafts; last_logits 0), and one per admission over the new prompts (last_logits 1). */
     int32_t (*batch_target_forward)(void* user_data, int32_t n_seqs, const int32_t* slots,
                                     const int32_t* cache_lengths, const int32_t* rows, const int32_t* ids,
-                                    float* logits, float* features);
+                                    int32_t last_logits, float* logits, float* features);
     /* Target: the slot keeps its first `length` cached positions. */
     int32_t (*batch_target_crop)(void* user_data, int32_t slot, int32_t length);
     /* Drafter of a slot: forget the context (a new request). */

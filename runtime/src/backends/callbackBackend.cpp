@@ -152,7 +152,7 @@ public:
             check(mCb.batch_target_release(mCb.user_data, slot), "batch_target_release");
         }
     }
-    void targetForward(std::vector<SlotRows> const& seqs, std::vector<float>& logits) override
+    void targetForward(std::vector<SlotRows> const& seqs, bool lastLogits, std::vector<float>& logits) override
     {
         size_t const F = static_cast<size_t>(mCb.feature_dim);
         std::vector<int32_t> slots;
@@ -167,10 +167,10 @@ public:
             ids.insert(ids.end(), s.ids.begin(), s.ids.end());
             mFeatureRows[static_cast<size_t>(s.slot)] = 0;
         }
-        logits.assign(ids.size() * static_cast<size_t>(mCb.vocab_size), 0.0F);
+        logits.assign((lastLogits ? seqs.size() : ids.size()) * static_cast<size_t>(mCb.vocab_size), 0.0F);
         std::vector<float> features(ids.size() * F, 0.0F);
         check(mCb.batch_target_forward(mCb.user_data, static_cast<int32_t>(seqs.size()), slots.data(), lengths.data(),
-                  rows.data(), ids.data(), logits.data(), features.data()),
+                  rows.data(), ids.data(), lastLogits ? 1 : 0, logits.data(), features.data()),
             "batch_target_forward");
         size_t row = 0;
         for (SlotRows const& s : seqs)

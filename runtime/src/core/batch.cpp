@@ -306,7 +306,7 @@ void BatchDecoder::step()
             auto const t = Clock::now();
             try
             {
-                mRunners.targetForward(rows, logits);
+                mRunners.targetForward(rows, false, logits);
             }
             catch (...)
             {
@@ -418,14 +418,14 @@ void BatchDecoder::admit()
             rows.push_back(SlotRows{s->slot, 0, s->req.prompt});
         }
     }
-    std::vector<float> logits;  // [Σ prompt lengths, V]
+    std::vector<float> logits;  // [fed, V]: each prompt's last row
     if (fed.empty())
     {
         return;
     }
     try
     {
-        mRunners.targetForward(rows, logits);
+        mRunners.targetForward(rows, true, logits);
     }
     catch (...)
     {
@@ -437,16 +437,14 @@ void BatchDecoder::admit()
         return;
     }
     size_t const V = static_cast<size_t>(mRunners.vocabSize());
-    size_t row = 0;
-    for (Seq* sp : fed)
+    for (size_t i = 0; i < fed.size(); ++i)
     {
-        Seq& s = *sp;
+        Seq& s = *fed[i];
         int32_t const n = static_cast<int32_t>(s.req.prompt.size());
         mCacheLength[static_cast<size_t>(s.slot)] = n;
-        row += static_cast<size_t>(n);
         try
         {
-            s.anchor = nextToken(logits.data() + (row - 1) * V, V, s.req.config.temperature, *s.req.uniforms);
+            s.anchor = nextToken(logits.data() + i * V, V, s.req.config.temperature, *s.req.uniforms);
             s.res.tokens.push_back(s.anchor);
             s.pos = n;
             if (s.canDraft())

@@ -81,8 +81,9 @@ public:
     virtual void targetReset(int32_t slot) = 0;
     //! the slot's sequence ended (the engine may free it until the next targetReset of the slot)
     virtual void targetRelease(int32_t slot) = 0;
-    //! one call over distinct slots -> logits [Σ n, V] in the order of `seqs` (resized by the callee)
-    virtual void targetForward(std::vector<SlotRows> const& seqs, std::vector<float>& logits) = 0;
+    //! one call over distinct slots -> logits in the order of `seqs` (resized by the callee): [Σ n, V], or with
+    //! lastLogits each sequence's last row only, [seqs, V] (a prefill's)
+    virtual void targetForward(std::vector<SlotRows> const& seqs, bool lastLogits, std::vector<float>& logits) = 0;
     virtual void targetCrop(int32_t slot, int32_t length) = 0;
     virtual void drafterReset(int32_t slot) = 0;
     //! the first `rows` rows of the slot's latest targetForward features join its pending context
