@@ -201,7 +201,7 @@ def test_rule_switches_with_load():
     fresh = BT.SpeculationRule()
     assert fresh.choose(3, {0: 2.0}) == set()  # t_plain unknown: plain first
     fresh.costs.record_plain(3, 0.01)
-    assert fresh.choose(3, {0: 2.0}) == {0}  # draft costs unknown: draft to measure
+    assert fresh.choose(3, {0: 2.0, 1: 3.0}) == {1}  # draft costs unknown: the best candidate drafts to measure
     assert BT.SpeculationRule(adaptive=False, costs=costs).choose(8, {1: 1.0}) == {1}
 
 

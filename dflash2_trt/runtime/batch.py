@@ -42,7 +42,8 @@ cycles. At one sequence this is the B = 1 guard's break-even (τ̂ / (t_plain(1)
 1 / t_plain(1)); as n grows, the n - k plain tokens come almost free with the call while each drafting sequence
 still pays its drafter and its verify rows, so k falls to 0: batched plain decoding, never worse than it by the
 cost model. Until t_plain and the draft costs are measured the rule explores: the first step of a batch is plain,
-the next one drafts for every speculative sequence. A sequence the rule kept plain for ``probe_after`` steps in a
+the next one drafts for the speculative sequence of the best τ̂ (one: at 8 sequences a step where all draft costs
+about what 4 plain steps gain). A sequence the rule kept plain for ``probe_after`` steps in a
 row forgets its cycles (τ̂ back to the prior), so acceptance that changed along a request (code vs prose) is
 measured again when the cost model lets the prior draft. Lossless either way: the rule picks which exact
 procedure makes a sequence's next tokens, from past timings and counts only.
@@ -170,10 +171,10 @@ class SpeculationRule:
         t_all = c.plain(n_active)
         if t_all is None:
             return set()  # explore: measure a plain step first
+        order = sorted(candidates, key=lambda i: -candidates[i])
         t_d, t_v = c.draft(), c.verify()
         if t_d is None or t_v is None:
-            return set(candidates)  # explore: measure a drafting step
-        order = sorted(candidates, key=lambda i: -candidates[i])
+            return set(order[:1])  # explore: measure one sequence's drafting (at high load one is costly enough)
         best_k, best = 0, n_active / max(t_all, 1e-12)
         tokens = float(n_active)
         per_seq = t_d + max(t_v, 0.0)
