@@ -408,7 +408,9 @@ def test_core_vectors_exercise_every_branch(vectors_path):
     assert any(d["use"] == "draft" for d in loops["sample-selector"]["uniforms"])
     rule = v["rule"]  # the speculation rule: every outcome, measured costs interpolated
     assert any(c["tau"] and not c["records"] and not c["chosen"] for c in rule)  # explore: plain first
-    assert any(c["tau"] and c["records"] and len(c["chosen"]) == len(c["tau"]) and c["adaptive"] for c in rule)
+    assert any(len(c["tau"]) > 1 and c["records"] and len(c["chosen"]) == len(c["tau"]) and c["adaptive"] for c in rule)
+    assert any(len(c["tau"]) > 1 and c["adaptive"] and None not in c["plain"] and len(c["chosen"]) == 1
+               and {"draft", "verify"} - {r["kind"] for r in c["records"]} for c in rule)  # explore: one drafts
     assert any(c["records"] and 0 < len(c["chosen"]) < len(c["tau"]) for c in rule)  # some draft, some not
     assert any(c["records"] and c["tau"] and not c["chosen"] and None not in c["plain"] for c in rule)
     assert any(not c["adaptive"] and c["tau"] for c in rule)

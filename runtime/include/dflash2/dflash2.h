@@ -332,8 +332,8 @@ DFL2_API dfl2_status* dfl2_session_get_stats(const dfl2_session* session, dfl2_s
  * proposal, verify = what one drafting request adds to a step's target call: measured in this run (running
  * means; plain linear between measured sizes) or "fixed_costs". A request's estimate = (prior_tau * prior_weight
  * + tokens committed over its last tau_window cycles) / (prior_weight + cycles). Until costs are measured: the
- * first step is plain, the next drafts for every speculative request. A request kept plain probe_after steps in a
- * row returns to the prior (its acceptance is measured again). So at low load a request whose drafts are accepted
+ * first step is plain, the next drafts for the speculative request of the best estimate (one). A request kept plain
+ * probe_after steps in a row returns to the prior (its acceptance is measured again). So at low load a request whose drafts are accepted
  * drafts, at high load the batch decodes in batched plain steps. Lossless either way (the rule picks which exact
  * procedure makes a request's next tokens).
  *

@@ -116,14 +116,14 @@ std::vector<uint64_t> SpeculationRule::choose(
     {
         return {};  // explore: measure a plain step first
     }
+    std::vector<std::pair<uint64_t, double>> order = candidates;
+    std::stable_sort(order.begin(), order.end(), [](auto const& a, auto const& b) { return -a.second < -b.second; });
     std::optional<double> const tD = costs->draft();
     std::optional<double> const tV = costs->verify();
     if (!tD || !tV)
     {
-        return all;  // explore: measure a drafting step
+        return {order[0].first};  // explore: measure one sequence's drafting (at high load one is costly enough)
     }
-    std::vector<std::pair<uint64_t, double>> order = candidates;
-    std::stable_sort(order.begin(), order.end(), [](auto const& a, auto const& b) { return -a.second < -b.second; });
     size_t bestK = 0;
     double best = nActive / std::max(*tAll, 1e-12);
     double tokens = nActive;
@@ -212,7 +212,8 @@ void BatchDecoder::submit(uint64_t id, BatchRequest request)
     GenerateConfig const& cfg = request.config;
     auto s = std::make_unique<Seq>();
     s->id = id;
-    s->limit = std::min<int64_t>(cfg.maxNewTokens, mRunners.maxPositions() - static_cast<int64_t>(request.prompt.size()));
+    int64_t const room = mRunners.maxPositions() - static_cast<int64_t>(request.prompt.size());
+    s->limit = std::min<int64_t>(cfg.maxNewTokens, room);
     s->req = std::move(request);
     mQueue.push_back(std::move(s));
 }
@@ -358,11 +359,11 @@ void BatchDecoder::step()
             mCounters.largestForward = std::max(mCounters.largestForward, static_cast<int32_t>(fed.size()));
             mCounters.largestPlain = std::max(mCounters.largestPlain, plainInCall);
         }
-        for (Seq* s : seqs)
+        for (Seq* s : seqs)  // retire: cancelled, max tokens / capacity, its own EOS
         {
-            GenerateConfig const& cfg = s->req.config;
-            if (!s->done
-                && (s->cancelled || (!s->res.tokens.empty() && (s->made() >= s->limit || isEos(cfg, s->res.tokens.back())))))
+            bool const ended = !s->res.tokens.empty()
+                && (s->made() >= s->limit || isEos(s->req.config, s->res.tokens.back()));
+            if (!s->done && (s->cancelled || ended))
             {
                 finish(*s);
             }

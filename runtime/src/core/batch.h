@@ -31,8 +31,9 @@
 //! time - t_plain(n)) / k over drafting steps): measured in this run (MeasuredCosts: running means, then
 //! exponential over 16; t_plain linear between measured sizes, flat beyond them) or given (FixedCosts). τ̂ of a
 //! sequence = (prior_tau · prior_weight + Σ committed over its last `window` cycles) / (prior_weight + cycles).
-//! Until the costs are measured the rule explores: plain first, then a step where every candidate drafts. A
-//! candidate kept plain for probe_after steps in a row forgets its cycles (τ̂ back to the prior).
+//! Until the costs are measured the rule explores: plain first, then a step where the candidate of the best τ̂
+//! drafts (one: at high load a step where all draft costs more than it teaches). A candidate kept plain for
+//! probe_after steps in a row forgets its cycles (τ̂ back to the prior).
 //!
 //! Errors: the Python loop raises out of step(); here a failure is the request's own (this is the one place the
 //! twins differ, on purpose: a server must not lose every request to one engine error). A failing per-sequence
