@@ -961,6 +961,21 @@ static void testBatchErrors(void)
     CHECK(bt.badCalls == 0 && bt.resets == 1 && bt.releases == 1);
     dfl2_batch_free(b);
     dfl2_batch_free(NULL);
+
+    /* freed with requests active and queued (and one submitted after the last step): dropped, no on_done, nothing
+     * leaked (the ASan build checks) */
+    b = makeBatch(m, NULL);
+    static Req left[3];
+    memset(left, 0, sizeof left);
+    const char* longer[] = {"max_new_tokens=40", NULL};
+    for (int i = 0; i < 2; ++i) submit(b, good, 3, longer, &left[i]);
+    size_t pending = 0;
+    OK(dfl2_batch_step(b, &pending));
+    submit(b, good, 3, longer, &left[2]);
+    OK(dfl2_batch_get_info(b, &info));
+    CHECK(pending == 2 && info.active == 2 && info.queued == 1 && left[0].stream.n >= 1);
+    dfl2_batch_free(b);
+    CHECK(left[0].done == 0 && left[1].done == 0 && left[2].done == 0);
     dfl2_model_free(m);
 }
 
