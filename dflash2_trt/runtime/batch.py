@@ -33,7 +33,7 @@ estimated throughput
     tokens(k) / time(k),  tokens(k) = (n - k) + Σ_{i<=k} τ̂_i,
                           time(k)   = t_plain(n) + k · (t_draft + t_verify)
 
-where t_plain(m) is the measured time of the target forward of a step with m sequences and no drafting, t_draft
+where t_plain(m) is the measured time (:data:`COST_CLOCK`: process CPU time) of the target forward of a step with m sequences and no drafting, t_draft
 one drafter proposal (context update included) and t_verify what one drafting sequence adds to a step's target
 forward (its verify rows in the shared call: (forward time - t_plain(n)) / k over drafting steps), all measured
 in this run (running means; t_plain interpolated linearly in m between measured batch sizes). τ̂ of a sequence is
@@ -67,6 +67,12 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.decoder import (GenerationResult, _next_token, _proposal_in_vocab, check_prompt,
                                          check_temperature)
 from dflash2_trt.runtime.protocol import DraftRunner
+
+
+# The rule's clock: process CPU time, the work a step costs, blind to other processes' load (on a shared machine
+# wall-time costs of a step measured minutes apart differ by more than drafting changes them: measured verify
+# costs came out below zero); on a machine of its own the batch loop's CPU time tracks its wall time.
+COST_CLOCK = time.process_time
 
 
 @dataclass
@@ -268,9 +274,9 @@ class BatchDecoder:
             self.drafting_steps += 1
         proposals = {s.id: self._draft(s) for s in seqs if s.id in drafting}  # id -> (proposal, drafts)
         rows = {s.slot: [s.anchor] + (proposals[s.id][1] if s.id in proposals else []) for s in seqs}
-        t = time.perf_counter()
+        t = COST_CLOCK()
         out = self.target.forward(rows)  # slot -> (logits [m, V], features [m, F])
-        self._record_forward(len(seqs), len(proposals), time.perf_counter() - t)
+        self._record_forward(len(seqs), len(proposals), COST_CLOCK() - t)
         for s in seqs:
             logits, feats = out[s.slot]
             if s.id in proposals:
@@ -354,14 +360,14 @@ class BatchDecoder:
         T = s.req.temperature
         drafter = self._drafter(s.slot)
         L = drafter.block_size - 1
-        t = time.perf_counter()
+        t = COST_CLOCK()
         if s.pending:  # features of the prompt / plain steps join the draft context in one pass
             drafter.add_context(np.concatenate(s.pending), s.pending_start)
             s.pending = []
         n_rows = min(L, s.limit - len(s.res.tokens) - 1)  # a final partial block verifies fewer rows
         uniforms = s.rng.random((1, L), dtype=np.float32) if T > 0 else None
         draft = drafter.propose(s.anchor, s.pos, n_rows, T, uniforms)
-        self.rule.costs.record_draft(time.perf_counter() - t)
+        self.rule.costs.record_draft(COST_CLOCK() - t)
         return draft, [int(x) for x in draft.tokens[:n_rows]]
 
     def _accept(self, s: _Seq, draft: Any, drafts: list[int], v_logits: np.ndarray, v_feats: np.ndarray) -> None:
