@@ -1216,6 +1216,78 @@ static void testBatchFailures(void)
     dfl2_model_free(ref);
 }
 
+/* Calls from inside the batch's own callbacks: on_tokens cancels its request, submits a follow-up and is refused a
+ * nested step; on_done reads its result. Nothing deadlocks. */
+typedef struct Reentrant {
+    Stream stream; /* first: onTokens-style user data */
+    dfl2_batch* batch;
+    uint64_t id;
+    uint64_t followUp;
+    dfl2_code nestedStep;
+    size_t doneTokens;
+    int doneCalls;
+} Reentrant;
+
+static int32_t reentrantTokens(void* u, const int32_t* tokens, size_t n)
+{
+    Reentrant* r = (Reentrant*) u;
+    onTokens(&r->stream, tokens, n);
+    if (r->stream.chunks == 3) {
+        OK(dfl2_batch_cancel(r->batch, r->id));
+        dfl2_status* st = dfl2_batch_step(r->batch, NULL);
+        r->nestedStep = dfl2_status_code(st);
+        dfl2_status_free(st);
+        static const int32_t prompt[2] = {7, 8};
+        dfl2_request q;
+        memset(&q, 0, sizeof q);
+        q.struct_size = sizeof q;
+        q.prompt = prompt;
+        q.n_prompt = 2;
+        OK(dfl2_batch_submit(r->batch, &q, &r->followUp));
+    }
+    return 0;
+}
+
+static void reentrantDone(void* u, uint64_t id, dfl2_finish_reason reason, const dfl2_status* error)
+{
+    Reentrant* r = (Reentrant*) u;
+    const int32_t* t = NULL;
+    OK(dfl2_batch_get_result(r->batch, id, &t, &r->doneTokens, NULL, NULL));
+    r->doneCalls += reason == DFL2_FINISH_CANCELLED && error == NULL;
+}
+
+static void testBatchReentrant(void)
+{
+    static BatchToy bt;
+    memset(&bt, 0, sizeof bt);
+    dfl2_callbacks cb = batchToyCallbacks(&bt, 2);
+    dfl2_model* m = NULL;
+    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
+    dfl2_batch* b = makeBatch(m, NULL);
+    static Reentrant r;
+    memset(&r, 0, sizeof r);
+    r.batch = b;
+    static const int32_t prompt[3] = {1, 2, 3};
+    dfl2_request q;
+    memset(&q, 0, sizeof q);
+    q.struct_size = sizeof q;
+    q.prompt = prompt;
+    q.n_prompt = 3;
+    q.on_tokens = reentrantTokens;
+    q.on_done = reentrantDone;
+    q.user_data = &r;
+    OK(dfl2_batch_submit(b, &q, &r.id));
+    stepUntilIdle(b);
+    CHECK(r.nestedStep == DFL2_ERR_INVALID_ARGUMENT && r.doneCalls == 1 && r.doneTokens == r.stream.n);
+    CHECK(r.stream.chunks == 3 && r.followUp == r.id + 1);
+    const int32_t* t = NULL;
+    size_t n = 0;
+    OK(dfl2_batch_get_result(b, r.followUp, &t, &n, NULL, NULL)); /* the follow-up ran to its length */
+    CHECK(n == 64 && bt.badCalls == 0);
+    dfl2_batch_free(b);
+    dfl2_model_free(m);
+}
+
 /* A request queue served on one thread while two threads submit, one cancels, and the main thread waits for
  * on_done: every request ends once with its own tokens; a second stepper is refused; stop ends serve. */
 typedef struct Server {
@@ -1340,6 +1412,7 @@ int main(int argc, char** argv)
     testBatchGreedy();
     testBatchSampling();
     testBatchFailures();
+    testBatchReentrant();
     testBatchServe();
     return dfl2TestReport("capiC");
 }
