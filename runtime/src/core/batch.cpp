@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <ctime>
 #include <iterator>
 #include <string>
 
@@ -19,6 +20,14 @@ using Clock = std::chrono::steady_clock;
 double secondsBetween(Clock::time_point a, Clock::time_point b)
 {
     return std::chrono::duration<double>(b - a).count();
+}
+
+// batch.COST_CLOCK: the rule's clock is process CPU time (all threads), the work a step costs, blind to other
+// processes' load (on a shared machine wall-time costs measured minutes apart differ by more than drafting
+// changes them)
+double costClock()
+{
+    return static_cast<double>(std::clock()) / CLOCKS_PER_SEC;
 }
 
 } // namespace
@@ -304,7 +313,7 @@ void BatchDecoder::step()
         bool ok = !fed.empty();
         if (ok)
         {
-            auto const t = Clock::now();
+            double const t = costClock();
             try
             {
                 mRunners.targetForward(rows, false, logits);
@@ -321,7 +330,7 @@ void BatchDecoder::step()
             if (ok)
             {
                 recordForward(static_cast<int32_t>(seqs.size()), static_cast<int32_t>(proposals.size()),
-                    secondsBetween(t, Clock::now()));
+                    costClock() - t);
             }
         }
         size_t const V = static_cast<size_t>(mRunners.vocabSize());
@@ -539,7 +548,7 @@ BatchDecoder::Proposal BatchDecoder::draft(Seq& s)
 {
     GenerateConfig const& cfg = s.req.config;
     int32_t const L = mRunners.blockSize() - 1;
-    auto const t = Clock::now();
+    double const t = costClock();
     if (s.pendingRows > 0)  // features of the prompt / plain steps join the draft context in one pass
     {
         mRunners.drafterAddContext(s.slot, s.pendingStart);
@@ -556,7 +565,7 @@ BatchDecoder::Proposal BatchDecoder::draft(Seq& s)
     Proposal p;
     mRunners.drafterPropose(s.slot, s.anchor, s.pos, nRows, static_cast<float>(cfg.temperature),
         cfg.temperature > 0 ? u32.data() : nullptr, p.draft);
-    mRule.costs->recordDraft(secondsBetween(t, Clock::now()));
+    mRule.costs->recordDraft(costClock() - t);
     checkDraft(p.draft, nRows, mRunners.topK(), mRunners.vocabSize());
     p.drafts.assign(p.draft.tokens.begin(), p.draft.tokens.begin() + nRows);
     return p;

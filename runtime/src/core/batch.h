@@ -28,7 +28,8 @@
 //!                           time(k)   = t_plain(n) + k · (t_draft + max(t_verify, 0))
 //! with t_plain(m) the time of a step's target forward over m sequences none of which drafts, t_draft one drafter
 //! proposal (context update included) and t_verify what one drafting sequence adds to the step's forward ((forward
-//! time - t_plain(n)) / k over drafting steps): measured in this run (MeasuredCosts: running means, then
+//! time - t_plain(n)) / k over drafting steps): measured in this run in process CPU time (batch.COST_CLOCK;
+//! MeasuredCosts: running means, then
 //! exponential over 16; t_plain linear between measured sizes, flat beyond them) or given (FixedCosts). τ̂ of a
 //! sequence = (prior_tau · prior_weight + Σ committed over its last `window` cycles) / (prior_weight + cycles).
 //! Until the costs are measured the rule explores: plain first, then a step where the candidate of the best τ̂
