@@ -33,8 +33,9 @@ estimated throughput
     tokens(k) / time(k),  tokens(k) = (n - k) + Σ_{i<=k} τ̂_i,
                           time(k)   = t_plain(n) + k · (t_draft + t_verify)
 
-where t_plain(m) is the measured time (:data:`COST_CLOCK`: process CPU time) of the target forward of a step with m sequences and no drafting, t_draft
-one drafter proposal (context update included) and t_verify what one drafting sequence adds to a step's target
+where t_plain(m) is the measured time (:data:`COST_CLOCK`: process CPU time) of the target forward of a step
+with m sequences and no drafting, t_draft one drafter proposal (context update included; a sequence's first,
+which also takes in its prompt, is not counted) and t_verify what one drafting sequence adds to a step's target
 forward (its verify rows in the shared call: (forward time - t_plain(n)) / k over drafting steps), all measured
 in this run (running means; t_plain interpolated linearly in m between measured batch sizes). τ̂ of a sequence is
 the mean tokens committed over its last ``window`` cycles with a prior of ``prior_tau`` worth ``prior_weight``
@@ -42,10 +43,10 @@ cycles. At one sequence this is the B = 1 guard's break-even (τ̂ / (t_plain(1)
 1 / t_plain(1)); as n grows, the n - k plain tokens come almost free with the call while each drafting sequence
 still pays its drafter and its verify rows, so k falls to 0: batched plain decoding, never worse than it by the
 cost model. Until t_plain and the draft costs are measured the rule explores: the first step of a batch is plain,
-the next one drafts for the speculative sequence of the best τ̂ (one: at 8 sequences a step where all draft costs
-about what 4 plain steps gain). A sequence the rule kept plain for ``probe_after`` steps in a
-row forgets its cycles (τ̂ back to the prior), so acceptance that changed along a request (code vs prose) is
-measured again when the cost model lets the prior draft. Lossless either way: the rule picks which exact
+the next ones draft for the speculative sequence of the best τ̂ (one: at 8 sequences a step where all draft costs
+about what 4 plain steps gain) until a proposal's cost is measured. A sequence the rule kept plain for
+``probe_after`` steps in a row forgets its cycles (τ̂ back to the prior), so acceptance that changed along a
+request (code vs prose) is measured again when the cost model lets the prior draft. Lossless either way: the rule picks which exact
 procedure makes a sequence's next tokens, from past timings and counts only.
 
 Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot; not thread
@@ -361,13 +362,15 @@ class BatchDecoder:
         drafter = self._drafter(s.slot)
         L = drafter.block_size - 1
         t = COST_CLOCK()
+        typical = s.pending_start > 0  # the first proposal also takes in the whole prompt: not a cycle's cost
         if s.pending:  # features of the prompt / plain steps join the draft context in one pass
             drafter.add_context(np.concatenate(s.pending), s.pending_start)
             s.pending = []
         n_rows = min(L, s.limit - len(s.res.tokens) - 1)  # a final partial block verifies fewer rows
         uniforms = s.rng.random((1, L), dtype=np.float32) if T > 0 else None
         draft = drafter.propose(s.anchor, s.pos, n_rows, T, uniforms)
-        self.rule.costs.record_draft(COST_CLOCK() - t)
+        if typical:
+            self.rule.costs.record_draft(COST_CLOCK() - t)
         return draft, [int(x) for x in draft.tokens[:n_rows]]
 
     def _accept(self, s: _Seq, draft: Any, drafts: list[int], v_logits: np.ndarray, v_feats: np.ndarray) -> None:
