@@ -56,6 +56,8 @@ def test_ragged_rows_equal_b1_calls(be):
     alone."""
     run, single = _runners(be, slots=4)
     assert run.ragged == (be.attention_op == "DecodeAttention")
+    # the forward's cost in rows (12 a call): ragged, one padded call; GroupQueryAttention, the verify alone
+    assert run.cost_units({0: 1, 1: 1, 2: 3}) == (12 + 3 * 3 if run.ragged else 12 + 2 + 12 + 3)
     _check_ragged(run, single, be.manifest.target.vocab_size)
     if run.ragged:
         assert run.multirow_calls >= 3  # several multi-row slots in one call
@@ -203,6 +205,15 @@ def test_rule_switches_with_load():
     fresh.costs.record_plain(3, 0.01)
     assert fresh.choose(3, {0: 2.0, 1: 3.0}) == {1}  # draft costs unknown: the best candidate drafts to measure
     assert BT.SpeculationRule(adaptive=False, costs=costs).choose(8, {1: 1.0}) == {1}
+    # measured costs with the runner's plan (units = calls x 12 + padded rows): a verify pads the plain rows of
+    # the shared call to its 3, which at 8 sequences never pays; alone, its 2 extra rows do
+    m = BT.SpeculationRule()
+    m.costs.record_plain(8, 0.053)
+    m.costs.record_plain(1, 0.035)
+    m.costs.record_draft(0.008)
+    assert m.choose(8, {i: 2.0 for i in range(8)}, lambda ids: 12 + 8 * (3 if ids else 1)) == set()
+    assert m.choose(1, {0: 2.0}, lambda ids: 12 + (3 if ids else 1)) == {0}  # 2 / 48.4 ms > 1 / 35 ms
+    assert m.choose(1, {0: 1.3}, lambda ids: 12 + (3 if ids else 1)) == set()
 
 
 def test_rule_probes_a_sequence_kept_plain(be):

@@ -34,10 +34,12 @@ estimated throughput
                           time(k)   = t_plain(n) + k · (t_draft + t_verify)
 
 where t_plain(m) is the measured time (:data:`COST_CLOCK`: process CPU time) of the target forward of a step
-with m sequences and no drafting, t_draft one drafter proposal (context update included; a sequence's first,
-which also takes in its prompt, is not counted) and t_verify what one drafting sequence adds to a step's target
-forward (its verify rows in the shared call: (forward time - t_plain(n)) / k over drafting steps), all measured
-in this run (running means; t_plain interpolated linearly in m between measured batch sizes). τ̂ of a sequence is
+with m sequences and no drafting, t_draft one drafter proposal (context update included, except a prompt's) and
+t_verify what one drafting sequence adds to a step's target forward, all measured in this run (running means;
+t_plain interpolated linearly in m between measured batch sizes). With the ORT batched runner the rule takes
+t_plain(n) + k · t_verify from the runner's plan instead: t_plain(n) x units(k drafting) / units(none), units =
+calls x ``call_rows`` + padded rows (``OrtBatchedTargetRunner.cost_units``): a verify that pads every plain row of
+the call to its 3 rows costs what it costs, not a noisy difference of two timings. τ̂ of a sequence is
 the mean tokens committed over its last ``window`` cycles with a prior of ``prior_tau`` worth ``prior_weight``
 cycles. At one sequence this is the B = 1 guard's break-even (τ̂ / (t_plain(1) + t_draft + t_verify) >
 1 / t_plain(1)); as n grows, the n - k plain tokens come almost free with the call while each drafting sequence
@@ -46,8 +48,8 @@ cost model. Until t_plain and the draft costs are measured the rule explores: th
 the next ones draft for the speculative sequence of the best τ̂ (one: at 8 sequences a step where all draft costs
 about what 4 plain steps gain) until a proposal's cost is measured. A sequence the rule kept plain for
 ``probe_after`` steps in a row forgets its cycles (τ̂ back to the prior), so acceptance that changed along a
-request (code vs prose) is measured again when the cost model lets the prior draft. Lossless either way: the rule picks which exact
-procedure makes a sequence's next tokens, from past timings and counts only.
+request (code vs prose) is measured again when the cost model lets the prior draft. Lossless either way: the rule
+picks which exact procedure makes a sequence's next tokens, from past timings and counts only.
 
 Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot; not thread
 safe (the caller serialises, as :meth:`dflash2_trt.api.Generator.generate_batch` does with its lock).
@@ -90,6 +92,8 @@ class MeasuredCosts:
     """The rule's step costs, measured in this run (seconds; running means, then exponential over 16): t_plain(n)
     per batch size, t_draft per proposal, t_verify per drafting sequence (its share of a step's extra forward
     time; may be measured below 0 by noise, used as >= 0)."""
+
+    verify_from_plan = True  # with the runner's plan, t_plain(n) + k t_verify comes from it (SpeculationRule.choose)
 
     def __init__(self) -> None:
         self._plain: dict[int, tuple[float, int]] = {}  # sequences in the call -> (mean s, count)
@@ -137,6 +141,7 @@ class FixedCosts:
     plain_fn: Callable[[int], float]
     draft_s: float
     verify_s: float
+    verify_from_plan = False  # t_verify is given (a class attribute, not a field)
 
     def record_plain(self, n: int, s: float) -> None: ...
 
@@ -168,8 +173,13 @@ class SpeculationRule:
     def tau(self, committed: deque) -> float:
         return (self.prior_tau * self.prior_weight + float(sum(committed))) / (self.prior_weight + len(committed))
 
-    def choose(self, n_active: int, candidates: dict[int, float]) -> set[int]:
-        """candidates: sequence id -> τ̂ (the speculative sequences that can draft) -> the ids that draft."""
+    def choose(self, n_active: int, candidates: dict[int, float],
+               units: Callable[[list[int]], float] | None = None) -> set[int]:
+        """candidates: sequence id -> τ̂ (the speculative sequences that can draft) -> the ids that draft.
+        ``units``: the target forward's cost in the runner's units (calls and padded rows,
+        :meth:`~dflash2_trt.runtime.ort.batched_target.OrtBatchedTargetRunner.cost_units`) when the given ids draft;
+        with it time(k) = t_plain(n) x units(top k) / units(none) + k t_draft (t_verify unused: a difference of two
+        noisy timings, where the runner's plan knows what k verifies add)."""
         if not candidates:
             return set()
         if not self.adaptive:
@@ -180,14 +190,20 @@ class SpeculationRule:
             return set()  # explore: measure a plain step first
         order = sorted(candidates, key=lambda i: -candidates[i])
         t_d, t_v = c.draft(), c.verify()
-        if t_d is None or t_v is None:
+        if not getattr(c, "verify_from_plan", False):
+            units = None
+        if t_d is None or (units is None and t_v is None):
             return set(order[:1])  # explore: measure one sequence's drafting (at high load one is costly enough)
         best_k, best = 0, n_active / max(t_all, 1e-12)
         tokens = float(n_active)
-        per_seq = t_d + max(t_v, 0.0)
+        per_unit = t_all / units([]) if units is not None else 0.0
         for k, i in enumerate(order, start=1):
             tokens += candidates[i] - 1.0
-            rate = tokens / max(t_all + k * per_seq, 1e-12)
+            if units is not None:
+                t = per_unit * units(order[:k]) + k * t_d
+            else:
+                t = t_all + k * (t_d + max(t_v, 0.0))
+            rate = tokens / max(t, 1e-12)
             if rate > best:
                 best_k, best = k, rate
         return set(order[:best_k])
@@ -330,7 +346,14 @@ class BatchDecoder:
             if s.plain_run >= self.rule.probe_after:  # probe: measure this sequence's acceptance again
                 s.committed.clear()
                 s.plain_run = 0
-        chosen = self.rule.choose(len(seqs), {s.id: self.rule.tau(s.committed) for s in cands})
+        units = None
+        if cands and hasattr(self.target, "cost_units"):
+            drafts = {s.id: min(self._drafter(s.slot).block_size - 1, s.limit - len(s.res.tokens) - 1) for s in cands}
+
+            def units(ids: list[int]) -> float:  # the step's forward when ``ids`` draft (their verify rows)
+                return self.target.cost_units({s.slot: 1 + (drafts[s.id] if s.id in ids else 0) for s in seqs})
+
+        chosen = self.rule.choose(len(seqs), {s.id: self.rule.tau(s.committed) for s in cands}, units)
         for s in cands:
             s.plain_run = 0 if s.id in chosen else s.plain_run + 1
         return chosen
@@ -362,15 +385,15 @@ class BatchDecoder:
         drafter = self._drafter(s.slot)
         L = drafter.block_size - 1
         t = COST_CLOCK()
-        typical = s.pending_start > 0  # the first proposal also takes in the whole prompt: not a cycle's cost
         if s.pending:  # features of the prompt / plain steps join the draft context in one pass
             drafter.add_context(np.concatenate(s.pending), s.pending_start)
+            if s.pending_start == 0:  # the prompt's context (a sequence's first proposal) is not a cycle's cost
+                t = COST_CLOCK()
             s.pending = []
         n_rows = min(L, s.limit - len(s.res.tokens) - 1)  # a final partial block verifies fewer rows
         uniforms = s.rng.random((1, L), dtype=np.float32) if T > 0 else None
         draft = drafter.propose(s.anchor, s.pos, n_rows, T, uniforms)
-        if typical:
-            self.rule.costs.record_draft(COST_CLOCK() - t)
+        self.rule.costs.record_draft(COST_CLOCK() - t)
         return draft, [int(x) for x in draft.tokens[:n_rows]]
 
     def _accept(self, s: _Seq, draft: Any, drafts: list[int], v_logits: np.ndarray, v_feats: np.ndarray) -> None:

@@ -219,6 +219,17 @@ class OrtBatchedTargetRunner:
         done = {b for c in calls for b in c}
         return calls + [[b] for b in rows if b not in done]
 
+    def cost_units(self, rows: dict[int, int]) -> float:
+        """slot -> rows -> the forward's cost in units of a row (each graph call ``call_rows`` + its padded rows, as
+        :func:`plan_calls` counts them; GroupQueryAttention: its one-row call over the slot range, each other slot
+        alone). The load-adaptive rule scales it by measured times."""
+        if self.ragged:
+            groups = plan_calls(rows, self.call_rows)
+            return sum(self.call_rows + (g[-1] - g[0] + 1) * max(rows[b] for b in g) for g in groups)
+        ones = sorted(b for b, m in rows.items() if m == 1)
+        units = self.call_rows + ones[-1] - ones[0] + 1 if ones else 0.0
+        return units + sum(self.call_rows + m for m in rows.values() if m > 1)
+
     # -- forward ------------------------------------------------------------------------------------------------
     def forward(self, rows: dict[int, list[int]],
                 last_logits: bool = False) -> dict[int, tuple[np.ndarray, np.ndarray]]:
