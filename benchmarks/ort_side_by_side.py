@@ -43,14 +43,14 @@ def _prompts(tok, sets: list[str], limit: int) -> dict[str, list[list[int]]]:
 
 class Ours:
     def __init__(self, kind: str, block_size: int, threads: int, draft_vocab: int, guard: bool,
-                 attention: str = "auto", folder: str | None = None) -> None:
+                 attention: str = "auto", folder: str | None = None, drafter: Path = DRAFTER) -> None:
         from dflash2_trt.export.cache import cached_export
         from dflash2_trt.runtime.ort.backend import OrtBackend
 
         q = QuantSpec(kind)
         opts = {"draft_vocab": draft_vocab} if draft_vocab else {}
         if folder is None:
-            folder = cached_export("smollm2", DRAFTER, progress=True, block_size=block_size, max_seq_len=2048,
+            folder = cached_export("smollm2", drafter, progress=True, block_size=block_size, max_seq_len=2048,
                                    quantization=q, **opts)
         self.guard = guard
         self.folder = folder
@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(dflash2 | ngram | auto), each its own system")
     ap.add_argument("--before", action="store_true", help="also our fp32 AR and DFlash2 with ORT's "
                     "GroupQueryAttention (the target before dflash2.DecodeAttention)")
+    ap.add_argument("--other-drafter", default=None, help="another drafter folder: its fp32 DFlash2 row beside the "
+                    "packaged drafter's (same export options)")
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--genai-precisions", nargs="+", default=["fp32", "int4"])
     ap.add_argument("--spinning", action="store_true", help="our ORT sessions with spinning intra-op threads, as "
@@ -222,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             b = Ours(kind, a.block_size, a.threads, a.draft_vocab, a.guard, attention="gqa", folder=str(o.folder))
             systems["ours(gqa) fp32 AR"] = b.ar
             systems[f"ours(gqa) fp32 DFlash2 bs{a.block_size}"] = b.spec
+        if a.other_drafter and kind == "none":
+            d = Ours(kind, a.block_size, a.threads, a.draft_vocab, a.guard, drafter=Path(a.other_drafter))
+            systems[f"ours fp32 DFlash2 bs{a.block_size} ({Path(a.other_drafter).name})"] = d.spec
         tok = TextTokenizer(o.folder)
     if not a.no_genai:
         for prec in a.genai_precisions:
