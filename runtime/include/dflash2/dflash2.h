@@ -329,14 +329,15 @@ DFL2_API dfl2_status* dfl2_session_get_stats(const dfl2_session* session, dfl2_s
  * estimated tokens per cycle t_1 >= t_2 >= ..., draft for the k that maximise
  *     ((n - k) + t_1 + ... + t_k) / (plain(n) + k * (draft + max(verify, 0))),
  * plain(m) = the time of a step's target call over m requests none of which drafts, draft = one drafter
- * proposal, verify = what one drafting request adds to a step's target call: measured in this run in process
- * CPU time (running means; plain linear between measured sizes; engines whose work this process's CPU time does
- * not see, e.g. on a GPU, should give "fixed_costs") or "fixed_costs". A request's estimate = (prior_tau * prior_weight
- * + tokens committed over its last tau_window cycles) / (prior_weight + cycles). Until costs are measured: the
- * first step is plain, the next drafts for the speculative request of the best estimate (one). A request kept plain
- * probe_after steps in a row returns to the prior (its acceptance is measured again). So at low load a request whose drafts are accepted
- * drafts, at high load the batch decodes in batched plain steps. Lossless either way (the rule picks which exact
- * procedure makes a request's next tokens).
+ * proposal (a prompt's context excluded), verify = what one drafting request adds to a step's target call
+ * ((call time - plain(n)) / k over drafting steps): measured in this run in process CPU time (running means;
+ * plain linear between measured sizes; engines whose work this process's CPU time does not see, e.g. on a GPU,
+ * should give "fixed_costs") or given by "fixed_costs". A request's estimate = (prior_tau * prior_weight + tokens
+ * committed over its last tau_window cycles) / (prior_weight + cycles). Until costs are measured: the first step
+ * is plain, the next ones draft for the speculative request of the best estimate (one) until a proposal and a
+ * verify are measured. A request kept plain probe_after steps in a row returns to the prior (its acceptance is
+ * measured again). So at low load a request whose drafts are accepted drafts, at high load the batch decodes in
+ * batched plain steps. Lossless either way (the rule picks which exact procedure makes a request's next tokens).
  *
  * BACKENDS. A callbacks model with max_batch >= 1 and the batch_* callbacks. The TensorRT backend decodes one
  * sequence per session (B = 1): dfl2_batch_create on it fails with DFL2_ERR_UNAVAILABLE.

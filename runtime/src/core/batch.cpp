@@ -548,10 +548,14 @@ BatchDecoder::Proposal BatchDecoder::draft(Seq& s)
 {
     GenerateConfig const& cfg = s.req.config;
     int32_t const L = mRunners.blockSize() - 1;
-    double const t = costClock();
+    double t = costClock();
     if (s.pendingRows > 0)  // features of the prompt / plain steps join the draft context in one pass
     {
         mRunners.drafterAddContext(s.slot, s.pendingStart);
+        if (s.pendingStart == 0)  // the prompt's context (a sequence's first proposal) is not a cycle's cost
+        {
+            t = costClock();
+        }
         s.pendingRows = 0;
     }
     // a final partial block verifies fewer rows

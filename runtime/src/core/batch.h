@@ -27,14 +27,18 @@
 //!     tokens(k) / time(k),  tokens(k) = (n - k) + Σ_{i<=k} τ̂_i,
 //!                           time(k)   = t_plain(n) + k · (t_draft + max(t_verify, 0))
 //! with t_plain(m) the time of a step's target forward over m sequences none of which drafts, t_draft one drafter
-//! proposal (context update included) and t_verify what one drafting sequence adds to the step's forward ((forward
-//! time - t_plain(n)) / k over drafting steps): measured in this run in process CPU time (batch.COST_CLOCK;
-//! MeasuredCosts: running means, then
+//! proposal (context update included, except a prompt's) and t_verify what one drafting sequence adds to the
+//! step's forward ((forward time - t_plain(n)) / k over drafting steps): measured in this run in process CPU time
+//! (batch.COST_CLOCK; MeasuredCosts: running means, then
 //! exponential over 16; t_plain linear between measured sizes, flat beyond them) or given (FixedCosts). τ̂ of a
 //! sequence = (prior_tau · prior_weight + Σ committed over its last `window` cycles) / (prior_weight + cycles).
 //! Until the costs are measured the rule explores: plain first, then a step where the candidate of the best τ̂
 //! drafts (one: at high load a step where all draft costs more than it teaches). A candidate kept plain for
 //! probe_after steps in a row forgets its cycles (τ̂ back to the prior).
+//!
+//! Not here: batch.py's cost plan from its ORT runner (OrtBatchedTargetRunner.cost_units replaces the measured
+//! t_verify when the costs are measured); a callbacks engine has no such plan, so this rule is batch.py's over a
+//! runner without cost_units (the twin test's fixed costs and the rule vectors take that path on both sides).
 //!
 //! Errors: the Python loop raises out of step(); here a failure is the request's own (this is the one place the
 //! twins differ, on purpose: a server must not lose every request to one engine error). A failing per-sequence
