@@ -346,14 +346,17 @@ class BatchDecoder:
             if s.plain_run >= self.rule.probe_after:  # probe: measure this sequence's acceptance again
                 s.committed.clear()
                 s.plain_run = 0
+        full = {s.id: self._drafter(s.slot).block_size - 1 for s in cands}  # draft rows of a full block
+        drafts = {s.id: min(full[s.id], s.limit - len(s.res.tokens) - 1) for s in cands}  # this cycle's
+        # τ̂ of a final partial block: its share of the rows' expected gain (a full block's τ̂ would overstate it)
+        taus = {s.id: 1.0 + (self.rule.tau(s.committed) - 1.0) * drafts[s.id] / full[s.id] for s in cands}
         units = None
         if cands and hasattr(self.target, "cost_units"):
-            drafts = {s.id: min(self._drafter(s.slot).block_size - 1, s.limit - len(s.res.tokens) - 1) for s in cands}
 
             def units(ids: list[int]) -> float:  # the step's forward when ``ids`` draft (their verify rows)
                 return self.target.cost_units({s.slot: 1 + (drafts[s.id] if s.id in ids else 0) for s in seqs})
 
-        chosen = self.rule.choose(len(seqs), {s.id: self.rule.tau(s.committed) for s in cands}, units)
+        chosen = self.rule.choose(len(seqs), taus, units)
         for s in cands:
             s.plain_run = 0 if s.id in chosen else s.plain_run + 1
         return chosen
