@@ -493,7 +493,12 @@ std::vector<BatchDecoder::Seq*> BatchDecoder::choose(std::vector<Seq*> const& se
                 s->plainRun = 0;
             }
             cands.push_back(s);
-            taus.emplace_back(s->id, mRule.tau(s->committed));
+            // τ̂ of a final partial block: its share of the rows' expected gain (a full block's τ̂ would overstate it)
+            // (batch.py's 1.0 + (tau - 1.0) * rows / full, evaluated in the same order)
+            int64_t const full = mRunners.blockSize() - 1;
+            int64_t const rows = std::min<int64_t>(full, s->limit - s->made() - 1);
+            double const gain = (mRule.tau(s->committed) - 1.0) * static_cast<double>(rows);
+            taus.emplace_back(s->id, 1.0 + gain / static_cast<double>(full));
         }
     }
     std::vector<uint64_t> const ids = mRule.choose(static_cast<int32_t>(seqs.size()), taus);
