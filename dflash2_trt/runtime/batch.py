@@ -41,7 +41,8 @@ t_plain(n) + k · t_verify from the runner's plan instead: t_plain(n) x units(k 
 calls x ``call_rows`` + padded rows (``OrtBatchedTargetRunner.cost_units``): a verify that pads every plain row of
 the call to its 3 rows costs what it costs, not a noisy difference of two timings. τ̂ of a sequence is
 the mean tokens committed over its last ``window`` cycles with a prior of ``prior_tau`` worth ``prior_weight``
-cycles. At one sequence this is the B = 1 guard's break-even (τ̂ / (t_plain(1) + t_draft + t_verify) >
+cycles, plus ``z`` standard errors (tokens per cycle vary a lot: like the B = 1 guard, a sequence stops drafting
+on evidence, not after an unlucky stretch). At one sequence this is the B = 1 guard's break-even (τ̂ / (t_plain(1) + t_draft + t_verify) >
 1 / t_plain(1)); as n grows, the n - k plain tokens come almost free with the call while each drafting sequence
 still pays its drafter and its verify rows, so k falls to 0: batched plain decoding, never worse than it by the
 cost model. Until t_plain and the draft costs are measured the rule explores: the first step of a batch is plain,
@@ -169,9 +170,12 @@ class SpeculationRule:
     adaptive: bool = True  # False: every speculative sequence drafts every step
     probe_after: int = 64  # plain steps in a row after which a candidate's τ̂ returns to the prior
     costs: Any = field(default_factory=MeasuredCosts)  # MeasuredCosts | FixedCosts
+    z: float = 1.0  # τ̂ is the mean + z s/√n (s: the cycles' standard deviation): off only on evidence, as the guard
 
     def tau(self, committed: deque) -> float:
-        return (self.prior_tau * self.prior_weight + float(sum(committed))) / (self.prior_weight + len(committed))
+        n = len(committed)
+        mean = (self.prior_tau * self.prior_weight + float(sum(committed))) / (self.prior_weight + n)
+        return mean + (self.z * float(np.std(committed, ddof=1)) / np.sqrt(n) if n >= 2 else 0.0)
 
     def choose(self, n_active: int, candidates: dict[int, float],
                units: Callable[[list[int]], float] | None = None) -> set[int]:
