@@ -333,8 +333,9 @@ DFL2_API dfl2_status* dfl2_session_get_stats(const dfl2_session* session, dfl2_s
  * ((call time - plain(n)) / k over drafting steps): measured in this run in process CPU time (running means;
  * plain linear between measured sizes; engines whose work this process's CPU time does not see, e.g. on a GPU,
  * should give "fixed_costs") or given by "fixed_costs". A request's estimate = (prior_tau * prior_weight + tokens
- * committed over its last tau_window cycles) / (prior_weight + cycles); for a final partial block of r < L draft
- * rows only its share of the gain, 1 + (estimate - 1) * r / L. Until costs are measured: the first step
+ * committed over its last tau_window cycles) / (prior_weight + cycles) + one standard error of those cycles (from
+ * 2 cycles on: it stops drafting on evidence, not after an unlucky stretch); for a final partial block of r < L
+ * draft rows only its share of the gain, 1 + (estimate - 1) * r / L. Until costs are measured: the first step
  * is plain, the next ones draft for the speculative request of the best estimate (one) until a proposal and a
  * verify are measured. A request kept plain probe_after steps in a row returns to the prior (its acceptance is
  * measured again). So at low load a request whose drafts are accepted drafts, at high load the batch decodes in

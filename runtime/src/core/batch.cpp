@@ -96,15 +96,29 @@ std::optional<double> MeasuredCosts::verify() const
     return mVerify.n ? std::optional<double>(mVerify.m) : std::nullopt;
 }
 
-// SpeculationRule.tau
+// SpeculationRule.tau: the prior-weighted mean plus z standard errors of the cycles (numpy's std, ddof 1)
 double SpeculationRule::tau(std::deque<int32_t> const& committed) const
 {
-    double sum = 0.0;
+    size_t const n = committed.size();
+    double sum = 0.0;  // of small integers: exact in any order
     for (int32_t c : committed)
     {
         sum += c;
     }
-    return (priorTau * priorWeight + sum) / (priorWeight + static_cast<double>(committed.size()));
+    double const mean = (priorTau * priorWeight + sum) / (priorWeight + static_cast<double>(n));
+    if (n < 2)
+    {
+        return mean;
+    }
+    double const m = sum / static_cast<double>(n);
+    std::vector<double> sq;
+    for (int32_t c : committed)
+    {
+        double const d = static_cast<double>(c) - m;
+        sq.push_back(d * d);
+    }
+    double const sd = std::sqrt(pairwiseSum(sq.data(), n) / static_cast<double>(n - 1));
+    return mean + z * sd / std::sqrt(static_cast<double>(n));
 }
 
 // SpeculationRule.choose

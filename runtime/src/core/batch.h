@@ -31,8 +31,9 @@
 //! step's forward ((forward time - t_plain(n)) / k over drafting steps): measured in this run in process CPU time
 //! (batch.COST_CLOCK; MeasuredCosts: running means, then
 //! exponential over 16; t_plain linear between measured sizes, flat beyond them) or given (FixedCosts). τ̂ of a
-//! sequence = (prior_tau · prior_weight + Σ committed over its last `window` cycles) / (prior_weight + cycles),
-//! for a final partial block of r < L rows only its share of the gain: 1 + (τ̂ - 1) · r / L.
+//! sequence = (prior_tau · prior_weight + Σ committed over its last `window` cycles) / (prior_weight + cycles)
+//! + z · s / √cycles (s: the cycles' standard deviation, from 2 cycles on), for a final partial block of r < L rows
+//! only its share of the gain: 1 + (τ̂ - 1) · r / L.
 //! Until the costs are measured the rule explores: plain first, then a step where the candidate of the best τ̂
 //! drafts (one: at high load a step where all draft costs more than it teaches). A candidate kept plain for
 //! probe_after steps in a row forgets its cycles (τ̂ back to the prior).
@@ -180,6 +181,7 @@ struct SpeculationRule
     int32_t window{32};
     bool adaptive{true};
     int32_t probeAfter{64};
+    double z{1.0};  //!< τ̂ adds z standard errors of the cycles: a sequence stops drafting on evidence
     std::unique_ptr<StepCosts> costs{std::make_unique<MeasuredCosts>()};
 
     double tau(std::deque<int32_t> const& committed) const;
