@@ -481,6 +481,29 @@ def test_tiny_client_that_disconnects_frees_its_state(tiny_server, tiny_export):
     check_against_runtime(run_request(url, ids=[2, 3, 4], max_tokens=8), tiny_export, [2, 3, 4], 8)
 
 
+def test_tiny_full_instance_leaves_requests_to_the_other(tiny_server, tiny_export):
+    """Two instances batching 4 each, 10 requests at once: an instance holding 4 takes no more (its execute waits),
+    so both instances decode some; every stream equals its reference."""
+    url = tiny_server.grpc_url
+    before = dict(re.findall(r'^dflash2_requests{instance="(\w+)",model="dflash2"} (\S+)$', _metrics(tiny_server),
+                             flags=re.M))
+    prompts = [[3 + i, 4, 5 + i] for i in range(10)]
+    outs: list = [None] * 10
+    threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, run_request(url, ids=prompts[i], max_tokens=40)))
+               for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for p, out in zip(prompts, outs):
+        check_against_runtime(out, tiny_export, p, 40)
+    after = dict(re.findall(r'^dflash2_requests{instance="(\w+)",model="dflash2"} (\S+)$', _metrics(tiny_server),
+                            flags=re.M))
+    served = {k: float(v) - float(before.get(k, 0)) for k, v in after.items()}
+    assert set(served) == {"dflash2_0_0", "dflash2_0_1"} and all(v > 0 for v in served.values()), served
+    assert sum(served.values()) == 10
+
+
 def test_tiny_servers_shut_down_cleanly(tiny_server, acc_server):
     """Last of the tiny-server tests: SIGINT stops each server (exit code 0), the models unload and no stub
     or server process is left."""

@@ -23,7 +23,8 @@ Outputs of every response::
 An instance decodes through the public API: one :class:`dflash2_trt.api.Generator` whose background loop
 (``Generator.submit``) decodes every request the instance holds in one continuous batch — ``execute`` only
 submits and returns (decoupled), a thread per request forwards its chunks, so concurrent requests join and
-leave the shared steps (up to parameter ``max_batch`` at a time; more wait in arrival order). Parameter
+leave the shared steps (up to parameter ``max_batch`` at a time; with that many in flight ``execute`` waits for
+one to finish, so Triton gives new requests to another instance or keeps them in its queue). Parameter
 ``speculation`` (of ``dflash2_trt.vocabulary.SPECULATION_MODES``): ``adaptive`` (default) drafts for a sequence
 only while the load-adaptive rule says it pays (at high load: batched plain decoding), ``always`` drafts every
 step, ``off`` never drafts. Greedy output is the target's own either way; at T > 0 a seed fixes the tokens with
@@ -96,7 +97,11 @@ class TritonPythonModel:
                                     verify_checksums=params.get("verify_checksums", "true") == "true")
         pb_utils.Logger.log_info(f"dflash2 {self.name}: {self.gen.note}")
         self.speculative = speculation != "off"
-        self.gen.set_batching(int(params.get("max_batch", "8")), adaptive=speculation == "adaptive")
+        max_batch = int(params.get("max_batch", "8"))
+        self.gen.set_batching(max_batch, adaptive=speculation == "adaptive")
+        # an instance holds at most max_batch requests: beyond, execute waits, so Triton hands new requests to
+        # another instance (or keeps them in its queue) instead of piling them onto this one's
+        self.slots = threading.BoundedSemaphore(max_batch)
         self.default_mode = params.get("default_selector_mode", "greedy")
         self.default_max_tokens = int(params.get("default_max_tokens", "128"))
         self.max_tokens_limit = int(params.get("max_tokens_limit", "4096"))
@@ -171,9 +176,17 @@ class TritonPythonModel:
                 sender = request.get_response_sender()
                 request_id = request.request_id()
                 spec = self._parse(request)
+        except (DFlash2Error, ValueError, UnicodeError) as e:
+            self._send_error(sender, str(e))
+            return
+        self.slots.acquire()  # released by the request's forwarder, or below
+        try:
             handle = self.gen.submit(spec["prompt"], spec["max_tokens"], spec["temperature"], spec["seed"],
                                      spec["mode"], chat=False, speculative=self.speculative)
-        except (DFlash2Error, ValueError, UnicodeError) as e:
+        except BaseException as e:
+            self.slots.release()
+            if not isinstance(e, DFlash2Error):
+                raise
             self._send_error(sender, str(e))
             return
         with self.ipc:
@@ -220,6 +233,7 @@ class TritonPythonModel:
                 pass
         finally:
             handle.cancel()  # no effect once finished; frees the slot when sending failed mid-stream
+            self.slots.release()
             with self.ipc:
                 self.m_active.increment(-1)
                 for size, steps in self.gen.batch_sizes.items():
