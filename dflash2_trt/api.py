@@ -698,7 +698,7 @@ class _BatchLoop:
         stepped = 0
         for i, h in list(live.items()):
             fin = dec.results.pop(i, None)  # popped: a long-running loop keeps no finished results
-            res = fin if fin is not None else _in_flight(dec, i)
+            res = fin if fin is not None else dec.in_flight(i)
             if res is None:  # still waiting for a slot
                 continue
             new = res.tokens[len(h._tokens):]
@@ -757,13 +757,6 @@ class _BatchLoop:
                        DFlash2Error(f"decoding failed: {type(e).__name__}: {e}"))
             return
         self._done(h, res)
-
-
-def _in_flight(dec: Any, i: int) -> Any:
-    """The GenerationResult of request ``i`` of a BatchDecoder while it decodes (None while queued).
-    BatchDecoder exposes finished results only (``results``); this reads its active table."""
-    s = dec._active.get(i)
-    return None if s is None else s.res
 
 
 def load(model_dir: str | Path, backend: str = "auto", threads: int | None = None,

@@ -53,7 +53,7 @@ request (code vs prose) is measured again when the cost model lets the prior dra
 picks which exact procedure makes a sequence's next tokens, from past timings and counts only.
 
 Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot; not thread
-safe (the caller serialises, as :meth:`dflash2_trt.api.Generator.generate_batch` does with its lock).
+safe (one thread drives it: the Generator's batch loop thread behind :meth:`dflash2_trt.api.Generator.submit`).
 """
 
 from __future__ import annotations
@@ -275,6 +275,11 @@ class BatchDecoder:
     @property
     def busy(self) -> bool:
         return bool(self._queue or self._active)
+
+    def in_flight(self, i: int) -> GenerationResult | None:
+        """Request ``i``'s result so far while it decodes (None while queued or once finished: see ``results``)."""
+        s = self._active.get(i)
+        return None if s is None else s.res
 
     def run(self, reqs: list[BatchRequest]) -> list[GenerationResult]:
         ids = [self.submit(r) for r in reqs]
