@@ -3,8 +3,8 @@ idle and free slots, crops, capacity growth, joins into freed slots) with dflash
 verifies and prefills of several sequences in one call, counted) and with GroupQueryAttention (one-row calls
 batched, the rest alone); how the runner groups slots into calls; the batch loop's greedy output against each
 sequence's own B = 1 output on both attention ops (different prompt lengths and max tokens, one joining mid-way,
-one leaving early, T > 0 requests mixed in; batched verifies counted), the load-adaptive speculation rule
-switching, and ``Generator.generate_batch``."""
+one leaving early, T > 0 requests mixed in; batched verifies counted), the sampling law of T > 0 sequences drafting
+in a batch (chi-square), the load-adaptive speculation rule switching, and ``Generator.generate_batch``."""
 
 from __future__ import annotations
 
@@ -280,3 +280,46 @@ def test_smollm2_batch_equals_b1(smol_export):
         want = [g.generate(p, max_new_tokens=24, speculative=False).tokens for p in prompts]
         got = g.generate_batch(prompts, max_new_tokens=24, max_batch=2)
         assert [r.tokens for r in got] == want
+
+
+def test_batched_sampling_keeps_the_target_law(be):
+    """T > 0 in the batch loop, drafting every step (each sequence its own rejection sampling and accepted length):
+    the joint law of a sequence's first two tokens is the target's own — chi-square against the exact law from B = 1
+    forwards — with greedy sequences in the same batches unchanged and drafts accepted."""
+    from scipy.stats import chisquare
+
+    T, n = 1.0, 480
+    prompt = _prompts(be, [24], seed=17)[0]  # longer than the copy distance: the pair's drafts get accepted
+    tgt = be.target_runner()
+
+    def law_after(ids):  # the target's next-token law at temperature T
+        tgt.reset()
+        z = tgt.forward(ids)[0][-1].astype(np.float64) / T
+        p = np.exp(z - z.max())
+        return p / p.sum()
+
+    p1 = law_after(prompt)
+    law = {(int(a), int(b)): p1[a] * q
+           for a in np.flatnonzero(p1 > 1e-4) for b, q in enumerate(law_after(prompt + [int(a)])) if q > 1e-6}
+    greedy_want = D.target_generate(tgt, prompt, 12).tokens
+    dec = _decoder(be, 8, BT.SpeculationRule(adaptive=False))
+    sampled, greedy = [], []
+    for k in range(n):
+        if k % 120 == 0:
+            greedy.append(dec.submit(BT.BatchRequest(prompt, 12)))
+        sampled.append(dec.submit(BT.BatchRequest(prompt, 8, T, seed=1000 + k)))
+    while dec.busy:
+        dec.step()
+    for i in greedy:
+        assert dec.results[i].tokens == greedy_want
+    res = [dec.results[i] for i in sampled]
+    assert sum(len(r.accepted) for r in res) >= n and sum(sum(r.accepted) for r in res) > n // 10  # drafts verified
+    cells = list(law)
+    counts = np.zeros(len(cells) + 1)
+    index = {c: j for j, c in enumerate(cells)}
+    for r in res:
+        counts[index.get((r.tokens[0], r.tokens[1]), len(cells))] += 1
+    exp = np.append(np.array([law[c] for c in cells]), max(0.0, 1.0 - sum(law.values()))) * n
+    small = exp < 5  # pooled into one cell (the usual validity rule)
+    p_value = chisquare(np.append(counts[~small], counts[small].sum()), np.append(exp[~small], exp[small].sum()))[1]
+    assert p_value > 1e-3, p_value
