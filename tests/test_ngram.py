@@ -48,6 +48,15 @@ def test_choice():
     for _ in range(10):
         g.record("ngram", 3, 0.045)
     assert g.lookup_pays(0.03) and g.pick([2], t_plain=0.03) == "ngram"
+    # a lookup that stopped paying drifts back to the prior while it is not chosen, so it is tried again
+    h = ProposerChoice("ngram", [1, 2, 1], 4)
+    for _ in range(10):
+        h.record("ngram", 1, 0.045)
+    tries = [h.pick([2], t_plain=0.03) for _ in range(200)]
+    assert tries[0] is None and "ngram" in tries
+    a = ProposerChoice("auto", [1, 2, 1], 4)
+    assert a.pick([2], drafter=False) == "ngram" and a.pick([], drafter=False) is None  # the guard's plain stretch
+    assert ProposerChoice("dflash2", [1], 2).pick([], drafter=False) is None
     assert not ProposerChoice("ngram", [1], 2).uses_drafter
     with pytest.raises(DFlash2Error, match="proposer"):
         ProposerChoice("lookahead", [1], 2)

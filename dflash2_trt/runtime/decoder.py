@@ -194,11 +194,9 @@ def speculative_generate(
     while len(res.tokens) < limit and anchor not in eos:
         t_step = time.perf_counter()
         looked_up = choice.ngram(limit - len(res.tokens) - 1)
-        t_plain = guard.t_step if guard is not None else None
-        if guard is not None and guard.plain_next():  # the guard rules the drafter; a lookup that pays still runs
-            who = NGRAM if looked_up and choice.lookup_pays(t_plain) else None
-        else:
-            who = choice.pick(looked_up, t_plain)
+        # the guard rules the drafter alone: while it says plain steps, a lookup that pays still runs
+        who = choice.pick(looked_up, guard.t_step if guard is not None else None,
+                          drafter=guard is None or not guard.plain_next())
         if who is None:
             # plain step: the target's own next token (exactly target_generate's step)
             logits, feats = target.forward([anchor])  # [1, V], [1, F]

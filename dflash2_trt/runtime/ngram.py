@@ -76,19 +76,17 @@ class ProposerChoice:
         t = self.seconds[NGRAM]
         return t is None or t_plain is None or self.rate[NGRAM] / t >= 1.0 / t_plain
 
-    def pick(self, drafts: list[int], t_plain: float | None = None) -> str | None:
-        """The proposer of the next cycle given the lookup's drafts and a plain step's measured time; None: a plain
-        step (``ngram`` with no drafts, or drafts that do not pay)."""
+    def pick(self, drafts: list[int], t_plain: float | None = None, drafter: bool = True) -> str | None:
+        """The proposer of the next cycle given the lookup's drafts, a plain step's measured time and whether the
+        drafter may run (the acceptance guard's say); None: a plain step."""
         if self.mode == DFLASH2:
-            return DFLASH2
-        pays = bool(drafts) and self.lookup_pays(t_plain)
-        if self.mode == NGRAM:
-            return NGRAM if pays else None
-        if pays and self.rate[NGRAM] >= self.rate[DFLASH2]:
+            return DFLASH2 if drafter else None
+        use_drafter = drafter and self.mode == AUTO
+        if drafts and self.lookup_pays(t_plain) and (not use_drafter or self.rate[NGRAM] >= self.rate[DFLASH2]):
             return NGRAM
         if drafts:  # not chosen: its estimate drifts back to the prior, so a changed context gets another try
             self.rate[NGRAM] += (1 - self.decay) / 4 * (2.0 - self.rate[NGRAM])
-        return DFLASH2
+        return DFLASH2 if use_drafter else None
 
     def record(self, proposer: str, committed: int, seconds: float | None = None) -> None:
         self.rate[proposer] = self.decay * self.rate[proposer] + (1 - self.decay) * committed
