@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -194,21 +195,17 @@ def main(argv: list[str] | None = None) -> int:
                     "packaged drafter's (same export options)")
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--genai-precisions", nargs="+", default=["fp32", "int4"])
-    ap.add_argument("--spinning", action="store_true", help="our ORT sessions with spinning intra-op threads, as "
-                    "genai's (DFLASH2_ORT_SPINNING=1; for quiet machines)")
+    ap.add_argument("--spinning", choices=["0", "1"], default="1", help="DFLASH2_ORT_SPINNING: 1 (the runtime's "
+                    "default) our target session's ORT workers spin between ops, 0 no session spins (loaded machines)")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--plot", default=None, help="PNG bar plot of tokens/s")
     a = ap.parse_args(argv)
 
+    from dflash2_trt.runtime.ort.backend import SPINNING_ENV
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
-    if a.spinning:
-        import os
-
-        from dflash2_trt.runtime.ort.backend import SPINNING_ENV
-
-        os.environ[SPINNING_ENV] = "1"
+    os.environ[SPINNING_ENV] = a.spinning
     systems: dict[str, object] = {}
     quant: dict[str, dict] = {}
     for kind in a.precisions:

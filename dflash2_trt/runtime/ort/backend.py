@@ -25,7 +25,7 @@ from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft,
 from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 from dflash2_trt.vocabulary import INDEPENDENT, ORT_ATTENTIONS, head_key
 
-SPINNING_ENV = "DFLASH2_ORT_SPINNING"  # "1": ORT's intra-op threads spin between ops (quiet machines)
+SPINNING_ENV = "DFLASH2_ORT_SPINNING"  # "1" (default): the target session's intra-op workers spin; "0": none
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
 
 
@@ -38,27 +38,39 @@ def import_ort():  # noqa: ANN201
     return ort
 
 
-def cpu_session_options(ort, threads: int | None):  # noqa: ANN001, ANN201
-    """The session options of every graph this backend opens (benchmarks that profile a graph take them from here)."""
+def cpu_session_options(ort, threads: int | None, spin: bool = False):  # noqa: ANN001, ANN201
+    """The session options of every graph this backend opens (benchmarks that profile a graph take them from here).
+
+    ``spin``: the session's intra-op workers spin between ops (ONNX Runtime's own default, and onnxruntime-genai's)
+    instead of sleeping; a sleeping pool pays a worker wake-up per parallel op, ≈ 4 ms of a 26 ms SmolLM2 decode
+    step on a quiet 2-core machine. The backend lets only the target session spin (:data:`SPINNING_ENV`): two
+    spinning pools in one decode loop (target and drafter) take the CPUs from each other — speculation fell to
+    0.6-0.8x — and a drafter call is a few ms of small ops."""
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         so.intra_op_num_threads = threads
-    # no busy-waiting worker threads: decode calls are short and CPUs are often shared (a spinning pool
-    # made small graphs ~6x slower on a loaded 2-core machine). On a quiet machine a spinning pool saves a
-    # worker wake-up per parallel op (onnxruntime-genai spins by default): DFLASH2_ORT_SPINNING=1 turns it on.
-    spin = os.environ.get(SPINNING_ENV, "0") == "1"
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return so
+
+
+def target_spins() -> bool:
+    """:data:`SPINNING_ENV`: ``1`` (the default) the target session's workers spin; ``0`` no session spins — for
+    machines whose CPUs are shared with other work, where spinning workers slow everyone (small graphs ran ~6x
+    slower on a loaded 2-core machine)."""
+    v = os.environ.get(SPINNING_ENV, "1")
+    if v not in ("0", "1"):
+        raise DFlash2Error(f"{SPINNING_ENV}={v!r}: expected 1 (the target session spins) or 0 (no session spins)")
+    return v == "1"
 
 
 class _Session:
     """One graph: plain ``run`` on CPU; IOBinding on CUDA (optionally replaying a captured CUDA graph)."""
 
     def __init__(self, ort, path: Path, provider: str, threads: int | None, cuda_graph: bool = False,  # noqa: ANN001
-                 decode_attention: bool = False) -> None:
-        so = cpu_session_options(ort, threads)
+                 decode_attention: bool = False, spin: bool = False) -> None:
+        so = cpu_session_options(ort, threads, spin)
         model: str | bytes = str(path)
         self.decode_attention = False
         if decode_attention:  # the fused target with dflash2.DecodeAttention (see runtime/ort/decode_attention.py)
@@ -214,7 +226,8 @@ class OrtBackend(BackendBase):
                 raise DFlash2Error(f"graph {key!r} holds the TensorRT plugin node; ONNX Runtime runs the decomposed "
                                    f"variant")
             s = _Session(self.ort, self.dir / g.file, self.provider, self.threads, cuda_graph=g.role == "drafter_head",
-                         decode_attention=key == TARGET_ORT and self.decode_attention)
+                         decode_attention=key == TARGET_ORT and self.decode_attention,
+                         spin=g.role == "target" and target_spins())
             _check_interface(s, g)
             self._sessions[key] = s
         return self._sessions[key]
