@@ -50,9 +50,9 @@ def category(op: str, node: str) -> str:
 
 def session_options(ort, threads: int, profile_dir: str, prefix: str):  # noqa: ANN001, ANN201
     """The runtime's session options (:class:`dflash2_trt.runtime.ort.backend._Session`) + profiling."""
-    from dflash2_trt.runtime.ort.backend import cpu_session_options
+    from dflash2_trt.runtime.ort.backend import cpu_session_options, target_spins
 
-    so = cpu_session_options(ort, threads)
+    so = cpu_session_options(ort, threads, spin=target_spins())  # as the backend opens a target
     so.enable_profiling = True
     so.profile_file_prefix = os.path.join(profile_dir, prefix)
     return so

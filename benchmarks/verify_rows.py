@@ -35,7 +35,7 @@ def before_runner(folder: Path, threads: int, lib: str):  # noqa: ANN201
 
     from dflash2_trt.manifest import TARGET_LOGITS_INDEX, TARGET_ORT, TARGET_PAST_SEQLENS, read_manifest
     from dflash2_trt.runtime.ort import decode_attention as DA
-    from dflash2_trt.runtime.ort.backend import cpu_session_options
+    from dflash2_trt.runtime.ort.backend import cpu_session_options, target_spins
     from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 
     m = read_manifest(folder, verify_checksums=False)
@@ -52,7 +52,7 @@ def before_runner(folder: Path, threads: int, lib: str):  # noqa: ANN201
     kept = [i for i in model.graph.input if i.name not in (TARGET_PAST_SEQLENS, TARGET_LOGITS_INDEX)]
     del model.graph.input[:]
     model.graph.input.extend(kept)
-    so = cpu_session_options(ort, threads)
+    so = cpu_session_options(ort, threads, spin=target_spins())  # as the backend opens a target
     so.register_custom_ops_library(str(Path(lib).resolve()))
     so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -237,11 +237,13 @@ namespace
 
 constexpr int64_t kBlock = 32; //!< keys per block: K and V of a block (2 x 8 KB at d = 64) stay in L1 for all rows
 
-//! All rows of one query head, blockwise over the keys with an online softmax (running max m, sum l, unnormalised
-//! accumulator acc per row): a block of keys and values is read from memory once and from L1 for the other rows.
-//! Each row's sequence of operations depends only on its own causal length, never on the number of rows.
-void attendRowsBlocked(float const* const* q, int64_t rows, int64_t past, float const* keys, float const* values,
-    int64_t d, float scale, float* state) noexcept
+//! The query rows of every query head sharing one key/value head (rows x heads of the group: query i attends
+//! to slots 0..lengths[i]-1), blockwise over the keys with an online softmax (running max m, sum l, unnormalised
+//! accumulator acc per query): a block of keys and values is read from memory once and from L1 for all the
+//! group's queries. Each query's sequence of operations depends only on its own causal length, never on which
+//! or how many queries share the pass.
+void attendRowsBlocked(float const* const* q, int64_t const* lengths, int64_t rows, float const* keys,
+    float const* values, int64_t d, float scale, float* state) noexcept
 {
     int64_t const chunks = d / 8;
     float* m = state;              // [rows]
@@ -251,13 +253,13 @@ void attendRowsBlocked(float const* const* q, int64_t rows, int64_t past, float 
     std::fill(l, l + rows, 0.F);
     std::fill(acc, acc + rows * d, 0.F);
     __m256 const vs = _mm256_set1_ps(scale);
-    int64_t const nMax = past + rows;
+    int64_t const nMax = *std::max_element(lengths, lengths + rows);
     alignas(32) float sc[kBlock];
     for (int64_t j0 = 0; j0 < nMax; j0 += kBlock)
     {
         for (int64_t r = 0; r < rows; ++r)
         {
-            int64_t const n = past + r + 1;
+            int64_t const n = lengths[r];
             if (j0 >= n)
             {
                 continue;
@@ -357,50 +359,66 @@ void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float
     int64_t const rowStride = (s.numHeads + 2 * s.kvHeads) * d;
     int64_t const group = s.numHeads / s.kvHeads;
     float const scale = s.scale != 0.F ? s.scale : 1.F / std::sqrt(static_cast<float>(d));
-    std::vector<float> q(static_cast<size_t>(d * s.rows));
-    std::vector<float const*> qRows(static_cast<size_t>(s.rows));
-    for (int64_t h = headBegin; h < headEnd; ++h)
+    int64_t const heads = headEnd - headBegin;
+    std::vector<float> q(static_cast<size_t>(d * s.rows * heads));
+    std::vector<float const*> qRows(static_cast<size_t>(s.rows * heads));
+    std::vector<int64_t> lengths(static_cast<size_t>(s.rows * heads));
+    for (int64_t h = headBegin; h < headEnd; ++h) // query i = (h - headBegin) * rows + r
     {
-        int64_t const kv = h / group;
-        float const* keys = keyCache + kv * s.capacity * d;     // [C, d]
-        float const* values = valueCache + kv * s.capacity * d; // [C, d]
         for (int64_t r = 0; r < s.rows; ++r)
         {
             int64_t const pos = s.past + r;
+            size_t const i = static_cast<size_t>((h - headBegin) * s.rows + r);
             rotate(qkv + r * rowStride + h * d, cosTable + pos * (d / 2), sinTable + pos * (d / 2), d,
-                q.data() + r * d);
-            qRows[static_cast<size_t>(r)] = q.data() + r * d;
+                q.data() + i * d);
+            qRows[i] = q.data() + i * d;
+            lengths[i] = pos + 1;
         }
+    }
+    for (int64_t h0 = headBegin; h0 < headEnd;) // runs of heads sharing a key/value head
+    {
+        int64_t const kv = h0 / group;
+        int64_t const h1 = std::min(headEnd, (kv + 1) * group);
+        float const* keys = keyCache + kv * s.capacity * d;     // [C, d]
+        float const* values = valueCache + kv * s.capacity * d; // [C, d]
+        int64_t const first = (h0 - headBegin) * s.rows;
+        int64_t const count = (h1 - h0) * s.rows;
 #if defined(__AVX2__) && defined(__FMA__)
         if (d % 8 == 0 && d <= 128)
         {
-            // scratch: m, l [rows] + acc [rows, d] (the caller sizes it, see decodeAttentionScratch)
-            attendRowsBlocked(qRows.data(), s.rows, s.past, keys, values, d, scale, scores);
-            float const* l = scores + s.rows;
-            float const* acc = scores + 2 * s.rows;
-            for (int64_t r = 0; r < s.rows; ++r)
+            // scratch: m, l [count] + acc [count, d] (the caller sizes it, see decodeAttentionScratch)
+            attendRowsBlocked(qRows.data() + first, lengths.data() + first, count, keys, values, d, scale, scores);
+            float const* l = scores + count;
+            float const* acc = scores + 2 * count;
+            for (int64_t i = 0; i < count; ++i)
             {
-                float const inv = 1.F / l[r];
+                int64_t const h = h0 + i / s.rows;
+                int64_t const r = i % s.rows;
+                float const inv = 1.F / l[i];
                 float* o = out + r * s.numHeads * d + h * d;
-                for (int64_t i = 0; i < d; ++i)
+                for (int64_t t = 0; t < d; ++t)
                 {
-                    o[i] = acc[r * d + i] * inv;
+                    o[t] = acc[i * d + t] * inv;
                 }
             }
+            h0 = h1;
             continue;
         }
 #endif
-        for (int64_t r = 0; r < s.rows; ++r)
+        for (int64_t i = 0; i < count; ++i)
         {
-            attendRow(qRows[static_cast<size_t>(r)], keys, values, s.past + r + 1, s.capacity, d, scale, scores,
-                out + r * s.numHeads * d + h * d);
+            int64_t const h = h0 + i / s.rows;
+            int64_t const r = i % s.rows;
+            attendRow(qRows[static_cast<size_t>(first + i)], keys, values, s.past + r + 1, s.capacity, d, scale,
+                scores, out + r * s.numHeads * d + h * d);
         }
+        h0 = h1;
     }
 }
 
 int64_t decodeAttentionScratch(DecodeAttentionShape const& s) noexcept
 {
-    return std::max(s.past + s.rows + 8, s.rows * (s.headDim + 2));
+    return std::max(s.past + s.rows + 8, s.rows * (s.numHeads / s.kvHeads) * (s.headDim + 2));
 }
 
 } // namespace dflash2

@@ -4,7 +4,8 @@
 //!
 //! Why not ORT's GroupQueryAttention: its CPU kernel runs Q x K' and P x V as one small GEMM per query head
 //! (MLAS packs K' and, for more than one row, V per head per call), so a 2-row call costs about twice a
-//! 1-row call at long contexts. Here each query row walks its head's keys and values once, and a row's
+//! 1-row call at long contexts. Here the query rows of the heads sharing a key/value head walk its keys and
+//! values once, in blocks that stay in L1 for all of them, and a row's
 //! output does not depend on how many rows share the call: row i of a k-row call equals the 1-row call at
 //! that position bit for bit (the property the lossless verify relies on).
 //!
@@ -34,7 +35,9 @@ struct DecodeAttentionShape
 void decodeAttentionWriteKv(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
     float const* sinTable, float* keyCache, float* valueCache) noexcept;
 
-//! Step 2 (parallel over query heads): out [S, numHeads d] rows for heads [headBegin, headEnd).
+//! Step 2 (parallel over query heads): out [S, numHeads d] rows for heads [headBegin, headEnd). Heads of the range
+//! that share a key/value head make one pass over its keys and values (read once for all their rows); a row's
+//! numbers do not depend on the range.
 //! scratch: decodeAttentionScratch(s) floats per call.
 void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
     float const* sinTable, float const* keyCache, float const* valueCache, float* out, int64_t headBegin,

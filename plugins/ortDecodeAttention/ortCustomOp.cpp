@@ -34,6 +34,7 @@ namespace
 {
 
 OrtApi const* gApi = nullptr;
+constexpr int64_t kMinItems = 8; //!< work items the parallel loop should get at least (a few threads' worth)
 
 struct Kernel
 {
@@ -90,26 +91,35 @@ struct Sequence
     float* out;          //!< [S, nh d]
 };
 
+//! One unit of the parallel loop: query heads [headBegin, headEnd) of one sequence, all sharing one key/value
+//! head (they read its keys and values once, see decodeAttentionHeads).
+struct Item
+{
+    int32_t sequence;
+    int32_t headBegin;
+    int32_t headEnd;
+};
+
 struct ParallelArgs
 {
     std::vector<Sequence> const* seqs;
-    std::vector<std::pair<int32_t, int32_t>> const* items; //!< (sequence, query head), costliest first
+    std::vector<Item> const* items; //!< costliest first
     float const *cosTable, *sinTable;
 };
 
 void runHead(void* user, size_t i)
 {
     auto const* a = static_cast<ParallelArgs const*>(user);
-    auto const [b, head] = (*a->items)[i];
-    Sequence const& q = (*a->seqs)[static_cast<size_t>(b)];
+    Item const& it = (*a->items)[i];
+    Sequence const& q = (*a->seqs)[static_cast<size_t>(it.sequence)];
     thread_local std::vector<float> scratch;
     size_t const need = static_cast<size_t>(dflash2::decodeAttentionScratch(q.shape));
     if (scratch.size() < need)
     {
         scratch.resize(need);
     }
-    dflash2::decodeAttentionHeads(q.shape, q.qkv, a->cosTable, a->sinTable, q.keys, q.values, q.out, head, head + 1,
-        scratch.data());
+    dflash2::decodeAttentionHeads(q.shape, q.qkv, a->cosTable, a->sinTable, q.keys, q.values, q.out, it.headBegin,
+        it.headEnd, scratch.data());
 }
 
 OrtStatus* int32Values(OrtValue const* v, int64_t expected, char const* name, int32_t const** out)
@@ -245,8 +255,14 @@ OrtStatus* compute(Kernel const& k, OrtKernelContext* ctx)
     int64_t const rowWidth = qkvShape.dims[2];
     int64_t const outWidth = k.numHeads * d;
     bool const inPlace = keys == data[1] && values == data[2];
-    std::vector<std::pair<int32_t, int32_t>> items;
+    std::vector<Item> items;
     items.reserve(static_cast<size_t>(batch * k.numHeads));
+    // items: query heads sharing a key/value head, whole groups when the batch gives >= kMinItems of them, else
+    // groups cut in parts so a few threads still share the loop (B = 1, 3 kv heads of 3: parts of 2 and 1)
+    int64_t const group = k.numHeads / k.kvHeads;
+    int64_t const groups = batch * k.kvHeads;
+    int64_t const part
+        = groups >= kMinItems ? group : std::max<int64_t>(1, (group * groups + kMinItems - 1) / kMinItems);
     for (int64_t b = 0; b < batch; ++b)
     {
         Sequence& q = seqs[static_cast<size_t>(b)];
@@ -273,16 +289,20 @@ OrtStatus* compute(Kernel const& k, OrtKernelContext* ctx)
             continue;
         }
         dflash2::decodeAttentionWriteKv(q.shape, q.qkv, cosTable, sinTable, q.keys, q.values);
-        for (int64_t h = 0; h < k.numHeads; ++h)
+        for (int64_t kv = 0; kv < k.kvHeads; ++kv)
         {
-            items.emplace_back(static_cast<int32_t>(b), static_cast<int32_t>(h));
+            for (int64_t h = kv * group; h < (kv + 1) * group; h += part)
+            {
+                items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h),
+                    static_cast<int32_t>(std::min((kv + 1) * group, h + part))});
+            }
         }
     }
     // costliest (rows x keys) first, so a long prefill's heads are not left for the end of the parallel loop
-    auto cost = [&](std::pair<int32_t, int32_t> const& it)
+    auto cost = [&](Item const& it)
     {
-        auto const& s = seqs[static_cast<size_t>(it.first)].shape;
-        return s.rows * (s.past + s.rows);
+        auto const& s = seqs[static_cast<size_t>(it.sequence)].shape;
+        return (it.headEnd - it.headBegin) * s.rows * (s.past + s.rows);
     };
     std::stable_sort(items.begin(), items.end(), [&](auto const& x, auto const& y) { return cost(x) > cost(y); });
     if (items.empty())
