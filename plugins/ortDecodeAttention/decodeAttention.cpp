@@ -242,10 +242,14 @@ constexpr int64_t kBlock = 32; //!< keys per block: K and V of a block (2 x 8 KB
 //! accumulator acc per query): a block of keys and values is read from memory once and from L1 for all the
 //! group's queries. Each query's sequence of operations depends only on its own causal length, never on which
 //! or how many queries share the pass.
+//! kChunks: d / 8 known at compile time (the accumulators then stay in registers: with a run-time d they went
+//! through the stack, and P x V ran at a third of its speed), or 0 for any d.
+template <int64_t kChunks>
 void attendRowsBlocked(float const* const* q, int64_t const* lengths, int64_t rows, float const* keys,
-    float const* values, int64_t d, float scale, float* state) noexcept
+    float const* values, int64_t dRuntime, float scale, float* state) noexcept
 {
-    int64_t const chunks = d / 8;
+    int64_t const chunks = kChunks != 0 ? kChunks : dRuntime / 8;
+    int64_t const d = 8 * chunks;
     float* m = state;              // [rows]
     float* l = state + rows;       // [rows]
     float* acc = state + 2 * rows; // [rows, d]
@@ -387,7 +391,9 @@ void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float
         if (d % 8 == 0 && d <= 128)
         {
             // scratch: m, l [count] + acc [count, d] (the caller sizes it, see decodeAttentionScratch)
-            attendRowsBlocked(qRows.data() + first, lengths.data() + first, count, keys, values, d, scale, scores);
+            auto* const attend = d == 64 ? attendRowsBlocked<8> : d == 128 ? attendRowsBlocked<16>
+                                                                             : attendRowsBlocked<0>;
+            attend(qRows.data() + first, lengths.data() + first, count, keys, values, d, scale, scores);
             float const* l = scores + count;
             float const* acc = scores + 2 * count;
             for (int64_t i = 0; i < count; ++i)
