@@ -5,6 +5,7 @@
 //!   taskset -c 0 build/ort_ops/dflash2_attention_timing 2032 4   # past, rows -> best of 30 runs, ms
 #include "decodeAttention.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
