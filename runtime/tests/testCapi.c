@@ -851,6 +851,62 @@ static void expectResult(dfl2_batch* b, const Req* r, const int32_t* want, size_
 }
 #define EXPECT_RESULT(b, r, want, k, reason) expectResult((b), (r), (want), (k), (reason), __LINE__)
 
+/* A batch test's two models over the toy: `ref` (the B = 1 callbacks: reference sessions) and `m` (the batched toy
+ * with maxBatch slots). Static in each test (the toys are large). */
+typedef struct BatchFixture {
+    Toy toy;
+    BatchToy bt;
+    dfl2_model* ref;
+    dfl2_model* m;
+} BatchFixture;
+
+static void fixtureOpen(BatchFixture* f, int32_t maxBatch)
+{
+    memset(f, 0, sizeof *f);
+    dfl2_callbacks plainCb = toyCallbacks(&f->toy);
+    OK(dfl2_model_create_callbacks(&plainCb, NULL, &f->ref));
+    dfl2_callbacks cb = batchToyCallbacks(&f->bt, maxBatch);
+    OK(dfl2_model_create_callbacks(&cb, NULL, &f->m));
+}
+
+static void fixtureClose(BatchFixture* f)
+{
+    dfl2_model_free(f->m);
+    dfl2_model_free(f->ref);
+}
+
+/* A request whose result must be its own session's tokens: the reference is the same prompt and options on a
+ * session of the B = 1 model with "speculative=false" last, so only greedy or plain sampling requests (whose
+ * tokens do not depend on drafting) are checked this way. */
+typedef struct Checked {
+    Req req;
+    int32_t want[MAXPOS];
+    size_t nWant;
+} Checked;
+
+static void submitChecked(BatchFixture* f, dfl2_batch* b, const int32_t* prompt, size_t n, const char** opts,
+                          Checked* c)
+{
+    const char* plain[16];
+    size_t k = 0;
+    for (; opts && opts[k]; ++k) plain[k] = opts[k];
+    plain[k++] = "speculative=false";
+    plain[k] = NULL;
+    memset(c, 0, sizeof *c);
+    c->nWant = sessionTokens(f->ref, plain, prompt, n, c->want);
+    submit(b, prompt, n, opts, &c->req);
+}
+
+#define EXPECT_SESSION(b, c, reason) expectResult((b), &(c)->req, (c)->want, (c)->nWant, (reason), __LINE__)
+
+/* Step until idle, then every one of c[n] ran to its length with its session's tokens. */
+static void serveChecked(dfl2_batch* b, Checked* c, int n, int line)
+{
+    stepUntilIdle(b);
+    for (int i = 0; i < n; ++i) expectResult(b, &c[i].req, c[i].want, c[i].nWant, DFL2_FINISH_LENGTH, line);
+}
+#define SERVE_CHECKED(b, c, n) serveChecked((b), (c), (n), __LINE__)
+
 static void testBatchErrors(void)
 {
     Toy toy;
@@ -983,94 +1039,75 @@ static void testBatchErrors(void)
  * mid-way; a cancel frees its slot for a queued request; the rule drafts alone and goes plain under load. */
 static void testBatchGreedy(void)
 {
-    Toy toy;
-    memset(&toy, 0, sizeof toy);
-    dfl2_callbacks plainCb = toyCallbacks(&toy);
-    dfl2_model* ref = NULL;
-    OK(dfl2_model_create_callbacks(&plainCb, NULL, &ref));
-    static BatchToy bt;
-    memset(&bt, 0, sizeof bt);
-    dfl2_callbacks cb = batchToyCallbacks(&bt, 3);
-    dfl2_model* m = NULL;
-    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
-
+    static BatchFixture fx;
+    fixtureOpen(&fx, 3);
     enum { kN = 6 };
     static const int32_t prompts[kN][8] = {{3, 9, 27, 17}, {5, 1, 8, 30, 2, 7, 11}, {12}, {4, 4, 19, 23, 6},
                                            {31, 2, 9}, {7, 14, 21, 28, 3, 10, 17, 24}};
     static const size_t lens[kN] = {4, 7, 1, 5, 3, 8};
     static const char* maxNew[kN] = {"max_new_tokens=40", "max_new_tokens=12", "max_new_tokens=33",
                                      "max_new_tokens=25", "max_new_tokens=30", "max_new_tokens=80"};
-    int32_t want[kN][MAXPOS];
-    size_t nWant[kN];
-    for (int i = 0; i < kN; ++i) {
-        const char* ar[] = {"speculative=false", maxNew[i], NULL};
-        nWant[i] = sessionTokens(ref, ar, prompts[i], lens[i], want[i]);
-    }
 
     /* 1. the adaptive rule with fixed costs (plain(n) = 1 + 0.05 n, draft 0.5, verify 1.4, prior 4): two or more
      *    requests decode in batched plain steps, a request alone drafts (4 / (1.05 + 1.9) > 1 / 1.05) */
     const char* adaptive[] = {"fixed_costs=1,0.05,0.5,1.4", "prior_tau=4", NULL};
-    dfl2_batch* b = makeBatch(m, adaptive);
-    static Req r[kN];
-    memset(r, 0, sizeof r);
+    dfl2_batch* b = makeBatch(fx.m, adaptive);
+    static Checked r[kN];
     for (int i = 0; i < 4; ++i) {
         const char* o[] = {maxNew[i], NULL};
-        submit(b, prompts[i], lens[i], o, &r[i]);
+        submitChecked(&fx, b, prompts[i], lens[i], o, &r[i]);
     }
     const char* victimOpts[] = {maxNew[5], NULL};
-    submit(b, prompts[5], lens[5], victimOpts, &r[5]); /* queued behind the first four; cancelled below */
+    submitChecked(&fx, b, prompts[5], lens[5], victimOpts, &r[5]); /* queued behind the first four; cancelled below */
     size_t pending = 0;
     for (int s = 0; s < 3; ++s) OK(dfl2_batch_step(b, &pending));
     const char* o4[] = {maxNew[4], NULL};
-    submit(b, prompts[4], lens[4], o4, &r[4]); /* joins mid-way */
+    submitChecked(&fx, b, prompts[4], lens[4], o4, &r[4]); /* joins mid-way */
     dfl2_batch_info info;
     int cancelled = 0;
     while (pending) {
         OK(dfl2_batch_step(b, &pending));
-        if (!cancelled && r[5].stream.n >= 5) {
-            OK(dfl2_batch_cancel(b, r[5].id));
+        if (!cancelled && r[5].req.stream.n >= 5) {
+            OK(dfl2_batch_cancel(b, r[5].req.id));
             cancelled = 1;
         }
     }
     CHECK(cancelled);
-    for (int i = 0; i < 5; ++i) EXPECT_RESULT(b, &r[i], want[i], nWant[i], DFL2_FINISH_LENGTH);
-    CHECK(r[5].done == 1 && r[5].reason == DFL2_FINISH_CANCELLED);
+    for (int i = 0; i < 5; ++i) EXPECT_SESSION(b, &r[i], DFL2_FINISH_LENGTH);
+    CHECK(r[5].req.done == 1 && r[5].req.reason == DFL2_FINISH_CANCELLED);
     const int32_t* t = NULL;
     size_t n = 0;
-    OK(dfl2_batch_get_result(b, r[5].id, &t, &n, NULL, NULL));
-    CHECK(n >= 5 && n < nWant[5] && memcmp(t, want[5], n * sizeof(int32_t)) == 0);
+    OK(dfl2_batch_get_result(b, r[5].req.id, &t, &n, NULL, NULL));
+    CHECK(n >= 5 && n < r[5].nWant && memcmp(t, r[5].want, n * sizeof(int32_t)) == 0);
     OK(dfl2_batch_get_info(b, &info));
     CHECK(info.active == 0 && info.queued == 0);
     CHECK(info.largest_plain >= 2 && info.drafting_steps > 0 && info.drafting_steps < info.steps && info.cycles > 0);
-    CHECK(bt.largestCall >= 3 && bt.badCalls == 0 && bt.resets == kN && bt.releases == kN);
+    CHECK(fx.bt.largestCall >= 3 && fx.bt.badCalls == 0 && fx.bt.resets == kN && fx.bt.releases == kN);
     dfl2_batch_free(b);
 
     /* 2. every speculative request drafts (adaptive=false): a request with one token left steps plain in the same
      *    call as the others' verifies (ragged rows in one call); a request that never speculates rides along */
-    memset(&bt, 0, sizeof bt);
+    memset(&fx.bt, 0, sizeof fx.bt);
     const char* always[] = {"adaptive=false", "max_batch=2", NULL};
-    b = makeBatch(m, always);
-    memset(r, 0, sizeof r);
+    b = makeBatch(fx.m, always);
     for (int i = 0; i < kN; ++i) {
         const char* o[] = {maxNew[i], i == 3 ? "speculative=false" : "speculative=true", NULL};
-        submit(b, prompts[i], lens[i], o, &r[i]);
+        submitChecked(&fx, b, prompts[i], lens[i], o, &r[i]);
     }
-    stepUntilIdle(b);
+    SERVE_CHECKED(b, r, kN);
     int accepted = 0, plain = 0;
     for (int i = 0; i < kN; ++i) {
-        EXPECT_RESULT(b, &r[i], want[i], nWant[i], DFL2_FINISH_LENGTH);
         dfl2_stats st;
         int32_t p = 0;
-        OK(dfl2_batch_get_result(b, r[i].id, &t, &n, &st, &p));
+        OK(dfl2_batch_get_result(b, r[i].req.id, &t, &n, &st, &p));
         for (int c = 0; c < st.cycles; ++c) accepted += st.accepted[c];
         plain += p;
         if (i == 3) CHECK(st.cycles == 0 && p == (int32_t) n - 1);
     }
     OK(dfl2_batch_get_info(b, &info));
-    CHECK(accepted > 0 && plain > 0 && bt.mixedCalls > 0 && info.largest_step == 2 && bt.badCalls == 0);
+    CHECK(accepted > 0 && plain > 0 && fx.bt.mixedCalls > 0 && info.largest_step == 2 && fx.bt.badCalls == 0);
     dfl2_batch_free(b);
-    dfl2_model_free(m);
-    dfl2_model_free(ref);
+    fixtureClose(&fx);
 }
 
 /* T > 0 beside T = 0: a plain sampling request draws exactly its own session's tokens for its seed (the built-in
@@ -1078,44 +1115,30 @@ static void testBatchGreedy(void)
  * tokens do not depend on its neighbours; seeds differ; greedy neighbours are unchanged. */
 static void testBatchSampling(void)
 {
-    Toy toy;
-    memset(&toy, 0, sizeof toy);
-    dfl2_callbacks plainCb = toyCallbacks(&toy);
-    dfl2_model* ref = NULL;
-    OK(dfl2_model_create_callbacks(&plainCb, NULL, &ref));
-    static BatchToy bt;
-    memset(&bt, 0, sizeof bt);
-    dfl2_callbacks cb = batchToyCallbacks(&bt, 4);
-    dfl2_model* m = NULL;
-    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
+    static BatchFixture fx;
+    fixtureOpen(&fx, 4);
     static const int32_t prompt[4] = {3, 9, 27, 17};
     const char* greedy[] = {"speculative=false", "max_new_tokens=30", NULL};
     const char* t09[] = {"speculative=false", "max_new_tokens=30", "temperature=0.9", "seed=5", NULL};
     const char* t13[] = {"speculative=false", "max_new_tokens=30", "temperature=1.3", "seed=6", NULL};
     const char* spec[] = {"max_new_tokens=30", "temperature=0.8", "seed=7", NULL};
     const char* spec8[] = {"max_new_tokens=30", "temperature=0.8", "seed=8", NULL};
-    int32_t wantG[MAXPOS], want09[MAXPOS], want13[MAXPOS];
-    size_t nG = sessionTokens(ref, greedy, prompt, 4, wantG);
-    size_t n09 = sessionTokens(ref, t09, prompt, 4, want09);
-    size_t n13 = sessionTokens(ref, t13, prompt, 4, want13);
-    CHECK(n09 == 30 && n13 == 30 && memcmp(want09, want13, 30 * sizeof(int32_t)) != 0);
 
     const char* always[] = {"adaptive=false", NULL};
-    dfl2_batch* b = makeBatch(m, always);
-    static Req r[5];
-    memset(r, 0, sizeof r);
-    submit(b, prompt, 4, greedy, &r[0]);
-    submit(b, prompt, 4, t09, &r[1]);
-    submit(b, prompt, 4, spec, &r[2]);
-    submit(b, prompt, 4, t13, &r[3]);
-    stepUntilIdle(b);
-    EXPECT_RESULT(b, &r[0], wantG, nG, DFL2_FINISH_LENGTH);
-    EXPECT_RESULT(b, &r[1], want09, n09, DFL2_FINISH_LENGTH);
-    EXPECT_RESULT(b, &r[3], want13, n13, DFL2_FINISH_LENGTH);
+    dfl2_batch* b = makeBatch(fx.m, always);
+    static Checked r[3]; /* greedy, T 0.9, T 1.3: their sessions' tokens */
+    static Req s[2];     /* speculative sampling: compared with itself */
+    memset(s, 0, sizeof s);
+    submitChecked(&fx, b, prompt, 4, greedy, &r[0]);
+    submitChecked(&fx, b, prompt, 4, t09, &r[1]);
+    submit(b, prompt, 4, spec, &s[0]);
+    submitChecked(&fx, b, prompt, 4, t13, &r[2]);
+    CHECK(r[1].nWant == 30 && r[2].nWant == 30 && memcmp(r[1].want, r[2].want, 30 * sizeof(int32_t)) != 0);
+    SERVE_CHECKED(b, r, 3);
     const int32_t* t = NULL;
     size_t n = 0;
     dfl2_stats st;
-    OK(dfl2_batch_get_result(b, r[2].id, &t, &n, &st, NULL));
+    OK(dfl2_batch_get_result(b, s[0].id, &t, &n, &st, NULL));
     int32_t beside[MAXPOS];
     memcpy(beside, t, n * sizeof(int32_t));
     size_t nBeside = n;
@@ -1123,17 +1146,16 @@ static void testBatchSampling(void)
     for (int c = 0; c < st.cycles; ++c) accepted += st.accepted[c];
     CHECK(nBeside == 30 && st.cycles > 0 && accepted > 0);
     /* the same speculative sampling request alone, and with another seed */
-    memset(r, 0, sizeof r);
-    submit(b, prompt, 4, spec, &r[0]);
-    submit(b, prompt, 4, spec8, &r[1]);
+    memset(s, 0, sizeof s);
+    submit(b, prompt, 4, spec, &s[0]);
+    submit(b, prompt, 4, spec8, &s[1]);
     stepUntilIdle(b);
-    EXPECT_RESULT(b, &r[0], beside, nBeside, DFL2_FINISH_LENGTH);
-    OK(dfl2_batch_get_result(b, r[1].id, &t, &n, NULL, NULL));
+    EXPECT_RESULT(b, &s[0], beside, nBeside, DFL2_FINISH_LENGTH);
+    OK(dfl2_batch_get_result(b, s[1].id, &t, &n, NULL, NULL));
     CHECK(n == 30 && memcmp(t, beside, 30 * sizeof(int32_t)) != 0);
-    CHECK(bt.badCalls == 0);
+    CHECK(fx.bt.badCalls == 0);
     dfl2_batch_free(b);
-    dfl2_model_free(m);
-    dfl2_model_free(ref);
+    fixtureClose(&fx);
 }
 
 /* A request's own failure ends only that request (its error through on_done and get_result); a failed target call
@@ -1148,28 +1170,17 @@ static int32_t badBatchUniforms(void* u, dfl2_uniform_use use, double* out, size
 
 static void testBatchFailures(void)
 {
-    Toy toy;
-    memset(&toy, 0, sizeof toy);
-    dfl2_callbacks plainCb = toyCallbacks(&toy);
-    dfl2_model* ref = NULL;
-    OK(dfl2_model_create_callbacks(&plainCb, NULL, &ref));
-    static BatchToy bt;
-    memset(&bt, 0, sizeof bt);
-    dfl2_callbacks cb = batchToyCallbacks(&bt, 3);
-    dfl2_model* m = NULL;
-    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
+    static BatchFixture fx;
+    fixtureOpen(&fx, 3);
     static const int32_t prompt[4] = {3, 9, 27, 17};
-    const char* ar[] = {"speculative=false", "max_new_tokens=20", NULL};
-    int32_t want[MAXPOS];
-    size_t nWant = sessionTokens(ref, ar, prompt, 4, want);
-
     const char* always[] = {"adaptive=false", NULL};
-    dfl2_batch* b = makeBatch(m, always);
+    dfl2_batch* b = makeBatch(fx.m, always);
     const char* opts[] = {"max_new_tokens=20", NULL};
-    static Req r[3];
+    static Checked good;
+    static Req r[2];
     memset(r, 0, sizeof r);
-    submit(b, prompt, 4, opts, &r[0]); /* slot 0 */
-    submit(b, prompt, 4, opts, &r[1]); /* slot 1: its drafter fails */
+    submitChecked(&fx, b, prompt, 4, opts, &good); /* slot 0 */
+    submit(b, prompt, 4, opts, &r[0]);            /* slot 1: its drafter fails */
     dfl2_options* o = optionsOf((const char*[]){"max_new_tokens=20", "temperature=0.7", NULL});
     dfl2_request q;
     memset(&q, 0, sizeof q);
@@ -1178,42 +1189,39 @@ static void testBatchFailures(void)
     q.n_prompt = 4;
     q.options = o;
     q.on_done = onDone;
-    q.user_data = &r[2];
+    q.user_data = &r[1];
     q.uniforms = badBatchUniforms;
-    OK(dfl2_batch_submit(b, &q, &r[2].id)); /* slot 2: its first token's uniform is refused */
+    OK(dfl2_batch_submit(b, &q, &r[1].id)); /* slot 2: its first token's uniform is refused */
     dfl2_options_free(o);
-    bt.failProposeSlot = 2;
-    stepUntilIdle(b);
-    EXPECT_RESULT(b, &r[0], want, nWant, DFL2_FINISH_LENGTH);
+    fx.bt.failProposeSlot = 2;
+    SERVE_CHECKED(b, &good, 1);
     const int32_t* t = NULL;
     size_t n = 0;
-    EXPECT(dfl2_batch_get_result(b, r[1].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK, "batch_drafter_propose returned 6");
-    CHECK(n == 1 && t[0] == want[0] && r[1].done == 1 && r[1].reason == DFL2_FINISH_ERROR && r[1].error == DFL2_ERR_CALLBACK);
-    EXPECT(dfl2_batch_get_result(b, r[2].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK, "outside [0, 1)");
-    CHECK(n == 0 && r[2].reason == DFL2_FINISH_ERROR);
-    CHECK(bt.resets == 3 && bt.releases == 3 && bt.badCalls == 0);
+    EXPECT(dfl2_batch_get_result(b, r[0].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK, "batch_drafter_propose returned 6");
+    CHECK(n == 1 && t[0] == good.want[0] && r[0].done == 1 && r[0].reason == DFL2_FINISH_ERROR &&
+          r[0].error == DFL2_ERR_CALLBACK);
+    EXPECT(dfl2_batch_get_result(b, r[1].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK, "outside [0, 1)");
+    CHECK(n == 0 && r[1].reason == DFL2_FINISH_ERROR);
+    CHECK(fx.bt.resets == 3 && fx.bt.releases == 3 && fx.bt.badCalls == 0);
 
     /* a failing target call ends the requests in it; the next requests run */
-    bt.failProposeSlot = 0;
-    bt.forwards = 0;
-    bt.failForwardAt = 3; /* admission, one step, then the failing step */
+    fx.bt.failProposeSlot = 0;
+    fx.bt.forwards = 0;
+    fx.bt.failForwardAt = 3; /* admission, one step, then the failing step */
     memset(r, 0, sizeof r);
     submit(b, prompt, 4, opts, &r[0]);
     submit(b, prompt, 4, opts, &r[1]);
     stepUntilIdle(b);
     for (int i = 0; i < 2; ++i) {
         EXPECT(dfl2_batch_get_result(b, r[i].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK, "target forward: callback batch_target_forward returned 9");
-        CHECK(r[i].reason == DFL2_FINISH_ERROR && n >= 2 && memcmp(t, want, n * sizeof(int32_t)) == 0);
+        CHECK(r[i].reason == DFL2_FINISH_ERROR && n >= 2 && memcmp(t, good.want, n * sizeof(int32_t)) == 0);
     }
-    bt.failForwardAt = 0;
-    memset(r, 0, sizeof r);
-    submit(b, prompt, 4, opts, &r[0]);
-    stepUntilIdle(b);
-    EXPECT_RESULT(b, &r[0], want, nWant, DFL2_FINISH_LENGTH);
-    CHECK(bt.badCalls == 0);
+    fx.bt.failForwardAt = 0;
+    submitChecked(&fx, b, prompt, 4, opts, &good);
+    SERVE_CHECKED(b, &good, 1);
+    CHECK(fx.bt.badCalls == 0);
     dfl2_batch_free(b);
-    dfl2_model_free(m);
-    dfl2_model_free(ref);
+    fixtureClose(&fx);
 }
 
 /* Calls from inside the batch's own callbacks: on_tokens cancels its request, submits a follow-up and is refused a
@@ -1258,12 +1266,9 @@ static void reentrantDone(void* u, uint64_t id, dfl2_finish_reason reason, const
 
 static void testBatchReentrant(void)
 {
-    static BatchToy bt;
-    memset(&bt, 0, sizeof bt);
-    dfl2_callbacks cb = batchToyCallbacks(&bt, 2);
-    dfl2_model* m = NULL;
-    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
-    dfl2_batch* b = makeBatch(m, NULL);
+    static BatchFixture fx;
+    fixtureOpen(&fx, 2);
+    dfl2_batch* b = makeBatch(fx.m, NULL);
     static Reentrant r;
     memset(&r, 0, sizeof r);
     r.batch = b;
@@ -1283,9 +1288,9 @@ static void testBatchReentrant(void)
     const int32_t* t = NULL;
     size_t n = 0;
     OK(dfl2_batch_get_result(b, r.followUp, &t, &n, NULL, NULL)); /* the follow-up ran to its length */
-    CHECK(n == 64 && bt.badCalls == 0);
+    CHECK(n == 64 && fx.bt.badCalls == 0);
     dfl2_batch_free(b);
-    dfl2_model_free(m);
+    fixtureClose(&fx);
 }
 
 /* A request queue served on one thread while two threads submit, one cancels, and the main thread waits for
@@ -1325,22 +1330,14 @@ static void* clientThread(void* arg)
 
 static void testBatchServe(void)
 {
-    Toy toy;
-    memset(&toy, 0, sizeof toy);
-    dfl2_callbacks plainCb = toyCallbacks(&toy);
-    dfl2_model* ref = NULL;
-    OK(dfl2_model_create_callbacks(&plainCb, NULL, &ref));
-    static BatchToy bt;
-    memset(&bt, 0, sizeof bt);
-    dfl2_callbacks cb = batchToyCallbacks(&bt, 2);
-    dfl2_model* m = NULL;
-    OK(dfl2_model_create_callbacks(&cb, NULL, &m));
-    static const int32_t prompt[4] = {3, 9, 27, 17};
+    static BatchFixture fx;
+    fixtureOpen(&fx, 2);
+    static const int32_t prompt[4] = {3, 9, 27, 17}; /* every client's request (clientThread) */
     const char* ar[] = {"speculative=false", "max_new_tokens=24", NULL};
     int32_t want[MAXPOS];
-    size_t nWant = sessionTokens(ref, ar, prompt, 4, want);
+    size_t nWant = sessionTokens(fx.ref, ar, prompt, 4, want);
 
-    dfl2_batch* b = makeBatch(m, NULL);
+    dfl2_batch* b = makeBatch(fx.m, NULL);
     Server server = {b, NULL};
     pthread_t st;
     CHECK(pthread_create(&st, NULL, serveThread, &server) == 0);
@@ -1390,10 +1387,9 @@ static void testBatchServe(void)
     }
     OK(dfl2_batch_stop(b)); /* no serve running: the next serve returns at once */
     OK(dfl2_batch_serve(b));
-    CHECK(bt.badCalls == 0 && bt.resets >= 2 * kPER - 1 && bt.releases == bt.resets); /* the cancel may come before admission */
+    CHECK(fx.bt.badCalls == 0 && fx.bt.resets >= 2 * kPER - 1 && fx.bt.releases == fx.bt.resets); /* the cancel may come before admission */
     dfl2_batch_free(b);
-    dfl2_model_free(m);
-    dfl2_model_free(ref);
+    fixtureClose(&fx);
 }
 
 int main(int argc, char** argv)

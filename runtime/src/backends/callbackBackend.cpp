@@ -38,10 +38,13 @@ void propose(dfl2_callbacks const& cb, float temperature, Draft& out, char const
     out.hasVocabProposal = temperature > 0 && used != 0;
 }
 
-class CallbackRunners : public Runners
+//! What both callbacks runners (Base: Runners for sessions, BatchRunners for batches) answer from the caller's
+//! struct: its sizes. Holds the runner's copy of dfl2_callbacks (the model's, eos pointer dropped).
+template <typename Base>
+class CallbackShapes : public Base
 {
 public:
-    explicit CallbackRunners(dfl2_callbacks const& cb)
+    explicit CallbackShapes(dfl2_callbacks const& cb)
         : mCb(cb)
     {
     }
@@ -60,6 +63,18 @@ public:
     int32_t maxPositions() const override
     {
         return mCb.max_positions;
+    }
+
+protected:
+    dfl2_callbacks mCb;
+};
+
+class CallbackRunners : public CallbackShapes<Runners>
+{
+public:
+    explicit CallbackRunners(dfl2_callbacks const& cb)
+        : CallbackShapes(cb)
+    {
     }
     void targetReset() override
     {
@@ -101,39 +116,22 @@ public:
     }
 
 private:
-    dfl2_callbacks mCb;
     std::vector<float> mFeatures;  //!< [rows, F] of the latest target forward
     int32_t mFeatureRows{0};
 };
 
 //! The batched callbacks: per slot the latest target features and the context queued for the slot's drafter.
-class CallbackBatchRunners : public BatchRunners
+class CallbackBatchRunners : public CallbackShapes<BatchRunners>
 {
 public:
     CallbackBatchRunners(dfl2_callbacks const& cb, int32_t slots)
-        : mCb(cb)
+        : CallbackShapes(cb)
         , mSlots(slots)
         , mFeatures(static_cast<size_t>(slots))
         , mFeatureRows(static_cast<size_t>(slots), 0)
         , mPending(static_cast<size_t>(slots))
         , mPendingRows(static_cast<size_t>(slots), 0)
     {
-    }
-    int32_t vocabSize() const override
-    {
-        return mCb.vocab_size;
-    }
-    int32_t blockSize() const override
-    {
-        return mCb.block_size;
-    }
-    int32_t topK() const override
-    {
-        return mCb.top_k;
-    }
-    int32_t maxPositions() const override
-    {
-        return mCb.max_positions;
     }
     int32_t slots() const override
     {
@@ -230,7 +228,6 @@ private:
         mPendingRows[b] = 0;
     }
 
-    dfl2_callbacks mCb;
     int32_t mSlots;
     std::vector<std::vector<float>> mFeatures;  //!< per slot: [rows, F] of its latest target forward
     std::vector<int32_t> mFeatureRows;
