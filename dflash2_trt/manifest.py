@@ -191,6 +191,16 @@ class EngineSet:
     prefill_rows: int = 256
     timing_cache: str = ""
 
+    @property
+    def max_batch(self) -> int:
+        """Sequences the target engine takes in one call: the smallest upper end of its profiles' ``batch`` dim
+        (``build-engines --max-batch``; 1 for engines built before the option, whose profiles say (1, 1, 1)).
+        Derived from the profiles, not a field of its own: manifests of every version read and write alike."""
+        plan = self.plans.get("target")
+        if plan is None or not plan.profiles:
+            return 1
+        return min(int(p.dims.get("batch", (1, 1, 1))[2]) for p in plan.profiles)
+
 
 @dataclass(frozen=True)
 class VerifyCostRow:

@@ -153,6 +153,46 @@ def test_weak_typing_flags_and_missing_plugin(export_copy, tmp_path, monkeypatch
     assert entry.strongly_typed is False
 
 
+def test_max_batch_gives_the_target_engine_a_batch_dimension(export_copy, tmp_path, tiny_export, capsys):
+    """--max-batch N: the target engine's profiles take 1..N sequences (opt N for steps, 1 for prefills), every other
+    engine stays at batch 1; N is recorded as the profiles' batch dim (EngineSet.max_batch reads it back, no new
+    manifest field: manifests from before the option read as 1, and old readers accept the new ones)."""
+    m = read_manifest(tiny_export, verify_checksums=False)
+    assert [p.dims["batch"] for p in E.profiles_for(m, "target", 256)] == [(1, 1, 1), (1, 1, 1)]  # the default
+    pre, step = E.profiles_for(m, "target", 256, max_batch=4)
+    assert (pre.dims["batch"], step.dims["batch"]) == ((1, 1, 4), (1, 4, 4))
+    shapes = E.input_shapes(m.graphs["target"], step.dims)
+    assert shapes["input_ids"] == ((1, 1), (4, 16), (4, 16))
+    assert shapes["attention_mask"] == ((1, 257), (4, 528), (4, 528))  # one capacity for the call, ragged lengths
+    assert shapes["past_key_values.0.key"] == ((1, 2, 256, 16), (4, 2, 512, 16), (4, 2, 512, 16))
+    assert E.input_shapes(m.graphs["target"], pre.dims)["input_ids"] == ((1, 1), (1, 128), (4, 256))
+    for key in E.graph_keys(m, "both")[1:]:
+        assert all(p.dims["batch"] == (1, 1, 1) for p in E.profiles_for(m, key, 256, max_batch=4)), key
+    with pytest.raises(DFlash2Error, match="--max-batch must be >= 1, got 0"):
+        E.profiles_for(m, "target", 256, max_batch=0)
+
+    entry, trt, _ = _build(export_copy, tmp_path, selector="decomposed", max_batch=4)
+    tgt = trt.builds[0]
+    assert tgt["profiles"][1]["input_ids"] == [[1, 1], [4, 16], [4, 16]]
+    assert tgt["profiles"][0]["past_key_values.0.key"][2][0] == 4
+    assert all(dims[2][0] == 1 for b in trt.builds[1:] for p in b["profiles"] for dims in p.values())
+    assert entry.max_batch == 4 and read_manifest(export_copy).engines.max_batch == 4
+    raw = json.loads((export_copy / "manifest.json").read_text())["engines"]
+    assert "max_batch" not in raw and raw["plans"]["target"]["profiles"][1]["dims"]["batch"] == [1, 4, 4]
+    old = dict(raw, plans={k: {**v, "profiles": [dict(p, dims={d: r for d, r in p["dims"].items() if d != "batch"})
+                                                 for p in v["profiles"]]} for k, v in raw["plans"].items()})
+    assert parse_engine_set(old).max_batch == 1  # profiles without a batch dim: B = 1
+    entry1, _, _ = _build(export_copy, tmp_path, selector="decomposed")
+    assert entry1.max_batch == 1
+    with pytest.raises(DFlash2Error, match="--max-batch must be >= 1"):
+        _build(export_copy, tmp_path, selector="decomposed", max_batch=0)
+
+    from dflash2_trt.cli import main
+
+    assert main(["build-engines", "DIR", "--max-batch", "0"]) == 1  # the parser refuses it (one line)
+    assert "--max-batch" in capsys.readouterr().err
+
+
 def test_build_engines_cli_help_and_bad_selector(capsys):
     from dflash2_trt.cli import main
 

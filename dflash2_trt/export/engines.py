@@ -1,20 +1,26 @@
 """TensorRT engines for an export folder: ``dflash2 build-engines DIR`` (or ``dflash2 export ... --engines``).
 
-    dflash2 build-engines DIR [--plugin LIB] [--selector plugin|decomposed|both]
+    dflash2 build-engines DIR [--plugin LIB] [--selector plugin|decomposed|both] [--max-batch N]
                               [--weak-typing] [--tf32] [--workspace-gib N] [--prefill-rows N] [--quiet]
 
 Each graph is parsed by the TensorRT ONNX parser *from its file* (so ``weights.bin`` resolves) after
 ``libdflash2_plugins.so`` is loaded into the plugin registry, and built into a plan::
 
-    DIR/engines-<id>/target.plan                  profiles: prefill (rows 1..P), step (rows 1..bs)
+    DIR/engines-<id>/target.plan                  profiles: prefill (rows 1..P), step (rows 1..bs); batch 1..N
     DIR/engines-<id>/drafter_context.plan         profiles: prefill (rows 1..P), step (rows 1..bs)
     DIR/engines-<id>/drafter_block.plan           profile:  step (context capacity step..max)
     DIR/engines-<id>/drafter_head_{mode}[_plugin].plan   plugin variant by default; decomposed on request
     DIR/engines-<id>/libdflash2_plugins.so        the plugin library the engines were built with
     DIR/engines-<id>/timing.cache                 TensorRT timing cache (carried over to the next build)
 
-Batch is 1 in every profile (the runtime decodes one request per runner); capacity dims run from the
-manifest's ``kv_capacity_step`` to ``max_seq_len`` rounded up to it; P = ``--prefill-rows`` (default 256).
+Batch: the target engine's profiles take 1..N sequences per call, N = ``--max-batch`` (default 1: today's
+B = 1 engines), tuned (opt) at N for the step profile (a loaded server's verify / plain steps) and at 1 for the
+prefill profile; the sequences of one call share the capacity dim (each has its own valid length through
+``attention_mask``: ragged caches). The drafter engines stay at batch 1: the runtimes draft per sequence (the C
+API's batched TensorRT runner runs one B = 1 drafter per slot). N is recorded in the manifest as the profiles'
+``batch`` dim ``[1, opt, N]`` (``EngineSet.max_batch`` reads it back), so manifests without the option stay
+valid. Capacity dims run from the manifest's ``kv_capacity_step`` to ``max_seq_len`` rounded up to it;
+P = ``--prefill-rows`` (default 256).
 
 Precision comes from the ONNX types: networks are strongly typed (TensorRT 11 always is; on 10.x the
 STRONGLY_TYPED creation flag is set). ``--weak-typing`` (10.x only) instead enables the builder flag that
@@ -61,6 +67,7 @@ if TYPE_CHECKING:
     import tensorrt as trt
 
 DEFAULT_PREFILL_ROWS = 256
+DEFAULT_MAX_BATCH = 1
 PLUGIN_NAME = "libdflash2_plugins.so"
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -125,21 +132,27 @@ def source_graph(manifest: ExportManifest, key: str) -> str:
 TYPICAL_POSITIONS = 1024
 
 
-def profiles_for(manifest: ExportManifest, key: str, prefill_rows: int) -> list[EngineProfile]:
+def profiles_for(manifest: ExportManifest, key: str, prefill_rows: int,
+                 max_batch: int = DEFAULT_MAX_BATCH) -> list[EngineProfile]:
     """Optimization profiles of one graph as named dim ranges ``{dim: (min, opt, max)}``. Capacity dims: min one
-    ``kv_capacity_step`` bucket, opt the bucket holding ``TYPICAL_POSITIONS`` (at most the exported capacity)."""
+    ``kv_capacity_step`` bucket, opt the bucket holding ``TYPICAL_POSITIONS`` (at most the exported capacity).
+    Batch: the target's 1..max_batch (opt max_batch for steps, 1 for prefills); every other graph's 1."""
+    if int(max_batch) < 1:
+        raise DFlash2Error(f"--max-batch must be >= 1, got {max_batch}")
     bs = manifest.block_size
     step = manifest.kv_capacity_step
     P = max(bs, min(int(prefill_rows), manifest.max_seq_len))
     batch = (1, 1, 1)
+    nb = int(max_batch)
     typical = min(manifest.max_capacity, -(-TYPICAL_POSITIONS // step) * step)
     capacity = (step, typical, manifest.max_capacity)
     role = manifest.graphs[key].role
     if role == "target":
-        def tgt(rows: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
-            return {"batch": batch, "sequence": rows, "capacity": capacity,
+        def tgt(rows: tuple[int, int, int], b: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
+            return {"batch": b, "sequence": rows, "capacity": capacity,
                     "capacity_plus_sequence": tuple(capacity[i] + rows[i] for i in range(3))}
-        return [EngineProfile("prefill", tgt((1, max(1, P // 2), P))), EngineProfile("step", tgt((1, bs, bs)))]
+        return [EngineProfile("prefill", tgt((1, max(1, P // 2), P), (1, 1, nb))),
+                EngineProfile("step", tgt((1, bs, bs), (1, nb, nb)))]
     if role == "drafter_context":
         return [EngineProfile("prefill", {"batch": batch, "rows": (1, max(1, P // 2), P)}),
                 EngineProfile("step", {"batch": batch, "rows": (1, bs, bs)})]
@@ -255,9 +268,11 @@ def _build_one(trt_mod: Any, logger: trt.ILogger, onnx_path: Path, graph: GraphS
 
 def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, selector: str = "plugin",
                   weak_typing: bool = False, tf32: bool = False, workspace_gib: float | None = None,
-                  prefill_rows: int = DEFAULT_PREFILL_ROWS, progress: bool = True,
-                  trt_module: ModuleType | None = None, api: CudaApi | None = None) -> EngineSet:
+                  prefill_rows: int = DEFAULT_PREFILL_ROWS, max_batch: int = DEFAULT_MAX_BATCH,
+                  progress: bool = True, trt_module: ModuleType | None = None,
+                  api: CudaApi | None = None) -> EngineSet:
     """Build the engines of an export folder and record them in its manifest; returns the ``engines`` entry.
+    ``max_batch``: sequences per target engine call (its profiles' batch dim 1..max_batch).
     Raises DFlash2Error (folder untouched) when TensorRT, a GPU or the plugin library is missing."""
     d = Path(model_dir)
     manifest = read_manifest(d, verify_checksums=True)
@@ -265,6 +280,8 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
     keys = graph_keys(manifest, selector)
     if prefill_rows < 1:
         raise DFlash2Error(f"--prefill-rows must be >= 1, got {prefill_rows}")
+    if max_batch < 1:
+        raise DFlash2Error(f"--max-batch must be >= 1, got {max_batch}")
     trt_mod: Any = trt_module if trt_module is not None else import_tensorrt()
     if api is None:
         from dflash2_trt.runtime.trt.cuda_api import CudaRuntime
@@ -295,7 +312,7 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
         plans: dict[str, EnginePlan] = {}
         for i, key in enumerate(keys):
             g = manifest.graphs[source_graph(manifest, key)]
-            profiles = profiles_for(manifest, key, prefill_rows)
+            profiles = profiles_for(manifest, key, prefill_rows, max_batch)
             t0 = time.perf_counter()
             if progress:
                 print(f"dflash2: building {key} ({i + 1}/{len(keys)})", file=sys.stderr, flush=True)
@@ -356,19 +373,23 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 exports (not token-exact)")
     p.add_argument("--workspace-gib", type=V.POSITIVE_NUMBER, default=None, help="builder workspace limit")
     p.add_argument("--prefill-rows", type=V.COUNT, default=DEFAULT_PREFILL_ROWS, help="max rows per prefill chunk")
+    p.add_argument("--max-batch", type=V.COUNT, default=DEFAULT_MAX_BATCH,
+                   help="sequences per target engine call (batched decoding; default 1)")
 
 
 def run_build(model_dir: str | Path, a: argparse.Namespace, prog: str = "dflash2") -> int:
     """Build and print one line; DFlash2Error -> one line on stderr, exit 1 (the ONNX export stays intact)."""
     try:
         e = build_engines(model_dir, plugin=a.plugin, selector=a.selector, weak_typing=a.weak_typing, tf32=a.tf32,
-                          workspace_gib=a.workspace_gib, prefill_rows=a.prefill_rows, progress=not a.quiet)
+                          workspace_gib=a.workspace_gib, prefill_rows=a.prefill_rows, max_batch=a.max_batch,
+                          progress=not a.quiet)
     except DFlash2Error as err:
         print(f"{prog}: error: engines not built: {err} (the ONNX export in {model_dir} is intact)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted (the ONNX export in {model_dir} is intact)", file=sys.stderr)
         return 1
-    print(f"built {len(e.plans)} TensorRT engines (TensorRT {e.tensorrt_version}, {e.gpu.name}) "
+    batch = f", target batch 1..{e.max_batch}" if e.max_batch > 1 else ""
+    print(f"built {len(e.plans)} TensorRT engines (TensorRT {e.tensorrt_version}, {e.gpu.name}{batch}) "
           f"in {Path(model_dir) / e.dir}")
     return 0
