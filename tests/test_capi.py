@@ -1210,6 +1210,7 @@ def test_tensorrt_backend_compiles(capi_build):
     obj = capi_build / "CMakeFiles" / "dflash2_objects.dir" / "src" / "backends" / "trtBackend.cpp.o"
     syms = _run(["nm", "-C", str(obj)], "nm").stdout
     assert "TrtRunners::drafterPropose" in syms and "TrtModel::TrtModel" in syms
+    assert "TrtBatchRunners::targetForward" in syms  # dfl2_batch over TensorRT (never run here either)
     needed = _run(["readelf", "-d", str(capi_build / "lib" / "libdflash2.so")], "readelf").stdout
     assert "nvinfer" not in needed and "libcudart" not in needed, needed
     out = subprocess.run([str(capi_build / "bin" / "generate"), str(capi_build / "tests" / "capi-scratch" / "valid"),

@@ -1,10 +1,14 @@
 /* generate — prompt token ids in, streamed token ids out, with libdflash2.
  *
  *   generate EXPORT_DIR ID [ID ...] [-o key=value ...]
+ *   generate EXPORT_DIR -b ID [ID ...] [, ID [ID ...] ...] [-o key=value ...]
  *
  * Loads an export folder (dflash2 export [+ build-engines]), generates from the prompt ids and prints each
  * committed chunk of ids as it arrives (one line per chunk), then one summary line on stderr:
- * tokens, cycles, τ, finish reason. Tokenizing text is the caller's job: e.g.
+ * tokens, cycles, τ, finish reason. With -b the prompts separated by "," are requests of one dfl2_batch (batch
+ * options such as -o max_batch=4 -o fixed_costs=... apply); each request's ids are printed on one line, in the
+ * order given, once all have ended, and one summary line per request goes to stderr. Tokenizing text is the
+ * caller's job: e.g.
  *   python -c "from tokenizers import Tokenizer as T; print(*T.from_file('DIR/tokenizer.json').encode('Hi').ids)"
  * Errors: one line on stderr, exit status 1. Options: see dflash2.h (e.g. -o max_new_tokens=64
  * -o temperature=0.7 -o draft_mode=viterbi). */
@@ -23,6 +27,10 @@ static int32_t printChunk(void* user, const int32_t* tokens, size_t n)
     fflush(stdout);
     return 0; /* non-zero would cancel */
 }
+
+/* -b: every request's prompt (ids[starts[i] .. starts[i] + lens[i] - 1]) in one batch; ids printed per request. */
+static int runBatch(dfl2_model* model, const dfl2_options* opts, const int32_t* ids, const size_t* starts,
+                    const size_t* lens, size_t nReq);
 
 static int fail(dfl2_status* st, const char* what)
 {
@@ -43,13 +51,16 @@ int main(int argc, char** argv)
         return 1;
     }
     int32_t* prompt = (int32_t*) calloc((size_t) argc, sizeof(int32_t));
-    size_t n = 0;
+    size_t* starts = (size_t*) calloc((size_t) argc, sizeof(size_t));
+    size_t* lens = (size_t*) calloc((size_t) argc, sizeof(size_t));
+    size_t n = 0, nReq = 0;
+    int batched = 0;
     dfl2_options* opts = NULL;
     dfl2_model* model = NULL;
     dfl2_session* session = NULL;
     dfl2_status* st = dfl2_options_create(&opts);
     int rc = 1;
-    if (st || !prompt) {
+    if (st || !prompt || !starts || !lens) {
         rc = fail(st, "options");
         goto done;
     }
@@ -61,6 +72,18 @@ int main(int argc, char** argv)
             }
             continue;
         }
+        if (strcmp(argv[i], "-b") == 0) {
+            batched = 1;
+            continue;
+        }
+        if (strcmp(argv[i], ",") == 0) { /* the next request's prompt starts here */
+            if (n > starts[nReq]) {
+                lens[nReq] = n - starts[nReq];
+                ++nReq;
+            }
+            starts[nReq] = n;
+            continue;
+        }
         char* end = NULL;
         errno = 0;
         long v = strtol(argv[i], &end, 10);
@@ -70,8 +93,21 @@ int main(int argc, char** argv)
         }
         prompt[n++] = (int32_t) v;
     }
+    if (n > starts[nReq]) {
+        lens[nReq] = n - starts[nReq];
+        ++nReq;
+    }
+    if (nReq == 0 || (nReq > 1 && !batched)) {
+        fprintf(stderr, nReq == 0 ? "generate: no prompt ids\n"
+                                  : "generate: one prompt without -b (',' separates the prompts of a batch)\n");
+        goto done;
+    }
     if ((st = dfl2_model_load(argv[1], opts, &model)) != NULL) {
         rc = fail(st, "load");
+        goto done;
+    }
+    if (batched) {
+        rc = runBatch(model, opts, prompt, starts, lens, nReq);
         goto done;
     }
     if ((st = dfl2_session_create(model, opts, &session)) != NULL) {
@@ -96,5 +132,57 @@ done:
     dfl2_model_free(model);
     dfl2_options_free(opts);
     free(prompt);
+    free(starts);
+    free(lens);
+    return rc;
+}
+
+static int runBatch(dfl2_model* model, const dfl2_options* opts, const int32_t* ids, const size_t* starts,
+                    const size_t* lens, size_t nReq)
+{
+    static const char* const kReasons[] = {"none", "eos", "length", "cancelled", "error"};
+    dfl2_batch* batch = NULL;
+    uint64_t* rid = (uint64_t*) calloc(nReq + 1, sizeof(uint64_t));
+    dfl2_status* st = rid ? dfl2_batch_create(model, opts, &batch) : NULL;
+    int rc = 1;
+    if (!rid || st) {
+        rc = fail(st, "batch");
+        goto done;
+    }
+    for (size_t i = 0; i < nReq; ++i) {
+        dfl2_request q;
+        memset(&q, 0, sizeof q);
+        q.struct_size = sizeof q;
+        q.prompt = ids + starts[i];
+        q.n_prompt = lens[i];
+        q.options = opts;
+        if ((st = dfl2_batch_submit(batch, &q, &rid[i])) != NULL) {
+            rc = fail(st, "submit");
+            goto done;
+        }
+    }
+    for (size_t pending = nReq; pending;) {
+        if ((st = dfl2_batch_step(batch, &pending)) != NULL) {
+            rc = fail(st, "step");
+            goto done;
+        }
+    }
+    rc = 0;
+    for (size_t i = 0; i < nReq; ++i) {
+        const int32_t* t = NULL;
+        size_t k = 0;
+        dfl2_stats stats;
+        int32_t plain = 0;
+        st = dfl2_batch_get_result(batch, rid[i], &t, &k, &stats, &plain);
+        printChunk(NULL, t, k);
+        fprintf(stderr, "generate: request %zu: %d tokens, %d cycles, %d plain steps, finish %s, %.3f s%s%s\n", i + 1,
+                stats.n_tokens, stats.cycles, plain, kReasons[stats.finish_reason], stats.elapsed_s,
+                st ? ": " : "", st ? dfl2_status_message(st) : "");
+        rc = st ? 1 : rc;
+        dfl2_status_free(st);
+    }
+done:
+    dfl2_batch_free(batch);
+    free(rid);
     return rc;
 }

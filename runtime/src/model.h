@@ -22,13 +22,13 @@ public:
     virtual ~Model() = default;
     //! One request's runners (a session holds one for its lifetime).
     virtual std::unique_ptr<Runners> newRunners() = 0;
-    //! `slots` sequences decoded together (dfl2_batch). Backends without a batched path (TensorRT: B = 1) refuse.
+    //! `slots` (1..maxBatch) sequences decoded together (dfl2_batch). Backends without a batched path refuse.
     virtual std::unique_ptr<BatchRunners> newBatchRunners(int32_t slots)
     {
         (void) slots;
         throw Error(DFL2_ERR_UNAVAILABLE,
-            "the " + backend + " backend decodes one sequence per session (B = 1); batched decoding needs a callbacks "
-            "model with batched callbacks (dfl2_callbacks.max_batch >= 1)");
+            "the " + backend + " backend has no batched decoding; it needs a callbacks model with batched callbacks "
+            "(dfl2_callbacks.max_batch >= 1) or TensorRT engines");
     }
     //! Non-null when sessions (and batches) must not run concurrently (callbacks share the caller's state).
     virtual std::mutex* generateLock()
@@ -41,7 +41,7 @@ public:
     int32_t blockSize{0};
     int32_t topK{0};
     int32_t maxPositions{0};
-    int32_t maxBatch{0};  //!< slots of the batched backend (0: none)
+    int32_t maxBatch{0};  //!< slots of the batched backend (0: none; TensorRT: the target engine's batch, >= 1)
     std::vector<int32_t> eosIds;
 };
 

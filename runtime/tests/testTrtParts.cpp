@@ -1,13 +1,17 @@
 // The TensorRT backend's CUDA-free parts (runtime/src/backends/trtParts.h) on the host: the device KV cache over
-// memory that starts as garbage (0xFF bytes, a NaN in every float format, as cudaMalloc's may be), binding sizes
-// against engine shapes, the libnvinfer major and engine version rules, and the bounded context cache.
+// memory that starts as garbage (0xFF bytes, a NaN in every float format, as cudaMalloc's may be), one sequence's
+// and a batch of slots' (ragged lengths); the inputs of a batched target call (RaggedBatch) checked against a
+// reference attention over the same rows; binding sizes against engine shapes, the libnvinfer major and engine
+// version rules, and the bounded context cache.
 //
 // usage: trtParts
 #include "backends/trtParts.h"
 
 #include "dfl2Test.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -107,7 +111,7 @@ void testKvZeroedAndGrown()
 {
     HostOps ops;
     // 2 layers (4 buffers) [1, heads 2, capacity, d 3] fp32, buckets of 4, at most 10 positions
-    DeviceKV kv{&ops, 2, 2, 3, sizeof(float), 4, 10, 0, 0, {}};
+    DeviceKV kv{&ops, 2, 2, 3, sizeof(float), 4, 10, 0, 0, {}, 1};
     CHECK(kv.reserve(3, nullptr) && kv.capacity == 4 && kv.ptrs.size() == 4);
     CHECK(allFinite(kv)); // fresh cudaMalloc memory is garbage: zeroed, NaN never reaches a masked slot
     CHECK(ops.zeros == 4);
@@ -155,7 +159,7 @@ void testKvZeroedAndGrown()
         == DFL2_ERR_INTERNAL); // 3 + 9 rows > capacity 10
 
     HostOps tight;
-    DeviceKV small{&tight, 2, 2, 3, sizeof(float), 4, 10, 0, 0, {}};
+    DeviceKV small{&tight, 2, 2, 3, sizeof(float), 4, 10, 0, 0, {}, 1};
     small.reserve(2, nullptr);
     tight.failAfter = tight.allocs + 2; // the third buffer of the next growth fails
     std::vector<void*> const kept4 = small.ptrs;
@@ -164,6 +168,136 @@ void testKvZeroedAndGrown()
     small.release();
     kv.release();
     CHECK(ops.live.empty() && tight.live.empty());
+}
+
+// A batched cache [slots 3, heads 2, capacity, d 2]: rows appended per slot at its own length from a batched
+// present [B, heads, S, d]; a growth keeps every slot's rows at the new pitch and zeroes the rest; a slot's part is
+// what a B = 1 call binds.
+void testBatchedKv()
+{
+    HostOps ops;
+    DeviceKV kv{&ops, 1, 2, 2, sizeof(float), 4, 12, 0, 0, {}, 3};
+    CHECK(kv.reserve(4, nullptr) && kv.capacity == 4 && kv.bufferBytes(4) == 3 * 2 * 4 * 2 * sizeof(float));
+    CHECK(allFinite(kv));
+    // present [B 3, heads 2, S 3, d 2]: value 1000 * b + 100 * head + 10 * row + k
+    int32_t const B = 3, H = 2, S = 3, D = 2;
+    std::vector<std::vector<float>> present(2, std::vector<float>(static_cast<size_t>(B * H * S * D)));
+    std::vector<void*> pp;
+    for (auto& buf : present)
+    {
+        for (int b = 0; b < B; ++b)
+            for (int h = 0; h < H; ++h)
+                for (int r = 0; r < S; ++r)
+                    for (int k = 0; k < D; ++k)
+                        buf[static_cast<size_t>(((b * H + h) * S + r) * D + k)]
+                            = static_cast<float>(1000 * b + 100 * h + 10 * r + k);
+        pp.push_back(buf.data());
+    }
+    std::vector<int32_t> length{0, 2, 0};  // ragged: slot 1 already holds 2 (zero) rows
+    kv.appendRows(pp, S, 0, 3, 0, length[0], nullptr);  // batch row 0 -> slot 0, 3 rows at 0
+    length[0] += 3;
+    kv.appendRows(pp, S, 2, 1, 1, length[1], nullptr);  // batch row 2 -> slot 1, 1 row at 2
+    length[1] += 1;
+    CHECK(codeOf([&] { kv.appendRows(pp, S, 1, 2, 2, 3, nullptr); }) == DFL2_ERR_INTERNAL);  // 3 + 2 > capacity 4
+    CHECK(codeOf([&] { kv.appendRows(pp, S, 1, 1, 3, 0, nullptr); }) == DFL2_ERR_INTERNAL);  // no slot 3
+    auto at = [&](size_t buf, int slot, int h, int pos, int k) {
+        float const* f = static_cast<float const*>(kv.slotPointer(buf, slot));
+        return f[(h * kv.capacity + pos) * D + k];
+    };
+    auto expectRows = [&](char const* when) {
+        bool ok = true;
+        for (int h = 0; h < H; ++h)
+        {
+            for (int k = 0; k < D; ++k)
+            {
+                for (int pos = 0; pos < kv.capacity; ++pos)
+                {
+                    ok = ok && at(1, 0, h, pos, k) == (pos < 3 ? static_cast<float>(100 * h + 10 * pos + k) : 0.0F);
+                    float const slot1 = pos == 2 ? static_cast<float>(2000 + 100 * h + k) : 0.0F;
+                    ok = ok && at(1, 1, h, pos, k) == slot1 && at(1, 2, h, pos, k) == 0.0F;
+                }
+            }
+        }
+        CHECK_MSG(ok, "batched KV rows %s", when);
+    };
+    expectRows("after the appends");
+    kv.length = *std::max_element(length.begin(), length.end());  // what TrtBatchRunners sets before growing
+    std::vector<void*> const before = kv.ptrs;
+    CHECK(kv.reserve(9, nullptr) && kv.capacity == 12 && kv.ptrs != before);
+    CHECK(allFinite(kv));
+    expectRows("after a growth");
+    CHECK(static_cast<char*>(kv.slotPointer(0, 2)) - static_cast<char*>(kv.ptrs[0])
+        == static_cast<std::ptrdiff_t>(2 * 2 * 12 * 2 * sizeof(float)));
+    kv.release();
+    CHECK(ops.live.empty());
+}
+
+// RaggedBatch: slots 0 and 2 in the call (slot 1 rides along as padding), ragged rows and cache lengths. The inputs
+// are checked field by field, then through a reference attention: every real row of the batched call sees exactly
+// the positions its own B = 1 call would (its slot's cached ones and its own new rows up to itself), and every row
+// sees at least one position (no all-masked row: no NaN).
+void testRaggedBatch()
+{
+    std::vector<SlotRows> seqs{{2, 5, {7, 8, 9}}, {0, 0, {4}}};
+    RaggedBatch const rb = planRaggedBatch(seqs, 8, 4);
+    CHECK(rb.batch == 3 && rb.rows == 3 && rb.capacity == 8);
+    CHECK(rb.inputIds == std::vector<int64_t>({4, 0, 0, 0, 0, 0, 7, 8, 9}));
+    CHECK(rb.positionIds == std::vector<int64_t>({0, 1, 2, 0, 1, 2, 5, 6, 7}));
+    std::vector<int64_t> const mask{
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0,  // slot 0: no cache, 1 new row
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0,  // slot 1: padding (sees only itself)
+        1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1}; // slot 2: 5 cached, 3 new rows
+    CHECK(rb.attentionMask == mask);
+    CHECK(rb.row(seqs[0], 2) == 8 && rb.row(seqs[1], 0) == 0);
+    // the graph's rule (onnx_graphs.TargetGraph): row i of batch row b sees cache slot c when mask[b, c] and new row
+    // j <= i when mask[b, C + j]
+    size_t const C = 8, S = 3, W = C + S;
+    for (size_t b = 0; b < 3; ++b)
+    {
+        for (size_t i = 0; i < S; ++i)
+        {
+            int seen = 0;
+            for (size_t c = 0; c < C; ++c)
+                seen += rb.attentionMask[b * W + c] != 0;
+            for (size_t j = 0; j <= i; ++j)
+                seen += rb.attentionMask[b * W + C + j] != 0;
+            CHECK_MSG(seen >= 1, "batch row %zu row %zu sees nothing", b, i);
+        }
+    }
+    for (SlotRows const& s : seqs)  // a real row j: its B = 1 call's view, cache 0..cacheLength-1 and new rows 0..j
+    {
+        for (size_t j = 0; j < s.ids.size(); ++j)
+        {
+            size_t const b = static_cast<size_t>(s.slot);
+            bool same = rb.inputIds[rb.row(s, static_cast<int32_t>(j))] == s.ids[j]
+                && rb.positionIds[rb.row(s, static_cast<int32_t>(j))] == s.cacheLength + static_cast<int64_t>(j);
+            for (size_t c = 0; c < C; ++c)
+                same = same && (rb.attentionMask[b * W + c] != 0) == (static_cast<int64_t>(c) < s.cacheLength);
+            for (size_t k = 0; k <= j; ++k)
+                same = same && rb.attentionMask[b * W + C + k] != 0;
+            CHECK_MSG(same, "slot %d row %zu", s.slot, j);
+        }
+    }
+    std::string msg;
+    CHECK(codeOf([] { planRaggedBatch({{0, 6, {1, 2, 3}}}, 8, 4); }, &msg) == DFL2_ERR_INTERNAL);  // 6 + 3 > 8
+    CHECK_MSG(msg.find("slot 0 with 3 rows at 6 does not fit 4 slots of capacity 8") != std::string::npos, "%s",
+        msg.c_str());
+    CHECK(codeOf([] { planRaggedBatch({{1, 0, {1}}, {1, 0, {2}}}, 8, 4); }) == DFL2_ERR_INTERNAL);  // slot twice
+    CHECK(codeOf([] { planRaggedBatch({{4, 0, {1}}}, 8, 4); }) == DFL2_ERR_INTERNAL);              // no slot 4
+    CHECK(codeOf([] { planRaggedBatch({{0, 0, {}}}, 8, 4); }) == DFL2_ERR_INTERNAL);               // no rows
+    // B = 1 (a prompt alone): the same inputs as the one-sequence runner writes
+    RaggedBatch const one = planRaggedBatch({{0, 2, {5, 6}}}, 4, 1);
+    CHECK(one.batch == 1 && one.inputIds == std::vector<int64_t>({5, 6})
+        && one.positionIds == std::vector<int64_t>({2, 3})
+        && one.attentionMask == std::vector<int64_t>({1, 1, 0, 0, 1, 1}));
+
+    // the engine's batch from its profiles (build-engines --max-batch), 1 for profiles without a batch dim
+    ProfileEntry pre{"prefill", {{"batch", {1, 1, 8}}, {"sequence", {1, 128, 256}}}};
+    ProfileEntry step{"step", {{"batch", {1, 8, 8}}, {"sequence", {1, 16, 16}}}};
+    ProfileEntry old{"step", {{"sequence", {1, 16, 16}}}};
+    CHECK(profilesMaxBatch({pre, step}) == 8 && profilesMaxBatch({step, old}) == 1 && profilesMaxBatch({}) == 1);
+    step.dims["batch"] = {1, 4, 4};
+    CHECK(profilesMaxBatch({pre, step}) == 4);
 }
 
 void testBindingShapes()
@@ -217,6 +351,8 @@ void testLru()
 int main()
 {
     testKvZeroedAndGrown();
+    testBatchedKv();
+    testRaggedBatch();
     testBindingShapes();
     testVersions();
     testLru();

@@ -5,7 +5,7 @@
  * sampling: identical in distribution, and identical token for token to the Python runtime when the same
  * uniforms are supplied, see dfl2_uniform_fn). One prompt at a time per session (dfl2_session), or many at once
  * in a batch (dfl2_batch: continuous batching with ragged acceptance and load-adaptive speculation; callbacks
- * models with batched callbacks only — the TensorRT backend decodes one sequence per session, B = 1).
+ * models with batched callbacks, or TensorRT engines built with a batch dimension — see BACKENDS there).
  *
  * TOKEN IDS ONLY. Prompts go in and generated tokens come out as int32 token ids; turning text into ids
  * and back is the caller's tokenizer's job (the export folder carries the tokenizer files for that).
@@ -59,7 +59,8 @@
  *     "device"          int    0      CUDA device ordinal (TensorRT)
  *     "cuda_graphs"     bool   true   capture the draft and verify steps as CUDA graphs (TensorRT)
  *   batch (read by dfl2_batch_create; the rule is stated under BATCHED DECODING):
- *     "max_batch"       int    0      sequences decoded together (slots); 0 = the model's max_batch
+ *     "max_batch"       int    0      sequences decoded together (slots); 0 = the model's max_batch (callbacks:
+ *                                     dfl2_callbacks.max_batch; TensorRT: the target engine's batch)
  *     "adaptive"        bool   true   draft only while it pays (the rule); false = every speculative request drafts
  *     "prior_tau"       double 2.0    a request's estimated tokens per cycle before its first cycles
  *     "prior_weight"    double 2.0    cycles the prior counts for (> 0)
@@ -341,8 +342,13 @@ DFL2_API dfl2_status* dfl2_session_get_stats(const dfl2_session* session, dfl2_s
  * measured again). So at low load a request whose drafts are accepted drafts, at high load the batch decodes in
  * batched plain steps. Lossless either way (the rule picks which exact procedure makes a request's next tokens).
  *
- * BACKENDS. A callbacks model with max_batch >= 1 and the batch_* callbacks. The TensorRT backend decodes one
- * sequence per session (B = 1): dfl2_batch_create on it fails with DFL2_ERR_UNAVAILABLE.
+ * BACKENDS. A callbacks model with max_batch >= 1 and the batch_* callbacks. A TensorRT model: up to the batch its
+ * target engine takes per call (dflash2 build-engines --max-batch N; engines built without it take 1, so their
+ * batches have one slot: a request queue decoded one at a time). The step's sequences run in one target engine
+ * call (ragged cache lengths; a prompt longer than the engine's step rows is prefilled alone), each slot drafts
+ * with its own B = 1 drafter. A batch has its own CUDA stream, target contexts, buffers and KV cache [max_batch
+ * slots, ...] and one drafter's state per slot; it takes turns with the model's sessions and other batches. The
+ * batched TensorRT path has NOT been run on a GPU (runtime/README.md: what is verified where).
  *
  * OWNERSHIP AND LIFETIME. A batch keeps a reference to its model (free batches before the model). A request's
  * prompt and options are copied by dfl2_batch_submit. The result of an ended request (tokens, statistics) stays

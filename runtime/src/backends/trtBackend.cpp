@@ -30,6 +30,9 @@
 //!   captured is never re-shaped (each shape bucket has its own context). Capture failure -> eager from then on.
 //! * The verify step (target rows <= block size) and the draft step (block + head engines) are captured; prefill
 //!   and long context updates run eagerly in chunks of the prefill profile's rows.
+//! * TrtBatchRunners (one per dfl2_batch; see its comment) owns the batch's stream, the target's scratch, contexts
+//!   and I/O buffers, one KV cache [slots, heads, capacity, d] per layer (ragged: each slot its own length) and one
+//!   drafter-only TrtRunners per slot. The target runs eagerly (no graphs); the drafters capture as sessions do.
 #include "../model.h"
 #include "trtParts.h"
 
@@ -302,6 +305,8 @@ public:
         mRuntime.reset();
     }
     std::unique_ptr<Runners> newRunners() override;
+    //! `slots` <= maxBatch (the target engine's profiles' batch): TrtBatchRunners.
+    std::unique_ptr<BatchRunners> newBatchRunners(int32_t slots) override;
     //! Sessions of one model generate one at a time (see the file comment).
     std::mutex* generateLock() override
     {
@@ -334,7 +339,9 @@ private:
 class TrtRunners : public Runners
 {
 public:
-    explicit TrtRunners(TrtModel& model);
+    //! withTarget false: the drafter engines only (one slot's drafter in TrtBatchRunners; no target buffers, and
+    //! the target calls must not be used)
+    explicit TrtRunners(TrtModel& model, bool withTarget = true);
     ~TrtRunners() override;
     TrtRunners(TrtRunners const&) = delete;
     TrtRunners& operator=(TrtRunners const&) = delete;
@@ -373,18 +380,29 @@ public:
     void drafterAddContext(int32_t rows, int32_t start) override;
     void drafterPropose(
         int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out) override;
+    //! features [rows, F] (the target engine's raw bytes, host) of positions start.. join the draft context
+    void drafterAddFeatures(char const* feats, int32_t rows, int32_t start);
+    //! one feature row's bytes
+    size_t featureRowBytes() const
+    {
+        return static_cast<size_t>(mFeatDim) * mFeatElem;
+    }
+
+    //! io[name]: a device buffer of maxShape (checked against the engine's static dims), + a pinned host mirror
+    static IOTensor& tensor(std::map<std::string, IOTensor>& io, Engine const& e, std::string const& name,
+        std::vector<int64_t> const& maxShape, bool host);
+    //! sets the input shapes (reshape) and binds every I/O tensor of `e` from `addr`
+    static void bind(Engine const& e, nv::IExecutionContext& ctx,
+        std::map<std::string, std::vector<int64_t>> const& shapes, std::map<std::string, void*> const& addr,
+        bool reshape);
 
 private:
     void setUp();
     void releaseAll() noexcept;
-    IOTensor& tensor(std::map<std::string, IOTensor>& io, Engine const& e, std::string const& name,
-        std::vector<int64_t> const& maxShape, bool host);
     //! The context of (engine, profile, bucket): "eager" / "fixed" buckets are kept for the session, captured
     //! shape buckets are bounded per engine (LRU; an evicted context's graphs are destroyed first).
     nv::IExecutionContext& context(Engine const& e, int32_t profile, std::string const& bucket, bool captured);
     std::unique_ptr<nv::IExecutionContext> newContext(Engine const& e, int32_t profile);
-    void bind(Engine const& e, nv::IExecutionContext& ctx, std::map<std::string, std::vector<int64_t>> const& shapes,
-        std::map<std::string, void*> const& addr, bool reshape);
     void enqueue(Engine const& e, nv::IExecutionContext& ctx);
     //! runs `step` as a CUDA graph keyed by `key` (captured on first use), or eagerly
     //! `contexts`: the context keys the step uses (an evicted context takes its graphs with it)
@@ -396,6 +414,7 @@ private:
     void contextCall(char const* feats, int32_t m, int32_t start);
 
     TrtModel& mModel;
+    bool mWithTarget{true};
     cudaStream_t mStream{nullptr};
     std::map<std::string, void*> mScratch;                   //!< per engine key
     CudaOps mOps;
@@ -510,6 +529,7 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
         throw Error(DFL2_ERR_CORRUPT, dir + " has no TensorRT engine for the " + mode + " drafter head");
     }
     backend = "tensorrt";
+    maxBatch = profilesMaxBatch(engine("target").profiles);  // build-engines --max-batch (1: B = 1 engines)
     vocabSize = m.vocabSize;
     blockSize = m.blockSize;
     topK = m.topK;
@@ -522,8 +542,16 @@ std::unique_ptr<Runners> TrtModel::newRunners()
     return std::make_unique<TrtRunners>(*this);
 }
 
-TrtRunners::TrtRunners(TrtModel& model)
+std::unique_ptr<BatchRunners> newTrtBatchRunners(TrtModel& model, int32_t slots);
+
+std::unique_ptr<BatchRunners> TrtModel::newBatchRunners(int32_t slots)
+{
+    return newTrtBatchRunners(*this, slots);
+}
+
+TrtRunners::TrtRunners(TrtModel& model, bool withTarget)
     : mModel(model)
+    , mWithTarget(withTarget)
 {
     try
     {
@@ -548,33 +576,36 @@ void TrtRunners::setUp()
     int32_t const K = m.topK;
 
     Engine const& te = model.engine("target");
-    for (int32_t i = 0; i < m.targetLayers; ++i)
+    if (mWithTarget)
     {
-        for (char const* kv : {"key", "value"})
+        for (int32_t i = 0; i < m.targetLayers; ++i)
         {
-            mTargetPast.push_back("past_key_values." + std::to_string(i) + "." + kv);
-            mTargetPresent.push_back("present." + std::to_string(i) + "." + kv);
+            for (char const* kv : {"key", "value"})
+            {
+                mTargetPast.push_back("past_key_values." + std::to_string(i) + "." + kv);
+                mTargetPresent.push_back("present." + std::to_string(i) + "." + kv);
+            }
         }
-    }
-    mTargetKV = DeviceKV{&mOps, m.targetLayers, m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mTargetPast[0])),
-        m.kvCapacityStep, maxCap, 0, 0, {}};
-    mTargetChunk = te.maxDim("prefill", "sequence");
-    mTargetStepRows = te.maxDim("step", "sequence");
-    mFeatDim = te.engine->getTensorShape("context_features").d[2];
-    mFeatElem = elementSize(te.types.at("context_features"));
-    tensor(mTio, te, "input_ids", {1, mTargetChunk}, true);
-    tensor(mTio, te, "position_ids", {1, mTargetChunk}, true);
-    tensor(mTio, te, "attention_mask", {1, maxCap + mTargetChunk}, true);
-    tensor(mTio, te, "logits", {1, mTargetChunk, m.vocabSize}, true);
-    tensor(mTio, te, "context_features", {1, mTargetChunk, mFeatDim}, true);
-    for (std::string const& p : mTargetPresent)
-    {
-        tensor(mTio, te, p, {1, m.targetKvHeads, mTargetChunk, m.targetHeadDim}, false);
-    }
-    for (std::string const& p : mTargetPast) // bound to the KV cache buffers, sized from the manifest
-    {
-        checkBindingShape(te.key, p, dimsVector(te.engine->getTensorShape(p.c_str())),
-            {1, m.targetKvHeads, maxCap, m.targetHeadDim});
+        mTargetKV = DeviceKV{&mOps, m.targetLayers, m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mTargetPast[0])),
+            m.kvCapacityStep, maxCap, 0, 0, {}, 1};
+        mTargetChunk = te.maxDim("prefill", "sequence");
+        mTargetStepRows = te.maxDim("step", "sequence");
+        mFeatDim = te.engine->getTensorShape("context_features").d[2];
+        mFeatElem = elementSize(te.types.at("context_features"));
+        tensor(mTio, te, "input_ids", {1, mTargetChunk}, true);
+        tensor(mTio, te, "position_ids", {1, mTargetChunk}, true);
+        tensor(mTio, te, "attention_mask", {1, maxCap + mTargetChunk}, true);
+        tensor(mTio, te, "logits", {1, mTargetChunk, m.vocabSize}, true);
+        tensor(mTio, te, "context_features", {1, mTargetChunk, mFeatDim}, true);
+        for (std::string const& p : mTargetPresent)
+        {
+            tensor(mTio, te, p, {1, m.targetKvHeads, mTargetChunk, m.targetHeadDim}, false);
+        }
+        for (std::string const& p : mTargetPast) // bound to the KV cache buffers, sized from the manifest
+        {
+            checkBindingShape(te.key, p, dimsVector(te.engine->getTensorShape(p.c_str())),
+                {1, m.targetKvHeads, maxCap, m.targetHeadDim});
+        }
     }
 
     Engine const& ce = model.engine("drafter_context");
@@ -588,7 +619,12 @@ void TrtRunners::setUp()
         }
     }
     mDraftKV = DeviceKV{&mOps, m.drafterLayers, m.drafterKvHeads, m.drafterHeadDim, elementSize(ce.types.at(mDraftKVNames[0])),
-        m.kvCapacityStep, maxCap, 0, 0, {}};
+        m.kvCapacityStep, maxCap, 0, 0, {}, 1};
+    if (!mWithTarget) // the features come from TrtBatchRunners' target engine: the context engine's input says their size
+    {
+        mFeatDim = ce.engine->getTensorShape("context_features").d[2];
+        mFeatElem = elementSize(ce.types.at("context_features"));
+    }
     mContextChunk = ce.maxDim("prefill", "rows");
     mContextStepRows = ce.maxDim("step", "rows");
     tensor(mCio, ce, "context_features", {1, mContextChunk, mFeatDim}, true);
@@ -615,6 +651,10 @@ void TrtRunners::setUp()
     checkBindingShape(he.key, "hidden", dimsVector(he.engine->getTensorShape("hidden")), {1, bs, m.hiddenSize});
     for (Engine const* e : {&te, &ce, &be, &he})
     {
+        if (e == &te && !mWithTarget)
+        {
+            continue;
+        }
         void* scratch = nullptr;
         cudaCheck(cudaMalloc(&scratch, static_cast<size_t>(std::max<int64_t>(1, e->engine->getDeviceMemorySizeV2()))),
             "cudaMalloc scratch");
@@ -971,20 +1011,25 @@ void TrtRunners::contextCall(char const* feats, int32_t m, int32_t start)
 
 void TrtRunners::drafterAddContext(int32_t rows, int32_t start)
 {
+    if (rows > mFeatureRows)
+    {
+        throw Error(DFL2_ERR_INTERNAL, "drafter context asks for more rows than the last target forward made");
+    }
+    drafterAddFeatures(mFeatures.data(), rows, start);
+}
+
+void TrtRunners::drafterAddFeatures(char const* feats, int32_t rows, int32_t start)
+{
     if (start != mDraftKV.length)
     {
         throw Error(DFL2_ERR_INTERNAL, "draft context is at length " + std::to_string(mDraftKV.length)
                 + ", got features for position " + std::to_string(start));
     }
-    if (rows > mFeatureRows)
-    {
-        throw Error(DFL2_ERR_INTERNAL, "drafter context asks for more rows than the last target forward made");
-    }
-    size_t const rowBytes = static_cast<size_t>(mFeatDim) * mFeatElem;
+    size_t const rowBytes = featureRowBytes();
     for (int32_t i = 0; i < rows; i += static_cast<int32_t>(mContextChunk))
     {
         int32_t const m = std::min<int32_t>(static_cast<int32_t>(mContextChunk), rows - i);
-        contextCall(mFeatures.data() + static_cast<size_t>(i) * rowBytes, m, start + i);
+        contextCall(feats + static_cast<size_t>(i) * rowBytes, m, start + i);
     }
 }
 
@@ -1090,6 +1135,441 @@ void TrtRunners::drafterPropose(
         out.cand[i] = readInt(mHio["cand_ids"], i);
         out.proposal[i] = readFloat(mHio["proposal_probs"], i);
     }
+}
+
+// ---- batched decoding (dfl2_batch) -------------------------------------------------------------------------
+
+//! dfl2_batch over TensorRT (NEVER RUN: no GPU where it was written; its host parts, RaggedBatch and the batched
+//! DeviceKV, are the trtParts ctest's). The target engine runs a step's sequences in one call (the batch dim of its
+//! profiles: build-engines --max-batch); each slot's drafter is a drafter-only TrtRunners (the B = 1 drafter
+//! engines, with that slot's own stream, contexts, scratch, draft KV and CUDA graphs).
+//!
+//! Target: one KV cache [slots, heads, capacity, d] per layer (DeviceKV with batch = slots; every slot its own
+//! length, mLength: ragged). A forward's sequences of at most the step profile's rows run together in one call on
+//! the step profile (RaggedBatch: batch row = slot, B = the highest slot + 1, right-padded rows, per-slot masks); a
+//! sequence with more rows (a long prompt) runs alone on the prefill profile at batch 1 in chunks of its rows,
+//! bound to its slot's part of the cache. Eager: the target is not captured (B and S change from call to call).
+//!
+//! Ownership: everything here belongs to the batch (dfl2_batch -> BatchDecoder -> this): its stream, the target's
+//! scratch, contexts (one per profile, made on first use: under the model's lock, as sessions' are), I/O buffers
+//! (allocated once at their largest shape) and KV cache; the drafters own theirs. Threads: the batch's stepping
+//! thread, under the model's lock (capi.cpp); the CUDA device is set on entry to every call (steps may come from
+//! different threads).
+class TrtBatchRunners : public BatchRunners
+{
+public:
+    TrtBatchRunners(TrtModel& model, int32_t slots);
+    ~TrtBatchRunners() override
+    {
+        releaseAll();
+    }
+    TrtBatchRunners(TrtBatchRunners const&) = delete;
+    TrtBatchRunners& operator=(TrtBatchRunners const&) = delete;
+
+    int32_t vocabSize() const override
+    {
+        return mModel.vocabSize;
+    }
+    int32_t blockSize() const override
+    {
+        return mModel.blockSize;
+    }
+    int32_t topK() const override
+    {
+        return mModel.topK;
+    }
+    int32_t maxPositions() const override
+    {
+        return mModel.maxPositions;
+    }
+    int32_t slots() const override
+    {
+        return mSlots;
+    }
+    void targetReset(int32_t slot) override
+    {
+        forget(slot);
+        mLength[index(slot)] = 0;
+    }
+    void targetRelease(int32_t slot) override
+    {
+        forget(slot);
+        mLength[index(slot)] = 0;  // its rows stay in the cache, masked (finite: zeroed or written by the engine)
+    }
+    void targetForward(std::vector<SlotRows> const& seqs, bool lastLogits, std::vector<float>& logits) override;
+    void targetCrop(int32_t slot, int32_t length) override
+    {
+        int32_t& n = mLength[index(slot)];
+        n = std::min(n, std::max(0, length));
+    }
+    void drafterReset(int32_t slot) override
+    {
+        size_t const b = index(slot);
+        mPending[b].clear();
+        mPendingRows[b] = 0;
+        mDrafters[b]->drafterReset();
+    }
+    void drafterQueueContext(int32_t slot, int32_t rows) override
+    {
+        size_t const b = index(slot);
+        if (rows < 0 || rows > mFeatureRows[b])
+        {
+            throw Error(DFL2_ERR_INTERNAL, "drafter context asks for more rows than the slot's last target forward made");
+        }
+        size_t const bytes = static_cast<size_t>(rows) * featureRowBytes();
+        mPending[b].insert(mPending[b].end(), mFeatures[b].begin(), mFeatures[b].begin() + static_cast<long>(bytes));
+        mPendingRows[b] += rows;
+    }
+    void drafterAddContext(int32_t slot, int32_t start) override
+    {
+        size_t const b = index(slot);
+        device();
+        std::vector<char> const feats = std::move(mPending[b]);
+        int32_t const rows = mPendingRows[b];
+        mPending[b].clear();
+        mPendingRows[b] = 0;
+        mDrafters[b]->drafterAddFeatures(feats.data(), rows, start);
+    }
+    void drafterPropose(int32_t slot, int32_t anchor, int32_t pos, int32_t rows, float temperature,
+        float const* uniforms, Draft& out) override
+    {
+        size_t const b = index(slot);
+        device();
+        mDrafters[b]->drafterPropose(anchor, pos, rows, temperature, uniforms, out);
+    }
+
+private:
+    //! Where a piece of a call puts its logits: row j at logits + j * V, or (lastOnly) its last row at logits;
+    //! nullptr: nowhere (a long prompt's earlier chunks under last_logits)
+    struct CallOut
+    {
+        float* logits;
+        bool lastOnly;
+    };
+    void setUp();
+    void releaseAll() noexcept;
+    void device()
+    {
+        cudaCheck(cudaSetDevice(mModel.device), "cudaSetDevice");
+    }
+    size_t index(int32_t slot) const
+    {
+        if (slot < 0 || slot >= mSlots)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "slot " + std::to_string(slot) + " outside the batch's " + std::to_string(mSlots));
+        }
+        return static_cast<size_t>(slot);
+    }
+    size_t featureRowBytes() const
+    {
+        return static_cast<size_t>(mFeatDim) * mFeatElem;
+    }
+    void forget(int32_t slot)
+    {
+        size_t const b = index(slot);
+        mFeatures[b].clear();
+        mFeatureRows[b] = 0;
+        mPending[b].clear();
+        mPendingRows[b] = 0;
+    }
+    nv::IExecutionContext& context(int32_t profile);
+    //! One engine call: `part` (cacheLength = each slot's length now) batched on the step profile, or (single) its
+    //! one sequence at batch 1 on the prefill profile. Appends the new rows to the slots' caches and features.
+    void call(std::vector<SlotRows> const& part, std::vector<CallOut> const& out, bool single);
+
+    TrtModel& mModel;
+    int32_t mSlots;
+    cudaStream_t mStream{nullptr};
+    CudaOps mOps;
+    void* mScratch{nullptr};  //!< the target engine's, shared by its contexts (one stream, in order)
+    std::map<int32_t, std::unique_ptr<nv::IExecutionContext>> mContexts;  //!< per profile
+    std::map<std::string, IOTensor> mTio;
+    DeviceKV mKV;
+    std::vector<int32_t> mLength;  //!< per slot: its cached positions
+    std::vector<std::string> mPast, mPresent;
+    int64_t mChunk{0}, mStepRows{0};
+    int32_t mStepProfile{0}, mPrefillProfile{0};
+    int64_t mFeatDim{0};
+    size_t mFeatElem{4};
+    std::vector<std::vector<char>> mFeatures;  //!< per slot: [rows, F] raw bytes of its latest target forward
+    std::vector<int32_t> mFeatureRows;
+    std::vector<std::vector<char>> mPending;   //!< per slot: [rows, F] queued for its drafter
+    std::vector<int32_t> mPendingRows;
+    std::vector<std::unique_ptr<TrtRunners>> mDrafters;  //!< per slot: drafter-only
+};
+
+TrtBatchRunners::TrtBatchRunners(TrtModel& model, int32_t slots)
+    : mModel(model)
+    , mSlots(slots)
+    , mLength(static_cast<size_t>(slots), 0)
+    , mFeatures(static_cast<size_t>(slots))
+    , mFeatureRows(static_cast<size_t>(slots), 0)
+    , mPending(static_cast<size_t>(slots))
+    , mPendingRows(static_cast<size_t>(slots), 0)
+{
+    try
+    {
+        setUp();
+    }
+    catch (...)  // free what was made (no destructor runs)
+    {
+        releaseAll();
+        throw;
+    }
+}
+
+void TrtBatchRunners::setUp()
+{
+    Manifest const& m = mModel.manifest;
+    device();
+    cudaCheck(cudaStreamCreateWithFlags(&mStream, cudaStreamNonBlocking), "cudaStreamCreate");
+    int32_t const maxCap = (m.maxSeqLen + m.kvCapacityStep - 1) / m.kvCapacityStep * m.kvCapacityStep;
+    Engine const& te = mModel.engine("target");
+    for (int32_t i = 0; i < m.targetLayers; ++i)
+    {
+        for (char const* kv : {"key", "value"})
+        {
+            mPast.push_back("past_key_values." + std::to_string(i) + "." + kv);
+            mPresent.push_back("present." + std::to_string(i) + "." + kv);
+        }
+    }
+    mKV = DeviceKV{&mOps, m.targetLayers, m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mPast[0])),
+        m.kvCapacityStep, maxCap, 0, 0, {}, mSlots};
+    mStepProfile = te.profileIndex("step");
+    mPrefillProfile = te.profileIndex("prefill");
+    mChunk = te.maxDim("prefill", "sequence");
+    mStepRows = te.maxDim("step", "sequence");
+    if (profilesMaxBatch(te.profiles) < mSlots)  // (dfl2_batch_create refuses more slots than the model's maxBatch)
+    {
+        throw Error(DFL2_ERR_INTERNAL, "the target engine takes fewer sequences per call than the batch's slots");
+    }
+    mFeatDim = te.engine->getTensorShape("context_features").d[2];
+    mFeatElem = elementSize(te.types.at("context_features"));
+    // rows of one call: a batched step's slots x step rows, or one prompt chunk; the mask adds the capacity per row
+    int64_t const R = std::max<int64_t>(mChunk, mSlots * mStepRows);
+    int64_t const W = std::max<int64_t>(maxCap + mChunk, mSlots * (maxCap + mStepRows));
+    TrtRunners::tensor(mTio, te, "input_ids", {1, R}, true);
+    TrtRunners::tensor(mTio, te, "position_ids", {1, R}, true);
+    TrtRunners::tensor(mTio, te, "attention_mask", {1, W}, true);
+    TrtRunners::tensor(mTio, te, "logits", {1, R, m.vocabSize}, true);
+    TrtRunners::tensor(mTio, te, "context_features", {1, R, mFeatDim}, true);
+    for (std::string const& p : mPresent)
+    {
+        TrtRunners::tensor(mTio, te, p, {1, m.targetKvHeads, R, m.targetHeadDim}, false);
+    }
+    for (std::string const& p : mPast)  // bound to the batched cache [slots, heads, capacity, d]
+    {
+        checkBindingShape(te.key, p, dimsVector(te.engine->getTensorShape(p.c_str())),
+            {mSlots, m.targetKvHeads, maxCap, m.targetHeadDim});
+    }
+    cudaCheck(cudaMalloc(&mScratch, static_cast<size_t>(std::max<int64_t>(1, te.engine->getDeviceMemorySizeV2()))),
+        "cudaMalloc scratch");
+    for (int32_t b = 0; b < mSlots; ++b)
+    {
+        mDrafters.push_back(std::make_unique<TrtRunners>(mModel, false));
+        if (mDrafters.back()->featureRowBytes() != featureRowBytes())
+        {
+            throw Error(DFL2_ERR_CORRUPT, "the target engine's context_features rows (" + std::to_string(featureRowBytes())
+                    + " bytes) are not the drafter context engine's (" + std::to_string(mDrafters.back()->featureRowBytes())
+                    + "): rebuild with dflash2 build-engines");
+        }
+    }
+}
+
+void TrtBatchRunners::releaseAll() noexcept
+{
+    if (mStream != nullptr)
+    {
+        cudaStreamSynchronize(mStream);
+    }
+    mDrafters.clear();
+    mContexts.clear();
+    for (auto& [name, t] : mTio)
+    {
+        cudaFree(t.dev);
+        if (t.host != nullptr)
+        {
+            cudaFreeHost(t.host);
+        }
+    }
+    mTio.clear();
+    if (mScratch != nullptr)
+    {
+        cudaFree(mScratch);
+        mScratch = nullptr;
+    }
+    mKV.release();
+    if (mStream != nullptr)
+    {
+        cudaStreamDestroy(mStream);
+        mStream = nullptr;
+    }
+}
+
+nv::IExecutionContext& TrtBatchRunners::context(int32_t profile)
+{
+    auto it = mContexts.find(profile);
+    if (it != mContexts.end())
+    {
+        return *it->second;
+    }
+    Engine const& e = mModel.engine("target");
+    std::unique_ptr<nv::IExecutionContext> ctx(
+        e.engine->createExecutionContext(nv::ExecutionContextAllocationStrategy::kUSER_MANAGED));
+    if (!ctx)
+    {
+        throw Error(DFL2_ERR_BACKEND, "TensorRT could not create an execution context for " + e.key);
+    }
+    ctx->setDeviceMemoryV2(mScratch, std::max<int64_t>(1, e.engine->getDeviceMemorySizeV2()));
+    if (!ctx->setOptimizationProfileAsync(profile, mStream))
+    {
+        throw Error(DFL2_ERR_BACKEND, e.key + ": cannot select optimization profile " + std::to_string(profile));
+    }
+    return *(mContexts[profile] = std::move(ctx));
+}
+
+void TrtBatchRunners::targetForward(std::vector<SlotRows> const& seqs, bool lastLogits, std::vector<float>& logits)
+{
+    device();
+    size_t const V = static_cast<size_t>(mModel.vocabSize);
+    size_t total = 0;
+    for (SlotRows const& s : seqs)
+    {
+        total += s.ids.size();
+    }
+    logits.assign((lastLogits ? seqs.size() : total) * V, 0.0F);
+    std::vector<SlotRows> batched;
+    std::vector<CallOut> batchedOut;
+    size_t row = 0;
+    for (size_t i = 0; i < seqs.size(); ++i)
+    {
+        SlotRows const& s = seqs[i];
+        size_t const b = index(s.slot);
+        if (s.cacheLength != mLength[b] || s.ids.empty())
+        {
+            throw Error(DFL2_ERR_INTERNAL, "slot " + std::to_string(s.slot) + " holds " + std::to_string(mLength[b])
+                    + " positions, the call says " + std::to_string(s.cacheLength));
+        }
+        mFeatures[b].clear();
+        mFeatureRows[b] = 0;
+        float* dst = logits.data() + (lastLogits ? i : row) * V;
+        row += s.ids.size();
+        if (static_cast<int64_t>(s.ids.size()) <= mStepRows)
+        {
+            batched.push_back(s);
+            batchedOut.push_back(CallOut{dst, lastLogits});
+            continue;
+        }
+        // a long prompt: alone, in chunks of the prefill profile's rows
+        size_t const chunk = static_cast<size_t>(mChunk);
+        for (size_t a = 0; a < s.ids.size(); a += chunk)
+        {
+            size_t const m = std::min(chunk, s.ids.size() - a);
+            bool const last = a + m == s.ids.size();
+            SlotRows piece{s.slot, mLength[b], std::vector<int32_t>(s.ids.begin() + static_cast<long>(a),
+                                                    s.ids.begin() + static_cast<long>(a + m))};
+            CallOut const o = lastLogits ? CallOut{last ? dst : nullptr, true} : CallOut{dst + a * V, false};
+            call({piece}, {o}, true);
+        }
+    }
+    if (!batched.empty())
+    {
+        call(batched, batchedOut, false);
+    }
+}
+
+void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOut> const& out, bool single)
+{
+    Engine const& e = mModel.engine("target");
+    int32_t need = 0;
+    for (SlotRows const& s : part)
+    {
+        need = std::max(need, mLength[index(s.slot)] + static_cast<int32_t>(s.ids.size()));
+    }
+    mKV.length = *std::max_element(mLength.begin(), mLength.end());  // the rows a growth keeps, in every slot
+    mKV.reserve(need, mStream);
+    int32_t const C = mKV.capacity;
+    // single: the sequence at batch row 0 of a B = 1 call, bound to its slot's part of the cache
+    std::vector<SlotRows> planned = part;
+    if (single)
+    {
+        planned[0].slot = 0;
+    }
+    RaggedBatch const rb = planRaggedBatch(planned, C, single ? 1 : mSlots);
+    int32_t const B = rb.batch;
+    int32_t const S = rb.rows;
+    writeInts(mTio["input_ids"], 0, rb.inputIds.data(), rb.inputIds.size());
+    writeInts(mTio["position_ids"], 0, rb.positionIds.data(), rb.positionIds.size());
+    writeInts(mTio["attention_mask"], 0, rb.attentionMask.data(), rb.attentionMask.size());
+    std::map<std::string, std::vector<int64_t>> shapes{
+        {"input_ids", {B, S}}, {"position_ids", {B, S}}, {"attention_mask", {B, C + S}}};
+    std::map<std::string, void*> addr;
+    for (auto& [name, t] : mTio)
+    {
+        addr[name] = t.dev;
+    }
+    for (size_t i = 0; i < mPast.size(); ++i)
+    {
+        shapes[mPast[i]] = {B, mKV.heads, C, mKV.headDim};
+        addr[mPast[i]] = single ? mKV.slotPointer(i, part[0].slot) : mKV.ptrs[i];
+    }
+    nv::IExecutionContext& ctx = context(single ? mPrefillProfile : mStepProfile);
+    TrtRunners::bind(e, ctx, shapes, addr, true);
+    size_t const n = static_cast<size_t>(B) * static_cast<size_t>(S);
+    size_t const V = static_cast<size_t>(mModel.vocabSize);
+    auto h2d = [&](char const* name, size_t count) {
+        IOTensor& t = mTio[name];
+        cudaCheck(cudaMemcpyAsync(t.dev, t.host, count * elementSize(t.type), cudaMemcpyHostToDevice, mStream),
+            "H2D batched target input");
+    };
+    h2d("input_ids", n);
+    h2d("position_ids", n);
+    h2d("attention_mask", rb.attentionMask.size());
+    if (!ctx.enqueueV3(mStream))
+    {
+        throw Error(DFL2_ERR_BACKEND, "TensorRT execution of the batched target failed (see the TensorRT log)");
+    }
+    IOTensor& lg = mTio["logits"];
+    IOTensor& ft = mTio["context_features"];
+    cudaCheck(cudaMemcpyAsync(lg.host, lg.dev, n * V * elementSize(lg.type), cudaMemcpyDeviceToHost, mStream),
+        "D2H logits");
+    cudaCheck(cudaMemcpyAsync(ft.host, ft.dev, n * featureRowBytes(), cudaMemcpyDeviceToHost, mStream), "D2H features");
+    std::vector<void*> present;
+    for (std::string const& p : mPresent)
+    {
+        present.push_back(mTio[p].dev);
+    }
+    for (size_t i = 0; i < part.size(); ++i)  // commit: each sequence's rows at its slot's own length
+    {
+        int32_t const rows = static_cast<int32_t>(part[i].ids.size());
+        mKV.appendRows(present, S, planned[i].slot, rows, part[i].slot, mLength[index(part[i].slot)], mStream);
+    }
+    cudaCheck(cudaStreamSynchronize(mStream), "batched target sync");
+    for (size_t i = 0; i < part.size(); ++i)
+    {
+        size_t const b = index(part[i].slot);
+        int32_t const rows = static_cast<int32_t>(part[i].ids.size());
+        for (int32_t j = 0; j < rows; ++j)
+        {
+            size_t const r = rb.row(planned[i], j);
+            float* dst = out[i].logits == nullptr ? nullptr
+                : out[i].lastOnly                 ? (j == rows - 1 ? out[i].logits : nullptr)
+                                                  : out[i].logits + static_cast<size_t>(j) * V;
+            for (size_t v = 0; dst != nullptr && v < V; ++v)
+            {
+                dst[v] = readFloat(lg, r * V + v);
+            }
+            char const* f = static_cast<char const*>(ft.host) + r * featureRowBytes();
+            mFeatures[b].insert(mFeatures[b].end(), f, f + featureRowBytes());
+        }
+        mFeatureRows[b] += rows;
+        mLength[b] += rows;
+    }
+}
+
+std::unique_ptr<BatchRunners> newTrtBatchRunners(TrtModel& model, int32_t slots)
+{
+    return std::make_unique<TrtBatchRunners>(model, slots);
 }
 
 } // namespace

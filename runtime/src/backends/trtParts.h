@@ -1,10 +1,13 @@
 //! \file trtParts.h
 //! The parts of the TensorRT backend that need neither CUDA nor TensorRT headers, so that host tests run them
-//! (runtime/tests/testTrtParts.cpp): the device KV cache over a CUDA seam, the binding-size check, the TensorRT
+//! (runtime/tests/testTrtParts.cpp): the device KV cache over a CUDA seam (one sequence, or a batch of slots with
+//! ragged lengths), the host inputs of a batched target call (RaggedBatch), the binding-size check, the TensorRT
 //! library / engine version rules and the bounded (LRU) cache of execution contexts.
 #pragma once
 
+#include "../core/batch.h"
 #include "../core/decoder.h"
+#include "../manifest.h"
 
 #include <algorithm>
 #include <cctype>
@@ -36,7 +39,9 @@ public:
     virtual void sync(void* stream) = 0;
 };
 
-//! One request's KV cache on the device: 2 buffers per layer [1, heads, capacity, d].
+//! A KV cache on the device: 2 buffers per layer [batch, heads, capacity, d] — one request's (batch 1), or the
+//! slots of a batched runner (batch = slots, every slot its own length, kept by the runner: `length` is then the
+//! longest slot's, the rows a growth copies).
 //! Invariant: every slot is finite — buffers are zeroed when allocated (cudaMalloc memory is garbage, and a NaN
 //! in a masked slot still NaNs its row through 0 * NaN in attention), rows 0..length-1 hold the cache.
 struct DeviceKV
@@ -47,6 +52,7 @@ struct DeviceKV
     int32_t step{256}, maxCapacity{0};
     int32_t length{0}, capacity{0};
     std::vector<void*> ptrs;
+    int32_t batch{1};
 
     size_t rowBytes() const
     {
@@ -54,7 +60,13 @@ struct DeviceKV
     }
     size_t bufferBytes(int32_t cap) const
     {
-        return static_cast<size_t>(heads) * static_cast<size_t>(cap) * rowBytes();
+        return static_cast<size_t>(batch) * static_cast<size_t>(heads) * static_cast<size_t>(cap) * rowBytes();
+    }
+    //! Buffer i's rows of batch row `slot` ([1, heads, capacity, d] of its own: what a B = 1 call binds)
+    void* slotPointer(size_t i, int32_t slot) const
+    {
+        return static_cast<char*>(ptrs[i])
+            + static_cast<size_t>(slot) * static_cast<size_t>(heads) * static_cast<size_t>(capacity) * rowBytes();
     }
     //! Grows to hold n positions (kv.grown_capacity): zeroed buffers of the next capacity bucket, the cached
     //! rows copied over. Returns true when the buffers moved (graphs that bound them must be dropped).
@@ -78,11 +90,11 @@ struct DeviceKV
                 fresh.push_back(ops->alloc(bufferBytes(cap)));
                 ops->zero(fresh.back(), bufferBytes(cap), stream);
             }
-            for (size_t i = 0; i < ptrs.size() && length > 0; ++i) // keep slots 0..length-1, head by head
+            for (size_t i = 0; i < ptrs.size() && length > 0; ++i) // keep rows 0..length-1, (batch, head) by head
             {
                 ops->copy2D(fresh[i], static_cast<size_t>(cap) * rowBytes(), ptrs[i],
                     static_cast<size_t>(capacity) * rowBytes(), static_cast<size_t>(length) * rowBytes(),
-                    static_cast<size_t>(heads), stream);
+                    static_cast<size_t>(batch) * static_cast<size_t>(heads), stream);
             }
             ops->sync(stream);
         }
@@ -99,20 +111,29 @@ struct DeviceKV
         capacity = cap;
         return true;
     }
-    //! present [1, heads, S, d] (contiguous) -> slots length..length+S-1
+    //! present [1, heads, S, d] (contiguous) -> slots length..length+S-1 (batch 1)
     void append(std::vector<void*> const& present, int32_t S, void* stream)
     {
-        if (length + S > capacity)
+        appendRows(present, S, 0, S, 0, length, stream);
+        length += S;
+    }
+    //! present [B, heads, S, d] (contiguous): batch row b's first `rows` rows -> batch row `slot` of the cache at
+    //! positions at..at+rows-1 (the caller keeps the slot's length)
+    void appendRows(std::vector<void*> const& present, int32_t S, int32_t b, int32_t rows, int32_t slot, int32_t at,
+        void* stream)
+    {
+        if (slot < 0 || slot >= batch || rows < 0 || rows > S || at < 0 || at + rows > capacity)
         {
             throw Error(DFL2_ERR_INTERNAL, "KV append past the reserved capacity");
         }
+        size_t const H = static_cast<size_t>(heads);
         for (size_t i = 0; i < ptrs.size(); ++i)
         {
-            ops->copy2D(static_cast<char*>(ptrs[i]) + static_cast<size_t>(length) * rowBytes(),
-                static_cast<size_t>(capacity) * rowBytes(), present[i], static_cast<size_t>(S) * rowBytes(),
-                static_cast<size_t>(S) * rowBytes(), static_cast<size_t>(heads), stream);
+            ops->copy2D(static_cast<char*>(slotPointer(i, slot)) + static_cast<size_t>(at) * rowBytes(),
+                static_cast<size_t>(capacity) * rowBytes(),
+                static_cast<char const*>(present[i]) + static_cast<size_t>(b) * H * static_cast<size_t>(S) * rowBytes(),
+                static_cast<size_t>(S) * rowBytes(), static_cast<size_t>(rows) * rowBytes(), H, stream);
         }
-        length += S;
     }
     void release() noexcept
     {
@@ -124,6 +145,90 @@ struct DeviceKV
         capacity = 0;
     }
 };
+
+//! The host inputs of one batched target call (the target graph: input_ids / position_ids [B, S], attention_mask
+//! [B, C + S], past K/V [B, heads, C, d] bound to a DeviceKV of batch >= B). Batch row = slot: the call runs
+//! B = (the highest slot in it) + 1 rows over the cache's first B slots, so no KV is gathered; a slot in that range
+//! that is not in the call rides along as padding (token 0 at position 0 seeing only itself; its outputs dropped).
+//! Ragged: sequence i's rows[i] rows sit at its own positions cacheLength .. cacheLength + rows - 1, right-padded to
+//! S = the longest; the mask lets each row see its slot's own cacheLength cached positions and (causally, in the
+//! graph) its own new rows; padded rows see the same (finite, dropped).
+struct RaggedBatch
+{
+    int32_t batch{0};                   //!< B
+    int32_t rows{0};                    //!< S
+    int32_t capacity{0};                //!< C
+    std::vector<int64_t> inputIds;      //!< [B, S]
+    std::vector<int64_t> positionIds;   //!< [B, S]
+    std::vector<int64_t> attentionMask; //!< [B, C + S]
+
+    //! Row of sequence `seq`'s j-th new row in [B * S] (logits / features / present rows)
+    size_t row(SlotRows const& seq, int32_t j) const
+    {
+        return static_cast<size_t>(seq.slot) * static_cast<size_t>(rows) + static_cast<size_t>(j);
+    }
+};
+
+//! `seqs` (distinct slots, rows >= 1, cacheLength + rows <= capacity) -> the call's inputs over `capacity` cached
+//! positions per slot (the cache's current capacity: its pitch). `slots`: the cache's batch (slot < slots).
+inline RaggedBatch planRaggedBatch(std::vector<SlotRows> const& seqs, int32_t capacity, int32_t slots)
+{
+    RaggedBatch rb;
+    rb.capacity = capacity;
+    std::vector<SlotRows const*> bySlot(static_cast<size_t>(std::max(0, slots)), nullptr);
+    for (SlotRows const& s : seqs)
+    {
+        int32_t const n = static_cast<int32_t>(s.ids.size());
+        if (s.slot < 0 || s.slot >= slots || bySlot[static_cast<size_t>(s.slot)] != nullptr || n < 1
+            || s.cacheLength < 0 || s.cacheLength + n > capacity)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "batched target call: slot " + std::to_string(s.slot) + " with "
+                    + std::to_string(n) + " rows at " + std::to_string(s.cacheLength) + " does not fit "
+                    + std::to_string(slots) + " slots of capacity " + std::to_string(capacity)
+                    + " (or the slot appears twice)");
+        }
+        bySlot[static_cast<size_t>(s.slot)] = &s;
+        rb.batch = std::max(rb.batch, s.slot + 1);
+        rb.rows = std::max(rb.rows, n);
+    }
+    size_t const B = static_cast<size_t>(rb.batch);
+    size_t const S = static_cast<size_t>(rb.rows);
+    size_t const W = static_cast<size_t>(capacity) + S;
+    rb.inputIds.assign(B * S, 0);
+    rb.positionIds.assign(B * S, 0);
+    rb.attentionMask.assign(B * W, 0);
+    for (size_t b = 0; b < B; ++b)
+    {
+        SlotRows const* s = bySlot[b];
+        size_t const n = s != nullptr ? s->ids.size() : 1;  // padding slot: one row
+        int64_t const at = s != nullptr ? s->cacheLength : 0;
+        for (size_t j = 0; j < S; ++j)
+        {
+            rb.inputIds[b * S + j] = s != nullptr && j < n ? s->ids[j] : 0;
+            rb.positionIds[b * S + j] = at + static_cast<int64_t>(j);
+            rb.attentionMask[b * W + static_cast<size_t>(capacity) + j] = j < n ? 1 : 0;
+        }
+        for (int64_t c = 0; c < at; ++c)
+        {
+            rb.attentionMask[b * W + static_cast<size_t>(c)] = 1;
+        }
+    }
+    return rb;
+}
+
+//! The batch a target engine takes per call: the smallest upper end of its profiles' "batch" dim (1 without one) —
+//! dflash2_trt.manifest.EngineSet.max_batch, read from the same profiles.
+inline int32_t profilesMaxBatch(std::vector<ProfileEntry> const& profiles)
+{
+    int64_t m = -1;
+    for (ProfileEntry const& p : profiles)
+    {
+        auto it = p.dims.find("batch");
+        int64_t const hi = it != p.dims.end() && it->second.size() == 3 ? it->second[2] : 1;
+        m = m < 0 ? hi : std::min(m, hi);
+    }
+    return static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(m < 0 ? 1 : m, 1 << 20)));
+}
 
 inline std::string shapeString(std::vector<int64_t> const& s)
 {
