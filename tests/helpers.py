@@ -45,3 +45,29 @@ def assert_accepts(accepted: list[int], draft_rows: int, what: object = "") -> N
     frac = sum(a >= 1 for a in accepted) / len(accepted)
     assert frac >= 0.5, f"only {frac:.0%} of {len(accepted)} cycles accepted a draft {what}"
     assert max(accepted) >= min(3, draft_rows), f"no cycle accepted {min(3, draft_rows)} drafts {what}: {accepted}"
+
+
+class RecordingDrafter:
+    """A draft runner that checks the draft context stays contiguous: before every proposal its context covers
+    exactly positions 0 .. anchor - 1, each once (deferred features of plain steps and prompt-lookup cycles joined
+    in one pass when the drafter runs again). Counts proposals and multi-row context additions."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner, self.covered, self.batched, self.proposals = inner, [], 0, 0
+
+    def __getattr__(self, name):  # noqa: ANN001, ANN204 - block_size, top_k
+        return getattr(self.inner, name)
+
+    def reset(self) -> None:
+        self.covered = []
+        self.inner.reset()
+
+    def add_context(self, feats, start):  # noqa: ANN001, ANN202
+        self.covered += range(start, start + feats.shape[0])
+        self.batched += feats.shape[0] > 1
+        return self.inner.add_context(feats, start)
+
+    def propose(self, anchor, pos, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        assert self.covered == list(range(pos)), (pos, self.covered[-8:])
+        self.proposals += 1
+        return self.inner.propose(anchor, pos, *a, **k)

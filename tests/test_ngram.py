@@ -91,32 +91,13 @@ def test_lossless_with_lookup(acc_export, proposer):
 def test_draft_context_stays_contiguous_across_lookup_cycles(acc_export):
     """Prompt-lookup cycles and plain steps defer their positions' features; when the drafter runs again they join
     its context in one pass: before every proposal the context covers exactly positions 0 .. anchor - 1, each once."""
+    from helpers import RecordingDrafter
+
     from dflash2_trt.runtime import decoder as D
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
-    class Recording:
-        def __init__(self, inner) -> None:  # noqa: ANN001
-            self.inner, self.covered, self.batched, self.proposals = inner, [], 0, 0
-
-        def __getattr__(self, name):  # noqa: ANN001, ANN204
-            return getattr(self.inner, name)
-
-        def reset(self) -> None:
-            self.covered = []
-            self.inner.reset()
-
-        def add_context(self, feats, start):  # noqa: ANN001, ANN202
-            self.covered += range(start, start + feats.shape[0])
-            self.batched += feats.shape[0] > 1
-            return self.inner.add_context(feats, start)
-
-        def propose(self, anchor, pos, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-            assert self.covered == list(range(pos)), (pos, self.covered[-8:])
-            self.proposals += 1
-            return self.inner.propose(anchor, pos, *a, **k)
-
     be = OrtBackend(acc_export)
-    target, drafter = be.target_runner(), Recording(be.draft_runner("greedy"))
+    target, drafter = be.target_runner(), RecordingDrafter(be.draft_runner("greedy"))
     rng = np.random.default_rng(11)
     whos: list[str] = []
     for _ in range(4):

@@ -29,7 +29,7 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.reference import acceptance_stats
 from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
 from dflash2_trt.runtime.guard import AcceptanceGuard, verify_rows
-from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, NGRAM_ROWS, ProposerChoice
+from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft
 
 OnTokens = Callable[[list[int]], None]
 OnCycle = Callable[[int, int], None]  # (accepted drafts, verified rows) of a speculative cycle
@@ -182,7 +182,7 @@ def speculative_generate(
     res.tokens.append(anchor)
     if on_tokens:
         on_tokens([anchor])
-    choice = ProposerChoice(proposer, list(prompt_ids) + [anchor], ngram_rows or max(L, NGRAM_ROWS))
+    choice = ProposerChoice(proposer, list(prompt_ids) + [anchor], ngram_rows or default_rows(L))
     if choice.uses_drafter:
         drafter.add_context(feats, 0)
     pos = len(prompt_ids)  # anchor position
@@ -218,8 +218,7 @@ def speculative_generate(
             pending = []
         if who == NGRAM:  # prompt lookup: deterministic drafts, a one-hot proposal
             drafts, n_rows = looked_up, len(looked_up)
-            draft = Draft(tokens=np.asarray(drafts, dtype=np.int64), proposal=np.ones((n_rows, 1), np.float32),
-                          cand=np.asarray(drafts, dtype=np.int64)[:, None])
+            draft = lookup_draft(drafts)
         else:
             n_rows = min(L, limit - len(res.tokens) - 1)  # a final partial block verifies fewer rows
             # draft + select (all bs rows always run, as in training)

@@ -13,7 +13,9 @@ least a plain step's (:meth:`ProposerChoice.lookup_pays`). The acceptance guard 
 drafter alone: while it says plain steps, a lookup that pays still runs (its proposals cost nothing; only its
 verify does, and that is what its rate is measured against). Lossless either way: every draft is verified by the
 target (greedy matching; at T > 0 rejection sampling against the one-hot proposal of a deterministic lookup), and
-the choice looks only at the past (tokens committed, times measured).
+the choice looks only at the past (tokens committed, times measured). The batch loop (runtime/batch.py) keeps one
+choice per sequence, its load-adaptive rule in the guard's place (:meth:`ProposerChoice.preferred`, then
+:meth:`ProposerChoice.settle` once the rule decided).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.protocol import Draft
 from dflash2_trt.vocabulary import PROPOSERS
 
 DFLASH2, NGRAM, AUTO = PROPOSERS
@@ -44,13 +47,30 @@ def lookup(tokens: np.ndarray, rows: int, max_n: int = 4, min_n: int = 2) -> lis
     return []
 
 
+def check_proposer(mode: str) -> str:
+    if mode not in PROPOSERS:
+        raise DFlash2Error(f"proposer must be one of {', '.join(PROPOSERS)}, got {mode!r}")
+    return mode
+
+
+def lookup_draft(drafts: list[int]) -> Draft:
+    """A lookup's drafts as a :class:`~dflash2_trt.runtime.protocol.Draft`: deterministic, so a one-hot proposal
+    (at T > 0 rejection sampling accepts draft i with probability p_i(d_i) and resamples from the residual)."""
+    d = np.asarray(drafts, dtype=np.int64)  # [n]
+    return Draft(tokens=d, proposal=np.ones((d.shape[0], 1), np.float32), cand=d[:, None])
+
+
+def default_rows(draft_rows: int) -> int:
+    """Most lookup drafts per cycle when not given: ``NGRAM_ROWS``, or the drafter's L = block size - 1 where larger
+    (``draft_rows`` 0: no drafter)."""
+    return max(draft_rows, NGRAM_ROWS)
+
+
 class ProposerChoice:
     """One request's proposer state: the context so far and each proposer's measured acceptance."""
 
     def __init__(self, mode: str, prompt: list[int], ngram_rows: int, decay: float = 0.8) -> None:
-        if mode not in PROPOSERS:
-            raise DFlash2Error(f"proposer must be one of {', '.join(PROPOSERS)}, got {mode!r}")
-        self.mode = mode
+        self.mode = check_proposer(mode)
         self.rows = int(ngram_rows)
         self.tokens = np.asarray(prompt, dtype=np.int64)
         self.decay = decay
@@ -78,15 +98,26 @@ class ProposerChoice:
 
     def pick(self, drafts: list[int], t_plain: float | None = None, drafter: bool = True) -> str | None:
         """The proposer of the next cycle given the lookup's drafts, a plain step's measured time and whether the
-        drafter may run (the acceptance guard's say); None: a plain step."""
+        drafter may run (the acceptance guard's say); None: a plain step. :meth:`preferred`, then :meth:`settle`."""
+        who = self.preferred(drafts, t_plain, drafter)
+        self.settle(drafts, who)
+        return who
+
+    def preferred(self, drafts: list[int], t_plain: float | None = None, drafter: bool = True) -> str | None:
+        """What :meth:`pick` would answer, changing nothing (the batch loop asks with and without the drafter
+        before its rule decides, then settles the outcome)."""
         if self.mode == DFLASH2:
             return DFLASH2 if drafter else None
         use_drafter = drafter and self.mode == AUTO
         if drafts and self.lookup_pays(t_plain) and (not use_drafter or self.rate[NGRAM] >= self.rate[DFLASH2]):
             return NGRAM
-        if drafts:  # not chosen: its estimate drifts back to the prior, so a changed context gets another try
-            self.rate[NGRAM] += (1 - self.decay) / 4 * (2.0 - self.rate[NGRAM])
         return DFLASH2 if use_drafter else None
+
+    def settle(self, drafts: list[int], who: str | None) -> None:
+        """The step's proposer was decided (None: a plain step): a lookup that had drafts and was not chosen drifts
+        back to the prior, so a changed context gets another try."""
+        if drafts and who != NGRAM:
+            self.rate[NGRAM] += (1 - self.decay) / 4 * (2.0 - self.rate[NGRAM])
 
     def record(self, proposer: str, committed: int, seconds: float | None = None) -> None:
         self.rate[proposer] = self.decay * self.rate[proposer] + (1 - self.decay) * committed
