@@ -20,7 +20,8 @@ queued); one background thread per Generator decodes every submitted request in 
 (:mod:`dflash2_trt.runtime.batch`: sequences join and leave between steps, up to ``max_batch`` at a time, the
 rest wait in arrival order). Iterating a handle streams its :class:`Chunk` s as the shared loop commits them;
 ``handle.cancel()`` frees its slot before it returns (within one batch step); ``handle.result()`` waits for the
-:class:`Result`. :meth:`Generator.generate_batch` is submit + result for a list of prompts;
+:class:`Result`. Each request drafts with its own ``proposer`` (the drafter, prompt lookup or ``auto``, as
+:meth:`Generator.generate`). :meth:`Generator.generate_batch` is submit + result for a list of prompts;
 :meth:`Generator.set_batching` sets ``max_batch`` and whether drafting is load-adaptive. Batching needs the
 fused ONNX Runtime target (the ``ort`` backend on the CPU); on other backends the same loop serves the
 submitted requests one after another.
@@ -236,22 +237,25 @@ class Generator:
 
     def submit(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
                selector: str = "greedy", *, chat: bool = True, speculative: bool = True,
-               eos_ids: set[int] | None = None) -> Handle:
+               eos_ids: set[int] | None = None, proposer: str = DEFAULT_PROPOSER) -> Handle:
         """Queue one prompt for the background batch loop (see the module docstring) -> its :class:`Handle`;
         returns at once. Arguments as :meth:`generate`; ``speculative``: may draft while the loop's rule says it
-        pays (with ``set_batching(adaptive=False)``: every step). A bad request raises DFlash2Error here and
-        nothing is queued. Each sequence's greedy tokens are its own :meth:`generate` tokens."""
+        pays (with ``set_batching(adaptive=False)``: every step); ``proposer``: who drafts for this request, as in
+        :meth:`generate` (requests of different proposers share the loop's steps). A bad request raises
+        DFlash2Error here and nothing is queued. Each sequence's greedy tokens are its own :meth:`generate` tokens;
+        its ``Stats.proposers`` say who proposed each cycle."""
         return self._submit(self._batch_request(prompt, max_new_tokens, temperature, seed, selector, chat,
-                                                speculative, eos_ids))
+                                                speculative, eos_ids, proposer))
 
     def generate_batch(self, prompts: list[Prompt], max_new_tokens: int | list[int] = 128,
                        temperature: float | list[float] = 0.0, seed: int | None | list[int | None] = None,
                        selector: str = "greedy", *, chat: bool = True, speculative: bool = True,
                        eos_ids: set[int] | None = None, max_batch: int | None = None,
-                       adaptive: bool | None = None) -> list[Result]:
+                       adaptive: bool | None = None, proposer: str | list[str] = DEFAULT_PROPOSER) -> list[Result]:
         """Decode many prompts together: :meth:`submit` each (every prompt checked before any is queued), then
-        wait for the results (in prompt order). ``max_new_tokens`` / ``temperature`` / ``seed``: one value for
-        all, or one per prompt; ``max_batch`` / ``adaptive``: :meth:`set_batching` first (None: keep the loop's).
+        wait for the results (in prompt order). ``max_new_tokens`` / ``temperature`` / ``seed`` / ``proposer``: one
+        value for all, or one per prompt; ``max_batch`` / ``adaptive``: :meth:`set_batching` first (None: keep the
+        loop's).
         Each sequence's tokens are its own :meth:`generate` tokens at T = 0 (and, at T > 0 with
         ``speculative=False``, its ``generate(..., speculative=False)`` tokens for the same seed).
         ``Stats.elapsed_s`` is a sequence's time from joining the batch to finishing."""
@@ -269,9 +273,9 @@ class Generator:
                 return list(v)
             return [v] * n
 
-        reqs = [self._batch_request(p, m, t, s, selector, chat, speculative, eos_ids)
-                for p, m, t, s in zip(prompts, per(max_new_tokens, "max_new_tokens"), per(temperature, "temperature"),
-                                      per(seed, "seed"))]
+        reqs = [self._batch_request(p, m, t, s, selector, chat, speculative, eos_ids, w)
+                for p, m, t, s, w in zip(prompts, per(max_new_tokens, "max_new_tokens"),
+                                         per(temperature, "temperature"), per(seed, "seed"), per(proposer, "proposer"))]
         handles: list[Handle] = []
         try:
             for r in reqs:
@@ -363,12 +367,13 @@ class Generator:
                         proposer)
 
     def _batch_request(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int | None,
-                       selector: str, chat: bool, speculative: bool, eos_ids: set[int] | None) -> _Request:
+                       selector: str, chat: bool, speculative: bool, eos_ids: set[int] | None,
+                       proposer: str = DEFAULT_PROPOSER) -> _Request:
         """A request for the batch loop, checked in full now (prompt ids, length against the cache capacity)."""
         from dflash2_trt.runtime.decoder import check_prompt
 
         req = self._request(prompt, max_new_tokens, temperature, seed, selector, self._adaptive, chat, 0.0,
-                            speculative, eos_ids, None)
+                            speculative, eos_ids, None, proposer)
         check_prompt(req.prompt, self._runner(), req.max_new_tokens)
         return req
 
@@ -663,7 +668,7 @@ class _BatchLoop:
                                      lambda: be.draft_runner(mode), B.SpeculationRule(adaptive=self.adaptive))
                 self._decoders[mode], self._live[mode] = dec, {}
             i = dec.submit(B.BatchRequest(r.prompt, r.max_new_tokens, r.temperature, r.seed, r.eos_ids,
-                                          r.speculative))
+                                          r.speculative, r.proposer))
         except DFlash2Error as e:  # checked in submit already; whatever is left fails this request alone
             self._done(h, None, e)
             return

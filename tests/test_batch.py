@@ -177,12 +177,13 @@ def test_greedy_batch_equals_b1_with_joins_and_leaves(be):
 
 
 def test_plain_batch_mixed_temperatures(be):
-    """Plain batched decoding (no drafter): greedy sequences unchanged by T > 0 neighbours, and each T > 0
-    sequence draws target_generate's tokens for its seed (its own generator, the same draw order)."""
+    """Plain batched decoding (no drafter: requests of the drafter step plain): greedy sequences unchanged by T > 0
+    neighbours, and each T > 0 sequence draws target_generate's tokens for its seed (its own generator, the same
+    draw order)."""
     prompts = _prompts(be, [6, 14, 9, 11], seed=5)
     temps, seeds = [0.0, 0.8, 0.0, 1.3], [0, 11, 0, 12]
     dec = _decoder(be, 4, draft=False)
-    out = dec.run([BT.BatchRequest(p, 24, t, s) for p, t, s in zip(prompts, temps, seeds)])
+    out = dec.run([BT.BatchRequest(p, 24, t, s, proposer="dflash2") for p, t, s in zip(prompts, temps, seeds)])
     tgt = be.target_runner()
     for o, p, t, s in zip(out, prompts, temps, seeds):
         assert o.tokens == D.target_generate(tgt, p, 24, t, seed=s).tokens
@@ -223,26 +224,27 @@ def test_rule_probes_a_sequence_kept_plain(be):
     costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=0.4)
     rule = BT.SpeculationRule(costs=costs, prior_weight=1.0, probe_after=5)
     dec = _decoder(be, 1, rule)
-    i = dec.submit(BT.BatchRequest(_prompts(be, [9])[0], 60, eos_ids=set()))
+    i = dec.submit(BT.BatchRequest(_prompts(be, [9])[0], 60, eos_ids=set(), proposer="dflash2"))
     dec.step()  # admits and drafts (prior 2.0)
     s = dec._active[i]
-    s.committed.extend([1, 1, 1, 1])  # as if its recent cycles committed 1 token: tau = 1.4
+    s.committed["dflash2"].extend([1, 1, 1, 1])  # as if its recent cycles committed 1 token: tau = 1.4
     picks = []
     for _ in range(12):
         picks.append(bool(dec._choose([s])))
     assert picks[:5] == [False] * 5 and picks[5]  # 5 plain, then the probe drafts
-    assert s.plain_run == 0 and not s.committed
+    assert s.plain_run == 0 and not s.committed["dflash2"]
 
 
 def test_adaptive_loop_drafts_alone_and_goes_plain_under_load(be):
-    """The loop follows the rule: one sequence of the accepting pair drafts (cycles); 6 sequences under a cost
-    model where drafting does not pay at that load decode in batched plain steps — and stay exact."""
+    """The loop follows the rule: one sequence of the accepting pair drafts (cycles); 6 sequences of the drafter
+    under a cost model where drafting does not pay at that load decode in batched plain steps — and stay exact
+    (lookups under load: test_batch_proposers.py)."""
     costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=0.4)
     prompts = _prompts(be, [7, 10, 12, 5, 9, 15], seed=9)
     one = _decoder(be, 1, BT.SpeculationRule(costs=costs)).run([BT.BatchRequest(prompts[0], 40)])[0]
     assert len(one.accepted) > 0
     dec = _decoder(be, 6, BT.SpeculationRule(costs=costs, prior_tau=4.0))
-    many = dec.run([BT.BatchRequest(p, 20) for p in prompts])
+    many = dec.run([BT.BatchRequest(p, 20, proposer="dflash2") for p in prompts])
     tgt = be.target_runner()
     assert one.tokens == D.target_generate(tgt, prompts[0], 40).tokens
     for o, p in zip(many, prompts):

@@ -1087,7 +1087,7 @@ def _run_python_batch(be, rule, reqs: list[dict]):  # noqa: ANN001, ANN202
     def submit(i: int) -> int:
         r = reqs[i]
         return dec.submit(BT.BatchRequest(r["prompt"], r["max_new"], r["temperature"], r["seed"], set(r["eos"]),
-                                          r["speculative"]))
+                                          r["speculative"], proposer="dflash2"))  # the C core has no prompt lookup
 
     ids = {i: submit(i) for i in range(6)}
     k = 0

@@ -9,48 +9,71 @@ their slots for the next step.
 
 One step, flat (the names of :mod:`dflash2_trt.runtime.decoder`):
 
-    choose  which sequences draft this step (the rule below)
-    draft   per drafting sequence: its pending context features join its drafter's cache, the drafter proposes
-            (the drafter runner is B = 1: one per slot, called per sequence)
+    choose  which sequences draft this step and who proposes for each (the rule below)
+    draft   per drafting sequence, by its proposer: the DFlash 2 drafter (its pending context features join its
+            drafter's cache, the drafter proposes; the drafter runner is B = 1: one per slot, called per sequence)
+            or prompt lookup (:mod:`dflash2_trt.runtime.ngram`: the context's own continuation, no model; the
+            features of its verified rows wait with the plain steps' until the drafter runs again, then join its
+            context in one pass, so the draft context stays contiguous as in the B = 1 loop)
     target  ONE target forward for every sequence: a plain sequence's anchor (one row), a drafting sequence's
             [anchor, drafts] (its verify); ragged rows share graph calls where the runner can (with
             dflash2.DecodeAttention: the verifies and the plain steps in one call; with GroupQueryAttention the
             verifies run one by one, see the runner)
     accept  per sequence its own accepted length (ragged acceptance): greedy matching at T = 0, rejection
-            sampling at T > 0; plain sequences draw the target's own next token
+            sampling at T > 0 (a lookup's deterministic drafts: a one-hot proposal); plain sequences draw the
+            target's own next token
     commit  crop each verified slot to its accepted length; committed positions' features become draft context
 
+Proposers: each request names its own (``BatchRequest.proposer``, of :data:`dflash2_trt.vocabulary.PROPOSERS`;
+default ``auto``, as the B = 1 loop): ``dflash2`` the drafter, ``ngram`` prompt lookup only (the drafter never runs
+for it; no match = a plain step; needs no drafter in the decoder), ``auto`` per cycle whichever its measured
+acceptance favours. One :class:`~dflash2_trt.runtime.ngram.ProposerChoice` per sequence makes that choice exactly
+as in :func:`~dflash2_trt.runtime.decoder.speculative_generate`, with the rule below in the acceptance guard's
+place: the choice names the sequence's preferred proposal; when the rule leaves a preferred drafter proposal out,
+a lookup of the same sequence may still verify (as a paying lookup runs through the guard's plain stretches).
+``GenerationResult.proposers`` records each cycle's proposer (its ``stats()``: each proposer's cycles and τ).
+
 Randomness: each sequence has its own ``numpy.random.Generator(seed)`` drawn in the order of
-:func:`~dflash2_trt.runtime.decoder.speculative_generate` (first token; a plain step: one draw; a cycle: the
-drafter's uniforms, then the rejection test), so a sequence's tokens never depend on the others in the batch:
-at T = 0 each sequence's output is its own B = 1 greedy output, and a T > 0 sequence that never drafts gives
-:func:`~dflash2_trt.runtime.decoder.target_generate`'s tokens for its seed.
+:func:`~dflash2_trt.runtime.decoder.speculative_generate` (first token; a plain step: one draw; a drafter cycle: the
+drafter's uniforms, then the rejection test; a lookup cycle: the rejection test), so a sequence's tokens never
+depend on the others in the batch: at T = 0 each sequence's output is its own B = 1 greedy output, and a T > 0
+sequence that never drafts gives :func:`~dflash2_trt.runtime.decoder.target_generate`'s tokens for its seed.
 
-The load-adaptive rule (:class:`SpeculationRule`). Per step, with n active sequences and the speculative ones
-sorted by their estimated tokens per cycle τ̂_1 >= τ̂_2 >= ..., draft for the k that maximise the step's
-estimated throughput
+The load-adaptive rule (:class:`SpeculationRule`). Per step, with n active sequences, each speculative one offering
+its preferred proposal c (the drafter's or a lookup's) with estimated tokens per cycle τ̂_c, sorted by
+τ̂_1 >= τ̂_2 >= ..., draft for the k that maximise the step's estimated throughput
 
-    tokens(k) / time(k),  tokens(k) = (n - k) + Σ_{i<=k} τ̂_i,
-                          time(k)   = t_plain(n) + k · (t_draft + t_verify)
+    tokens(k) / time(k),  tokens(k) = (n - k) + Σ_{c<=k} τ̂_c,
+                          time(k)   = t_plain(n) + Σ_{c<=k} (t_draft(c) + t_verify),
+                          t_draft(c) = t_draft for a drafter proposal, 0 for a lookup (microseconds, no model)
 
 where t_plain(m) is the measured time (:data:`COST_CLOCK`: process CPU time) of the target forward of a step
 with m sequences and no drafting, t_draft one drafter proposal (context update included, except a prompt's) and
 t_verify what one drafting sequence adds to a step's target forward, all measured in this run (running means;
 t_plain interpolated linearly in m between measured batch sizes). With the ORT batched runner the rule takes
-t_plain(n) + k · t_verify from the runner's plan instead: t_plain(n) x units(k drafting) / units(none), units =
-calls x ``call_rows`` + padded rows (``OrtBatchedTargetRunner.cost_units``): a verify that pads every plain row of
-the call to its 3 rows costs what it costs, not a noisy difference of two timings. τ̂ of a sequence is
-the mean tokens committed over its last ``window`` cycles with a prior of ``prior_tau`` worth ``prior_weight``
-cycles, plus ``z`` standard errors (tokens per cycle vary a lot: like the B = 1 guard, a sequence stops drafting
-on evidence, not after an unlucky stretch). At one sequence this is the B = 1 guard's break-even (τ̂ / (t_plain(1) + t_draft + t_verify) >
-1 / t_plain(1)); as n grows, the n - k plain tokens come almost free with the call while each drafting sequence
-still pays its drafter and its verify rows, so k falls to 0: batched plain decoding, never worse than it by the
-cost model. Until t_plain and the draft costs are measured the rule explores: the first step of a batch is plain,
-the next ones draft for the speculative sequence of the best τ̂ (one: at 8 sequences a step where all draft costs
-about what 4 plain steps gain) until a proposal's cost is measured. A sequence the rule kept plain for
-``probe_after`` steps in a row forgets its cycles (τ̂ back to the prior), so acceptance that changed along a
-request (code vs prose) is measured again when the cost model lets the prior draft. Lossless either way: the rule
-picks which exact procedure makes a sequence's next tokens, from past timings and counts only.
+t_plain(n) + Σ t_verify from the runner's plan instead: t_plain(n) x units(the k drafting) / units(none), units =
+calls x ``call_rows`` + padded rows (``OrtBatchedTargetRunner.cost_units``, each proposal with its own rows): a
+verify that pads every plain row of the call to its 3 rows costs what it costs, not a noisy difference of two
+timings. When some proposals are lookups the order is by (τ̂_c - 1) / (t_draft(c) + t_verify(c)) instead: the
+tokens a proposal adds per second it costs (a lookup of τ̂ 1.8 may pay where a drafter proposal of τ̂ 2 does not).
+Then, with those k fixed, the lookups of the sequences whose drafter proposal was left out (``auto`` sequences with
+a match) are weighed the same way, free of t_draft: a lookup that pays still runs beside batched plain steps, as
+it runs through the B = 1 guard's plain stretches.
+
+τ̂ is kept per sequence and proposer: the mean tokens committed over its last ``window`` cycles of that proposer
+with a prior of ``prior_tau`` worth ``prior_weight`` cycles, plus ``z`` standard errors (tokens per cycle vary a
+lot: like the B = 1 guard, a sequence stops drafting on evidence, not after an unlucky stretch); a drafter
+proposal for a final partial block counts its share of the rows' gain, a lookup at most its drafts + 1. At one
+sequence this is the B = 1 guard's break-even (τ̂ / (t_plain(1) + t_draft(c) + t_verify) > 1 / t_plain(1)); as n
+grows, the n - k plain tokens come almost free with the call while each drafting sequence still pays its
+proposal and its verify rows, so k falls to 0: batched plain decoding, never worse than it by the cost model
+(long accepted lookups, which cost only their rows, last longest). Until t_plain and the costs are measured the
+rule explores: the first step of a batch is plain, the next ones draft for one proposal (the best τ̂; the best
+drafter proposal while t_draft is unknown: at 8 sequences a step where all draft costs about what 4 plain steps
+gain) until its cost is measured. A sequence the rule kept plain for ``probe_after`` steps in a row forgets its
+cycles (τ̂ back to the prior), so acceptance that changed along a request (code vs prose) is measured again when
+the cost model lets the prior draft. Lossless either way: the rule picks which exact procedure makes a sequence's
+next tokens, from past timings and counts only.
 
 Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot; not thread
 safe (one thread drives it: the Generator's batch loop thread behind :meth:`dflash2_trt.api.Generator.submit`).
@@ -60,7 +83,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +93,10 @@ from dflash2_trt import reference as ref
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.decoder import (GenerationResult, _next_token, _proposal_in_vocab, check_prompt,
                                          check_temperature)
+from dflash2_trt.runtime.ngram import (DFLASH2, NGRAM, ProposerChoice, check_proposer, default_rows,
+                                       lookup_draft)
 from dflash2_trt.runtime.protocol import DraftRunner
+from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
 
 # The rule's clock: process CPU time, the work a step costs, blind to other processes' load (on a shared machine
@@ -86,7 +112,9 @@ class BatchRequest:
     temperature: float = 0.0
     seed: int = 0
     eos_ids: set[int] | None = None  # None: the target's
-    speculative: bool = True  # may draft (when the decoder has a drafter and the rule says it pays)
+    speculative: bool = True  # may draft (when its proposer can and the rule says it pays)
+    proposer: str = DEFAULT_PROPOSER  # dflash2 | ngram | auto (the module docstring)
+    ngram_rows: int | None = None  # most lookup drafts per cycle; None: speculative_generate's default
 
 
 class MeasuredCosts:
@@ -162,7 +190,7 @@ class FixedCosts:
 
 @dataclass
 class SpeculationRule:
-    """Which sequences draft this step (the module docstring's rule)."""
+    """Which sequences draft this step, each with its proposal (the module docstring's rule)."""
 
     prior_tau: float = 2.0  # τ̂ of a sequence before its first cycles
     prior_weight: float = 2.0  # cycles the prior counts for
@@ -177,13 +205,18 @@ class SpeculationRule:
         mean = (self.prior_tau * self.prior_weight + float(sum(committed))) / (self.prior_weight + n)
         return mean + (self.z * float(np.std(committed, ddof=1)) / np.sqrt(n) if n >= 2 else 0.0)
 
-    def choose(self, n_active: int, candidates: dict[int, float],
-               units: Callable[[list[int]], float] | None = None) -> set[int]:
-        """candidates: sequence id -> τ̂ (the speculative sequences that can draft) -> the ids that draft.
+    def choose(self, n_active: int, candidates: dict[Hashable, float],
+               units: Callable[[list], float] | None = None, free: Collection = (),
+               fallbacks: dict[Hashable, tuple[Hashable, float]] | None = None) -> set:
+        """candidates: proposal -> τ̂ (one per speculative sequence that can draft; keys are the caller's) -> the
+        proposals that run. ``free``: the keys whose proposal costs no drafter time (prompt lookups: t_draft 0,
+        only their verify counts). ``fallbacks``: key -> (another key, its τ̂), weighed once the candidates are
+        chosen, for each key left out (a sequence whose drafter proposal does not pay verifies its lookup instead
+        when that pays); fallback keys are free.
         ``units``: the target forward's cost in the runner's units (calls and padded rows,
-        :meth:`~dflash2_trt.runtime.ort.batched_target.OrtBatchedTargetRunner.cost_units`) when the given ids draft;
-        with it time(k) = t_plain(n) x units(top k) / units(none) + k t_draft (t_verify unused: a difference of two
-        noisy timings, where the runner's plan knows what k verifies add)."""
+        :meth:`~dflash2_trt.runtime.ort.batched_target.OrtBatchedTargetRunner.cost_units`) when the given keys draft;
+        with it time = t_plain(n) x units(chosen) / units(none) + (drafter proposals) x t_draft (t_verify unused: a
+        difference of two noisy timings, where the runner's plan knows what the verifies add)."""
         if not candidates:
             return set()
         if not self.adaptive:
@@ -193,24 +226,54 @@ class SpeculationRule:
         if t_all is None:
             return set()  # explore: measure a plain step first
         order = sorted(candidates, key=lambda i: -candidates[i])
+        fallbacks = fallbacks or {}
+        free = set(free) | {k for k, _ in fallbacks.values()}
         t_d, t_v = c.draft(), c.verify()
         if not getattr(c, "verify_from_plan", False):
             units = None
-        if t_d is None or (units is None and t_v is None):
-            return set(order[:1])  # explore: measure one sequence's drafting (at high load one is costly enough)
-        best_k, best = 0, n_active / max(t_all, 1e-12)
-        tokens = float(n_active)
+        if units is None and t_v is None:
+            return set(order[:1])  # explore: measure a verify
+        drafter_keys = [i for i in order if i not in free]
+        if t_d is None and drafter_keys:
+            return set(drafter_keys[:1])  # explore: measure one drafting (at high load one is costly enough)
+        t_d = t_d or 0.0  # None: no drafter proposal to cost
+        tv = max(t_v, 0.0) if t_v is not None else 0.0
         per_unit = t_all / units([]) if units is not None else 0.0
+
+        def time_of(keys: list) -> float:
+            k, k_d = len(keys), sum(1 for i in keys if i not in free)
+            if units is not None:
+                return per_unit * units(keys) + k_d * t_d
+            return t_all + k_d * (t_d + tv) + (k - k_d) * tv
+
+        if free & set(candidates):  # drafter and lookup proposals: by tokens added per second of cost
+
+            def gain(i: Hashable) -> float:
+                cost = (0.0 if i in free else t_d) + (per_unit * (units([i]) - units([])) if units is not None else tv)
+                if cost <= 0:  # a verify measured as free
+                    return float("inf") if candidates[i] > 1.0 else 0.0
+                return (candidates[i] - 1.0) / cost
+
+            order = sorted(candidates, key=lambda i: -gain(i))
+        best_k, best = 0, n_active / max(t_all, 1e-12)
+        tokens = best_tokens = float(n_active)
         for k, i in enumerate(order, start=1):
             tokens += candidates[i] - 1.0
-            if units is not None:
-                t = per_unit * units(order[:k]) + k * t_d
-            else:
-                t = t_all + k * (t_d + max(t_v, 0.0))
-            rate = tokens / max(t, 1e-12)
+            rate = tokens / max(time_of(order[:k]), 1e-12)
             if rate > best:
-                best_k, best = k, rate
-        return set(order[:best_k])
+                best_k, best, best_tokens = k, rate, tokens
+        chosen = order[:best_k]
+        extra = dict(fb for key, fb in fallbacks.items() if key not in chosen)  # fallback key -> τ̂
+        if extra:
+            more = sorted(extra, key=lambda i: -extra[i])
+            best_j, tokens = 0, best_tokens
+            for j, i in enumerate(more, start=1):
+                tokens += extra[i] - 1.0
+                rate = tokens / max(time_of(chosen + more[:j]), 1e-12)
+                if rate > best:
+                    best_j, best = j, rate
+            chosen += more[:best_j]
+        return set(chosen)
 
 
 @dataclass
@@ -227,14 +290,16 @@ class _Seq:
     pos: int = 0  # the anchor's position
     pending: list[np.ndarray] = field(default_factory=list)  # [m, F] features not yet in the draft context
     pending_start: int = 0
-    committed: deque = field(default_factory=deque)  # tokens per cycle, last `window` cycles
+    committed: dict[str, deque] = field(default_factory=dict)  # proposer -> tokens per cycle, last `window` cycles
     plain_run: int = 0  # steps in a row the rule kept this candidate plain
+    choice: ProposerChoice | None = None  # who proposes (made at admission: the context needs the first token)
     done: bool = False
 
 
 class BatchDecoder:
     """Continuous batching over ``target`` (a batched target runner) with optional drafting (``drafter_factory``
-    makes one B = 1 drafter per slot). ``submit`` / ``step`` / ``cancel`` / ``results``; or :meth:`run`."""
+    makes one B = 1 drafter per slot; without one only prompt lookup drafts). ``submit`` / ``step`` / ``cancel`` /
+    ``results``; or :meth:`run`."""
 
     def __init__(self, target: Any, drafter_factory: Callable[[], DraftRunner] | None = None,
                  rule: SpeculationRule | None = None) -> None:
@@ -254,13 +319,16 @@ class BatchDecoder:
         """Queue a request (it joins at the next step with a free slot) -> its id."""
         check_prompt(req.prompt, self.target, req.max_new_tokens)
         check_temperature(req.temperature)
+        check_proposer(req.proposer)
+        if req.ngram_rows is not None and not (isinstance(req.ngram_rows, int) and req.ngram_rows >= 1):
+            raise DFlash2Error(f"ngram_rows must be an integer >= 1 or None, got {req.ngram_rows!r}")
         i = self._next_id
         self._next_id += 1
         eos = set(self.target.eos_ids) if req.eos_ids is None else set(req.eos_ids)
         limit = min(req.max_new_tokens, self.target.max_positions - len(req.prompt))
         self._queue.append(_Seq(i, req, -1, np.random.default_rng(req.seed),
                                 GenerationResult(prompt_tokens=list(req.prompt)), eos, limit, 0.0,
-                                committed=deque(maxlen=self.rule.window)))
+                                committed={who: deque(maxlen=self.rule.window) for who in (DFLASH2, NGRAM)}))
         return i
 
     def cancel(self, i: int) -> None:
@@ -295,10 +363,10 @@ class BatchDecoder:
         if not seqs:
             return
         self.steps += 1
-        drafting = self._choose(seqs)
-        if drafting:
+        plan = self._choose(seqs)  # id -> (proposer, lookup drafts)
+        if plan:
             self.drafting_steps += 1
-        proposals = {s.id: self._draft(s) for s in seqs if s.id in drafting}  # id -> (proposal, drafts)
+        proposals = {s.id: self._draft(s, *plan[s.id]) for s in seqs if s.id in plan}  # id -> (proposal, drafts)
         rows = {s.slot: [s.anchor] + (proposals[s.id][1] if s.id in proposals else []) for s in seqs}
         t = COST_CLOCK()
         out = self.target.forward(rows)  # slot -> (logits [m, V], features [m, F])
@@ -306,7 +374,7 @@ class BatchDecoder:
         for s in seqs:
             logits, feats = out[s.slot]
             if s.id in proposals:
-                self._accept(s, *proposals[s.id], logits, feats)
+                self._accept(s, plan[s.id][0], *proposals[s.id], logits, feats)
             else:
                 self._plain(s, logits, feats)
         for s in seqs:
@@ -332,15 +400,33 @@ class BatchDecoder:
             s.anchor = _next_token(logits[-1], s.req.temperature, s.rng)
             s.res.tokens.append(s.anchor)
             s.pos = len(s.req.prompt)
-            if self._can_draft(s):
+            # a plain request never looks up: its choice keeps no context
+            mode = s.req.proposer if s.req.speculative else DFLASH2
+            s.choice = ProposerChoice(mode, list(s.req.prompt) + [s.anchor],
+                                      0 if mode == DFLASH2 else self._lookup_rows(s))
+            if self._uses_drafter(s):
                 s.pending, s.pending_start = [feats], 0
                 self._drafter(s.slot).reset()
             self._active[s.id] = s
             if len(s.res.tokens) >= s.limit or s.anchor in s.eos:
                 self._finish(s)
 
-    def _can_draft(self, s: _Seq) -> bool:
-        return s.req.speculative and self._make_drafter is not None
+    def _uses_drafter(self, s: _Seq) -> bool:
+        """Whether the DFlash 2 drafter proposes for s (its context then follows s's committed positions)."""
+        assert s.choice is not None
+        return s.req.speculative and self._make_drafter is not None and s.choice.uses_drafter
+
+    def _speculates(self, s: _Seq) -> bool:
+        """Whether s may draft at all: with the drafter, or by prompt lookup (which needs no drafter)."""
+        assert s.choice is not None
+        return s.req.speculative and (self._uses_drafter(s) or s.choice.mode != DFLASH2)
+
+    def _lookup_rows(self, s: _Seq) -> int:
+        """Most lookup drafts per cycle of s: its request's, else speculative_generate's default (from the block size
+        of the drafter, when the decoder has one)."""
+        if s.req.ngram_rows is not None:
+            return s.req.ngram_rows
+        return default_rows(self._drafter(s.slot).block_size - 1 if self._make_drafter is not None else 0)
 
     def _drafter(self, slot: int) -> DraftRunner:
         if slot not in self._drafters:
@@ -348,27 +434,54 @@ class BatchDecoder:
             self._drafters[slot] = self._make_drafter()
         return self._drafters[slot]
 
-    def _choose(self, seqs: list[_Seq]) -> set[int]:
+    def _choose(self, seqs: list[_Seq]) -> dict[int, tuple[str, list[int]]]:
+        """id -> (proposer, lookup drafts) of the sequences that draft this step: each candidate's
+        :class:`~dflash2_trt.runtime.ngram.ProposerChoice` names its preferred proposal, the rule weighs them (and the
+        lookups of those whose drafter proposal it left out), then each choice settles the outcome."""
         # a cycle needs >= 1 draft row left before the limit
-        cands = [s for s in seqs if self._can_draft(s) and s.limit - len(s.res.tokens) >= 2]
+        cands = [s for s in seqs if self._speculates(s) and s.limit - len(s.res.tokens) >= 2]
         for s in cands:
             if s.plain_run >= self.rule.probe_after:  # probe: measure this sequence's acceptance again
-                s.committed.clear()
+                for c in s.committed.values():
+                    c.clear()
                 s.plain_run = 0
-        full = {s.id: self._drafter(s.slot).block_size - 1 for s in cands}  # draft rows of a full block
-        drafts = {s.id: min(full[s.id], s.limit - len(s.res.tokens) - 1) for s in cands}  # this cycle's
-        # τ̂ of a final partial block: its share of the rows' expected gain (a full block's τ̂ would overstate it)
-        taus = {s.id: 1.0 + (self.rule.tau(s.committed) - 1.0) * drafts[s.id] / full[s.id] for s in cands}
-        units = None
-        if cands and hasattr(self.target, "cost_units"):
-
-            def units(ids: list[int]) -> float:  # the step's forward when ``ids`` draft (their verify rows)
-                return self.target.cost_units({s.slot: 1 + (drafts[s.id] if s.id in ids else 0) for s in seqs})
-
-        chosen = self.rule.choose(len(seqs), taus, units)
+        looked = {s.id: s.choice.ngram(s.limit - len(s.res.tokens) - 1) for s in cands}  # [] for dflash2
+        taus: dict[tuple[int, str], float] = {}  # (id, proposer) -> τ̂: the rule's candidates, one per sequence
+        rows: dict[tuple[int, str], int] = {}  # (id, proposer) -> its verify rows
+        fallbacks: dict[tuple[int, str], tuple[tuple[int, str], float]] = {}
         for s in cands:
-            s.plain_run = 0 if s.id in chosen else s.plain_run + 1
-        return chosen
+            who = s.choice.preferred(looked[s.id], drafter=self._uses_drafter(s))
+            if who is None:  # ngram without a match: a plain step, not the rule's choice
+                continue
+            rows[s.id, who], taus[s.id, who] = self._estimate(s, who, looked[s.id])
+            if who == DFLASH2 and s.choice.preferred(looked[s.id], drafter=False) == NGRAM:
+                rows[s.id, NGRAM], tau = self._estimate(s, NGRAM, looked[s.id])
+                fallbacks[s.id, DFLASH2] = ((s.id, NGRAM), tau)
+
+        def units(keys: list[tuple[int, str]]) -> float:  # the step's forward when ``keys`` draft (their rows)
+            extra = {i: rows[i, who] for i, who in keys}
+            return self.target.cost_units({s.slot: 1 + extra.get(s.id, 0) for s in seqs})
+
+        chosen = self.rule.choose(len(seqs), taus, units if taus and hasattr(self.target, "cost_units") else None,
+                                  free={k for k in taus if k[1] == NGRAM}, fallbacks=fallbacks)
+        plan: dict[int, tuple[str, list[int]]] = {}
+        for s in cands:
+            who = DFLASH2 if (s.id, DFLASH2) in chosen else NGRAM if (s.id, NGRAM) in chosen else None
+            s.choice.settle(looked[s.id], who)
+            if (s.id, DFLASH2) in taus or (s.id, NGRAM) in taus:  # the rule weighed it
+                s.plain_run = 0 if who else s.plain_run + 1
+            if who is not None:
+                plan[s.id] = (who, looked[s.id])
+        return plan
+
+    def _estimate(self, s: _Seq, who: str, looked: list[int]) -> tuple[int, float]:
+        """(verify rows, τ̂) of a proposal by ``who`` for s this step."""
+        if who == NGRAM:  # it commits at most its drafts + the bonus token
+            return len(looked), min(self.rule.tau(s.committed[NGRAM]), 1.0 + len(looked))
+        full = self._drafter(s.slot).block_size - 1  # draft rows of a full block
+        n = min(full, s.limit - len(s.res.tokens) - 1)  # this cycle's
+        # τ̂ of a final partial block: its share of the rows' expected gain (a full block's τ̂ would overstate it)
+        return n, 1.0 + (self.rule.tau(s.committed[DFLASH2]) - 1.0) * n / full
 
     def _record_forward(self, n: int, k: int, seconds: float) -> None:
         """A step's target forward over n sequences, k of them verifying -> t_plain(n), or t_verify per drafting
@@ -384,15 +497,26 @@ class BatchDecoder:
     def _plain(self, s: _Seq, logits: np.ndarray, feats: np.ndarray) -> None:
         """The target's next token after the anchor (logits [1, V], features [1, F]): exactly a B = 1 plain step."""
         s.anchor = _next_token(logits[-1], s.req.temperature, s.rng)
-        if self._can_draft(s):
-            s.pending.append(feats)
+        if self._uses_drafter(s):
+            self._defer(s, feats)
         s.pos += 1
         s.res.tokens.append(s.anchor)
+        s.choice.extend([s.anchor])
         s.res.plain_steps += 1
 
-    def _draft(self, s: _Seq) -> tuple[Any, list[int]]:
-        """draft (decoder.speculative_generate's cycle, first half): pending features join the drafter's context,
-        the drafter proposes -> (its proposal, the drafts to verify)."""
+    @staticmethod
+    def _defer(s: _Seq, feats: np.ndarray) -> None:
+        """Features [m, F] of the committed positions s.pos .. s.pos + m - 1 wait for the drafter's next pass."""
+        if not s.pending:
+            s.pending_start = s.pos
+        s.pending.append(feats)
+
+    def _draft(self, s: _Seq, who: str, looked: list[int]) -> tuple[Any, list[int]]:
+        """draft (decoder.speculative_generate's cycle, first half) -> (the proposal, the drafts to verify): a lookup's
+        drafts as they are (no drafter pass, no random draw; pending features keep waiting), or pending features join
+        the drafter's context and the drafter proposes."""
+        if who == NGRAM:
+            return lookup_draft(looked), looked
         T = s.req.temperature
         drafter = self._drafter(s.slot)
         L = drafter.block_size - 1
@@ -408,7 +532,8 @@ class BatchDecoder:
         self.rule.costs.record_draft(COST_CLOCK() - t)
         return draft, [int(x) for x in draft.tokens[:n_rows]]
 
-    def _accept(self, s: _Seq, draft: Any, drafts: list[int], v_logits: np.ndarray, v_feats: np.ndarray) -> None:
+    def _accept(self, s: _Seq, who: str, draft: Any, drafts: list[int], v_logits: np.ndarray,
+                v_feats: np.ndarray) -> None:
         """accept → commit of one sequence's verify (v_logits [n+1, V], v_feats [n+1, F] of [anchor, drafts])."""
         T = s.req.temperature
         n_rows = len(drafts)
@@ -419,7 +544,10 @@ class BatchDecoder:
             q = _proposal_in_vocab(draft, n_rows, p.shape[-1])  # [n, V]
             acc, bonus = ref.accept_rejection(np.asarray(drafts, dtype=np.int64), q, p, s.rng)
         self.target.crop(s.slot, s.pos + acc + 1)
-        s.pending, s.pending_start = [v_feats[: acc + 1]], s.pos
+        if who == DFLASH2:  # the drafter's pass took the pending features: the verified rows are the next ones
+            s.pending, s.pending_start = [v_feats[: acc + 1]], s.pos
+        elif self._uses_drafter(s):  # a lookup cycle: its rows wait with the others (the context stays contiguous)
+            self._defer(s, v_feats[: acc + 1])
         new = drafts[:acc] + [bonus]
         for i, tok in enumerate(new):
             if tok in s.eos:
@@ -427,8 +555,11 @@ class BatchDecoder:
                 break
         s.res.accepted.append(min(acc, len(new)))
         s.res.proposed.append(n_rows)
+        s.res.proposers.append(who)
         s.res.tokens.extend(new)
-        s.committed.append(len(new))
+        s.committed[who].append(len(new))
+        s.choice.extend(new)
+        s.choice.record(who, len(new))
         s.pos += acc + 1
         s.anchor = new[-1]
 
