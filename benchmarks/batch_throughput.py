@@ -11,7 +11,9 @@ process CPU second (the work done; steadier than wall time on a loaded machine) 
 single-stream AR run, and the load average (a shared machine: read the ratios, measured in one run). Also
 checks that every batched stream's tokens equal its single-stream greedy tokens. ``--spec`` adds single-stream
 speculative decoding (``generate``, guard on) and batched + adaptive speculation (``generate_batch``) with the
-export's drafter (the demo's: the packaged SmolLM2 drafter).
+export's drafter (the demo's: the packaged SmolLM2 drafter), both with ``--proposer`` (default ``auto``: per
+cycle the drafter or prompt lookup, whichever pays; ``dflash2``: the drafter alone; ``ngram``: lookup alone); each
+speculative row reports each proposer's own cycles and τ (tokens per cycle) pooled over its streams.
 """
 
 from __future__ import annotations
@@ -41,9 +43,21 @@ def _best(old: tuple[float, float] | None, new: tuple[float, float]) -> tuple[fl
     return new if old is None else (max(old[0], new[0]), max(old[1], new[1]))
 
 
+def _per_proposer(results: list) -> dict[str, dict]:
+    """{proposer: {"cycles": n, "tau": tokens per cycle or None}} pooled over the results' cycles (api.Result)."""
+    from dflash2_trt.runtime.ngram import DFLASH2, NGRAM
+
+    out = {}
+    for who in (DFLASH2, NGRAM):
+        acc = [x for r in results for x, p in zip(r.stats.accepted, r.stats.proposers) if p == who]
+        out[who] = {"cycles": len(acc), "tau": sum(acc) / len(acc) + 1 if acc else None}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import dflash2_trt
     from dflash2_trt.bench.prompts import encode_items, load_prompts
+    from dflash2_trt.vocabulary import DEFAULT_PROPOSER, PROPOSERS
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -53,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--spec", action="store_true", help="also speculative: single-stream and batched + adaptive")
+    ap.add_argument("--proposer", choices=PROPOSERS, default=DEFAULT_PROPOSER,
+                    help="who drafts in the speculative runs (--spec)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.export is None:
@@ -70,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         best: dict[str, tuple[float, float]] = {}  # cell -> (wall, cpu) tokens/s
         single_tokens: dict[int, list[int]] = {}
         cycles: dict[int, tuple[int, int]] = {}  # streams -> (speculative cycles, plain steps) of the last run
+        by_proposer: dict[str, dict] = {}  # cell -> each proposer's cycles and τ over its streams (the last run)
         for _ in range(a.repeats):
             t = _clock()
             for i, p in enumerate(prompts[:n_max]):
@@ -77,18 +94,19 @@ def main(argv: list[str] | None = None) -> int:
             best["single"] = _best(best.get("single"), _rates(n_max * a.tokens, t))
             if a.spec:
                 t = _clock()
-                for p in prompts[:n_max]:
-                    g.generate(p, **kw)
+                ss = [g.generate(p, proposer=a.proposer, **kw) for p in prompts[:n_max]]
                 best["single_spec"] = _best(best.get("single_spec"), _rates(n_max * a.tokens, t))
+                by_proposer["single_spec"] = _per_proposer(ss)
             for n in a.streams:
                 t = _clock()
                 out = g.generate_batch(prompts[:n], speculative=False, max_batch=n, **kw)
                 best[f"batch{n}"] = _best(best.get(f"batch{n}"), _rates(sum(len(r.tokens) for r in out), t))
                 if a.spec:
                     t = _clock()
-                    sp = g.generate_batch(prompts[:n], max_batch=n, **kw)
+                    sp = g.generate_batch(prompts[:n], max_batch=n, proposer=a.proposer, **kw)
                     best[f"spec{n}"] = _best(best.get(f"spec{n}"), _rates(sum(len(r.tokens) for r in sp), t))
                     cycles[n] = (sum(r.stats.cycles for r in sp), sum(r.stats.plain_steps for r in sp))
+                    by_proposer[f"spec{n}"] = _per_proposer(sp)
                     out = out + sp
                 same = sum(r.tokens == single_tokens[i % n] for i, r in enumerate(out))
                 if same != len(out):
@@ -101,18 +119,23 @@ def main(argv: list[str] | None = None) -> int:
             rows += [(f"batched + adaptive spec., {n} streams (cycles {cycles[n][0]}, plain {cycles[n][1]})", f"spec{n}")
                      for n in a.streams]
         print(f"SmolLM2 fused fp32, {a.threads} threads, {a.tokens} tokens per stream, best of {a.repeats}, "
-              f"attention {be.attention_op}, load average {os.getloadavg()[0]:.1f}")
+              f"attention {be.attention_op}, load average {os.getloadavg()[0]:.1f}"
+              + (f", proposer {a.proposer}" if a.spec else ""))
         print(f"{'':66s} {'wall tok/s':>10s} {'x single':>8s} {'cpu tok/s':>10s} {'x single':>8s}")
         w0, c0 = best["single"]
         for name, key in rows:
             w, c = best[key]
             print(f"{name:66s} {w:10.1f} {w / w0:8.2f} {c:10.1f} {c / c0:8.2f}")
+            if key in by_proposer:
+                print("    " + ", ".join(f"{who}: {v['cycles']} cycles, tau {v['tau']:.2f}" if v["tau"] else
+                                         f"{who}: 0 cycles" for who, v in by_proposer[key].items()))
         if a.out:
             Path(a.out).write_text(json.dumps({
                 "command": " ".join(["python", "benchmarks/batch_throughput.py", *(argv or sys.argv[1:])]),
                 "threads": a.threads, "tokens": a.tokens, "repeats": a.repeats, "loadavg": os.getloadavg()[0],
                 "attention": be.attention_op, "tokens_per_s": best,
-                "spec_cycles_plain": cycles}, indent=1) + "\n")
+                "spec_cycles_plain": cycles, "proposer": a.proposer if a.spec else None,
+                "spec_proposers": by_proposer}, indent=1) + "\n")
     return 0
 
 

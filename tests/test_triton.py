@@ -199,12 +199,13 @@ def test_repo_configs_parse_strictly(tiny_export, tmp_path):
     c = cfgs[MODEL]
     assert c["backend"] == "python" and c["modelTransactionPolicy"] == {"decoupled": True}
     assert {i["name"] for i in c["input"]} == {"text_input", "input_ids", "max_tokens", "temperature", "seed",
-                                             "selector_mode"}
+                                             "selector_mode", "proposer"}
     assert all(i["optional"] for i in c["input"])
     assert c["instanceGroup"] == [{"count": 3, "kind": "KIND_CPU"}]
     assert c["parameters"]["default_selector_mode"] == {"stringValue": "viterbi"}
     assert c["parameters"]["max_batch"] == {"stringValue": "8"}  # the batch loop's defaults
     assert c["parameters"]["speculation"] == {"stringValue": "adaptive"}
+    assert c["parameters"]["default_proposer"] == {"stringValue": "auto"}  # the API's default
     assert (repo / MODEL / "1" / "model.py").read_text() == T.TEMPLATE.read_text()
     # the export travels inside the repository (hard links: same inode where the filesystem allows)
     w = repo / MODEL / "1" / "export" / "weights.bin"
@@ -226,6 +227,8 @@ def test_repo_configs_parse_strictly(tiny_export, tmp_path):
         T.write_triton_repo(tiny_export, tmp_path / "r2", max_batch=0)
     with pytest.raises(DFlash2Error, match="--triton-speculation must be one of adaptive, always, off, got 'x'"):
         T.write_triton_repo(tiny_export, tmp_path / "r2", speculation="x")
+    with pytest.raises(DFlash2Error, match="--triton-proposer must be one of dflash2, ngram, auto, got 'x'"):
+        T.write_triton_repo(tiny_export, tmp_path / "r2", proposer="x")
     assert not (tmp_path / "r2").exists()
 
 
@@ -270,12 +273,13 @@ def test_cli_triton_repo_from_existing_export(tiny_export, tmp_path, capsys):
 
     repo = tmp_path / "repo"
     assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo), "--triton-instances", "2",
-                 "--triton-max-batch", "3", "--triton-speculation", "off"]) == 0
+                 "--triton-max-batch", "3", "--triton-speculation", "off", "--triton-proposer", "ngram"]) == 0
     out = capsys.readouterr().out
     assert f"wrote Triton model repository {repo}" in out and "tritonserver" in out
     c = T.summary(repo)[MODEL]
     assert c["instanceGroup"][0]["count"] == 2
     assert c["parameters"]["max_batch"] == {"stringValue": "3"} and c["parameters"]["speculation"] == {"stringValue": "off"}
+    assert c["parameters"]["default_proposer"] == {"stringValue": "ngram"}
     assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo)]) == 0  # ours: replaced
     capsys.readouterr()
     (repo / "notes.txt").write_text("mine")

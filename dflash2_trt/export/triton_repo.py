@@ -6,6 +6,7 @@
     triton options: --triton-model-name NAME (dflash2) --triton-instances N (1) --triton-backend auto|ort|trt
                     --triton-selector greedy|viterbi|independent --triton-max-tokens N (128: a request's default)
                     --triton-max-batch N (8) --triton-speculation adaptive|always|off
+                    --triton-proposer dflash2|ngram|auto (auto: a request's default)
 
 Layout (written into a temporary folder beside DIR and moved into place whole; an existing DIR is replaced
 only when it is a repository we wrote, see :mod:`dflash2_trt.outdir`)::
@@ -30,7 +31,9 @@ Serving the repository (the bundled server, its command and environment) is :mod
 
 Concurrency: each instance decodes all the requests it holds in one continuous batch (``Generator.submit``: up
 to ``--triton-max-batch`` sequences share each step, more wait for a slot; ``--triton-speculation``: drafting
-load-adaptive, every step, or never); ``instance_group`` count (``--triton-instances``) adds independent
+load-adaptive, every step, or never; ``--triton-proposer``: who drafts for a request that does not say, the
+drafter, prompt lookup or per cycle whichever pays, as :meth:`dflash2_trt.api.Generator.generate`);
+``instance_group`` count (``--triton-instances``) adds independent
 instances, each with its own runners and caches (``--triton-max-batch 1 --triton-instances N``: N requests at a
 time, each decoded alone).
 """
@@ -47,7 +50,7 @@ from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import GraphSpec, read_manifest
 from dflash2_trt.outdir import TempFolder, check_replace, repo_owner, write_error, write_repo_record
-from dflash2_trt.vocabulary import BACKEND_CHOICES, DRAFT_MODES, SPECULATION_MODES
+from dflash2_trt.vocabulary import BACKEND_CHOICES, DEFAULT_PROPOSER, DRAFT_MODES, PROPOSERS, SPECULATION_MODES
 
 TEMPLATE = Path(__file__).resolve().parent / "triton_templates" / "dflash2_model.py"
 DEFAULT_MODEL_NAME = "dflash2"
@@ -56,7 +59,8 @@ _TRT_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_
               "int32": "TYPE_INT32", "bool": "TYPE_BOOL"}
 # the python model's interface (see the template's docstring): name, type, dims
 _INPUTS = (("text_input", "TYPE_STRING", [1]), ("input_ids", "TYPE_INT64", [-1]), ("max_tokens", "TYPE_INT32", [1]),
-           ("temperature", "TYPE_FP32", [1]), ("seed", "TYPE_INT64", [1]), ("selector_mode", "TYPE_STRING", [1]))
+           ("temperature", "TYPE_FP32", [1]), ("seed", "TYPE_INT64", [1]), ("selector_mode", "TYPE_STRING", [1]),
+           ("proposer", "TYPE_STRING", [1]))
 _OUTPUTS = (("output_ids", "TYPE_INT64", [-1]), ("text_output", "TYPE_STRING", [1]), ("accepted", "TYPE_INT32", [-1]),
             ("tau", "TYPE_FP32", [1]))
 
@@ -105,7 +109,7 @@ def _copy_tree(src: Path, dst: Path) -> None:
 
 def python_model_config(name: str, instances: int, backend: str, default_mode: str, default_max_tokens: int,
                         max_tokens_limit: int, ort_threads: int, verify_checksums: bool, max_batch: int = 8,
-                        speculation: str = "adaptive") -> Any:
+                        speculation: str = "adaptive", proposer: str = DEFAULT_PROPOSER) -> Any:
     pb, _ = _pb()
     cfg = pb.ModelConfig(name=name, backend="python", max_batch_size=0)
     cfg.model_transaction_policy.decoupled = True
@@ -118,7 +122,7 @@ def python_model_config(name: str, instances: int, backend: str, default_mode: s
     params = {"export_dir": EXPORT_SUBDIR, "backend": backend, "default_selector_mode": default_mode,
               "default_max_tokens": str(default_max_tokens), "max_tokens_limit": str(max_tokens_limit),
               "ort_threads": str(ort_threads), "verify_checksums": "true" if verify_checksums else "false",
-              "max_batch": str(max_batch), "speculation": speculation}
+              "max_batch": str(max_batch), "speculation": speculation, "default_proposer": proposer}
     for k, v in params.items():
         cfg.parameters[k].string_value = v
     return cfg
@@ -148,7 +152,8 @@ def plan_model_config(name: str, graph: GraphSpec, plugin_file: str | None) -> A
 def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_name: str = DEFAULT_MODEL_NAME,
                       instances: int = 1, backend: str = "auto", default_mode: str = "greedy",
                       default_max_tokens: int = 128, ort_threads: int = 0, verify_checksums: bool = True,
-                      max_batch: int = 8, speculation: str = "adaptive", overwrite: bool = False) -> list[str]:
+                      max_batch: int = 8, speculation: str = "adaptive", proposer: str = DEFAULT_PROPOSER,
+                      overwrite: bool = False) -> list[str]:
     """Write the model repository for ``export_dir`` into ``repo_dir``; returns the model names written.
     ``overwrite``: replace a repository of ours that holds files its record does not list (named first)."""
     export_dir, repo = Path(export_dir), Path(repo_dir)
@@ -161,6 +166,8 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
         raise DFlash2Error(f"--triton-max-batch must be >= 1, got {max_batch}")
     if speculation not in SPECULATION_MODES:
         raise DFlash2Error(f"--triton-speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
+    if proposer not in PROPOSERS:
+        raise DFlash2Error(f"--triton-proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}")
     m.check_draft_mode(default_mode)
     if not 1 <= default_max_tokens <= m.max_seq_len:
         raise DFlash2Error(f"--triton-max-tokens must be in [1, {m.max_seq_len}], got {default_max_tokens}")
@@ -168,7 +175,7 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
     try:
         with TempFolder(repo, "triton") as t:
             names = _write_repo(t.path, export_dir, m, model_name, instances, backend, default_mode,
-                                default_max_tokens, ort_threads, verify_checksums, max_batch, speculation)
+                                default_max_tokens, ort_threads, verify_checksums, max_batch, speculation, proposer)
             write_repo_record(t.path)
             if not overwrite:
                 check_replace(repo, "--triton-repo", repo_owner)  # again: it may have changed meanwhile
@@ -180,12 +187,13 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
 
 def _write_repo(tmp: Path, export_dir: Path, m, model_name: str, instances: int, backend: str,  # noqa: ANN001
                 default_mode: str, default_max_tokens: int, ort_threads: int, verify_checksums: bool, max_batch: int,
-                speculation: str) -> list[str]:
+                speculation: str, proposer: str = DEFAULT_PROPOSER) -> list[str]:
     """Build the repository in ``tmp``; returns the model names."""
     names = [model_name]
     mdir = tmp / model_name
     _write_config(mdir, python_model_config(model_name, instances, backend, default_mode, default_max_tokens,
-                                            m.max_seq_len, ort_threads, verify_checksums, max_batch, speculation))
+                                            m.max_seq_len, ort_threads, verify_checksums, max_batch, speculation,
+                                            proposer))
     (mdir / "1").mkdir()
     shutil.copy2(TEMPLATE, mdir / "1" / "model.py")
     _copy_tree(export_dir, mdir / "1" / EXPORT_SUBDIR)
@@ -217,6 +225,9 @@ def add_triton_options(p: argparse.ArgumentParser, required: bool = False) -> No
                    help="requests an instance decodes together in one continuous batch (more wait for a slot)")
     p.add_argument("--triton-speculation", choices=SPECULATION_MODES, default="adaptive",
                    help="drafting in the batch: while the load-adaptive rule says it pays, every step, or never")
+    p.add_argument("--triton-proposer", choices=PROPOSERS, default=DEFAULT_PROPOSER,
+                   help="who drafts for a request that does not say (its input 'proposer'): the DFlash 2 drafter, "
+                        "prompt lookup, or per cycle whichever pays")
 
 
 def run_write(export_dir: str | Path, a: argparse.Namespace) -> int:
@@ -225,7 +236,8 @@ def run_write(export_dir: str | Path, a: argparse.Namespace) -> int:
     names = write_triton_repo(export_dir, a.triton_repo, model_name=a.triton_model_name, instances=a.triton_instances,
                               backend=a.triton_backend, default_mode=a.triton_selector,
                               default_max_tokens=a.triton_max_tokens, max_batch=a.triton_max_batch,
-                              speculation=a.triton_speculation, overwrite=getattr(a, "overwrite", False))
+                              speculation=a.triton_speculation, proposer=a.triton_proposer,
+                              overwrite=getattr(a, "overwrite", False))
     print(f"wrote Triton model repository {a.triton_repo} (models: {', '.join(names)})")
     return 0
 

@@ -11,6 +11,8 @@ totals. Inputs (one of ``text_input`` / ``input_ids``; the rest optional)::
     temperature    FP32  [1]   0 = greedy (default); > 0 samples (lossless rejection sampling)
     seed           INT64 [1]   the request's random stream (default 0; see parameter speculation below)
     selector_mode  BYTES [1]   greedy | viterbi | independent (default: parameter default_selector_mode)
+    proposer       BYTES [1]   dflash2 | ngram | auto: who drafts, the drafter, prompt lookup or per cycle
+                               whichever pays (default: parameter default_proposer, itself auto by default)
 
 Outputs of every response::
 
@@ -61,7 +63,7 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from dflash2_trt.errors import DFlash2Error  # noqa: E402
-from dflash2_trt.vocabulary import SPECULATION_MODES  # noqa: E402
+from dflash2_trt.vocabulary import DEFAULT_PROPOSER, PROPOSERS, SPECULATION_MODES  # noqa: E402
 
 
 def _scalar(request, name: str):  # noqa: ANN001, ANN202
@@ -103,6 +105,10 @@ class TritonPythonModel:
         # another instance (or keeps them in its queue) instead of piling them onto this one's
         self.slots = threading.BoundedSemaphore(max_batch)
         self.default_mode = params.get("default_selector_mode", "greedy")
+        self.default_proposer = params.get("default_proposer", DEFAULT_PROPOSER)
+        if self.default_proposer not in PROPOSERS:
+            raise DFlash2Error(f"parameter default_proposer must be one of {', '.join(PROPOSERS)}, "
+                               f"got {self.default_proposer!r}")
         self.default_max_tokens = int(params.get("default_max_tokens", "128"))
         self.max_tokens_limit = int(params.get("max_tokens_limit", "4096"))
         labels = {"model": cfg["name"], "instance": args["model_instance_name"]}
@@ -167,7 +173,9 @@ class TritonPythonModel:
         if seed < 0:
             raise DFlash2Error(f"seed must be >= 0, got {seed}")
         mode = _scalar(request, "selector_mode") or self.default_mode
-        return {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "mode": mode}
+        proposer = _scalar(request, "proposer") or self.default_proposer  # checked by submit
+        return {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "mode": mode,
+                "proposer": proposer}
 
     def _submit(self, request) -> None:  # noqa: ANN001
         """Check and queue one request, then forward its chunks from a thread of its own."""
@@ -182,7 +190,7 @@ class TritonPythonModel:
         self.slots.acquire()  # released by the request's forwarder, or below
         try:
             handle = self.gen.submit(spec["prompt"], spec["max_tokens"], spec["temperature"], spec["seed"],
-                                     spec["mode"], chat=False, speculative=self.speculative)
+                                     spec["mode"], chat=False, speculative=self.speculative, proposer=spec["proposer"])
         except BaseException as e:
             self.slots.release()
             if not isinstance(e, DFlash2Error):
