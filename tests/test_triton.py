@@ -38,7 +38,8 @@ MODEL = "dflash2"
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def _inputs(ids=None, text=None, max_tokens=None, temperature=None, seed=None, mode=None):  # noqa: ANN001, ANN202
+def _inputs(ids=None, text=None, max_tokens=None, temperature=None, seed=None, mode=None,  # noqa: ANN001, ANN202
+            proposer=None):
     out = []
 
     def add(name: str, arr: np.ndarray, dtype: str) -> None:
@@ -58,6 +59,8 @@ def _inputs(ids=None, text=None, max_tokens=None, temperature=None, seed=None, m
         add("seed", np.array([seed], dtype=np.int64), "INT64")
     if mode is not None:
         add("selector_mode", np.array([mode.encode()], dtype=np.object_), "BYTES")
+    if proposer is not None:
+        add("proposer", np.array([proposer.encode()], dtype=np.object_), "BYTES")
     return out
 
 
@@ -142,10 +145,10 @@ class Expected:
 
 
 def expected(export: Path, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
-             mode: str = "greedy") -> Expected:
+             mode: str = "greedy", proposer: str = "auto") -> Expected:
     g = _generator(export)
     g.set_batching(adaptive=False)
-    chunks = list(g.submit(prompt, max_tokens, temperature, seed, mode, chat=False))
+    chunks = list(g.submit(prompt, max_tokens, temperature, seed, mode, chat=False, proposer=proposer))
     return Expected(chunks, [c.accepted for c in chunks if c.accepted is not None])
 
 
@@ -327,6 +330,10 @@ def test_tiny_streams_equal_the_runtime(acc_server, acc_export):
                           acc_export, prompt, 20, temperature=1.0, seed=3, mode="viterbi")
     check_against_runtime(run_request(url, ids=prompt, max_tokens=9, mode="independent"), acc_export, prompt, 9,
                           mode="independent")
+    # a request's own proposer (the drafter alone, prompt lookup alone) instead of the model's default (auto)
+    refs = [check_against_runtime(run_request(url, ids=prompt * 4, max_tokens=30, proposer=who), acc_export,
+                                  prompt * 4, 30, proposer=who) for who in ("dflash2", "ngram")]
+    assert [c.tokens for c in refs[0].chunks] != [c.tokens for c in refs[1].chunks]  # the input made a difference
     # text in: the user message goes through the target's chat template, as the runtime's tokenizer renders it
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
@@ -421,6 +428,7 @@ BAD = [  # (request, part of the error message)
     ({"ids": [1, 2], "seed": -4}, "seed must be >= 0"),
     ({"ids": [1, 2], "mode": "bogus"}, "draft mode must be one of greedy, viterbi, independent, got 'bogus'"),
     ({"ids": [1, 10**6]}, "prompt token id 1000000 out of range"),
+    ({"ids": [1, 2], "proposer": "lookahead"}, "proposer must be one of dflash2, ngram, auto, got 'lookahead'"),
 ]
 
 
