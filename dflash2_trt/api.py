@@ -570,8 +570,8 @@ class Handle:
 
 class _BatchLoop:
     """The background thread behind :meth:`Generator.submit`: one :class:`~dflash2_trt.runtime.batch.BatchDecoder`
-    per draft mode asked for (its own batched target runner of ``max_batch`` slots; requests of one mode share
-    steps), stepped in turn while any is busy. Between steps it takes in submitted handles and applies
+    per draft mode asked for (its own batched target runner and batched drafter of ``max_batch`` slots; requests of
+    one mode share steps), stepped in turn while any is busy. Between steps it takes in submitted handles and applies
     cancellations; after each step it hands every sequence's new tokens to its handle. A step that raises fails
     the requests of that decoder (DFlash2Error) and drops it; the others go on. Backends without the fused target
     serve the queued requests one after another through :meth:`Generator._run` (under the Generator's lock)."""
@@ -661,11 +661,13 @@ class _BatchLoop:
         try:
             dec = self._decoders.get(mode)
             if dec is None:
+                from dflash2_trt.runtime.ort.batched_drafter import OrtBatchedDraftRunner
                 from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
 
                 be = self.gen._backend
-                dec = B.BatchDecoder(OrtBatchedTargetRunner.from_backend(be, self.max_batch),
-                                     lambda: be.draft_runner(mode), B.SpeculationRule(adaptive=self.adaptive))
+                dec = B.BatchDecoder(OrtBatchedTargetRunner.from_backend(be, self.max_batch), None,
+                                     B.SpeculationRule(adaptive=self.adaptive),
+                                     batched_drafter=lambda n: OrtBatchedDraftRunner(be, mode, n))
                 self._decoders[mode], self._live[mode] = dec, {}
             i = dec.submit(B.BatchRequest(r.prompt, r.max_new_tokens, r.temperature, r.seed, r.eos_ids,
                                           r.speculative, r.proposer))

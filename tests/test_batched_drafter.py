@@ -108,3 +108,72 @@ def test_slot_view_and_refusals(be):
     with pytest.raises(DFlash2Error, match="differ in length"):
         run.propose_batch([1], [3, 4], [7], [4], [0.0], [None])
     assert run.propose_batch([], [], [], [], [], []) == []
+
+
+# -- the batch loop over the batched drafter -------------------------------------------------------------------
+
+def _loop(be, slots, batched, rule, made=None):
+    """A batch loop over ``slots`` with the batched drafter (``made`` collects it) or one B = 1 drafter per slot."""
+    from dflash2_trt.runtime import batch as BT
+    from dflash2_trt.runtime.ort.batched_drafter import OrtBatchedDraftRunner
+    from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+
+    target = OrtBatchedTargetRunner.from_backend(be, slots)
+    if not batched:
+        return BT.BatchDecoder(target, lambda: be.draft_runner("greedy"), rule)
+
+    def make(n):
+        made.append(OrtBatchedDraftRunner(be, "greedy", n))
+        return made[-1]
+
+    return BT.BatchDecoder(target, rule=rule, batched_drafter=make)
+
+
+def test_batch_loop_drafts_in_one_call(be):
+    """5 drafter requests in 3 slots (two join freed slots), T = 0 and T > 0, every sequence drafting every step:
+    each step's proposals share ONE block and ONE head call, and every sequence's tokens and per-cycle counts equal
+    the same loop's with one B = 1 drafter per slot (same seeds); the greedy ones are their B = 1 plain output."""
+    from dflash2_trt.runtime import batch as BT
+    from dflash2_trt.runtime import decoder as D
+    from helpers import assert_accepts
+
+    rng = np.random.default_rng(11)
+    V = be.manifest.target.vocab_size
+    prompts = [rng.integers(4, V, n).tolist() for n in (9, 24, 14, 30, 6)]
+    spec = [(30, 0.0, 0), (20, 0.9, 5), (26, 0.0, 0), (18, 1.2, 7), (22, 0.0, 0)]
+    out = {}
+    made: list = []
+    for batched in (False, True):
+        dec = _loop(be, 3, batched, BT.SpeculationRule(adaptive=False), made)
+        out[batched] = dec.run([BT.BatchRequest(p, m, t, s, eos_ids=set(), proposer="dflash2")
+                                for p, (m, t, s) in zip(prompts, spec)])
+        steps = dec.drafting_steps
+    run = made[0]
+    assert run.block_calls == run.head_calls == steps  # one block + one head call per drafting step
+    cycles = sum(len(r.accepted) for r in out[True])
+    assert cycles > steps  # steps shared their call
+    assert run.context_calls <= 2 * steps  # prompts (untimed) and cycles' rows: at most two calls a step
+    for a, b in zip(out[False], out[True]):
+        assert (a.tokens, a.accepted, a.proposed, a.plain_steps) == (b.tokens, b.accepted, b.proposed, b.plain_steps)
+    tgt = be.target_runner()
+    for r, p, (m, t, _) in zip(out[True], prompts, spec):
+        if t == 0:
+            assert r.tokens == D.target_generate(tgt, p, m, eos_ids=set()).tokens
+    assert_accepts([a for r, (_, t, _) in zip(out[True], spec) if t == 0 for a in r.accepted], 15, "(greedy ones)")
+
+
+def test_rule_charges_a_batched_proposal_once_per_step():
+    """With a batched drafter t_draft is the step's one call for its k drafter proposals (measured per k), not k
+    B = 1 proposals: where 8 separate proposals never pay, one shared call does."""
+    from dflash2_trt.runtime import batch as BT
+
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=0.4)
+    cands = {i: 4.0 for i in range(8)}
+    assert BT.SpeculationRule(costs=costs).choose(8, cands) == set()  # 8 / 1.4 beats 32 / 8.6
+    assert BT.SpeculationRule(costs=costs).choose(8, cands, batched_draft=True) == set(range(8))  # 32 / 5.1
+    m = BT.MeasuredCosts()
+    assert m.draft() is None and m.draft(4) is None
+    m.record_draft(0.010)  # one proposal alone
+    m.record_draft(0.016, 4)  # a call of 4
+    assert m.draft() == 0.010 and m.draft(4) == 0.016 and m.draft(8) == 0.016
+    assert abs(m.draft(2) - 0.012) < 1e-12  # linear between measured counts

@@ -11,7 +11,10 @@ One step, flat (the names of :mod:`dflash2_trt.runtime.decoder`):
 
     choose  which sequences draft this step and who proposes for each (the rule below)
     draft   per drafting sequence, by its proposer: the DFlash 2 drafter (its pending context features join its
-            drafter's cache, the drafter proposes; the drafter runner is B = 1: one per slot, called per sequence)
+            drafter's cache, the drafter proposes: with a batched drafter (``batched_drafter``,
+            :class:`~dflash2_trt.runtime.ort.batched_drafter.OrtBatchedDraftRunner`) every drafter proposal of the
+            step shares one context call and one block + head call; else one B = 1 drafter per slot, called per
+            sequence)
             or prompt lookup (:mod:`dflash2_trt.runtime.ngram`: the context's own continuation, no model; the
             features of its verified rows wait with the plain steps' until the drafter runs again, then join its
             context in one pass, so the draft context stays contiguous as in the B = 1 loop)
@@ -60,6 +63,13 @@ Then, with those k fixed, the lookups of the sequences whose drafter proposal wa
 a match) are weighed the same way, free of t_draft: a lookup that pays still runs beside batched plain steps, as
 it runs through the B = 1 guard's plain stretches.
 
+With a batched drafter the step's drafter proposals are ONE call, charged once per step: Σ_{c<=k} t_draft(c)
+becomes t_draft(k_d), the measured time of the step's proposal call for its k_d drafter proposals (context update
+included, except prompts'; running means per k_d, linear between measured counts, flat beyond them). A call costs
+a few fixed milliseconds plus little per sequence (benchmarks/batched_draft_cost.py, demo drafter, CPU time: 2.5 ms
+for one, 7.6 ms for 8, where 8 B = 1 proposals cost 21 ms), so drafting keeps paying at loads where k separate
+proposals did not.
+
 τ̂ is kept per sequence and proposer: the mean tokens committed over its last ``window`` cycles of that proposer
 with a prior of ``prior_tau`` worth ``prior_weight`` cycles, plus ``z`` standard errors (tokens per cycle vary a
 lot: like the B = 1 guard, a sequence stops drafting on evidence, not after an unlucky stretch); a drafter
@@ -75,8 +85,9 @@ cycles (τ̂ back to the prior), so acceptance that changed along a request (cod
 the cost model lets the prior draft. Lossless either way: the rule picks which exact procedure makes a sequence's
 next tokens, from past timings and counts only.
 
-Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot; not thread
-safe (one thread drives it: the Generator's batch loop thread behind :meth:`dflash2_trt.api.Generator.submit`).
+Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot (or one batched
+drafter over all slots); not thread safe (one thread drives it: the Generator's batch loop thread behind
+:meth:`dflash2_trt.api.Generator.submit`).
 """
 
 from __future__ import annotations
@@ -119,14 +130,15 @@ class BatchRequest:
 
 class MeasuredCosts:
     """The rule's step costs, measured in this run (seconds; running means, then exponential over 16): t_plain(n)
-    per batch size, t_draft per proposal, t_verify per drafting sequence (its share of a step's extra forward
-    time; may be measured below 0 by noise, used as >= 0)."""
+    per batch size, t_draft per proposal call by the sequences k in the call (B = 1 drafters: k = 1; a batched
+    drafter's call for k), t_verify per drafting sequence (its share of a step's extra forward time; may be measured
+    below 0 by noise, used as >= 0)."""
 
     verify_from_plan = True  # with the runner's plan, t_plain(n) + k t_verify comes from it (SpeculationRule.choose)
 
     def __init__(self) -> None:
         self._plain: dict[int, tuple[float, int]] = {}  # sequences in the call -> (mean s, count)
-        self._draft: tuple[float, int] = (0.0, 0)
+        self._draft: dict[int, tuple[float, int]] = {}  # sequences in the proposal call -> (mean s, count)
         self._verify: tuple[float, int] = (0.0, 0)
 
     @staticmethod
@@ -138,8 +150,8 @@ class MeasuredCosts:
     def record_plain(self, n: int, s: float) -> None:
         self._plain[n] = self._update(self._plain.get(n, (0.0, 0)), s)
 
-    def record_draft(self, s: float) -> None:
-        self._draft = self._update(self._draft, s)
+    def record_draft(self, s: float, k: int = 1) -> None:
+        self._draft[k] = self._update(self._draft.get(k, (0.0, 0)), s)
 
     def record_verify(self, s: float) -> None:
         self._verify = self._update(self._verify, s)
@@ -148,15 +160,21 @@ class MeasuredCosts:
         """t_plain(n): measured, else linear between the nearest measured sizes (flat beyond them); None: none."""
         if n <= 0:
             return 0.0
-        if n in self._plain:
-            return self._plain[n][0]
-        if not self._plain:
-            return None
-        ks = sorted(self._plain)
-        return float(np.interp(n, ks, [self._plain[k][0] for k in ks]))
+        return self._at(self._plain, n)
 
-    def draft(self) -> float | None:
-        return self._draft[0] if self._draft[1] else None
+    def draft(self, k: int = 1) -> float | None:
+        """t_draft of a proposal call for k sequences: measured, else linear between the nearest measured counts (flat
+        beyond them); None: none."""
+        return self._at(self._draft, k)
+
+    @staticmethod
+    def _at(table: dict[int, tuple[float, int]], n: int) -> float | None:
+        if n in table:
+            return table[n][0]
+        if not table:
+            return None
+        ks = sorted(table)
+        return float(np.interp(n, ks, [table[k][0] for k in ks]))
 
     def verify(self) -> float | None:
         return self._verify[0] if self._verify[1] else None
@@ -174,14 +192,14 @@ class FixedCosts:
 
     def record_plain(self, n: int, s: float) -> None: ...
 
-    def record_draft(self, s: float) -> None: ...
+    def record_draft(self, s: float, k: int = 1) -> None: ...
 
     def record_verify(self, s: float) -> None: ...
 
     def plain(self, n: int) -> float:
         return 0.0 if n <= 0 else float(self.plain_fn(n))
 
-    def draft(self) -> float:
+    def draft(self, k: int = 1) -> float:  # a batched drafter's call: draft_s whatever k
         return self.draft_s
 
     def verify(self) -> float:
@@ -207,7 +225,7 @@ class SpeculationRule:
 
     def choose(self, n_active: int, candidates: dict[Hashable, float],
                units: Callable[[list], float] | None = None, free: Collection = (),
-               fallbacks: dict[Hashable, tuple[Hashable, float]] | None = None) -> set:
+               fallbacks: dict[Hashable, tuple[Hashable, float]] | None = None, batched_draft: bool = False) -> set:
         """candidates: proposal -> τ̂ (one per speculative sequence that can draft; keys are the caller's) -> the
         proposals that run. ``free``: the keys whose proposal costs no drafter time (prompt lookups: t_draft 0,
         only their verify counts). ``fallbacks``: key -> (another key, its τ̂), weighed once the candidates are
@@ -216,7 +234,9 @@ class SpeculationRule:
         ``units``: the target forward's cost in the runner's units (calls and padded rows,
         :meth:`~dflash2_trt.runtime.ort.batched_target.OrtBatchedTargetRunner.cost_units`) when the given keys draft;
         with it time = t_plain(n) x units(chosen) / units(none) + (drafter proposals) x t_draft (t_verify unused: a
-        difference of two noisy timings, where the runner's plan knows what the verifies add)."""
+        difference of two noisy timings, where the runner's plan knows what the verifies add).
+        ``batched_draft``: the drafter proposals of a step are one call of a batched drafter, charged once:
+        t_draft(k_d) (:meth:`MeasuredCosts.draft`) in place of k_d x t_draft."""
         if not candidates:
             return set()
         if not self.adaptive:
@@ -242,6 +262,9 @@ class SpeculationRule:
 
         def time_of(keys: list) -> float:
             k, k_d = len(keys), sum(1 for i in keys if i not in free)
+            if batched_draft:  # the step's k_d drafter proposals: one call
+                d = float(c.draft(k_d) or 0.0) if k_d else 0.0
+                return (per_unit * units(keys) if units is not None else t_all + k * tv) + d
             if units is not None:
                 return per_unit * units(keys) + k_d * t_d
             return t_all + k_d * (t_d + tv) + (k - k_d) * tv
@@ -298,14 +321,18 @@ class _Seq:
 
 class BatchDecoder:
     """Continuous batching over ``target`` (a batched target runner) with optional drafting (``drafter_factory``
-    makes one B = 1 drafter per slot; without one only prompt lookup drafts). ``submit`` / ``step`` / ``cancel`` /
-    ``results``; or :meth:`run`."""
+    makes one B = 1 drafter per slot; ``batched_drafter(slots)`` one drafter over all slots, whose calls every
+    drafter proposal of a step shares, in its place; without either only prompt lookup drafts). ``submit`` /
+    ``step`` / ``cancel`` / ``results``; or :meth:`run`."""
 
     def __init__(self, target: Any, drafter_factory: Callable[[], DraftRunner] | None = None,
-                 rule: SpeculationRule | None = None) -> None:
+                 rule: SpeculationRule | None = None, batched_drafter: Callable[[int], Any] | None = None) -> None:
         self.target = target  # OrtBatchedTargetRunner (join/leave/crop/forward over slots)
         self.rule = rule or SpeculationRule()
         self._make_drafter = drafter_factory
+        self._make_batched = batched_drafter  # slots -> an OrtBatchedDraftRunner (made on first use)
+        self._batched: Any = None
+        self._has_drafter = drafter_factory is not None or batched_drafter is not None
         self._drafters: dict[int, DraftRunner] = {}  # slot -> its drafter
         self._queue: deque[_Seq] = deque()
         self._active: dict[int, _Seq] = {}  # id -> sequence
@@ -366,7 +393,7 @@ class BatchDecoder:
         plan = self._choose(seqs)  # id -> (proposer, lookup drafts)
         if plan:
             self.drafting_steps += 1
-        proposals = {s.id: self._draft(s, *plan[s.id]) for s in seqs if s.id in plan}  # id -> (proposal, drafts)
+        proposals = self._propose([s for s in seqs if s.id in plan], plan)  # id -> (proposal, drafts)
         rows = {s.slot: [s.anchor] + (proposals[s.id][1] if s.id in proposals else []) for s in seqs}
         t = COST_CLOCK()
         out = self.target.forward(rows)  # slot -> (logits [m, V], features [m, F])
@@ -414,7 +441,7 @@ class BatchDecoder:
     def _uses_drafter(self, s: _Seq) -> bool:
         """Whether the DFlash 2 drafter proposes for s (its context then follows s's committed positions)."""
         assert s.choice is not None
-        return s.req.speculative and self._make_drafter is not None and s.choice.uses_drafter
+        return s.req.speculative and self._has_drafter and s.choice.uses_drafter
 
     def _speculates(self, s: _Seq) -> bool:
         """Whether s may draft at all: with the drafter, or by prompt lookup (which needs no drafter)."""
@@ -426,12 +453,17 @@ class BatchDecoder:
         of the drafter, when the decoder has one)."""
         if s.req.ngram_rows is not None:
             return s.req.ngram_rows
-        return default_rows(self._drafter(s.slot).block_size - 1 if self._make_drafter is not None else 0)
+        return default_rows(self._drafter(s.slot).block_size - 1 if self._has_drafter else 0)
 
     def _drafter(self, slot: int) -> DraftRunner:
         if slot not in self._drafters:
-            assert self._make_drafter is not None
-            self._drafters[slot] = self._make_drafter()
+            if self._make_batched is not None:  # the slot's view of the batched drafter
+                if self._batched is None:
+                    self._batched = self._make_batched(self.target.slots)
+                self._drafters[slot] = self._batched.slot(slot)
+            else:
+                assert self._make_drafter is not None
+                self._drafters[slot] = self._make_drafter()
         return self._drafters[slot]
 
     def _choose(self, seqs: list[_Seq]) -> dict[int, tuple[str, list[int]]]:
@@ -463,7 +495,8 @@ class BatchDecoder:
             return self.target.cost_units({s.slot: 1 + extra.get(s.id, 0) for s in seqs})
 
         chosen = self.rule.choose(len(seqs), taus, units if taus and hasattr(self.target, "cost_units") else None,
-                                  free={k for k in taus if k[1] == NGRAM}, fallbacks=fallbacks)
+                                  free={k for k in taus if k[1] == NGRAM}, fallbacks=fallbacks,
+                                  batched_draft=self._make_batched is not None)
         plan: dict[int, tuple[str, list[int]]] = {}
         for s in cands:
             who = DFLASH2 if (s.id, DFLASH2) in chosen else NGRAM if (s.id, NGRAM) in chosen else None
@@ -531,6 +564,36 @@ class BatchDecoder:
         draft = drafter.propose(s.anchor, s.pos, n_rows, T, uniforms)
         self.rule.costs.record_draft(COST_CLOCK() - t)
         return draft, [int(x) for x in draft.tokens[:n_rows]]
+
+    def _propose(self, seqs: list[_Seq], plan: dict[int, tuple[str, list[int]]]) -> dict[int, tuple[Any, list[int]]]:
+        """draft, for the planned sequences -> id -> (the proposal, the drafts to verify): with a batched drafter its
+        proposals in one call (:meth:`_draft_batched`), else each sequence's own :meth:`_draft`."""
+        if self._make_batched is None:
+            return {s.id: self._draft(s, *plan[s.id]) for s in seqs}
+        out = {s.id: self._draft(s, *plan[s.id]) for s in seqs if plan[s.id][0] != DFLASH2}
+        out.update(self._draft_batched([s for s in seqs if plan[s.id][0] == DFLASH2]))
+        return out
+
+    def _draft_batched(self, seqs: list[_Seq]) -> dict[int, tuple[Any, list[int]]]:
+        """:meth:`_draft` of several sequences on the batched drafter: their pending features join their contexts
+        (prompts in one call, not a cycle's cost; the cycles' rows in another), then ONE proposal call for all, whose
+        time is the rule's t_draft(k), k = len(seqs)."""
+        if not seqs:
+            return {}
+        run = self._batched
+        L = run.block_size - 1
+        run.add_contexts({s.slot: (np.concatenate(s.pending), 0) for s in seqs if s.pending and s.pending_start == 0})
+        t = COST_CLOCK()
+        run.add_contexts({s.slot: (np.concatenate(s.pending), s.pending_start)
+                          for s in seqs if s.pending and s.pending_start != 0})
+        for s in seqs:
+            s.pending = []
+        n_rows = [min(L, s.limit - len(s.res.tokens) - 1) for s in seqs]  # a final partial block verifies fewer rows
+        uniforms = [s.rng.random((1, L), dtype=np.float32) if s.req.temperature > 0 else None for s in seqs]
+        drafts = run.propose_batch([s.slot for s in seqs], [s.anchor for s in seqs], [s.pos for s in seqs], n_rows,
+                                   [s.req.temperature for s in seqs], uniforms)
+        self.rule.costs.record_draft(COST_CLOCK() - t, len(seqs))
+        return {s.id: (d, [int(x) for x in d.tokens[:n]]) for s, d, n in zip(seqs, drafts, n_rows)}
 
     def _accept(self, s: _Seq, who: str, draft: Any, drafts: list[int], v_logits: np.ndarray,
                 v_feats: np.ndarray) -> None:
