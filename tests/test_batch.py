@@ -222,7 +222,7 @@ def test_rule_probes_a_sequence_kept_plain(be):
     (its τ̂ back to the prior)."""
     # break-even at one sequence: tau > (1.05 + 0.5 + 0.4) / 1.05 = 1.86; the prior 2.0 drafts, 1-token cycles do not
     costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=0.4)
-    rule = BT.SpeculationRule(costs=costs, prior_weight=1.0, probe_after=5)
+    rule = BT.SpeculationRule(costs=costs, prior_tau=2.0, prior_weight=1.0, probe_after=5)
     dec = _decoder(be, 1, rule)
     i = dec.submit(BT.BatchRequest(_prompts(be, [9])[0], 60, eos_ids=set(), proposer="dflash2"))
     dec.step()  # admits and drafts (prior 2.0)

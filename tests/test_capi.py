@@ -1144,8 +1144,11 @@ def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
 
     reqs = _batch_scenario(batch_be)
     costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.1, verify_s=0.2)
-    py, dec, py_log = _run_python_batch(batch_be, BT.SpeculationRule(costs=costs, adaptive=adaptive), reqs)
-    got, c = _run_c_batch(lib, batch_be, {"fixed_costs": "1.0,0.05,0.1,0.2", "adaptive": adaptive}, reqs)
+    # the scenario's prior (2.0, the default until 2026-12-01): with it the rule drafts, then sends request 5 plain
+    py, dec, py_log = _run_python_batch(batch_be, BT.SpeculationRule(costs=costs, adaptive=adaptive, prior_tau=2.0),
+                                        reqs)
+    got, c = _run_c_batch(lib, batch_be, {"fixed_costs": "1.0,0.05,0.1,0.2", "adaptive": adaptive, "prior_tau": 2.0},
+                          reqs)
     try:
         assert not c.errors, c.errors
         assert c.log == py_log  # call for call

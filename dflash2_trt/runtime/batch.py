@@ -210,7 +210,7 @@ class FixedCosts:
 class SpeculationRule:
     """Which sequences draft this step, each with its proposal (the module docstring's rule)."""
 
-    prior_tau: float = 2.0  # τ̂ of a sequence before its first cycles
+    prior_tau: float = 1.5  # τ̂ of a sequence before its first cycles (≈ the packaged drafter's τ at block size 3)
     prior_weight: float = 2.0  # cycles the prior counts for
     window: int = 32  # cycles per sequence in τ̂
     adaptive: bool = True  # False: every speculative sequence drafts every step

@@ -551,7 +551,7 @@ dfl2_status* dfl2_batch_create(dfl2_model* model, dfl2_options const* options, d
         b->runners = m.newBatchRunners(slots);
         dflash2::SpeculationRule rule;
         rule.adaptive = o.getBool("adaptive", true);
-        rule.priorTau = o.getDouble("prior_tau", 2.0);
+        rule.priorTau = o.getDouble("prior_tau", 1.5);
         rule.priorWeight = o.getDouble("prior_weight", 2.0);
         rule.window = static_cast<int32_t>(std::min<int64_t>(o.getInt("tau_window", 32), INT32_MAX));
         rule.probeAfter = static_cast<int32_t>(std::min<int64_t>(o.getInt("probe_after", 64), INT32_MAX));

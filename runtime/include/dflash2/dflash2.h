@@ -62,7 +62,7 @@
  *     "max_batch"       int    0      sequences decoded together (slots); 0 = the model's max_batch (callbacks:
  *                                     dfl2_callbacks.max_batch; TensorRT: the target engine's batch)
  *     "adaptive"        bool   true   draft only while it pays (the rule); false = every speculative request drafts
- *     "prior_tau"       double 2.0    a request's estimated tokens per cycle before its first cycles
+ *     "prior_tau"       double 1.5    a request's estimated tokens per cycle before its first cycles
  *     "prior_weight"    double 2.0    cycles the prior counts for (> 0)
  *     "tau_window"      int    32     cycles per request in its estimate
  *     "probe_after"     int    64     plain steps in a row after which a request's estimate returns to the prior

@@ -176,7 +176,7 @@ private:
 //! batch.SpeculationRule (the file comment states the rule).
 struct SpeculationRule
 {
-    double priorTau{2.0};
+    double priorTau{1.5};
     double priorWeight{2.0};
     int32_t window{32};
     bool adaptive{true};
