@@ -112,7 +112,9 @@ from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
 # The rule's clock: process CPU time, the work a step costs, blind to other processes' load (on a shared machine
 # wall-time costs of a step measured minutes apart differ by more than drafting changes them: measured verify
-# costs came out below zero); on a machine of its own the batch loop's CPU time tracks its wall time.
+# costs came out below zero); on a machine of its own the batch loop's CPU time tracks its wall time (× the
+# target's threads while its workers spin, DFLASH2_ORT_SPINNING: they keep spinning a little into the drafter's
+# call, which then reads dearer — a bias towards plain steps, never a lossless concern).
 COST_CLOCK = time.process_time
 
 
