@@ -107,7 +107,7 @@ struct ParallelArgs
     float const *cosTable, *sinTable;
 };
 
-void runHead(void* user, size_t i)
+void runItem(void* user, size_t i)
 {
     auto const* a = static_cast<ParallelArgs const*>(user);
     Item const& it = (*a->items)[i];
@@ -310,7 +310,7 @@ OrtStatus* compute(Kernel const& k, OrtKernelContext* ctx)
         return nullptr;
     }
     ParallelArgs args{&seqs, &items, cosTable, sinTable};
-    return gApi->KernelContext_ParallelFor(ctx, runHead, items.size(), 0, &args);
+    return gApi->KernelContext_ParallelFor(ctx, runItem, items.size(), 0, &args);
 }
 
 char const* ORT_API_CALL opName(OrtCustomOp const*)
