@@ -18,7 +18,10 @@ case "$level" in demo|test) ;; *) echo "usage: scripts/setup.sh [demo|test]" >&2
 PY=${PYTHON:-python3}
 DRY=${DFLASH2_SETUP_DRY_RUN:-}
 LOG=${DFLASH2_SETUP_LOG:-$PWD/build/setup.log}
-hash=$(cat pyproject.toml scripts/setup.sh scripts/build_ort_ops.sh | sha1sum | cut -c1-12)
+# the op library's sources too: a pull that changes the op rebuilds it
+hash=$({ cat pyproject.toml scripts/setup.sh scripts/build_ort_ops.sh
+         cat plugins/ortDecodeAttention/CMakeLists.txt plugins/ortDecodeAttention/*.h plugins/ortDecodeAttention/*.cpp \
+           2>/dev/null || true; } | sha1sum | cut -c1-12)
 stamp() { echo ".venv/.setup-$1-$hash"; }
 
 # step "WHAT" COMMAND...: prints "setup: WHAT ... ok"; the command's output goes to $LOG
