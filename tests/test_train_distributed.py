@@ -26,7 +26,7 @@ TEXTS = ["Return the sum of a list.", "Hello world!", "The quick brown fox jumps
          "Sort a dict by value", "What is a closure?", "json dumps indent", "collections Counter most common",
          "textwrap dedent", "functools partial"]
 MAKE = ["--max-new-tokens", "12", "--batch", "2", "--shard-size", "2", "--sample-every", "2",
-        "--target-layer-ids", "0,2", "--topk", "4"]
+        "--target-layer-ids", "0,2", "--topk", "4", "--threads", "1"]  # one thread in both: the same bits
 TRAIN = ["--block-size", "8", "--layers", "1", "--selector-rank", "16", "--steps", "4", "--batch-seqs", "4",
          "--anchors-per-seq", "4", "--lr", "3e-3", "--checkpoint-every", "2", "--init", "random",
          "--sampled-softmax", "64", "--random-negatives", "16", "--kl-weight", "0.5", "--heldout-shards", "2"]
