@@ -336,16 +336,15 @@ private:
     std::map<std::string, std::unique_ptr<Engine>> mEngines;
 };
 
-class TrtRunners : public Runners
+//! The model's sizes for a runner interface (Runners, BatchRunners): both TensorRT runners read them from it.
+template <typename Base>
+class TrtShapes : public Base
 {
 public:
-    //! withTarget false: the drafter engines only (one slot's drafter in TrtBatchRunners; no target buffers, and
-    //! the target calls must not be used)
-    explicit TrtRunners(TrtModel& model, bool withTarget = true);
-    ~TrtRunners() override;
-    TrtRunners(TrtRunners const&) = delete;
-    TrtRunners& operator=(TrtRunners const&) = delete;
-
+    explicit TrtShapes(TrtModel& model)
+        : mModel(model)
+    {
+    }
     int32_t vocabSize() const override
     {
         return mModel.vocabSize;
@@ -362,6 +361,21 @@ public:
     {
         return mModel.maxPositions;
     }
+
+protected:
+    TrtModel& mModel;
+};
+
+class TrtRunners : public TrtShapes<Runners>
+{
+public:
+    //! withTarget false: the drafter engines only (one slot's drafter in TrtBatchRunners; no target buffers, and
+    //! the target calls must not be used)
+    explicit TrtRunners(TrtModel& model, bool withTarget = true);
+    ~TrtRunners() override;
+    TrtRunners(TrtRunners const&) = delete;
+    TrtRunners& operator=(TrtRunners const&) = delete;
+
     void targetReset() override
     {
         // every generate starts here; the CUDA device is per thread and a session may move between threads
@@ -413,7 +427,6 @@ private:
     void targetCall(int32_t const* ids, int32_t S, float* logits, std::vector<char>& feats);
     void contextCall(char const* feats, int32_t m, int32_t start);
 
-    TrtModel& mModel;
     bool mWithTarget{true};
     cudaStream_t mStream{nullptr};
     std::map<std::string, void*> mScratch;                   //!< per engine key
@@ -550,7 +563,7 @@ std::unique_ptr<BatchRunners> TrtModel::newBatchRunners(int32_t slots)
 }
 
 TrtRunners::TrtRunners(TrtModel& model, bool withTarget)
-    : mModel(model)
+    : TrtShapes(model)
     , mWithTarget(withTarget)
 {
     try
@@ -1155,7 +1168,7 @@ void TrtRunners::drafterPropose(
 //! (allocated once at their largest shape) and KV cache; the drafters own theirs. Threads: the batch's stepping
 //! thread, under the model's lock (capi.cpp); the CUDA device is set on entry to every call (steps may come from
 //! different threads).
-class TrtBatchRunners : public BatchRunners
+class TrtBatchRunners : public TrtShapes<BatchRunners>
 {
 public:
     TrtBatchRunners(TrtModel& model, int32_t slots);
@@ -1166,22 +1179,6 @@ public:
     TrtBatchRunners(TrtBatchRunners const&) = delete;
     TrtBatchRunners& operator=(TrtBatchRunners const&) = delete;
 
-    int32_t vocabSize() const override
-    {
-        return mModel.vocabSize;
-    }
-    int32_t blockSize() const override
-    {
-        return mModel.blockSize;
-    }
-    int32_t topK() const override
-    {
-        return mModel.topK;
-    }
-    int32_t maxPositions() const override
-    {
-        return mModel.maxPositions;
-    }
     int32_t slots() const override
     {
         return mSlots;
@@ -1277,7 +1274,6 @@ private:
     //! one sequence at batch 1 on the prefill profile. Appends the new rows to the slots' caches and features.
     void call(std::vector<SlotRows> const& part, std::vector<CallOut> const& out, bool single);
 
-    TrtModel& mModel;
     int32_t mSlots;
     cudaStream_t mStream{nullptr};
     CudaOps mOps;
@@ -1299,7 +1295,7 @@ private:
 };
 
 TrtBatchRunners::TrtBatchRunners(TrtModel& model, int32_t slots)
-    : mModel(model)
+    : TrtShapes(model)
     , mSlots(slots)
     , mLength(static_cast<size_t>(slots), 0)
     , mFeatures(static_cast<size_t>(slots))
