@@ -71,3 +71,36 @@ class RecordingDrafter:
         assert self.covered == list(range(pos)), (pos, self.covered[-8:])
         self.proposals += 1
         return self.inner.propose(anchor, pos, *a, **k)
+
+
+def two_token_law(target, prompt: list[int], temperature: float) -> dict[tuple[int, int], float]:
+    """The exact joint law of a sequence's first two tokens at ``temperature``, from B = 1 forwards of ``target``
+    (cells of probability above 1e-4 x 1e-6; the rest is one remainder cell for :func:`two_token_p_value`)."""
+    import numpy as np
+
+    def law_after(ids: list[int]):  # noqa: ANN202 - the target's next-token law at the temperature
+        target.reset()
+        z = target.forward(ids)[0][-1].astype(np.float64) / temperature
+        p = np.exp(z - z.max())
+        return p / p.sum()
+
+    p1 = law_after(prompt)
+    return {(int(a), int(b)): p1[a] * q
+            for a in np.flatnonzero(p1 > 1e-4) for b, q in enumerate(law_after(prompt + [int(a)])) if q > 1e-6}
+
+
+def two_token_p_value(law: dict[tuple[int, int], float], first_two: list[tuple[int, int]]) -> float:
+    """Chi-square p-value of the observed first two tokens of n sequences against ``law`` (cells expecting fewer
+    than 5 pooled into one, the usual validity rule)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    n = len(first_two)
+    cells = list(law)
+    counts = np.zeros(len(cells) + 1)
+    index = {c: j for j, c in enumerate(cells)}
+    for pair in first_two:
+        counts[index.get(pair, len(cells))] += 1
+    exp = np.append(np.array([law[c] for c in cells]), max(0.0, 1.0 - sum(law.values()))) * n
+    small = exp < 5
+    return chisquare(np.append(counts[~small], counts[small].sum()), np.append(exp[~small], exp[small].sum()))[1]

@@ -15,6 +15,7 @@ import dflash2_trt
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import batch as BT
 from dflash2_trt.runtime import decoder as D
+from helpers import two_token_law, two_token_p_value
 
 
 @pytest.fixture(scope="module", params=["decode", "gqa"])
@@ -288,21 +289,10 @@ def test_batched_sampling_keeps_the_target_law(be):
     """T > 0 in the batch loop, drafting every step (each sequence its own rejection sampling and accepted length):
     the joint law of a sequence's first two tokens is the target's own — chi-square against the exact law from B = 1
     forwards — with greedy sequences in the same batches unchanged and drafts accepted."""
-    from scipy.stats import chisquare
-
     T, n = 1.0, 480
     prompt = _prompts(be, [24], seed=17)[0]  # longer than the copy distance: the pair's drafts get accepted
     tgt = be.target_runner()
-
-    def law_after(ids):  # the target's next-token law at temperature T
-        tgt.reset()
-        z = tgt.forward(ids)[0][-1].astype(np.float64) / T
-        p = np.exp(z - z.max())
-        return p / p.sum()
-
-    p1 = law_after(prompt)
-    law = {(int(a), int(b)): p1[a] * q
-           for a in np.flatnonzero(p1 > 1e-4) for b, q in enumerate(law_after(prompt + [int(a)])) if q > 1e-6}
+    law = two_token_law(tgt, prompt, T)
     greedy_want = D.target_generate(tgt, prompt, 12).tokens
     dec = _decoder(be, 8, BT.SpeculationRule(adaptive=False))
     sampled, greedy = [], []
@@ -316,12 +306,5 @@ def test_batched_sampling_keeps_the_target_law(be):
         assert dec.results[i].tokens == greedy_want
     res = [dec.results[i] for i in sampled]
     assert sum(len(r.accepted) for r in res) >= n and sum(sum(r.accepted) for r in res) > n // 10  # drafts verified
-    cells = list(law)
-    counts = np.zeros(len(cells) + 1)
-    index = {c: j for j, c in enumerate(cells)}
-    for r in res:
-        counts[index.get((r.tokens[0], r.tokens[1]), len(cells))] += 1
-    exp = np.append(np.array([law[c] for c in cells]), max(0.0, 1.0 - sum(law.values()))) * n
-    small = exp < 5  # pooled into one cell (the usual validity rule)
-    p_value = chisquare(np.append(counts[~small], counts[small].sum()), np.append(exp[~small], exp[small].sum()))[1]
+    p_value = two_token_p_value(law, [(r.tokens[0], r.tokens[1]) for r in res])
     assert p_value > 1e-3, p_value

@@ -17,7 +17,7 @@ import dflash2_trt
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import batch as BT
 from dflash2_trt.runtime import decoder as D
-from helpers import RecordingDrafter, assert_accepts
+from helpers import RecordingDrafter, assert_accepts, two_token_law, two_token_p_value
 
 
 @pytest.fixture(scope="module")
@@ -137,23 +137,12 @@ def test_lookup_drafts_keep_the_target_law(be):
     accepts draft d with probability p(d), else resamples the residual): the joint law of a sequence's first two
     tokens is the target's own — chi-square against the exact law from B = 1 forwards — with lookup drafts both
     accepted and rejected."""
-    from scipy.stats import chisquare
-
     T, n = 1.0, 480
     # a period of 16 the copying target mostly continues (P(first token) <= 0.73; a lookup follows ~73 % of first
     # tokens and is accepted ~1 time in 3)
     prompt = _prompts(be, [40], seed=20, repeat=(0,))[0]
     tgt = be.target_runner()
-
-    def law_after(ids):  # noqa: ANN001, ANN202 - the target's next-token law at temperature T
-        tgt.reset()
-        z = tgt.forward(ids)[0][-1].astype(np.float64) / T
-        p = np.exp(z - z.max())
-        return p / p.sum()
-
-    p1 = law_after(prompt)
-    law = {(int(a), int(b)): p1[a] * q
-           for a in np.flatnonzero(p1 > 1e-4) for b, q in enumerate(law_after(prompt + [int(a)])) if q > 1e-6}
+    law = two_token_law(tgt, prompt, T)
     dec = _decoder(be, 8, BT.SpeculationRule(adaptive=False))
     ids = [dec.submit(BT.BatchRequest(prompt, 4, T, seed=2000 + k, eos_ids=set(), proposer="ngram"))
            for k in range(n)]
@@ -162,14 +151,7 @@ def test_lookup_drafts_keep_the_target_law(be):
     res = [dec.results[i] for i in ids]
     looked = [a for r in res for a, w in zip(r.accepted, r.proposers) if w == "ngram"]
     assert sum(a > 0 for a in looked) > n // 10 and sum(a == 0 for a in looked) > n // 20, (len(looked), sum(looked))
-    cells = list(law)
-    counts = np.zeros(len(cells) + 1)
-    index = {c: j for j, c in enumerate(cells)}
-    for r in res:
-        counts[index.get((r.tokens[0], r.tokens[1]), len(cells))] += 1
-    exp = np.append(np.array([law[c] for c in cells]), max(0.0, 1.0 - sum(law.values()))) * n
-    small = exp < 5  # pooled into one cell (the usual validity rule)
-    p_value = chisquare(np.append(counts[~small], counts[small].sum()), np.append(exp[~small], exp[small].sum()))[1]
+    p_value = two_token_p_value(law, [(r.tokens[0], r.tokens[1]) for r in res])
     assert p_value > 1e-3, p_value
 
 
