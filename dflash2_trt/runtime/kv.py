@@ -6,6 +6,7 @@ Imports only numpy and the project error type.
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from dflash2_trt.errors import DFlash2Error
 
@@ -28,6 +29,21 @@ def grown_capacity(n: int, capacity: int, step: int, max_capacity: int) -> int:
     if n <= capacity:
         return capacity
     return min(max_capacity, -(-n // step) * step)
+
+
+def grown_slot_buffers(arrays: list[np.ndarray], capacity: int, n: int, step: int, max_capacity: int,
+                       shape: tuple[int, int, int, int], dtype: DTypeLike) -> tuple[list[np.ndarray], int]:
+    """The batched runners' caches: ``shape[0]`` buffers [slots, heads, C, d] (``shape`` = (count, slots, heads, d))
+    grown to hold ``n`` positions by :func:`grown_capacity`, every slot's old positions copied (the stale ones too:
+    cheaper than per-slot slicing, same result) -> (buffers, capacity); the same buffers when they hold ``n``."""
+    cap = grown_capacity(n, capacity, step, max_capacity)
+    if cap == capacity:
+        return arrays, capacity
+    count, slots, heads, d = shape
+    new = [np.zeros((slots, heads, cap, d), dtype=dtype) for _ in range(count)]
+    for a, b in zip(new, arrays):
+        a[:, :, :capacity] = b
+    return new, cap
 
 
 class KVBuffer:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.kv import grown_capacity
+from dflash2_trt.runtime.kv import grown_slot_buffers
 from dflash2_trt.runtime.protocol import Draft, independent_draft
 from dflash2_trt.vocabulary import INDEPENDENT, head_key
 
@@ -195,14 +195,9 @@ class OrtBatchedDraftRunner:
             raise DFlash2Error(f"batch slot {b} is out of range [0, {self.slots})")
 
     def _reserve(self, n: int) -> None:
-        cap = grown_capacity(n, self.capacity, self.step, self.max_capacity)
-        if cap == self.capacity:
-            return
-        new = [np.zeros((self.slots, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
-               for _ in range(2 * self.n_layers)]
-        for a, b in zip(new, self.arrays):
-            a[:, :, : self.capacity] = b
-        self.arrays, self.capacity = new, cap
+        self.arrays, self.capacity = grown_slot_buffers(self.arrays, self.capacity, n, self.step, self.max_capacity,
+                                                        (2 * self.n_layers, self.slots, self.kv_heads, self.head_dim),
+                                                        self.dtype)
 
 
 class SlotDraftRunner:

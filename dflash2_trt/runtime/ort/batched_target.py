@@ -47,7 +47,7 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (TARGET_LOGITS_INDEX, TARGET_ORT, TARGET_PAST_SEQLENS, target_kv_names,
                                   target_present_names)
-from dflash2_trt.runtime.kv import grown_capacity
+from dflash2_trt.runtime.kv import grown_slot_buffers
 
 CALL_ROWS = 12  # a graph call's fixed cost in rows (SmolLM2 fp32, 2 threads: ~29 ms a call + ~2.3 ms a row)
 MAX_CALL_ROWS = 1024  # padded rows a call of several slots may hold (its logits: rows x vocabulary x 4 bytes)
@@ -147,15 +147,12 @@ class OrtBatchedTargetRunner:
 
     # -- buffers ------------------------------------------------------------------------------------------------
     def _reserve(self, n: int) -> None:
-        cap = grown_capacity(n, self.capacity, self.step, self.max_capacity)
-        if cap == self.capacity:
-            return
-        new = [np.zeros((self.slots, self.kv_heads, cap, self.head_dim), dtype=np.float32)
-               for _ in range(2 * self.n_layers)]
-        for a, b in zip(new, self.arrays):
-            a[:, :, : self.capacity] = b  # stale slots copied too: cheaper than per-slot slicing, same result
-        self.arrays, self.capacity = new, cap
-        self._io.clear()
+        old = self.capacity
+        self.arrays, self.capacity = grown_slot_buffers(self.arrays, old, n, self.step, self.max_capacity,
+                                                        (2 * self.n_layers, self.slots, self.kv_heads, self.head_dim),
+                                                        np.float32)
+        if self.capacity != old:
+            self._io.clear()
 
     def _binding(self, lo: int, hi: int) -> Any:
         """IOBinding over slots lo..hi-1: each buffer's contiguous view bound as past AND present (in place)."""
