@@ -71,10 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="who drafts in the speculative runs (--spec)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if a.export is None:
-        from ort_op_profile import demo_export
+    from ort_op_profile import demo_export
 
-        a.export = demo_export()
+    a.export = demo_export(a.export)
     n_max = max(a.streams)
     with dflash2_trt.load(a.export, backend="ort", threads=a.threads) as g:
         be = g._backend

@@ -44,10 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if a.export is None:
-        from ort_op_profile import demo_export
+    from ort_op_profile import demo_export
 
-        a.export = demo_export()
+    a.export = demo_export(a.export)
     rng = np.random.default_rng(0)
     cells: dict[int, dict[str, float]] = {}
     with OrtBackend(a.export, threads=a.threads) as be:

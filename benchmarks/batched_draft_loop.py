@@ -42,10 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prior", type=float, default=None, help="the rule's prior tau (default: SpeculationRule's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if a.export is None:
-        from ort_op_profile import demo_export
+    from ort_op_profile import demo_export
 
-        a.export = demo_export()
+    a.export = demo_export(a.export)
     prior = {} if a.prior is None else {"prior_tau": a.prior}
     cells: dict[int, dict[str, dict]] = {}
     with dflash2_trt.load(a.export, backend="ort", threads=a.threads) as g:

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2_trt.runtime.tokenizer import TextTokenizer
     from ort_op_profile import demo_export
 
-    folder = Path(a.export) if a.export else demo_export()
+    folder = demo_export(a.export)
     tok = TextTokenizer(folder)
     prompts = {s: encode_items(load_prompts(s, a.limit), tok.encode, tok.apply_chat_template) for s in a.sets}
     rows_out: list[dict] = []

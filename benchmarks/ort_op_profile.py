@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2_trt.runtime.ort import decode_attention as DA
     from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 
-    folder = Path(a.export) if a.export else demo_export()
+    folder = demo_export(a.export)
     m = read_manifest(folder, verify_checksums=False)
     t = m.target
     results: list[dict] = []
@@ -199,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def demo_export() -> Path:
+def demo_export(given: str | Path | None = None) -> Path:
+    """``given`` (a benchmark's --export) when set, else the demo's cached export (made on first use)."""
+    if given:
+        return Path(given)
     from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, demo_drafter_path
     from dflash2_trt.export.cache import cached_export
 

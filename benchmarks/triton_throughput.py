@@ -152,11 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, help="PNG: tokens/s against streams, one line per server")
     a = ap.parse_args(argv)
-    if a.export is None:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from ort_op_profile import demo_export
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from ort_op_profile import demo_export
 
-        a.export = demo_export()
+    a.export = demo_export(a.export)
     tok = TextTokenizer(a.export)
     n_prompts = max(a.streams) * a.rounds
     prompts = encode_items(load_prompts("mtbench", min(n_prompts, 80)), tok.encode,

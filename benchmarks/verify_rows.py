@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.before_lib and "decode" not in a.attention:
         ap.error("--before-lib compares with 'decode': add it to --attention")
-    folder = Path(a.export) if a.export else demo_export()
+    folder = demo_export(a.export)
     out: dict = {"args": vars(a), "runs": []}
     for threads in a.threads:
         runners = {}
