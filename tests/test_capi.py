@@ -182,7 +182,8 @@ class _ToyDrafter:
 
 
 def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_new: int, eos: list[int],
-               oracle: bool, max_positions: int = 200, bs: int = 5, V: int = 24, K: int = 6, seed: int = 0) -> dict:
+               oracle: bool, max_positions: int = 200, bs: int = 5, V: int = 24, K: int = 6, seed: int = 0,
+               proposer: str = "dflash2", ngram_rows: int = 0) -> dict:
     calls: list = []
     draws: list = []
     target = _ToyTarget(V, max_positions, seed, calls)
@@ -191,7 +192,8 @@ def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_
     with _recording_rng(draws):
         if speculative:
             res = D.speculative_generate(target, drafter, prompt, max_new, temperature, set(eos), seed,
-                                         oracle_count if oracle else None)
+                                         oracle_count if oracle else None, proposer=proposer,
+                                         ngram_rows=ngram_rows or None)
         else:
             res = D.target_generate(target, prompt, max_new, temperature, set(eos), seed)
     stats = res.stats()
@@ -200,8 +202,110 @@ def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_
         "temperature": temperature, "eos_ids": eos, "measure_oracle": oracle, "vocab_size": V, "block_size": bs,
         "top_k": K, "max_positions": max_positions, "calls": calls, "uniforms": draws, "tokens": res.tokens,
         "accepted": res.accepted, "proposed": res.proposed, "oracle_accepted": res.oracle_accepted,
-        "stats": stats,
+        "stats": stats, "proposer": proposer, "ngram_rows": ngram_rows,
+        "proposers": [_PROPOSER_IDS[w] for w in res.proposers], "plain_steps": res.plain_steps,
     }  # fmt: skip
+
+
+_PROPOSER_IDS = {"dflash2": 0, "ngram": 1}  # dfl2_proposer
+_PROPOSER_NAMES = {i: w for w, i in _PROPOSER_IDS.items()}
+
+
+def _lookup_cases(rng: np.random.Generator) -> list[dict]:
+    """ngram.lookup on random token arrays (small vocabularies: repeats, overlapping matches, none; edge sizes)."""
+    from dflash2_trt.runtime.ngram import lookup
+
+    cases = []
+    for i in range(80):
+        T = int(rng.integers(0, 40)) if i % 8 else int(rng.integers(0, 4))
+        tokens = rng.integers(0, int(rng.integers(1, 6)), T)  # [T] int64
+        rows, max_n = int(rng.integers(0, 7)), int(rng.integers(1, 6))
+        min_n = int(rng.integers(1, max_n + 1))
+        cases.append({"tokens": tokens.tolist(), "rows": rows, "max_n": max_n, "min_n": min_n,
+                      "want": lookup(tokens, rows, max_n, min_n)})
+    return cases
+
+
+def _proposer_choice_cases(rng: np.random.Generator) -> list[dict]:
+    """ngram.ProposerChoice through random call sequences (every mode; measured and unmeasured times; with and
+    without the drafter): each call's answer and both rates after it."""
+    from dflash2_trt.runtime.ngram import PROPOSERS, ProposerChoice
+
+    cases = []
+    for i in range(30):
+        mode = PROPOSERS[i % 3]
+        prompt = rng.integers(0, 4, int(rng.integers(1, 12))).tolist()
+        rows = int(rng.integers(1, 6))
+        choice, ops = ProposerChoice(mode, prompt, rows), []
+        for _ in range(40):
+            kind = ["ngram", "pick", "preferred", "settle", "record", "extend", "pays"][int(rng.integers(7))]
+            drafts = rng.integers(0, 4, int(rng.integers(0, 4))).tolist()
+            t_plain = None if rng.random() < 0.3 else float(rng.uniform(0.001, 0.02))
+            op: dict = {"op": kind}
+            if kind == "ngram":
+                op.update(rows=int(rng.integers(-1, 7)))
+                op["want"] = choice.ngram(op["rows"])
+            elif kind in ("pick", "preferred"):
+                drafter = bool(rng.random() < 0.7)
+                op.update(drafts=drafts, t_plain=t_plain, drafter=drafter)
+                op["want"] = getattr(choice, kind)(drafts, t_plain, drafter)
+            elif kind == "settle":
+                op.update(drafts=drafts, who=[None, "dflash2", "ngram"][int(rng.integers(3))])
+                choice.settle(drafts, op["who"])
+            elif kind == "record":
+                seconds = None if rng.random() < 0.3 else float(rng.uniform(0.001, 0.03))
+                op.update(who=["dflash2", "ngram"][int(rng.integers(2))], committed=int(rng.integers(1, 7)),
+                          seconds=seconds)
+                choice.record(op["who"], op["committed"], seconds)
+            elif kind == "extend":
+                op.update(tokens=rng.integers(0, 4, int(rng.integers(1, 4))).tolist())
+                choice.extend(op["tokens"])
+            else:
+                op.update(t_plain=t_plain, want=choice.lookup_pays(t_plain))
+            op["rate"] = [choice.rate["dflash2"], choice.rate["ngram"]]
+            ops.append(op)
+        cases.append({"mode": mode, "prompt": prompt, "rows": rows, "ops": ops})
+    return cases
+
+
+def _rule_lookup_cases(rng: np.random.Generator) -> list[dict]:
+    """batch.SpeculationRule.choose with prompt lookups: free keys and fallbacks (keys as the C core makes them,
+    id * 2 + (1 for a lookup)), over fixed costs or measured ones (some unknown: the exploring branches)."""
+    from dflash2_trt.runtime import batch as BT
+
+    cases = []
+    for i in range(80):
+        n_active = int(rng.integers(1, 9))
+        cands, free, fallbacks = {}, [], {}
+        for sid in range(int(rng.integers(0, n_active + 1))):
+            if rng.random() < 0.4:  # a lookup preferred
+                key = sid * 2 + 1
+                cands[key] = float(rng.uniform(1.0, 5.0))
+                free.append(key)
+            else:
+                cands[sid * 2] = float(rng.uniform(1.0, 4.0))
+                if rng.random() < 0.5:  # its lookup as the fallback
+                    fallbacks[sid * 2] = (sid * 2 + 1, float(rng.uniform(1.0, 5.0)))
+        records: list = []
+        fixed: list = []
+        if i % 4:
+            a, b = float(rng.uniform(0.005, 0.03)), float(rng.uniform(0.0, 0.004))
+            fixed = [a, b, float(rng.uniform(0.0, 0.03)), float(rng.uniform(-0.002, 0.01)) if i % 7 else 0.0]
+            costs = BT.FixedCosts(plain_fn=lambda n, a=a, b=b: a + b * n, draft_s=fixed[2], verify_s=fixed[3])
+        else:
+            costs = BT.MeasuredCosts()
+            for _ in range(int(rng.integers(0, 6))):
+                kind = ["plain", "draft", "verify"][int(rng.integers(3))]
+                rec = {"kind": kind, "n": int(rng.integers(1, 9)), "s": float(rng.uniform(0.001, 0.03))}
+                {"plain": lambda r: costs.record_plain(r["n"], r["s"]), "draft": lambda r: costs.record_draft(r["s"]),
+                 "verify": lambda r: costs.record_verify(r["s"])}[kind](rec)
+                records.append(rec)
+        rule = BT.SpeculationRule(costs=costs, adaptive=bool(i % 9))
+        chosen = rule.choose(n_active, cands, free=free, fallbacks=fallbacks)
+        cases.append({"adaptive": rule.adaptive, "costs": fixed, "records": records, "n_active": n_active,
+                      "candidates": [[k, t] for k, t in cands.items()], "free": free,
+                      "fallbacks": [[k, fk, t] for k, (fk, t) in fallbacks.items()], "chosen": sorted(chosen)})
+    return cases
 
 
 def _rule_cases(rng: np.random.Generator) -> list[dict]:
@@ -287,6 +391,10 @@ def write_core_vectors(path: Path) -> dict:
         v["stats"].append({"accepted": accepted, "proposed": proposed.tolist(),
                            "want": ref.acceptance_stats(accepted, proposed.tolist())})
     v["rule"] = _rule_cases(rng)
+    lookup_rng = np.random.default_rng(4321)  # its own stream: the vectors above stay as they were
+    v["lookup"] = _lookup_cases(lookup_rng)
+    v["proposer_choice"] = _proposer_choice_cases(lookup_rng)
+    v["rule_lookup"] = _rule_lookup_cases(lookup_rng)
     v["loops"] = [
         _loop_case("greedy-selector-oracle", True, "selector", 0.0, 40, [], True, seed=1),
         _loop_case("greedy-vocab", True, "vocab", 0.0, 33, [], False, seed=2),
@@ -297,6 +405,12 @@ def write_core_vectors(path: Path) -> dict:
         _loop_case("bs2", True, "vocab", 0.5, 20, [], False, bs=2, seed=7),
         _loop_case("ar-greedy", False, "selector", 0.0, 25, [], False, seed=8),
         _loop_case("ar-sample", False, "selector", 1.1, 25, [3], False, seed=9),
+        # prompt lookup: lookup cycles accepted, the drafter's pending context joining in one pass (auto), plain
+        # steps where a lookup has no match (ngram), one-hot rejection sampling at T > 0
+        _loop_case("ngram-greedy", True, "selector", 0.0, 70, [], True, seed=10, proposer="ngram"),
+        _loop_case("auto-greedy", True, "selector", 0.0, 70, [], False, bs=3, seed=11, proposer="auto"),
+        _loop_case("auto-sample", True, "vocab", 0.3, 70, [], False, bs=2, seed=16, proposer="auto", ngram_rows=3),
+        _loop_case("ngram-sample", True, "selector", 0.3, 60, [], False, seed=13, proposer="ngram"),
     ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(v))
@@ -414,6 +528,24 @@ def test_core_vectors_exercise_every_branch(vectors_path):
     assert any(c["records"] and 0 < len(c["chosen"]) < len(c["tau"]) for c in rule)  # some draft, some not
     assert any(c["records"] and c["tau"] and not c["chosen"] and None not in c["plain"] for c in rule)
     assert any(not c["adaptive"] and c["tau"] for c in rule)
+    # prompt lookup: matches and none; every answer of the choice; the rule's free keys and fallbacks taken
+    assert any(c["want"] for c in v["lookup"]) and any(not c["want"] and len(c["tokens"]) > 2 for c in v["lookup"])
+    ops = [o for c in v["proposer_choice"] for o in c["ops"]]
+    assert {o["op"] for o in ops} == {"ngram", "pick", "preferred", "settle", "record", "extend", "pays"}
+    assert {o["want"] for o in ops if o["op"] == "pick"} == {"dflash2", "ngram", None}
+    assert {o["want"] for o in ops if o["op"] == "pays"} == {True, False}
+    rl = v["rule_lookup"]
+    assert any(set(c["free"]) & set(c["chosen"]) and {k for k in c["chosen"] if k % 2 == 0} for c in rl)
+    assert any({fk for _, fk, _ in c["fallbacks"]} & set(c["chosen"]) for c in rl)
+    assert any(c["records"] and c["candidates"] and len(c["chosen"]) == 1 for c in rl)  # exploring with lookups
+    for name in ("ngram-greedy", "ngram-sample", "auto-greedy", "auto-sample"):
+        c = loops[name]
+        looked = [a for a, w in zip(c["accepted"], c["proposers"]) if w == 1]
+        assert looked and sum(looked) > 0, name  # lookup cycles, drafts accepted
+        assert (c["plain_steps"] > 0) == name.startswith("ngram"), name  # ngram: no match = a plain step
+    calls = loops["auto-sample"]["calls"]  # lookup cycles' features join the drafter's context in one later call
+    assert max(x["rows"] for x in calls if x["op"] == "add_context") > loops["auto-sample"]["block_size"]
+    assert not any(x["op"] in ("add_context", "propose") for x in loops["ngram-greedy"]["calls"])
 
 
 def test_core_vectors_detect_a_wrong_core(capi_build, vectors_path, tmp_path):
@@ -507,6 +639,8 @@ def lib(capi_build):
         "dfl2_batch_cancel": [V, C.c_uint64], "dfl2_batch_step": [V, P(C.c_size_t)],
         "dfl2_batch_get_result": [V, C.c_uint64, P(P(C.c_int32)), P(C.c_size_t), P(_Stats), P(C.c_int32)],
         "dfl2_batch_get_info": [V, P(_BatchInfo)],
+        "dfl2_session_get_proposers": [V, P(P(C.c_int32)), P(C.c_size_t)],
+        "dfl2_batch_get_proposers": [V, C.c_uint64, P(P(C.c_int32)), P(C.c_size_t)],
     }.items():  # fmt: skip
         getattr(lib, name).restype = V
         getattr(lib, name).argtypes = args
@@ -617,9 +751,11 @@ class CRuntime(_CallbackHost):
         _write_draft(d, self.L, self.K, self.V, tokens, proposal, cand, vocab, used)
 
     def generate(self, prompt: list[int], options: dict, numpy_seed: int | None = None, cancel_after: int = 0):  # noqa: ANN201
-        """-> (tokens, stats dict, streamed chunks). numpy_seed: uniforms from numpy.random.default_rng(seed)."""
+        """-> (tokens, stats dict, streamed chunks). numpy_seed: uniforms from numpy.random.default_rng(seed).
+        The proposer is speculative_generate's default (the drafter) unless ``options`` name one (the C default is
+        auto, the API's)."""
         lib = self.lib
-        opts, sess = _c_options(lib, options), C.c_void_p()
+        opts, sess = _c_options(lib, {"proposer": "dflash2", **options}), C.c_void_p()
         try:
             _check(lib, lib.dfl2_session_create(self.model, opts, C.byref(sess)))
         finally:
@@ -656,6 +792,8 @@ class CRuntime(_CallbackHost):
                 "per_position_conditional": [st.per_position_conditional[i] for i in range(st.n_positions)],
                 "oracle_tau": st.oracle_tau if st.oracle_tau >= 0 else None,
             }  # fmt: skip
+            _check(lib, lib.dfl2_session_get_proposers(sess, C.byref(ptr), C.byref(n)))
+            stats["proposers"] = [_PROPOSER_NAMES[ptr[i]] for i in range(n.value)]
         finally:
             lib.dfl2_session_free(sess)
         return tokens, stats, chunks
@@ -673,6 +811,7 @@ def _assert_same(c_tokens, c_stats, py) -> None:  # noqa: ANN001
     assert c_tokens == py.tokens  # token for token
     assert (c_stats["accepted"], c_stats["proposed"]) == (py.accepted, py.proposed)
     assert c_stats["oracle_accepted"] == py.oracle_accepted
+    assert c_stats["proposers"] == py.proposers  # who proposed, cycle for cycle
     want = py.stats()
     assert c_stats["tau"] == pytest.approx(want["tau"], abs=1e-12)
     assert c_stats["per_position_cumulative"] == pytest.approx(want["per_position_cumulative"], abs=1e-12)
@@ -789,6 +928,39 @@ def test_c_loop_with_accepting_drafter(lib, ort):
         toks, st, _ = c.generate(p, {"max_new_tokens": n, "temperature": 0.1, "eos_ids": []}, numpy_seed=11)
         _assert_same(toks, st, py)
         assert sum(st["accepted"]) > 0  # a low temperature keeps the samples near the drafted greedy chain
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "auto"])
+def test_c_loop_with_prompt_lookup_equals_python_runtime(lib, acc_ort, proposer):
+    """proposer ngram / auto (C option "proposer") on repetitive prompts, greedy and T > 0 with numpy's uniforms:
+    the C loop equals decoder.speculative_generate token for token and cycle for cycle (who proposed each cycle,
+    accepted and verified drafts, the drafter's calls: with auto the features of lookup cycles join the drafter's
+    context in one call when it runs again); lookups were made and accepted."""
+    dr = acc_ort.draft_runner("greedy")
+    c = CRuntime(lib, acc_ort.target_runner(), dr, _feature_dim(acc_ort), dr.top_k)
+    rng = np.random.default_rng(17)
+    lookups: list[int] = []
+    joins = 0  # auto: a drafter cycle right after lookup cycles (their features join its context in one call)
+    try:
+        for i in range(4):
+            base = rng.integers(4, acc_ort.manifest.target.vocab_size, int(rng.integers(3, 9))).tolist()
+            p, T = base * 3, [0.0, 0.8][i % 2]
+            py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner("greedy"), p, 40,
+                                        temperature=T, eos_ids=set(), seed=i, proposer=proposer, ngram_rows=6)
+            before = dict(c.calls)
+            toks, st, _ = c.generate(p, {"max_new_tokens": 40, "temperature": T, "eos_ids": [], "proposer": proposer,
+                                         "ngram_rows": 6}, numpy_seed=i)
+            _assert_same(toks, st, py)
+            drafted = py.proposers.count("dflash2")
+            assert c.calls["propose"] - before["propose"] == drafted  # a lookup cycle never calls the drafter
+            if proposer == "ngram":
+                assert c.calls["add_context"] == before["add_context"]  # nor feeds it
+            lookups += [a for a, w in zip(st["accepted"], st["proposers"]) if w == "ngram"]
+            joins += sum(a == "ngram" and b == "dflash2" for a, b in zip(st["proposers"], st["proposers"][1:]))
+        assert not c.errors and len(lookups) >= 4 and sum(lookups) > 0, lookups
+        assert joins > 0 if proposer == "auto" else joins == 0
     finally:
         c.close()
 
@@ -1009,11 +1181,11 @@ class CBatch(_CallbackHost):
         return 0
 
     def submit(self, key: int, prompt: list[int], max_new: int, temperature: float, seed: int, eos: list[int],
-               speculative: bool) -> int:
+               speculative: bool, proposer: str = "dflash2", ngram_rows: int = 0) -> int:
         """-> the request id; ``key`` names the request in chunks / uniforms (numpy's generator for ``seed``)."""
         self.rngs[key] = np.random.default_rng(seed)
         opts = _c_options(self.lib, {"max_new_tokens": max_new, "temperature": temperature, "eos_ids": eos,
-                                     "speculative": speculative})
+                                     "speculative": speculative, "proposer": proposer, "ngram_rows": ngram_rows})
         ids = (C.c_int32 * len(prompt))(*prompt)
         req = _Request(C.sizeof(_Request), C.cast(ids, P(C.c_int32)), len(prompt), opts, self._fns[13],
                        self._fns[14], key, self._fns[15], key)
@@ -1036,9 +1208,11 @@ class CBatch(_CallbackHost):
         ptr, n, st, plain = P(C.c_int32)(), C.c_size_t(), _Stats(), C.c_int32()
         _check(self.lib, self.lib.dfl2_batch_get_result(self.batch, rid, C.byref(ptr), C.byref(n), C.byref(st),
                                                         C.byref(plain)))
+        who, m = P(C.c_int32)(), C.c_size_t()
+        _check(self.lib, self.lib.dfl2_batch_get_proposers(self.batch, rid, C.byref(who), C.byref(m)))
         return {"tokens": [ptr[i] for i in range(n.value)], "accepted": [st.accepted[i] for i in range(st.cycles)],
                 "proposed": [st.proposed[i] for i in range(st.cycles)], "plain_steps": plain.value,
-                "finish": st.finish_reason}
+                "finish": st.finish_reason, "proposers": [_PROPOSER_NAMES[who[i]] for i in range(m.value)]}
 
     def info(self) -> _BatchInfo:
         out = _BatchInfo()
@@ -1087,7 +1261,7 @@ def _run_python_batch(be, rule, reqs: list[dict]):  # noqa: ANN001, ANN202
     def submit(i: int) -> int:
         r = reqs[i]
         return dec.submit(BT.BatchRequest(r["prompt"], r["max_new"], r["temperature"], r["seed"], set(r["eos"]),
-                                          r["speculative"], proposer="dflash2"))  # the C core has no prompt lookup
+                                          r["speculative"], r.get("proposer", "dflash2"), r.get("ngram_rows") or None))
 
     ids = {i: submit(i) for i in range(6)}
     k = 0
@@ -1108,7 +1282,8 @@ def _run_c_batch(lib, be, options: dict, reqs: list[dict]) -> tuple[list[dict], 
 
     def submit(i: int) -> int:
         r = reqs[i]
-        return c.submit(i, r["prompt"], r["max_new"], r["temperature"], r["seed"], r["eos"], r["speculative"])
+        return c.submit(i, r["prompt"], r["max_new"], r["temperature"], r["seed"], r["eos"], r["speculative"],
+                        r.get("proposer", "dflash2"), r.get("ngram_rows") or 0)
 
     ids = {i: submit(i) for i in range(6)}
     k, pending = 0, 1
@@ -1153,8 +1328,8 @@ def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
         assert not c.errors, c.errors
         assert c.log == py_log  # call for call
         for i, (r, p) in enumerate(zip(got, py)):
-            assert (r["tokens"], r["accepted"], r["proposed"], r["plain_steps"]) == (
-                p.tokens, p.accepted, p.proposed, p.plain_steps), f"request {i}"
+            assert (r["tokens"], r["accepted"], r["proposed"], r["plain_steps"], r["proposers"]) == (
+                p.tokens, p.accepted, p.proposed, p.plain_steps, p.proposers), f"request {i}"
             assert sum(r["chunks"], []) == r["tokens"] and r["done"] == (r["finish"], 0)
         info = c.info()
         assert (info.steps, info.drafting_steps) == (dec.steps, dec.drafting_steps)
@@ -1180,17 +1355,88 @@ def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
         c.close()
 
 
+def _lookup_scenario(be) -> list[dict]:  # noqa: ANN001
+    """7 requests on repetitive prompts (lookups find matches): auto, ngram (with its own rows) and dflash2, greedy
+    and sampling, one that never speculates; joins and the cancel as :func:`_batch_scenario`."""
+    rng = np.random.default_rng(31)
+    V = be.manifest.target.vocab_size
+    proposers = ["auto", "ngram", "auto", "ngram", "dflash2", "auto", "auto"]
+    temps, max_new = [0.0, 0.0, 0.8, 0.7, 0.0, 0.0, 0.0], [60, 30, 30, 28, 24, 20, 40]
+    reqs = []
+    for i, (who, t, m) in enumerate(zip(proposers, temps, max_new)):
+        base = rng.integers(4, V, int(rng.integers(3, 8))).tolist()
+        reqs.append({"prompt": base * 3, "max_new": m, "temperature": t, "seed": 40 + i, "eos": [],
+                     "speculative": i != 5, "proposer": who, "ngram_rows": 5 if i == 1 else 0})
+    return reqs
+
+
+@pytest.mark.parametrize(("adaptive", "draft_s"), [(True, 0.1), (True, 0.6), (False, 0.1)],
+                         ids=["adaptive", "costly-drafter", "always-draft"])
+def test_c_batch_with_prompt_lookup_equals_python_batch_decoder(lib, batch_be, adaptive, draft_s):
+    """Per-request proposers (dfl2_request options "proposer" / "ngram_rows") in the C batched core against the Python
+    BatchDecoder: the same runner calls (a lookup cycle calls no drafter; its verified rows' features join the
+    drafter's context with the plain steps' when the drafter runs next), tokens, accepted / verified drafts, plain
+    steps and the proposer of every cycle (dfl2_batch_get_proposers), with the rule weighing lookups as free
+    proposals, with a drafter whose proposals mostly do not pay (the rule's fallbacks: a request's lookup verifies
+    where its preferred drafter proposal was left out) and with every request drafting; lookups were made and
+    accepted, greedy and at T > 0."""
+    from dflash2_trt.runtime import batch as BT
+
+    reqs = _lookup_scenario(batch_be)
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=draft_s, verify_s=0.2)
+    rule = BT.SpeculationRule(costs=costs, adaptive=adaptive, prior_tau=2.0)
+    fallbacks_taken = []
+    choose = rule.choose
+
+    def counting(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = choose(*a, **k)
+        fallbacks_taken.extend(fk for fk, _ in (k.get("fallbacks") or {}).values() if fk in out)
+        return out
+
+    rule.choose = counting
+    py, dec, py_log = _run_python_batch(batch_be, rule, reqs)
+    got, c = _run_c_batch(lib, batch_be, {"fixed_costs": f"1.0,0.05,{draft_s},0.2", "adaptive": adaptive,
+                                          "prior_tau": 2.0}, reqs)
+    try:
+        assert not c.errors, c.errors
+        assert c.log == py_log  # call for call
+        for i, (r, p) in enumerate(zip(got, py)):
+            assert (r["tokens"], r["accepted"], r["proposed"], r["plain_steps"], r["proposers"]) == (
+                p.tokens, p.accepted, p.proposed, p.plain_steps, p.proposers), f"request {i}"
+        info = c.info()
+        assert (info.steps, info.drafting_steps) == (dec.steps, dec.drafting_steps)
+        tgt = batch_be.target_runner()
+        for i, r in enumerate(reqs):
+            if r["temperature"] == 0 and i != 0:  # lossless: each greedy request is its own B = 1 output
+                want = D.target_generate(tgt, r["prompt"], r["max_new"], eos_ids=set()).tokens
+                assert got[i]["tokens"] == want, f"request {i} differs from its B = 1 output"
+        lookups = {i: [a for a, w in zip(r["accepted"], r["proposers"]) if w == "ngram"] for i, r in enumerate(got)}
+        assert sum(map(sum, lookups.values())) > 0 and lookups[1] and lookups[3] and not lookups[4], lookups
+        assert sum(lookups[2] + lookups[3]) > 0  # accepted by rejection sampling at T > 0
+        assert any("dflash2" in r["proposers"] and "ngram" in r["proposers"] for r in got)  # auto used both
+        assert all(w == "ngram" for i in (1, 3) for w in got[i]["proposers"]) and got[5]["accepted"] == []
+        assert bool(fallbacks_taken) == (draft_s > 0.1), fallbacks_taken
+    finally:
+        c.close()
+
+
 def test_option_table_matches_header(lib):
     """The header's OPTIONS list and the library's table (listed in the unknown-key message) are the same keys."""
+    from dflash2_trt.vocabulary import DEFAULT_PROPOSER, PROPOSERS
+
     header = (RUNTIME / "include" / "dflash2" / "dflash2.h").read_text()
     documented = re.findall(r'^ \*\s+"([a-z_]+)"\s+(?:int|double|bool|string|int\[\])\s', header, re.M)
     opts = C.c_void_p()
     _check(lib, lib.dfl2_options_create(C.byref(opts)))
     with pytest.raises(CapiError) as e:
         _check(lib, lib.dfl2_options_parse(opts, b"nope=1"))
-    lib.dfl2_options_free(opts)
     known = re.search(r"known: ([a-z_, ]+)\)", e.value.message).group(1).split(", ")
     assert documented == known and len(known) >= 10
+    with pytest.raises(CapiError) as e:  # the proposers are the Python vocabulary's, the default its default
+        _check(lib, lib.dfl2_options_parse(opts, b"proposer=nope"))
+    assert e.value.code == 4 and "|".join(PROPOSERS) in e.value.message
+    assert re.search(rf'"proposer"\s+string "{DEFAULT_PROPOSER}"', header)
+    lib.dfl2_options_free(opts)
 
 
 def test_model_load_reports_missing_backend(lib, tiny_export):

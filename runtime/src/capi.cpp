@@ -531,6 +531,17 @@ dfl2_status* dfl2_session_get_stats(dfl2_session const* session, dfl2_stats* out
     });
 }
 
+dfl2_status* dfl2_session_get_proposers(dfl2_session const* session, int32_t const** proposers, size_t* n)
+{
+    return guarded([&] {
+        need(session, "session");
+        need(proposers, "proposers");
+        need(n, "n");
+        *proposers = session->result.proposers.data();
+        *n = session->result.proposers.size();
+    });
+}
+
 dfl2_status* dfl2_batch_create(dfl2_model* model, dfl2_options const* options, dfl2_batch** out)
 {
     return guarded([&] {
@@ -691,6 +702,23 @@ dfl2_status* dfl2_batch_get_result(dfl2_batch* batch, uint64_t request_id, int32
         {
             *plain_steps = e.result.plainSteps;
         }
+        if (e.error != DFL2_OK)
+        {
+            throw Error(e.error, e.message);
+        }
+    });
+}
+
+dfl2_status* dfl2_batch_get_proposers(dfl2_batch* batch, uint64_t request_id, int32_t const** proposers, size_t* n)
+{
+    return guarded([&] {
+        need(batch, "batch");
+        need(proposers, "proposers");
+        need(n, "n");
+        std::lock_guard<std::mutex> g(batch->mutex);
+        dfl2_batch::Ended const& e = endedRequest(*batch, request_id);
+        *proposers = e.result.proposers.data();
+        *n = e.result.proposers.size();
         if (e.error != DFL2_OK)
         {
             throw Error(e.error, e.message);

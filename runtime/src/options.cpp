@@ -1,6 +1,8 @@
 //! \file options.cpp
 #include "options.h"
 
+#include "core/ngram.h"
+
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -18,6 +20,8 @@ std::vector<OptionSpec> const& optionSpecs()
         {"speculative", OptionType::kBOOL, nullptr},
         {"measure_oracle", OptionType::kBOOL, nullptr},
         {"eos_ids", OptionType::kINT_ARRAY, nullptr},
+        {"proposer", OptionType::kSTRING, proposerChoices()},
+        {"ngram_rows", OptionType::kINT, nullptr},
         {"backend", OptionType::kSTRING, "auto|tensorrt"},
         {"draft_mode", OptionType::kSTRING, "greedy|viterbi|independent"},
         {"verify_checksums", OptionType::kBOOL, nullptr},
@@ -86,6 +90,10 @@ void checkRange(std::string const& key, OptionSpec const& spec, OptionValue cons
     if (key == "device" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > 1024))
     {
         bad("must be a CUDA device ordinal >= 0, got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "ngram_rows" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > INT32_MAX))
+    {
+        bad("must be >= 0 (0: the default, max(4, block_size - 1)), got " + std::to_string(std::get<int64_t>(v)));
     }
     if ((key == "tau_window" || key == "probe_after") && std::get<int64_t>(v) < 1)
     {
@@ -292,6 +300,8 @@ GenerateConfig generateConfig(Options const& options, std::vector<int32_t> const
     c.speculative = options.getBool("speculative", true);
     c.measureOracle = options.getBool("measure_oracle", false);
     c.eosIds = options.getIntArray("eos_ids", modelEos);
+    c.proposer = proposerOf(options.getString("proposer", "auto"));
+    c.ngramRows = static_cast<int32_t>(options.getInt("ngram_rows", 0));
     return c;
 }
 

@@ -306,6 +306,9 @@ static void testStatusAndOptions(void)
     EXPECT(dfl2_options_set_string(o, "draft_mode", "beam"), DFL2_ERR_OPTION_VALUE, "greedy|viterbi|independent");
     EXPECT(dfl2_options_set_string(o, "backend", "onnxruntime"), DFL2_ERR_OPTION_VALUE, "auto|tensorrt");
     EXPECT(dfl2_options_set_int(o, "device", -1), DFL2_ERR_OPTION_VALUE, "device");
+    EXPECT(dfl2_options_set_string(o, "proposer", "lookahead"), DFL2_ERR_OPTION_VALUE, "dflash2|ngram|auto");
+    EXPECT(dfl2_options_parse(o, "ngram_rows=-1"), DFL2_ERR_OPTION_VALUE, ">= 0");
+    EXPECT(dfl2_options_set_double(o, "ngram_rows", 2.0), DFL2_ERR_OPTION_TYPE, "int");
     EXPECT(dfl2_options_parse(o, "max_new_tokens"), DFL2_ERR_INVALID_ARGUMENT, "key=value");
     EXPECT(dfl2_options_parse(o, "max_new_tokens=12x"), DFL2_ERR_OPTION_TYPE, "12x");
     EXPECT(dfl2_options_parse(o, "max_new_tokens=99999999999999999999999"), DFL2_ERR_OPTION_TYPE, "int");
@@ -472,6 +475,15 @@ static void testCallbackErrors(void)
     OK(dfl2_session_generate(s, good, 3, NULL, NULL)); /* the session recovers: generate resets it */
     OK(dfl2_session_get_stats(s, &st));
     CHECK(st.n_tokens == 64 && st.finish_reason == DFL2_FINISH_LENGTH);
+    const int32_t* who = NULL;
+    OK(dfl2_session_get_proposers(s, &who, &n)); /* one per cycle, each a dfl2_proposer */
+    CHECK(n == (size_t) st.cycles);
+    for (size_t i = 0; i < n; ++i)
+    {
+        CHECK(who[i] == DFL2_PROPOSER_DFLASH2 || who[i] == DFL2_PROPOSER_NGRAM);
+    }
+    EXPECT(dfl2_session_get_proposers(NULL, &who, &n), DFL2_ERR_INVALID_ARGUMENT, "session");
+    EXPECT(dfl2_session_get_proposers(s, NULL, &n), DFL2_ERR_INVALID_ARGUMENT, "proposers");
     dfl2_session_free(s);
     dfl2_model_free(m);
 }
@@ -1003,12 +1015,17 @@ static void testBatchErrors(void)
     const int32_t* t = NULL;
     size_t n = 0;
     EXPECT(dfl2_batch_get_result(b, first, &t, &n, NULL, NULL), DFL2_ERR_INVALID_ARGUMENT, "has not ended");
+    EXPECT(dfl2_batch_get_proposers(b, first, &t, &n), DFL2_ERR_INVALID_ARGUMENT, "has not ended");
     EXPECT(dfl2_batch_release(b, first), DFL2_ERR_INVALID_ARGUMENT, "has not ended");
     EXPECT(dfl2_batch_get_result(b, first, NULL, &n, NULL, NULL), DFL2_ERR_INVALID_ARGUMENT, "tokens");
     EXPECT(dfl2_batch_step(NULL, NULL), DFL2_ERR_INVALID_ARGUMENT, "batch");
     stepUntilIdle(b);
     OK(dfl2_batch_get_result(b, first, &t, &n, NULL, NULL));
     CHECK(n == 6 && r.done == 1 && r.reason == DFL2_FINISH_LENGTH);
+    const int32_t* who = NULL;
+    OK(dfl2_batch_get_proposers(b, first, &who, &n));
+    EXPECT(dfl2_batch_get_proposers(b, first, NULL, &n), DFL2_ERR_INVALID_ARGUMENT, "proposers");
+    EXPECT(dfl2_batch_get_proposers(b, 77, &who, &n), DFL2_ERR_INVALID_ARGUMENT, "never submitted");
     OK(dfl2_batch_cancel(b, first)); /* ended: nothing happens */
     OK(dfl2_batch_release(b, first));
     EXPECT(dfl2_batch_release(b, first), DFL2_ERR_INVALID_ARGUMENT, "released");

@@ -7,6 +7,7 @@
 // usage: coreVectors VECTORS.json
 #include "core/batch.h"
 #include "core/decoder.h"
+#include "core/ngram.h"
 
 #include "dfl2Test.h"
 
@@ -149,11 +150,16 @@ public:
     {
         next("drafter_reset");
     }
-    void drafterAddContext(int32_t rows, int32_t start) override
+    void drafterQueueContext(int32_t rows) override
+    {
+        expect(rows <= mLastForwardRows, "queued context rows (more than the last forward made)");
+        mQueued += rows;
+    }
+    void drafterAddContext(int32_t start) override
     {
         json const& c = next("add_context");
-        expect(c["rows"].get<int32_t>() == rows && c["start"].get<int32_t>() == start && rows <= mLastForwardRows,
-            "add_context rows/start");
+        expect(c["rows"].get<int32_t>() == mQueued && c["start"].get<int32_t>() == start, "add_context rows/start");
+        mQueued = 0;
     }
     void drafterPropose(
         int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out) override
@@ -211,6 +217,7 @@ private:
     std::string mName;
     size_t mNext{0};
     int32_t mLastForwardRows{0};
+    int32_t mQueued{0};
 };
 
 void checkStats(Stats const& s, json const& want, std::string const& name)
@@ -350,6 +357,108 @@ int main(int argc, char** argv)
         std::sort(chosen.begin(), chosen.end());
         check(chosen == flat<uint64_t>(c["chosen"]), name + ": chosen");
     }
+    i = 0;
+    for (json const& c : v["lookup"])
+    {
+        std::vector<int32_t> const got = lookup(flat<int32_t>(c["tokens"]), c["rows"].get<int32_t>(),
+            c["max_n"].get<int32_t>(), c["min_n"].get<int32_t>());
+        check(got == flat<int32_t>(c["want"]), "lookup " + std::to_string(i++));
+    }
+    i = 0;
+    for (json const& c : v["proposer_choice"])
+    {
+        // ngram.ProposerChoice driven through a recorded sequence of calls: every answer and rate equal
+        std::string const name = "proposer_choice " + std::to_string(i++);
+        ProposerChoice choice(
+            proposerOf(c["mode"].get<std::string>()), flat<int32_t>(c["prompt"]), c["rows"].get<int32_t>());
+        auto const whoOf = [](json const& j) {
+            return j.is_null() ? Proposer::kNONE : proposerOf(j.get<std::string>());
+        };
+        auto const tOf = [](json const& j) { return j.is_null() ? std::nullopt : std::optional<double>(j.get<double>()); };
+        bool same = true;
+        for (json const& op : c["ops"])
+        {
+            std::string const kind = op["op"].get<std::string>();
+            if (kind == "ngram")
+            {
+                same = same && choice.ngram(op["rows"].get<int64_t>()) == flat<int32_t>(op["want"]);
+            }
+            else if (kind == "pick" || kind == "preferred")
+            {
+                std::vector<int32_t> const drafts = flat<int32_t>(op["drafts"]);
+                std::optional<double> const t = tOf(op["t_plain"]);
+                bool const drafter = op["drafter"].get<bool>();
+                Proposer const who = kind == "pick" ? choice.pick(drafts, t, drafter) : choice.preferred(drafts, t, drafter);
+                same = same && who == whoOf(op["want"]);
+            }
+            else if (kind == "settle")
+            {
+                choice.settle(flat<int32_t>(op["drafts"]), whoOf(op["who"]));
+            }
+            else if (kind == "record")
+            {
+                choice.record(whoOf(op["who"]), op["committed"].get<int32_t>(), tOf(op["seconds"]));
+            }
+            else if (kind == "extend")
+            {
+                std::vector<int32_t> const t = flat<int32_t>(op["tokens"]);
+                choice.extend(t.data(), t.size());
+            }
+            else if (kind == "pays")
+            {
+                same = same && choice.lookupPays(tOf(op["t_plain"])) == op["want"].get<bool>();
+            }
+            // the rates after every call, bit for bit
+            same = same && choice.rate(Proposer::kDFLASH2) == op["rate"][0].get<double>()
+                && choice.rate(Proposer::kNGRAM) == op["rate"][1].get<double>();
+            if (!same)
+            {
+                check(false, name + ": op " + op.dump());
+                break;
+            }
+        }
+        check(same, name);
+    }
+    i = 0;
+    for (json const& c : v["rule_lookup"])
+    {
+        // SpeculationRule.choose with lookups: free keys and fallbacks, over fixed costs
+        std::string const name = "rule_lookup " + std::to_string(i++);
+        SpeculationRule rule;
+        rule.adaptive = c["adaptive"].get<bool>();
+        std::vector<double> const k = flat<double>(c["costs"]);
+        if (k.empty())  // measured: the recorded costs (some unknown: the exploring branches)
+        {
+            auto costs = std::make_unique<MeasuredCosts>();
+            for (json const& r : c["records"])
+            {
+                std::string const kind = r["kind"].get<std::string>();
+                double const sec = r["s"].get<double>();
+                kind == "plain" ? costs->recordPlain(r["n"].get<int32_t>(), sec)
+                    : kind == "draft" ? costs->recordDraft(sec)
+                                      : costs->recordVerify(sec);
+            }
+            rule.costs = std::move(costs);
+        }
+        else
+        {
+            rule.costs = std::make_unique<FixedCosts>(k[0], k[1], k[2], k[3]);
+        }
+        std::vector<std::pair<uint64_t, double>> cands;
+        for (json const& cd : c["candidates"])
+        {
+            cands.emplace_back(cd[0].get<uint64_t>(), cd[1].get<double>());
+        }
+        std::vector<std::pair<uint64_t, std::pair<uint64_t, double>>> fallbacks;
+        for (json const& fb : c["fallbacks"])
+        {
+            fallbacks.push_back({fb[0].get<uint64_t>(), {fb[1].get<uint64_t>(), fb[2].get<double>()}});
+        }
+        std::vector<uint64_t> chosen
+            = rule.choose(c["n_active"].get<int32_t>(), cands, flat<uint64_t>(c["free"]), fallbacks);
+        std::sort(chosen.begin(), chosen.end());
+        check(chosen == flat<uint64_t>(c["chosen"]), name + ": chosen");
+    }
     int loops = 0;
     for (json const& c : v["loops"])
     {
@@ -364,6 +473,8 @@ int main(int argc, char** argv)
             cfg.speculative = c["speculative"].get<bool>();
             cfg.measureOracle = c["measure_oracle"].get<bool>();
             cfg.eosIds = flat<int32_t>(c["eos_ids"]);
+            cfg.proposer = proposerOf(c.value("proposer", std::string("dflash2")));
+            cfg.ngramRows = c.value("ngram_rows", 0);
             std::vector<int32_t> const prompt = flat<int32_t>(c["prompt"]);
             std::vector<int32_t> streamed;
             TokenSink sink = [&](int32_t const* t, size_t n) {
@@ -377,6 +488,11 @@ int main(int argc, char** argv)
             check(r.accepted == flat<int32_t>(c["accepted"]), name + ": accepted");
             check(r.proposed == flat<int32_t>(c["proposed"]), name + ": proposed");
             check(r.oracleAccepted == flat<int32_t>(c["oracle_accepted"]), name + ": oracle accepted");
+            if (c.contains("proposers"))
+            {
+                check(r.proposers == flat<int32_t>(c["proposers"]), name + ": proposer per cycle");
+                check(r.plainSteps == c["plain_steps"].get<int32_t>(), name + ": plain steps");
+            }
             check(runners.allUsed(), name + ": the core made fewer runner calls than the reference");
             check(uniforms.allUsed(), name + ": the core drew fewer uniforms than the reference");
             checkStats(resultStats(r), c["stats"], name);

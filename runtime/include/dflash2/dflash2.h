@@ -51,6 +51,10 @@
  *     "speculative"     bool   true   false = plain autoregressive decoding of the target (the baseline)
  *     "measure_oracle"  bool   false  also count the oracle top-K acceptance (extra target passes; sessions only)
  *     "eos_ids"         int[]  model  stop tokens (an empty array disables EOS stopping)
+ *     "proposer"        string "auto" who proposes a cycle's drafts: "dflash2" (the drafter) | "ngram" (prompt
+ *                                     lookup only: the drafter is never called; no match = a plain target step) |
+ *                                     "auto" (per cycle, PROMPT LOOKUP below)
+ *     "ngram_rows"      int    0      most prompt-lookup drafts per cycle; 0 = max(4, block_size - 1)
  *   model (read by dfl2_model_load / dfl2_model_create_callbacks):
  *     "backend"         string "auto" "auto" | "tensorrt" (dfl2_model_load); callbacks models ignore it
  *     "draft_mode"      string "greedy" "greedy" | "viterbi" | "independent" (which drafter head runs)
@@ -91,7 +95,8 @@ extern "C" {
 /* ---- version ---------------------------------------------------------------------------------------- */
 
 #define DFL2_API_VERSION_MAJOR 1
-#define DFL2_API_VERSION_MINOR 1 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR */
+#define DFL2_API_VERSION_MINOR 2 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR; 1.2: prompt lookup
+                                  * ("proposer", "ngram_rows", dfl2_session_get_proposers, dfl2_batch_get_proposers) */
 #define DFL2_API_VERSION_PATCH 0
 /* (major << 16) | (minor << 8) | patch, of the header a program was compiled with */
 #define DFL2_API_VERSION \
@@ -312,6 +317,26 @@ typedef struct dfl2_stats {
 
 DFL2_API dfl2_status* dfl2_session_get_stats(const dfl2_session* session, dfl2_stats* out);
 
+/* ---- prompt lookup (API 1.2) -----------------------------------------------------------------------------
+ *
+ * Beside the DFlash 2 drafter a cycle's drafts can come from prompt lookup: the continuation of the context's
+ * latest earlier occurrence of its own last n tokens (n = 4 down to 2; context = prompt + generated), up to
+ * "ngram_rows" drafts, no model (the twin of dflash2_trt/runtime/ngram.py). Its drafts are deterministic, verified
+ * like the drafter's against a one-hot proposal (greedy matching at T = 0, rejection sampling at T > 0; a lookup
+ * cycle draws no DRAFT uniforms), so the output stays the target's own. "auto" takes the lookup when the context has
+ * a match and the lookup's measured tokens per cycle (an exponential mean, decay 0.8, both proposers starting at 2;
+ * a lookup with a match that was not taken drifts back towards 2) are at least the drafter's, else the drafter.
+ * While lookups run, the committed positions' features wait and join the drafter's context in one
+ * drafter_add_context call when the drafter runs next. In a batch the load-adaptive rule weighs each request's
+ * preferred proposal (a lookup costs its verify only, no draft time) and, for a request whose drafter proposal it
+ * leaves out, its lookup. Every model has a drafter (the callbacks are required); with "ngram" it is never called.
+ */
+typedef enum dfl2_proposer { DFL2_PROPOSER_DFLASH2 = 0, DFL2_PROPOSER_NGRAM = 1 } dfl2_proposer;
+
+/* Who proposed each cycle of the last generate: proposers [n] (dfl2_proposer values; n = dfl2_stats.cycles), owned
+ * by the session (valid until the next generate / free). */
+DFL2_API dfl2_status* dfl2_session_get_proposers(const dfl2_session* session, const int32_t** proposers, size_t* n);
+
 /* ---- batched decoding (API 1.1) --------------------------------------------------------------------------
  *
  * A dfl2_batch is a request queue decoded together, the twin of the Python runtime's BatchDecoder
@@ -419,6 +444,10 @@ DFL2_API dfl2_status* dfl2_batch_get_result(dfl2_batch* batch, uint64_t request_
                                             size_t* n, dfl2_stats* stats, int32_t* plain_steps);
 /* Forget an ended request's result. */
 DFL2_API dfl2_status* dfl2_batch_release(dfl2_batch* batch, uint64_t request_id);
+/* Who proposed each cycle of an ended request (API 1.2): proposers [n] (dfl2_proposer values), valid as long as its
+ * tokens; errors as dfl2_batch_get_result (for a failed request: the cycles it ran, and its error). */
+DFL2_API dfl2_status* dfl2_batch_get_proposers(dfl2_batch* batch, uint64_t request_id, const int32_t** proposers,
+                                               size_t* n);
 
 typedef struct dfl2_batch_info {
     int32_t max_batch;      /* slots */

@@ -80,6 +80,8 @@ public:
     {
         check(mCb.target_reset(mCb.user_data), "target_reset");
         mFeatureRows = 0;
+        mPending.clear();
+        mPendingRows = 0;
     }
     void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) override
     {
@@ -96,15 +98,26 @@ public:
     }
     void drafterReset() override
     {
+        mPending.clear();
+        mPendingRows = 0;
         check(mCb.drafter_reset(mCb.user_data), "drafter_reset");
     }
-    void drafterAddContext(int32_t rows, int32_t start) override
+    void drafterQueueContext(int32_t rows) override
     {
         if (rows > mFeatureRows)
         {
             throw Error(DFL2_ERR_INTERNAL, "drafter context asks for more rows than the last target forward made");
         }
-        check(mCb.drafter_add_context(mCb.user_data, mFeatures.data(), rows, start), "drafter_add_context");
+        mPending.insert(mPending.end(), mFeatures.begin(), mFeatures.begin() + static_cast<long>(rows) * mCb.feature_dim);
+        mPendingRows += rows;
+    }
+    void drafterAddContext(int32_t start) override
+    {
+        int32_t const m = mPendingRows;
+        std::vector<float> const features = std::move(mPending);
+        mPending.clear();
+        mPendingRows = 0;
+        check(mCb.drafter_add_context(mCb.user_data, features.data(), m, start), "drafter_add_context");
     }
     void drafterPropose(
         int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out) override
@@ -118,6 +131,8 @@ public:
 private:
     std::vector<float> mFeatures;  //!< [rows, F] of the latest target forward
     int32_t mFeatureRows{0};
+    std::vector<float> mPending;   //!< [rows, F] queued for the drafter
+    int32_t mPendingRows{0};
 };
 
 //! The batched callbacks: per slot the latest target features and the context queued for the slot's drafter.

@@ -390,8 +390,11 @@ public:
     void drafterReset() override
     {
         mDraftKV.length = 0;
+        mPending.clear();
+        mPendingRows = 0;
     }
-    void drafterAddContext(int32_t rows, int32_t start) override;
+    void drafterQueueContext(int32_t rows) override;
+    void drafterAddContext(int32_t start) override;
     void drafterPropose(
         int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out) override;
     //! features [rows, F] (the target engine's raw bytes, host) of positions start.. join the draft context
@@ -444,6 +447,8 @@ private:
     size_t mFeatElem{4};
     std::vector<char> mFeatures;  //!< [rows, F] raw bytes of the latest target forward (host)
     int32_t mFeatureRows{0};
+    std::vector<char> mPending;   //!< [rows, F] raw bytes queued for the drafter (host)
+    int32_t mPendingRows{0};
 };
 
 //! Captured shape-bucket contexts kept per engine and session (each holds TensorRT per-context state).
@@ -1022,13 +1027,24 @@ void TrtRunners::contextCall(char const* feats, int32_t m, int32_t start)
     mDraftKV.append(present, m, mStream);
 }
 
-void TrtRunners::drafterAddContext(int32_t rows, int32_t start)
+void TrtRunners::drafterQueueContext(int32_t rows)
 {
-    if (rows > mFeatureRows)
+    if (rows < 0 || rows > mFeatureRows)
     {
         throw Error(DFL2_ERR_INTERNAL, "drafter context asks for more rows than the last target forward made");
     }
-    drafterAddFeatures(mFeatures.data(), rows, start);
+    mPending.insert(mPending.end(), mFeatures.begin(),
+        mFeatures.begin() + static_cast<long>(static_cast<size_t>(rows) * featureRowBytes()));
+    mPendingRows += rows;
+}
+
+void TrtRunners::drafterAddContext(int32_t start)
+{
+    std::vector<char> const feats = std::move(mPending);
+    int32_t const rows = mPendingRows;
+    mPending.clear();
+    mPendingRows = 0;
+    drafterAddFeatures(feats.data(), rows, start);
 }
 
 void TrtRunners::drafterAddFeatures(char const* feats, int32_t rows, int32_t start)

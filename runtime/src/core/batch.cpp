@@ -121,9 +121,11 @@ double SpeculationRule::tau(std::deque<int32_t> const& committed) const
     return mean + z * sd / std::sqrt(static_cast<double>(n));
 }
 
-// SpeculationRule.choose
-std::vector<uint64_t> SpeculationRule::choose(
-    int32_t nActive, std::vector<std::pair<uint64_t, double>> const& candidates) const
+// SpeculationRule.choose (without a runner's cost plan, B = 1 drafters): candidates in the caller's order, `free`
+// keys cost no drafter time (lookups), each fallback weighed once the candidates are chosen, for a key left out
+std::vector<uint64_t> SpeculationRule::choose(int32_t nActive,
+    std::vector<std::pair<uint64_t, double>> const& candidates, std::vector<uint64_t> const& free,
+    std::vector<std::pair<uint64_t, std::pair<uint64_t, double>>> const& fallbacks) const
 {
     std::vector<uint64_t> all;
     for (auto const& c : candidates)
@@ -141,30 +143,90 @@ std::vector<uint64_t> SpeculationRule::choose(
     }
     std::vector<std::pair<uint64_t, double>> order = candidates;
     std::stable_sort(order.begin(), order.end(), [](auto const& a, auto const& b) { return -a.second < -b.second; });
-    std::optional<double> const tD = costs->draft();
-    std::optional<double> const tV = costs->verify();
-    if (!tD || !tV)
+    std::vector<uint64_t> freeKeys = free;  // + the fallbacks' keys
+    for (auto const& fb : fallbacks)
     {
-        return {order[0].first};  // explore: measure one sequence's drafting (at high load one is costly enough)
+        freeKeys.push_back(fb.second.first);
+    }
+    auto const isFree = [&](uint64_t k) { return std::find(freeKeys.begin(), freeKeys.end(), k) != freeKeys.end(); };
+    std::optional<double> tD = costs->draft();
+    std::optional<double> const tV = costs->verify();
+    if (!tV)
+    {
+        return {order[0].first};  // explore: measure a verify
+    }
+    auto const firstDrafter = std::find_if(order.begin(), order.end(), [&](auto const& c) { return !isFree(c.first); });
+    if (!tD && firstDrafter != order.end())
+    {
+        return {firstDrafter->first};  // explore: measure one drafting (at high load one is costly enough)
+    }
+    double const td = tD.value_or(0.0);  // none: no drafter proposal to cost
+    double const tv = std::max(*tV, 0.0);
+    // time(keys) = t_plain(n) + k_d (t_draft + t_verify) + (k - k_d) t_verify
+    auto const timeOf = [&](std::vector<uint64_t> const& keys) {
+        int64_t const k = static_cast<int64_t>(keys.size());
+        int64_t const kD = std::count_if(keys.begin(), keys.end(), [&](uint64_t i) { return !isFree(i); });
+        return *tAll + static_cast<double>(kD) * (td + tv) + static_cast<double>(k - kD) * tv;
+    };
+    bool const anyFree
+        = std::any_of(candidates.begin(), candidates.end(), [&](auto const& c) { return isFree(c.first); });
+    if (anyFree)  // drafter and lookup proposals: by tokens added per second of cost
+    {
+        auto const gain = [&](std::pair<uint64_t, double> const& c) {
+            double const cost = (isFree(c.first) ? 0.0 : td) + tv;
+            if (cost <= 0)  // a verify measured as free
+            {
+                return c.second > 1.0 ? INFINITY : 0.0;
+            }
+            return (c.second - 1.0) / cost;
+        };
+        order = candidates;
+        std::stable_sort(order.begin(), order.end(), [&](auto const& a, auto const& b) { return -gain(a) < -gain(b); });
     }
     size_t bestK = 0;
     double best = nActive / std::max(*tAll, 1e-12);
     double tokens = nActive;
-    double const perSeq = *tD + std::max(*tV, 0.0);
+    double bestTokens = tokens;
+    std::vector<uint64_t> keys;
     for (size_t k = 1; k <= order.size(); ++k)
     {
         tokens += order[k - 1].second - 1.0;
-        double const rate = tokens / std::max(*tAll + static_cast<double>(k) * perSeq, 1e-12);
+        keys.push_back(order[k - 1].first);
+        double const rate = tokens / std::max(timeOf(keys), 1e-12);
         if (rate > best)
         {
             bestK = k;
             best = rate;
+            bestTokens = tokens;
         }
     }
-    std::vector<uint64_t> chosen;
-    for (size_t k = 0; k < bestK; ++k)
+    std::vector<uint64_t> chosen(keys.begin(), keys.begin() + static_cast<long>(bestK));
+    std::vector<std::pair<uint64_t, double>> more;  // the fallbacks of the keys left out
+    for (auto const& [key, fb] : fallbacks)
     {
-        chosen.push_back(order[k].first);
+        if (std::find(chosen.begin(), chosen.end(), key) == chosen.end())
+        {
+            more.push_back(fb);
+        }
+    }
+    std::stable_sort(more.begin(), more.end(), [](auto const& a, auto const& b) { return -a.second < -b.second; });
+    size_t bestJ = 0;
+    tokens = bestTokens;
+    keys = chosen;
+    for (size_t j = 1; j <= more.size(); ++j)
+    {
+        tokens += more[j - 1].second - 1.0;
+        keys.push_back(more[j - 1].first);
+        double const rate = tokens / std::max(timeOf(keys), 1e-12);
+        if (rate > best)
+        {
+            bestJ = j;
+            best = rate;
+        }
+    }
+    for (size_t j = 0; j < bestJ; ++j)
+    {
+        chosen.push_back(more[j].first);
     }
     return chosen;
 }
@@ -184,14 +246,20 @@ struct BatchDecoder::Seq
     int32_t pos{0};            //!< the anchor's position
     int32_t pendingRows{0};    //!< features queued in the backend, not yet in the draft context
     int32_t pendingStart{0};
-    std::deque<int32_t> committed;  //!< tokens per cycle, last `window` cycles
+    std::deque<int32_t> committed[2];  //!< per proposer (dflash2, ngram): tokens per cycle, last `window` cycles
     int32_t plainRun{0};       //!< steps in a row the rule kept this candidate plain
+    ProposerChoice choice;     //!< who proposes (made at admission: the context needs the first token)
     bool cancelled{false};
     bool done{false};
 
-    bool canDraft() const
+    //! whether the DFlash 2 drafter proposes for it (its context then follows the committed positions)
+    bool usesDrafter() const
     {
-        return req.config.speculative;
+        return req.config.speculative && choice.usesDrafter();
+    }
+    std::deque<int32_t>& committedBy(Proposer who)
+    {
+        return committed[who == Proposer::kNGRAM ? 1 : 0];
     }
     int64_t made() const
     {
@@ -287,23 +355,23 @@ void BatchDecoder::step()
     if (!seqs.empty())
     {
         ++mCounters.steps;
-        std::vector<Seq*> const drafting = choose(seqs);
+        std::vector<Plan> const drafting = choose(seqs);
         if (!drafting.empty())
         {
             ++mCounters.draftingSteps;
         }
         std::map<Seq*, Proposal> proposals;  // the drafting sequences' drafts
-        for (Seq* s : drafting)
+        for (Plan const& plan : drafting)
         {
             try
             {
-                Proposal p = draft(*s);
-                proposals.emplace(s, std::move(p));
+                Proposal p = draft(*plan.seq, plan.who, plan.looked);
+                proposals.emplace(plan.seq, std::move(p));
             }
             catch (...)
             {
                 auto const [code, message] = errorOfCurrentException();
-                finish(*s, code, message);
+                finish(*plan.seq, code, message);
             }
         }
         // ONE target forward: a plain sequence's anchor, a drafting sequence's [anchor, drafts]
@@ -471,7 +539,20 @@ void BatchDecoder::admit()
             s.anchor = nextToken(logits.data() + i * V, V, s.req.config.temperature, *s.req.uniforms);
             s.res.tokens.push_back(s.anchor);
             s.pos = n;
-            if (s.canDraft())
+            // a plain request never looks up: its choice keeps no context
+            GenerateConfig const& cfg = s.req.config;
+            Proposer const mode = cfg.speculative ? cfg.proposer : Proposer::kDFLASH2;
+            std::vector<int32_t> context;
+            if (mode != Proposer::kDFLASH2)
+            {
+                context = s.req.prompt;
+                context.push_back(s.anchor);
+            }
+            int32_t const lookupRows = mode == Proposer::kDFLASH2 ? 0
+                : cfg.ngramRows > 0                                ? cfg.ngramRows
+                                                                   : defaultLookupRows(mRunners.blockSize() - 1);
+            s.choice = ProposerChoice(mode, std::move(context), lookupRows);
+            if (s.usesDrafter())
             {
                 mRunners.drafterReset(s.slot);
                 mRunners.drafterQueueContext(s.slot, n);
@@ -492,41 +573,105 @@ void BatchDecoder::admit()
     }
 }
 
-// BatchDecoder._choose: a cycle needs >= 1 draft row left before the limit
-std::vector<BatchDecoder::Seq*> BatchDecoder::choose(std::vector<Seq*> const& seqs)
+namespace
+{
+
+// the rule's key of a sequence's proposal: (request id, proposer)
+uint64_t ruleKey(uint64_t id, Proposer who)
+{
+    return id * 2 + (who == Proposer::kNGRAM ? 1 : 0);
+}
+
+bool holds(std::vector<uint64_t> const& keys, uint64_t key)
+{
+    return std::find(keys.begin(), keys.end(), key) != keys.end();
+}
+
+} // namespace
+
+// BatchDecoder._choose: each candidate's ProposerChoice names its preferred proposal, the rule weighs them (and the
+// lookups of those whose drafter proposal it left out), then each choice settles the outcome; a cycle needs >= 1
+// draft row left before the limit
+std::vector<BatchDecoder::Plan> BatchDecoder::choose(std::vector<Seq*> const& seqs)
 {
     std::vector<Seq*> cands;
-    std::vector<std::pair<uint64_t, double>> taus;
     for (Seq* s : seqs)
     {
-        if (s->canDraft() && s->limit - s->made() >= 2)
+        if (s->req.config.speculative && s->limit - s->made() >= 2)
         {
             if (s->plainRun >= mRule.probeAfter)  // probe: measure this sequence's acceptance again
             {
-                s->committed.clear();
+                s->committed[0].clear();
+                s->committed[1].clear();
                 s->plainRun = 0;
             }
             cands.push_back(s);
-            // τ̂ of a final partial block: its share of the rows' expected gain (a full block's τ̂ would overstate it)
-            // (batch.py's 1.0 + (tau - 1.0) * rows / full, evaluated in the same order)
-            int64_t const full = mRunners.blockSize() - 1;
-            int64_t const rows = std::min<int64_t>(full, s->limit - s->made() - 1);
-            double const gain = (mRule.tau(s->committed) - 1.0) * static_cast<double>(rows);
-            taus.emplace_back(s->id, 1.0 + gain / static_cast<double>(full));
         }
     }
-    std::vector<uint64_t> const ids = mRule.choose(static_cast<int32_t>(seqs.size()), taus);
-    std::vector<Seq*> chosen;
+    std::vector<std::vector<int32_t>> looked;  // per candidate: its lookup's drafts (none for dflash2)
     for (Seq* s : cands)
     {
-        bool const in = std::find(ids.begin(), ids.end(), s->id) != ids.end();
-        s->plainRun = in ? 0 : s->plainRun + 1;
-        if (in)
+        looked.push_back(s->choice.ngram(s->limit - s->made() - 1));
+    }
+    std::vector<std::pair<uint64_t, double>> taus;  // the rule's candidates, one per sequence
+    std::vector<uint64_t> free;
+    std::vector<std::pair<uint64_t, std::pair<uint64_t, double>>> fallbacks;
+    for (size_t i = 0; i < cands.size(); ++i)
+    {
+        Seq& s = *cands[i];
+        Proposer const who = s.choice.preferred(looked[i], std::nullopt, s.usesDrafter());
+        if (who == Proposer::kNONE)  // ngram without a match: a plain step, not the rule's choice
         {
-            chosen.push_back(s);
+            continue;
+        }
+        taus.emplace_back(ruleKey(s.id, who), estimate(s, who, looked[i]).second);
+        if (who == Proposer::kNGRAM)
+        {
+            free.push_back(taus.back().first);
+        }
+        if (who == Proposer::kDFLASH2 && s.choice.preferred(looked[i], std::nullopt, false) == Proposer::kNGRAM)
+        {
+            double const tau = estimate(s, Proposer::kNGRAM, looked[i]).second;
+            fallbacks.push_back({ruleKey(s.id, Proposer::kDFLASH2), {ruleKey(s.id, Proposer::kNGRAM), tau}});
         }
     }
-    return chosen;
+    std::vector<uint64_t> const chosen = mRule.choose(static_cast<int32_t>(seqs.size()), taus, free, fallbacks);
+    std::vector<Plan> plan;
+    for (size_t i = 0; i < cands.size(); ++i)
+    {
+        Seq& s = *cands[i];
+        Proposer const who = holds(chosen, ruleKey(s.id, Proposer::kDFLASH2)) ? Proposer::kDFLASH2
+            : holds(chosen, ruleKey(s.id, Proposer::kNGRAM))                  ? Proposer::kNGRAM
+                                                                               : Proposer::kNONE;
+        s.choice.settle(looked[i], who);
+        bool const weighed = std::any_of(taus.begin(), taus.end(),
+            [&](auto const& t) { return t.first / 2 == s.id; });
+        if (weighed)
+        {
+            s.plainRun = who != Proposer::kNONE ? 0 : s.plainRun + 1;
+        }
+        if (who != Proposer::kNONE)
+        {
+            plan.push_back(Plan{&s, who, looked[i]});
+        }
+    }
+    return plan;
+}
+
+// BatchDecoder._estimate: (verify rows, τ̂) of a proposal by `who` for s this step
+std::pair<int32_t, double> BatchDecoder::estimate(Seq& s, Proposer who, std::vector<int32_t> const& looked) const
+{
+    if (who == Proposer::kNGRAM)  // it commits at most its drafts + the bonus token
+    {
+        int32_t const n = static_cast<int32_t>(looked.size());
+        return {n, std::min(mRule.tau(s.committedBy(who)), 1.0 + n)};
+    }
+    // τ̂ of a final partial block: its share of the rows' expected gain (a full block's τ̂ would overstate it)
+    // (batch.py's 1.0 + (tau - 1.0) * rows / full, evaluated in the same order)
+    int64_t const full = mRunners.blockSize() - 1;
+    int64_t const rows = std::min<int64_t>(full, s.limit - s.made() - 1);
+    double const gain = (mRule.tau(s.committedBy(who)) - 1.0) * static_cast<double>(rows);
+    return {static_cast<int32_t>(rows), 1.0 + gain / static_cast<double>(full)};
 }
 
 // BatchDecoder._record_forward: a step's forward over n sequences, k verifying -> t_plain(n), or t_verify per
@@ -551,20 +696,37 @@ void BatchDecoder::plain(Seq& s, float const* logits)
 {
     size_t const V = static_cast<size_t>(mRunners.vocabSize());
     s.anchor = nextToken(logits, V, s.req.config.temperature, *s.req.uniforms);
-    if (s.canDraft())
+    if (s.usesDrafter())
     {
-        mRunners.drafterQueueContext(s.slot, 1);
-        ++s.pendingRows;
+        defer(s, 1);
     }
     ++s.pos;
     s.res.tokens.push_back(s.anchor);
+    s.choice.extend(&s.anchor, 1);
     ++s.res.plainSteps;
     emit(s, &s.anchor, 1);
 }
 
-// BatchDecoder._draft: pending features join the slot's drafter, the drafter proposes
-BatchDecoder::Proposal BatchDecoder::draft(Seq& s)
+// BatchDecoder._defer: features of the committed positions s.pos .. s.pos + rows - 1 (the first rows of the slot's
+// latest forward) wait for the drafter's next pass
+void BatchDecoder::defer(Seq& s, int32_t rows)
 {
+    mRunners.drafterQueueContext(s.slot, rows);
+    if (s.pendingRows == 0)
+    {
+        s.pendingStart = s.pos;
+    }
+    s.pendingRows += rows;
+}
+
+// BatchDecoder._draft: a lookup's drafts as they are (no drafter pass, no random draw; pending features keep
+// waiting), or pending features join the slot's drafter and the drafter proposes
+BatchDecoder::Proposal BatchDecoder::draft(Seq& s, Proposer who, std::vector<int32_t> const& looked)
+{
+    if (who == Proposer::kNGRAM)
+    {
+        return Proposal{who, lookupDraft(looked), looked};
+    }
     GenerateConfig const& cfg = s.req.config;
     int32_t const L = mRunners.blockSize() - 1;
     double t = costClock();
@@ -599,25 +761,33 @@ void BatchDecoder::accept(Seq& s, Proposal const& p, float const* logits)
 {
     GenerateConfig const& cfg = s.req.config;
     int32_t const nRows = static_cast<int32_t>(p.drafts.size());
-    auto const [acc, bonus] = acceptDrafts(
-        p.draft, p.drafts, logits, mRunners.vocabSize(), mRunners.topK(), cfg.temperature, *s.req.uniforms);
+    int32_t const K = p.who == Proposer::kNGRAM ? 1 : mRunners.topK();  // a lookup's: one candidate per row
+    auto const [acc, bonus]
+        = acceptDrafts(p.draft, p.drafts, logits, mRunners.vocabSize(), K, cfg.temperature, *s.req.uniforms);
     int32_t const keep = s.pos + acc + 1;
     mRunners.targetCrop(s.slot, keep);
     int32_t& cached = mCacheLength[static_cast<size_t>(s.slot)];
     cached = std::min(cached, keep);
-    mRunners.drafterQueueContext(s.slot, acc + 1);
-    s.pendingRows = acc + 1;
-    s.pendingStart = s.pos;
+    // the drafter's pass took the pending features, so its verified rows are the next ones; a lookup cycle's rows
+    // wait with the others (the draft context stays contiguous)
+    if (s.usesDrafter())
+    {
+        defer(s, acc + 1);
+    }
     std::vector<int32_t> const fresh = committedTokens(p.drafts, acc, bonus, cfg);
     // an accepted EOS ends the request: drafts after it are not committed, so they do not count for τ
     s.res.accepted.push_back(std::min(acc, static_cast<int32_t>(fresh.size())));
     s.res.proposed.push_back(nRows);
+    s.res.proposers.push_back(static_cast<int32_t>(p.who));
     s.res.tokens.insert(s.res.tokens.end(), fresh.begin(), fresh.end());
-    s.committed.push_back(static_cast<int32_t>(fresh.size()));
-    while (static_cast<int32_t>(s.committed.size()) > mRule.window)
+    std::deque<int32_t>& committed = s.committedBy(p.who);
+    committed.push_back(static_cast<int32_t>(fresh.size()));
+    while (static_cast<int32_t>(committed.size()) > mRule.window)
     {
-        s.committed.pop_front();
+        committed.pop_front();
     }
+    s.choice.extend(fresh.data(), fresh.size());
+    s.choice.record(p.who, static_cast<int32_t>(fresh.size()));
     s.pos += acc + 1;
     s.anchor = fresh.back();
     ++mCounters.cycles;

@@ -9,18 +9,27 @@
 //! EOS set, max tokens, the capacity, a cancel), freeing their slots.
 //!
 //! One step, flat (the names of batch.py):
-//!   choose  which sequences draft this step (SpeculationRule, below)
-//!   draft   per drafting sequence: its pending context features join its slot's drafter, the drafter proposes
+//!   choose  which sequences draft this step and who proposes for each (SpeculationRule, below)
+//!   draft   per drafting sequence, by its proposer: the drafter (its pending context features join its slot's
+//!           drafter, the drafter proposes) or prompt lookup (core/ngram.h: the context's own continuation, no model;
+//!           the features of its verified rows wait with the plain steps' until the drafter runs again, then join its
+//!           context in one pass)
 //!   target  ONE target forward for every sequence (ragged rows, each slot its own cache length): a plain
 //!           sequence's anchor (one row), a drafting sequence's [anchor, drafts] (its verify)
 //!   accept  per sequence its own accepted length (ragged acceptance): greedy matching at T = 0, rejection
-//!           sampling at T > 0; plain sequences draw the target's own next token
+//!           sampling at T > 0 (a lookup's deterministic drafts: a one-hot proposal); plain sequences draw the target's
+//!           own next token
+//!
+//! Proposers: each request names its own (GenerateConfig::proposer: dflash2 | ngram | auto, default auto); one
+//! ProposerChoice per sequence makes the choice as batch.py does, the rule below in the acceptance guard's place: the
+//! choice names the sequence's preferred proposal; when the rule leaves a preferred drafter proposal out, a lookup of
+//! the same sequence may still verify. Result::proposers records each cycle's proposer.
 //!   commit  crop each verified slot to its accepted length; committed positions' features become draft context
 //!
 //! Randomness: each request has its own UniformSource, asked in the order of speculativeGenerate (first token; a
-//! plain step: one ACCEPT draw; a cycle: the drafter's DRAFT uniforms, then the rejection test): greedy, a
-//! sequence's tokens are its own B = 1 output whatever the batch; at T > 0 they depend on the others only through
-//! the rule's choice of plain step or cycle.
+//! plain step: one ACCEPT draw; a drafter cycle: the drafter's DRAFT uniforms, then the rejection test; a lookup
+//! cycle: the rejection test): greedy, a sequence's tokens are its own B = 1 output whatever the batch; at T > 0
+//! they depend on the others only through the rule's choice of plain step or cycle.
 //!
 //! The load-adaptive rule (SpeculationRule::choose). Per step, with n active sequences and the speculative ones
 //! sorted by their estimated tokens per cycle τ̂_1 >= τ̂_2 >= ..., draft for the k that maximise
@@ -33,7 +42,10 @@
 //! exponential over 16; t_plain linear between measured sizes, flat beyond them) or given (FixedCosts). τ̂ of a
 //! sequence = (prior_tau · prior_weight + Σ committed over its last `window` cycles) / (prior_weight + cycles)
 //! + z · s / √cycles (s: the cycles' standard deviation, from 2 cycles on), for a final partial block of r < L rows
-//! only its share of the gain: 1 + (τ̂ - 1) · r / L.
+//! only its share of the gain: 1 + (τ̂ - 1) · r / L; τ̂ is kept per proposer, a lookup's at most its drafts + 1.
+//! With lookups among the proposals (t_draft 0 for them: time(k) = t_plain(n) + Σ (t_draft(c) + max(t_verify, 0)))
+//! the order is by (τ̂_c - 1) / (t_draft(c) + max(t_verify, 0)) instead; then, with those k fixed, the lookups of the
+//! sequences whose drafter proposal was left out are weighed the same way.
 //! Until the costs are measured the rule explores: plain first, then a step where the candidate of the best τ̂
 //! drafts (one: at high load a step where all draft costs more than it teaches). A candidate kept plain for
 //! probe_after steps in a row forgets its cycles (τ̂ back to the prior).
@@ -52,6 +64,7 @@
 #pragma once
 
 #include "decoder.h"
+#include "ngram.h"
 
 #include <cstdint>
 #include <deque>
@@ -185,8 +198,12 @@ struct SpeculationRule
     std::unique_ptr<StepCosts> costs{std::make_unique<MeasuredCosts>()};
 
     double tau(std::deque<int32_t> const& committed) const;
-    //! candidates: (request id, τ̂) in the active order -> the ids that draft this step
-    std::vector<uint64_t> choose(int32_t nActive, std::vector<std::pair<uint64_t, double>> const& candidates) const;
+    //! candidates: (key, τ̂) in the active order -> the keys that draft this step. `free`: keys whose proposal costs
+    //! no drafter time (prompt lookups: only their verify counts); `fallbacks`: key -> (another key, its τ̂), weighed
+    //! once the candidates are chosen, for each key left out (fallback keys are free)
+    std::vector<uint64_t> choose(int32_t nActive, std::vector<std::pair<uint64_t, double>> const& candidates,
+        std::vector<uint64_t> const& free = {},
+        std::vector<std::pair<uint64_t, std::pair<uint64_t, double>>> const& fallbacks = {}) const;
 };
 
 //! One request (batch.BatchRequest + where its uniforms come from and where its tokens go).
@@ -256,14 +273,24 @@ private:
     struct Seq;
     struct Proposal
     {
+        Proposer who{Proposer::kDFLASH2};
         Draft draft;
         std::vector<int32_t> drafts;  //!< [nRows] to verify
     };
+    //! a drafting sequence's plan: who proposes, and the lookup's drafts
+    struct Plan
+    {
+        Seq* seq;
+        Proposer who;
+        std::vector<int32_t> looked;
+    };
     void admit();
-    std::vector<Seq*> choose(std::vector<Seq*> const& seqs);
+    std::vector<Plan> choose(std::vector<Seq*> const& seqs);
+    std::pair<int32_t, double> estimate(Seq& s, Proposer who, std::vector<int32_t> const& looked) const;
     void recordForward(int32_t n, int32_t k, double seconds);
     void plain(Seq& s, float const* logits);
-    Proposal draft(Seq& s);
+    void defer(Seq& s, int32_t rows);
+    Proposal draft(Seq& s, Proposer who, std::vector<int32_t> const& looked);
     void accept(Seq& s, Proposal const& p, float const* logits);
     void emit(Seq& s, int32_t const* tokens, size_t n);
     void finish(Seq& s, dfl2_code error = DFL2_OK, std::string const& message = {});

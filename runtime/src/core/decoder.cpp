@@ -2,6 +2,8 @@
 //! The decoding loop and its steps; see decoder.h. Each function names its Python twin.
 #include "decoder.h"
 
+#include "ngram.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -301,10 +303,10 @@ void finish(Result& res, GenerateConfig const& cfg, bool cancelled)
 }
 
 // bench/oracle.oracle_count: leading rows whose target continuation is among the row's candidates
-int32_t oracleCount(Runners& runners, Draft const& draft, std::vector<int32_t> const& drafts, int32_t nRows,
+// (K: the draft's candidates per row, 1 for a lookup's)
+int32_t oracleCount(Runners& runners, Draft const& draft, int32_t K, std::vector<int32_t> const& drafts, int32_t nRows,
     int32_t accepted, int32_t bonus, int32_t pos, std::vector<float>& logits)
 {
-    int32_t const K = runners.topK();
     size_t const V = static_cast<size_t>(runners.vocabSize());
     std::vector<int32_t> known(drafts.begin(), drafts.begin() + accepted);
     known.push_back(bonus);
@@ -478,7 +480,7 @@ Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, Gene
     return res;
 }
 
-// decoder.speculative_generate
+// decoder.speculative_generate (no acceptance guard, every drafter row verified: the Python loop's defaults)
 Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
     UniformSource& uniforms, TokenSink const& sink)
 {
@@ -501,9 +503,19 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
     int32_t anchor = nextToken(logits.data() + static_cast<size_t>(n - 1) * Vs, Vs, cfg.temperature, uniforms);
     res.tokens.push_back(anchor);
     bool cancelled = sink && !sink(&anchor, 1);
-    runners.drafterAddContext(n, 0);
+    std::vector<int32_t> context = prompt;
+    context.push_back(anchor);
+    ProposerChoice choice(cfg.proposer, std::move(context), cfg.ngramRows > 0 ? cfg.ngramRows : defaultLookupRows(L));
+    if (choice.usesDrafter())
+    {
+        runners.drafterQueueContext(n);
+        runners.drafterAddContext(0);
+    }
     int32_t pos = n;  // anchor position
     int64_t const limit = lengthLimit(runners, prompt, cfg);
+    // rows of committed positions queued in the backend, not yet in the draft context: prompt-lookup cycles add
+    // none until the drafter runs again, then all of them in one pass
+    int32_t pending = 0;
 
     Draft draft;
     std::vector<double> u64(static_cast<size_t>(L));
@@ -511,35 +523,87 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
     std::vector<int32_t> verifyIds;
     while (!cancelled && static_cast<int64_t>(res.tokens.size()) < limit && !isEos(cfg, anchor))
     {
-        // a final partial block verifies fewer rows
-        int32_t const nRows
-            = static_cast<int32_t>(std::min<int64_t>(L, limit - static_cast<int64_t>(res.tokens.size()) - 1));
-        // draft + select (all bs rows always run, as in training)
-        if (sampling)
+        auto const tStep = Clock::now();
+        int64_t const room = limit - static_cast<int64_t>(res.tokens.size()) - 1;
+        std::vector<int32_t> const lookedUp = choice.ngram(room);
+        Proposer const who = choice.pick(lookedUp);
+        if (who == Proposer::kNONE)
         {
-            drawDraftUniforms(uniforms, u64, u32);
+            // plain step: the target's own next token (exactly targetGenerate's step)
+            runners.targetForward(&anchor, 1, logits);  // [1, V]
+            anchor = nextToken(logits.data(), Vs, cfg.temperature, uniforms);
+            if (choice.usesDrafter())
+            {
+                runners.drafterQueueContext(1);
+                ++pending;
+            }
+            ++pos;
+            res.tokens.push_back(anchor);
+            choice.extend(&anchor, 1);
+            ++res.plainSteps;
+            cancelled = sink && !sink(&anchor, 1);
+            continue;
         }
-        runners.drafterPropose(
-            anchor, pos, nRows, static_cast<float>(cfg.temperature), sampling ? u32.data() : nullptr, draft);
-        checkDraft(draft, nRows, K, V);  // rows past nRows are never read
-        std::vector<int32_t> const drafts(draft.tokens.begin(), draft.tokens.begin() + nRows);
+        if (pending > 0 && who != Proposer::kNGRAM)  // the drafter runs: the pending positions join in one pass
+        {
+            runners.drafterAddContext(pos - pending);
+            pending = 0;
+        }
+        std::vector<int32_t> drafts;
+        int32_t nRows = 0;
+        int32_t draftK = K;
+        if (who == Proposer::kNGRAM)  // prompt lookup: deterministic drafts, a one-hot proposal
+        {
+            drafts = lookedUp;
+            nRows = static_cast<int32_t>(drafts.size());
+            draft = lookupDraft(drafts);
+            draftK = 1;
+        }
+        else
+        {
+            // a final partial block verifies fewer rows
+            nRows = static_cast<int32_t>(std::min<int64_t>(L, room));
+            // draft + select (all bs rows always run, as in training)
+            if (sampling)
+            {
+                drawDraftUniforms(uniforms, u64, u32);
+            }
+            runners.drafterPropose(
+                anchor, pos, nRows, static_cast<float>(cfg.temperature), sampling ? u32.data() : nullptr, draft);
+            checkDraft(draft, nRows, K, V);  // rows past nRows are never read
+            drafts.assign(draft.tokens.begin(), draft.tokens.begin() + nRows);
+        }
         // verify [anchor, d_1..d_n] at positions pos..pos+n
         verifyIds.assign(1, anchor);
         verifyIds.insert(verifyIds.end(), drafts.begin(), drafts.end());
         runners.targetForward(verifyIds.data(), nRows + 1, logits);  // [nRows + 1, V]
         // accept
-        auto const [acc, bonus] = acceptDrafts(draft, drafts, logits.data(), V, K, cfg.temperature, uniforms);
-        // commit: crop the target cache; committed positions become draft context
+        auto const [acc, bonus] = acceptDrafts(draft, drafts, logits.data(), V, draftK, cfg.temperature, uniforms);
+        // commit: crop the target cache; committed positions become draft context (a lookup's wait for the drafter)
         runners.targetCrop(pos + acc + 1);
-        runners.drafterAddContext(acc + 1, pos);
+        if (choice.usesDrafter())
+        {
+            runners.drafterQueueContext(acc + 1);
+            if (who == Proposer::kNGRAM)
+            {
+                pending += acc + 1;
+            }
+            else
+            {
+                runners.drafterAddContext(pos);
+            }
+        }
         std::vector<int32_t> const fresh = committedTokens(drafts, acc, bonus, cfg);
         // an accepted EOS ends the request: drafts after it are not committed, so they do not count for τ
         res.accepted.push_back(std::min(acc, static_cast<int32_t>(fresh.size())));
         res.proposed.push_back(nRows);
+        res.proposers.push_back(static_cast<int32_t>(who));
+        choice.extend(fresh.data(), fresh.size());
+        choice.record(who, static_cast<int32_t>(fresh.size()), secondsSince(tStep));
         if (cfg.measureOracle)
         {
             auto const tO = Clock::now();
-            res.oracleAccepted.push_back(oracleCount(runners, draft, drafts, nRows, acc, bonus, pos, logits));
+            res.oracleAccepted.push_back(oracleCount(runners, draft, draftK, drafts, nRows, acc, bonus, pos, logits));
             oracleS += secondsSince(tO);
         }
         res.tokens.insert(res.tokens.end(), fresh.begin(), fresh.end());

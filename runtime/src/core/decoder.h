@@ -1,6 +1,7 @@
 //! \file decoder.h
 //! The DFlash 2 decoding loop in plain C++ (no CUDA, TensorRT or ONNX Runtime): prefill, then cycles of
-//! draft -> verify -> accept -> commit, with rejection sampling on given uniforms, commit/crop bookkeeping,
+//! draft -> verify -> accept -> commit (drafts from the DFlash 2 drafter or from prompt lookup, core/ngram.h), with
+//! rejection sampling on given uniforms, commit/crop bookkeeping,
 //! partial final blocks, EOS / length stops, τ and per-position statistics, and the oracle top-K count.
 //!
 //! It is a line-by-line twin of dflash2_trt/runtime/decoder.py (and the acceptance functions of
@@ -58,8 +59,10 @@ struct Draft
 };
 
 //! The backend interface: one request's target and drafter (runtime/protocol.py's TargetRunner + DraftRunner).
-//! Context features never leave the backend: drafterAddContext takes the first `rows` rows of the features
-//! that the latest targetForward produced, so a device backend keeps them on the device.
+//! Context features never leave the backend: drafterQueueContext queues the first `rows` rows of the features that
+//! the latest targetForward produced and drafterAddContext hands the queue to the drafter in one call (rows of
+//! several forwards join together after prompt-lookup cycles and plain steps), so a backend keeps them where they are
+//! made.
 class Runners
 {
 public:
@@ -74,8 +77,10 @@ public:
     virtual void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) = 0;
     virtual void targetCrop(int32_t length) = 0;
     virtual void drafterReset() = 0;
-    //! rows of the latest targetForward's features [rows, F] for positions start..start+rows-1
-    virtual void drafterAddContext(int32_t rows, int32_t start) = 0;
+    //! the first `rows` rows of the latest targetForward's features [rows, F] join the pending context
+    virtual void drafterQueueContext(int32_t rows) = 0;
+    //! the pending context (positions start..) joins the drafter in one call; pending emptied
+    virtual void drafterAddContext(int32_t start) = 0;
     //! the first `rows` (<= L) rows will be verified (the path is chosen over them alone); uniforms [L] or nullptr
     //! at T <= 0; fills out (tokens [L], proposal/cand [L, K], maybe vocab [L, V])
     virtual void drafterPropose(
@@ -106,6 +111,16 @@ private:
     uint64_t mState;
 };
 
+//! Who proposes a cycle's drafts (dfl2_proposer's values for the two proposers; kAUTO is a mode only, kNONE a plain
+//! step). core/ngram.h: prompt lookup and the per-request choice.
+enum class Proposer : int32_t
+{
+    kNONE = -1,
+    kDFLASH2 = DFL2_PROPOSER_DFLASH2,
+    kNGRAM = DFL2_PROPOSER_NGRAM,
+    kAUTO = 2
+};
+
 struct GenerateConfig
 {
     int64_t maxNewTokens{64};
@@ -113,6 +128,8 @@ struct GenerateConfig
     bool speculative{true};
     bool measureOracle{false};
     std::vector<int32_t> eosIds;
+    Proposer proposer{Proposer::kAUTO};  //!< dflash2 | ngram | auto (decoder.speculative_generate's `proposer`)
+    int32_t ngramRows{0};                //!< most lookup drafts per cycle; 0: defaultLookupRows(L)
 };
 
 struct Result
@@ -122,7 +139,8 @@ struct Result
     std::vector<int32_t> proposed;        //!< per cycle: drafts verified
     std::vector<int32_t> oracleAccepted;  //!< per cycle: oracle top-K count (when measured)
     double elapsedS{0.0};                 //!< wall time excluding oracle passes
-    int32_t plainSteps{0};                //!< plain target steps (batched decoding; each commits one token)
+    int32_t plainSteps{0};                //!< plain target steps (each commits one token)
+    std::vector<int32_t> proposers;       //!< per cycle: who proposed (dfl2_proposer)
     dfl2_finish_reason finish{DFL2_FINISH_NONE};
 };
 
