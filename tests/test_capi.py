@@ -1413,7 +1413,8 @@ def test_c_batch_with_prompt_lookup_equals_python_batch_decoder(lib, batch_be, a
         lookups = {i: [a for a, w in zip(r["accepted"], r["proposers"]) if w == "ngram"] for i, r in enumerate(got)}
         assert sum(map(sum, lookups.values())) > 0 and lookups[1] and lookups[3] and not lookups[4], lookups
         assert sum(lookups[2] + lookups[3]) > 0  # accepted by rejection sampling at T > 0
-        assert any("dflash2" in r["proposers"] and "ngram" in r["proposers"] for r in got)  # auto used both
+        if draft_s <= 0.1:  # auto used both (the costly drafter mostly loses to lookups: its fallbacks, below)
+            assert any("dflash2" in r["proposers"] and "ngram" in r["proposers"] for r in got)
         assert all(w == "ngram" for i in (1, 3) for w in got[i]["proposers"]) and got[5]["accepted"] == []
         assert bool(fallbacks_taken) == (draft_s > 0.1), fallbacks_taken
     finally:

@@ -149,10 +149,25 @@ def test_guard_switches_on_evidence_not_on_an_unlucky_stretch():
     assert g.switches == 1 and g.plain_next()
 
 
+def test_guard_a_few_equal_cycles_are_no_proof():
+    """Three 1-token cycles have s = 0: without the spread floor they switched a drafter that pays off at once; with
+    it (0.5) the bound 1 + 0.5/√n falls below a break-even of 1.25 only after 5 such cycles."""
+    floor, bare = (AcceptanceGuard(GuardConfig(cost_ratio=1.25, min_spread=m)) for m in (0.5, 0.0))
+    for _ in range(3):
+        floor.record_cycle(1, 1.0)
+        bare.record_cycle(1, 1.0)
+    assert bare.switches == 1 and floor.switches == 0 and not floor.plain_next()
+    floor.record_cycle(1, 1.0)  # n = 4: bound 1.25, not below
+    assert floor.switches == 0
+    floor.record_cycle(1, 1.0)  # n = 5: bound 1.22
+    assert floor.switches == 1 and floor.plain_next()
+
+
 def test_guard_config_rejects_bad_values():
     for kw in ({"window": 0}, {"probe_window": 0}, {"window": 2, "probe_window": 3}, {"backoff": 0},
                {"backoff": 9, "max_backoff": 8}, {"cost_ratio": 0.0}, {"min_cycles": 0},
-               {"window": 2, "min_cycles": 3}, {"z": -1.0}, {"z": float("nan")}, {"z": float("inf")}):
+               {"window": 2, "min_cycles": 3}, {"z": -1.0}, {"z": float("nan")}, {"z": float("inf")}, {"min_spread": -0.1},
+               {"min_spread": float("nan")}):
         with pytest.raises(DFlash2Error):
             GuardConfig(**kw)
 

@@ -72,7 +72,8 @@ proposals did not.
 
 τ̂ is kept per sequence and proposer: the mean tokens committed over its last ``window`` cycles of that proposer
 with a prior of ``prior_tau`` worth ``prior_weight`` cycles, plus ``z`` standard errors (tokens per cycle vary a
-lot: like the B = 1 guard, a sequence stops drafting on evidence, not after an unlucky stretch); a drafter
+lot: like the B = 1 guard, a sequence stops drafting on evidence, not after an unlucky stretch; the cycles' spread
+taken as at least ``min_spread`` = 0.5, as the guard's, so two or three equal cycles are no proof); a drafter
 proposal for a final partial block counts its share of the rows' gain, a lookup at most its drafts + 1. At one
 sequence this is the B = 1 guard's break-even (τ̂ / (t_plain(1) + t_draft(c) + t_verify) > 1 / t_plain(1)); as n
 grows, the n - k plain tokens come almost free with the call while each drafting sequence still pays its
@@ -219,11 +220,14 @@ class SpeculationRule:
     probe_after: int = 64  # plain steps in a row after which a candidate's τ̂ returns to the prior
     costs: Any = field(default_factory=MeasuredCosts)  # MeasuredCosts | FixedCosts
     z: float = 1.0  # τ̂ is the mean + z s/√n (s: the cycles' standard deviation): off only on evidence, as the guard
+    min_spread: float = 0.5  # s is at least this, as the guard's GuardConfig.min_spread: a few equal cycles prove nothing
 
     def tau(self, committed: deque) -> float:
         n = len(committed)
         mean = (self.prior_tau * self.prior_weight + float(sum(committed))) / (self.prior_weight + n)
-        return mean + (self.z * float(np.std(committed, ddof=1)) / np.sqrt(n) if n >= 2 else 0.0)
+        if n < 2:
+            return mean
+        return mean + self.z * max(float(np.std(committed, ddof=1)), self.min_spread) / np.sqrt(n)
 
     def choose(self, n_active: int, candidates: dict[Hashable, float],
                units: Callable[[list], float] | None = None, free: Collection = (),

@@ -7,12 +7,17 @@ decode step is a plain one, timed). The break-even is the measured t_cycle / t_s
 commits more tokens than that. Tokens per cycle vary a lot (a τ 1.5 drafter commits 1 token in ~2 of 3
 cycles), so the window's mean τ_w alone switches a drafter that pays off after any unlucky stretch; the guard
 switches only when the evidence says it does not pay — when the upper bound τ_w + z·s/√n (s the sample
-standard deviation of the n cycles in the window) is below the break-even. It then runs ``backoff`` plain
-steps and probes with ``probe_window`` cycles, judged with the window's earlier cycles; each failed probe
-doubles ``backoff`` (up to ``max_backoff``), a passed one resets it. Why these sizes: the first judgement
-comes after ``min_cycles`` = 3 cycles (a useless drafter's cycles all commit 1 token: s = 0, switched at
-once); a failed probe wastes about ``probe_window`` × (break-even − 1) plain steps, so 2 probe cycles per 32
-plain steps bound the loss of a useless drafter to ~6 % (less as the backoff doubles); a 64-cycle window
+standard deviation of the n cycles in the window, at least ``min_spread``) is below the break-even. It then runs
+``backoff`` plain steps and probes with ``probe_window`` cycles, judged with the window's earlier cycles; each
+failed probe doubles ``backoff`` (up to ``max_backoff``), a passed one resets it. Why these sizes: the first
+judgement comes after ``min_cycles`` = 3 cycles; ``min_spread`` = 0.5 because a few equal cycles prove nothing
+(a τ 1.4 drafter at block size 3 commits 1 token in ~70 % of its cycles, so three 1-token cycles in a row come
+one time in three; with s = 0 they switched it off at once, and a 128-token answer then ran mostly plain: on
+the packaged drafter's per-position acceptance of 20 MT-Bench answers, replayed through the guard at a break-even
+of 1.15 / 1.25 (benchmarks/guard_replay.py), the floor gives 1.22 / 1.10x against 1.15 / 1.08x without it and
+1.23 / 1.13x drafting always; a useless drafter is still switched off, after 5 one-token cycles at a break-even of
+1.25, 12 at 1.15); a failed probe wastes about ``probe_window`` × (break-even − 1) plain steps, so 2 probe cycles
+per 32 plain steps bound the loss of a useless drafter to ~6 % (less as the backoff doubles); a 64-cycle window
 with z = 1 keeps a drafter that pays ~10 % on average switched on where a 3-cycle mean kept switching it off
 (the README's CPU options table measures both).
 TensorRT-LLM's ``acceptance_rate_threshold`` is the model: a rolling acceptance average over the last N
@@ -48,6 +53,7 @@ class GuardConfig:
     min_cycles: int = 3  # cycles before the first judgement
     probe_window: int = 2  # cycles a probe runs before it is judged
     z: float = 1.0  # switch when τ_w + z·s/√n is below the break-even (0: when the mean τ_w is)
+    min_spread: float = 0.5  # s is at least this: a few equal cycles are no proof (the module docstring)
     backoff: int = 32  # plain steps after the first failed estimate
     max_backoff: int = 512  # cap of the doubling backoff
     # fixed break-even τ (t_cycle / t_step); None: measured online in the run (the default)
@@ -59,6 +65,8 @@ class GuardConfig:
                                f"{self.probe_window}, {self.min_cycles}")
         if not 0 <= self.z < float("inf"):
             raise DFlash2Error(f"guard z must be a finite number >= 0, got {self.z}")
+        if not 0 <= self.min_spread < float("inf"):
+            raise DFlash2Error(f"guard min_spread must be a finite number >= 0, got {self.min_spread}")
         if not 1 <= self.backoff <= self.max_backoff:
             raise DFlash2Error(f"guard backoff must be in [1, max_backoff={self.max_backoff}], got {self.backoff}")
         if self.cost_ratio is not None and not self.cost_ratio > 0:
@@ -113,7 +121,8 @@ class AcceptanceGuard:
         be = self.break_even()
         assert be is not None  # t_step is timed by the first step
         per_cycle = np.array([t for t, _ in self.window], dtype=np.float64)
-        spread = float(per_cycle.std(ddof=1)) / np.sqrt(per_cycle.size) if per_cycle.size > 1 else 0.0
+        s = float(per_cycle.std(ddof=1)) if per_cycle.size > 1 else 0.0
+        spread = max(s, self.cfg.min_spread) / np.sqrt(per_cycle.size)
         if float(per_cycle.mean()) + self.cfg.z * spread < be:
             self.switches += 1
             self.plain_left = self.backoff

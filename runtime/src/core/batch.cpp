@@ -118,7 +118,7 @@ double SpeculationRule::tau(std::deque<int32_t> const& committed) const
         sq.push_back(d * d);
     }
     double const sd = std::sqrt(pairwiseSum(sq.data(), n) / static_cast<double>(n - 1));
-    return mean + z * sd / std::sqrt(static_cast<double>(n));
+    return mean + z * std::max(sd, minSpread) / std::sqrt(static_cast<double>(n));
 }
 
 // SpeculationRule.choose (without a runner's cost plan, B = 1 drafters): candidates in the caller's order, `free`

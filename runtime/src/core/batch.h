@@ -41,7 +41,7 @@
 //! (batch.COST_CLOCK; MeasuredCosts: running means, then
 //! exponential over 16; t_plain linear between measured sizes, flat beyond them) or given (FixedCosts). τ̂ of a
 //! sequence = (prior_tau · prior_weight + Σ committed over its last `window` cycles) / (prior_weight + cycles)
-//! + z · s / √cycles (s: the cycles' standard deviation, from 2 cycles on), for a final partial block of r < L rows
+//! + z · max(s, min_spread) / √cycles (s: the cycles' standard deviation, from 2 cycles on), for a final partial block of r < L rows
 //! only its share of the gain: 1 + (τ̂ - 1) · r / L; τ̂ is kept per proposer, a lookup's at most its drafts + 1.
 //! With lookups among the proposals (t_draft 0 for them: time(k) = t_plain(n) + Σ (t_draft(c) + max(t_verify, 0)))
 //! the order is by (τ̂_c - 1) / (t_draft(c) + max(t_verify, 0)) instead; then, with those k fixed, the lookups of the
@@ -195,6 +195,7 @@ struct SpeculationRule
     bool adaptive{true};
     int32_t probeAfter{64};
     double z{1.0};  //!< τ̂ adds z standard errors of the cycles: a sequence stops drafting on evidence
+    double minSpread{0.5};  //!< the cycles' spread is taken as at least this: a few equal cycles prove nothing
     std::unique_ptr<StepCosts> costs{std::make_unique<MeasuredCosts>()};
 
     double tau(std::deque<int32_t> const& committed) const;
