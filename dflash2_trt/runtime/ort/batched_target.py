@@ -40,6 +40,7 @@ capacity reallocates every buffer (copying it) and drops the cached bindings.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,14 @@ def plan_calls(rows: dict[int, int], call_rows: float = CALL_ROWS, max_rows: int
     """slot -> rows (>= 1) -> the slots of each call, minimising sum over calls of ``call_rows`` + (hi - lo) x S
     (a call binds the slot range lo..hi-1 and pads every slot in it to S = its longest row count); a call of
     several slots holds at most ``max_rows`` padded rows. Exact over groups that are contiguous in row-count order
-    (dynamic programming; slots <= a few dozen)."""
+    (dynamic programming; slots <= a few dozen). Plans are remembered by their rows: the load-adaptive rule asks
+    for the same few dozen patterns step after step (at 16 sequences, unremembered, they cost 10 % of a step)."""
+    return [list(g) for g in _plan(tuple(sorted(rows.items())), call_rows, max_rows)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(items: tuple[tuple[int, int], ...], call_rows: float, max_rows: int) -> tuple[tuple[int, ...], ...]:
+    rows = dict(items)
     order = sorted(rows, key=lambda b: (rows[b], b))
     n = len(order)
     best = [0.0] + [float("inf")] * n  # best[i]: cost of the first i slots in order
@@ -72,12 +80,12 @@ def plan_calls(rows: dict[int, int], call_rows: float = CALL_ROWS, max_rows: int
             c = best[j] + call_rows + padded
             if c < best[i]:
                 best[i], cut[i] = c, j
-    groups: list[list[int]] = []
+    groups: list[tuple[int, ...]] = []
     i = n
     while i:
-        groups.append(sorted(order[cut[i]:i]))
+        groups.append(tuple(sorted(order[cut[i]:i])))
         i = cut[i]
-    return groups[::-1]
+    return tuple(groups[::-1])
 
 
 class OrtBatchedTargetRunner:
