@@ -62,6 +62,29 @@ def test_bench_from_target_and_drafter_uses_the_export_cache(tiny_dir, tmp_path,
     assert list((tmp_path / "cache" / "exports").iterdir()) == exported
 
 
+def test_repeats_keep_the_fastest_run_of_each_way():
+    """--repeats N: each prompt decoded N times each way, interleaved; the fastest run of each counts."""
+    from types import SimpleNamespace
+
+    from dflash2_trt.bench import harness
+
+    times = {True: iter([3.0, 1.0, 2.0]), False: iter([5.0, 6.0, 4.0])}  # speculative -> its runs' seconds
+    calls = []
+
+    class Gen:
+        def generate(self, p, *a, speculative=True, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            calls.append(speculative)
+            s = next(times[speculative])
+            return SimpleNamespace(tokens=[1] * 6, text="", stats=SimpleNamespace(
+                elapsed_s=s, accepted=[1, 1, 1] if speculative else [], verified=[2, 2, 2] if speculative else [],
+                cycles=3 if speculative else 0, oracle_accepted=[], tau=2.0, plain_steps=0, guard_switches=0,
+                guard_probes=0, proposers=["dflash2"] * 3 if speculative else []))
+
+    r = harness.run_bench(Gen(), [[5, 6]], 6, progress=False, measure_oracle=False, repeats=3)
+    assert calls == [True, False] * 3  # interleaved
+    assert r["spec_tokens_per_s"] == 6 / 1.0 and r["ar_tokens_per_s"] == 6 / 4.0 and r["speedup"] == 4.0
+
+
 def test_prompt_sets():
     he = load_prompts("humaneval")
     assert len(he) == 164 and he[0]["prompt"].startswith("from typing import List")

@@ -41,7 +41,7 @@ def add_parsers(sub) -> None:  # noqa: ANN001
     x.add_argument("--prompt", default=None, type=V.text, help=f"text (chat-rendered); default: {DEMO_PROMPT!r}")
     x.add_argument("--prompts", default=None, help="humaneval | mtbench | FILE.jsonl: benchmark the demo pair "
                                                    "instead (the keys of `dflash2 bench --json`)")
-    _bench_options(d, max_new_tokens=96)
+    _bench_options(d, max_new_tokens=96, repeats=3)  # one short prompt: its timing varies run to run
     _export_options(d, draft_vocab=DEMO_DRAFT_VOCAB)
 
 
@@ -78,8 +78,11 @@ def _cached_export_options(a: argparse.Namespace) -> dict:
     return {k: v for k, v in opts.items() if v}
 
 
-def _bench_options(b: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
+def _bench_options(b: argparse.ArgumentParser, max_new_tokens: int = 128, repeats: int = 1) -> None:
     b.add_argument("--limit", type=V.COUNT, default=None, help="first N prompts")
+    b.add_argument("--repeats", type=V.COUNT, default=repeats,
+                   help="decode each prompt N times each way, interleaved; the fastest run of each counts "
+                        "(default %(default)s)")
     b.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
     b.add_argument("--temperature", type=V.NON_NEGATIVE_NUMBER, default=0.0)
     add_draft_options(b)
@@ -179,12 +182,13 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_t
         capped = capacity_note(a.max_new_tokens, [len(p) for p in prompts], gen.max_positions)
         r = harness.run_bench(gen, prompts, a.max_new_tokens, a.temperature, a.seed, not a.no_oracle,
                               set() if a.ignore_eos else None, progress=True, texts=show_text, guard=a.guard,
-                              selector=a.selector, min_confidence=a.min_confidence, proposer=a.proposer)
+                              selector=a.selector, min_confidence=a.min_confidence, proposer=a.proposer,
+                              repeats=a.repeats)
         backend = gen.backend
     texts = r.pop("texts", None)
     r = {"backend": backend, **r, "selector": a.selector, "temperature": a.temperature,
          "max_new_tokens": a.max_new_tokens, "capped_by_capacity": capped, "guard": "on" if a.guard else "off",
-         "min_confidence": a.min_confidence, "proposer": a.proposer}
+         "min_confidence": a.min_confidence, "proposer": a.proposer, "repeats": a.repeats}
     if texts:
         r["text"] = texts[0]
     if a.json:
