@@ -105,6 +105,7 @@ from dflash2_trt import reference as ref
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.decoder import (GenerationResult, _next_token, _proposal_in_vocab, check_prompt,
                                          check_temperature)
+from dflash2_trt.runtime.guard import MIN_SPREAD
 from dflash2_trt.runtime.ngram import (DFLASH2, NGRAM, ProposerChoice, check_proposer, default_rows,
                                        lookup_draft)
 from dflash2_trt.runtime.protocol import DraftRunner
@@ -220,7 +221,7 @@ class SpeculationRule:
     probe_after: int = 64  # plain steps in a row after which a candidate's τ̂ returns to the prior
     costs: Any = field(default_factory=MeasuredCosts)  # MeasuredCosts | FixedCosts
     z: float = 1.0  # τ̂ is the mean + z s/√n (s: the cycles' standard deviation): off only on evidence, as the guard
-    min_spread: float = 0.5  # s is at least this, as the guard's GuardConfig.min_spread: a few equal cycles prove nothing
+    min_spread: float = MIN_SPREAD  # s is at least this, as the guard's: a few equal cycles prove nothing
 
     def tau(self, committed: deque) -> float:
         n = len(committed)

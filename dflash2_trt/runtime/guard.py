@@ -47,13 +47,17 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 
 
+# the least spread of tokens per cycle an estimate assumes (the module docstring); the batch loop's rule shares it
+MIN_SPREAD = 0.5
+
+
 @dataclass(frozen=True)
 class GuardConfig:
     window: int = 64  # speculative cycles per estimate (rolling, kept across plain stretches)
     min_cycles: int = 3  # cycles before the first judgement
     probe_window: int = 2  # cycles a probe runs before it is judged
     z: float = 1.0  # switch when τ_w + z·s/√n is below the break-even (0: when the mean τ_w is)
-    min_spread: float = 0.5  # s is at least this: a few equal cycles are no proof (the module docstring)
+    min_spread: float = MIN_SPREAD  # s is at least this: a few equal cycles are no proof
     backoff: int = 32  # plain steps after the first failed estimate
     max_backoff: int = 512  # cap of the doubling backoff
     # fixed break-even τ (t_cycle / t_step); None: measured online in the run (the default)
