@@ -1303,6 +1303,21 @@ def _run_c_batch(lib, be, options: dict, reqs: list[dict]) -> tuple[list[dict], 
     return out, c
 
 
+def _assert_c_batch_equals_python(c, got: list[dict], py: list, dec, py_log: list):  # noqa: ANN001, ANN202
+    """The C batch run (_run_c_batch) = the Python one (_run_python_batch): no errors, the same runner calls in the
+    same order, per request the same tokens, accepted / verified drafts, plain steps and proposers (its chunks the
+    tokens, its end its finish), the same step counts -> the C batch's info."""
+    assert not c.errors, c.errors
+    assert c.log == py_log  # call for call
+    for i, (r, p) in enumerate(zip(got, py)):
+        assert (r["tokens"], r["accepted"], r["proposed"], r["plain_steps"], r["proposers"]) == (
+            p.tokens, p.accepted, p.proposed, p.plain_steps, p.proposers), f"request {i}"
+        assert sum(r["chunks"], []) == r["tokens"] and r["done"] == (r["finish"], 0)
+    info = c.info()
+    assert (info.steps, info.drafting_steps) == (dec.steps, dec.drafting_steps)
+    return info
+
+
 @pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "always-draft"])
 def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
     """The C batched core (dfl2_batch through the batched callbacks) against the Python BatchDecoder on the same
@@ -1325,14 +1340,7 @@ def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
     got, c = _run_c_batch(lib, batch_be, {"fixed_costs": "1.0,0.05,0.1,0.2", "adaptive": adaptive, "prior_tau": 2.0},
                           reqs)
     try:
-        assert not c.errors, c.errors
-        assert c.log == py_log  # call for call
-        for i, (r, p) in enumerate(zip(got, py)):
-            assert (r["tokens"], r["accepted"], r["proposed"], r["plain_steps"], r["proposers"]) == (
-                p.tokens, p.accepted, p.proposed, p.plain_steps, p.proposers), f"request {i}"
-            assert sum(r["chunks"], []) == r["tokens"] and r["done"] == (r["finish"], 0)
-        info = c.info()
-        assert (info.steps, info.drafting_steps) == (dec.steps, dec.drafting_steps)
+        info = _assert_c_batch_equals_python(c, got, py, dec, py_log)
         # the scenario did what it claims
         finish = [r["finish"] for r in got]
         assert finish[0] == 3 and finish[3] == 1 and all(f == 2 for i, f in enumerate(finish) if i not in (0, 3))
@@ -1398,13 +1406,7 @@ def test_c_batch_with_prompt_lookup_equals_python_batch_decoder(lib, batch_be, a
     got, c = _run_c_batch(lib, batch_be, {"fixed_costs": f"1.0,0.05,{draft_s},0.2", "adaptive": adaptive,
                                           "prior_tau": 2.0}, reqs)
     try:
-        assert not c.errors, c.errors
-        assert c.log == py_log  # call for call
-        for i, (r, p) in enumerate(zip(got, py)):
-            assert (r["tokens"], r["accepted"], r["proposed"], r["plain_steps"], r["proposers"]) == (
-                p.tokens, p.accepted, p.proposed, p.plain_steps, p.proposers), f"request {i}"
-        info = c.info()
-        assert (info.steps, info.drafting_steps) == (dec.steps, dec.drafting_steps)
+        _assert_c_batch_equals_python(c, got, py, dec, py_log)
         tgt = batch_be.target_runner()
         for i, r in enumerate(reqs):
             if r["temperature"] == 0 and i != 0:  # lossless: each greedy request is its own B = 1 output
