@@ -285,24 +285,23 @@ class SpeculationRule:
                 return (candidates[i] - 1.0) / cost
 
             order = sorted(candidates, key=lambda i: -gain(i))
-        best_k, best = 0, n_active / max(t_all, 1e-12)
-        tokens = best_tokens = float(n_active)
-        for k, i in enumerate(order, start=1):
-            tokens += candidates[i] - 1.0
-            rate = tokens / max(time_of(order[:k]), 1e-12)
-            if rate > best:
-                best_k, best, best_tokens = k, rate, tokens
-        chosen = order[:best_k]
+        def best_prefix(base: list, adds: list, taus: dict, tokens: float, best: float) -> tuple[int, float, float]:
+            """The n for which base + adds[:n] makes the most tokens per second (n = 0: base, at rate ``best``,
+            making ``tokens``) -> (n, its rate, its tokens)."""
+            n, best_tokens = 0, tokens
+            for k, i in enumerate(adds, start=1):
+                tokens += taus[i] - 1.0
+                rate = tokens / max(time_of(base + adds[:k]), 1e-12)
+                if rate > best:
+                    n, best, best_tokens = k, rate, tokens
+            return n, best, best_tokens
+
+        k, best, tokens = best_prefix([], order, candidates, float(n_active), n_active / max(t_all, 1e-12))
+        chosen = order[:k]
         extra = dict(fb for key, fb in fallbacks.items() if key not in chosen)  # fallback key -> τ̂
         if extra:
             more = sorted(extra, key=lambda i: -extra[i])
-            best_j, tokens = 0, best_tokens
-            for j, i in enumerate(more, start=1):
-                tokens += extra[i] - 1.0
-                rate = tokens / max(time_of(chosen + more[:j]), 1e-12)
-                if rate > best:
-                    best_j, best = j, rate
-            chosen += more[:best_j]
+            chosen += more[: best_prefix(chosen, more, extra, tokens, best)[0]]
         return set(chosen)
 
 

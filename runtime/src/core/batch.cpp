@@ -183,24 +183,34 @@ std::vector<uint64_t> SpeculationRule::choose(int32_t nActive,
         order = candidates;
         std::stable_sort(order.begin(), order.end(), [&](auto const& a, auto const& b) { return -gain(a) < -gain(b); });
     }
-    size_t bestK = 0;
+    // the n for which base + adds[:n] makes the most tokens per second (n = 0: base, at rate `best`, making
+    // `tokens`): n; `best` and `tokens` become its rate and tokens
+    auto const bestPrefix = [&](std::vector<uint64_t> base, std::vector<std::pair<uint64_t, double>> const& adds,
+                                double& tokens, double& best) {
+        size_t n = 0;
+        double sum = tokens;
+        for (size_t k = 1; k <= adds.size(); ++k)
+        {
+            sum += adds[k - 1].second - 1.0;
+            base.push_back(adds[k - 1].first);
+            double const rate = sum / std::max(timeOf(base), 1e-12);
+            if (rate > best)
+            {
+                n = k;
+                best = rate;
+                tokens = sum;
+            }
+        }
+        return n;
+    };
     double best = nActive / std::max(*tAll, 1e-12);
     double tokens = nActive;
-    double bestTokens = tokens;
-    std::vector<uint64_t> keys;
-    for (size_t k = 1; k <= order.size(); ++k)
+    size_t const bestK = bestPrefix({}, order, tokens, best);
+    std::vector<uint64_t> chosen;
+    for (size_t k = 0; k < bestK; ++k)
     {
-        tokens += order[k - 1].second - 1.0;
-        keys.push_back(order[k - 1].first);
-        double const rate = tokens / std::max(timeOf(keys), 1e-12);
-        if (rate > best)
-        {
-            bestK = k;
-            best = rate;
-            bestTokens = tokens;
-        }
+        chosen.push_back(order[k].first);
     }
-    std::vector<uint64_t> chosen(keys.begin(), keys.begin() + static_cast<long>(bestK));
     std::vector<std::pair<uint64_t, double>> more;  // the fallbacks of the keys left out
     for (auto const& [key, fb] : fallbacks)
     {
@@ -210,20 +220,7 @@ std::vector<uint64_t> SpeculationRule::choose(int32_t nActive,
         }
     }
     std::stable_sort(more.begin(), more.end(), [](auto const& a, auto const& b) { return -a.second < -b.second; });
-    size_t bestJ = 0;
-    tokens = bestTokens;
-    keys = chosen;
-    for (size_t j = 1; j <= more.size(); ++j)
-    {
-        tokens += more[j - 1].second - 1.0;
-        keys.push_back(more[j - 1].first);
-        double const rate = tokens / std::max(timeOf(keys), 1e-12);
-        if (rate > best)
-        {
-            bestJ = j;
-            best = rate;
-        }
-    }
+    size_t const bestJ = bestPrefix(chosen, more, tokens, best);
     for (size_t j = 0; j < bestJ; ++j)
     {
         chosen.push_back(more[j].first);
