@@ -1,14 +1,16 @@
 """The CPU decoding options side by side (the README's "CPU options" table): for every prompt, in one process
 and interleaved (so machine load hits every variant alike), plain autoregressive decoding and speculative
 decoding with the guard off / on, with confidence-adapted verify lengths, and — one export each — at other
-block sizes and with the drafter's LM head restricted to its most frequent ids (``export --draft-vocab``).
+block sizes, with the drafter's LM head restricted to its most frequent ids (``export --draft-vocab``) and with the
+drafter's weights quantized (``export --drafter-quantize``).
 
     python benchmarks/cpu_options.py [--prompts humaneval mtbench] [--limit 20] [--max-new-tokens 128]
-        [--model-dir DIR | --exports BS:VOCAB ...] [--guard off on] [--min-confidence 0.3 0.6]
+        [--model-dir DIR | --exports BS:VOCAB[:DRAFTER_QUANT] ...] [--guard off on] [--min-confidence 0.3 0.6]
         [--selector greedy|independent] [--temperature 0] [--out benchmarks/results/cpu_options.json]
 
 --model-dir defaults to the demo export (SmolLM2-135M-Instruct + the packaged drafter, ONNX Runtime CPU);
-``--exports 8:0 4:0 4:4096`` instead exports the demo pair (or SmolLM2 + ``--drafter``) at each block size : draft vocabulary (0 = full)
+``--exports 8:0 4:0 4:4096 3:4096:int8`` instead exports the demo pair (or SmolLM2 + ``--drafter``) at each block size :
+draft vocabulary (0 = full) [: the drafter's quantization]
 once into the cache and runs every variant on each. Autoregressive decoding runs on the first export's target.
 Prints one line per (set, variant): tok/s, speedup over autoregressive, τ, cycles / plain steps, lossless.
 --out is rewritten after every prompt (the prompts done so far), so a long run can be stopped early.
@@ -29,8 +31,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--model-dir", default=None)
-    ap.add_argument("--exports", nargs="+", default=[], metavar="BS:VOCAB",
-                    help="demo-pair exports at these block sizes / draft vocabularies (0: full)")
+    ap.add_argument("--exports", nargs="+", default=[], metavar="BS:VOCAB[:DQ]",
+                    help="demo-pair exports at these block sizes / draft vocabularies (0: full) [/ drafter quantization]")
     ap.add_argument("--drafter", default=None, help="drafter folder for --exports (default: the packaged one)")
     ap.add_argument("--guard", nargs="+", choices=["off", "on"], default=["off", "on"])
     ap.add_argument("--selector", default="greedy")
@@ -53,9 +55,12 @@ def main() -> int:
         from dflash2_trt.export.cache import cached_export
 
         for spec in a.exports or ["0:0"]:
-            bs, vocab = (int(x) for x in spec.split(":"))
-            opts = {k: v for k, v in {"block_size": bs, "draft_vocab": vocab}.items() if v}
-            label = ", ".join([f"bs {bs}"] * bool(bs) + [f"vocab {vocab}"] * bool(vocab)) if a.exports else ""
+            bs_, vocab_, *dq = spec.split(":")
+            bs, vocab, dq = int(bs_), int(vocab_), (dq or ["none"])[0]
+            opts = {k: v for k, v in {"block_size": bs, "draft_vocab": vocab,
+                                      "drafter_quantization": None if dq == "none" else dq}.items() if v}
+            label = ", ".join([f"bs {bs}"] * bool(bs) + [f"vocab {vocab}"] * bool(vocab) +
+                              [f"drafter {dq}"] * (dq != "none")) if a.exports else ""
             dirs[label] = str(cached_export("smollm2", a.drafter or demo_drafter_path(), max_seq_len=DEMO_MAX_SEQ_LEN, **opts))
     modes = [(f"guard {g}", g == "on", 0.0) for g in a.guard]
     modes += [(f"guard {g}, conf {c}", g == "on", c) for c in a.min_confidence for g in a.guard]

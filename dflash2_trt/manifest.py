@@ -9,7 +9,7 @@ One writer (:func:`write_manifest`: fills the checksums, writes atomically) and 
 Layout (``MANIFEST_VERSION`` 2)::
 
     {"format": "dflash2-trt-export", "manifest_version": 2, "project_version", "exporter_revision",
-     "opset", "dtype": fp32|fp16|bf16, "quantization": {"kind": none|int8|int4, ...}, "draft_vocab",
+     "opset", "dtype": fp32|fp16|bf16, "quantization" + "drafter_quantization": {"kind": none|int8|int4, ...}, "draft_vocab",
      "max_seq_len", "kv_capacity_step",
      "target":  {"model_type", "vocab_size", "num_layers", "hidden_size", "num_key_value_heads", "head_dim",
                  "max_positions", "eos_token_ids", "layer_ids", "source"},
@@ -233,7 +233,8 @@ class ExportManifest:
     graphs: dict[str, GraphSpec]
     tokenizer: TokenizerSpec
     kv_capacity_step: int = KV_CAPACITY_STEP
-    quantization: Quantization = Quantization()
+    quantization: Quantization = Quantization()  # the target's weights
+    drafter_quantization: Quantization = Quantization()  # the ONNX Runtime drafter graphs' (export --drafter-quantize)
     draft_vocab: int = 0  # export --draft-vocab: ids the drafter's LM head keeps (0 = the full vocabulary)
     weights: str = "weights.bin"
     # export-time checks: measure name -> figure (max errors, match rates), or a note (e.g. why one was skipped)
@@ -368,9 +369,10 @@ def parse_manifest(data: Any, where: str = MANIFEST_FILE) -> ExportManifest:
     m: ExportManifest = _decode(ExportManifest, data, "manifest")
     if m.dtype not in DTYPES:
         raise DFlash2Error(f"manifest.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
-    if m.quantization.kind not in QUANTIZATIONS:
-        raise DFlash2Error(f"manifest.quantization.kind must be one of {', '.join(QUANTIZATIONS)}, "
-                           f"got {m.quantization.kind!r}")
+    for name in ("quantization", "drafter_quantization"):
+        if getattr(m, name).kind not in QUANTIZATIONS:
+            raise DFlash2Error(f"manifest.{name}.kind must be one of {', '.join(QUANTIZATIONS)}, "
+                               f"got {getattr(m, name).kind!r}")
     for g in REQUIRED_GRAPHS:
         if g not in m.graphs:
             raise DFlash2Error(f"{where} lists no {g!r} graph")

@@ -93,7 +93,8 @@ def test_backend_picks_fused_graphs(tiny_export, tiny_target):
 
 @pytest.fixture(scope="module")
 def quantized(tiny_dir, tmp_path_factory):
-    """kind -> export folder: int4 (LM head quantized too) and int8 (LM head kept fp32), block size 16."""
+    """kind -> export folder: int4 (LM head quantized too) and int8 (LM head kept fp32), block size 16; and
+    "drafter-int8": an fp32 target with an int8 drafter (export --drafter-quantize int8 alone)."""
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.export.quantize import QuantSpec
 
@@ -102,6 +103,9 @@ def quantized(tiny_dir, tmp_path_factory):
         out[kind] = tmp_path_factory.mktemp("export") / kind
         export_model(tiny_dir / "target", tiny_dir / "drafter", out[kind], progress=False, max_seq_len=512,
                      block_size=4, quantization=QuantSpec(kind, block_size=16, lm_head=lm_head))
+    out["drafter-int8"] = tmp_path_factory.mktemp("export") / "drafter-int8"
+    export_model(tiny_dir / "target", tiny_dir / "drafter", out["drafter-int8"], progress=False, max_seq_len=512,
+                 block_size=4, drafter_quantization="int8")
     return out
 
 
@@ -111,6 +115,8 @@ def test_quantized_graphs_and_manifest(quantized, kind):
     lm_head = kind == "int4"
     assert m["quantization"] == {"kind": kind, "block_size": 16, "accuracy_level": 0, "lm_head": lm_head,
                                  "symmetric": True}
+    # the drafter follows the target's kind, at accuracy level 4 (int8 activations)
+    assert m["drafter_quantization"] == {**m["quantization"], "accuracy_level": 4}
     assert 0 < m["verification"]["target_ort.quantized.argmax_match"] <= 1
     for key in ("target_ort", "drafter_context_ort", "drafter_block_ort", "drafter_head_greedy_ort",
                 "drafter_head_independent_ort"):
@@ -156,6 +162,41 @@ def test_quantized_graphs_and_manifest(quantized, kind):
     assert [list(inits[n.input[1]].dims) for n in float_mm] == ([] if lm_head else [[m["target"]["hidden_size"], vocab]])
     opset = next(o.version for o in g.opset_import if o.domain == "")
     assert opset >= 21 if kind == "int4" else opset == m["opset"]  # int8: the export's opset (Jetson, TensorRT 10.3)
+
+
+def test_drafter_quantized_alone(quantized, tiny_target):
+    """export --drafter-quantize int8 on an fp32 export: the ONNX Runtime drafter graphs take int8 MatMulNBits
+    weights (level 4), the target stays fp32 (no quantized target, no Q/DQ flavour), and speculative decoding
+    with the quantized drafter — its drafts accepted — gives the fp32 target's own greedy tokens."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    folder = quantized["drafter-int8"]
+    m = json.loads((folder / "manifest.json").read_text())
+    assert m["quantization"] == {"kind": "none", "block_size": None, "accuracy_level": None, "lm_head": False,
+                                 "symmetric": True}
+    assert m["drafter_quantization"] == {"kind": "int8", "block_size": 32, "accuracy_level": 4, "lm_head": True,
+                                         "symmetric": True}
+    assert "target_qdq" not in m["graphs"]
+    g, _ = _graph(folder, "target_ort")
+    assert not [n for n in g.graph.node if n.op_type == "MatMulNBits"]
+    for key in ("drafter_context_ort", "drafter_block_ort", "drafter_head_greedy_ort", "drafter_head_viterbi_ort"):
+        g, _ = _graph(folder, key)
+        nbits = [{a.name: a.i for a in n.attribute} for n in g.graph.node if n.op_type == "MatMulNBits"]
+        assert nbits and all(a["bits"] == 8 and a["accuracy_level"] == 4 for a in nbits), key
+    be = OrtBackend(folder)
+    target = be.target_runner()
+    assert be.session("drafter_block").path.endswith("drafter_block_ort.onnx")
+    rng = np.random.default_rng(3)
+    accepted = []
+    for i in range(4):
+        p = rng.integers(4, 500, int(rng.integers(2, 30))).tolist()
+        ar = D.target_generate(target, p, MAX_NEW, eos_ids=set()).tokens
+        assert D.speculative_generate(target, be.draft_runner(), p, MAX_NEW, eos_ids=set()).tokens == ar
+        res = D.speculative_generate(target, AcceptingDrafter(be.draft_runner(), p, ar, rng), p, MAX_NEW,
+                                     eos_ids=set())
+        assert res.tokens == ar
+        accepted += res.accepted
+    assert sum(accepted) > 0  # drafts were accepted: the quantized drafter's cycles ran, not plain steps
 
 
 def test_qdq_check_catches_a_wrong_dequantization(quantized):
@@ -229,7 +270,7 @@ def test_quantized_decoding_is_lossless_wrt_quantized_target(quantized, tiny_tar
 
 def test_quantize_bad_input(tiny_dir, tmp_path, capsys):
     from dflash2_trt.cli import export_main as main
-    from dflash2_trt.export.quantize import QuantSpec
+    from dflash2_trt.export.quantize import QuantSpec, drafter_spec
 
     with pytest.raises(DFlash2Error, match="power of 2"):
         QuantSpec("int4", block_size=24)
@@ -239,6 +280,13 @@ def test_quantize_bad_input(tiny_dir, tmp_path, capsys):
                str(tmp_path / "x"), "--dtype", "bf16", "--quantize", "int4", "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "not bf16" in err[0] and not (tmp_path / "x").exists()
+    for extra, says in ((["--dtype", "fp16"], "not a fp16 export"), (["--no-ort-flavour"], "--no-ort-flavour")):
+        rc = main(["--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), "--out",
+                   str(tmp_path / "x"), "--drafter-quantize", "int8", "--quiet", *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and len(err) == 1 and says in err[0] and not (tmp_path / "x").exists()
+    with pytest.raises(DFlash2Error, match="--drafter-quantize"):
+        drafter_spec(QuantSpec(), "int3")
 
 
 def test_recommend_block_size_follows_cost():

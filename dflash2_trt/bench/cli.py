@@ -20,7 +20,8 @@ import sys
 from dflash2_trt import validate as V
 from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, DEMO_PROMPT, demo_drafter_path
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.vocabulary import BACKEND_CHOICES, DEFAULT_PROPOSER, INDEPENDENT, PROPOSERS, SELECTOR_MODES
+from dflash2_trt.vocabulary import (BACKEND_CHOICES, DEFAULT_PROPOSER, INDEPENDENT, PROPOSERS, QUANTIZATIONS,
+                                    SELECTOR_MODES)
 
 
 def add_parsers(sub) -> None:  # noqa: ANN001
@@ -63,18 +64,22 @@ def add_draft_options(p: argparse.ArgumentParser, guard: bool = True) -> None:
                         "no match = a plain step) or, per cycle, whichever measured acceptance favours (lossless; default: %(default)s)")
 
 
-def _export_options(b: argparse.ArgumentParser, draft_vocab: int = 0) -> None:
+def _export_options(b: argparse.ArgumentParser, draft_vocab: int = 0, drafter_quantize: str = "none") -> None:
     """Export options of the cached export that ``bench --target --drafter`` and ``demo`` make."""
     b.add_argument("--block-size", type=V.BLOCK_SIZE, default=None,
                    help="export at this block size (default: the drafter's own; cached export)")
     b.add_argument("--draft-vocab", type=V.NON_NEGATIVE, default=draft_vocab, metavar="N",
                    help="export with the drafter's LM head restricted to its N most frequent ids, 0 = all "
                         f"(default {draft_vocab}; cached export)")
+    b.add_argument("--drafter-quantize", choices=QUANTIZATIONS, default=drafter_quantize,
+                   help="export with the drafter's ONNX Runtime graphs' weights quantized (int8 activations; the "
+                        f"target's output is unchanged; default {drafter_quantize}; cached export)")
 
 
 def _cached_export_options(a: argparse.Namespace) -> dict:
     """The non-default export options of ``_export_options`` (defaults keep the cache key of a plain export)."""
-    opts = {"block_size": a.block_size, "draft_vocab": a.draft_vocab}
+    opts = {"block_size": a.block_size, "draft_vocab": a.draft_vocab,
+            "drafter_quantization": None if a.drafter_quantize == "none" else a.drafter_quantize}
     return {k: v for k, v in opts.items() if v}
 
 
@@ -142,9 +147,9 @@ def run_bench(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from dflash2_trt.export.cache import cached_export
 
         model_dir = str(cached_export(a.target, a.drafter, progress=not a.json, **_cached_export_options(a)))
-    elif a.block_size or a.draft_vocab:
-        raise DFlash2Error("--block-size / --draft-vocab shape the export made from --target/--drafter; "
-                           "with --model-dir, export with them instead")
+    elif _cached_export_options(a):
+        raise DFlash2Error("--block-size / --draft-vocab / --drafter-quantize shape the export made from "
+                           "--target/--drafter; with --model-dir, export with them instead")
     return _bench_and_report(a, model_dir, items)
 
 

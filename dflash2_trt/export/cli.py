@@ -51,6 +51,10 @@ def add_parsers(sub) -> None:  # noqa: ANN001
                    help="MatMulNBits accuracy_level: 0 (fp32 compute; speculative decoding reproduces the quantized "
                         "target exactly) or 4 (int8 activations: faster, but 1-row and multi-row calls differ)")
     p.add_argument("--no-quantize-lm-head", action="store_true", help="keep the LM head MatMul in fp32")
+    p.add_argument("--drafter-quantize", choices=QUANTIZATIONS, default=None,
+                   help="weight-only MatMulNBits quantization of the ONNX Runtime drafter graphs alone (fp32 exports; "
+                        "int8 activations; drafts are verified, so the target's output is unchanged; default: as "
+                        "--quantize)")
     p.add_argument("--verify-cost", action="store_true",
                    help="time the fused target's verification (1/4/8/16 rows) here; record a recommended block size")
     p.add_argument("--draft-vocab", type=V.NON_NEGATIVE, default=0, metavar="N",
@@ -85,7 +89,7 @@ def run_export(a: argparse.Namespace, prog: str) -> int:
     m = export_model(a.target, a.drafter, a.out, opset=a.opset, dtype=a.dtype, block_size=a.block_size,
                      max_seq_len=a.max_seq_len, progress=not a.quiet, verify=not a.no_verify,
                      ort_flavour=not a.no_ort_flavour, quantization=quant,
-                     draft_vocab=a.draft_vocab, overwrite=a.overwrite)
+                     draft_vocab=a.draft_vocab, overwrite=a.overwrite, drafter_quantization=a.drafter_quantize)
     print(f"exported {len(m.graphs)} graphs (opset {m.opset}, {m.dtype}, block size {m.block_size}) to {a.out}")
     if a.verify_cost:  # timing the graphs here is evaluation, not export: bench.verify_cost (imports a runtime)
         from dflash2_trt.bench import verify_cost

@@ -66,6 +66,7 @@ def export_model(
     quantization: Any = None,
     draft_vocab: int = 0,
     overwrite: bool = False,
+    drafter_quantization: str | None = None,
 ) -> ExportManifest:
     """Export and return the manifest. Raises :class:`DFlash2Error` on bad input; DIR is left untouched
     (absent or as it was) on any failure. ``ort_flavour``: also write the fused ONNX Runtime target
@@ -73,8 +74,10 @@ def export_model(
     :class:`~dflash2_trt.export.quantize.QuantSpec` (weight-only: MatMulNBits variants of the ORT graphs of an
     fp32 export, and the TensorRT flavour ``target_qdq.onnx`` with explicit Q/DQ weights); ``draft_vocab`` N > 0: the drafter's
     LM head keeps only the N most frequent ids of its training responses (``token_counts.npy``); ``overwrite``:
-    replace an export of ours that holds files its manifest does not list (see :mod:`dflash2_trt.outdir`)."""
-    from dflash2_trt.export.quantize import QuantSpec
+    replace an export of ours that holds files its manifest does not list (see :mod:`dflash2_trt.outdir`);
+    ``drafter_quantization``: none|int8|int4, the ONNX Runtime drafter graphs' weights (default: ``quantization``'s
+    kind; drafts are verified, so an fp32 target stays exact with a quantized drafter)."""
+    from dflash2_trt.export.quantize import QuantSpec, drafter_spec
 
     quant = quantization if quantization is not None else QuantSpec()
     if quant.enabled and dtype == "bf16":
@@ -87,13 +90,19 @@ def export_model(
     if draft_vocab < 0:
         raise DFlash2Error(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {draft_vocab}")
     check_size("--block-size", block_size, MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)
+    ort_flavour = ort_flavour and dtype == "fp32"
+    draft_quant = drafter_spec(quant, drafter_quantization) if ort_flavour else QuantSpec()
+    if not ort_flavour and drafter_quantization not in (None, "none"):
+        raise DFlash2Error(f"--drafter-quantize {drafter_quantization}: the quantized drafter is an ONNX Runtime graph "
+                           f"of an fp32 export with its ONNX Runtime flavour, not a"
+                           + (f" {dtype} export" if dtype != "fp32" else "n export without it (--no-ort-flavour)"))
     out = Path(out)
     check_replace(out, "--out", export_owner, overwrite)
     try:
         with TempFolder(out, "export") as t:
             manifest = _export_into(t.path, Path(target_path), Path(drafter_path), opset, dtype, block_size,
-                                    max_seq_len, progress, verify, ort_flavour and dtype == "fp32", quant,
-                                    draft_vocab)
+                                    max_seq_len, progress, verify, ort_flavour, quant,
+                                    draft_quant, draft_vocab)
             if not overwrite:
                 check_replace(out, "--out", export_owner)  # again: it may have changed meanwhile
             t.publish()
@@ -114,7 +123,8 @@ class _Build:
     dtype: str
     opset: int
     max_seq_len: int
-    quant: Any  # dflash2_trt.export.quantize.QuantSpec
+    quant: Any  # dflash2_trt.export.quantize.QuantSpec: the target's
+    draft_quant: Any  # ... the ONNX Runtime drafter graphs' (quantize.drafter_spec)
     layer_ids: list[int]
     models: dict[str, Any] = field(default_factory=dict)
     graphs: dict[str, GraphSpec] = field(default_factory=dict)
@@ -133,7 +143,7 @@ class _Build:
 
 def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str,
                  block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool, ort_flavour: bool,
-                 quant: Any, draft_vocab: int) -> ExportManifest:
+                 quant: Any, draft_quant: Any, draft_vocab: int) -> ExportManifest:
     """The export as named stages, each one step of the progress bar."""
     stages: list[tuple[str, Callable[[_Build], None]]] = [
         ("export target", _trace_target), ("export drafter", _trace_drafter), ("export heads", _trace_heads),
@@ -141,7 +151,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         ("verify vs PyTorch", _verify if verify else lambda b: None)]
     bar = _progress(["load models", *(name for name, _ in stages), "tokenizer + manifest"], progress)
     bar.set_postfix_str("load models")
-    b = _load(tmp, target_path, drafter_path, opset, dtype, block_size, max_seq_len, quant, draft_vocab)
+    b = _load(tmp, target_path, drafter_path, opset, dtype, block_size, max_seq_len, quant, draft_quant, draft_vocab)
     for name, stage in stages:
         bar.update(1)
         bar.set_postfix_str(name)
@@ -155,7 +165,7 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
 
 
 def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str, block_size: int | None,
-          max_seq_len: int | None, quant: Any, draft_vocab: int) -> _Build:
+          max_seq_len: int | None, quant: Any, draft_quant: Any, draft_vocab: int) -> _Build:
     """Both models in the export dtype, the drafter bound to the target (at the asked block size, with its LM
     head restricted to ``draft_vocab`` ids)."""
     import torch
@@ -178,7 +188,7 @@ def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: s
         raise DFlash2Error(f"--max-seq-len must be in [2, {max_pos}] (the target's max_position_embeddings), "
                            f"got {max_seq_len}")
     b = _Build(tmp, target, resolve_target_path(target_path), drafter, dtype, opset, int(max_seq_len), quant,
-               list(drafter.config.target_layer_ids or []))
+               draft_quant, list(drafter.config.target_layer_ids or []))
     target.model.to(b.torch_dtype)
     drafter.to(b.torch_dtype)
     drafter.bind_target(target.embed_weight, target.lm_head_weight)
@@ -265,7 +275,7 @@ def _add_flavours(b: _Build, ort_flavour: bool, verify: bool) -> None:
 
         rope_rows = -(-b.max_seq_len // KV_CAPACITY_STEP) * KV_CAPACITY_STEP  # the largest KV capacity
         models, graphs, report = ort_graph.ort_flavour(b.models, b.graphs, b.target, b.layer_ids, rope_rows,
-                                                       b.opset, b.quant, verify)
+                                                       b.opset, b.quant, b.draft_quant, verify)
         b.models.update(models)
         b.graphs.update(graphs)
         b.report.update(report)
@@ -340,6 +350,7 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
                           plugin_namespace=sc.PLUGIN_NAMESPACE),
         graphs=dict(b.graphs), tokenizer=TokenizerSpec(files=tuple(tok_files), chat_template=chat),
         kv_capacity_step=KV_CAPACITY_STEP, quantization=b.quant.manifest(),
+        drafter_quantization=b.draft_quant.manifest(),
         draft_vocab=int(draft_vocab), weights=onnx_utils.WEIGHTS_FILE, verification=dict(b.report),
         project_version=__version__, exporter_revision=EXPORTER_REVISION)
     return write_manifest(b.tmp, manifest)

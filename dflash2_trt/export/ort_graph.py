@@ -183,7 +183,6 @@ def _head_norm(g: _Builder, x: str, heads: int, d: int, weight: np.ndarray, eps:
 # ----------------------------------------------------------------------------------------------------
 
 TARGET_ORT_FILE = "target_ort.onnx"
-DRAFTER_ACCURACY_LEVEL = 4  # MatMulNBits level of the quantized drafter graphs (int8 activations)
 
 
 def session_from_model(model, threads: int | None = None):  # noqa: ANN001, ANN201
@@ -253,9 +252,9 @@ def verify_target_ort(model, target, layer_ids: list[int], quantized=None, seed:
 
 
 def ort_flavour(models: dict, graphs: dict, target, layer_ids: list[int], n_positions: int, opset: int,  # noqa: ANN001
-                quant, verify: bool) -> tuple[dict, dict, dict]:  # noqa: ANN001
-    """``target_ort.onnx`` and, with ``quant`` enabled, ``*_ort.onnx`` quantized variants of the drafter graphs
-    that ONNX Runtime runs, beside the standard ``models`` / ``graphs`` (graph key -> GraphSpec) -> the new
+                quant, draft_quant, verify: bool) -> tuple[dict, dict, dict]:  # noqa: ANN001
+    """``target_ort.onnx`` (weights quantized as ``quant`` says) and, with ``draft_quant`` enabled, ``*_ort.onnx``
+    quantized variants of the drafter graphs that ONNX Runtime runs, beside the standard ``models`` / ``graphs`` (graph key -> GraphSpec) -> the new
     (file -> ModelProto, key -> GraphSpec, verification report)."""
     from dflash2_trt.export.quantize import quantize_graph, quantized_matmuls
     from dflash2_trt.manifest import GraphSpec
@@ -265,10 +264,7 @@ def ort_flavour(models: dict, graphs: dict, target, layer_ids: list[int], n_posi
     report = verify_target_ort(fused, target, layer_ids, q) if verify else {}
     new_models = {TARGET_ORT_FILE: q if q is not None else fused}
     new_graphs = {TARGET_ORT: GraphSpec(file=TARGET_ORT_FILE, role="target", flavour="ort")}
-    if quant.enabled:
-        # drafts need not reproduce anything (verification decides), so the drafter always takes the fast
-        # int8-activation kernels; only the target's accuracy level decides losslessness
-        draft_quant = dataclasses.replace(quant, accuracy_level=DRAFTER_ACCURACY_LEVEL)
+    if draft_quant.enabled:
         for key, spec in graphs.items():
             if spec.role == "target" or spec.selector == "plugin" or spec.flavour == "ort":
                 continue

@@ -5,7 +5,10 @@ Runtime's own maintained quantizer (``onnxruntime.quantization.matmul_nbits_quan
 blockwise along K, one scale (+ zero point when asymmetric) per block). Activations stay fp32; the
 ``accuracy_level`` tells the CPU kernel what it may compute in (4 = int8 activations, the fast path).
 ``accuracy_level`` 0 (the default) keeps speculative decoding lossless; see ``DEFAULT_ACCURACY_LEVEL``. It is
-the target's level: the drafter graphs always use level 4 (``ort_graph.DRAFTER_ACCURACY_LEVEL``).
+the target's level: the drafter graphs always use level 4 (:data:`DRAFTER_ACCURACY_LEVEL`). The drafter's weights
+are their own choice (``--drafter-quantize``, :func:`drafter_spec`; by default the target's kind): drafts are
+verified, so an fp32 target with an int8 drafter still decodes exactly its own greedy tokens, and a drafter call is a
+few ms of weight reads on the CPU (SmolLM2's demo drafter: 30 MB in fp32, read from memory every cycle).
 The LM head (the target's and the drafter's: they are the same weight) is a separate choice
 (``lm_head``); embeddings stay fp32 (a ``Gather`` reads one row per token, quantizing it saves memory,
 not time). ``MatMulNBits`` exists only in ONNX Runtime.
@@ -41,6 +44,9 @@ DEFAULT_BLOCK_SIZE = 32
 # 8-row verification and 8 single-row steps, 7e-5 at level 0), so speculative decoding would not reproduce
 # the quantized target's own autoregressive output. Level 4 stays available (--quant-accuracy-level 4).
 DEFAULT_ACCURACY_LEVEL = 0
+# drafts need not reproduce anything (verification decides), so the drafter always takes the fast int8-activation
+# kernels (level 0 de-quantizes to an fp32 GEMM: the SmolLM2 demo drafter's call went from 3 ms to 19 ms)
+DRAFTER_ACCURACY_LEVEL = 4
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,16 @@ class QuantSpec:
             return Quantization()
         return Quantization(kind=self.kind, block_size=self.block_size, accuracy_level=self.accuracy_level,
                             lm_head=self.lm_head, symmetric=self.symmetric)
+
+
+def drafter_spec(target: QuantSpec, kind: str | None = None) -> QuantSpec:
+    """The ONNX Runtime drafter graphs' quantization: ``kind`` (none|int8|int4; None: the target's kind) at the
+    target's block size and LM-head choice, accuracy level :data:`DRAFTER_ACCURACY_LEVEL`."""
+    if kind is not None and kind not in QUANTIZATIONS:
+        raise DFlash2Error(f"--drafter-quantize must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+    spec = QuantSpec(target.kind if kind is None else kind, target.block_size, DRAFTER_ACCURACY_LEVEL, target.lm_head,
+                     target.symmetric)
+    return spec if spec.enabled else QuantSpec()
 
 
 def _lm_head_nodes(model, vocab_size: int) -> list[str]:  # noqa: ANN001
