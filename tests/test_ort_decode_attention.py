@@ -318,3 +318,56 @@ def test_smollm2_k_rows_equal_k_steps():
             kg, sg = _rows_vs_steps(tg, prompt, rows)
             _assert_rows_match(kg, sg, exact=False)
             _assert_rows_match(kd, kg, exact=False)
+
+
+def _matmul_session(K: int, N: int, w: np.ndarray, swap: bool):  # noqa: ANN202
+    """x [B, S, K] @ a constant w [K, N]: ORT's MatMul, or the rewrite's Reshape + Transpose + PanelMatMul."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")
+    g = helper.make_graph([node], "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", N])],
+                          [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DA.OP_DOMAIN, 1)])
+    if swap:
+        assert DA._swap_matmuls(m) == 1
+        assert [n.op_type for n in m.graph.node] == ["Reshape", "Transpose", DA.MATMUL_OP_TYPE]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(DA.find_library()))
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("B,S,K,N", [(1, 1, 48, 32), (1, 3, 64, 48), (2, 5, 576, 160), (1, 13, 40, 16),
+                                     (3, 10, 33, 64), (1, 1, 7, 16)])
+def test_panel_matmul_vs_numpy_and_rows_alone(B, S, K, N):
+    """dflash2.PanelMatMul on fresh random inputs (row counts across the register blocks of 1..12 rows, K not a
+    multiple of 8) vs float64 NumPy and ORT's MatMul, and every row bit-equal to the same row computed alone: the
+    property that makes a k-row verify decide what k plain steps would."""
+    rng = np.random.default_rng(B * 1000 + S * 100 + K + N)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    x = rng.standard_normal((B, S, K)).astype(np.float32)
+    panel, plain = _matmul_session(K, N, w, True), _matmul_session(K, N, w, False)
+    y = panel.run(None, {"x": x})[0]
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    assert y.shape == (B, S, N)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(y, plain.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for b in range(B):
+        for s in range(S):
+            np.testing.assert_array_equal(panel.run(None, {"x": x[b: b + 1, s: s + 1]})[0][0, 0], y[b, s])
+
+
+def test_panel_matmul_swap_follows_the_switch(tiny_export, monkeypatch):
+    """The fused target's rewrite swaps every MatMul by a constant weight for PanelMatMul where panels_wanted()
+    (AVX-512, or DFLASH2_ORT_PANELS=1) and none with DFLASH2_ORT_PANELS=0; weights stay the export file's."""
+    import onnx
+
+    path = tiny_export / "target_ort.onnx"
+    mm = sum(n.op_type == "MatMul" for n in onnx.load(str(path), load_external_data=False).graph.node)
+    for flag, want in (("1", mm), ("0", 0)):
+        monkeypatch.setenv(DA.PANELS_ENV, flag)
+        g = onnx.load_from_string(DA.rewrite(path))
+        assert sum(n.op_type == DA.MATMUL_OP_TYPE for n in g.graph.node) == want > 0 or flag == "0"
+        assert all(t.data_location == onnx.TensorProto.EXTERNAL or t.name.endswith("/panel_shape")
+                   for t in g.graph.initializer if len(t.dims) == 2)

@@ -1,7 +1,12 @@
 //! \file ortCustomOp.cpp
-//! ONNX Runtime custom-op library: registers dflash2.DecodeAttention (CPU) through the ORT C API
-//! (`SessionOptions.register_custom_ops_library(path)` calls RegisterCustomOps).
+//! ONNX Runtime custom-op library: registers dflash2.DecodeAttention and dflash2.PanelMatMul (CPU) through the ORT
+//! C API (`SessionOptions.register_custom_ops_library(path)` calls RegisterCustomOps).
 //!
+//! dflash2.PanelMatMul (panelMatMul.h): inputs x [..., K] f32, packed [N/16, K, 16] f32 (a constant: the [K, N]
+//! weight reshaped and transposed, folded at session load); output y [..., N] f32 = x @ W. Row i of y depends on
+//! row i of x alone, computed the same way whatever the number of rows.
+//!
+//! dflash2.DecodeAttention:
 //! Op contract (the inputs, attributes and outputs of com.microsoft.GroupQueryAttention as the fused target graph
 //! uses it: packed QKV, do_rotary=1, rotary_interleaved=0; plus one optional input for ragged rows):
 //!   inputs  qkv [B, S, (num_heads + 2 kv_num_heads) d] f32, past_key / past_value [B, kvh, C, d] f32,
@@ -21,6 +26,7 @@
 //! and nothing is copied; otherwise slots 0..P_b-1 of every b are copied from past first.
 //! Errors come back as OrtStatus (no exception crosses the library boundary).
 #include "decodeAttention.h"
+#include "panelMatMul.h"
 
 #include <onnxruntime_c_api.h>
 
@@ -428,7 +434,155 @@ OrtCustomOp makeOp()
     return op;
 }
 
+// -- dflash2.PanelMatMul ------------------------------------------------------------------------------------------
+
+OrtStatus* failMatMul(std::string const& msg)
+{
+    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("dflash2.PanelMatMul: " + msg).c_str());
+}
+
+struct MatMulArgs
+{
+    float const* x;
+    int64_t rows, K, N;
+    float const* packed;
+    float* y;
+    int64_t panelsPerItem;
+};
+
+void runPanels(void* user, size_t i)
+{
+    auto const* a = static_cast<MatMulArgs const*>(user);
+    int64_t const panels = a->N / dflash2::kPanelWidth;
+    int64_t const begin = static_cast<int64_t>(i) * a->panelsPerItem;
+    dflash2::panelMatMul(a->x, a->rows, a->K, a->packed, a->N, a->y, begin, std::min(panels, begin + a->panelsPerItem));
+}
+
+OrtStatus* computeMatMul(OrtKernelContext* ctx)
+{
+    OrtValue const* in[2] = {};
+    for (size_t i = 0; i < 2; ++i)
+    {
+        if (OrtStatus* st = gApi->KernelContext_GetInput(ctx, i, &in[i]))
+        {
+            return st;
+        }
+    }
+    Shape xShape, wShape;
+    if (OrtStatus* st = shapeOf(in[0], xShape))
+    {
+        return st;
+    }
+    if (OrtStatus* st = shapeOf(in[1], wShape))
+    {
+        return st;
+    }
+    if (xShape.dims.empty() || wShape.dims.size() != 3 || wShape.dims[2] != dflash2::kPanelWidth
+        || xShape.dims.back() != wShape.dims[1])
+    {
+        return failMatMul("expects x [..., K] and packed weights [N/16, K, 16]");
+    }
+    int64_t const K = wShape.dims[1];
+    int64_t const N = wShape.dims[0] * dflash2::kPanelWidth;
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < xShape.dims.size(); ++i)
+    {
+        rows *= xShape.dims[i];
+    }
+    std::vector<int64_t> outDims = xShape.dims;
+    outDims.back() = N;
+    OrtValue* out = nullptr;
+    if (OrtStatus* st = gApi->KernelContext_GetOutput(ctx, 0, outDims.data(), outDims.size(), &out))
+    {
+        return st;
+    }
+    if (rows == 0)
+    {
+        return nullptr;
+    }
+    void const* data[2] = {};
+    for (size_t i = 0; i < 2; ++i)
+    {
+        if (OrtStatus* st = tensorData(in[i], &data[i]))
+        {
+            return st;
+        }
+    }
+    void* y = nullptr;
+    if (OrtStatus* st = gApi->GetTensorMutableData(out, &y))
+    {
+        return st;
+    }
+    // items of a few panels: enough of them for the pool's threads, each long enough to stream its weights
+    int64_t const panels = N / dflash2::kPanelWidth;
+    int64_t const perItem = std::max<int64_t>(1, panels / 64);
+    MatMulArgs args{static_cast<float const*>(data[0]), rows, K, N, static_cast<float const*>(data[1]),
+        static_cast<float*>(y), perItem};
+    return gApi->KernelContext_ParallelFor(ctx, runPanels, static_cast<size_t>((panels + perItem - 1) / perItem), 0,
+        &args);
+}
+
+char const* ORT_API_CALL matMulName(OrtCustomOp const*)
+{
+    return "PanelMatMul";
+}
+
+size_t ORT_API_CALL matMulInputCount(OrtCustomOp const*)
+{
+    return 2;
+}
+
+size_t ORT_API_CALL matMulOutputCount(OrtCustomOp const*)
+{
+    return 1;
+}
+
+OrtMemType ORT_API_CALL defaultMemory(OrtCustomOp const*, size_t)
+{
+    return OrtMemTypeDefault;
+}
+
+OrtStatus* ORT_API_CALL createMatMul(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const*, void** kernel)
+{
+    *kernel = nullptr; // stateless
+    return nullptr;
+}
+
+OrtStatus* ORT_API_CALL computeMatMulKernel(void*, OrtKernelContext* ctx)
+{
+    try
+    {
+        return computeMatMul(ctx);
+    }
+    catch (std::exception const& e)
+    {
+        return gApi->CreateStatus(ORT_FAIL, e.what());
+    }
+}
+
+void ORT_API_CALL destroyMatMul(void*) {}
+
+OrtCustomOp makeMatMulOp()
+{
+    OrtCustomOp op{};
+    op.version = ORT_API_VERSION;
+    op.GetName = matMulName;
+    op.GetExecutionProviderType = opProvider;
+    op.GetInputType = outputType; // every input and the output: float
+    op.GetInputTypeCount = matMulInputCount;
+    op.GetOutputType = outputType;
+    op.GetOutputTypeCount = matMulOutputCount;
+    op.GetInputCharacteristic = required;
+    op.GetOutputCharacteristic = required;
+    op.GetInputMemoryType = defaultMemory;
+    op.CreateKernelV2 = createMatMul;
+    op.KernelComputeV2 = computeMatMulKernel;
+    op.KernelDestroy = destroyMatMul;
+    return op;
+}
+
 OrtCustomOp gOp = makeOp();
+OrtCustomOp gMatMulOp = makeMatMulOp();
 
 } // namespace
 
@@ -446,9 +600,12 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     {
         return st;
     }
-    if (OrtStatus* st = gApi->CustomOpDomain_Add(domain, &gOp))
+    for (OrtCustomOp* op : {&gOp, &gMatMulOp})
     {
-        return st;
+        if (OrtStatus* st = gApi->CustomOpDomain_Add(domain, op))
+        {
+            return st;
+        }
     }
     return gApi->AddCustomOpDomain(options, domain); // the session options keep the domain alive
 }

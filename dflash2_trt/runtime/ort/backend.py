@@ -90,6 +90,8 @@ class _Session:
             self.sess = ort.InferenceSession(model, so, providers=providers)
         except Exception as e:  # ORT raises its own exception types
             raise DFlash2Error(f"ONNX Runtime cannot load {path.name}: {str(e).splitlines()[0][:300]}") from None
+        if self.decode_attention:
+            DA.release_freed_memory()
         self.ort = ort
         self.path = str(path)
         self.outputs = [o.name for o in self.sess.get_outputs()]

@@ -32,8 +32,11 @@ from typing import Any
 
 LIBRARY_ENV = "DFLASH2_ORT_OPS"  # path of libdflash2_ort_ops.so, overriding the search below
 LIBRARY_NAME = "libdflash2_ort_ops.so"
+PANELS_ENV = "DFLASH2_ORT_PANELS"  # 0: keep ORT's MatMul, 1: PanelMatMul (default: where AVX-512 is; panels_wanted)
 OP_DOMAIN = "dflash2"
 OP_TYPE = "DecodeAttention"
+MATMUL_OP_TYPE = "PanelMatMul"
+PANEL_WIDTH = 16  # columns per panel (plugins/ortDecodeAttention/panelMatMul.h)
 _ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -109,8 +112,69 @@ def rewrite(path: Path) -> bytes | None:
     model.graph.input.append(helper.make_tensor_value_info(TARGET_PAST_SEQLENS, onnx.TensorProto.INT32, ["batch"]))
     model.graph.input.append(helper.make_tensor_value_info(TARGET_LOGITS_INDEX, onnx.TensorProto.INT64,
                                                            ["batch", "logits_rows", 1]))
+    if panels_wanted():
+        _swap_matmuls(model)
     model.opset_import.append(helper.make_opsetid(OP_DOMAIN, 1))
     return model.SerializeToString()
+
+
+def panels_wanted() -> bool:
+    """Whether the rewrite swaps the MatMuls (:data:`PANELS_ENV`, default on where the CPU has AVX-512: there
+    PanelMatMul's many-row path (a prefill, a batch of 16) keeps up with ONNX Runtime's packed GEMM; with AVX2 alone
+    it takes twice as long, so those CPUs keep ORT's MatMul)."""
+    v = os.environ.get(PANELS_ENV)
+    if v is not None:
+        return v != "0"
+    try:
+        return " avx512f " in f" {open('/proc/cpuinfo').read().replace(chr(10), ' ')} "
+    except OSError:
+        return False
+
+
+def _swap_matmuls(model: Any) -> int:
+    """Every MatMul by a constant fp32 weight [K, N] (N a multiple of 16) -> PanelMatMul(x, the weight reshaped to
+    [K, N/16, 16] and transposed to [N/16, K, 16]): two constant nodes that ONNX Runtime folds when the session loads,
+    so the session holds the panels in place of the weight (the file keeps the [K, N] weight every graph shares) ->
+    the number swapped."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    import numpy as np
+
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes = list(model.graph.node)
+    model.graph.ClearField("node")
+    swapped = 0
+    for node in nodes:
+        w = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if w is None or len(w.dims) != 2 or w.data_type != onnx.TensorProto.FLOAT or w.dims[1] % PANEL_WIDTH:
+            model.graph.node.append(node)
+            continue
+        K, N = int(w.dims[0]), int(w.dims[1])
+        name = node.name or f"matmul_{swapped}"
+        shape = numpy_helper.from_array(np.array([K, N // PANEL_WIDTH, PANEL_WIDTH], dtype=np.int64), f"{name}/panel_shape")
+        model.graph.initializer.append(shape)
+        model.graph.node.extend([
+            helper.make_node("Reshape", [w.name, shape.name], [f"{name}/panels_kn"], name=f"{name}/reshape"),
+            helper.make_node("Transpose", [f"{name}/panels_kn"], [f"{name}/panels"], name=f"{name}/transpose",
+                             perm=[1, 0, 2]),
+            helper.make_node(MATMUL_OP_TYPE, [node.input[0], f"{name}/panels"], list(node.output), name=name,
+                             domain=OP_DOMAIN)])
+        swapped += 1
+    return swapped
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system after a session load that folded the panels: the folding
+    frees every [K, N] weight, but glibc keeps freed heap chunks (SmolLM2: 1.0 GB resident after the load, 0.58 GB
+    after this, as without the panels). A no-op where glibc is not the C library."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def prepare(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.SessionOptions

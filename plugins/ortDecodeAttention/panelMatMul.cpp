@@ -1,0 +1,174 @@
+//! \file panelMatMul.cpp
+//! See panelMatMul.h. AVX-512 where the CPU has it (chosen at run time: register blocks of up to 12 rows, one
+//! 16-float register per row), else AVX2 + FMA where the build targets it (the default x86-64-v3; blocks of up to 6
+//! rows, two 8-float registers each), else portable C++. All three compute the same fused multiply-add chain per
+//! output element, so they give the same numbers.
+#include "panelMatMul.h"
+
+#include <algorithm>
+#include <cmath>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace dflash2
+{
+namespace
+{
+
+constexpr int64_t kMaxRows = 6;        //!< rows per register block: 6 x 2 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kPrefetch = 64 * 16; //!< floats ahead in the panel stream (4 KiB: 64 of its K steps)
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <int R>
+void block(float const* x, int64_t K, float const* panel, float* y, int64_t N)
+{
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r)
+    {
+        acc[r][0] = _mm256_setzero_ps();
+        acc[r][1] = _mm256_setzero_ps();
+    }
+    float const* w = panel;
+    for (int64_t k = 0; k < K; ++k, w += kPanelWidth)
+    {
+        _mm_prefetch(reinterpret_cast<char const*>(w + kPrefetch), _MM_HINT_T0);
+        __m256 const w0 = _mm256_loadu_ps(w);
+        __m256 const w1 = _mm256_loadu_ps(w + 8);
+        for (int r = 0; r < R; ++r)
+        {
+            __m256 const v = _mm256_broadcast_ss(x + r * K + k);
+            acc[r][0] = _mm256_fmadd_ps(v, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(v, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+    {
+        _mm256_storeu_ps(y + r * N, acc[r][0]);
+        _mm256_storeu_ps(y + r * N + 8, acc[r][1]);
+    }
+}
+#else
+template <int R>
+void block(float const* x, int64_t K, float const* panel, float* y, int64_t N)
+{
+    float acc[R][kPanelWidth] = {};
+    float const* w = panel;
+    for (int64_t k = 0; k < K; ++k, w += kPanelWidth)
+    {
+        for (int r = 0; r < R; ++r)
+        {
+            for (int64_t j = 0; j < kPanelWidth; ++j)
+            {
+                acc[r][j] = std::fma(x[r * K + k], w[j], acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+    {
+        std::copy(acc[r], acc[r] + kPanelWidth, y + r * N);
+    }
+}
+#endif
+
+#if defined(__x86_64__)
+constexpr int64_t kMaxRows512 = 12; //!< 12 accumulators + 1 weight register of 32: more rows per weight read
+
+template <int R>
+__attribute__((target("avx512f"))) void block512(float const* x, int64_t K, float const* panel, float* y, int64_t N)
+{
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r)
+    {
+        acc[r] = _mm512_setzero_ps();
+    }
+    float const* w = panel;
+    for (int64_t k = 0; k < K; ++k, w += kPanelWidth)
+    {
+        _mm_prefetch(reinterpret_cast<char const*>(w + kPrefetch), _MM_HINT_T0);
+        __m512 const w0 = _mm512_loadu_ps(w);
+        for (int r = 0; r < R; ++r)
+        {
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w0, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+    {
+        _mm512_storeu_ps(y + r * N, acc[r]);
+    }
+}
+
+__attribute__((target("avx512f"))) void panels512(float const* x, int64_t rows, int64_t K, float const* packed,
+    int64_t N, float* y, int64_t panelBegin, int64_t panelEnd)
+{
+    for (int64_t p = panelBegin; p < panelEnd; ++p)
+    {
+        float const* panel = packed + p * K * kPanelWidth;
+        for (int64_t m = 0; m < rows; m += kMaxRows512)
+        {
+            float const* xm = x + m * K;
+            float* ym = y + m * N + p * kPanelWidth;
+            switch (std::min(kMaxRows512, rows - m))
+            {
+            case 1: block512<1>(xm, K, panel, ym, N); break;
+            case 2: block512<2>(xm, K, panel, ym, N); break;
+            case 3: block512<3>(xm, K, panel, ym, N); break;
+            case 4: block512<4>(xm, K, panel, ym, N); break;
+            case 5: block512<5>(xm, K, panel, ym, N); break;
+            case 6: block512<6>(xm, K, panel, ym, N); break;
+            case 7: block512<7>(xm, K, panel, ym, N); break;
+            case 8: block512<8>(xm, K, panel, ym, N); break;
+            case 9: block512<9>(xm, K, panel, ym, N); break;
+            case 10: block512<10>(xm, K, panel, ym, N); break;
+            case 11: block512<11>(xm, K, panel, ym, N); break;
+            default: block512<12>(xm, K, panel, ym, N); break;
+            }
+        }
+    }
+}
+#endif
+
+} // namespace
+
+bool panelMatMulWide()
+{
+#if defined(__x86_64__)
+    static bool const wide = __builtin_cpu_supports("avx512f");
+    return wide;
+#else
+    return false;
+#endif
+}
+
+void panelMatMul(float const* x, int64_t rows, int64_t K, float const* packed, int64_t N, float* y,
+    int64_t panelBegin, int64_t panelEnd)
+{
+#if defined(__x86_64__)
+    if (panelMatMulWide())
+    {
+        panels512(x, rows, K, packed, N, y, panelBegin, panelEnd);
+        return;
+    }
+#endif
+    for (int64_t p = panelBegin; p < panelEnd; ++p)
+    {
+        float const* panel = packed + p * K * kPanelWidth;
+        for (int64_t m = 0; m < rows; m += kMaxRows)
+        {
+            float const* xm = x + m * K;
+            float* ym = y + m * N + p * kPanelWidth;
+            switch (std::min(kMaxRows, rows - m))
+            {
+            case 1: block<1>(xm, K, panel, ym, N); break;
+            case 2: block<2>(xm, K, panel, ym, N); break;
+            case 3: block<3>(xm, K, panel, ym, N); break;
+            case 4: block<4>(xm, K, panel, ym, N); break;
+            case 5: block<5>(xm, K, panel, ym, N); break;
+            default: block<6>(xm, K, panel, ym, N); break;
+            }
+        }
+    }
+}
+
+} // namespace dflash2
