@@ -360,8 +360,11 @@ def test_panel_matmul_vs_numpy_and_rows_alone(B, S, K, N):
 
 def test_panel_matmul_swap_follows_the_switch(tiny_export, monkeypatch):
     """The fused target's rewrite swaps every MatMul by a constant weight for PanelMatMul where panels_wanted()
-    (AVX-512, or DFLASH2_ORT_PANELS=1) and none with DFLASH2_ORT_PANELS=0; weights stay the export file's."""
+    (AVX-512, or DFLASH2_ORT_PANELS=1) and none with DFLASH2_ORT_PANELS=0; weights stay the export file's. The
+    drafter's graphs follow the same switch."""
     import onnx
+
+    from dflash2_trt.runtime.ort.backend import OrtBackend
 
     path = tiny_export / "target_ort.onnx"
     mm = sum(n.op_type == "MatMul" for n in onnx.load(str(path), load_external_data=False).graph.node)
@@ -371,3 +374,5 @@ def test_panel_matmul_swap_follows_the_switch(tiny_export, monkeypatch):
         assert sum(n.op_type == DA.MATMUL_OP_TYPE for n in g.graph.node) == want > 0 or flag == "0"
         assert all(t.data_location == onnx.TensorProto.EXTERNAL or t.name.endswith("/panel_shape")
                    for t in g.graph.initializer if len(t.dims) == 2)
+        be = OrtBackend(tiny_export)
+        assert [be.session(k).rewritten for k in ("drafter_context", "drafter_block")] == [flag == "1"] * 2

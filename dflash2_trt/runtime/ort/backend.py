@@ -69,16 +69,17 @@ class _Session:
     """One graph: plain ``run`` on CPU; IOBinding on CUDA (optionally replaying a captured CUDA graph)."""
 
     def __init__(self, ort, path: Path, provider: str, threads: int | None, cuda_graph: bool = False,  # noqa: ANN001
-                 decode_attention: bool = False, spin: bool = False) -> None:
+                 decode_attention: bool = False, spin: bool = False, panels: bool = False) -> None:
         so = cpu_session_options(ort, threads, spin)
         model: str | bytes = str(path)
-        self.decode_attention = False
-        if decode_attention:  # the fused target with dflash2.DecodeAttention (see runtime/ort/decode_attention.py)
+        self.rewritten = False
+        if decode_attention or panels:  # our custom ops swapped in: runtime/ort/decode_attention.py
             from dflash2_trt.runtime.ort import decode_attention as DA
 
-            swapped = DA.prepare(so, path)
+            # the fused target: DecodeAttention and PanelMatMul; a drafter graph: PanelMatMul
+            swapped = DA.prepare(so, path) if decode_attention else DA.prepare_panels(so, path)
             if swapped is not None:
-                model, self.decode_attention = swapped, True
+                model, self.rewritten = swapped, True
         self.provider = provider
         self.cuda_graph = cuda_graph and provider == "CUDAExecutionProvider"
         if provider == "CUDAExecutionProvider":
@@ -90,7 +91,7 @@ class _Session:
             self.sess = ort.InferenceSession(model, so, providers=providers)
         except Exception as e:  # ORT raises its own exception types
             raise DFlash2Error(f"ONNX Runtime cannot load {path.name}: {str(e).splitlines()[0][:300]}") from None
-        if self.decode_attention:
+        if self.rewritten:
             DA.release_freed_memory()
         self.ort = ort
         self.path = str(path)
@@ -214,7 +215,7 @@ class OrtBackend(BackendBase):
         if not self.fused:
             return None
         s = self._sessions.get(TARGET_ORT)
-        swapped = s.decode_attention if s is not None else self.decode_attention
+        swapped = s.rewritten if s is not None else self.decode_attention
         return "DecodeAttention" if swapped else "GroupQueryAttention"
 
     def session(self, key: str) -> _Session:
@@ -229,6 +230,7 @@ class OrtBackend(BackendBase):
                                    f"variant")
             s = _Session(self.ort, self.dir / g.file, self.provider, self.threads, cuda_graph=g.role == "drafter_head",
                          decode_attention=key == TARGET_ORT and self.decode_attention,
+                         panels=key != TARGET_ORT and self.decode_attention,
                          spin=g.role == "target" and target_spins())
             _check_interface(s, g)
             self._sessions[key] = s

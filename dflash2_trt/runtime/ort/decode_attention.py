@@ -182,6 +182,23 @@ def release_freed_memory() -> None:
         pass
 
 
+def prepare_panels(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.SessionOptions
+    """A drafter graph with its MatMuls by constant weights swapped for PanelMatMul (registered on ``so``,
+    weights from ``path``'s folder), or None (``so`` untouched) where the panels are not wanted or nothing swaps."""
+    import onnx
+    from onnx import helper
+
+    if not panels_wanted() or not available()[0]:
+        return None
+    model = onnx.load(str(path), load_external_data=False)
+    if not _swap_matmuls(model):
+        return None
+    model.opset_import.append(helper.make_opsetid(OP_DOMAIN, 1))
+    so.register_custom_ops_library(str(find_library()))
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    return model.SerializeToString()
+
+
 def prepare(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.SessionOptions
     """Register the library on ``so`` and return the rewritten model (weights from ``path``'s folder), or None
     (``so`` untouched) when the graph cannot take the op."""
