@@ -32,7 +32,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--exports", nargs="+", default=[], metavar="BS:VOCAB[:DQ]",
-                    help="demo-pair exports at these block sizes / draft vocabularies (0: full) [/ drafter quantization]")
+                    help="demo-pair exports at these block sizes / draft vocabularies (0: full) "
+                         "[/ drafter quantization]")
     ap.add_argument("--drafter", default=None, help="drafter folder for --exports (default: the packaged one)")
     ap.add_argument("--guard", nargs="+", choices=["off", "on"], default=["off", "on"])
     ap.add_argument("--selector", default="greedy")

@@ -254,8 +254,8 @@ def verify_target_ort(model, target, layer_ids: list[int], quantized=None, seed:
 def ort_flavour(models: dict, graphs: dict, target, layer_ids: list[int], n_positions: int, opset: int,  # noqa: ANN001
                 quant, draft_quant, verify: bool) -> tuple[dict, dict, dict]:  # noqa: ANN001
     """``target_ort.onnx`` (weights quantized as ``quant`` says) and, with ``draft_quant`` enabled, ``*_ort.onnx``
-    quantized variants of the drafter graphs that ONNX Runtime runs, beside the standard ``models`` / ``graphs`` (graph key -> GraphSpec) -> the new
-    (file -> ModelProto, key -> GraphSpec, verification report)."""
+    quantized variants of the drafter graphs that ONNX Runtime runs, beside the standard ``models`` / ``graphs``
+    (graph key -> GraphSpec) -> the new (file -> ModelProto, key -> GraphSpec, verification report)."""
     from dflash2_trt.export.quantize import quantize_graph, quantized_matmuls
     from dflash2_trt.manifest import GraphSpec
 
