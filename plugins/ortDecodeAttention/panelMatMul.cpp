@@ -98,35 +98,6 @@ __attribute__((target("avx512f"))) void block512(float const* x, int64_t K, floa
         _mm512_storeu_ps(y + r * N, acc[r]);
     }
 }
-
-__attribute__((target("avx512f"))) void panels512(float const* x, int64_t rows, int64_t K, float const* packed,
-    int64_t N, float* y, int64_t panelBegin, int64_t panelEnd)
-{
-    for (int64_t p = panelBegin; p < panelEnd; ++p)
-    {
-        float const* panel = packed + p * K * kPanelWidth;
-        for (int64_t m = 0; m < rows; m += kMaxRows512)
-        {
-            float const* xm = x + m * K;
-            float* ym = y + m * N + p * kPanelWidth;
-            switch (std::min(kMaxRows512, rows - m))
-            {
-            case 1: block512<1>(xm, K, panel, ym, N); break;
-            case 2: block512<2>(xm, K, panel, ym, N); break;
-            case 3: block512<3>(xm, K, panel, ym, N); break;
-            case 4: block512<4>(xm, K, panel, ym, N); break;
-            case 5: block512<5>(xm, K, panel, ym, N); break;
-            case 6: block512<6>(xm, K, panel, ym, N); break;
-            case 7: block512<7>(xm, K, panel, ym, N); break;
-            case 8: block512<8>(xm, K, panel, ym, N); break;
-            case 9: block512<9>(xm, K, panel, ym, N); break;
-            case 10: block512<10>(xm, K, panel, ym, N); break;
-            case 11: block512<11>(xm, K, panel, ym, N); break;
-            default: block512<12>(xm, K, panel, ym, N); break;
-            }
-        }
-    }
-}
 #endif
 
 } // namespace
@@ -144,29 +115,26 @@ bool panelMatMulWide()
 void panelMatMul(float const* x, int64_t rows, int64_t K, float const* packed, int64_t N, float* y,
     int64_t panelBegin, int64_t panelEnd)
 {
+    // blocks[r - 1] computes r rows; the widest is taken for every full block
+    using Block = void (*)(float const*, int64_t, float const*, float*, int64_t);
+    static constexpr Block kBlocks[] = {block<1>, block<2>, block<3>, block<4>, block<5>, block<6>};
+    Block const* blocks = kBlocks;
+    int64_t maxRows = kMaxRows;
 #if defined(__x86_64__)
+    static constexpr Block kBlocks512[] = {block512<1>, block512<2>, block512<3>, block512<4>, block512<5>,
+        block512<6>, block512<7>, block512<8>, block512<9>, block512<10>, block512<11>, block512<12>};
     if (panelMatMulWide())
     {
-        panels512(x, rows, K, packed, N, y, panelBegin, panelEnd);
-        return;
+        blocks = kBlocks512;
+        maxRows = kMaxRows512;
     }
 #endif
     for (int64_t p = panelBegin; p < panelEnd; ++p)
     {
         float const* panel = packed + p * K * kPanelWidth;
-        for (int64_t m = 0; m < rows; m += kMaxRows)
+        for (int64_t m = 0; m < rows; m += maxRows)
         {
-            float const* xm = x + m * K;
-            float* ym = y + m * N + p * kPanelWidth;
-            switch (std::min(kMaxRows, rows - m))
-            {
-            case 1: block<1>(xm, K, panel, ym, N); break;
-            case 2: block<2>(xm, K, panel, ym, N); break;
-            case 3: block<3>(xm, K, panel, ym, N); break;
-            case 4: block<4>(xm, K, panel, ym, N); break;
-            case 5: block<5>(xm, K, panel, ym, N); break;
-            default: block<6>(xm, K, panel, ym, N); break;
-            }
+            blocks[std::min(maxRows, rows - m) - 1](x + m * K, K, panel, y + m * N + p * kPanelWidth, N);
         }
     }
 }

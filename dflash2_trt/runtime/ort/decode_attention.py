@@ -157,7 +157,8 @@ def _swap_matmuls(model: Any) -> int:
             continue
         K, N = int(w.dims[0]), int(w.dims[1])
         name = node.name or f"matmul_{swapped}"
-        shape = numpy_helper.from_array(np.array([K, N // PANEL_WIDTH, PANEL_WIDTH], dtype=np.int64), f"{name}/panel_shape")
+        shape = numpy_helper.from_array(np.array([K, N // PANEL_WIDTH, PANEL_WIDTH], dtype=np.int64),
+                                        f"{name}/panel_shape")
         model.graph.initializer.append(shape)
         model.graph.node.extend([
             helper.make_node("Reshape", [w.name, shape.name], [f"{name}/panels_kn"], name=f"{name}/reshape"),
@@ -183,19 +184,19 @@ def release_freed_memory() -> None:
 
 
 def prepare_panels(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.SessionOptions
-    """A drafter graph with its MatMuls by constant weights swapped for PanelMatMul (registered on ``so``,
-    weights from ``path``'s folder), or None (``so`` untouched) where the panels are not wanted or nothing swaps."""
+    """A drafter graph with its MatMuls by constant weights swapped for PanelMatMul (the library registered on
+    ``so``, weights from ``path``'s folder), or None (``so`` untouched) where the panels are not wanted or nothing
+    swaps."""
     import onnx
     from onnx import helper
 
-    if not panels_wanted() or not available()[0]:
+    if not panels_wanted():
         return None
     model = onnx.load(str(path), load_external_data=False)
     if not _swap_matmuls(model):
         return None
     model.opset_import.append(helper.make_opsetid(OP_DOMAIN, 1))
-    so.register_custom_ops_library(str(find_library()))
-    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    _register(so, path)
     return model.SerializeToString()
 
 
@@ -205,8 +206,13 @@ def prepare(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.SessionOpti
     model = rewrite(path)
     if model is None:
         return None
+    _register(so, path)
+    return model
+
+
+def _register(so: Any, path: Path) -> None:
+    """The library on ``so``; a rewritten graph's external weights read from ``path``'s folder."""
     lib = find_library()
     assert lib is not None
     so.register_custom_ops_library(str(lib))
     so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
-    return model
