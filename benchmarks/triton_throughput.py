@@ -18,11 +18,12 @@ from the first send to the last final response; time per output token (TPOT) of 
 - first response) / (tokens - 1), p50 and p95 over the requests (over ``--rounds`` x streams requests); mean time
 to the first token; the mean batch size the server decoded (its ``dflash2_batch_steps`` gauge) and, from the
 responses, speculative cycles vs plain steps. Each server serves one warm-up request first. ``--repeats R`` runs
-the servers R times in turn (instances, batched_ar, adaptive, instances, ...) and keeps each cell's best run: cells
-of one server measured minutes after another's drift apart on a shared machine by more than the servers differ
-(interleaved, adaptive and batched_ar made the same plain steps at the same speed; one after the other, 6-24 %
-apart). Checks that every request's tokens equal the same prompt's tokens in every other server (greedy: the
-target's own). Prints the load average: on a shared machine read the ratios, measured in one run.
+the servers R times in turn, odd repeats in reverse order (instances, batched_ar, adaptive, adaptive, batched_ar,
+instances, ...: a steady drift of the machine's speed favours none), and keeps each cell's best run; it also prints
+adaptive / batched_ar of each repeat (the two ran next to each other) and their median. Cells of one server measured
+minutes after another's drift apart on a shared machine by more than the servers differ (one after the other,
+6-24 % apart; three repeats in one order drifted 180 -> 134 tok/s). Checks that every request's tokens equal the
+same prompt's tokens in every other server (greedy: the target's own). Prints the load average: on a shared machine read the ratios, measured in one run.
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tmp.name)
     backends = S.backend_dir(cache_dir())
     best: dict[str, dict[int, dict]] = {}  # server -> streams -> its best cell over the repeats
+    runs: dict[str, dict[int, list[float]]] = {}  # server -> streams -> tokens/s of each repeat, in run order
     tokens_of: dict[tuple[str, int, int], list[int]] = {}  # (server, streams, request) -> tokens
     differs: list[tuple[str, int, int]] = []  # cells whose tokens changed between repeats
     load = [os.getloadavg()[0]]
@@ -181,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in streams:
                 cell, toks = _cell(srv, prompts, n, a.tokens, a.rounds)
                 cell.update(server=name, instances=instances, max_batch=max_batch, speculation=speculation)
+                runs.setdefault(name, {}).setdefault(n, []).append(cell["tokens_per_s"])
                 old = best.setdefault(name, {}).get(n)
                 if old is None or cell["tokens_per_s"] > old["tokens_per_s"]:
                     best[name][n] = cell
@@ -194,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
         shutil.rmtree(repo)  # ours: made above in our own temporary folder
 
-    for _ in range(a.repeats):
-        for name in a.servers:
+    for r in range(a.repeats):
+        # odd repeats in reverse order (A B, B A, ...): a drift of the machine's speed favours no server
+        for name in (a.servers if r % 2 == 0 else a.servers[::-1]):
             instances, max_batch, speculation = SERVERS[name]
             if instances is None:
                 for n in a.streams:
@@ -215,12 +219,19 @@ def main(argv: list[str] | None = None) -> int:
             single_spec = cells["instances"][0]["tokens_per_s"] if a.streams[0] == 1 else float("nan")
             ratio = f"{row['adaptive'] / max(row['batched_ar'], single_spec):.2f}"
         print(f"{n:7d} " + " ".join(f"{row[s]:18.1f}" for s in a.servers) + f"   {ratio}")
+    paired = {}  # streams -> adaptive / batched_ar of each repeat (the two ran next to each other)
+    if {"adaptive", "batched_ar"} <= set(a.servers):
+        paired = {n: [x / y for x, y in zip(runs["adaptive"][n], runs["batched_ar"][n])] for n in a.streams}
+        for n, q in paired.items():
+            print(f"{n:3d} streams: adaptive / batched_ar per repeat " + " ".join(f"{x:.2f}" for x in q)
+                  + f", median {float(np.median(q)):.2f}")
     if a.out:
         Path(a.out).write_text(json.dumps({
             "command": " ".join(["python", "benchmarks/triton_throughput.py", *(argv or sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "export": str(a.export),
             "tokens": a.tokens, "rounds": a.rounds, "repeats": a.repeats, "ort_threads": a.threads, "cpus": os.cpu_count(),
-            "loadavg_min_max": [min(load), max(load)], "same_tokens_every_server": same, "cells": cells},
+            "loadavg_min_max": [min(load), max(load)], "same_tokens_every_server": same, "cells": cells,
+            "tokens_per_s_per_repeat": runs, "adaptive_over_batched_ar_per_repeat": paired},
             indent=1) + "\n")
     if a.plot:
         import matplotlib
