@@ -376,3 +376,72 @@ def test_panel_matmul_swap_follows_the_switch(tiny_export, monkeypatch):
                    for t in g.graph.initializer if len(t.dims) == 2)
         be = OrtBackend(tiny_export)
         assert [be.session(k).rewritten for k in ("drafter_context", "drafter_block")] == [flag == "1"] * 2
+
+
+def _q4_session(K: int, N: int, block: int, packed: np.ndarray, scales: np.ndarray, swap: bool,
+                level: int = 0):  # noqa: ANN202
+    """x [B, S, K] @ int4 weights: ORT's MatMulNBits (symmetric: no zero points), or the rewrite's PanelMatMulQ4."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], name="mm", domain="com.microsoft", K=K, N=N,
+                            bits=4, block_size=block, accuracy_level=level)
+    g = helper.make_graph([node], "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", N])],
+                          [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1),
+                                            helper.make_opsetid(DA.OP_DOMAIN, 1)])
+    if swap:
+        assert DA._swap_matmuls(m) == 1
+        assert [n.op_type for n in m.graph.node] == ["Reshape", "Transpose"] * 2 + [DA.MATMUL_Q4_OP_TYPE]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(DA.find_library()))
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("B,S,K,N,block", [(1, 1, 64, 32, 32), (1, 3, 576, 48, 32), (2, 5, 96, 160, 16),
+                                           (1, 9, 128, 16, 64), (3, 4, 32, 64, 32), (1, 1, 48, 16, 16)])
+def test_panel_matmul_q4_vs_numpy_and_rows_alone(B, S, K, N, block):
+    """dflash2.PanelMatMulQ4 on fresh random int4 weights and inputs (row counts across the register blocks of
+    1..8 rows, several block sizes) vs the dequantized weights in float64 NumPy and vs ORT's MatMulNBits at
+    accuracy level 0, and every row bit-equal to the same row computed alone (the lossless int4 verify)."""
+    rng = np.random.default_rng(B * 1000 + S * 100 + K + N + block)
+    packed = rng.integers(0, 256, (N, K // block, block // 2), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, (N, K // block)).astype(np.float32)
+    x = rng.standard_normal((B, S, K)).astype(np.float32)
+    flat = packed.reshape(N, K // 2)
+    q = np.empty((N, K), dtype=np.int64)
+    q[:, 0::2], q[:, 1::2] = flat & 15, flat >> 4  # low nibble first
+    w = (q - 8) * np.repeat(scales.astype(np.float64), block, axis=1)  # [N, K]
+    want = x.astype(np.float64) @ w.T
+    panel = _q4_session(K, N, block, packed, scales, True)
+    y = panel.run(None, {"x": x})[0]
+    assert y.shape == (B, S, N)
+    tol = 1e-4 * np.abs(want).max()
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=tol)
+    np.testing.assert_allclose(y, _q4_session(K, N, block, packed, scales, False).run(None, {"x": x})[0],
+                               rtol=1e-4, atol=tol)
+    for b in range(B):
+        for s in range(S):
+            np.testing.assert_array_equal(panel.run(None, {"x": x[b: b + 1, s: s + 1]})[0][0, 0], y[b, s])
+
+
+def test_panel_matmul_q4_swaps_only_exact_int4():
+    """Only int4 MatMulNBits that compute in fp32 are swapped: accuracy level 4 (int8 activations, the user's
+    speed-over-exactness choice) and 8-bit weights stay ORT's."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def model(bits: int, level: int):  # noqa: ANN202
+        K, N, block = 64, 32, 32
+        w = np.zeros((N, K // block, block * bits // 8), dtype=np.uint8)
+        node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=K, N=N, bits=bits,
+                                block_size=block, accuracy_level=level)
+        g = helper.make_graph([node], "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, N])],
+                              [numpy_helper.from_array(w, "w"),
+                               numpy_helper.from_array(np.ones((N, K // block), np.float32), "s")])
+        return helper.make_model(g)
+
+    assert DA._swap_matmuls(model(4, 0)) == 1
+    assert DA._swap_matmuls(model(4, 4)) == 0
+    assert DA._swap_matmuls(model(8, 0)) == 0

@@ -242,14 +242,26 @@ class AcceptingDrafter:
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_quantized_decoding_is_lossless_wrt_quantized_target(quantized, tiny_target, kind):
+def test_quantized_decoding_is_lossless_wrt_quantized_target(quantized, tiny_target, kind, monkeypatch):
+    """With the panels on (DFLASH2_ORT_PANELS=1), the int4 target runs dflash2.PanelMatMulQ4 in place of every
+    MatMulNBits (its 1-row steps and k-row verifies alike); int8 keeps ORT's MatMulNBits. Either way speculative
+    output = the quantized target's own, with drafts accepted."""
+    import onnx
+
     from torch_ref import ref_autoregressive
+    from dflash2_trt.runtime.ort import decode_attention as DA
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 
+    monkeypatch.setenv(DA.PANELS_ENV, "1")
+    path = quantized[kind] / "target_ort.onnx"
+    nbits = sum(n.op_type == "MatMulNBits" for n in onnx.load(str(path), load_external_data=False).graph.node)
+    ops = [n.op_type for n in onnx.load_from_string(DA.rewrite(path)).graph.node]
+    assert nbits > 0 and (ops.count(DA.MATMUL_Q4_OP_TYPE), ops.count("MatMulNBits")) == ((nbits, 0) if kind == "int4" else (0, nbits))
     be = OrtBackend(quantized[kind])
     target = be.target_runner()
     assert isinstance(target, OrtFusedTargetRunner) and be.session("drafter_block").path.endswith("drafter_block_ort.onnx")
+    assert be.session("target").rewritten
     rng = np.random.default_rng(7)
     accepted, differs = [], 0
     for i in range(6):

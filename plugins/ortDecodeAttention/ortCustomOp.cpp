@@ -1,10 +1,13 @@
 //! \file ortCustomOp.cpp
-//! ONNX Runtime custom-op library: registers dflash2.DecodeAttention and dflash2.PanelMatMul (CPU) through the ORT
-//! C API (`SessionOptions.register_custom_ops_library(path)` calls RegisterCustomOps).
+//! ONNX Runtime custom-op library: registers dflash2.DecodeAttention, dflash2.PanelMatMul and dflash2.PanelMatMulQ4
+//! (CPU) through the ORT C API (`SessionOptions.register_custom_ops_library(path)` calls RegisterCustomOps).
 //!
 //! dflash2.PanelMatMul (panelMatMul.h): inputs x [..., K] f32, packed [N/16, K, 16] f32 (a constant: the [K, N]
 //! weight reshaped and transposed, folded at session load); output y [..., N] f32 = x @ W. Row i of y depends on
 //! row i of x alone, computed the same way whatever the number of rows.
+//! dflash2.PanelMatMulQ4 (panelMatMul.h): the same over MatMulNBits' symmetric 4-bit weights: inputs x [..., K] f32,
+//! packed [N/16, K/2, 16] uint8, scales [N/16, K/B, 16] f32 (both constants folded at load from MatMulNBits' B and
+//! scales); output y [..., N] f32; the block size B = K / scales' second dimension.
 //!
 //! dflash2.DecodeAttention:
 //! Op contract (the inputs, attributes and outputs of com.microsoft.GroupQueryAttention as the fused target graph
@@ -581,8 +584,136 @@ OrtCustomOp makeMatMulOp()
     return op;
 }
 
+// -- dflash2.PanelMatMulQ4 ----------------------------------------------------------------------------------------
+
+OrtStatus* failQ4(std::string const& msg)
+{
+    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("dflash2.PanelMatMulQ4: " + msg).c_str());
+}
+
+struct Q4Args
+{
+    float const* x;
+    int64_t rows, K, N;
+    uint8_t const* packed;
+    float const* scales;
+    int64_t blockSize;
+    float* y;
+    int64_t panelsPerItem;
+};
+
+void runPanelsQ4(void* user, size_t i)
+{
+    auto const* a = static_cast<Q4Args const*>(user);
+    int64_t const panels = a->N / dflash2::kPanelWidth;
+    int64_t const begin = static_cast<int64_t>(i) * a->panelsPerItem;
+    dflash2::panelMatMulQ4(a->x, a->rows, a->K, a->packed, a->scales, a->blockSize, a->N, a->y, begin,
+        std::min(panels, begin + a->panelsPerItem));
+}
+
+OrtStatus* computeMatMulQ4(OrtKernelContext* ctx)
+{
+    OrtValue const* in[3] = {};
+    Shape shapes[3];
+    for (size_t i = 0; i < 3; ++i)
+    {
+        if (OrtStatus* st = gApi->KernelContext_GetInput(ctx, i, &in[i]))
+        {
+            return st;
+        }
+        if (OrtStatus* st = shapeOf(in[i], shapes[i]))
+        {
+            return st;
+        }
+    }
+    auto const& xd = shapes[0].dims;
+    auto const& wd = shapes[1].dims;
+    auto const& sd = shapes[2].dims;
+    if (xd.empty() || wd.size() != 3 || wd[2] != dflash2::kPanelWidth || sd.size() != 3 || sd[0] != wd[0]
+        || sd[2] != dflash2::kPanelWidth || sd[1] < 1 || xd.back() != 2 * wd[1] || xd.back() % sd[1] != 0
+        || (xd.back() / sd[1]) % 2 != 0)
+    {
+        return failQ4("expects x [..., K], packed [N/16, K/2, 16] uint8 and scales [N/16, K/B, 16] (B even)");
+    }
+    int64_t const K = xd.back();
+    int64_t const N = wd[0] * dflash2::kPanelWidth;
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < xd.size(); ++i)
+    {
+        rows *= xd[i];
+    }
+    std::vector<int64_t> outDims = xd;
+    outDims.back() = N;
+    OrtValue* out = nullptr;
+    if (OrtStatus* st = gApi->KernelContext_GetOutput(ctx, 0, outDims.data(), outDims.size(), &out))
+    {
+        return st;
+    }
+    if (rows == 0)
+    {
+        return nullptr;
+    }
+    void const* data[3] = {};
+    for (size_t i = 0; i < 3; ++i)
+    {
+        if (OrtStatus* st = tensorData(in[i], &data[i]))
+        {
+            return st;
+        }
+    }
+    void* y = nullptr;
+    if (OrtStatus* st = gApi->GetTensorMutableData(out, &y))
+    {
+        return st;
+    }
+    int64_t const panels = N / dflash2::kPanelWidth;
+    int64_t const perItem = std::max<int64_t>(1, panels / 64);
+    Q4Args args{static_cast<float const*>(data[0]), rows, K, N, static_cast<uint8_t const*>(data[1]),
+        static_cast<float const*>(data[2]), K / sd[1], static_cast<float*>(y), perItem};
+    return gApi->KernelContext_ParallelFor(ctx, runPanelsQ4, static_cast<size_t>((panels + perItem - 1) / perItem),
+        0, &args);
+}
+
+char const* ORT_API_CALL q4Name(OrtCustomOp const*)
+{
+    return "PanelMatMulQ4";
+}
+
+size_t ORT_API_CALL q4InputCount(OrtCustomOp const*)
+{
+    return 3;
+}
+
+ONNXTensorElementDataType ORT_API_CALL q4InputType(OrtCustomOp const*, size_t index)
+{
+    return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+OrtStatus* ORT_API_CALL computeQ4Kernel(void*, OrtKernelContext* ctx)
+{
+    try
+    {
+        return computeMatMulQ4(ctx);
+    }
+    catch (std::exception const& e)
+    {
+        return gApi->CreateStatus(ORT_FAIL, e.what());
+    }
+}
+
+OrtCustomOp makeQ4Op()
+{
+    OrtCustomOp op = makeMatMulOp();
+    op.GetName = q4Name;
+    op.GetInputType = q4InputType;
+    op.GetInputTypeCount = q4InputCount;
+    op.KernelComputeV2 = computeQ4Kernel;
+    return op;
+}
+
 OrtCustomOp gOp = makeOp();
 OrtCustomOp gMatMulOp = makeMatMulOp();
+OrtCustomOp gQ4Op = makeQ4Op();
 
 } // namespace
 
@@ -600,7 +731,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     {
         return st;
     }
-    for (OrtCustomOp* op : {&gOp, &gMatMulOp})
+    for (OrtCustomOp* op : {&gOp, &gMatMulOp, &gQ4Op})
     {
         if (OrtStatus* st = gApi->CustomOpDomain_Add(domain, op))
         {

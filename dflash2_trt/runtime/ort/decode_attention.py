@@ -41,6 +41,7 @@ PANELS_ENV = "DFLASH2_ORT_PANELS"  # 0: keep ORT's MatMul, 1: PanelMatMul (defau
 OP_DOMAIN = "dflash2"
 OP_TYPE = "DecodeAttention"
 MATMUL_OP_TYPE = "PanelMatMul"
+MATMUL_Q4_OP_TYPE = "PanelMatMulQ4"
 PANEL_WIDTH = 16  # columns per panel (plugins/ortDecodeAttention/panelMatMul.h)
 _ROOT = Path(__file__).resolve().parents[3]
 
@@ -138,9 +139,11 @@ def panels_wanted() -> bool:
 
 def _swap_matmuls(model: Any) -> int:
     """Every MatMul by a constant fp32 weight [K, N] (N a multiple of 16) -> PanelMatMul(x, the weight reshaped to
-    [K, N/16, 16] and transposed to [N/16, K, 16]): two constant nodes that ONNX Runtime folds when the session loads,
-    so the session holds the panels in place of the weight (the file keeps the [K, N] weight every graph shares) ->
-    the number swapped."""
+    [K, N/16, 16] and transposed to [N/16, K, 16]), and every int4 MatMulNBits that computes in fp32 (symmetric, no
+    zero points, accuracy level 0: the lossless quantized target) -> PanelMatMulQ4(x, its packed weights and its
+    scales in panels of 16 columns): constant nodes that ONNX Runtime folds when the session loads, so the session
+    holds the panels in place of the weights (the file keeps the weights every graph shares) -> the number swapped.
+    A MatMulNBits at accuracy level 4 (int8 activations: the user's choice of speed over exactness) stays as it is."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -150,24 +153,61 @@ def _swap_matmuls(model: Any) -> int:
     nodes = list(model.graph.node)
     model.graph.ClearField("node")
     swapped = 0
+
+    def panels(name: str, src: str, shape: list[int], perm: list[int]) -> str:
+        """Constant ``src`` reshaped to ``shape``, transposed by ``perm`` (folded at load) -> its name."""
+        s = numpy_helper.from_array(np.array(shape, dtype=np.int64), f"{name}_shape")
+        model.graph.initializer.append(s)
+        model.graph.node.extend([
+            helper.make_node("Reshape", [src, s.name], [f"{name}_reshaped"], name=f"{name}/reshape"),
+            helper.make_node("Transpose", [f"{name}_reshaped"], [name], name=f"{name}/transpose", perm=perm)])
+        return name
+
     for node in nodes:
+        name = node.name or f"matmul_{swapped}"
         w = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-        if w is None or len(w.dims) != 2 or w.data_type != onnx.TensorProto.FLOAT or w.dims[1] % PANEL_WIDTH:
+        q4 = _q4_shape(node, inits)
+        if w is not None and len(w.dims) == 2 and w.data_type == onnx.TensorProto.FLOAT and \
+                not w.dims[1] % PANEL_WIDTH:
+            K, N = int(w.dims[0]), int(w.dims[1])
+            packed = panels(f"{name}/panels", w.name, [K, N // PANEL_WIDTH, PANEL_WIDTH], [1, 0, 2])  # [N/16, K, 16]
+            model.graph.node.append(helper.make_node(MATMUL_OP_TYPE, [node.input[0], packed], list(node.output),
+                                                     name=name, domain=OP_DOMAIN))
+        elif q4 is not None:
+            K, N, block = q4
+            per = [N // PANEL_WIDTH, PANEL_WIDTH]  # [N, ...] -> [N/16, 16, cols] -> [N/16, cols, 16]
+            packed = panels(f"{name}/q4_panels", node.input[1], per + [K // 2], [0, 2, 1])
+            scales = panels(f"{name}/q4_scales", node.input[2], per + [K // block], [0, 2, 1])
+            model.graph.node.append(helper.make_node(MATMUL_Q4_OP_TYPE, [node.input[0], packed, scales],
+                                                     list(node.output), name=name, domain=OP_DOMAIN))
+        else:
             model.graph.node.append(node)
             continue
-        K, N = int(w.dims[0]), int(w.dims[1])
-        name = node.name or f"matmul_{swapped}"
-        shape = numpy_helper.from_array(np.array([K, N // PANEL_WIDTH, PANEL_WIDTH], dtype=np.int64),
-                                        f"{name}/panel_shape")
-        model.graph.initializer.append(shape)
-        model.graph.node.extend([
-            helper.make_node("Reshape", [w.name, shape.name], [f"{name}/panels_kn"], name=f"{name}/reshape"),
-            helper.make_node("Transpose", [f"{name}/panels_kn"], [f"{name}/panels"], name=f"{name}/transpose",
-                             perm=[1, 0, 2]),
-            helper.make_node(MATMUL_OP_TYPE, [node.input[0], f"{name}/panels"], list(node.output), name=name,
-                             domain=OP_DOMAIN)])
         swapped += 1
     return swapped
+
+
+def _q4_shape(node: Any, inits: dict) -> tuple[int, int, int] | None:
+    """(K, N, block size) of a MatMulNBits node that PanelMatMulQ4 computes as specified: 4 bits, fp32 compute
+    (accuracy level 0), symmetric (no zero points, g_idx or bias), constant weights and fp32 scales, N a multiple
+    of 16 -> else None."""
+    import math
+
+    import onnx
+    from onnx import helper
+
+    if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) < 3 or \
+            any(node.input[3:]):
+        return None
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    K, N, block = int(a.get("K", 0)), int(a.get("N", 0)), int(a.get("block_size", 0))
+    b, s = inits.get(node.input[1]), inits.get(node.input[2])
+    if a.get("bits", 4) != 4 or a.get("accuracy_level", 0) != 0 or b is None or s is None or \
+            b.data_type != onnx.TensorProto.UINT8 or s.data_type != onnx.TensorProto.FLOAT or \
+            block < 2 or block % 2 or K % block or N % PANEL_WIDTH or \
+            list(b.dims) != [N, K // block, block // 2] or math.prod(s.dims) != N * (K // block):
+        return None
+    return K, N, block
 
 
 def release_freed_memory() -> None:
