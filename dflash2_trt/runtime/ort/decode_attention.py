@@ -20,9 +20,10 @@ a prompt's arithmetic (SmolLM2-135M: 28M of 135M weights). The runners feed all 
 prefill; the context features stay every row's.
 
 And a fourth: every MatMul by a constant weight becomes ``dflash2.PanelMatMul`` (same library) over the weight's
-16-column panels, folded from the shared [K, N] weight when the session loads, where the CPU has AVX-512
-(:func:`panels_wanted`): a k-row verify then reads the weights once, as a plain step does, so its extra rows cost
-their arithmetic (plugins/ortDecodeAttention/README.md has the figures).
+16-column panels, folded from the shared [K, N] weight when the session loads, and every exact int4 MatMulNBits
+(an ``--quantize int4`` target at accuracy level 0) ``dflash2.PanelMatMulQ4`` over its 4-bit weights in the same
+panels, where the CPU has AVX-512 (:func:`panels_wanted`): a k-row verify then reads the weights once, as a plain
+step does, so its extra rows cost their arithmetic (plugins/ortDecodeAttention/README.md has the figures).
 
 The rewrite keeps every other node and the weights (read from the export folder's external data file, so the
 weights are on disk and in memory once). It needs the ``onnx`` package to edit the graph and the built library;
