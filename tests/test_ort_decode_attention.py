@@ -445,3 +445,29 @@ def test_panel_matmul_q4_swaps_only_exact_int4():
     assert DA._swap_matmuls(model(4, 0)) == 1
     assert DA._swap_matmuls(model(4, 4)) == 0
     assert DA._swap_matmuls(model(8, 0)) == 0
+
+
+@pytest.mark.parametrize("op,feeds", [
+    ("PanelMatMul", {"x": np.zeros((1, 30), np.float32), "w": np.zeros((2, 31, 16), np.float32)}),  # K 30 vs 31
+    ("PanelMatMulQ4", {"x": np.zeros((1, 30), np.float32), "w": np.zeros((2, 16, 16), np.uint8),  # K 30 vs 2 x 16
+                       "s": np.zeros((2, 1, 16), np.float32)}),
+    ("PanelMatMulQ4", {"x": np.zeros((1, 30), np.float32), "w": np.zeros((2, 15, 16), np.uint8),  # B = 30 / 2: odd
+                       "s": np.zeros((2, 2, 16), np.float32)}),
+])
+def test_panel_ops_refuse_bad_shapes(op, feeds):
+    """Shapes that do not fit the op's layout come back as ONNX Runtime's error naming the op and its layout, not
+    as out-of-bounds reads."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.uint8): TensorProto.UINT8}
+    node = helper.make_node(op, list(feeds), ["y"], domain=DA.OP_DOMAIN)
+    g = helper.make_graph([node], "t", [helper.make_tensor_value_info(k, types[v.dtype], None) for k, v in feeds.items()],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DA.OP_DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.register_custom_ops_library(str(DA.find_library()))
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match=f"dflash2.{op}: expects"):
+        sess.run(None, feeds)

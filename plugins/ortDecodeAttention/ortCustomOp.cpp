@@ -437,62 +437,70 @@ OrtCustomOp makeOp()
     return op;
 }
 
-// -- dflash2.PanelMatMul ------------------------------------------------------------------------------------------
+// -- dflash2.PanelMatMul and dflash2.PanelMatMulQ4 ---------------------------------------------------------------
 
-OrtStatus* failMatMul(std::string const& msg)
-{
-    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("dflash2.PanelMatMul: " + msg).c_str());
-}
-
-struct MatMulArgs
+//! One call of either panel op: x [..., K] (rows = the product of its leading dimensions), weights in N/16 panels,
+//! y [..., N]; run over items of a few panels each (enough for the pool's threads, each long enough to stream its
+//! weights).
+struct PanelCall
 {
     float const* x;
     int64_t rows, K, N;
-    float const* packed;
+    void const* weights[2]; //!< the op's constant inputs 1.. (panels; Q4: and scales)
+    int64_t blockSize;      //!< Q4: k per scale
     float* y;
     int64_t panelsPerItem;
 };
 
 void runPanels(void* user, size_t i)
 {
-    auto const* a = static_cast<MatMulArgs const*>(user);
-    int64_t const panels = a->N / dflash2::kPanelWidth;
+    auto const* a = static_cast<PanelCall const*>(user);
     int64_t const begin = static_cast<int64_t>(i) * a->panelsPerItem;
-    dflash2::panelMatMul(a->x, a->rows, a->K, a->packed, a->N, a->y, begin, std::min(panels, begin + a->panelsPerItem));
+    int64_t const end = std::min(a->N / dflash2::kPanelWidth, begin + a->panelsPerItem);
+    if (a->blockSize == 0)
+    {
+        dflash2::panelMatMul(a->x, a->rows, a->K, static_cast<float const*>(a->weights[0]), a->N, a->y, begin, end);
+    }
+    else
+    {
+        dflash2::panelMatMulQ4(a->x, a->rows, a->K, static_cast<uint8_t const*>(a->weights[0]),
+            static_cast<float const*>(a->weights[1]), a->blockSize, a->N, a->y, begin, end);
+    }
 }
 
-OrtStatus* computeMatMul(OrtKernelContext* ctx)
+//! The shared part of both ops: n inputs (x, then the constants), their shapes checked by `valid` (which also
+//! returns the Q4 block size, 0 for fp32), the output y [..., N] with N = 16 x panels, the parallel loop.
+template <size_t n, class Valid>
+OrtStatus* computePanels(OrtKernelContext* ctx, char const* op, char const* expects, Valid valid)
 {
-    OrtValue const* in[2] = {};
-    for (size_t i = 0; i < 2; ++i)
+    OrtValue const* in[n] = {};
+    Shape shapes[n];
+    for (size_t i = 0; i < n; ++i)
     {
         if (OrtStatus* st = gApi->KernelContext_GetInput(ctx, i, &in[i]))
         {
             return st;
         }
+        if (OrtStatus* st = shapeOf(in[i], shapes[i]))
+        {
+            return st;
+        }
     }
-    Shape xShape, wShape;
-    if (OrtStatus* st = shapeOf(in[0], xShape))
+    auto const& xd = shapes[0].dims;
+    auto const& wd = shapes[1].dims;
+    int64_t blockSize = 0;
+    if (xd.empty() || wd.size() != 3 || wd[2] != dflash2::kPanelWidth || !valid(shapes, blockSize))
     {
-        return st;
+        return gApi->CreateStatus(ORT_INVALID_ARGUMENT, (std::string(op) + ": expects " + expects).c_str());
     }
-    if (OrtStatus* st = shapeOf(in[1], wShape))
-    {
-        return st;
-    }
-    if (xShape.dims.empty() || wShape.dims.size() != 3 || wShape.dims[2] != dflash2::kPanelWidth
-        || xShape.dims.back() != wShape.dims[1])
-    {
-        return failMatMul("expects x [..., K] and packed weights [N/16, K, 16]");
-    }
-    int64_t const K = wShape.dims[1];
-    int64_t const N = wShape.dims[0] * dflash2::kPanelWidth;
+    int64_t const K = xd.back();
+    int64_t const N = wd[0] * dflash2::kPanelWidth;
     int64_t rows = 1;
-    for (size_t i = 0; i + 1 < xShape.dims.size(); ++i)
+    for (size_t i = 0; i + 1 < xd.size(); ++i)
     {
-        rows *= xShape.dims[i];
+        rows *= xd[i];
     }
-    std::vector<int64_t> outDims = xShape.dims;
+    std::vector<int64_t> outDims = xd;
     outDims.back() = N;
     OrtValue* out = nullptr;
     if (OrtStatus* st = gApi->KernelContext_GetOutput(ctx, 0, outDims.data(), outDims.size(), &out))
@@ -503,8 +511,8 @@ OrtStatus* computeMatMul(OrtKernelContext* ctx)
     {
         return nullptr;
     }
-    void const* data[2] = {};
-    for (size_t i = 0; i < 2; ++i)
+    void const* data[n] = {};
+    for (size_t i = 0; i < n; ++i)
     {
         if (OrtStatus* st = tensorData(in[i], &data[i]))
         {
@@ -516,13 +524,18 @@ OrtStatus* computeMatMul(OrtKernelContext* ctx)
     {
         return st;
     }
-    // items of a few panels: enough of them for the pool's threads, each long enough to stream its weights
     int64_t const panels = N / dflash2::kPanelWidth;
     int64_t const perItem = std::max<int64_t>(1, panels / 64);
-    MatMulArgs args{static_cast<float const*>(data[0]), rows, K, N, static_cast<float const*>(data[1]),
-        static_cast<float*>(y), perItem};
+    PanelCall call{static_cast<float const*>(data[0]), rows, K, N, {data[1], n > 2 ? data[n - 1] : nullptr},
+        blockSize, static_cast<float*>(y), perItem};
     return gApi->KernelContext_ParallelFor(ctx, runPanels, static_cast<size_t>((panels + perItem - 1) / perItem), 0,
-        &args);
+        &call);
+}
+
+OrtStatus* computeMatMul(OrtKernelContext* ctx)
+{
+    return computePanels<2>(ctx, "dflash2.PanelMatMul", "x [..., K] and packed weights [N/16, K, 16]",
+        [](Shape const* s, int64_t&) { return s[0].dims.back() == s[1].dims[1]; });
 }
 
 char const* ORT_API_CALL matMulName(OrtCustomOp const*)
@@ -586,92 +599,22 @@ OrtCustomOp makeMatMulOp()
 
 // -- dflash2.PanelMatMulQ4 ----------------------------------------------------------------------------------------
 
-OrtStatus* failQ4(std::string const& msg)
-{
-    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("dflash2.PanelMatMulQ4: " + msg).c_str());
-}
-
-struct Q4Args
-{
-    float const* x;
-    int64_t rows, K, N;
-    uint8_t const* packed;
-    float const* scales;
-    int64_t blockSize;
-    float* y;
-    int64_t panelsPerItem;
-};
-
-void runPanelsQ4(void* user, size_t i)
-{
-    auto const* a = static_cast<Q4Args const*>(user);
-    int64_t const panels = a->N / dflash2::kPanelWidth;
-    int64_t const begin = static_cast<int64_t>(i) * a->panelsPerItem;
-    dflash2::panelMatMulQ4(a->x, a->rows, a->K, a->packed, a->scales, a->blockSize, a->N, a->y, begin,
-        std::min(panels, begin + a->panelsPerItem));
-}
-
 OrtStatus* computeMatMulQ4(OrtKernelContext* ctx)
 {
-    OrtValue const* in[3] = {};
-    Shape shapes[3];
-    for (size_t i = 0; i < 3; ++i)
-    {
-        if (OrtStatus* st = gApi->KernelContext_GetInput(ctx, i, &in[i]))
-        {
-            return st;
-        }
-        if (OrtStatus* st = shapeOf(in[i], shapes[i]))
-        {
-            return st;
-        }
-    }
-    auto const& xd = shapes[0].dims;
-    auto const& wd = shapes[1].dims;
-    auto const& sd = shapes[2].dims;
-    if (xd.empty() || wd.size() != 3 || wd[2] != dflash2::kPanelWidth || sd.size() != 3 || sd[0] != wd[0]
-        || sd[2] != dflash2::kPanelWidth || sd[1] < 1 || xd.back() != 2 * wd[1] || xd.back() % sd[1] != 0
-        || (xd.back() / sd[1]) % 2 != 0)
-    {
-        return failQ4("expects x [..., K], packed [N/16, K/2, 16] uint8 and scales [N/16, K/B, 16] (B even)");
-    }
-    int64_t const K = xd.back();
-    int64_t const N = wd[0] * dflash2::kPanelWidth;
-    int64_t rows = 1;
-    for (size_t i = 0; i + 1 < xd.size(); ++i)
-    {
-        rows *= xd[i];
-    }
-    std::vector<int64_t> outDims = xd;
-    outDims.back() = N;
-    OrtValue* out = nullptr;
-    if (OrtStatus* st = gApi->KernelContext_GetOutput(ctx, 0, outDims.data(), outDims.size(), &out))
-    {
-        return st;
-    }
-    if (rows == 0)
-    {
-        return nullptr;
-    }
-    void const* data[3] = {};
-    for (size_t i = 0; i < 3; ++i)
-    {
-        if (OrtStatus* st = tensorData(in[i], &data[i]))
-        {
-            return st;
-        }
-    }
-    void* y = nullptr;
-    if (OrtStatus* st = gApi->GetTensorMutableData(out, &y))
-    {
-        return st;
-    }
-    int64_t const panels = N / dflash2::kPanelWidth;
-    int64_t const perItem = std::max<int64_t>(1, panels / 64);
-    Q4Args args{static_cast<float const*>(data[0]), rows, K, N, static_cast<uint8_t const*>(data[1]),
-        static_cast<float const*>(data[2]), K / sd[1], static_cast<float*>(y), perItem};
-    return gApi->KernelContext_ParallelFor(ctx, runPanelsQ4, static_cast<size_t>((panels + perItem - 1) / perItem),
-        0, &args);
+    return computePanels<3>(ctx, "dflash2.PanelMatMulQ4",
+        "x [..., K], packed [N/16, K/2, 16] uint8 and scales [N/16, K/B, 16] (B even)",
+        [](Shape const* s, int64_t& blockSize) {
+            auto const& wd = s[1].dims;
+            auto const& sd = s[2].dims;
+            int64_t const K = s[0].dims.back();
+            if (sd.size() != 3 || sd[0] != wd[0] || sd[2] != dflash2::kPanelWidth || sd[1] < 1 || K != 2 * wd[1]
+                || K % sd[1] != 0 || (K / sd[1]) % 2 != 0)
+            {
+                return false;
+            }
+            blockSize = K / sd[1];
+            return true;
+        });
 }
 
 char const* ORT_API_CALL q4Name(OrtCustomOp const*)
