@@ -471,3 +471,43 @@ def test_panel_ops_refuse_bad_shapes(op, feeds):
     sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
     with pytest.raises(Exception, match=f"dflash2.{op}: expects"):
         sess.run(None, feeds)
+
+
+_ISA_SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import test_ort_decode_attention as T
+rng = np.random.default_rng(11)
+out = {}
+for S in (1, 5, 13):
+    w = rng.standard_normal((40, 48)).astype(np.float32)
+    x = rng.standard_normal((1, S, 40)).astype(np.float32)
+    out[f"fp32_{S}"] = T._matmul_session(40, 48, w, True).run(None, {"x": x})[0]
+    packed = rng.integers(0, 256, (32, 4, 8), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, (32, 4)).astype(np.float32)
+    x = rng.standard_normal((1, S, 64)).astype(np.float32)
+    out[f"q4_{S}"] = T._q4_session(64, 32, 16, packed, scales, True).run(None, {"x": x})[0]
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_panel_kernels_agree_across_isas(tmp_path):
+    """The AVX2 / portable kernels (DFLASH2_ORT_PANELS_AVX512=0; the library chooses once per process, so each
+    choice runs in its own process) give the AVX-512 kernels' numbers bit for bit, fp32 and int4, at 1, 5 and 13
+    rows (register blocks of every kernel, full and partial). On a CPU without AVX-512 both runs take the same
+    kernels."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runs = {}
+    for flag in ("1", "0"):
+        out = tmp_path / f"isa{flag}.npz"
+        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(Path(__file__).parent), str(out)], check=True,
+                       env={**os.environ, "DFLASH2_ORT_PANELS_AVX512": flag})
+        runs[flag] = np.load(out)
+    assert sorted(runs["1"].files) == sorted(runs["0"].files) and len(runs["1"].files) == 6
+    for k in runs["1"].files:
+        np.testing.assert_array_equal(runs["1"][k], runs["0"][k], err_msg=k)
