@@ -23,7 +23,8 @@ instances, ...: a steady drift of the machine's speed favours none), and keeps e
 adaptive / batched_ar of each repeat (the two ran next to each other) and their median. Cells of one server measured
 minutes after another's drift apart on a shared machine by more than the servers differ (one after the other,
 6-24 % apart; three repeats in one order drifted 180 -> 134 tok/s). Checks that every request's tokens equal the
-same prompt's tokens in every other server (greedy: the target's own). Prints the load average: on a shared machine read the ratios, measured in one run.
+same prompt's tokens in every other server (greedy: the target's own). Prints the load average: on a shared machine
+read the ratios, measured in one run.
 """
 
 from __future__ import annotations

@@ -200,9 +200,12 @@ __attribute__((target("avx512f"))) void block512Q4(float const* x, int64_t K, ui
 bool panelMatMulWide()
 {
 #if defined(__x86_64__)
-    // DFLASH2_ORT_PANELS_AVX512=0: the AVX2 / portable kernels even on an AVX-512 CPU (the tests compare the two)
-    char const* const env = std::getenv("DFLASH2_ORT_PANELS_AVX512");
-    static bool const wide = __builtin_cpu_supports("avx512f") && !(env != nullptr && std::string(env) == "0");
+    // decided once per process (this runs per work item of every call); DFLASH2_ORT_PANELS_AVX512=0: the AVX2 /
+    // portable kernels even on an AVX-512 CPU (the tests compare the two)
+    static bool const wide = [] {
+        char const* const env = std::getenv("DFLASH2_ORT_PANELS_AVX512");
+        return __builtin_cpu_supports("avx512f") && !(env != nullptr && std::string(env) == "0");
+    }();
     return wide;
 #else
     return false;

@@ -167,14 +167,13 @@ def _swap_matmuls(model: Any) -> int:
     for node in nodes:
         name = node.name or f"matmul_{swapped}"
         w = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-        q4 = _q4_shape(node, inits)
         if w is not None and len(w.dims) == 2 and w.data_type == onnx.TensorProto.FLOAT and \
                 not w.dims[1] % PANEL_WIDTH:
             K, N = int(w.dims[0]), int(w.dims[1])
             packed = panels(f"{name}/panels", w.name, [K, N // PANEL_WIDTH, PANEL_WIDTH], [1, 0, 2])  # [N/16, K, 16]
             model.graph.node.append(helper.make_node(MATMUL_OP_TYPE, [node.input[0], packed], list(node.output),
                                                      name=name, domain=OP_DOMAIN))
-        elif q4 is not None:
+        elif (q4 := _q4_shape(node, inits)) is not None:
             K, N, block = q4
             per = [N // PANEL_WIDTH, PANEL_WIDTH]  # [N, ...] -> [N/16, 16, cols] -> [N/16, cols, 16]
             packed = panels(f"{name}/q4_panels", node.input[1], per + [K // 2], [0, 2, 1])
