@@ -320,6 +320,40 @@ def test_smollm2_k_rows_equal_k_steps():
             _assert_rows_match(kd, kg, exact=False)
 
 
+@pytest.mark.slow
+def test_smollm2_codes_give_the_fp32_numbers(monkeypatch):
+    """The demo's export: SmolLM2-135M-Instruct, converted from its Q4_1 GGUF, holds 4-bit weights in fp32. Every
+    linear layer's PanelMatMul finds the affine 4-bit code (GGUF's Q4_1), the tied LM head the 8-bit one (Q8_0), and
+    the target's logits (a 300-token prompt, then calls of 1..4 rows) equal the fp32 kernels' bit for bit."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from ort_op_profile import demo_export
+
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    folder = demo_export()
+    targets, counts = [], [DA.panel_codes()]
+    for flag in ("0", "1"):
+        monkeypatch.setenv(DA.CODES_ENV, flag)
+        targets.append(OrtBackend(folder, threads=2, attention="decode").target_runner())
+        counts.append(DA.panel_codes())
+    fp32 = {c: counts[1][c] - counts[0][c] for c in DA.PANEL_CODES}
+    coded = {c: counts[2][c] - counts[1][c] for c in DA.PANEL_CODES}
+    n = fp32["none"]
+    assert n > 100 and coded == {"none": 0, "affine4": n - 1, "scaled8": 1, "bf16": 0, "fp16": 0}
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, targets[0].vocab_size, 300).tolist()
+    steps = [rng.integers(0, targets[0].vocab_size, k).tolist() for k in (1, 2, 3, 4, 1)]
+    outs = []
+    for t in targets:
+        t.reset()
+        outs.append([t.forward(prompt)[0]] + [t.forward(rows)[0] for rows in steps])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+
+
 def _matmul_session(K: int, N: int, w: np.ndarray, swap: bool):  # noqa: ANN202
     """x [B, S, K] @ a constant w [K, N]: ORT's MatMul, or the rewrite's Reshape + Transpose + PanelMatMul."""
     import onnxruntime as ort
@@ -473,6 +507,77 @@ def test_panel_ops_refuse_bad_shapes(op, feeds):
         sess.run(None, feeds)
 
 
+def coded_weights(code: str, K: int, N: int, rng: np.random.Generator) -> np.ndarray:
+    """Fresh random fp32 weights [K, N] that the named exact code reproduces (panelCodes.h; "none": plain fp32):
+    blocks of 32 k per column as GGUF's Q4_1 / Q8_0 quantize them (fp16 scales and minimums, the extremes at the
+    extreme codes), one block of equal values (scale 0) in affine4; fp16 values (subnormals and both zeros among
+    them); bf16 values; each weight computed as the kernel rebuilds it."""
+    f32, B = np.float32, K // 32
+
+    def half(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.float16).astype(f32)
+
+    if code == "affine4":
+        q = rng.integers(0, 16, (B, 32, N)).astype(f32)
+        q[:, 0], q[:, 1] = 0, 15  # as GGUF quantizes: the block's minimum is code 0, its maximum 15
+        q[0, :, 0] = 3  # a block of one value
+        s = half(rng.uniform(0.001, 0.05, (B, 1, N)))
+        s[0, 0, 0] = 0
+        m = half(rng.uniform(-0.4, 0.0, (B, 1, N)))
+        return (q * s + m).reshape(K, N)  # q s exact in fp32, one rounding: fma(q, s, m)
+    if code == "scaled8":
+        q = rng.integers(-127, 128, (B, 32, N)).astype(f32)
+        q[:, 0] = 127 * rng.choice([-1, 1], (B, N))  # the block's largest magnitude is code +-127
+        return (q * half(rng.uniform(0.0005, 0.01, (B, 1, N)))).reshape(K, N)
+    w = rng.standard_normal((K, N)).astype(f32)
+    if code == "fp16":
+        w = half(w)
+        w[0, :4] = half(np.array([6e-8, -3e-6, 0.0, -0.0], f32))  # subnormal fp16 values and both zeros
+    if code == "bf16":  # beyond fp16's range, so no fp16 code fits first
+        w = (np.float32(2**20) * w).view(np.uint32) & np.uint32(0xFFFF0000)
+        w = w.view(f32)
+    return w
+
+
+@pytest.mark.parametrize("code", DA.PANEL_CODES)
+def test_panel_codes_give_the_fp32_kernels_numbers(code, monkeypatch):
+    """A PanelMatMul whose weights fit an exact code computes from the code (the library's count of coded kernels
+    says so) and gives the fp32 kernel's numbers bit for bit (the same session built with DFLASH2_ORT_PANEL_CODES=0)
+    at 1..13 rows, every row bit-equal alone, within fp32 rounding of float64 NumPy; plain fp32 weights find no
+    code."""
+    rng = np.random.default_rng(DA.PANEL_CODES.index(code))
+    K, N = 96, 48
+    w = coded_weights(code, K, N, rng)
+    monkeypatch.setenv(DA.CODES_ENV, "0")
+    before = DA.panel_codes()
+    fp32 = _matmul_session(K, N, w, True)
+    monkeypatch.setenv(DA.CODES_ENV, "1")
+    coded = _matmul_session(K, N, w, True)
+    after = DA.panel_codes()
+    assert {k: after[k] - before[k] for k in after} == {c: 2 if c == code == "none" else int(c in (code, "none"))
+                                                        for c in DA.PANEL_CODES}
+    for S in (1, 3, 8, 9, 13):
+        x = rng.standard_normal((1, S, K)).astype(np.float32)
+        y = coded.run(None, {"x": x})[0]
+        np.testing.assert_array_equal(y, fp32.run(None, {"x": x})[0])
+        want = x.astype(np.float64) @ w.astype(np.float64)
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        for i in (0, S - 1):
+            np.testing.assert_array_equal(coded.run(None, {"x": x[:, i: i + 1]})[0][0, 0], y[0, i])
+
+
+def test_panel_codes_miss_near_misses():
+    """Weights one bit away from a code keep the fp32 kernel: the search proves a code exact or uses none."""
+    rng = np.random.default_rng(5)
+    before = DA.panel_codes()
+    for code in DA.PANEL_CODES[1:]:
+        w = coded_weights(code, 64, 32, rng)
+        w.view(np.uint32)[37, 20] ^= 1  # one weight's last bit
+        _matmul_session(64, 32, w, True)
+    after = DA.panel_codes()
+    assert after["none"] - before["none"] == len(DA.PANEL_CODES) - 1 and all(after[c] == before[c] for c in DA.PANEL_CODES[1:])
+
+
 _ISA_SCRIPT = """
 import sys
 import numpy as np
@@ -488,6 +593,10 @@ for S in (1, 5, 13):
     scales = rng.uniform(0.01, 0.1, (32, 4)).astype(np.float32)
     x = rng.standard_normal((1, S, 64)).astype(np.float32)
     out[f"q4_{S}"] = T._q4_session(64, 32, 16, packed, scales, True).run(None, {"x": x})[0]
+    for code in T.DA.PANEL_CODES[1:]:
+        w = T.coded_weights(code, 64, 32, rng)
+        x = rng.standard_normal((1, S, 64)).astype(np.float32)
+        out[f"{code}_{S}"] = T._matmul_session(64, 32, w, True).run(None, {"x": x})[0]
 np.savez(sys.argv[2], **out)
 """
 
@@ -508,6 +617,6 @@ def test_panel_kernels_agree_across_isas(tmp_path):
         subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(Path(__file__).parent), str(out)], check=True,
                        env={**os.environ, "DFLASH2_ORT_PANELS_AVX512": flag})
         runs[flag] = np.load(out)
-    assert sorted(runs["1"].files) == sorted(runs["0"].files) and len(runs["1"].files) == 6
+    assert sorted(runs["1"].files) == sorted(runs["0"].files) and len(runs["1"].files) == 18
     for k in runs["1"].files:
         np.testing.assert_array_equal(runs["1"][k], runs["0"][k], err_msg=k)

@@ -29,11 +29,15 @@
 //! and nothing is copied; otherwise slots 0..P_b-1 of every b are copied from past first.
 //! Errors come back as OrtStatus (no exception crosses the library boundary).
 #include "decodeAttention.h"
+#include "panelCodes.h"
 #include "panelMatMul.h"
 
 #include <onnxruntime_c_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <memory>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -450,6 +454,7 @@ struct PanelCall
     int64_t blockSize;      //!< Q4: k per scale
     float* y;
     int64_t panelsPerItem;
+    dflash2::CodedPanels const* coded; //!< fp32: the weights' exact code (panelCodes.h), or nullptr
 };
 
 void runPanels(void* user, size_t i)
@@ -457,7 +462,11 @@ void runPanels(void* user, size_t i)
     auto const* a = static_cast<PanelCall const*>(user);
     int64_t const begin = static_cast<int64_t>(i) * a->panelsPerItem;
     int64_t const end = std::min(a->N / dflash2::kPanelWidth, begin + a->panelsPerItem);
-    if (a->blockSize == 0)
+    if (a->coded != nullptr)
+    {
+        dflash2::panelMatMulCoded(a->x, a->rows, *a->coded, a->y, begin, end);
+    }
+    else if (a->blockSize == 0)
     {
         dflash2::panelMatMul(a->x, a->rows, a->K, static_cast<float const*>(a->weights[0]), a->N, a->y, begin, end);
     }
@@ -469,9 +478,11 @@ void runPanels(void* user, size_t i)
 }
 
 //! The shared part of both ops: n inputs (x, then the constants), their shapes checked by `valid` (which also
-//! returns the Q4 block size, 0 for fp32), the output y [..., N] with N = 16 x panels, the parallel loop.
+//! returns the Q4 block size, 0 for fp32), the output y [..., N] with N = 16 x panels, the parallel loop; fp32
+//! computes from `coded` where the kernel found an exact code of its weights.
 template <size_t n, class Valid>
-OrtStatus* computePanels(OrtKernelContext* ctx, char const* op, char const* expects, Valid valid)
+OrtStatus* computePanels(OrtKernelContext* ctx, char const* op, char const* expects, Valid valid,
+    dflash2::CodedPanels const* coded = nullptr)
 {
     OrtValue const* in[n] = {};
     Shape shapes[n];
@@ -526,16 +537,29 @@ OrtStatus* computePanels(OrtKernelContext* ctx, char const* op, char const* expe
     }
     int64_t const panels = N / dflash2::kPanelWidth;
     int64_t const perItem = std::max<int64_t>(1, panels / 64);
+    bool const useCode = coded != nullptr && coded->code != dflash2::PanelCode::None && coded->K == K
+        && coded->N == N;
     PanelCall call{static_cast<float const*>(data[0]), rows, K, N, {data[1], n > 2 ? data[n - 1] : nullptr},
-        blockSize, static_cast<float*>(y), perItem};
+        blockSize, static_cast<float*>(y), perItem, useCode ? coded : nullptr};
     return gApi->KernelContext_ParallelFor(ctx, runPanels, static_cast<size_t>((panels + perItem - 1) / perItem), 0,
         &call);
 }
 
-OrtStatus* computeMatMul(OrtKernelContext* ctx)
+//! PanelMatMul's kernel: the exact code of its constant weights, if one fits (panelCodes.h).
+struct MatMulKernel
 {
-    return computePanels<2>(ctx, "dflash2.PanelMatMul", "x [..., K] and packed weights [N/16, K, 16]",
-        [](Shape const* s, int64_t&) { return s[0].dims.back() == s[1].dims[1]; });
+    dflash2::CodedPanels coded;
+};
+
+//! Kernels created with each code (index: PanelCode), for dflash2OrtPanelCodes.
+std::atomic<int64_t> gCodeCounts[5];
+
+OrtStatus* computeMatMul(OrtKernelContext* ctx, MatMulKernel const* kernel)
+{
+    return computePanels<2>(
+        ctx, "dflash2.PanelMatMul", "x [..., K] and packed weights [N/16, K, 16]",
+        [](Shape const* s, int64_t&) { return s[0].dims.back() == s[1].dims[1]; },
+        kernel != nullptr ? &kernel->coded : nullptr);
 }
 
 char const* ORT_API_CALL matMulName(OrtCustomOp const*)
@@ -558,17 +582,63 @@ OrtMemType ORT_API_CALL defaultMemory(OrtCustomOp const*, size_t)
     return OrtMemTypeDefault;
 }
 
-OrtStatus* ORT_API_CALL createMatMul(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const*, void** kernel)
+//! The kernel looks for an exact code of its weights when it is created (once, as the session loads), unless
+//! DFLASH2_ORT_PANEL_CODES=0; weights that are not a constant keep the fp32 kernel.
+OrtStatus* ORT_API_CALL createMatMul(OrtCustomOp const*, OrtApi const* api, OrtKernelInfo const* info, void** kernel)
 {
-    *kernel = nullptr; // stateless
+    *kernel = nullptr;
+    try
+    {
+        auto k = std::make_unique<MatMulKernel>();
+        char const* const env = std::getenv("DFLASH2_ORT_PANEL_CODES");
+        int isConstant = 0;
+        OrtValue const* w = nullptr;
+        if (!(env != nullptr && std::string(env) == "0"))
+        {
+            if (OrtStatus* st = api->KernelInfoGetConstantInput_tensor(info, 1, &isConstant, &w))
+            {
+                return st;
+            }
+        }
+        Shape shape;
+        void const* data = nullptr;
+        if (isConstant != 0 && w != nullptr)
+        {
+            if (OrtStatus* st = shapeOf(w, shape))
+            {
+                return st;
+            }
+            auto const& d = shape.dims;
+            if (d.size() == 3 && d[2] == dflash2::kPanelWidth)
+            {
+                if (OrtStatus* st = tensorData(w, &data))
+                {
+                    return st;
+                }
+                k->coded = dflash2::codePanels(static_cast<float const*>(data), d[1], d[0] * dflash2::kPanelWidth);
+            }
+        }
+        gCodeCounts[static_cast<int>(k->coded.code)] += 1;
+        *kernel = k.release();
+        return nullptr;
+    }
+    catch (std::exception const& e)
+    {
+        return api->CreateStatus(ORT_FAIL, e.what());
+    }
+}
+
+OrtStatus* ORT_API_CALL createStateless(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const*, void** kernel)
+{
+    *kernel = nullptr;
     return nullptr;
 }
 
-OrtStatus* ORT_API_CALL computeMatMulKernel(void*, OrtKernelContext* ctx)
+OrtStatus* ORT_API_CALL computeMatMulKernel(void* kernel, OrtKernelContext* ctx)
 {
     try
     {
-        return computeMatMul(ctx);
+        return computeMatMul(ctx, static_cast<MatMulKernel const*>(kernel));
     }
     catch (std::exception const& e)
     {
@@ -576,7 +646,10 @@ OrtStatus* ORT_API_CALL computeMatMulKernel(void*, OrtKernelContext* ctx)
     }
 }
 
-void ORT_API_CALL destroyMatMul(void*) {}
+void ORT_API_CALL destroyMatMul(void* kernel)
+{
+    delete static_cast<MatMulKernel*>(kernel);
+}
 
 OrtCustomOp makeMatMulOp()
 {
@@ -650,7 +723,9 @@ OrtCustomOp makeQ4Op()
     op.GetName = q4Name;
     op.GetInputType = q4InputType;
     op.GetInputTypeCount = q4InputCount;
+    op.CreateKernelV2 = createStateless;
     op.KernelComputeV2 = computeQ4Kernel;
+    op.KernelDestroy = [](void*) {};
     return op;
 }
 
@@ -659,6 +734,13 @@ OrtCustomOp gMatMulOp = makeMatMulOp();
 OrtCustomOp gQ4Op = makeQ4Op();
 
 } // namespace
+
+//! How many PanelMatMul kernels this process created with `code` (0 none, 1 Affine4, 2 Scaled8, 3 bf16, 4 fp16:
+//! panelCodes.h); -1 for another code. For tests and reports (ctypes on the library ORT loaded).
+extern "C" __attribute__((visibility("default"))) int64_t dflash2OrtPanelCodes(int32_t code) noexcept
+{
+    return code >= 0 && code < 5 ? gCodeCounts[code].load() : -1;
+}
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(
     OrtSessionOptions* options, OrtApiBase const* base) noexcept

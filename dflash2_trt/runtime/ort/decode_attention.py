@@ -24,6 +24,10 @@ And a fourth: every MatMul by a constant weight becomes ``dflash2.PanelMatMul`` 
 (an ``--quantize int4`` target at accuracy level 0) ``dflash2.PanelMatMulQ4`` over its 4-bit weights in the same
 panels, where the CPU has AVX-512 (:func:`panels_wanted`): a k-row verify then reads the weights once, as a plain
 step does, so its extra rows cost their arithmetic (plugins/ortDecodeAttention/README.md has the figures).
+When the session loads, each PanelMatMul kernel also looks for an exact code of its weights (4-bit blocks with a
+scale and a minimum, 8-bit blocks with a scale, bf16: what a target converted from a GGUF file or a bf16 checkpoint
+holds); where one reproduces every weight bit for bit the kernel reads the code instead (SmolLM2 from its Q4_1 GGUF:
+0.75 bytes a weight instead of 4) and gives the fp32 kernel's numbers (:data:`CODES_ENV`, :func:`panel_codes`).
 
 The rewrite keeps every other node and the weights (read from the export folder's external data file, so the
 weights are on disk and in memory once). It needs the ``onnx`` package to edit the graph and the built library;
@@ -39,6 +43,8 @@ from typing import Any
 LIBRARY_ENV = "DFLASH2_ORT_OPS"  # path of libdflash2_ort_ops.so, overriding the search below
 LIBRARY_NAME = "libdflash2_ort_ops.so"
 PANELS_ENV = "DFLASH2_ORT_PANELS"  # 0: keep ORT's MatMul, 1: PanelMatMul (default: where AVX-512 is; panels_wanted)
+CODES_ENV = "DFLASH2_ORT_PANEL_CODES"  # 0: PanelMatMul computes from its fp32 weights even where an exact code fits
+PANEL_CODES = ("none", "affine4", "scaled8", "bf16", "fp16")  # plugins/ortDecodeAttention/panelCodes.h, in its order
 OP_DOMAIN = "dflash2"
 OP_TYPE = "DecodeAttention"
 MATMUL_OP_TYPE = "PanelMatMul"
@@ -136,6 +142,16 @@ def panels_wanted() -> bool:
         return " avx512f " in f" {open('/proc/cpuinfo').read().replace(chr(10), ' ')} "
     except OSError:
         return False
+
+
+def panel_codes() -> dict[str, int]:
+    """The PanelMatMul kernels this process created, by the exact code their weights fit (:data:`PANEL_CODES`;
+    "none": the fp32 weights; plugins/ortDecodeAttention/panelCodes.h): the library's own count."""
+    import ctypes
+
+    count = ctypes.CDLL(str(find_library())).dflash2OrtPanelCodes
+    count.restype, count.argtypes = ctypes.c_int64, [ctypes.c_int32]
+    return {name: int(count(i)) for i, name in enumerate(PANEL_CODES)}
 
 
 def _swap_matmuls(model: Any) -> int:
