@@ -538,7 +538,7 @@ OrtStatus* computePanels(OrtKernelContext* ctx, char const* op, char const* expe
     int64_t const panels = N / dflash2::kPanelWidth;
     int64_t const perItem = std::max<int64_t>(1, panels / 64);
     bool const useCode = coded != nullptr && coded->code != dflash2::PanelCode::None && coded->K == K
-        && coded->N == N;
+        && coded->N == N && rows <= dflash2::kCodedMaxRows;
     PanelCall call{static_cast<float const*>(data[0]), rows, K, N, {data[1], n > 2 ? data[n - 1] : nullptr},
         blockSize, static_cast<float*>(y), perItem, useCode ? coded : nullptr};
     return gApi->KernelContext_ParallelFor(ctx, runPanels, static_cast<size_t>((panels + perItem - 1) / perItem), 0,

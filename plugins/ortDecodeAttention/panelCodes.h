@@ -24,6 +24,9 @@ namespace dflash2
 {
 
 constexpr int64_t kCodeBlock = 32; //!< k per scale (GGUF's block)
+//! Calls of more rows (a prompt) take the fp32 kernel (the same numbers): there arithmetic, not bytes, sets the
+//! time, and rebuilding the weights for every 8 rows costs more than reading fp32 panels once per 12.
+constexpr int64_t kCodedMaxRows = 64;
 
 enum class PanelCode : int32_t
 {
