@@ -539,14 +539,14 @@ def coded_weights(code: str, K: int, N: int, rng: np.random.Generator) -> np.nda
     return w
 
 
-@pytest.mark.parametrize("code", DA.PANEL_CODES)
-def test_panel_codes_give_the_fp32_kernels_numbers(code, monkeypatch):
+@pytest.mark.parametrize("code,N", [(c, 48) for c in DA.PANEL_CODES] + [("affine4", 128)])
+def test_panel_codes_give_the_fp32_kernels_numbers(code, N, monkeypatch):
     """A PanelMatMul whose weights fit an exact code computes from the code (the library's count of coded kernels
     says so) and gives the fp32 kernel's numbers bit for bit (the same session built with DFLASH2_ORT_PANEL_CODES=0)
     at 1..13 rows, every row bit-equal alone, within fp32 rounding of float64 NumPy; plain fp32 weights find no
-    code."""
-    rng = np.random.default_rng(DA.PANEL_CODES.index(code))
-    K, N = 96, 48
+    code. N = 48 and 128: 3 and 8 panels of 16 columns."""
+    rng = np.random.default_rng(DA.PANEL_CODES.index(code) + N)
+    K = 96
     w = coded_weights(code, K, N, rng)
     monkeypatch.setenv(DA.CODES_ENV, "0")
     before = DA.panel_codes()
@@ -556,7 +556,7 @@ def test_panel_codes_give_the_fp32_kernels_numbers(code, monkeypatch):
     after = DA.panel_codes()
     assert {k: after[k] - before[k] for k in after} == {c: 2 if c == code == "none" else int(c in (code, "none"))
                                                         for c in DA.PANEL_CODES}
-    for S in (1, 3, 8, 9, 13):
+    for S in (1, 2, 3, 8, 9, 13):
         x = rng.standard_normal((1, S, K)).astype(np.float32)
         y = coded.run(None, {"x": x})[0]
         np.testing.assert_array_equal(y, fp32.run(None, {"x": x})[0])
