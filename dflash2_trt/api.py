@@ -168,6 +168,14 @@ class Generator:
         return str(self._backend.description)
 
     @property
+    def weight_codes(self) -> dict[str, int]:
+        """ONNX Runtime with the panels: the loaded graphs' PanelMatMul kernels by the exact code their weights fit
+        (``affine4``, ``scaled8``, ``fp16``, ``bf16``; ``none``: fp32 weights; plugins/ortDecodeAttention/README.md);
+        empty for other backends."""
+        codes = getattr(self._backend, "panel_codes", None)
+        return dict(codes()) if codes is not None else {}
+
+    @property
     def max_positions(self) -> int:
         """Prompt + generated tokens the export's caches hold."""
         return int(self._runner().max_positions)

@@ -189,9 +189,9 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_t
                               set() if a.ignore_eos else None, progress=True, texts=show_text, guard=a.guard,
                               selector=a.selector, min_confidence=a.min_confidence, proposer=a.proposer,
                               repeats=a.repeats)
-        backend = gen.backend
+        backend, codes = gen.backend, gen.weight_codes
     texts = r.pop("texts", None)
-    r = {"backend": backend, **r, "selector": a.selector, "temperature": a.temperature,
+    r = {"backend": backend, "weight_codes": codes, **r, "selector": a.selector, "temperature": a.temperature,
          "max_new_tokens": a.max_new_tokens, "capped_by_capacity": capped, "guard": "on" if a.guard else "off",
          "min_confidence": a.min_confidence, "proposer": a.proposer, "repeats": a.repeats}
     if texts:

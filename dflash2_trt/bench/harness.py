@@ -112,6 +112,11 @@ def format_table(r: dict) -> str:
         f"cycles {r['spec_cycles']}   plain steps {r['plain_steps']}   switches {r['guard_switches']}   "
         f"probes {r['guard_probes']}",
     ]
+    codes = {k: v for k, v in (r.get("weight_codes") or {}).items() if v}
+    if set(codes) - {"none"}:  # matrices whose fp32 weights are read as an exact narrower code
+        lines.append("weights read as exact codes (matrices): "
+                     + ", ".join(f"{k} {v}" for k, v in codes.items() if k != "none")
+                     + f"; fp32 {codes.get('none', 0)}")
     return "\n".join(lines)
 
 

@@ -87,10 +87,13 @@ class _Session:
             providers: list = [(provider, opts), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
+        before = DA.panel_codes() if self.rewritten else {}
         try:
             self.sess = ort.InferenceSession(model, so, providers=providers)
         except Exception as e:  # ORT raises its own exception types
             raise DFlash2Error(f"ONNX Runtime cannot load {path.name}: {str(e).splitlines()[0][:300]}") from None
+        # this session's PanelMatMul kernels by the exact code of their weights (created while the session loaded)
+        self.panel_codes = {k: v - before[k] for k, v in DA.panel_codes().items()} if self.rewritten else {}
         if self.rewritten:
             DA.release_freed_memory()
         self.ort = ort
@@ -235,6 +238,15 @@ class OrtBackend(BackendBase):
             _check_interface(s, g)
             self._sessions[key] = s
         return self._sessions[key]
+
+    def panel_codes(self) -> dict[str, int]:
+        """The loaded sessions' PanelMatMul kernels by the exact code their weights fit
+        (:data:`~dflash2_trt.runtime.ort.decode_attention.PANEL_CODES`; "none": fp32); empty without the panels."""
+        out: dict[str, int] = {}
+        for s in self._sessions.values():
+            for k, v in s.panel_codes.items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     def target_runner(self) -> "OrtTargetRunner | OrtFusedTargetRunner":
         return OrtFusedTargetRunner.from_backend(self) if self.fused else OrtTargetRunner(self)
