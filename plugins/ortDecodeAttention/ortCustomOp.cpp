@@ -4,7 +4,8 @@
 //!
 //! dflash2.PanelMatMul (panelMatMul.h): inputs x [..., K] f32, packed [N/16, K, 16] f32 (a constant: the [K, N]
 //! weight reshaped and transposed, folded at session load); output y [..., N] f32 = x @ W. Row i of y depends on
-//! row i of x alone, computed the same way whatever the number of rows.
+//! row i of x alone, computed the same way whatever the number of rows. Its kernel reads an exact code of the
+//! weights instead where one reproduces them bit for bit (panelCodes.h: the same numbers).
 //! dflash2.PanelMatMulQ4 (panelMatMul.h): the same over MatMulNBits' symmetric 4-bit weights: inputs x [..., K] f32,
 //! packed [N/16, K/2, 16] uint8, scales [N/16, K/B, 16] f32 (both constants folded at load from MatMulNBits' B and
 //! scales); output y [..., N] f32; the block size B = K / scales' second dimension.
@@ -37,8 +38,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
-#include <memory>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -552,7 +553,7 @@ struct MatMulKernel
 };
 
 //! Kernels created with each code (index: PanelCode), for dflash2OrtPanelCodes.
-std::atomic<int64_t> gCodeCounts[5];
+std::atomic<int64_t> gCodeCounts[dflash2::kPanelCodes];
 
 OrtStatus* computeMatMul(OrtKernelContext* ctx, MatMulKernel const* kernel)
 {
@@ -739,7 +740,7 @@ OrtCustomOp gQ4Op = makeQ4Op();
 //! panelCodes.h); -1 for another code. For tests and reports (ctypes on the library ORT loaded).
 extern "C" __attribute__((visibility("default"))) int64_t dflash2OrtPanelCodes(int32_t code) noexcept
 {
-    return code >= 0 && code < 5 ? gCodeCounts[code].load() : -1;
+    return code >= 0 && code < dflash2::kPanelCodes ? gCodeCounts[code].load() : -1;
 }
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(

@@ -506,6 +506,27 @@ void blockF16W(float const* x, int64_t K, void const* codes, float const* s, flo
 #pragma GCC diagnostic pop
 #endif
 
+//! A 16-bit code: every weight through `encode(w, bits)` (false where it does not fit) into c.codes.
+template <class Encode>
+bool code16(float const* packed, int64_t total, CodedPanels& c, Encode encode)
+{
+    uint16_t h = 0;
+    if (!std::all_of(packed, packed + total, [&](float v) { return encode(v, h); }))
+    {
+        return false;
+    }
+    c.codes.resize(static_cast<size_t>(total) * 2);
+    c.scales.clear();
+    c.offsets.clear();
+    auto* out = reinterpret_cast<uint16_t*>(c.codes.data());
+    for (int64_t i = 0; i < total; ++i)
+    {
+        encode(packed[i], out[i]);
+    }
+    return true;
+}
+
+// one kernel's register blocks of 1 .. kMaxRows rows, indexed by rows - 1
 #define DFLASH2_BLOCKS(f) {f<1>, f<2>, f<3>, f<4>, f<5>, f<6>, f<7>, f<8>}
 
 } // namespace
@@ -571,30 +592,17 @@ CodedPanels codePanels(float const* packed, int64_t K, int64_t N)
         }
     }
     int64_t const total = P * K * kW;
-    uint16_t h = 0;
-    if (std::all_of(packed, packed + total, [&h](float v) { return exactHalf(v, h); }))
+    auto const bf16 = [](float v, uint16_t& h) {
+        h = static_cast<uint16_t>(bitsOf(v) >> 16);
+        return (bitsOf(v) & 0xFFFFU) == 0;
+    };
+    if (code16(packed, total, c, exactHalf))
     {
-        c.codes.resize(static_cast<size_t>(total) * 2);
-        c.scales.clear();
-        c.offsets.clear();
-        auto* out = reinterpret_cast<uint16_t*>(c.codes.data());
-        for (int64_t i = 0; i < total; ++i)
-        {
-            exactHalf(packed[i], out[i]);
-        }
         c.code = PanelCode::F16;
         return c;
     }
-    if (std::all_of(packed, packed + total, [](float v) { return (bitsOf(v) & 0xFFFFU) == 0; }))
+    if (code16(packed, total, c, bf16))
     {
-        c.codes.resize(static_cast<size_t>(total) * 2);
-        c.scales.clear();
-        c.offsets.clear();
-        auto* out = reinterpret_cast<uint16_t*>(c.codes.data());
-        for (int64_t i = 0; i < total; ++i)
-        {
-            out[i] = static_cast<uint16_t>(bitsOf(packed[i]) >> 16);
-        }
         c.code = PanelCode::Bf16;
         return c;
     }

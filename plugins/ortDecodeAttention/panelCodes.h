@@ -36,6 +36,7 @@ enum class PanelCode : int32_t
     Bf16 = 3,
     F16 = 4,
 };
+constexpr int32_t kPanelCodes = 5; //!< PanelCode values (None included)
 
 struct CodedPanels
 {
