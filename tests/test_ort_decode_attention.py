@@ -496,8 +496,8 @@ def test_panel_ops_refuse_bad_shapes(op, feeds):
 
     types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.uint8): TensorProto.UINT8}
     node = helper.make_node(op, list(feeds), ["y"], domain=DA.OP_DOMAIN)
-    g = helper.make_graph([node], "t", [helper.make_tensor_value_info(k, types[v.dtype], None) for k, v in feeds.items()],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    inputs = [helper.make_tensor_value_info(k, types[v.dtype], None) for k, v in feeds.items()]
+    g = helper.make_graph([node], "t", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DA.OP_DOMAIN, 1)])
     so = ort.SessionOptions()
     so.log_severity_level = 4
@@ -575,7 +575,8 @@ def test_panel_codes_miss_near_misses():
         w.view(np.uint32)[37, 20] ^= 1  # one weight's last bit
         _matmul_session(64, 32, w, True)
     after = DA.panel_codes()
-    assert after["none"] - before["none"] == len(DA.PANEL_CODES) - 1 and all(after[c] == before[c] for c in DA.PANEL_CODES[1:])
+    assert after["none"] - before["none"] == len(DA.PANEL_CODES) - 1
+    assert all(after[c] == before[c] for c in DA.PANEL_CODES[1:])
 
 
 _ISA_SCRIPT = """
@@ -603,9 +604,9 @@ np.savez(sys.argv[2], **out)
 
 def test_panel_kernels_agree_across_isas(tmp_path):
     """The AVX2 / portable kernels (DFLASH2_ORT_PANELS_AVX512=0; the library chooses once per process, so each
-    choice runs in its own process) give the AVX-512 kernels' numbers bit for bit, fp32 and int4, at 1, 5 and 13
-    rows (register blocks of every kernel, full and partial). On a CPU without AVX-512 both runs take the same
-    kernels."""
+    choice runs in its own process) give the AVX-512 kernels' numbers bit for bit, fp32, int4 and every exact
+    weight code, at 1, 5 and 13 rows (register blocks of every kernel, full and partial). On a CPU without AVX-512
+    both runs take the same kernels."""
     import os
     import subprocess
     import sys

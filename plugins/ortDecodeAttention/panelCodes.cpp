@@ -359,8 +359,9 @@ void blockScaled8(float const* x, int64_t K, void const* codes, float const* sca
     store<R>(acc, y, N);
 }
 
-template <int R>
-void blockF16(float const* x, int64_t K, void const* codes, float const*, float const*, float* y, int64_t N)
+//! The 16-bit codes: fp16 (F16) or bf16 bits, widened to the exact fp32 weight (as block16W).
+template <int R, bool F16>
+void block16(float const* x, int64_t K, void const* codes, float const*, float const*, float* y, int64_t N)
 {
     float acc[R][kW] = {};
     float w[kW];
@@ -369,7 +370,15 @@ void blockF16(float const* x, int64_t K, void const* codes, float const*, float 
     {
         for (int64_t j = 0; j < kW; ++j)
         {
-            w[j] = halfToFloat(c[j]);
+            if constexpr (F16)
+            {
+                w[j] = halfToFloat(c[j]);
+            }
+            else
+            {
+                uint32_t const b = static_cast<uint32_t>(c[j]) << 16;
+                std::memcpy(&w[j], &b, sizeof b);
+            }
         }
         accumulate<R>(acc, x, K, k, w);
     }
@@ -377,21 +386,15 @@ void blockF16(float const* x, int64_t K, void const* codes, float const*, float 
 }
 
 template <int R>
-void blockBf16(float const* x, int64_t K, void const* codes, float const*, float const*, float* y, int64_t N)
+void blockF16(float const* x, int64_t K, void const* codes, float const* s, float const* o, float* y, int64_t N)
 {
-    float acc[R][kW] = {};
-    float w[kW];
-    auto const* c = static_cast<uint16_t const*>(codes);
-    for (int64_t k = 0; k < K; ++k, c += kW)
-    {
-        for (int64_t j = 0; j < kW; ++j)
-        {
-            uint32_t const b = static_cast<uint32_t>(c[j]) << 16;
-            std::memcpy(&w[j], &b, sizeof b);
-        }
-        accumulate<R>(acc, x, K, k, w);
-    }
-    store<R>(acc, y, N);
+    block16<R, true>(x, K, codes, s, o, y, N);
+}
+
+template <int R>
+void blockBf16(float const* x, int64_t K, void const* codes, float const* s, float const* o, float* y, int64_t N)
+{
+    block16<R, false>(x, K, codes, s, o, y, N);
 }
 
 #if defined(__x86_64__)
@@ -480,7 +483,8 @@ __attribute__((target("avx512f"))) void block16W(float const* x, int64_t K, void
     {
         _mm_prefetch(reinterpret_cast<char const*>(c) + kPrefetchBytes, _MM_HINT_T0);
         __m256i const h = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(c));
-        __m512 const w = F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        __m512 const w
+            = F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         for (int r = 0; r < R; ++r)
         {
             acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w, acc[r]);

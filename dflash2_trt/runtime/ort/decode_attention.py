@@ -26,8 +26,9 @@ panels, where the CPU has AVX-512 (:func:`panels_wanted`): a k-row verify then r
 step does, so its extra rows cost their arithmetic (plugins/ortDecodeAttention/README.md has the figures).
 When the session loads, each PanelMatMul kernel also looks for an exact code of its weights (4-bit blocks with a
 scale and a minimum, 8-bit blocks with a scale, fp16, bf16: what a target converted from a GGUF file or an fp16 /
-bf16 checkpoint holds); where one reproduces every weight bit for bit the kernel reads the code instead (SmolLM2 from its Q4_1 GGUF:
-0.75 bytes a weight instead of 4) and gives the fp32 kernel's numbers (:data:`CODES_ENV`, :func:`panel_codes`).
+bf16 checkpoint holds); where one reproduces every weight bit for bit the kernel reads the code instead (SmolLM2
+from its Q4_1 GGUF: 0.75 bytes a weight instead of 4) and gives the fp32 kernel's numbers (:data:`CODES_ENV`,
+:func:`panel_codes`).
 
 The rewrite keeps every other node and the weights (read from the export folder's external data file, so the
 weights are on disk and in memory once). It needs the ``onnx`` package to edit the graph and the built library;
