@@ -5,7 +5,8 @@ Per cycle: draft (``drafter.propose``), verify (the k-row ``target.forward``), c
 ``drafter.add_context`` of the accepted rows), other (the rest of the cycle: acceptance, bookkeeping, Python);
 beside the plain step of autoregressive decoding (its ``target.forward`` and the rest of its step). Each
 ``--attention`` variant (``gqa``: ORT's GroupQueryAttention = before, ``decode``: dflash2.DecodeAttention = after)
-runs the same prompts, interleaved prompt by prompt, at each ``--threads``::
+(and ``--heads`` variant: ``auto`` the backend's drafter head, ``decomposed`` the selector as ONNX ops) runs the same
+prompts, interleaved prompt by prompt, at each ``--threads``::
 
     python benchmarks/cycle_profile.py --sets humaneval mtbench --limit 5 --max-new-tokens 64 --threads 2 1 \
         --out benchmarks/results/cycle_profile.json
@@ -119,12 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     ap.add_argument("--attention", nargs="+", default=["gqa", "decode"])
+    ap.add_argument("--heads", nargs="+", default=["auto"], choices=["auto", "decomposed"],
+                    help="drafter head: the backend's choice (the selector's plugin node where the library runs), "
+                         "or the decomposed selector")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
     from dflash2_trt.bench.prompts import encode_items, load_prompts
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.runtime.tokenizer import TextTokenizer
+    from dflash2_trt.vocabulary import head_key
     from ort_op_profile import demo_export
 
     folder = demo_export(a.export)
@@ -135,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         systems = {}
         for att in a.attention:
             be = OrtBackend(folder, threads=threads, attention=att)
-            systems[att] = (be.target_runner(), be.draft_runner("greedy"))
+            for head in a.heads:
+                drafter = be.draft_runner("greedy")
+                if head == "decomposed":
+                    drafter.head_sess = be.session(head_key("greedy"))
+                name = Path(drafter.head_sess.path).name
+                systems[f"{att}, {name}"] = (be.target_runner(), drafter)
         load0 = os.getloadavg()[0]
         for s, plist in prompts.items():
             acc: dict[str, dict[str, list]] = {k: {"cycles": [], "steps": [], "spec": [], "ar": []} for k in systems}
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{a.limit} prompts per set, {a.max_new_tokens} new tokens, greedy, guard off; medians over cycles / steps "
           f"(ms); load average {rows_out[0]['load_average'][0]:.1f} -> {rows_out[-1]['load_average'][1]:.1f} on "
           f"{os.cpu_count()} CPUs")
-    print("| threads | set | attention | draft | verify | commit | other | cycle | plain step (forward + other) | τ | "
+    print("| threads | set | attention, head | draft | verify | commit | other | cycle | plain step (forward + other) | τ | "
           "cycle ÷ step | spec tok/s | AR tok/s | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows_out:

@@ -81,6 +81,26 @@ def test_restricted_head_matches_full_head_on_its_ids(counted_drafter, acc_targe
     assert bool((full.draft_from_hidden(h, anchors, "independent").tokens >= N).any())
 
 
+def test_top_candidates_are_the_full_heads_top_k(counted_drafter, acc_target):
+    """``top_candidates`` (what the exported head computes: the top-K among the restricted head's own logits, mapped
+    to ids) = the top-K of the full-vocabulary logits, values and ids, for a restricted head whose ids were given
+    unsorted (kept ascending, so the order of ids is the full head's) and for the unrestricted head."""
+    d = _restricted(counted_drafter, acc_target)
+    g = torch.Generator().manual_seed(np.random.SeedSequence().entropy % 2**31)
+    ids = torch.randperm(512, generator=g)[:100]  # unsorted
+    d.restrict_vocab(ids)
+    assert d.draft_vocab.tolist() == sorted(ids.tolist())
+    K = d.config.selector_top_k
+    h = torch.randn(3, d.config.num_draft_rows, d.config.hidden_size, generator=g)
+    full = load_drafter(counted_drafter)
+    full.bind_target(acc_target.embed_weight, acc_target.lm_head_weight)
+    for m in (d, full):
+        unary, cand = m.top_candidates(h, K)
+        ref_unary, ref_cand = torch.topk(m.logits(h).float(), K, dim=-1, sorted=True)
+        assert torch.equal(unary, ref_unary) and torch.equal(cand, ref_cand)
+    assert set(d.top_candidates(h, K)[1].flatten().tolist()) <= set(ids.tolist())
+
+
 class _Recording:
     """A draft runner that records every proposed token (the path under test)."""
 

@@ -206,8 +206,7 @@ class DrafterHeadBase(nn.Module):
 
     def forward(self, hidden):  # noqa: ANN001, ANN201
         rows = hidden[:, 1:]  # [B, L, H]
-        logits = self.drafter.logits(rows).float()  # [B, L, V]
-        unary, cand = torch.topk(logits, self.k, dim=-1, sorted=True)  # [B, L, K]
+        unary, cand = self.drafter.top_candidates(rows, self.k)  # [B, L, K]
         g = self.drafter.candidate_selector.hidden_projection(rows)  # [B, L, r]
         return cand.to(torch.int32), unary, g
 

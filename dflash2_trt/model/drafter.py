@@ -184,6 +184,7 @@ class DFlash2Drafter(nn.Module):
         if ids.ndim != 1 or not K <= ids.numel() <= V or torch.unique(ids).numel() != ids.numel() \
                 or not 0 <= int(ids.min()) <= int(ids.max()) < V:
             raise DFlash2Error(f"a draft vocabulary must be {K}..{V} distinct token ids in [0, {V})")
+        ids = ids.sort().values  # ascending: the restricted head's order of ids is the full head's (ties alike)
         self.draft_vocab = ids
         self.draft_head_weight = self.lm_head_weight[ids].clone()
 
@@ -302,6 +303,25 @@ class DFlash2Drafter(nn.Module):
             h = layer(h, cos, sin, ctx_k[i], ctx_v[i], *biases[key], self.use_conv)
         return self.norm(h)
 
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's raw products -> logits: x output_multiplier, tanh soft-cap."""
+        cfg = self.config
+        if cfg.output_multiplier is not None:
+            x = x * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            c = cfg.final_logit_softcapping
+            x = torch.tanh(x / c) * c
+        return x
+
+    def top_candidates(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [..., H] -> (unary, ids) [..., k]: the ``k`` largest logits of :meth:`logits` (descending, ties: lower
+        id first) and their token ids. A restricted head takes them among its own N logits and maps the positions
+        to ids (ascending, so the order of ties is the full head's): the same result without a [..., V] tensor."""
+        if self.draft_vocab.numel() == 0:
+            return torch.topk(self.logits(h).float(), k, dim=-1, sorted=True)
+        unary, pos = torch.topk(self._scaled(h @ self.draft_head_weight.t()).float(), k, dim=-1, sorted=True)
+        return unary, self.draft_vocab[pos]
+
     def logits(self, h: torch.Tensor, rows_of_head: torch.Tensor | None = None) -> torch.Tensor:
         """h [..., H] -> logits [..., V] (shared LM head, x output_multiplier, tanh soft-cap).
 
@@ -313,12 +333,7 @@ class DFlash2Drafter(nn.Module):
             w = self.draft_head_weight
         else:
             w = self.lm_head_weight if rows_of_head is None else self.lm_head_weight[rows_of_head]
-        x = h @ w.t()
-        if cfg.output_multiplier is not None:
-            x = x * cfg.output_multiplier
-        if cfg.final_logit_softcapping is not None:
-            c = cfg.final_logit_softcapping
-            x = torch.tanh(x / c) * c
+        x = self._scaled(h @ w.t())
         if restricted:  # back to [..., V]: ids outside the draft vocabulary get the lowest logit
             full = torch.full((*x.shape[:-1], cfg.vocab_size), torch.finfo(x.dtype).min, dtype=x.dtype,
                               device=x.device)

@@ -1,6 +1,7 @@
 //! \file ortCustomOp.cpp
 //! ONNX Runtime custom-op library: registers dflash2.DecodeAttention, dflash2.PanelMatMul and dflash2.PanelMatMulQ4
-//! (CPU) through the ORT C API (`SessionOptions.register_custom_ops_library(path)` calls RegisterCustomOps).
+//! (CPU) through the ORT C API (`SessionOptions.register_custom_ops_library(path)` calls RegisterCustomOps), and the
+//! path selector's TensorRT plugin node trt.plugins.DFlash2PathSelector (ortSelectorOp.cpp).
 //!
 //! dflash2.PanelMatMul (panelMatMul.h): inputs x [..., K] f32, packed [N/16, K, 16] f32 (a constant: the [K, N]
 //! weight reshaped and transposed, folded at session load); output y [..., N] f32 = x @ W. Row i of y depends on
@@ -30,6 +31,7 @@
 //! and nothing is copied; otherwise slots 0..P_b-1 of every b are copied from past first.
 //! Errors come back as OrtStatus (no exception crosses the library boundary).
 #include "decodeAttention.h"
+#include "ortSelectorOp.h"
 #include "panelCodes.h"
 #include "panelMatMul.h"
 
@@ -764,5 +766,9 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
             return st;
         }
     }
-    return gApi->AddCustomOpDomain(options, domain); // the session options keep the domain alive
+    if (OrtStatus* st = gApi->AddCustomOpDomain(options, domain)) // the session options keep the domain alive
+    {
+        return st;
+    }
+    return dflash2::addPathSelectorDomain(gApi, options);
 }

@@ -69,17 +69,21 @@ class _Session:
     """One graph: plain ``run`` on CPU; IOBinding on CUDA (optionally replaying a captured CUDA graph)."""
 
     def __init__(self, ort, path: Path, provider: str, threads: int | None, cuda_graph: bool = False,  # noqa: ANN001
-                 decode_attention: bool = False, spin: bool = False, panels: bool = False) -> None:
+                 decode_attention: bool = False, spin: bool = False, panels: bool = False,
+                 selector_op: bool = False) -> None:
+        """``selector_op``: the graph holds the selector's plugin node, which the custom-op library runs."""
         so = cpu_session_options(ort, threads, spin)
         model: str | bytes = str(path)
         self.rewritten = False
-        if decode_attention or panels:  # our custom ops swapped in: runtime/ort/decode_attention.py
+        if decode_attention or panels or selector_op:  # our custom ops: runtime/ort/decode_attention.py
             from dflash2_trt.runtime.ort import decode_attention as DA
 
             # the fused target: DecodeAttention and PanelMatMul; a drafter graph: PanelMatMul
-            swapped = DA.prepare(so, path) if decode_attention else DA.prepare_panels(so, path)
+            swapped = DA.prepare(so, path) if decode_attention else DA.prepare_panels(so, path) if panels else None
             if swapped is not None:
                 model, self.rewritten = swapped, True
+            elif selector_op:
+                DA.register(so, path)
         self.provider = provider
         self.cuda_graph = cuda_graph and provider == "CUDAExecutionProvider"
         if provider == "CUDAExecutionProvider":
@@ -228,16 +232,28 @@ class OrtBackend(BackendBase):
             g = self.manifest.graphs.get(key)
             if g is None:
                 raise DFlash2Error(f"{self.dir} has no {key!r} graph")
-            if g.selector == "plugin":
-                raise DFlash2Error(f"graph {key!r} holds the TensorRT plugin node; ONNX Runtime runs the decomposed "
-                                   f"variant")
+            plugin = g.selector == "plugin"
+            if plugin and not self.decode_attention:
+                raise DFlash2Error(f"graph {key!r} holds the selector's plugin node, which ONNX Runtime runs only "
+                                   f"with the dflash2 custom-op library on the CPU; run the decomposed variant")
             s = _Session(self.ort, self.dir / g.file, self.provider, self.threads, cuda_graph=g.role == "drafter_head",
                          decode_attention=key == TARGET_ORT and self.decode_attention,
-                         panels=key != TARGET_ORT and self.decode_attention,
+                         panels=key != TARGET_ORT and self.decode_attention, selector_op=plugin,
                          spin=g.role == "target" and target_spins())
             _check_interface(s, g)
             self._sessions[key] = s
         return self._sessions[key]
+
+    def head_key(self, mode: str) -> str:
+        """The drafter head graph a draft mode runs: the ``.plugin`` variant, whose selector is one node
+        (``trt.plugins.DFlash2PathSelector``: the custom-op library runs the selector's CPU twin, the CUDA kernel's
+        numbers bit for bit, in place of ≈ 120 small ONNX ops) where the library is in use and the drafter's heads are
+        not quantized (only the decomposed head has an ``*_ort`` variant), else the decomposed head."""
+        plugin = head_key(mode, plugin=True)
+        if (mode != INDEPENDENT and self.decode_attention and plugin in self.manifest.graphs
+                and head_key(mode) + ORT_SUFFIX not in self.manifest.graphs):
+            return plugin
+        return head_key(mode)
 
     def panel_codes(self) -> dict[str, int]:
         """The loaded sessions' PanelMatMul kernels by the exact code their weights fit
@@ -297,7 +313,7 @@ class OrtTargetRunner:
 
 
 class OrtDraftRunner:
-    """DraftRunner over ``drafter_context``, ``drafter_block`` and ``drafter_head_{mode}`` (decomposed)."""
+    """DraftRunner over ``drafter_context``, ``drafter_block`` and the head :meth:`OrtBackend.head_key` picks."""
 
     def __init__(self, be: OrtBackend, mode: str) -> None:
         m = be.manifest
@@ -307,7 +323,7 @@ class OrtDraftRunner:
         self.mode = mode
         self.ctx_sess = be.session("drafter_context")
         self.block_sess = be.session("drafter_block")
-        self.head_sess = be.session(head_key(mode))
+        self.head_sess = be.session(be.head_key(mode))
         assert cfg.head_dim is not None
         self.kv = KVBuffer(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, be.dtype,
                            m.kv_capacity_step, m.max_seq_len)

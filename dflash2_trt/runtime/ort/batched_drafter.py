@@ -1,5 +1,5 @@
-"""Batched drafter over an export's drafter graphs (``drafter_context``, ``drafter_block``, ``drafter_head_{mode}``;
-their ``_ort`` variants where the backend runs them): the draft context caches of ``slots`` sequences in one
+"""Batched drafter over an export's drafter graphs (``drafter_context``, ``drafter_block`` and the head
+:meth:`~dflash2_trt.runtime.ort.backend.OrtBackend.head_key` picks; their ``_ort`` variants where the backend runs them): the draft context caches of ``slots`` sequences in one
 fixed-capacity buffer per layer, each with its own length, and one block call + one head call for every sequence
 that drafts in a step (the B = 1 :class:`~dflash2_trt.runtime.ort.backend.OrtDraftRunner` makes both calls per
 sequence: at several drafting sequences their fixed per-call cost is what batching saves).
@@ -43,7 +43,7 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.kv import grown_slot_buffers
 from dflash2_trt.runtime.protocol import Draft, independent_draft
-from dflash2_trt.vocabulary import INDEPENDENT, head_key
+from dflash2_trt.vocabulary import INDEPENDENT
 
 #: a block call gathers (copies) the drafting slots' caches when their slot range is more than this many times
 #: their count; else the range is bound in place and its idle slots run dummy blocks (a dummy block costs about
@@ -72,7 +72,7 @@ class OrtBatchedDraftRunner:
         # plain InferenceSession.run on every provider: the head's B = 1 CUDA-graph binding has fixed shapes
         self._ctx = be.session("drafter_context")
         self._block = be.session("drafter_block")
-        self._head = be.session(head_key(self.mode))
+        self._head = be.session(be.head_key(self.mode))
         self.ort = be.ort
         self.n_layers, self.kv_heads, self.head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         self.step = max(1, int(step if step is not None else m.kv_capacity_step))

@@ -30,6 +30,10 @@ bf16 checkpoint holds); where one reproduces every weight bit for bit the kernel
 from its Q4_1 GGUF: 0.75 bytes a weight instead of 4) and gives the fp32 kernel's numbers (:data:`CODES_ENV`,
 :func:`panel_codes`).
 
+The library also runs the path selector's TensorRT plugin node (``trt.plugins.DFlash2PathSelector``, the
+selector's CPU twin: the CUDA kernel's numbers), so the drafter head's ``.plugin.onnx`` graph loads in ONNX Runtime
+(:func:`register`; the backend picks it, :meth:`~dflash2_trt.runtime.ort.backend.OrtBackend.head_key`).
+
 The rewrite keeps every other node and the weights (read from the export folder's external data file, so the
 weights are on disk and in memory once). It needs the ``onnx`` package to edit the graph and the built library;
 without either, the runtime runs GroupQueryAttention as before (:func:`available` says why).
@@ -253,7 +257,7 @@ def prepare_panels(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.Sess
     if not _swap_matmuls(model):
         return None
     model.opset_import.append(helper.make_opsetid(OP_DOMAIN, 1))
-    _register(so, path)
+    register(so, path)
     return model.SerializeToString()
 
 
@@ -263,12 +267,13 @@ def prepare(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.SessionOpti
     model = rewrite(path)
     if model is None:
         return None
-    _register(so, path)
+    register(so, path)
     return model
 
 
-def _register(so: Any, path: Path) -> None:
-    """The library on ``so``; a rewritten graph's external weights read from ``path``'s folder."""
+def register(so: Any, path: Path) -> None:
+    """The library on ``so`` (also for a graph holding the selector's plugin node, which the library runs); a
+    rewritten graph's external weights read from ``path``'s folder."""
     lib = find_library()
     assert lib is not None
     so.register_custom_ops_library(str(lib))
