@@ -21,7 +21,8 @@ LOG=${DFLASH2_SETUP_LOG:-$PWD/build/setup.log}
 # the op library's sources too: a pull that changes the op rebuilds it
 hash=$({ cat pyproject.toml scripts/setup.sh scripts/build_ort_ops.sh
          cat plugins/ortDecodeAttention/CMakeLists.txt plugins/ortDecodeAttention/*.h plugins/ortDecodeAttention/*.cpp \
-           2>/dev/null || true; } | sha1sum | cut -c1-12)
+           plugins/pathSelector/pathSelectorHost.* plugins/pathSelector/pathSelectorMath.h 2>/dev/null || true; } \
+       | sha1sum | cut -c1-12)
 stamp() { echo ".venv/.setup-$1-$hash"; }
 
 # step "WHAT" COMMAND...: prints "setup: WHAT ... ok"; the command's output goes to $LOG

@@ -1,8 +1,9 @@
 """Batched drafter over an export's drafter graphs (``drafter_context``, ``drafter_block`` and the head
-:meth:`~dflash2_trt.runtime.ort.backend.OrtBackend.head_key` picks; their ``_ort`` variants where the backend runs them): the draft context caches of ``slots`` sequences in one
-fixed-capacity buffer per layer, each with its own length, and one block call + one head call for every sequence
-that drafts in a step (the B = 1 :class:`~dflash2_trt.runtime.ort.backend.OrtDraftRunner` makes both calls per
-sequence: at several drafting sequences their fixed per-call cost is what batching saves).
+:meth:`~dflash2_trt.runtime.ort.backend.OrtBackend.head_key` picks; their ``_ort`` variants where the backend runs
+them): the draft context caches of ``slots`` sequences in one fixed-capacity buffer per layer, each with its own
+length, and one block call + one head call for every sequence that drafts in a step (the B = 1
+:class:`~dflash2_trt.runtime.ort.backend.OrtDraftRunner` makes both calls per sequence: at several drafting sequences
+their fixed per-call cost is what batching saves).
 
 The exported drafter graphs already take a batch axis (traced at batch 2, dimension ``batch`` in the manifest,
 every export since the first): ragged context lengths are the block graph's ``context_mask``, so no graph or
