@@ -8,7 +8,8 @@ drafter's weights quantized (``export --drafter-quantize``).
         [--model-dir DIR | --exports BS:VOCAB[:DRAFTER_QUANT] ...] [--guard off on] [--min-confidence 0.3 0.6]
         [--selector greedy|independent] [--temperature 0] [--out benchmarks/results/cpu_options.json]
 
---model-dir defaults to the demo export (SmolLM2-135M-Instruct + the packaged drafter, ONNX Runtime CPU);
+--model-dir defaults to the demo export (SmolLM2-135M-Instruct + the packaged drafter at its block size, the drafter's LM
+head restricted to 4096 ids as the demo's, ONNX Runtime CPU);
 ``--exports 8:0 4:0 4:4096 3:4096:int8`` instead exports the demo pair (or SmolLM2 + ``--drafter``) at each block size :
 draft vocabulary (0 = full) [: the drafter's quantization]
 once into the cache and runs every variant on each. Autoregressive decoding runs on the first export's target.
@@ -44,7 +45,7 @@ def main() -> int:
     a = ap.parse_args()
 
     import dflash2_trt
-    from dflash2_trt.bench.demo import DEMO_MAX_SEQ_LEN, demo_drafter_path
+    from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, demo_drafter_path
     from dflash2_trt.bench.prompts import encode_items, load_prompts
 
     dirs = {}
@@ -55,7 +56,7 @@ def main() -> int:
     else:
         from dflash2_trt.export.cache import cached_export
 
-        for spec in a.exports or ["0:0"]:
+        for spec in a.exports or [f"0:{DEMO_DRAFT_VOCAB}"]:  # the demo's own export by default
             bs_, vocab_, *dq = spec.split(":")
             bs, vocab, dq = int(bs_), int(vocab_), (dq or ["none"])[0]
             opts = {k: v for k, v in {"block_size": bs, "draft_vocab": vocab,

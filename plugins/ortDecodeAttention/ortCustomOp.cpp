@@ -31,6 +31,7 @@
 //! and nothing is copied; otherwise slots 0..P_b-1 of every b are copied from past first.
 //! Errors come back as OrtStatus (no exception crosses the library boundary).
 #include "decodeAttention.h"
+#include "ortDrafterLayerOp.h"
 #include "ortSelectorOp.h"
 #include "panelCodes.h"
 #include "panelMatMul.h"
@@ -759,7 +760,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     {
         return st;
     }
-    for (OrtCustomOp* op : {&gOp, &gMatMulOp, &gQ4Op})
+    for (OrtCustomOp* op : {&gOp, &gMatMulOp, &gQ4Op, dflash2::drafterLayerOp()})
     {
         if (OrtStatus* st = gApi->CustomOpDomain_Add(domain, op))
         {
