@@ -5,8 +5,8 @@ Per cycle: draft (``drafter.propose``), verify (the k-row ``target.forward``), c
 ``drafter.add_context`` of the accepted rows), other (the rest of the cycle: acceptance, bookkeeping, Python);
 beside the plain step of autoregressive decoding (its ``target.forward`` and the rest of its step). Each
 ``--attention`` variant (``gqa``: ORT's GroupQueryAttention = before, ``decode``: dflash2.DecodeAttention = after)
-(and ``--heads`` variant: ``auto`` the backend's drafter head, ``decomposed`` the selector as ONNX ops) runs the same
-prompts, interleaved prompt by prompt, at each ``--threads``::
+(and ``--drafter-graphs`` variant: ``auto`` the backend's drafter block and head, ``standard`` the layers and the
+selector as small ONNX ops) runs the same prompts, interleaved prompt by prompt, at each ``--threads``::
 
     python benchmarks/cycle_profile.py --sets humaneval mtbench --limit 5 --max-new-tokens 64 --threads 2 1 \
         --out benchmarks/results/cycle_profile.json
@@ -120,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     ap.add_argument("--attention", nargs="+", default=["gqa", "decode"])
-    ap.add_argument("--heads", nargs="+", default=["auto"], choices=["auto", "decomposed"],
-                    help="drafter head: the backend's choice (the selector's plugin node where the library runs), "
-                         "or the decomposed selector")
+    ap.add_argument("--drafter-graphs", nargs="+", default=["auto"], choices=["auto", "standard"],
+                    help="the drafter's block and head graphs: the backend's choice (where the custom-op library "
+                         "runs: each layer one dflash2.DrafterLayer node, the selector's plugin node), or the "
+                         "standard graphs (the layers' small ops, the decomposed selector)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -140,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         systems = {}
         for att in a.attention:
             be = OrtBackend(folder, threads=threads, attention=att)
-            for head in a.heads:
+            for graphs in a.drafter_graphs:
                 drafter = be.draft_runner("greedy")
-                if head == "decomposed":
-                    drafter.head_sess = be.session(head_key("greedy"))
-                name = Path(drafter.head_sess.path).name
+                if graphs == "standard":
+                    drafter.block_sess, drafter.head_sess = be.session("drafter_block"), be.session(head_key("greedy"))
+                name = f"{Path(drafter.block_sess.path).stem} + {Path(drafter.head_sess.path).stem}"
                 systems[f"{att}, {name}"] = (be.target_runner(), drafter)
         load0 = os.getloadavg()[0]
         for s, plist in prompts.items():
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{a.limit} prompts per set, {a.max_new_tokens} new tokens, greedy, guard off; medians over cycles / steps "
           f"(ms); load average {rows_out[0]['load_average'][0]:.1f} -> {rows_out[-1]['load_average'][1]:.1f} on "
           f"{os.cpu_count()} CPUs")
-    print("| threads | set | attention, head | draft | verify | commit | other | cycle | plain step (forward + other) | τ | "
+    print("| threads | set | attention, drafter graphs | draft | verify | commit | other | cycle | plain step (forward + other) | τ | "
           "cycle ÷ step | spec tok/s | AR tok/s | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows_out:

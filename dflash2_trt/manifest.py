@@ -27,7 +27,8 @@ selector), and for drafters with a selector ``drafter_head_{greedy,viterbi}`` (d
 ``drafter_head_{greedy,viterbi}_plugin`` (the TensorRT plugin node). The block size lives in the drafter
 configuration only (``block_size``; ``num_draft_rows`` = block size - 1). ONNX Runtime flavour (``flavour``:
 "ort", com.microsoft ops): ``target_ort`` (fused target, shared KV buffers) and, in quantized exports,
-``KEY_ort`` (MatMulNBits) variants that the ORT backend runs instead of ``KEY``. TensorRT flavour of a
+``KEY_ort`` (MatMulNBits) variants that the ORT backend runs instead of ``KEY``, and ``drafter_block_layers`` (each
+decoder layer one ``dflash2.DrafterLayer`` node, run with the project's custom-op library). TensorRT flavour of a
 quantized export (``flavour`` "qdq"): ``target_qdq`` (standard ONNX, DequantizeLinear weights), which
 ``build-engines`` builds the target engine from.
 
@@ -62,6 +63,9 @@ BLOCK_HIDDEN = "hidden"  # drafter_block's output and the heads' input: [B, bloc
 REQUIRED_GRAPHS = ("target", "drafter_context", "drafter_block", head_key(INDEPENDENT))
 TARGET_ORT = "target_ort"  # graph key of the fused ONNX Runtime target
 ORT_SUFFIX = "_ort"  # graph key K + "_ort": the ONNX Runtime variant of K (the ORT backend prefers it)
+# the block with each decoder layer one dflash2.DrafterLayer node (fp32 ONNX Runtime flavour; the ORT backend runs it
+# where it runs the dflash2 custom-op library, runtime/ort/backend.py OrtBackend.block_key)
+BLOCK_LAYERS = "drafter_block_layers"
 # [B] int32: each sequence's cached length; an input of target_ort only once the runtime swapped in
 # dflash2.DecodeAttention at load (runtime/ort/decode_attention.py: ragged rows per sequence in one batched call)
 TARGET_PAST_SEQLENS = "past_seqlens"

@@ -29,7 +29,8 @@ def test_layout_manifest_and_checker(tiny_export):
     assert m.num_draft_rows == 15 and m.draft_modes == ("greedy", "viterbi", "independent")
     assert set(m.graphs) == {"target", "drafter_context", "drafter_block", "drafter_head_independent",
                                 "drafter_head_greedy", "drafter_head_viterbi", "drafter_head_greedy_plugin",
-                                "drafter_head_viterbi_plugin", "target_ort"}  # target_ort: tests/test_ort_fused.py
+                                "drafter_head_viterbi_plugin", "target_ort",  # target_ort: tests/test_ort_fused.py
+                                "drafter_block_layers"}  # tests/test_ort_decode_attention.py
     assert [o.name for o in m.graphs["drafter_head_independent"].outputs] == ["logits"]
     assert m.plugin == PluginSpec(op_type="DFlash2PathSelector", domain="trt.plugins", plugin_version="1",
                                   plugin_namespace="")
@@ -180,11 +181,11 @@ def test_block_size_override_and_cli(tiny_dir, tmp_path, capsys):
     m = json.loads((out / "manifest.json").read_text())
     assert "block_size" not in m and m["opset"] == 18 and m["drafter"]["dflash_config"]["block_size"] == 4
     assert m["graphs"]["drafter_head_greedy"]["outputs"][1]["shape"] == ["batch", 3]
-    assert "exported 9 graphs" in capsys.readouterr().out  # 8 + target_ort
+    assert "exported 10 graphs" in capsys.readouterr().out  # 8 + target_ort + drafter_block_layers
     # `dflash2 export` is the same command
     assert dflash2_main(["export", "--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"),
                          "--out", str(out), "--block-size", "4", "--max-seq-len", "256", "--quiet", "--no-verify"]) == 0
-    assert "exported 9 graphs" in capsys.readouterr().out  # 8 + target_ort
+    assert "exported 10 graphs" in capsys.readouterr().out  # 8 + target_ort + drafter_block_layers
 
 
 def test_export_is_atomic(tiny_dir, tiny_export, tmp_path, monkeypatch):
@@ -259,7 +260,7 @@ def test_dflash_v1_drafter_exports_and_runs(acc_dir, acc_target, acc_drafter, tm
     out = tmp_path / "v1-export"
     m = export_model(acc_dir / "target", tmp_path / "v1", out, progress=False, max_seq_len=256)
     assert set(m.graphs) == {"target", "drafter_context", "drafter_block", "drafter_head_independent",
-                             "target_ort"}
+                             "target_ort", "drafter_block_layers"}  # the layers without convolutions
     assert m.verification["drafter_head_independent.argmax_match"] == 1.0 and m.draft_modes == ("independent",)
     be, _ = open_backend(out, "ort")
     with pytest.raises(DFlash2Error, match="no 'greedy' draft head.*--no-selector"):

@@ -809,3 +809,26 @@ def test_drafter_layer_op_vs_the_pytorch_layer(request, which, use_conv):
         out = sess.run(None, {"h": h.numpy(), "cos": cos.numpy(), "sin": sin.numpy(), "ctx_k": ck.numpy(),
                               "ctx_v": cv.numpy(), "ctx_bias": cb.numpy(), "blk_bias": bb.numpy()})[0]
         assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max(), (which, use_conv, shared)
+
+
+def test_block_layers_graph_equals_the_block_graph(acc_export):
+    """The export's ``drafter_block_layers`` (each layer one dflash2.DrafterLayer node) gives the standard block
+    graph's hidden states within 1e-5 of their scale on random anchors, positions, masked context slots and
+    batches of 1 and 3; the runtime's runners use it where the library runs (attention 'gqa': the standard graph)."""
+    from dflash2_trt.manifest import BLOCK_LAYERS
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    be = OrtBackend(acc_export, attention="decode")
+    assert be.block_key() == BLOCK_LAYERS and OrtBackend(acc_export, attention="gqa").block_key() == "drafter_block"
+    assert be.draft_runner("greedy").block_sess.path.endswith(f"{BLOCK_LAYERS}.onnx")
+    std, lay = be.session("drafter_block"), be.session(BLOCK_LAYERS)
+    cfg = be.manifest.drafter_config
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**31))
+    C = 70
+    for nb in (1, 3):
+        feed = {"anchor_ids": rng.integers(0, be.manifest.target.vocab_size, nb),
+                "anchor_position": rng.integers(1, C, nb), "context_mask": (rng.random((nb, C)) > 0.2).astype(np.int64)}
+        for name in be.manifest.drafter_context_names():
+            feed[name] = rng.standard_normal((nb, cfg.num_key_value_heads, C, cfg.head_dim)).astype(np.float32)
+        a, b = std.run(feed)[0], lay.run(feed)[0]
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), nb

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import (BLOCK_HIDDEN, KV_CAPACITY_STEP, ExportManifest, GraphSpec, PluginSpec, TargetSpec,
+from dflash2_trt.manifest import (BLOCK_HIDDEN, BLOCK_LAYERS, KV_CAPACITY_STEP, ExportManifest, GraphSpec, PluginSpec, TargetSpec,
                                  TensorSpec, TokenizerSpec, drafter_context_names, target_kv_names,
                                  target_present_names, write_manifest)
 from dflash2_trt.outdir import TempFolder, check_replace, export_owner, write_error
@@ -233,15 +233,25 @@ def _trace_drafter(b: _Build) -> None:
     model = onnx_utils.trace(onnx_graphs.DrafterContextGraph(b.drafter).eval(), args,
                              ["context_features", "position_ids"], ctx_names, dyn, b.opset)
     b.add("drafter_context", model, GraphSpec(file="drafter_context.onnx", role="drafter_context"))
+    b.add("drafter_block", _trace_block(b, onnx_graphs.DrafterBlockGraph),
+          GraphSpec(file="drafter_block.onnx", role="drafter_block"))
+
+
+def _trace_block(b: _Build, graph: type) -> Any:
+    """The block graph ``graph`` (a DrafterBlockGraph class) traced over the drafter's context capacity buffers."""
+    import torch
+
+    from dflash2_trt.export import onnx_utils
+
+    cfg, tdt, B = b.drafter.config, b.torch_dtype, _TRACE_BATCH
+    ctx_names = drafter_context_names(cfg.num_hidden_layers)
     dyn = {"anchor_ids": {0: "batch"}, "anchor_position": {0: "batch"},
            "context_mask": {0: "batch", 1: "context_capacity"}, BLOCK_HIDDEN: {0: "batch"}}
     dyn.update({n: {0: "batch", 2: "context_capacity"} for n in ctx_names})
     args = (torch.randint(0, b.target.vocab_size, (B,)), torch.tensor([3, 4]), torch.ones(B, 5, dtype=torch.long),
             *[torch.randn(B, cfg.num_key_value_heads, 5, cfg.head_dim, dtype=tdt) for _ in ctx_names])
-    model = onnx_utils.trace(onnx_graphs.DrafterBlockGraph(b.drafter).eval(), args,
-                             ["anchor_ids", "anchor_position", "context_mask", *ctx_names], [BLOCK_HIDDEN], dyn,
-                             b.opset)
-    b.add("drafter_block", model, GraphSpec(file="drafter_block.onnx", role="drafter_block"))
+    return onnx_utils.trace(graph(b.drafter).eval(), args, ["anchor_ids", "anchor_position", "context_mask",
+                                                           *ctx_names], [BLOCK_HIDDEN], dyn, b.opset)
 
 
 def _trace_heads(b: _Build) -> None:
@@ -279,6 +289,14 @@ def _add_flavours(b: _Build, ort_flavour: bool, verify: bool) -> None:
         b.models.update(models)
         b.graphs.update(graphs)
         b.report.update(report)
+        from dflash2_trt.export import onnx_graphs
+
+        why = onnx_graphs.fused_layers_unsupported(b.drafter)
+        if why is None:  # checked by the runtime's tests: the export cannot load the custom-op library
+            b.add(BLOCK_LAYERS, _trace_block(b, onnx_graphs.DrafterBlockLayersGraph),
+                  GraphSpec(file=f"{BLOCK_LAYERS}.onnx", role="drafter_block", flavour="ort"))
+        else:
+            b.report["drafter_block_layers"] = f"not exported: {why}"
 
 
 def _save_and_check(b: _Build) -> None:

@@ -192,6 +192,76 @@ class DrafterBlockGraph(nn.Module):
                                           context_mask > 0)
 
 
+# ONNX Runtime flavour of the block: each decoder layer one dflash2.DrafterLayer node (the custom-op library's
+# plugins/ortDecodeAttention/ortDrafterLayerOp.cpp: its inputs, weights in MatMul layout, and attributes)
+DRAFTER_LAYER_OP = "dflash2::DrafterLayer"
+_LAYER_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+                      "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def fused_layers_unsupported(drafter: DFlash2Drafter) -> str | None:
+    """Why the drafter's layers cannot be one dflash2.DrafterLayer node each, or None when they can."""
+    cfg = drafter.config
+    if cfg.attention_bias:
+        return "attention biases"
+    if cfg.hidden_act not in _LAYER_ACTIVATIONS:
+        return f"activation {cfg.hidden_act!r}"
+    d = cfg.head_dim or 0
+    if d % 2 or d > 512:
+        return f"head size {d}"
+    layer = drafter.layers[0]
+    outs = [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.hidden_size, cfg.intermediate_size]
+    if drafter.use_conv:
+        outs.append(layer.attention_conv.kernel_projection.out_features)
+    if any(n % 16 for n in outs):
+        return "a projection whose output size is not a multiple of 16"
+    return None
+
+
+class _DrafterLayerNode(torch.autograd.Function):
+    """One drafter layer as a ``dflash2::DrafterLayer`` node when traced. Eager calls run the layer; while tracing
+    only the output's shape matters (nothing after a layer branches on values), and the tracer cannot follow the
+    layer's own parameters inside a Function, so the traced forward returns a placeholder of that shape."""
+
+    @staticmethod
+    def forward(ctx, layer, use_conv, act, h, cos, sin, ck, cv, cb, bb, *weights):  # noqa: ANN001, ANN205
+        if torch.jit.is_tracing():
+            return h.clone()
+        return layer(h, cos, sin, ck, cv, cb, bb, use_conv)
+
+    @staticmethod
+    def symbolic(g, layer, use_conv, act, h, cos, sin, ck, cv, cb, bb, *weights):  # noqa: ANN001, ANN205
+        a = layer.self_attn
+        conv = layer.attention_conv if use_conv else None
+        out = g.op(DRAFTER_LAYER_OP, h, cos, sin, ck, cv, cb, bb, *weights, num_heads_i=a.nh, kv_num_heads_i=a.kvh,
+                   epsilon_f=layer.input_layernorm.eps, activation_s=act,
+                   conv_group_size_i=conv.group if conv is not None else 0,
+                   conv_kernel_size_i=conv.kc if conv is not None else 0)
+        out.setType(h.type())
+        return out
+
+
+def _layer_node(act: str, layer, h, cos, sin, ck, cv, cb, bb, use_conv):  # noqa: ANN001, ANN202
+    a, m = layer.self_attn, layer.mlp
+    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.q_proj.weight.t(),
+               a.k_proj.weight.t(), a.v_proj.weight.t(), a.o_proj.weight.t(), a.q_norm.weight, a.k_norm.weight,
+               m.gate_proj.weight.t(), m.up_proj.weight.t(), m.down_proj.weight.t()]
+    if use_conv:
+        ac, mc = layer.attention_conv, layer.mlp_conv
+        weights += [ac.kernel_projection.weight.t(), ac.base_kernel, mc.kernel_projection.weight.t(), mc.base_kernel]
+    return _DrafterLayerNode.apply(layer, use_conv, act, h, cos, sin, ck, cv, cb, bb, *weights)
+
+
+class DrafterBlockLayersGraph(DrafterBlockGraph):
+    """:class:`DrafterBlockGraph` with each decoder layer one ``dflash2::DrafterLayer`` node (ONNX Runtime with the
+    dflash2 custom-op library: a layer's ≈ 170 small nodes cost more than its arithmetic inside a decode loop)."""
+
+    def forward(self, anchor_ids, anchor_position, context_mask, *context):  # noqa: ANN001, ANN201
+        act = _LAYER_ACTIVATIONS[self.drafter.config.hidden_act]
+        return self.drafter.block_forward(anchor_ids, anchor_position, list(context[0::2]), list(context[1::2]),
+                                          context_mask > 0, layer_fn=lambda layer, *args: _layer_node(act, layer, *args))
+
+
 class DrafterHeadBase(nn.Module):
     """(c, first half) hidden [B, bs, H] -> cand_ids [B, L, K] int32, unary [B, L, K] fp32,
     hidden_proj [B, L, r] (codebook dtype): LM head, multiplier / soft-cap, TopK, hidden_projection."""

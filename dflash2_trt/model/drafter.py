@@ -14,6 +14,7 @@ convolutions off a layer is a DFlash v1 layer; with the selector off every row t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -282,11 +283,13 @@ class DFlash2Drafter(nn.Module):
         ctx_k: list[torch.Tensor],  # per layer [nb or 1, kvh, C, d]; slot j holds position j
         ctx_v: list[torch.Tensor],
         ctx_valid: torch.Tensor | None = None,  # [nb or 1, C] bool (None: every slot holds a position)
+        layer_fn: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One-shot block pass -> normed hidden states h [nb, bs, H].
 
         Block rows see what :meth:`visibility` allows for their layer. Masks are built with broadcasting
-        only, so the exported block graph traces this method as it is."""
+        only, so the exported block graph traces this method as it is. ``layer_fn(layer, *args)`` runs each layer
+        in place of ``layer(*args)`` (the ONNX Runtime flavour's export: one node per layer)."""
         cfg = self.config
         assert cfg.head_dim is not None
         nb, bs = anchor_ids.shape[0], cfg.block_size
@@ -300,7 +303,8 @@ class DFlash2Drafter(nn.Module):
             key = (cfg.layer_is_causal(i), cfg.layer_window(i))
             if key not in biases:
                 biases[key] = attention_biases(*self.visibility(anchor_pos, C, *key, ctx_valid), rep, h.dtype)
-            h = layer(h, cos, sin, ctx_k[i], ctx_v[i], *biases[key], self.use_conv)
+            args = (h, cos, sin, ctx_k[i], ctx_v[i], *biases[key], self.use_conv)
+            h = layer(*args) if layer_fn is None else layer_fn(layer, *args)
         return self.norm(h)
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:

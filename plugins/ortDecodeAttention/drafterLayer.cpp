@@ -28,6 +28,7 @@ void PanelWeight::set(float const* w, int64_t k, int64_t n)
         }
     }
     coded = codePanels(panels.data(), K, N);
+    countPanelCode(coded.code);
     if (coded.code != PanelCode::None)
     {
         std::vector<float>().swap(panels); // the code reproduces every weight: the fp32 panels are not read again
@@ -90,6 +91,7 @@ void rmsNorm(float const* x, float const* weight, int64_t rows, int64_t n, float
     {
         float const* xr = x + r * n;
         float ss = 0.F;
+#pragma omp simd reduction(+ : ss)
         for (int64_t c = 0; c < n; ++c)
         {
             ss += xr[c] * xr[c];
@@ -185,6 +187,7 @@ void attentionHead(void* user, size_t item)
                 continue;
             }
             float dot = 0.F;
+#pragma omp simd reduction(+ : dot)
             for (int64_t e = 0; e < d; ++e)
             {
                 dot += q[e] * K[c * d + e];
@@ -196,6 +199,7 @@ void attentionHead(void* user, size_t item)
         {
             float const* k = j->kb + (s * w.kvHeads + g) * d;
             float dot = 0.F;
+#pragma omp simd reduction(+ : dot)
             for (int64_t e = 0; e < d; ++e)
             {
                 dot += q[e] * k[e];
@@ -204,7 +208,7 @@ void attentionHead(void* user, size_t item)
             mx = std::max(mx, sc[C + s]);
         }
         float sum = 0.F;
-        for (int64_t c = 0; c < C + S; ++c)
+        for (int64_t c = 0; c < C + S; ++c) // exp: not vectorised by the compiler, C + S calls
         {
             sc[c] = sc[c] == ninf ? 0.F : std::exp(sc[c] - mx);
             sum += sc[c];

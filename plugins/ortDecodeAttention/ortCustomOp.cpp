@@ -555,8 +555,6 @@ struct MatMulKernel
     dflash2::CodedPanels coded;
 };
 
-//! Kernels created with each code (index: PanelCode), for dflash2OrtPanelCodes.
-std::atomic<int64_t> gCodeCounts[dflash2::kPanelCodes];
 
 OrtStatus* computeMatMul(OrtKernelContext* ctx, MatMulKernel const* kernel)
 {
@@ -622,7 +620,7 @@ OrtStatus* ORT_API_CALL createMatMul(OrtCustomOp const*, OrtApi const* api, OrtK
                 k->coded = dflash2::codePanels(static_cast<float const*>(data), d[1], d[0] * dflash2::kPanelWidth);
             }
         }
-        gCodeCounts[static_cast<int>(k->coded.code)] += 1;
+        dflash2::countPanelCode(k->coded.code);
         *kernel = k.release();
         return nullptr;
     }
@@ -743,7 +741,7 @@ OrtCustomOp gQ4Op = makeQ4Op();
 //! panelCodes.h); -1 for another code. For tests and reports (ctypes on the library ORT loaded).
 extern "C" __attribute__((visibility("default"))) int64_t dflash2OrtPanelCodes(int32_t code) noexcept
 {
-    return code >= 0 && code < dflash2::kPanelCodes ? gCodeCounts[code].load() : -1;
+    return dflash2::panelCodeCount(code);
 }
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(

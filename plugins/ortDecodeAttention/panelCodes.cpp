@@ -7,6 +7,7 @@
 #include "panelMatMul.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -650,6 +651,21 @@ void panelMatMulCoded(float const* x, int64_t rows, CodedPanels const& coded, fl
             blocks[std::min(kMaxRows, rows - m) - 1](x + m * K, K, codes, scales, offsets, y + m * N + p * kW, N);
         }
     }
+}
+
+namespace
+{
+std::atomic<int64_t> gCodeCounts[kPanelCodes];
+} // namespace
+
+void countPanelCode(PanelCode code)
+{
+    gCodeCounts[static_cast<int32_t>(code)] += 1;
+}
+
+int64_t panelCodeCount(int32_t code)
+{
+    return code >= 0 && code < kPanelCodes ? gCodeCounts[code].load() : -1;
 }
 
 } // namespace dflash2

@@ -52,6 +52,11 @@ struct CodedPanels
 //! exactly; code None (nothing kept) where none does.
 CodedPanels codePanels(float const* packed, int64_t K, int64_t N);
 
+//! Weight matrices this process's kernels (PanelMatMul, DrafterLayer) keep by code: one more of `code`; how many of
+//! `code` (0 None .. 4 F16; -1 for another value), read by the library's dflash2OrtPanelCodes.
+void countPanelCode(PanelCode code);
+int64_t panelCodeCount(int32_t code);
+
 //! Panels [panelBegin, panelEnd) of Y = X @ W from W's code: x [rows, K], y [rows, N]; the fp32 panelMatMul's
 //! numbers. coded.code is not None.
 void panelMatMulCoded(float const* x, int64_t rows, CodedPanels const& coded, float* y, int64_t panelBegin,

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import ORT_SUFFIX, TARGET_ORT, ExportManifest, GraphSpec, read_manifest
+from dflash2_trt.manifest import BLOCK_LAYERS, ORT_SUFFIX, TARGET_ORT, ExportManifest, GraphSpec, read_manifest
 from dflash2_trt.runtime.kv import KVBuffer, target_ids
 from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft, independent_draft
 from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
@@ -70,19 +70,20 @@ class _Session:
 
     def __init__(self, ort, path: Path, provider: str, threads: int | None, cuda_graph: bool = False,  # noqa: ANN001
                  decode_attention: bool = False, spin: bool = False, panels: bool = False,
-                 selector_op: bool = False) -> None:
-        """``selector_op``: the graph holds the selector's plugin node, which the custom-op library runs."""
+                 library: bool = False) -> None:
+        """``library``: the graph holds a node only the dflash2 custom-op library runs (the selector's plugin node,
+        dflash2.DrafterLayer)."""
         so = cpu_session_options(ort, threads, spin)
         model: str | bytes = str(path)
         self.rewritten = False
-        if decode_attention or panels or selector_op:  # our custom ops: runtime/ort/decode_attention.py
+        if decode_attention or panels or library:  # our custom ops: runtime/ort/decode_attention.py
             from dflash2_trt.runtime.ort import decode_attention as DA
 
             # the fused target: DecodeAttention and PanelMatMul; a drafter graph: PanelMatMul
             swapped = DA.prepare(so, path) if decode_attention else DA.prepare_panels(so, path) if panels else None
             if swapped is not None:
                 model, self.rewritten = swapped, True
-            elif selector_op:
+            elif library:
                 DA.register(so, path)
         self.provider = provider
         self.cuda_graph = cuda_graph and provider == "CUDAExecutionProvider"
@@ -91,13 +92,14 @@ class _Session:
             providers: list = [(provider, opts), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
-        before = DA.panel_codes() if self.rewritten else {}
+        counted = self.rewritten or library  # the library's kernels keep weights by code (PanelMatMul, DrafterLayer)
+        before = DA.panel_codes() if counted else {}
         try:
             self.sess = ort.InferenceSession(model, so, providers=providers)
         except Exception as e:  # ORT raises its own exception types
             raise DFlash2Error(f"ONNX Runtime cannot load {path.name}: {str(e).splitlines()[0][:300]}") from None
-        # this session's PanelMatMul kernels by the exact code of their weights (created while the session loaded)
-        self.panel_codes = {k: v - before[k] for k, v in DA.panel_codes().items()} if self.rewritten else {}
+        # this session's weight matrices by the exact code they are read as (kernels created while the session loaded)
+        self.panel_codes = {k: v - before[k] for k, v in DA.panel_codes().items()} if counted else {}
         if self.rewritten:
             DA.release_freed_memory()
         self.ort = ort
@@ -232,13 +234,13 @@ class OrtBackend(BackendBase):
             g = self.manifest.graphs.get(key)
             if g is None:
                 raise DFlash2Error(f"{self.dir} has no {key!r} graph")
-            plugin = g.selector == "plugin"
-            if plugin and not self.decode_attention:
-                raise DFlash2Error(f"graph {key!r} holds the selector's plugin node, which ONNX Runtime runs only "
-                                   f"with the dflash2 custom-op library on the CPU; run the decomposed variant")
+            library = g.selector == "plugin" or key == BLOCK_LAYERS
+            if library and not self.decode_attention:
+                raise DFlash2Error(f"graph {key!r} holds a node that ONNX Runtime runs only with the dflash2 custom-op "
+                                   f"library on the CPU")
             s = _Session(self.ort, self.dir / g.file, self.provider, self.threads, cuda_graph=g.role == "drafter_head",
                          decode_attention=key == TARGET_ORT and self.decode_attention,
-                         panels=key != TARGET_ORT and self.decode_attention, selector_op=plugin,
+                         panels=key != TARGET_ORT and self.decode_attention, library=library,
                          spin=g.role == "target" and target_spins())
             _check_interface(s, g)
             self._sessions[key] = s
@@ -254,6 +256,15 @@ class OrtBackend(BackendBase):
                 and head_key(mode) + ORT_SUFFIX not in self.manifest.graphs):
             return plugin
         return head_key(mode)
+
+    def block_key(self) -> str:
+        """The drafter block graph the runners use: ``drafter_block_layers`` (each decoder layer one
+        ``dflash2.DrafterLayer`` node in place of ≈ 170 small ONNX ops) where the library is in use and the drafter is
+        not quantized (``drafter_block_ort``), else ``drafter_block``."""
+        if (self.decode_attention and BLOCK_LAYERS in self.manifest.graphs
+                and "drafter_block" + ORT_SUFFIX not in self.manifest.graphs):
+            return BLOCK_LAYERS
+        return "drafter_block"
 
     def panel_codes(self) -> dict[str, int]:
         """The loaded sessions' PanelMatMul kernels by the exact code their weights fit
@@ -313,7 +324,8 @@ class OrtTargetRunner:
 
 
 class OrtDraftRunner:
-    """DraftRunner over ``drafter_context``, ``drafter_block`` and the head :meth:`OrtBackend.head_key` picks."""
+    """DraftRunner over ``drafter_context`` and the block and head graphs :meth:`OrtBackend.block_key` and
+    :meth:`OrtBackend.head_key` pick."""
 
     def __init__(self, be: OrtBackend, mode: str) -> None:
         m = be.manifest
@@ -322,7 +334,7 @@ class OrtDraftRunner:
         self.num_draft_rows = cfg.num_draft_rows
         self.mode = mode
         self.ctx_sess = be.session("drafter_context")
-        self.block_sess = be.session("drafter_block")
+        self.block_sess = be.session(be.block_key())
         self.head_sess = be.session(be.head_key(mode))
         assert cfg.head_dim is not None
         self.kv = KVBuffer(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, be.dtype,

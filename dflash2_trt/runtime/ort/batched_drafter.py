@@ -1,7 +1,7 @@
-"""Batched drafter over an export's drafter graphs (``drafter_context``, ``drafter_block`` and the head
-:meth:`~dflash2_trt.runtime.ort.backend.OrtBackend.head_key` picks; their ``_ort`` variants where the backend runs
-them): the draft context caches of ``slots`` sequences in one fixed-capacity buffer per layer, each with its own
-length, and one block call + one head call for every sequence that drafts in a step (the B = 1
+"""Batched drafter over an export's drafter graphs (``drafter_context``, and the block and head graphs
+:meth:`~dflash2_trt.runtime.ort.backend.OrtBackend.block_key` / ``head_key`` pick; their ``_ort`` variants where the
+backend runs them): the draft context caches of ``slots`` sequences in one fixed-capacity buffer per layer, each with
+its own length, and one block call + one head call for every sequence that drafts in a step (the B = 1
 :class:`~dflash2_trt.runtime.ort.backend.OrtDraftRunner` makes both calls per sequence: at several drafting sequences
 their fixed per-call cost is what batching saves).
 
@@ -72,7 +72,7 @@ class OrtBatchedDraftRunner:
         self.names = m.drafter_context_names()
         # plain InferenceSession.run on every provider: the head's B = 1 CUDA-graph binding has fixed shapes
         self._ctx = be.session("drafter_context")
-        self._block = be.session("drafter_block")
+        self._block = be.session(be.block_key())
         self._head = be.session(be.head_key(self.mode))
         self.ort = be.ort
         self.n_layers, self.kv_heads, self.head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim

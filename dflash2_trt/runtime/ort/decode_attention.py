@@ -31,8 +31,10 @@ from its Q4_1 GGUF: 0.75 bytes a weight instead of 4) and gives the fp32 kernel'
 :func:`panel_codes`).
 
 The library also runs the path selector's TensorRT plugin node (``trt.plugins.DFlash2PathSelector``, the
-selector's CPU twin: the CUDA kernel's numbers), so the drafter head's ``.plugin.onnx`` graph loads in ONNX Runtime
-(:func:`register`; the backend picks it, :meth:`~dflash2_trt.runtime.ort.backend.OrtBackend.head_key`).
+selector's CPU twin: the CUDA kernel's numbers), so the drafter head's ``.plugin.onnx`` graph loads in ONNX Runtime,
+and ``dflash2.DrafterLayer``, a whole drafter decoder layer in one node, which the export's
+``drafter_block_layers.onnx`` holds (:func:`register`; the backend picks both,
+:meth:`~dflash2_trt.runtime.ort.backend.OrtBackend.head_key` / ``block_key``).
 
 The rewrite keeps every other node and the weights (read from the export folder's external data file, so the
 weights are on disk and in memory once). It needs the ``onnx`` package to edit the graph and the built library;
@@ -150,8 +152,9 @@ def panels_wanted() -> bool:
 
 
 def panel_codes() -> dict[str, int]:
-    """The PanelMatMul kernels this process created, by the exact code their weights fit (:data:`PANEL_CODES`;
-    "none": the fp32 weights; plugins/ortDecodeAttention/panelCodes.h): the library's own count."""
+    """The weight matrices this process's PanelMatMul and DrafterLayer kernels keep, by the exact code they fit
+    (:data:`PANEL_CODES`; "none": the fp32 weights; plugins/ortDecodeAttention/panelCodes.h): the library's own
+    count."""
     import ctypes
 
     count = ctypes.CDLL(str(find_library())).dflash2OrtPanelCodes
