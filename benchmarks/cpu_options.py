@@ -8,8 +8,8 @@ drafter's weights quantized (``export --drafter-quantize``).
         [--model-dir DIR | --exports BS:VOCAB[:DRAFTER_QUANT] ...] [--guard off on] [--min-confidence 0.3 0.6]
         [--selector greedy|independent] [--temperature 0] [--out benchmarks/results/cpu_options.json]
 
---model-dir defaults to the demo export (SmolLM2-135M-Instruct + the packaged drafter at its block size, the drafter's LM
-head restricted to 4096 ids as the demo's, ONNX Runtime CPU);
+--model-dir defaults to the demo export (SmolLM2-135M-Instruct + the packaged drafter at its block size, the
+drafter's LM head restricted to 4096 ids as the demo's, ONNX Runtime CPU);
 ``--exports 8:0 4:0 4:4096 3:4096:int8`` instead exports the demo pair (or SmolLM2 + ``--drafter``) at each block size :
 draft vocabulary (0 = full) [: the drafter's quantization]
 once into the cache and runs every variant on each. Autoregressive decoding runs on the first export's target.

@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{a.limit} prompts per set, {a.max_new_tokens} new tokens, greedy, guard off; medians over cycles / steps "
           f"(ms); load average {rows_out[0]['load_average'][0]:.1f} -> {rows_out[-1]['load_average'][1]:.1f} on "
           f"{os.cpu_count()} CPUs")
-    print("| threads | set | attention, drafter graphs | draft | verify | commit | other | cycle | plain step (forward + other) | τ | "
+    print("| threads | set | attention, drafter graphs | draft | verify | commit | other | cycle | "
+          "plain step (forward + other) | τ | "
           "cycle ÷ step | spec tok/s | AR tok/s | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows_out:

@@ -1,13 +1,13 @@
-"""dflash2.DecodeAttention (plugins/ortDecodeAttention, loaded into ONNX Runtime) and the fused target that runs it:
-the op vs its NumPy twin on fresh random inputs (edge sizes: no past, one row, a capacity that is not a multiple
-of 8, a head size without the vector path, shared and unshared KV buffers); batches with ragged cached lengths and
-ragged new rows (``past_seqlens``: padding rows are zeros and write nothing, a sequence of no rows takes no part)
-vs the twin, and every sequence of a batch bit-equal to its own batch-1 call (GroupQueryAttention's inputs: B = 1
-unchanged); the fused target with it vs with ORT's GroupQueryAttention; every row of a k-row call vs k 1-row calls
-(the lossless verify: same argmax, logits within 1e-4 relative, bit-equal with this op); speculative =
-autoregressive decoding on the accepting pair with drafts accepted; the selector's plugin node run by the library =
-the selector's CPU twin and the decomposed head. The library is built by scripts/setup.sh test (scripts/build_ort_ops.sh); where it is missing these
-tests fail, saying so."""
+"""dflash2.DecodeAttention (plugins/ortDecodeAttention, loaded into ONNX Runtime) and the fused target that runs it: the
+op vs its NumPy twin on fresh random inputs (edge sizes: no past, one row, a capacity that is not a multiple of 8, a
+head size without the vector path, shared and unshared KV buffers); batches with ragged cached lengths and ragged new
+rows (``past_seqlens``: padding rows are zeros and write nothing, a sequence of no rows takes no part) vs the twin,
+and every sequence of a batch bit-equal to its own batch-1 call (GroupQueryAttention's inputs: B = 1 unchanged); the
+fused target with it vs with ORT's GroupQueryAttention; every row of a k-row call vs k 1-row calls (the lossless
+verify: same argmax, logits within 1e-4 relative, bit-equal with this op); speculative = autoregressive decoding on
+the accepting pair with drafts accepted; the selector's plugin node run by the library = the selector's CPU twin and
+the decomposed head; dflash2.DrafterLayer = the PyTorch layer, the export's layers block = its standard block. The library is built by scripts/setup.sh test (scripts/build_ort_ops.sh); where it is missing
+these tests fail, saying so."""
 
 from __future__ import annotations
 
@@ -738,7 +738,7 @@ def test_plugin_head_runs_and_equals_the_decomposed_head(acc_export):
         assert sampled > 0
 
 
-# -- dflash2.DrafterLayer: one drafter decoder layer in one node --------------------------------------------------------
+# -- dflash2.DrafterLayer: one drafter decoder layer in one node ----------------------------------------------------
 
 
 def drafter_layer_session(layer, cfg, use_conv: bool):  # noqa: ANN001, ANN201

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import (BLOCK_HIDDEN, BLOCK_LAYERS, KV_CAPACITY_STEP, ExportManifest, GraphSpec, PluginSpec, TargetSpec,
-                                 TensorSpec, TokenizerSpec, drafter_context_names, target_kv_names,
-                                 target_present_names, write_manifest)
+from dflash2_trt.manifest import (BLOCK_HIDDEN, BLOCK_LAYERS, KV_CAPACITY_STEP, ExportManifest, GraphSpec,
+                                 PluginSpec, TargetSpec, TensorSpec, TokenizerSpec, drafter_context_names,
+                                 target_kv_names, target_present_names, write_manifest)
 from dflash2_trt.outdir import TempFolder, check_replace, export_owner, write_error
 from dflash2_trt.validate import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, check_size
 from dflash2_trt.vocabulary import DRAFT_MODES, DTYPES, INDEPENDENT, SELECTOR_MODES, head_key
@@ -291,7 +291,8 @@ def _add_flavours(b: _Build, ort_flavour: bool, verify: bool) -> None:
         b.report.update(report)
         from dflash2_trt.export import onnx_graphs
 
-        why = onnx_graphs.fused_layers_unsupported(b.drafter)
+        why = "the drafter's weights are quantized" if b.draft_quant.enabled else \
+            onnx_graphs.fused_layers_unsupported(b.drafter)
         if why is None:  # checked by the runtime's tests: the export cannot load the custom-op library
             b.add(BLOCK_LAYERS, _trace_block(b, onnx_graphs.DrafterBlockLayersGraph),
                   GraphSpec(file=f"{BLOCK_LAYERS}.onnx", role="drafter_block", flavour="ort"))

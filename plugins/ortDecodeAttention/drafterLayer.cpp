@@ -119,7 +119,8 @@ void convMix(DrafterLayerWeights const& w, std::vector<float> const& base, float
             float acc = 0.F;
             for (int64_t o = 0; o < kc; ++o)
             {
-                float const coef = base[static_cast<size_t>((side * kc + o) * H + c)] + dt[(side * kc + o) * G + c / w.convGroup];
+                int64_t const tap = side * kc + o;
+                float const coef = base[static_cast<size_t>(tap * H + c)] + dt[tap * G + c / w.convGroup];
                 float const v = t >= o ? y[(t - o) * H + c] : 0.F;
                 acc = o == 0 ? coef * v : acc + coef * v;
             }

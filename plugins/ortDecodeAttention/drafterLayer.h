@@ -1,10 +1,10 @@
 //! \file drafterLayer.h
 //! One DFlash 2 drafter decoder layer over a block's rows, the whole layer in one call: the twin of
 //! dflash2_trt.model.drafter.DrafterLayer.forward (RMSNorm, the dynamic two-tap convolutions, KV-injection attention
-//! with q/k norms and RoPE over [context keys | block keys] under additive biases, gated MLP). The ORT graph of a
-//! layer is ≈ 170 small nodes; after a target step each costs ≈ 10 µs of cold caches, which made a drafter proposal
-//! cost more than its arithmetic and its weights together. Projections read their weights in panels through the
-//! PanelMatMul kernels (an exact code where one fits: panelCodes.h).
+//! with q/k norms and RoPE over [context keys | block keys] under additive biases, gated MLP) in place of the ≈ 170
+//! small nodes of the layer's ONNX graph, whose per-node costs inside a decode loop (after a target step, caches
+//! cold) add up to ≈ 0.3 ms a proposal. Projections read their weights in panels through the PanelMatMul kernels
+//! (an exact code where one fits: panelCodes.h).
 #pragma once
 
 #include "panelCodes.h"
