@@ -32,6 +32,7 @@
 //! Errors come back as OrtStatus (no exception crosses the library boundary).
 #include "decodeAttention.h"
 #include "ortDrafterLayerOp.h"
+#include "ortOpParts.h"
 #include "ortSelectorOp.h"
 #include "panelCodes.h"
 #include "panelMatMul.h"
@@ -67,30 +68,12 @@ struct Shape
 
 OrtStatus* shapeOf(OrtValue const* v, Shape& out)
 {
-    OrtTensorTypeAndShapeInfo* info = nullptr;
-    if (OrtStatus* st = gApi->GetTensorTypeAndShape(v, &info))
-    {
-        return st;
-    }
-    size_t n = 0;
-    OrtStatus* st = gApi->GetDimensionsCount(info, &n);
-    if (st == nullptr)
-    {
-        out.dims.resize(n);
-        st = gApi->GetDimensions(info, out.dims.data(), n);
-    }
-    gApi->ReleaseTensorTypeAndShapeInfo(info);
-    return st;
+    return dflash2::ort::tensorDims(gApi, v, out.dims);
 }
 
-// An input's data. GetTensorData (const) is newer than the API version built against (Debian's 1.21 headers,
-// ORT_API_VERSION 21); GetTensorMutableData has been there since version 1 and the kernel only reads.
 OrtStatus* tensorData(OrtValue const* v, void const** out)
 {
-    void* p = nullptr;
-    OrtStatus* st = gApi->GetTensorMutableData(const_cast<OrtValue*>(v), &p);
-    *out = p;
-    return st;
+    return dflash2::ort::tensorData(gApi, v, out);
 }
 
 OrtStatus* fail(std::string const& msg)
@@ -335,11 +318,6 @@ char const* ORT_API_CALL opName(OrtCustomOp const*)
     return "DecodeAttention";
 }
 
-char const* ORT_API_CALL opProvider(OrtCustomOp const*)
-{
-    return "CPUExecutionProvider";
-}
-
 ONNXTensorElementDataType ORT_API_CALL inputType(OrtCustomOp const*, size_t i)
 {
     return (i == 3 || i == 4 || i == 7) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -358,11 +336,6 @@ ONNXTensorElementDataType ORT_API_CALL outputType(OrtCustomOp const*, size_t)
 size_t ORT_API_CALL outputCount(OrtCustomOp const*)
 {
     return 3;
-}
-
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(OrtCustomOp const*, size_t)
-{
-    return INPUT_OUTPUT_REQUIRED;
 }
 
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL inputCharacteristic(OrtCustomOp const*, size_t i)
@@ -431,13 +404,13 @@ OrtCustomOp makeOp()
     OrtCustomOp op{};
     op.version = ORT_API_VERSION;
     op.GetName = opName;
-    op.GetExecutionProviderType = opProvider;
+    op.GetExecutionProviderType = dflash2::ort::cpuProvider;
     op.GetInputType = inputType;
     op.GetInputTypeCount = inputCount;
     op.GetOutputType = outputType;
     op.GetOutputTypeCount = outputCount;
     op.GetInputCharacteristic = inputCharacteristic;
-    op.GetOutputCharacteristic = required;
+    op.GetOutputCharacteristic = dflash2::ort::required;
     op.GetInputMemoryType = inputMemory;
     op.CreateKernelV2 = createKernel;
     op.KernelComputeV2 = computeKernel;
@@ -579,11 +552,6 @@ size_t ORT_API_CALL matMulOutputCount(OrtCustomOp const*)
     return 1;
 }
 
-OrtMemType ORT_API_CALL defaultMemory(OrtCustomOp const*, size_t)
-{
-    return OrtMemTypeDefault;
-}
-
 //! The kernel looks for an exact code of its weights when it is created (once, as the session loads), unless
 //! DFLASH2_ORT_PANEL_CODES=0; weights that are not a constant keep the fp32 kernel.
 OrtStatus* ORT_API_CALL createMatMul(OrtCustomOp const*, OrtApi const* api, OrtKernelInfo const* info, void** kernel)
@@ -658,14 +626,14 @@ OrtCustomOp makeMatMulOp()
     OrtCustomOp op{};
     op.version = ORT_API_VERSION;
     op.GetName = matMulName;
-    op.GetExecutionProviderType = opProvider;
+    op.GetExecutionProviderType = dflash2::ort::cpuProvider;
     op.GetInputType = outputType; // every input and the output: float
     op.GetInputTypeCount = matMulInputCount;
     op.GetOutputType = outputType;
     op.GetOutputTypeCount = matMulOutputCount;
-    op.GetInputCharacteristic = required;
-    op.GetOutputCharacteristic = required;
-    op.GetInputMemoryType = defaultMemory;
+    op.GetInputCharacteristic = dflash2::ort::required;
+    op.GetOutputCharacteristic = dflash2::ort::required;
+    op.GetInputMemoryType = dflash2::ort::defaultMemory;
     op.CreateKernelV2 = createMatMul;
     op.KernelComputeV2 = computeMatMulKernel;
     op.KernelDestroy = destroyMatMul;

@@ -14,6 +14,7 @@
 #include "ortDrafterLayerOp.h"
 
 #include "drafterLayer.h"
+#include "ortOpParts.h"
 #include "panelMatMul.h"
 
 #include <exception>
@@ -37,28 +38,10 @@ OrtStatus* fail(OrtApi const* api, std::string const& msg)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, ("dflash2.DrafterLayer: " + msg).c_str());
 }
 
-OrtStatus* dimsOf(OrtApi const* api, OrtValue const* v, std::vector<int64_t>& dims)
-{
-    OrtTensorTypeAndShapeInfo* info = nullptr;
-    if (OrtStatus* st = api->GetTensorTypeAndShape(v, &info))
-    {
-        return st;
-    }
-    size_t n = 0;
-    OrtStatus* st = api->GetDimensionsCount(info, &n);
-    if (st == nullptr)
-    {
-        dims.resize(n);
-        st = api->GetDimensions(info, dims.data(), n);
-    }
-    api->ReleaseTensorTypeAndShapeInfo(info);
-    return st;
-}
-
 OrtStatus* dataOf(OrtApi const* api, OrtValue const* v, float const** out)
 {
-    void* p = nullptr; // GetTensorData (const) is newer than the headers' API version; the op only reads
-    OrtStatus* st = api->GetTensorMutableData(const_cast<OrtValue*>(v), &p);
+    void const* p = nullptr;
+    OrtStatus* st = dflash2::ort::tensorData(api, v, &p);
     *out = static_cast<float const*>(p);
     return st;
 }
@@ -77,7 +60,7 @@ OrtStatus* constant(OrtApi const* api, OrtKernelInfo const* info, size_t i, std:
     {
         return fail(api, "input " + std::to_string(i) + " (a weight) must be a constant");
     }
-    if (OrtStatus* st = dimsOf(api, v, dims))
+    if (OrtStatus* st = dflash2::ort::tensorDims(api, v, dims))
     {
         return st;
     }
@@ -255,7 +238,7 @@ OrtStatus* compute(LayerKernel const& k, OrtKernelContext* ctx)
         {
             return st;
         }
-        if (OrtStatus* st = dimsOf(api, in[i], dims[i]))
+        if (OrtStatus* st = dflash2::ort::tensorDims(api, in[i], dims[i]))
         {
             return st;
         }
@@ -312,11 +295,6 @@ char const* ORT_API_CALL name(OrtCustomOp const*)
     return "DrafterLayer";
 }
 
-char const* ORT_API_CALL provider(OrtCustomOp const*)
-{
-    return "CPUExecutionProvider";
-}
-
 ONNXTensorElementDataType ORT_API_CALL floatType(OrtCustomOp const*, size_t)
 {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -335,16 +313,6 @@ size_t ORT_API_CALL outputCount(OrtCustomOp const*)
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL inputCharacteristic(OrtCustomOp const*, size_t i)
 {
     return i < 18 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL; // the convolutions' weights
-}
-
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(OrtCustomOp const*, size_t)
-{
-    return INPUT_OUTPUT_REQUIRED;
-}
-
-OrtMemType ORT_API_CALL memory(OrtCustomOp const*, size_t)
-{
-    return OrtMemTypeDefault;
 }
 
 OrtStatus* ORT_API_CALL createKernel(OrtCustomOp const*, OrtApi const* api, OrtKernelInfo const* info, void** kernel)
@@ -390,14 +358,14 @@ OrtCustomOp makeOp()
     OrtCustomOp op{};
     op.version = ORT_API_VERSION;
     op.GetName = name;
-    op.GetExecutionProviderType = provider;
+    op.GetExecutionProviderType = dflash2::ort::cpuProvider;
     op.GetInputType = floatType;
     op.GetInputTypeCount = inputCount;
     op.GetOutputType = floatType;
     op.GetOutputTypeCount = outputCount;
     op.GetInputCharacteristic = inputCharacteristic;
-    op.GetOutputCharacteristic = required;
-    op.GetInputMemoryType = memory;
+    op.GetOutputCharacteristic = dflash2::ort::required;
+    op.GetInputMemoryType = dflash2::ort::defaultMemory;
     op.CreateKernelV2 = createKernel;
     op.KernelComputeV2 = computeKernel;
     op.KernelDestroy = destroyKernel;

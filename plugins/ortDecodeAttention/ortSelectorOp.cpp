@@ -6,6 +6,7 @@
 //! one type (float, float16 or bfloat16), the op accepts any and the twin refuses the others.
 #include "ortSelectorOp.h"
 
+#include "ortOpParts.h"
 #include "pathSelectorHost.h"
 
 #include <exception>
@@ -46,30 +47,18 @@ OrtStatus* readInput(OrtApi const* api, OrtKernelContext* ctx, size_t i, Tensor&
     {
         return st;
     }
+    if (OrtStatus* st = dflash2::ort::tensorDims(api, v, t.dims))
+    {
+        return st;
+    }
     OrtTensorTypeAndShapeInfo* info = nullptr;
     if (OrtStatus* st = api->GetTensorTypeAndShape(v, &info))
     {
         return st;
     }
-    size_t n = 0;
-    OrtStatus* st = api->GetDimensionsCount(info, &n);
-    if (st == nullptr)
-    {
-        t.dims.resize(n);
-        st = api->GetDimensions(info, t.dims.data(), n);
-    }
-    if (st == nullptr)
-    {
-        st = api->GetTensorElementType(info, &t.type);
-    }
+    OrtStatus* st = api->GetTensorElementType(info, &t.type);
     api->ReleaseTensorTypeAndShapeInfo(info);
-    void* p = nullptr; // GetTensorData (const) is newer than the headers' API version; the op only reads
-    if (st == nullptr)
-    {
-        st = api->GetTensorMutableData(const_cast<OrtValue*>(v), &p);
-    }
-    t.data = p;
-    return st;
+    return st != nullptr ? st : dflash2::ort::tensorData(api, v, &t.data);
 }
 
 int32_t elemType(ONNXTensorElementDataType t)
@@ -162,11 +151,6 @@ char const* ORT_API_CALL name(OrtCustomOp const*)
     return "DFlash2PathSelector";
 }
 
-char const* ORT_API_CALL provider(OrtCustomOp const*)
-{
-    return "CPUExecutionProvider";
-}
-
 //! cand_ids, anchor_ids: int32; hidden_proj and the codebooks: any (checked at run time); the rest float.
 ONNXTensorElementDataType ORT_API_CALL inputType(OrtCustomOp const*, size_t i)
 {
@@ -190,16 +174,6 @@ ONNXTensorElementDataType ORT_API_CALL outputType(OrtCustomOp const*, size_t i)
 size_t ORT_API_CALL outputCount(OrtCustomOp const*)
 {
     return kOutputs;
-}
-
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(OrtCustomOp const*, size_t)
-{
-    return INPUT_OUTPUT_REQUIRED;
-}
-
-OrtMemType ORT_API_CALL memory(OrtCustomOp const*, size_t)
-{
-    return OrtMemTypeDefault;
 }
 
 OrtStatus* ORT_API_CALL create(OrtCustomOp const*, OrtApi const* api, OrtKernelInfo const* info, void** kernel)
@@ -273,14 +247,14 @@ OrtCustomOp makeOp()
     OrtCustomOp op{};
     op.version = ORT_API_VERSION;
     op.GetName = name;
-    op.GetExecutionProviderType = provider;
+    op.GetExecutionProviderType = dflash2::ort::cpuProvider;
     op.GetInputType = inputType;
     op.GetInputTypeCount = inputCount;
     op.GetOutputType = outputType;
     op.GetOutputTypeCount = outputCount;
-    op.GetInputCharacteristic = required;
-    op.GetOutputCharacteristic = required;
-    op.GetInputMemoryType = memory;
+    op.GetInputCharacteristic = dflash2::ort::required;
+    op.GetOutputCharacteristic = dflash2::ort::required;
+    op.GetInputMemoryType = dflash2::ort::defaultMemory;
     op.CreateKernelV2 = create;
     op.KernelComputeV2 = computeKernel;
     op.KernelDestroy = destroy;

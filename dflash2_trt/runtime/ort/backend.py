@@ -249,25 +249,25 @@ class OrtBackend(BackendBase):
     def head_key(self, mode: str) -> str:
         """The drafter head graph a draft mode runs: the ``.plugin`` variant, whose selector is one node
         (``trt.plugins.DFlash2PathSelector``: the custom-op library runs the selector's CPU twin, the CUDA kernel's
-        numbers bit for bit, in place of ≈ 120 small ONNX ops) where the library is in use and the drafter's heads are
-        not quantized (only the decomposed head has an ``*_ort`` variant), else the decomposed head."""
-        plugin = head_key(mode, plugin=True)
-        if (mode != INDEPENDENT and self.decode_attention and plugin in self.manifest.graphs
-                and head_key(mode) + ORT_SUFFIX not in self.manifest.graphs):
-            return plugin
-        return head_key(mode)
+        numbers bit for bit, in place of ≈ 120 small ONNX ops), else the decomposed head (:meth:`_library_graph`)."""
+        return self._library_graph(head_key(mode, plugin=True), head_key(mode))
 
     def block_key(self) -> str:
         """The drafter block graph the runners use: ``drafter_block_layers`` (each decoder layer one
-        ``dflash2.DrafterLayer`` node in place of ≈ 170 small ONNX ops) where the library is in use and the drafter is
-        not quantized (``drafter_block_ort``), else ``drafter_block``."""
-        if (self.decode_attention and BLOCK_LAYERS in self.manifest.graphs
-                and "drafter_block" + ORT_SUFFIX not in self.manifest.graphs):
-            return BLOCK_LAYERS
-        return "drafter_block"
+        ``dflash2.DrafterLayer`` node in place of ≈ 170 small ONNX ops), else ``drafter_block``
+        (:meth:`_library_graph`)."""
+        return self._library_graph(BLOCK_LAYERS, "drafter_block")
+
+    def _library_graph(self, variant: str, standard: str) -> str:
+        """``variant`` (a graph only the custom-op library runs) where the library is in use, the export has it and
+        the drafter is not quantized (only ``standard`` has an ``*_ort`` variant), else ``standard``."""
+        graphs = self.manifest.graphs
+        if self.decode_attention and variant in graphs and standard + ORT_SUFFIX not in graphs:
+            return variant
+        return standard
 
     def panel_codes(self) -> dict[str, int]:
-        """The loaded sessions' PanelMatMul kernels by the exact code their weights fit
+        """The loaded sessions' weight matrices (PanelMatMul and DrafterLayer kernels) by the exact code they fit
         (:data:`~dflash2_trt.runtime.ort.decode_attention.PANEL_CODES`; "none": fp32); empty without the panels."""
         out: dict[str, int] = {}
         for s in self._sessions.values():
