@@ -9,7 +9,7 @@ One writer (:func:`write_manifest`: fills the checksums, writes atomically) and 
 Layout (``MANIFEST_VERSION`` 2)::
 
     {"format": "dflash2-trt-export", "manifest_version": 2, "project_version", "exporter_revision",
-     "opset", "dtype": fp32|fp16|bf16, "quantization" + "drafter_quantization": {"kind": none|int8|int4, ...},
+     "opset", "dtype": fp32|fp16|bf16, "quantization" + "drafter_quantization": {"kind": none|int8|int4 (drafter: or q8_0), ...},
      "draft_vocab",
      "max_seq_len", "kv_capacity_step",
      "target":  {"model_type", "vocab_size", "num_layers", "hidden_size", "num_key_value_heads", "head_dim",
@@ -51,8 +51,8 @@ from typing import Any, Union
 
 from dflash2_trt.config import DFlash2Config
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.vocabulary import (DRAFT_MODES, DTYPES, GRAPH_FLAVOURS, INDEPENDENT, QUANTIZATIONS, SELECTOR_IMPLS,
-                                    check_draft_mode, head_key)
+from dflash2_trt.vocabulary import (DRAFT_MODES, DRAFTER_QUANTIZATIONS, DTYPES, GRAPH_FLAVOURS, INDEPENDENT,
+                                    QUANTIZATIONS, SELECTOR_IMPLS, check_draft_mode, head_key)
 
 FORMAT = "dflash2-trt-export"
 MANIFEST_VERSION = 2
@@ -145,7 +145,7 @@ class TokenizerSpec:
 
 @dataclass(frozen=True)
 class Quantization:
-    kind: str = "none"  # QUANTIZATIONS
+    kind: str = "none"  # QUANTIZATIONS (drafter_quantization: DRAFTER_QUANTIZATIONS)
     block_size: Union[int, None] = None  # weight-only: elements per quantization block
     accuracy_level: Union[int, None] = None  # MatMulNBits accuracy level (ORT)
     lm_head: bool = False  # LM head / embeddings quantized too
@@ -374,10 +374,9 @@ def parse_manifest(data: Any, where: str = MANIFEST_FILE) -> ExportManifest:
     m: ExportManifest = _decode(ExportManifest, data, "manifest")
     if m.dtype not in DTYPES:
         raise DFlash2Error(f"manifest.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
-    for name in ("quantization", "drafter_quantization"):
-        if getattr(m, name).kind not in QUANTIZATIONS:
-            raise DFlash2Error(f"manifest.{name}.kind must be one of {', '.join(QUANTIZATIONS)}, "
-                               f"got {getattr(m, name).kind!r}")
+    for name, kinds in (("quantization", QUANTIZATIONS), ("drafter_quantization", DRAFTER_QUANTIZATIONS)):
+        if getattr(m, name).kind not in kinds:
+            raise DFlash2Error(f"manifest.{name}.kind must be one of {', '.join(kinds)}, got {getattr(m, name).kind!r}")
     for g in REQUIRED_GRAPHS:
         if g not in m.graphs:
             raise DFlash2Error(f"{where} lists no {g!r} graph")

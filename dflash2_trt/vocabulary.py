@@ -38,6 +38,10 @@ ORT_ATTENTIONS = ("auto", "decode", "gqa")
 # Export precisions and weight-only quantization kinds.
 DTYPES = ("fp32", "fp16", "bf16")
 QUANTIZATIONS = ("none", "int8", "int4")
+# The drafter's (export --drafter-quantize): MatMulNBits as above, or its own weights rounded onto GGUF Q8_0's grid in
+# fp32 graphs (export/quantize.py: round_q8_0), which the ONNX Runtime custom-op library reads as 8-bit codes.
+Q8_0 = "q8_0"
+DRAFTER_QUANTIZATIONS = (*QUANTIZATIONS, Q8_0)
 # Graph flavours beside standard ONNX: ONNX Runtime only (com.microsoft ops) | TensorRT Q/DQ (quantized target)
 GRAPH_FLAVOURS = ("ort", "qdq")
 

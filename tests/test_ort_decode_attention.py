@@ -832,3 +832,90 @@ def test_block_layers_graph_equals_the_block_graph(acc_export):
             feed[name] = rng.standard_normal((nb, cfg.num_key_value_heads, C, cfg.head_dim)).astype(np.float32)
         a, b = std.run(feed)[0], lay.run(feed)[0]
         assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), nb
+
+
+def q8_0_twin(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy twin of export.quantize.round_q8_0: (rounded w, q, s) per block of 32 inputs of one output."""
+    b = w.astype(np.float32).reshape(w.shape[0], -1, 32)
+    raw = (np.abs(b).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    m, e = np.frexp(raw.astype(np.float64))  # raw = m 2^e, m in [0.5, 1)
+    s = np.ldexp(np.floor(m * 2048 + 0.5) / 2048, e).astype(np.float32)  # 11 significant bits, ties away from 0
+    q = np.clip(np.rint(np.divide(b, s, out=np.zeros_like(b), where=s > 0)), -127, 127)
+    return (q * s).astype(np.float32).reshape(w.shape), q, s
+
+
+def test_round_q8_0_is_its_numpy_twin():
+    """round_q8_0 = its NumPy twin on fresh random matrices (rows of very different scales, a zero block, a block of
+    one non-zero weight): integer codes within ±127 reaching 127 in each non-zero block, within half a step of the
+    input, and the grid is a fixed point."""
+    import torch
+
+    from dflash2_trt.export.quantize import round_q8_0
+
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**31))
+    w = (rng.standard_normal((24, 96)) * 10.0 ** rng.uniform(-30, 3, (24, 1))).astype(np.float32)
+    w[3, 32:64] = 0
+    w[5, :32] = 0
+    w[5, 7] = -0.3
+    got = round_q8_0(torch.from_numpy(w)).numpy()
+    want, q, s = q8_0_twin(w)
+    assert np.array_equal(got, want)
+    nonzero = s[..., 0] > 0
+    assert (np.abs(q) <= 127).all() and (np.abs(q).max(-1)[nonzero] == 127).all() and (~nonzero).sum() == 1
+    assert (np.abs(got - w).reshape(q.shape) <= s / 2 * (1 + 1e-6)).all()
+    assert np.array_equal(round_q8_0(torch.from_numpy(got)).numpy(), got)
+
+
+def test_q8_0_drafter_runs_as_8bit_codes(acc_dir, acc_export, tmp_path):
+    """export --drafter-quantize q8_0: the drafter's matrices are rounded onto Q8_0's grid before tracing (the
+    export's checks against that PyTorch drafter pass), the graphs stay fp32 (no MatMulNBits, the layers block kept),
+    the library reads every rounded matrix as 8-bit codes (Scaled8) and none of the target's, and speculative
+    decoding with drafts accepted gives the target's own greedy tokens."""
+    import json
+
+    import jsonschema
+    import onnx
+
+    from helpers import assert_accepts
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.manifest import BLOCK_LAYERS, SCHEMA_FILE
+    from dflash2_trt.runtime import decoder as D
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    out = tmp_path / "q8"
+    export_model(acc_dir / "target", acc_dir / "drafter", out, progress=False, max_seq_len=256, block_size=4,
+                 drafter_quantization="q8_0")
+    m = json.loads((out / "manifest.json").read_text())
+    jsonschema.validate(m, json.loads(SCHEMA_FILE.read_text()))
+    assert m["drafter_quantization"] == {"kind": "q8_0", "block_size": 32, "accuracy_level": None, "lm_head": False,
+                                         "symmetric": True}
+    rounded = m["verification"]["drafter.q8_0_matrices"]
+    assert rounded == 2 * 9 + 2  # per layer q, k, v, o, gate, up, down and two kernel projections; fc; the selector's
+    for g in m["graphs"].values():
+        assert not [n for n in onnx.load(out / g["file"], load_external_data=False).graph.node
+                    if n.op_type == "MatMulNBits"]
+    be = OrtBackend(out, attention="decode")
+    assert be.block_key() == BLOCK_LAYERS
+    target, drafter = be.target_runner(), be.draft_runner("greedy")
+    rng = np.random.default_rng(5)
+    accepted = []
+    for _ in range(4):
+        p = rng.integers(4, target.vocab_size, int(rng.integers(3, 30))).tolist()
+        spec = D.speculative_generate(target, drafter, p, 30, eos_ids=set())
+        assert spec.tokens == D.target_generate(target, p, 30, eos_ids=set()).tokens
+        accepted += spec.accepted
+    assert_accepts(accepted, drafter.block_size - 1, "(a Q8_0 drafter)")
+    def codes(backend, keys):  # noqa: ANN001, ANN202
+        out: dict[str, int] = {}
+        for key in keys:
+            for k, v in backend.session(key).panel_codes.items():
+                out[k] = out.get(k, 0) + v
+        return {k: v for k, v in out.items() if v}
+
+    layers = ("drafter_context", BLOCK_LAYERS)
+    rounded_codes, plain_codes = codes(be, layers), codes(OrtBackend(acc_export, attention="decode"), layers)
+    # every matrix of the context and layer graphs coded (Scaled8, or Affine4 where a block has 16 even levels);
+    # the pair's own fp32 drafter leaves some in fp32 / fp16
+    assert "none" not in rounded_codes and rounded_codes.get("scaled8", 0) > 0, rounded_codes
+    assert "scaled8" not in plain_codes and plain_codes.get("none", 0) > 0, plain_codes
+    assert sum(rounded_codes.values()) == sum(plain_codes.values())

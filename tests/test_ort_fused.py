@@ -292,9 +292,10 @@ def test_quantize_bad_input(tiny_dir, tmp_path, capsys):
                str(tmp_path / "x"), "--dtype", "bf16", "--quantize", "int4", "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "not bf16" in err[0] and not (tmp_path / "x").exists()
-    for extra, says in ((["--dtype", "fp16"], "not a fp16 export"), (["--no-ort-flavour"], "--no-ort-flavour")):
+    for dq, extra, says in (("int8", ["--dtype", "fp16"], "not a fp16 export"),
+                            ("q8_0", ["--no-ort-flavour"], "--no-ort-flavour")):
         rc = main(["--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"), "--out",
-                   str(tmp_path / "x"), "--drafter-quantize", "int8", "--quiet", *extra])
+                   str(tmp_path / "x"), "--drafter-quantize", dq, "--quiet", *extra])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 1 and len(err) == 1 and says in err[0] and not (tmp_path / "x").exists()
     with pytest.raises(DFlash2Error, match="--drafter-quantize"):

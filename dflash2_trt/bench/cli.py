@@ -20,8 +20,8 @@ import sys
 from dflash2_trt import validate as V
 from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, DEMO_PROMPT, demo_drafter_path
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.vocabulary import (BACKEND_CHOICES, DEFAULT_PROPOSER, INDEPENDENT, PROPOSERS, QUANTIZATIONS,
-                                    SELECTOR_MODES)
+from dflash2_trt.vocabulary import (BACKEND_CHOICES, DEFAULT_PROPOSER, DRAFTER_QUANTIZATIONS, INDEPENDENT,
+                                    PROPOSERS, SELECTOR_MODES)
 
 
 def add_parsers(sub) -> None:  # noqa: ANN001
@@ -71,8 +71,8 @@ def _export_options(b: argparse.ArgumentParser, draft_vocab: int = 0, drafter_qu
     b.add_argument("--draft-vocab", type=V.NON_NEGATIVE, default=draft_vocab, metavar="N",
                    help="export with the drafter's LM head restricted to its N most frequent ids, 0 = all "
                         f"(default {draft_vocab}; cached export)")
-    b.add_argument("--drafter-quantize", choices=QUANTIZATIONS, default=drafter_quantize,
-                   help="export with the drafter's ONNX Runtime graphs' weights quantized (int8 activations; the "
+    b.add_argument("--drafter-quantize", choices=DRAFTER_QUANTIZATIONS, default=drafter_quantize,
+                   help="export with the drafter's weights quantized (as dflash2 export --drafter-quantize; the "
                         f"target's output is unchanged; default {drafter_quantize}; cached export)")
 
 

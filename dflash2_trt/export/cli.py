@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 
 from dflash2_trt import validate as V
-from dflash2_trt.vocabulary import DTYPES, QUANTIZATIONS
+from dflash2_trt.vocabulary import DRAFTER_QUANTIZATIONS, DTYPES, QUANTIZATIONS
 
 
 def add_parsers(sub) -> None:  # noqa: ANN001
@@ -51,10 +51,11 @@ def add_parsers(sub) -> None:  # noqa: ANN001
                    help="MatMulNBits accuracy_level: 0 (fp32 compute; speculative decoding reproduces the quantized "
                         "target exactly) or 4 (int8 activations: faster, but 1-row and multi-row calls differ)")
     p.add_argument("--no-quantize-lm-head", action="store_true", help="keep the LM head MatMul in fp32")
-    p.add_argument("--drafter-quantize", choices=QUANTIZATIONS, default=None,
-                   help="weight-only MatMulNBits quantization of the ONNX Runtime drafter graphs alone (fp32 exports; "
-                        "int8 activations; drafts are verified, so the target's output is unchanged; default: as "
-                        "--quantize)")
+    p.add_argument("--drafter-quantize", choices=DRAFTER_QUANTIZATIONS, default=None,
+                   help="the drafter's weights alone (fp32 exports; drafts are verified, so the target's output is "
+                        "unchanged): int8 / int4 MatMulNBits in its ONNX Runtime graphs (int8 activations), or q8_0: "
+                        "its weights rounded onto GGUF Q8_0's grid, fp32 graphs the custom-op library reads as 8-bit "
+                        "codes (default: as --quantize)")
     p.add_argument("--verify-cost", action="store_true",
                    help="time the fused target's verification (1/4/8/16 rows) here; record a recommended block size")
     p.add_argument("--draft-vocab", type=V.NON_NEGATIVE, default=0, metavar="N",

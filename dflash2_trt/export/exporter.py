@@ -35,7 +35,7 @@ from dflash2_trt.manifest import (BLOCK_HIDDEN, BLOCK_LAYERS, KV_CAPACITY_STEP, 
                                  target_kv_names, target_present_names, write_manifest)
 from dflash2_trt.outdir import TempFolder, check_replace, export_owner, write_error
 from dflash2_trt.validate import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, check_size
-from dflash2_trt.vocabulary import DRAFT_MODES, DTYPES, INDEPENDENT, SELECTOR_MODES, head_key
+from dflash2_trt.vocabulary import DRAFT_MODES, DTYPES, INDEPENDENT, Q8_0, SELECTOR_MODES, head_key
 
 DEFAULT_OPSET = 17
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -75,8 +75,9 @@ def export_model(
     fp32 export, and the TensorRT flavour ``target_qdq.onnx`` with explicit Q/DQ weights); ``draft_vocab`` N > 0: the drafter's
     LM head keeps only the N most frequent ids of its training responses (``token_counts.npy``); ``overwrite``:
     replace an export of ours that holds files its manifest does not list (see :mod:`dflash2_trt.outdir`);
-    ``drafter_quantization``: none|int8|int4, the ONNX Runtime drafter graphs' weights (default: ``quantization``'s
-    kind; drafts are verified, so an fp32 target stays exact with a quantized drafter)."""
+    ``drafter_quantization``: none|int8|int4, the ONNX Runtime drafter graphs' MatMulNBits weights (default:
+    ``quantization``'s kind), or q8_0, the drafter's own weights rounded onto Q8_0's grid (fp32 graphs; see
+    :mod:`dflash2_trt.export.quantize`); drafts are verified, so an fp32 target stays exact with a quantized drafter."""
     from dflash2_trt.export.quantize import QuantSpec, drafter_spec
 
     quant = quantization if quantization is not None else QuantSpec()
@@ -96,13 +97,14 @@ def export_model(
         raise DFlash2Error(f"--drafter-quantize {drafter_quantization}: the quantized drafter is an ONNX Runtime graph "
                            f"of an fp32 export with its ONNX Runtime flavour, not a"
                            + (f" {dtype} export" if dtype != "fp32" else "n export without it (--no-ort-flavour)"))
+    draft_q8_0 = ort_flavour and drafter_quantization == Q8_0
     out = Path(out)
     check_replace(out, "--out", export_owner, overwrite)
     try:
         with TempFolder(out, "export") as t:
             manifest = _export_into(t.path, Path(target_path), Path(drafter_path), opset, dtype, block_size,
                                     max_seq_len, progress, verify, ort_flavour, quant,
-                                    draft_quant, draft_vocab)
+                                    draft_quant, draft_q8_0, draft_vocab)
             if not overwrite:
                 check_replace(out, "--out", export_owner)  # again: it may have changed meanwhile
             t.publish()
@@ -124,7 +126,8 @@ class _Build:
     opset: int
     max_seq_len: int
     quant: Any  # dflash2_trt.export.quantize.QuantSpec: the target's
-    draft_quant: Any  # ... the ONNX Runtime drafter graphs' (quantize.drafter_spec)
+    draft_quant: Any  # ... the ONNX Runtime drafter graphs' MatMulNBits (quantize.drafter_spec)
+    draft_q8_0: bool  # the drafter's weights rounded onto Q8_0's grid (quantize.q8_0_drafter)
     layer_ids: list[int]
     models: dict[str, Any] = field(default_factory=dict)
     graphs: dict[str, GraphSpec] = field(default_factory=dict)
@@ -143,7 +146,7 @@ class _Build:
 
 def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str,
                  block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool, ort_flavour: bool,
-                 quant: Any, draft_quant: Any, draft_vocab: int) -> ExportManifest:
+                 quant: Any, draft_quant: Any, draft_q8_0: bool, draft_vocab: int) -> ExportManifest:
     """The export as named stages, each one step of the progress bar."""
     stages: list[tuple[str, Callable[[_Build], None]]] = [
         ("export target", _trace_target), ("export drafter", _trace_drafter), ("export heads", _trace_heads),
@@ -151,7 +154,8 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
         ("verify vs PyTorch", _verify if verify else lambda b: None)]
     bar = _progress(["load models", *(name for name, _ in stages), "tokenizer + manifest"], progress)
     bar.set_postfix_str("load models")
-    b = _load(tmp, target_path, drafter_path, opset, dtype, block_size, max_seq_len, quant, draft_quant, draft_vocab)
+    b = _load(tmp, target_path, drafter_path, opset, dtype, block_size, max_seq_len, quant, draft_quant, draft_q8_0,
+              draft_vocab)
     for name, stage in stages:
         bar.update(1)
         bar.set_postfix_str(name)
@@ -165,12 +169,13 @@ def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, d
 
 
 def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str, block_size: int | None,
-          max_seq_len: int | None, quant: Any, draft_quant: Any, draft_vocab: int) -> _Build:
+          max_seq_len: int | None, quant: Any, draft_quant: Any, draft_q8_0: bool, draft_vocab: int) -> _Build:
     """Both models in the export dtype, the drafter bound to the target (at the asked block size, with its LM
-    head restricted to ``draft_vocab`` ids)."""
+    head restricted to ``draft_vocab`` ids, its weights on Q8_0's grid where asked)."""
     import torch
 
     from dflash2_trt.export import onnx_graphs
+    from dflash2_trt.export.quantize import q8_0_drafter
     from dflash2_trt.model import load_drafter
     from dflash2_trt.model.checkpoint import draft_vocabulary
     from dflash2_trt.target import TargetModel, resolve_target_path
@@ -188,12 +193,14 @@ def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: s
         raise DFlash2Error(f"--max-seq-len must be in [2, {max_pos}] (the target's max_position_embeddings), "
                            f"got {max_seq_len}")
     b = _Build(tmp, target, resolve_target_path(target_path), drafter, dtype, opset, int(max_seq_len), quant,
-               draft_quant, list(drafter.config.target_layer_ids or []))
+               draft_quant, draft_q8_0, list(drafter.config.target_layer_ids or []))
     target.model.to(b.torch_dtype)
     drafter.to(b.torch_dtype)
     drafter.bind_target(target.embed_weight, target.lm_head_weight)
     if draft_vocab:
         drafter.restrict_vocab(torch.from_numpy(draft_vocabulary(drafter, draft_vocab)))
+    if draft_q8_0:
+        b.report["drafter.q8_0_matrices"] = q8_0_drafter(drafter)
     return b
 
 
@@ -346,6 +353,7 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
     from dflash2_trt import __version__
     from dflash2_trt.export import onnx_utils
     from dflash2_trt.export import selector_contract as sc
+    from dflash2_trt.export.quantize import Q8_0_MANIFEST
 
     tok_files = []
     for name in TOKENIZER_FILES:
@@ -369,7 +377,7 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
                           plugin_namespace=sc.PLUGIN_NAMESPACE),
         graphs=dict(b.graphs), tokenizer=TokenizerSpec(files=tuple(tok_files), chat_template=chat),
         kv_capacity_step=KV_CAPACITY_STEP, quantization=b.quant.manifest(),
-        drafter_quantization=b.draft_quant.manifest(),
+        drafter_quantization=Q8_0_MANIFEST if b.draft_q8_0 else b.draft_quant.manifest(),
         draft_vocab=int(draft_vocab), weights=onnx_utils.WEIGHTS_FILE, verification=dict(b.report),
         project_version=__version__, exporter_revision=EXPORTER_REVISION)
     return write_manifest(b.tmp, manifest)

@@ -9,7 +9,11 @@ the target's level: the drafter graphs always use level 4 (:data:`DRAFTER_ACCURA
 are their own choice (``--drafter-quantize``, :func:`drafter_spec`; by default the target's kind): drafts are
 verified, so an fp32 target with an int8 drafter still decodes exactly its own greedy tokens, and a drafter call is a
 few ms of weight reads on the CPU (SmolLM2's demo drafter: 30 MB in fp32, read from memory every cycle).
-The LM head (the target's and the drafter's: they are the same weight) is a separate choice
+``--drafter-quantize q8_0`` is the other route for the drafter (:func:`q8_0_drafter`): its own weights rounded onto GGUF
+Q8_0's grid before anything is traced, so every graph holds an fp32 drafter that is exactly that Q8_0 drafter (the
+export's checks against PyTorch stay exact) and the ONNX Runtime custom-op library reads each of its matrices as
+8-bit codes (1.125 bytes a weight instead of 4: plugins/ortDecodeAttention/panelCodes.h); without the library the
+graphs run as fp32. The LM head (the target's and the drafter's: they are the same weight) is a separate choice
 (``lm_head``); embeddings stay fp32 (a ``Gather`` reads one row per token, quantizing it saves memory,
 not time). ``MatMulNBits`` exists only in ONNX Runtime.
 
@@ -35,7 +39,7 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import Quantization
-from dflash2_trt.vocabulary import QUANTIZATIONS
+from dflash2_trt.vocabulary import DRAFTER_QUANTIZATIONS, Q8_0, QUANTIZATIONS
 
 _BITS = {"int8": 8, "int4": 4}
 DEFAULT_BLOCK_SIZE = 32
@@ -79,13 +83,54 @@ class QuantSpec:
 
 
 def drafter_spec(target: QuantSpec, kind: str | None = None) -> QuantSpec:
-    """The ONNX Runtime drafter graphs' quantization: ``kind`` (none|int8|int4; None: the target's kind) at the
-    target's block size and LM-head choice, accuracy level :data:`DRAFTER_ACCURACY_LEVEL`."""
-    if kind is not None and kind not in QUANTIZATIONS:
-        raise DFlash2Error(f"--drafter-quantize must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+    """The ONNX Runtime drafter graphs' MatMulNBits quantization: ``kind`` (none|int8|int4; None: the target's kind;
+    q8_0: none, the weights are rounded instead) at the target's block size and LM-head choice, accuracy level
+    :data:`DRAFTER_ACCURACY_LEVEL`."""
+    if kind is not None and kind not in DRAFTER_QUANTIZATIONS:
+        raise DFlash2Error(f"--drafter-quantize must be one of {', '.join(DRAFTER_QUANTIZATIONS)}, got {kind!r}")
+    if kind == Q8_0:
+        return QuantSpec()
     spec = QuantSpec(target.kind if kind is None else kind, target.block_size, DRAFTER_ACCURACY_LEVEL, target.lm_head,
                      target.symmetric)
     return spec if spec.enabled else QuantSpec()
+
+
+Q8_0_BLOCK = 32  # weights per scale, consecutive along a matrix's input dimension (GGUF's block; panelCodes' kCodeBlock)
+Q8_0_MANIFEST = Quantization(kind=Q8_0, block_size=Q8_0_BLOCK)
+
+
+def round_q8_0(w):  # noqa: ANN001, ANN201
+    """``w`` [out, in] fp32 (``in`` a multiple of :data:`Q8_0_BLOCK`) rounded onto Q8_0's grid: per block of 32
+    inputs of one output w = q x s, q in -127..127, s = max|w| / 127 rounded to 11 significant bits (fp16's
+    precision, where GGUF keeps it; fp32's exponent range). The block's largest magnitude lands on q = ±127 (s is
+    within 2^-12 of max|w| / 127), so the library's code search (scale candidates from max|w| / 127) finds s again."""
+    import torch
+
+    out, n = w.shape
+    b = w.detach().float().reshape(out, n // Q8_0_BLOCK, Q8_0_BLOCK)
+    raw = (b.abs().amax(-1, keepdim=True) / 127).contiguous()
+    s = ((raw.view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)  # nearest 11-bit value (ties away)
+    q = torch.where(s > 0, b / torch.where(s > 0, s, 1.0), 0.0).round().clamp(-127, 127)
+    return (q * s).reshape(out, n).to(w.dtype)
+
+
+def q8_0_drafter(drafter) -> int:  # noqa: ANN001
+    """Round the fp32 drafter's own matrices onto Q8_0's grid in place (:func:`round_q8_0`; every ``nn.Linear`` whose
+    input dimension holds whole blocks, and the restricted LM head's copy of the target's rows; never the target's
+    own weights, which a full-vocabulary head shares); returns how many."""
+    import torch
+
+    n = 0
+    with torch.no_grad():
+        for m in drafter.modules():
+            if isinstance(m, torch.nn.Linear) and m.in_features % Q8_0_BLOCK == 0:
+                m.weight.copy_(round_q8_0(m.weight))
+                n += 1
+        head = drafter.draft_head_weight
+        if head.numel() and head.shape[1] % Q8_0_BLOCK == 0:
+            drafter.draft_head_weight = round_q8_0(head)
+            n += 1
+    return n
 
 
 def _lm_head_nodes(model, vocab_size: int) -> list[str]:  # noqa: ANN001
