@@ -518,3 +518,46 @@ def test_trainer_block_equals_what_the_runtime_feeds_the_drafter(acc_target, acc
     assert (t_anchor, t_pos) == (r_anchor, r_pos) == ([text[a]], [a])
     torch.testing.assert_close(t_h, r_h, rtol=2e-2, atol=2e-2)  # the data stores features in fp16
     assert res.tokens == text[a: a + bs]  # and what the runtime commits is the trainer's label chain
+
+
+def test_one_gpu_recipe_runs_on_the_cpu_with_the_tiny_pair(tiny_dir, tmp_path):
+    """export/smollm2-drafter-1gpu.sh, every step on the CPU with the tiny pair (DEVICE=cpu, a few prompts):
+    make-data --prompts-only writes the prompt file it reads (and no shard), held-out and generated data, the
+    calibration run sets --steps, both drafters' offline τ on the same held-out rows at block sizes 3 and 4, and
+    the fp16 drafter comes back in pieces that reassemble into a loadable drafter at block size 3."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dflash2_trt.cli import main
+    from dflash2_trt.model import load_drafter
+
+    root = Path(__file__).resolve().parent.parent
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    assert main(["make-data", "--target", str(tiny_dir / "target"), "--out", str(tmp_path / "P"), "--prompt-file",
+                 str(src), "--prompts", "13", "--prompts-only"]) == 0
+    listed = [json.loads(line) for line in (tmp_path / "P" / "prompts.jsonl").read_text().splitlines()]
+    assert [p["text"] for p in listed] == [p["text"] for p in PROMPTS] and not list((tmp_path / "P").glob("shard*"))
+    work = tmp_path / "work"
+    env = dict(os.environ, PROMPTS=str(tmp_path / "P" / "prompts.jsonl"), HELD_PROMPTS=str(src),
+               TARGET=str(tiny_dir / "target"), INIT=str(tiny_dir / "drafter"), WORK=str(work), DEVICE="cpu",
+               N_PROMPTS="8", N_HELD="4", MAX_NEW="12", BATCH="4", BATCH_SEQS="2", ANCHORS="4",
+               SELECTOR_RANK="24", TRAIN_SECONDS="1", DF=f"{sys.executable} -m dflash2_trt.cli")
+    r = subprocess.run(["bash", str(root / "export" / "smollm2-drafter-1gpu.sh")], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = work / "result"
+    steps = (result / "steps.log").read_text()
+    assert all(f"] {i}." in steps for i in range(1, 7))
+    n = int(steps.split("4. train: ")[1].split()[0])  # the budget over the calibration's time per step, >= 20
+    assert n >= 20 and json.loads((result / "train_log.jsonl").read_text().splitlines()[-1])["step"] == n
+    tau = (result / "tau.txt").read_text().splitlines()
+    assert len(tau) == 4 and all('"tau"' in line for line in tau), tau
+    parts = sorted(result.glob("drafter.tgz.part*"))
+    assert parts and all(p.stat().st_size <= 15 * 2**20 for p in parts)
+    (tmp_path / "back.tgz").write_bytes(b"".join(p.read_bytes() for p in parts))
+    subprocess.run(["tar", "-C", str(tmp_path), "-xzf", str(tmp_path / "back.tgz")], check=True)
+    d = load_drafter(tmp_path / "fp16")
+    assert d.config.block_size == 3 and (tmp_path / "fp16" / "trained_prompts.txt").is_file()

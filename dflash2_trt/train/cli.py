@@ -28,6 +28,9 @@ def add_parser(sub) -> None:  # noqa: ANN001
     m.add_argument("--seed", type=V.SEED, default=0)
     m.add_argument("--max-shards", type=V.COUNT, default=None,
                    help="stop after the first N shards (same prompt list; rerun without it to continue)")
+    m.add_argument("--prompts-only", action="store_true",
+                   help="write OUT/prompts.jsonl (the prompt list, self-written instructions included) and stop: "
+                        "a --prompt-file for a machine without the prompt sources; rerun without it to continue")
     m.add_argument("--exclude", nargs="+", default=(), metavar="DATA",
                    help="earlier make-data folders, or drafter folders / their trained_prompts.txt: skip those "
                         "prompts (new data beside them)")
@@ -139,14 +142,15 @@ def _run_make_data(a: argparse.Namespace) -> int:
 
         tf = TeacherForcedConfig(target=a.target, out=a.out, n_texts=a.prompts, max_tokens=a.max_prompt_tokens,
                                  shard_size=a.shard_size, target_layer_ids=ids, topk=a.topk, seed=a.seed,
-                                 max_shards=a.max_shards, exclude=tuple(a.exclude))
+                                 max_shards=0 if a.prompts_only else a.max_shards, exclude=tuple(a.exclude))
         print(json.dumps({"out": str(make_teacher_forced(tf))}))
         return 0
     cfg = MakeDataConfig(target=a.target, out=a.out, n_prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                          max_prompt_tokens=a.max_prompt_tokens, batch=a.batch, shard_size=a.shard_size,
                          sample_every=a.sample_every, mix=mix, n_self=a.self_instructions,  # type: ignore[arg-type]
-                         target_layer_ids=ids, topk=a.topk, seed=a.seed, max_shards=a.max_shards,
-                         exclude=tuple(a.exclude), code_packages=a.code_packages, device=a.device, dtype=a.dtype)
+                         target_layer_ids=ids, topk=a.topk, seed=a.seed,
+                         max_shards=0 if a.prompts_only else a.max_shards, exclude=tuple(a.exclude),
+                         code_packages=a.code_packages, device=a.device, dtype=a.dtype)
     from dflash2_trt.train.dist import setup
 
     dist = setup(a.device)
