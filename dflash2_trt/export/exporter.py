@@ -97,7 +97,7 @@ def export_model(
         raise DFlash2Error(f"--drafter-quantize {drafter_quantization}: the quantized drafter is an ONNX Runtime graph "
                            f"of an fp32 export with its ONNX Runtime flavour, not a"
                            + (f" {dtype} export" if dtype != "fp32" else "n export without it (--no-ort-flavour)"))
-    draft_q8_0 = ort_flavour and drafter_quantization == Q8_0
+    draft_q8_0 = drafter_quantization == Q8_0  # (ort_flavour: checked above)
     out = Path(out)
     check_replace(out, "--out", export_owner, overwrite)
     try:

@@ -199,13 +199,32 @@ typedef struct Stream {
     size_t n;
     int chunks;
     int cancelAfter; /* cancel after this many chunks (0 = never) */
+    int waitGate;    /* the first chunk waits until openGate (another thread's cancel has been issued) */
 } Stream;
+
+static pthread_mutex_t gateLock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gateCond = PTHREAD_COND_INITIALIZER;
+static int gateOpen;
+
+static void openGate(void)
+{
+    pthread_mutex_lock(&gateLock);
+    gateOpen = 1;
+    pthread_cond_broadcast(&gateCond);
+    pthread_mutex_unlock(&gateLock);
+}
 
 static int32_t onTokens(void* u, const int32_t* tokens, size_t n)
 {
     Stream* s = (Stream*) u;
     for (size_t i = 0; i < n; ++i) s->tokens[s->n++] = tokens[i];
     ++s->chunks;
+    if (s->waitGate) {
+        pthread_mutex_lock(&gateLock);
+        while (!gateOpen) pthread_cond_wait(&gateCond, &gateLock);
+        pthread_mutex_unlock(&gateLock);
+        s->waitGate = 0;
+    }
     return s->cancelAfter && s->chunks >= s->cancelAfter;
 }
 
@@ -633,7 +652,7 @@ static void testConcurrentSessions(void)
     dfl2_model* m = NULL;
     OK(dfl2_model_create_callbacks(&cb, NULL, &m));
     static const int32_t prompt[3] = {3, 9, 4};
-    Job ref = {m, prompt, {{0}, 0, 0, 0}};
+    Job ref = {m, prompt, {{0}, 0, 0, 0, 0}};
     generateJob(&ref);
     CHECK(ref.out.n == 30);
     Job jobs[kTHREADS];
@@ -1311,7 +1330,9 @@ static void testBatchReentrant(void)
 }
 
 /* A request queue served on one thread while two threads submit, one cancels, and the main thread waits for
- * on_done: every request ends once with its own tokens; a second stepper is refused; stop ends serve. */
+ * on_done: every request ends once with its own tokens; a second stepper is refused; stop ends serve. The cancelled
+ * request's first chunk waits in on_tokens until its client has issued the cancel, so it ends cancelled however the
+ * threads are scheduled (it once ran to its length first on a loaded machine). */
 typedef struct Server {
     dfl2_batch* batch;
     dfl2_status* status;
@@ -1339,9 +1360,13 @@ static void* clientThread(void* arg)
     const char* longOpts[] = {"max_new_tokens=90", NULL};
     for (int i = 0; i < c->n; ++i) {
         int isLast = i == c->n - 1 && c->cancelLast;
+        c->reqs[i].stream.waitGate = isLast; /* its first chunk waits for the cancel: it cannot end first */
         submit(c->batch, prompt, 4, isLast ? longOpts : opts, &c->reqs[i]);
     }
-    if (c->cancelLast) OK(dfl2_batch_cancel(c->batch, c->reqs[c->n - 1].id));
+    if (c->cancelLast) {
+        OK(dfl2_batch_cancel(c->batch, c->reqs[c->n - 1].id));
+        openGate();
+    }
     return NULL;
 }
 
