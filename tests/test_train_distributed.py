@@ -250,3 +250,21 @@ def test_an_epochs_short_last_step_leaves_parts_without_rows(tiny_dir, one_proc_
     assert all(abs(la[k] - lb[k]) < 1e-5 for k in la)
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "four")
     assert all(float((a[k] - b[k]).abs().max()) < 1e-5 for k in a)
+
+
+def test_plain_cuda_takes_the_current_device(monkeypatch):
+    """``--device cuda`` in one process: torch.cuda.set_device refuses a device without an index, so setup gives it
+    the current device's (faked CUDA: this machine has none; the call is what a GPU run makes)."""
+    import torch
+
+    from dflash2_trt.train import dist as DI
+
+    calls = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(torch.device(d)))
+    d = DI.setup("cuda")
+    assert d.device == torch.device("cuda", 1) and calls == [torch.device("cuda", 1)] and d.world == 1
+    assert DI.setup("cuda:0").device == torch.device("cuda", 0) and calls[-1] == torch.device("cuda", 0)

@@ -116,6 +116,8 @@ def setup(device: str = "cpu") -> Dist:
                                f"cuda:LOCAL_RANK)")
         dev = check_device(f"cuda:{local}")
     if dev.type == "cuda":
+        if dev.index is None:  # set_device needs an index: plain "cuda" is the current device
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     d = Dist(rank, world, local, dev)
     if world > 1:

@@ -126,7 +126,7 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int, temper
     first = True
     for _ in range(max_new_tokens):
         with torch.no_grad():
-            o = target.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+            o = target.model(input_ids=ids, attention_mask=mask, position_ids=pos, **{target.cache_arg: cache},
                              use_cache=True, output_hidden_states=bool(layer_ids), logits_to_keep=1)
         b = live.size
         if layer_ids:

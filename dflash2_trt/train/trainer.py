@@ -782,7 +782,8 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None,
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc1=f"{m['slot_acc'][0]:.2f}")
             if log is not None and ((step + 1) % tc.log_every == 0 or step + 1 == tc.steps):
                 el = time.perf_counter() - t0
-                m.update({"step": step + 1, "lr": opt.param_groups[0]["lr"], "rows_per_s": rows_done / el})
+                m.update({"step": step + 1, "lr": opt.param_groups[0]["lr"], "rows_per_s": rows_done / el,
+                          "elapsed_s": el})
                 log.write(json.dumps(m) + "\n")
                 log.flush()
             if dist.is_main and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
