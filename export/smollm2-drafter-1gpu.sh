@@ -47,6 +47,7 @@ BLOCK=${BLOCK:-4}             # trained at 4, deployed at 3 (the weights do not 
 BATCH_SEQS=${BATCH_SEQS:-64}
 ANCHORS=${ANCHORS:-96}
 LR=${LR:-2e-4}
+DRAFT_VOCAB=${DRAFT_VOCAB:-4096}  # offline τ also with the head restricted as the demo exports it
 TRAIN_SECONDS=${TRAIN_SECONDS:-240}
 DF=${DF:-python3 -m dflash2_trt.cli}
 mkdir -p "$WORK" "$RESULT"
@@ -81,11 +82,12 @@ log "4. train: $steps steps (budget ${TRAIN_SECONDS} s), $LAYERS layer(s), block
 rm -rf "$WORK/RUN"  # a rerun starts the stage again (its data are kept: make-data resumes)
 $DF train "${train[@]}" --steps "$steps" --checkpoint-every 200 --out "$WORK/RUN"
 log "5. offline τ on the held-out rows (the same rows for both drafters)"
-for bs in 3 4; do
+for case in "3 0" "3 $DRAFT_VOCAB" "4 0"; do  # block size, draft vocabulary (the demo's head: 4096 ids)
+  read -r bs vocab <<< "$case"
   for d in "$INIT" "$WORK/RUN"; do
     r=$($DF eval-tau --target "$TARGET" --drafter "$d" --data "$WORK/HELD" --heldout-shards 1 --rows "$N_HELD" \
-      --block-size "$bs" "${dev[@]}")
-    echo "block size $bs, $d: ${r##*$'\n'}" | tee -a "$RESULT/tau.txt"
+      --block-size "$bs" --draft-vocab "$vocab" "${dev[@]}")
+    echo "block size $bs, draft vocab $vocab, $d: ${r##*$'\n'}" | tee -a "$RESULT/tau.txt"
   done
 done
 log "6. the new drafter in fp16 (deployed block size 3), split for transfer"

@@ -520,11 +520,12 @@ def test_trainer_block_equals_what_the_runtime_feeds_the_drafter(acc_target, acc
     assert res.tokens == text[a: a + bs]  # and what the runtime commits is the trainer's label chain
 
 
-def test_one_gpu_recipe_runs_on_the_cpu_with_the_tiny_pair(tiny_dir, tmp_path):
-    """export/smollm2-drafter-1gpu.sh, every step on the CPU with the tiny pair (DEVICE=cpu, a few prompts):
-    make-data --prompts-only writes the prompt file it reads (and no shard), held-out and generated data, the
-    calibration run sets --steps, both drafters' offline τ on the same held-out rows at block sizes 3 and 4, and
-    the fp16 drafter comes back in pieces that reassemble into a loadable drafter at block size 3."""
+def test_one_gpu_recipe_runs_on_the_cpu_with_the_tiny_pair(tiny_dir, trained_tiny, tmp_path):
+    """export/smollm2-drafter-1gpu.sh, every step on the CPU with the tiny pair (DEVICE=cpu, a few prompts, the
+    warm start a trained 2-layer tiny drafter with its token counts): make-data --prompts-only writes the prompt
+    file it reads (and no shard), held-out and generated data, the calibration run sets --steps, both drafters'
+    offline τ on the same held-out rows (block sizes 3 and 4, and 3 with the restricted head), and the fp16 drafter
+    comes back in pieces that reassemble into a loadable drafter at block size 3."""
     import os
     import subprocess
     import sys
@@ -542,9 +543,9 @@ def test_one_gpu_recipe_runs_on_the_cpu_with_the_tiny_pair(tiny_dir, tmp_path):
     assert [p["text"] for p in listed] == [p["text"] for p in PROMPTS] and not list((tmp_path / "P").glob("shard*"))
     work = tmp_path / "work"
     env = dict(os.environ, PROMPTS=str(tmp_path / "P" / "prompts.jsonl"), HELD_PROMPTS=str(src),
-               TARGET=str(tiny_dir / "target"), INIT=str(tiny_dir / "drafter"), WORK=str(work), DEVICE="cpu",
-               N_PROMPTS="8", N_HELD="4", MAX_NEW="12", BATCH="4", BATCH_SEQS="2", ANCHORS="4",
-               SELECTOR_RANK="24", TRAIN_SECONDS="1", DF=f"{sys.executable} -m dflash2_trt.cli")
+               TARGET=str(tiny_dir / "target"), INIT=str(trained_tiny[0]), WORK=str(work), DEVICE="cpu",
+               N_PROMPTS="8", N_HELD="4", MAX_NEW="12", BATCH="4", BATCH_SEQS="2", ANCHORS="4", LAYERS="2",
+               SELECTOR_RANK="24", DRAFT_VOCAB="64", TRAIN_SECONDS="1", DF=f"{sys.executable} -m dflash2_trt.cli")
     r = subprocess.run(["bash", str(root / "export" / "smollm2-drafter-1gpu.sh")], env=env, cwd=root,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -554,7 +555,8 @@ def test_one_gpu_recipe_runs_on_the_cpu_with_the_tiny_pair(tiny_dir, tmp_path):
     n = int(steps.split("4. train: ")[1].split()[0])  # the budget over the calibration's time per step, >= 20
     assert n >= 20 and json.loads((result / "train_log.jsonl").read_text().splitlines()[-1])["step"] == n
     tau = (result / "tau.txt").read_text().splitlines()
-    assert len(tau) == 4 and all('"tau"' in line for line in tau), tau
+    assert len(tau) == 6 and all('"tau"' in line for line in tau), tau
+    assert sum('"draft_vocab": 64' in line for line in tau) == 2  # both drafters with the restricted head
     parts = sorted(result.glob("drafter.tgz.part*"))
     assert parts and all(p.stat().st_size <= 15 * 2**20 for p in parts)
     (tmp_path / "back.tgz").write_bytes(b"".join(p.read_bytes() for p in parts))
