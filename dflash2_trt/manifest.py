@@ -9,7 +9,8 @@ One writer (:func:`write_manifest`: fills the checksums, writes atomically) and 
 Layout (``MANIFEST_VERSION`` 2)::
 
     {"format": "dflash2-trt-export", "manifest_version": 2, "project_version", "exporter_revision",
-     "opset", "dtype": fp32|fp16|bf16, "quantization" + "drafter_quantization": {"kind": none|int8|int4 (drafter: or q8_0), ...},
+     "opset", "dtype": fp32|fp16|bf16,
+     "quantization" + "drafter_quantization": {"kind": none|int8|int4 (drafter_quantization: or q8_0), ...},
      "draft_vocab",
      "max_seq_len", "kv_capacity_step",
      "target":  {"model_type", "vocab_size", "num_layers", "hidden_size", "num_key_value_heads", "head_dim",

@@ -95,7 +95,7 @@ def drafter_spec(target: QuantSpec, kind: str | None = None) -> QuantSpec:
     return spec if spec.enabled else QuantSpec()
 
 
-Q8_0_BLOCK = 32  # weights per scale, consecutive along a matrix's input dimension (GGUF's block; panelCodes' kCodeBlock)
+Q8_0_BLOCK = 32  # weights per scale, consecutive along a weight's input dimension (GGUF's block, kCodeBlock)
 Q8_0_MANIFEST = Quantization(kind=Q8_0, block_size=Q8_0_BLOCK)
 
 

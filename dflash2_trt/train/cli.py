@@ -133,6 +133,7 @@ def _run_make_data(a: argparse.Namespace) -> int:
         raise DFlash2Error("--teacher-forced runs in one CPU process in fp32: drop --device / --dtype / "
                            "--prompt-file and torchrun")
     plist = _read_prompt_file(a.prompt_file, a.prompts) if a.prompt_file else None
+    max_shards = 0 if a.prompts_only else a.max_shards  # 0: the prompt list alone
     if a.threads:
         import torch
 
@@ -142,15 +143,14 @@ def _run_make_data(a: argparse.Namespace) -> int:
 
         tf = TeacherForcedConfig(target=a.target, out=a.out, n_texts=a.prompts, max_tokens=a.max_prompt_tokens,
                                  shard_size=a.shard_size, target_layer_ids=ids, topk=a.topk, seed=a.seed,
-                                 max_shards=0 if a.prompts_only else a.max_shards, exclude=tuple(a.exclude))
+                                 max_shards=max_shards, exclude=tuple(a.exclude))
         print(json.dumps({"out": str(make_teacher_forced(tf))}))
         return 0
     cfg = MakeDataConfig(target=a.target, out=a.out, n_prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                          max_prompt_tokens=a.max_prompt_tokens, batch=a.batch, shard_size=a.shard_size,
                          sample_every=a.sample_every, mix=mix, n_self=a.self_instructions,  # type: ignore[arg-type]
-                         target_layer_ids=ids, topk=a.topk, seed=a.seed,
-                         max_shards=0 if a.prompts_only else a.max_shards, exclude=tuple(a.exclude),
-                         code_packages=a.code_packages, device=a.device, dtype=a.dtype)
+                         target_layer_ids=ids, topk=a.topk, seed=a.seed, max_shards=max_shards,
+                         exclude=tuple(a.exclude), code_packages=a.code_packages, device=a.device, dtype=a.dtype)
     from dflash2_trt.train.dist import setup
 
     dist = setup(a.device)
