@@ -278,20 +278,25 @@ def test_attention_choice(tiny_export):
 
 
 def test_speculative_equals_autoregressive_with_decode_attention(acc_export):
-    from helpers import assert_accepts
-    from dflash2_trt.runtime import decoder as D
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
-    be = OrtBackend(acc_export, attention="decode")
+    speculative_equals_autoregressive(OrtBackend(acc_export, attention="decode"), 11, 6, 40, "(DecodeAttention)")
+
+
+def speculative_equals_autoregressive(be, seed: int, prompts: int, n: int, what: str) -> None:  # noqa: ANN001
+    """Greedy speculative decoding through ``be`` = its own autoregressive tokens on random prompts, drafts accepted."""
+    from helpers import assert_accepts
+    from dflash2_trt.runtime import decoder as D
+
     target, drafter = be.target_runner(), be.draft_runner("greedy")
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(seed)
     accepted = []
-    for _ in range(6):
-        p = rng.integers(4, target.vocab_size, int(rng.integers(3, 40))).tolist()
-        spec = D.speculative_generate(target, drafter, p, 40, eos_ids=set())
-        assert spec.tokens == D.target_generate(target, p, 40, eos_ids=set()).tokens
+    for _ in range(prompts):
+        p = rng.integers(4, target.vocab_size, int(rng.integers(3, n))).tolist()
+        spec = D.speculative_generate(target, drafter, p, n, eos_ids=set())
+        assert spec.tokens == D.target_generate(target, p, n, eos_ids=set()).tokens
         accepted += spec.accepted
-    assert_accepts(accepted, drafter.block_size - 1, "(DecodeAttention)")
+    assert_accepts(accepted, drafter.block_size - 1, what)
 
 
 @pytest.mark.slow
@@ -876,10 +881,8 @@ def test_q8_0_drafter_runs_as_8bit_codes(acc_dir, acc_export, tmp_path):
     import jsonschema
     import onnx
 
-    from helpers import assert_accepts
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.manifest import BLOCK_LAYERS, SCHEMA_FILE
-    from dflash2_trt.runtime import decoder as D
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
     out = tmp_path / "q8"
@@ -896,15 +899,7 @@ def test_q8_0_drafter_runs_as_8bit_codes(acc_dir, acc_export, tmp_path):
                     if n.op_type == "MatMulNBits"]
     be = OrtBackend(out, attention="decode")
     assert be.block_key() == BLOCK_LAYERS
-    target, drafter = be.target_runner(), be.draft_runner("greedy")
-    rng = np.random.default_rng(5)
-    accepted = []
-    for _ in range(4):
-        p = rng.integers(4, target.vocab_size, int(rng.integers(3, 30))).tolist()
-        spec = D.speculative_generate(target, drafter, p, 30, eos_ids=set())
-        assert spec.tokens == D.target_generate(target, p, 30, eos_ids=set()).tokens
-        accepted += spec.accepted
-    assert_accepts(accepted, drafter.block_size - 1, "(a Q8_0 drafter)")
+    speculative_equals_autoregressive(be, 5, 4, 30, "(a Q8_0 drafter)")
     def codes(backend, keys):  # noqa: ANN001, ANN202
         out: dict[str, int] = {}
         for key in keys:
