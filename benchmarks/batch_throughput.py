@@ -1,10 +1,13 @@
 """Batched autoregressive throughput (issue 29): total generated tokens/s of ``Generator.generate_batch`` (plain
-decoding, continuous batching over the fused target, :mod:`dflash2_trt.runtime.batch`) at 1 / 2 / 4 / 8
+decoding, continuous batching over the fused target, :mod:`dflash2_trt.runtime.batch`) at 1 / 2 / 4 / 8 / 16
 concurrent streams vs single-stream AR (``Generator.generate(speculative=False)``, today's path, one request after
 another), SmolLM2-135M-Instruct fp32 fused (the demo's cached export), MT-Bench first turns, EOS off so every
-stream makes exactly ``--tokens`` tokens::
+stream makes exactly ``--tokens`` tokens (prefill included). Every cell decodes the same max(``--streams``)
+prompts: at n streams at most n of them at once, a queued one joining as one leaves (continuous batching), so
+each cell does the same work on the same prompts and only the concurrency differs::
 
-    python benchmarks/batch_throughput.py --threads 2 --tokens 64 --repeats 2 --out benchmarks/results/batch_throughput.json
+    python benchmarks/batch_throughput.py --threads 2 --tokens 128 --repeats 2 --streams 1 2 4 8 16 --spec \
+        --out benchmarks/results/batch_throughput_128.json
 
 Each cell is the best of ``--repeats`` (cells interleaved per repeat); prints tokens per wall second and per
 process CPU second (the work done; steadier than wall time on a loaded machine) with their ratios to the
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--export", default=None, help="export folder (default: the demo's cached export)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--spec", action="store_true", help="also speculative: single-stream and batched + adaptive")
@@ -81,33 +84,33 @@ def main(argv: list[str] | None = None) -> int:
                                lambda m: g._tok.apply_chat_template(m))
         kw = dict(max_new_tokens=a.tokens, eos_ids=set())
         g.generate(prompts[0], speculative=False, **kw)  # warm-up (sessions, buffers)
-        g.generate_batch(prompts[:n_max], speculative=False, max_batch=n_max, **kw)
+        g.generate_batch(prompts, speculative=False, max_batch=n_max, **kw)
         best: dict[str, tuple[float, float]] = {}  # cell -> (wall, cpu) tokens/s
         single_tokens: dict[int, list[int]] = {}
         cycles: dict[int, tuple[int, int]] = {}  # streams -> (speculative cycles, plain steps) of the last run
         by_proposer: dict[str, dict] = {}  # cell -> each proposer's cycles and τ over its streams (the last run)
         for _ in range(a.repeats):
             t = _clock()
-            for i, p in enumerate(prompts[:n_max]):
+            for i, p in enumerate(prompts):
                 single_tokens[i] = g.generate(p, speculative=False, **kw).tokens
             best["single"] = _best(best.get("single"), _rates(n_max * a.tokens, t))
             if a.spec:
                 t = _clock()
-                ss = [g.generate(p, proposer=a.proposer, **kw) for p in prompts[:n_max]]
+                ss = [g.generate(p, proposer=a.proposer, **kw) for p in prompts]
                 best["single_spec"] = _best(best.get("single_spec"), _rates(n_max * a.tokens, t))
                 by_proposer["single_spec"] = _per_proposer(ss)
             for n in a.streams:
                 t = _clock()
-                out = g.generate_batch(prompts[:n], speculative=False, max_batch=n, **kw)
+                out = g.generate_batch(prompts, speculative=False, max_batch=n, **kw)
                 best[f"batch{n}"] = _best(best.get(f"batch{n}"), _rates(sum(len(r.tokens) for r in out), t))
                 if a.spec:
                     t = _clock()
-                    sp = g.generate_batch(prompts[:n], max_batch=n, proposer=a.proposer, **kw)
+                    sp = g.generate_batch(prompts, max_batch=n, proposer=a.proposer, **kw)
                     best[f"spec{n}"] = _best(best.get(f"spec{n}"), _rates(sum(len(r.tokens) for r in sp), t))
                     cycles[n] = (sum(r.stats.cycles for r in sp), sum(r.stats.plain_steps for r in sp))
                     by_proposer[f"spec{n}"] = _per_proposer(sp)
                     out = out + sp
-                same = sum(r.tokens == single_tokens[i % n] for i, r in enumerate(out))
+                same = sum(r.tokens == single_tokens[i % n_max] for i, r in enumerate(out))
                 if same != len(out):
                     print(f"  note: {len(out) - same} of {len(out)} batched streams differ from single-stream greedy tokens "
                           f"(attention op {be.attention_op})")

@@ -50,7 +50,7 @@ its preferred proposal c (the drafter's or a lookup's) with estimated tokens per
                           time(k)   = t_plain(n) + Σ_{c<=k} (t_draft(c) + t_verify),
                           t_draft(c) = t_draft for a drafter proposal, 0 for a lookup (microseconds, no model)
 
-where t_plain(m) is the measured time (:data:`COST_CLOCK`: process CPU time) of the target forward of a step
+where t_plain(m) is the measured time (:data:`COST_CLOCK`: wall time) of the target forward of a step
 with m sequences and no drafting, t_draft one drafter proposal (context update included, except a prompt's) and
 t_verify what one drafting sequence adds to a step's target forward, all measured in this run (running means;
 t_plain interpolated linearly in m between measured batch sizes). With the ORT batched runner the rule takes
@@ -73,7 +73,7 @@ proposals did not.
 τ̂ is kept per sequence and proposer: the mean tokens committed over its last ``window`` cycles of that proposer
 with a prior of ``prior_tau`` worth ``prior_weight`` cycles, plus ``z`` standard errors (tokens per cycle vary a
 lot: like the B = 1 guard, a sequence stops drafting on evidence, not after an unlucky stretch; the cycles' spread
-taken as at least ``min_spread`` = 0.5, as the guard's, so two or three equal cycles are no proof); a drafter
+taken as at least ``min_spread`` = 0.5, as the guard's, so one, two or three equal cycles are no proof); a drafter
 proposal for a final partial block counts its share of the rows' gain, a lookup at most its drafts + 1. At one
 sequence this is the B = 1 guard's break-even (τ̂ / (t_plain(1) + t_draft(c) + t_verify) > 1 / t_plain(1)); as n
 grows, the n - k plain tokens come almost free with the call while each drafting sequence still pays its
@@ -112,12 +112,12 @@ from dflash2_trt.runtime.protocol import DraftRunner
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
 
-# The rule's clock: process CPU time, the work a step costs, blind to other processes' load (on a shared machine
-# wall-time costs of a step measured minutes apart differ by more than drafting changes them: measured verify
-# costs came out below zero); on a machine of its own the batch loop's CPU time tracks its wall time (× the
-# target's threads while its workers spin, DFLASH2_ORT_SPINNING: they keep spinning a little into the drafter's
-# call, which then reads dearer — a bias towards plain steps, never a lossless concern).
-COST_CLOCK = time.process_time
+# The rule's clock: wall time, what a user waits for, as the B = 1 guard's. Process CPU time (this clock until
+# session 17) overstated a proposal: the target's spinning workers (DFLASH2_ORT_SPINNING) keep spinning into the
+# drafter's call, so a 2.7 ms proposal read 6-7 ms against a 12 ms plain step read 24 ms, and one stream stopped
+# drafting where the B = 1 loop paid (0.99x against 1.17x). Only direct timings are measured (t_plain(n),
+# t_draft(k)); a verify's cost comes from the runner's plan, not from a difference of two noisy timings.
+COST_CLOCK = time.perf_counter
 
 
 @dataclass
@@ -226,9 +226,10 @@ class SpeculationRule:
     def tau(self, committed: deque) -> float:
         n = len(committed)
         mean = (self.prior_tau * self.prior_weight + float(sum(committed))) / (self.prior_weight + n)
-        if n < 2:
+        if not n:
             return mean
-        return mean + self.z * max(float(np.std(committed, ddof=1)), self.min_spread) / np.sqrt(n)
+        s = float(np.std(committed, ddof=1)) if n > 1 else 0.0  # one cycle: no spread measured, min_spread stands
+        return mean + self.z * max(s, self.min_spread) / np.sqrt(n)
 
     def choose(self, n_active: int, candidates: dict[Hashable, float],
                units: Callable[[list], float] | None = None, free: Collection = (),

@@ -356,11 +356,11 @@ DFL2_API dfl2_status* dfl2_session_get_proposers(const dfl2_session* session, co
  *     ((n - k) + t_1 + ... + t_k) / (plain(n) + k * (draft + max(verify, 0))),
  * plain(m) = the time of a step's target call over m requests none of which drafts, draft = one drafter
  * proposal (a prompt's context excluded), verify = what one drafting request adds to a step's target call
- * ((call time - plain(n)) / k over drafting steps): measured in this run in process CPU time (running means;
- * plain linear between measured sizes; engines whose work this process's CPU time does not see, e.g. on a GPU,
- * should give "fixed_costs") or given by "fixed_costs". A request's estimate = (prior_tau * prior_weight + tokens
+ * ((call time - plain(n)) / k over drafting steps): measured in this run in wall time (running means; plain
+ * linear between measured sizes; a GPU deployment may give "fixed_costs" calibrated on the device) or given by
+ * "fixed_costs". A request's estimate = (prior_tau * prior_weight + tokens
  * committed over its last tau_window cycles) / (prior_weight + cycles) + one standard error of those cycles (from
- * 2 cycles on, their spread taken as at least 0.5: it stops drafting on evidence, not after an unlucky stretch); for a final partial block of r < L
+ * the first cycle on, their spread taken as at least 0.5: it stops drafting on evidence, not after an unlucky stretch); for a final partial block of r < L
  * draft rows only its share of the gain, 1 + (estimate - 1) * r / L. Until costs are measured: the first step
  * is plain, the next ones draft for the speculative request of the best estimate (one) until a proposal and a
  * verify are measured. A request kept plain probe_after steps in a row returns to the prior (its acceptance is

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <ctime>
 #include <iterator>
 #include <string>
 
@@ -22,12 +21,11 @@ double secondsBetween(Clock::time_point a, Clock::time_point b)
     return std::chrono::duration<double>(b - a).count();
 }
 
-// batch.COST_CLOCK: the rule's clock is process CPU time (all threads), the work a step costs, blind to other
-// processes' load (on a shared machine wall-time costs measured minutes apart differ by more than drafting
-// changes them)
+// batch.COST_CLOCK: the rule's clock is wall time, what a user waits for (process CPU time overstated a proposal
+// while the target's workers spin into it)
 double costClock()
 {
-    return static_cast<double>(std::clock()) / CLOCKS_PER_SEC;
+    return secondsBetween(Clock::time_point{}, Clock::now());
 }
 
 } // namespace
@@ -106,18 +104,22 @@ double SpeculationRule::tau(std::deque<int32_t> const& committed) const
         sum += c;
     }
     double const mean = (priorTau * priorWeight + sum) / (priorWeight + static_cast<double>(n));
-    if (n < 2)
+    if (n == 0)
     {
         return mean;
     }
-    double const m = sum / static_cast<double>(n);
-    std::vector<double> sq;
-    for (int32_t c : committed)
+    double sd = 0.0; // one cycle: no spread measured, minSpread stands
+    if (n > 1)
     {
-        double const d = static_cast<double>(c) - m;
-        sq.push_back(d * d);
+        double const m = sum / static_cast<double>(n);
+        std::vector<double> sq;
+        for (int32_t c : committed)
+        {
+            double const d = static_cast<double>(c) - m;
+            sq.push_back(d * d);
+        }
+        sd = std::sqrt(pairwiseSum(sq.data(), n) / static_cast<double>(n - 1));
     }
-    double const sd = std::sqrt(pairwiseSum(sq.data(), n) / static_cast<double>(n - 1));
     return mean + z * std::max(sd, minSpread) / std::sqrt(static_cast<double>(n));
 }
 

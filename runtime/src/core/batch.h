@@ -37,11 +37,11 @@
 //!                           time(k)   = t_plain(n) + k · (t_draft + max(t_verify, 0))
 //! with t_plain(m) the time of a step's target forward over m sequences none of which drafts, t_draft one drafter
 //! proposal (context update included, except a prompt's) and t_verify what one drafting sequence adds to the
-//! step's forward ((forward time - t_plain(n)) / k over drafting steps): measured in this run in process CPU time
+//! step's forward ((forward time - t_plain(n)) / k over drafting steps): measured in this run in wall time
 //! (batch.COST_CLOCK; MeasuredCosts: running means, then
 //! exponential over 16; t_plain linear between measured sizes, flat beyond them) or given (FixedCosts). τ̂ of a
 //! sequence = (prior_tau · prior_weight + Σ committed over its last `window` cycles) / (prior_weight + cycles)
-//! + z · max(s, min_spread) / √cycles (s: the cycles' standard deviation, from 2 cycles on), for a final partial block of r < L rows
+//! + z · max(s, min_spread) / √cycles (s: the cycles' standard deviation, 0 for one cycle), for a final partial block of r < L rows
 //! only its share of the gain: 1 + (τ̂ - 1) · r / L; τ̂ is kept per proposer, a lookup's at most its drafts + 1.
 //! With lookups among the proposals (t_draft 0 for them: time(k) = t_plain(n) + Σ (t_draft(c) + max(t_verify, 0)))
 //! the order is by (τ̂_c - 1) / (t_draft(c) + max(t_verify, 0)) instead; then, with those k fixed, the lookups of the
