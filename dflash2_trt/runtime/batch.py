@@ -112,10 +112,10 @@ from dflash2_trt.runtime.protocol import DraftRunner
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
 
-# The rule's clock: wall time, what a user waits for, as the B = 1 guard's. Process CPU time (this clock until
-# session 17) overstated a proposal: the target's spinning workers (DFLASH2_ORT_SPINNING) keep spinning into the
-# drafter's call, so a 2.7 ms proposal read 6-7 ms against a 12 ms plain step read 24 ms, and one stream stopped
-# drafting where the B = 1 loop paid (0.99x against 1.17x). Only direct timings are measured (t_plain(n),
+# The rule's clock: wall time, what a user waits for, as the B = 1 guard's. Process CPU time overstated a
+# proposal: the target's spinning workers (DFLASH2_ORT_SPINNING) keep spinning into the drafter's call, so a
+# 2.7 ms proposal read 6-7 ms against a 12 ms plain step read 24 ms, and one stream stopped drafting where the
+# B = 1 loop paid (0.99x against 1.17x). Only direct timings are measured (t_plain(n),
 # t_draft(k)); a verify's cost comes from the runner's plan, not from a difference of two noisy timings.
 COST_CLOCK = time.perf_counter
 
