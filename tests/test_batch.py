@@ -218,6 +218,21 @@ def test_rule_switches_with_load():
     assert m.choose(1, {0: 1.3}, lambda ids: 12 + (3 if ids else 1)) == set()
 
 
+def test_rule_one_cycle_is_no_proof():
+    """τ̂ carries the spread floor from the first cycle, as the B = 1 guard: one 1-token cycle leaves a sequence
+    drafting where the prior did, five such cycles stop it (break-even 1.4 here: plain 1.0, draft 0.1, verify 0.3).
+    Without the floor one cycle gave (1.5 x 2 + 1) / 3 = 1.33 and stopped a single stream after its first cycle."""
+    from collections import deque
+
+    rule = BT.SpeculationRule(costs=BT.FixedCosts(plain_fn=lambda n: 1.0, draft_s=0.1, verify_s=0.3))
+    assert rule.tau(deque()) == pytest.approx(1.5)
+    assert rule.tau(deque([1])) == pytest.approx(4 / 3 + 0.5)
+    assert rule.tau(deque([1, 3])) == pytest.approx(7 / 4 + np.sqrt(2) / np.sqrt(2))  # s = sqrt(2) > the floor
+    assert rule.choose(1, {0: rule.tau(deque())}) == {0}
+    assert rule.choose(1, {0: rule.tau(deque([1]))}) == {0}
+    assert rule.choose(1, {0: rule.tau(deque([1] * 5))}) == set()
+
+
 def test_rule_probes_a_sequence_kept_plain(be):
     """A sequence whose cycles fell below break-even is kept plain, and drafts again after probe_after plain steps
     (its τ̂ back to the prior)."""
