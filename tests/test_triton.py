@@ -486,7 +486,10 @@ def test_tiny_client_that_disconnects_frees_its_state(tiny_server, tiny_export):
         while f"request '{rid}' cancelled after" not in tiny_server.log() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert f"request '{rid}' cancelled after" in tiny_server.log()
-    text = _metrics(tiny_server)
+    # the forwarder logs the cancel, then frees the slot and lowers the gauge: wait for the gauge, not the log
+    deadline = time.monotonic() + 60
+    while _metric_sum(text := _metrics(tiny_server), "dflash2_active_requests") and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert _metric_sum(text, "dflash2_cancelled_requests") == before + 2
     assert _metric_sum(text, "dflash2_active_requests") == 0
     # the instances serve on
