@@ -115,8 +115,8 @@ from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 # The rule's clock: wall time, what a user waits for, as the B = 1 guard's. Process CPU time overstated a
 # proposal: the target's spinning workers (DFLASH2_ORT_SPINNING) keep spinning into the drafter's call, so a
 # 2.7 ms proposal read 6-7 ms against a 12 ms plain step read 24 ms, and one stream stopped drafting where the
-# B = 1 loop paid (0.99x against 1.17x). Only direct timings are measured (t_plain(n),
-# t_draft(k)); a verify's cost comes from the runner's plan, not from a difference of two noisy timings.
+# B = 1 loop paid (0.99x against 1.17x). With the ORT runner's plan a verify's cost comes from the plan, so the
+# rule uses only direct timings (t_plain(n), t_draft(k)); without a plan t_verify is still the difference of two.
 COST_CLOCK = time.perf_counter
 
 
