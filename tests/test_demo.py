@@ -45,6 +45,8 @@ def test_demo_default_and_bench_options(capsys):
 
     if DA.panels_wanted():  # SmolLM2 from its Q4_1 GGUF: every fp32 matrix read as its exact code (panelCodes.h)
         assert r["weight_codes"] == {"none": 0, "affine4": 150, "scaled8": 2, "bf16": 0, "fp16": 13}
+    else:  # the target on ORT's MatMul (AVX2 kernels: panels_wanted), the drafter's layers still coded
+        assert r["weight_codes"]["affine4"] == r["weight_codes"]["scaled8"] == 0 < r["weight_codes"]["fp16"]
     assert main(["demo", "--prompts", "mtbench", "--limit", "1", "--max-new-tokens", "8", "--no-selector",
                  "--temperature", "1", "--no-oracle", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)

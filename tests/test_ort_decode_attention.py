@@ -330,7 +330,8 @@ def test_smollm2_k_rows_equal_k_steps():
 def test_smollm2_codes_give_the_fp32_numbers(monkeypatch):
     """The demo's export: SmolLM2-135M-Instruct, converted from its Q4_1 GGUF, holds 4-bit weights in fp32. Every
     linear layer's PanelMatMul finds the affine 4-bit code (GGUF's Q4_1), the tied LM head the 8-bit one (Q8_0), and
-    the target's logits (a 300-token prompt, then calls of 1..4 rows) equal the fp32 kernels' bit for bit."""
+    the target's logits (a 300-token prompt, then calls of 1..4 rows) equal the fp32 kernels' bit for bit. The
+    panels are switched on (DFLASH2_ORT_PANELS=1), so this runs the kernels this CPU gets (kernel_isa)."""
     import sys
     from pathlib import Path
 
@@ -340,6 +341,7 @@ def test_smollm2_codes_give_the_fp32_numbers(monkeypatch):
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
     folder = demo_export()
+    monkeypatch.setenv(DA.PANELS_ENV, "1")
     targets, counts = [], [DA.panel_codes()]
     for flag in ("0", "1"):
         monkeypatch.setenv(DA.CODES_ENV, flag)
@@ -585,6 +587,67 @@ def test_panel_codes_miss_near_misses():
     assert all(after[c] == before[c] for c in DA.PANEL_CODES[1:])
 
 
+def _near_miss_weights(code: str, cls: str, K: int, N: int, rng: np.random.Generator) -> np.ndarray:
+    """Weights [K, N] that ``code`` reproduces exactly, in column class ``cls`` of the fitting code
+    (panelCodes.cpp): affine4 "full" (codes 0..15: the vectorised first candidate fits) and "levels14" (codes
+    0..14: only the per-column search's second level count fits), scaled8 "full" (largest code +-127), fp16
+    "normal", bf16 "normal". Every block's extremes sit at k = 1 and 2 of the block, so a weight at its first or
+    last position is an inner one, which only the per-weight check can find off the grid."""
+    f32, B = np.float32, K // 32
+
+    def half(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.float16).astype(f32)
+
+    if code == "affine4":
+        top = 15 if cls == "full" else 14
+        q = rng.integers(1, top, (B, 32, N)).astype(f32)  # inner codes everywhere but the extremes
+        q[:, 1], q[:, 2] = 0, top
+        return (q * half(rng.uniform(0.001, 0.05, (B, 1, N))) + half(rng.uniform(-0.4, 0.0, (B, 1, N)))).reshape(K, N)
+    if code == "scaled8":
+        q = rng.integers(-126, 127, (B, 32, N)).astype(f32)
+        q[:, 1] = 127 * rng.choice([-1, 1], (B, N))
+        return (q * half(rng.uniform(0.0005, 0.01, (B, 1, N)))).reshape(K, N)
+    return coded_weights(code, K, N, rng)
+
+
+_NEAR_MISS_CLASSES = [("affine4", "full"), ("affine4", "levels14"), ("scaled8", "full"), ("fp16", "normal"),
+                      ("bf16", "normal")]
+
+
+@pytest.mark.parametrize("code,cls", _NEAR_MISS_CLASSES)
+def test_panel_codes_check_every_position_of_a_block(code, cls, monkeypatch):
+    """A code is taken only where it reproduces every weight: in each column class the fitting code handles and
+    for every code, fresh coded weights fit their code (control), and one weight moved off the grid -- by one ulp,
+    or by a third of a quantisation step -- at the first or the last position of the first or the last block (a
+    column of the second panel, or the last column) leaves the matrix uncoded, the outputs those of the fp32 kernel
+    bit for bit. (Mutation check, done by hand: starting fitAffine4Block's check at k = 1 makes this fail.)"""
+    K, N = 64, 32
+    rng = np.random.default_rng(_NEAR_MISS_CLASSES.index((code, cls)))
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+
+    def coded_as(w: np.ndarray) -> tuple[str, np.ndarray]:
+        before = DA.panel_codes()
+        monkeypatch.setenv(DA.CODES_ENV, "1")
+        y = _matmul_session(K, N, w, True).run(None, {"x": x})[0]
+        after = DA.panel_codes()
+        monkeypatch.setenv(DA.CODES_ENV, "0")
+        np.testing.assert_array_equal(y, _matmul_session(K, N, w, True).run(None, {"x": x})[0])
+        (got,) = [c for c in DA.PANEL_CODES if after[c] != before[c]]
+        return got, y
+
+    w = _near_miss_weights(code, cls, K, N, rng)
+    assert coded_as(w)[0] == code
+    step = {"affine4": (w.max() - w.min()) / 15, "scaled8": np.abs(w).max() / 127}.get(code, 0.0)
+    for k in (0, 31, 32, 63):
+        for j in (20, 31):
+            for off in ("ulp", "third"):
+                v = w.copy()
+                v[k, j] = np.nextafter(v[k, j], np.float32(np.inf)) if off == "ulp" or not step else \
+                    v[k, j] + np.float32(step / 3)
+                got, _ = coded_as(v)
+                assert got == "none", (k, j, off, got)
+
+
 _ISA_SCRIPT = """
 import sys
 import numpy as np
@@ -606,6 +669,38 @@ for S in (1, 5, 13):
         out[f"{code}_{S}"] = T._matmul_session(64, 32, w, True).run(None, {"x": x})[0]
 np.savez(sys.argv[2], **out)
 """
+
+
+_ISA_CHOICE = """
+import json, sys
+from dflash2_trt.runtime.ort import decode_attention as DA
+print(json.dumps([DA.kernel_isa(), DA.panels_wanted()]))
+"""
+
+
+@pytest.mark.parametrize("isa_flag,panels_flag", [(None, None), ("0", None), ("1", None), (None, "1"), ("0", "1"),
+                                                  (None, "0")])
+def test_kernel_isa_follows_the_cpu(isa_flag, panels_flag):
+    """The CPU feature -> kernel choice, pinned: the library runs its AVX-512 kernels exactly where /proc/cpuinfo
+    lists avx512f (and DFLASH2_ORT_PANELS_AVX512 is not 0), else the AVX2 + FMA ones (its x86-64 baseline); the
+    rewrite swaps the MatMuls by default exactly where the AVX-512 kernels run, and DFLASH2_ORT_PANELS overrides
+    that either way. So DFLASH2_ORT_PANELS_AVX512=0 makes an AVX-512 machine decide as an AVX2-only one does."""
+    import json
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the x86-64 kernels' choice")
+    flags = set(open("/proc/cpuinfo").read().split())
+    env = {k: v for k, v in os.environ.items() if k not in (DA.ISA_ENV, DA.PANELS_ENV)}
+    env.update({k: v for k, v in ((DA.ISA_ENV, isa_flag), (DA.PANELS_ENV, panels_flag)) if v is not None})
+    out = subprocess.run([sys.executable, "-c", _ISA_CHOICE], env=env, check=True, capture_output=True, text=True)
+    isa, panels = json.loads(out.stdout)
+    want_isa = "avx512" if "avx512f" in flags and isa_flag != "0" else "avx2"
+    assert isa == want_isa
+    assert panels == (panels_flag == "1" if panels_flag is not None else want_isa == "avx512")
 
 
 def test_panel_kernels_agree_across_isas(tmp_path):

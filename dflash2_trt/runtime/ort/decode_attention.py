@@ -49,7 +49,7 @@ from typing import Any
 
 LIBRARY_ENV = "DFLASH2_ORT_OPS"  # path of libdflash2_ort_ops.so, overriding the search below
 LIBRARY_NAME = "libdflash2_ort_ops.so"
-PANELS_ENV = "DFLASH2_ORT_PANELS"  # 0: keep ORT's MatMul, 1: PanelMatMul (default: where AVX-512 is; panels_wanted)
+PANELS_ENV = "DFLASH2_ORT_PANELS"  # 0: keep ORT's MatMul, 1: PanelMatMul (default: AVX-512 kernels; panels_wanted)
 CODES_ENV = "DFLASH2_ORT_PANEL_CODES"  # 0: PanelMatMul computes from its fp32 weights even where an exact code fits
 PANEL_CODES = ("none", "affine4", "scaled8", "bf16", "fp16")  # plugins/ortDecodeAttention/panelCodes.h, in its order
 OP_DOMAIN = "dflash2"
@@ -138,17 +138,32 @@ def rewrite(path: Path) -> bytes | None:
     return model.SerializeToString()
 
 
+ISA_ENV = "DFLASH2_ORT_PANELS_AVX512"  # 0: the AVX2 kernels even where the CPU has AVX-512 (read by the library)
+KERNEL_ISAS = {512: "avx512", 256: "avx2", 0: "portable"}  # dflash2OrtKernelIsa's answers (ortCustomOp.cpp)
+
+
+def kernel_isa() -> str:
+    """The instruction set this process's panel kernels run, as the library chose it once (``avx512`` where the CPU
+    has AVX-512F and :data:`ISA_ENV` is not 0; ``avx2`` on any other x86-64, the library's baseline; ``portable``
+    on another architecture) -> one of :data:`KERNEL_ISAS`' names. Without the library: ``portable``."""
+    import ctypes
+
+    lib = find_library()
+    if lib is None:
+        return "portable"
+    isa = ctypes.CDLL(str(lib)).dflash2OrtKernelIsa
+    isa.restype, isa.argtypes = ctypes.c_int32, []
+    return KERNEL_ISAS[int(isa())]
+
+
 def panels_wanted() -> bool:
-    """Whether the rewrite swaps the MatMuls (:data:`PANELS_ENV`, default on where the CPU has AVX-512: there
-    PanelMatMul's many-row path (a prefill, a batch of 16) keeps up with ONNX Runtime's packed GEMM; with AVX2 alone
-    it takes twice as long, so those CPUs keep ORT's MatMul)."""
+    """Whether the rewrite swaps the MatMuls (:data:`PANELS_ENV`; by default where the kernels run AVX-512
+    (:func:`kernel_isa`): there PanelMatMul's many-row path (a prefill, a batch of 16) keeps up with ONNX Runtime's
+    packed GEMM; with AVX2 alone it takes twice as long, so those CPUs keep ORT's MatMul)."""
     v = os.environ.get(PANELS_ENV)
     if v is not None:
         return v != "0"
-    try:
-        return " avx512f " in f" {open('/proc/cpuinfo').read().replace(chr(10), ' ')} "
-    except OSError:
-        return False
+    return kernel_isa() == "avx512"
 
 
 def panel_codes() -> dict[str, int]:
