@@ -404,7 +404,61 @@ def parse_manifest(data: Any, where: str = MANIFEST_FILE) -> ExportManifest:
     if cfg.vocab_size != m.target.vocab_size or cfg.target_hidden_size != m.target.hidden_size:
         raise DFlash2Error(f"{where}: drafter (vocab {cfg.vocab_size}, target hidden {cfg.target_hidden_size}) "
                            f"does not fit the target (vocab {m.target.vocab_size}, hidden {m.target.hidden_size})")
+    if not 2 <= m.max_seq_len <= m.target.max_positions:
+        raise DFlash2Error(f"{where}: max_seq_len is {m.max_seq_len} but the target's max_positions is "
+                           f"{m.target.max_positions}")
+    check_graph_fields(m, where)
     return m
+
+
+def graph_field_rules(m: ExportManifest) -> list[tuple[str, int, str, int]]:
+    """What the graphs' inputs and outputs state about the manifest's fields, as rules (tensor name pattern, dim,
+    field, value): a tensor matching the pattern (``{i}``: a layer index) has ``value`` at ``dim`` (negative:
+    from the end) where its shape fixes that dim. The C API applies the same rules (runtime/src/manifest.cpp)."""
+    t, cfg = m.target, m.drafter_config
+    return [
+        ("past_key_values.{i}.*", 1, "target.num_key_value_heads", t.num_key_value_heads),
+        ("past_key_values.{i}.*", 3, "target.head_dim", t.head_dim),
+        ("present.{i}.*", 1, "target.num_key_value_heads", t.num_key_value_heads),
+        ("present.{i}.*", 3, "target.head_dim", t.head_dim),
+        ("context.{i}.*", 1, "drafter.num_key_value_heads", cfg.num_key_value_heads),
+        ("context.{i}.*", 3, "drafter.head_dim", int(cfg.head_dim or 0)),
+        ("context_features", -1, "target.hidden_size x len(target.layer_ids)", t.hidden_size * len(t.layer_ids)),
+        (BLOCK_HIDDEN, -1, "drafter.hidden_size", cfg.hidden_size),
+    ]
+
+
+def check_graph_fields(m: ExportManifest, where: str = MANIFEST_FILE) -> None:
+    """Every field of the manifest that its graphs' inputs and outputs also state agrees with them: the layer counts
+    (one ``past_key_values.{i}`` / ``present.{i}`` pair per target layer, one ``context.{i}`` per drafter layer),
+    heads, head size, feature width, hidden size, the target's vocabulary (its logits) -> DFlash2Error naming the
+    field and both values (an edited manifest, or graphs of another export)."""
+    import re
+
+    layers = {"past_key_values": ("target.num_layers", m.target.num_layers),
+              "present": ("target.num_layers", m.target.num_layers),
+              "context": ("drafter.num_hidden_layers", m.drafter_config.num_hidden_layers)}
+    rules = graph_field_rules(m)
+    for key, g in m.graphs.items():
+        seen: dict[str, set[int]] = {}
+        for t in (*g.inputs, *g.outputs):
+            kv = re.fullmatch(r"(past_key_values|present|context)\.(\d+)\.(key|value)", t.name)
+            if kv:
+                seen.setdefault(kv[1], set()).add(int(kv[2]))
+            pattern = f"{kv[1]}.{{i}}.*" if kv else t.name
+            checks = [(dim, field_, want) for p, dim, field_, want in rules if p == pattern]
+            if t.name == "logits" and g.role == "target":
+                checks.append((-1, "target.vocab_size", m.target.vocab_size))
+            for dim, field_, want in checks:
+                have = t.shape[dim] if -len(t.shape) <= dim < len(t.shape) else None
+                if isinstance(have, int) and have != want:
+                    raise DFlash2Error(f"{where}: {field_} is {want} but graph {key!r} has {t.name} of "
+                                       f"{have} at dim {dim % len(t.shape)}")
+        for prefix, ids in seen.items():
+            field_, want = layers[prefix]
+            if ids != set(range(want)):
+                raise DFlash2Error(f"{where}: {field_} is {want} but graph {key!r} has {prefix} tensors for "
+                                   f"{len(ids)} layers")
 
 
 def parse_engine_set(data: Any) -> EngineSet:

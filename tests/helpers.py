@@ -104,3 +104,19 @@ def two_token_p_value(law: dict[tuple[int, int], float], first_two: list[tuple[i
     exp = np.append(np.array([law[c] for c in cells]), max(0.0, 1.0 - sum(law.values()))) * n
     small = exp < 5
     return chisquare(np.append(counts[~small], counts[small].sum()), np.append(exp[~small], exp[small].sum()))[1]
+
+
+# Manifest edits whose fields no longer agree with the graphs, and what the one-line error must say (the Python and
+# the C readers: test_runtime.py, test_capi.py)
+FIELD_EDITS = [
+    (lambda m: m["target"].update(num_layers=3), "target.num_layers is 3"),
+    (lambda m: m["target"].update(num_key_value_heads=4), "target.num_key_value_heads is 4"),
+    (lambda m: m["target"].update(head_dim=24), "target.head_dim is 24"),
+    (lambda m: m["target"].update(layer_ids=[0, 1, 2]), r"target.hidden_size x len\(target.layer_ids\) is 192"),
+    (lambda m: m["target"].update(max_positions=256), "max_seq_len is 512 but the target's max_positions is 256"),
+    (lambda m: m.update(max_seq_len=4096), "max_seq_len is 4096 but the target's max_positions is 2048"),
+    (lambda m: m["drafter"].update(num_hidden_layers=3, layer_types=["full_attention"] * 3),
+     "drafter.num_hidden_layers is 3"),
+    (lambda m: m["drafter"].update(num_key_value_heads=1), "drafter.num_key_value_heads is 1"),
+    (lambda m: (m["target"].update(vocab_size=500), m["drafter"].update(vocab_size=500)), "target.vocab_size is 500"),
+]

@@ -1451,6 +1451,24 @@ def test_model_load_reports_missing_backend(lib, tiny_export):
     assert e.value.code == 8 and "TensorRT" in e.value.message and not m.value
 
 
+def test_model_load_checks_manifest_fields_against_graphs(lib, tiny_export, tmp_path):
+    """The C manifest reader applies the Python reader's rules (dflash2_trt/manifest.py check_graph_fields): every
+    edit of test_runtime's table is refused at dfl2_model_load with DFL2_ERR_CORRUPT naming the field and both
+    values, before any backend is opened; the unedited export reaches the backend check."""
+    from helpers import FIELD_EDITS
+
+    for i, (edit, msg) in enumerate(FIELD_EDITS):
+        d = tmp_path / f"e{i}"
+        shutil.copytree(tiny_export, d)
+        m = json.loads((d / "manifest.json").read_text())
+        edit(m)
+        (d / "manifest.json").write_text(json.dumps(m))
+        handle = C.c_void_p()
+        with pytest.raises(CapiError) as e:
+            _check(lib, lib.dfl2_model_load(str(d).encode(), None, C.byref(handle)))
+        assert e.value.code == 6 and re.search(msg, e.value.message), (i, e.value.message)
+
+
 def test_tensorrt_backend_compiles(capi_build):
     """The TensorRT backend (C++, runtime/src/backends/trtBackend.cpp) is compiled with -Werror against the
     kernel-lens TensorRT headers and the CUDA runtime headers. It is never run here (no GPU, no libnvinfer):

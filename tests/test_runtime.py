@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from helpers import assert_accepts, with_block_size
+from helpers import FIELD_EDITS, assert_accepts, with_block_size
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime.torch.backend import TorchDraftRunner
 from torch_ref import ref_autoregressive, ref_speculative
@@ -159,6 +159,40 @@ def test_runtime_bad_input(tiny_export, tmp_path):
             open_backend(broken(edit), "ort")
     with pytest.raises(DFlash2Error, match="model folder not found"):
         open_backend(tmp_path / "absent", "ort")
+
+
+@pytest.mark.parametrize("case", range(len(FIELD_EDITS)))
+def test_manifest_fields_agree_with_graphs(tiny_export, tmp_path, case, capsys):
+    """An edited manifest whose fields no longer agree with what its graphs' inputs and outputs state (layers,
+    heads, head size, feature width, capacity, vocabulary) is refused when it is read: one DFlash2Error naming the
+    field and both values from the API, one line and exit 1 from the CLI -- not an ONNX Runtime error mid-decode."""
+    from dflash2_trt.cli import main
+
+    edit, msg = FIELD_EDITS[case]
+    d = tmp_path / "export"
+    shutil.copytree(tiny_export, d)
+    m = json.loads((d / "manifest.json").read_text())
+    assert (m["max_seq_len"], m["target"]["max_positions"]) == (512, 2048)
+    edit(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DFlash2Error, match=msg):
+        open_backend(d, "ort")
+    assert main(["generate", "--model-dir", str(d), "--prompt", "Hello", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dflash2: error:") and "manifest.json" in err[0], err
+
+
+def test_ort_failure_is_one_error(tiny_export, tmp_path):
+    """What only running a graph can find (here a RoPE table shorter than an edited max_seq_len, within the
+    target's max_positions) ends as one DFlash2Error naming the graph, not ONNX Runtime's exception."""
+    d = tmp_path / "export"
+    shutil.copytree(tiny_export, d)
+    m = json.loads((d / "manifest.json").read_text())
+    m["max_seq_len"] = 1024
+    (d / "manifest.json").write_text(json.dumps(m))
+    be, _ = open_backend(d, "ort")
+    with pytest.raises(DFlash2Error, match="ONNX Runtime failed running target"):
+        D.speculative_generate(be.target_runner(), be.draft_runner(), [5] * 600, 4)
 
 
 def test_tokenizer_matches_transformers(tiny_export, tiny_target):

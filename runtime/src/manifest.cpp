@@ -11,6 +11,7 @@
 #include <valijson/validator.hpp>
 
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <sys/stat.h>
 
@@ -80,6 +81,110 @@ constexpr char const* kRequiredGraphs[] = {"target", "drafter_context", "drafter
 [[noreturn]] void corrupt(std::string const& source, std::string const& what)
 {
     throw Error(DFL2_ERR_CORRUPT, source + ": " + what + " (corrupt manifest)");
+}
+
+//! The fields the graphs' inputs and outputs also state agree with them (the rules of dflash2_trt/manifest.py
+//! check_graph_fields): one past_key_values.{i} / present.{i} pair per target layer and context.{i} per drafter
+//! layer, their heads (dim 1) and head size (dim 3), the feature width, the drafter's hidden size, the target's
+//! vocabulary. A symbolic dim states nothing.
+void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& source)
+{
+    struct Rule
+    {
+        char const* prefix; //!< "name." of a KV tensor (then "{i}.key|value"), or a whole name
+        bool perLayer;
+        int dim;            //!< negative: from the end
+        char const* field;
+        int64_t want;
+    };
+    int64_t const drafterHidden = m.hiddenSize; // the drafter's hidden size is the target's (checked above)
+    Rule const rules[] = {
+        {"past_key_values.", true, 1, "target.num_key_value_heads", m.targetKvHeads},
+        {"past_key_values.", true, 3, "target.head_dim", m.targetHeadDim},
+        {"present.", true, 1, "target.num_key_value_heads", m.targetKvHeads},
+        {"present.", true, 3, "target.head_dim", m.targetHeadDim},
+        {"context.", true, 1, "drafter.num_key_value_heads", m.drafterKvHeads},
+        {"context.", true, 3, "drafter.head_dim", m.drafterHeadDim},
+        {"context_features", false, -1, "target.hidden_size x len(target.layer_ids)",
+            static_cast<int64_t>(m.hiddenSize) * static_cast<int64_t>(m.layerIds.size())},
+        {"hidden", false, -1, "drafter.hidden_size", drafterHidden},
+    };
+    auto const layerOf = [](std::string const& name, std::string const& prefix) -> int64_t {
+        if (name.compare(0, prefix.size(), prefix) != 0)
+        {
+            return -1;
+        }
+        std::string const rest = name.substr(prefix.size());
+        size_t const dot = rest.find('.');
+        if (dot == 0 || dot == std::string::npos || (rest.substr(dot) != ".key" && rest.substr(dot) != ".value")
+            || rest.find_first_not_of("0123456789") != dot)
+        {
+            return -1;
+        }
+        return std::stoll(rest.substr(0, dot));
+    };
+    for (auto const& item : graphs.items())
+    {
+        std::string const key = item.key(); // a plain name: lambdas cannot capture structured bindings in C++17
+        Json const& g = item.value();
+        std::map<std::string, std::set<int64_t>> seen;
+        std::string const role = g.contains("role") && g["role"].is_string() ? g["role"].get<std::string>() : "";
+        for (char const* side : {"inputs", "outputs"})
+        {
+            if (!g.contains(side) || !g[side].is_array())
+            {
+                continue;
+            }
+            for (Json const& tensor : g[side])
+            {
+                if (!tensor.is_object() || !tensor.contains("name") || !tensor["name"].is_string()
+                    || !tensor.contains("shape") || !tensor["shape"].is_array())
+                {
+                    continue; // the schema check above refuses a malformed entry
+                }
+                std::string const name = tensor["name"].get<std::string>();
+                Json const& shape = tensor["shape"];
+                auto const check = [&](int dim, char const* field, int64_t want) {
+                    int64_t const rank = static_cast<int64_t>(shape.size());
+                    int64_t const d = dim < 0 ? rank + dim : dim;
+                    if (d >= 0 && d < rank && shape[d].is_number_integer() && shape[d].get<int64_t>() != want)
+                    {
+                        corrupt(source, std::string(field) + " is " + std::to_string(want) + " but graph '" + key
+                                + "' has " + name + " of " + std::to_string(shape[d].get<int64_t>()) + " at dim "
+                                + std::to_string(d));
+                    }
+                };
+                for (Rule const& r : rules)
+                {
+                    int64_t const layer = r.perLayer ? layerOf(name, r.prefix) : -1;
+                    if (r.perLayer ? layer >= 0 : name == r.prefix)
+                    {
+                        check(r.dim, r.field, r.want);
+                    }
+                    if (layer >= 0)
+                    {
+                        seen[r.prefix].insert(layer);
+                    }
+                }
+                if (name == "logits" && role == "target")
+                {
+                    check(-1, "target.vocab_size", m.vocabSize);
+                }
+            }
+        }
+        for (auto const& [prefix, ids] : seen)
+        {
+            bool const drafter = prefix == "context.";
+            int64_t const want = drafter ? m.drafterLayers : m.targetLayers;
+            bool const all = static_cast<int64_t>(ids.size()) == want && *ids.begin() == 0 && *ids.rbegin() == want - 1;
+            if (!all)
+            {
+                corrupt(source, std::string(drafter ? "drafter.num_hidden_layers" : "target.num_layers") + " is "
+                        + std::to_string(want) + " but graph '" + key + "' has " + prefix.substr(0, prefix.size() - 1)
+                        + " tensors for " + std::to_string(ids.size()) + " layers");
+            }
+        }
+    }
 }
 
 Json const& member(Json const& obj, char const* key, std::string const& source, std::string const& where)
@@ -322,6 +427,13 @@ Manifest parseManifest(std::string const& text, std::string const& source)
             corrupt(source, std::string("lists no '") + g + "' graph");
         }
     }
+    int32_t const maxPositions = intMember(t, "max_positions", source, "target.");
+    if (m.maxSeqLen > maxPositions)
+    {
+        corrupt(source, "max_seq_len is " + std::to_string(m.maxSeqLen) + " but the target's max_positions is "
+                + std::to_string(maxPositions));
+    }
+    checkGraphFields(m, graphs, source);
 
     if (j.contains("engines") && !j["engines"].is_null())
     {

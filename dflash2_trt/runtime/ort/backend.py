@@ -22,6 +22,7 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import BLOCK_LAYERS, ORT_SUFFIX, TARGET_ORT, ExportManifest, GraphSpec, read_manifest
 from dflash2_trt.runtime.kv import KVBuffer, target_ids
 from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft, independent_draft
+from dflash2_trt.runtime.ort.failures import ort_failures
 from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 from dflash2_trt.vocabulary import INDEPENDENT, ORT_ATTENTIONS, head_key
 
@@ -109,7 +110,8 @@ class _Session:
 
     def run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         if self.provider != "CUDAExecutionProvider":
-            return self.sess.run(self.outputs, feed)
+            with ort_failures(self.path):
+                return self.sess.run(self.outputs, feed)
         if self.cuda_graph:
             try:
                 return self._run_graph(feed)
@@ -123,7 +125,8 @@ class _Session:
             io.bind_cpu_input(k, np.ascontiguousarray(v))
         for o in self.outputs:
             io.bind_output(o, "cuda")
-        self.sess.run_with_iobinding(io)
+        with ort_failures(self.path):
+            self.sess.run_with_iobinding(io)
         return io.copy_outputs_to_cpu()
 
     def _run_graph(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:

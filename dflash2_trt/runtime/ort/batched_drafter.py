@@ -43,6 +43,7 @@ import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.kv import grown_slot_buffers
+from dflash2_trt.runtime.ort.failures import ort_failures
 from dflash2_trt.runtime.protocol import Draft, independent_draft
 from dflash2_trt.vocabulary import INDEPENDENT
 
@@ -120,8 +121,9 @@ class OrtBatchedDraftRunner:
         self._reserve(max(start + f.shape[0] for _, f, start in items))
         feats = np.concatenate([f for _, f, _ in items])[None].astype(self.dtype, copy=False)  # [1, M, F]
         pos = np.concatenate([np.arange(s, s + f.shape[0], dtype=np.int64) for _, f, s in items])[None]  # [1, M]
-        out = self._ctx.sess.run(self._ctx.outputs, {"context_features": np.ascontiguousarray(feats),
-                                                     "position_ids": pos})  # 2 per layer [1, kvh, M, d]
+        with ort_failures(self._ctx.path):
+            out = self._ctx.sess.run(self._ctx.outputs, {"context_features": np.ascontiguousarray(feats),
+                                                         "position_ids": pos})  # 2 per layer [1, kvh, M, d]
         self.context_calls += 1
         off = 0
         for b, f, start in items:
@@ -159,16 +161,18 @@ class OrtBatchedDraftRunner:
             hidden[i, 1 + int(r):] = 0  # a final partial block: the path over the verified rows alone
         self.head_calls += 1
         if self.mode == INDEPENDENT:
-            logits = self._head.sess.run(self._head.outputs, {"hidden": hidden})[0]  # [n, L, V] fp32
+            with ort_failures(self._head.path):
+                logits = self._head.sess.run(self._head.outputs, {"hidden": hidden})[0]  # [n, L, V] fp32
             return [independent_draft(logits[i], float(t), u, self.top_k)
                     for i, (t, u) in enumerate(zip(temperatures, uniforms))]
         u = np.zeros((n, L), dtype=np.float32)  # [n, L]
         for i, x in enumerate(uniforms):
             if x is not None:
                 u[i] = np.asarray(x, dtype=np.float32).reshape(-1)[:L]
-        cand, path, q = self._head.sess.run(self._head.outputs, {
-            "hidden": hidden, "anchor_ids": np.asarray(anchors, dtype=np.int32),
-            "temperature": np.asarray(temperatures, dtype=np.float32), "uniforms": u})
+        with ort_failures(self._head.path):
+            cand, path, q = self._head.sess.run(self._head.outputs, {
+                "hidden": hidden, "anchor_ids": np.asarray(anchors, dtype=np.int32),
+                "temperature": np.asarray(temperatures, dtype=np.float32), "uniforms": u})
         return [Draft(tokens=path[i].astype(np.int64), proposal=q[i], cand=cand[i].astype(np.int64)) for i in range(n)]
 
     def _block_call(self, slots: list[int], anchors: list[int]) -> np.ndarray:
@@ -185,7 +189,8 @@ class OrtBatchedDraftRunner:
         for name, a in zip(self.names, self.arrays):
             x = np.take(a, idx, axis=0) if gather else a[lo:hi]  # a copy, or a contiguous view
             feed[name] = self.ort.OrtValue.ortvalue_from_numpy(x)  # a CPU OrtValue over x's memory: no copy
-        hidden = self._block.sess.run(self._block.outputs, feed)[0]  # [nb, bs, H]
+        with ort_failures(self._block.path):
+            hidden = self._block.sess.run(self._block.outputs, feed)[0]  # [nb, bs, H]
         self.block_calls += 1
         self.gathered_calls += int(gather)
         return hidden if gather else hidden[[where[b] for b in slots]]

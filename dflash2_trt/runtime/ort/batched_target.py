@@ -49,6 +49,7 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (TARGET_LOGITS_INDEX, TARGET_ORT, TARGET_PAST_SEQLENS, target_kv_names,
                                   target_present_names)
 from dflash2_trt.runtime.kv import grown_slot_buffers
+from dflash2_trt.runtime.ort.failures import ort_failures
 
 CALL_ROWS = 12  # a graph call's fixed cost in rows (SmolLM2 fp32, 2 threads: ~29 ms a call + ~2.3 ms a row)
 MAX_CALL_ROWS = 1024  # padded rows a call of several slots may hold (its logits: rows x vocabulary x 4 bytes)
@@ -202,7 +203,8 @@ class OrtBatchedTargetRunner:
             io.bind_cpu_input(TARGET_LOGITS_INDEX, np.ascontiguousarray(index, dtype=np.int64)[..., None])
         io.bind_output("logits")  # rebound each call: ORT would keep the last call's shape
         io.bind_output("context_features")
-        self.sess.run_with_iobinding(io)
+        with ort_failures(f"{TARGET_ORT}.onnx"):
+            self.sess.run_with_iobinding(io)
         if len(rows) == 1:
             self.single_calls += 1
         elif sum(len(r) > 1 for r in rows.values()) >= 2:

@@ -19,6 +19,7 @@ import numpy as np
 from dflash2_trt.manifest import (TARGET_LOGITS_INDEX, TARGET_ORT, TARGET_PAST_SEQLENS, target_kv_names,
                                   target_present_names)
 from dflash2_trt.runtime.kv import KVBuffer, target_ids
+from dflash2_trt.runtime.ort.failures import ort_failures
 
 
 class OrtFusedTargetRunner:
@@ -83,7 +84,8 @@ class OrtFusedTargetRunner:
             io.bind_cpu_input(TARGET_LOGITS_INDEX, np.arange(S, dtype=np.int64).reshape(1, S, 1))
         io.bind_output("logits")  # rebound each call: ORT would keep last call's [1, S, V] buffer
         io.bind_output("context_features")
-        self.sess.run_with_iobinding(io)
+        with ort_failures(f"{TARGET_ORT}.onnx"):
+            self.sess.run_with_iobinding(io)
         out = io.get_outputs()
         self.kv.length = n + S
         return out[0].numpy()[0], out[1].numpy()[0]
