@@ -177,6 +177,77 @@ def test_greedy_batch_equals_b1_with_joins_and_leaves(be):
         assert dec.target.multirow_calls == 0
 
 
+class _OracleDrafter:
+    """A draft runner that proposes the target's own greedy continuation ``want`` of ``prompt`` (every draft is
+    accepted), over a real runner's context bookkeeping."""
+
+    def __init__(self, inner, prompt: list[int], want: list[int]) -> None:  # noqa: ANN001
+        self.inner, self.full = inner, list(prompt) + list(want)
+
+    def __getattr__(self, name):  # noqa: ANN001, ANN204 - block_size, top_k, reset, add_context
+        return getattr(self.inner, name)
+
+    def propose(self, anchor, pos, rows, temperature, uniforms):  # noqa: ANN001, ANN202
+        from dflash2_trt.runtime.ngram import lookup_draft
+
+        assert self.full[pos] == anchor
+        return lookup_draft(self.full[pos + 1: pos + 1 + rows])
+
+
+@pytest.mark.parametrize("k", [5, 16, 20])
+def test_an_accepted_eos_ends_the_count(be, k):
+    """A request whose EOS is the k-th token of its greedy output, drafted by an oracle (every draft right): the
+    cycle that accepts the EOS counts the drafts up to it, EOS included (not the block's drafts after it), in the
+    batch loop and in the B = 1 loop alike; the tokens end at the EOS. k = 5 and 20: the EOS is a draft of the first
+    and the second cycle (block size 16); k = 16: it is the first cycle's bonus token."""
+    for seed in range(100):  # a prompt whose output's k-th token appears there first (the target copies)
+        prompt = _prompts(be, [7], seed=seed)[0]
+        want = D.target_generate(be.target_runner(), prompt, 40, eos_ids=set()).tokens
+        if want[k] not in want[:k]:
+            break
+    eos = want[k]
+    assert eos not in want[:k], "no prompt found"
+    L = be.manifest.block_size - 1
+    expected, pos = [], 1  # want[0] comes from the prompt's forward; each cycle drafts want[pos: pos + L]
+    while True:
+        if k < pos + L:
+            expected.append(k - pos + 1)
+            break
+        expected.append(L)
+        if k == pos + L:
+            break
+        pos += L + 1
+    dec = BT.BatchDecoder(_decoder(be, 1).target, lambda: _OracleDrafter(be.draft_runner("greedy"), prompt, want),
+                          BT.SpeculationRule(adaptive=False))
+    rid = dec.submit(BT.BatchRequest(prompt, 40, eos_ids={eos}))
+    while dec.busy:
+        dec.step()
+    res = dec.results[rid]
+    b1 = D.speculative_generate(be.target_runner(), _OracleDrafter(be.draft_runner("greedy"), prompt, want), prompt,
+                                40, eos_ids={eos})
+    for r in (res, b1):
+        assert r.tokens == want[: k + 1] and r.accepted == expected, (r.accepted, expected)
+
+
+def test_rule_estimate_of_a_final_partial_block(be):
+    """The rule's τ̂ of a drafter proposal that verifies only n < L rows (the request's last tokens) is its share of a
+    full block's expected gain, 1 + (τ̂_full - 1) n / L, not the full block's; lookups and full blocks unchanged."""
+    from dflash2_trt.runtime.ngram import DFLASH2
+
+    dec = _decoder(be, 1, BT.SpeculationRule(adaptive=False))
+    rid = dec.submit(BT.BatchRequest(_prompts(be, [9], seed=5)[0], 60))
+    for _ in range(4):
+        dec.step()
+    s = dec._active[rid]
+    L = be.manifest.block_size - 1
+    n_full, tau_full = dec._estimate(s, DFLASH2, [])
+    assert n_full == L and tau_full > 1.5, tau_full  # drafts were accepted: the share is not trivially 1
+    for n in (1, 4, L - 1):
+        s.limit = len(s.res.tokens) + 1 + n
+        rows, tau = dec._estimate(s, DFLASH2, [])
+        assert rows == n and tau == pytest.approx(1 + (tau_full - 1) * n / L, rel=1e-12)
+
+
 def test_plain_batch_mixed_temperatures(be):
     """Plain batched decoding (no drafter: requests of the drafter step plain): greedy sequences unchanged by T > 0
     neighbours, and each T > 0 sequence draws target_generate's tokens for its seed (its own generator, the same

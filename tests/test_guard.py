@@ -135,6 +135,48 @@ def test_guard_measured_cost_calibrates_then_decides():
     assert g.switches == 2 and g.plain_left == 3
 
 
+def test_guard_step_time_is_a_running_mean_of_varying_and_outlier_times():
+    """The plain step's time is the mean of the steps timed so far (for the first 16), then an exponential mean
+    weighting the newest 1/16: fresh random times with outliers (one step 20x slower, as a page fault or another
+    process makes) move it by their share, not to their value, and the break-even is the window's mean cycle time
+    over it. A decision that the last step's time would flip: a drafter whose cycles pay against the mean step
+    stays on after one slow step, and one that does not pay is switched off after one fast step."""
+    rng = np.random.default_rng(7)
+    times = rng.uniform(0.008, 0.012, 40)
+    times[[5, 23]] = 0.2  # outliers
+    times[31] = 0.0005
+    g = AcceptanceGuard(GuardConfig(window=8, min_cycles=8, backoff=1, max_backoff=4))
+    for n, t in enumerate(times, 1):
+        g.record_step(float(t))
+        if n <= 16:
+            assert g.t_step == pytest.approx(float(times[:n].mean()), rel=1e-12)
+    want = float(times[:16].mean())
+    for t in times[16:]:
+        want += (float(t) - want) / 16
+    assert g.t_step == pytest.approx(want, rel=1e-12)
+    g.plain_left = 0
+    cycles = rng.uniform(0.015, 0.025, 8)  # [8] seconds per cycle
+    for c in cycles:
+        g.record_cycle(3, float(c))
+    assert g.break_even() == pytest.approx(float(cycles.mean()) / want, rel=1e-12)
+
+    def guard_after(steps: list[float], tokens: int) -> AcceptanceGuard:
+        g = AcceptanceGuard(GuardConfig(window=4, min_cycles=4, probe_window=4, z=0.0, min_spread=0.0))
+        for t in steps:
+            g.plain_left = 1
+            g.record_step(t)
+        for _ in range(4):
+            g.record_cycle(tokens, 0.02)
+        return g
+
+    # mean step 0.01 + (0.2 - 0.01) / 4 = 0.0575 s with the outlier: break-even 0.35, 1-token cycles pay
+    assert guard_after([0.01, 0.01, 0.01, 0.2], 1).switches == 0
+    # steps 0.01 then one of 0.001: mean 0.00775 s, break-even 2.58 -- 3-token cycles pay, 2-token ones do not
+    assert guard_after([0.01, 0.01, 0.01, 0.001], 3).switches == 0
+    assert guard_after([0.01, 0.01, 0.01, 0.001], 2).switches == 1
+    # the last step alone (0.001 s) would put the break-even at 20 and switch the 3-token drafter off
+
+
 def test_guard_switches_on_evidence_not_on_an_unlucky_stretch():
     """z = 0 is the plain mean rule; with the default z = 1 a stretch of 1-token cycles around a mean that may
     still pay does not switch the drafter off, while cycles that all commit one token do."""

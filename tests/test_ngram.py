@@ -62,6 +62,30 @@ def test_choice():
         ProposerChoice("lookahead", [1], 2)
 
 
+def test_a_lookup_not_chosen_drifts_back_to_the_prior():
+    """A lookup that had drafts but was not chosen moves its measured rate a quarter of (1 - decay) of the way back to
+    the optimistic prior 2.0 per step (a changed context gets another try): after k such steps from rate r the gap
+    is (2 - r) x (1 - (1 - decay) / 4)^k; a chosen lookup, or one without drafts, does not drift."""
+    for decay in (0.8, 0.5):
+        c = ProposerChoice("auto", [1, 2, 3], 4, decay=decay)
+        c.rate["ngram"] = 0.7
+        for k in range(1, 9):
+            c.settle([5, 6], "dflash2" if k % 2 else None)
+            assert c.rate["ngram"] == pytest.approx(2.0 - 1.3 * (1 - (1 - decay) / 4) ** k, rel=1e-12)
+        before = dict(c.rate)
+        c.settle([5, 6], "ngram")
+        c.settle([], "dflash2")
+        assert c.rate == before
+    # the drift is what brings a lookup back: from 1.0 against a drafter at 1.5, auto picks the lookup again after
+    # exactly the steps the drift needs (rate >= the drafter's)
+    c = ProposerChoice("auto", [1, 2, 3], 4)
+    c.rate.update(ngram=1.0, dflash2=1.5)
+    steps = 0
+    while c.pick([5, 6]) != "ngram":
+        steps += 1
+    assert steps == int(np.ceil(np.log(0.5) / np.log(1 - 0.2 / 4)))
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "auto", "dflash2"])
 def test_lossless_with_lookup(acc_export, proposer):
     from dflash2_trt.runtime import decoder as D
