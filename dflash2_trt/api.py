@@ -40,6 +40,7 @@ by :func:`load`, never torch.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import queue
 import secrets
 import threading
@@ -206,10 +207,15 @@ class Generator:
             if not self._tok.chat_template:
                 raise DFlash2Error("chat messages need a chat template; this tokenizer has none")
             return self._tok.apply_chat_template(prompt)
-        try:
-            return [int(t) for t in prompt]  # type: ignore[union-attr]
-        except (TypeError, ValueError):
-            raise DFlash2Error("prompt must be a str, a list of chat messages or a list of token ids") from None
+        if not isinstance(prompt, (list, tuple)):
+            raise DFlash2Error(f"prompt must be a str, a list of chat messages or a list of token ids, got "
+                               f"{type(prompt).__name__}")
+        # an id is an integer (numpy's too), never a float or a bool that int() would silently truncate
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise DFlash2Error(f"prompt token ids must be integers, got {bad[0]!r}")
+        ids = list(prompt)
+        return [int(t) for t in ids]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -779,11 +785,13 @@ def load(model_dir: str | Path, backend: str = "auto", threads: int | None = Non
     """Open a ``dflash2 export`` folder. ``backend``: ``auto`` (TensorRT when it can run here, else ONNX
     Runtime; :attr:`Generator.note` says which and why), ``trt`` or ``ort``; ``threads``: ONNX Runtime intra-op
     threads (default: ONNX Runtime's); ``verify_checksums``: check every file against the manifest."""
+    from dflash2_trt.manifest import export_folder
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise DFlash2Error(f"threads must be an integer >= 1 or None, got {threads!r}")
+    export_folder(model_dir)  # not an export: say so before the tokenizer's files are looked for
     tok = TextTokenizer(model_dir)  # before the backend: a folder without a tokenizer fails cheaply
     be, note = open_backend(model_dir, backend, verify_checksums=verify_checksums, threads=threads)
     return Generator(be, tok, note)

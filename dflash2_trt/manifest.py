@@ -466,18 +466,24 @@ def parse_engine_set(data: Any) -> EngineSet:
     return _decode(EngineSet, _encode(data), "manifest.engines")
 
 
+def export_folder(model_dir: str | Path) -> Path:
+    """``model_dir`` as a Path when it is a folder holding a manifest, else DFlash2Error saying which it lacks."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise DFlash2Error(f"model folder not found: {d}")
+    if not (d / MANIFEST_FILE).is_file():
+        raise DFlash2Error(f"{d} has no {MANIFEST_FILE}: not a dflash2 export folder (run dflash2 export)")
+    return d
+
+
 def read_manifest(model_dir: str | Path, verify_checksums: bool = True) -> ExportManifest:
     """Read and validate DIR/manifest.json; with ``verify_checksums`` every listed file is hashed.
 
     Raises :class:`DFlash2Error` for a missing folder or file, invalid JSON, another format or manifest
     version, a bad field (named), a missing graph, or a checksum mismatch (naming the file).
     """
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise DFlash2Error(f"model folder not found: {d}")
+    d = export_folder(model_dir)
     mf = d / MANIFEST_FILE
-    if not mf.is_file():
-        raise DFlash2Error(f"{d} has no {MANIFEST_FILE}: not a dflash2 export folder (run dflash2 export)")
     try:
         data = json.loads(mf.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -86,15 +86,33 @@ def test_bad_arguments_raise_the_project_error(gen, kwargs, match):
         gen.generate(PROMPT, **kwargs)
 
 
-def test_bad_prompt_and_bad_folder(gen, tmp_path):
-    with pytest.raises(DFlash2Error, match="prompt"):
-        gen.generate([0, "x"])  # type: ignore[list-item]
+def test_bad_prompt_and_bad_folder(gen, tmp_path, acc_export):
+    """Ids that are not integers (a float int() would truncate, a bool, a string) are refused, not rounded; a folder
+    that is not an export says it has no manifest (not that a tokenizer file is missing); a truncated graph let
+    through by checksums off is one DFlash2Error naming the file."""
+    import shutil
+
+    import numpy as np
+
+    for bad in ([0, "x"], [1.5, 2], [True, 3], [np.float32(4.0)]):
+        with pytest.raises(DFlash2Error, match="prompt"):
+            gen.generate(bad)  # type: ignore[arg-type]
+    with pytest.raises(DFlash2Error, match="prompt must be"):
+        gen.generate(5)  # type: ignore[arg-type]
+    assert gen.generate([np.int64(3), 4], max_new_tokens=2).tokens  # numpy's integers are ids
     with pytest.raises(DFlash2Error, match="out of range"):
         gen.generate([10**9])
-    with pytest.raises(DFlash2Error):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(DFlash2Error, match="has no manifest.json: not a dflash2 export folder"):
         dflash2_trt.load(tmp_path)
     with pytest.raises(DFlash2Error, match="threads"):
         dflash2_trt.load(tmp_path, threads=0)
+    d = tmp_path / "truncated"
+    shutil.copytree(acc_export, d)
+    graph = d / "target_ort.onnx"
+    graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 2])
+    with pytest.raises(DFlash2Error, match="target_ort.onnx is not a readable ONNX graph"):
+        dflash2_trt.load(d, backend="ort", verify_checksums=False).generate([3, 4], max_new_tokens=2)
 
 
 def test_threads_are_serialised_and_get_their_own_results(gen):

@@ -1469,6 +1469,18 @@ def test_model_load_checks_manifest_fields_against_graphs(lib, tiny_export, tmp_
         assert e.value.code == 6 and re.search(msg, e.value.message), (i, e.value.message)
 
 
+def test_example_refuses_bad_arguments_before_loading(capi_build, tiny_export):
+    """The C example's bad arguments end in one line and exit 1 before the model is opened: a negative id, a
+    negative seed (the library's option check), an empty request of a -b batch (between two ',' or after the
+    last)."""
+    exe = str(capi_build / "bin" / "generate")
+    for args, msg in ((["-1"], "'-1' is not a token id"), (["1", "-o", "seed=-1"], "option 'seed' must be >= 0"),
+                      (["-b", "1", ",", ",", "2"], "an empty request"), (["-b", "1", ","], "an empty request"),
+                      (["-b", ",", "1"], "an empty request")):
+        out = subprocess.run([exe, str(tiny_export), *args], capture_output=True, text=True)
+        assert out.returncode == 1 and msg in out.stderr and len(out.stderr.strip().splitlines()) == 1, (args, out)
+
+
 def test_tensorrt_backend_compiles(capi_build):
     """The TensorRT backend (C++, runtime/src/backends/trtBackend.cpp) is compiled with -Werror against the
     kernel-lens TensorRT headers and the CUDA runtime headers. It is never run here (no GPU, no libnvinfer):

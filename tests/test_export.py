@@ -374,3 +374,66 @@ def test_fp16_export_is_verified(acc_dir, tmp_path):
     assert "skipped" not in rep and rep["target.logits"] <= V.TOL["fp16"]
     assert all(v >= V.MIN_MATCH["fp16"][0] for k, v in rep.items() if k.endswith("_match"))
     assert all(f"drafter_head_{mode}.T{t}.proposal_probs" in rep for mode in ("greedy", "viterbi") for t in (0.0, 0.8))
+
+
+def _dense_pair(out, head_dim: int, taps: list[int]):  # noqa: ANN001, ANN202
+    """A tiny random Llama target (4 layers, heads of ``head_dim``) and a random DFlash 2 drafter tapping ``taps``,
+    saved as make-tiny saves its pair -> (target folder, drafter folder)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash2_trt.config import DFlash2Config
+    from dflash2_trt.model import DFlash2Drafter, save_drafter
+    from dflash2_trt.tiny import build_tokenizer
+
+    torch.manual_seed(3)
+    tok = build_tokenizer()
+    H = 4 * head_dim
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=H, intermediate_size=2 * H, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=0, initializer_range=0.2)).eval()
+    target.save_pretrained(str(out / "target"), safe_serialization=True)
+    tok.save_pretrained(str(out / "target"))
+    drafter = DFlash2Drafter(DFlash2Config(
+        hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=H // 16, num_key_value_heads=2,
+        head_dim=16, vocab_size=len(tok), num_target_layers=4, target_layer_ids=taps, block_size=4, mask_token_id=1,
+        selector_rank=8, selector_top_k=8, rms_norm_eps=1e-6, rope_theta=10000.0))
+    save_drafter(drafter, out / "drafter")
+    return out / "target", out / "drafter"
+
+
+@pytest.mark.parametrize("head_dim,taps", [(16, [0, 3]), (24, [0, 2])])
+def test_dense_targets_with_a_last_layer_tap_or_an_odd_head_size(tmp_path, head_dim, taps):
+    """A drafter tapping the target's last layer (HF's last hidden_states entry, after the final norm: the same
+    tap in the standard graph, the fused graph and the PyTorch adapter the trainer uses) and a target whose head
+    size is not a multiple of 16 (ONNX Runtime's GroupQueryAttention refuses it: no fused graph, ORT runs the
+    standard one) export with every check passing and decode on ONNX Runtime to the target's own greedy output."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.runtime import decoder as D
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.target import TargetModel
+
+    target_dir, drafter_dir = _dense_pair(tmp_path, head_dim, taps)
+    export_model(target_dir, drafter_dir, tmp_path / "export", progress=False, max_seq_len=256)
+    be = OrtBackend(tmp_path / "export", threads=1)
+    m = be.manifest
+    assert ("target_ort" in m.graphs) == (head_dim % 16 == 0)
+    if head_dim % 16:
+        assert "multiple of 16" in str(m.verification["target_ort"])
+    else:
+        assert m.verification["target_ort.context_features"] <= 1e-4
+    hf = TargetModel.load(target_dir)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        prompt = rng.integers(2, m.target.vocab_size, int(rng.integers(3, 12))).tolist()
+        want = D.target_generate(be.target_runner(), prompt, 12).tokens
+        got = D.speculative_generate(be.target_runner(), be.draft_runner(), prompt, 12)
+        assert got.tokens == want
+        ids = torch.tensor(prompt)
+        hf.reset(taps)
+        logits, feats = hf.forward(ids)
+        t = be.target_runner()
+        t.reset()
+        o_logits, o_feats = t.forward(prompt)
+        np.testing.assert_allclose(o_feats, feats.numpy(), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(o_logits, logits.numpy(), rtol=1e-4, atol=1e-4)

@@ -152,7 +152,9 @@ class TargetGraph(nn.Module):
             h = h + m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
             present += [k, v]
             taps[i] = h  # decoder layer i's output == HF hidden_states[i + 1]
-        logits = self.lm_head(_rms(h, self.norm.weight, self.eps)).float()  # [B, S, V]
+        h = _rms(h, self.norm.weight, self.eps)
+        taps[len(self.layers) - 1] = h  # HF's last hidden_states entry is after the final norm
+        logits = self.lm_head(h).float()  # [B, S, V]
         ctx = torch.cat([taps[j] for j in self.layer_ids], dim=-1)  # [B, S, n*H]
         return (logits, ctx, *present)
 

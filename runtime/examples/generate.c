@@ -77,18 +77,20 @@ int main(int argc, char** argv)
             continue;
         }
         if (strcmp(argv[i], ",") == 0) { /* the next request's prompt starts here */
-            if (n > starts[nReq]) {
-                lens[nReq] = n - starts[nReq];
-                ++nReq;
+            if (n == starts[nReq]) {
+                fprintf(stderr, "generate: an empty request (no ids before ',')\n");
+                goto done;
             }
+            lens[nReq] = n - starts[nReq];
+            ++nReq;
             starts[nReq] = n;
             continue;
         }
         char* end = NULL;
         errno = 0;
         long v = strtol(argv[i], &end, 10);
-        if (errno || end == argv[i] || *end || v < INT32_MIN || v > INT32_MAX) {
-            fprintf(stderr, "generate: '%s' is not a token id\n", argv[i]);
+        if (errno || end == argv[i] || *end || v < 0 || v > INT32_MAX) {
+            fprintf(stderr, "generate: '%s' is not a token id (an integer >= 0)\n", argv[i]);
             goto done;
         }
         prompt[n++] = (int32_t) v;
@@ -96,6 +98,9 @@ int main(int argc, char** argv)
     if (n > starts[nReq]) {
         lens[nReq] = n - starts[nReq];
         ++nReq;
+    } else if (nReq > 0) {
+        fprintf(stderr, "generate: an empty request (no ids after the last ',')\n");
+        goto done;
     }
     if (nReq == 0 || (nReq > 1 && !batched)) {
         fprintf(stderr, nReq == 0 ? "generate: no prompt ids\n"

@@ -87,6 +87,10 @@ void checkRange(std::string const& key, OptionSpec const& spec, OptionValue cons
     {
         bad("must be >= 1, got " + std::to_string(std::get<int64_t>(v)));
     }
+    if (key == "seed" && std::get<int64_t>(v) < 0)
+    {
+        bad("must be >= 0 (as the Python API's seed), got " + std::to_string(std::get<int64_t>(v)));
+    }
     if (key == "device" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > 1024))
     {
         bad("must be a CUDA device ordinal >= 0, got " + std::to_string(std::get<int64_t>(v)));

@@ -47,6 +47,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dflash2_trt.errors import DFlash2Error
+
 LIBRARY_ENV = "DFLASH2_ORT_OPS"  # path of libdflash2_ort_ops.so, overriding the search below
 LIBRARY_NAME = "libdflash2_ort_ops.so"
 PANELS_ENV = "DFLASH2_ORT_PANELS"  # 0: keep ORT's MatMul, 1: PanelMatMul (default: AVX-512 kernels; panels_wanted)
@@ -83,6 +85,19 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+def _load_graph(path: Path) -> Any:
+    """The ONNX graph at ``path`` without its external weights -> onnx.ModelProto; a file that does not parse (a
+    truncated or corrupted graph, met when checksums are off) -> DFlash2Error naming it."""
+    import onnx
+
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and onnx's own
+        raise DFlash2Error(f"{path.name} is not a readable ONNX graph ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}): a truncated or corrupted "
+                           f"file (re-export; checksums off let it through)") from None
+
+
 def rewrite(path: Path) -> bytes | None:
     """target_ort.onnx (fp32, external weights left on disk) with every GroupQueryAttention node replaced by
     DecodeAttention (and the graph input ``past_seqlens`` [batch] int32 fed to each), and the LM head's input
@@ -93,7 +108,7 @@ def rewrite(path: Path) -> bytes | None:
 
     from dflash2_trt.manifest import TARGET_LOGITS_INDEX, TARGET_PAST_SEQLENS
 
-    model = onnx.load(str(path), load_external_data=False)
+    model = _load_graph(path)
     kv = [i for i in model.graph.input if i.name.startswith("past_key_values")]
     if not kv or kv[0].type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
         return None
@@ -271,7 +286,7 @@ def prepare_panels(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.Sess
 
     if not panels_wanted():
         return None
-    model = onnx.load(str(path), load_external_data=False)
+    model = _load_graph(path)
     if not _swap_matmuls(model):
         return None
     model.opset_import.append(helper.make_opsetid(OP_DOMAIN, 1))
