@@ -498,7 +498,8 @@ def test_tiny_client_that_disconnects_frees_its_state(tiny_server, tiny_export):
 
 def test_tiny_full_instance_leaves_requests_to_the_other(tiny_server, tiny_export):
     """Two instances batching 4 each, 10 requests at once: an instance holding 4 takes no more (its execute waits),
-    so both instances decode some; every stream equals its reference."""
+    so both instances decode some, and neither ever held more than 4 (its peak gauge); every stream equals its
+    reference."""
     url = tiny_server.grpc_url
     before = dict(re.findall(r'^dflash2_requests{instance="(\w+)",model="dflash2"} (\S+)$', _metrics(tiny_server),
                              flags=re.M))
@@ -517,6 +518,10 @@ def test_tiny_full_instance_leaves_requests_to_the_other(tiny_server, tiny_expor
     served = {k: float(v) - float(before.get(k, 0)) for k, v in after.items()}
     assert set(served) == {"dflash2_0_0", "dflash2_0_1"} and all(v > 0 for v in served.values()), served
     assert sum(served.values()) == 10
+    # the admission cap: no instance held more than its max_batch (4) at once, and one was full
+    peaks = dict(re.findall(r'^dflash2_active_requests_peak{instance="(\w+)",model="dflash2"} (\S+)$',
+                            _metrics(tiny_server), flags=re.M))
+    assert set(peaks) == set(served) and max(float(v) for v in peaks.values()) == 4, peaks
 
 
 def test_tiny_servers_shut_down_cleanly(tiny_server, acc_server):

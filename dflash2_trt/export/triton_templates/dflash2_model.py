@@ -124,13 +124,20 @@ class TritonPythonModel:
         self.f_batch = pb_utils.MetricFamily(name="dflash2_batch_steps",
                                              description="batch steps that decoded `size` sequences together",
                                              kind=pb_utils.MetricFamily.GAUGE)
+        # the most requests this instance held at once since it loaded: at most max_batch (the admission cap
+        # above); an operator sizing max_batch and instance counts reads it
+        self.f_peak = pb_utils.MetricFamily(name="dflash2_active_requests_peak",
+                                            description="most DFlash 2 requests this instance held at once",
+                                            kind=pb_utils.MetricFamily.GAUGE)
         self.labels, self.m_batch = labels, {}
+        self.active = self.peak = 0
         # every call into the python backend (send, is_cancelled, metrics, log) under one lock: the forwarding
         # threads made concurrent calls that crashed the server (boost::interprocess::lock_exception)
         self.ipc = threading.RLock()
         self.m_active = self.f_active.Metric(labels=labels)
         self.m_requests = self.f_requests.Metric(labels=labels)
         self.m_cancelled = self.f_cancelled.Metric(labels=labels)
+        self.m_peak = self.f_peak.Metric(labels=labels)
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -200,6 +207,10 @@ class TritonPythonModel:
         with self.ipc:
             self.m_active.increment(1)
             self.m_requests.increment(1)
+            self.active += 1
+            if self.active > self.peak:
+                self.peak = self.active
+                self.m_peak.set(self.peak)
         threading.Thread(target=self._forward, args=(sender, handle, request_id), daemon=True,
                          name="dflash2-forward").start()
 
@@ -244,6 +255,7 @@ class TritonPythonModel:
             self.slots.release()
             with self.ipc:
                 self.m_active.increment(-1)
+                self.active -= 1
                 for size, steps in self.gen.batch_sizes.items():
                     if size not in self.m_batch:
                         self.m_batch[size] = self.f_batch.Metric(labels={**self.labels, "size": str(size)})
