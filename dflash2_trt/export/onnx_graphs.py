@@ -1,13 +1,15 @@
-"""Export-only PyTorch modules: what each ONNX graph computes, written for tracing.
+"""Export-only PyTorch modules of the drafter graphs: what each ONNX graph computes, written for tracing (the
+target's graph is its family's: :mod:`dflash2_trt.targets`).
 
 They take and return explicit tensors (no cache classes, no data-dependent control flow, no If/Loop),
 read the weights of the HF target / the PyTorch drafter in place, and are checked against those reference
 models (``dflash2_trt.export.verify``) before an export reports success.
 
-KV-cache convention (target and drafter context) — a *capacity buffer* of C slots per layer::
+KV-cache convention of the drafter's context (the dense target graph's is the same) — a *capacity buffer* of C
+slots per layer::
 
     past  [B, kvh, C, d]   slots 0..n-1 hold positions 0..n-1; slots >= n are stale (masked out)
-    mask  [B, C (+S)]      int64, 1 = slot valid (then, for the target, 1 per new row)
+    mask  [B, C]           int64, 1 = slot valid
     new   [B, kvh, S, d]   only the K/V of the S new rows are returned; the runtime writes them into
                            slots n..n+S-1 of its buffer, and "crops" by lowering n (no copy)
 
@@ -21,143 +23,12 @@ repeating K/V.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model import selector as sel
 from dflash2_trt.model.drafter import DFlash2Drafter
 from dflash2_trt.vocabulary import SELECTOR_MODES
-
-SUPPORTED_TARGETS = ("llama", "qwen2", "qwen3", "mistral")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Target
-# ----------------------------------------------------------------------------------------------------
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm: statistics in fp32, scale in the weight's dtype."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d: int) -> torch.Tensor:
-    """x [B, heads, rows, d]. ``d`` is a Python int: a traced ``x.shape[-1] // 2`` makes the TorchScript
-    exporter emit the following Concat on the wrong axis."""
-    half = d // 2
-    return x * cos + torch.cat([-x[:, :, :, half:], x[:, :, :, :half]], dim=3) * sin
-
-
-def _grouped_attention(q, k1, v1, k2, v2, bias1, bias2, scale: float, nh: int, kvh: int, d: int):  # noqa: ANN001, ANN202
-    """softmax over [keys1 | keys2] without concatenating K/V; q [B, nh, S, d], k/v [B, kvh, *, d],
-    biases [B, 1, rep*S, *] (additive, -inf = masked). Heads h = kv * rep + r share kv head kv, so grouped
-    queries are folded into rows instead of repeating K/V (the drafter's Attention does the same)."""
-    B, S = q.shape[0], q.shape[2]
-    qg = q.reshape(B, kvh, (nh // kvh) * S, d)
-    s1 = torch.matmul(qg, k1.transpose(2, 3)) * scale + bias1
-    s2 = torch.matmul(qg, k2.transpose(2, 3)) * scale + bias2
-    n1 = k1.shape[2]
-    p = torch.softmax(torch.cat([s1, s2], dim=3).float(), dim=3).to(q.dtype)
-    o = torch.matmul(p[:, :, :, :n1], v1) + torch.matmul(p[:, :, :, n1:], v2)
-    return o.reshape(B, nh, S, d)
-
-
-def check_target_supported(hf_model) -> None:  # noqa: ANN001
-    cfg = hf_model.config
-    mt = getattr(cfg, "model_type", None)
-    if mt not in SUPPORTED_TARGETS:
-        raise DFlash2Error(f"target model_type {mt!r} is not supported by the exporter; supported: "
-                           f"{', '.join(SUPPORTED_TARGETS)} (Llama / Qwen2 / Qwen3 decoder families)")
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise DFlash2Error(f"target hidden_act {act!r} is not supported (silu only)")
-    if getattr(cfg, "use_sliding_window", False) or (mt == "mistral" and getattr(cfg, "sliding_window", None)):
-        raise DFlash2Error("targets with sliding-window attention are not supported by the exporter")
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rtype not in ("default", "linear", "llama3", "yarn"):
-        raise DFlash2Error(f"target rope_type {rtype!r} is not supported (static RoPE variants only)")
-
-
-class TargetGraph(nn.Module):
-    """HF Llama/Qwen2/Qwen3 causal LM with an explicit capacity-buffer KV cache and context-feature taps.
-
-    forward(input_ids [B, S] int64, position_ids [B, S] int64, attention_mask [B, C + S] int64,
-            *past (2 per layer: key, value [B, kvh, C, d]))
-    -> logits [B, S, V] fp32, context_features [B, S, len(layer_ids) * H], *present (2 per layer, the
-       K/V of the S new rows [B, kvh, S, d]).
-    New rows attend to valid buffer slots and causally to each other (the mask's last S entries must be 1).
-    """
-
-    def __init__(self, hf_model, layer_ids: list[int]) -> None:  # noqa: ANN001
-        super().__init__()
-        check_target_supported(hf_model)
-        cfg = hf_model.config
-        base = hf_model.model
-        self.embed = base.embed_tokens
-        self.layers = base.layers
-        self.norm = base.norm
-        self.lm_head = hf_model.lm_head
-        self.layer_ids = list(layer_ids)
-        self.nh = int(cfg.num_attention_heads)
-        self.kvh = int(cfg.num_key_value_heads)
-        attn0 = base.layers[0].self_attn
-        self.d = int(attn0.head_dim)
-        self.scaling = float(attn0.scaling)
-        self.eps = float(cfg.rms_norm_eps)
-        rot = base.rotary_emb
-        self.register_buffer("inv_freq", rot.inv_freq.detach().float().clone(), persistent=False)  # [d/2]
-        self.attention_scaling = float(getattr(rot, "attention_scaling", 1.0))
-
-    def forward(self, input_ids, position_ids, attention_mask, *past):  # noqa: ANN001, ANN201
-        B, S = input_ids.shape
-        h = self.embed(input_ids)  # [B, S, H]
-        dtype = h.dtype
-        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq  # [B, S, d/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)  # [B, 1, S, d]
-        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
-        C = past[0].shape[2]
-        rep = self.nh // self.kvh
-        neg = torch.tensor(float("-inf"), dtype=dtype)
-        zero = torch.tensor(0.0, dtype=dtype)
-        past_ok = attention_mask[:, :C] > 0  # [B, C]
-        new_ok = attention_mask[:, C:] > 0  # [B, S]
-        causal = torch.ones(S, S, dtype=torch.bool, device=h.device).tril()  # [S, S]
-        past_bias = torch.where(past_ok, zero, neg)[:, None, None, :]  # [B, 1, 1, C] (same for every row)
-        new_bias = torch.where(causal[None] & new_ok[:, None, :], zero, neg)  # [B, S, S]
-        new_bias = new_bias.unsqueeze(1).repeat(1, 1, rep, 1)  # [B, 1, rep*S, S]
-        taps = {}
-        present = []
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            x = _rms(h, layer.input_layernorm.weight, self.eps)
-            q = a.q_proj(x).view(B, S, self.nh, self.d)
-            k = a.k_proj(x).view(B, S, self.kvh, self.d)
-            v = a.v_proj(x).view(B, S, self.kvh, self.d).transpose(1, 2)  # [B, kvh, S, d]
-            if hasattr(a, "q_norm"):
-                q = _rms(q, a.q_norm.weight, a.q_norm.variance_epsilon)
-                k = _rms(k, a.k_norm.weight, a.k_norm.variance_epsilon)
-            q = _rope(q.transpose(1, 2), cos, sin, self.d)  # [B, nh, S, d]
-            k = _rope(k.transpose(1, 2), cos, sin, self.d)  # [B, kvh, S, d]
-            o = _grouped_attention(q, past[2 * i], past[2 * i + 1], k, v, past_bias, new_bias, self.scaling, self.nh,
-                                   self.kvh, self.d)
-            h = h + a.o_proj(o.transpose(1, 2).reshape(B, S, self.nh * self.d))
-            x = _rms(h, layer.post_attention_layernorm.weight, self.eps)
-            m = layer.mlp
-            h = h + m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
-            present += [k, v]
-            taps[i] = h  # decoder layer i's output == HF hidden_states[i + 1]
-        h = _rms(h, self.norm.weight, self.eps)
-        taps[len(self.layers) - 1] = h  # HF's last hidden_states entry is after the final norm
-        logits = self.lm_head(h).float()  # [B, S, V]
-        ctx = torch.cat([taps[j] for j in self.layer_ids], dim=-1)  # [B, S, n*H]
-        return (logits, ctx, *present)
-
 
 # ----------------------------------------------------------------------------------------------------
 # Drafter: (a) context-KV update, (b) block pass, (c) head (+ selector)

@@ -23,7 +23,7 @@ writes the new rows in place and copies nothing; new rows attend causally to eac
 Run without buffer sharing (a plain ``InferenceSession.run``) the graph returns a present buffer of
 max(C, P + S) slots holding slots 0..P+S-1.
 
-Supported targets: those of :func:`dflash2_trt.export.graphs.check_target_supported`; q/k RMS norms (Qwen3)
+Supported targets: the dense family's (:func:`dflash2_trt.targets.dense.check_exportable`); q/k RMS norms (Qwen3)
 are applied outside the attention node (the CPU kernel ignores GroupQueryAttention's norm inputs); biases
 (Qwen2) are an Add after the packed projection.
 """
@@ -84,9 +84,9 @@ def build_target(hf_model, layer_ids: list[int], n_positions: int, opset: int = 
     tables (the largest position + 1 the runtime may feed)."""
     from onnx import TensorProto, helper
 
-    from dflash2_trt.export.onnx_graphs import check_target_supported
+    from dflash2_trt.targets import dense
 
-    check_target_supported(hf_model)
+    dense.check_exportable(hf_model)
     cfg = hf_model.config
     base = hf_model.model
     nl = len(base.layers)

@@ -1,0 +1,45 @@
+"""Target families: one module per family of target architectures, chosen by the HF config's ``model_type`` from
+one table (:data:`FAMILIES`). Each family module holds what differs between families, with transformers' own
+modules as the reference:
+
+* ``MODEL_TYPES`` -- the HF ``model_type`` values it serves;
+* ``layer_kinds(config)`` -- the kind of every decoder layer (:data:`LAYER_KINDS`);
+* ``new_cache(model)``, ``before_forward(cache, rows)``, ``rollback(cache, length)`` -- the per-request
+  state the PyTorch target adapter (:class:`dflash2_trt.target.TargetModel`) keeps, and how it returns to any
+  accepted length of the last call (a KV crop for attention layers; for linear-attention layers the recorded
+  convolution and recurrent states);
+* ``check_exportable(hf_model)`` and the family's graphs -- what ``dflash2 export`` traces.
+
+Owns: the per-family adapter parts, state shapes and target graphs. May import torch and transformers (lazily),
+``errors``; never the runtime, export, train or bench packages (export imports the families, not the reverse).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from dflash2_trt.errors import DFlash2Error
+
+LAYER_KINDS = ("attention", "linear")  # full (or grouped-query) attention; a linear-attention (Gated DeltaNet) layer
+FAMILY_NAMES = ("dense", "hybrid")
+
+
+def _modules() -> dict[str, ModuleType]:
+    from dflash2_trt.targets import dense, hybrid
+
+    return {"dense": dense, "hybrid": hybrid}
+
+
+def family_for(config: Any) -> ModuleType:
+    """The family module of an HF config (by its ``model_type``), else DFlash2Error listing the supported types."""
+    mt = getattr(config, "model_type", None)
+    for mod in _modules().values():
+        if mt in mod.MODEL_TYPES:
+            return mod
+    raise DFlash2Error(f"target model_type {mt!r} is not supported; supported: {', '.join(supported_model_types())}")
+
+
+def supported_model_types() -> list[str]:
+    """Every model_type some family serves, by family."""
+    return [t for mod in _modules().values() for t in mod.MODEL_TYPES]
