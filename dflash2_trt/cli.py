@@ -28,7 +28,7 @@ import sys
 from dflash2_trt import validate as V
 from dflash2_trt.bench import cli as bench_cli
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.vocabulary import BACKEND_CHOICES, SELECTOR_PRECISIONS
+from dflash2_trt.vocabulary import BACKEND_CHOICES, SELECTOR_PRECISIONS, TINY_ARCHS
 
 
 
@@ -46,6 +46,8 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     t.add_argument("--block-size", type=V.BLOCK_SIZE, default=16)
     t.add_argument("--accepting", action="store_true",
                    help="a copying target and a drafter whose drafts are accepted often (tau well above 1)")
+    t.add_argument("--arch", choices=TINY_ARCHS, default="llama",
+                   help="the target: dense Llama, or a hybrid Gated DeltaNet model (qwen3_5, + MoE: qwen3_5_moe)")
 
     train_cli.add_parser(sub)
 
@@ -136,7 +138,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 def _cmd_make_tiny(a: argparse.Namespace) -> int:
     from dflash2_trt.tiny import make_tiny
 
-    t, d = make_tiny(a.out, seed=a.seed, block_size=a.block_size, accepting=a.accepting)
+    t, d = make_tiny(a.out, seed=a.seed, block_size=a.block_size, accepting=a.accepting, arch=a.arch)
     print(f"wrote {t} and {d}")
     return 0
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from dflash2_trt.config import DFlash2Config
+from dflash2_trt.vocabulary import TINY_ARCHS
 
 TINY_VOCAB = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
@@ -76,32 +77,31 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB):
     return fast
 
 
-def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16, accepting: bool = False
-              ) -> tuple[Path, Path]:
+def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16, accepting: bool = False,
+              arch: str = "llama") -> tuple[Path, Path]:
     """Write OUT/target and OUT/drafter (atomically: built in a temp folder, moved into place).
-    ``accepting``: the copying pair of the module docstring (block_size <= COPY_PERIOD)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    ``accepting``: the copying pair of the module docstring (block_size <= COPY_PERIOD); ``arch``: the target's
+    architecture (:data:`TINY_ARCHS`)."""
     from dflash2_trt.errors import DFlash2Error
     from dflash2_trt.model import DFlash2Drafter, save_drafter
 
     if accepting and not 2 <= block_size <= COPY_PERIOD:
         raise DFlash2Error(f"--accepting needs --block-size in [2, {COPY_PERIOD}], got {block_size}")
+    if arch not in TINY_ARCHS:
+        raise DFlash2Error(f"--arch must be one of {', '.join(TINY_ARCHS)}, got {arch!r}")
     out = Path(out)
     _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
     # written first: a folder make-tiny was interrupted in is still recognisably its own
-    (out / README).write_text(json.dumps({"made_by": MADE_BY, "seed": seed, "accepting": accepting}) + "\n")
+    (out / README).write_text(json.dumps({"made_by": MADE_BY, "seed": seed, "accepting": accepting, "arch": arch})
+                              + "\n")
     torch.manual_seed(seed)
     tok = build_tokenizer()
     vocab = len(tok)
-    tcfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                       rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=0,
-                       pad_token_id=0, initializer_range=0.2)
-    target = LlamaForCausalLM(tcfg).eval()
+    target = _target_model(arch, vocab).eval()
     if accepting:
-        target.load_state_dict(_copying_target_weights(target.state_dict(), seed))
+        copying = _copying_target_weights if arch == "llama" else _copying_hybrid_weights
+        target.load_state_dict(copying(target.state_dict(), seed))
     tmp = Path(tempfile.mkdtemp(prefix=".target.", dir=out))
     target.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
@@ -133,6 +133,32 @@ def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16, accep
 
 
 README, MADE_BY = "README.txt", "dflash2 make-tiny"
+# the hybrid targets' layers: layer 0 must be full attention (the copy head of --accepting)
+HYBRID_LAYER_TYPES = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def _target_model(arch: str, vocab: int) -> torch.nn.Module:
+    """A random tiny target of ``arch``: 4 layers, hidden 64, 4 heads of 16 (2 KV heads); the hybrid ones with
+    linear layers 1 and 2 (4 value / 2 key heads of 16, a 4-tap convolution) and full RoPE (the copy head's peak
+    needs every frequency), the MoE one with 4 experts (2 per token) and a shared expert in every MLP."""
+    common = dict(vocab_size=vocab, hidden_size=_H, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
+                  eos_token_id=0, pad_token_id=0, initializer_range=0.2)
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(intermediate_size=128, **common))
+    hybrid = dict(head_dim=_HD, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=_HD,
+                  linear_value_head_dim=_HD, linear_conv_kernel_dim=4, layer_types=list(HYBRID_LAYER_TYPES),
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0})
+    if arch == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=128, **common, **hybrid))
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                      shared_expert_intermediate_size=32, **common, **hybrid))
 
 
 def _check_out(out: Path) -> None:
@@ -165,6 +191,7 @@ _TARGET_SHARPNESS, _DRAFTER_SHARPNESS = 80.0, 20.0  # attention logit scales: pe
 _COPY_GAIN, _HEAD_GAIN = 4.0, 3.0  # copied code vs own code in the residual; LM head logit scale
 _TIE_BREAK = 0.3  # LM head weights on the own-token code: logit offsets of std ~2 (the copy's margin is ~19)
 _DEVIATION = 0.01  # scale of layer 1's random MLP: the target departs from the copy on ~15% of tokens
+_LINEAR_DEVIATION = 0.15  # scale of the hybrid target's linear layers' output: its departures from the copy
 
 
 def _rope_peak(distance: int, theta: float = 10000.0, freqs: tuple[int, ...] = (0, 1, 2, 3)
@@ -227,6 +254,43 @@ def _copying_target_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str,
     out[m + "gate_proj.weight"] = torch.randn(out[m + "gate_proj.weight"].shape, generator=g)
     out[m + "up_proj.weight"] = torch.randn(out[m + "up_proj.weight"].shape, generator=g)
     out[m + "down_proj.weight"] = torch.randn(out[m + "down_proj.weight"].shape, generator=g) * _DEVIATION
+    return out
+
+
+def _copying_hybrid_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The copying target of the module docstring in a hybrid model: layer 0's gated full attention is the copy
+    head (its q / k RMS norms make q and k of fixed size, so the sharpness is the q norm's scale; the output gate
+    reads zero weights: sigmoid(0) = 1/2, so the values are doubled); the deviations come from the two linear
+    layers (random weights, a small output projection), so the next token depends on their convolution and
+    recurrent states and a wrong rollback changes the output; MoE layers' experts are small and random too (the
+    routing picks them per token). Norm weights of (1 + w) norms are 0 (scale 1)."""
+    V = sd["model.embed_tokens.weight"].shape[0]
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    g = torch.Generator().manual_seed(seed + 1)
+    for k, v in sd.items():
+        if ".linear_attn." in k and not k.endswith("out_proj.weight"):
+            out[k] = v.clone() if k.endswith(("A_log", "dt_bias", "norm.weight")) else \
+                torch.randn(v.shape, generator=g) * (1.0 if "conv1d" in k else 0.5)
+        elif ".linear_attn.out_proj" in k:
+            out[k] = torch.randn(v.shape, generator=g) * _LINEAR_DEVIATION
+        elif (".mlp.experts." in k or ".mlp.gate.weight" in k) and not k.startswith("model.layers.0."):
+            out[k] = torch.randn(v.shape, generator=g) * (_DEVIATION / 4 if "down_proj" in k else 1.0)
+    codes = _token_codes(V, seed)  # [V, 24]
+    emb = out["model.embed_tokens.weight"]  # [V, H]
+    emb[:, _CONST] = 1.0
+    emb[:, _CODE] = codes
+    out["lm_head.weight"][:, _COPY] = _HEAD_GAIN * codes
+    g = torch.Generator().manual_seed(seed + 3)
+    out["lm_head.weight"][:, _CODE] = torch.randn(V, 24, generator=g) * _TIE_BREAK
+    r = math.sqrt((8 + 24) / _H)
+    q, k = _rope_peak(COPY_PERIOD - 1)
+    a = "model.layers.0.self_attn."
+    heads = _copy_heads(a, q, k * r, 0, 0, 2 * r)  # q's scale is the q norm's (below), k's the k norm's
+    qw = heads.pop(a + "q_proj.weight")  # [4 * 16, H] -> per head [q (16) | gate (16)]
+    out[a + "q_proj.weight"] = torch.stack([qw.view(4, _HD, _H), torch.zeros(4, _HD, _H)], 1).reshape(8 * _HD, _H)
+    out.update(heads)
+    # q and k normed to rms 1 per head: 2q, 2k; (1 + w_q) = the sharpness / 4 gives the dense target's scores
+    out[a + "q_norm.weight"] = torch.full((_HD,), _TARGET_SHARPNESS / 4 - 1.0)
     return out
 
 

@@ -45,6 +45,9 @@ DRAFTER_QUANTIZATIONS = (*QUANTIZATIONS, Q8_0)
 # Graph flavours beside standard ONNX: ONNX Runtime only (com.microsoft ops) | TensorRT Q/DQ (quantized target)
 GRAPH_FLAVOURS = ("ort", "qdq")
 
+# `make-tiny --arch`: the tiny target's architecture (dense Llama; hybrid Gated DeltaNet, + MoE MLPs)
+TINY_ARCHS = ("llama", "qwen3_5", "qwen3_5_moe")
+
 # How the path selector is built into the drafter head graph / engine.
 SELECTOR_IMPLS = ("decomposed", "plugin")  # standard ONNX ops | the DFlash2PathSelector TensorRT plugin node
 ENGINE_SELECTORS = (*SELECTOR_IMPLS, "both")  # `build-engines --selector`

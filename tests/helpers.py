@@ -5,11 +5,11 @@ of the lossless / equivalence tests."""
 from __future__ import annotations
 
 
-def make_pair(tmp_path_factory, name: str, accepting: bool = False):
+def make_pair(tmp_path_factory, name: str, accepting: bool = False, arch: str = "llama"):
     from dflash2_trt.tiny import make_tiny
 
     out = tmp_path_factory.mktemp(name)
-    make_tiny(out, seed=0, block_size=16, accepting=accepting)
+    make_tiny(out, seed=0, block_size=16, accepting=accepting, arch=arch)
     return out
 
 
