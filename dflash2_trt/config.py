@@ -145,14 +145,22 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, params
 
 
+_TARGET_ONLY_ROPE = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
 def rope_from_hf(hf_config: Any) -> dict[str, Any]:
     """RoPE of a transformers config (object or dict) as DFlash2Config fields ``{rope_theta, rope_scaling}``.
 
     transformers 5 keeps θ only in ``rope_parameters`` (``getattr(cfg, "rope_theta", 10000)`` silently
     gives 10000); transformers 4 in ``rope_theta`` (+ ``rope_scaling``). Missing or unsupported -> DFlash2Error.
+    A target's partial rotation and multimodal sections are left out (:data:`_TARGET_ONLY_ROPE`).
     """
     d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
     d = {k: d[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if d.get(k) is not None}
+    if isinstance(d.get("rope_parameters"), dict):
+        # how much of a head the target rotates and its multimodal sections (Qwen3.5: partial_rotary_factor,
+        # mrope_section) shape the target's attention, not the drafter's: a drafter rotates its whole head
+        d["rope_parameters"] = {k: v for k, v in d["rope_parameters"].items() if k not in _TARGET_ONLY_ROPE}
     theta, scaling = _read_rope(d)
     return {"rope_theta": theta, "rope_scaling": scaling}
 

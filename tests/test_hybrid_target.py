@@ -233,3 +233,52 @@ def test_make_tiny_arch_and_export_refusal(tmp_path, capsys):
                  "--out", str(tmp_path / "e"), "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not support" in err[0] and not (tmp_path / "e").exists(), err
+
+
+def test_training_on_a_hybrid_target(tmp_path):
+    """make-data, train and the offline τ on the accepting qwen3_5 pair: left-padded batched generation through the
+    linear layers gives every row's features and greedy chain as one unpadded forward does; a few steps from the
+    copying drafter train, and its offline τ is the τ of greedy speculative decoding of the same prompts (within 5 %)."""
+    from dflash2_trt.runtime.decoder import speculative_generate
+    from dflash2_trt.target import TargetModel
+    from dflash2_trt.tiny import make_tiny
+    from dflash2_trt.train.data import GeneratedData
+    from dflash2_trt.train.make_data import MakeDataConfig, make_data
+    from dflash2_trt.train.trainer import TrainConfig, offline_tau, train
+
+    make_tiny(tmp_path / "p", block_size=8, accepting=True, arch="qwen3_5")
+    target = TargetModel.load(tmp_path / "p" / "target")
+    rng = np.random.default_rng(5)
+    prompts = [{"src": "t", "chat": False, "text": " ".join(["ab cd", "ef gh", "ij"][int(i) % 3] for i in
+                                                          rng.integers(0, 3, int(n)))} for n in rng.integers(2, 12, 9)]
+    cfg = MakeDataConfig(target=str(tmp_path / "p" / "target"), out=str(tmp_path / "d"), max_new_tokens=24, batch=4,
+                         shard_size=4, sample_every=0, n_self=0, target_layer_ids=[0, 2], topk=4)
+    make_data(cfg, progress=False, prompts=prompts)
+    data = GeneratedData(tmp_path / "d")
+    assert len(data) == len(prompts)
+    for i in range(len(data)):
+        r = data.row(i)
+        n = r.tokens.shape[0]
+        with torch.no_grad():
+            o = target.model(input_ids=torch.from_numpy(r.tokens.astype(np.int64))[None], output_hidden_states=True)
+        ref = torch.cat([o.hidden_states[j + 1][0] for j in (0, 2)], -1).numpy()  # [n, 2H]
+        np.testing.assert_allclose(np.asarray(r.feats[: n - 1], np.float32), ref[: n - 1], atol=2e-2, rtol=2e-2)
+        P = r.prompt_len
+        assert np.array_equal(r.tokens[P:], o.logits[0].argmax(-1).numpy()[P - 1: n - 1])
+    run = tmp_path / "run"
+    d = train(TrainConfig(target=str(tmp_path / "p" / "target"), data=str(tmp_path / "d"), out=str(run), block_size=8,
+                          layers=2, selector_rank=24, steps=6, batch_seqs=3, anchors_per_seq=8, lr=1e-4,
+                          checkpoint_every=6, log_every=1, init=str(tmp_path / "p" / "drafter"), sampled_softmax=0,
+                          eval_rows=4, heldout_shards=1), progress=False).eval()
+    assert (run / "model.safetensors").is_file()
+    rows = [i for i in range(len(data)) if data.row(i).tokens.shape[0] - data.row(i).prompt_len >= 2]
+    est = offline_tau(d, data, np.asarray(rows))
+    taus = []
+    for i in rows:
+        r = data.row(i)
+        res = speculative_generate(TorchTargetRunner(target, d.config.target_layer_ids), TorchDraftRunner(d),
+                                   r.tokens[: r.prompt_len].tolist(), r.tokens.shape[0] - r.prompt_len, eos_ids=set())
+        assert res.tokens == r.tokens[r.prompt_len:].tolist()
+        taus.append(res.stats()["tau"])
+    # the offline τ reads make-data's fp16 features, decoding the exact ones: a few drafts differ
+    assert est["tau"] > 1.5 and est["tau"] == pytest.approx(float(np.mean(taus)), rel=0.05)
