@@ -282,3 +282,55 @@ def test_training_on_a_hybrid_target(tmp_path):
         taus.append(res.stats()["tau"])
     # the offline τ reads make-data's fp16 features, decoding the exact ones: a few drafts differ
     assert est["tau"] > 1.5 and est["tau"] == pytest.approx(float(np.mean(taus)), rel=0.05)
+
+
+_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+             linear_value_head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def test_qwen3_next_rolls_back_as_qwen3_5(tmp_path):
+    """A tiny random qwen3_next target (MoE MLPs, three linear layers per full one) is in the hybrid family: a
+    verify's rows equal one-row steps and a rollback continues as the one-row run does."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from dflash2_trt.target import TargetModel
+
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32, layer_types=["linear_attention"] * 3
+                                         + ["full_attention"], **_TEXT)).save_pretrained(str(tmp_path / "t"))
+    t = TargetModel.load(tmp_path / "t")
+    assert t.family is hybrid and hybrid.layer_kinds(t.model.config).count("linear") == 3
+    ids = np.random.default_rng(0).integers(2, 512, 20).tolist()
+    t.reset([0, 2])
+    t.forward(torch.tensor(ids[:10]))
+    step = [t.forward(torch.tensor([ids[10 + i]]))[0] for i in range(6)]
+    t.reset([0, 2])
+    t.forward(torch.tensor(ids[:10]))
+    torch.testing.assert_close(t.forward(torch.tensor(ids[10:16]))[0], torch.cat(step), rtol=1e-4, atol=1e-5)
+    t.crop(12)
+    torch.testing.assert_close(t.forward(torch.tensor([ids[12]]))[0], step[2], rtol=1e-4, atol=1e-5)
+
+
+def test_a_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration folder (vision tower + language model, as the Qwen3.5 releases are) loads as
+    its text model: the hybrid family, the same logits as the whole model's on text."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from dflash2_trt.target import TargetModel
+
+    torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1)
+    mm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+        text_config=dict(layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+                         **_TEXT), vision_config=vision, tie_word_embeddings=False)).eval()
+    mm.save_pretrained(str(tmp_path / "mm"))
+    t = TargetModel.load(tmp_path / "mm")
+    assert t.family is hybrid and t.num_layers == 4
+    ids = torch.randint(2, 512, (9,))
+    t.reset([0, 2])
+    with torch.no_grad():
+        want = mm(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(t.forward(ids)[0], want, rtol=1e-5, atol=1e-5)
