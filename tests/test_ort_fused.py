@@ -331,3 +331,37 @@ def test_export_records_verify_cost(tiny_dir, tmp_path):
     assert [(r.cached, r.rows) for r in vc.table] == [(256, r) for r in (1, 4, 8, 16)]
     assert all(r.ms > 0 for r in vc.table) and vc.table[0].ratio == 1.0
     assert 2 <= vc.recommended_block_size <= 16
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int4", "int8", "drafter-int8"])
+def test_tensorrt_bound_graphs_use_only_what_the_parser_imports(tiny_export, quantized, kind):
+    """Every node of every graph TensorRT builds an engine from (the standard flavour, the Q/DQ target; not the
+    ONNX Runtime flavour) is an operator of TensorRT's ONNX parser table (export/trt_onnx_ops.json) or the path
+    selector's plugin node, at an opset the parser reads -- fp32 and quantized exports alike. The check itself
+    refuses a node the table lacks."""
+    import onnx
+    from onnx import helper
+
+    from dflash2_trt.export import selector_contract as sc
+    from dflash2_trt.export.onnx_utils import trt_parser_refusals
+    from dflash2_trt.manifest import read_manifest
+
+    folder = tiny_export if kind == "fp32" else quantized[kind]
+    m = read_manifest(folder)
+    bound = {k: g for k, g in m.graphs.items() if g.flavour in (None, "qdq")}
+    assert {"target", "drafter_context", "drafter_block", "drafter_head_greedy_plugin"} <= set(bound)
+    if kind in ("int4", "int8"):
+        assert "target_qdq" in bound
+    refusals = {}
+    for key, g in bound.items():
+        model = onnx.load(str(folder / g.file), load_external_data=False)
+        refusals[key] = trt_parser_refusals(model, ((sc.DOMAIN, sc.OP_TYPE),))
+    if kind == "int4":  # MatMulNBits-style 4-bit weights need DequantizeLinear of opset 21
+        assert all(r == [] or all("opset 21" in x for x in r) for r in refusals.values()), refusals
+    else:
+        assert all(r == [] for r in refusals.values()), refusals
+    bad = helper.make_model(helper.make_graph([helper.make_node("Unique", ["x"], ["y"], name="u"),
+                                               helper.make_node("GroupQueryAttention", ["y"], ["z"], name="g",
+                                                                domain="com.microsoft")], "g", [], []),
+                            opset_imports=[helper.make_opsetid("", 21)])
+    assert len(trt_parser_refusals(bad)) == 3

@@ -249,3 +249,28 @@ def check_graph(path: Path) -> None:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as e:  # checker / inference errors
         raise DFlash2Error(f"onnx.checker rejected {path.name}: {type(e).__name__}: {e}") from None
+
+
+TRT_OPS_FILE = Path(__file__).with_name("trt_onnx_ops.json")
+
+
+def trt_parser_refusals(model, plugin_ops: tuple[tuple[str, str], ...] = ()) -> list[str]:  # noqa: ANN001
+    """What TensorRT's ONNX parser would not import in ``model`` (:data:`TRT_OPS_FILE`: its operator table and
+    opset range): an opset of the default domain outside the range, a default-domain node not in the table, a node
+    of another domain that is not one of ``plugin_ops`` ((domain, op_type) of the plugins the engine loads) ->
+    one line each (empty: every node imports)."""
+    import json
+
+    table = json.loads(TRT_OPS_FILE.read_text())
+    ops, (lo, hi) = set(table["operators"]), table["opsets"]
+    out = []
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx") and not lo <= o.version <= hi:
+            out.append(f"opset {o.version} outside TensorRT {table['tensorrt']}'s {lo}..{hi}")
+    for n in model.graph.node:
+        if n.domain in ("", "ai.onnx"):
+            if n.op_type not in ops:
+                out.append(f"node {n.name or n.op_type}: {n.op_type} is not in TensorRT {table['tensorrt']}'s parser")
+        elif (n.domain, n.op_type) not in plugin_ops:
+            out.append(f"node {n.name or n.op_type}: {n.domain}.{n.op_type} is neither ONNX nor a plugin the engine loads")
+    return out
