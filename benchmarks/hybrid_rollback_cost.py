@@ -1,0 +1,97 @@
+"""What keeping rollback possible costs a hybrid target's linear layer: a k-row verify of one Gated DeltaNet layer
+(transformers' ``Qwen3_5GatedDeltaNet``, the PyTorch reference the target adapter runs) with the states of every
+row recorded (``activate_past_recording``: the last k rows by the recurrent rule, row by row, and the convolution's
+inputs of the whole call kept) against the same verify without (transformers' chunked kernel, only the last state
+kept), at k = 4 and 8, after a prompt of ``--cached`` rows; time (median of ``--repeats``, one thread) and the bytes
+the recording keeps. Shapes: ``tiny`` (make-tiny's hybrid target) and ``4b`` (a Qwen3.5-4B-sized layer: hidden
+2560, 16 key / 32 value heads of 128, a 4-tap convolution).
+
+    python benchmarks/hybrid_rollback_cost.py [--shapes tiny 4b] [--rows 4 8] [--cached 256] [--repeats 9] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                 linear_value_head_dim=16),
+    "4b": dict(hidden_size=2560, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+               linear_value_head_dim=128),
+}
+
+
+def _layer(shape: str):  # noqa: ANN202
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    cfg = Qwen3_5TextConfig(num_hidden_layers=1, layer_types=["linear_attention"], linear_conv_kernel_dim=4,
+                            **SHAPES[shape])
+    return cfg, Qwen3_5GatedDeltaNet(cfg, 0).eval()
+
+
+def _verify(cfg, layer, prompt, rows, record: bool) -> tuple[float, int]:  # noqa: ANN001
+    """Seconds of one k-row call after the prompt, and the bytes of state kept for its rollback."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=cfg)
+    if record:
+        cache.activate_past_recording(recurrent_states_to_keep=0)
+    with torch.no_grad():
+        layer(prompt, cache=cache)
+        if record:
+            cache.crop(0)
+            cache.layers[0].recurrent_states_to_keep = rows.shape[1]
+        t = time.perf_counter()
+        layer(rows, cache=cache)
+        dt = time.perf_counter() - t
+    lay = cache.layers[0]
+    kept = 0
+    if record:
+        kept = sum(s.numel() * s.element_size() for s in lay.recurrent_states_history[0])
+        kept += (lay.conv_states[0].shape[-1] - lay.conv_kernel_size[0]) * lay.conv_states[0].shape[1] * 4
+    return dt, kept
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rows", nargs="+", type=int, default=[4, 8])
+    p.add_argument("--cached", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    out = []
+    print(f"{'shape':>5} {'k':>3} {'plain ms':>9} {'recorded ms':>12} {'ratio':>6} {'kept KiB':>9}")
+    for shape in a.shapes:
+        cfg, layer = _layer(shape)
+        H = cfg.hidden_size
+        prompt = torch.randn(1, a.cached, H)
+        for k in a.rows:
+            rows = torch.randn(1, k, H)
+            plain, recorded, kept = [], [], 0
+            for _ in range(a.repeats):  # interleaved, so drift hits both alike
+                plain.append(_verify(cfg, layer, prompt, rows, False)[0])
+                dt, kept = _verify(cfg, layer, prompt, rows, True)
+                recorded.append(dt)
+            r = {"shape": shape, "rows": k, "cached": a.cached, "plain_ms": 1e3 * statistics.median(plain),
+                 "recorded_ms": 1e3 * statistics.median(recorded), "kept_bytes": kept}
+            r["ratio"] = r["recorded_ms"] / r["plain_ms"]
+            out.append(r)
+            print(f"{shape:>5} {k:>3} {r['plain_ms']:9.2f} {r['recorded_ms']:12.2f} {r['ratio']:6.2f} "
+                  f"{kept / 1024:9.1f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"threads": 1, "results": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
