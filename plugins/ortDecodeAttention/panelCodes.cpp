@@ -511,6 +511,176 @@ void blockF16W(float const* x, int64_t K, void const* codes, float const* s, flo
 #pragma GCC diagnostic pop
 #endif
 
+#if defined(__x86_64__)
+// -- AVX2 + FMA + F16C kernels (the library's x86-64 baseline): a panel's 16 columns in two halves of 8 (one ymm a
+// row), each half a pass over K, so R <= 8 rows keep their sums in registers; the panel's codes (K/2 x 16 bytes
+// for affine4) stay in L1 between the halves, so memory is read once. Each weight is rebuilt exactly as the portable
+// kernel rebuilds it and enters the same fused multiply-add chain: the fp32 kernel's numbers, bit for bit.
+
+//! Broadcast-multiply-add of one k into R row sums.
+template <int R>
+__attribute__((target("avx2,fma"))) inline void accumulateA(__m256 (&acc)[R], float const* x, int64_t K, int64_t k,
+    __m256 w)
+{
+    for (int r = 0; r < R; ++r)
+    {
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * K + k), w, acc[r]);
+    }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) inline void storeA(__m256 const (&acc)[R], float* y, int64_t N)
+{
+    for (int r = 0; r < R; ++r)
+    {
+        _mm256_storeu_ps(y + r * N, acc[r]);
+    }
+}
+
+//! Affine4, R <= 4 rows: both halves in one pass (2 R sums in registers): half the loop and unpacking overhead
+//! per multiply-add of the two-pass kernel, which a 1-row step is bound by.
+template <int R>
+__attribute__((target("avx2,fma"))) void blockAffine4A1(float const* x, int64_t K, void const* codes,
+    float const* scales, float const* offsets, float* y, int64_t N)
+{
+    __m256i const low = _mm256_set1_epi32(15);
+    __m256 acc[2][R];
+    for (int r = 0; r < R; ++r)
+    {
+        acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    }
+    auto const* c = static_cast<uint8_t const*>(codes);
+    for (int64_t k0 = 0; k0 < K; k0 += kCodeBlock, scales += kW, offsets += kW)
+    {
+        __m256 const s[2] = {_mm256_loadu_ps(scales), _mm256_loadu_ps(scales + 8)};
+        __m256 const m[2] = {_mm256_loadu_ps(offsets), _mm256_loadu_ps(offsets + 8)};
+        for (int64_t k = k0; k < k0 + kCodeBlock; k += 2, c += kW)
+        {
+            _mm_prefetch(reinterpret_cast<char const*>(c + kPrefetchBytes), _MM_HINT_T0);
+            for (int h = 0; h < 2; ++h)
+            {
+                __m256i const q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(c + 8 * h)));
+                accumulateA<R>(acc[h], x, K, k,
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), s[h], m[h]));
+                accumulateA<R>(acc[h], x, K, k + 1,
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), s[h], m[h]));
+            }
+        }
+    }
+    storeA<R>(acc[0], y, N);
+    storeA<R>(acc[1], y + 8, N);
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void blockAffine4A(float const* x, int64_t K, void const* codes,
+    float const* scales, float const* offsets, float* y, int64_t N)
+{
+    if constexpr (R <= 4)
+    {
+        blockAffine4A1<R>(x, K, codes, scales, offsets, y, N);
+        return;
+    }
+    __m256i const low = _mm256_set1_epi32(15);
+    for (int h = 0; h < 2; ++h)
+    {
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r)
+        {
+            acc[r] = _mm256_setzero_ps();
+        }
+        auto const* c = static_cast<uint8_t const*>(codes) + 8 * h;
+        float const* sc = scales + 8 * h;
+        float const* of = offsets + 8 * h;
+        for (int64_t k0 = 0; k0 < K; k0 += kCodeBlock, sc += kW, of += kW)
+        {
+            __m256 const s = _mm256_loadu_ps(sc);
+            __m256 const m = _mm256_loadu_ps(of);
+            for (int64_t k = k0; k < k0 + kCodeBlock; k += 2, c += kW)
+            {
+                if (h == 0)
+                {
+                    _mm_prefetch(reinterpret_cast<char const*>(c + kPrefetchBytes), _MM_HINT_T0);
+                }
+                __m256i const q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(c)));
+                accumulateA<R>(acc, x, K, k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), s, m));
+                accumulateA<R>(acc, x, K, k + 1, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), s, m));
+            }
+        }
+        storeA<R>(acc, y + 8 * h, N);
+    }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void blockScaled8A(float const* x, int64_t K, void const* codes,
+    float const* scales, float const*, float* y, int64_t N)
+{
+    for (int h = 0; h < 2; ++h)
+    {
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r)
+        {
+            acc[r] = _mm256_setzero_ps();
+        }
+        auto const* c = static_cast<int8_t const*>(codes) + 8 * h;
+        float const* sc = scales + 8 * h;
+        for (int64_t k0 = 0; k0 < K; k0 += kCodeBlock, sc += kW)
+        {
+            __m256 const s = _mm256_loadu_ps(sc);
+            for (int64_t k = k0; k < k0 + kCodeBlock; ++k, c += kW)
+            {
+                if (h == 0)
+                {
+                    _mm_prefetch(reinterpret_cast<char const*>(c + kPrefetchBytes), _MM_HINT_T0);
+                }
+                __m256i const q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(c)));
+                accumulateA<R>(acc, x, K, k, _mm256_mul_ps(_mm256_cvtepi32_ps(q), s));
+            }
+        }
+        storeA<R>(acc, y + 8 * h, N);
+    }
+}
+
+//! The 16-bit codes: fp16 (F16: F16C's exact widening) or bf16 bits shifted into the upper half.
+template <int R, bool F16>
+__attribute__((target("avx2,fma,f16c"))) void block16A(float const* x, int64_t K, void const* codes, float const*,
+    float const*, float* y, int64_t N)
+{
+    for (int h = 0; h < 2; ++h)
+    {
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r)
+        {
+            acc[r] = _mm256_setzero_ps();
+        }
+        auto const* c = static_cast<uint16_t const*>(codes) + 8 * h;
+        for (int64_t k = 0; k < K; ++k, c += kW)
+        {
+            if (h == 0)
+            {
+                _mm_prefetch(reinterpret_cast<char const*>(c) + kPrefetchBytes, _MM_HINT_T0);
+            }
+            __m128i const b = _mm_loadu_si128(reinterpret_cast<__m128i const*>(c));
+            __m256 const w
+                = F16 ? _mm256_cvtph_ps(b) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+            accumulateA<R>(acc, x, K, k, w);
+        }
+        storeA<R>(acc, y + 8 * h, N);
+    }
+}
+
+template <int R>
+void blockBf16A(float const* x, int64_t K, void const* codes, float const* s, float const* o, float* y, int64_t N)
+{
+    block16A<R, false>(x, K, codes, s, o, y, N);
+}
+
+template <int R>
+void blockF16A(float const* x, int64_t K, void const* codes, float const* s, float const* o, float* y, int64_t N)
+{
+    block16A<R, true>(x, K, codes, s, o, y, N);
+}
+#endif
+
 //! A 16-bit code: every weight through `encode(w, bits)` (false where it does not fit) into c.codes.
 template <class Encode>
 bool code16(float const* packed, int64_t total, CodedPanels& c, Encode encode)
@@ -629,10 +799,13 @@ void panelMatMulCoded(float const* x, int64_t rows, CodedPanels const& coded, fl
     static constexpr Block kBf16W[] = DFLASH2_BLOCKS(blockBf16W);
     static constexpr Block kF16W[] = DFLASH2_BLOCKS(blockF16W);
     Block const* const tablesW[] = {nullptr, kAffine4W, kScaled8W, kBf16W, kF16W};
-    if (panelMatMulWide())
-    {
-        blocks = tablesW[static_cast<int>(coded.code)];
-    }
+    static constexpr Block kAffine4A[] = DFLASH2_BLOCKS(blockAffine4A);
+    static constexpr Block kScaled8A[] = DFLASH2_BLOCKS(blockScaled8A);
+    static constexpr Block kBf16A[] = DFLASH2_BLOCKS(blockBf16A);
+    static constexpr Block kF16A[] = DFLASH2_BLOCKS(blockF16A);
+    Block const* const tablesA[] = {nullptr, kAffine4A, kScaled8A, kBf16A, kF16A};
+    // AVX-512 where the CPU has it; else the AVX2 kernels (every x86-64 CPU this library is built for: x86-64-v3)
+    blocks = (panelMatMulWide() ? tablesW : tablesA)[static_cast<int>(coded.code)];
 #endif
     int64_t const K = coded.K;
     int64_t const N = coded.N;
