@@ -11,6 +11,8 @@ these tests fail, saying so."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -1010,3 +1012,72 @@ def test_q8_0_drafter_runs_as_8bit_codes(acc_dir, acc_export, tmp_path):
     assert "none" not in rounded_codes and rounded_codes.get("scaled8", 0) > 0, rounded_codes
     assert "scaled8" not in plain_codes and plain_codes.get("none", 0) > 0, plain_codes
     assert sum(rounded_codes.values()) == sum(plain_codes.values())
+
+
+def _selftest_cases(path) -> dict[str, tuple[int, np.ndarray, np.ndarray, np.ndarray]]:  # noqa: ANN001
+    """panelSelftest.cpp's file -> name -> (code found, x, weights or int4 bytes, y)."""
+    data, out, i = Path(path).read_bytes(), {}, 0
+
+    def take() -> bytes:
+        nonlocal i
+        n = int.from_bytes(data[i: i + 8], "little")
+        i += 8 + n
+        return data[i - n: i]
+
+    while i < len(data):
+        name = take().decode()
+        code = int(np.frombuffer(take(), np.int32)[0])
+        x = np.frombuffer(take(), np.float32)
+        w = take()
+        y = np.frombuffer(take(), np.float32)
+        out[name] = (code, x, np.frombuffer(w, np.uint8 if name.startswith("q4/") else np.float32), y)
+    return out
+
+
+def test_panel_kernels_give_the_same_bytes_on_avx512_avx2_and_aarch64(tmp_path):
+    """The panel kernels (fp32 panels, int4 panels, every exact code) built for x86-64 -- run with the AVX-512 and
+    the AVX2 kernels -- and cross-built for aarch64 (NEON, the Jetson / Arm-server build) -- run under qemu-aarch64
+    -- write the same bytes for 1..13 and 70 rows (plugins/ortDecodeAttention/panelSelftest.cpp); the code each
+    matrix was found to fit is the one it was made for; the outputs are x @ W within fp32 rounding of float64. The
+    whole op library cross-builds for aarch64."""
+    import os
+    import shutil
+    import subprocess
+
+    for tool in ("aarch64-linux-gnu-g++", "qemu-aarch64", "cmake"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} not found: scripts/setup.sh test installs it (apt: g++-aarch64-linux-gnu qemu-user)")
+    src = Path(__file__).resolve().parents[1] / "plugins" / "ortDecodeAttention"
+    inc = Path(__file__).resolve().parents[1] / "build" / "ort-headers" / "x" / "usr" / "include" / "onnxruntime"
+    runs = {}
+    for arch, extra in (("x86", []), ("aarch64", [f"-DCMAKE_TOOLCHAIN_FILE={src.parents[1] / 'runtime' / 'cmake' / 'aarch64-linux-gnu.cmake'}"])):
+        build = tmp_path / arch
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), f"-DORT_INCLUDE_DIR={inc}", *extra], check=True,
+                       capture_output=True)
+        subprocess.run(["cmake", "--build", str(build), "-j2", "--target", "dflash2_panel_selftest",
+                        *(["dflash2_ort_ops"] if arch == "aarch64" else [])], check=True, capture_output=True)
+        exe = str(build / "dflash2_panel_selftest")
+        if arch == "x86":
+            for flag in ("1", "0"):
+                subprocess.run([exe, str(tmp_path / f"x86-{flag}.bin")], check=True,
+                               env={**os.environ, "DFLASH2_ORT_PANELS_AVX512": flag})
+                runs[f"x86-{flag}"] = (tmp_path / f"x86-{flag}.bin").read_bytes()
+        else:
+            elf = subprocess.run(["readelf", "-h", str(build / "libdflash2_ort_ops.so")], capture_output=True,
+                                 text=True, check=True).stdout
+            assert "AArch64" in elf
+            subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", exe, str(tmp_path / "arm.bin")], check=True)
+            runs["aarch64"] = (tmp_path / "arm.bin").read_bytes()
+    assert runs["x86-1"] == runs["x86-0"] == runs["aarch64"]
+    cases = _selftest_cases(tmp_path / "arm.bin")
+    want_code = {"none": 0, "affine4": DA.PANEL_CODES.index("affine4"), "scaled8": DA.PANEL_CODES.index("scaled8"),
+                 "fp16": DA.PANEL_CODES.index("fp16"), "bf16": DA.PANEL_CODES.index("bf16"), "q4": -1}
+    K, N = 96, 48
+    assert len(cases) == 6 * 9
+    for name, (code, x, w, y) in cases.items():
+        kind, rows = name.split("/")
+        assert code == want_code[kind], name
+        if kind == "q4":  # its float64 twin is the op tests' through ONNX Runtime; here: the same bytes everywhere
+            continue
+        ref = x.astype(np.float64).reshape(int(rows), K) @ w.astype(np.float64).reshape(K, N)
+        np.testing.assert_allclose(y.reshape(int(rows), N), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=name)
