@@ -128,13 +128,13 @@ class TargetModel:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.path = path
-        cfg = model.config
+        cfg = getattr(model.config, "text_config", None) or model.config  # a vision-language model: its LM's
         self.num_layers: int = int(cfg.num_hidden_layers)
         self.hidden_size: int = int(cfg.hidden_size)
         self.vocab_size: int = int(model.get_output_embeddings().weight.shape[0])
         self.max_positions: int = int(getattr(cfg, "max_position_embeddings", 1 << 30) or (1 << 30))
         self.layer_ids: list[int] = []
-        self.family = family_for(cfg)  # the cache this target keeps and how it rolls back (dflash2_trt.targets)
+        self.family = family_for(model.config)  # the cache this target keeps and how it rolls back (dflash2_trt.targets)
         self.cache = None
         self.generation_eos: int | list[int] | None = None  # the generation config's EOS id(s), read at load
         import inspect
@@ -145,13 +145,18 @@ class TargetModel:
     @classmethod
     def load(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> "TargetModel":
         _quiet_transformers()
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         folder = resolve_target_path(path)
         if not list(folder.glob("*.safetensors")):
             raise DFlash2Error(f"target folder {folder} has no .safetensors weights (pickle is not loaded)")
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, use_safetensors=True)
+            family = family_for(AutoConfig.from_pretrained(str(folder)))
+            load = getattr(family, "load_model", None)
+            model = load(str(folder), dtype) if load is not None else \
+                AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, use_safetensors=True)
+        except DFlash2Error:
+            raise
         except Exception as e:
             raise DFlash2Error(f"cannot load target {folder}: {type(e).__name__}: {e}") from None
         tok = None

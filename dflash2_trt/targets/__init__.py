@@ -8,7 +8,8 @@ modules as the reference:
   state the PyTorch target adapter (:class:`dflash2_trt.target.TargetModel`) keeps, and how it returns to any
   accepted length of the last call (a KV crop for attention layers; for linear-attention layers the recorded
   convolution and recurrent states);
-* ``check_exportable(hf_model)`` and the family's graphs -- what ``dflash2 export`` traces.
+* ``check_exportable(hf_model)`` and the family's graphs -- what ``dflash2 export`` traces;
+* optionally ``load_model(folder, dtype)`` -- where transformers has no causal LM class for the model type.
 
 Owns: the per-family adapter parts, state shapes and target graphs. May import torch and transformers (lazily),
 ``errors``; never the runtime, export, train or bench packages (export imports the families, not the reverse).
@@ -21,14 +22,14 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 
-LAYER_KINDS = ("attention", "linear")  # full (or grouped-query) attention; a linear-attention (Gated DeltaNet) layer
-FAMILY_NAMES = ("dense", "hybrid")
+# full (or grouped-query) attention; a linear-attention (Gated DeltaNet) layer; sliding-window attention
+LAYER_KINDS = ("attention", "linear", "sliding")
 
 
 def _modules() -> dict[str, ModuleType]:
-    from dflash2_trt.targets import dense, hybrid
+    from dflash2_trt.targets import dense, hybrid, moe, sliding
 
-    return {"dense": dense, "hybrid": hybrid}
+    return {"dense": dense, "hybrid": hybrid, "moe": moe, "sliding": sliding}
 
 
 def family_for(config: Any) -> ModuleType:

@@ -1,0 +1,135 @@
+"""The target families beside dense and hybrid -- Qwen3-MoE (``moe``), gpt-oss and Muse Glimmer (``sliding``) --
+on tiny random configurations of transformers' own models: the PyTorch adapter against transformers (logits, a
+verify's rows = one-row steps), rollback to every accepted length (sliding windows shorter than the sequence, so the
+recorded past is what a rollback restores), lossless greedy decoding with a drafter that gets drafts accepted and
+rejected at every length, a planted bug (a sliding window cropped without its recorded past) caught, and the export
+refused in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash2_trt import DFlash2Error
+from dflash2_trt.runtime import decoder as D
+from dflash2_trt.runtime.ngram import lookup_draft
+from dflash2_trt.runtime.torch.backend import TorchTargetRunner
+from dflash2_trt.targets import dense, moe, sliding
+
+_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+ARCHS = ("qwen3_moe", "gpt_oss", "muse_glimmer")
+
+
+def _build(arch: str):  # noqa: ANN202
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_COMMON))
+    if arch == "gpt_oss":
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **_COMMON))
+    return transformers.MuseGlimmerForConditionalGeneration(transformers.MuseGlimmerConfig(
+        text_config=dict(sliding_window=8, bos_token_id=1, eos_token_id=0, **_COMMON),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def target(request, tmp_path_factory):
+    from dflash2_trt.target import TargetModel
+
+    folder = tmp_path_factory.mktemp(request.param)
+    _build(request.param).eval().save_pretrained(str(folder))
+    return TargetModel.load(folder)
+
+
+def test_family_and_layer_kinds(target):
+    mt = target.model.config.model_type
+    fam = {"qwen3_moe": moe, "gpt_oss": sliding, "muse_glimmer": sliding}[mt]
+    assert target.family is fam and target.num_layers == 4
+    kinds = fam.layer_kinds(target.model.config)
+    assert kinds == (["attention"] * 4 if fam is moe else
+                     ["sliding", "attention"] * 2 if mt == "gpt_oss" else ["sliding", "sliding", "sliding", "attention"])
+
+
+def test_adapter_equals_transformers_and_rolls_back(target):
+    """40 tokens (five times the sliding window): prefill + one-row steps = transformers' whole-sequence forward;
+    an 8-row verify's rows = the one-row steps; after rolling it back to every j + 1 rows the next row's logits are
+    the one-row run's."""
+    ids = np.random.default_rng(0).integers(2, 512, 40).tolist()
+    with torch.no_grad():
+        full = target.model(input_ids=torch.tensor([ids])).logits[0].float()
+    target.reset([0, 2])
+    got = [target.forward(torch.tensor(ids[:20]))[0]] + [target.forward(torch.tensor([ids[20 + i]]))[0] for i in range(20)]
+    steps = got[1:]
+    torch.testing.assert_close(torch.cat(got), full, rtol=1e-4, atol=1e-4 * float(full.abs().max()))
+    for j in range(8):
+        target.reset([0, 2])
+        target.forward(torch.tensor(ids[:20]))
+        rows = target.forward(torch.tensor(ids[20:28]))[0]
+        torch.testing.assert_close(rows, torch.cat(steps[:8]), rtol=1e-4, atol=3e-5 * float(rows.abs().max()))
+        target.crop(20 + j + 1)
+        nxt = target.forward(torch.tensor([ids[21 + j]]))[0]
+        torch.testing.assert_close(nxt, steps[j + 1], rtol=1e-4, atol=1e-4 * float(nxt.abs().max()))
+
+
+class _NoisyOracle:
+    """A draft runner that proposes the target's own greedy continuation with each row wrong with probability 0.15
+    (fixed by the position), so cycles accept every length 0..L and roll back the rest."""
+
+    block_size, top_k = 8, 1
+
+    def __init__(self, full: list[int]) -> None:
+        self.full = full
+
+    def reset(self) -> None:
+        pass
+
+    def add_context(self, feats, start) -> None:  # noqa: ANN001
+        pass
+
+    def propose(self, anchor, pos, rows, temperature, uniforms):  # noqa: ANN001, ANN201
+        rng = np.random.default_rng(pos)
+        d = [t if rng.random() > 0.15 else (t + 1) % 512 for t in self.full[pos + 1: pos + 1 + rows]]
+        return lookup_draft(d)
+
+
+def _spec_vs_ar(target, n_prompts: int = 6) -> tuple[int, list[int]]:  # noqa: ANN001
+    rng = np.random.default_rng(3)
+    bad, accepted = 0, []
+    for _ in range(n_prompts):
+        p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
+        want = D.target_generate(TorchTargetRunner(target), p, 30, eos_ids=set()).tokens
+        r = D.speculative_generate(TorchTargetRunner(target, [0, 2]), _NoisyOracle(p + want), p, 30, eos_ids=set())
+        bad += r.tokens != want
+        accepted += r.accepted
+    return bad, accepted
+
+
+def test_lossless_with_drafts_accepted_and_rolled_back(target):
+    bad, accepted = _spec_vs_ar(target)
+    assert bad == 0
+    assert {0, 7} <= set(accepted) and len(set(accepted)) >= 5, sorted(set(accepted))  # every kind of cycle ran
+
+
+def test_a_sliding_window_cropped_without_its_past_is_caught(target, monkeypatch):
+    """Negative control: the dense family's cache (no recorded past) on a sliding-window target fails the decoding
+    (transformers refuses to crop a full window it did not record) instead of passing."""
+    if target.family is moe:  # a KV cache of positions, cropped as the dense family's: nothing to record
+        assert (moe.new_cache, moe.rollback) == (dense.new_cache, dense.rollback)
+        return
+    monkeypatch.setattr(sliding, "new_cache", dense.new_cache)
+    monkeypatch.setattr(sliding, "before_forward", dense.before_forward)
+    monkeypatch.setattr(sliding, "rollback", dense.rollback)
+    with pytest.raises(RuntimeError, match="does not track past states"):
+        _spec_vs_ar(target, 2)
+
+
+def test_export_is_refused_in_one_line(target):
+    with pytest.raises(DFlash2Error, match="does not support .* targets yet"):
+        target.family.check_exportable(target.model)
