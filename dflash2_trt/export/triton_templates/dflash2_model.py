@@ -252,10 +252,11 @@ class TritonPythonModel:
                 pass
         finally:
             handle.cancel()  # no effect once finished; frees the slot when sending failed mid-stream
-            self.slots.release()
             with self.ipc:
                 self.m_active.increment(-1)
-                self.active -= 1
+                self.active -= 1  # before the slot is released: the next request's count starts from this one
+            self.slots.release()
+            with self.ipc:
                 for size, steps in self.gen.batch_sizes.items():
                     if size not in self.m_batch:
                         self.m_batch[size] = self.f_batch.Metric(labels={**self.labels, "size": str(size)})
