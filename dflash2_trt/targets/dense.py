@@ -24,7 +24,6 @@ from torch import nn
 from dflash2_trt.errors import DFlash2Error
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-LAYER_KINDS = ("attention",)
 
 
 def layer_kinds(config: Any) -> list[str]:  # noqa: ARG001 - the same for every dense model
