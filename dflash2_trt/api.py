@@ -214,8 +214,7 @@ class Generator:
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
         if bad:
             raise DFlash2Error(f"prompt token ids must be integers, got {bad[0]!r}")
-        ids = list(prompt)
-        return [int(t) for t in ids]
+        return [int(t) for t in prompt]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)

@@ -234,9 +234,10 @@ def _copy_heads(prefix: str, q: torch.Tensor, k: torch.Tensor, q_src: int, k_src
             prefix + "o_proj.weight": ow}
 
 
-def _copying_target_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    V = sd["model.embed_tokens.weight"].shape[0]
-    out = {k: torch.ones_like(v) if k.endswith("norm.weight") else torch.zeros_like(v) for k, v in sd.items()}
+def _code_embedding_and_head(out: dict[str, torch.Tensor], seed: int) -> None:
+    """The copying target's embedding (a constant part and the token's code) and LM head (reads the copied code),
+    written into ``out``."""
+    V = out["model.embed_tokens.weight"].shape[0]
     codes = _token_codes(V, seed)  # [V, 24]
     emb = out["model.embed_tokens.weight"]  # [V, H]
     emb[:, _CONST] = 1.0
@@ -246,6 +247,11 @@ def _copying_target_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str,
     # code spreads them (top-K candidates then do not depend on rounding) without moving the copy's argmax
     g = torch.Generator().manual_seed(seed + 3)
     out["lm_head.weight"][:, _CODE] = torch.randn(V, 24, generator=g) * _TIE_BREAK
+
+
+def _copying_target_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    out = {k: torch.ones_like(v) if k.endswith("norm.weight") else torch.zeros_like(v) for k, v in sd.items()}
+    _code_embedding_and_head(out, seed)
     r = math.sqrt((8 + 24) / _H)  # rms of every embedding row: input_layernorm divides by it
     q, k = _rope_peak(COPY_PERIOD - 1)  # position n attends n + 1 - P
     out.update(_copy_heads("model.layers.0.self_attn.", q * _TARGET_SHARPNESS * r, k * r, 0, 0, r))
@@ -264,7 +270,6 @@ def _copying_hybrid_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str,
     layers (random weights, a small output projection), so the next token depends on their convolution and
     recurrent states and a wrong rollback changes the output; MoE layers' experts are small and random too (the
     routing picks them per token). Norm weights of (1 + w) norms are 0 (scale 1)."""
-    V = sd["model.embed_tokens.weight"].shape[0]
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     g = torch.Generator().manual_seed(seed + 1)
     for k, v in sd.items():
@@ -275,13 +280,7 @@ def _copying_hybrid_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str,
             out[k] = torch.randn(v.shape, generator=g) * _LINEAR_DEVIATION
         elif (".mlp.experts." in k or ".mlp.gate.weight" in k) and not k.startswith("model.layers.0."):
             out[k] = torch.randn(v.shape, generator=g) * (_DEVIATION / 4 if "down_proj" in k else 1.0)
-    codes = _token_codes(V, seed)  # [V, 24]
-    emb = out["model.embed_tokens.weight"]  # [V, H]
-    emb[:, _CONST] = 1.0
-    emb[:, _CODE] = codes
-    out["lm_head.weight"][:, _COPY] = _HEAD_GAIN * codes
-    g = torch.Generator().manual_seed(seed + 3)
-    out["lm_head.weight"][:, _CODE] = torch.randn(V, 24, generator=g) * _TIE_BREAK
+    _code_embedding_and_head(out, seed)
     r = math.sqrt((8 + 24) / _H)
     q, k = _rope_peak(COPY_PERIOD - 1)
     a = "model.layers.0.self_attn."
