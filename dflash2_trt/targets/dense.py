@@ -15,6 +15,7 @@ KV-cache convention of the graph -- a *capacity buffer* of C slots per layer::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -42,17 +43,19 @@ def before_forward(cache: Any, rows: int) -> None:  # noqa: ARG001 - nothing to 
     """Nothing to do before a call: the cache holds positions, any of which a crop can drop."""
 
 
+@functools.cache
+def _crop_takes_a_count() -> bool:
+    """transformers >= 5's ``crop`` takes a negative count of tokens to drop; 4.x took the new length."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
 def rollback(cache: Any, length: int) -> None:
     """Keep the K/V of positions < ``length`` only."""
     current = int(cache.get_seq_length())
     if length < current:
-        import transformers
-
-        # transformers >= 5 takes a negative count of tokens to drop; 4.x took the new length
-        cache.crop(length - current if int(transformers.__version__.split(".")[0]) >= 5 else length)
-
-
-
+        cache.crop(length - current if _crop_takes_a_count() else length)
 
 
 
