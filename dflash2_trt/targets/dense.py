@@ -58,7 +58,6 @@ def rollback(cache: Any, length: int) -> None:
         cache.crop(length - current if _crop_takes_a_count() else length)
 
 
-
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm: statistics in fp32, scale in the weight's dtype."""
     dtype = x.dtype
