@@ -345,6 +345,60 @@ def _rule_cases(rng: np.random.Generator) -> list[dict]:
     return cases
 
 
+def _guard_state(g) -> dict:  # noqa: ANN001
+    """Every field of an AcceptanceGuard the C twin keeps, after a call."""
+    return {"t_step": g.t_step, "break_even": g.break_even(), "plain_next": g.plain_next(), "plain_left": g.plain_left,
+            "backoff": g.backoff, "need": g.need, "calibrating": g.calibrating, "switches": g.switches,
+            "probes": g.probes}
+
+
+GUARD_BAD_CONFIGS = ({"window": 0}, {"probe_window": 0}, {"window": 2, "probe_window": 3}, {"backoff": 0},
+                     {"backoff": 9, "max_backoff": 8}, {"cost_ratio": 0.0}, {"min_cycles": 0},
+                     {"window": 2, "min_cycles": 3}, {"z": -1.0}, {"min_spread": -0.1})
+
+
+def _guard_cases(rng: np.random.Generator) -> list[dict]:
+    """guard.AcceptanceGuard driven as the decoder drives it (plain_next() before each step, then record_step or
+    record_cycle; now and then a plain step the guard did not ask for, as a prompt lookup without a match makes):
+    step and cycle times varying with outliers (20x slower, 20x faster), drafters that pay, that do not, and that
+    change along the request; measured and fixed cost ratios, small and default windows, z = 0, no spread floor.
+    Every field after every call (t_step and break_even as float64 bits)."""
+    from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig
+
+    cases = []
+    for i in range(40):
+        if i % 4 == 0:
+            kw: dict = {}  # the defaults, measured cost
+        else:
+            window = int(rng.integers(1, 9))
+            kw = {"window": window, "min_cycles": int(rng.integers(1, window + 1)),
+                  "probe_window": int(rng.integers(1, window + 1)), "z": [0.0, 1.0, 1.7][i % 3],
+                  "min_spread": [0.5, 0.0, 0.3][(i // 3) % 3], "backoff": int(rng.integers(1, 5))}
+            kw["max_backoff"] = kw["backoff"] * int(rng.integers(1, 5))
+            if i % 5 == 1:
+                kw["cost_ratio"] = float(rng.uniform(1.1, 3.0))
+        g = AcceptanceGuard(GuardConfig(**kw))
+        t_step, t_cycle = float(rng.uniform(0.005, 0.03)), float(rng.uniform(1.2, 3.5))  # seconds; cycle / step
+        good = [float(rng.uniform(0.5, 6.0)) for _ in range(3)]  # mean drafts accepted in each third of the request
+        n_ops = 200 if i % 4 == 0 else 80
+        ops = []
+        for k in range(n_ops):
+            jitter = float(rng.uniform(0.7, 1.3)) * (20.0 if rng.random() < 0.04 else 0.05 if rng.random() < 0.04
+                                                     else 1.0)
+            if g.plain_next() or (k and rng.random() < 0.05):
+                op = {"op": "step", "seconds": t_step * jitter}
+                g.record_step(op["seconds"])
+            else:
+                drafts = 7 if i % 2 else 15
+                acc = int(min(drafts, rng.poisson(good[3 * k // n_ops])))
+                op = {"op": "cycle", "tokens": acc + 1, "seconds": t_step * t_cycle * jitter}
+                g.record_cycle(op["tokens"], op["seconds"])
+            op["want"] = _guard_state(g)
+            ops.append(op)
+        cases.append({"config": {k: v for k, v in GuardConfig(**kw).__dict__.items()}, "ops": ops})
+    return cases
+
+
 def write_core_vectors(path: Path) -> dict:
     """Reference vectors for the coreVectors ctest (fresh random inputs from a fixed seed)."""
     rng = np.random.default_rng(1234)
@@ -395,6 +449,8 @@ def write_core_vectors(path: Path) -> dict:
     v["lookup"] = _lookup_cases(lookup_rng)
     v["proposer_choice"] = _proposer_choice_cases(lookup_rng)
     v["rule_lookup"] = _rule_lookup_cases(lookup_rng)
+    v["guard"] = _guard_cases(np.random.default_rng(5678))  # its own stream
+    v["guard_bad_configs"] = list(GUARD_BAD_CONFIGS)
     v["loops"] = [
         _loop_case("greedy-selector-oracle", True, "selector", 0.0, 40, [], True, seed=1),
         _loop_case("greedy-vocab", True, "vocab", 0.0, 33, [], False, seed=2),
@@ -546,6 +602,38 @@ def test_core_vectors_exercise_every_branch(vectors_path):
     calls = loops["auto-sample"]["calls"]  # lookup cycles' features join the drafter's context in one later call
     assert max(x["rows"] for x in calls if x["op"] == "add_context") > loops["auto-sample"]["block_size"]
     assert not any(x["op"] in ("add_context", "propose") for x in loops["ngram-greedy"]["calls"])
+
+
+def test_guard_vectors_exercise_the_rule(vectors_path):
+    """The guard vectors the ctest replays (every field after every call) take every branch: switches and probes,
+    the backoff doubled to its cap and reset, calibration, fixed and measured break-evens, plain steps the guard did
+    not ask for; the step times vary with outliers, so a guard keeping the last step's time in place of the running
+    mean makes other decisions on them (the C twin with that bug fails coreVectors on 40 of 40 cases)."""
+    from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig
+
+    cases = json.loads(vectors_path.read_text())["guard"]
+    last = [o["want"] for c in cases for o in c["ops"][-1:]]
+    assert sum(w["switches"] > 0 for w in last) > 10 and sum(w["probes"] > 0 for w in last) > 10
+    assert any(w["switches"] == 0 for w in last)  # drafters that pay stay on
+    wants = [(c, o["want"]) for c in cases for o in c["ops"]]
+    assert any(w["backoff"] == c["config"]["max_backoff"] > c["config"]["backoff"] for c, w in wants)
+    assert any(w["plain_left"] < 0 for _, w in wants)  # a plain step the guard did not ask for
+    assert any(c["config"]["cost_ratio"] for c in cases) and any(c["config"]["cost_ratio"] is None for c in cases)
+    steps = [o["seconds"] for c in cases for o in c["ops"] if o["op"] == "step"]
+    assert max(steps) > 10 * np.median(steps) > 100 * min(steps)  # outliers both ways
+
+    class LastStepGuard(AcceptanceGuard):
+        def record_step(self, seconds: float) -> None:
+            super().record_step(seconds)
+            self.t_step = seconds
+
+    flipped = 0
+    for c in cases:
+        g = LastStepGuard(GuardConfig(**c["config"]))
+        for o in c["ops"]:
+            g.record_step(o["seconds"]) if o["op"] == "step" else g.record_cycle(o["tokens"], o["seconds"])
+        flipped += (g.switches, g.probes) != (c["ops"][-1]["want"]["switches"], c["ops"][-1]["want"]["probes"])
+    assert flipped >= 5, flipped
 
 
 def test_core_vectors_detect_a_wrong_core(capi_build, vectors_path, tmp_path):

@@ -1,12 +1,14 @@
 // The C++ decoding core against vectors written by the Python reference (tests/test_capi.py): the step
 // functions (softmax, choice, greedy and rejection acceptance, statistics), the batched loop's speculation rule
-// over measured costs (batch.SpeculationRule / MeasuredCosts), and whole loops replayed from recorded runner
+// over measured costs (batch.SpeculationRule / MeasuredCosts), the acceptance guard (guard.AcceptanceGuard: every
+// field after every call, bit for bit), and whole loops replayed from recorded runner
 // calls — the core must make the same calls with the same arguments, draw the same uniforms, and produce the
 // same tokens, per-cycle counts and metrics.
 //
 // usage: coreVectors VECTORS.json
 #include "core/batch.h"
 #include "core/decoder.h"
+#include "core/guard.h"
 #include "core/ngram.h"
 
 #include "dfl2Test.h"
@@ -458,6 +460,82 @@ int main(int argc, char** argv)
             = rule.choose(c["n_active"].get<int32_t>(), cands, flat<uint64_t>(c["free"]), fallbacks);
         std::sort(chosen.begin(), chosen.end());
         check(chosen == flat<uint64_t>(c["chosen"]), name + ": chosen");
+    }
+    i = 0;
+    for (json const& c : v["guard"])
+    {
+        // guard.AcceptanceGuard driven through a recorded sequence of steps and cycles: every field after every call
+        std::string const name = "guard " + std::to_string(i++);
+        json const& k = c["config"];
+        GuardConfig cfg;
+        cfg.window = k["window"].get<int32_t>();
+        cfg.minCycles = k["min_cycles"].get<int32_t>();
+        cfg.probeWindow = k["probe_window"].get<int32_t>();
+        cfg.z = k["z"].get<double>();
+        cfg.minSpread = k["min_spread"].get<double>();
+        cfg.backoff = k["backoff"].get<int32_t>();
+        cfg.maxBackoff = k["max_backoff"].get<int32_t>();
+        if (!k["cost_ratio"].is_null())
+        {
+            cfg.costRatio = k["cost_ratio"].get<double>();
+        }
+        AcceptanceGuard g(cfg);
+        auto const same = [](std::optional<double> got, json const& want) {
+            return want.is_null() ? !got : (got && *got == want.get<double>());  // float64 bits
+        };
+        size_t n = 0;
+        for (json const& op : c["ops"])
+        {
+            if (op["op"].get<std::string>() == "step")
+            {
+                g.recordStep(op["seconds"].get<double>());
+            }
+            else
+            {
+                g.recordCycle(op["tokens"].get<int32_t>(), op["seconds"].get<double>());
+            }
+            json const& w = op["want"];
+            bool const ok = same(g.tStep(), w["t_step"]) && same(g.breakEven(), w["break_even"])
+                && g.plainNext() == w["plain_next"].get<bool>() && g.plainLeft() == w["plain_left"].get<int64_t>()
+                && g.backoff() == w["backoff"].get<int64_t>() && g.need() == w["need"].get<int64_t>()
+                && g.calibrating() == w["calibrating"].get<bool>() && g.switches() == w["switches"].get<int32_t>()
+                && g.probes() == w["probes"].get<int32_t>();
+            if (!ok)
+            {
+                check(false, name + ": state after call " + std::to_string(n) + " (" + op.dump().substr(0, 300) + ")");
+                break;
+            }
+            ++n;
+        }
+        check(n == c["ops"].size(), name);
+    }
+    i = 0;
+    for (json const& bad : v["guard_bad_configs"])
+    {
+        // GuardConfig.__post_init__'s refusals
+        GuardConfig cfg;
+        cfg.window = bad.value("window", cfg.window);
+        cfg.minCycles = bad.value("min_cycles", cfg.minCycles);
+        cfg.probeWindow = bad.value("probe_window", cfg.probeWindow);
+        cfg.z = bad.value("z", cfg.z);
+        cfg.minSpread = bad.value("min_spread", cfg.minSpread);
+        cfg.backoff = bad.value("backoff", cfg.backoff);
+        cfg.maxBackoff = bad.value("max_backoff", cfg.maxBackoff);
+        if (bad.contains("cost_ratio"))
+        {
+            cfg.costRatio = bad["cost_ratio"].get<double>();
+        }
+        bool refused = false;
+        try
+        {
+            AcceptanceGuard const g(cfg);
+        }
+        catch (Error const& e)
+        {
+            refused = e.code() == DFL2_ERR_OPTION_VALUE;
+        }
+        check(refused, "guard config refused: " + bad.dump());
+        ++i;
     }
     int loops = 0;
     for (json const& c : v["loops"])
