@@ -22,9 +22,10 @@ rest wait in arrival order). Iterating a handle streams its :class:`Chunk` s as 
 ``handle.cancel()`` frees its slot before it returns (within one batch step); ``handle.result()`` waits for the
 :class:`Result`. Each request drafts with its own ``proposer`` (the drafter, prompt lookup or ``auto``, as
 :meth:`Generator.generate`). :meth:`Generator.generate_batch` is submit + result for a list of prompts;
-:meth:`Generator.set_batching` sets ``max_batch`` and whether drafting is load-adaptive. Batching needs the
-fused ONNX Runtime target (the ``ort`` backend on the CPU); on other backends the same loop serves the
-submitted requests one after another.
+:meth:`Generator.set_batching` sets ``max_batch`` and whether drafting is load-adaptive. Batching needs a
+backend whose ``batching`` is on (:class:`~dflash2_trt.runtime.protocol.Backend`; today the fused ONNX Runtime
+target, the ``ort`` backend on the CPU); on other backends the same loop serves the submitted requests one after
+another.
 
 Thread safety: a :class:`Generator` owns one backend. ``generate`` / ``stream`` decode one request at a time on
 their own runners, serialised by a lock (a second call waits for the first, including a stream being
@@ -173,8 +174,7 @@ class Generator:
         """ONNX Runtime with the panels: the loaded graphs' PanelMatMul kernels by the exact code their weights fit
         (``affine4``, ``scaled8``, ``fp16``, ``bf16``; ``none``: fp32 weights; plugins/ortDecodeAttention/README.md);
         empty for other backends."""
-        codes = getattr(self._backend, "panel_codes", None)
-        return dict(codes()) if codes is not None else {}
+        return dict(self._backend.panel_codes())
 
     @property
     def max_positions(self) -> int:
@@ -586,12 +586,12 @@ class _BatchLoop:
     per draft mode asked for (its own batched target runner and batched drafter of ``max_batch`` slots; requests of
     one mode share steps), stepped in turn while any is busy. Between steps it takes in submitted handles and applies
     cancellations; after each step it hands every sequence's new tokens to its handle. A step that raises fails
-    the requests of that decoder (DFlash2Error) and drops it; the others go on. Backends without the fused target
+    the requests of that decoder (DFlash2Error) and drops it; the others go on. Backends without ``batching``
     serve the queued requests one after another through :meth:`Generator._run` (under the Generator's lock)."""
 
     def __init__(self, gen: Generator, max_batch: int, adaptive: bool) -> None:
         self.gen, self.max_batch, self.adaptive = gen, max_batch, adaptive
-        self.batched = bool(getattr(gen._backend, "fused", False))
+        self.batched = bool(gen._backend.batching)
         self._cond = threading.Condition()
         self._inbox: deque[Handle] = deque()  # submitted, not yet taken in (under _cond)
         self._pending = 0  # handles not finished (under _cond)
@@ -674,13 +674,10 @@ class _BatchLoop:
         try:
             dec = self._decoders.get(mode)
             if dec is None:
-                from dflash2_trt.runtime.ort.batched_drafter import OrtBatchedDraftRunner
-                from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
-
                 be = self.gen._backend
-                dec = B.BatchDecoder(OrtBatchedTargetRunner.from_backend(be, self.max_batch), None,
+                dec = B.BatchDecoder(be.batch_target_runner(self.max_batch), None,
                                      B.SpeculationRule(adaptive=self.adaptive),
-                                     batched_drafter=lambda n: OrtBatchedDraftRunner(be, mode, n))
+                                     batched_drafter=lambda n: be.batch_draft_runner(mode, n))
                 self._decoders[mode], self._live[mode] = dec, {}
             i = dec.submit(B.BatchRequest(r.prompt, r.max_new_tokens, r.temperature, r.seed, r.eos_ids,
                                           r.speculative, r.proposer))

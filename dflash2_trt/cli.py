@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
         if a.cmd == "export":
             from dflash2_trt.export import cli as export_cli
 
-            return export_cli.run_export(a, prog)
+            return export_cli.run_export(a, prog, verify_cost=bench_cli.record_verify_cost)
         if a.cmd == "build-engines":
             from dflash2_trt.export import cli as export_cli
 

@@ -70,8 +70,9 @@ def test_import_graph_has_no_cycle():
 
 def test_layers_import_only_downward():
     """Layering by subpackage: export imports no runtime backend (``runtime.{ort,trt,torch}`` or the chooser)
-    except the TensorRT environment helpers it builds engines with; only ``runtime.torch`` imports torch or
-    the torch-side packages; evaluation code is imported only by itself and the CLI modules (``cli``, ``*.cli``)."""
+    except the TensorRT environment helpers it builds engines with; the public API reaches the backends only
+    through the chooser and the protocol (no backend subpackage); only ``runtime.torch`` imports torch or the
+    torch-side packages; evaluation code is imported only by itself and the top-level CLI (``dflash2_trt.cli``)."""
     graph = _imports()
     backend_pkgs = ("dflash2_trt.runtime.ort", "dflash2_trt.runtime.trt", "dflash2_trt.runtime.torch")
     export_may_use = {"dflash2_trt.runtime.trt.env", "dflash2_trt.runtime.trt.cuda_api"}
@@ -92,7 +93,10 @@ def test_layers_import_only_downward():
                      or d.startswith(("dflash2_trt.model", "dflash2_trt.target", "dflash2_trt.train",
                                       "dflash2_trt.export", "dflash2_trt.bench", "dflash2_trt.runtime.torch"))}
             assert not heavy, f"{mod} (runtime) imports torch-side or evaluation code: {heavy}"
-        if not mod.startswith(("dflash2_trt.bench", "dflash2_trt.cli")) and not mod.endswith(".cli"):
+        if mod == "dflash2_trt.api":
+            bad = {d for d in deps if in_pkg(d, backend_pkgs)}
+            assert not bad, f"{mod} imports a backend subpackage (go through runtime.protocol.Backend): {bad}"
+        if not in_pkg(mod, ("dflash2_trt.bench", "dflash2_trt.cli")):
             assert not {d for d in deps if d.startswith("dflash2_trt.bench")}, f"{mod} imports evaluation code"
 
 

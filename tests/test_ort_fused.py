@@ -319,15 +319,18 @@ def test_recommend_block_size_follows_cost():
     assert recommend_block_size(mid, alpha=a) == max(rates, key=rates.get)
 
 
-def test_export_records_verify_cost(tiny_dir, tmp_path):
-    from dflash2_trt.bench import verify_cost
-    from dflash2_trt.export.exporter import export_model
+def test_export_records_verify_cost(tiny_dir, tmp_path, capsys):
+    """``dflash2 export --verify-cost``: the CLI times the written export (bench.verify_cost, handed to the export
+    command by the top-level CLI) and stores the table and its recommendation in the manifest."""
+    from dflash2_trt.cli import main
     from dflash2_trt.manifest import read_manifest
 
-    export_model(tiny_dir / "target", tiny_dir / "drafter", tmp_path / "vc", progress=False, max_seq_len=300,
-                 verify=False)
-    vc = verify_cost.record(tmp_path / "vc")
-    assert read_manifest(tmp_path / "vc").verify_cost == vc  # stored, checksums still valid
+    assert main(["export", "--target", str(tiny_dir / "target"), "--drafter", str(tiny_dir / "drafter"),
+                 "--out", str(tmp_path / "vc"), "--max-seq-len", "300", "--no-verify", "--quiet",
+                 "--verify-cost"]) == 0
+    vc = read_manifest(tmp_path / "vc").verify_cost  # stored, checksums still valid
+    assert vc is not None
+    assert f"recommended block size on this machine: {vc.recommended_block_size} " in capsys.readouterr().out
     assert [(r.cached, r.rows) for r in vc.table] == [(256, r) for r in (1, 4, 8, 16)]
     assert all(r.ms > 0 for r in vc.table) and vc.table[0].ratio == 1.0
     assert 2 <= vc.recommended_block_size <= 16

@@ -2,8 +2,8 @@
 accepting pair's export: requests submitted from many threads share batch steps (batch sizes > 1 observed) and
 every greedy output equals its own ``generate`` output; chunks stream while others decode; ``cancel()`` frees
 the slot before it returns, for active and queued requests; bad requests raise at submit and disturb nobody; a
-failing step fails only its decoder's requests; ``close()`` fails what is in flight; backends without the
-fused target serve the queue one request after another."""
+failing step fails only its decoder's requests; ``close()`` fails what is in flight; the loop gets its runners
+from the Backend protocol; backends without ``batching`` serve the queue one request after another."""
 
 from __future__ import annotations
 
@@ -186,6 +186,31 @@ def test_close_fails_requests_in_flight(acc_export):
         g.submit([3, 4, 5], 5)
 
 
+def test_batching_goes_through_the_backend_protocol(acc_export, monkeypatch):
+    """The loop asks its backend for the batch runners (``Backend.batch_target_runner`` / ``batch_draft_runner``)
+    and steps exactly those: no backend module is reached around the protocol."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    made: list[tuple[str, object]] = []
+    for name in ("batch_target_runner", "batch_draft_runner"):
+        def spy(self, *args, _orig=getattr(OrtBackend, name), _name=name):  # noqa: ANN001, ANN002, ANN202
+            runner = _orig(self, *args)
+            made.append((_name, runner))
+            return runner
+
+        monkeypatch.setattr(OrtBackend, name, spy)
+    with dflash2_trt.load(acc_export, backend="ort", threads=1) as g:
+        assert g._backend.batching
+        g.set_batching(adaptive=False)  # every step drafts: the batched drafter is made
+        prompts = _prompts(g, [5, 8], seed=4)
+        hs = [g.submit(p, 6, eos_ids=set()) for p in prompts]
+        assert [h.result().tokens for h in hs] == [g.generate(p, 6, guard=False, eos_ids=set()).tokens
+                                                   for p in prompts]
+        dec = g._loop._decoders["greedy"]
+        assert [n for n, _ in made] == ["batch_target_runner", "batch_draft_runner"]
+        assert dec.target is made[0][1] and dec._batched is made[1][1]
+
+
 def test_unbatched_backend_serves_the_queue_one_by_one(acc_export):
     """The standard (TensorRT-flavour) ONNX graphs have no batched runner: the same loop decodes the submitted
     requests one after another, streaming, cancellable, with generate()'s tokens."""
@@ -195,7 +220,9 @@ def test_unbatched_backend_serves_the_queue_one_by_one(acc_export):
 
     with Generator(OrtBackend(acc_export, flavour="standard", threads=1), TextTokenizer(acc_export)) as g:
         g.set_batching(adaptive=False)  # the loop runs generate()'s guard only when adaptive
-        assert not g._backend.fused
+        assert not g._backend.fused and not g._backend.batching
+        with pytest.raises(DFlash2Error, match="needs the fused ONNX Runtime target"):
+            g._backend.batch_target_runner(2)
         prompts = _prompts(g, [6, 9, 5], seed=2)
         hs = [g.submit(p, 15, eos_ids=set()) for p in prompts]
         for p, h in zip(prompts, hs):

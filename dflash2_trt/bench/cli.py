@@ -134,6 +134,16 @@ def capacity_note(max_new_tokens: int, prompt_lens: list[int], max_positions: in
     return len(cut)
 
 
+def record_verify_cost(model_dir: str) -> None:
+    """``dflash2 export --verify-cost``: time the fresh export's fused target here, record the block size it
+    recommends in the manifest (:func:`dflash2_trt.bench.verify_cost.record`) and say it."""
+    from dflash2_trt.bench import verify_cost
+
+    vc = verify_cost.record(model_dir)
+    print(f"recommended block size on this machine: {vc.recommended_block_size} (assuming each "
+          f"draft row is accepted with probability {vc.assumed_acceptance} given the previous one)")
+
+
 def run_bench(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from dflash2_trt.bench import harness
     from dflash2_trt.bench.prompts import load_prompts

@@ -22,8 +22,10 @@ engines built since, user files), naming them first (:mod:`dflash2_trt.outdir`).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from dflash2_trt import validate as V
+from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.vocabulary import DRAFTER_QUANTIZATIONS, DTYPES, QUANTIZATIONS
 
 
@@ -82,9 +84,15 @@ def add_parsers(sub) -> None:  # noqa: ANN001
                    help="replace our own repository even when it holds files its record does not list (named first)")
 
 
-def run_export(a: argparse.Namespace, prog: str) -> int:
+def run_export(a: argparse.Namespace, prog: str, verify_cost: Callable[[str], None] | None = None) -> int:
+    """The export, then (``--verify-cost``) ``verify_cost(out)``, the caller's timing of the written graphs
+    (evaluation, not export: :func:`dflash2_trt.bench.cli.record_verify_cost`; export imports no runtime), then
+    the engines and the Triton repository."""
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.export.quantize import QuantSpec
+
+    if a.verify_cost and verify_cost is None:
+        raise DFlash2Error("--verify-cost needs the timing of the dflash2 command (dflash2_trt.cli)")
 
     quant = QuantSpec(a.quantize, a.quant_block_size, a.quant_accuracy_level, not a.no_quantize_lm_head)
     m = export_model(a.target, a.drafter, a.out, opset=a.opset, dtype=a.dtype, block_size=a.block_size,
@@ -92,12 +100,8 @@ def run_export(a: argparse.Namespace, prog: str) -> int:
                      ort_flavour=not a.no_ort_flavour, quantization=quant,
                      draft_vocab=a.draft_vocab, overwrite=a.overwrite, drafter_quantization=a.drafter_quantize)
     print(f"exported {len(m.graphs)} graphs (opset {m.opset}, {m.dtype}, block size {m.block_size}) to {a.out}")
-    if a.verify_cost:  # timing the graphs here is evaluation, not export: bench.verify_cost (imports a runtime)
-        from dflash2_trt.bench import verify_cost
-
-        vc = verify_cost.record(a.out)
-        print(f"recommended block size on this machine: {vc.recommended_block_size} (assuming each "
-              f"draft row is accepted with probability {vc.assumed_acceptance} given the previous one)")
+    if verify_cost is not None and a.verify_cost:
+        verify_cost(a.out)
     if a.engines:
         rc = run_build_engines(a, prog, a.out)
         if rc:

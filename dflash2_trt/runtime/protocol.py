@@ -15,11 +15,22 @@ A backend gives the decoder loop two runners per request:
   drafter chooses its path over those rows alone (the rows past them get zero hidden states, SPEC §3).
 
 Runners hold one request's state (KV caches) and are not thread safe; use one per concurrent request.
+
+A backend that decodes many sequences per graph call says so with ``batching`` and gives the batch loop
+(:class:`dflash2_trt.runtime.batch.BatchDecoder`) two more runners over ``slots`` sequences:
+
+* :class:`BatchTargetRunner` — ``join() -> slot``, ``leave(slot)``, ``crop(slot, length)``,
+  ``forward({slot: ids}) -> {slot: (logits, features)}``, ``cost_units({slot: rows})``;
+* :class:`BatchDraftRunner` — ``slot(b)`` (slot ``b`` as a :class:`DraftRunner`), ``add_contexts`` and
+  ``propose_batch``: every drafting sequence's proposal in one call.
+
+Where ``batching`` is False the Generator serves submitted requests one after another on the B = 1 runners.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -103,6 +114,44 @@ class DraftRunner(Protocol):
     def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms: np.ndarray | None) -> Draft: ...
 
 
+class BatchTargetRunner(Protocol):
+    """The target over ``slots`` sequences, each in a slot with its own cache length."""
+
+    slots: int
+    vocab_size: int
+    max_positions: int
+    eos_ids: set[int]
+
+    def join(self) -> int: ...  # the lowest free slot, now active with length 0
+
+    def leave(self, slot: int) -> None: ...
+
+    def free_slots(self) -> int: ...
+
+    def crop(self, slot: int, length: int) -> None: ...
+
+    def cost_units(self, rows: dict[int, int]) -> float: ...  # slot -> rows -> the forward's cost in row units
+
+    # slot -> ids at its positions -> slot -> (logits [m, V] fp32, or [1, V] with last_logits; features [m, F])
+    def forward(self, rows: dict[int, list[int]],
+                last_logits: bool = False) -> dict[int, tuple[np.ndarray, np.ndarray]]: ...
+
+
+class BatchDraftRunner(Protocol):
+    """The drafter over ``slots`` sequences' draft contexts."""
+
+    block_size: int
+    num_draft_rows: int  # L = block_size - 1
+
+    def slot(self, b: int) -> DraftRunner: ...
+
+    def add_contexts(self, new: dict[int, tuple[np.ndarray, int]]) -> None: ...  # slot -> (feats [m, F], start)
+
+    def propose_batch(self, slots: Sequence[int], anchors: Sequence[int], positions: Sequence[int],
+                      rows: Sequence[int], temperatures: Sequence[float],
+                      uniforms: Sequence[np.ndarray | None]) -> list[Draft]: ...
+
+
 class Backend(Protocol):
     """A model opened by one runtime. ``draft_runner(mode)`` takes a draft mode of
     :data:`dflash2_trt.vocabulary.DRAFT_MODES`; each runner serves one request at a time."""
@@ -121,6 +170,15 @@ class Backend(Protocol):
 
     def draft_runner(self, mode: str = "greedy") -> DraftRunner: ...
 
+    @property
+    def batching(self) -> bool: ...  # batch_target_runner / batch_draft_runner run here
+
+    def batch_target_runner(self, slots: int) -> BatchTargetRunner: ...
+
+    def batch_draft_runner(self, mode: str, slots: int) -> BatchDraftRunner: ...
+
+    def panel_codes(self) -> dict[str, int]: ...  # loaded weight matrices by exact weight code; {}: none
+
     def close(self) -> None: ...
 
     def __enter__(self) -> Backend: ...
@@ -130,9 +188,11 @@ class Backend(Protocol):
 
 class BackendBase:
     """Behaviour shared by the backends: the draft modes of an export (its ``manifest``; the PyTorch backend,
-    which opens no export, overrides them) and the context manager (``with open_backend(...) as be:`` closes
+    which opens no export, overrides them), no batching and no weight codes unless the backend has them, and the
+    context manager (``with open_backend(...) as be:`` closes
     ``be``)."""
 
+    name: str
     manifest: Any  # dflash2_trt.manifest.ExportManifest of the export folder
 
     @property
@@ -141,6 +201,19 @@ class BackendBase:
 
     def check_draft_mode(self, mode: str) -> str:
         return str(self.manifest.check_draft_mode(mode))
+
+    @property
+    def batching(self) -> bool:
+        return False
+
+    def batch_target_runner(self, slots: int) -> BatchTargetRunner:
+        raise DFlash2Error(f"the {self.name} backend decodes one sequence at a time (no batched target)")
+
+    def batch_draft_runner(self, mode: str, slots: int) -> BatchDraftRunner:
+        raise DFlash2Error(f"the {self.name} backend decodes one sequence at a time (no batched drafter)")
+
+    def panel_codes(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         """Free what the backend holds (sessions, engines, device memory); idempotent."""

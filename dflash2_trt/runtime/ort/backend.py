@@ -21,7 +21,8 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import BLOCK_LAYERS, ORT_SUFFIX, TARGET_ORT, ExportManifest, GraphSpec, read_manifest
 from dflash2_trt.runtime.kv import KVBuffer, target_ids
-from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft, independent_draft
+from dflash2_trt.runtime.protocol import (BackendBase, BackendUnavailable, BatchDraftRunner, BatchTargetRunner, Draft,
+                                          independent_draft)
 from dflash2_trt.runtime.ort.failures import ort_failures
 from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
 from dflash2_trt.vocabulary import INDEPENDENT, ORT_ATTENTIONS, head_key
@@ -284,6 +285,21 @@ class OrtBackend(BackendBase):
     def draft_runner(self, mode: str = "greedy") -> "OrtDraftRunner":
         """mode: a selector mode, or 'independent' (no selector: each row's argmax / sample)."""
         return OrtDraftRunner(self, self.manifest.check_draft_mode(mode))
+
+    @property
+    def batching(self) -> bool:
+        """The fused target runs many sequences per call (:mod:`dflash2_trt.runtime.ort.batched_target`)."""
+        return self.fused
+
+    def batch_target_runner(self, slots: int) -> BatchTargetRunner:
+        from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+
+        return OrtBatchedTargetRunner.from_backend(self, slots)
+
+    def batch_draft_runner(self, mode: str, slots: int) -> BatchDraftRunner:
+        from dflash2_trt.runtime.ort.batched_drafter import OrtBatchedDraftRunner
+
+        return OrtBatchedDraftRunner(self, self.manifest.check_draft_mode(mode), slots)
 
     def close(self) -> None:
         self._sessions.clear()
