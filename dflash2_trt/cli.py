@@ -1,7 +1,8 @@
 """The ``dflash2`` command (``dflash2-export`` is ``dflash2 export``): ``dflash2 --help`` lists the subcommands,
 ``dflash2 SUBCOMMAND --help`` their flags. Each subcommand's flags are defined once, beside it: export /
 build-engines / triton-repo in :mod:`dflash2_trt.export.cli`, train / make-data / eval-tau in
-:mod:`dflash2_trt.train.cli`, bench / demo in :mod:`dflash2_trt.bench.cli`, generate and make-tiny here.
+:mod:`dflash2_trt.train.cli`, bench / demo in :mod:`dflash2_trt.bench.cli`, serve in :mod:`dflash2_trt.server.cli`,
+generate and make-tiny here.
 ``generate`` and ``bench`` decode through the public API (:func:`dflash2_trt.load`; the PyTorch reference with
 --target/--drafter through the same :class:`~dflash2_trt.api.Generator`).
 
@@ -28,6 +29,7 @@ import sys
 from dflash2_trt import validate as V
 from dflash2_trt.bench import cli as bench_cli
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.server import cli as server_cli
 from dflash2_trt.vocabulary import BACKEND_CHOICES, SELECTOR_PRECISIONS, TINY_ARCHS
 
 
@@ -74,6 +76,7 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
 
     bench_cli.add_parsers(sub)
+    server_cli.add_parser(sub)
     return p
 
 
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
             return bench_cli.run_bench(a, parser)
         if a.cmd == "demo":
             return bench_cli.run_demo(a)
+        if a.cmd == "serve":
+            return server_cli.run(a)
         if a.cmd in ("train", "make-data", "eval-tau"):
             from dflash2_trt.train import cli as train_cli
 

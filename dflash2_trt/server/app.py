@@ -1,0 +1,477 @@
+"""The ASGI application of ``dflash2 serve``: Starlette routes over one :class:`~dflash2_trt.api.Generator` whose
+background loop decodes every request in one continuous batch, and its Prometheus metrics (prometheus_client).
+
+Routes::
+
+    POST /v1/completions, /v1/chat/completions   OpenAI's bodies (:mod:`dflash2_trt.server.protocol`); with
+                                                 "stream": true server-sent events, one per committed chunk
+                                                 (OpenAI's chunk objects), then ``data: [DONE]``
+    GET  /v1/models                              the one served model
+    GET  /health                                 200 {"status": "ok"} (the server listens only once loaded)
+    GET  /metrics                                Prometheus text (see :class:`Metrics`)
+
+With an API key every ``/v1`` route needs ``Authorization: Bearer KEY`` (401 otherwise); /health and /metrics
+stay open (a load balancer and a scraper reach them without it).
+
+One request's life: the body is checked (a bad one gets a 400 with OpenAI's error object and never reaches the
+batch) -> admission: with ``max_batch + max_queue`` requests in flight a 429 with ``Retry-After`` (memory stays
+bounded) -> :meth:`Generator.submit <dflash2_trt.api.Generator.submit>` -> a forwarding thread moves the handle's
+chunks onto the event loop -> the reply (events as they come, or one JSON body at the end) while a watcher waits
+for the client's ``http.disconnect``. A disconnect, or a send that fails, cancels the handle:
+:meth:`Handle.cancel <dflash2_trt.api.Handle.cancel>` frees the slot before the loop's next step and returns then
+(metric ``dflash2_cancel_steps``: batch steps between the two). A stop string cancels the same way once it
+appears. Greedy requests (temperature 0) get the target's own tokens, those of :meth:`Generator.generate`.
+
+Threads: the event loop (uvicorn's) runs the routes; the Generator's loop thread decodes; one forwarding thread
+per request in flight blocks on its handle. The in-flight count is under a lock; prometheus_client's metrics are
+thread safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.server import protocol as P
+from dflash2_trt.vocabulary import DEFAULT_PROPOSER
+
+MAX_BODY = 8 << 20  # bytes of a request body
+RETRY_AFTER_S = 1  # a 429's Retry-After: requests take seconds, a slot frees often
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+# Result.finish_reason -> OpenAI's ("capacity": the cache is full, the context's length)
+FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "stop"}
+
+
+class _BatchSteps:
+    """``dflash2_batch_steps_total{size}``: batch steps that decoded ``size`` sequences together, read from
+    :attr:`Generator.batch_sizes <dflash2_trt.api.Generator.batch_sizes>` at each scrape."""
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+
+    def collect(self) -> Any:
+        c = CounterMetricFamily("dflash2_batch_steps", "batch steps that decoded `size` sequences together",
+                                labels=["size"])
+        for size, n in sorted(self.gen.batch_sizes.items()):
+            c.add_metric([str(size)], n)
+        yield c
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (two servers in one process never collide).
+
+    Counters: ``dflash2_http_requests_total{route,status}``, ``dflash2_requests_submitted_total`` (reached the
+    batch), ``dflash2_requests_finished_total{reason}`` (stop, length, cancelled: the client went away, error),
+    ``dflash2_prompt_tokens_total``, ``dflash2_generation_tokens_total``, ``dflash2_speculative_cycles_total``,
+    ``dflash2_draft_tokens_total`` (drafts verified), ``dflash2_accepted_draft_tokens_total``,
+    ``dflash2_plain_steps_total``, ``dflash2_batch_steps_total{size}``. Gauges: ``dflash2_requests_waiting``
+    (submitted, no batch slot yet: the queue depth), ``dflash2_requests_running`` (holding a slot),
+    ``dflash2_tau`` (tokens per speculative cycle, pooled since start), ``dflash2_acceptance_rate`` (accepted /
+    verified drafts). Histograms: ``dflash2_time_to_first_token_seconds``,
+    ``dflash2_time_per_output_token_seconds`` (per request: first to last token), ``dflash2_request_duration_seconds``,
+    ``dflash2_request_tau`` (requests that ran cycles), ``dflash2_cancel_steps`` (batch steps from a client's
+    disconnect to its slot being free)."""
+
+    def __init__(self, gen: Any) -> None:
+        r = self.registry = CollectorRegistry()
+        self.http = Counter("dflash2_http_requests", "HTTP requests answered, by route and status",
+                            ["route", "status"], registry=r)
+        self.submitted = Counter("dflash2_requests_submitted", "requests queued for decoding", registry=r)
+        self.finished = Counter("dflash2_requests_finished", "requests that left the batch, by reason", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("dflash2_prompt_tokens", "prompt tokens of the decoded requests", registry=r)
+        self.generation_tokens = Counter("dflash2_generation_tokens", "tokens generated", registry=r)
+        self.cycles = Counter("dflash2_speculative_cycles", "speculative cycles (draft + verify)", registry=r)
+        self.draft_tokens = Counter("dflash2_draft_tokens", "draft tokens verified", registry=r)
+        self.accepted = Counter("dflash2_accepted_draft_tokens", "draft tokens accepted", registry=r)
+        self.plain_steps = Counter("dflash2_plain_steps", "plain target steps (no draft)", registry=r)
+        self.waiting = Gauge("dflash2_requests_waiting", "requests submitted, waiting for a batch slot", registry=r)
+        self.running = Gauge("dflash2_requests_running", "requests holding a batch slot", registry=r)
+        self._lock = threading.Lock()
+        self._sums = {"cycles": 0, "accepted": 0, "verified": 0}  # the counters' totals, for the two ratios
+        Gauge("dflash2_tau", "tokens per speculative cycle, pooled since start", registry=r).set_function(
+            lambda: self._ratio("accepted", "cycles", 1.0))
+        Gauge("dflash2_acceptance_rate", "accepted / verified draft tokens since start", registry=r).set_function(
+            lambda: self._ratio("accepted", "verified"))
+        secs = (.005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30, 60)
+        self.ttft = Histogram("dflash2_time_to_first_token_seconds", "from the request to its first token",
+                              buckets=secs, registry=r)
+        self.tpot = Histogram("dflash2_time_per_output_token_seconds", "per request: (last - first token) / (n - 1)",
+                              buckets=(.002, .005, .01, .015, .02, .03, .05, .075, .1, .2, .5, 1), registry=r)
+        self.duration = Histogram("dflash2_request_duration_seconds", "from the request to its last token",
+                                  buckets=secs + (120, 300), registry=r)
+        self.tau = Histogram("dflash2_request_tau", "tokens per speculative cycle of a request",
+                             buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 8), registry=r)
+        self.cancel_steps = Histogram("dflash2_cancel_steps", "batch steps from a client's disconnect to its slot "
+                                      "being free", buckets=(0, 1, 2, 3, 5, 10, 20), registry=r)
+        r.register(_BatchSteps(gen))
+
+    def _ratio(self, num: str, den: str, plus: float = 0.0) -> float:
+        with self._lock:
+            return self._sums[num] / self._sums[den] + plus if self._sums[den] else 0.0
+
+    def record(self, prompt_len: int, res: Any, reason: str) -> None:
+        """A finished request's counts (``res``: its Result)."""
+        s = res.stats
+        self.finished.labels(reason).inc()
+        self.prompt_tokens.inc(prompt_len)
+        self.generation_tokens.inc(len(res.tokens))
+        self.cycles.inc(s.cycles)
+        self.draft_tokens.inc(sum(s.verified))
+        self.accepted.inc(sum(s.accepted))
+        self.plain_steps.inc(s.plain_steps)
+        with self._lock:
+            self._sums["cycles"] += s.cycles
+            self._sums["accepted"] += sum(s.accepted)
+            self._sums["verified"] += sum(s.verified)
+        if s.cycles:
+            self.tau.observe(s.tau)
+
+
+@dataclass
+class _Job:
+    """One submitted request, shared by its reply (event loop) and its forwarding thread."""
+
+    spec: P.Spec
+    prompt_len: int
+    handle: Any  # dflash2_trt.api.Handle
+    loop: asyncio.AbstractEventLoop
+    t0: float
+    rid: str = field(default_factory=str)
+    created: int = 0
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunk ..., then _End or an exception
+    gone: bool = False  # the client went away
+    stopped: bool = False  # a stop string ended it
+
+
+@dataclass
+class _End:
+    result: Any  # dflash2_trt.api.Result
+
+
+def _stats(res: Any) -> dict:
+    """The decoding figures of a Result, the ``dflash2`` extension field of an answer."""
+    s = res.stats
+    return {"tau": s.tau, "cycles": s.cycles, "accepted_drafts": sum(s.accepted), "verified_drafts": sum(s.verified),
+            "plain_steps": s.plain_steps, "proposer_cycles": {p: s.proposers.count(p) for p in sorted(set(s.proposers))},
+            "tokens_per_s": s.tokens_per_s}
+
+
+class Server:
+    """The routes over ``gen`` (a loaded Generator; the caller closes it). ``max_batch``: sequences decoded
+    together (set on the Generator with ``adaptive``); ``max_queue``: requests that may wait beyond them;
+    ``speculative``: requests may draft; ``api_key``: required on /v1 routes when given."""
+
+    def __init__(self, gen: Any, model_name: str, *, max_batch: int = 8, max_queue: int = 32,
+                 adaptive: bool = True, speculative: bool = True, proposer: str = DEFAULT_PROPOSER,
+                 api_key: str | None = None) -> None:
+        self.gen, self.model_name, self.api_key = gen, model_name, api_key
+        self.speculative, self.proposer, self.limit = speculative, proposer, max_batch + max_queue
+        gen.set_batching(max_batch, adaptive=adaptive)
+        self.positions = gen.max_positions
+        self.selector = gen.selectors[0]
+        self.created = P.now()
+        self.metrics = Metrics(gen)
+        self._lock = threading.Lock()
+        self.in_flight = 0  # submitted, not finished (under _lock)
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ], exception_handlers={HTTPException: self._http_error})
+
+    def warm_up(self) -> None:
+        """One 1-token request through the batch loop: its runners exist before the first client comes."""
+        self.gen.submit(self.gen.encode("Hi", chat=False) or [0], 1, 0.0, seed=0, selector=self.selector,
+                        chat=False, speculative=self.speculative).result()
+
+    def steps(self) -> int:
+        return sum(self.gen.batch_sizes.values())
+
+    # -- small routes --------------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        return self._json(request, {"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        denied = self._denied(request)
+        if denied:
+            return denied
+        return self._json(request, {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dflash2"}]})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 500)
+        msg = {404: f"Unknown route {request.url.path}", 405: f"Method {request.method} not allowed on "
+               f"{request.url.path}"}.get(status, str(getattr(exc, "detail", exc)))
+        return self._json(request, P.error_body(msg, code="not_found" if status == 404 else None), status,
+                          route="other")
+
+    def _json(self, request: Request, body: dict, status: int = 200, headers: dict | None = None,
+              route: str | None = None) -> Response:
+        self.metrics.http.labels(route or request.url.path, str(status)).inc()
+        return JSONResponse(body, status, headers)
+
+    def _denied(self, request: Request) -> Response | None:
+        if self.api_key is None:
+            return None
+        given = request.headers.get("authorization", "")
+        if given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), self.api_key.encode()):
+            return None
+        return self._json(request, P.error_body("Incorrect API key provided.", code="invalid_api_key"), 401)
+
+    # -- completions ---------------------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, P.COMPLETION)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, P.CHAT)
+
+    async def _complete(self, request: Request, kind: str) -> Response:
+        denied = self._denied(request)
+        if denied:
+            return denied
+        try:
+            spec = (P.parse_chat if kind == P.CHAT else P.parse_completion)(P.parse_json(await _body(request)))
+            if spec.model != self.model_name:
+                raise P.RequestError(f"The model '{spec.model}' does not exist", "model", status=404,
+                                     code="model_not_found")
+            job = self._submit(spec)
+        except P.RequestError as e:
+            headers = {"retry-after": str(RETRY_AFTER_S)} if e.status == 429 else None
+            return self._json(request, e.body(), e.status, headers)
+        except DFlash2Error as e:  # the Generator's own checks (token ids, template): the request's fault
+            return self._json(request, P.error_body(str(e), param="messages" if kind == P.CHAT else "prompt"), 400)
+        self.metrics.http.labels(request.url.path, "200").inc()
+        return _Reply(self, job)
+
+    def _submit(self, spec: P.Spec) -> _Job:
+        """Encode, check against the context, admit, submit; the forwarding thread started. RequestError /
+        DFlash2Error when refused (nothing queued then)."""
+        ids = self.gen.encode(spec.prompt, chat=spec.kind == P.CHAT)
+        max_tokens = P.max_tokens_for(spec, len(ids), self.positions)
+        with self._lock:
+            if self.in_flight >= self.limit:
+                raise P.RequestError(f"The server is at capacity ({self.in_flight} requests in flight); retry "
+                                     f"after {RETRY_AFTER_S} s", status=429, type="rate_limit_error",
+                                     code="rate_limit_exceeded")
+            self.in_flight += 1
+        try:
+            handle = self.gen.submit(ids, max_tokens, spec.temperature, spec.seed, self.selector, chat=False,
+                                     speculative=self.speculative, eos_ids=set() if spec.ignore_eos else None,
+                                     proposer=self.proposer)
+        except BaseException:
+            self._release()
+            raise
+        self.metrics.submitted.inc()
+        self.metrics.waiting.inc()
+        job = _Job(spec, len(ids), handle, asyncio.get_running_loop(), time.perf_counter(), P.new_id(spec.kind),
+                   P.now())
+        threading.Thread(target=self._forward, args=(job,), name="dflash2-serve-forward", daemon=True).start()
+        return job
+
+    def _release(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def _forward(self, job: _Job) -> None:
+        """The forwarding thread: the handle's chunks onto the event loop; at the end the request's accounting, then
+        its end (so a client that has its answer finds it counted)."""
+        m = self.metrics
+
+        def put(item: Any) -> None:
+            try:
+                job.loop.call_soon_threadsafe(job.queue.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (the server stopped): nobody reads this reply
+                pass
+
+        first = last = None
+        end: Any = None
+        try:
+            for c in job.handle:
+                last = time.perf_counter()
+                if first is None:
+                    first = last
+                    m.waiting.dec()
+                    m.running.inc()
+                    m.ttft.observe(first - job.t0)
+                put(c)
+            end = _End(job.handle.result())
+        except BaseException as e:  # noqa: BLE001 - handed to the reply, which answers with it
+            end = e
+        (m.waiting if first is None else m.running).dec()
+        self._release()
+        if isinstance(end, _End):
+            res = end.result
+            m.record(job.prompt_len, res, "cancelled" if job.gone else "stop" if job.stopped
+                     else FINISH[res.finish_reason])
+            if first is not None:
+                m.duration.observe(last - job.t0)
+                if len(res.tokens) > 1:
+                    m.tpot.observe((last - first) / (len(res.tokens) - 1))
+        else:
+            m.finished.labels("error").inc()
+        put(end)
+
+    async def cancel(self, job: _Job) -> None:
+        """Stop ``job``'s decoding; returns once its slot is free (at most the step under way finishes first)."""
+        before = self.steps()
+        await anyio.to_thread.run_sync(job.handle.cancel)
+        if job.gone:
+            self.metrics.cancel_steps.observe(self.steps() - before)
+
+
+async def _body(request: Request) -> bytes:
+    size = int(request.headers.get("content-length") or 0)
+    if size > MAX_BODY:
+        raise P.RequestError(f"the request body is {size} bytes, more than the {MAX_BODY} accepted", status=413)
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY:
+            raise P.RequestError(f"the request body is more than the {MAX_BODY} bytes accepted", status=413)
+    return bytes(raw)
+
+
+class _Reply(Response):
+    """The answer to one submitted request, streamed or whole, with a watcher for the client's disconnect."""
+
+    def __init__(self, server: Server, job: _Job) -> None:
+        super().__init__()
+        self.server, self.job = server, job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        job = self.job
+
+        async def watch(scope_: anyio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            job.gone = True
+            scope_.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch, tg.cancel_scope)
+                try:
+                    await (self._stream(send) if job.spec.stream else self._whole(send))
+                except OSError:  # a send to a client that went away (uvicorn's ClientDisconnected)
+                    job.gone = True
+                tg.cancel_scope.cancel()
+        finally:
+            if not job.handle.done:  # the client went away, or the server stops: free the slot now
+                job.gone = job.gone or not job.stopped
+                with anyio.CancelScope(shield=True):
+                    await self.server.cancel(job)
+
+    async def _items(self) -> AsyncIterator[Any]:
+        """The chunks and the end as they come; chunks that queued up while a send was slow merge into one."""
+        q = self.job.queue
+        while True:
+            items = [await q.get()]
+            while not q.empty():
+                items.append(q.get_nowait())
+            text, tokens = "", []
+            for it in items:
+                if isinstance(it, (_End, BaseException)):
+                    if tokens or text:
+                        yield text, tokens
+                    yield it
+                    return
+                text += it.text
+                tokens += it.tokens
+            yield text, tokens
+
+    async def _pieces(self) -> AsyncIterator[Any]:
+        """(text to send, None) while decoding; then (the tail, (finish_reason, completion tokens, Result)) or an
+        exception. A stop string cancels the decoding and ends the text before it."""
+        job, srv = self.job, self.server
+        cut = P.StopText(job.spec.stop)
+        tokens: list[int] = []
+        async for it in self._items():
+            if isinstance(it, BaseException):
+                yield it
+                return
+            if isinstance(it, _End):
+                yield cut.flush(), (FINISH[it.result.finish_reason], len(it.result.tokens), it.result)
+                return
+            text, new = it
+            before = len(tokens)
+            tokens += new
+            out = cut.add(text)
+            if cut.hit:
+                job.stopped = True
+                await srv.cancel(job)
+                # the tokens up to the one whose text completed the stop string
+                n = next((j for j in range(before + 1, len(tokens) + 1)
+                          if len(srv.gen.decode(tokens[:j])) >= cut.end), len(tokens))
+                yield out, ("stop", n, job.handle.result())
+                return
+            if out:
+                yield out, None
+
+    async def _whole(self, send: Any) -> None:
+        job = self.job
+        parts: list[str] = []
+        async for it in self._pieces():
+            if isinstance(it, BaseException):
+                await _send_json(send, 500, P.error_body(f"decoding failed: {it}", type="server_error"))
+                return
+            text, end = it
+            parts.append(text)
+            if end is not None:
+                finish, n, res = end
+                body = P.answer(job.spec.kind, job.rid, job.created, self.server.model_name, "".join(parts), finish,
+                                P.usage(job.prompt_len, n), _stats(res))
+                await _send_json(send, 200, body)
+                return
+
+    async def _stream(self, send: Any) -> None:
+        job, name = self.job, self.server.model_name
+        kind, rid, created = job.spec.kind, job.rid, job.created
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+        async def event(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        if kind == P.CHAT:
+            await event(P.sse(P.chunk(kind, rid, created, name, first=True)))
+        async for it in self._pieces():
+            if isinstance(it, BaseException):
+                await event(P.sse(P.error_body(f"decoding failed: {it}", type="server_error")))
+                break
+            text, end = it
+            if text:
+                await event(P.sse(P.chunk(kind, rid, created, name, text)))
+            if end is not None:
+                finish, n, res = end
+                await event(P.sse(P.chunk(kind, rid, created, name, None, finish, dflash2=_stats(res))))
+                if job.spec.include_usage:
+                    await event(P.sse(P.usage_chunk(kind, rid, created, name, P.usage(job.prompt_len, n))))
+        await send({"type": "http.response.body", "body": P.SSE_DONE, "more_body": False})
+
+
+async def _send_json(send: Any, status: int, body: dict) -> None:
+    data = JSONResponse(body).body
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})

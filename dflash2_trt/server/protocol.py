@@ -1,0 +1,365 @@
+"""OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` requests checked into a :class:`Spec`, and the bodies
+of the answers (standard library only; :mod:`dflash2_trt.server.app` serves them).
+
+Parameters (both routes, OpenAI's names and defaults)::
+
+    model               required; must name the served model (else 404 model_not_found)
+    max_tokens          int >= 1; chat also max_completion_tokens. Default: chat, the rest of the context;
+                        completions, 16 (OpenAI's). prompt + max_tokens beyond the export's positions: 400
+    temperature         number in [0, 2], default 1; 0 is greedy (the target's own tokens)
+    seed                int in [0, 2^63); none: a fresh random stream
+    stop                a string or up to 4; the text ends before the first one (finish_reason "stop")
+    stream              bool; stream_options {"include_usage": bool} with it
+    n, top_p, presence_penalty, frequency_penalty, logit_bias, logprobs, top_logprobs, best_of, echo, suffix,
+    response_format, tools, tool_choice, parallel_tool_calls, user
+                        accepted at their neutral value only (n = 1, top_p = 1, penalties 0, no logprobs, no
+                        tools, text responses): anything else is a 400 naming the parameter, never ignored
+    ignore_eos          bool (vLLM's extension): decode max_tokens tokens whatever the target's EOS
+    messages            chat: [{"role": system|developer|user|assistant, "content": str | [{"type": "text",
+                        "text": str}, ...]}], rendered with the target's chat template
+    prompt              completions: a str (raw text, no template) or token ids, or a list of one of them
+
+Any other key is refused as OpenAI refuses it ("Unrecognized request argument supplied"). Every refusal is a
+:class:`RequestError` whose :meth:`~RequestError.body` is OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash2_trt.errors import DFlash2Error
+
+CHAT, COMPLETION = "chat", "completion"
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_SEED = 2**63 - 1
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
+
+# parameters accepted only at their neutral value (None is always fine): name -> the values that change nothing
+_NEUTRAL_COMMON: dict[str, tuple] = {"n": (1,), "top_p": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
+                                     "logit_bias": ({},)}
+_NEUTRAL = {
+    CHAT: {**_NEUTRAL_COMMON, "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
+           "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False)},
+    COMPLETION: {**_NEUTRAL_COMMON, "logprobs": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",)},
+}
+_PARAMS_COMMON = {"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "user",
+                  "ignore_eos"}
+_PARAMS = {CHAT: _PARAMS_COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL[CHAT]),
+           COMPLETION: _PARAMS_COMMON | {"prompt"} | set(_NEUTRAL[COMPLETION])}
+
+
+class RequestError(DFlash2Error):
+    """A request the server refuses: HTTP ``status`` and OpenAI's error object (``type``, ``param``, ``code``)."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:  # noqa: A002 - OpenAI's name
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type, code
+
+    def body(self) -> dict:
+        return error_body(str(self), self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class Spec:
+    """One checked request. ``prompt``: chat messages ([{"role", "content": str}]), raw text or token ids."""
+
+    kind: str  # CHAT | COMPLETION
+    model: str
+    prompt: str | list[int] | list[dict[str, str]]
+    max_tokens: int | None  # None: the route's default (see the module docstring)
+    temperature: float
+    seed: int | None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+
+
+# -- parsing ---------------------------------------------------------------------------------------------------
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body -> its JSON object (NaN / Infinity refused: they are not JSON)."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError("We could not parse the JSON body of your request. The body must be a JSON object.",
+                           code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError("The body of your request must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _type_error(name: str, expected: str, v: Any) -> RequestError:
+    got = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+           dict: "an object"}.get(type(v), type(v).__name__)
+    return RequestError(f"Invalid type for '{name}': expected {expected}, but got {got} instead.", name,
+                        code="invalid_type")
+
+
+def _integer(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _type_error(name, "an integer", v)
+    if v < lo or (hi is not None and v > hi):
+        raise RequestError(f"Invalid value for '{name}': {v}; it must be "
+                           + (f">= {lo}." if hi is None else f"in [{lo}, {hi}]."), name, code="invalid_value")
+    return v
+
+
+def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _type_error(name, "a number", v)
+    if not lo <= v <= hi:
+        raise RequestError(f"Invalid value for '{name}': {v}; it must be in [{lo:g}, {hi:g}].", name,
+                           code="invalid_value")
+    return float(v)
+
+
+def _boolean(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _type_error(name, "a boolean", v)
+    return v
+
+
+def _same(v: Any, w: Any) -> bool:  # JSON equality: true is not 1
+    return isinstance(v, bool) == isinstance(w, bool) and v == w
+
+
+def _common(body: dict, kind: str) -> dict:
+    unknown = sorted(set(body) - _PARAMS[kind])
+    if unknown:
+        raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0],
+                           code="unknown_parameter")
+    for name, ok in _NEUTRAL[kind].items():
+        v = body.get(name)
+        if v is not None and not any(_same(v, w) for w in ok):
+            raise RequestError(f"'{name}' = {json.dumps(v)} is not supported by this server (it takes "
+                               f"{' or '.join(json.dumps(w) for w in ok)} only)", name, code="unsupported_value")
+    model = body.get("model")
+    if model is None:
+        raise RequestError("you must provide a model parameter", "model", code="missing_required_parameter")
+    if not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"Invalid value for 'stop': a non-empty string or a list of at most {MAX_STOPS} of them",
+                           "stop", code="invalid_value")
+    stream = _boolean(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise RequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                               "stream_options", code="invalid_value")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise RequestError("Invalid value for 'stream_options': only {\"include_usage\": bool} is supported",
+                               "stream_options", code="invalid_value")
+        include_usage = _boolean(options, "include_usage")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _type_error("user", "a string", user)
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    return {"kind": kind, "model": model, "max_tokens": _integer(body, "max_tokens", 1),
+            "temperature": 1.0 if temperature is None else temperature,
+            "seed": _integer(body, "seed", 0, MAX_SEED), "stop": stops, "stream": stream,
+            "include_usage": include_usage, "ignore_eos": _boolean(body, "ignore_eos")}
+
+
+def _content(i: int, content: Any) -> str:
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise RequestError(f"Invalid value for '{where}[{j}]': only text parts "
+                                   f"({{\"type\": \"text\", \"text\": ...}}) are supported", f"{where}[{j}]",
+                                   code="invalid_value")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise _type_error(where, "a string or an array of text parts", content)
+
+
+def parse_chat(body: dict) -> Spec:
+    """A ``/v1/chat/completions`` body -> its Spec, or RequestError."""
+    c = _common(body, CHAT)
+    if body.get("max_tokens") is None:
+        c["max_tokens"] = _integer(body, "max_completion_tokens", 1)
+    elif body.get("max_completion_tokens") is not None:
+        raise RequestError("give one of 'max_tokens' and 'max_completion_tokens'", "max_completion_tokens",
+                           code="invalid_value")
+    msgs = body.get("messages")
+    if msgs is None:
+        raise RequestError("you must provide a messages parameter", "messages", code="missing_required_parameter")
+    if not isinstance(msgs, list):
+        raise _type_error("messages", "an array", msgs)
+    if not msgs:
+        raise RequestError("'messages' must hold at least one message", "messages", code="invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _type_error(f"messages[{i}]", "an object", m)
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise RequestError(f"Unrecognized argument in 'messages[{i}]': {extra[0]}", f"messages[{i}].{extra[0]}",
+                               code="unknown_parameter")
+        role = m.get("role")
+        if role not in ROLES:
+            raise RequestError(f"Invalid value for 'messages[{i}].role': {json.dumps(role)}; supported roles: "
+                               f"{', '.join(ROLES)}", f"messages[{i}].role", code="invalid_value")
+        if "content" not in m:
+            raise RequestError(f"'messages[{i}]' has no content", f"messages[{i}].content",
+                               code="missing_required_parameter")
+        out.append({"role": ROLES[role], "content": _content(i, m["content"])})
+    return Spec(prompt=out, **c)
+
+
+def parse_completion(body: dict) -> Spec:
+    """A ``/v1/completions`` body -> its Spec, or RequestError."""
+    c = _common(body, COMPLETION)
+    p = body.get("prompt")
+    if p is None:
+        raise RequestError("you must provide a prompt parameter", "prompt", code="missing_required_parameter")
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):  # a batch of prompts
+        if len(p) != 1:
+            raise RequestError(f"one prompt per request, got {len(p)}", "prompt", code="unsupported_value")
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise RequestError("'prompt' must not be empty", "prompt", code="invalid_value")
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        p = list(p)
+    else:
+        raise _type_error("prompt", "a string or a non-empty array of token ids", p)
+    return Spec(prompt=p, **c)
+
+
+def max_tokens_for(spec: Spec, prompt_len: int, positions: int) -> int:
+    """The request's max_tokens (its route's default when not given), checked against the context: prompt +
+    max_tokens <= ``positions`` (the export's cache capacity), else OpenAI's context_length_exceeded."""
+    room = positions - prompt_len
+    m = spec.max_tokens
+    if m is None:
+        m = room if spec.kind == CHAT else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
+    if room < 1 or prompt_len + m > positions:
+        where = "messages" if spec.kind == CHAT else "prompt"
+        raise RequestError(f"This model's maximum context length is {positions} tokens. However, you requested "
+                           f"{prompt_len + max(m, 1)} tokens ({prompt_len} in the {where}, {max(m, 1)} in the "
+                           f"completion). Please reduce the length of the {where} or completion.", where,
+                           code="context_length_exceeded")
+    return m
+
+
+# -- stop strings ------------------------------------------------------------------------------------------------
+
+class StopText:
+    """A response's text as it streams, cut before the first stop string: :meth:`add` takes each new piece and
+    returns what may be sent now (a tail that could begin a stop string waits); :attr:`hit` is set once a stop
+    string appeared (the text then ends before it, and ``end`` is where the stop string ended in the decoded text);
+    :meth:`flush` returns what waited, once the decoding ended without a stop."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.text, self.sent, self.hit, self.end = "", 0, False, 0
+
+    def add(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        self.text += piece
+        found = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
+        if found:
+            i, s = min(found)
+            self.hit, self.end = True, i + len(s)
+            out, self.text = self.text[self.sent:i], self.text[:i]
+            self.sent = i
+            return out
+        keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(self.text) - self.sent), 0, -1)
+                    if self.text.endswith(s[:n])), default=0)
+        out = self.text[self.sent:len(self.text) - keep]
+        self.sent += len(out)
+        return out
+
+    def flush(self) -> str:
+        out = self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
+
+
+# -- answers -----------------------------------------------------------------------------------------------------
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == CHAT else "cmpl-") + secrets.token_hex(12)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _choice(kind: str, text: str | None, finish: str | None, stream: bool, first: bool = False) -> dict:
+    if kind == COMPLETION:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    if not stream:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+    delta: dict = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def answer(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict,
+           stats: dict) -> dict:
+    """The non-streaming body; ``stats``: the decoding figures, under the ``dflash2`` extension field."""
+    return {"id": rid, "object": "chat.completion" if kind == CHAT else "text_completion", "created": created,
+            "model": model, "choices": [_choice(kind, text, finish, False)], "usage": use, "dflash2": stats}
+
+
+def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None, finish: str | None = None,
+          first: bool = False, **extra: Any) -> dict:
+    """One streamed chunk (OpenAI's chunk object); ``first``: chat's opening role delta; ``extra``: top-level
+    fields (``dflash2`` on the finishing chunk)."""
+    return {"id": rid, "object": "chat.completion.chunk" if kind == CHAT else "text_completion",
+            "created": created, "model": model, "choices": [_choice(kind, text, finish, True, first)], **extra}
+
+
+def usage_chunk(kind: str, rid: str, created: int, model: str, use: dict) -> dict:
+    """stream_options.include_usage: the last chunk, no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if kind == CHAT else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": use}
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def now() -> int:
+    return int(time.time())
