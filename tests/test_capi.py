@@ -130,6 +130,7 @@ class _ToyDrafter:
 
     def __init__(self, target: _ToyTarget, block_size: int, top_k: int, kind: str, seed: int, calls: list) -> None:
         self.t, self.block_size, self.top_k, self.kind = target, block_size, top_k, kind
+        self.num_draft_rows = block_size - 1  # a hand-made runner: its L is given here
         self.noise = np.random.default_rng(seed + 1)
         self.length = 0
         self.calls = calls
@@ -144,7 +145,7 @@ class _ToyDrafter:
         self.length += feats.shape[0]
 
     def propose(self, anchor: int, pos: int, n_rows: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
-        L, K = self.block_size - 1, self.top_k
+        L, K = self.num_draft_rows, self.top_k
         prev, rows, toks, props, cands = anchor, [], [], [], []
         for r in range(L):
             row = self.t.logits(prev, pos + r) + (self.noise.standard_normal(self.t.vocab_size) * 0.4 * (r + 1)
@@ -706,6 +707,11 @@ class _Stats(C.Structure):
                 ("proposed", P(C.c_int32)), ("oracle_accepted", P(C.c_int32)), ("elapsed_s", C.c_double)]
 
 
+class _ModelInfo(C.Structure):
+    _fields_ = [("vocab_size", C.c_int32), ("block_size", C.c_int32), ("top_k", C.c_int32),
+                ("max_positions", C.c_int32), ("backend", C.c_char_p)]
+
+
 @pytest.fixture(scope="session")
 def lib(capi_build):
     lib = C.CDLL(str(capi_build / "lib" / "libdflash2.so"))
@@ -729,6 +735,7 @@ def lib(capi_build):
         "dfl2_batch_get_info": [V, P(_BatchInfo)],
         "dfl2_session_get_proposers": [V, P(P(C.c_int32)), P(C.c_size_t)],
         "dfl2_batch_get_proposers": [V, C.c_uint64, P(P(C.c_int32)), P(C.c_size_t)],
+        "dfl2_model_get_note": [V, P(C.c_char_p)], "dfl2_model_get_info": [V, P(_ModelInfo)],
     }.items():  # fmt: skip
         getattr(lib, name).restype = V
         getattr(lib, name).argtypes = args
@@ -804,7 +811,7 @@ class CRuntime(_CallbackHost):
     def __init__(self, lib, target, drafter, feature_dim: int, top_k: int) -> None:  # noqa: ANN001
         super().__init__()
         self.lib, self.target, self.drafter = lib, target, drafter
-        self.V, self.F, self.K, self.L = target.vocab_size, feature_dim, top_k, drafter.block_size - 1
+        self.V, self.F, self.K, self.L = target.vocab_size, feature_dim, top_k, drafter.num_draft_rows
         self.calls = {"forward": 0, "propose": 0, "add_context": 0}
         self._fns = [  # kept alive as long as the model
             _TR(self._guard(lambda u: target.reset())),
@@ -945,7 +952,7 @@ def test_c_loop_equals_python_runtime_greedy(lib, acc_ort, mode):
             assert sum(chunks, []) == toks and len(chunks) == st["cycles"] + 1
             accepted += st["accepted"]
         assert not c.errors and c.calls["propose"] > 0
-        assert_accepts(accepted, acc_ort.manifest.block_size - 1, ("C loop", mode))
+        assert_accepts(accepted, acc_ort.manifest.num_draft_rows, ("C loop", mode))
     finally:
         c.close()
 
@@ -979,6 +986,7 @@ class _OracleDrafter:
 
     def __init__(self, greedy: list[int], block_size: int, vocab: int, top_k: int = 4) -> None:
         self.seq, self.block_size, self.V, self.top_k = greedy, block_size, vocab, top_k
+        self.num_draft_rows = block_size - 1  # a hand-made runner: its L is given here
 
     def reset(self) -> None:
         self.length = 0
@@ -988,7 +996,7 @@ class _OracleDrafter:
         self.length += feats.shape[0]
 
     def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
-        L = self.block_size - 1
+        L = self.num_draft_rows
         toks = [self.seq[p + 1] if p + 1 < len(self.seq) else 0 for p in range(pos, pos + L)]
         toks = [(t + 1) % self.V if (pos + i) % 5 == 4 else t for i, t in enumerate(toks)]
         cand = np.array([[(t + k) % self.V for k in range(self.top_k)] for t in toks], np.int64)  # [L, K]
@@ -1181,7 +1189,7 @@ class CBatch(_CallbackHost):
         self.lib, self.target, self.make_drafter = lib, target, make_drafter
         self.V, self.F = target.vocab_size, feature_dim
         d0 = make_drafter()
-        self.K, self.L, self.bs = d0.top_k, d0.block_size - 1, d0.block_size
+        self.K, self.L, self.bs = d0.top_k, d0.num_draft_rows, d0.block_size
         self.drafters: dict = {}
         self.log: list = []
         self.chunks: dict[int, list[list[int]]] = {}
@@ -1422,7 +1430,7 @@ def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
 
     reqs = _batch_scenario(batch_be)
     costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.1, verify_s=0.2)
-    # the scenario's prior (2.0, the default until 2026-12-01): with it the rule drafts, then sends request 5 plain
+    # the scenario's prior (2.0, not the rule's default 1.5): with it the rule drafts, then sends request 5 plain
     py, dec, py_log = _run_python_batch(batch_be, BT.SpeculationRule(costs=costs, adaptive=adaptive, prior_tau=2.0),
                                         reqs)
     got, c = _run_c_batch(lib, batch_be, {"fixed_costs": "1.0,0.05,0.1,0.2", "adaptive": adaptive, "prior_tau": 2.0},
@@ -1530,13 +1538,29 @@ def test_option_table_matches_header(lib):
     lib.dfl2_options_free(opts)
 
 
-def test_model_load_reports_missing_backend(lib, tiny_export):
-    """A real export folder passes the C manifest check (format, version, entries, files, sha256) and then
-    reports that no file-loading backend can run here (TensorRT needs a GPU)."""
+def test_model_load_falls_back_to_onnxruntime(lib, tiny_export, monkeypatch):
+    """A real export folder passes the C manifest check (format, version, entries, files, sha256); "tensorrt" then
+    reports that TensorRT cannot run here, and "auto" takes ONNX Runtime (the wheel's library in $VIRTUAL_ENV),
+    saying why in the model's note."""
     m = C.c_void_p()
+    opts = _c_options(lib, {"backend": "tensorrt"})
     with pytest.raises(CapiError) as e:
-        _check(lib, lib.dfl2_model_load(str(tiny_export).encode(), None, C.byref(m)))
+        _check(lib, lib.dfl2_model_load(str(tiny_export).encode(), opts, C.byref(m)))
+    lib.dfl2_options_free(opts)
     assert e.value.code == 8 and "TensorRT" in e.value.message and not m.value
+    import onnxruntime
+
+    monkeypatch.setenv("VIRTUAL_ENV", str(Path(onnxruntime.__file__).parents[4]))  # .venv/lib/python3.X/site-packages
+    _check(lib, lib.dfl2_model_load(str(tiny_export).encode(), None, C.byref(m)))
+    try:
+        note, info = C.c_char_p(), _ModelInfo()
+        _check(lib, lib.dfl2_model_get_note(m, C.byref(note)))
+        _check(lib, lib.dfl2_model_get_info(m, C.byref(info)))
+        assert info.backend == b"onnxruntime"
+        assert re.match(r"TensorRT not available \(.*TensorRT.*\), using ONNX Runtime 1\.\d+", note.value.decode())
+        assert "the onnxruntime wheel in $VIRTUAL_ENV" in note.value.decode()
+    finally:
+        lib.dfl2_model_free(m)
 
 
 def test_model_load_checks_manifest_fields_against_graphs(lib, tiny_export, tmp_path):

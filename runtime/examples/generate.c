@@ -2,12 +2,15 @@
  *
  *   generate EXPORT_DIR ID [ID ...] [-o key=value ...]
  *   generate EXPORT_DIR -b ID [ID ...] [, ID [ID ...] ...] [-o key=value ...]
+ *   generate EXPORT_DIR -s ID [ID ...] [, ID [ID ...] ...] [-o key=value ...]
  *
- * Loads an export folder (dflash2 export [+ build-engines]), generates from the prompt ids and prints each
- * committed chunk of ids as it arrives (one line per chunk), then one summary line on stderr:
- * tokens, cycles, τ, finish reason. With -b the prompts separated by "," are requests of one dfl2_batch (batch
- * options such as -o max_batch=4 -o fixed_costs=... apply); each request's ids are printed on one line, in the
- * order given, once all have ended, and one summary line per request goes to stderr. Tokenizing text is the
+ * Loads an export folder (dflash2 export [+ build-engines]; -o backend=ort runs it with ONNX Runtime), says on
+ * stderr what runs it (dfl2_model_get_note), generates from the prompt ids and prints each committed chunk of ids
+ * as it arrives (one line per chunk), then one summary line on stderr: tokens, cycles, τ, finish reason, seconds,
+ * tokens/s. With -b the prompts separated by "," are requests of one dfl2_batch (batch options such as
+ * -o max_batch=4 -o fixed_costs=... apply); each request's ids are printed on one line, in the order given, once
+ * all have ended, and one summary line per request goes to stderr. With -s they are decoded one after another by
+ * one session (each request's ids on one line when it ends, a summary line per request). Tokenizing text is the
  * caller's job: e.g.
  *   python -c "from tokenizers import Tokenizer as T; print(*T.from_file('DIR/tokenizer.json').encode('Hi').ids)"
  * Errors: one line on stderr, exit status 1. Options: see dflash2.h (e.g. -o max_new_tokens=64
@@ -72,8 +75,8 @@ int main(int argc, char** argv)
             }
             continue;
         }
-        if (strcmp(argv[i], "-b") == 0) {
-            batched = 1;
+        if (strcmp(argv[i], "-b") == 0 || strcmp(argv[i], "-s") == 0) {
+            batched = argv[i][1] == 'b' ? 1 : 2;
             continue;
         }
         if (strcmp(argv[i], ",") == 0) { /* the next request's prompt starts here */
@@ -104,14 +107,20 @@ int main(int argc, char** argv)
     }
     if (nReq == 0 || (nReq > 1 && !batched)) {
         fprintf(stderr, nReq == 0 ? "generate: no prompt ids\n"
-                                  : "generate: one prompt without -b (',' separates the prompts of a batch)\n");
+                                  : "generate: one prompt without -b or -s (',' separates the prompts)\n");
         goto done;
     }
     if ((st = dfl2_model_load(argv[1], opts, &model)) != NULL) {
         rc = fail(st, "load");
         goto done;
     }
-    if (batched) {
+    const char* note = NULL;
+    if ((st = dfl2_model_get_note(model, &note)) != NULL) {
+        rc = fail(st, "note");
+        goto done;
+    }
+    fprintf(stderr, "generate: %s\n", note);
+    if (batched == 1) {
         rc = runBatch(model, opts, prompt, starts, lens, nReq);
         goto done;
     }
@@ -119,18 +128,26 @@ int main(int argc, char** argv)
         rc = fail(st, "session");
         goto done;
     }
-    if ((st = dfl2_session_generate(session, prompt, n, printChunk, NULL)) != NULL) {
-        rc = fail(st, "generate");
-        goto done;
+    for (size_t r = 0; r < nReq; ++r) { /* one request, or -s: each in turn */
+        if ((st = dfl2_session_generate(session, prompt + starts[r], lens[r], batched ? NULL : printChunk, NULL))
+            != NULL) {
+            rc = fail(st, "generate");
+            goto done;
+        }
+        dfl2_stats stats;
+        const int32_t* t = NULL;
+        size_t k = 0;
+        if ((st = dfl2_session_get_stats(session, &stats)) != NULL || (st = dfl2_session_get_tokens(session, &t, &k))) {
+            rc = fail(st, "stats");
+            goto done;
+        }
+        if (batched) printChunk(NULL, t, k);
+        static const char* const kReasons[] = {"none", "eos", "length", "cancelled"};
+        fprintf(stderr, "generate: %s%.0zu%s%d tokens, %d cycles, tau %.3f, finish %s, %.3f s, %.1f tokens/s\n",
+                batched ? "request " : "", batched ? r + 1 : (size_t) 0, batched ? ": " : "", stats.n_tokens,
+                stats.cycles, stats.tau, kReasons[stats.finish_reason], stats.elapsed_s,
+                stats.elapsed_s > 0 ? stats.n_tokens / stats.elapsed_s : 0.0);
     }
-    dfl2_stats stats;
-    if ((st = dfl2_session_get_stats(session, &stats)) != NULL) {
-        rc = fail(st, "stats");
-        goto done;
-    }
-    static const char* const kReasons[] = {"none", "eos", "length", "cancelled"};
-    fprintf(stderr, "generate: %d tokens, %d cycles, tau %.3f, finish %s, %.3f s\n", stats.n_tokens, stats.cycles,
-            stats.tau, kReasons[stats.finish_reason], stats.elapsed_s);
     rc = 0;
 done:
     dfl2_session_free(session);

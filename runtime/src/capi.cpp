@@ -418,10 +418,37 @@ dfl2_status* dfl2_model_load(char const* export_dir, dfl2_options const* options
         need(export_dir, "export_dir");
         dflash2::Options const& o = optionsOrDefault(options);
         dflash2::Manifest const m = dflash2::loadManifest(export_dir, o.getBool("verify_checksums", true));
-        // "auto" and "tensorrt" both mean TensorRT today: it is the one file-loading backend compiled in
-        // (ONNX Runtime runs behind the callbacks; see NOTES in runtime/README.md)
+        // "auto": TensorRT where it loads, else ONNX Runtime (the note says why); "tensorrt" / "trt", "ort": that one
+        std::string const backend = o.getString("backend", "auto");
         auto model = std::make_unique<dfl2_model>();
-        model->impl = dflash2::loadTensorRTModel(m, export_dir, o);
+        if (backend == "ort")
+        {
+            model->impl = dflash2::loadOrtModel(m, export_dir, o);
+            model->impl->note = "using " + model->impl->note;
+        }
+        else if (backend != "auto")
+        {
+            model->impl = dflash2::loadTensorRTModel(m, export_dir, o);
+            model->impl->note = "using TensorRT";
+        }
+        else
+        {
+            try
+            {
+                model->impl = dflash2::loadTensorRTModel(m, export_dir, o);
+                model->impl->note = "using TensorRT";
+            }
+            catch (dflash2::Error const& e)
+            {
+                if (e.code() != DFL2_ERR_UNAVAILABLE)
+                {
+                    throw;
+                }
+                std::string const why = e.what();
+                model->impl = dflash2::loadOrtModel(m, export_dir, o);
+                model->impl->note = "TensorRT not available (" + why + "), using " + model->impl->note;
+            }
+        }
         *out = model.release();
     });
 }
@@ -435,7 +462,17 @@ dfl2_status* dfl2_model_create_callbacks(dfl2_callbacks const* callbacks, dfl2_o
         (void) options;  // no model option applies to caller-run engines
         auto model = std::make_unique<dfl2_model>();
         model->impl = dflash2::createCallbackModel(callbacks);
+        model->impl->note = "callbacks: the caller runs every model";
         *out = model.release();
+    });
+}
+
+dfl2_status* dfl2_model_get_note(dfl2_model const* model, char const** note)
+{
+    return guarded([&] {
+        need(model, "model");
+        need(note, "note");
+        *note = model->impl->note.c_str();
     });
 }
 

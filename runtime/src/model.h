@@ -37,6 +37,7 @@ public:
     }
 
     std::string backend;
+    std::string note;  //!< which backend and library run the model, and why (dfl2_model_get_note)
     int32_t vocabSize{0};
     int32_t blockSize{0};
     int32_t topK{0};
@@ -55,5 +56,9 @@ constexpr size_t kCALLBACKS_V1_SIZE = offsetof(dfl2_callbacks, drafter_propose) 
 //! The TensorRT backend (backends/trtBackend.cpp when built with DFLASH2_RUNTIME_TENSORRT, else a stub
 //! that reports DFL2_ERR_UNAVAILABLE).
 std::unique_ptr<Model> loadTensorRTModel(Manifest const& manifest, std::string const& dir, Options const& options);
+
+//! The ONNX Runtime backend (backends/ortBackend.cpp when built with DFLASH2_RUNTIME_ORT, else a stub that reports
+//! DFL2_ERR_UNAVAILABLE). libonnxruntime is opened at run time (backends/ortApi.h).
+std::unique_ptr<Model> loadOrtModel(Manifest const& manifest, std::string const& dir, Options const& options);
 
 } // namespace dflash2

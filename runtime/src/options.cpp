@@ -22,12 +22,15 @@ std::vector<OptionSpec> const& optionSpecs()
         {"eos_ids", OptionType::kINT_ARRAY, nullptr},
         {"proposer", OptionType::kSTRING, proposerChoices()},
         {"ngram_rows", OptionType::kINT, nullptr},
-        {"backend", OptionType::kSTRING, "auto|tensorrt"},
+        {"guard", OptionType::kBOOL, nullptr},
+        {"backend", OptionType::kSTRING, "auto|tensorrt|trt|ort"},
         {"draft_mode", OptionType::kSTRING, "greedy|viterbi|independent"},
         {"verify_checksums", OptionType::kBOOL, nullptr},
         {"plugin_library", OptionType::kSTRING, nullptr},
         {"device", OptionType::kINT, nullptr},
         {"cuda_graphs", OptionType::kBOOL, nullptr},
+        {"threads", OptionType::kINT, nullptr},
+        {"ort_library", OptionType::kSTRING, nullptr},
         {"max_batch", OptionType::kINT, nullptr},
         {"adaptive", OptionType::kBOOL, nullptr},
         {"prior_tau", OptionType::kDOUBLE, nullptr},
@@ -98,6 +101,10 @@ void checkRange(std::string const& key, OptionSpec const& spec, OptionValue cons
     if (key == "ngram_rows" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > INT32_MAX))
     {
         bad("must be >= 0 (0: the default, max(4, block_size - 1)), got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "threads" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > 4096))
+    {
+        bad("must be >= 0 (0: ONNX Runtime's default), got " + std::to_string(std::get<int64_t>(v)));
     }
     if ((key == "tau_window" || key == "probe_after") && std::get<int64_t>(v) < 1)
     {
@@ -306,6 +313,10 @@ GenerateConfig generateConfig(Options const& options, std::vector<int32_t> const
     c.eosIds = options.getIntArray("eos_ids", modelEos);
     c.proposer = proposerOf(options.getString("proposer", "auto"));
     c.ngramRows = static_cast<int32_t>(options.getInt("ngram_rows", 0));
+    if (options.getBool("guard", false))
+    {
+        c.guard = GuardConfig{};
+    }
     return c;
 }
 

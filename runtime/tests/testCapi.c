@@ -407,9 +407,19 @@ static void testManifestErrors(const char* scratch)
 #else
     EXPECT(dfl2_manifest_check(dir, NULL), DFL2_ERR_UNAVAILABLE, "OpenSSL");
 #endif
-    /* a valid folder, but no backend can run it here (CPU build / no GPU with TensorRT) */
-    EXPECT(dfl2_model_load(dir, noSums, &m), DFL2_ERR_UNAVAILABLE, "TensorRT");
+    /* a valid folder, but TensorRT cannot run it here (CPU build / no GPU with TensorRT) */
+    dfl2_options* trtOnly = NULL;
+    OK(dfl2_options_create(&trtOnly));
+    OK(dfl2_options_set_bool(trtOnly, "verify_checksums", 0));
+    OK(dfl2_options_set_string(trtOnly, "backend", "tensorrt"));
+    EXPECT(dfl2_model_load(dir, trtOnly, &m), DFL2_ERR_UNAVAILABLE, "TensorRT");
     CHECK(m == NULL);
+    /* ONNX Runtime absent (a library path that does not exist): one status naming it */
+    OK(dfl2_options_set_string(trtOnly, "backend", "ort"));
+    OK(dfl2_options_set_string(trtOnly, "ort_library", "/nonexistent/libonnxruntime.so.1.99"));
+    EXPECT(dfl2_model_load(dir, trtOnly, &m), DFL2_ERR_UNAVAILABLE, "ONNX Runtime");
+    CHECK(m == NULL);
+    dfl2_options_free(trtOnly);
 
     snprintf(dir, sizeof dir, "%s/tampered", scratch);
     makeDir(dir);

@@ -55,13 +55,22 @@
  *                                     lookup only: the drafter is never called; no match = a plain target step) |
  *                                     "auto" (per cycle, PROMPT LOOKUP below)
  *     "ngram_rows"      int    0      most prompt-lookup drafts per cycle; 0 = max(4, block_size - 1)
+ *     "guard"           bool   false  the acceptance guard (sessions; the Python API's default): plain target steps
+ *                                     while the drafter's measured tokens per cycle do not pay for its cycles, probed
+ *                                     again after a doubling backoff (dflash2_trt/runtime/guard.py states the rule).
+ *                                     Lossless; its choices follow measured times, so with it a seed fixes the law of
+ *                                     the tokens at T > 0 but not the sample
  *   model (read by dfl2_model_load / dfl2_model_create_callbacks):
- *     "backend"         string "auto" "auto" | "tensorrt" (dfl2_model_load); callbacks models ignore it
+ *     "backend"         string "auto" "auto" (TensorRT where it loads, else ONNX Runtime; dfl2_model_get_note says
+ *                                     why) | "tensorrt" (or "trt") | "ort" (dfl2_model_load); callbacks models ignore it
  *     "draft_mode"      string "greedy" "greedy" | "viterbi" | "independent" (which drafter head runs)
  *     "verify_checksums" bool  true   hash every file the manifest lists before loading
  *     "plugin_library"  string ""     libdflash2_plugins.so to load ("": $DFLASH2_PLUGIN_LIB, else the engines' copy)
  *     "device"          int    0      CUDA device ordinal (TensorRT)
  *     "cuda_graphs"     bool   true   capture the draft and verify steps as CUDA graphs (TensorRT)
+ *     "threads"         int    0      intra-op threads of every ONNX Runtime session (0: ONNX Runtime's default)
+ *     "ort_library"     string ""     libonnxruntime to open ("": $ORT_LIBRARY, else the system's
+ *                                     libonnxruntime.so.1, else the onnxruntime wheel's copy in $VIRTUAL_ENV)
  *   batch (read by dfl2_batch_create; the rule is stated under BATCHED DECODING):
  *     "max_batch"       int    0      sequences decoded together (slots); 0 = the model's max_batch (callbacks:
  *                                     dfl2_callbacks.max_batch; TensorRT: the target engine's batch)
@@ -95,8 +104,10 @@ extern "C" {
 /* ---- version ---------------------------------------------------------------------------------------- */
 
 #define DFL2_API_VERSION_MAJOR 1
-#define DFL2_API_VERSION_MINOR 2 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR; 1.2: prompt lookup
-                                  * ("proposer", "ngram_rows", dfl2_session_get_proposers, dfl2_batch_get_proposers) */
+#define DFL2_API_VERSION_MINOR 3 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR; 1.2: prompt lookup
+                                  * ("proposer", "ngram_rows", dfl2_session_get_proposers, dfl2_batch_get_proposers);
+                                  * 1.3: the ONNX Runtime backend ("backend" "ort", "threads", "ort_library",
+                                  * dfl2_model_get_note) */
 #define DFL2_API_VERSION_PATCH 0
 /* (major << 16) | (minor << 8) | patch, of the header a program was compiled with */
 #define DFL2_API_VERSION \
@@ -160,9 +171,11 @@ typedef struct dfl2_model dfl2_model;
 /* Load an export folder (what dflash2-export writes): reads and checks manifest.json (format
  * "dflash2-trt-export", manifest_version DFL2_MANIFEST_VERSION, the manifest's JSON Schema, listed files,
  * checksums)
- * and opens the backend. Backends: "tensorrt" when this library was built with it and a GPU with TensorRT
- * is present; otherwise DFL2_ERR_UNAVAILABLE with the reason (use dfl2_model_create_callbacks to run other
- * engines, e.g. ONNX Runtime). */
+ * and opens the backend ("backend" option). "tensorrt" when this library was built with it and a GPU with
+ * TensorRT is present; "ort": ONNX Runtime on the CPU (when this library was built with its C API headers; the
+ * library itself is opened at run time, see "ort_library"), the export's fused target graph and the drafter's
+ * context, block and selector-head graphs; "auto": TensorRT, else ONNX Runtime. A backend that cannot run here gives
+ * DFL2_ERR_UNAVAILABLE with the reason (ONNX Runtime absent, its C API older than the headers', not compiled in). */
 DFL2_API dfl2_status* dfl2_model_load(const char* export_dir, const dfl2_options* options, dfl2_model** out);
 
 /* Check an export folder's manifest without opening a backend (format, version, entries, files; checksums
@@ -251,10 +264,13 @@ typedef struct dfl2_model_info {
     int32_t block_size;
     int32_t top_k;
     int32_t max_positions;
-    const char* backend; /* "callbacks" | "tensorrt"; owned by the model */
+    const char* backend; /* "callbacks" | "tensorrt" | "onnxruntime"; owned by the model */
 } dfl2_model_info;
 
 DFL2_API dfl2_status* dfl2_model_get_info(const dfl2_model* model, dfl2_model_info* out);
+/* One line on what runs the model and why: the backend, for ONNX Runtime its version, which rule found the library
+ * and its path, the graphs and threads; with "backend" "auto", why TensorRT was not taken. Owned by the model. */
+DFL2_API dfl2_status* dfl2_model_get_note(const dfl2_model* model, const char** note);
 
 /* ---- sessions --------------------------------------------------------------------------------------- */
 
@@ -373,7 +389,9 @@ DFL2_API dfl2_status* dfl2_session_get_proposers(const dfl2_session* session, co
  * call (ragged cache lengths; a prompt longer than the engine's step rows is prefilled alone), each slot drafts
  * with its own B = 1 drafter. A batch has its own CUDA stream, target contexts, buffers and KV cache [max_batch
  * slots, ...] and one drafter's state per slot; it takes turns with the model's sessions and other batches. The
- * batched TensorRT path has NOT been run on a GPU (runtime/README.md: what is verified where).
+ * batched TensorRT path has NOT been run on a GPU (runtime/README.md: what is verified where). An ONNX Runtime
+ * model: up to 16 slots, each slot its own B = 1 target and drafter caches, a step's sequences run one after
+ * another (a batched request's tokens are its single run's).
  *
  * OWNERSHIP AND LIFETIME. A batch keeps a reference to its model (free batches before the model). A request's
  * prompt and options are copied by dfl2_batch_submit. The result of an ended request (tokens, statistics) stays

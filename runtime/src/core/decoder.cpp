@@ -480,7 +480,7 @@ Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, Gene
     return res;
 }
 
-// decoder.speculative_generate (no acceptance guard, every drafter row verified: the Python loop's defaults)
+// decoder.speculative_generate (every drafter row verified; the acceptance guard when cfg.guard is set)
 Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
     UniformSource& uniforms, TokenSink const& sink)
 {
@@ -516,6 +516,11 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
     // rows of committed positions queued in the backend, not yet in the draft context: prompt-lookup cycles add
     // none until the drafter runs again, then all of them in one pass
     int32_t pending = 0;
+    std::optional<AcceptanceGuard> guard;
+    if (cfg.guard)
+    {
+        guard.emplace(*cfg.guard);
+    }
 
     Draft draft;
     std::vector<double> u64(static_cast<size_t>(L));
@@ -526,7 +531,9 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
         auto const tStep = Clock::now();
         int64_t const room = limit - static_cast<int64_t>(res.tokens.size()) - 1;
         std::vector<int32_t> const lookedUp = choice.ngram(room);
-        Proposer const who = choice.pick(lookedUp);
+        // the guard rules the drafter alone: while it says plain steps, a lookup that pays still runs
+        Proposer const who = choice.pick(
+            lookedUp, guard ? guard->tStep() : std::nullopt, !guard || !guard->plainNext());
         if (who == Proposer::kNONE)
         {
             // plain step: the target's own next token (exactly targetGenerate's step)
@@ -542,6 +549,10 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
             choice.extend(&anchor, 1);
             ++res.plainSteps;
             cancelled = sink && !sink(&anchor, 1);
+            if (guard)
+            {
+                guard->recordStep(secondsSince(tStep));
+            }
             continue;
         }
         if (pending > 0 && who != Proposer::kNGRAM)  // the drafter runs: the pending positions join in one pass
@@ -600,16 +611,27 @@ Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt,
         res.proposers.push_back(static_cast<int32_t>(who));
         choice.extend(fresh.data(), fresh.size());
         choice.record(who, static_cast<int32_t>(fresh.size()), secondsSince(tStep));
+        double cycleOracleS = 0.0;
         if (cfg.measureOracle)
         {
             auto const tO = Clock::now();
             res.oracleAccepted.push_back(oracleCount(runners, draft, draftK, drafts, nRows, acc, bonus, pos, logits));
-            oracleS += secondsSince(tO);
+            cycleOracleS = secondsSince(tO);
+            oracleS += cycleOracleS;
         }
         res.tokens.insert(res.tokens.end(), fresh.begin(), fresh.end());
         cancelled = sink && !sink(fresh.data(), fresh.size());
         pos += acc + 1;
         anchor = fresh.back();
+        if (guard && who == Proposer::kDFLASH2)
+        {
+            guard->recordCycle(static_cast<int32_t>(fresh.size()), secondsSince(tStep) - cycleOracleS);
+        }
+    }
+    if (guard)
+    {
+        res.guardSwitches = guard->switches();
+        res.guardProbes = guard->probes();
     }
 
     res.elapsedS = secondsSince(t0) - oracleS;

@@ -14,10 +14,12 @@
 #pragma once
 
 #include "dflash2/dflash2.h"
+#include "guard.h"
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -130,6 +132,9 @@ struct GenerateConfig
     std::vector<int32_t> eosIds;
     Proposer proposer{Proposer::kAUTO};  //!< dflash2 | ngram | auto (decoder.speculative_generate's `proposer`)
     int32_t ngramRows{0};                //!< most lookup drafts per cycle; 0: defaultLookupRows(L)
+    //! the acceptance guard (core/guard.h; decoder.speculative_generate's `guard`): plain target steps while the
+    //! drafter's measured acceptance does not pay for its cycles; none: every step a cycle where a proposer has drafts
+    std::optional<GuardConfig> guard;
 };
 
 struct Result
@@ -141,6 +146,8 @@ struct Result
     double elapsedS{0.0};                 //!< wall time excluding oracle passes
     int32_t plainSteps{0};                //!< plain target steps (each commits one token)
     std::vector<int32_t> proposers;       //!< per cycle: who proposed (dfl2_proposer)
+    int32_t guardSwitches{0};             //!< the guard's speculative -> plain switches
+    int32_t guardProbes{0};               //!< the guard's plain -> speculative probes
     dfl2_finish_reason finish{DFL2_FINISH_NONE};
 };
 

@@ -1,0 +1,875 @@
+//! \file ortBackend.cpp
+//! The ONNX Runtime backend: an export folder's graphs run by libonnxruntime on the CPU, through its C API (opened at
+//! run time, ortApi.h). The twin of dflash2_trt/runtime/ort/backend.py with its custom-op library off (the graphs
+//! the Python backend runs where libdflash2_ort_ops.so is not found):
+//!
+//!   target            target_ort.onnx (the fused flavour: GroupQueryAttention writes each call's K/V rows into the
+//!                     bound capacity buffers, past and present one buffer) when the export has it, else target.onnx
+//!                     (the whole buffer in, the new rows out, appended here)
+//!   drafter           drafter_context.onnx (context K/V of committed positions), drafter_block.onnx (the block's
+//!                     hidden states over the context), drafter_head_<mode>.onnx (the selector: candidates, path,
+//!                     proposal; greedy | viterbi)
+//!
+//! The KV caches are host buffers [1, heads, capacity, head_dim] per layer, grown as the Python KVBuffer grows them
+//! (a multiple of the export's kv_capacity_step, kv.grown_capacity), so every graph sees the inputs the Python
+//! backend feeds, bit for bit. The fused target's buffers are bound once per capacity (an OrtIoBinding: past and
+//! present the same OrtValue over the buffer); a call binds only its ids and its output rows (logits straight into
+//! the core's buffer). Options: "threads" (intra-op threads of every session; 0: ONNX Runtime's default) and
+//! $DFLASH2_ORT_SPINNING (as the Python backend: 1, the default, lets the target session's workers spin; 0 none).
+//!
+//! Ownership and threads: an OrtModel owns its sessions, which ONNX Runtime runs concurrently; each OrtRunners (a
+//! session's) owns one request's caches and bindings and is used by one thread at a time. A batch (dfl2_batch) holds
+//! one OrtRunners per slot and runs the slots' rows one sequence after another, so a batched request's tokens are its
+//! single run's.
+#include "../model.h"
+#include "ortApi.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dflash2
+{
+
+namespace
+{
+
+constexpr char const* kSPINNING_ENV = "DFLASH2_ORT_SPINNING";
+
+//! kv.grown_capacity: the capacity holding n positions (capacity when it fits, else n rounded up to a multiple of
+//! step, at most maxCapacity); beyond maxCapacity DFL2_ERR_TOO_LONG.
+int32_t grownCapacity(int32_t n, int32_t capacity, int32_t step, int32_t maxCapacity)
+{
+    if (n > maxCapacity)
+    {
+        throw Error(DFL2_ERR_TOO_LONG, "sequence of " + std::to_string(n) + " positions exceeds the exported cache "
+            "capacity " + std::to_string(maxCapacity) + " (re-export with a larger --max-seq-len)");
+    }
+    if (n <= capacity)
+    {
+        return capacity;
+    }
+    return std::min(maxCapacity, (n + step - 1) / step * step);
+}
+
+//! kv.KVBuffer: K/V of one sequence, 2 buffers per layer [1, heads, capacity, dim] fp32. Slots 0..length-1 hold
+//! positions 0..length-1; the others are stale (masked or past the attention's length). Growing copies the held
+//! positions into zeroed buffers (as the Python buffer does); cropping only lowers the length.
+struct HostKV
+{
+    HostKV(int32_t layers, int32_t heads_, int32_t dim_, int32_t step_, int32_t maxLength)
+        : count(2 * layers)
+        , heads(heads_)
+        , dim(dim_)
+        , step(std::max(1, step_))
+        , maxCapacity((maxLength + std::max(1, step_) - 1) / std::max(1, step_) * std::max(1, step_))
+    {
+    }
+    //! room for n positions -> whether the buffers were reallocated (bindings over them are then stale)
+    bool reserve(int32_t n)
+    {
+        int32_t const cap = grownCapacity(n, capacity, step, maxCapacity);
+        if (cap == capacity)
+        {
+            return false;
+        }
+        size_t const d = static_cast<size_t>(dim);
+        std::vector<std::vector<float>> grown(static_cast<size_t>(count));
+        for (size_t a = 0; a < grown.size(); ++a)
+        {
+            grown[a].assign(static_cast<size_t>(heads) * static_cast<size_t>(cap) * d, 0.0F);
+            for (size_t h = 0; h < static_cast<size_t>(heads) && !arrays.empty(); ++h)
+            {
+                std::copy_n(arrays[a].begin() + static_cast<long>(h * static_cast<size_t>(capacity) * d),
+                    static_cast<size_t>(length) * d, grown[a].begin() + static_cast<long>(h * static_cast<size_t>(cap) * d));
+            }
+        }
+        arrays = std::move(grown);
+        capacity = cap;
+        return true;
+    }
+    //! rows [count][heads, m, dim] -> slots length..length+m-1
+    void append(std::vector<std::vector<float>> const& rows, int32_t m)
+    {
+        reserve(length + m);
+        size_t const d = static_cast<size_t>(dim);
+        for (size_t a = 0; a < arrays.size(); ++a)
+        {
+            for (size_t h = 0; h < static_cast<size_t>(heads); ++h)
+            {
+                std::copy_n(rows[a].begin() + static_cast<long>(h * static_cast<size_t>(m) * d), static_cast<size_t>(m) * d,
+                    arrays[a].begin() + static_cast<long>((h * static_cast<size_t>(capacity) + static_cast<size_t>(length)) * d));
+            }
+        }
+        length += m;
+    }
+    std::vector<int64_t> shape() const
+    {
+        return {1, heads, capacity, dim};
+    }
+    std::vector<int64_t> validMask() const
+    {
+        std::vector<int64_t> mask(static_cast<size_t>(capacity), 0);
+        std::fill_n(mask.begin(), length, 1);
+        return mask;
+    }
+
+    int32_t count;
+    int32_t heads;
+    int32_t dim;
+    int32_t step;
+    int32_t maxCapacity;
+    int32_t length{0};
+    int32_t capacity{0};
+    std::vector<std::vector<float>> arrays;
+};
+
+//! One graph's session and its interface (names in the graph's order).
+struct Graph
+{
+    std::string key;
+    std::string file;
+    OrtSession* session{nullptr};
+    std::vector<std::string> inputs;
+    std::vector<std::string> outputs;
+    std::map<std::string, std::vector<int64_t>> shapes;  //!< tensor name -> dims (-1: symbolic)
+
+    bool hasInput(std::string const& name) const
+    {
+        return std::find(inputs.begin(), inputs.end(), name) != inputs.end();
+    }
+};
+
+std::vector<std::string> kvNames(int32_t layers, std::string const& prefix)
+{
+    std::vector<std::string> out;
+    for (int32_t i = 0; i < layers; ++i)
+    {
+        out.push_back(prefix + "." + std::to_string(i) + ".key");
+        out.push_back(prefix + "." + std::to_string(i) + ".value");
+    }
+    return out;
+}
+
+std::vector<char const*> cNames(std::vector<std::string> const& names)
+{
+    std::vector<char const*> out;
+    for (std::string const& n : names)
+    {
+        out.push_back(n.c_str());
+    }
+    return out;
+}
+
+bool targetSpins()
+{
+    char const* v = std::getenv(kSPINNING_ENV);
+    std::string const s = v != nullptr ? v : "1";
+    if (s != "0" && s != "1")
+    {
+        throw Error(DFL2_ERR_OPTION_VALUE, std::string("$") + kSPINNING_ENV + "='" + s
+            + "': expected 1 (the target session spins) or 0 (no session spins)");
+    }
+    return s == "1";
+}
+
+class OrtModel : public Model
+{
+public:
+    OrtModel(Manifest const& m, std::string const& dir, Options const& o)
+        : mManifest(m)
+        , mDir(dir)
+    {
+        std::string const mode = o.getString("draft_mode", "greedy");
+        if (mode == "independent")
+        {
+            throw Error(DFL2_ERR_UNAVAILABLE, "draft_mode 'independent' is not run by libdflash2's ONNX Runtime "
+                "backend (its sampling is numpy's float32 arithmetic); use 'greedy' or 'viterbi'");
+        }
+        if (m.dtype != "fp32")
+        {
+            throw Error(DFL2_ERR_UNAVAILABLE, "libdflash2's ONNX Runtime backend runs fp32 exports; " + dir + " is "
+                + m.dtype + " (export with --dtype fp32)");
+        }
+        OrtLibrary const& lib = openOrtLibrary(o.getString("ort_library", ""));
+        mApi = lib.api;
+        mThreads = static_cast<int32_t>(o.getInt("threads", 0));
+        ortCheck(mApi, mApi->CreateEnv(ORT_LOGGING_LEVEL_ERROR, "dflash2", &mEnv), "CreateEnv");
+        bool const spin = targetSpins();
+        mFused = m.graphs.count("target_ort") != 0;
+        mTarget = open(mFused ? "target_ort" : "target", spin);
+        mContext = open("drafter_context", false);
+        mBlock = open("drafter_block", false);
+        mHead = open(headKey(mode, false), false);
+
+        backend = "onnxruntime";
+        vocabSize = m.vocabSize;
+        blockSize = m.blockSize;
+        topK = m.topK;
+        maxPositions = m.maxSeqLen;
+        maxBatch = kMAX_BATCH;
+        eosIds = m.eosTokenIds;
+        note = "ONNX Runtime " + lib.version + " (" + lib.how + ": " + lib.path + "), CPU, graphs "
+            + mTarget.file + " + " + mContext.file + ", " + mBlock.file + ", " + mHead.file + ", intra-op threads "
+            + (mThreads > 0 ? std::to_string(mThreads) : std::string("ONNX Runtime's default"));
+        mFeatureDim = static_cast<int32_t>(featureDim());
+        checkInterface();
+    }
+    ~OrtModel() override
+    {
+        for (Graph* g : {&mTarget, &mContext, &mBlock, &mHead})
+        {
+            if (g->session != nullptr)
+            {
+                mApi->ReleaseSession(g->session);
+            }
+        }
+        if (mEnv != nullptr)
+        {
+            mApi->ReleaseEnv(mEnv);
+        }
+    }
+    std::unique_ptr<Runners> newRunners() override;
+    std::unique_ptr<BatchRunners> newBatchRunners(int32_t slots) override;
+
+    OrtApi const* api() const
+    {
+        return mApi;
+    }
+    Manifest const& manifest() const
+    {
+        return mManifest;
+    }
+    bool fused() const
+    {
+        return mFused;
+    }
+    int32_t featureDim() const
+    {
+        auto const it = mTarget.shapes.find("context_features");
+        return it != mTarget.shapes.end() && it->second.size() == 3 && it->second[2] > 0 ? static_cast<int32_t>(it->second[2])
+                                                                                          : 0;
+    }
+    int32_t fdim() const
+    {
+        return mFeatureDim;
+    }
+    Graph const& target() const
+    {
+        return mTarget;
+    }
+    Graph const& context() const
+    {
+        return mContext;
+    }
+    Graph const& block() const
+    {
+        return mBlock;
+    }
+    Graph const& head() const
+    {
+        return mHead;
+    }
+
+    static constexpr int32_t kMAX_BATCH = 16;
+
+private:
+    Graph open(std::string const& key, bool spin)
+    {
+        auto const it = mManifest.graphs.find(key);
+        if (it == mManifest.graphs.end())
+        {
+            throw Error(DFL2_ERR_NOT_FOUND, mDir + " has no '" + key + "' graph (re-export)");
+        }
+        Graph g;
+        g.key = key;
+        g.file = it->second.file;
+        OrtSessionOptions* so = nullptr;
+        ortCheck(mApi, mApi->CreateSessionOptions(&so), "CreateSessionOptions");
+        try
+        {
+            ortCheck(mApi, mApi->SetSessionLogSeverityLevel(so, 3), "SetSessionLogSeverityLevel");
+            ortCheck(mApi, mApi->SetSessionGraphOptimizationLevel(so, ORT_ENABLE_ALL), "SetSessionGraphOptimizationLevel");
+            if (mThreads > 0)
+            {
+                ortCheck(mApi, mApi->SetIntraOpNumThreads(so, mThreads), "SetIntraOpNumThreads");
+            }
+            ortCheck(mApi, mApi->AddSessionConfigEntry(so, "session.intra_op.allow_spinning", spin ? "1" : "0"),
+                "AddSessionConfigEntry");
+            std::string const path = mDir + "/" + g.file;
+            ortCheck(mApi, mApi->CreateSession(mEnv, path.c_str(), so, &g.session),
+                "ONNX Runtime cannot load " + g.file);
+        }
+        catch (...)
+        {
+            mApi->ReleaseSessionOptions(so);
+            throw;
+        }
+        mApi->ReleaseSessionOptions(so);
+        readInterface(g);
+        return g;
+    }
+
+    void readInterface(Graph& g)
+    {
+        OrtAllocator* alloc = nullptr;
+        ortCheck(mApi, mApi->GetAllocatorWithDefaultOptions(&alloc), "GetAllocatorWithDefaultOptions");
+        for (bool const input : {true, false})
+        {
+            size_t n = 0;
+            ortCheck(mApi, input ? mApi->SessionGetInputCount(g.session, &n) : mApi->SessionGetOutputCount(g.session, &n),
+                "SessionGet*Count");
+            for (size_t i = 0; i < n; ++i)
+            {
+                char* name = nullptr;
+                ortCheck(mApi, input ? mApi->SessionGetInputName(g.session, i, alloc, &name)
+                                     : mApi->SessionGetOutputName(g.session, i, alloc, &name),
+                    "SessionGet*Name");
+                std::string const s = name;
+                ortCheck(mApi, mApi->AllocatorFree(alloc, name), "AllocatorFree");
+                OrtTypeInfo* type = nullptr;
+                ortCheck(mApi, input ? mApi->SessionGetInputTypeInfo(g.session, i, &type)
+                                     : mApi->SessionGetOutputTypeInfo(g.session, i, &type),
+                    "SessionGet*TypeInfo");
+                OrtTensorTypeAndShapeInfo const* info = nullptr;
+                std::vector<int64_t> dims;
+                if (mApi->CastTypeInfoToTensorInfo(type, &info) == nullptr && info != nullptr)
+                {
+                    size_t rank = 0;
+                    ortCheck(mApi, mApi->GetDimensionsCount(info, &rank), "GetDimensionsCount");
+                    dims.resize(rank);
+                    ortCheck(mApi, mApi->GetDimensions(info, dims.data(), rank), "GetDimensions");
+                }
+                mApi->ReleaseTypeInfo(type);
+                (input ? g.inputs : g.outputs).push_back(s);
+                g.shapes[s] = dims;
+            }
+        }
+    }
+
+    //! Each graph has the tensors this backend feeds and reads with the export's fixed sizes: a graph of another
+    //! export is refused here, not met as a shape error mid-decode.
+    void checkInterface() const
+    {
+        Manifest const& m = mManifest;
+        auto need = [](Graph const& g, std::string const& name, std::vector<int64_t> const& want) {
+            auto const it = g.shapes.find(name);
+            bool ok = it != g.shapes.end() && it->second.size() == want.size();
+            for (size_t i = 0; ok && i < want.size(); ++i)
+            {
+                ok = want[i] < 0 || it->second[i] < 0 || it->second[i] == want[i];
+            }
+            if (!ok)
+            {
+                std::string have = "missing";
+                if (it != g.shapes.end())
+                {
+                    have = "[";
+                    for (int64_t d : it->second)
+                    {
+                        have += (have.size() > 1 ? ", " : "") + std::to_string(d);
+                    }
+                    have += "]";
+                }
+                throw Error(DFL2_ERR_CORRUPT, g.file + ": tensor '" + name + "' is " + have
+                    + " in the graph, not what the manifest says: the graph does not belong to this export (re-export)");
+            }
+        };
+        int64_t const L = m.blockSize - 1;
+        std::vector<int64_t> const tkv{-1, m.targetKvHeads, -1, m.targetHeadDim};
+        std::vector<int64_t> const dkv{-1, m.drafterKvHeads, -1, m.drafterHeadDim};
+        need(mTarget, "input_ids", {-1, -1});
+        need(mTarget, "logits", {-1, -1, m.vocabSize});
+        need(mTarget, "context_features", {-1, -1, -1});
+        if (mFeatureDim < 1)
+        {
+            throw Error(DFL2_ERR_CORRUPT, mTarget.file + ": context_features has no fixed feature size");
+        }
+        for (std::string const& n : kvNames(m.targetLayers, "past_key_values"))
+        {
+            need(mTarget, n, tkv);
+        }
+        for (std::string const& n : kvNames(m.targetLayers, "present"))
+        {
+            need(mTarget, n, tkv);
+        }
+        need(mContext, "context_features", {-1, -1, mFeatureDim});
+        for (std::string const& n : kvNames(m.drafterLayers, "context"))
+        {
+            need(mContext, n, dkv);
+            need(mBlock, n, dkv);
+        }
+        need(mBlock, "context_mask", {-1, -1});
+        need(mBlock, "hidden", {-1, m.blockSize, -1});
+        need(mHead, "hidden", {-1, m.blockSize, -1});
+        need(mHead, "cand_ids", {-1, L, m.topK});
+        need(mHead, "path_ids", {-1, L});
+        need(mHead, "proposal_probs", {-1, L, -1});
+    }
+
+    Manifest mManifest;
+    std::string mDir;
+    OrtApi const* mApi{nullptr};
+    OrtEnv* mEnv{nullptr};
+    int32_t mThreads{0};
+    bool mFused{false};
+    int32_t mFeatureDim{0};
+    Graph mTarget;
+    Graph mContext;
+    Graph mBlock;
+    Graph mHead;
+};
+
+//! One request's caches over the model's sessions (OrtTargetRunner / OrtFusedTargetRunner + OrtDraftRunner).
+class OrtRunners : public Runners
+{
+public:
+    explicit OrtRunners(OrtModel const& model)
+        : mM(model)
+        , mApi(model.api())
+        , mTkv(model.manifest().targetLayers, model.manifest().targetKvHeads, model.manifest().targetHeadDim,
+              model.manifest().kvCapacityStep, model.manifest().maxSeqLen)
+        , mDkv(model.manifest().drafterLayers, model.manifest().drafterKvHeads, model.manifest().drafterHeadDim,
+              model.manifest().kvCapacityStep, model.manifest().maxSeqLen)
+        , mPastNames(kvNames(model.manifest().targetLayers, "past_key_values"))
+        , mPresentNames(kvNames(model.manifest().targetLayers, "present"))
+        , mContextNames(kvNames(model.manifest().drafterLayers, "context"))
+    {
+        if (mM.fused())
+        {
+            ortCheck(mApi, mApi->CreateIoBinding(mM.target().session, &mBinding), "CreateIoBinding");
+        }
+    }
+    ~OrtRunners() override
+    {
+        mKvValues.clear();
+        if (mBinding != nullptr)
+        {
+            mApi->ReleaseIoBinding(mBinding);
+        }
+    }
+    int32_t vocabSize() const override
+    {
+        return mM.vocabSize;
+    }
+    int32_t blockSize() const override
+    {
+        return mM.blockSize;
+    }
+    int32_t topK() const override
+    {
+        return mM.topK;
+    }
+    int32_t maxPositions() const override
+    {
+        return mM.maxPositions;
+    }
+    int32_t cacheLength() const
+    {
+        return mTkv.length;
+    }
+
+    void targetReset() override
+    {
+        mTkv.length = 0;
+        mFeatureRows = 0;
+        mPending.clear();
+        mPendingRows = 0;
+    }
+
+    //! ids [n] at positions length.. -> logits [n, V]; the features [n, F] stay here for drafterQueueContext
+    void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) override
+    {
+        int32_t const V = mM.vocabSize;
+        size_t const F = static_cast<size_t>(mM.fdim());
+        mIds.resize(static_cast<size_t>(n));
+        for (int32_t i = 0; i < n; ++i)
+        {
+            if (ids[i] < 0 || ids[i] >= V)
+            {
+                throw Error(DFL2_ERR_OUT_OF_RANGE, "token id " + std::to_string(ids[i]) + " out of range [0, "
+                    + std::to_string(V) + ") in target input");
+            }
+            mIds[static_cast<size_t>(i)] = ids[i];
+        }
+        int32_t const len = mTkv.length;
+        bool const grown = mTkv.reserve(len + n);
+        logits.resize(static_cast<size_t>(n) * static_cast<size_t>(V));
+        mFeatures.resize(static_cast<size_t>(n) * F);
+        mFeatureRows = 0;
+        std::vector<int64_t> const idsShape{1, n};
+        OrtTensor idsT(mApi, mIds.data(), mIds.size() * sizeof(int64_t), idsShape, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        OrtTensor logitsT(mApi, logits.data(), logits.size() * sizeof(float), {1, n, V}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        OrtTensor featT(mApi, mFeatures.data(), mFeatures.size() * sizeof(float), {1, n, static_cast<int64_t>(F)},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        if (mM.fused())
+        {
+            // GroupQueryAttention over the shared buffers: the valid length of each call is seqlens_k + 1
+            if (grown || mKvValues.empty())
+            {
+                bindTargetKv();
+            }
+            mSeqlens = len + n - 1;
+            mTotal = len + n;
+            OrtTensor seqT(mApi, &mSeqlens, sizeof(int32_t), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+            OrtTensor totalT(mApi, &mTotal, sizeof(int32_t), {}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+            ortCheck(mApi, mApi->BindInput(mBinding, "input_ids", idsT.get()), "BindInput input_ids");
+            ortCheck(mApi, mApi->BindInput(mBinding, "seqlens_k", seqT.get()), "BindInput seqlens_k");
+            ortCheck(mApi, mApi->BindInput(mBinding, "total_sequence_length", totalT.get()), "BindInput");
+            ortCheck(mApi, mApi->BindOutput(mBinding, "logits", logitsT.get()), "BindOutput logits");
+            ortCheck(mApi, mApi->BindOutput(mBinding, "context_features", featT.get()), "BindOutput context_features");
+            ortCheck(mApi, mApi->RunWithBinding(mM.target().session, nullptr, mBinding), mM.target().file);
+        }
+        else
+        {
+            standardTargetForward(idsT, logitsT, featT, len, n);
+        }
+        mTkv.length = len + n;
+        mFeatureRows = n;
+    }
+
+    void targetCrop(int32_t length) override
+    {
+        mTkv.length = std::min(mTkv.length, std::max(0, length));
+    }
+
+    void drafterReset() override
+    {
+        mDkv.length = 0;
+        mPending.clear();
+        mPendingRows = 0;
+    }
+
+    void drafterQueueContext(int32_t rows) override
+    {
+        if (rows > mFeatureRows)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "drafter context asks for more rows than the last target forward made");
+        }
+        mPending.insert(mPending.end(), mFeatures.begin(), mFeatures.begin() + static_cast<long>(rows) * mM.fdim());
+        mPendingRows += rows;
+    }
+
+    //! OrtDraftRunner.add_context: the pending features [m, F] of positions start.. -> the drafter's context K/V
+    void drafterAddContext(int32_t start) override
+    {
+        int32_t const m = mPendingRows;
+        if (start != mDkv.length)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "draft context is at length " + std::to_string(mDkv.length)
+                + ", got features for position " + std::to_string(start));
+        }
+        Manifest const& man = mM.manifest();
+        std::vector<int64_t> pos(static_cast<size_t>(m));
+        for (int32_t i = 0; i < m; ++i)
+        {
+            pos[static_cast<size_t>(i)] = start + i;
+        }
+        size_t const per = static_cast<size_t>(man.drafterKvHeads) * static_cast<size_t>(m)
+            * static_cast<size_t>(man.drafterHeadDim);
+        std::vector<std::vector<float>> rows(static_cast<size_t>(mDkv.count), std::vector<float>(per));
+        OrtTensor featT(mApi, mPending.data(), mPending.size() * sizeof(float), {1, m, mM.fdim()},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        OrtTensor posT(mApi, pos.data(), pos.size() * sizeof(int64_t), {1, m}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        std::vector<OrtTensor> outs;
+        for (auto& r : rows)
+        {
+            outs.emplace_back(mApi, r.data(), r.size() * sizeof(float),
+                std::vector<int64_t>{1, man.drafterKvHeads, m, man.drafterHeadDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        }
+        run(mM.context(), {"context_features", "position_ids"}, {featT.get(), posT.get()}, mContextNames, outs);
+        mDkv.append(rows, m);
+        mPending.clear();
+        mPendingRows = 0;
+    }
+
+    //! OrtDraftRunner.propose: block over the context, rows past the verified ones zeroed, the selector head
+    void drafterPropose(
+        int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out) override
+    {
+        Manifest const& man = mM.manifest();
+        if (mDkv.length != pos)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "draft context holds " + std::to_string(mDkv.length) + " positions, anchor is at "
+                + std::to_string(pos));
+        }
+        if (mDkv.reserve(std::max(1, pos)) || mCtxValues.empty())
+        {
+            mCtxValues.clear();
+            for (auto& a : mDkv.arrays)
+            {
+                mCtxValues.emplace_back(mApi, a.data(), a.size() * sizeof(float), mDkv.shape(),
+                    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            }
+        }
+        int32_t const bs = man.blockSize;
+        int32_t const L = bs - 1;
+        int32_t const K = man.topK;
+        auto const hiddenDims = mM.block().shapes.at("hidden");
+        int64_t const H = hiddenDims[2] > 0 ? hiddenDims[2] : man.hiddenSize;
+        int64_t anchorId = anchor;
+        int64_t anchorPos = pos;
+        std::vector<int64_t> mask = mDkv.validMask();
+        mHidden.assign(static_cast<size_t>(bs) * static_cast<size_t>(H), 0.0F);
+        {
+            OrtTensor a(mApi, &anchorId, sizeof(int64_t), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+            OrtTensor p(mApi, &anchorPos, sizeof(int64_t), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+            OrtTensor mk(mApi, mask.data(), mask.size() * sizeof(int64_t), {1, mDkv.capacity},
+                ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+            std::vector<std::string> names{"anchor_ids", "anchor_position", "context_mask"};
+            std::vector<OrtValue*> values{a.get(), p.get(), mk.get()};
+            for (size_t i = 0; i < mContextNames.size(); ++i)
+            {
+                names.push_back(mContextNames[i]);
+                values.push_back(mCtxValues[i].get());
+            }
+            std::vector<OrtTensor> outs;
+            outs.emplace_back(mApi, mHidden.data(), mHidden.size() * sizeof(float), std::vector<int64_t>{1, bs, H},
+                ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            run(mM.block(), names, values, {"hidden"}, outs);
+        }
+        // a final partial block: the path over the verified rows alone
+        std::fill(mHidden.begin() + static_cast<long>((1 + rows) * H), mHidden.end(), 0.0F);
+        int32_t anchor32 = anchor;
+        float temp = temperature;
+        std::vector<float> u(static_cast<size_t>(L), 0.0F);
+        if (uniforms != nullptr)
+        {
+            std::copy_n(uniforms, L, u.begin());
+        }
+        out.tokens.assign(static_cast<size_t>(L), 0);
+        out.cand.assign(static_cast<size_t>(L) * static_cast<size_t>(K), 0);
+        out.proposal.assign(static_cast<size_t>(L) * static_cast<size_t>(K), 0.0F);
+        out.vocabProposal.clear();
+        out.hasVocabProposal = false;
+        OrtTensor h(mApi, mHidden.data(), mHidden.size() * sizeof(float), {1, bs, H}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        OrtTensor a(mApi, &anchor32, sizeof(int32_t), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+        OrtTensor t(mApi, &temp, sizeof(float), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        OrtTensor uT(mApi, u.data(), u.size() * sizeof(float), {1, L}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        std::vector<OrtTensor> outs;
+        outs.emplace_back(mApi, out.cand.data(), out.cand.size() * sizeof(int32_t), std::vector<int64_t>{1, L, K},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+        outs.emplace_back(mApi, out.tokens.data(), out.tokens.size() * sizeof(int32_t), std::vector<int64_t>{1, L},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+        outs.emplace_back(mApi, out.proposal.data(), out.proposal.size() * sizeof(float), std::vector<int64_t>{1, L, K},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        run(mM.head(), {"hidden", "anchor_ids", "temperature", "uniforms"}, {h.get(), a.get(), t.get(), uT.get()},
+            {"cand_ids", "path_ids", "proposal_probs"}, outs);
+    }
+
+private:
+    //! the fused target's capacity buffers as its past AND present (one OrtValue each: GroupQueryAttention then
+    //! writes the new rows in place)
+    void bindTargetKv()
+    {
+        mKvValues.clear();
+        for (size_t i = 0; i < mTkv.arrays.size(); ++i)
+        {
+            auto& a = mTkv.arrays[i];
+            mKvValues.emplace_back(mApi, a.data(), a.size() * sizeof(float), mTkv.shape(), ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            ortCheck(mApi, mApi->BindInput(mBinding, mPastNames[i].c_str(), mKvValues.back().get()), "BindInput past");
+            ortCheck(mApi, mApi->BindOutput(mBinding, mPresentNames[i].c_str(), mKvValues.back().get()), "BindOutput present");
+        }
+    }
+
+    //! OrtTargetRunner.forward: the whole buffers + a validity mask in, the new rows' K/V out (appended)
+    void standardTargetForward(OrtTensor const& idsT, OrtTensor const& logitsT, OrtTensor const& featT, int32_t len, int32_t n)
+    {
+        Manifest const& man = mM.manifest();
+        std::vector<int64_t> pos(static_cast<size_t>(n));
+        for (int32_t i = 0; i < n; ++i)
+        {
+            pos[static_cast<size_t>(i)] = len + i;
+        }
+        std::vector<int64_t> mask(static_cast<size_t>(mTkv.capacity + n), 1);
+        std::fill(mask.begin() + len, mask.begin() + mTkv.capacity, 0);
+        OrtTensor posT(mApi, pos.data(), pos.size() * sizeof(int64_t), {1, n}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        OrtTensor maskT(mApi, mask.data(), mask.size() * sizeof(int64_t), {1, mTkv.capacity + n},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        std::vector<std::string> names{"input_ids", "position_ids", "attention_mask"};
+        std::vector<OrtValue*> values{idsT.get(), posT.get(), maskT.get()};
+        std::vector<OrtTensor> past;
+        for (size_t i = 0; i < mTkv.arrays.size(); ++i)
+        {
+            past.emplace_back(mApi, mTkv.arrays[i].data(), mTkv.arrays[i].size() * sizeof(float), mTkv.shape(),
+                ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            names.push_back(mPastNames[i]);
+            values.push_back(past.back().get());
+        }
+        size_t const per = static_cast<size_t>(man.targetKvHeads) * static_cast<size_t>(n) * static_cast<size_t>(man.targetHeadDim);
+        std::vector<std::vector<float>> rows(mTkv.arrays.size(), std::vector<float>(per));
+        std::vector<std::string> outNames{"logits", "context_features"};
+        std::vector<OrtValue*> outValues{logitsT.get(), featT.get()};
+        std::vector<OrtTensor> presents;
+        for (size_t i = 0; i < rows.size(); ++i)
+        {
+            presents.emplace_back(mApi, rows[i].data(), rows[i].size() * sizeof(float),
+                std::vector<int64_t>{1, man.targetKvHeads, n, man.targetHeadDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            outNames.push_back(mPresentNames[i]);
+            outValues.push_back(presents.back().get());
+        }
+        runValues(mM.target(), names, values, outNames, outValues);
+        mTkv.length = len;
+        mTkv.append(rows, n);  // the caller sets the length again (the same)
+    }
+
+    void run(Graph const& g, std::vector<std::string> const& inNames, std::vector<OrtValue*> const& in,
+        std::vector<std::string> const& outNames, std::vector<OrtTensor>& out)
+    {
+        std::vector<OrtValue*> outValues;
+        for (OrtTensor& t : out)
+        {
+            outValues.push_back(t.get());
+        }
+        runValues(g, inNames, in, outNames, outValues);
+    }
+
+    //! Session::Run with every output pre-allocated over this runner's buffers (ORT writes into them)
+    void runValues(Graph const& g, std::vector<std::string> const& inNames, std::vector<OrtValue*> const& in,
+        std::vector<std::string> const& outNames, std::vector<OrtValue*>& out)
+    {
+        std::vector<char const*> const ins = cNames(inNames);
+        std::vector<char const*> const outs = cNames(outNames);
+        std::vector<OrtValue const*> inValues(in.begin(), in.end());
+        ortCheck(mApi, mApi->Run(g.session, nullptr, ins.data(), inValues.data(), ins.size(), outs.data(), outs.size(),
+                           out.data()),
+            g.file);
+    }
+
+    OrtModel const& mM;
+    OrtApi const* mApi;
+    HostKV mTkv;
+    HostKV mDkv;
+    std::vector<std::string> mPastNames;
+    std::vector<std::string> mPresentNames;
+    std::vector<std::string> mContextNames;
+    OrtIoBinding* mBinding{nullptr};
+    std::vector<OrtTensor> mKvValues;   //!< over mTkv.arrays (bound as past and present)
+    std::vector<OrtTensor> mCtxValues;  //!< over mDkv.arrays (the block's context inputs)
+    std::vector<int64_t> mIds;
+    int32_t mSeqlens{0};
+    int32_t mTotal{0};
+    std::vector<float> mFeatures;  //!< [rows, F] of the latest target forward
+    int32_t mFeatureRows{0};
+    std::vector<float> mPending;   //!< [rows, F] queued for the drafter
+    int32_t mPendingRows{0};
+    std::vector<float> mHidden;    //!< [bs, H] the block's output, the head's input
+};
+
+//! dfl2_batch over one OrtRunners per slot: each sequence's rows run as its single run's (batch 1 graphs).
+class OrtBatchRunners : public BatchRunners
+{
+public:
+    OrtBatchRunners(OrtModel const& model, int32_t slots)
+        : mM(model)
+    {
+        for (int32_t i = 0; i < slots; ++i)
+        {
+            mSlots.push_back(std::make_unique<OrtRunners>(model));
+        }
+    }
+    int32_t vocabSize() const override
+    {
+        return mM.vocabSize;
+    }
+    int32_t blockSize() const override
+    {
+        return mM.blockSize;
+    }
+    int32_t topK() const override
+    {
+        return mM.topK;
+    }
+    int32_t maxPositions() const override
+    {
+        return mM.maxPositions;
+    }
+    int32_t slots() const override
+    {
+        return static_cast<int32_t>(mSlots.size());
+    }
+    void targetReset(int32_t slot) override
+    {
+        at(slot).targetReset();
+    }
+    void targetRelease(int32_t slot) override
+    {
+        at(slot).targetReset();
+    }
+    void targetForward(std::vector<SlotRows> const& seqs, bool lastLogits, std::vector<float>& logits) override
+    {
+        size_t const V = static_cast<size_t>(mM.vocabSize);
+        logits.clear();
+        for (SlotRows const& s : seqs)
+        {
+            OrtRunners& r = at(s.slot);
+            if (r.cacheLength() != s.cacheLength)
+            {
+                throw Error(DFL2_ERR_INTERNAL, "batch slot " + std::to_string(s.slot) + " holds "
+                    + std::to_string(r.cacheLength()) + " positions, the core says " + std::to_string(s.cacheLength));
+            }
+            int32_t const n = static_cast<int32_t>(s.ids.size());
+            r.targetForward(s.ids.data(), n, mRows);
+            size_t const from = lastLogits ? static_cast<size_t>(n - 1) * V : 0;
+            logits.insert(logits.end(), mRows.begin() + static_cast<long>(from), mRows.end());
+        }
+    }
+    void targetCrop(int32_t slot, int32_t length) override
+    {
+        at(slot).targetCrop(length);
+    }
+    void drafterReset(int32_t slot) override
+    {
+        at(slot).drafterReset();
+    }
+    void drafterQueueContext(int32_t slot, int32_t rows) override
+    {
+        at(slot).drafterQueueContext(rows);
+    }
+    void drafterAddContext(int32_t slot, int32_t start) override
+    {
+        at(slot).drafterAddContext(start);
+    }
+    void drafterPropose(int32_t slot, int32_t anchor, int32_t pos, int32_t rows, float temperature,
+        float const* uniforms, Draft& out) override
+    {
+        at(slot).drafterPropose(anchor, pos, rows, temperature, uniforms, out);
+    }
+
+private:
+    OrtRunners& at(int32_t slot)
+    {
+        if (slot < 0 || slot >= static_cast<int32_t>(mSlots.size()))
+        {
+            throw Error(DFL2_ERR_INTERNAL, "batch slot " + std::to_string(slot) + " out of range");
+        }
+        return *mSlots[static_cast<size_t>(slot)];
+    }
+
+    OrtModel const& mM;
+    std::vector<std::unique_ptr<OrtRunners>> mSlots;
+    std::vector<float> mRows;
+};
+
+std::unique_ptr<Runners> OrtModel::newRunners()
+{
+    return std::make_unique<OrtRunners>(*this);
+}
+
+std::unique_ptr<BatchRunners> OrtModel::newBatchRunners(int32_t slots)
+{
+    return std::make_unique<OrtBatchRunners>(*this, slots);
+}
+
+} // namespace
+
+std::unique_ptr<Model> loadOrtModel(Manifest const& manifest, std::string const& dir, Options const& options)
+{
+    return std::make_unique<OrtModel>(manifest, dir, options);
+}
+
+} // namespace dflash2
