@@ -153,7 +153,9 @@ def test_chat_and_completions_equal_generate(server, gen):
     drafts (the dflash2 extension field and the pooled τ metric); /v1/models names the model; the server listens
     on loopback without --host."""
     c = server.client()
-    assert [m.id for m in c.models.list().data] == [NAME]
+    assert [m.id for m in c.models.list().data] == [NAME] and c.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("other")
     assert f"Uvicorn running on http://127.0.0.1:{server.port}" in server.log.read_text()
     accepted = multi = 0
     for i, (prompt, n) in enumerate(zip(PROMPTS[:3], (24, 17, 30))):
@@ -246,6 +248,14 @@ def test_stop_text_matches_the_whole_string_cut():
         if not cut.hit:
             sent += cut.flush()
         assert sent == want and cut.hit == bool(hits), (text, stops)
+
+
+def test_serve_without_the_extra_is_one_line():
+    code = ("import sys; sys.modules['uvicorn'] = None; from dflash2_trt.cli import main; "
+            "sys.exit(main(['serve', 'no-such-export']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.strip() == ("dflash2: error: dflash2 serve needs the serve extra (uvicorn "
+                                                      "is missing): pip install 'dflash2-trt[serve]'"), r.stderr
 
 
 BAD = [  # (body changes, param named in the error)

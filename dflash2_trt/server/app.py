@@ -6,7 +6,7 @@ Routes::
     POST /v1/completions, /v1/chat/completions   OpenAI's bodies (:mod:`dflash2_trt.server.protocol`); with
                                                  "stream": true server-sent events, one per committed chunk
                                                  (OpenAI's chunk objects), then ``data: [DONE]``
-    GET  /v1/models                              the one served model
+    GET  /v1/models, /v1/models/{model}          the one served model
     GET  /health                                 200 {"status": "ok"} (the server listens only once loaded)
     GET  /metrics                                Prometheus text (see :class:`Metrics`)
 
@@ -194,6 +194,7 @@ class Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_error})
@@ -201,7 +202,7 @@ class Server:
     def warm_up(self) -> None:
         """One 1-token request through the batch loop: its runners exist before the first client comes."""
         self.gen.submit(self.gen.encode("Hi", chat=False) or [0], 1, 0.0, seed=0, selector=self.selector,
-                        chat=False, speculative=self.speculative).result()
+                        chat=False, speculative=self.speculative, proposer=self.proposer).result()
 
     def steps(self) -> int:
         return sum(self.gen.batch_sizes.values())
@@ -214,8 +215,19 @@ class Server:
         denied = self._denied(request)
         if denied:
             return denied
-        return self._json(request, {"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dflash2"}]})
+        return self._json(request, {"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        denied = self._denied(request)
+        if denied:
+            return denied
+        if request.path_params["model"] != self.model_name:
+            return self._json(request, P.error_body(f"The model '{request.path_params['model']}' does not exist",
+                                                    param="model", code="model_not_found"), 404, route="/v1/models")
+        return self._json(request, self._card(), route="/v1/models")
+
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dflash2"}
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
