@@ -6,15 +6,18 @@ One writer (:func:`write_manifest`: fills the checksums, writes atomically) and 
 (:func:`read_manifest`: parses and validates once, into frozen dataclasses; every problem is one
 :class:`DFlash2Error` naming the field). Readers never touch the raw JSON.
 
-Layout (``MANIFEST_VERSION`` 2)::
+Layout (``MANIFEST_VERSION`` 2; ``STATE_MANIFEST_VERSION`` 3 for a target with layers other than attention, so
+that a reader that knows only version 2 refuses such an export instead of misdecoding it)::
 
-    {"format": "dflash2-trt-export", "manifest_version": 2, "project_version", "exporter_revision",
+    {"format": "dflash2-trt-export", "manifest_version": 2 | 3, "project_version", "exporter_revision",
      "opset", "dtype": fp32|fp16|bf16,
      "quantization" + "drafter_quantization": {"kind": none|int8|int4 (drafter_quantization: or q8_0), ...},
      "draft_vocab",
      "max_seq_len", "kv_capacity_step",
      "target":  {"model_type", "vocab_size", "num_layers", "hidden_size", "num_key_value_heads", "head_dim",
-                 "max_positions", "eos_token_ids", "layer_ids", "source"},
+                 "max_positions", "eos_token_ids", "layer_ids", "source",
+                 version 3: "layer_kinds" (one of LAYER_KINDS per layer), "linear_state": {"conv_dim",
+                 "conv_kernel", "num_heads", "key_dim", "value_dim", "max_rows_per_call"}},
      "drafter": the drafter's config.json (HF layout, DFlash2Config) with the exported block size,
      "plugin":  {"op_type", "domain", "plugin_version", "plugin_namespace"},
      "graphs":  {KEY: {"file", "role", "selector": decomposed|plugin|null, "mode",
@@ -53,10 +56,11 @@ from typing import Any, Union
 from dflash2_trt.config import DFlash2Config
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.vocabulary import (DRAFT_MODES, DRAFTER_QUANTIZATIONS, DTYPES, GRAPH_FLAVOURS, INDEPENDENT,
-                                    QUANTIZATIONS, SELECTOR_IMPLS, check_draft_mode, head_key)
+                                    LAYER_KINDS, QUANTIZATIONS, SELECTOR_IMPLS, check_draft_mode, head_key)
 
 FORMAT = "dflash2-trt-export"
 MANIFEST_VERSION = 2
+STATE_MANIFEST_VERSION = 3  # a target with linear (or sliding) layers: their state is graph input and output
 MANIFEST_FILE = "manifest.json"
 SCHEMA_FILE = Path(__file__).with_name("manifest.schema.json")
 KV_CAPACITY_STEP = 256  # default KV capacity granularity (positions) of exports
@@ -91,6 +95,23 @@ def target_present_names(n_layers: int) -> list[str]:
     return kv_names(n_layers, "present")
 
 
+def target_state_names(kinds: tuple[str, ...] | list[str], prefix: str = "past") -> list[str]:
+    """The target graph's per-layer state, 2 per layer in layer order: an attention layer's KV
+    (``past_key_values.{i}.key/.value`` inputs, ``present.{i}.*`` outputs), a linear layer's convolution and
+    recurrent state (``past_conv.{i}`` / ``past_recurrent.{i}`` inputs; ``present_conv.{i}``, the call's convolution
+    inputs, and ``present_recurrent.{i}``, the recurrent state after each asked row, outputs)."""
+    kv = "past_key_values" if prefix == "past" else prefix
+    out = []
+    for i, kind in enumerate(kinds):
+        out += [f"{prefix}_conv.{i}", f"{prefix}_recurrent.{i}"] if kind == "linear" else \
+            [f"{kv}.{i}.key", f"{kv}.{i}.value"]
+    return out
+
+
+# [R] int64, an input of a target graph with linear layers: the rows of the call whose recurrent states it returns
+TARGET_STATE_ROWS = "state_rows"
+
+
 def drafter_context_names(n_layers: int) -> list[str]:
     """The drafter's context K/V (outputs of the context graph, inputs of the block graph), 2 per layer."""
     return kv_names(n_layers, "context")
@@ -117,6 +138,20 @@ class GraphSpec:
 
 
 @dataclass(frozen=True)
+class LinearStateSpec:
+    """A linear-attention layer's state: the convolution's last ``conv_kernel - 1`` inputs [conv_dim, kernel - 1]
+    (the target's dtype) and one recurrent matrix per value head [num_heads, key_dim, value_dim] (fp32); a graph call
+    takes at most ``max_rows_per_call`` rows."""
+
+    conv_dim: int
+    conv_kernel: int
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    max_rows_per_call: int
+
+
+@dataclass(frozen=True)
 class TargetSpec:
     model_type: str
     vocab_size: int
@@ -128,6 +163,8 @@ class TargetSpec:
     eos_token_ids: tuple[int, ...]
     layer_ids: tuple[int, ...]  # decoder layers tapped for the drafter's context features
     source: str = ""
+    layer_kinds: tuple[str, ...] = ()  # one of LAYER_KINDS per layer; () = every layer attention (version 2)
+    linear_state: Union[LinearStateSpec, None] = None  # the linear layers' state (version 3)
 
 
 @dataclass(frozen=True)
@@ -276,12 +313,30 @@ class ExportManifest:
         """KV capacity needed for ``max_seq_len`` positions (a multiple of ``kv_capacity_step``)."""
         return -(-self.max_seq_len // self.kv_capacity_step) * self.kv_capacity_step
 
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """The kind of every target layer (:data:`~dflash2_trt.vocabulary.LAYER_KINDS`)."""
+        return self.target.layer_kinds or ("attention",) * self.target.num_layers
+
+    @property
+    def attention_only(self) -> bool:
+        """Every target layer is attention: the state is the KV cache alone (a crop rolls it back)."""
+        return set(self.layer_kinds) == {"attention"}
+
+    def require_attention_only(self, what: str) -> None:
+        """DFlash2Error when the target has layers whose state ``what`` (a runtime) cannot keep and roll back."""
+        if not self.attention_only:
+            kinds = sorted(set(self.layer_kinds) - {"attention"})
+            raise DFlash2Error(f"{what} does not run targets with {'/'.join(kinds)} layers yet (this export's "
+                               f"{self.target.model_type!r}): run it with the ONNX Runtime backend, one request at "
+                               f"a time (dflash2_trt.load(DIR, backend='ort'))")
+
     def target_kv_names(self) -> list[str]:
-        """The target graph's KV inputs, 2 per layer (key, value)."""
-        return target_kv_names(self.target.num_layers)
+        """The target graph's state inputs, 2 per layer (attention: key, value; :func:`target_state_names`)."""
+        return target_state_names(self.layer_kinds)
 
     def target_present_names(self) -> list[str]:
-        return target_present_names(self.target.num_layers)
+        return target_state_names(self.layer_kinds, "present")
 
     def drafter_context_names(self) -> list[str]:
         """The drafter's context K/V (inputs of the block graph, outputs of the context graph)."""
@@ -368,11 +423,12 @@ def parse_manifest(data: Any, where: str = MANIFEST_FILE) -> ExportManifest:
     """Validate parsed manifest JSON (format, version, field types, graphs, modes, drafter config, fit)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise DFlash2Error(f"{where} is not a {FORMAT} manifest")
-    if data.get("manifest_version") != MANIFEST_VERSION:
+    if data.get("manifest_version") not in (MANIFEST_VERSION, STATE_MANIFEST_VERSION):
         raise DFlash2Error(f"{where} has manifest_version {data.get('manifest_version')!r} (written by dflash2-trt "
-                           f"{data.get('project_version', '?')}); this runtime reads version {MANIFEST_VERSION}: "
-                           f"re-export with this version's dflash2 export")
+                           f"{data.get('project_version', '?')}); this runtime reads versions {MANIFEST_VERSION} and "
+                           f"{STATE_MANIFEST_VERSION}: re-export with this version's dflash2 export")
     m: ExportManifest = _decode(ExportManifest, data, "manifest")
+    _check_layer_kinds(m, where)
     if m.dtype not in DTYPES:
         raise DFlash2Error(f"manifest.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
     for name, kinds in (("quantization", QUANTIZATIONS), ("drafter_quantization", DRAFTER_QUANTIZATIONS)):
@@ -411,6 +467,22 @@ def parse_manifest(data: Any, where: str = MANIFEST_FILE) -> ExportManifest:
     return m
 
 
+def _check_layer_kinds(m: ExportManifest, where: str) -> None:
+    """The target's layer kinds fit its layer count and the manifest version; linear layers come with their state."""
+    kinds = m.target.layer_kinds
+    if kinds and (len(kinds) != m.target.num_layers or any(k not in LAYER_KINDS for k in kinds)):
+        raise DFlash2Error(f"{where}: target.layer_kinds must list one of {', '.join(LAYER_KINDS)} per layer "
+                           f"({m.target.num_layers}), got {list(kinds)}")
+    version = MANIFEST_VERSION if m.attention_only else STATE_MANIFEST_VERSION
+    if m.manifest_version != version:
+        raise DFlash2Error(f"{where}: manifest_version is {m.manifest_version} but a target with layer kinds "
+                           f"{sorted(set(m.layer_kinds))} is version {version}")
+    if ("linear" in m.layer_kinds) != (m.target.linear_state is not None):
+        raise DFlash2Error(f"{where}: target.linear_state must be given exactly when the target has linear layers")
+    if "attention" not in m.layer_kinds:
+        raise DFlash2Error(f"{where}: the target has no attention layer (the export's graphs need one)")
+
+
 def graph_field_rules(m: ExportManifest) -> list[tuple[str, int, str, int]]:
     """What the graphs' inputs and outputs state about the manifest's fields, as rules (tensor name pattern, dim,
     field, value): a tensor matching the pattern (``{i}``: a layer index) has ``value`` at ``dim`` (negative:
@@ -425,27 +497,50 @@ def graph_field_rules(m: ExportManifest) -> list[tuple[str, int, str, int]]:
         ("context.{i}.*", 3, "drafter.head_dim", int(cfg.head_dim or 0)),
         ("context_features", -1, "target.hidden_size x len(target.layer_ids)", t.hidden_size * len(t.layer_ids)),
         (BLOCK_HIDDEN, -1, "drafter.hidden_size", cfg.hidden_size),
-    ]
+    ] + _linear_state_rules(t.linear_state)
+
+
+def _linear_state_rules(ls: LinearStateSpec | None) -> list[tuple[str, int, str, int]]:
+    """:func:`graph_field_rules` of the linear layers' state tensors (none without linear layers)."""
+    if ls is None:
+        return []
+    f = "target.linear_state."
+    return [("past_conv.{i}", 1, f + "conv_dim", ls.conv_dim), ("past_conv.{i}", 2, f + "conv_kernel - 1",
+                                                                ls.conv_kernel - 1),
+            ("present_conv.{i}", 1, f + "conv_dim", ls.conv_dim),
+            *((name, dim + off, f + key, getattr(ls, key)) for name, off in (("past_recurrent.{i}", 0),
+                                                                             ("present_recurrent.{i}", 1))
+              for dim, key in ((1, "num_heads"), (2, "key_dim"), (3, "value_dim")))]
 
 
 def check_graph_fields(m: ExportManifest, where: str = MANIFEST_FILE) -> None:
     """Every field of the manifest that its graphs' inputs and outputs also state agrees with them: the layer counts
-    (one ``past_key_values.{i}`` / ``present.{i}`` pair per target layer, one ``context.{i}`` per drafter layer),
+    (one ``past_key_values.{i}`` / ``present.{i}`` pair per attention layer of the target, one state pair per linear
+    layer, one ``context.{i}`` per drafter layer),
     heads, head size, feature width, hidden size, the target's vocabulary (its logits) -> DFlash2Error naming the
     field and both values (an edited manifest, or graphs of another export)."""
     import re
 
-    layers = {"past_key_values": ("target.num_layers", m.target.num_layers),
-              "present": ("target.num_layers", m.target.num_layers),
-              "context": ("drafter.num_hidden_layers", m.drafter_config.num_hidden_layers)}
+    attention = {i for i, k in enumerate(m.layer_kinds) if k != "linear"}
+    linear = set(range(m.target.num_layers)) - attention
+    if m.target.layer_kinds:
+        att = (f"target.layer_kinds has {len(attention)} attention layers", attention)
+        lin = (f"target.layer_kinds has {len(linear)} linear layers", linear)
+    else:
+        att = lin = (f"target.num_layers is {m.target.num_layers}", attention)
+    n_ctx = m.drafter_config.num_hidden_layers
+    layers = {"past_key_values": att, "present": att, "past_conv": lin, "past_recurrent": lin, "present_conv": lin,
+              "present_recurrent": lin, "context": (f"drafter.num_hidden_layers is {n_ctx}", set(range(n_ctx)))}
     rules = graph_field_rules(m)
     for key, g in m.graphs.items():
         seen: dict[str, set[int]] = {}
         for t in (*g.inputs, *g.outputs):
             kv = re.fullmatch(r"(past_key_values|present|context)\.(\d+)\.(key|value)", t.name)
-            if kv:
-                seen.setdefault(kv[1], set()).add(int(kv[2]))
-            pattern = f"{kv[1]}.{{i}}.*" if kv else t.name
+            state = re.fullmatch(r"(past_conv|past_recurrent|present_conv|present_recurrent)\.(\d+)", t.name)
+            if kv or state:
+                found = kv or state
+                seen.setdefault(found[1], set()).add(int(found[2]))
+            pattern = f"{kv[1]}.{{i}}.*" if kv else f"{state[1]}.{{i}}" if state else t.name
             checks = [(dim, field_, want) for p, dim, field_, want in rules if p == pattern]
             if t.name == "logits" and g.role == "target":
                 checks.append((-1, "target.vocab_size", m.target.vocab_size))
@@ -456,9 +551,8 @@ def check_graph_fields(m: ExportManifest, where: str = MANIFEST_FILE) -> None:
                                        f"{have} at dim {dim % len(t.shape)}")
         for prefix, ids in seen.items():
             field_, want = layers[prefix]
-            if ids != set(range(want)):
-                raise DFlash2Error(f"{where}: {field_} is {want} but graph {key!r} has {prefix} tensors for "
-                                   f"{len(ids)} layers")
+            if ids != want:
+                raise DFlash2Error(f"{where}: {field_} but graph {key!r} has {prefix} tensors for {len(ids)} layers")
 
 
 def parse_engine_set(data: Any) -> EngineSet:

@@ -25,8 +25,8 @@ BACKEND_CHOICES = ("auto", "ort", "trt")  # what the export-folder CLIs accept (
 # Who proposes a speculative cycle's drafts: the DFlash 2 drafter, prompt lookup (n-gram continuation of the
 # context, no model), or per cycle whichever the measured acceptance favours (runtime/ngram.py).
 PROPOSERS = ("dflash2", "ngram", "auto")
-# the API's, CLI's and Triton model's default: side by side on a quiet machine (README, issue #25) `auto` was
-# 1.43x / 1.10x / 1.27x the drafter alone on HumanEval / MT-Bench / long code, and never below it
+# the API's, CLI's and Triton model's default: side by side on a quiet machine `auto` was 1.43x / 1.10x / 1.27x
+# the drafter alone on HumanEval / MT-Bench / long code, and never below it (docs/benchmarks.md)
 DEFAULT_PROPOSER = "auto"
 # How a server's batch loop drafts (the Triton model's ``speculation``): only while the load-adaptive rule of
 # runtime/batch.py says it pays | every step | never (batched plain decoding).
@@ -47,6 +47,9 @@ GRAPH_FLAVOURS = ("ort", "qdq")
 
 # `make-tiny --arch`: the tiny target's architecture (dense Llama; hybrid Gated DeltaNet, + MoE MLPs)
 TINY_ARCHS = ("llama", "qwen3_5", "qwen3_5_moe")
+# Kinds of target decoder layers: full (or grouped-query) attention; a linear-attention (Gated DeltaNet) layer;
+# sliding-window attention. An export's manifest lists its target's (dflash2_trt.targets: the families).
+LAYER_KINDS = ("attention", "linear", "sliding")
 
 # How the path selector is built into the drafter head graph / engine.
 SELECTOR_IMPLS = ("decomposed", "plugin")  # standard ONNX ops | the DFlash2PathSelector TensorRT plugin node

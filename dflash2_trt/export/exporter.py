@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import (BLOCK_HIDDEN, BLOCK_LAYERS, KV_CAPACITY_STEP, ExportManifest, GraphSpec,
-                                 PluginSpec, TargetSpec, TensorSpec, TokenizerSpec, drafter_context_names,
-                                 target_kv_names, target_present_names, write_manifest)
+from dflash2_trt.manifest import (BLOCK_HIDDEN, BLOCK_LAYERS, KV_CAPACITY_STEP, MANIFEST_VERSION,
+                                 STATE_MANIFEST_VERSION, ExportManifest, GraphSpec, LinearStateSpec, PluginSpec,
+                                 TargetSpec, TensorSpec, TokenizerSpec, drafter_context_names, write_manifest)
 from dflash2_trt.outdir import TempFolder, check_replace, export_owner, write_error
 from dflash2_trt.validate import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, check_size
 from dflash2_trt.vocabulary import DRAFT_MODES, DTYPES, INDEPENDENT, Q8_0, SELECTOR_MODES, head_key
@@ -184,6 +184,10 @@ def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: s
     target = TargetModel.load(target_path)
     target.check_drafter(drafter.config)
     target.family.check_exportable(target.model)
+    if target.family.layer_kinds(target.model.config) != ["attention"] * target.num_layers and (
+            dtype != "fp32" or quant.enabled):
+        raise DFlash2Error(f"a {target.model.config.model_type!r} target exports in fp32 without --quantize only "
+                           f"(its linear layers' graphs are verified at fp32)")
     if block_size is not None and block_size != drafter.config.block_size:
         drafter = drafter.at_block_size(block_size)
     max_pos = target.max_positions
@@ -205,24 +209,14 @@ def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: s
 
 
 def _trace_target(b: _Build) -> None:
-    """target.onnx: the standard graph (TensorRT, ORT's standard flavour) over KV capacity buffers."""
-    import torch
-
+    """target.onnx: the family's standard graph (TensorRT, ORT's standard flavour) over KV capacity buffers (and, for
+    a family with linear layers, their states)."""
     from dflash2_trt.export import onnx_utils
 
-    nl, hf = b.target.num_layers, b.target.model.config
-    kvh, d, B = int(hf.num_key_value_heads), int(b.target.model.model.layers[0].self_attn.head_dim), _TRACE_BATCH
-    kv_names, present = target_kv_names(nl), target_present_names(nl)
-    dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
-           "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, "logits": {0: "batch", 1: "sequence"},
-           "context_features": {0: "batch", 1: "sequence"}}
-    dyn.update({n: {0: "batch", 2: "capacity"} for n in kv_names})
-    dyn.update({n: {0: "batch", 2: "sequence"} for n in present})
-    args = (torch.randint(0, b.target.vocab_size, (B, 3)), torch.arange(3).repeat(B, 1),
-            torch.ones(B, 4 + 3, dtype=torch.long), *[torch.zeros(B, kvh, 4, d, dtype=b.torch_dtype) for _ in kv_names])
-    model = onnx_utils.trace(b.target.family.TargetGraph(b.target.model, b.layer_ids).eval(), args,
-                             ["input_ids", "position_ids", "attention_mask", *kv_names],
-                             ["logits", "context_features", *present], dyn, b.opset)
+    family = b.target.family
+    args, inputs, outputs, dyn = family.graph_io(b.target.model, _TRACE_BATCH, b.torch_dtype)
+    model = onnx_utils.trace(family.TargetGraph(b.target.model, b.layer_ids).eval(), args, inputs, outputs, dyn,
+                             b.opset)
     b.add("target", model, GraphSpec(file="target.onnx", role="target"))
 
 
@@ -365,13 +359,18 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
     chat = (b.target_dir / "chat_template.jinja").is_file() or bool(
         _json_get(b.target_dir / "tokenizer_config.json", "chat_template"))
     t, hf = b.target, b.target.model.config
+    kinds = tuple(t.family.layer_kinds(hf))
+    stateful = set(kinds) != {"attention"}
+    attn = next(layer.self_attn for layer in t.model.model.layers if hasattr(layer, "self_attn"))
     manifest = ExportManifest(
         opset=b.opset, dtype=b.dtype, max_seq_len=b.max_seq_len,
         target=TargetSpec(model_type=hf.model_type, vocab_size=t.vocab_size, num_layers=t.num_layers,
                           hidden_size=t.hidden_size, num_key_value_heads=int(hf.num_key_value_heads),
-                          head_dim=int(t.model.model.layers[0].self_attn.head_dim), max_positions=t.max_positions,
+                          head_dim=int(attn.head_dim), max_positions=t.max_positions,
                           eos_token_ids=tuple(sorted(t.eos_ids())), layer_ids=tuple(b.layer_ids),
-                          source=str(b.target_dir)),
+                          source=str(b.target_dir), layer_kinds=kinds if stateful else (),
+                          linear_state=LinearStateSpec(**t.family.linear_state_shapes(hf)) if "linear" in kinds
+                          else None),
         drafter=b.drafter.config.to_dict(),
         plugin=PluginSpec(op_type=sc.OP_TYPE, domain=sc.DOMAIN, plugin_version=sc.PLUGIN_VERSION,
                           plugin_namespace=sc.PLUGIN_NAMESPACE),
@@ -379,7 +378,8 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
         kv_capacity_step=KV_CAPACITY_STEP, quantization=b.quant.manifest(),
         drafter_quantization=Q8_0_MANIFEST if b.draft_q8_0 else b.draft_quant.manifest(),
         draft_vocab=int(draft_vocab), weights=onnx_utils.WEIGHTS_FILE, verification=dict(b.report),
-        project_version=__version__, exporter_revision=EXPORTER_REVISION)
+        project_version=__version__, exporter_revision=EXPORTER_REVISION,
+        manifest_version=STATE_MANIFEST_VERSION if stateful else MANIFEST_VERSION)
     return write_manifest(b.tmp, manifest)
 
 

@@ -254,7 +254,11 @@ def verify_target_ort(model, target, layer_ids: list[int], quantized=None, seed:
 
 def fused_target_unsupported(hf_model) -> str | None:  # noqa: ANN001
     """Why the fused target graph cannot hold ``hf_model`` (None: it can): ONNX Runtime's CPU GroupQueryAttention
-    takes head sizes that are multiples of 16 only."""
+    takes head sizes that are multiples of 16 only, and the fused graph is written for the dense family."""
+    from dflash2_trt.targets import dense
+
+    if getattr(hf_model.config, "model_type", None) not in dense.MODEL_TYPES:
+        return f"the fused graph holds dense targets only, not {hf_model.config.model_type!r}"
     d = int(hf_model.model.layers[0].self_attn.head_dim)
     return None if d % 16 == 0 else f"GroupQueryAttention needs a head size that is a multiple of 16, this one is {d}"
 

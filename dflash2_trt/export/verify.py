@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import drafter_context_names, target_kv_names
+from dflash2_trt.manifest import (TARGET_STATE_ROWS, LinearStateSpec, drafter_context_names, target_kv_names,
+                                  target_state_names)
 from dflash2_trt.vocabulary import SELECTOR_MODES
 
 TOL = {"fp32": 2e-3, "fp16": 5e-2}
@@ -60,7 +61,10 @@ def session(path: Path):  # noqa: ANN201
 
 
 def verify_target(path: Path, target, layer_ids: list[int], dtype: str, np_dtype, seed: int = 0) -> dict:  # noqa: ANN001
-    """Two chunks (n1 + n2 rows) through a capacity buffer vs one HF pass over all rows."""
+    """Two chunks (n1 + n2 rows) through a capacity buffer vs one HF pass over all rows (a target with linear
+    layers: :func:`verify_state_target`)."""
+    if "linear" in target.family.layer_kinds(target.model.config):
+        return verify_state_target(path, target, layer_ids, dtype, np_dtype, seed)
     rng = np.random.default_rng(seed)
     n1, n2 = 7, 5
     ids = rng.integers(0, target.vocab_size, n1 + n2)
@@ -163,3 +167,52 @@ def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: 
             _close(key + ".proposal_probs", got_q[rows], drafter_mode.proposal.numpy()[0][rows], tol, report)
     return report
 
+
+
+def verify_state_target(path: Path, target, layer_ids: list[int], dtype: str, np_dtype, seed: int = 0) -> dict:  # noqa: ANN001
+    """A target with linear layers: a prompt chunk, a 5-row call asking every row's state, a rollback to 2 of its
+    rows (the runtime's rule: :class:`~dflash2_trt.runtime.linear_state.LinearStates`), then 3 new rows — the logits
+    and features of every call against HF passes over the sequence each call continues."""
+    from dflash2_trt.runtime.linear_state import LinearStates
+
+    rng = np.random.default_rng(seed)
+    cfg = target.model.config
+    kinds = target.family.layer_kinds(cfg)
+    names = target_state_names(kinds)
+    att = [i for i, k in enumerate(kinds) if k == "attention"]
+    states = LinearStates([i for i, k in enumerate(kinds) if k == "linear"],
+                          LinearStateSpec(**target.family.linear_state_shapes(cfg)), np_dtype)
+    kvh, d, cap = int(cfg.num_key_value_heads), int(cfg.head_dim), 32
+    kv = {i: [np.zeros((1, kvh, cap, d), dtype=np_dtype) for _ in range(2)] for i in att}
+    sess = session(path)
+    prompt, block, fresh = (rng.integers(0, target.vocab_size, n) for n in (7, 5, 3))
+    n, report = 0, {}
+    for step, (ids, keep) in enumerate(((prompt, 7), (block, 2), (fresh, 3))):
+        S = len(ids)
+        mask = np.zeros((1, cap + S), dtype=np.int64)
+        mask[0, :n] = 1
+        mask[0, cap:] = 1
+        feed = {"input_ids": ids.reshape(1, -1).astype(np.int64), "attention_mask": mask,
+                "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1),
+                TARGET_STATE_ROWS: np.arange(S, dtype=np.int64)}
+        lin = iter(states.feed())
+        feed.update(zip(names, (a for i, k in enumerate(kinds) for a in (kv[i] if k == "attention" else
+                                                                         (next(lin), next(lin))))))
+        out = sess.run(None, feed)
+        present = [out[2 + 2 * i: 4 + 2 * i] for i in range(len(kinds))]
+        for i in att:
+            for buf, new in zip(kv[i], present[i]):
+                buf[:, :, n:n + S] = new
+        states.update([a for i, k in enumerate(kinds) if k == "linear" for a in present[i]], S, True)
+        history = np.concatenate([prompt, block[:2]]) if step == 2 else np.concatenate([prompt, block])[:n]
+        target.reset(layer_ids)
+        want_logits, want_feats = target.forward(torch.from_numpy(np.concatenate([history, ids])))
+        tol = TOL[dtype]
+        _close(f"target.logits[{step}]", out[0][0], want_logits[n:].float().numpy(), tol, report)
+        _close(f"target.context_features[{step}]", out[1][0].astype(np.float32), want_feats[n:].float().numpy(),
+               tol, report)
+        _decisions(f"target.argmax[{step}]", out[0][0].argmax(-1), want_logits[n:].argmax(-1).numpy(), report,
+                   MIN_MATCH[dtype][0])
+        states.rollback(keep)
+        n += keep
+    return report

@@ -21,9 +21,9 @@ from types import ModuleType
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.vocabulary import LAYER_KINDS
 
-# full (or grouped-query) attention; a linear-attention (Gated DeltaNet) layer; sliding-window attention
-LAYER_KINDS = ("attention", "linear", "sliding")
+__all__ = ["LAYER_KINDS", "family_for", "supported_model_types"]
 
 
 def _modules() -> dict[str, ModuleType]:

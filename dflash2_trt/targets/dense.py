@@ -105,6 +105,24 @@ def check_exportable(hf_model) -> None:  # noqa: ANN001
         raise DFlash2Error(f"target rope_type {rtype!r} is not supported (static RoPE variants only)")
 
 
+def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
+    """What the exporter traces :class:`TargetGraph` with: example inputs (``batch`` rows of 3 new tokens over a KV
+    capacity of 4), input and output names, dynamic axes."""
+    from dflash2_trt.manifest import target_kv_names, target_present_names
+
+    cfg = hf_model.config
+    nl, kvh, d = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), int(hf_model.model.layers[0].self_attn.head_dim)
+    kv_names, present = target_kv_names(nl), target_present_names(nl)
+    dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
+           "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, "logits": {0: "batch", 1: "sequence"},
+           "context_features": {0: "batch", 1: "sequence"}}
+    dyn.update({n: {0: "batch", 2: "capacity"} for n in kv_names})
+    dyn.update({n: {0: "batch", 2: "sequence"} for n in present})
+    args = (torch.randint(0, int(cfg.vocab_size), (batch, 3)), torch.arange(3).repeat(batch, 1),
+            torch.ones(batch, 4 + 3, dtype=torch.long), *[torch.zeros(batch, kvh, 4, d, dtype=dtype) for _ in kv_names])
+    return args, ["input_ids", "position_ids", "attention_mask", *kv_names], ["logits", "context_features", *present], dyn
+
+
 class TargetGraph(nn.Module):
     """HF Llama/Qwen2/Qwen3 causal LM with an explicit capacity-buffer KV cache and context-feature taps.
 

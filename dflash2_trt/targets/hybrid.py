@@ -11,14 +11,22 @@ the convolution's inputs of the whole call) and :func:`rollback` picks the one o
 attention layers crop their KV as the dense family does (:mod:`~dflash2_trt.targets.recorded`). Calls of more than
 ``MAX_ROLLBACK_ROWS`` rows (a long prompt) are never rolled back and run transformers' chunked kernel.
 
-Export: not implemented for this family (:func:`check_exportable` says so); the PyTorch adapter decodes it.
+Export: :class:`TargetGraph` carries every linear layer's state as graph inputs and outputs: a call returns the
+convolution's new inputs and the recurrent state after each row the runtime asks for (:func:`_delta_rule` computes
+the rows of one call in closed form, so the graph has no loop), from which the runtime keeps the state of the
+accepted prefix.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.targets.dense import _grouped_attention
 from dflash2_trt.targets.recorded import MAX_ROLLBACK_ROWS, before_forward, new_cache, rollback
 
 __all__ = ["MODEL_TYPES", "MAX_ROLLBACK_ROWS", "before_forward", "check_exportable", "layer_kinds", "new_cache",
@@ -37,6 +45,222 @@ def layer_kinds(config: Any) -> list[str]:
 
 
 def check_exportable(hf_model: Any) -> None:
-    """The exporter has no graphs for this family yet."""
-    raise DFlash2Error(f"dflash2 export does not support {hf_model.config.model_type!r} targets yet (hybrid Gated "
-                       f"DeltaNet models decode with the PyTorch reference: dflash2 generate --target ... --drafter ...)")
+    """The exporter's graph computes this target exactly, else DFlash2Error saying what it does not."""
+    cfg = hf_model.config
+    layer_kinds(cfg)
+    for what, value, ok in (("hidden_act", getattr(cfg, "hidden_act", "silu"), ("silu",)),
+                            ("rope_type", (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default"),
+                             ("default",))):
+        if value not in ok:
+            raise DFlash2Error(f"target {what} {value!r} is not supported for {cfg.model_type!r} ({', '.join(ok)} only)")
+    if int(cfg.linear_num_value_heads) % int(cfg.linear_num_key_heads):
+        raise DFlash2Error("target linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The target graph (standard ONNX: TensorRT's, and what ONNX Runtime runs for this family)
+# ----------------------------------------------------------------------------------------------------
+
+MAX_CALL_ROWS = 64  # rows of one graph call: the runtime feeds a longer prompt in calls of at most this many
+_DOUBLINGS = (MAX_CALL_ROWS - 1).bit_length()  # (I - N)^-1 = prod_i (I + N^(2^i)) for a nilpotent N of order <= 64
+
+
+def linear_state_shapes(config: Any) -> dict[str, int]:
+    """The per-layer state of a linear layer: the convolution's last ``conv_kernel - 1`` inputs [conv_dim, kernel - 1]
+    and the recurrent matrix of each value head [num_heads, key_dim, value_dim] (fp32), and the rows of one call."""
+    hk, hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+    dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+    return {"conv_dim": 2 * hk * dk + hv * dv, "conv_kernel": int(config.linear_conv_kernel_dim), "num_heads": hv,
+            "key_dim": dk, "value_dim": dv, "max_rows_per_call": MAX_CALL_ROWS}
+
+
+def _delta_rule(q, k, v, g, beta, s0, rows):  # noqa: ANN001, ANN202
+    """The gated delta rule over one call of S <= MAX_CALL_ROWS rows in closed form (no loop over rows), fp32.
+
+    q, k [B, H, S, dk] (l2-normalised, q scaled), v [B, H, S, dv], g (log decay), beta [B, H, S], s0 [B, H, dk, dv]
+    the state before the call; rows [R] int64 -> (outputs [B, H, S, dv], states after each of ``rows`` [B, R, H, dk,
+    dv]). With G the cumulative log decay and D[t, s] = exp(G_t - G_s) for s <= t (never above 1), the row updates
+    delta solve (I + A) delta = beta (v - exp(G) k s0) with A[t, s] = beta_t D[t, s] k_t.k_s strictly below the
+    diagonal: A is nilpotent, so its inverse is a product of ``_DOUBLINGS`` factors (I + N^(2^i)), N = -A; then
+    o_t = exp(G_t) q_t s0 + sum_{s<=t} D[t, s] (q_t.k_s) delta_s and S_t = exp(G_t) s0 + sum_{s<=t} D[t, s] k_s delta_s^T.
+    The same sums as transformers' row-by-row recurrence, in another order (equal to fp32 rounding)."""
+    S = q.shape[2]
+    G = torch.cumsum(g, dim=2)  # [B, H, S]
+    idx = torch.arange(S, device=q.device)
+    lower = idx[:, None] >= idx[None, :]  # [S, S] (t, s): s <= t
+    strict = idx[:, None] > idx[None, :]
+    neg = torch.tensor(float("-inf"), dtype=q.dtype)
+    D = torch.exp(torch.where(lower, G[..., :, None] - G[..., None, :], neg))  # [B, H, S, S]
+    gamma = torch.exp(G)[..., None]  # [B, H, S, 1]
+    n = torch.where(strict, -(beta[..., None] * D * torch.matmul(k, k.transpose(2, 3))), torch.zeros((), dtype=q.dtype))
+    x = beta[..., None] * (v - gamma * torch.matmul(k, s0))  # [B, H, S, dv]
+    for i in range(_DOUBLINGS):
+        x = x + torch.matmul(n, x)
+        if i + 1 < _DOUBLINGS:
+            n = torch.matmul(n, n)
+    out = gamma * torch.matmul(q, s0) + torch.matmul(D * torch.matmul(q, k.transpose(2, 3)), x)
+    d_rows = torch.index_select(D, 2, rows)  # [B, H, R, S]
+    g_rows = torch.index_select(gamma, 2, rows)[..., None]  # [B, H, R, 1, 1]
+    states = g_rows * s0[:, :, None] + torch.matmul(k.transpose(2, 3)[:, :, None], d_rows[..., None] * x[:, :, None])
+    return out, states.transpose(1, 2)
+
+
+def _rope_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    """RoPE on the first ``rot`` dims of x [B, heads, S, d] (transformers' partial rotary), the rest passed through."""
+    half = rot // 2
+    r, rest = x[..., :rot], x[..., rot:]
+    return torch.cat([r * cos + torch.cat([-r[..., half:], r[..., :half]], dim=-1) * sin, rest], dim=-1)
+
+
+def _moe(block, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """transformers' sparse MoE block with its top-k routing as graph ops: each token's chosen experts' weights
+    gathered (no loop over experts), the shared expert gated by its sigmoid."""
+    B, S, H = x.shape
+    t = x.reshape(-1, H)
+    router = block.gate
+    probs = torch.softmax(torch.nn.functional.linear(t, router.weight).float(), dim=-1)
+    top, idx = torch.topk(probs, router.top_k, dim=-1)  # [T, k]
+    top = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
+    ex = block.experts
+    gu = torch.matmul(ex.gate_up_proj[idx], t[:, None, :, None])[..., 0]  # [T, k, 2I]
+    inter = gu.shape[-1] // 2
+    hidden = ex.act_fn(gu[..., :inter]) * gu[..., inter:]
+    down = torch.matmul(ex.down_proj[idx], hidden[..., None])[..., 0]  # [T, k, H]
+    routed = (down * top[..., None]).sum(dim=1)
+    shared = torch.sigmoid(block.shared_expert_gate(t)) * block.shared_expert(t)
+    return (routed + shared).reshape(B, S, H)
+
+
+def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
+    """What the exporter traces :class:`TargetGraph` with: example inputs (``batch`` rows of 3 new tokens over a KV
+    capacity of 4, the states of rows 0 and 2 asked for), input and output names, dynamic axes."""
+    from dflash2_trt.manifest import TARGET_STATE_ROWS, target_state_names
+
+    cfg = hf_model.config
+    kinds = layer_kinds(cfg)
+    st = linear_state_shapes(cfg)
+    kvh, d = int(cfg.num_key_value_heads), int(cfg.head_dim)
+    past, present = target_state_names(kinds), target_state_names(kinds, "present")
+    dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
+           "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, TARGET_STATE_ROWS: {0: "state_rows"},
+           "logits": {0: "batch", 1: "sequence"}, "context_features": {0: "batch", 1: "sequence"}}
+    args: list = [torch.randint(0, int(cfg.vocab_size), (batch, 3)), torch.arange(3).repeat(batch, 1),
+                  torch.ones(batch, 4 + 3, dtype=torch.long), torch.tensor([0, 2])]
+    for i, kind in enumerate(kinds):
+        if kind == "linear":
+            args += [torch.zeros(batch, st["conv_dim"], st["conv_kernel"] - 1, dtype=dtype),
+                     torch.zeros(batch, st["num_heads"], st["key_dim"], st["value_dim"])]
+            dyn.update({f"past_conv.{i}": {0: "batch"}, f"past_recurrent.{i}": {0: "batch"},
+                        f"present_conv.{i}": {0: "batch", 2: "sequence"},
+                        f"present_recurrent.{i}": {0: "batch", 1: "state_rows"}})
+        else:
+            args += [torch.zeros(batch, kvh, 4, d, dtype=dtype) for _ in range(2)]
+            dyn.update({f"past_key_values.{i}.{k}": {0: "batch", 2: "capacity"} for k in ("key", "value")})
+            dyn.update({f"present.{i}.{k}": {0: "batch", 2: "sequence"} for k in ("key", "value")})
+    names = ["input_ids", "position_ids", "attention_mask", TARGET_STATE_ROWS, *past]
+    return tuple(args), names, ["logits", "context_features", *present], dyn
+
+
+class TargetGraph(nn.Module):
+    """A Qwen3.5-family causal LM with explicit state: capacity-buffer KV for the attention layers (the dense
+    family's convention, :mod:`dflash2_trt.targets.dense`) and, for each linear layer, its convolution and recurrent
+    state, returned so that the runtime can keep the state after any accepted prefix of the call.
+
+    forward(input_ids [B, S], position_ids [B, S], attention_mask [B, C + S] int64, state_rows [R] int64,
+            *past — per layer in order: attention ``key, value [B, kvh, C, d]``; linear ``conv [B, conv_dim, K - 1],
+            recurrent [B, heads, dk, dv] fp32``)
+    -> logits [B, S, V] fp32, context_features [B, S, n * H], *present — per layer: attention the K/V of the S new
+       rows [B, kvh, S, d]; linear the convolution's inputs of the S rows [B, conv_dim, S] (the state after row j
+       is the last K - 1 columns of [conv | inputs[:, :, :j + 1]]) and the recurrent state after each row of
+       ``state_rows`` [B, R, heads, dk, dv] (a verify asks for every row, a prompt chunk for its last).
+    S <= MAX_CALL_ROWS; rows of a sequence past its valid ones (a batch's padding) come last and touch no valid row.
+    """
+
+    def __init__(self, hf_model: Any, layer_ids: list[int]) -> None:
+        super().__init__()
+        check_exportable(hf_model)
+        cfg = hf_model.config
+        base = hf_model.model
+        self.kinds = layer_kinds(cfg)
+        self.embed, self.layers, self.norm, self.lm_head = base.embed_tokens, base.layers, base.norm, hf_model.lm_head
+        self.layer_ids = list(layer_ids)
+        self.nh, self.kvh = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        self.d = int(cfg.head_dim)
+        rot = base.rotary_emb
+        self.register_buffer("inv_freq", rot.inv_freq.detach().float().clone(), persistent=False)  # [rot / 2]
+        self.rot = 2 * int(rot.inv_freq.numel())
+        self.attention_scaling = float(getattr(rot, "attention_scaling", 1.0))
+        st = linear_state_shapes(cfg)
+        self.hk, self.hv = int(cfg.linear_num_key_heads), st["num_heads"]
+        self.dk, self.dv = st["key_dim"], st["value_dim"]
+
+    def forward(self, input_ids, position_ids, attention_mask, state_rows, *past):  # noqa: ANN001, ANN201
+        B, S = input_ids.shape
+        h = self.embed(input_ids)
+        dtype = h.dtype
+        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)  # [B, 1, S, rot]
+        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
+        kv_past = [past[2 * i] for i, kind in enumerate(self.kinds) if kind == "attention"]
+        C = kv_past[0].shape[2]
+        rep = self.nh // self.kvh
+        neg, zero = torch.tensor(float("-inf"), dtype=dtype), torch.tensor(0.0, dtype=dtype)
+        causal = torch.ones(S, S, dtype=torch.bool, device=h.device).tril()
+        past_bias = torch.where(attention_mask[:, :C] > 0, zero, neg)[:, None, None, :]
+        new_bias = torch.where(causal[None] & (attention_mask[:, C:] > 0)[:, None, :], zero, neg)
+        new_bias = new_bias.unsqueeze(1).repeat(1, 1, rep, 1)
+        taps, present = {}, []
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            if self.kinds[i] == "attention":
+                out, new = self._attention(layer.self_attn, x, cos, sin, past[2 * i], past[2 * i + 1], past_bias,
+                                           new_bias)
+            else:
+                out, new = self._linear(layer.linear_attn, x, past[2 * i], past[2 * i + 1], state_rows)
+            h = h + out
+            mlp = layer.mlp
+            x = layer.post_attention_layernorm(h)
+            h = h + (_moe(mlp, x) if hasattr(mlp, "experts") else mlp(x))
+            present += new
+            taps[i] = h
+        h = self.norm(h)
+        taps[len(self.layers) - 1] = h
+        logits = self.lm_head(h).float()
+        ctx = torch.cat([taps[j] for j in self.layer_ids], dim=-1)
+        return (logits, ctx, *present)
+
+    def _attention(self, a, x, cos, sin, pk, pv, past_bias, new_bias):  # noqa: ANN001, ANN202
+        """Gated full attention: the query projection's second half gates the output through a sigmoid."""
+        B, S = x.shape[0], x.shape[1]
+        qg = a.q_proj(x).view(B, S, self.nh, 2 * self.d)
+        q, gate = qg[..., : self.d], qg[..., self.d:].reshape(B, S, self.nh * self.d)
+        q = _rope_part(a.q_norm(q).transpose(1, 2), cos, sin, self.rot)
+        k = _rope_part(a.k_norm(a.k_proj(x).view(B, S, self.kvh, self.d)).transpose(1, 2), cos, sin, self.rot)
+        v = a.v_proj(x).view(B, S, self.kvh, self.d).transpose(1, 2)
+        o = _grouped_attention(q, pk, pv, k, v, past_bias, new_bias, float(a.scaling), self.nh, self.kvh, self.d)
+        o = o.transpose(1, 2).reshape(B, S, self.nh * self.d) * torch.sigmoid(gate)
+        return a.o_proj(o), [k, v]
+
+    def _linear(self, la, x, conv, s0, state_rows):  # noqa: ANN001, ANN202
+        """A Gated DeltaNet layer from its convolution and recurrent state."""
+        B, S = x.shape[0], x.shape[1]
+        mixed = la.in_proj_qkv(x).transpose(1, 2)  # [B, conv_dim, S]
+        y = F.silu(F.conv1d(torch.cat([conv, mixed], dim=2), la.conv1d.weight, None, groups=mixed.shape[1]))
+        y = y.transpose(1, 2)
+        kd = self.hk * self.dk
+        rep = self.hv // self.hk
+        q = y[..., :kd].reshape(B, S, self.hk, 1, self.dk).expand(B, S, self.hk, rep, self.dk)
+        k = y[..., kd: 2 * kd].reshape(B, S, self.hk, 1, self.dk).expand(B, S, self.hk, rep, self.dk)
+        q = q.reshape(B, S, self.hv, self.dk).transpose(1, 2).float()
+        k = k.reshape(B, S, self.hv, self.dk).transpose(1, 2).float()
+        v = y[..., 2 * kd:].reshape(B, S, self.hv, self.dv).transpose(1, 2).float()
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / (self.dk ** 0.5)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        beta = torch.sigmoid(la.in_proj_b(x)).float().transpose(1, 2)  # [B, H, S]
+        g = (-la.A_log.float().exp() * F.softplus(la.in_proj_a(x).float() + la.dt_bias)).transpose(1, 2)
+        core, states = _delta_rule(q, k, v, g, beta, s0.float(), state_rows)
+        core = core.transpose(1, 2).to(x.dtype).reshape(-1, self.dv)
+        z = la.in_proj_z(x).reshape(-1, self.dv)
+        o = la.norm(core, z).reshape(B, S, self.hv * self.dv)
+        return la.out_proj(o), [mixed, states]

@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import BLOCK_LAYERS, ORT_SUFFIX, TARGET_ORT, ExportManifest, GraphSpec, read_manifest
+from dflash2_trt.manifest import (BLOCK_LAYERS, ORT_SUFFIX, TARGET_ORT, TARGET_STATE_ROWS, ExportManifest, GraphSpec,
+                                  read_manifest)
 from dflash2_trt.runtime.kv import KVBuffer, target_ids
+from dflash2_trt.runtime.linear_state import LinearStates
 from dflash2_trt.runtime.protocol import (BackendBase, BackendUnavailable, BatchDraftRunner, BatchTargetRunner, Draft,
                                           independent_draft)
 from dflash2_trt.runtime.ort.failures import ort_failures
@@ -306,7 +308,9 @@ class OrtBackend(BackendBase):
 
 
 class OrtTargetRunner:
-    """TargetRunner over ``target.onnx``."""
+    """TargetRunner over ``target.onnx``: KV capacity buffers for the attention layers and, for a target with linear
+    layers, their states (:class:`~dflash2_trt.runtime.linear_state.LinearStates`: a crop into the last call rolls
+    them back to the kept rows)."""
 
     def __init__(self, be: OrtBackend) -> None:
         m = be.manifest
@@ -315,12 +319,22 @@ class OrtTargetRunner:
         self.vocab_size = t.vocab_size
         self.max_positions = m.max_seq_len
         self.eos_ids = set(t.eos_token_ids)
-        self.kv = KVBuffer(t.num_layers, t.num_key_value_heads, t.head_dim, be.dtype, m.kv_capacity_step,
+        self.kinds = m.layer_kinds
+        if "sliding" in self.kinds:
+            raise DFlash2Error("this runtime does not run targets with sliding-window layers yet")
+        attention = [i for i, k in enumerate(self.kinds) if k == "attention"]
+        linear = [i for i, k in enumerate(self.kinds) if k == "linear"]
+        self.kv = KVBuffer(len(attention), t.num_key_value_heads, t.head_dim, be.dtype, m.kv_capacity_step,
                            m.max_seq_len)
         self.names = m.target_kv_names()
+        self.linear = LinearStates(linear, t.linear_state, be.dtype) if linear and t.linear_state else None
+        self._call_start = 0  # the cache length before the last forward (a rollback keeps rows of that call only)
 
     def reset(self) -> None:
         self.kv.reset()
+        if self.linear is not None:
+            self.linear.reset()
+        self._call_start = 0
 
     @property
     def cache_length(self) -> int:
@@ -329,16 +343,37 @@ class OrtTargetRunner:
     def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""
         arr = target_ids(ids, self.vocab_size)  # [1, m]
+        if self.linear is None:
+            return self._call(arr)
+        self._call_start = self.kv.length
+        step = self.linear.spec.max_rows_per_call
+        every_row = arr.shape[1] <= step  # a call that may be rolled back (a verify): every row's state
+        outs = [self._call(arr[:, a:a + step], every_row) for a in range(0, arr.shape[1], step)]
+        return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
+
+    def _call(self, arr: np.ndarray, every_row: bool = False) -> tuple[np.ndarray, np.ndarray]:
         n, S = self.kv.length, arr.shape[1]
         self.kv.reserve(n + S)
         feed = {"input_ids": arr, "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1),
                 "attention_mask": np.concatenate([self.kv.valid_mask(), np.ones((1, S), dtype=np.int64)], axis=1)}
-        feed.update(zip(self.names, self.kv.arrays))
+        if self.linear is None:
+            feed.update(zip(self.names, self.kv.arrays))
+            out = self.sess.run(feed)
+            self.kv.append(out[2:])
+            return out[0][0], out[1][0]
+        feed[TARGET_STATE_ROWS] = np.arange(S, dtype=np.int64) if every_row else np.array([S - 1], dtype=np.int64)
+        kv, lin = iter(self.kv.arrays), iter(self.linear.feed())
+        feed.update(zip(self.names, (a for kind in self.kinds for a in
+                                     ((next(kv), next(kv)) if kind == "attention" else (next(lin), next(lin))))))
         out = self.sess.run(feed)
-        self.kv.append(out[2:])
+        present = [out[2 + 2 * i: 4 + 2 * i] for i in range(len(self.kinds))]
+        self.kv.append([a for kind, p in zip(self.kinds, present) if kind == "attention" for a in p])
+        self.linear.update([a for kind, p in zip(self.kinds, present) if kind == "linear" for a in p], S, every_row)
         return out[0][0], out[1][0]
 
     def crop(self, length: int) -> None:
+        if self.linear is not None and length < self.kv.length:
+            self.linear.rollback(length - self._call_start)
         self.kv.crop(length)
 
 

@@ -1,0 +1,239 @@
+"""Hybrid Gated DeltaNet targets (qwen3_5, qwen3_5_moe) exported and run with ONNX Runtime: the standard target
+graph against transformers, a k-row verify against k one-row steps, the runtime's rollback of the linear layers'
+states to every kept length against a fresh run, lossless speculative decoding with drafts accepted at block sizes
+2, 4, 8, the sampling law at T = 1, two planted rollback bugs the suite must catch, the manifest's layer kinds and
+state shapes (and the readers that refuse them), and TensorRT's parser table for every node of the graph."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash2_trt import DFlash2Error
+from dflash2_trt.runtime import decoder as D
+from dflash2_trt.runtime.linear_state import LinearStates
+from helpers import assert_accepts, make_pair, two_token_law, two_token_p_value
+
+ARCHS = ("qwen3_5", "qwen3_5_moe")
+
+
+def _export(tmp_path_factory, name: str, arch: str, accepting: bool, block_size: int | None = None):
+    from dflash2_trt.export.exporter import export_model
+
+    pair = make_pair(tmp_path_factory, name, accepting=accepting, arch=arch)
+    out = tmp_path_factory.mktemp("export") / name
+    export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=block_size)
+    return pair, out
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def random_export(request, tmp_path_factory):
+    """(HF target, ORT backend) of a random tiny hybrid target (its linear layers at full strength)."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.target import TargetModel
+
+    pair, out = _export(tmp_path_factory, f"hy_rand_{request.param}", request.param, accepting=False)
+    return TargetModel.load(pair / "target"), OrtBackend(out)
+
+
+@pytest.fixture(scope="module")
+def accepting_exports(tmp_path_factory):
+    """Block size -> ORT backend of the accepting qwen3_5 pair exported at that block size."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    return {bs: OrtBackend(_export(tmp_path_factory, f"hy_acc_{bs}", "qwen3_5", True, bs)[1]) for bs in (2, 4, 8)}
+
+
+def _hf_logits(t, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return t.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+
+
+def test_manifest_describes_layer_kinds_and_states(random_export):
+    t, be = random_export
+    m = be.manifest
+    assert m.manifest_version == 3 and m.target.layer_kinds == ("attention", "linear", "linear", "attention")
+    cfg = t.model.config
+    ls = m.target.linear_state
+    assert (ls.conv_dim, ls.conv_kernel, ls.num_heads, ls.key_dim, ls.value_dim) == (
+        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim,
+        cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    assert "target_ort" not in m.graphs and not be.batching  # the standard graph, one request at a time
+
+
+def test_graph_equals_transformers_on_prompts_up_to_300(random_export):
+    """Prompts of 1..300 tokens (fed in calls of at most 64 rows) then single steps: logits within 1e-4 (relative)
+    of transformers' whole-sequence forward."""
+    t, be = random_export
+    rng = np.random.default_rng(0)
+    r = be.target_runner()
+    for n in (1, 2, 5, 17, 64, 65, 130, 300):
+        ids = rng.integers(2, t.vocab_size, n + 3).tolist()
+        r.reset()
+        got = np.concatenate([r.forward(ids[:n])[0]] + [r.forward(ids[n + i: n + i + 1])[0] for i in range(3)])
+        want = _hf_logits(t, ids)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 1e-4, (n, err)
+
+
+def _state(r) -> list[np.ndarray]:  # noqa: ANN001
+    """What the next call reads: the valid KV slots and every linear layer's conv and recurrent state."""
+    n = r.kv.length
+    return [a[:, :, :n] for a in r.kv.arrays] + r.linear.conv + r.linear.recurrent
+
+
+def test_verify_rows_equal_steps_and_rollback_equals_a_fresh_run(random_export):
+    """After a prompt, a k-row call equals k one-row calls (argmax identical, logits within 1e-5 of the largest);
+    a rollback to every kept length 0..k leaves the state (KV, conv, recurrent) equal to a fresh run of the prompt and
+    the kept rows (to fp32 rounding), and the next call's logits equal too."""
+    t, be = random_export
+    rng = np.random.default_rng(1)
+    r, fresh = be.target_runner(), be.target_runner()
+    for k in (2, 4, 8):
+        prompt = rng.integers(2, t.vocab_size, 9).tolist()
+        rows = rng.integers(2, t.vocab_size, k).tolist()
+        nxt = rng.integers(2, t.vocab_size, 1).tolist()
+        fresh.reset()
+        fresh.forward(prompt)
+        steps = np.concatenate([fresh.forward([x])[0] for x in rows])
+        for keep in range(k + 1):
+            r.reset()
+            r.forward(prompt)
+            block = r.forward(rows)[0]
+            assert (block.argmax(-1) == steps.argmax(-1)).all()
+            assert np.abs(block - steps).max() <= 1e-5 * np.abs(steps).max()
+            r.crop(len(prompt) + keep)
+            fresh.reset()
+            fresh.forward(prompt + rows[:keep]) if keep else fresh.forward(prompt)
+            for a, b in zip(_state(r), _state(fresh)):  # equal to fp32 rounding (k-row and one-row sums differ)
+                assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max()), (k, keep)
+            a, b = r.forward(nxt)[0], fresh.forward(nxt)[0]
+            assert a.argmax() == b.argmax() and np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), (k, keep)
+
+
+def test_rollback_outside_the_last_call_is_refused(random_export):
+    _, be = random_export
+    r = be.target_runner()
+    r.forward(list(range(2, 80)))  # a prompt of more than 64 rows: chunks record their last row only
+    with pytest.raises(DFlash2Error, match="rolled back only into the last call"):
+        r.crop(70)
+    r.reset()
+    r.forward([2, 3, 4])
+    r.forward([5, 6])
+    with pytest.raises(DFlash2Error, match="cannot keep"):
+        r.crop(2)
+
+
+def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, size=int(rng.integers(1, 24))).tolist() for _ in range(n)]
+
+
+def _lossless(be, prompts):  # noqa: ANN001, ANN202
+    """(mismatches against the same backend's autoregressive output, accepted drafts per cycle)."""
+    bad, accepted = 0, []
+    for p in prompts:
+        want = D.target_generate(be.target_runner(), p, 24, eos_ids=set()).tokens
+        r = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 24, eos_ids=set())
+        bad += r.tokens != want
+        accepted += r.accepted
+    return bad, accepted
+
+
+def test_lossless_greedy_with_drafts_accepted_on_ort(accepting_exports):
+    """40 prompts x block sizes 2, 4, 8 (one export each): speculative greedy output on ONNX Runtime = its own
+    autoregressive output, token for token, with drafts accepted and partial blocks rolled back."""
+    for bs, be in accepting_exports.items():
+        prompts = _prompts(be.manifest.target.vocab_size, 40, 7)
+        bad, acc = _lossless(be, prompts)
+        assert bad == 0, f"block size {bs}: {bad} of 40 prompts differ"
+        assert_accepts(acc, bs - 1, f"block size {bs}")
+        assert any((0 < a or bs == 2) and a < bs - 1 for a in acc), f"no rollback at block size {bs}"
+
+
+def _keep_all_rows(self, keep):  # noqa: ANN001, ANN202
+    """Planted bug: the linear layers keep their state after all k rows of the verify."""
+    self._last = None
+
+
+def _keep_conv_rows(self, keep):  # noqa: ANN001, ANN202
+    """Planted bug: the recurrent state is rolled back, the convolution state stays the one after all k rows."""
+    conv = self.conv
+    LinearStates._real_rollback(self, keep)
+    self.conv = conv
+
+
+@pytest.mark.parametrize("bug", [_keep_all_rows, _keep_conv_rows], ids=["no_state_rollback", "no_conv_rollback"])
+def test_planted_rollback_bugs_are_caught_on_ort(accepting_exports, bug, monkeypatch):
+    be = accepting_exports[8]
+    monkeypatch.setattr(LinearStates, "_real_rollback", LinearStates.rollback, raising=False)
+    monkeypatch.setattr(LinearStates, "rollback", bug)
+    bad, _ = _lossless(be, _prompts(be.manifest.target.vocab_size, 20, 7))
+    assert bad > 0
+
+
+def test_sampling_keeps_the_target_law_on_ort(accepting_exports):
+    """T = 1: the joint law of the first two tokens through ONNX Runtime is the target's own (chi-square against the
+    exact law from one-row forwards), with drafts accepted."""
+    be = accepting_exports[4]
+    prompt = _prompts(be.manifest.target.vocab_size, 1, 23)[0] * 2
+    law = two_token_law(be.target_runner(), prompt, 1.0)
+    runs = [D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), prompt, 6, temperature=1.0,
+                                   eos_ids=set(), seed=s) for s in range(400)]
+    assert sum(sum(r.accepted) for r in runs) > 100
+    assert two_token_p_value(law, [(r.tokens[0], r.tokens[1]) for r in runs]) > 1e-3
+
+
+def test_every_node_imports_into_tensorrt(random_export):
+    import onnx
+
+    from dflash2_trt.export.onnx_utils import trt_parser_refusals
+
+    _, be = random_export
+    model = onnx.load(str(be.dir / "target.onnx"), load_external_data=False)
+    assert trt_parser_refusals(model) == []
+
+
+def _edited(be, tmp_path, edit):  # noqa: ANN001, ANN202
+    import shutil
+
+    d = tmp_path / "e"
+    shutil.copytree(be.dir, d)
+    m = json.loads((d / "manifest.json").read_text())
+    edit(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+    return d
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["target"].update(layer_kinds=["attention"] * 4), "manifest_version is 3 but a target"),
+    (lambda m: m["target"].update(layer_kinds=["attention", "linear", "attention", "attention"]),
+     "target.layer_kinds has 3 attention layers"),
+    (lambda m: m["target"]["linear_state"].update(conv_dim=96), "target.linear_state.conv_dim is 96"),
+    (lambda m: m["target"]["linear_state"].update(num_heads=2), "target.linear_state.num_heads is 2"),
+    (lambda m: m["target"].update(linear_state=None), "linear_state must be given"),
+], ids=["kinds_vs_version", "kinds_vs_graph", "conv_dim", "heads", "no_state"])
+def test_edited_layer_kinds_or_states_are_refused(random_export, tmp_path, edit, message):
+    from dflash2_trt.manifest import read_manifest
+
+    _, be = random_export
+    with pytest.raises(DFlash2Error, match=message):
+        read_manifest(_edited(be, tmp_path, edit), verify_checksums=False)
+
+
+def test_readers_without_state_support_refuse_in_one_line(random_export, tmp_path):
+    """A reader of version 2 only (an older dflash2-trt) refuses the export by its manifest_version; the runtimes that
+    do not keep linear state yet refuse it by name."""
+    from dflash2_trt.manifest import parse_manifest
+
+    _, be = random_export
+    data = json.loads((be.dir / "manifest.json").read_text())
+    assert data["manifest_version"] == 3
+    with pytest.raises(DFlash2Error, match="does not run targets with linear layers yet"):
+        be.manifest.require_attention_only("the TensorRT backend")
+    data["manifest_version"] = 4
+    with pytest.raises(DFlash2Error, match="has manifest_version 4"):
+        parse_manifest(data)
