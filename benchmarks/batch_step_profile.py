@@ -1,4 +1,4 @@
-"""Where a batched plain step's time goes (issue 29): ONNX Runtime's per-node profile of ``target_ort.onnx`` (the
+"""Where a batched plain step's time goes: ONNX Runtime's per-node profile of ``target_ort.onnx`` (the
 demo's SmolLM2 fused fp32 export, DecodeAttention, the panel kernels) running one plain step for B sequences at once
 (B rows, each sequence its own cache of ``--cached`` + a few positions, through the runtime's batched runner) beside
 B = 1, summed by op type, at each ``--threads``; with the wall time of the same steps unprofiled::

@@ -1,6 +1,6 @@
-"""Batched autoregressive throughput (issue 29): total generated tokens/s of ``Generator.generate_batch`` (plain
+"""Batched autoregressive throughput: total generated tokens/s of ``Generator.generate_batch`` (plain
 decoding, continuous batching over the fused target, :mod:`dflash2_trt.runtime.batch`) at 1 / 2 / 4 / 8 / 16
-concurrent streams vs single-stream AR (``Generator.generate(speculative=False)``, today's path, one request after
+concurrent streams vs single-stream AR (``Generator.generate(speculative=False)``, the unbatched path, one request after
 another), SmolLM2-135M-Instruct fp32 fused (the demo's cached export), MT-Bench first turns, EOS off so every
 stream makes exactly ``--tokens`` tokens (prefill included). Every cell decodes the same max(``--streams``)
 prompts: at n streams at most n of them at once, a queued one joining as one leaves (continuous batching), so

@@ -1,4 +1,4 @@
-"""Batched drafter cost (issue 29 item 1): the drafting of one batch step at B = 1, 2, 4, 8 drafting sequences, as
+"""Batched drafter cost: the drafting of one batch step at B = 1, 2, 4, 8 drafting sequences, as
 ONE batched proposal (:class:`~dflash2_trt.runtime.ort.batched_drafter.OrtBatchedDraftRunner`: one context call, one
 block call, one head call) vs B separate B = 1 proposals (:class:`~dflash2_trt.runtime.ort.backend.OrtDraftRunner`
 per sequence: B context calls, B block calls, B head calls — the batch loop before the batched drafter), on the

@@ -1,4 +1,4 @@
-"""The batch loop with the batched drafter vs one B = 1 drafter per slot (issue 29 item 1), end to end:
+"""The batch loop with the batched drafter vs one B = 1 drafter per slot, end to end:
 :class:`~dflash2_trt.runtime.batch.BatchDecoder` over the fused target at 1 / 2 / 4 / 8 streams, three ways — plain
 (no drafting), load-adaptive drafting with B = 1 drafters (``drafter_factory``), load-adaptive drafting with the
 batched drafter (``batched_drafter``: one proposal call per step, the rule charging t_draft(k) once) — on the demo's

@@ -63,7 +63,7 @@ class TimedTarget:
 class TimedDrafter:
     def __init__(self, inner, log: Log) -> None:  # noqa: ANN001
         self.inner, self.log = inner, log
-        self.block_size = inner.block_size
+        self.block_size, self.num_draft_rows = inner.block_size, inner.num_draft_rows
 
     def reset(self) -> None:
         self.inner.reset()

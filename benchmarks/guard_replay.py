@@ -47,7 +47,7 @@ def record_traces(export: str, sets: list[str], limit: int, tokens: int, threads
     out: dict[str, list] = {}
     with dflash2_trt.load(export, backend="ort", threads=threads) as g:
         target, drafter = g._runner(), g._drafter("greedy")
-        L = drafter.block_size - 1
+        L = drafter.num_draft_rows
         for name in sets:
             rows = []
             for p in encode_items(load_prompts(name, limit), g._tok.encode, lambda m: g._tok.apply_chat_template(m)):

@@ -1,7 +1,6 @@
-"""CPU cost of one training step against the head rows it computes (issue 26, item 1; SPEC §5 performance
-notes): the LM-head product as one 2-D GEMM (what :func:`dflash2_trt.train.trainer.compute_loss` does) against
-the strided 3-D view it used before (``h[:, 1:] @ w.t()``, which PyTorch runs as a batched matmul that
-re-streams the head slice per block).
+"""CPU cost of one training step against the head rows it computes (docs/training.md): the LM-head product as one
+2-D GEMM (what :func:`dflash2_trt.train.trainer.compute_loss` does) against a strided 3-D view (``h[:, 1:] @ w.t()``,
+which PyTorch runs as a batched matmul that re-streams the head slice per block).
 
     python benchmarks/train_step_cost.py [--threads 1] [--batch-seqs 4 8] [--block-size 4 8] [--repeat 3]
         [--drafter DIR] [--json]

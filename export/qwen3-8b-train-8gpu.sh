@@ -3,7 +3,7 @@
 #   TARGET   HF folder of Qwen3-8B (e.g. `huggingface-cli download Qwen/Qwen3-8B --local-dir ...`); the same
 #            recipe fits Llama-3.1-8B-Instruct (its numbers below are within ~10 %)
 #   WORK     a folder on a disk with ~3 TB free (the feature store, see below)
-# Status: written against the documented flags, NEVER RUN — no GPU was lent to this project; the CPU twins of
+# Status: written against the documented flags, NEVER RUN on a GPU; the CPU twins of
 # every step (2-process torchrun make-data and train, kill + --resume, bf16) run in tests/test_train_distributed.py.
 # Every figure below is an ESTIMATE with its arithmetic, not a measurement.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Recipe: the next stage of the SmolLM2 demo drafter (issue 26), trained on one GPU within a fixed time budget:
+# Recipe: a longer-trained SmolLM2 demo drafter, trained on one GPU within a fixed time budget:
 # held-out data -> self-distilled data -> a timed calibration -> train -> offline τ of the old and the new drafter
 # on the same held-out rows -> the new drafter in fp16, split into pieces of at most 15 MB (RESULT/).
 #   PROMPTS        prompt file for the data ({"text", "chat"} per line), made where the prompt sources are
@@ -12,8 +12,8 @@
 #   TRAIN_SECONDS  the training run's budget; a 20-step calibration run sets --steps from it (the learning rate
 #                  decays to 0 at the last step, so a run cut short would not be annealed)
 # Status: the same steps run on a CPU with the tiny pair in the test suite (tests/test_architecture.py);
-# **never run on a GPU** (none lent so far). Stage 4 (CPU, 240k labels) showed the 1-layer drafter at its plateau
-# on CPU budgets; this recipe is the "far longer training, on GPU" of the drafter README.
+# **never run on a GPU**. On CPU budgets (240k labels) the 1-layer drafter is at its plateau; this recipe is the
+# "far longer training, on GPU" of the drafter README.
 #
 # Making the prompt files (on the CPU machine, one core, ≈ 2 min):
 #   D=dflash2_trt/drafters/smollm2-135m-instruct-dflash2
@@ -21,7 +21,7 @@
 #     --sample-every 1000 --self-instructions 16 --seed 10 --threads 1 --exclude $D --prompts-only
 #   dflash2 make-data --target smollm2 --out POOL --prompts 24000 --code-packages --self-instructions 0 --seed 30 \
 #     --threads 1 --exclude $D HELD --prompts-only
-# A lent machine that takes 64 MiB per call (the repository is 28 MB of it): split the 98 MB GGUF into three
+# A remote GPU machine that takes 64 MiB per call (the repository is 28 MB of it): split the 98 MB GGUF into three
 # pieces under an ignored folder (`split -b 30M`), carry one per call while the machine stays warm, `cat` them
 # back together there, check its sha256, then run this recipe with TARGET=that file (the `gguf` wheel carried
 # too: python3 -m pip install --no-index --no-deps --target /tmp/site gguf-*.whl; PYTHONPATH=/tmp/site:.), and the

@@ -1,8 +1,12 @@
 """Helpers shared by the tests (fixtures live in conftest.py and use these): the tiny pairs made by the
 project's own make-tiny and exported once, the same weights at another block size, and the acceptance check
-of the lossless / equivalence tests."""
+of the lossless / equivalence tests, the check that the custom-op library is built, and speculative = autoregressive
+decoding through a backend."""
 
 from __future__ import annotations
+
+import numpy as np
+import pytest
 
 
 def make_pair(tmp_path_factory, name: str, accepting: bool = False, arch: str = "llama"):
@@ -120,3 +124,29 @@ FIELD_EDITS = [
     (lambda m: m["drafter"].update(num_key_value_heads=1), "drafter.num_key_value_heads is 1"),
     (lambda m: (m["target"].update(vocab_size=500), m["drafter"].update(vocab_size=500)), "target.vocab_size is 500"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def ort_ops_built() -> None:
+    """The dflash2 custom-op library is built (autouse where a test module imports it), else the test fails saying
+    so: a missing library is missing work, not a skip."""
+    from dflash2_trt.runtime.ort import decode_attention as DA
+
+    ok, why = DA.available()
+    if not ok:
+        pytest.fail(f"{why} (scripts/build_ort_ops.sh)")
+
+
+def speculative_equals_autoregressive(be, seed: int, prompts: int, n: int, what: str) -> None:  # noqa: ANN001
+    """Greedy speculative decoding through ``be`` = its own autoregressive tokens on random prompts, drafts accepted."""
+    from dflash2_trt.runtime import decoder as D
+
+    target, drafter = be.target_runner(), be.draft_runner("greedy")
+    rng = np.random.default_rng(seed)
+    accepted = []
+    for _ in range(prompts):
+        p = rng.integers(4, target.vocab_size, int(rng.integers(3, n))).tolist()
+        spec = D.speculative_generate(target, drafter, p, n, eos_ids=set())
+        assert spec.tokens == D.target_generate(target, p, n, eos_ids=set()).tokens
+        accepted += spec.accepted
+    assert_accepts(accepted, drafter.num_draft_rows, what)

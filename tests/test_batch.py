@@ -1,4 +1,4 @@
-"""Batched decoding (issue 29): the batched fused target runner against B = 1 calls (ragged rows, right padding,
+"""Batched decoding: the batched fused target runner against B = 1 calls (ragged rows, right padding,
 idle and free slots, crops, capacity growth, joins into freed slots) with dflash2.DecodeAttention (ragged calls:
 verifies and prefills of several sequences in one call, counted) and with GroupQueryAttention (one-row calls
 batched, the rest alone); how the runner groups slots into calls; the batch loop's greedy output against each
@@ -207,7 +207,7 @@ def test_an_accepted_eos_ends_the_count(be, k):
             break
     eos = want[k]
     assert eos not in want[:k], "no prompt found"
-    L = be.manifest.block_size - 1
+    L = be.manifest.num_draft_rows
     expected, pos = [], 1  # want[0] comes from the prompt's forward; each cycle drafts want[pos: pos + L]
     while True:
         if k < pos + L:
@@ -239,7 +239,7 @@ def test_rule_estimate_of_a_final_partial_block(be):
     for _ in range(4):
         dec.step()
     s = dec._active[rid]
-    L = be.manifest.block_size - 1
+    L = be.manifest.num_draft_rows
     n_full, tau_full = dec._estimate(s, DFLASH2, [])
     assert n_full == L and tau_full > 1.5, tau_full  # drafts were accepted: the share is not trivially 1
     for n in (1, 4, L - 1):

@@ -1,4 +1,4 @@
-"""Proposers in the batch loop (issue 29: runtime/batch.py with prompt lookup beside the drafter): on the accepting
+"""Proposers in the batch loop (runtime/batch.py with prompt lookup beside the drafter): on the accepting
 pair, sequences of different proposers (ngram, auto, dflash2), lengths and temperatures joining mid-way each make
 exactly their own B = 1 ``speculative_generate`` cycles — the same proposer, accepted and verified drafts per cycle,
 plain steps and tokens — with lookup cycles accepted and the drafter's context contiguous across them; the

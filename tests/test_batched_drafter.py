@@ -1,4 +1,4 @@
-"""The batched drafter (issue 29): :class:`~dflash2_trt.runtime.ort.batched_drafter.OrtBatchedDraftRunner` against
+"""The batched drafter: :class:`~dflash2_trt.runtime.ort.batched_drafter.OrtBatchedDraftRunner` against
 one B = 1 :class:`~dflash2_trt.runtime.ort.backend.OrtDraftRunner` per sequence on fresh random context features —
 ragged context updates in one call, ragged lengths, capacity growth, slots reset and re-joined, final partial
 blocks, T = 0 and T > 0 sequences in one call, every draft mode, a slot range bound in place (idle slots inside)

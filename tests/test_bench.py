@@ -207,7 +207,7 @@ def test_every_results_file_is_indexed_with_its_drafter_and_command():
         assert cells[2].startswith(("`python benchmarks/", "`dflash2 ", "the same")), ln
 
 
-# -- pinned review findings (issue #12), each failed before its fix ----------------------------------------
+# -- pinned review findings, each failed before its fix ---------------------------------------------------
 def test_oracle_tau_at_positive_temperature_follows_its_definition(acc_target, acc_drafter):
     """bench/oracle.py: at T > 0 a cycle's oracle count is the number of leading rows whose token — the
     committed prefix (accepted drafts + the sampled bonus), then the target's argmax continuation — is among

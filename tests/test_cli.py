@@ -87,7 +87,7 @@ def test_dflash2_export_help_names_itself(capsys):
     assert out.startswith("usage: dflash2-export [-h]") and "dflash2-export export" not in out
 
 
-# -- pinned review findings (issue #12), each failed before its fix ----------------------------------------
+# -- pinned review findings, each failed before its fix ---------------------------------------------------
 def test_cli_bad_temperature_is_one_line(acc_dir, capsys):
     from dflash2_trt.cli import main
 

@@ -1,4 +1,4 @@
-"""``export --draft-vocab N``: the drafter's LM head keeps only its N most frequent token ids (issue #11).
+"""``export --draft-vocab N``: the drafter's LM head keeps only its N most frequent token ids.
 
 The restricted head is a PyTorch behaviour first (``DFlash2Drafter.restrict_vocab``), the exported graphs are
 verified against it, and decoding through ONNX Runtime stays lossless, with drafts accepted and every drafted

@@ -30,7 +30,7 @@ def test_layout_manifest_and_checker(tiny_export):
     assert set(m.graphs) == {"target", "drafter_context", "drafter_block", "drafter_head_independent",
                                 "drafter_head_greedy", "drafter_head_viterbi", "drafter_head_greedy_plugin",
                                 "drafter_head_viterbi_plugin", "target_ort",  # target_ort: tests/test_ort_fused.py
-                                "drafter_block_layers"}  # tests/test_ort_decode_attention.py
+                                "drafter_block_layers"}  # tests/test_ort_drafter_layer.py
     assert [o.name for o in m.graphs["drafter_head_independent"].outputs] == ["logits"]
     assert m.plugin == PluginSpec(op_type="DFlash2PathSelector", domain="trt.plugins", plugin_version="1",
                                   plugin_namespace="")

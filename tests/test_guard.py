@@ -52,6 +52,7 @@ class ScheduledOracleDrafter:
 
     def __init__(self, W: np.ndarray, block_size: int, good) -> None:  # noqa: ANN001
         self.W, self.block_size, self.good = W, block_size, good
+        self.num_draft_rows = block_size - 1  # a hand-made runner: its L is given here
         self.ctx = 0
 
     def reset(self) -> None:
@@ -63,7 +64,7 @@ class ScheduledOracleDrafter:
 
     def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
         assert pos == self.ctx
-        L, V = self.block_size - 1, self.W.shape[0]
+        L, V = self.num_draft_rows, self.W.shape[0]
         k = self.good(pos)
         toks, t = [], anchor
         for i in range(L):
@@ -251,6 +252,7 @@ class SamplingDrafter:
 
     def __init__(self, Q: np.ndarray, block_size: int) -> None:
         self.Q, self.block_size = Q, block_size
+        self.num_draft_rows = block_size - 1  # a hand-made runner: its L is given here
 
     def reset(self) -> None:
         pass
@@ -259,7 +261,7 @@ class SamplingDrafter:
         pass
 
     def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms) -> Draft:  # noqa: ANN001
-        L, V = self.block_size - 1, self.Q.shape[0]
+        L, V = self.num_draft_rows, self.Q.shape[0]
         toks, qs, t = [], [], anchor
         for i in range(L):
             q = self.Q[t]

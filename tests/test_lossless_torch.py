@@ -70,7 +70,7 @@ class OracleSource:
 
     def __init__(self, drafter, prompt, continuation, rng):
         self.inner = TorchDraftRunner(drafter)
-        self.block_size = drafter.config.block_size
+        self.block_size, self.num_draft_rows = drafter.config.block_size, drafter.config.num_draft_rows
         self.n_prompt = len(prompt)
         self.cont = continuation
         self.rng = rng
@@ -84,7 +84,7 @@ class OracleSource:
 
     def propose(self, anchor, pos, rows, temperature, uniforms):
         d = self.inner.propose(anchor, pos, rows, temperature, uniforms)
-        L = self.block_size - 1
+        L = self.num_draft_rows
         k = int(self.rng.integers(0, L + 1))
         off = pos - self.n_prompt + 1  # index in the continuation of the token after the anchor
         truth = self.cont[off: off + L]
@@ -345,7 +345,7 @@ def test_sampling_test_has_power(small_pair, monkeypatch, rule):
     assert _chi2_pvalue(counts, _exact_law(t, prompt, T), N) < 1e-3
 
 
-# -- pinned review findings (issue #12), each failed before its fix ----------------------------------------
+# -- pinned review findings, each failed before its fix ---------------------------------------------------
 def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
     """EOS accepted as the 2nd draft of a multi-draft cycle: that cycle counts 2 accepted drafts (the drafts
     after the EOS are never committed), not all it verified."""
@@ -389,4 +389,4 @@ def test_decoder_tells_the_drafter_the_verified_rows(acc_target, acc_drafter):
     p = np.random.default_rng(8).integers(4, 500, 20).tolist()
     res = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), Spy(acc_drafter, "viterbi"), p, 37,
                                  eos_ids=set())
-    assert told == res.proposed and told[-1] < acc_drafter.config.block_size - 1 and max(res.accepted) >= 3
+    assert told == res.proposed and told[-1] < acc_drafter.config.num_draft_rows and max(res.accepted) >= 3

@@ -350,7 +350,7 @@ def test_activation_and_bias_options(act):
     assert {"layers.0.self_attn.q_proj.bias", "layers.1.self_attn.o_proj.bias"} <= names
 
 
-# -- pinned review findings (issue #12), each failed before its fix ----------------------------------------
+# -- pinned review findings, each failed before its fix ---------------------------------------------------
 @pytest.mark.parametrize("temp", [0.0, 0.8])
 def test_partial_block_walks_the_verified_rows(temp):
     """A final partial block verifies n < L rows: the drafter (``verified_rows=n``) gives the rows past n zero

@@ -221,7 +221,7 @@ class AcceptingDrafter:
 
     def __init__(self, inner, prompt, continuation, rng):
         self.inner, self.n_prompt, self.cont, self.rng = inner, len(prompt), continuation, rng
-        self.block_size = inner.block_size
+        self.block_size, self.num_draft_rows = inner.block_size, inner.num_draft_rows
 
     def reset(self):
         self.inner.reset()
@@ -231,7 +231,7 @@ class AcceptingDrafter:
 
     def propose(self, anchor, pos, rows, temperature, uniforms):
         d = self.inner.propose(anchor, pos, rows, temperature, uniforms)  # the real drafter runs every cycle
-        L = self.block_size - 1
+        L = self.num_draft_rows
         k = int(self.rng.integers(0, L + 1))
         truth = self.cont[pos - self.n_prompt + 1:][:L]
         toks = np.array([truth[t] if t < k and t < len(truth) else
@@ -275,7 +275,7 @@ def test_quantized_decoding_is_lossless_wrt_quantized_target(quantized, tiny_tar
                                      eos_ids=set())
         assert res.tokens == ar
         accepted += res.accepted
-    assert sum(accepted) > 0 and max(accepted) == be.manifest.block_size - 1 and 0 in accepted  # acceptance happened
+    assert sum(accepted) > 0 and max(accepted) == be.manifest.num_draft_rows and 0 in accepted  # acceptance happened
     if kind == "int4":
         assert differs > 0  # the int4 target really is another model (on this tiny random model)
 

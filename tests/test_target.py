@@ -104,7 +104,7 @@ def test_other_families_lossless(family, tmp_path):
         assert got.tokens == want
 
 
-# -- pinned review findings (issue #12), each failed before its fix ----------------------------------------
+# -- pinned review findings, each failed before its fix ---------------------------------------------------
 def test_generation_config_eos_ids_survive_loading(acc_dir, tmp_path):
     """Llama-3 style: the stop ids [eos, eot] live only in generation_config.json; eos_ids() must see them."""
     from dflash2_trt.target import TargetModel

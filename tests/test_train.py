@@ -353,7 +353,7 @@ def test_head_product_is_one_2d_gemm_with_the_old_loss_and_gradients(tiny_dir, t
     new_loss.backward()
     new_g = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
     assert seen and set(seen) == {2}
-    d.logits = _strided_3d_logits(d, b.labels.shape[0], cfg.block_size - 1)
+    d.logits = _strided_3d_logits(d, b.labels.shape[0], cfg.num_draft_rows)
     old_loss, old_m = compute_loss(d, b, w, vocab, kl_weight=0.5 if not sampled else 0.0)
     d.zero_grad(set_to_none=True)
     old_loss.backward()

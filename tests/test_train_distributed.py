@@ -1,4 +1,4 @@
-"""Many processes, devices and dtypes for make-data / train (issue #28), on a CPU with gloo — the checks a GPU
+"""Many processes, devices and dtypes for make-data / train, on a CPU with gloo — the checks a GPU
 run under NCCL would repeat: a 2-process torchrun make-data writes the one-process folder byte for byte; a
 2-process torchrun train (with gradient accumulation) ends at the one-process parameters and loss; a run
 killed with SIGKILL resumes to the uninterrupted run's loss curve and weights; --device cuda without CUDA is

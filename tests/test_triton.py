@@ -31,7 +31,7 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is part of the dev install")
 
 from dflash2_trt.errors import DFlash2Error  # noqa: E402
-from dflash2_trt import serving as S  # noqa: E402
+from dflash2_trt import triton_server as S  # noqa: E402
 from dflash2_trt.export import triton_repo as T  # noqa: E402
 
 MODEL = "dflash2"

@@ -119,7 +119,7 @@ def run_build_engines(a: argparse.Namespace, prog: str, model_dir: str | None = 
 
 def run_triton_repo(a: argparse.Namespace, prog: str, model_dir: str | None = None) -> int:
     from dflash2_trt.export.triton_repo import run_write
-    from dflash2_trt.serving import serve_hint
+    from dflash2_trt.triton_server import serve_hint
 
     rc = run_write(model_dir or a.dir, a)
     print(serve_hint(a.triton_repo))

@@ -27,7 +27,7 @@ only when it is a repository we wrote, see :mod:`dflash2_trt.outdir`)::
 Every config.pbtxt is built as a ``tritonclient`` ``ModelConfig`` protobuf message and checked by parsing the
 written text back (protobuf text format rejects unknown fields).
 
-Serving the repository (the bundled server, its command and environment) is :mod:`dflash2_trt.serving`'s.
+Serving the repository (the bundled server, its command and environment) is :mod:`dflash2_trt.triton_server`'s.
 
 Concurrency: each instance decodes all the requests it holds in one continuous batch (``Generator.submit``: up
 to ``--triton-max-batch`` sequences share each step, more wait for a slot; ``--triton-speculation``: drafting

@@ -460,7 +460,7 @@ class BatchDecoder:
         of the drafter, when the decoder has one)."""
         if s.req.ngram_rows is not None:
             return s.req.ngram_rows
-        return default_rows(self._drafter(s.slot).block_size - 1 if self._has_drafter else 0)
+        return default_rows(self._drafter(s.slot).num_draft_rows if self._has_drafter else 0)
 
     def _drafter(self, slot: int) -> DraftRunner:
         if slot not in self._drafters:
@@ -518,7 +518,7 @@ class BatchDecoder:
         """(verify rows, τ̂) of a proposal by ``who`` for s this step."""
         if who == NGRAM:  # it commits at most its drafts + the bonus token
             return len(looked), min(self.rule.tau(s.committed[NGRAM]), 1.0 + len(looked))
-        full = self._drafter(s.slot).block_size - 1  # draft rows of a full block
+        full = self._drafter(s.slot).num_draft_rows  # draft rows of a full block
         n = min(full, s.limit - len(s.res.tokens) - 1)  # this cycle's
         # τ̂ of a final partial block: its share of the rows' expected gain (a full block's τ̂ would overstate it)
         return n, 1.0 + (self.rule.tau(s.committed[DFLASH2]) - 1.0) * n / full
@@ -559,7 +559,7 @@ class BatchDecoder:
             return lookup_draft(looked), looked
         T = s.req.temperature
         drafter = self._drafter(s.slot)
-        L = drafter.block_size - 1
+        L = drafter.num_draft_rows
         t = COST_CLOCK()
         if s.pending:  # features of the prompt / plain steps join the draft context in one pass
             drafter.add_context(np.concatenate(s.pending), s.pending_start)
@@ -588,7 +588,7 @@ class BatchDecoder:
         if not seqs:
             return {}
         run = self._batched
-        L = run.block_size - 1
+        L = run.num_draft_rows
         run.add_contexts({s.slot: (np.concatenate(s.pending), 0) for s in seqs if s.pending and s.pending_start == 0})
         t = COST_CLOCK()
         run.add_contexts({s.slot: (np.concatenate(s.pending), s.pending_start)

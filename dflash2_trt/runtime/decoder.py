@@ -164,12 +164,12 @@ def speculative_generate(
     (the prefill's first token and the guard's plain steps reach ``on_tokens`` alone).
     ``proposer``: 'dflash2' (the drafter), 'ngram' (prompt lookup only: the drafter never runs; no match = a plain
     step), 'auto' (per cycle, :class:`~dflash2_trt.runtime.ngram.ProposerChoice`); ``ngram_rows``: most lookup
-    drafts per cycle (default: ``NGRAM_ROWS`` = 4, or the drafter's block size - 1 where larger)."""
+    drafts per cycle (default: ``NGRAM_ROWS`` = 4, or the drafter's draft rows where more)."""
     check_prompt(prompt_ids, target, max_new_tokens)
     check_temperature(temperature)
     rng = np.random.default_rng(seed)
     eos = set(target.eos_ids) if eos_ids is None else eos_ids
-    L = drafter.block_size - 1
+    L = drafter.num_draft_rows
     res = GenerationResult(prompt_tokens=list(prompt_ids))
     oracle_s = 0.0
     t0 = time.perf_counter()

@@ -106,6 +106,7 @@ class TargetRunner(Protocol):
 
 class DraftRunner(Protocol):
     block_size: int
+    num_draft_rows: int  # L = block_size - 1 (DFlash2Config.num_draft_rows)
 
     def reset(self) -> None: ...
 

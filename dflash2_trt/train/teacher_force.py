@@ -1,4 +1,4 @@
-"""``dflash2 make-data --teacher-forced``: existing permissively-licensed text run through the target (issue 26).
+"""``dflash2 make-data --teacher-forced``: existing permissively-licensed text run through the target.
 
 One forward pass per batch of texts (no generation) gives, at every position, the tap features and the
 target's top-k next-token log-probabilities — hence its greedy next token ``g[p] = topk_ids[p, 0]``. The text

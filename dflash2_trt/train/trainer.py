@@ -416,7 +416,7 @@ def offline_tau(d: DFlash2Drafter, data: D.GeneratedData, rows: np.ndarray, max_
     """
     d = d.eval()
     cfg = d.config
-    bs, L = cfg.block_size, cfg.block_size - 1
+    bs, L = cfg.block_size, cfg.num_draft_rows
     keep = [int(i) for i in rows
             if data.row(int(i)).temperature == 0.0 and not data.row(int(i)).teacher_forced
             and data.row(int(i)).tokens.shape[0] - data.row(int(i)).prompt_len >= 2]
@@ -585,7 +585,7 @@ class _StepLoss(torch.nn.Module):
 
     def forward(self, b: Batch, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
         if b.labels.shape[0] == 0:
-            L = self.d.config.block_size - 1
+            L = self.d.config.num_draft_rows
             zero = sum(p.sum() for p in self.d.parameters() if p.requires_grad) * 0.0
             return zero, {"sums": {"lm": 0.0, "hit1": [0.0] * L, "labelled": [0.0] * L}}
         return compute_loss(self.d, b, *args, **kwargs)
@@ -695,7 +695,7 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None,
                               "rope_theta": cfg.rope_theta, "train_config": asdict(tc), "world_size": dist.world,
                               "device": dev.type, "data_target_dtype": data.meta.get("target_dtype", "fp32")}) + "\n")
     ddp = _ddp(d, dev) if dist.world > 1 else None
-    L = cfg.block_size - 1
+    L = cfg.num_draft_rows
     it = range(start, tc.steps)
     bar = None
     if progress and dist.is_main:
@@ -777,7 +777,7 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None,
                 torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
             scaler.step(opt)
             scaler.update()
-            rows_done += n_blocks * (cfg.block_size - 1)
+            rows_done += n_blocks * cfg.num_draft_rows
             if bar is not None:
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc1=f"{m['slot_acc'][0]:.2f}")
             if log is not None and ((step + 1) % tc.log_every == 0 or step + 1 == tc.steps):

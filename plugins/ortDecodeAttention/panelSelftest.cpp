@@ -4,7 +4,7 @@
 //! columns, times x for 1..13 and 70 rows, through panelMatMul (fp32 panels), panelMatMulQ4 (int4 panels) and
 //! codePanels + panelMatMulCoded. Writes one binary file: per case its name, the code found, x, the weights and y.
 //! Every output element is a fused multiply-add chain in a fixed order, so x86-64 (AVX-512, AVX2) and aarch64 (NEON)
-//! builds write the same bytes; tests/test_ort_decode_attention.py runs it natively and under qemu-aarch64.
+//! builds write the same bytes; tests/test_ort_panel_matmul.py runs it natively and under qemu-aarch64.
 //!   cmake --build <dir> --target dflash2_panel_selftest && <dir>/dflash2_panel_selftest OUT.bin
 #include "panelCodes.h"
 #include "panelMatMul.h"

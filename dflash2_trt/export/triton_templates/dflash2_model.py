@@ -83,7 +83,7 @@ class TritonPythonModel:
             # this python backend reads arrays through the NumPy 1.x C ABI: under NumPy 2 every output would
             # reach the client empty, so refuse to load instead
             raise DFlash2Error(f"NumPy {np.__version__} is first on the server's path; the python backend needs "
-                               f"NumPy 1.x (see dflash2_trt.serving.numpy1_dir)")
+                               f"NumPy 1.x (see dflash2_trt.triton_server.numpy1_dir)")
         import dflash2_trt
 
         cfg = json.loads(args["model_config"])

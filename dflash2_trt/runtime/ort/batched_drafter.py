@@ -212,7 +212,7 @@ class SlotDraftRunner:
 
     def __init__(self, runner: OrtBatchedDraftRunner, b: int) -> None:
         self.runner, self.b = runner, b
-        self.block_size = runner.block_size
+        self.block_size, self.num_draft_rows = runner.block_size, runner.num_draft_rows
 
     def reset(self) -> None:
         self.runner.reset(self.b)

@@ -56,7 +56,7 @@ class TorchDraftRunner:
     def __init__(self, drafter: DFlash2Drafter, mode: str = "greedy") -> None:
         self.drafter = drafter
         self.mode = mode
-        self.block_size = drafter.config.block_size
+        self.block_size, self.num_draft_rows = drafter.config.block_size, drafter.config.num_draft_rows
         self.ctx = DraftContext()
 
     def reset(self) -> None:

@@ -220,6 +220,10 @@ class TrtBackend(BackendBase):
         self.dir = Path(model_dir)
         self.trt: Any = trt_module if trt_module is not None else import_tensorrt()
         self.manifest: ExportManifest = read_manifest(self.dir, verify_checksums)
+        try:
+            self.manifest.require_attention_only("the TensorRT backend")
+        except DFlash2Error as e:  # unavailable for this export: backend "auto" falls back to ONNX Runtime
+            raise BackendUnavailable(str(e)) from None
         self.entry = engine_set(self.manifest, self.dir)
         self.api: CudaApi = api if api is not None else CudaRuntime()
         self.device = self.api.device_info()
@@ -400,7 +404,7 @@ class TrtDraftRunner:
         m = be.manifest
         cfg = m.drafter_config
         self.be, self.mode = be, mode
-        self.block_size = cfg.block_size
+        self.block_size, self.num_draft_rows = cfg.block_size, cfg.num_draft_rows
         self.ctx_eng = be.engine("drafter_context")
         self.block_eng = be.engine("drafter_block")
         self.head_eng = be.engine(be.head_engine_key(mode))
