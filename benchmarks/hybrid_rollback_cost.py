@@ -4,7 +4,10 @@ row recorded (``activate_past_recording``: the last k rows by the recurrent rule
 inputs of the whole call kept) against the same verify without (transformers' chunked kernel, only the last state
 kept), at k = 4 and 8, after a prompt of ``--cached`` rows; time (median of ``--repeats``, one thread) and the bytes
 the recording keeps. Shapes: ``tiny`` (make-tiny's hybrid target) and ``4b`` (a Qwen3.5-4B-sized layer: hidden
-2560, 16 key / 32 value heads of 128, a 4-tap convolution).
+2560, 16 key / 32 value heads of 128, a 4-tap convolution). Second table: the same k-row call in the exported
+graph's form (``dflash2_trt.targets.hybrid.TargetGraph``: the call's rows in closed form) returning the recurrent
+state after every row (what the runtime keeps for a rollback) against after the last row only, and the bytes the
+call returns for the rollback (per-row states and the convolution's inputs).
 
     python benchmarks/hybrid_rollback_cost.py [--shapes tiny 4b] [--rows 4 8] [--cached 256] [--repeats 9] [--json F]
 """
@@ -58,6 +61,26 @@ def _verify(cfg, layer, prompt, rows, record: bool) -> tuple[float, int]:  # noq
     return dt, kept
 
 
+def _graph_verify(cfg, layer, rows, every: bool) -> tuple[float, int]:  # noqa: ANN001
+    """Seconds of one k-row call of the exported graph's linear layer, and the bytes of what it returns for a
+    rollback (the asked rows' recurrent states and the convolution's inputs)."""
+    from types import SimpleNamespace
+
+    from dflash2_trt.targets.hybrid import TargetGraph, linear_state_shapes
+
+    st = linear_state_shapes(cfg)
+    me = SimpleNamespace(hk=int(cfg.linear_num_key_heads), hv=st["num_heads"], dk=st["key_dim"], dv=st["value_dim"])
+    conv = torch.randn(1, st["conv_dim"], st["conv_kernel"] - 1)
+    s0 = 0.1 * torch.randn(1, st["num_heads"], st["key_dim"], st["value_dim"])
+    k = rows.shape[1]
+    asked = torch.arange(k) if every else torch.tensor([k - 1])
+    with torch.no_grad():
+        t = time.perf_counter()
+        _, (mixed, states) = TargetGraph._linear(me, layer, rows, conv, s0, asked)
+        dt = time.perf_counter() - t
+    return dt, (states.numel() + mixed.numel()) * 4
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -87,9 +110,27 @@ def main(argv: list[str] | None = None) -> int:
             out.append(r)
             print(f"{shape:>5} {k:>3} {r['plain_ms']:9.2f} {r['recorded_ms']:12.2f} {r['ratio']:6.2f} "
                   f"{kept / 1024:9.1f}")
+    graph = []
+    print(f"\nexported graph's form: {'shape':>5} {'k':>3} {'last row ms':>12} {'every row ms':>13} {'ratio':>6} "
+          f"{'returned KiB':>13}")
+    for shape in a.shapes:
+        cfg, layer = _layer(shape)
+        for k in a.rows:
+            rows = torch.randn(1, k, cfg.hidden_size)
+            last, every, kept = [], [], 0
+            for _ in range(a.repeats):
+                last.append(_graph_verify(cfg, layer, rows, False)[0])
+                dt, kept = _graph_verify(cfg, layer, rows, True)
+                every.append(dt)
+            r = {"shape": shape, "rows": k, "last_row_ms": 1e3 * statistics.median(last),
+                 "every_row_ms": 1e3 * statistics.median(every), "returned_bytes": kept}
+            r["ratio"] = r["every_row_ms"] / r["last_row_ms"]
+            graph.append(r)
+            print(f"{'':>22} {shape:>5} {k:>3} {r['last_row_ms']:12.2f} {r['every_row_ms']:13.2f} {r['ratio']:6.2f} "
+                  f"{kept / 1024:13.1f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"threads": 1, "results": out}, f, indent=1)
+            json.dump({"threads": 1, "results": out, "graph": graph}, f, indent=1)
     return 0
 
 

@@ -232,8 +232,14 @@ def test_readers_without_state_support_refuse_in_one_line(random_export, tmp_pat
     _, be = random_export
     data = json.loads((be.dir / "manifest.json").read_text())
     assert data["manifest_version"] == 3
-    with pytest.raises(DFlash2Error, match="does not run targets with linear layers yet"):
-        be.manifest.require_attention_only("the TensorRT backend")
+    from dflash2_trt.export.engines import build_engines
+    from dflash2_trt.runtime.protocol import BackendUnavailable
+    from dflash2_trt.runtime.trt.backend import TrtBackend
+
+    with pytest.raises(BackendUnavailable, match="the TensorRT backend does not run targets with linear layers yet"):
+        TrtBackend(be.dir, trt_module=object())  # unavailable for this export: backend "auto" falls back to ORT
+    with pytest.raises(DFlash2Error, match="build-engines does not run targets with linear layers yet"):
+        build_engines(be.dir, trt_module=object())
     data["manifest_version"] = 4
     with pytest.raises(DFlash2Error, match="has manifest_version 4"):
         parse_manifest(data)
