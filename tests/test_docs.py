@@ -1,6 +1,8 @@
 """The user documentation: README.md is a short guide that starts with the two set-up commands (CI runs its test
 command), and every relative link in README.md, docs/*.md and benchmarks/README.md resolves to a file or folder
-inside the repository (none escapes it, none points at a web page by accident). Seconds, no model."""
+inside the repository (none escapes it, none points at a web page by accident). No tracked text file carries build
+history (issue numbers, work sessions, run dates and times, reverted experiments: git log keeps those), and no
+file name does. Seconds, no model."""
 
 from __future__ import annotations
 
@@ -87,3 +89,65 @@ def test_link_checker_sees_links_and_ignores_code():
     text = ("[a](design.md#x) [b](https://example.org) [c](#top) `[d](nowhere.md)`\n"
             "```\n[e](nowhere2.md)\n```\n![f](../README.md)\n")
     assert links_in(text) == ["design.md#x", "../README.md"]
+
+
+# -- no build history in the tree (git log keeps it) ------------------------------------------------------------------
+
+# Words that only a history of the work uses: issue numbers ("issue 43", "#43"), numbered work sessions and periods,
+# machines "lent", dates and clock times of runs, reverted experiments, commit hashes in prose, numbered stages.
+HISTORY = re.compile(r"\bissues? ?#?\d+|(?<![\w&/'\"])#\d{1,3}\b|\bsessions? \d+|\bwork periods?\b|\bperiod \d+\b"
+                     r"|\blent\b|\b20\d\d-[01]\d-[0-3]\d\b|\b[0-2]\d:[0-5]\d UTC\b|\brevert(?:ed|s)?\b"
+                     r"|\bcommits? [0-9a-f]{7,40}\b|\bstages? \d\b", re.I)
+HISTORY_NAME = re.compile(r"_s\d+\.|issue|session|_v\d+\.|quiet\d|before_after|prior\d", re.I)
+# Data, not prose: prompt sets and golden files as their sources wrote them, measurement records (their own fields
+# say when they ran), binaries.
+NOT_PROSE = ("tests/data/", "benchmarks/prompts/", "benchmarks/results/")
+BINARY = (".png", ".npz", ".npy", ".onnx", ".gguf", ".safetensors", ".bin", ".so")
+# Real uses, by file and the exact text matched ("*": the whole file): this test's own patterns and samples; the
+# z-lab reference's upstream commit, which the golden files were made from.
+HISTORY_ALLOWED = {("tests/test_docs.py", "*"), ("docs/zlab-compatibility.md", "commit 07ebd93"),
+                   ("tests/data/zlab/PROVENANCE.md", "commit 0a7587c04af47b56024ef80f44c0926e795a540b")}
+
+
+def tracked_files() -> list[str]:
+    import subprocess
+
+    out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [f for f in out.splitlines() if (REPO / f).is_file()]
+
+
+def history_words(text: str) -> list[str]:
+    return [m.group(0) for m in HISTORY.finditer(text)]
+
+
+def test_no_build_history_in_tracked_text():
+    """Docs, code comments, test docstrings and script headers describe the project as it is; which issue, session,
+    machine or run got it there is for commit messages."""
+    bad = []
+    for f in tracked_files():
+        if f.startswith(NOT_PROSE) and not f.endswith(".md") or f.endswith(BINARY):
+            continue
+        if (f, "*") in HISTORY_ALLOWED:
+            continue
+        try:
+            text = (REPO / f).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            bad += [f"{f}:{i}: {w!r}" for w in history_words(line) if (f, w) not in HISTORY_ALLOWED]
+    assert not bad, f"{len(bad)} history words in tracked files:\n" + "\n".join(bad[:60])
+
+
+def test_no_history_in_file_names():
+    bad = [f for f in tracked_files() if HISTORY_NAME.search(Path(f).name)]
+    assert not bad, bad
+
+
+def test_history_check_sees_history_and_spares_the_present():
+    """The checker itself: each kind of history word is found; ordinary technical text is not."""
+    found = history_words("see issue 43, #43 and issues #12; in session 17 (work period 2) on the lent GPU, "
+                          "2026-12-03 at 07:37 UTC; the change was reverted; commit 93c4411; stage 3")
+    assert len(found) == 11, found
+    assert history_words("an InferenceSession per graph; a C API session; int64 #include <x.h>; 3.5 rows; "
+                         "layer 43; --streams 1 2 4 8 16; shape [B, 16]; a two-stage build") == []
+    assert HISTORY_NAME.search("triton_throughput_s17.json") and not HISTORY_NAME.search("verify_rows_codes.json")
