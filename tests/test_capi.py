@@ -1551,6 +1551,8 @@ def test_model_load_falls_back_to_onnxruntime(lib, tiny_export, monkeypatch):
     import onnxruntime
 
     monkeypatch.setenv("VIRTUAL_ENV", str(Path(onnxruntime.__file__).parents[4]))  # .venv/lib/python3.X/site-packages
+    monkeypatch.delenv("ORT_LIBRARY", raising=False)
+    monkeypatch.delenv("DFLASH2_ORT_OPS", raising=False)  # no op library in this process (test_capi_ort says why)
     _check(lib, lib.dfl2_model_load(str(tiny_export).encode(), None, C.byref(m)))
     try:
         note, info = C.c_char_p(), _ModelInfo()

@@ -4,33 +4,33 @@ token ids, greedy, token for token equal to ``dflash2_trt.load(...).generate``; 
 through ctypes with numpy's uniforms, equals it for the same seeds; a ``dfl2_batch`` of 8 prompts equals their
 single runs; without ONNX Runtime, or with one whose C API is older than the headers', one line and exit status 1.
 
-The Python runtime runs here with its custom-op library off (``DFLASH2_ORT_OPS`` naming no file): then it runs the
-graphs the C backend runs (the fused target with ONNX Runtime's GroupQueryAttention, the standard drafter block, the
-decomposed selector head), so sampling can be compared bit for bit.
+Both runtimes use the project's op library where the Python runtime finds it (scripts/setup.sh builds it): the fused
+target rewritten at load with dflash2.DecodeAttention (and PanelMatMul where its kernels run AVX-512), the drafter's
+one-node layers and the selector's plugin node; the C library takes the same file through $DFLASH2_ORT_OPS. Without
+it (``DFLASH2_ORT_OPS`` naming no file) both run ONNX Runtime's own ops (GroupQueryAttention, the standard drafter
+block, the decomposed selector head): sampled again on a few prompts.
 """
 
 from __future__ import annotations
 
-import ctypes as C
+import json
 import os
 import re
 import subprocess
-from contextlib import contextmanager
+import sys
 from pathlib import Path
 from unittest import mock
 
-import numpy as np
 import pytest
 
-from test_capi import (BUILD, P, _check, _c_options, _numpy_uniforms, _run, _Stats, _TOKENS, _UNIFORM, capi_build,  # noqa: F401
-                       lib, vectors_path)
+from test_capi import _run, capi_build, vectors_path  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
 N_PROMPTS = 20
 MAX_NEW = 12
 THREADS = 2
-NO_LIBRARY = {"DFLASH2_ORT_OPS": "/nonexistent/libdflash2_ort_ops.so"}  # the Python backend without its op library
+NO_LIBRARY = "/nonexistent/libdflash2_ort_ops.so"  # DFLASH2_ORT_OPS naming no file: neither runtime uses the library
 
 
 def _wheel_venv() -> str:
@@ -40,27 +40,36 @@ def _wheel_venv() -> str:
     return str(Path(onnxruntime.__file__).parents[4])  # VENV/lib/python3.X/site-packages/onnxruntime/__init__.py
 
 
+def _ops_library() -> str:
+    """The op library the Python runtime finds (its default search), for the C library's $DFLASH2_ORT_OPS."""
+    from dflash2_trt.runtime.ort.decode_attention import find_library
+
+    lib = find_library()
+    assert lib is not None, "libdflash2_ort_ops.so not built (scripts/setup.sh builds it)"
+    return str(lib)
+
+
 @pytest.fixture(autouse=True)
 def _venv(monkeypatch):
     monkeypatch.setenv("VIRTUAL_ENV", _wheel_venv())
     monkeypatch.delenv("ORT_LIBRARY", raising=False)
 
 
-@contextmanager
-def _python_graphs():
-    with mock.patch.dict(os.environ, NO_LIBRARY):
-        yield
+def _load(export: Path, ops: str):  # noqa: ANN202
+    import dflash2_trt
+
+    with mock.patch.dict(os.environ, {"DFLASH2_ORT_OPS": ops}):
+        g = dflash2_trt.load(export, backend="ort", threads=THREADS)
+        g.generate([1, 2], max_new_tokens=2)  # the sessions open (and read the library's settings) here
+    return g
 
 
 @pytest.fixture(scope="module")
 def py_gen(smol_export):
-    import dflash2_trt
-
-    with _python_graphs():
-        g = dflash2_trt.load(smol_export, backend="ort", threads=THREADS)
-        assert g._backend.attention_op == "GroupQueryAttention" and not g._backend.decode_attention  # noqa: SLF001
-        yield g
-        g.close()
+    g = _load(smol_export, _ops_library())
+    assert g._backend.attention_op == "DecodeAttention"  # noqa: SLF001
+    yield g
+    g.close()
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +96,8 @@ def _example(build: Path, export: Path, prompts: list[list[int]], mode: str, *op
 
 @pytest.fixture(scope="module")
 def c_greedy(capi_build, smol_export, prompts):
-    return _example(capi_build, smol_export, prompts, "-s", "guard=true")
+    return _example(capi_build, smol_export, prompts, "-s", "guard=true",
+                    env={**os.environ, "DFLASH2_ORT_OPS": _ops_library()})
 
 
 def test_example_greedy_equals_python_runtime(c_greedy, py_gen, prompts):
@@ -99,71 +109,121 @@ def test_example_greedy_equals_python_runtime(c_greedy, py_gen, prompts):
     note = err.splitlines()[0]
     assert re.match(r"generate: using ONNX Runtime 1\.\d+\.\d+ \(.*libonnxruntime\.so\.1", note), note
     assert "target_ort.onnx" in note and f"threads {THREADS}" in note
+    from dflash2_trt.runtime.ort.decode_attention import panels_wanted
+
+    attention = "DecodeAttention + PanelMatMul" if panels_wanted() else "DecodeAttention"
+    assert f"attention {attention}, op library {_ops_library()}" in note
+    assert "drafter_block_layers.onnx, drafter_head_greedy.plugin.onnx" in note
     taus = [float(t) for t in re.findall(r"tau (\d+\.\d+)", err)]
     assert len(taus) == len(prompts) and max(taus) > 1.0, err
 
 
 def test_batch_of_8_equals_single_runs(capi_build, smol_export, prompts, c_greedy):
     """dfl2_batch over the ONNX Runtime model: 8 requests decoded together give each request's single-run ids."""
-    got, err = _example(capi_build, smol_export, prompts[:8], "-b", "max_batch=8")
+    got, err = _example(capi_build, smol_export, prompts[:8], "-b", "max_batch=8",
+                        env={**os.environ, "DFLASH2_ORT_OPS": _ops_library()})
     assert got == c_greedy[0][:8]
     assert len(re.findall(r"request \d+: \d+ tokens", err)) == 8
 
 
-@contextmanager
-def _c_session(lib, export: Path, options: dict):  # noqa: ANN001, ANN202
-    """A dfl2_model loaded from the export with ``options`` and one session of it."""
-    V = C.c_void_p
-    model, session = V(), V()
-    opts = _c_options(lib, options)
-    try:
-        _check(lib, lib.dfl2_model_load(str(export).encode(), opts, C.byref(model)))
-        _check(lib, lib.dfl2_session_create(model, opts, C.byref(session)))
-        yield session
-    finally:
-        lib.dfl2_session_free(session)
-        lib.dfl2_model_free(model)
-        lib.dfl2_options_free(opts)
-
-
-def _c_sample(lib, session, prompt: list[int], seed: int) -> tuple[list[int], list[int], list[str]]:  # noqa: ANN001
-    """One request through dfl2_session_generate with numpy's uniforms (default_rng(seed)) -> (ids, accepted per
-    cycle, proposer per cycle)."""
+# The C side of the sampling runs in its own process: one process must not hold the Python runtime's ONNX Runtime and
+# the wheel's libonnxruntime with the op library registered in both (the library keeps one ONNX Runtime API table).
+_SAMPLER = r"""
+import ctypes as C, json, sys
+import numpy as np
+V, P = C.c_void_p, C.POINTER
+req = json.loads(sys.stdin.read())
+lib = C.CDLL(req["lib"])
+UNIFORM = C.CFUNCTYPE(C.c_int32, V, C.c_int, P(C.c_double), C.c_size_t)
+TOKENS = C.CFUNCTYPE(C.c_int32, V, P(C.c_int32), C.c_size_t)
+class Stats(C.Structure):
+    _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
+                ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("cum", P(C.c_double)),
+                ("cond", P(C.c_double)), ("accepted", P(C.c_int32)), ("proposed", P(C.c_int32)),
+                ("oracle", P(C.c_int32)), ("elapsed", C.c_double)]
+for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
+                   "dfl2_model_load": [C.c_char_p, V, P(V)], "dfl2_session_create": [V, V, P(V)],
+                   "dfl2_session_set_uniform_source": [V, UNIFORM, V],
+                   "dfl2_session_generate": [V, P(C.c_int32), C.c_size_t, TOKENS, V],
+                   "dfl2_session_get_tokens": [V, P(P(C.c_int32)), P(C.c_size_t)],
+                   "dfl2_session_get_stats": [V, P(Stats)],
+                   "dfl2_session_get_proposers": [V, P(P(C.c_int32)), P(C.c_size_t)]}.items():
+    getattr(lib, name).restype, getattr(lib, name).argtypes = V, args
+lib.dfl2_status_message.restype, lib.dfl2_status_message.argtypes = C.c_char_p, [V]
+def ok(st):
+    if st:
+        sys.exit("status: " + lib.dfl2_status_message(st).decode())
+opts, model, session = V(), V(), V()
+ok(lib.dfl2_options_create(C.byref(opts)))
+for kv in req["options"]:
+    ok(lib.dfl2_options_parse(opts, kv.encode()))
+ok(lib.dfl2_model_load(req["export"].encode(), opts, C.byref(model)))
+ok(lib.dfl2_session_create(model, opts, C.byref(session)))
+out = []
+for prompt, seed in zip(req["prompts"], req["seeds"]):
     rng = np.random.default_rng(seed)
-
-    def uniforms(u, use, out, n):  # noqa: ANN001, ANN202
-        _numpy_uniforms(rng, use, out, n)
+    def uniforms(u, use, buf, n):  # numpy's draws as the Python runtime makes them (test_capi._numpy_uniforms)
+        vals = rng.random((1, n), dtype=np.float32).reshape(-1) if use == 0 else np.array([rng.random()])
+        np.ctypeslib.as_array(buf, (n,))[:] = vals
         return 0
+    cb = UNIFORM(uniforms)
+    ok(lib.dfl2_session_set_uniform_source(session, cb, None))
+    ok(lib.dfl2_session_generate(session, (C.c_int32 * len(prompt))(*prompt), len(prompt), TOKENS(0), None))
+    toks, n, st, who, m = P(C.c_int32)(), C.c_size_t(), Stats(), P(C.c_int32)(), C.c_size_t()
+    ok(lib.dfl2_session_get_tokens(session, C.byref(toks), C.byref(n)))
+    ok(lib.dfl2_session_get_stats(session, C.byref(st)))
+    ok(lib.dfl2_session_get_proposers(session, C.byref(who), C.byref(m)))
+    out.append({"tokens": toks[: n.value], "accepted": st.accepted[: st.cycles],
+                "proposers": [("dflash2", "ngram")[w] for w in who[: m.value]]})
+assert "onnxruntime" not in sys.modules
+print(json.dumps(out))
+"""
 
-    cb = _UNIFORM(uniforms)
-    _check(lib, lib.dfl2_session_set_uniform_source(session, cb, None))
-    arr = (C.c_int32 * len(prompt))(*prompt)
-    _check(lib, lib.dfl2_session_generate(session, arr, len(prompt), _TOKENS(0), None))
-    toks, n = P(C.c_int32)(), C.c_size_t()
-    _check(lib, lib.dfl2_session_get_tokens(session, C.byref(toks), C.byref(n)))
-    st = _Stats()
-    _check(lib, lib.dfl2_session_get_stats(session, C.byref(st)))
-    who, m = P(C.c_int32)(), C.c_size_t()
-    _check(lib, lib.dfl2_session_get_proposers(session, C.byref(who), C.byref(m)))
-    return list(toks[: n.value]), list(st.accepted[: st.cycles]), [("dflash2", "ngram")[w] for w in who[: m.value]]
+
+def _c_samples(build: Path, export: Path, prompts: list[list[int]], seeds: list[int], ops: str) -> list[dict]:
+    """Each prompt at T = 0.8 through one dfl2_session of the C library with numpy's uniforms (default_rng(seed)),
+    in a process of its own -> per request {tokens, accepted, proposers}."""
+    req = {"lib": str(build / "lib" / "libdflash2.so"), "export": str(export), "prompts": prompts, "seeds": seeds,
+           "options": ["backend=ort", f"threads={THREADS}", f"max_new_tokens={MAX_NEW}", "temperature=0.8"]}
+    proc = subprocess.run([sys.executable, "-c", _SAMPLER], input=json.dumps(req), capture_output=True, text=True,
+                          env={**os.environ, "DFLASH2_ORT_OPS": ops})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
 
 
-def test_sampling_equals_python_runtime_same_seed(lib, smol_export, py_gen, prompts):
+def _sampling_equal(build: Path, export: Path, py, prompts: list[list[int]], ops: str) -> tuple[int, int]:  # noqa: ANN001
+    """The C library's and the Python runtime's (``py``) samples for seeds 100 + i: ids, accepted drafts and
+    proposers equal -> (accepted drafts, drafter cycles)."""
+    seeds = [100 + i for i in range(len(prompts))]
+    accepted = drafter_cycles = 0
+    for i, (ids, got) in enumerate(zip(prompts, _c_samples(build, export, prompts, seeds, ops))):
+        want = py.generate(ids, max_new_tokens=MAX_NEW, temperature=0.8, seed=seeds[i], guard=False)
+        assert got["tokens"] == want.tokens, i
+        assert got["accepted"] == want.stats.accepted and got["proposers"] == want.stats.proposers, i
+        accepted += sum(got["accepted"])
+        drafter_cycles += got["proposers"].count("dflash2")
+    return accepted, drafter_cycles
+
+
+def test_sampling_equals_python_runtime_same_seed(capi_build, smol_export, py_gen, prompts):
     """T = 0.8, no guard (its timing would choose the step kinds), the default proposers (the drafter, prompt lookup
     where the context repeats itself): the library with numpy's uniforms for seed s gives the Python runtime's ids
     for seed s, on every prompt, with the same accepted drafts and proposer per cycle; drafter cycles rejection-sample
     against its proposal (the residual's draws differ when the proposal does), and drafts were accepted."""
-    opts = {"backend": "ort", "threads": THREADS, "max_new_tokens": MAX_NEW, "temperature": 0.8}
-    accepted = drafter_cycles = 0
-    with _c_session(lib, smol_export, opts) as session:
-        for i, ids in enumerate(prompts):
-            c_tokens, acc, who = _c_sample(lib, session, ids, 100 + i)
-            want = py_gen.generate(ids, max_new_tokens=MAX_NEW, temperature=0.8, seed=100 + i, guard=False)
-            assert c_tokens == want.tokens, i
-            assert acc == want.stats.accepted and who == want.stats.proposers, i
-            accepted += sum(acc)
-            drafter_cycles += who.count("dflash2")
+    accepted, drafter_cycles = _sampling_equal(capi_build, smol_export, py_gen, prompts, _ops_library())
     assert accepted > 0 and drafter_cycles > len(prompts)
+
+
+def test_sampling_without_the_op_library(capi_build, smol_export, prompts):
+    """Both runtimes without the op library (ONNX Runtime's GroupQueryAttention, the standard drafter block and the
+    decomposed selector head): sampling equal on 5 prompts."""
+    g = _load(smol_export, NO_LIBRARY)
+    try:
+        assert g._backend.attention_op == "GroupQueryAttention"  # noqa: SLF001
+        _, drafter_cycles = _sampling_equal(capi_build, smol_export, g, prompts[:5], NO_LIBRARY)
+        assert drafter_cycles > 0
+    finally:
+        g.close()
 
 
 def test_without_onnxruntime_one_line_exit_1(capi_build, smol_export, tmp_path):

@@ -31,6 +31,7 @@ std::vector<OptionSpec> const& optionSpecs()
         {"cuda_graphs", OptionType::kBOOL, nullptr},
         {"threads", OptionType::kINT, nullptr},
         {"ort_library", OptionType::kSTRING, nullptr},
+        {"ort_ops_library", OptionType::kSTRING, nullptr},
         {"max_batch", OptionType::kINT, nullptr},
         {"adaptive", OptionType::kBOOL, nullptr},
         {"prior_tau", OptionType::kDOUBLE, nullptr},

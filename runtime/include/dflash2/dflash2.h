@@ -71,6 +71,11 @@
  *     "threads"         int    0      intra-op threads of every ONNX Runtime session (0: ONNX Runtime's default)
  *     "ort_library"     string ""     libonnxruntime to open ("": $ORT_LIBRARY, else the system's
  *                                     libonnxruntime.so.1, else the onnxruntime wheel's copy in $VIRTUAL_ENV)
+ *     "ort_ops_library" string ""     the project's ONNX Runtime op library ("": $DFLASH2_ORT_OPS, else
+ *                                     libdflash2_ort_ops.so beside libdflash2; none: ONNX Runtime's own ops). With it the
+ *                                     fused target runs dflash2.DecodeAttention (+ PanelMatMul where its kernels run
+ *                                     AVX-512, or $DFLASH2_ORT_PANELS=1) and the drafter its one-node layer and selector
+ *                                     graphs, as the Python runtime does
  *   batch (read by dfl2_batch_create; the rule is stated under BATCHED DECODING):
  *     "max_batch"       int    0      sequences decoded together (slots); 0 = the model's max_batch (callbacks:
  *                                     dfl2_callbacks.max_batch; TensorRT: the target engine's batch)

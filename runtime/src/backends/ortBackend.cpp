@@ -22,9 +22,17 @@
 //! one OrtRunners per slot and runs the slots' rows one sequence after another, so a batched request's tokens are its
 //! single run's.
 #include "../model.h"
+#include "onnxRewrite.h"
 #include "ortApi.h"
 
+#include <dlfcn.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <algorithm>
+#include <fstream>
+#include <sstream>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -39,6 +47,70 @@ namespace
 {
 
 constexpr char const* kSPINNING_ENV = "DFLASH2_ORT_SPINNING";
+constexpr char const* kOPS_ENV = "DFLASH2_ORT_OPS";        // the custom-op library (decode_attention.LIBRARY_ENV)
+constexpr char const* kPANELS_ENV = "DFLASH2_ORT_PANELS";  // 0: keep ORT's MatMul, 1: PanelMatMul (decode_attention)
+constexpr char const* kOPS_NAME = "libdflash2_ort_ops.so";
+
+//! decode_attention.find_library: the "ort_ops_library" option, else $DFLASH2_ORT_OPS (a file, else none), else
+//! libdflash2_ort_ops.so beside libdflash2 -> "" when none
+std::string findOpsLibrary(std::string const& option)
+{
+    auto isFile = [](std::string const& p) { return !p.empty() && std::ifstream(p).good(); };
+    if (!option.empty())
+    {
+        if (!isFile(option))
+        {
+            throw Error(DFL2_ERR_NOT_FOUND, "option ort_ops_library: no file " + option);
+        }
+        return option;
+    }
+    char const* env = std::getenv(kOPS_ENV);
+    if (env != nullptr && env[0] != '\0')
+    {
+        return isFile(env) ? std::string(env) : std::string();
+    }
+    Dl_info info{};
+    if (::dladdr(reinterpret_cast<void*>(&findOpsLibrary), &info) != 0 && info.dli_fname != nullptr)
+    {
+        std::string const self = info.dli_fname;
+        std::string const beside = self.substr(0, self.rfind('/') + 1) + kOPS_NAME;
+        if (self.find('/') != std::string::npos && isFile(beside))
+        {
+            return beside;
+        }
+    }
+    return "";
+}
+
+//! decode_attention.panels_wanted: $DFLASH2_ORT_PANELS, else where the library's kernels run AVX-512
+bool panelsWanted(std::string const& ops)
+{
+    char const* v = std::getenv(kPANELS_ENV);
+    if (v != nullptr)
+    {
+        return std::string(v) != "0";
+    }
+    void* h = ::dlopen(ops.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr)
+    {
+        return false;
+    }
+    using Isa = int32_t (*)();
+    auto const isa = reinterpret_cast<Isa>(::dlsym(h, "dflash2OrtKernelIsa"));
+    return isa != nullptr && isa() == 512;  // the handle stays open: ORT opens the same file for the sessions
+}
+
+std::string readFile(std::string const& path)
+{
+    std::ifstream f(path, std::ios::binary);
+    if (!f)
+    {
+        throw Error(DFL2_ERR_NOT_FOUND, "cannot read " + path);
+    }
+    std::ostringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+}
 
 //! kv.grown_capacity: the capacity holding n positions (capacity when it fits, else n rounded up to a multiple of
 //! step, at most maxCapacity); beyond maxCapacity DFL2_ERR_TOO_LONG.
@@ -201,10 +273,13 @@ public:
         ortCheck(mApi, mApi->CreateEnv(ORT_LOGGING_LEVEL_ERROR, "dflash2", &mEnv), "CreateEnv");
         bool const spin = targetSpins();
         mFused = m.graphs.count("target_ort") != 0;
-        mTarget = open(mFused ? "target_ort" : "target", spin);
-        mContext = open("drafter_context", false);
-        mBlock = open("drafter_block", false);
-        mHead = open(headKey(mode, false), false);
+        // the custom-op library as the Python backend uses it (OrtBackend: attention "auto", the fused target)
+        mOps = mFused ? findOpsLibrary(o.getString("ort_ops_library", "")) : std::string();
+        mPanels = !mOps.empty() && panelsWanted(mOps);
+        mTarget = open(mFused ? "target_ort" : "target", spin, kTARGET);
+        mContext = open(variant("drafter_context"), false, kDRAFTER);
+        mBlock = open(libraryGraph("drafter_block_layers", "drafter_block"), false, kDRAFTER);
+        mHead = open(libraryGraph(headKey(mode, true), headKey(mode, false)), false, kDRAFTER);
 
         backend = "onnxruntime";
         vocabSize = m.vocabSize;
@@ -214,7 +289,9 @@ public:
         maxBatch = kMAX_BATCH;
         eosIds = m.eosTokenIds;
         note = "ONNX Runtime " + lib.version + " (" + lib.how + ": " + lib.path + "), CPU, graphs "
-            + mTarget.file + " + " + mContext.file + ", " + mBlock.file + ", " + mHead.file + ", intra-op threads "
+            + mTarget.file + " + " + mContext.file + ", " + mBlock.file + ", " + mHead.file + ", attention "
+            + (mRewritten ? "DecodeAttention" : "GroupQueryAttention") + (mPanels && mRewritten ? " + PanelMatMul" : "")
+            + (mOps.empty() ? ", no op library" : ", op library " + mOps) + ", intra-op threads "
             + (mThreads > 0 ? std::to_string(mThreads) : std::string("ONNX Runtime's default"));
         mFeatureDim = static_cast<int32_t>(featureDim());
         checkInterface();
@@ -248,6 +325,11 @@ public:
     {
         return mFused;
     }
+    //! the fused target rewritten with DecodeAttention (takes past_seqlens and logits_index)
+    bool rewritten() const
+    {
+        return mRewritten;
+    }
     int32_t featureDim() const
     {
         auto const it = mTarget.shapes.find("context_features");
@@ -278,7 +360,30 @@ public:
     static constexpr int32_t kMAX_BATCH = 16;
 
 private:
-    Graph open(std::string const& key, bool spin)
+    enum Kind
+    {
+        kTARGET,
+        kDRAFTER
+    };
+
+    //! OrtBackend.session: the ONNX Runtime variant K_ort of a graph where the fused flavour runs and the export has it
+    std::string variant(std::string const& key) const
+    {
+        return mFused && mManifest.graphs.count(key + "_ort") != 0 ? key + "_ort" : key;
+    }
+
+    //! OrtBackend._library_graph: a graph only the op library runs where it is in use and the standard one has no
+    //! ONNX Runtime variant, else the standard one
+    std::string libraryGraph(std::string const& libraryKey, std::string const& standard) const
+    {
+        if (!mOps.empty() && mManifest.graphs.count(libraryKey) != 0 && mManifest.graphs.count(standard + "_ort") == 0)
+        {
+            return libraryKey;
+        }
+        return variant(standard);
+    }
+
+    Graph open(std::string const& key, bool spin, Kind kind)
     {
         auto const it = mManifest.graphs.find(key);
         if (it == mManifest.graphs.end())
@@ -301,8 +406,33 @@ private:
             ortCheck(mApi, mApi->AddSessionConfigEntry(so, "session.intra_op.allow_spinning", spin ? "1" : "0"),
                 "AddSessionConfigEntry");
             std::string const path = mDir + "/" + g.file;
-            ortCheck(mApi, mApi->CreateSession(mEnv, path.c_str(), so, &g.session),
-                "ONNX Runtime cannot load " + g.file);
+            // _Session: the fused target rewritten (DecodeAttention, PanelMatMul), a drafter graph's MatMuls swapped,
+            // or a graph holding a library node as it is; each with the library registered
+            std::string bytes;
+            bool library = it->second.selector == "plugin" || key == "drafter_block_layers";
+            if (!mOps.empty() && (kind == kTARGET || mPanels))
+            {
+                std::string const model = readFile(path);
+                bytes = kind == kTARGET ? rewriteTarget(model, mPanels) : swapMatMuls(model);
+                library = library || !bytes.empty();
+                mRewritten = mRewritten || (kind == kTARGET && !bytes.empty());
+            }
+            if (library)
+            {
+                ortCheck(mApi, mApi->RegisterCustomOpsLibrary_V2(so, mOps.c_str()), "registering " + mOps);
+                ortCheck(mApi, mApi->AddSessionConfigEntry(so, "session.model_external_initializers_file_folder_path",
+                    mDir.c_str()), "AddSessionConfigEntry");
+            }
+            OrtStatus* st = bytes.empty()
+                ? mApi->CreateSession(mEnv, path.c_str(), so, &g.session)
+                : mApi->CreateSessionFromArray(mEnv, bytes.data(), bytes.size(), so, &g.session);
+            ortCheck(mApi, st, "ONNX Runtime cannot load " + g.file);
+#if defined(__GLIBC__)
+            if (!bytes.empty())
+            {
+                ::malloc_trim(0);  // the folded panels freed the [K, N] weights (decode_attention.release_freed_memory)
+            }
+#endif
         }
         catch (...)
         {
@@ -417,6 +547,9 @@ private:
     OrtEnv* mEnv{nullptr};
     int32_t mThreads{0};
     bool mFused{false};
+    std::string mOps;  //!< the custom-op library in use ("" none)
+    bool mPanels{false};
+    bool mRewritten{false};
     int32_t mFeatureDim{0};
     Graph mTarget;
     Graph mContext;
@@ -515,8 +648,24 @@ public:
             }
             mSeqlens = len + n - 1;
             mTotal = len + n;
+            mPast = len;
             OrtTensor seqT(mApi, &mSeqlens, sizeof(int32_t), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
             OrtTensor totalT(mApi, &mTotal, sizeof(int32_t), {}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+            OrtTensor pastT;
+            OrtTensor rowsT;
+            if (mM.rewritten())  // DecodeAttention's cached length; the rows whose logits to compute (all)
+            {
+                mRowsIndex.resize(static_cast<size_t>(n));
+                for (int32_t i = 0; i < n; ++i)
+                {
+                    mRowsIndex[static_cast<size_t>(i)] = i;
+                }
+                pastT = OrtTensor(mApi, &mPast, sizeof(int32_t), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
+                rowsT = OrtTensor(mApi, mRowsIndex.data(), mRowsIndex.size() * sizeof(int64_t), {1, n, 1},
+                    ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+                ortCheck(mApi, mApi->BindInput(mBinding, "past_seqlens", pastT.get()), "BindInput past_seqlens");
+                ortCheck(mApi, mApi->BindInput(mBinding, "logits_index", rowsT.get()), "BindInput logits_index");
+            }
             ortCheck(mApi, mApi->BindInput(mBinding, "input_ids", idsT.get()), "BindInput input_ids");
             ortCheck(mApi, mApi->BindInput(mBinding, "seqlens_k", seqT.get()), "BindInput seqlens_k");
             ortCheck(mApi, mApi->BindInput(mBinding, "total_sequence_length", totalT.get()), "BindInput");
@@ -753,6 +902,8 @@ private:
     std::vector<int64_t> mIds;
     int32_t mSeqlens{0};
     int32_t mTotal{0};
+    int32_t mPast{0};
+    std::vector<int64_t> mRowsIndex;
     std::vector<float> mFeatures;  //!< [rows, F] of the latest target forward
     int32_t mFeatureRows{0};
     std::vector<float> mPending;   //!< [rows, F] queued for the drafter
