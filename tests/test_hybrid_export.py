@@ -61,7 +61,7 @@ def test_manifest_describes_layer_kinds_and_states(random_export):
     assert (ls.conv_dim, ls.conv_kernel, ls.num_heads, ls.key_dim, ls.value_dim) == (
         2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim,
         cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    assert "target_ort" not in m.graphs and not be.batching  # the standard graph, one request at a time
+    assert "target_ort" not in m.graphs and be.batching  # the standard graph, batched with per-slot states
 
 
 def test_graph_equals_transformers_on_prompts_up_to_300(random_export):
@@ -154,25 +154,86 @@ def test_lossless_greedy_with_drafts_accepted_on_ort(accepting_exports):
         assert any((0 < a or bs == 2) and a < bs - 1 for a in acc), f"no rollback at block size {bs}"
 
 
-def _keep_all_rows(self, keep):  # noqa: ANN001, ANN202
+def test_batched_slots_equal_single_runs(random_export):
+    """Three slots through the batched standard-graph runner — prompts of 5, 70 (calls of 64 + 6 rows) and 12, then
+    rounds of ragged verifies with per-slot crops to random kept lengths, single steps, a slot leaving and another
+    sequence joining it — each slot's logits equal a B = 1 runner fed the same rows and crops."""
+    from dflash2_trt.runtime.ort.batched_standard import OrtStandardBatchedTargetRunner
+
+    t, be = random_export
+    rng = np.random.default_rng(3)
+    batched = OrtStandardBatchedTargetRunner(be, 3)
+    single = {b: be.target_runner() for b in range(3)}
+    slots = [batched.join() for _ in range(3)]
+
+    def check(rows):  # noqa: ANN001, ANN202
+        got = batched.forward(rows)
+        for b, r in rows.items():
+            want = single[b].forward(r)[0]
+            assert np.abs(got[b][0] - want).max() <= 1e-5 * np.abs(want).max(), b
+            assert (got[b][0].argmax(-1) == want.argmax(-1)).all()
+
+    check({b: rng.integers(2, t.vocab_size, n).tolist() for b, n in zip(slots, (5, 70, 12))})
+    for round_ in range(6):
+        if round_ == 3:  # slot 1 leaves; a new sequence takes it
+            batched.leave(1)
+            assert batched.join() == 1
+            single[1].reset()
+            check({1: rng.integers(2, t.vocab_size, 9).tolist()})
+        rows = {b: rng.integers(2, t.vocab_size, int(rng.integers(1, 9))).tolist() for b in slots}
+        check(rows)
+        for b, r in rows.items():
+            keep = int(rng.integers(0, len(r) + 1))
+            length = single[b].cache_length - len(r) + keep
+            batched.crop(b, length)
+            single[b].crop(length)
+        check({b: rng.integers(2, t.vocab_size, 1).tolist() for b in slots if b != round_ % 3})
+
+
+def test_generate_batch_equals_single_requests(accepting_exports):
+    """generate_batch over 12 prompts (the batched loop, per-slot linear states) = each prompt's own generate, token
+    for token, with drafts accepted and rolled back."""
+    import dflash2_trt
+
+    g = dflash2_trt.load(accepting_exports[8].dir, backend="ort")
+    prompts = _prompts(accepting_exports[8].manifest.target.vocab_size, 12, 11)
+    singles = [g.generate(p, 24, chat=False, eos_ids=set(), proposer="dflash2", guard=False) for p in prompts]
+    batch = g.generate_batch(prompts, 24, chat=False, eos_ids=set(), proposer="dflash2", max_batch=4, adaptive=False)
+    assert [r.tokens for r in batch] == [r.tokens for r in singles]
+    acc = [a for r in batch for a in r.stats.accepted]
+    assert_accepts(acc, 7, "batched")
+    assert any(0 < a < 7 for a in acc)
+
+
+def _keep_all_rows(self, keep, slot=0):  # noqa: ANN001, ANN202
     """Planted bug: the linear layers keep their state after all k rows of the verify."""
-    self._last = None
+    self._last.pop(slot, None)
 
 
-def _keep_conv_rows(self, keep):  # noqa: ANN001, ANN202
+def _keep_conv_rows(self, keep, slot=0):  # noqa: ANN001, ANN202
     """Planted bug: the recurrent state is rolled back, the convolution state stays the one after all k rows."""
-    conv = self.conv
-    LinearStates._real_rollback(self, keep)
-    self.conv = conv
+    conv = [c[slot].copy() for c in self.conv]
+    LinearStates._real_rollback(self, keep, slot)
+    for c, after in zip(self.conv, conv):
+        c[slot] = after
 
 
 @pytest.mark.parametrize("bug", [_keep_all_rows, _keep_conv_rows], ids=["no_state_rollback", "no_conv_rollback"])
 def test_planted_rollback_bugs_are_caught_on_ort(accepting_exports, bug, monkeypatch):
+    """Each planted bug makes speculative output differ from the target's own, on the B = 1 runner and in the batched
+    loop (per-slot states), so the lossless tests above fail on it."""
+    import dflash2_trt
+
     be = accepting_exports[8]
+    prompts = _prompts(be.manifest.target.vocab_size, 20, 7)
+    want = [D.target_generate(be.target_runner(), p, 24, eos_ids=set()).tokens for p in prompts]  # no rollback
     monkeypatch.setattr(LinearStates, "_real_rollback", LinearStates.rollback, raising=False)
     monkeypatch.setattr(LinearStates, "rollback", bug)
-    bad, _ = _lossless(be, _prompts(be.manifest.target.vocab_size, 20, 7))
+    bad, _ = _lossless(be, prompts)
     assert bad > 0
+    g = dflash2_trt.load(be.dir, backend="ort")
+    batch = g.generate_batch(prompts, 24, chat=False, eos_ids=set(), proposer="dflash2", max_batch=4, adaptive=False)
+    assert sum(r.tokens != w for r, w in zip(batch, want)) > 0
 
 
 def test_sampling_keeps_the_target_law_on_ort(accepting_exports):

@@ -203,7 +203,7 @@ def verify_state_target(path: Path, target, layer_ids: list[int], dtype: str, np
         for i in att:
             for buf, new in zip(kv[i], present[i]):
                 buf[:, :, n:n + S] = new
-        states.update([a for i, k in enumerate(kinds) if k == "linear" for a in present[i]], S, True)
+        states.update([a for i, k in enumerate(kinds) if k == "linear" for a in present[i]], 0, {0: S}, True)
         history = np.concatenate([prompt, block[:2]]) if step == 2 else np.concatenate([prompt, block])[:n]
         target.reset(layer_ids)
         want_logits, want_feats = target.forward(torch.from_numpy(np.concatenate([history, ids])))

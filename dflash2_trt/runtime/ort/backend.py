@@ -290,10 +290,15 @@ class OrtBackend(BackendBase):
 
     @property
     def batching(self) -> bool:
-        """The fused target runs many sequences per call (:mod:`dflash2_trt.runtime.ort.batched_target`)."""
-        return self.fused
+        """Many sequences per target call: the fused target (:mod:`dflash2_trt.runtime.ort.batched_target`), or the
+        standard graph of a target with linear layers (:mod:`dflash2_trt.runtime.ort.batched_standard`)."""
+        return self.fused or "linear" in self.manifest.layer_kinds
 
     def batch_target_runner(self, slots: int) -> BatchTargetRunner:
+        if not self.fused and "linear" in self.manifest.layer_kinds:
+            from dflash2_trt.runtime.ort.batched_standard import OrtStandardBatchedTargetRunner
+
+            return OrtStandardBatchedTargetRunner(self, slots)
         from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
 
         return OrtBatchedTargetRunner.from_backend(self, slots)
@@ -368,7 +373,8 @@ class OrtTargetRunner:
         out = self.sess.run(feed)
         present = [out[2 + 2 * i: 4 + 2 * i] for i in range(len(self.kinds))]
         self.kv.append([a for kind, p in zip(self.kinds, present) if kind == "attention" for a in p])
-        self.linear.update([a for kind, p in zip(self.kinds, present) if kind == "linear" for a in p], S, every_row)
+        self.linear.update([a for kind, p in zip(self.kinds, present) if kind == "linear" for a in p], 0, {0: S},
+                           every_row)
         return out[0][0], out[1][0]
 
     def crop(self, length: int) -> None:

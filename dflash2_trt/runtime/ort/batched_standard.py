@@ -1,0 +1,159 @@
+"""Batched target runner over the standard ``target.onnx`` of a target with linear layers: ``slots`` sequences,
+each with its own KV length and its own linear-layer state (:class:`~dflash2_trt.runtime.linear_state.LinearStates`
+with one row per slot), so every slot rolls back to its own accepted length.
+
+Buffers::
+
+    kv[j]        [slots, kvh, C, d]          attention layer j's keys / values; slot b's first lengths[b] valid
+    conv, rec    [slots, ...] per linear layer  the state after each slot's last kept row
+
+A call runs over a slot range ``lo .. hi-1`` (views of the buffers, no copy): the slots with rows right-padded to
+the call's S (padding rows after a slot's own rows touch none of them: causal attention masks them as keys, and the
+linear layers' recurrence runs forward), the range's other slots a dummy row whose outputs are dropped. The graph
+returns the new rows' K/V (written at each slot's length) and every row's recurrent state (each slot keeps the row
+of its own length). Slots of at most ``max_rows_per_call`` rows share one call; a longer prompt runs alone, in calls
+of that many rows, and is not recorded for rollback.
+
+Ownership: one runner = ``slots`` requests' state; not thread safe (the batch loop owns it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.manifest import TARGET_STATE_ROWS
+from dflash2_trt.runtime.kv import grown_slot_buffers
+from dflash2_trt.runtime.linear_state import LinearStates
+from dflash2_trt.runtime.ort.batched_target import CALL_ROWS
+
+
+class OrtStandardBatchedTargetRunner:
+    """``slots`` sequences over the standard target graph (attention and linear layers)."""
+
+    def __init__(self, be: Any, slots: int) -> None:  # be: OrtBackend
+        if slots < 1:
+            raise DFlash2Error(f"batch slots must be >= 1, got {slots}")
+        m = be.manifest
+        t = m.target
+        self.sess = be.session("target")
+        self.vocab_size, self.max_positions, self.eos_ids = t.vocab_size, m.max_seq_len, set(t.eos_token_ids)
+        self.slots = slots
+        self.kinds = m.layer_kinds
+        self.names = m.target_kv_names()
+        self.n_attention = sum(k == "attention" for k in self.kinds)
+        self.kv_heads, self.head_dim, self.dtype = t.num_key_value_heads, t.head_dim, be.dtype
+        self.step = m.kv_capacity_step
+        self.max_capacity = m.max_capacity
+        self.capacity = 0
+        self.arrays: list[np.ndarray] = []  # 2 per attention layer
+        self.linear = LinearStates([i for i, k in enumerate(self.kinds) if k == "linear"], t.linear_state,
+                                   be.dtype, slots)
+        self.max_rows = t.linear_state.max_rows_per_call
+        self.lengths = np.zeros(slots, dtype=np.int64)
+        self.active = np.zeros(slots, dtype=bool)
+        self._call_start = np.zeros(slots, dtype=np.int64)  # each slot's length before its last call
+        self.calls = 0
+
+    # -- slots --------------------------------------------------------------------------------------------------
+    def join(self) -> int:
+        free = np.flatnonzero(~self.active)
+        if not free.size:
+            raise DFlash2Error(f"all {self.slots} batch slots are in use")
+        b = int(free[0])
+        self.active[b], self.lengths[b], self._call_start[b] = True, 0, 0
+        self.linear.reset(b)
+        return b
+
+    def leave(self, slot: int) -> None:
+        self.active[slot], self.lengths[slot] = False, 0
+
+    @property
+    def free_slots(self) -> int:
+        return int((~self.active).sum())
+
+    def crop(self, slot: int, length: int) -> None:
+        """Slot ``slot`` keeps positions 0..length-1: its KV by its length, its linear state rolled back into its
+        last call."""
+        length = max(0, int(length))
+        if length < self.lengths[slot]:
+            self.linear.rollback(length - int(self._call_start[slot]), slot)
+            self.lengths[slot] = length
+
+    def cost_units(self, rows: dict[int, int]) -> float:
+        """A call's fixed cost plus its padded rows (slots of at most max_rows share one call)."""
+        short = [b for b, m in rows.items() if m <= self.max_rows]
+        units = CALL_ROWS + (max(short) - min(short) + 1) * max(rows[b] for b in short) if short else 0.0
+        return units + sum(-(-m // self.max_rows) * (CALL_ROWS + self.max_rows) for m in rows.values()
+                           if m > self.max_rows)
+
+    # -- forward ------------------------------------------------------------------------------------------------
+    def forward(self, rows: dict[int, list[int]],
+                last_logits: bool = False) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """rows: slot -> m_b token ids at positions lengths[slot].. -> slot -> (logits [m_b, V] fp32, or [1, V] of
+        the last row with ``last_logits``, features [m_b, F]); each slot's length grows by m_b."""
+        for b, r in rows.items():
+            if not self.active[b]:
+                raise DFlash2Error(f"batch slot {b} is not active")
+            if not r:
+                raise DFlash2Error(f"batch slot {b}: no rows")
+            arr = np.asarray(r)
+            if arr.min() < 0 or arr.max() >= self.vocab_size:
+                raise DFlash2Error(f"token id out of range [0, {self.vocab_size}) in target input")
+            if int(self.lengths[b]) + len(r) > self.max_positions:
+                raise DFlash2Error(f"sequence of {int(self.lengths[b]) + len(r)} positions exceeds the exported "
+                                   f"cache capacity {self.max_positions} (re-export with a larger --max-seq-len)")
+        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        short = {b: r for b, r in rows.items() if len(r) <= self.max_rows}
+        if short:
+            out.update(self._run(min(short), max(short) + 1, short, every_row=True))
+        for b, r in rows.items():
+            if b not in short:  # a long prompt: alone, in calls of max_rows rows, not recorded for rollback
+                parts = [self._run(b, b + 1, {b: r[a:a + self.max_rows]}, every_row=False)[b]
+                         for a in range(0, len(r), self.max_rows)]
+                out[b] = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        if last_logits:
+            out = {b: (lg[-1:], ft) for b, (lg, ft) in out.items()}
+        return out
+
+    def _reserve(self, n: int) -> None:
+        self.arrays, self.capacity = grown_slot_buffers(self.arrays, self.capacity, n, self.step, self.max_capacity,
+                                                        (2 * self.n_attention, self.slots, self.kv_heads,
+                                                         self.head_dim), self.dtype)
+
+    def _run(self, lo: int, hi: int, rows: dict[int, list[int]], every_row: bool
+             ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """One graph call over slots lo..hi-1 (slots without rows run a dummy row, dropped)."""
+        n, S = hi - lo, max(len(r) for r in rows.values())
+        start = self.lengths[lo:hi].copy()
+        self._reserve(int(start.max()) + S)
+        C = self.capacity
+        ids = np.zeros((n, S), dtype=np.int64)
+        mask = np.zeros((n, C + S), dtype=np.int64)
+        mask[:, :C] = np.arange(C)[None] < start[:, None]
+        mask[:, C] = 1  # every sequence's first new row (a dummy one for slots without rows)
+        for b, r in rows.items():
+            ids[b - lo, : len(r)] = r
+            mask[b - lo, C: C + len(r)] = 1
+        pos = np.minimum(start[:, None] + np.arange(S)[None], self.max_positions - 1)
+        feed = {"input_ids": ids, "position_ids": pos.astype(np.int64), "attention_mask": mask,
+                TARGET_STATE_ROWS: np.arange(S, dtype=np.int64) if every_row else np.array([S - 1], dtype=np.int64)}
+        kv, lin = iter(a[lo:hi] for a in self.arrays), iter(self.linear.feed(lo, hi))
+        feed.update(zip(self.names, (a for kind in self.kinds for a in
+                                     ((next(kv), next(kv)) if kind == "attention" else (next(lin), next(lin))))))
+        res = self.sess.run(feed)
+        self.calls += 1
+        present = [res[2 + 2 * i: 4 + 2 * i] for i in range(len(self.kinds))]
+        kv_new = [a for kind, p in zip(self.kinds, present) if kind == "attention" for a in p]
+        m = {b: len(r) for b, r in rows.items()}
+        for b, k in m.items():
+            n0 = int(self.lengths[b])
+            for buf, new in zip(self.arrays, kv_new):
+                buf[b, :, n0:n0 + k] = new[b - lo, :, :k]
+            self._call_start[b] = n0
+            self.lengths[b] = n0 + k
+        self.linear.update([a for kind, p in zip(self.kinds, present) if kind == "linear" for a in p], lo, m,
+                           every_row)
+        return {b: (res[0][b - lo, :k], res[1][b - lo, :k]) for b, k in m.items()}
