@@ -304,3 +304,63 @@ def test_readers_without_state_support_refuse_in_one_line(random_export, tmp_pat
     data["manifest_version"] = 4
     with pytest.raises(DFlash2Error, match="has manifest_version 4"):
         parse_manifest(data)
+
+
+def _zlab_shaped_drafter(pair, out):  # noqa: ANN001, ANN202
+    """A drafter shaped like the released Qwen3.8-27B DFlash 2 drafter, scaled down: block size 8, five
+    sliding-window layers, selector rank 256 and K 16 — the accepting pair's copying drafter in its first two layers,
+    three more layers that add nothing (zero output projections), codebooks zero (the path of the rows' own scores)."""
+    from dflash2_trt.config import DFlash2Config
+    from dflash2_trt.model import DFlash2Drafter, load_drafter, save_drafter
+
+    src = load_drafter(pair / "drafter")
+    cfg = src.config.to_dict()
+    cfg.update(num_hidden_layers=5, layer_types=["sliding_attention"] * 5, use_sliding_window=True, sliding_window=32)
+    cfg["dflash_config"].update(selector_rank=256, selector_top_k=16, block_size=8)
+    drafter = DFlash2Drafter(DFlash2Config.from_dict(cfg))
+    sd, old = drafter.state_dict(), src.state_dict()
+    torch.manual_seed(0)
+    for k in sd:
+        if k.startswith("layers."):
+            i = int(k.split(".")[1])
+            sd[k] = old[k.replace(f"layers.{i}.", f"layers.{min(i, 1)}.", 1)].clone()
+            if i >= 2 and k.endswith(("o_proj.weight", "down_proj.weight")):
+                sd[k].zero_()
+        elif k.startswith("candidate_selector."):
+            sd[k] = torch.zeros_like(sd[k]) if "codebook" in k else 0.02 * torch.randn_like(sd[k])
+        else:
+            sd[k] = old[k].clone()
+    drafter.load_state_dict(sd)
+    save_drafter(drafter, out)
+    return out
+
+
+def test_zlab_shaped_drafter_end_to_end(tmp_path_factory):
+    """A z-lab-format drafter shaped like the released Qwen3.8 one (scaled down) on a tiny hybrid target: exported,
+    decoded by ONNX Runtime — tokens and every cycle's accepted count equal to the PyTorch reference loop's on 20
+    prompts, drafts accepted."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.model import load_drafter
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
+    from dflash2_trt.target import TargetModel
+
+    pair = make_pair(tmp_path_factory, "hy_zlab", accepting=True, arch="qwen3_5")
+    drafter_dir = _zlab_shaped_drafter(pair, tmp_path_factory.mktemp("zlab") / "drafter")
+    out = tmp_path_factory.mktemp("export") / "zlab"
+    export_model(pair / "target", drafter_dir, out, progress=False, max_seq_len=512)
+    be = OrtBackend(out)
+    cfg = be.manifest.drafter_config
+    assert (cfg.block_size, cfg.num_hidden_layers, cfg.selector_rank, cfg.selector_top_k) == (8, 5, 256, 16)
+    assert set(cfg.layer_types) == {"sliding_attention"}
+    t = TargetModel.load(pair / "target")
+    ref = load_drafter(drafter_dir)
+    ref.bind_target(t.embed_weight, t.lm_head_weight)
+    accepted = []
+    for p in _prompts(t.vocab_size, 20, 5):
+        got = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 24, eos_ids=set())
+        want = D.speculative_generate(TorchTargetRunner(t, cfg.target_layer_ids), TorchDraftRunner(ref), p, 24,
+                                      eos_ids=set())
+        assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
+        accepted += got.accepted
+    assert sum(a >= 1 for a in accepted) >= len(accepted) // 3 and max(accepted) >= 3, accepted
