@@ -23,7 +23,7 @@ from unittest import mock
 
 import pytest
 
-from test_capi import _run, capi_build, vectors_path  # noqa: F401
+from test_capi import BUILD, _cmake_build, _need, _run, capi_build, vectors_path  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -224,6 +224,26 @@ def test_sampling_without_the_op_library(capi_build, smol_export, prompts):
         assert drafter_cycles > 0
     finally:
         g.close()
+
+
+def test_asan_ubsan_runs(smol_export, prompts, c_greedy, vectors_path):
+    """examples/generate of the AddressSanitizer + UBSan build (test_capi's build/capi-asan: library, example, the
+    protobuf rewrite all instrumented; libonnxruntime is not): 3 prompts in turn and a batch of 3, with the op
+    library, run clean (any report ends the process) and give the uninstrumented build's ids. LeakSanitizer is off
+    here: its tracer does not survive the uninstrumented ONNX Runtime's threads at exit (it crashes, not reports);
+    test_capi's ASan ctests keep it on for everything else."""
+    _need("clang")
+    build = _cmake_build(BUILD / "capi-asan", [
+        "-DCMAKE_C_COMPILER=clang", "-DCMAKE_CXX_COMPILER=clang++", "-DDFLASH2_SANITIZE=address,undefined",
+        "-DDFLASH2_FUZZ=ON", f"-DDFLASH2_CORE_VECTORS={vectors_path}",
+        f"-DDFL2_FUZZ_SECONDS={os.environ.get('DFLASH2_FUZZ_SECONDS', '5')}",
+    ])  # fmt: skip  (test_capi.test_asan_ubsan_ctests_and_fuzz's configuration: one build)
+    env = {**os.environ, "DFLASH2_ORT_OPS": _ops_library(), "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1",
+           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
+    for mode in ("-s", "-b"):
+        got, err = _example(build, smol_export, prompts[:3], mode, "guard=true", env=env)
+        assert got == c_greedy[0][:3], mode
+        assert "Sanitizer" not in err and "runtime error" not in err, err
 
 
 def test_without_onnxruntime_one_line_exit_1(capi_build, smol_export, tmp_path):
