@@ -957,6 +957,34 @@ def test_c_loop_equals_python_runtime_greedy(lib, acc_ort, mode):
         c.close()
 
 
+def test_c_loop_over_a_hybrid_target_equals_python_runtime(lib, tmp_path_factory):
+    """A hybrid (Gated DeltaNet) export: the C loop with the ONNX Runtime runners behind its callbacks (whose crop
+    rolls the linear layers' states back) gives the Python runtime's tokens, counts and metrics, drafts accepted."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from helpers import assert_accepts, make_pair
+
+    pair = make_pair(tmp_path_factory, "capi_hybrid", accepting=True, arch="qwen3_5")
+    out = tmp_path_factory.mktemp("export") / "capi_hybrid"
+    export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=8)
+    be = OrtBackend(out)
+    assert "linear" in be.manifest.layer_kinds
+    dr = be.draft_runner("greedy")
+    c = CRuntime(lib, be.target_runner(), dr, _feature_dim(be), dr.top_k)
+    accepted = []
+    try:
+        for p in _prompts(8, seed=5):
+            py = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 32, eos_ids=set())
+            toks, st, _ = c.generate(p, {"max_new_tokens": 32, "eos_ids": []})
+            _assert_same(toks, st, py)
+            accepted += st["accepted"]
+        assert not c.errors
+        assert_accepts(accepted, 7, "C loop, hybrid target")
+        assert any(0 < a < 7 for a in accepted)  # partial acceptances: the callbacks rolled states back
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("mode", ["greedy", "viterbi", "independent"])
 def test_c_loop_equals_python_runtime_sampling(lib, acc_ort, mode):
     """T > 0 with numpy's uniforms in the Python runtime's order: the same samples, token for token, with
