@@ -957,17 +957,37 @@ def test_c_loop_equals_python_runtime_greedy(lib, acc_ort, mode):
         c.close()
 
 
-def test_c_loop_over_a_hybrid_target_equals_python_runtime(lib, tmp_path_factory):
-    """A hybrid (Gated DeltaNet) export: the C loop with the ONNX Runtime runners behind its callbacks (whose crop
-    rolls the linear layers' states back) gives the Python runtime's tokens, counts and metrics, drafts accepted."""
+@pytest.fixture(scope="module")
+def hybrid_export(tmp_path_factory):
+    """The accepting qwen3_5 (Gated DeltaNet) pair exported at block size 8 (manifest version 3)."""
     from dflash2_trt.export.exporter import export_model
-    from dflash2_trt.runtime.ort.backend import OrtBackend
-    from helpers import assert_accepts, make_pair
+    from helpers import make_pair
 
     pair = make_pair(tmp_path_factory, "capi_hybrid", accepting=True, arch="qwen3_5")
     out = tmp_path_factory.mktemp("export") / "capi_hybrid"
     export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=8)
-    be = OrtBackend(out)
+    return out
+
+
+def test_model_load_refuses_a_hybrid_export_in_one_line(lib, capi_build, hybrid_export):
+    """The library's own backends do not keep linear-layer state: its manifest reader (version 2) refuses the export
+    by its manifest version, one status, and the example exits 1 with one line."""
+    handle = C.c_void_p()
+    with pytest.raises(CapiError) as e:
+        _check(lib, lib.dfl2_model_load(str(hybrid_export).encode(), None, C.byref(handle)))
+    assert "manifest_version 3" in e.value.message and "\n" not in e.value.message
+    out = subprocess.run([str(capi_build / "bin" / "generate"), str(hybrid_export), "1", "2"], capture_output=True,
+                         text=True)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "manifest_version 3" in out.stderr
+
+
+def test_c_loop_over_a_hybrid_target_equals_python_runtime(lib, hybrid_export):
+    """A hybrid (Gated DeltaNet) export: the C loop with the ONNX Runtime runners behind its callbacks (whose crop
+    rolls the linear layers' states back) gives the Python runtime's tokens, counts and metrics, drafts accepted."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from helpers import assert_accepts
+
+    be = OrtBackend(hybrid_export)
     assert "linear" in be.manifest.layer_kinds
     dr = be.draft_runner("greedy")
     c = CRuntime(lib, be.target_runner(), dr, _feature_dim(be), dr.top_k)
