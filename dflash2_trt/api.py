@@ -777,17 +777,37 @@ class _BatchLoop:
 
 
 def load(model_dir: str | Path, backend: str = "auto", threads: int | None = None,
-         verify_checksums: bool = True) -> Generator:
+         verify_checksums: bool = True, *, spinning: bool | None = None, panels: bool | None = None,
+         weight_codes: bool = True) -> Generator:
     """Open a ``dflash2 export`` folder. ``backend``: ``auto`` (TensorRT when it can run here, else ONNX
-    Runtime; :attr:`Generator.note` says which and why), ``trt`` or ``ort``; ``threads``: ONNX Runtime intra-op
-    threads (default: ONNX Runtime's); ``verify_checksums``: check every file against the manifest."""
+    Runtime; :attr:`Generator.note` says which and why), ``trt`` or ``ort``; ``verify_checksums``: check every file
+    against the manifest. ONNX Runtime's options (the TensorRT backend has none of them):
+
+    * ``threads``: intra-op threads (default: ONNX Runtime's);
+    * ``spinning``: the target session's workers spin between ops (the default; the drafter's never do) — False on
+      a CPU shared with other work (several servers or Triton instances on one machine), where spinning workers
+      slow everyone; None: ``$DFLASH2_ORT_SPINNING``, else True;
+    * ``panels``: swap the fused target's and the drafter's MatMuls for the custom-op library's
+      ``dflash2.PanelMatMul`` (True) or keep ONNX Runtime's (False); None: ``$DFLASH2_ORT_PANELS``, else where the
+      panel kernels run AVX-512 (docs/onnxruntime.md);
+    * ``weight_codes``: the panel kernels read a matrix as its exact weight code where one reproduces every weight
+      (4-bit affine, 8-bit, fp16, bf16: :attr:`Generator.weight_codes`; the same numbers, fewer bytes); False: from
+      the fp32 weights.
+
+    None of them changes a token: they choose how the same numbers are computed."""
     from dflash2_trt.manifest import export_folder
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise DFlash2Error(f"threads must be an integer >= 1 or None, got {threads!r}")
+    for key, v in (("spinning", spinning), ("panels", panels)):
+        if v is not None and not isinstance(v, bool):
+            raise DFlash2Error(f"{key} must be True, False or None, got {v!r}")
+    if not isinstance(weight_codes, bool):
+        raise DFlash2Error(f"weight_codes must be True or False, got {weight_codes!r}")
     export_folder(model_dir)  # not an export: say so before the tokenizer's files are looked for
     tok = TextTokenizer(model_dir)  # before the backend: a folder without a tokenizer fails cheaply
-    be, note = open_backend(model_dir, backend, verify_checksums=verify_checksums, threads=threads)
+    be, note = open_backend(model_dir, backend, verify_checksums=verify_checksums, threads=threads, spinning=spinning,
+                            panels=panels, weight_codes=weight_codes)
     return Generator(be, tok, note)

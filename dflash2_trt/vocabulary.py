@@ -31,6 +31,9 @@ DEFAULT_PROPOSER = "auto"
 # How a server's batch loop drafts (the Triton model's ``speculation``): only while the load-adaptive rule of
 # runtime/batch.py says it pays | every step | never (batched plain decoding).
 SPECULATION_MODES = ("adaptive", "always", "off")
+# A Triton instance's ONNX Runtime thread-pool spinning (parameter ``ort_spinning``, load(spinning=...)):
+# load's default (None) | True | False.
+ORT_SPINNING = {"auto": None, "on": True, "off": False}
 # The fused ONNX Runtime target's attention op: auto (DecodeAttention when its library is built) | the custom op |
 # ORT's GroupQueryAttention (runtime/ort/decode_attention.py).
 ORT_ATTENTIONS = ("auto", "decode", "gqa")

@@ -95,3 +95,26 @@ def test_cli_bad_temperature_is_one_line(acc_dir, capsys):
                  "--prompt", "x", "--temperature", "-1"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("dflash2: error: argument --temperature: must be >= 0") and "\n" not in err
+
+
+@pytest.mark.parametrize("cmd", [["generate", "--prompt", "hi"], ["bench", "--prompts", "P"]])
+def test_ort_options_reach_load(tiny_export, tmp_path, monkeypatch, capsys, cmd):
+    """--no-spinning / --panels / --no-weight-codes become load()'s typed options (unset: None, None, True)."""
+    import dflash2_trt
+    from dflash2_trt import DFlash2Error
+
+    seen: list[dict] = []
+
+    def spy(model_dir, backend="auto", threads=None, **opts):  # noqa: ANN001, ANN003, ANN202
+        seen.append(opts)
+        raise DFlash2Error("stop here")
+
+    monkeypatch.setattr(dflash2_trt, "load", spy)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    argv = [cmd[0], "--model-dir", str(tiny_export), *[str(prompts) if x == "P" else x for x in cmd[1:]]]
+    assert main([*argv, "--no-spinning", "--panels", "--no-weight-codes"]) == 1
+    assert main(argv) == 1
+    assert seen == [{"spinning": False, "panels": True, "weight_codes": False},
+                    {"spinning": None, "panels": None, "weight_codes": True}]
+    assert "stop here" in capsys.readouterr().err

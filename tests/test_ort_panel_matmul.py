@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime.ort import decode_attention as DA
 from helpers import ort_ops_built  # noqa: F401 - autouse: the custom-op library is built, else every test fails
 from helpers import speculative_equals_autoregressive
@@ -110,6 +111,38 @@ def test_panel_matmul_swap_follows_the_switch(tiny_export, monkeypatch):
                    for t in g.graph.initializer if len(t.dims) == 2)
         be = OrtBackend(tiny_export)
         assert [be.session(k).rewritten for k in ("drafter_context", "drafter_block")] == [flag == "1"] * 2
+
+
+def test_load_options_choose_the_panels_and_the_codes(acc_export, monkeypatch):
+    """``load(panels=..., weight_codes=...)`` decide per Generator, over the environment: panels=True swaps the fused
+    target's and the drafter's MatMuls with DFLASH2_ORT_PANELS=0 set, panels=False keeps ONNX Runtime's with =1 set;
+    weight_codes=False keeps every panel kernel on its fp32 weights (PanelMatMul nodes say codes=0) where the
+    default finds codes. The tokens are the same every way."""
+    import dflash2_trt
+    from dflash2_trt.manifest import TARGET_ORT
+
+    def run(**opts):  # noqa: ANN003, ANN202
+        with dflash2_trt.load(acc_export, backend="ort", threads=1, **opts) as g:
+            toks = g.generate([5, 6, 7, 8, 9], 12, eos_ids=set()).tokens
+            be = g._backend
+            rewritten = [be.session(k).rewritten for k in (TARGET_ORT, "drafter_context")]
+            matmul = {k: v for k, v in be.session(TARGET_ORT).panel_codes.items() if v}
+            return toks, rewritten, matmul
+
+    monkeypatch.setenv(DA.PANELS_ENV, "0")
+    on, rewritten, coded = run(panels=True)
+    assert rewritten == [True, True] and sum(coded.values()) > 0, coded
+    monkeypatch.setenv(DA.PANELS_ENV, "1")
+    off, rewritten_off, coded_off = run(panels=False)
+    assert rewritten_off == [True, False] and coded_off == {}  # the target keeps DecodeAttention, not the panels
+    monkeypatch.delenv(DA.PANELS_ENV)
+    fp32, _, plain = run(panels=True, weight_codes=False)
+    assert set(plain) == {"none"} and plain["none"] == sum(coded.values())
+    assert on == off == fp32
+    with pytest.raises(DFlash2Error, match="weight_codes must be True or False"):
+        dflash2_trt.load(acc_export, backend="ort", weight_codes="no")
+    with pytest.raises(DFlash2Error, match="panels must be True, False or None"):
+        dflash2_trt.load(acc_export, backend="ort", panels=1)
 
 
 def _q4_session(K: int, N: int, block: int, packed: np.ndarray, scales: np.ndarray, swap: bool,

@@ -1,6 +1,6 @@
 """ONNX Runtime CPU thread pools (runtime/ort/backend.py): the target session's intra-op workers spin between ops,
-the drafter's sleep (two spinning pools in one decode loop take the CPUs from each other); DFLASH2_ORT_SPINNING=0
-turns spinning off. Speed only: speculative decoding gives the same tokens either way."""
+the drafter's sleep (two spinning pools in one decode loop take the CPUs from each other); ``load(spinning=False)``
+or DFLASH2_ORT_SPINNING=0 turns spinning off (the argument over the environment). Speed only: speculative decoding gives the same tokens either way."""
 
 from __future__ import annotations
 
@@ -39,3 +39,17 @@ def test_bad_spinning_setting_is_a_clear_error(acc_export, monkeypatch):
     monkeypatch.setenv(B.SPINNING_ENV, "yes")
     with pytest.raises(DFlash2Error, match="DFLASH2_ORT_SPINNING='yes'"):
         B.OrtBackend(acc_export, threads=2).target_runner()
+
+
+def test_load_spinning_overrides_the_environment(acc_export, monkeypatch):
+    import dflash2_trt
+
+    for env, arg, want in (("0", True, "1"), ("1", False, "0"), ("yes", False, "0")):  # a bad variable is not read
+        monkeypatch.setenv(B.SPINNING_ENV, env)
+        with dflash2_trt.load(acc_export, backend="ort", threads=2, spinning=arg) as g:
+            g.generate([1, 2, 3], 4, eos_ids=set())
+            spins = {k: s.sess.get_session_options().get_session_config_entry(SPIN) for k, s in g._backend._sessions.items()}
+        assert {v for k, v in spins.items() if k.startswith("target")} == {want}, (env, arg, spins)
+        assert {v for k, v in spins.items() if not k.startswith("target")} == {"0"}
+    with pytest.raises(DFlash2Error, match="spinning must be True, False or None"):
+        dflash2_trt.load(acc_export, backend="ort", spinning="0")

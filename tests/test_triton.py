@@ -209,6 +209,7 @@ def test_repo_configs_parse_strictly(tiny_export, tmp_path):
     assert c["parameters"]["max_batch"] == {"stringValue": "8"}  # the batch loop's defaults
     assert c["parameters"]["speculation"] == {"stringValue": "adaptive"}
     assert c["parameters"]["default_proposer"] == {"stringValue": "auto"}  # the API's default
+    assert c["parameters"]["ort_spinning"] == {"stringValue": "auto"}  # load(spinning=None)
     assert (repo / MODEL / "1" / "model.py").read_text() == T.TEMPLATE.read_text()
     # the export travels inside the repository (hard links: same inode where the filesystem allows)
     w = repo / MODEL / "1" / "export" / "weights.bin"
@@ -232,6 +233,8 @@ def test_repo_configs_parse_strictly(tiny_export, tmp_path):
         T.write_triton_repo(tiny_export, tmp_path / "r2", speculation="x")
     with pytest.raises(DFlash2Error, match="--triton-proposer must be one of dflash2, ngram, auto, got 'x'"):
         T.write_triton_repo(tiny_export, tmp_path / "r2", proposer="x")
+    with pytest.raises(DFlash2Error, match="--triton-ort-spinning"):
+        T.write_triton_repo(tiny_export, tmp_path / "r2", ort_spinning="yes")
     assert not (tmp_path / "r2").exists()
 
 
@@ -276,13 +279,15 @@ def test_cli_triton_repo_from_existing_export(tiny_export, tmp_path, capsys):
 
     repo = tmp_path / "repo"
     assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo), "--triton-instances", "2",
-                 "--triton-max-batch", "3", "--triton-speculation", "off", "--triton-proposer", "ngram"]) == 0
+                 "--triton-max-batch", "3", "--triton-speculation", "off", "--triton-proposer", "ngram",
+                 "--triton-ort-spinning", "off"]) == 0
     out = capsys.readouterr().out
     assert f"wrote Triton model repository {repo}" in out and "tritonserver" in out
     c = T.summary(repo)[MODEL]
     assert c["instanceGroup"][0]["count"] == 2
     assert c["parameters"]["max_batch"] == {"stringValue": "3"} and c["parameters"]["speculation"] == {"stringValue": "off"}
     assert c["parameters"]["default_proposer"] == {"stringValue": "ngram"}
+    assert c["parameters"]["ort_spinning"] == {"stringValue": "off"}
     assert main(["triton-repo", str(tiny_export), "--triton-repo", str(repo)]) == 0  # ours: replaced
     capsys.readouterr()
     (repo / "notes.txt").write_text("mine")
@@ -294,7 +299,8 @@ def test_cli_triton_repo_from_existing_export(tiny_export, tmp_path, capsys):
 # -- the real server: the make-tiny pairs ---------------------------------------------------------------------------
 def _server(export, root, instances, max_batch):  # noqa: ANN001, ANN202
     repo = root / "repo"
-    T.write_triton_repo(export, repo, instances=instances, max_batch=max_batch, speculation="always", ort_threads=1)
+    T.write_triton_repo(export, repo, instances=instances, max_batch=max_batch, speculation="always", ort_threads=1,
+                        ort_spinning="off")  # the model maps the parameter onto load(spinning=False)
     srv = serve(repo, root / "server.log")
     srv.start()
     try:

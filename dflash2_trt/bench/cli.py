@@ -96,15 +96,36 @@ def _bench_options(b: argparse.ArgumentParser, max_new_tokens: int = 128, repeat
     b.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--threads", type=V.THREADS, default=None, help="ONNX Runtime intra-op threads")
+    add_ort_options(b)
     b.add_argument("--plot", help="draw the per-position acceptance curve into FILE.png")
     b.add_argument("--json", action="store_true")
 
 
-def open_generator(model_dir: str, backend: str, threads: int | None = None):  # noqa: ANN201
-    """:func:`dflash2_trt.load`, saying on stderr which backend runs and why."""
+def add_ort_options(p: argparse.ArgumentParser) -> None:
+    """ONNX Runtime's options of :func:`dflash2_trt.load` (``--threads`` is beside each command's): --[no-]spinning,
+    --[no-]panels (default: the environment's or the CPU's choice), --no-weight-codes; :func:`ort_options` reads
+    them back."""
+    p.add_argument("--spinning", action=argparse.BooleanOptionalAction, default=None,
+                   help="ONNX Runtime: the target session's workers spin between ops (default: on, or "
+                        "$DFLASH2_ORT_SPINNING); --no-spinning on a CPU shared with other work")
+    p.add_argument("--panels", action=argparse.BooleanOptionalAction, default=None,
+                   help="ONNX Runtime: the custom-op library's PanelMatMul in place of ORT's MatMul (default: where "
+                        "its kernels run AVX-512, or $DFLASH2_ORT_PANELS)")
+    p.add_argument("--no-weight-codes", dest="weight_codes", action="store_false",
+                   help="ONNX Runtime: the panel kernels compute from the fp32 weights even where an exact weight code "
+                        "fits (the same numbers)")
+
+
+def ort_options(a: argparse.Namespace) -> dict:
+    """The :func:`dflash2_trt.load` keywords of :func:`add_ort_options`' flags."""
+    return {"spinning": a.spinning, "panels": a.panels, "weight_codes": a.weight_codes}
+
+
+def open_generator(model_dir: str, backend: str, threads: int | None = None, **ort: bool | None):  # noqa: ANN201
+    """:func:`dflash2_trt.load` (``ort``: :func:`ort_options`), saying on stderr which backend runs and why."""
     import dflash2_trt
 
-    gen = dflash2_trt.load(model_dir, backend, threads=threads)
+    gen = dflash2_trt.load(model_dir, backend, threads=threads, **ort)
     print(f"dflash2: {gen.note}", file=sys.stderr)
     return gen
 
@@ -191,7 +212,7 @@ def _bench_and_report(a: argparse.Namespace, model_dir: str, items: list, show_t
     from dflash2_trt.bench import harness
     from dflash2_trt.bench.prompts import encode_items
 
-    with open_generator(model_dir, a.backend, a.threads) as gen:
+    with open_generator(model_dir, a.backend, a.threads, **ort_options(a)) as gen:
         gen.check_selector(a.selector)
         prompts = encode_items(items, lambda text: gen.encode(text, chat=False), gen.encode)
         capped = capacity_note(a.max_new_tokens, [len(p) for p in prompts], gen.max_positions)

@@ -50,7 +50,8 @@ from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import GraphSpec, read_manifest
 from dflash2_trt.outdir import TempFolder, check_replace, repo_owner, write_error, write_repo_record
-from dflash2_trt.vocabulary import BACKEND_CHOICES, DEFAULT_PROPOSER, DRAFT_MODES, PROPOSERS, SPECULATION_MODES
+from dflash2_trt.vocabulary import (BACKEND_CHOICES, DEFAULT_PROPOSER, DRAFT_MODES, ORT_SPINNING, PROPOSERS,
+                                    SPECULATION_MODES)
 
 TEMPLATE = Path(__file__).resolve().parent / "triton_templates" / "dflash2_model.py"
 DEFAULT_MODEL_NAME = "dflash2"
@@ -109,7 +110,8 @@ def _copy_tree(src: Path, dst: Path) -> None:
 
 def python_model_config(name: str, instances: int, backend: str, default_mode: str, default_max_tokens: int,
                         max_tokens_limit: int, ort_threads: int, verify_checksums: bool, max_batch: int = 8,
-                        speculation: str = "adaptive", proposer: str = DEFAULT_PROPOSER) -> Any:
+                        speculation: str = "adaptive", proposer: str = DEFAULT_PROPOSER,
+                        ort_spinning: str = "auto") -> Any:
     pb, _ = _pb()
     cfg = pb.ModelConfig(name=name, backend="python", max_batch_size=0)
     cfg.model_transaction_policy.decoupled = True
@@ -122,7 +124,8 @@ def python_model_config(name: str, instances: int, backend: str, default_mode: s
     params = {"export_dir": EXPORT_SUBDIR, "backend": backend, "default_selector_mode": default_mode,
               "default_max_tokens": str(default_max_tokens), "max_tokens_limit": str(max_tokens_limit),
               "ort_threads": str(ort_threads), "verify_checksums": "true" if verify_checksums else "false",
-              "max_batch": str(max_batch), "speculation": speculation, "default_proposer": proposer}
+              "max_batch": str(max_batch), "speculation": speculation, "default_proposer": proposer,
+              "ort_spinning": ort_spinning}
     for k, v in params.items():
         cfg.parameters[k].string_value = v
     return cfg
@@ -153,8 +156,9 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
                       instances: int = 1, backend: str = "auto", default_mode: str = "greedy",
                       default_max_tokens: int = 128, ort_threads: int = 0, verify_checksums: bool = True,
                       max_batch: int = 8, speculation: str = "adaptive", proposer: str = DEFAULT_PROPOSER,
-                      overwrite: bool = False) -> list[str]:
+                      ort_spinning: str = "auto", overwrite: bool = False) -> list[str]:
     """Write the model repository for ``export_dir`` into ``repo_dir``; returns the model names written.
+    ``ort_spinning``: the instances' ``load(spinning=...)`` (:data:`~dflash2_trt.vocabulary.ORT_SPINNING`);
     ``overwrite``: replace a repository of ours that holds files its record does not list (named first)."""
     export_dir, repo = Path(export_dir), Path(repo_dir)
     m = read_manifest(export_dir, verify_checksums=False)  # the server's instances verify them when they load
@@ -168,6 +172,8 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
         raise DFlash2Error(f"--triton-speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
     if proposer not in PROPOSERS:
         raise DFlash2Error(f"--triton-proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}")
+    if ort_spinning not in ORT_SPINNING:
+        raise DFlash2Error(f"--triton-ort-spinning must be one of {', '.join(ORT_SPINNING)}, got {ort_spinning!r}")
     m.check_draft_mode(default_mode)
     if not 1 <= default_max_tokens <= m.max_seq_len:
         raise DFlash2Error(f"--triton-max-tokens must be in [1, {m.max_seq_len}], got {default_max_tokens}")
@@ -175,7 +181,8 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
     try:
         with TempFolder(repo, "triton") as t:
             names = _write_repo(t.path, export_dir, m, model_name, instances, backend, default_mode,
-                                default_max_tokens, ort_threads, verify_checksums, max_batch, speculation, proposer)
+                                default_max_tokens, ort_threads, verify_checksums, max_batch, speculation, proposer,
+                                ort_spinning)
             write_repo_record(t.path)
             if not overwrite:
                 check_replace(repo, "--triton-repo", repo_owner)  # again: it may have changed meanwhile
@@ -187,13 +194,13 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
 
 def _write_repo(tmp: Path, export_dir: Path, m, model_name: str, instances: int, backend: str,  # noqa: ANN001
                 default_mode: str, default_max_tokens: int, ort_threads: int, verify_checksums: bool, max_batch: int,
-                speculation: str, proposer: str = DEFAULT_PROPOSER) -> list[str]:
+                speculation: str, proposer: str = DEFAULT_PROPOSER, ort_spinning: str = "auto") -> list[str]:
     """Build the repository in ``tmp``; returns the model names."""
     names = [model_name]
     mdir = tmp / model_name
     _write_config(mdir, python_model_config(model_name, instances, backend, default_mode, default_max_tokens,
                                             m.max_seq_len, ort_threads, verify_checksums, max_batch, speculation,
-                                            proposer))
+                                            proposer, ort_spinning))
     (mdir / "1").mkdir()
     shutil.copy2(TEMPLATE, mdir / "1" / "model.py")
     _copy_tree(export_dir, mdir / "1" / EXPORT_SUBDIR)
@@ -228,6 +235,9 @@ def add_triton_options(p: argparse.ArgumentParser, required: bool = False) -> No
     p.add_argument("--triton-proposer", choices=PROPOSERS, default=DEFAULT_PROPOSER,
                    help="who drafts for a request that does not say (its input 'proposer'): the DFlash 2 drafter, "
                         "prompt lookup, or per cycle whichever pays")
+    p.add_argument("--triton-ort-spinning", choices=tuple(ORT_SPINNING), default="auto",
+                   help="ONNX Runtime: whether an instance's target session spins between ops (off: several "
+                        "instances or servers on one CPU; auto: on, or $DFLASH2_ORT_SPINNING)")
 
 
 def run_write(export_dir: str | Path, a: argparse.Namespace) -> int:
@@ -237,6 +247,7 @@ def run_write(export_dir: str | Path, a: argparse.Namespace) -> int:
                               backend=a.triton_backend, default_mode=a.triton_selector,
                               default_max_tokens=a.triton_max_tokens, max_batch=a.triton_max_batch,
                               speculation=a.triton_speculation, proposer=a.triton_proposer,
+                              ort_spinning=a.triton_ort_spinning,
                               overwrite=getattr(a, "overwrite", False))
     print(f"wrote Triton model repository {a.triton_repo} (models: {', '.join(names)})")
     return 0

@@ -16,8 +16,10 @@ from dflash2_trt.vocabulary import BACKEND_CHOICES
 
 
 def open_backend(model_dir: str | Path, backend: str = "auto", verify_checksums: bool = True,
-                 threads: int | None = None) -> tuple[Backend, str]:
-    """Open an export folder with the requested backend; returns it and a one-line note on the choice."""
+                 threads: int | None = None, *, spinning: bool | None = None, panels: bool | None = None,
+                 weight_codes: bool = True) -> tuple[Backend, str]:
+    """Open an export folder with the requested backend; returns it and a one-line note on the choice.
+    ``threads``, ``spinning``, ``panels``, ``weight_codes``: ONNX Runtime's (:func:`dflash2_trt.load`)."""
     if backend not in BACKEND_CHOICES:
         raise DFlash2Error(f"backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
     model_dir = Path(model_dir)
@@ -34,7 +36,8 @@ def open_backend(model_dir: str | Path, backend: str = "auto", verify_checksums:
             reason = str(e)
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
-    be = OrtBackend(model_dir, verify_checksums=verify_checksums, threads=threads)
+    be = OrtBackend(model_dir, verify_checksums=verify_checksums, threads=threads, spinning=spinning, panels=panels,
+                    weight_codes=weight_codes)
     if backend == "auto":
         return be, f"TensorRT not available ({reason}), using ONNX Runtime ({be.provider})"
     return be, f"using ONNX Runtime ({be.provider})"

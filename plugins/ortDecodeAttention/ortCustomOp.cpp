@@ -552,18 +552,25 @@ size_t ORT_API_CALL matMulOutputCount(OrtCustomOp const*)
     return 1;
 }
 
-//! The kernel looks for an exact code of its weights when it is created (once, as the session loads), unless
-//! DFLASH2_ORT_PANEL_CODES=0; weights that are not a constant keep the fp32 kernel.
+//! The kernel looks for an exact code of its weights when it is created (once, as the session loads), unless the
+//! node's optional attribute ``codes`` is 0 (the runtime's weight_codes=False) or DFLASH2_ORT_PANEL_CODES=0 is in
+//! the environment; weights that are not a constant keep the fp32 kernel.
 OrtStatus* ORT_API_CALL createMatMul(OrtCustomOp const*, OrtApi const* api, OrtKernelInfo const* info, void** kernel)
 {
     *kernel = nullptr;
     try
     {
         auto k = std::make_unique<MatMulKernel>();
+        int64_t codes = 1;
+        if (OrtStatus* st = api->KernelInfoGetAttribute_int64(info, "codes", &codes))
+        {
+            api->ReleaseStatus(st); // no attribute: look for a code
+            codes = 1;
+        }
         char const* const env = std::getenv("DFLASH2_ORT_PANEL_CODES");
         int isConstant = 0;
         OrtValue const* w = nullptr;
-        if (!(env != nullptr && std::string(env) == "0"))
+        if (codes != 0 && !(env != nullptr && std::string(env) == "0"))
         {
             if (OrtStatus* st = api->KernelInfoGetConstantInput_tensor(info, 1, &isConstant, &w))
             {

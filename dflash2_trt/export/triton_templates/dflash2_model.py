@@ -30,7 +30,9 @@ one to finish, so Triton gives new requests to another instance or keeps them in
 ``speculation`` (of ``dflash2_trt.vocabulary.SPECULATION_MODES``): ``adaptive`` (default) drafts for a sequence
 only while the load-adaptive rule says it pays (at high load: batched plain decoding), ``always`` drafts every
 step, ``off`` never drafts. Greedy output is the target's own either way; at T > 0 a seed fixes the tokens with
-``always`` / ``off`` and the sampling law with ``adaptive`` (the rule decides from measured timings). A bad
+``always`` / ``off`` and the sampling law with ``adaptive`` (the rule decides from measured timings). Parameter
+``ort_spinning`` (``auto`` | ``on`` | ``off``): whether ONNX Runtime's target session spins between ops
+(``dflash2_trt.load(spinning=...)``; ``off`` for several instances or servers on one CPU). A bad
 request gets one Triton error (INVALID_ARG) and is never queued; a cancelled request (the client cancelled or
 disconnected, checked at least every 0.1 s) leaves the batch at the next step, freeing its slot. Custom
 metrics, per instance: ``dflash2_active_requests`` (gauge), ``dflash2_requests`` (counter: requests queued for
@@ -63,7 +65,7 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from dflash2_trt.errors import DFlash2Error  # noqa: E402
-from dflash2_trt.vocabulary import DEFAULT_PROPOSER, PROPOSERS, SPECULATION_MODES  # noqa: E402
+from dflash2_trt.vocabulary import DEFAULT_PROPOSER, ORT_SPINNING, PROPOSERS, SPECULATION_MODES  # noqa: E402
 
 
 def _scalar(request, name: str):  # noqa: ANN001, ANN202
@@ -95,8 +97,12 @@ class TritonPythonModel:
         if speculation not in SPECULATION_MODES:
             raise DFlash2Error(f"parameter speculation must be one of {', '.join(SPECULATION_MODES)}, "
                                f"got {speculation!r}")
+        spinning = params.get("ort_spinning", "auto")
+        if spinning not in ORT_SPINNING:
+            raise DFlash2Error(f"parameter ort_spinning must be one of {', '.join(ORT_SPINNING)}, got {spinning!r}")
         self.gen = dflash2_trt.load(self.dir, params.get("backend", "auto"), threads=threads,
-                                    verify_checksums=params.get("verify_checksums", "true") == "true")
+                                    verify_checksums=params.get("verify_checksums", "true") == "true",
+                                    spinning=ORT_SPINNING[spinning])
         pb_utils.Logger.log_info(f"dflash2 {self.name}: {self.gen.note}")
         self.speculative = speculation != "off"
         max_batch = int(params.get("max_batch", "8"))

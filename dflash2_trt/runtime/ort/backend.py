@@ -59,10 +59,13 @@ def cpu_session_options(ort, threads: int | None, spin: bool = False):  # noqa: 
     return so
 
 
-def target_spins() -> bool:
-    """:data:`SPINNING_ENV`: ``1`` (the default) the target session's workers spin; ``0`` no session spins — for
+def target_spins(spinning: bool | None = None) -> bool:
+    """Whether the target session's workers spin: ``spinning`` (``load(spinning=...)``) when given, else
+    :data:`SPINNING_ENV`: ``1`` (the default) the target session's workers spin; ``0`` no session spins — for
     machines whose CPUs are shared with other work, where spinning workers slow everyone (small graphs ran ~6x
     slower on a loaded 2-core machine)."""
+    if spinning is not None:
+        return bool(spinning)
     v = os.environ.get(SPINNING_ENV, "1")
     if v not in ("0", "1"):
         raise DFlash2Error(f"{SPINNING_ENV}={v!r}: expected 1 (the target session spins) or 0 (no session spins)")
@@ -74,9 +77,10 @@ class _Session:
 
     def __init__(self, ort, path: Path, provider: str, threads: int | None, cuda_graph: bool = False,  # noqa: ANN001
                  decode_attention: bool = False, spin: bool = False, panels: bool = False,
-                 library: bool = False) -> None:
+                 library: bool = False, panel_choice: bool | None = None, codes: bool = True) -> None:
         """``library``: the graph holds a node only the dflash2 custom-op library runs (the selector's plugin node,
-        dflash2.DrafterLayer)."""
+        dflash2.DrafterLayer); ``panel_choice``, ``codes``: the MatMul swap and the weight codes
+        (:func:`~dflash2_trt.runtime.ort.decode_attention.panels_wanted`, ``_swap_matmuls``)."""
         so = cpu_session_options(ort, threads, spin)
         model: str | bytes = str(path)
         self.rewritten = False
@@ -84,7 +88,8 @@ class _Session:
             from dflash2_trt.runtime.ort import decode_attention as DA
 
             # the fused target: DecodeAttention and PanelMatMul; a drafter graph: PanelMatMul
-            swapped = DA.prepare(so, path) if decode_attention else DA.prepare_panels(so, path) if panels else None
+            swapped = (DA.prepare(so, path, panel_choice, codes) if decode_attention else
+                       DA.prepare_panels(so, path, panel_choice, codes) if panels else None)
             if swapped is not None:
                 model, self.rewritten = swapped, True
             elif library:
@@ -177,13 +182,19 @@ class OrtBackend(BackendBase):
     name = "ort"
 
     def __init__(self, model_dir: str | Path, provider: str = "auto", verify_checksums: bool = True,
-                 threads: int | None = None, flavour: str = "auto", attention: str = "auto") -> None:
+                 threads: int | None = None, flavour: str = "auto", attention: str = "auto", *,
+                 spinning: bool | None = None, panels: bool | None = None, weight_codes: bool = True) -> None:
         """flavour: 'auto' runs the fused ONNX Runtime graphs (``target_ort`` and ``*_ort`` variants, see
         :mod:`dflash2_trt.runtime.ort.fused_target`) when the export has them and the provider is the CPU;
         'standard' runs the standard-ONNX graphs (the TensorRT flavour) only.
         attention (fused target only): 'auto' swaps GroupQueryAttention for dflash2.DecodeAttention when its
         library is built (:mod:`dflash2_trt.runtime.ort.decode_attention`), 'decode' requires it, 'gqa' keeps
-        ORT's op."""
+        ORT's op. spinning, panels, weight_codes: :func:`dflash2_trt.load`'s (None: the environment's or the
+        CPU's choice)."""
+        for key, v in (("spinning", spinning), ("panels", panels), ("weight_codes", weight_codes)):
+            if not (isinstance(v, bool) or v is None and key != "weight_codes"):
+                raise DFlash2Error(f"{key} must be True, False{'' if key == 'weight_codes' else ' or None'}, got {v!r}")
+        self.spinning, self.panels, self.weight_codes = spinning, panels, weight_codes
         self.dir = Path(model_dir)
         ort = import_ort()
         self.manifest: ExportManifest = read_manifest(self.dir, verify_checksums)
@@ -247,7 +258,8 @@ class OrtBackend(BackendBase):
             s = _Session(self.ort, self.dir / g.file, self.provider, self.threads, cuda_graph=g.role == "drafter_head",
                          decode_attention=key == TARGET_ORT and self.decode_attention,
                          panels=key != TARGET_ORT and self.decode_attention, library=library,
-                         spin=g.role == "target" and target_spins())
+                         spin=g.role == "target" and target_spins(self.spinning), panel_choice=self.panels,
+                         codes=self.weight_codes)
             _check_interface(s, g)
             self._sessions[key] = s
         return self._sessions[key]

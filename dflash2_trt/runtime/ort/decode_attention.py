@@ -27,8 +27,9 @@ step does, so its extra rows cost their arithmetic (plugins/ortDecodeAttention/R
 When the session loads, each PanelMatMul kernel also looks for an exact code of its weights (4-bit blocks with a
 scale and a minimum, 8-bit blocks with a scale, fp16, bf16: what a target converted from a GGUF file or an fp16 /
 bf16 checkpoint holds); where one reproduces every weight bit for bit the kernel reads the code instead (SmolLM2
-from its Q4_1 GGUF: 0.75 bytes a weight instead of 4) and gives the fp32 kernel's numbers (:data:`CODES_ENV`,
-:func:`panel_codes`).
+from its Q4_1 GGUF: 0.75 bytes a weight instead of 4) and gives the fp32 kernel's numbers
+(``load(weight_codes=False)``, or :data:`CODES_ENV` = 0 for the whole process, keeps the fp32 panels;
+:func:`panel_codes` counts the codes).
 
 The library also runs the path selector's TensorRT plugin node (``trt.plugins.DFlash2PathSelector``, the
 selector's CPU twin: the CUDA kernel's numbers), so the drafter head's ``.plugin.onnx`` graph loads in ONNX Runtime,
@@ -98,11 +99,12 @@ def _load_graph(path: Path) -> Any:
                            f"file (re-export; checksums off let it through)") from None
 
 
-def rewrite(path: Path) -> bytes | None:
+def rewrite(path: Path, panels: bool | None = None, codes: bool = True) -> bytes | None:
     """target_ort.onnx (fp32, external weights left on disk) with every GroupQueryAttention node replaced by
     DecodeAttention (and the graph input ``past_seqlens`` [batch] int32 fed to each), and the LM head's input
     gathered by ``logits_index`` -> serialized model; None when the graph has no GroupQueryAttention or no LM head
-    producing ``logits``, or its caches are not fp32."""
+    producing ``logits``, or its caches are not fp32. ``panels``, ``codes``: the MatMul swap
+    (:func:`panels_wanted`, :func:`_swap_matmuls`)."""
     import onnx
     from onnx import helper
 
@@ -147,8 +149,8 @@ def rewrite(path: Path) -> bytes | None:
     model.graph.input.append(helper.make_tensor_value_info(TARGET_PAST_SEQLENS, onnx.TensorProto.INT32, ["batch"]))
     model.graph.input.append(helper.make_tensor_value_info(TARGET_LOGITS_INDEX, onnx.TensorProto.INT64,
                                                            ["batch", "logits_rows", 1]))
-    if panels_wanted():
-        _swap_matmuls(model)
+    if panels_wanted(panels):
+        _swap_matmuls(model, codes)
     model.opset_import.append(helper.make_opsetid(OP_DOMAIN, 1))
     return model.SerializeToString()
 
@@ -171,10 +173,13 @@ def kernel_isa() -> str:
     return KERNEL_ISAS[int(isa())]
 
 
-def panels_wanted() -> bool:
-    """Whether the rewrite swaps the MatMuls (:data:`PANELS_ENV`; by default where the kernels run AVX-512
-    (:func:`kernel_isa`): there PanelMatMul's many-row path (a prefill, a batch of 16) keeps up with ONNX Runtime's
-    packed GEMM; with AVX2 alone it takes twice as long, so those CPUs keep ORT's MatMul)."""
+def panels_wanted(panels: bool | None = None) -> bool:
+    """Whether the rewrite swaps the MatMuls: ``panels`` (``load(panels=...)``) when given, else :data:`PANELS_ENV`,
+    else where the kernels run AVX-512 (:func:`kernel_isa`): there PanelMatMul's many-row path (a prefill, a batch of
+    16) keeps up with ONNX Runtime's packed GEMM; with AVX2 alone it takes twice as long, so those CPUs keep ORT's
+    MatMul."""
+    if panels is not None:
+        return bool(panels)
     v = os.environ.get(PANELS_ENV)
     if v is not None:
         return v != "0"
@@ -192,13 +197,15 @@ def panel_codes() -> dict[str, int]:
     return {name: int(count(i)) for i, name in enumerate(PANEL_CODES)}
 
 
-def _swap_matmuls(model: Any) -> int:
+def _swap_matmuls(model: Any, codes: bool = True) -> int:
     """Every MatMul by a constant fp32 weight [K, N] (N a multiple of 16) -> PanelMatMul(x, the weight reshaped to
     [K, N/16, 16] and transposed to [N/16, K, 16]), and every int4 MatMulNBits that computes in fp32 (symmetric, no
     zero points, accuracy level 0: the lossless quantized target) -> PanelMatMulQ4(x, its packed weights and its
     scales in panels of 16 columns): constant nodes that ONNX Runtime folds when the session loads, so the session
     holds the panels in place of the weights (the file keeps the weights every graph shares) -> the number swapped.
-    A MatMulNBits at accuracy level 4 (int8 activations: the user's choice of speed over exactness) stays as it is."""
+    A MatMulNBits at accuracy level 4 (int8 activations: the user's choice of speed over exactness) stays as it is.
+    ``codes=False``: each PanelMatMul node says ``codes=0``, its kernel computes from the fp32 panels even where an
+    exact weight code fits (the same numbers; ``load(weight_codes=False)``)."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -226,7 +233,7 @@ def _swap_matmuls(model: Any) -> int:
             K, N = int(w.dims[0]), int(w.dims[1])
             packed = panels(f"{name}/panels", w.name, [K, N // PANEL_WIDTH, PANEL_WIDTH], [1, 0, 2])  # [N/16, K, 16]
             model.graph.node.append(helper.make_node(MATMUL_OP_TYPE, [node.input[0], packed], list(node.output),
-                                                     name=name, domain=OP_DOMAIN))
+                                                     name=name, domain=OP_DOMAIN, **({} if codes else {"codes": 0})))
         elif (q4 := _q4_shape(node, inits)) is not None:
             K, N, block = q4
             per = [N // PANEL_WIDTH, PANEL_WIDTH]  # [N, ...] -> [N/16, 16, cols] -> [N/16, cols, 16]
@@ -277,27 +284,28 @@ def release_freed_memory() -> None:
         pass
 
 
-def prepare_panels(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.SessionOptions
+def prepare_panels(so: Any, path: Path, panels: bool | None = None,
+                   codes: bool = True) -> bytes | None:  # so: onnxruntime.SessionOptions
     """A drafter graph with its MatMuls by constant weights swapped for PanelMatMul (the library registered on
-    ``so``, weights from ``path``'s folder), or None (``so`` untouched) where the panels are not wanted or nothing
-    swaps."""
-    import onnx
+    ``so``, weights from ``path``'s folder), or None (``so`` untouched) where the panels are not wanted
+    (:func:`panels_wanted`) or nothing swaps."""
     from onnx import helper
 
-    if not panels_wanted():
+    if not panels_wanted(panels):
         return None
     model = _load_graph(path)
-    if not _swap_matmuls(model):
+    if not _swap_matmuls(model, codes):
         return None
     model.opset_import.append(helper.make_opsetid(OP_DOMAIN, 1))
     register(so, path)
     return model.SerializeToString()
 
 
-def prepare(so: Any, path: Path) -> bytes | None:  # so: onnxruntime.SessionOptions
+def prepare(so: Any, path: Path, panels: bool | None = None,
+            codes: bool = True) -> bytes | None:  # so: onnxruntime.SessionOptions
     """Register the library on ``so`` and return the rewritten model (weights from ``path``'s folder), or None
     (``so`` untouched) when the graph cannot take the op."""
-    model = rewrite(path)
+    model = rewrite(path, panels, codes)
     if model is None:
         return None
     register(so, path)
