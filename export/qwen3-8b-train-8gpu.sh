@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Recipe: train a DFlash 2 drafter for Qwen3-8B on one 8-GPU node (80 GB H100 class), evaluate it, export it.
 #   TARGET   HF folder of Qwen3-8B (e.g. `huggingface-cli download Qwen/Qwen3-8B --local-dir ...`); the same
-#            recipe fits Llama-3.1-8B-Instruct (its numbers below are within ~10 %)
+#            recipe fits Llama-3.1-8B-Instruct (its numbers below are within ~10 %). A Qwen3.5-family (hybrid
+#            Gated DeltaNet) target trains with the same flags (make-data, train and eval-tau run it through
+#            transformers; --target-layer-ids taps any of its layers, linear or attention); its export is step 5 of
+#            export/qwen3.5-zlab-ort.sh (fp32, ONNX Runtime: TensorRT does not run such exports yet)
 #   WORK     a folder on a disk with ~3 TB free (the feature store, see below)
 # Status: written against the documented flags, NEVER RUN on a GPU; the CPU twins of
 # every step (2-process torchrun make-data and train, kill + --resume, bf16) run in tests/test_train_distributed.py.

@@ -6,6 +6,7 @@
 #                  installed (`dflash2 make-data ... --prompts-only`, below): a GPU box needs no network
 #   HELD_PROMPTS   the held-out prompts, made the same way (the drafter README's HELD command + --prompts-only)
 #   TARGET         smollm2 (default: the PyPI GGUF), or the path of SmolLM2-135M-Instruct.Q4_1.gguf
+#                  (a Qwen3.5-family HF folder trains with the same flags and INIT=a drafter made for it)
 #   INIT           warm start (default: the packaged drafter); LAYERS 2 keeps its layer and heads, adds a fresh one
 #   WORK           scratch folder (default ./smollm2-drafter-next; the data take ≈ 1.7 MB per generated token
 #                  row of 128 in fp32: N_PROMPTS 8000 ≈ 14 GB)

@@ -364,3 +364,23 @@ def test_zlab_shaped_drafter_end_to_end(tmp_path_factory):
         assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
         accepted += got.accepted
     assert sum(a >= 1 for a in accepted) >= len(accepted) // 3 and max(accepted) >= 3, accepted
+
+
+def test_the_qwen3_5_recipe_runs_on_a_tiny_hybrid_pair(tmp_path_factory):
+    """export/qwen3.5-zlab-ort.sh on ``make-tiny --arch qwen3_5 --accepting``: it exports (manifest version 3) and its
+    generate step reports lossless output."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pair = make_pair(tmp_path_factory, "hy_recipe", accepting=True, arch="qwen3_5")
+    out = tmp_path_factory.mktemp("recipe") / "export"
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TARGET=str(pair / "target"), DRAFTER=str(pair / "drafter"), OUT=str(out), MAX_SEQ_LEN="512",
+               MAX_NEW_TOKENS="24", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    r = subprocess.run(["bash", str(root / "export" / "qwen3.5-zlab-ort.sh")], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "lossless: True" in r.stdout
+    assert json.loads((out / "manifest.json").read_text())["manifest_version"] == 3
