@@ -410,10 +410,11 @@ class Generator:
         if not req.speculative:
             return D.target_generate(target, req.prompt, req.max_new_tokens, req.temperature, req.eos_ids, req.seed,
                                      on_tokens=on_tokens)
-        return D.speculative_generate(target, self._drafter(req.selector), req.prompt, req.max_new_tokens,
-                                      req.temperature, req.eos_ids, req.seed, oracle=req.oracle, on_tokens=on_tokens,
-                                      guard=AcceptanceGuard(GuardConfig()) if req.guard else None,
-                                      min_confidence=req.min_confidence, on_cycle=on_cycle, proposer=req.proposer)
+        opts = D.DecodeOptions(req.max_new_tokens, req.temperature, req.eos_ids, req.seed, req.min_confidence,
+                               req.proposer)
+        return D.speculative_decode(target, self._drafter(req.selector), req.prompt, opts,
+                                    AcceptanceGuard(GuardConfig()) if req.guard else None,
+                                    D.DecodeHooks(on_tokens, on_cycle, req.oracle))
 
     def _result(self, req: _Request, res: Any) -> Result:
         eos = self._target.eos_ids if req.eos_ids is None else req.eos_ids

@@ -143,132 +143,203 @@ def _confidence(draft: Draft, temperature: float) -> np.ndarray | None:
     return np.asarray(q.max(-1), dtype=np.float64)  # [L]
 
 
-def speculative_generate(
-    target: TargetRunner,
-    drafter: DraftRunner,
-    prompt_ids: list[int],
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    eos_ids: set[int] | None = None,
-    seed: int = 0,
-    oracle: OracleFn | None = None,
-    on_tokens: OnTokens | None = None,
-    guard: AcceptanceGuard | None = None,
-    min_confidence: float = 0.0,
-    on_cycle: OnCycle | None = None,
-    proposer: str = DFLASH2,
-    ngram_rows: int | None = None,
-) -> GenerationResult:
-    """Speculative decoding of one prompt (SPEC §4); ``guard`` holds one request's state (a fresh one per call).
-    ``on_cycle(accepted, rows)`` is called for each speculative cycle just before ``on_tokens`` gets its tokens
-    (the prefill's first token and the guard's plain steps reach ``on_tokens`` alone).
-    ``proposer``: 'dflash2' (the drafter), 'ngram' (prompt lookup only: the drafter never runs; no match = a plain
-    step), 'auto' (per cycle, :class:`~dflash2_trt.runtime.ngram.ProposerChoice`); ``ngram_rows``: most lookup
-    drafts per cycle (default: ``NGRAM_ROWS`` = 4, or the drafter's draft rows where more)."""
-    check_prompt(prompt_ids, target, max_new_tokens)
-    check_temperature(temperature)
-    rng = np.random.default_rng(seed)
-    eos = set(target.eos_ids) if eos_ids is None else eos_ids
-    L = drafter.num_draft_rows
-    res = GenerationResult(prompt_tokens=list(prompt_ids))
-    oracle_s = 0.0
-    t0 = time.perf_counter()
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What one speculative request asks for (:func:`speculative_decode`)."""
 
-    # prefill: target KV cache + context features of every prompt position; the first anchor
-    target.reset()
-    drafter.reset()
-    logits, feats = target.forward(list(prompt_ids))  # [n, V], [n, F]
-    anchor = _next_token(logits[-1], temperature, rng)
-    res.tokens.append(anchor)
-    if on_tokens:
-        on_tokens([anchor])
-    choice = ProposerChoice(proposer, list(prompt_ids) + [anchor], ngram_rows or default_rows(L))
-    if choice.uses_drafter:
-        drafter.add_context(feats, 0)
-    pos = len(prompt_ids)  # anchor position
-    limit = min(max_new_tokens, target.max_positions - len(prompt_ids))
-    # features [rows, F] of committed positions not yet in the draft context: plain steps and prompt-lookup cycles
-    # add none until the drafter runs again, then all of them in one pass
-    pending: list[np.ndarray] = []
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy; > 0: lossless rejection sampling
+    eos_ids: set[int] | None = None  # stop tokens; None: the target's; empty: never stop early
+    seed: int = 0
+    min_confidence: float = 0.0  # verify only the leading rows whose cumulative confidence reaches it
+    # 'dflash2' (the drafter), 'ngram' (prompt lookup only: the drafter never runs; no match = a plain step), 'auto'
+    # (per cycle, :class:`~dflash2_trt.runtime.ngram.ProposerChoice`)
+    proposer: str = DFLASH2
+    ngram_rows: int | None = None  # most lookup drafts per cycle (None: NGRAM_ROWS = 4, or the draft rows where more)
 
-    while len(res.tokens) < limit and anchor not in eos:
-        t_step = time.perf_counter()
-        looked_up = choice.ngram(limit - len(res.tokens) - 1)
-        # the guard rules the drafter alone: while it says plain steps, a lookup that pays still runs
-        who = choice.pick(looked_up, guard.t_step if guard is not None else None,
-                          drafter=guard is None or not guard.plain_next())
-        if who is None:
-            # plain step: the target's own next token (exactly target_generate's step)
-            logits, feats = target.forward([anchor])  # [1, V], [1, F]
-            anchor = _next_token(logits[-1], temperature, rng)
-            if choice.uses_drafter:
-                pending.append(feats)
-            pos += 1
-            res.tokens.append(anchor)
-            choice.extend([anchor])
-            res.plain_steps += 1
-            if on_tokens:
-                on_tokens([anchor])
-            if guard is not None:
-                guard.record_step(time.perf_counter() - t_step)
-            continue
-        if pending and who != NGRAM:  # the drafter runs: the pending positions join its context in one pass
-            ctx = np.concatenate(pending)
-            drafter.add_context(ctx, pos - ctx.shape[0])
-            pending = []
+
+@dataclass(frozen=True)
+class DecodeHooks:
+    """Callbacks of one request: ``on_tokens(new)`` gets each committed chunk (the prefill's first token, a plain
+    step's token, a cycle's tokens); ``on_cycle(accepted, rows)`` runs for each speculative cycle just before
+    ``on_tokens`` gets its tokens; ``oracle``: the per-cycle oracle top-K count, excluded from the timing."""
+
+    on_tokens: OnTokens | None = None
+    on_cycle: OnCycle | None = None
+    oracle: OracleFn | None = None
+
+
+class _SpeculativeLoop:
+    """One request's state through the named steps of :func:`speculative_decode` (prefill, pick, plain step, draft,
+    verify + accept, commit). Every random number comes from ``rng`` in a fixed order: the first token, then per
+    cycle the drafter's uniforms, then the rejection test."""
+
+    def __init__(self, target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int], o: DecodeOptions,
+                 guard: AcceptanceGuard | None, hooks: DecodeHooks) -> None:
+        check_prompt(prompt_ids, target, o.max_new_tokens)
+        check_temperature(o.temperature)
+        self.target, self.drafter, self.o, self.guard, self.hooks = target, drafter, o, guard, hooks
+        self.prompt = list(prompt_ids)
+        self.rng = np.random.default_rng(o.seed)
+        self.eos = set(target.eos_ids) if o.eos_ids is None else o.eos_ids
+        self.L = drafter.num_draft_rows
+        self.res = GenerationResult(prompt_tokens=list(prompt_ids))
+        self.oracle_s = 0.0
+        self.t0 = time.perf_counter()
+        self.limit = min(o.max_new_tokens, target.max_positions - len(prompt_ids))
+        self.pos = len(prompt_ids)  # the anchor's position
+        self.anchor = -1
+        # features [rows, F] of committed positions not yet in the draft context: plain steps and prompt-lookup
+        # cycles add none until the drafter runs again, then all of them in one pass
+        self.pending: list[np.ndarray] = []
+        self.choice: ProposerChoice | None = None
+
+    @property
+    def running(self) -> bool:
+        return len(self.res.tokens) < self.limit and self.anchor not in self.eos
+
+    def _emit(self, new: list[int]) -> None:
+        if self.hooks.on_tokens:
+            self.hooks.on_tokens(new)
+
+    def prefill(self) -> None:
+        """Target KV cache + context features of every prompt position; the first anchor."""
+        self.target.reset()
+        self.drafter.reset()
+        logits, feats = self.target.forward(self.prompt)  # [n, V], [n, F]
+        self.anchor = _next_token(logits[-1], self.o.temperature, self.rng)
+        self.res.tokens.append(self.anchor)
+        self._emit([self.anchor])
+        self.choice = ProposerChoice(self.o.proposer, self.prompt + [self.anchor],
+                                     self.o.ngram_rows or default_rows(self.L))
+        if self.choice.uses_drafter:
+            self.drafter.add_context(feats, 0)
+
+    def pick(self) -> tuple[list[int], str | None]:
+        """(the lookup's drafts, who proposes: 'dflash2' | 'ngram' | None for a plain step). The guard rules the
+        drafter alone: while it says plain steps, a lookup that pays still runs."""
+        assert self.choice is not None
+        looked_up = self.choice.ngram(self.limit - len(self.res.tokens) - 1)
+        g = self.guard
+        return looked_up, self.choice.pick(looked_up, g.t_step if g is not None else None,
+                                           drafter=g is None or not g.plain_next())
+
+    def plain_step(self, t_step: float) -> None:
+        """The target's own next token (exactly target_generate's step)."""
+        assert self.choice is not None
+        logits, feats = self.target.forward([self.anchor])  # [1, V], [1, F]
+        self.anchor = _next_token(logits[-1], self.o.temperature, self.rng)
+        if self.choice.uses_drafter:
+            self.pending.append(feats)
+        self.pos += 1
+        self.res.tokens.append(self.anchor)
+        self.choice.extend([self.anchor])
+        self.res.plain_steps += 1
+        self._emit([self.anchor])
+        if self.guard is not None:
+            self.guard.record_step(time.perf_counter() - t_step)
+
+    def draft(self, who: str, looked_up: list[int]) -> tuple[Draft, list[int], int]:
+        """-> (the draft, its tokens to verify, rows verified). The drafter's pending positions join its context
+        in one pass first; a final partial block verifies fewer rows; all bs rows always run, as in training."""
         if who == NGRAM:  # prompt lookup: deterministic drafts, a one-hot proposal
-            drafts, n_rows = looked_up, len(looked_up)
-            draft = lookup_draft(drafts)
-        else:
-            n_rows = min(L, limit - len(res.tokens) - 1)  # a final partial block verifies fewer rows
-            # draft + select (all bs rows always run, as in training)
-            uniforms = rng.random((1, L), dtype=np.float32) if temperature > 0 else None
-            draft = drafter.propose(anchor, pos, n_rows, temperature, uniforms)
-            n_rows = verify_rows(_confidence(draft, temperature), n_rows, min_confidence)
-            drafts = [int(t) for t in draft.tokens[:n_rows]]
-        # verify [anchor, d_1..d_n] at positions pos..pos+n
-        v_logits, v_feats = target.forward([anchor] + drafts)  # [n+1, V], [n+1, F]
-        # accept
-        if temperature <= 0:
+            return lookup_draft(looked_up), looked_up, len(looked_up)
+        if self.pending:
+            ctx = np.concatenate(self.pending)
+            self.drafter.add_context(ctx, self.pos - ctx.shape[0])
+            self.pending = []
+        n_rows = min(self.L, self.limit - len(self.res.tokens) - 1)
+        T = self.o.temperature
+        uniforms = self.rng.random((1, self.L), dtype=np.float32) if T > 0 else None
+        draft = self.drafter.propose(self.anchor, self.pos, n_rows, T, uniforms)
+        n_rows = verify_rows(_confidence(draft, T), n_rows, self.o.min_confidence)
+        return draft, [int(t) for t in draft.tokens[:n_rows]], n_rows
+
+    def verify(self, draft: Draft, drafts: list[int], n_rows: int) -> tuple[int, int, np.ndarray]:
+        """The target on [anchor, d_1..d_n] at positions pos..pos+n, then acceptance -> (accepted, bonus token,
+        features [n+1, F])."""
+        v_logits, v_feats = self.target.forward([self.anchor] + drafts)  # [n+1, V], [n+1, F]
+        T = self.o.temperature
+        if T <= 0:
             acc, bonus = ref.accept_greedy(np.asarray(drafts, dtype=np.int64), v_logits)
         else:
-            p = ref.softmax_t(v_logits, temperature)  # [n+1, V]
+            p = ref.softmax_t(v_logits, T)  # [n+1, V]
             q = _proposal_in_vocab(draft, n_rows, p.shape[-1])  # [n, V]
-            acc, bonus = ref.accept_rejection(np.asarray(drafts, dtype=np.int64), q, p, rng)
-        # commit: crop the target cache; committed positions become draft context
-        target.crop(pos + acc + 1)
-        if who == NGRAM and choice.uses_drafter:
-            pending.append(v_feats[: acc + 1])
-        elif choice.uses_drafter:
-            drafter.add_context(v_feats[: acc + 1], pos)
+            acc, bonus = ref.accept_rejection(np.asarray(drafts, dtype=np.int64), q, p, self.rng)
+        return acc, bonus, v_feats
+
+    def commit(self, who: str, draft: Draft, drafts: list[int], n_rows: int, acc: int, bonus: int,
+               v_feats: np.ndarray, t_step: float) -> None:
+        """Crop the target cache; committed positions become draft context; the cycle's tokens (up to an accepted
+        EOS: drafts after it are not committed, so they do not count for τ) and counts."""
+        assert self.choice is not None
+        res = self.res
+        self.target.crop(self.pos + acc + 1)
+        if who == NGRAM and self.choice.uses_drafter:
+            self.pending.append(v_feats[: acc + 1])
+        elif self.choice.uses_drafter:
+            self.drafter.add_context(v_feats[: acc + 1], self.pos)
         new = drafts[:acc] + [bonus]
         for i, t in enumerate(new):
-            if t in eos:
+            if t in self.eos:
                 new = new[: i + 1]
                 break
-        # an accepted EOS ends the request: drafts after it are not committed, so they do not count for τ
         res.accepted.append(min(acc, len(new)))
         res.proposed.append(n_rows)
         res.proposers.append(who)
-        choice.extend(new)
-        choice.record(who, len(new), time.perf_counter() - t_step)
+        self.choice.extend(new)
+        self.choice.record(who, len(new), time.perf_counter() - t_step)
         cycle_oracle_s = 0.0
-        if oracle is not None:
+        if self.hooks.oracle is not None:
             t_o = time.perf_counter()
-            res.oracle_accepted.append(oracle(target, draft.cand, drafts, n_rows, acc, bonus, pos))
+            res.oracle_accepted.append(self.hooks.oracle(self.target, draft.cand, drafts, n_rows, acc, bonus,
+                                                         self.pos))
             cycle_oracle_s = time.perf_counter() - t_o
-            oracle_s += cycle_oracle_s
+            self.oracle_s += cycle_oracle_s
         res.tokens.extend(new)
-        if on_cycle:
-            on_cycle(res.accepted[-1], n_rows)
-        if on_tokens:
-            on_tokens(new)
-        pos += acc + 1
-        anchor = new[-1]
-        if guard is not None and who == DFLASH2:
-            guard.record_cycle(len(new), time.perf_counter() - t_step - cycle_oracle_s)
+        if self.hooks.on_cycle:
+            self.hooks.on_cycle(res.accepted[-1], n_rows)
+        self._emit(new)
+        self.pos += acc + 1
+        self.anchor = new[-1]
+        if self.guard is not None and who == DFLASH2:
+            self.guard.record_cycle(len(new), time.perf_counter() - t_step - cycle_oracle_s)
 
-    if guard is not None:
-        res.guard_switches, res.guard_probes = guard.switches, guard.probes
-    res.elapsed_s = time.perf_counter() - t0 - oracle_s
-    return res
+    def finish(self) -> GenerationResult:
+        if self.guard is not None:
+            self.res.guard_switches, self.res.guard_probes = self.guard.switches, self.guard.probes
+        self.res.elapsed_s = time.perf_counter() - self.t0 - self.oracle_s
+        return self.res
+
+
+def speculative_decode(target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int],
+                       options: DecodeOptions = DecodeOptions(), guard: AcceptanceGuard | None = None,
+                       hooks: DecodeHooks = DecodeHooks()) -> GenerationResult:
+    """Speculative decoding of one prompt (docs/design.md, the decoding loop); ``guard`` holds one request's state
+    (a fresh one per call). The loop, top to bottom: prefill, then per step the proposer's pick, a plain step or
+    draft -> verify + accept -> commit."""
+    loop = _SpeculativeLoop(target, drafter, prompt_ids, options, guard, hooks)
+    loop.prefill()
+    while loop.running:
+        t_step = time.perf_counter()
+        looked_up, who = loop.pick()
+        if who is None:
+            loop.plain_step(t_step)
+            continue
+        draft, drafts, n_rows = loop.draft(who, looked_up)
+        acc, bonus, v_feats = loop.verify(draft, drafts, n_rows)
+        loop.commit(who, draft, drafts, n_rows, acc, bonus, v_feats, t_step)
+    return loop.finish()
+
+
+def speculative_generate(target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int], max_new_tokens: int = 64,
+                         temperature: float = 0.0, eos_ids: set[int] | None = None, seed: int = 0,
+                         oracle: OracleFn | None = None, on_tokens: OnTokens | None = None,
+                         guard: AcceptanceGuard | None = None, min_confidence: float = 0.0,
+                         on_cycle: OnCycle | None = None, proposer: str = DFLASH2,
+                         ngram_rows: int | None = None) -> GenerationResult:
+    """:func:`speculative_decode` with the options and hooks as keywords (scripts and tests; the fields of
+    :class:`DecodeOptions` and :class:`DecodeHooks`)."""
+    return speculative_decode(target, drafter, prompt_ids,
+                              DecodeOptions(max_new_tokens, temperature, eos_ids, seed, min_confidence, proposer,
+                                            ngram_rows), guard, DecodeHooks(on_tokens, on_cycle, oracle))
