@@ -2,8 +2,8 @@
 on tiny random configurations of transformers' own models: the PyTorch adapter against transformers (logits, a
 verify's rows = one-row steps), rollback to every accepted length (sliding windows shorter than the sequence, so the
 recorded past is what a rollback restores), lossless greedy decoding with a drafter that gets drafts accepted and
-rejected at every length, a planted bug (a sliding window cropped without its recorded past) caught, and the export
-refused in one line."""
+rejected at every length, a planted bug (a sliding window cropped without its recorded past) caught; Qwen3-MoE
+exported and decoded on ONNX Runtime, the sliding targets' export refused in one line."""
 
 from __future__ import annotations
 
@@ -130,6 +130,50 @@ def test_a_sliding_window_cropped_without_its_past_is_caught(target, monkeypatch
         _spec_vs_ar(target, 2)
 
 
-def test_export_is_refused_in_one_line(target):
+def test_sliding_export_is_refused_in_one_line(target):
+    if target.family is not sliding:
+        return
     with pytest.raises(DFlash2Error, match="does not support .* targets yet"):
         target.family.check_exportable(target.model)
+
+
+def test_qwen3_moe_exports_and_decodes_on_ort(tmp_path):
+    """A tiny random Qwen3-MoE target (4 experts, 2 per token) with make-tiny's drafter: exported (the dense graph with
+    the routed MLP), its graph's logits within 1e-4 (relative) of transformers' over a prompt and steps, a k-row call's
+    rows = one-row calls, every node in TensorRT's parser table, and speculative greedy decoding on ONNX Runtime = its autoregressive output. The drafter is
+    random (drafts are rarely accepted: rollback is the dense family's crop, tested there)."""
+    import shutil
+
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.tiny import make_tiny
+
+    make_tiny(tmp_path / "pair", seed=0, block_size=4)
+    folder = tmp_path / "moe"
+    _build("qwen3_moe").eval().save_pretrained(str(folder))
+    for f in (tmp_path / "pair" / "target").glob("tokenizer*"):
+        shutil.copy(f, folder / f.name)
+    export_model(folder, tmp_path / "pair" / "drafter", tmp_path / "e", progress=False, max_seq_len=256)
+    be = OrtBackend(tmp_path / "e")
+    assert be.manifest.target.model_type == "qwen3_moe" and be.manifest.manifest_version == 2
+    import onnx
+
+    from dflash2_trt.export.onnx_utils import trt_parser_refusals
+
+    assert trt_parser_refusals(onnx.load(str(tmp_path / "e" / "target.onnx"), load_external_data=False)) == []
+    hf = _build("qwen3_moe").eval()
+    rng = np.random.default_rng(2)
+    ids = rng.integers(2, 512, 40).tolist()
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+    r = be.target_runner()
+    got = np.concatenate([r.forward(ids[:30])[0]] + [r.forward([x])[0] for x in ids[30:]])
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    r.reset()
+    r.forward(ids[:30])
+    rows = r.forward(ids[30:38])[0]
+    assert (rows.argmax(-1) == want[30:38].argmax(-1)).all()
+    assert np.abs(rows - got[30:38]).max() <= 1e-5 * np.abs(want).max()
+    for p in [rng.integers(4, 512, int(rng.integers(1, 20))).tolist() for _ in range(5)]:
+        ar = D.target_generate(be.target_runner(), p, 16, eos_ids=set()).tokens
+        assert D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 16, eos_ids=set()).tokens == ar

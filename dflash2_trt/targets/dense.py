@@ -94,6 +94,13 @@ def check_exportable(hf_model) -> None:  # noqa: ANN001
     if mt not in MODEL_TYPES:
         raise DFlash2Error(f"target model_type {mt!r} is not supported by the exporter; supported: "
                            f"{', '.join(MODEL_TYPES)} (Llama / Qwen2 / Qwen3 decoder families)")
+    check_attention_config(cfg)
+
+
+def check_attention_config(cfg: Any) -> None:
+    """What :class:`TargetGraph`'s attention and MLP compute (shared with the families built on it), else
+    DFlash2Error saying what it does not."""
+    mt = getattr(cfg, "model_type", None)
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise DFlash2Error(f"target hidden_act {act!r} is not supported (silu only)")
@@ -135,7 +142,7 @@ class TargetGraph(nn.Module):
 
     def __init__(self, hf_model, layer_ids: list[int]) -> None:  # noqa: ANN001
         super().__init__()
-        check_exportable(hf_model)
+        self._check(hf_model)
         cfg = hf_model.config
         base = hf_model.model
         self.embed = base.embed_tokens
@@ -188,8 +195,7 @@ class TargetGraph(nn.Module):
                                    self.kvh, self.d)
             h = h + a.o_proj(o.transpose(1, 2).reshape(B, S, self.nh * self.d))
             x = _rms(h, layer.post_attention_layernorm.weight, self.eps)
-            m = layer.mlp
-            h = h + m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+            h = h + self._mlp(layer.mlp, x)
             present += [k, v]
             taps[i] = h  # decoder layer i's output == HF hidden_states[i + 1]
         h = _rms(h, self.norm.weight, self.eps)
@@ -197,3 +203,12 @@ class TargetGraph(nn.Module):
         logits = self.lm_head(h).float()  # [B, S, V]
         ctx = torch.cat([taps[j] for j in self.layer_ids], dim=-1)  # [B, S, n*H]
         return (logits, ctx, *present)
+
+    @staticmethod
+    def _check(hf_model) -> None:  # noqa: ANN001
+        """The family's export check (a family built on this graph overrides it with its own)."""
+        check_exportable(hf_model)
+
+    def _mlp(self, m, x):  # noqa: ANN001, ANN202
+        """The layer's SwiGLU MLP (a family with other MLPs overrides it)."""
+        return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))

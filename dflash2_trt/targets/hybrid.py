@@ -27,6 +27,7 @@ from torch import nn
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.targets.dense import _grouped_attention
+from dflash2_trt.targets.moe import routed_mlp
 from dflash2_trt.targets.recorded import MAX_ROLLBACK_ROWS, before_forward, new_cache, rollback
 
 __all__ = ["MODEL_TYPES", "MAX_ROLLBACK_ROWS", "before_forward", "check_exportable", "layer_kinds", "new_cache",
@@ -110,25 +111,6 @@ def _rope_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) 
     half = rot // 2
     r, rest = x[..., :rot], x[..., rot:]
     return torch.cat([r * cos + torch.cat([-r[..., half:], r[..., :half]], dim=-1) * sin, rest], dim=-1)
-
-
-def _moe(block, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-    """transformers' sparse MoE block with its top-k routing as graph ops: each token's chosen experts' weights
-    gathered (no loop over experts), the shared expert gated by its sigmoid."""
-    B, S, H = x.shape
-    t = x.reshape(-1, H)
-    router = block.gate
-    probs = torch.softmax(torch.nn.functional.linear(t, router.weight).float(), dim=-1)
-    top, idx = torch.topk(probs, router.top_k, dim=-1)  # [T, k]
-    top = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
-    ex = block.experts
-    gu = torch.matmul(ex.gate_up_proj[idx], t[:, None, :, None])[..., 0]  # [T, k, 2I]
-    inter = gu.shape[-1] // 2
-    hidden = ex.act_fn(gu[..., :inter]) * gu[..., inter:]
-    down = torch.matmul(ex.down_proj[idx], hidden[..., None])[..., 0]  # [T, k, H]
-    routed = (down * top[..., None]).sum(dim=1)
-    shared = torch.sigmoid(block.shared_expert_gate(t)) * block.shared_expert(t)
-    return (routed + shared).reshape(B, S, H)
 
 
 def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
@@ -221,7 +203,7 @@ class TargetGraph(nn.Module):
             h = h + out
             mlp = layer.mlp
             x = layer.post_attention_layernorm(h)
-            h = h + (_moe(mlp, x) if hasattr(mlp, "experts") else mlp(x))
+            h = h + (routed_mlp(mlp, x) if hasattr(mlp, "experts") else mlp(x))
             present += new
             taps[i] = h
         h = self.norm(h)
