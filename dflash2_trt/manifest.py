@@ -6,8 +6,8 @@ One writer (:func:`write_manifest`: fills the checksums, writes atomically) and 
 (:func:`read_manifest`: parses and validates once, into frozen dataclasses; every problem is one
 :class:`DFlash2Error` naming the field). Readers never touch the raw JSON.
 
-Layout (``MANIFEST_VERSION`` 2; ``STATE_MANIFEST_VERSION`` 3 for a target with layers other than attention, so
-that a reader that knows only version 2 refuses such an export instead of misdecoding it)::
+Layout (``MANIFEST_VERSION`` 2; ``STATE_MANIFEST_VERSION`` 3 for a target with linear layers, whose state the graph
+takes and returns, so that a reader that knows only version 2 refuses such an export instead of misdecoding it)::
 
     {"format": "dflash2-trt-export", "manifest_version": 2 | 3, "project_version", "exporter_revision",
      "opset", "dtype": fp32|fp16|bf16,
@@ -16,8 +16,8 @@ that a reader that knows only version 2 refuses such an export instead of misdec
      "max_seq_len", "kv_capacity_step",
      "target":  {"model_type", "vocab_size", "num_layers", "hidden_size", "num_key_value_heads", "head_dim",
                  "max_positions", "eos_token_ids", "layer_ids", "source",
-                 version 3: "layer_kinds" (one of LAYER_KINDS per layer), "linear_state": {"conv_dim",
-                 "conv_kernel", "num_heads", "key_dim", "value_dim", "max_rows_per_call"}},
+                 "layer_kinds" (one of LAYER_KINDS per layer; absent: all attention), version 3: "linear_state":
+                 {"conv_dim", "conv_kernel", "num_heads", "key_dim", "value_dim", "max_rows_per_call"}},
      "drafter": the drafter's config.json (HF layout, DFlash2Config) with the exported block size,
      "plugin":  {"op_type", "domain", "plugin_version", "plugin_namespace"},
      "graphs":  {KEY: {"file", "role", "selector": decomposed|plugin|null, "mode",
@@ -60,7 +60,7 @@ from dflash2_trt.vocabulary import (DRAFT_MODES, DRAFTER_QUANTIZATIONS, DTYPES, 
 
 FORMAT = "dflash2-trt-export"
 MANIFEST_VERSION = 2
-STATE_MANIFEST_VERSION = 3  # a target with linear (or sliding) layers: their state is graph input and output
+STATE_MANIFEST_VERSION = 3  # a target with linear layers: their state is graph input and output
 MANIFEST_FILE = "manifest.json"
 SCHEMA_FILE = Path(__file__).with_name("manifest.schema.json")
 KV_CAPACITY_STEP = 256  # default KV capacity granularity (positions) of exports
@@ -163,7 +163,7 @@ class TargetSpec:
     eos_token_ids: tuple[int, ...]
     layer_ids: tuple[int, ...]  # decoder layers tapped for the drafter's context features
     source: str = ""
-    layer_kinds: tuple[str, ...] = ()  # one of LAYER_KINDS per layer; () = every layer attention (version 2)
+    layer_kinds: tuple[str, ...] = ()  # one of LAYER_KINDS per layer; () = every layer attention
     linear_state: Union[LinearStateSpec, None] = None  # the linear layers' state (version 3)
 
 
@@ -319,17 +319,17 @@ class ExportManifest:
         return self.target.layer_kinds or ("attention",) * self.target.num_layers
 
     @property
-    def attention_only(self) -> bool:
-        """Every target layer is attention: the state is the KV cache alone (a crop rolls it back)."""
-        return set(self.layer_kinds) == {"attention"}
+    def kv_only(self) -> bool:
+        """Every target layer's state is a KV cache of positions (attention, or sliding-window attention whose window
+        the graph masks): a crop rolls it back. Otherwise linear layers carry state through the graph (version 3)."""
+        return "linear" not in self.layer_kinds
 
-    def require_attention_only(self, what: str) -> None:
-        """DFlash2Error when the target has layers whose state ``what`` (a runtime) cannot keep and roll back."""
-        if not self.attention_only:
-            kinds = sorted(set(self.layer_kinds) - {"attention"})
-            raise DFlash2Error(f"{what} does not run targets with {'/'.join(kinds)} layers yet (this export's "
-                               f"{self.target.model_type!r}): run it with the ONNX Runtime backend, one request at "
-                               f"a time (dflash2_trt.load(DIR, backend='ort'))")
+    def require_kv_only(self, what: str) -> None:
+        """DFlash2Error when the target has linear layers, whose state ``what`` (a runtime) cannot keep and roll back."""
+        if not self.kv_only:
+            raise DFlash2Error(f"{what} does not run targets with linear layers yet (this export's "
+                               f"{self.target.model_type!r}): run it with the ONNX Runtime backend "
+                               f"(dflash2_trt.load(DIR, backend='ort'))")
 
     def target_kv_names(self) -> list[str]:
         """The target graph's state inputs, 2 per layer (attention: key, value; :func:`target_state_names`)."""
@@ -473,13 +473,13 @@ def _check_layer_kinds(m: ExportManifest, where: str) -> None:
     if kinds and (len(kinds) != m.target.num_layers or any(k not in LAYER_KINDS for k in kinds)):
         raise DFlash2Error(f"{where}: target.layer_kinds must list one of {', '.join(LAYER_KINDS)} per layer "
                            f"({m.target.num_layers}), got {list(kinds)}")
-    version = MANIFEST_VERSION if m.attention_only else STATE_MANIFEST_VERSION
+    version = MANIFEST_VERSION if m.kv_only else STATE_MANIFEST_VERSION
     if m.manifest_version != version:
         raise DFlash2Error(f"{where}: manifest_version is {m.manifest_version} but a target with layer kinds "
                            f"{sorted(set(m.layer_kinds))} is version {version}")
     if ("linear" in m.layer_kinds) != (m.target.linear_state is not None):
         raise DFlash2Error(f"{where}: target.linear_state must be given exactly when the target has linear layers")
-    if "attention" not in m.layer_kinds:
+    if all(k == "linear" for k in m.layer_kinds):
         raise DFlash2Error(f"{where}: the target has no attention layer (the export's graphs need one)")
 
 

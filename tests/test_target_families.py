@@ -2,8 +2,9 @@
 on tiny random configurations of transformers' own models: the PyTorch adapter against transformers (logits, a
 verify's rows = one-row steps), rollback to every accepted length (sliding windows shorter than the sequence, so the
 recorded past is what a rollback restores), lossless greedy decoding with a drafter that gets drafts accepted and
-rejected at every length, a planted bug (a sliding window cropped without its recorded past) caught; Qwen3-MoE
-exported and decoded on ONNX Runtime, the sliding targets' export refused in one line."""
+rejected at every length, a planted bug (a sliding window cropped without its recorded past) caught; Qwen3-MoE and
+Muse Glimmer exported and decoded on ONNX Runtime (a graph without its window caught), gpt-oss's export refused in
+one line."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class _NoisyOracle:
     """A draft runner that proposes the target's own greedy continuation with each row wrong with probability 0.15
     (fixed by the position), so cycles accept every length 0..L and roll back the rest."""
 
-    block_size, top_k = 8, 1
+    block_size, num_draft_rows, top_k = 8, 7, 1
 
     def __init__(self, full: list[int]) -> None:
         self.full = full
@@ -130,38 +131,48 @@ def test_a_sliding_window_cropped_without_its_past_is_caught(target, monkeypatch
         _spec_vs_ar(target, 2)
 
 
-def test_sliding_export_is_refused_in_one_line(target):
-    if target.family is not sliding:
+def test_gpt_oss_export_is_refused_in_one_line(target):
+    if target.model.config.model_type != "gpt_oss":
         return
-    with pytest.raises(DFlash2Error, match="does not support .* targets yet"):
+    with pytest.raises(DFlash2Error, match="does not support 'gpt_oss' targets yet"):
         target.family.check_exportable(target.model)
 
 
-def test_qwen3_moe_exports_and_decodes_on_ort(tmp_path):
-    """A tiny random Qwen3-MoE target (4 experts, 2 per token) with make-tiny's drafter: exported (the dense graph with
-    the routed MLP), its graph's logits within 1e-4 (relative) of transformers' over a prompt and steps, a k-row call's
-    rows = one-row calls, every node in TensorRT's parser table, and speculative greedy decoding on ONNX Runtime = its autoregressive output. The drafter is
-    random (drafts are rarely accepted: rollback is the dense family's crop, tested there)."""
+def _export_family(arch: str, tmp_path):  # noqa: ANN202
+    """A tiny random ``arch`` target (make-tiny's tokenizer) exported with make-tiny's drafter."""
     import shutil
 
     from dflash2_trt.export.exporter import export_model
-    from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.tiny import make_tiny
 
     make_tiny(tmp_path / "pair", seed=0, block_size=4)
-    folder = tmp_path / "moe"
-    _build("qwen3_moe").eval().save_pretrained(str(folder))
+    folder = tmp_path / arch
+    _build(arch).eval().save_pretrained(str(folder))
     for f in (tmp_path / "pair" / "target").glob("tokenizer*"):
         shutil.copy(f, folder / f.name)
-    export_model(folder, tmp_path / "pair" / "drafter", tmp_path / "e", progress=False, max_seq_len=256)
+    return export_model(folder, tmp_path / "pair" / "drafter", tmp_path / "e", progress=False, max_seq_len=256)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "muse_glimmer"])
+def test_export_and_decode_on_ort(arch, tmp_path):
+    """Tiny random Qwen3-MoE (4 experts, 2 per token) and Muse Glimmer (window 8 over 40 tokens, so the window
+    matters) targets with make-tiny's drafter: exported (manifest version 2: every layer's state a KV cache), the
+    graph's logits within 1e-4 (relative) of transformers' over a prompt and steps, a k-row call's rows = one-row
+    calls, every node in TensorRT's parser table, and speculative greedy decoding on ONNX Runtime = its autoregressive
+    output. The drafter is random (drafts are rarely accepted: rollback is the dense family's crop, tested there)."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    m = _export_family(arch, tmp_path)
+    assert m.manifest_version == 2 and m.target.layer_kinds == (
+        () if arch == "qwen3_moe" else ("sliding", "sliding", "sliding", "attention"))
     be = OrtBackend(tmp_path / "e")
-    assert be.manifest.target.model_type == "qwen3_moe" and be.manifest.manifest_version == 2
+    assert be.manifest.target.model_type == arch
     import onnx
 
     from dflash2_trt.export.onnx_utils import trt_parser_refusals
 
     assert trt_parser_refusals(onnx.load(str(tmp_path / "e" / "target.onnx"), load_external_data=False)) == []
-    hf = _build("qwen3_moe").eval()
+    hf = _build(arch).eval()
     rng = np.random.default_rng(2)
     ids = rng.integers(2, 512, 40).tolist()
     with torch.no_grad():
@@ -177,3 +188,19 @@ def test_qwen3_moe_exports_and_decodes_on_ort(tmp_path):
     for p in [rng.integers(4, 512, int(rng.integers(1, 20))).tolist() for _ in range(5)]:
         ar = D.target_generate(be.target_runner(), p, 16, eos_ids=set()).tokens
         assert D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 16, eos_ids=set()).tokens == ar
+
+
+def test_a_sliding_graph_without_its_window_fails_the_export_check(tmp_path, monkeypatch):
+    """Negative control: Muse Glimmer's graph with its sliding layers' window mask removed (full attention) differs
+    from transformers past the window, and the export-time check refuses it."""
+    monkeypatch.setattr(sliding.TargetGraph, "__init__", _wide_window(sliding.TargetGraph.__init__))
+    with pytest.raises(DFlash2Error, match="differs from PyTorch"):
+        _export_family("muse_glimmer", tmp_path)
+
+
+def _wide_window(init):  # noqa: ANN001, ANN202
+    def planted(self, *a, **kw):  # noqa: ANN001, ANN202
+        init(self, *a, **kw)
+        self.window = 1 << 20
+
+    return planted

@@ -276,7 +276,7 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
     Raises DFlash2Error (folder untouched) when TensorRT, a GPU or the plugin library is missing."""
     d = Path(model_dir)
     manifest = read_manifest(d, verify_checksums=True)
-    manifest.require_attention_only("build-engines")
+    manifest.require_kv_only("build-engines")
     clean_stale_engines(d)  # an interrupted build's folder: never listed, so no longer "ours" to replace freely
     keys = graph_keys(manifest, selector)
     if prefill_rows < 1:

@@ -184,8 +184,7 @@ def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: s
     target = TargetModel.load(target_path)
     target.check_drafter(drafter.config)
     target.family.check_exportable(target.model)
-    if target.family.layer_kinds(target.model.config) != ["attention"] * target.num_layers and (
-            dtype != "fp32" or quant.enabled):
+    if "linear" in target.family.layer_kinds(target.model.config) and (dtype != "fp32" or quant.enabled):
         raise DFlash2Error(f"a {target.model.config.model_type!r} target exports in fp32 without --quantize only "
                            f"(its linear layers' graphs are verified at fp32)")
     if block_size is not None and block_size != drafter.config.block_size:
@@ -358,17 +357,17 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
         raise DFlash2Error(f"target folder {b.target_dir} has no tokenizer.json (needed at run time)")
     chat = (b.target_dir / "chat_template.jinja").is_file() or bool(
         _json_get(b.target_dir / "tokenizer_config.json", "chat_template"))
-    t, hf = b.target, b.target.model.config
+    t = b.target
+    hf = getattr(t.model.config, "text_config", None) or t.model.config  # a vision-language model: its LM's
     kinds = tuple(t.family.layer_kinds(hf))
-    stateful = set(kinds) != {"attention"}
-    attn = next(layer.self_attn for layer in t.model.model.layers if hasattr(layer, "self_attn"))
+    attn = next(layer.self_attn for layer in t.model.get_decoder().layers if hasattr(layer, "self_attn"))
     manifest = ExportManifest(
         opset=b.opset, dtype=b.dtype, max_seq_len=b.max_seq_len,
-        target=TargetSpec(model_type=hf.model_type, vocab_size=t.vocab_size, num_layers=t.num_layers,
+        target=TargetSpec(model_type=t.model.config.model_type, vocab_size=t.vocab_size, num_layers=t.num_layers,
                           hidden_size=t.hidden_size, num_key_value_heads=int(hf.num_key_value_heads),
                           head_dim=int(attn.head_dim), max_positions=t.max_positions,
                           eos_token_ids=tuple(sorted(t.eos_ids())), layer_ids=tuple(b.layer_ids),
-                          source=str(b.target_dir), layer_kinds=kinds if stateful else (),
+                          source=str(b.target_dir), layer_kinds=kinds if set(kinds) != {"attention"} else (),
                           linear_state=LinearStateSpec(**t.family.linear_state_shapes(hf)) if "linear" in kinds
                           else None),
         drafter=b.drafter.config.to_dict(),
@@ -379,7 +378,7 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
         drafter_quantization=Q8_0_MANIFEST if b.draft_q8_0 else b.draft_quant.manifest(),
         draft_vocab=int(draft_vocab), weights=onnx_utils.WEIGHTS_FILE, verification=dict(b.report),
         project_version=__version__, exporter_revision=EXPORTER_REVISION,
-        manifest_version=STATE_MANIFEST_VERSION if stateful else MANIFEST_VERSION)
+        manifest_version=STATE_MANIFEST_VERSION if "linear" in kinds else MANIFEST_VERSION)
     return write_manifest(b.tmp, manifest)
 
 

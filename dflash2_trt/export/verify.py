@@ -72,7 +72,7 @@ def verify_target(path: Path, target, layer_ids: list[int], dtype: str, np_dtype
     want_logits, want_feats = target.forward(torch.from_numpy(ids))
     sess = session(path)
     nl = target.num_layers
-    cfg = target.model.config
+    cfg = getattr(target.model.config, "text_config", None) or target.model.config  # a vision-language model: its LM's
     kvh = int(cfg.num_key_value_heads)
     d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     cap = 16
@@ -179,7 +179,7 @@ def verify_state_target(path: Path, target, layer_ids: list[int], dtype: str, np
     cfg = target.model.config
     kinds = target.family.layer_kinds(cfg)
     names = target_state_names(kinds)
-    att = [i for i, k in enumerate(kinds) if k == "attention"]
+    att = [i for i, k in enumerate(kinds) if k != "linear"]
     states = LinearStates([i for i, k in enumerate(kinds) if k == "linear"],
                           LinearStateSpec(**target.family.linear_state_shapes(cfg)), np_dtype)
     kvh, d, cap = int(cfg.num_key_value_heads), int(cfg.head_dim), 32
@@ -196,7 +196,7 @@ def verify_state_target(path: Path, target, layer_ids: list[int], dtype: str, np
                 "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1),
                 TARGET_STATE_ROWS: np.arange(S, dtype=np.int64)}
         lin = iter(states.feed())
-        feed.update(zip(names, (a for i, k in enumerate(kinds) for a in (kv[i] if k == "attention" else
+        feed.update(zip(names, (a for i, k in enumerate(kinds) for a in (kv[i] if k != "linear" else
                                                                          (next(lin), next(lin))))))
         out = sess.run(None, feed)
         present = [out[2 + 2 * i: 4 + 2 * i] for i in range(len(kinds))]

@@ -5,21 +5,30 @@ that may be rolled back records the whole call (:mod:`~dflash2_trt.targets.recor
 to the accepted length before the window is restored; full attention layers crop their KV.
 
 Muse Glimmer is released as a vision-language model only: its folder loads as ``MuseGlimmerForConditionalGeneration``,
-whose text path (token ids in, logits out) is the target (:func:`load_model`). Export: not implemented for this
-family (:func:`check_exportable` says so); the PyTorch adapter decodes it.
+whose text path (token ids in, logits out) is the target (:func:`load_model`).
+
+Export (Muse Glimmer; gpt-oss is refused): :class:`TargetGraph` keeps every layer's keys and values in the dense
+family's capacity buffers and masks a sliding layer's keys to its window from the positions, so a rollback is the
+dense family's crop and the graph's inputs and outputs are the dense graph's. (A ring buffer of the window would
+hold less; it is not implemented.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.targets.dense import _grouped_attention, _rope
 from dflash2_trt.targets.recorded import before_forward, new_cache, rollback
 
 MODEL_TYPES = ("gpt_oss", "muse_glimmer")
 _KINDS = {"full_attention": "attention", "sliding_attention": "sliding"}
 
-__all__ = ["MODEL_TYPES", "before_forward", "check_exportable", "layer_kinds", "load_model", "new_cache", "rollback"]
+__all__ = ["MODEL_TYPES", "TargetGraph", "before_forward", "check_exportable", "graph_io", "layer_kinds", "load_model",
+           "new_cache", "rollback"]
 
 
 def _text_config(config: Any) -> Any:
@@ -48,6 +57,99 @@ def load_model(folder: str, dtype: Any) -> Any:
 
 
 def check_exportable(hf_model: Any) -> None:
-    """The exporter has no graphs for sliding windows yet."""
-    raise DFlash2Error(f"dflash2 export does not support {hf_model.config.model_type!r} targets yet (sliding-window "
-                       f"attention; they decode with the PyTorch reference: dflash2 generate --target ... --drafter ...)")
+    """The exporter's graph computes this target exactly (Muse Glimmer), else DFlash2Error saying what it does not."""
+    cfg = _text_config(hf_model.config)
+    if hf_model.config.model_type != "muse_glimmer":
+        raise DFlash2Error(f"dflash2 export does not support {hf_model.config.model_type!r} targets yet (attention "
+                           f"sinks and its MoE MLPs; it decodes with the PyTorch reference: dflash2 generate --target ... "
+                           f"--drafter ...)")
+    layer_kinds(cfg)
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    for what, value, ok in (("hidden_activation", getattr(cfg, "hidden_activation", "silu"), "silu"),
+                            ("rope_type", rope, "default")):
+        if value != ok:
+            raise DFlash2Error(f"target {what} {value!r} is not supported for 'muse_glimmer' ({ok} only)")
+
+
+def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
+    """The dense graph's example inputs, names and dynamic axes, from the text config."""
+    from dflash2_trt.manifest import target_kv_names, target_present_names
+
+    cfg = _text_config(hf_model.config)
+    nl, kvh, d = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), int(cfg.head_dim)
+    kv_names, present = target_kv_names(nl), target_present_names(nl)
+    dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
+           "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, "logits": {0: "batch", 1: "sequence"},
+           "context_features": {0: "batch", 1: "sequence"}}
+    dyn.update({n: {0: "batch", 2: "capacity"} for n in kv_names})
+    dyn.update({n: {0: "batch", 2: "sequence"} for n in present})
+    args = (torch.randint(0, int(cfg.vocab_size), (batch, 3)), torch.arange(3).repeat(batch, 1),
+            torch.ones(batch, 4 + 3, dtype=torch.long), *[torch.zeros(batch, kvh, 4, d, dtype=dtype) for _ in kv_names])
+    return args, ["input_ids", "position_ids", "attention_mask", *kv_names], ["logits", "context_features", *present], dyn
+
+
+class TargetGraph(nn.Module):
+    """Muse Glimmer's text path with the dense graph's interface (:class:`dflash2_trt.targets.dense.TargetGraph`):
+    normed embeddings; per layer q/k RMS-normed without scale (q times ``qk_scale_factor``), RoPE on the layers whose
+    ``layer_rope_theta`` is non-zero, keys limited to the last ``sliding_window`` positions on sliding layers, the
+    output gated by a sigmoid of its own projection, norms after attention and MLP as well as before; the final norm
+    and the LM head's logits soft-capped: ``cap * tanh(logits * output_multiplier / cap)``."""
+
+    def __init__(self, hf_model: Any, layer_ids: list[int]) -> None:
+        super().__init__()
+        check_exportable(hf_model)
+        cfg = _text_config(hf_model.config)
+        lm = hf_model.get_decoder()
+        self.embed, self.layers, self.norm, self.lm_head = lm.embed_tokens, lm.layers, lm.norm, hf_model.lm_head
+        self.layer_ids = list(layer_ids)
+        self.sliding = [k == "sliding" for k in layer_kinds(cfg)]
+        self.rope_on = [bool(t) for t in cfg.layer_rope_theta]
+        self.window = int(cfg.sliding_window)
+        self.nh, self.kvh, self.d = int(cfg.num_attention_heads), int(cfg.num_key_value_heads), int(cfg.head_dim)
+        self.mult, self.cap = float(cfg.output_multiplier), float(cfg.final_logit_softcapping)
+        rot = lm.rotary_emb
+        self.register_buffer("inv_freq", rot.inv_freq.detach().float().clone(), persistent=False)
+        self.attention_scaling = float(getattr(rot, "attention_scaling", 1.0))
+
+    def forward(self, input_ids, position_ids, attention_mask, *past):  # noqa: ANN001, ANN201
+        B, S = input_ids.shape
+        h = self.embed(input_ids)
+        dtype = h.dtype
+        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)
+        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
+        C = past[0].shape[2]
+        rep = self.nh // self.kvh
+        neg, zero = torch.tensor(float("-inf"), dtype=dtype), torch.tensor(0.0, dtype=dtype)
+        past_ok = attention_mask[:, :C] > 0  # [B, C]; slot j holds position j
+        new_ok = attention_mask[:, C:] > 0  # [B, S]
+        causal = torch.ones(S, S, dtype=torch.bool, device=h.device).tril()
+        full = (torch.where(past_ok, zero, neg)[:, None, None, :],
+                torch.where(causal[None] & new_ok[:, None, :], zero, neg).unsqueeze(1).repeat(1, 1, rep, 1))
+        slots = torch.arange(C, device=h.device)
+        near_past = position_ids[:, :, None] - slots[None, None, :] < self.window  # [B, S, C]
+        near_new = position_ids[:, :, None] - position_ids[:, None, :] < self.window  # [B, S, S]
+        window = (torch.where(past_ok[:, None, :] & near_past, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1),
+                  torch.where(causal[None] & new_ok[:, None, :] & near_new, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1))
+        taps, present = {}, []
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.qk_norm(a.q_proj(x).view(B, S, self.nh, self.d).transpose(1, 2)) * a.qk_scale_factor
+            k = a.qk_norm(a.k_proj(x).view(B, S, self.kvh, self.d).transpose(1, 2))
+            v = a.v_proj(x).view(B, S, self.kvh, self.d).transpose(1, 2)
+            if self.rope_on[i]:
+                q, k = _rope(q, cos, sin, self.d), _rope(k, cos, sin, self.d)
+            b1, b2 = window if self.sliding[i] else full
+            o = _grouped_attention(q, past[2 * i], past[2 * i + 1], k, v, b1, b2, float(a.scaling), self.nh, self.kvh,
+                                   self.d)
+            o = o.transpose(1, 2).reshape(B, S, self.nh * self.d) * torch.sigmoid(a.gate_proj(x))
+            h = h + layer.post_attention_layernorm(a.o_proj(o))
+            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            present += [k, v]
+            taps[i] = h
+        h = self.norm(h)
+        taps[len(self.layers) - 1] = h
+        logits = torch.tanh(self.lm_head(h).float() * self.mult / self.cap) * self.cap
+        return (logits, torch.cat([taps[j] for j in self.layer_ids], dim=-1), *present)

@@ -337,9 +337,7 @@ class OrtTargetRunner:
         self.max_positions = m.max_seq_len
         self.eos_ids = set(t.eos_token_ids)
         self.kinds = m.layer_kinds
-        if "sliding" in self.kinds:
-            raise DFlash2Error("this runtime does not run targets with sliding-window layers yet")
-        attention = [i for i, k in enumerate(self.kinds) if k == "attention"]
+        attention = [i for i, k in enumerate(self.kinds) if k != "linear"]  # a KV cache: attention and sliding
         linear = [i for i, k in enumerate(self.kinds) if k == "linear"]
         self.kv = KVBuffer(len(attention), t.num_key_value_heads, t.head_dim, be.dtype, m.kv_capacity_step,
                            m.max_seq_len)
@@ -381,10 +379,10 @@ class OrtTargetRunner:
         feed[TARGET_STATE_ROWS] = np.arange(S, dtype=np.int64) if every_row else np.array([S - 1], dtype=np.int64)
         kv, lin = iter(self.kv.arrays), iter(self.linear.feed())
         feed.update(zip(self.names, (a for kind in self.kinds for a in
-                                     ((next(kv), next(kv)) if kind == "attention" else (next(lin), next(lin))))))
+                                     ((next(lin), next(lin)) if kind == "linear" else (next(kv), next(kv))))))
         out = self.sess.run(feed)
         present = [out[2 + 2 * i: 4 + 2 * i] for i in range(len(self.kinds))]
-        self.kv.append([a for kind, p in zip(self.kinds, present) if kind == "attention" for a in p])
+        self.kv.append([a for kind, p in zip(self.kinds, present) if kind != "linear" for a in p])
         self.linear.update([a for kind, p in zip(self.kinds, present) if kind == "linear" for a in p], 0, {0: S},
                            every_row)
         return out[0][0], out[1][0]

@@ -43,7 +43,7 @@ class OrtStandardBatchedTargetRunner:
         self.slots = slots
         self.kinds = m.layer_kinds
         self.names = m.target_kv_names()
-        self.n_attention = sum(k == "attention" for k in self.kinds)
+        self.n_attention = sum(k != "linear" for k in self.kinds)
         self.kv_heads, self.head_dim, self.dtype = t.num_key_value_heads, t.head_dim, be.dtype
         self.step = m.kv_capacity_step
         self.max_capacity = m.max_capacity
@@ -142,11 +142,11 @@ class OrtStandardBatchedTargetRunner:
                 TARGET_STATE_ROWS: np.arange(S, dtype=np.int64) if every_row else np.array([S - 1], dtype=np.int64)}
         kv, lin = iter(a[lo:hi] for a in self.arrays), iter(self.linear.feed(lo, hi))
         feed.update(zip(self.names, (a for kind in self.kinds for a in
-                                     ((next(kv), next(kv)) if kind == "attention" else (next(lin), next(lin))))))
+                                     ((next(lin), next(lin)) if kind == "linear" else (next(kv), next(kv))))))
         res = self.sess.run(feed)
         self.calls += 1
         present = [res[2 + 2 * i: 4 + 2 * i] for i in range(len(self.kinds))]
-        kv_new = [a for kind, p in zip(self.kinds, present) if kind == "attention" for a in p]
+        kv_new = [a for kind, p in zip(self.kinds, present) if kind != "linear" for a in p]
         m = {b: len(r) for b, r in rows.items()}
         for b, k in m.items():
             n0 = int(self.lengths[b])

@@ -221,7 +221,7 @@ class TrtBackend(BackendBase):
         self.trt: Any = trt_module if trt_module is not None else import_tensorrt()
         self.manifest: ExportManifest = read_manifest(self.dir, verify_checksums)
         try:
-            self.manifest.require_attention_only("the TensorRT backend")
+            self.manifest.require_kv_only("the TensorRT backend")
         except DFlash2Error as e:  # unavailable for this export: backend "auto" falls back to ONNX Runtime
             raise BackendUnavailable(str(e)) from None
         self.entry = engine_set(self.manifest, self.dir)
