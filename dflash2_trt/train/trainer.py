@@ -43,8 +43,10 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -265,19 +267,21 @@ def softmax_vocab(step: int, seed: int, frequent: np.ndarray, batch_ids: np.ndar
     return np.union1d(base, neg).astype(np.int64)
 
 
-def compute_loss(d: DFlash2Drafter, b: Batch, weights: torch.Tensor, vocab: np.ndarray | None = None,
-                 kl_weight: float = 0.0, selector_full_topk: bool = False,
-                 lm_norm: float | None = None) -> tuple[torch.Tensor, dict]:
-    """Returns (loss, metrics). weights [bs] (slot 0 = 0). ``vocab``: the sorted ids the CE runs over
-    (None = the full vocabulary); every label (and KL id when ``kl_weight`` > 0) must be in it. Runs on the
-    drafter's device.
+@dataclass
+class _Head:
+    """The LM head over a batch's draft rows: logits over the step's vocabulary and the labels as its columns."""
 
-    ``lm_norm`` (one part of a step split over processes / micro-batches): the CE and KL sums are divided by
-    this, the whole step's label weight, and the selector's loss is left a *sum* — its normaliser (the weight
-    of slots whose label is in the top-K) depends on every part's forward, so the caller divides the selector's
-    gradients by the step's total afterwards (they come from this term alone: its inputs are detached).
-    ``metrics["sums"]`` then holds the raw sums the caller adds up over the parts."""
-    cfg = d.config
+    logits: torch.Tensor  # [nb, L, V'] fp32 (V' = |vocab| with a sampled softmax)
+    labels: torch.Tensor  # [nb, L] label columns (0 where there is no label)
+    true_ids: torch.Tensor  # [nb, L] label token ids (-100 = no label)
+    valid_lab: torch.Tensor  # [nb, L] bool
+    to_col: Callable[[np.ndarray], torch.Tensor] | None  # token ids -> columns (sampled softmax), None: identity
+    vt: torch.Tensor | None  # [V'] the sampled vocabulary's ids
+
+
+def _block_rows(d: DFlash2Drafter, b: Batch) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The drafter's forward over every block of ``b`` -> (draft rows [nb*L, H], anchor ids [nb], nb, L): the
+    context of each row once, its keys / values shared by that row's blocks."""
     dev = d.fc.weight.device
     S, T = b.tokens.shape
     f = torch.from_numpy(b.feats).to(dev)  # [S, T, nH_t]
@@ -300,79 +304,117 @@ def compute_loss(d: DFlash2Drafter, b: Batch, weights: torch.Tensor, vocab: np.n
     nb, L, H = rows.shape
     # the head product as ONE 2-D GEMM [nb*L, H] x [H, V']: the strided 3-D view made PyTorch run a batched
     # matmul that re-streams the head slice per block (1/9 the speed on a CPU; forward + backward ≈ 10x)
-    rows2 = rows.reshape(nb * L, H)  # [nb*L, H]
+    return rows.reshape(nb * L, H), anchor_ids, nb, L
+
+
+def _head(d: DFlash2Drafter, b: Batch, rows2: torch.Tensor, nb: int, L: int, vocab: np.ndarray | None) -> _Head:
+    """The LM head on the draft rows, over the full vocabulary or the sampled ``vocab`` (every label in it)."""
+    dev = rows2.device
     true_ids = torch.from_numpy(b.labels[:, 1:]).to(dev)  # [nb, L] (-100 = no label)
     valid_lab = true_ids >= 0  # [nb, L]
     if vocab is None:
         logits = d.logits(rows2).float().view(nb, L, -1)  # [nb, L, V]
-        labels = true_ids.clamp(min=0)
-        to_col = None
+        return _Head(logits, true_ids.clamp(min=0), true_ids, valid_lab, None, None)
+    vt = torch.from_numpy(vocab).to(dev)
+    logits = d.logits(rows2, rows_of_head=vt).float().view(nb, L, -1)  # [nb, L, |vocab|]
+    need = b.labels[:, 1:][b.labels[:, 1:] >= 0]
+    pos = np.searchsorted(vocab, need)
+    if not np.array_equal(vocab[np.minimum(pos, vocab.size - 1)], need):
+        raise DFlash2Error("sampled softmax: a label is missing from the step's vocabulary")
+
+    def to_col(ids: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.searchsorted(vocab, ids).clip(0, vocab.size - 1).astype(np.int64)).to(dev)
+
+    return _Head(logits, to_col(np.maximum(b.labels[:, 1:], 0)), true_ids, valid_lab, to_col, vt)
+
+
+def _kl_loss(hd: _Head, b: Batch, vocab: np.ndarray | None, w: torch.Tensor,
+             wsum: torch.Tensor | float) -> tuple[torch.Tensor, float]:
+    """CE of the drafter's rows to the target's stored top-k distribution -> (loss, its weighted sum)."""
+    dev = hd.logits.device
+    p_t = torch.softmax(torch.from_numpy(b.kl_logp[:, 1:]).to(dev), -1)  # [nb, L, k] renormalised top-k
+    cols = torch.from_numpy(b.kl_ids[:, 1:]).to(dev) if hd.to_col is None else hd.to_col(b.kl_ids[:, 1:])
+    if hd.to_col is not None and not np.array_equal(vocab[cols.cpu().numpy()], b.kl_ids[:, 1:]):
+        raise DFlash2Error("sampled softmax: a KL id is missing from the step's vocabulary")
+    logq = torch.log_softmax(hd.logits, -1).gather(-1, cols)  # [nb, L, k]
+    kl = -(p_t * logq).sum(-1)  # [nb, L] CE to the target's top-k distribution
+    return (kl * w).sum() / wsum, float((kl * w).sum().detach())
+
+
+def _selector_loss(d: DFlash2Drafter, hd: _Head, rows2: torch.Tensor, anchor_ids: torch.Tensor,
+                   weights: torch.Tensor, vocab: np.ndarray | None, selector_full_topk: bool,
+                   lm_norm: float | None) -> tuple[torch.Tensor, dict, dict]:
+    """The candidate selector's CE over the top-K candidates of each row, teacher-forced on the true predecessor
+    (its inputs detached: only the selector learns from it) -> (loss, metrics, sums)."""
+    nb, L = hd.true_ids.shape
+    K = d.config.selector_top_k
+    if selector_full_topk and vocab is not None:
+        with torch.no_grad():
+            full = d.logits(rows2.detach()).float().view(nb, L, -1)  # [nb, L, V]
+            unary, cand = torch.topk(full, K, dim=-1)  # [nb, L, K] full vocab
     else:
-        vt = torch.from_numpy(vocab).to(dev)
-        logits = d.logits(rows2, rows_of_head=vt).float().view(nb, L, -1)  # [nb, L, |vocab|]
-        need = b.labels[:, 1:][b.labels[:, 1:] >= 0]
-        pos = np.searchsorted(vocab, need)
-        if not np.array_equal(vocab[np.minimum(pos, vocab.size - 1)], need):
-            raise DFlash2Error("sampled softmax: a label is missing from the step's vocabulary")
+        unary, cand = torch.topk(hd.logits.detach(), K, dim=-1)  # [nb, L, K]
+        if hd.vt is not None:
+            cand = hd.vt[cand]  # back to token ids
+    hit = cand == hd.true_ids.unsqueeze(-1)  # [nb, L, K]
+    valid = hit.any(-1) & hd.valid_lab  # [nb, L] true token among the top-K
+    prev = torch.cat([anchor_ids.view(nb, 1), hd.true_ids[:, :-1].clamp(min=0)], dim=1)  # teacher-forced
+    cs = d.candidate_selector
+    g = cs.hidden_projection(rows2.detach()).view(nb, L, -1)  # [nb, L, r]
+    # F.embedding: its CPU backward is deterministic (indexing's accumulate is not), so --resume is exact
+    a = F.embedding(prev, cs.predecessor_codebook)  # [nb, L, r]
+    bq = F.embedding(cand, cs.successor_codebook)  # [nb, L, K, r]
+    scores = unary + torch.einsum("nlr,nlkr->nlk", a * g, bq)  # [nb, L, K]
+    tgt = hit.float().argmax(-1)  # [nb, L]
+    ce_s = F.cross_entropy(scores.reshape(-1, K), tgt.reshape(-1), reduction="none").view(nb, L)
+    ws = weights[1:].view(1, L) * valid.float()
+    loss_sel = (ce_s * ws).sum() / (ws.sum().clamp(min=1e-6) if lm_norm is None else 1.0)
+    with torch.no_grad():
+        sel_acc = ((scores.argmax(-1) == tgt) & valid).float().sum() / valid.float().sum().clamp(min=1)
+    metrics = {"loss_sel": float(loss_sel.detach()),
+               "topk_recall": float(valid.float().sum() / hd.valid_lab.float().sum().clamp(min=1)),
+               "selector_acc": float(sel_acc)}
+    sums = {"sel": float((ce_s * ws).sum().detach()), "sel_w": float(ws.sum()), "in_topk": float(valid.float().sum()),
+            "sel_hit": float(((scores.argmax(-1) == tgt) & valid).float().sum())}
+    return loss_sel, metrics, sums
 
-        def to_col(ids: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.searchsorted(vocab, ids).clip(0, vocab.size - 1).astype(np.int64)).to(dev)
 
-        labels = to_col(np.maximum(b.labels[:, 1:], 0))
-    V = logits.shape[-1]
-    w = weights[1:].view(1, L) * valid_lab.float()  # [nb, L]
+def compute_loss(d: DFlash2Drafter, b: Batch, weights: torch.Tensor, vocab: np.ndarray | None = None,
+                 kl_weight: float = 0.0, selector_full_topk: bool = False,
+                 lm_norm: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Returns (loss, metrics). weights [bs] (slot 0 = 0). ``vocab``: the sorted ids the CE runs over
+    (None = the full vocabulary); every label (and KL id when ``kl_weight`` > 0) must be in it. Runs on the
+    drafter's device. The steps: the drafter's rows (:func:`_block_rows`), the LM head (:func:`_head`), the
+    weighted CE to the labels, the KL term (:func:`_kl_loss`), the selector's term (:func:`_selector_loss`).
+
+    ``lm_norm`` (one part of a step split over processes / micro-batches): the CE and KL sums are divided by
+    this, the whole step's label weight, and the selector's loss is left a *sum* — its normaliser (the weight
+    of slots whose label is in the top-K) depends on every part's forward, so the caller divides the selector's
+    gradients by the step's total afterwards (they come from this term alone: its inputs are detached).
+    ``metrics["sums"]`` then holds the raw sums the caller adds up over the parts."""
+    rows2, anchor_ids, nb, L = _block_rows(d, b)
+    hd = _head(d, b, rows2, nb, L, vocab)
+    V = hd.logits.shape[-1]
+    w = weights[1:].view(1, L) * hd.valid_lab.float()  # [nb, L]
     wsum = w.sum().clamp(min=1e-6) if lm_norm is None else lm_norm
-    ce = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view(nb, L)
+    ce = F.cross_entropy(hd.logits.reshape(-1, V), hd.labels.reshape(-1), reduction="none").view(nb, L)
     loss_lm = (ce * w).sum() / wsum
-    hit1 = (logits.argmax(-1) == labels) & valid_lab
-    nv = valid_lab.float().sum(0).clamp(min=1)
+    hit1 = (hd.logits.argmax(-1) == hd.labels) & hd.valid_lab
+    nv = hd.valid_lab.float().sum(0).clamp(min=1)
     metrics = {"loss_lm": float(loss_lm.detach()), "slot_acc": (hit1.float().sum(0) / nv).tolist()}
     sums = {"lm": float((ce * w).sum().detach()), "hit1": hit1.float().sum(0).tolist(),
-            "labelled": valid_lab.float().sum(0).tolist()}
+            "labelled": hd.valid_lab.float().sum(0).tolist()}
     loss = loss_lm
     if kl_weight > 0:
-        p_t = torch.softmax(torch.from_numpy(b.kl_logp[:, 1:]).to(dev), -1)  # [nb, L, k] renormalised top-k
-        cols = torch.from_numpy(b.kl_ids[:, 1:]).to(dev) if to_col is None else to_col(b.kl_ids[:, 1:])
-        if to_col is not None and not np.array_equal(vocab[cols.cpu().numpy()], b.kl_ids[:, 1:]):
-            raise DFlash2Error("sampled softmax: a KL id is missing from the step's vocabulary")
-        logq = torch.log_softmax(logits, -1).gather(-1, cols)  # [nb, L, k]
-        kl = -(p_t * logq).sum(-1)  # [nb, L] CE to the target's top-k distribution
-        loss_kl = (kl * w).sum() / wsum
-        sums["kl"] = float((kl * w).sum().detach())
+        loss_kl, sums["kl"] = _kl_loss(hd, b, vocab, w, wsum)
         loss = loss + kl_weight * loss_kl
         metrics["loss_kl"] = float(loss_kl.detach())
     if d.use_selector:
-        K = cfg.selector_top_k
-        if selector_full_topk and vocab is not None:
-            with torch.no_grad():
-                full = d.logits(rows2.detach()).float().view(nb, L, -1)  # [nb, L, V]
-                unary, cand = torch.topk(full, K, dim=-1)  # [nb, L, K] full vocab
-        else:
-            unary, cand = torch.topk(logits.detach(), K, dim=-1)  # [nb, L, K]
-            if vocab is not None:
-                cand = vt[cand]  # back to token ids
-        hit = cand == true_ids.unsqueeze(-1)  # [nb, L, K]
-        valid = hit.any(-1) & valid_lab  # [nb, L] true token among the top-K
-        prev = torch.cat([anchor_ids.view(nb, 1), true_ids[:, :-1].clamp(min=0)], dim=1)  # teacher-forced
-        cs = d.candidate_selector
-        g = cs.hidden_projection(rows2.detach()).view(nb, L, -1)  # [nb, L, r]
-        # F.embedding: its CPU backward is deterministic (indexing's accumulate is not), so --resume is exact
-        a = F.embedding(prev, cs.predecessor_codebook)  # [nb, L, r]
-        bq = F.embedding(cand, cs.successor_codebook)  # [nb, L, K, r]
-        scores = unary + torch.einsum("nlr,nlkr->nlk", a * g, bq)  # [nb, L, K]
-        tgt = hit.float().argmax(-1)  # [nb, L]
-        ce_s = F.cross_entropy(scores.reshape(-1, K), tgt.reshape(-1), reduction="none").view(nb, L)
-        ws = weights[1:].view(1, L) * valid.float()
-        loss_sel = (ce_s * ws).sum() / (ws.sum().clamp(min=1e-6) if lm_norm is None else 1.0)
+        loss_sel, sel_metrics, sel_sums = _selector_loss(d, hd, rows2, anchor_ids, weights, vocab,
+                                                         selector_full_topk, lm_norm)
         loss = loss + 1.0 * loss_sel
-        with torch.no_grad():
-            sel_acc = ((scores.argmax(-1) == tgt) & valid).float().sum() / valid.float().sum().clamp(min=1)
-        metrics.update({"loss_sel": float(loss_sel.detach()),
-                        "topk_recall": float(valid.float().sum() / valid_lab.float().sum().clamp(min=1)),
-                        "selector_acc": float(sel_acc)})
-        sums.update({"sel": float((ce_s * ws).sum().detach()), "sel_w": float(ws.sum()),
-                     "in_topk": float(valid.float().sum()),
-                     "sel_hit": float(((scores.argmax(-1) == tgt) & valid).float().sum())})
+        metrics.update(sel_metrics)
+        sums.update(sel_sums)
     metrics["loss"] = float(loss.detach())
     if lm_norm is not None:
         metrics["sums"] = sums
@@ -634,6 +676,145 @@ def _step_metrics(tot: np.ndarray, L: int, lm_norm: float, kl_weight: float, use
     return m
 
 
+class _Steps:
+    """One training run's optimizer steps: the batch of a step (one part, or the parts of a split step), its
+    backward and the update. Holds the drafter, the optimizer, the gradient scaler and the data plan."""
+
+    def __init__(self, tc: TrainConfig, cfg: DFlash2Config, d: DFlash2Drafter, data: D.GeneratedData,
+                 train_rows: np.ndarray, counts: np.ndarray, dist) -> None:  # noqa: ANN001 - dist.Dist
+        self.tc, self.cfg, self.d, self.data, self.train_rows, self.dist = tc, cfg, d, data, train_rows, dist
+        dev = dist.device
+        self.parts = dist.world * tc.grad_accum
+        self.params = [p for p in d.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+        self.scaler = torch.amp.GradScaler(dev.type, enabled=tc.dtype == "fp16")  # fp16 only: bf16 / fp32 need none
+        self.weights = torch.from_numpy(D.slot_weights(cfg.block_size, tc.gamma)).float().to(dev)
+        self.frequent = frequent_ids(counts, tc.sampled_softmax) if tc.sampled_softmax > 0 else None
+        self.ddp: Any = None
+        self.loss_of: Any = None
+
+    def resume(self, out: Path) -> int:
+        """The step to start from: the checkpoint's in ``out/train_state`` (optimizer and scaler too), else 0; then
+        the drafter is wrapped for DDP (several processes: after the checkpoint, as every rank loaded it)."""
+        start = 0
+        if (out / "train_state" / "state.json").is_file():
+            start = load_checkpoint(self.d, self.opt, self.tc)
+            sc = json.loads((out / "train_state" / "state.json").read_text()).get("scaler")
+            if sc and self.scaler.is_enabled():
+                self.scaler.load_state_dict(sc)
+        self.ddp = _ddp(self.d, self.dist.device) if self.dist.world > 1 else None
+        self.loss_of = self.ddp if self.ddp is not None else _StepLoss(self.d)
+        return start
+
+    def vocab_of(self, b: Batch, step: int) -> np.ndarray | None:
+        """The step's sampled-softmax vocabulary (None: the full one)."""
+        if self.frequent is None:
+            return None
+        tc = self.tc
+        ids = np.concatenate([b.labels.ravel(), b.kl_ids.ravel() if tc.kl_weight > 0 else b.labels[:0].ravel()])
+        return softmax_vocab(step, tc.seed, self.frequent, ids, self.cfg.vocab_size, tc.random_negatives)
+
+    def one_part(self, step: int) -> tuple[dict, int, float | None]:
+        from dflash2_trt.train import dist as DI
+
+        tc = self.tc
+        b = make_batch(step, tc.seed, self.data, self.train_rows, self.cfg.block_size, tc.batch_seqs,
+                       tc.anchors_per_seq, by_epoch=tc.epochs > 0)
+        with DI.autocast(self.dist.device, tc.dtype):
+            loss, m = compute_loss(self.d, b, self.weights, self.vocab_of(b, step), tc.kl_weight,
+                                   tc.selector_full_topk)
+        self.opt.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        return m, b.labels.shape[0], None
+
+    def split(self, step: int) -> tuple[dict, int, float | None]:
+        """A step split over processes x micro-batches -> (metrics, blocks, the selector gradients' divisor)."""
+        from contextlib import nullcontext
+
+        from dflash2_trt.train import dist as DI
+
+        tc, cfg, dist, data, ddp = self.tc, self.cfg, self.dist, self.data, self.ddp
+        L = cfg.num_draft_rows
+        rows, anchors = batch_plan(step, tc.seed, data, self.train_rows, tc.batch_seqs, tc.anchors_per_seq,
+                                   by_epoch=tc.epochs > 0)
+        whole = gather_batch(data, rows, anchors, cfg.block_size, with_feats=False)  # labels, top-k ids
+        vocab = self.vocab_of(whole, step)
+        w = D.slot_weights(cfg.block_size, tc.gamma)[1:]
+        lm_norm = max(float((w[None, :] * (whole.labels[:, 1:] >= 0)).sum()), 1e-6)
+        mine = np.array_split(np.arange(rows.size), self.parts)[dist.rank * tc.grad_accum:
+                                                                 (dist.rank + 1) * tc.grad_accum]
+        self.opt.zero_grad(set_to_none=True)
+        tot = np.zeros(len(_SUM_KEYS) + 2 * L)
+        for k, idx in enumerate(mine):
+            b = (gather_batch(data, rows[idx], [anchors[i] for i in idx], cfg.block_size) if idx.size else
+                 _no_rows(cfg.block_size))  # an epoch's last, short step can leave a part without a row
+            last = k == len(mine) - 1
+            with ddp.no_sync() if ddp is not None and not last else nullcontext():
+                with DI.autocast(dist.device, tc.dtype):
+                    loss, m = self.loss_of(b, self.weights, vocab, tc.kl_weight, tc.selector_full_topk,
+                                           lm_norm=lm_norm)
+                # DDP averages over ranks: x world makes it the sum, the one-process gradient
+                self.scaler.scale(loss * dist.world).backward()
+            sm = m["sums"]
+            tot += np.asarray([sm.get(key, 0.0) for key in _SUM_KEYS] + sm["hit1"] + sm["labelled"])
+        tot = dist.all_reduce_sum(torch.from_numpy(tot).to(dist.device)).cpu().numpy()
+        sel_norm = max(float(tot[_SUM_KEYS.index("sel_w")]), 1e-6) if self.d.use_selector else None
+        return _step_metrics(tot, L, lm_norm, tc.kl_weight, self.d.use_selector), whole.labels.shape[0], sel_norm
+
+    def run(self, step: int) -> tuple[dict, int]:
+        """One optimizer step at its learning rate -> (metrics, blocks)."""
+        tc = self.tc
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(step, tc.steps, tc.lr, tc.warmup)
+        m, n_blocks, sel_norm = (self.split if self.parts > 1 else self.one_part)(step)
+        self.scaler.unscale_(self.opt)  # (a no-op but with fp16)
+        if sel_norm is not None:  # a split step's selector loss was a sum (compute_loss's lm_norm)
+            for p in self.d.candidate_selector.parameters():
+                if p.grad is not None:
+                    p.grad.div_(sel_norm)
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        return m, n_blocks
+
+
+def _token_counts(tc: TrainConfig, cfg: DFlash2Config, data: D.GeneratedData,
+                  train_rows: np.ndarray) -> tuple[np.ndarray, Path | None]:
+    """How often each id occurs in the training responses (a warm start's ancestors' counts added) and the warm
+    start's folder (None: target / random)."""
+    counts = data.response_token_counts(train_rows, cfg.vocab_size)
+    init_dir = Path(tc.init) if tc.init not in ("target", "random") else None
+    if init_dir is not None and (init_dir / TOKEN_COUNTS_NAME).is_file():  # a drafter counts its ancestors' ids too
+        counts = counts + read_token_counts(init_dir / TOKEN_COUNTS_NAME, cfg.vocab_size)
+    return counts, init_dir
+
+
+def _write_data_record(out: Path, data: D.GeneratedData, init_dir: Path | None, counts: np.ndarray) -> None:
+    """The trained prompts' hashes and the token counts (export --draft-vocab reads them), written atomically."""
+    write_trained_prompts(out, data, init_dir)
+    with open(out / (TOKEN_COUNTS_NAME + ".tmp"), "wb") as f:
+        np.save(f, counts)
+    os.replace(out / (TOKEN_COUNTS_NAME + ".tmp"), out / TOKEN_COUNTS_NAME)
+
+
+def _evaluate(d: DFlash2Drafter, data: D.GeneratedData, eval_rows: np.ndarray, tc: TrainConfig, dev: torch.device,
+              step: int, log) -> None:  # noqa: ANN001 - a text file
+    """Offline τ on the held-out rows into the log."""
+    from dflash2_trt.train import dist as DI
+
+    t = time.perf_counter()
+    try:
+        with DI.autocast(dev, tc.dtype):
+            r = offline_tau(d, data, eval_rows)
+    except DFlash2Error as e:  # e.g. only T = 1 rows held out: training still completes
+        r = {"eval_skipped": str(e)}
+    d.train()
+    r.update({"eval_step": step, "eval_s": round(time.perf_counter() - t, 1)})
+    log.write(json.dumps(r) + "\n")
+    log.flush()
+
+
 def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None,
           dist=None) -> DFlash2Drafter:  # noqa: ANN001 - dist.Dist
     """Run (or resume) training; ``stop_after`` ends the process-local run early (tests of --resume).
@@ -645,17 +826,18 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None,
     weight, so the update equals the one-process update (up to summation order). Gradients are all-reduced
     by DDP (the last part of each rank; the others under ``no_sync``). Rank 0 alone writes the folder: the
     log, the checkpoints (atomically), the token counts, the offline τ.
-    """
-    from contextlib import nullcontext
 
+    The steps: the data and the drafter (:func:`prepare`, :func:`init_drafter`), the optimizer and a resumed
+    checkpoint (:class:`_Steps`), the token counts, then per step :meth:`_Steps.run`, the log line, the checkpoint
+    and the offline τ (:func:`_evaluate`).
+    """
     from dflash2_trt.train import dist as DI
 
     dist = dist or DI.Dist(device=DI.check_device(tc.device))
     dev = dist.device
-    parts = dist.world * tc.grad_accum
-    if tc.batch_seqs < parts:
-        raise DFlash2Error(f"--batch-seqs {tc.batch_seqs} is less than processes x --grad-accum = {parts}: every "
-                           f"part of a step needs a row")
+    if tc.batch_seqs < dist.world * tc.grad_accum:
+        raise DFlash2Error(f"--batch-seqs {tc.batch_seqs} is less than processes x --grad-accum = "
+                           f"{dist.world * tc.grad_accum}: every part of a step needs a row")
     target, cfg, data = prepare(tc)
     train_rows, held_rows = data.split(tc.heldout_shards)
     if tc.epochs > 0:
@@ -664,38 +846,21 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None,
     _on_device(d, target, dev)
     del target  # only its embedding and LM head are needed (bound to the drafter)
     d.train()
-    params = [p for p in d.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
-    scaler = torch.amp.GradScaler(dev.type, enabled=tc.dtype == "fp16")  # fp16 only: bf16 / fp32 need none
+    counts, init_dir = _token_counts(tc, cfg, data, train_rows)
+    steps = _Steps(tc, cfg, d, data, train_rows, counts, dist)
     out = Path(tc.out)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
-    start = 0
-    if (out / "train_state" / "state.json").is_file():
-        start = load_checkpoint(d, opt, tc)
-        sc = json.loads((out / "train_state" / "state.json").read_text()).get("scaler")
-        if sc and scaler.is_enabled():
-            scaler.load_state_dict(sc)
-    weights = torch.from_numpy(D.slot_weights(cfg.block_size, tc.gamma)).float().to(dev)
-    counts = data.response_token_counts(train_rows, cfg.vocab_size)
-    init_dir = Path(tc.init) if tc.init not in ("target", "random") else None
-    if init_dir is not None and (init_dir / TOKEN_COUNTS_NAME).is_file():  # a stage counts its ancestors' ids too
-        counts = counts + read_token_counts(init_dir / TOKEN_COUNTS_NAME, cfg.vocab_size)
+    start = steps.resume(out)
     d.token_counts = counts
     if dist.is_main:
-        write_trained_prompts(out, data, init_dir)
-        with open(out / (TOKEN_COUNTS_NAME + ".tmp"), "wb") as f:  # export --draft-vocab reads it
-            np.save(f, counts)
-        os.replace(out / (TOKEN_COUNTS_NAME + ".tmp"), out / TOKEN_COUNTS_NAME)
-    frequent = frequent_ids(counts, tc.sampled_softmax) if tc.sampled_softmax > 0 else None
+        _write_data_record(out, data, init_dir, counts)
     eval_rows = held_rows[: tc.eval_rows]
     log = open(out / "train_log.jsonl", "a") if dist.is_main else None
     if start == 0 and log is not None:
         log.write(json.dumps({"init": info, "train_rows": int(train_rows.size), "heldout_rows": int(held_rows.size),
                               "rope_theta": cfg.rope_theta, "train_config": asdict(tc), "world_size": dist.world,
                               "device": dev.type, "data_target_dtype": data.meta.get("target_dtype", "fp32")}) + "\n")
-    ddp = _ddp(d, dev) if dist.world > 1 else None
-    L = cfg.num_draft_rows
     it = range(start, tc.steps)
     bar = None
     if progress and dist.is_main:
@@ -704,96 +869,29 @@ def train(tc: TrainConfig, progress: bool = True, stop_after: int | None = None,
         bar = tqdm(it, desc="train", unit="step", initial=start, total=tc.steps)
         it = bar
     t0, rows_done = time.perf_counter(), 0
-
-    def evaluate(step: int) -> None:
-        t = time.perf_counter()
-        try:
-            with DI.autocast(dev, tc.dtype):
-                r = offline_tau(d, data, eval_rows)
-        except DFlash2Error as e:  # e.g. only T = 1 rows held out: training still completes
-            r = {"eval_skipped": str(e)}
-        d.train()
-        r.update({"eval_step": step, "eval_s": round(time.perf_counter() - t, 1)})
-        log.write(json.dumps(r) + "\n")
-        log.flush()
-
-    def vocab_of(b: Batch, step: int) -> np.ndarray | None:
-        if frequent is None:
-            return None
-        ids = np.concatenate([b.labels.ravel(), b.kl_ids.ravel() if tc.kl_weight > 0 else b.labels[:0].ravel()])
-        return softmax_vocab(step, tc.seed, frequent, ids, cfg.vocab_size, tc.random_negatives)
-
-    def one_part_step(step: int) -> tuple[dict, int, float | None]:
-        b = make_batch(step, tc.seed, data, train_rows, cfg.block_size, tc.batch_seqs, tc.anchors_per_seq,
-                       by_epoch=tc.epochs > 0)
-        with DI.autocast(dev, tc.dtype):
-            loss, m = compute_loss(d, b, weights, vocab_of(b, step), tc.kl_weight, tc.selector_full_topk)
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        return m, b.labels.shape[0], None
-
-    loss_of = ddp if ddp is not None else _StepLoss(d)
-
-    def split_step(step: int) -> tuple[dict, int, float | None]:
-        """Returns (metrics, blocks, the selector gradients' divisor)."""
-        rows, anchors = batch_plan(step, tc.seed, data, train_rows, tc.batch_seqs, tc.anchors_per_seq,
-                                   by_epoch=tc.epochs > 0)
-        whole = gather_batch(data, rows, anchors, cfg.block_size, with_feats=False)  # labels, top-k ids
-        vocab = vocab_of(whole, step)
-        w = D.slot_weights(cfg.block_size, tc.gamma)[1:]
-        lm_norm = max(float((w[None, :] * (whole.labels[:, 1:] >= 0)).sum()), 1e-6)
-        mine = np.array_split(np.arange(rows.size), parts)[dist.rank * tc.grad_accum: (dist.rank + 1) * tc.grad_accum]
-        opt.zero_grad(set_to_none=True)
-        tot = np.zeros(len(_SUM_KEYS) + 2 * L)
-        for k, idx in enumerate(mine):
-            b = (gather_batch(data, rows[idx], [anchors[i] for i in idx], cfg.block_size) if idx.size else
-                 _no_rows(cfg.block_size))  # an epoch's last, short step can leave a part without a row
-            last = k == len(mine) - 1
-            with ddp.no_sync() if ddp is not None and not last else nullcontext():
-                with DI.autocast(dev, tc.dtype):
-                    loss, m = loss_of(b, weights, vocab, tc.kl_weight, tc.selector_full_topk, lm_norm=lm_norm)
-                # DDP averages over ranks: x world makes it the sum, the one-process gradient
-                scaler.scale(loss * dist.world).backward()
-            sm = m["sums"]
-            tot += np.asarray([sm.get(key, 0.0) for key in _SUM_KEYS] + sm["hit1"] + sm["labelled"])
-        tot_t = dist.all_reduce_sum(torch.from_numpy(tot).to(dev))
-        tot = tot_t.cpu().numpy()
-        sel_norm = max(float(tot[_SUM_KEYS.index("sel_w")]), 1e-6) if d.use_selector else None
-        return _step_metrics(tot, L, lm_norm, tc.kl_weight, d.use_selector), whole.labels.shape[0], sel_norm
-
     try:
         for step in it:
             if stop_after is not None and step >= stop_after:
                 break
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, tc.steps, tc.lr, tc.warmup)
-            m, n_blocks, sel_norm = (split_step if parts > 1 else one_part_step)(step)
-            scaler.unscale_(opt)  # (a no-op but with fp16)
-            if sel_norm is not None:  # a split step's selector loss was a sum (compute_loss's lm_norm)
-                for p in d.candidate_selector.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(sel_norm)
-            if tc.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-            scaler.step(opt)
-            scaler.update()
+            m, n_blocks = steps.run(step)
             rows_done += n_blocks * cfg.num_draft_rows
             if bar is not None:
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc1=f"{m['slot_acc'][0]:.2f}")
             if log is not None and ((step + 1) % tc.log_every == 0 or step + 1 == tc.steps):
                 el = time.perf_counter() - t0
-                m.update({"step": step + 1, "lr": opt.param_groups[0]["lr"], "rows_per_s": rows_done / el,
+                m.update({"step": step + 1, "lr": steps.opt.param_groups[0]["lr"], "rows_per_s": rows_done / el,
                           "elapsed_s": el})
                 log.write(json.dumps(m) + "\n")
                 log.flush()
             if dist.is_main and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
-                save_checkpoint(d, opt, step + 1, tc, {"scaler": scaler.state_dict()} if scaler.is_enabled() else None)
+                save_checkpoint(d, steps.opt, step + 1, tc,
+                                {"scaler": steps.scaler.state_dict()} if steps.scaler.is_enabled() else None)
             if (log is not None and eval_rows.size and tc.eval_every and (step + 1) % tc.eval_every == 0
                     and step + 1 < tc.steps):
-                evaluate(step + 1)
+                _evaluate(d, data, eval_rows, tc, dev, step + 1, log)
         else:
             if log is not None and eval_rows.size and start < tc.steps:
-                evaluate(tc.steps)
+                _evaluate(d, data, eval_rows, tc, dev, tc.steps, log)
     finally:
         if log is not None:
             log.close()
