@@ -40,6 +40,8 @@
  *     execution contexts (at most 8 captured shape buckets per engine, least recently used dropped), buffers
  *     and CUDA stream, and also serializes dfl2_session_generate across its sessions (their contexts share
  *     the engines' optimization profiles): sessions on several threads are safe but take turns.
+ *   - Sessions of an ONNX Runtime model run concurrently: the model's ONNX Runtime sessions are shared (ONNX Runtime
+ *     runs them from several threads), each dfl2_session has its own caches and bindings.
  *   - A session is used by one thread at a time (no internal locking).
  *   - Callbacks run on the thread that called dfl2_session_generate.
  *
