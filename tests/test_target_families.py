@@ -2,9 +2,8 @@
 on tiny random configurations of transformers' own models: the PyTorch adapter against transformers (logits, a
 verify's rows = one-row steps), rollback to every accepted length (sliding windows shorter than the sequence, so the
 recorded past is what a rollback restores), lossless greedy decoding with a drafter that gets drafts accepted and
-rejected at every length, a planted bug (a sliding window cropped without its recorded past) caught; Qwen3-MoE and
-Muse Glimmer exported and decoded on ONNX Runtime (a graph without its window caught), gpt-oss's export refused in
-one line."""
+rejected at every length, a planted bug (a sliding window cropped without its recorded past) caught; all three
+exported and decoded on ONNX Runtime (a graph without its window caught)."""
 
 from __future__ import annotations
 
@@ -131,13 +130,6 @@ def test_a_sliding_window_cropped_without_its_past_is_caught(target, monkeypatch
         _spec_vs_ar(target, 2)
 
 
-def test_gpt_oss_export_is_refused_in_one_line(target):
-    if target.model.config.model_type != "gpt_oss":
-        return
-    with pytest.raises(DFlash2Error, match="does not support 'gpt_oss' targets yet"):
-        target.family.check_exportable(target.model)
-
-
 def _export_family(arch: str, tmp_path):  # noqa: ANN202
     """A tiny random ``arch`` target (make-tiny's tokenizer) exported with make-tiny's drafter."""
     import shutil
@@ -153,18 +145,19 @@ def _export_family(arch: str, tmp_path):  # noqa: ANN202
     return export_model(folder, tmp_path / "pair" / "drafter", tmp_path / "e", progress=False, max_seq_len=256)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "muse_glimmer"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_export_and_decode_on_ort(arch, tmp_path):
-    """Tiny random Qwen3-MoE (4 experts, 2 per token) and Muse Glimmer (window 8 over 40 tokens, so the window
-    matters) targets with make-tiny's drafter: exported (manifest version 2: every layer's state a KV cache), the
+    """Tiny random Qwen3-MoE (4 experts, 2 per token), gpt-oss and Muse Glimmer (windows of 8 over 40 tokens, so the
+    window matters) targets with make-tiny's drafter: exported (manifest version 2: every layer's state a KV cache), the
     graph's logits within 1e-4 (relative) of transformers' over a prompt and steps, a k-row call's rows = one-row
     calls, every node in TensorRT's parser table, and speculative greedy decoding on ONNX Runtime = its autoregressive
     output. The drafter is random (drafts are rarely accepted: rollback is the dense family's crop, tested there)."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
     m = _export_family(arch, tmp_path)
-    assert m.manifest_version == 2 and m.target.layer_kinds == (
-        () if arch == "qwen3_moe" else ("sliding", "sliding", "sliding", "attention"))
+    assert m.manifest_version == 2 and m.target.layer_kinds == {
+        "qwen3_moe": (), "gpt_oss": ("sliding", "attention") * 2,
+        "muse_glimmer": ("sliding", "sliding", "sliding", "attention")}[arch]
     be = OrtBackend(tmp_path / "e")
     assert be.manifest.target.model_type == arch
     import onnx
@@ -190,12 +183,13 @@ def test_export_and_decode_on_ort(arch, tmp_path):
         assert D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 16, eos_ids=set()).tokens == ar
 
 
-def test_a_sliding_graph_without_its_window_fails_the_export_check(tmp_path, monkeypatch):
-    """Negative control: Muse Glimmer's graph with its sliding layers' window mask removed (full attention) differs
-    from transformers past the window, and the export-time check refuses it."""
-    monkeypatch.setattr(sliding.TargetGraph, "__init__", _wide_window(sliding.TargetGraph.__init__))
+@pytest.mark.parametrize("arch", ["gpt_oss", "muse_glimmer"])
+def test_a_sliding_graph_without_its_window_fails_the_export_check(arch, tmp_path, monkeypatch):
+    """Negative control: the graph with its sliding layers' window mask removed (full attention) differs from
+    transformers past the window, and the export-time check refuses it."""
+    monkeypatch.setattr(sliding._WindowedGraph, "__init__", _wide_window(sliding._WindowedGraph.__init__))
     with pytest.raises(DFlash2Error, match="differs from PyTorch"):
-        _export_family("muse_glimmer", tmp_path)
+        _export_family(arch, tmp_path)
 
 
 def _wide_window(init):  # noqa: ANN001, ANN202

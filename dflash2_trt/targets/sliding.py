@@ -7,10 +7,10 @@ to the accepted length before the window is restored; full attention layers crop
 Muse Glimmer is released as a vision-language model only: its folder loads as ``MuseGlimmerForConditionalGeneration``,
 whose text path (token ids in, logits out) is the target (:func:`load_model`).
 
-Export (Muse Glimmer; gpt-oss is refused): :class:`TargetGraph` keeps every layer's keys and values in the dense
-family's capacity buffers and masks a sliding layer's keys to its window from the positions, so a rollback is the
-dense family's crop and the graph's inputs and outputs are the dense graph's. (A ring buffer of the window would
-hold less; it is not implemented.)
+Export: :func:`TargetGraph` (:class:`MuseGlimmerGraph`, :class:`GptOssGraph`) keeps every layer's keys and values in
+the dense family's capacity buffers and masks a sliding layer's keys to its window from the positions, so a rollback
+is the dense family's crop and the graph's inputs and outputs are the dense graph's. (A ring buffer of the window
+would hold less; it is not implemented.)
 """
 
 from __future__ import annotations
@@ -57,18 +57,15 @@ def load_model(folder: str, dtype: Any) -> Any:
 
 
 def check_exportable(hf_model: Any) -> None:
-    """The exporter's graph computes this target exactly (Muse Glimmer), else DFlash2Error saying what it does not."""
+    """The exporter's graph computes this target exactly, else DFlash2Error saying what it does not."""
     cfg = _text_config(hf_model.config)
-    if hf_model.config.model_type != "muse_glimmer":
-        raise DFlash2Error(f"dflash2 export does not support {hf_model.config.model_type!r} targets yet (attention "
-                           f"sinks and its MoE MLPs; it decodes with the PyTorch reference: dflash2 generate --target ... "
-                           f"--drafter ...)")
     layer_kinds(cfg)
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-    for what, value, ok in (("hidden_activation", getattr(cfg, "hidden_activation", "silu"), "silu"),
-                            ("rope_type", rope, "default")):
-        if value != ok:
-            raise DFlash2Error(f"target {what} {value!r} is not supported for 'muse_glimmer' ({ok} only)")
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    ropes = ("default", "yarn") if hf_model.config.model_type == "gpt_oss" else ("default",)
+    if act != "silu" or rope not in ropes:
+        raise DFlash2Error(f"target activation {act!r} / rope_type {rope!r} is not supported for "
+                           f"{hf_model.config.model_type!r} (silu; {', '.join(ropes)})")
 
 
 def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
@@ -88,12 +85,10 @@ def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], l
     return args, ["input_ids", "position_ids", "attention_mask", *kv_names], ["logits", "context_features", *present], dyn
 
 
-class TargetGraph(nn.Module):
-    """Muse Glimmer's text path with the dense graph's interface (:class:`dflash2_trt.targets.dense.TargetGraph`):
-    normed embeddings; per layer q/k RMS-normed without scale (q times ``qk_scale_factor``), RoPE on the layers whose
-    ``layer_rope_theta`` is non-zero, keys limited to the last ``sliding_window`` positions on sliding layers, the
-    output gated by a sigmoid of its own projection, norms after attention and MLP as well as before; the final norm
-    and the LM head's logits soft-capped: ``cap * tanh(logits * output_multiplier / cap)``."""
+class _WindowedGraph(nn.Module):
+    """What the sliding family's graphs share: the dense graph's interface (:class:`dflash2_trt.targets.dense.
+    TargetGraph`), RoPE tables, and the additive attention biases of full layers and of sliding layers, whose keys are
+    limited to the last ``sliding_window`` positions (slot j of the capacity buffer holds position j)."""
 
     def __init__(self, hf_model: Any, layer_ids: list[int]) -> None:
         super().__init__()
@@ -103,27 +98,26 @@ class TargetGraph(nn.Module):
         self.embed, self.layers, self.norm, self.lm_head = lm.embed_tokens, lm.layers, lm.norm, hf_model.lm_head
         self.layer_ids = list(layer_ids)
         self.sliding = [k == "sliding" for k in layer_kinds(cfg)]
-        self.rope_on = [bool(t) for t in cfg.layer_rope_theta]
         self.window = int(cfg.sliding_window)
         self.nh, self.kvh, self.d = int(cfg.num_attention_heads), int(cfg.num_key_value_heads), int(cfg.head_dim)
-        self.mult, self.cap = float(cfg.output_multiplier), float(cfg.final_logit_softcapping)
         rot = lm.rotary_emb
         self.register_buffer("inv_freq", rot.inv_freq.detach().float().clone(), persistent=False)
         self.attention_scaling = float(getattr(rot, "attention_scaling", 1.0))
 
-    def forward(self, input_ids, position_ids, attention_mask, *past):  # noqa: ANN001, ANN201
-        B, S = input_ids.shape
-        h = self.embed(input_ids)
+    def _tables(self, h, position_ids, attention_mask, C):  # noqa: ANN001, ANN202
+        """(cos, sin [B, 1, S, d]), biases of full layers, biases of sliding layers (each: past [B, 1, rows, C],
+        new [B, 1, rep * S, S]; grouped heads folded into rows as :func:`dflash2_trt.targets.dense._grouped_attention`
+        takes them)."""
+        B, S = position_ids.shape
         dtype = h.dtype
         freqs = position_ids.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)
         sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
-        C = past[0].shape[2]
         rep = self.nh // self.kvh
         neg, zero = torch.tensor(float("-inf"), dtype=dtype), torch.tensor(0.0, dtype=dtype)
-        past_ok = attention_mask[:, :C] > 0  # [B, C]; slot j holds position j
-        new_ok = attention_mask[:, C:] > 0  # [B, S]
+        past_ok = attention_mask[:, :C] > 0
+        new_ok = attention_mask[:, C:] > 0
         causal = torch.ones(S, S, dtype=torch.bool, device=h.device).tril()
         full = (torch.where(past_ok, zero, neg)[:, None, None, :],
                 torch.where(causal[None] & new_ok[:, None, :], zero, neg).unsqueeze(1).repeat(1, 1, rep, 1))
@@ -132,24 +126,102 @@ class TargetGraph(nn.Module):
         near_new = position_ids[:, :, None] - position_ids[:, None, :] < self.window  # [B, S, S]
         window = (torch.where(past_ok[:, None, :] & near_past, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1),
                   torch.where(causal[None] & new_ok[:, None, :] & near_new, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1))
+        return (cos, sin), full, window
+
+    def forward(self, input_ids, position_ids, attention_mask, *past):  # noqa: ANN001, ANN201
+        h = self.embed(input_ids)
+        rope, full, window = self._tables(h, position_ids, attention_mask, past[0].shape[2])
         taps, present = {}, []
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = a.qk_norm(a.q_proj(x).view(B, S, self.nh, self.d).transpose(1, 2)) * a.qk_scale_factor
-            k = a.qk_norm(a.k_proj(x).view(B, S, self.kvh, self.d).transpose(1, 2))
-            v = a.v_proj(x).view(B, S, self.kvh, self.d).transpose(1, 2)
-            if self.rope_on[i]:
-                q, k = _rope(q, cos, sin, self.d), _rope(k, cos, sin, self.d)
-            b1, b2 = window if self.sliding[i] else full
-            o = _grouped_attention(q, past[2 * i], past[2 * i + 1], k, v, b1, b2, float(a.scaling), self.nh, self.kvh,
-                                   self.d)
-            o = o.transpose(1, 2).reshape(B, S, self.nh * self.d) * torch.sigmoid(a.gate_proj(x))
-            h = h + layer.post_attention_layernorm(a.o_proj(o))
-            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            h, k, v = self._layer(i, layer, h, rope, window if self.sliding[i] else full, past[2 * i], past[2 * i + 1])
             present += [k, v]
             taps[i] = h
         h = self.norm(h)
         taps[len(self.layers) - 1] = h
-        logits = torch.tanh(self.lm_head(h).float() * self.mult / self.cap) * self.cap
-        return (logits, torch.cat([taps[j] for j in self.layer_ids], dim=-1), *present)
+        return (self._logits(h), torch.cat([taps[j] for j in self.layer_ids], dim=-1), *present)
+
+
+class MuseGlimmerGraph(_WindowedGraph):
+    """Muse Glimmer's text path: normed embeddings; per layer q/k RMS-normed without scale (q times
+    ``qk_scale_factor``), RoPE on the layers whose ``layer_rope_theta`` is non-zero, the attention output gated by a
+    sigmoid of its own projection, norms after attention and MLP as well as before; the final norm and the LM head's
+    logits soft-capped: ``cap * tanh(logits * output_multiplier / cap)``."""
+
+    def __init__(self, hf_model: Any, layer_ids: list[int]) -> None:
+        super().__init__(hf_model, layer_ids)
+        cfg = _text_config(hf_model.config)
+        self.rope_on = [bool(t) for t in cfg.layer_rope_theta]
+        self.mult, self.cap = float(cfg.output_multiplier), float(cfg.final_logit_softcapping)
+
+    def _layer(self, i, layer, h, rope, bias, pk, pv):  # noqa: ANN001, ANN202
+        B, S = h.shape[0], h.shape[1]
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = a.qk_norm(a.q_proj(x).view(B, S, self.nh, self.d).transpose(1, 2)) * a.qk_scale_factor
+        k = a.qk_norm(a.k_proj(x).view(B, S, self.kvh, self.d).transpose(1, 2))
+        v = a.v_proj(x).view(B, S, self.kvh, self.d).transpose(1, 2)
+        if self.rope_on[i]:
+            q, k = _rope(q, *rope, self.d), _rope(k, *rope, self.d)
+        o = _grouped_attention(q, pk, pv, k, v, *bias, float(a.scaling), self.nh, self.kvh, self.d)
+        o = o.transpose(1, 2).reshape(B, S, self.nh * self.d) * torch.sigmoid(a.gate_proj(x))
+        h = h + layer.post_attention_layernorm(a.o_proj(o))
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h))), k, v
+
+    def _logits(self, h):  # noqa: ANN001, ANN202
+        return torch.tanh(self.lm_head(h).float() * self.mult / self.cap) * self.cap
+
+
+class GptOssGraph(_WindowedGraph):
+    """gpt-oss: biased projections, RoPE (yarn) on every layer, attention sinks (one learned logit per head joining
+    each row's softmax, its share dropped), and MoE MLPs routed as transformers does: top k of the router's biased
+    logits, softmax over those k; each chosen expert's interleaved gate / up halves clamped to ``swiglu_limit``,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``, biased down projection."""
+
+    def _layer(self, i, layer, h, rope, bias, pk, pv):  # noqa: ANN001, ANN202
+        B, S = h.shape[0], h.shape[1]
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = _rope(a.q_proj(x).view(B, S, self.nh, self.d).transpose(1, 2), *rope, self.d)
+        k = _rope(a.k_proj(x).view(B, S, self.kvh, self.d).transpose(1, 2), *rope, self.d)
+        v = a.v_proj(x).view(B, S, self.kvh, self.d).transpose(1, 2)
+        o = self._sink_attention(q, pk, pv, k, v, bias, a)
+        h = h + a.o_proj(o.transpose(1, 2).reshape(B, S, self.nh * self.d))
+        return h + self._experts(layer.mlp, layer.post_attention_layernorm(h)), k, v
+
+    def _sink_attention(self, q, k1, v1, k2, v2, bias, a):  # noqa: ANN001, ANN202
+        """:func:`~dflash2_trt.targets.dense._grouped_attention` with each head's sink logit as one more column of
+        its softmax (dropped after it)."""
+        B, S = q.shape[0], q.shape[2]
+        rep = self.nh // self.kvh
+        qg = q.reshape(B, self.kvh, rep * S, self.d)
+        s1 = torch.matmul(qg, k1.transpose(2, 3)) * float(a.scaling) + bias[0]
+        s2 = torch.matmul(qg, k2.transpose(2, 3)) * float(a.scaling) + bias[1]
+        sink = a.sinks.to(q.dtype).view(1, self.kvh, rep, 1, 1).expand(B, self.kvh, rep, S, 1)
+        sink = sink.reshape(B, self.kvh, rep * S, 1)
+        n1 = k1.shape[2]
+        p = torch.softmax(torch.cat([s1, s2, sink], dim=3), dim=3)
+        o = torch.matmul(p[:, :, :, :n1], v1) + torch.matmul(p[:, :, :, n1:-1], v2)
+        return o.reshape(B, self.nh, S, self.d)
+
+    @staticmethod
+    def _experts(mlp, x):  # noqa: ANN001, ANN205
+        B, S, H = x.shape
+        t = x.reshape(-1, H)
+        r, ex = mlp.router, mlp.experts
+        top, idx = torch.topk(torch.nn.functional.linear(t, r.weight, r.bias), r.top_k, dim=-1)  # [T, k]
+        w = torch.softmax(top, dim=1)
+        gu = torch.matmul(t[:, None, None, :], ex.gate_up_proj[idx])[:, :, 0] + ex.gate_up_proj_bias[idx]  # [T, k, 2I]
+        gate = gu[..., 0::2].clamp(max=ex.limit)
+        up = gu[..., 1::2].clamp(min=-ex.limit, max=ex.limit)
+        hidden = (up + 1) * (gate * torch.sigmoid(gate * ex.alpha))
+        out = torch.matmul(hidden[:, :, None, :], ex.down_proj[idx])[:, :, 0] + ex.down_proj_bias[idx]  # [T, k, H]
+        return (out * w[..., None]).sum(dim=1).reshape(B, S, H)
+
+    def _logits(self, h):  # noqa: ANN001, ANN202
+        return self.lm_head(h).float()
+
+
+def TargetGraph(hf_model: Any, layer_ids: list[int]) -> nn.Module:  # noqa: N802 - the family's graph, as in the others
+    """The graph of this family's target (:class:`MuseGlimmerGraph` or :class:`GptOssGraph`)."""
+    graph = MuseGlimmerGraph if hf_model.config.model_type == "muse_glimmer" else GptOssGraph
+    return graph(hf_model, layer_ids)
