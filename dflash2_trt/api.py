@@ -63,7 +63,7 @@ FINISH_REASONS = ("stop", "length", "capacity", "cancelled")
 
 @dataclass(frozen=True)
 class Stats:
-    """One request's decoding figures (SPEC §4)."""
+    """One request's decoding figures (docs/design.md)."""
 
     tau: float  # tokens committed per speculative cycle (accepted drafts + 1), pooled over the cycles; 0: none
     cycles: int  # speculative cycles (draft + verify)

@@ -1,4 +1,4 @@
-"""DFlash2Config: every field of SPEC §2, read/written as a HF ``config.json``.
+"""DFlash2Config: every field of docs/design.md, read/written as a HF ``config.json``.
 
 Two on-disk layouts are understood:
 
@@ -86,7 +86,7 @@ _DROPPED = ("model_type", "torch_dtype", "dtype", "transformers_version")
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """z-lab's default (SPEC §2): ``n`` ids spread evenly from layer 1 to ``num_target_layers - 3``; a single
+    """z-lab's default (docs/design.md): ``n`` ids spread evenly from layer 1 to ``num_target_layers - 3``; a single
     id is the middle layer. z-lab takes ``n`` = the drafter's ``num_hidden_layers``."""
     if n == 1:
         return [num_target_layers // 2]
@@ -167,7 +167,7 @@ def rope_from_hf(hf_config: Any) -> dict[str, Any]:
 
 @dataclass
 class DFlash2Config:
-    """Drafter configuration (SPEC §2). Sizes: H hidden, V vocab, bs block size, L = bs - 1, K top-k, r rank."""
+    """Drafter configuration (docs/design.md). Sizes: H hidden, V vocab, bs block size, L = bs - 1, K top-k, r rank."""
 
     hidden_size: int = 576  # H (== target hidden size in public checkpoints)
     intermediate_size: int = 1536

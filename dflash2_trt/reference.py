@@ -1,4 +1,4 @@
-"""NumPy references: path selection (SPEC §3) and acceptance (SPEC §3–4). The executable spec.
+"""NumPy references: path selection and acceptance (docs/design.md). The executable spec.
 
 Every other implementation — the PyTorch selector, the decomposed ONNX graph, the CUDA kernel and its
 host twin in ``plugins/`` — is tested against these functions on fresh random inputs.
@@ -158,7 +158,7 @@ def select_paths(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Acceptance (SPEC §3 rejection rule, §4 step d)
+# Acceptance (docs/design.md: the rejection rule of the decoding loop's accept step)
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -204,7 +204,7 @@ def accept_rejection(
 
 
 def acceptance_stats(accepted: list[int], block_rows: list[int]) -> dict:
-    """SPEC §4 metrics from per-cycle accepted-draft counts.
+    """docs/design.md metrics from per-cycle accepted-draft counts.
 
     accepted[c]: drafts accepted in cycle c; block_rows[c]: drafts proposed in cycle c (L, or fewer in
     a final partial block). Returns tau, per-position cumulative r_i and conditional c_i (i = 1..L_max).

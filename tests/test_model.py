@@ -147,7 +147,7 @@ def test_head_options():
 
 
 def _spec_names(cfg: DFlash2Config) -> dict[str, tuple]:
-    """Tensor names and shapes written out from SPEC §2 (independent of the model code)."""
+    """Tensor names and shapes written out from z-lab's checkpoint format (independent of the model code)."""
     H, V, r, n = cfg.hidden_size, cfg.vocab_size, cfg.selector_rank, len(cfg.target_layer_ids)
     nh, kvh, hd, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     G = H // cfg.conv_group_size

@@ -69,7 +69,7 @@ def plugin_build() -> Path:
     if nvcc is None:
         pytest.fail("nvcc not found: install the CUDA toolkit (nvcc) to build plugins/")
     if importlib.util.find_spec("kernel_lens") is None:
-        pytest.fail("TensorRT headers missing: python -m pip install kernel-lens (SPEC §7)")
+        pytest.fail("TensorRT headers missing: python -m pip install kernel-lens (docs/tensorrt.md)")
     # the architecture choice is made before enable_language(CUDA): a different choice needs a
     # fresh build directory
     marker = BUILD_DIR / ".dflash2-test-archs"

@@ -54,7 +54,7 @@ def test_greedy_equals_pytorch_reference(exports, acc_target, acc_drafter, bs):
         got = D.speculative_generate(target, be.draft_runner(mode), p, MAX_NEW, eos_ids=set(), oracle=oracle_count)
         assert got.tokens == want.tokens  # token for token
         assert (got.accepted, got.proposed, got.oracle_accepted) == (want.accepted, want.proposed, want.oracle_accepted)
-        assert got.stats() == want.stats()  # identical SPEC §4 metrics, oracle τ included
+        assert got.stats() == want.stats()  # identical docs/design.md metrics, oracle τ included
         ar = D.target_generate(target, p, MAX_NEW, eos_ids=set())
         assert ar.tokens == got.tokens == ref_autoregressive(acc_target, p, MAX_NEW, eos_ids=set()).tokens  # lossless
         accepted[mode] += got.accepted

@@ -1,4 +1,4 @@
-"""Self-distillation data and trainer (SPEC §5) on the tiny pair: make-data captures exactly what a second
+"""Self-distillation data and trainer (docs/training.md) on the tiny pair: make-data captures exactly what a second
 pass would give, labels are the generated chain, anchors sit in responses, RoPE θ comes from the target or
 fails loudly, sampled softmax / selector candidates, loss decreases, exact --resume, the benchmark filter,
 and the offline τ equals the τ of real greedy speculative decoding."""

@@ -1,7 +1,7 @@
 """``dflash2 bench``: speculative vs plain autoregressive decoding of the same target on the same backend,
 side by side, prompt by prompt (no torch on the ORT path).
 
-Aggregation (SPEC §4): τ is pooled — tokens committed by speculative cycles ÷ those cycles, over every cycle of
+Aggregation (docs/design.md): τ is pooled — tokens committed by speculative cycles ÷ those cycles, over every cycle of
 every request (what a reader expects of "tokens per cycle"); ``tau_prompt_mean``, the mean of the requests' own
 τ, is kept as a second, named figure (short requests weigh as much as long ones in it). Oracle τ and the
 per-position cumulative acceptance r_i are pooled over cycles the same way (so τ = 1 + Σ r_i holds for full

@@ -1,4 +1,4 @@
-"""Oracle top-K τ (SPEC §4): τ if the selector always picked the target's token whenever it is among the K
+"""Oracle top-K τ (docs/design.md): τ if the selector always picked the target's token whenever it is among the K
 candidates — the ceiling the selector can reach. Measured with extra target passes, which the decoder
 excludes from its timing.
 

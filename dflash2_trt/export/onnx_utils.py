@@ -35,7 +35,7 @@ def trace(module, args: tuple, input_names: list[str], output_names: list[str],
     model = onnx.load_from_string(buf.getvalue())
     _constants_to_initializers(model)
     flow = sorted({n.op_type for n in model.graph.node if n.op_type in ("If", "Loop", "Scan")})
-    if flow:  # graphs must stay capturable (SPEC §7)
+    if flow:  # graphs must stay capturable (docs/tensorrt.md)
         raise DFlash2Error(f"ONNX export of {type(module).__name__} produced control flow ({', '.join(flow)})")
     return model
 

@@ -2,7 +2,7 @@
 
 The contract lives in three places (STYLE rule 10) — ``plugins/pathSelector/dflash2PathSelector.yaml``,
 this op schema, and the plugin creator's field list — and ``tests/test_plugin_selector.py`` pins them
-together. Semantics are those of :func:`dflash2_trt.reference.select_paths` (SPEC §3).
+together. Semantics are those of :func:`dflash2_trt.reference.select_paths` (docs/design.md).
 
 Inputs (B dynamic; L, K, r, V static; C = float32 | float16 | bfloat16, one type for all three)::
 
@@ -18,7 +18,7 @@ Inputs (B dynamic; L, K, r, V static; C = float32 | float16 | bfloat16, one type
 Outputs: ``path_ids`` int32 [B, L], ``proposal_probs`` float [B, L, K].
 Attributes: ``top_k`` (int, 1..16, == K), ``rank`` (int, == r), ``mode`` ("greedy" | "viterbi",
 default "greedy"), plus ``plugin_version`` = "1" and ``plugin_namespace`` = "" for the TensorRT ONNX
-parser (SPEC §7).
+parser (docs/tensorrt.md).
 
 Usage (exporter)::
 

@@ -1,6 +1,6 @@
 """Drafter checkpoints: ``config.json`` + ``model.safetensors`` (or sharded ``model-*.safetensors``).
 
-Safetensors only — pickle files are refused. Tensor names are those of SPEC §2, so z-lab-format DFlash 2
+Safetensors only — pickle files are refused. Tensor names are z-lab's (docs/zlab-compatibility.md), so z-lab-format DFlash 2
 and DFlash v1 checkpoints load; the codebooks are also accepted as ``candidate_selector.*_codebook.weight``
 (what a fresh z-lab ``save_pretrained`` writes: their codebooks are ``nn.Embedding`` modules, and their
 ``from_pretrained`` maps the released bare names onto ``.weight``). Missing, unexpected or mis-shaped
@@ -25,7 +25,7 @@ WEIGHTS_NAME = "model.safetensors"
 # optional: how often each token id occurs in the drafter's training responses ([V] int64, written by
 # ``dflash2 train``); ``dflash2 export --draft-vocab N`` keeps the N most frequent ids in the drafter's LM head
 TOKEN_COUNTS_NAME = "token_counts.npy"
-# prefixes some exporters put in front of the SPEC names; stripped on load
+# prefixes some exporters put in front of the tensor names; stripped on load
 _STRIP_PREFIXES = ("model.", "drafter.")
 # z-lab's nn.Embedding names -> the released (and our) bare parameter names
 _ALIASES = {f"candidate_selector.{n}_codebook.weight": f"candidate_selector.{n}_codebook"
@@ -60,7 +60,7 @@ def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def load_state_into(model: DFlash2Drafter, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Strictly load SPEC-named tensors into ``model`` (errors name the tensor and both shapes)."""
+    """Strictly load the named tensors into ``model`` (errors name the tensor and both shapes)."""
     expected = model.state_dict()
     missing = [k for k in expected if k not in tensors]
     unexpected = [k for k in tensors if k not in expected]

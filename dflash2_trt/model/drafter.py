@@ -1,4 +1,4 @@
-"""The DFlash 2 drafter (SPEC §2) in PyTorch.
+"""The DFlash 2 drafter (docs/design.md) in PyTorch.
 
 One forward pass drafts a whole block ``[anchor, MASK x L]`` conditioned on fused target features. This is
 the one PyTorch forward: training calls it, and ``dflash2 export`` traces it (:mod:`dflash2_trt.export.
@@ -367,7 +367,7 @@ class DFlash2Drafter(nn.Module):
         rows = h[:, 1:]  # [nb, L, H]
         nb, L, H = rows.shape
         # a 2-D GEMM: the strided 3-D view runs as a batched matmul that re-streams the head per block (≈ 9x
-        # slower on a CPU, SPEC §5 performance notes)
+        # slower on a CPU: benchmarks/train_step_cost.py)
         logits = self.logits(rows.reshape(nb * L, H)).float().view(nb, L, -1)  # [nb, L, V]
         V = logits.shape[-1]
         if mode == INDEPENDENT or not self.use_selector:

@@ -1,4 +1,4 @@
-"""Building blocks of the drafter (SPEC §2): RMSNorm, RoPE, KV-injection attention, SwiGLU MLP and the
+"""Building blocks of the drafter (docs/design.md): RMSNorm, RoPE, KV-injection attention, SwiGLU MLP and the
 dynamic two-tap grouped convolution.
 
 Written once for eager use, training and ONNX tracing alike (the exported graphs trace these modules): no

@@ -1,4 +1,4 @@
-"""Candidate path selector (SPEC §3) in PyTorch, batched — the one PyTorch selector: training, the drafter
+"""Candidate path selector (docs/design.md) in PyTorch, batched — the one PyTorch selector: training, the drafter
 and the exported drafter head graph (:class:`dflash2_trt.export.onnx_graphs.DecomposedSelector`) all run
 :func:`lattice` + :func:`walk`. Mirrors :mod:`dflash2_trt.reference` exactly (same lattice, tie rule,
 inverse-CDF sampling); computed in fp32.

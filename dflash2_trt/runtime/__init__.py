@@ -1,4 +1,4 @@
-"""Runtimes: the SPEC §4 decoder loop (``decoder``, with the acceptance ``guard``) over backends behind one
+"""Runtimes: the docs/design.md decoder loop (``decoder``, with the acceptance ``guard``) over backends behind one
 protocol (``protocol.Backend``, runners, ``Draft``; the shared KV capacity buffer in ``kv``); one subpackage per
 backend — ``ort`` (ONNX Runtime), ``trt`` (TensorRT with CUDA-graph-captured steps), ``torch`` (the PyTorch
 reference); ``backends.open_backend`` chooses. Also the tokenizer (``tokenizer``).

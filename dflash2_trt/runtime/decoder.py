@@ -1,4 +1,4 @@
-"""The SPEC §4 decoding loop over any backend (NumPy; no torch). The PyTorch reference
+"""The docs/design.md decoding loop over any backend (NumPy; no torch). The PyTorch reference
 (:mod:`~dflash2_trt.runtime.torch.backend`) runs through this same loop, so backends differ only in their
 runners.
 
@@ -57,7 +57,7 @@ class GenerationResult:
         return len(self.tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def stats(self) -> dict:
-        """SPEC §4 metrics: acceptance_stats + oracle_tau (None when not measured)."""
+        """docs/design.md metrics: acceptance_stats + oracle_tau (None when not measured)."""
         s = acceptance_stats(self.accepted, self.proposed)
         s["oracle_tau"] = float(np.mean(np.asarray(self.oracle_accepted) + 1)) if self.oracle_accepted else None
         s.update(spec_cycles=len(self.accepted), plain_steps=self.plain_steps, guard_switches=self.guard_switches,

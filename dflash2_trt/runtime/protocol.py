@@ -12,7 +12,7 @@ A backend gives the decoder loop two runners per request:
 * :class:`DraftRunner` — ``reset()``, ``add_context(features [m, F], start)``,
   ``propose(anchor, pos, rows, temperature, uniforms [1, L] | None) -> Draft``: the block at positions
   ``pos ..``; ``rows`` (<= L) draft rows will be verified — fewer than L on a final partial block, where the
-  drafter chooses its path over those rows alone (the rows past them get zero hidden states, SPEC §3).
+  drafter chooses its path over those rows alone (the rows past them get zero hidden states, docs/design.md).
 
 Runners hold one request's state (KV caches) and are not thread safe; use one per concurrent request.
 

@@ -12,7 +12,7 @@ from dflash2_trt.vocabulary import DTYPES
 
 def add_parser(sub) -> None:  # noqa: ANN001
     """Register ``train`` and ``make-data``."""
-    m = sub.add_parser("make-data", help="self-distilled training data: the target answers prompts (SPEC §5)")
+    m = sub.add_parser("make-data", help="self-distilled training data: the target answers prompts (docs/training.md)")
     m.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
     m.add_argument("--out", required=True, help="data folder (outside the repository); rerun to resume")
     m.add_argument("--prompts", type=V.COUNT, default=2048, help="number of prompts (all sources together)")
@@ -45,7 +45,7 @@ def add_parser(sub) -> None:  # noqa: ANN001
     m.add_argument("--threads", type=V.THREADS, default=None, help="torch CPU threads")
     _device_flags(m)
 
-    t = sub.add_parser("train", help="distil a DFlash 2 drafter from make-data output (SPEC §5)")
+    t = sub.add_parser("train", help="distil a DFlash 2 drafter from make-data output (docs/training.md)")
     t.add_argument("--target", required=True, help="HF folder, .gguf file, or 'smollm2'")
     t.add_argument("--data", required=True, nargs="+", metavar="DATA",
                    help="`dflash2 make-data` folders (same target and taps), trained on together")
@@ -73,7 +73,7 @@ def add_parser(sub) -> None:  # noqa: ANN001
     t.add_argument("--selector-full-topk", action="store_true",
                    help="selector candidates from the full-vocabulary top-K (as decoding; slower)")
     t.add_argument("--kl-weight", type=V.NON_NEGATIVE_NUMBER, default=0.0, help="weight of CE to the target's top-k distribution")
-    t.add_argument("--gamma", type=V.POSITIVE_NUMBER, default=None, help="slot-weight decay (default by block size, SPEC §5)")
+    t.add_argument("--gamma", type=V.POSITIVE_NUMBER, default=None, help="slot-weight decay (default by block size, docs/training.md)")
     t.add_argument("--heldout-shards", type=V.NON_NEGATIVE, default=1, help="last shards held out for the offline τ")
     t.add_argument("--max-shards", type=V.COUNT, default=None, help="use only the first N shards")
     t.add_argument("--eval-rows", type=V.COUNT, default=24)

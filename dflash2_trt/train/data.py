@@ -1,5 +1,5 @@
 """Self-distilled training data (the folders :mod:`dflash2_trt.train.make_data` writes) and the block
-construction of SPEC §5.
+construction of docs/training.md.
 
 Every row is a prompt followed by the target's own answer, with the tap features captured while it was
 generated. A block anchored at response position ``a`` sees context positions ``< a``; its slot k is

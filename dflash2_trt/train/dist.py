@@ -1,4 +1,4 @@
-"""Devices, dtypes and processes for ``make-data``, ``train`` and ``eval-tau`` (SPEC §5 "Scale").
+"""Devices, dtypes and processes for ``make-data``, ``train`` and ``eval-tau`` (docs/training.md).
 
 One process by default; many through torchrun, the standard launcher of ``torch.distributed``::
 

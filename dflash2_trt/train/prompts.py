@@ -1,4 +1,4 @@
-"""Training prompts for self-distillation (SPEC §5, §8), and the benchmark-overlap filter.
+"""Training prompts for self-distillation (docs/training.md), and the benchmark-overlap filter.
 
 Three sources, never the benchmark sets:
 

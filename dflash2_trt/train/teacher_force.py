@@ -3,7 +3,7 @@
 One forward pass per batch of texts (no generation) gives, at every position, the tap features and the
 target's top-k next-token log-probabilities — hence its greedy next token ``g[p] = topk_ids[p, 0]``. The text
 itself is *not* the label: a block anchored at ``a`` is labelled with the target's own greedy chain from ``a``
-only as far as the text stays on it (SPEC §5: labels must lie on the target's chain):
+only as far as the text stays on it (docs/training.md: labels must lie on the target's chain):
 
     slot k label = g[a + k - 1]   while tokens[a + j] == g[a + j - 1] for every j < k, else unlabelled
 

@@ -1,4 +1,4 @@
-"""Distillation trainer for DFlash 2 drafters on self-distilled data (SPEC §5).
+"""Distillation trainer for DFlash 2 drafters on self-distilled data (docs/training.md).
 
 The data is a :mod:`dflash2_trt.train.make_data` folder: prompts, the target's own answers (token ids as
 generated) and the tap features captured while generating — so a training step costs only the drafter.
@@ -449,7 +449,7 @@ def accepted_prefix(draft: np.ndarray, truth: np.ndarray) -> int:
 def offline_tau(d: DFlash2Drafter, data: D.GeneratedData, rows: np.ndarray, max_new_tokens: int | None = None,
                 mode: str = "greedy") -> dict:
     """Replay greedy speculative decoding on generated greedy rows: returns τ, oracle top-K τ, per-slot
-    cumulative acceptance and the number of cycles, averaged as SPEC §4 says (over cycles, then rows).
+    cumulative acceptance and the number of cycles, averaged as docs/design.md says (over cycles, then rows).
 
     The stored row *is* the target's greedy chain and its features are the ones verification would
     commit, so each cycle's acceptance is exact up to floating-point differences between batched

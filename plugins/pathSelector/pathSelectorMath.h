@@ -437,7 +437,7 @@ DFL2_HD void sampleRow(Lanes const& lanes, WalkArgs const& w, WalkScratch& sc, i
     });
 }
 
-//! Greedy walk (SPEC §3): row t scores S[t, prev, :]; argmax (T <= 0) or sample (T > 0).
+//! Greedy walk (docs/design.md): row t scores S[t, prev, :]; argmax (T <= 0) or sample (T > 0).
 template <typename Lanes>
 DFL2_HD void greedyWalk(Lanes const& lanes, WalkArgs const& w, WalkScratch& sc)
 {

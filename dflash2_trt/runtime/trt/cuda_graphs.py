@@ -1,4 +1,4 @@
-"""CUDA-graph cache for fixed-buffer steps (SPEC §7): warm up eagerly, capture thread-locally, replay.
+"""CUDA-graph cache for fixed-buffer steps (docs/tensorrt.md): warm up eagerly, capture thread-locally, replay.
 
 A *step* is a callable that enqueues all its work on one stream (host→device copies from pinned buffers,
 TensorRT ``execute_async_v3`` calls, device→host copies into pinned buffers) and never synchronises.

@@ -319,7 +319,7 @@ typedef enum dfl2_finish_reason {
 /* The tokens of the last generate (EOS included when hit); valid until the next generate / free. */
 DFL2_API dfl2_status* dfl2_session_get_tokens(const dfl2_session* session, const int32_t** tokens, size_t* n);
 
-/* SPEC §4 statistics of the last generate. tau = mean over cycles of accepted drafts + 1 (0 without
+/* docs/design.md statistics of the last generate. tau = mean over cycles of accepted drafts + 1 (0 without
  * cycles); per-position arrays have n_positions = the largest block's draft rows: cumulative r_i =
  * P(drafts 1..i accepted) over cycles that proposed >= i drafts, conditional c_i = r_i / r_{i-1}.
  * oracle_tau < 0 when not measured. Arrays are owned by the session (valid until next generate / free). */

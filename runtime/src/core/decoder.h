@@ -178,7 +178,7 @@ std::pair<int32_t, int32_t> acceptGreedy(int32_t const* drafts, int32_t n, float
 //! Rejection sampling: drafts [n], q [n, V], p [n + 1, V] (float64) -> (accepted, bonus)
 std::pair<int32_t, int32_t> acceptRejection(
     int32_t const* drafts, int32_t n, double const* q, double const* p, size_t V, UniformSource& uniforms);
-//! SPEC §4 metrics from per-cycle counts (reference.acceptance_stats)
+//! docs/design.md metrics from per-cycle counts (reference.acceptance_stats)
 Stats acceptanceStats(std::vector<int32_t> const& accepted, std::vector<int32_t> const& proposed);
 Stats resultStats(Result const& r);
 
