@@ -981,6 +981,78 @@ def test_model_load_refuses_a_hybrid_export_in_one_line(lib, capi_build, hybrid_
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "manifest_version 3" in out.stderr
 
 
+def _muse_glimmer_pair(out: Path) -> tuple[Path, Path]:
+    """A scaled-down Muse Glimmer target (8 layers, hidden 64, windows of 8, make-tiny's tokenizer) and the z-lab
+    DFlash 2 fixture drafter made for Muse Glimmer (tests/data/zlab/dflash2-config.json: five sliding layers, block
+    size 16, selector rank 256, K 16, soft-capped logits with the output multiplier) scaled to it, random weights."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from dflash2_trt.config import DFlash2Config
+    from dflash2_trt.model import DFlash2Drafter, save_drafter
+    from dflash2_trt.tiny import make_tiny
+
+    make_tiny(out / "tiny", seed=0, block_size=4)
+    torch.manual_seed(0)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+    target = transformers.MuseGlimmerForConditionalGeneration(transformers.MuseGlimmerConfig(
+        text_config=dict(sliding_window=8, bos_token_id=1, eos_token_id=0, **common),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))
+    target.eval().save_pretrained(str(out / "target"))
+    for f in (out / "tiny" / "target").glob("tokenizer*"):
+        shutil.copy(f, out / "target" / f.name)
+    cfg = json.loads((REPO / "tests" / "data" / "zlab" / "dflash2-config.json").read_text())
+    cfg.update({k: common[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                                       "num_key_value_heads", "head_dim", "max_position_embeddings")},
+               num_target_layers=8, sliding_window=8, bos_token_id=1, eos_token_id=0, pad_token_id=2)
+    cfg["dflash_config"].update(mask_token_id=3, target_layer_ids=[1, 3, 5, 6, 7])
+    drafter = DFlash2Drafter(DFlash2Config.from_dict(cfg))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, 0.2 if "kernel_projection" not in name else 0.02)
+    save_drafter(drafter, out / "drafter")
+    return out / "target", out / "drafter"
+
+
+def test_zlab_muse_glimmer_drafter_end_to_end(lib, tmp_path_factory):
+    """The z-lab DFlash 2 fixture drafter (Muse Glimmer's), scaled down, against a scaled-down Muse Glimmer target:
+    export -> ONNX Runtime -> the C loop over its runners; tokens and per-cycle counts equal the PyTorch reference
+    loop's on 3 prompts of up to 30 tokens (longer than the windows)."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.model import load_drafter
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
+    from dflash2_trt.target import TargetModel
+
+    work = tmp_path_factory.mktemp("muse")
+    target_dir, drafter_dir = _muse_glimmer_pair(work)
+    export_model(target_dir, drafter_dir, work / "export", progress=False, max_seq_len=256)
+    be = OrtBackend(work / "export")
+    cfg = be.manifest.drafter_config
+    assert be.manifest.target.model_type == "muse_glimmer" and cfg.num_hidden_layers == 5
+    assert (cfg.block_size, cfg.selector_rank, cfg.selector_top_k) == (16, 256, 16)
+    t = TargetModel.load(target_dir)
+    ref = load_drafter(drafter_dir)
+    ref.bind_target(t.embed_weight, t.lm_head_weight)
+    dr = be.draft_runner("greedy")
+    c = CRuntime(lib, be.target_runner(), dr, _feature_dim(be), dr.top_k)
+    try:
+        for p in _prompts(3, seed=9):
+            want = D.speculative_generate(TorchTargetRunner(t, cfg.target_layer_ids), TorchDraftRunner(ref), p, 16,
+                                          eos_ids=set())
+            py = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 16, eos_ids=set())
+            assert (py.tokens, py.accepted) == (want.tokens, want.accepted)
+            toks, st, _ = c.generate(p, {"max_new_tokens": 16, "eos_ids": []})
+            _assert_same(toks, st, py)
+        assert not c.errors
+    finally:
+        c.close()
+
+
 def test_c_loop_over_a_hybrid_target_equals_python_runtime(lib, hybrid_export):
     """A hybrid (Gated DeltaNet) export: the C loop with the ONNX Runtime runners behind its callbacks (whose crop
     rolls the linear layers' states back) gives the Python runtime's tokens, counts and metrics, drafts accepted."""
