@@ -41,12 +41,13 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 
 # parameters accepted only at their neutral value (None is always fine): name -> the values that change nothing
+# (completions' logprobs: none; 0 would still ask for the chosen tokens' log-probabilities)
 _NEUTRAL_COMMON: dict[str, tuple] = {"n": (1,), "top_p": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
                                      "logit_bias": ({},)}
 _NEUTRAL = {
     CHAT: {**_NEUTRAL_COMMON, "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
            "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False)},
-    COMPLETION: {**_NEUTRAL_COMMON, "logprobs": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",)},
+    COMPLETION: {**_NEUTRAL_COMMON, "logprobs": (), "best_of": (1,), "echo": (False,), "suffix": ("",)},
 }
 _PARAMS_COMMON = {"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "user",
                   "ignore_eos"}
@@ -157,8 +158,9 @@ def _common(body: dict, kind: str) -> dict:
     for name, ok in _NEUTRAL[kind].items():
         v = body.get(name)
         if v is not None and not any(_same(v, w) for w in ok):
-            raise RequestError(f"'{name}' = {json.dumps(v)} is not supported by this server (it takes "
-                               f"{' or '.join(json.dumps(w) for w in ok)} only)", name, code="unsupported_value")
+            raise RequestError(f"'{name}' = {json.dumps(v)} is not supported by this server"
+                               + (f" (it takes {' or '.join(json.dumps(w) for w in ok)} only)" if ok else ""), name,
+                               code="unsupported_value")
     model = body.get("model")
     if model is None:
         raise RequestError("you must provide a model parameter", "model", code="missing_required_parameter")
