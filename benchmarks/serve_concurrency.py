@@ -6,15 +6,18 @@ runs) in this process. SmolLM2-135M-Instruct fp32 fused (the demo's cached expor
 token ids to ``/v1/completions``, greedy, EOS off (``ignore_eos``) so every request makes exactly ``--tokens``
 tokens::
 
-    python benchmarks/serve_concurrency.py --threads 2 --tokens 128 --repeats 2 --streams 1 4 8 16 \
-        --out benchmarks/results/serve_concurrency.json
+    DFLASH2_ORT_SPINNING=0 python benchmarks/serve_concurrency.py --threads 2 --tokens 128 --repeats 2 \
+        --streams 1 4 8 16 --out benchmarks/results/serve_concurrency.json
 
-Both servers run at once (``--max-batch`` = the largest ``--streams``), each on a free loopback port; every cell
-sends the same ``--requests`` prompts, at n streams n at a time (a client thread takes the next prompt when its
-request ends), so the cells differ only in concurrency; cells are interleaved per repeat and the best repeat
-counts (tokens/s: the total over the cell's wall time; TPOT per request: (last - first token) / (tokens - 1)). The
-client is ``http.client`` reading the event stream (light: it shares the CPUs with the server). Also checks that
-every streamed text equals its in-process greedy text (lossless through the server, at every concurrency).
+Both servers run at once (``--max-batch`` = the largest ``--streams``), each on a free loopback port (with
+``DFLASH2_ORT_SPINNING=0`` the idle one takes no CPU); every cell sends the same ``--requests`` prompts, at n
+streams n at a time (a client thread takes the next prompt when its request ends), so the cells differ only in
+concurrency; per repeat the two servers run each concurrency in turn (A B, then B A the next repeat) and the best
+repeat counts (tokens/s: the total over the cell's wall time; TPOT per request: (last - first token) / (tokens - 1)).
+The single-stream comparison runs each prompt through the three paths in turn (rotating their order) and also
+counts CPU seconds (the server process's and this one's: the work, steadier than wall time on a loaded machine).
+The client is ``http.client`` reading the event stream (light: it shares the CPUs with the server). Also checks
+that every streamed text equals its in-process greedy text (lossless through the server, at every concurrency).
 """
 
 from __future__ import annotations
@@ -114,6 +117,12 @@ def _cell(port: int, prompts: list[list[int]], streams: int, tokens: int) -> lis
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
@@ -147,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     a.export = demo_export(a.export)
     servers = {m: _start(a.export, m, a.threads, max(a.streams)) for m in MODES}
     best: dict[str, dict] = {}
-    single: dict[str, float] = {}
+    single: dict[str, float] = {}  # path -> tokens per wall second
+    single_cpu: dict[str, float] = {}  # path -> tokens per CPU second (HTTP: the server's and the client's)
     mismatches = 0
     try:
         with dflash2_trt.load(a.export, backend="ort", threads=a.threads) as g:
@@ -158,32 +168,32 @@ def main(argv: list[str] | None = None) -> int:
             g.submit(prompts[0], 2, **kw).result()  # the batch loop's runners made before timing
             for m in MODES:
                 _stream(servers[m][1], prompts[0], 2)  # warm-up
-            for _ in range(a.repeats):
-                for m in MODES:
-                    for n in a.streams:
+            adaptive_pid = servers["adaptive"][0].pid
+            paths = {"http": lambda p: _stream(servers["adaptive"][1], p, a.tokens),
+                     "stream": lambda p: [None for _c in g.stream(p, a.tokens, **kw)],
+                     "submit": lambda p: [None for _c in g.submit(p, a.tokens, **kw)]}
+            for rep in range(a.repeats):
+                for n in a.streams:
+                    for m in (MODES if rep % 2 == 0 else MODES[::-1]):
                         recs = _cell(servers[m][1], prompts, n, a.tokens)
                         mismatches += sum(r["text"] != w for r, w in zip(recs, want))
                         s = _summary(recs)
                         key = f"{m}/{n}"
                         if key not in best or s["tokens_per_s"] > best[key]["tokens_per_s"]:
                             best[key] = s
-                # single stream, same prompts one after another: HTTP (adaptive) | Generator.stream | submit
-                t = time.perf_counter()
-                for p in prompts:
-                    _stream(servers["adaptive"][1], p, a.tokens)
-                http_rate = len(prompts) * a.tokens / (time.perf_counter() - t)
-                t = time.perf_counter()
-                for p in prompts:
-                    for _c in g.stream(p, a.tokens, **kw):
-                        pass
-                stream_rate = len(prompts) * a.tokens / (time.perf_counter() - t)
-                t = time.perf_counter()
-                for p in prompts:
-                    for _c in g.submit(p, a.tokens, **kw):
-                        pass
-                submit_rate = len(prompts) * a.tokens / (time.perf_counter() - t)
-                for k, v in (("http", http_rate), ("stream", stream_rate), ("submit", submit_rate)):
-                    single[k] = max(single.get(k, 0.0), v)
+                # single stream, each prompt through HTTP (adaptive) | Generator.stream | submit in turn
+                wall = dict.fromkeys(paths, 0.0)
+                cpu = dict.fromkeys(paths, 0.0)
+                for i, p in enumerate(prompts):
+                    order = list(paths)[i % 3:] + list(paths)[:i % 3]
+                    for k in order:
+                        t, c, sc = time.perf_counter(), time.process_time(), _cpu_s(adaptive_pid)
+                        paths[k](p)
+                        wall[k] += time.perf_counter() - t
+                        cpu[k] += time.process_time() - c + (_cpu_s(adaptive_pid) - sc if k == "http" else 0.0)
+                for k in paths:
+                    single[k] = max(single.get(k, 0.0), len(prompts) * a.tokens / wall[k])
+                    single_cpu[k] = max(single_cpu.get(k, 0.0), len(prompts) * a.tokens / cpu[k])
     finally:
         for proc, _port in servers.values():
             proc.send_signal(signal.SIGTERM)
@@ -200,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['ttft_p50_ms']:11.1f} {tau:>5s}")
     for n in a.streams:
         print(f"adaptive / off at {n:2d} streams: {best[f'adaptive/{n}']['tokens_per_s'] / best[f'off/{n}']['tokens_per_s']:.2f}x")
-    print(f"single stream: HTTP {single['http']:.1f} tok/s, Generator.stream {single['stream']:.1f} "
-          f"({single['http'] / single['stream']:.2f}x), Generator.submit {single['submit']:.1f} "
-          f"({single['http'] / single['submit']:.2f}x)")
+    for what, d in (("wall", single), ("CPU", single_cpu)):
+        print(f"single stream, tokens per {what} second: HTTP {d['http']:.1f}, Generator.stream {d['stream']:.1f} "
+              f"(HTTP {d['http'] / d['stream']:.2f}x), Generator.submit {d['submit']:.1f} "
+              f"(HTTP {d['http'] / d['submit']:.2f}x)")
     print(f"streamed texts equal to the in-process greedy text: "
           f"{'all' if not mismatches else f'{mismatches} differ'}")
     if a.out:
@@ -210,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python", "benchmarks/serve_concurrency.py", *(argv or sys.argv[1:])]),
             "threads": a.threads, "tokens": a.tokens, "requests": a.requests, "repeats": a.repeats,
             "loadavg": os.getloadavg()[0], "cells": best, "single_stream_tokens_per_s": single,
+            "single_stream_tokens_per_cpu_s": single_cpu,
             "mismatches": mismatches}, indent=1) + "\n")
     return 1 if mismatches else 0
 
