@@ -130,19 +130,61 @@ def test_a_sliding_window_cropped_without_its_past_is_caught(target, monkeypatch
         _spec_vs_ar(target, 2)
 
 
-def _export_family(arch: str, tmp_path):  # noqa: ANN202
-    """A tiny random ``arch`` target (make-tiny's tokenizer) exported with make-tiny's drafter."""
+def _family_pair(arch: str, tmp_path):  # noqa: ANN202
+    """(target folder, drafter folder): a tiny random ``arch`` target with make-tiny's tokenizer, make-tiny's drafter."""
     import shutil
 
-    from dflash2_trt.export.exporter import export_model
     from dflash2_trt.tiny import make_tiny
 
     make_tiny(tmp_path / "pair", seed=0, block_size=4)
     folder = tmp_path / arch
     _build(arch).eval().save_pretrained(str(folder))
-    for f in (tmp_path / "pair" / "target").glob("tokenizer*"):
-        shutil.copy(f, folder / f.name)
-    return export_model(folder, tmp_path / "pair" / "drafter", tmp_path / "e", progress=False, max_seq_len=256)
+    for f in (tmp_path / "pair" / "target").iterdir():  # the tokenizer and its chat template
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    return folder, tmp_path / "pair" / "drafter"
+
+
+def _export_family(arch: str, tmp_path):  # noqa: ANN202
+    """A tiny random ``arch`` target exported with make-tiny's drafter."""
+    from dflash2_trt.export.exporter import export_model
+
+    target, drafter = _family_pair(arch, tmp_path)
+    return export_model(target, drafter, tmp_path / "e", progress=False, max_seq_len=256)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_training_on_the_family(arch, tmp_path):
+    """make-data, train and the offline τ on each family: left-padded batched generation (prompts longer than the
+    windows, MoE routing per row) gives every row the greedy chain of one unpadded forward; a few training steps from
+    make-tiny's drafter run, and the offline τ is computed."""
+    from dflash2_trt.target import TargetModel
+    from dflash2_trt.train.data import GeneratedData
+    from dflash2_trt.train.make_data import MakeDataConfig, make_data
+    from dflash2_trt.train.trainer import TrainConfig, offline_tau, train
+
+    target_dir, drafter_dir = _family_pair(arch, tmp_path)
+    target = TargetModel.load(target_dir)
+    rng = np.random.default_rng(5)
+    prompts = [{"src": "t", "chat": False, "text": " ".join(["ab cd", "ef gh", "ij"][int(i) % 3] for i in
+                                                          rng.integers(0, 3, int(n)))} for n in rng.integers(2, 12, 6)]
+    make_data(MakeDataConfig(target=str(target_dir), out=str(tmp_path / "d"), max_new_tokens=12, batch=3, shard_size=3,
+                             sample_every=0, n_self=0, target_layer_ids=[0, 2], topk=4), progress=False, prompts=prompts)
+    data = GeneratedData(tmp_path / "d")
+    assert len(data) == len(prompts)
+    for i in range(len(data)):
+        r = data.row(i)
+        with torch.no_grad():
+            o = target.model(input_ids=torch.from_numpy(r.tokens.astype(np.int64))[None])
+        P, n = r.prompt_len, r.tokens.shape[0]
+        assert np.array_equal(r.tokens[P:], o.logits[0].argmax(-1).numpy()[P - 1: n - 1])
+    d = train(TrainConfig(target=str(target_dir), data=str(tmp_path / "d"), out=str(tmp_path / "run"), block_size=4,
+                          layers=2, selector_rank=24, steps=3, batch_seqs=3, anchors_per_seq=4, lr=1e-4,
+                          checkpoint_every=3, log_every=1, init=str(drafter_dir), sampled_softmax=0, eval_rows=2,
+                          heldout_shards=1), progress=False).eval()
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+    rows = [i for i in range(len(data)) if data.row(i).tokens.shape[0] - data.row(i).prompt_len >= 2]
+    assert offline_tau(d, data, np.asarray(rows))["tau"] >= 1.0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -114,8 +114,9 @@ def _mask_token_id(target) -> int:  # noqa: ANN001
 
 
 def make_drafter_config(tc: TrainConfig, target, layer_ids: list[int]) -> DFlash2Config:  # noqa: ANN001
-    """The drafter's config from the target's; a warm start keeps its drafter's MASK id unless one is given."""
-    hf = target.model.config
+    """The drafter's config from the target's (a vision-language target: its language model's); a warm start keeps
+    its drafter's MASK id unless one is given."""
+    hf = getattr(target.model.config, "text_config", None) or target.model.config
     mask = tc.mask_token_id
     if mask is None and tc.init not in ("target", "random"):
         mask = DFlash2Config.from_json_file(Path(tc.init) / "config.json").mask_token_id
