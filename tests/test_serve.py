@@ -306,6 +306,10 @@ def test_bad_requests_get_400_and_never_reach_the_batch(server, gen):
     assert st == 400 and out["error"]["code"] == "invalid_json"
     st, out, _ = _post(server.url + "/v1/chat/completions", {**base, "model": "other"})
     assert st == 404 and out["error"]["code"] == "model_not_found"
+    st, out, _ = _post(server.url + "/v1/embeddings", {"model": NAME, "input": "x"})  # a route we do not have
+    assert st == 404 and out["error"]["code"] == "not_found"
+    st, out, _ = _post(server.url + "/health", {})
+    assert st == 405 and out["error"]["message"]
     after = server.metrics()
     assert _delta(after, before, "dflash2_requests_submitted_total") == 0
     assert _delta(after, before, "dflash2_generation_tokens_total") == 0
