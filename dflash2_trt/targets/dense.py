@@ -113,12 +113,13 @@ def check_attention_config(cfg: Any) -> None:
 
 
 def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
-    """What the exporter traces :class:`TargetGraph` with: example inputs (``batch`` rows of 3 new tokens over a KV
-    capacity of 4), input and output names, dynamic axes."""
+    """What the exporter traces :class:`TargetGraph` with (and the families whose graphs share its interface):
+    example inputs (``batch`` rows of 3 new tokens over a KV capacity of 4), input and output names, dynamic axes."""
     from dflash2_trt.manifest import target_kv_names, target_present_names
 
-    cfg = hf_model.config
-    nl, kvh, d = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), int(hf_model.model.layers[0].self_attn.head_dim)
+    cfg = getattr(hf_model.config, "text_config", None) or hf_model.config  # a vision-language model: its LM's
+    attn = next(layer.self_attn for layer in hf_model.get_decoder().layers)
+    nl, kvh, d = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), int(attn.head_dim)
     kv_names, present = target_kv_names(nl), target_present_names(nl)
     dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
            "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, "logits": {0: "batch", 1: "sequence"},

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.targets.dense import _grouped_attention, _rope
+from dflash2_trt.targets.dense import _grouped_attention, _rope, graph_io
 from dflash2_trt.targets.recorded import before_forward, new_cache, rollback
 
 MODEL_TYPES = ("gpt_oss", "muse_glimmer")
@@ -66,23 +66,6 @@ def check_exportable(hf_model: Any) -> None:
     if act != "silu" or rope not in ropes:
         raise DFlash2Error(f"target activation {act!r} / rope_type {rope!r} is not supported for "
                            f"{hf_model.config.model_type!r} (silu; {', '.join(ropes)})")
-
-
-def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
-    """The dense graph's example inputs, names and dynamic axes, from the text config."""
-    from dflash2_trt.manifest import target_kv_names, target_present_names
-
-    cfg = _text_config(hf_model.config)
-    nl, kvh, d = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), int(cfg.head_dim)
-    kv_names, present = target_kv_names(nl), target_present_names(nl)
-    dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
-           "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, "logits": {0: "batch", 1: "sequence"},
-           "context_features": {0: "batch", 1: "sequence"}}
-    dyn.update({n: {0: "batch", 2: "capacity"} for n in kv_names})
-    dyn.update({n: {0: "batch", 2: "sequence"} for n in present})
-    args = (torch.randint(0, int(cfg.vocab_size), (batch, 3)), torch.arange(3).repeat(batch, 1),
-            torch.ones(batch, 4 + 3, dtype=torch.long), *[torch.zeros(batch, kvh, 4, d, dtype=dtype) for _ in kv_names])
-    return args, ["input_ids", "position_ids", "attention_mask", *kv_names], ["logits", "context_features", *present], dyn
 
 
 class _WindowedGraph(nn.Module):
