@@ -192,8 +192,9 @@ def test_export_and_decode_on_ort(arch, tmp_path):
     """Tiny random Qwen3-MoE (4 experts, 2 per token), gpt-oss and Muse Glimmer (windows of 8 over 40 tokens, so the
     window matters) targets with make-tiny's drafter: exported (manifest version 2: every layer's state a KV cache), the
     graph's logits within 1e-4 (relative) of transformers' over a prompt and steps, a k-row call's rows = one-row
-    calls, every node in TensorRT's parser table, and speculative greedy decoding on ONNX Runtime = its autoregressive
-    output. The drafter is random (drafts are rarely accepted: rollback is the dense family's crop, tested there)."""
+    calls, every node in TensorRT's parser table; speculative greedy decoding on ONNX Runtime = its autoregressive
+    output, with the exported (random) drafter and with the noisy oracle at block sizes 2, 4, 8 (drafts accepted and
+    rejected at every length, so the KV crop of every layer kind ran)."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
     m = _export_family(arch, tmp_path)
@@ -220,9 +221,38 @@ def test_export_and_decode_on_ort(arch, tmp_path):
     rows = r.forward(ids[30:38])[0]
     assert (rows.argmax(-1) == want[30:38].argmax(-1)).all()
     assert np.abs(rows - got[30:38]).max() <= 1e-5 * np.abs(want).max()
-    for p in [rng.integers(4, 512, int(rng.integers(1, 20))).tolist() for _ in range(5)]:
+    for p in [rng.integers(4, 512, int(rng.integers(1, 20))).tolist() for _ in range(3)]:
         ar = D.target_generate(be.target_runner(), p, 16, eos_ids=set()).tokens
         assert D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 16, eos_ids=set()).tokens == ar
+    for bs in (2, 4, 8):  # the noisy oracle over the exported target: drafts accepted and rejected at every length
+        bad, accepted = _ort_spec_vs_ar(be, bs)
+        assert bad == 0 and {0, bs - 1} <= set(accepted) and (bs == 2 or len(set(accepted)) >= 3), (bs, accepted)
+
+
+def _ort_spec_vs_ar(be, bs: int, n_prompts: int = 4) -> tuple[int, list[int]]:  # noqa: ANN001
+    """:func:`_spec_vs_ar` on an export's ONNX Runtime target with the noisy oracle at block size ``bs``."""
+    oracle = type("Oracle", (_NoisyOracle,), {"block_size": bs, "num_draft_rows": bs - 1})
+    rng = np.random.default_rng(3)
+    bad, accepted = 0, []
+    for _ in range(n_prompts):
+        p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
+        want = D.target_generate(be.target_runner(), p, 30, eos_ids=set()).tokens
+        r = D.speculative_generate(be.target_runner(), oracle(p + want), p, 30, eos_ids=set())
+        bad += r.tokens != want
+        accepted += r.accepted
+    return bad, accepted
+
+
+def test_an_ort_target_that_does_not_crop_is_caught(tmp_path, monkeypatch):
+    """Negative control: Muse Glimmer's export on ONNX Runtime with the KV crop after a rejected draft skipped (the
+    rejected rows' keys stay valid) decodes other tokens than its own autoregressive ones."""
+    from dflash2_trt.runtime.kv import KVBuffer
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    _export_family("muse_glimmer", tmp_path)
+    be = OrtBackend(tmp_path / "e")
+    monkeypatch.setattr(KVBuffer, "crop", lambda self, length: None)
+    assert _ort_spec_vs_ar(be, 8)[0] > 0
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "muse_glimmer"])
