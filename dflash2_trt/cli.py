@@ -49,7 +49,8 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     t.add_argument("--accepting", action="store_true",
                    help="a copying target and a drafter whose drafts are accepted often (tau well above 1)")
     t.add_argument("--arch", choices=TINY_ARCHS, default="llama",
-                   help="the target: dense Llama, or a hybrid Gated DeltaNet model (qwen3_5, + MoE: qwen3_5_moe)")
+                   help="the target: dense Llama; hybrid Gated DeltaNet (qwen3_5, + MoE: qwen3_5_moe); Qwen3-MoE; "
+                        "sliding-window gpt-oss or Muse Glimmer (windows of 8); --accepting: the first three")
 
     train_cli.add_parser(sub)
 
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
         if a.cmd == "export":
             from dflash2_trt.export import cli as export_cli
 
-            return export_cli.run_export(a, prog, verify_cost=bench_cli.record_verify_cost)
+            return export_cli.run_export(a, prog, verify_cost=bench_cli.record_verify_cost,
+                                         polygraphy_inputs=bench_cli.record_polygraphy_inputs)
         if a.cmd == "build-engines":
             from dflash2_trt.export import cli as export_cli
 

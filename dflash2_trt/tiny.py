@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from dflash2_trt.config import DFlash2Config
-from dflash2_trt.vocabulary import TINY_ARCHS
+from dflash2_trt.vocabulary import ACCEPTING_TINY_ARCHS, TINY_ARCHS
 
 TINY_VOCAB = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
@@ -89,6 +89,9 @@ def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16, accep
         raise DFlash2Error(f"--accepting needs --block-size in [2, {COPY_PERIOD}], got {block_size}")
     if arch not in TINY_ARCHS:
         raise DFlash2Error(f"--arch must be one of {', '.join(TINY_ARCHS)}, got {arch!r}")
+    if accepting and arch not in ACCEPTING_TINY_ARCHS:
+        raise DFlash2Error(f"--accepting has a copying target for --arch {', '.join(ACCEPTING_TINY_ARCHS)} only, "
+                           f"not {arch}")
     out = Path(out)
     _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +151,8 @@ def _target_model(arch: str, vocab: int) -> torch.nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig(intermediate_size=128, **common))
+    if arch in ("qwen3_moe", "gpt_oss", "muse_glimmer"):
+        return _family_model(arch, common)
     hybrid = dict(head_dim=_HD, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=_HD,
                   linear_value_head_dim=_HD, linear_conv_kernel_dim=4, layer_types=list(HYBRID_LAYER_TYPES),
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0})
@@ -159,6 +164,27 @@ def _target_model(arch: str, vocab: int) -> torch.nn.Module:
 
     return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                       shared_expert_intermediate_size=32, **common, **hybrid))
+
+
+def _family_model(arch: str, common: dict) -> torch.nn.Module:
+    """The other families' tiny targets (hidden 64, 4 layers): Qwen3-MoE with 4 experts (2 per token); gpt-oss
+    (sliding and full layers alternating, 4 experts) and Muse Glimmer (three sliding layers per full one, a
+    vision-language model whose text path is the target), both with windows of 8 positions."""
+    import transformers
+
+    common = {**common, "head_dim": _HD, "intermediate_size": 128}
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **common))
+    if arch == "gpt_oss":
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common))
+    text = {k: v for k, v in common.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return transformers.MuseGlimmerForConditionalGeneration(transformers.MuseGlimmerConfig(
+        text_config=dict(sliding_window=8, bos_token_id=1, eos_token_id=0, pad_token_id=0, **text),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))
 
 
 def _check_out(out: Path) -> None:

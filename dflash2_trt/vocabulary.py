@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dflash2_trt.errors import DFlash2Error
 
-# Path selection over the candidate lattice (SPEC §3); the default first.
+# Path selection over the candidate lattice (docs/design.md); the default first.
 SELECTOR_MODES = ("greedy", "viterbi")
 # No selector: each draft row's own argmax / sample (DFlash v1 drafters, the selector-off ablation).
 INDEPENDENT = "independent"
@@ -49,7 +49,9 @@ DRAFTER_QUANTIZATIONS = (*QUANTIZATIONS, Q8_0)
 GRAPH_FLAVOURS = ("ort", "qdq")
 
 # `make-tiny --arch`: the tiny target's architecture (dense Llama; hybrid Gated DeltaNet, + MoE MLPs)
-TINY_ARCHS = ("llama", "qwen3_5", "qwen3_5_moe")
+TINY_ARCHS = ("llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "gpt_oss", "muse_glimmer")
+# the ones `make-tiny --accepting` has a copying target for
+ACCEPTING_TINY_ARCHS = TINY_ARCHS[:3]
 # Kinds of target decoder layers: full (or grouped-query) attention; a linear-attention (Gated DeltaNet) layer;
 # sliding-window attention. An export's manifest lists its target's (dflash2_trt.targets: the families).
 LAYER_KINDS = ("attention", "linear", "sliding")

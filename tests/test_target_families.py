@@ -270,3 +270,22 @@ def _wide_window(init):  # noqa: ANN001, ANN202
         self.window = 1 << 20
 
     return planted
+
+
+def test_make_tiny_writes_each_family(tmp_path, capsys):
+    """``make-tiny --arch qwen3_moe|gpt_oss|muse_glimmer`` writes a target of that family with a drafter that fits it;
+    ``--accepting`` for them is refused in one line (its copying target is for llama and the Qwen3.5 family)."""
+    from dflash2_trt.cli import main
+    from dflash2_trt.model import load_drafter
+    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets import family_for
+
+    for arch in ARCHS:
+        assert main(["make-tiny", "--out", str(tmp_path / arch), "--arch", arch, "--block-size", "4"]) == 0
+        t = TargetModel.load(tmp_path / arch / "target")
+        assert t.model.config.model_type == arch and t.family is family_for(t.model.config)
+        t.check_drafter(load_drafter(tmp_path / arch / "drafter").config)
+    capsys.readouterr()
+    assert main(["make-tiny", "--out", str(tmp_path / "x"), "--arch", "gpt_oss", "--accepting"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--accepting has a copying target for" in err[0]
