@@ -331,8 +331,6 @@ class Server:
             end = _End(job.handle.result())
         except BaseException as e:  # noqa: BLE001 - handed to the reply, which answers with it
             end = e
-        (m.waiting if first is None else m.running).dec()
-        self._release()
         if isinstance(end, _End):
             res = end.result
             m.record(job.prompt_len, res, "cancelled" if job.gone else "stop" if job.stopped
@@ -343,6 +341,8 @@ class Server:
                     m.tpot.observe((last - first) / (len(res.tokens) - 1))
         else:
             m.finished.labels("error").inc()
+        (m.waiting if first is None else m.running).dec()  # after the counts: idle means counted
+        self._release()
         put(end)
 
     async def cancel(self, job: _Job) -> None:
