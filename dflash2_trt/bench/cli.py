@@ -165,6 +165,15 @@ def record_verify_cost(model_dir: str) -> None:
           f"draft row is accepted with probability {vc.assumed_acceptance} given the previous one)")
 
 
+def record_polygraphy_inputs(model_dir: str, out_dir: str) -> None:
+    """``dflash2 export --polygraphy-inputs DIR``: the TensorRT-bound graphs' input sets
+    (:func:`dflash2_trt.bench.polygraphy_inputs.record`), and say what was written."""
+    from dflash2_trt.bench import polygraphy_inputs
+
+    sets = polygraphy_inputs.record(model_dir, out_dir)
+    print(f"polygraphy input sets in {out_dir}: " + ", ".join(f"{k} {n}" for k, n in sorted(sets.items())))
+
+
 def run_bench(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from dflash2_trt.bench import harness
     from dflash2_trt.bench.prompts import load_prompts

@@ -6,7 +6,7 @@ entry point, :func:`dflash2_trt.cli.export_main`).
                    [--block-size N] [--max-seq-len N] [--no-verify] [--quiet] [--engines [engine options]]
                    [--triton-repo REPO [triton options]]
                    [--no-ort-flavour] [--quantize none|int8|int4 [--quant-block-size N] [--quant-accuracy-level N]
-                   [--no-quantize-lm-head]] [--verify-cost] [--overwrite]
+                   [--no-quantize-lm-head]] [--verify-cost] [--polygraphy-inputs DIR] [--overwrite]
     dflash2 build-engines DIR [engine options]      (TensorRT engines: see :mod:`dflash2_trt.export.engines`)
     dflash2 triton-repo DIR --triton-repo REPO [triton options] [--overwrite]
                                                     (see :mod:`dflash2_trt.export.triton_repo`)
@@ -60,6 +60,9 @@ def add_parsers(sub) -> None:  # noqa: ANN001
                         "codes (default: as --quantize)")
     p.add_argument("--verify-cost", action="store_true",
                    help="time the fused target's verification (1/4/8/16 rows) here; record a recommended block size")
+    p.add_argument("--polygraphy-inputs", metavar="DIR", default=None,
+                   help="write real input sets of the TensorRT-bound graphs (and ONNX Runtime's outputs for them) in "
+                        "Polygraphy's data-loader format into DIR: polygraphy run GRAPH --trt --onnxrt --load-inputs")
     p.add_argument("--draft-vocab", type=V.NON_NEGATIVE, default=0, metavar="N",
                    help="the drafter's LM head keeps only the N most frequent ids of its training responses "
                         "(the drafter's token_counts.npy): a cheaper head, still lossless; 0 = full vocabulary")
@@ -84,15 +87,19 @@ def add_parsers(sub) -> None:  # noqa: ANN001
                    help="replace our own repository even when it holds files its record does not list (named first)")
 
 
-def run_export(a: argparse.Namespace, prog: str, verify_cost: Callable[[str], None] | None = None) -> int:
-    """The export, then (``--verify-cost``) ``verify_cost(out)``, the caller's timing of the written graphs
-    (evaluation, not export: :func:`dflash2_trt.bench.cli.record_verify_cost`; export imports no runtime), then
-    the engines and the Triton repository."""
+def run_export(a: argparse.Namespace, prog: str, verify_cost: Callable[[str], None] | None = None,
+               polygraphy_inputs: Callable[[str, str], None] | None = None) -> int:
+    """The export, then (``--verify-cost``) ``verify_cost(out)``, the caller's timing of the written graphs, and
+    (``--polygraphy-inputs DIR``) ``polygraphy_inputs(out, DIR)`` — evaluation, not export, both handed in by the
+    top-level CLI (:mod:`dflash2_trt.bench.cli`; export imports no runtime) — then the engines and the Triton
+    repository."""
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.export.quantize import QuantSpec
 
     if a.verify_cost and verify_cost is None:
         raise DFlash2Error("--verify-cost needs the timing of the dflash2 command (dflash2_trt.cli)")
+    if a.polygraphy_inputs and polygraphy_inputs is None:
+        raise DFlash2Error("--polygraphy-inputs needs the recording of the dflash2 command (dflash2_trt.cli)")
 
     quant = QuantSpec(a.quantize, a.quant_block_size, a.quant_accuracy_level, not a.no_quantize_lm_head)
     m = export_model(a.target, a.drafter, a.out, opset=a.opset, dtype=a.dtype, block_size=a.block_size,
@@ -102,6 +109,8 @@ def run_export(a: argparse.Namespace, prog: str, verify_cost: Callable[[str], No
     print(f"exported {len(m.graphs)} graphs (opset {m.opset}, {m.dtype}, block size {m.block_size}) to {a.out}")
     if verify_cost is not None and a.verify_cost:
         verify_cost(a.out)
+    if polygraphy_inputs is not None and a.polygraphy_inputs:
+        polygraphy_inputs(a.out, a.polygraphy_inputs)
     if a.engines:
         rc = run_build_engines(a, prog, a.out)
         if rc:
