@@ -7,9 +7,11 @@ the recording keeps. Shapes: ``tiny`` (make-tiny's hybrid target) and ``4b`` (a 
 2560, 16 key / 32 value heads of 128, a 4-tap convolution). Second table: the same k-row call in the exported
 graph's form (``dflash2_trt.targets.hybrid.TargetGraph``: the call's rows in closed form) returning the recurrent
 state after every row (what the runtime keeps for a rollback) against after the last row only, and the bytes the
-call returns for the rollback (per-row states and the convolution's inputs).
+call returns for the rollback (per-row states and the convolution's inputs); with ``--ort``, the same layer exported
+to ONNX and run by ONNX Runtime (one intra-op thread): what the ONNX Runtime backend runs.
 
-    python benchmarks/hybrid_rollback_cost.py [--shapes tiny 4b] [--rows 4 8] [--cached 256] [--repeats 9] [--json F]
+    python benchmarks/hybrid_rollback_cost.py [--shapes tiny 4b] [--rows 4 8] [--cached 256] [--repeats 9] [--ort]
+                                              [--json F]
 """
 
 from __future__ import annotations
@@ -81,12 +83,64 @@ def _graph_verify(cfg, layer, rows, every: bool) -> tuple[float, int]:  # noqa: 
     return dt, (states.numel() + mixed.numel()) * 4
 
 
+class _LinearLayer(torch.nn.Module):
+    """One Gated DeltaNet layer in the exported graph's form, for ONNX export: (x, conv, s0, rows) -> (out, conv
+    inputs, states of the asked rows)."""
+
+    def __init__(self, cfg, layer) -> None:  # noqa: ANN001
+        from types import SimpleNamespace
+
+        from dflash2_trt.targets.hybrid import linear_state_shapes
+
+        super().__init__()
+        st = linear_state_shapes(cfg)
+        self.layer = layer
+        self.me = SimpleNamespace(hk=int(cfg.linear_num_key_heads), hv=st["num_heads"], dk=st["key_dim"],
+                                  dv=st["value_dim"])
+
+    def forward(self, x, conv, s0, rows):  # noqa: ANN001, ANN201
+        from dflash2_trt.targets.hybrid import TargetGraph
+
+        out, (mixed, states) = TargetGraph._linear(self.me, self.layer, x, conv, s0, rows)
+        return out, mixed, states
+
+
+def _ort_session(cfg, layer):  # noqa: ANN001, ANN202
+    import onnxruntime as ort
+
+    from dflash2_trt.export.onnx_utils import trace
+    from dflash2_trt.targets.hybrid import linear_state_shapes
+
+    st = linear_state_shapes(cfg)
+    args = (torch.randn(1, 3, cfg.hidden_size), torch.zeros(1, st["conv_dim"], st["conv_kernel"] - 1),
+            torch.zeros(1, st["num_heads"], st["key_dim"], st["value_dim"]), torch.tensor([0, 2]))
+    names = ["x", "conv", "s0", "rows"]
+    model = trace(_LinearLayer(cfg, layer).eval(), args, names, ["out", "mixed", "states"],
+                  {"x": {1: "S"}, "rows": {0: "R"}, "out": {1: "S"}, "mixed": {2: "S"}, "states": {1: "R"}}, 17)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]), st
+
+
+def _ort_verify(sess, st, rows, every: bool) -> float:  # noqa: ANN001
+    import numpy as np
+
+    k = rows.shape[1]
+    feed = {"x": rows.numpy(), "conv": np.zeros((1, st["conv_dim"], st["conv_kernel"] - 1), np.float32),
+            "s0": np.full((1, st["num_heads"], st["key_dim"], st["value_dim"]), 0.01, np.float32),
+            "rows": np.arange(k) if every else np.array([k - 1])}
+    t = time.perf_counter()
+    sess.run(None, feed)
+    return time.perf_counter() - t
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rows", nargs="+", type=int, default=[4, 8])
     p.add_argument("--cached", type=int, default=256)
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--ort", action="store_true", help="also time the layer's ONNX graph on ONNX Runtime")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -128,9 +182,25 @@ def main(argv: list[str] | None = None) -> int:
             graph.append(r)
             print(f"{'':>22} {shape:>5} {k:>3} {r['last_row_ms']:12.2f} {r['every_row_ms']:13.2f} {r['ratio']:6.2f} "
                   f"{kept / 1024:13.1f}")
+    onnx_rt = []
+    if a.ort:
+        print(f"\nONNX Runtime:          {'shape':>5} {'k':>3} {'last row ms':>12} {'every row ms':>13} {'ratio':>6}")
+    for shape in a.shapes if a.ort else []:
+        cfg, layer = _layer(shape)
+        sess, st = _ort_session(cfg, layer)
+        for k in a.rows:
+            rows = torch.randn(1, k, cfg.hidden_size)
+            _ort_verify(sess, st, rows, True)  # warm-up
+            last = [_ort_verify(sess, st, rows, False) for _ in range(a.repeats)]
+            every = [_ort_verify(sess, st, rows, True) for _ in range(a.repeats)]
+            r = {"shape": shape, "rows": k, "last_row_ms": 1e3 * statistics.median(last),
+                 "every_row_ms": 1e3 * statistics.median(every)}
+            r["ratio"] = r["every_row_ms"] / r["last_row_ms"]
+            onnx_rt.append(r)
+            print(f"{'':>22} {shape:>5} {k:>3} {r['last_row_ms']:12.2f} {r['every_row_ms']:13.2f} {r['ratio']:6.2f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"threads": 1, "results": out, "graph": graph}, f, indent=1)
+            json.dump({"threads": 1, "results": out, "graph": graph, "onnxruntime": onnx_rt}, f, indent=1)
     return 0
 
 
