@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Recipe: a Qwen3.5-family target (hybrid Gated DeltaNet: transformers qwen3_5 / qwen3_5_moe / qwen3_next; a
+# Recipe: a Qwen3.5-family target (hybrid Gated DeltaNet: transformers qwen3_5 / qwen3_5_moe; a
 # multimodal Qwen3.5 folder exports its text model) with its DFlash 2 drafter, on a CPU with ONNX Runtime.
 #   TARGET   HF folder of the target (e.g. a local copy of a Qwen3.5 / 3.8 checkpoint)
 #   DRAFTER  DFlash 2 checkpoint folder (z-lab format: config.json + model.safetensors) trained for that target

@@ -30,8 +30,8 @@ from dflash2_trt.targets.dense import _grouped_attention
 from dflash2_trt.targets.moe import routed_mlp
 from dflash2_trt.targets.recorded import MAX_ROLLBACK_ROWS, before_forward, new_cache, rollback
 
-__all__ = ["MODEL_TYPES", "MAX_ROLLBACK_ROWS", "before_forward", "check_exportable", "layer_kinds", "new_cache",
-           "rollback"]
+__all__ = ["MAX_CALL_ROWS", "MAX_ROLLBACK_ROWS", "MODEL_TYPES", "TargetGraph", "before_forward", "check_exportable",
+           "graph_io", "layer_kinds", "linear_state_shapes", "new_cache", "rollback"]
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 _KINDS = {"full_attention": "attention", "linear_attention": "linear"}
@@ -49,6 +49,10 @@ def check_exportable(hf_model: Any) -> None:
     """The exporter's graph computes this target exactly, else DFlash2Error saying what it does not."""
     cfg = hf_model.config
     layer_kinds(cfg)
+    if cfg.model_type == "qwen3_next":
+        raise DFlash2Error("dflash2 export does not support 'qwen3_next' targets yet (its fused q/k/v/z and b/a "
+                           "projections; it decodes with the PyTorch reference: dflash2 generate --target ... "
+                           "--drafter ...)")
     for what, value, ok in (("hidden_act", getattr(cfg, "hidden_act", "silu"), ("silu",)),
                             ("rope_type", (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default"),
                              ("default",))):
