@@ -439,7 +439,7 @@ def test_full_queue_gets_429_then_sigterm_drains(small, gen):
     c = small.client(None)
     streams, out = [], [[], []]
     for i in range(2):
-        streams.append(c.completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=30, temperature=0, stream=True,
+        streams.append(c.completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=60, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True}))
     deadline = time.monotonic() + 30
     while (m := small.metrics())["dflash2_requests_running"] + m["dflash2_requests_waiting"] < 2:
@@ -469,6 +469,6 @@ def test_full_queue_gets_429_then_sigterm_drains(small, gen):
         t.join(timeout=120)
     assert small.proc.wait(60) == 0
     for i in range(2):
-        ref = gen.generate(PROMPTS[i], 30, temperature=0.0, chat=False, eos_ids=set())
+        ref = gen.generate(PROMPTS[i], 60, temperature=0.0, chat=False, eos_ids=set())
         assert "".join(e.choices[0].text for e in out[i]) == ref.text
         assert out[i][-1].choices[0].finish_reason == "length"
