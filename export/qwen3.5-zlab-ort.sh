@@ -3,7 +3,7 @@
 # multimodal Qwen3.5 folder exports its text model) with its DFlash 2 drafter, on a CPU with ONNX Runtime.
 #   TARGET   HF folder of the target (e.g. a local copy of a Qwen3.5 / 3.8 checkpoint)
 #   DRAFTER  DFlash 2 checkpoint folder (z-lab format: config.json + model.safetensors) trained for that target
-# fp32 graphs (the linear layers' graphs are verified at fp32; --dtype fp16/bf16 and --quantize are refused for
+# fp32 graphs (fp16 also exports and is checked at its bounds; bf16 and --quantize are refused for
 # these targets). The target graph carries every linear layer's convolution and recurrent state; the runtime keeps
 # the state after each accepted prefix (docs/targets.md). TensorRT engines and the C API's own backends do not run
 # such an export yet (they refuse it in one line). Status: verified on CPU with tiny hybrid pairs (the test suite

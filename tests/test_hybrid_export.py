@@ -384,3 +384,19 @@ def test_the_qwen3_5_recipe_runs_on_a_tiny_hybrid_pair(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "lossless: True" in r.stdout
     assert json.loads((out / "manifest.json").read_text())["manifest_version"] == 3
+
+
+def test_an_fp16_export_decodes_losslessly(tmp_path_factory):
+    """fp16 graphs (the linear layers' delta rule and recurrent state in fp32 inside): the export-time check passes at
+    fp16's bounds and ONNX Runtime's speculative output equals its own autoregressive output, drafts accepted."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    pair = make_pair(tmp_path_factory, "hy_fp16", accepting=True, arch="qwen3_5")
+    out = tmp_path_factory.mktemp("export") / "fp16"
+    m = export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=256, block_size=8,
+                     dtype="fp16")
+    assert m.dtype == "fp16" and m.verification["target.argmax[1]_match"] == 1.0
+    be = OrtBackend(out)
+    bad, acc = _lossless(be, _prompts(be.manifest.target.vocab_size, 8, 7))
+    assert bad == 0 and sum(a >= 1 for a in acc) >= len(acc) // 2

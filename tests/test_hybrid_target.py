@@ -219,8 +219,8 @@ def test_sampling_keeps_the_target_law(acc_pair):
 
 
 def test_make_tiny_arch_and_export_refusal(tmp_path, capsys):
-    """``make-tiny --arch qwen3_5`` writes a qwen3_5 target; ``dflash2 export`` refuses a hybrid target at fp16 in one
-    line (its graphs are verified at fp32 only), exit 1, nothing written."""
+    """``make-tiny --arch qwen3_5`` writes a qwen3_5 target; ``dflash2 export`` refuses a hybrid target at bf16 in one
+    line (its graphs are verified at fp32 and fp16), exit 1, nothing written."""
     import json
 
     from dflash2_trt.cli import main
@@ -230,9 +230,9 @@ def test_make_tiny_arch_and_export_refusal(tmp_path, capsys):
     assert cfg["model_type"] in hybrid.MODEL_TYPES and "linear_attention" in cfg["layer_types"]
     capsys.readouterr()
     assert main(["export", "--target", str(tmp_path / "p" / "target"), "--drafter", str(tmp_path / "p" / "drafter"),
-                 "--out", str(tmp_path / "e"), "--quiet", "--dtype", "fp16"]) == 1
+                 "--out", str(tmp_path / "e"), "--quiet", "--dtype", "bf16"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "exports in fp32 without --quantize only" in err[0] and not (tmp_path / "e").exists(), err
+    assert len(err) == 1 and "exports in fp32 or fp16 without --quantize only" in err[0] and not (tmp_path / "e").exists(), err
 
 
 def test_training_on_a_hybrid_target(tmp_path):

@@ -184,9 +184,9 @@ def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: s
     target = TargetModel.load(target_path)
     target.check_drafter(drafter.config)
     target.family.check_exportable(target.model)
-    if "linear" in target.family.layer_kinds(target.model.config) and (dtype != "fp32" or quant.enabled):
-        raise DFlash2Error(f"a {target.model.config.model_type!r} target exports in fp32 without --quantize only "
-                           f"(its linear layers' graphs are verified at fp32)")
+    if "linear" in target.family.layer_kinds(target.model.config) and (dtype == "bf16" or quant.enabled):
+        raise DFlash2Error(f"a {target.model.config.model_type!r} target exports in fp32 or fp16 without --quantize "
+                           f"only (its linear layers' graphs are verified at those)")
     if block_size is not None and block_size != drafter.config.block_size:
         drafter = drafter.at_block_size(block_size)
     max_pos = target.max_positions
