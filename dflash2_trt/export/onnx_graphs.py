@@ -175,7 +175,7 @@ class DrafterHeadLogits(nn.Module):
 
 
 class DecomposedSelector(nn.Module):
-    """SPEC §3 path selection as plain tensor ops: the drafter's own selector
+    """Path selection (docs/design.md) as plain tensor ops: the drafter's own selector
     (:func:`dflash2_trt.model.selector.lattice` + :func:`~dflash2_trt.model.selector.walk`, unrolled over the L
     static rows, no Loop/If) with the codebooks as parameters (initializers).
 
