@@ -103,15 +103,32 @@ def export_model(
     check_replace(out, "--out", export_owner, overwrite)
     try:
         with TempFolder(out, "export") as t:
-            manifest = _export_into(t.path, Path(target_path), Path(drafter_path), opset, dtype, block_size,
-                                    max_seq_len, progress, verify, ort_flavour, quant,
-                                    draft_quant, draft_q8_0, draft_vocab)
+            opts = _Options(opset, dtype, block_size, max_seq_len, progress, verify, ort_flavour, quant, draft_quant,
+                            draft_q8_0, draft_vocab)
+            manifest = _export_into(t.path, Path(target_path), Path(drafter_path), opts)
             if not overwrite:
                 check_replace(out, "--out", export_owner)  # again: it may have changed meanwhile
             t.publish()
     except OSError as e:  # disk full, permissions: the temporary folder is gone, ``out`` as it was
         raise write_error(e, out) from None
     return manifest
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What :func:`export_model` was asked for, checked and resolved (the drafter's quantization from the target's)."""
+
+    opset: int
+    dtype: str
+    block_size: int | None  # None: the drafter's
+    max_seq_len: int | None  # None: min(the target's max positions, 4096)
+    progress: bool
+    verify: bool
+    ort_flavour: bool
+    quant: Any  # dflash2_trt.export.quantize.QuantSpec: the target's
+    draft_quant: Any  # ... the ONNX Runtime drafter graphs' MatMulNBits (quantize.drafter_spec)
+    draft_q8_0: bool  # the drafter's weights rounded onto Q8_0's grid
+    draft_vocab: int
 
 
 @dataclass
@@ -145,32 +162,28 @@ class _Build:
         self.graphs[key] = spec
 
 
-def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str,
-                 block_size: int | None, max_seq_len: int | None, progress: bool, verify: bool, ort_flavour: bool,
-                 quant: Any, draft_quant: Any, draft_q8_0: bool, draft_vocab: int) -> ExportManifest:
+def _export_into(tmp: Path, target_path: Path, drafter_path: Path, opts: _Options) -> ExportManifest:
     """The export as named stages, each one step of the progress bar."""
     stages: list[tuple[str, Callable[[_Build], None]]] = [
         ("export target", _trace_target), ("export drafter", _trace_drafter), ("export heads", _trace_heads),
-        ("flavours", lambda b: _add_flavours(b, ort_flavour, verify)), ("save + onnx.checker", _save_and_check),
-        ("verify vs PyTorch", _verify if verify else lambda b: None)]
-    bar = _progress(["load models", *(name for name, _ in stages), "tokenizer + manifest"], progress)
+        ("flavours", lambda b: _add_flavours(b, opts.ort_flavour, opts.verify)),
+        ("save + onnx.checker", _save_and_check), ("verify vs PyTorch", _verify if opts.verify else lambda b: None)]
+    bar = _progress(["load models", *(name for name, _ in stages), "tokenizer + manifest"], opts.progress)
     bar.set_postfix_str("load models")
-    b = _load(tmp, target_path, drafter_path, opset, dtype, block_size, max_seq_len, quant, draft_quant, draft_q8_0,
-              draft_vocab)
+    b = _load(tmp, target_path, drafter_path, opts)
     for name, stage in stages:
         bar.update(1)
         bar.set_postfix_str(name)
         stage(b)
     bar.update(1)
     bar.set_postfix_str("tokenizer + manifest")
-    manifest = _write_manifest(b, draft_vocab)
+    manifest = _write_manifest(b, opts.draft_vocab)
     bar.update(1)
     bar.close()
     return manifest
 
 
-def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: str, block_size: int | None,
-          max_seq_len: int | None, quant: Any, draft_quant: Any, draft_q8_0: bool, draft_vocab: int) -> _Build:
+def _load(tmp: Path, target_path: Path, drafter_path: Path, opts: _Options) -> _Build:
     """Both models in the export dtype, the drafter bound to the target (at the asked block size, with its LM
     head restricted to ``draft_vocab`` ids, its weights on Q8_0's grid where asked)."""
     import torch
@@ -184,25 +197,24 @@ def _load(tmp: Path, target_path: Path, drafter_path: Path, opset: int, dtype: s
     target = TargetModel.load(target_path)
     target.check_drafter(drafter.config)
     target.family.check_exportable(target.model)
-    if "linear" in target.family.layer_kinds(target.model.config) and (dtype == "bf16" or quant.enabled):
+    if "linear" in target.family.layer_kinds(target.model.config) and (opts.dtype == "bf16" or opts.quant.enabled):
         raise DFlash2Error(f"a {target.model.config.model_type!r} target exports in fp32 or fp16 without --quantize "
                            f"only (its linear layers' graphs are verified at those)")
-    if block_size is not None and block_size != drafter.config.block_size:
-        drafter = drafter.at_block_size(block_size)
+    if opts.block_size is not None and opts.block_size != drafter.config.block_size:
+        drafter = drafter.at_block_size(opts.block_size)
     max_pos = target.max_positions
-    if max_seq_len is None:
-        max_seq_len = min(max_pos, 4096)
+    max_seq_len = min(max_pos, 4096) if opts.max_seq_len is None else opts.max_seq_len
     if not 2 <= max_seq_len <= max_pos:
         raise DFlash2Error(f"--max-seq-len must be in [2, {max_pos}] (the target's max_position_embeddings), "
                            f"got {max_seq_len}")
-    b = _Build(tmp, target, resolve_target_path(target_path), drafter, dtype, opset, int(max_seq_len), quant,
-               draft_quant, draft_q8_0, list(drafter.config.target_layer_ids or []))
+    b = _Build(tmp, target, resolve_target_path(target_path), drafter, opts.dtype, opts.opset, int(max_seq_len),
+               opts.quant, opts.draft_quant, opts.draft_q8_0, list(drafter.config.target_layer_ids or []))
     target.model.to(b.torch_dtype)
     drafter.to(b.torch_dtype)
     drafter.bind_target(target.embed_weight, target.lm_head_weight)
-    if draft_vocab:
-        drafter.restrict_vocab(torch.from_numpy(draft_vocabulary(drafter, draft_vocab)))
-    if draft_q8_0:
+    if opts.draft_vocab:
+        drafter.restrict_vocab(torch.from_numpy(draft_vocabulary(drafter, opts.draft_vocab)))
+    if opts.draft_q8_0:
         b.report["drafter.q8_0_matrices"] = q8_0_drafter(drafter)
     return b
 
