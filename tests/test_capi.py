@@ -1730,7 +1730,7 @@ def test_tensorrt_backend_compiles(capi_build):
     needed = _run(["readelf", "-d", str(capi_build / "lib" / "libdflash2.so")], "readelf").stdout
     assert "nvinfer" not in needed and "libcudart" not in needed, needed
     out = subprocess.run([str(capi_build / "bin" / "generate"), str(capi_build / "tests" / "capi-scratch" / "valid"),
-                          "1", "-o", "verify_checksums=false"], capture_output=True, text=True)
+                          "1", "-o", "verify_checksums=false", "-o", "backend=tensorrt"], capture_output=True, text=True)
     assert out.returncode == 1 and "libnvinfer.so.10 not found" in out.stderr
     assert re.search(r"trtParts \.+\s+Passed", _ctest(capi_build)), "trtParts ctest"
 
@@ -1764,8 +1764,8 @@ def test_tensorrt_backend_opens_only_its_libnvinfer_major(capi_build, engines_ex
     def run(libdir: Path, version: str, build: str = "35") -> str:
         env = dict(os.environ, LD_LIBRARY_PATH=str(libdir), DFLASH2_FAKE_NVINFER_VERSION=version,
                    DFLASH2_FAKE_NVINFER_BUILD=build)
-        out = subprocess.run([str(capi_build / "bin" / "generate"), str(engines_export), "1", "2"],
-                             capture_output=True, text=True, env=env)
+        out = subprocess.run([str(capi_build / "bin" / "generate"), str(engines_export), "1", "2", "-o",
+                              "backend=tensorrt"], capture_output=True, text=True, env=env)
         assert out.returncode == 1, out
         return out.stderr
 

@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dflash2
@@ -200,9 +201,37 @@ struct HostKV
     std::vector<std::vector<float>> arrays;
 };
 
-//! One graph's session and its interface (names in the graph's order).
+//! One graph's session (owned: released with the Graph, also when a model's construction fails midway) and its
+//! interface (names in the graph's order).
 struct Graph
 {
+    Graph() = default;
+    Graph(Graph&& o) noexcept
+    {
+        *this = std::move(o);
+    }
+    Graph& operator=(Graph&& o) noexcept
+    {
+        std::swap(api, o.api);
+        std::swap(session, o.session);
+        key = std::move(o.key);
+        file = std::move(o.file);
+        inputs = std::move(o.inputs);
+        outputs = std::move(o.outputs);
+        shapes = std::move(o.shapes);
+        return *this;
+    }
+    Graph(Graph const&) = delete;
+    Graph& operator=(Graph const&) = delete;
+    ~Graph()
+    {
+        if (session != nullptr)
+        {
+            api->ReleaseSession(session);
+        }
+    }
+
+    OrtApi const* api{nullptr};
     std::string key;
     std::string file;
     OrtSession* session{nullptr};
@@ -270,7 +299,8 @@ public:
         OrtLibrary const& lib = openOrtLibrary(o.getString("ort_library", ""));
         mApi = lib.api;
         mThreads = static_cast<int32_t>(o.getInt("threads", 0));
-        ortCheck(mApi, mApi->CreateEnv(ORT_LOGGING_LEVEL_ERROR, "dflash2", &mEnv), "CreateEnv");
+        ortCheck(mApi, mApi->CreateEnv(ORT_LOGGING_LEVEL_ERROR, "dflash2", &mEnv.env), "CreateEnv");
+        mEnv.api = mApi;
         bool const spin = targetSpins();
         mFused = m.graphs.count("target_ort") != 0;
         // the custom-op library as the Python backend uses it (OrtBackend: attention "auto", the fused target)
@@ -295,20 +325,6 @@ public:
             + (mThreads > 0 ? std::to_string(mThreads) : std::string("ONNX Runtime's default"));
         mFeatureDim = static_cast<int32_t>(featureDim());
         checkInterface();
-    }
-    ~OrtModel() override
-    {
-        for (Graph* g : {&mTarget, &mContext, &mBlock, &mHead})
-        {
-            if (g->session != nullptr)
-            {
-                mApi->ReleaseSession(g->session);
-            }
-        }
-        if (mEnv != nullptr)
-        {
-            mApi->ReleaseEnv(mEnv);
-        }
     }
     std::unique_ptr<Runners> newRunners() override;
     std::unique_ptr<BatchRunners> newBatchRunners(int32_t slots) override;
@@ -391,6 +407,7 @@ private:
             throw Error(DFL2_ERR_NOT_FOUND, mDir + " has no '" + key + "' graph (re-export)");
         }
         Graph g;
+        g.api = mApi;
         g.key = key;
         g.file = it->second.file;
         OrtSessionOptions* so = nullptr;
@@ -424,8 +441,8 @@ private:
                     mDir.c_str()), "AddSessionConfigEntry");
             }
             OrtStatus* st = bytes.empty()
-                ? mApi->CreateSession(mEnv, path.c_str(), so, &g.session)
-                : mApi->CreateSessionFromArray(mEnv, bytes.data(), bytes.size(), so, &g.session);
+                ? mApi->CreateSession(mEnv.env, path.c_str(), so, &g.session)
+                : mApi->CreateSessionFromArray(mEnv.env, bytes.data(), bytes.size(), so, &g.session);
             ortCheck(mApi, st, "ONNX Runtime cannot load " + g.file);
 #if defined(__GLIBC__)
             if (!bytes.empty())
@@ -543,8 +560,22 @@ private:
 
     Manifest mManifest;
     std::string mDir;
+    //! the environment, released after the graphs' sessions (members are destroyed in reverse order)
+    struct Env
+    {
+        ~Env()
+        {
+            if (env != nullptr)
+            {
+                api->ReleaseEnv(env);
+            }
+        }
+        OrtApi const* api{nullptr};
+        OrtEnv* env{nullptr};
+    };
+
     OrtApi const* mApi{nullptr};
-    OrtEnv* mEnv{nullptr};
+    Env mEnv;
     int32_t mThreads{0};
     bool mFused{false};
     std::string mOps;  //!< the custom-op library in use ("" none)
