@@ -29,6 +29,7 @@ import sys
 from dflash2_trt import validate as V
 from dflash2_trt.bench import cli as bench_cli
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.ort_options import add_ort_options, ort_options
 from dflash2_trt.server import cli as server_cli
 from dflash2_trt.vocabulary import BACKEND_CHOICES, SELECTOR_PRECISIONS, TINY_ARCHS
 
@@ -64,7 +65,7 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=V.COUNT, default=64)
     g.add_argument("--temperature", type=V.NON_NEGATIVE_NUMBER, default=0.0)
     g.add_argument("--threads", type=V.THREADS, default=None, help="ONNX Runtime intra-op threads (--model-dir)")
-    bench_cli.add_ort_options(g)
+    add_ort_options(g)
     bench_cli.add_draft_options(g, guard=False)  # off: a seed reproduces the tokens
     g.add_argument("--no-conv", action="store_true", help="turn the dynamic convolutions off (ablation; "
                    "--target/--drafter only: an export has them baked in)")
@@ -88,7 +89,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     from dflash2_trt.bench.oracle import oracle_count
 
     if a.model_dir:
-        gen = bench_cli.open_generator(a.model_dir, a.backend, a.threads, **bench_cli.ort_options(a))
+        gen = bench_cli.open_generator(a.model_dir, a.backend, a.threads, **ort_options(a))
     else:
         from dflash2_trt.api import Generator
         from dflash2_trt.runtime.torch.backend import HFTokenizer, TorchBackend
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None, prog: str = "dflash2") -> int:
                 parser.error("--selector-precision applies to --target/--drafter; exported selector graphs are fp32")
             if a.model_dir is None and a.threads is not None:
                 parser.error("--threads applies to --model-dir (ONNX Runtime)")
-            if a.model_dir is None and bench_cli.ort_options(a) != {"spinning": None, "panels": None,
+            if a.model_dir is None and ort_options(a) != {"spinning": None, "panels": None,
                                                                     "weight_codes": True}:
                 parser.error("--spinning, --panels and --no-weight-codes apply to --model-dir (ONNX Runtime)")
             return _cmd_generate(a)

@@ -118,3 +118,20 @@ def test_ort_options_reach_load(tiny_export, tmp_path, monkeypatch, capsys, cmd)
     assert seen == [{"spinning": False, "panels": True, "weight_codes": False},
                     {"spinning": None, "panels": None, "weight_codes": True}]
     assert "stop here" in capsys.readouterr().err
+
+
+def test_serve_takes_the_ort_options(tiny_export, monkeypatch, capsys):
+    """``dflash2 serve`` passes --no-spinning / --panels / --no-weight-codes to load() as the other commands do."""
+    import dflash2_trt
+    from dflash2_trt import DFlash2Error
+
+    seen: list[dict] = []
+
+    def spy(model_dir, backend="auto", threads=None, **opts):  # noqa: ANN001, ANN003, ANN202
+        seen.append(opts)
+        raise DFlash2Error("stop here")
+
+    monkeypatch.setattr(dflash2_trt, "load", spy)
+    assert main(["serve", str(tiny_export), "--no-spinning", "--panels", "--no-weight-codes"]) == 1
+    assert seen == [{"spinning": False, "panels": True, "weight_codes": False}]
+    assert "stop here" in capsys.readouterr().err

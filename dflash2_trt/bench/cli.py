@@ -20,6 +20,7 @@ import sys
 from dflash2_trt import validate as V
 from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, DEMO_PROMPT, demo_drafter_path
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.ort_options import add_ort_options, ort_options
 from dflash2_trt.vocabulary import (BACKEND_CHOICES, DEFAULT_PROPOSER, DRAFTER_QUANTIZATIONS, INDEPENDENT,
                                     PROPOSERS, SELECTOR_MODES)
 
@@ -101,28 +102,9 @@ def _bench_options(b: argparse.ArgumentParser, max_new_tokens: int = 128, repeat
     b.add_argument("--json", action="store_true")
 
 
-def add_ort_options(p: argparse.ArgumentParser) -> None:
-    """ONNX Runtime's options of :func:`dflash2_trt.load` (``--threads`` is beside each command's): --[no-]spinning,
-    --[no-]panels (default: the environment's or the CPU's choice), --no-weight-codes; :func:`ort_options` reads
-    them back."""
-    p.add_argument("--spinning", action=argparse.BooleanOptionalAction, default=None,
-                   help="ONNX Runtime: the target session's workers spin between ops (default: on, or "
-                        "$DFLASH2_ORT_SPINNING); --no-spinning on a CPU shared with other work")
-    p.add_argument("--panels", action=argparse.BooleanOptionalAction, default=None,
-                   help="ONNX Runtime: the custom-op library's PanelMatMul in place of ORT's MatMul (default: where "
-                        "its kernels run AVX-512, or $DFLASH2_ORT_PANELS)")
-    p.add_argument("--no-weight-codes", dest="weight_codes", action="store_false",
-                   help="ONNX Runtime: the panel kernels compute from the fp32 weights even where an exact weight code "
-                        "fits (the same numbers)")
-
-
-def ort_options(a: argparse.Namespace) -> dict:
-    """The :func:`dflash2_trt.load` keywords of :func:`add_ort_options`' flags."""
-    return {"spinning": a.spinning, "panels": a.panels, "weight_codes": a.weight_codes}
-
-
 def open_generator(model_dir: str, backend: str, threads: int | None = None, **ort: bool | None):  # noqa: ANN201
-    """:func:`dflash2_trt.load` (``ort``: :func:`ort_options`), saying on stderr which backend runs and why."""
+    """:func:`dflash2_trt.load` (``ort``: :func:`~dflash2_trt.ort_options.ort_options`), saying on stderr which
+    backend runs and why."""
     import dflash2_trt
 
     gen = dflash2_trt.load(model_dir, backend, threads=threads, **ort)
