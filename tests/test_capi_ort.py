@@ -77,7 +77,12 @@ def prompts(py_gen) -> list[list[int]]:
     from dflash2_trt.bench.prompts import encode_items, load_prompts
 
     items = load_prompts("mtbench", N_PROMPTS)
-    return encode_items(items, py_gen._tok.encode, lambda m: py_gen._tok.apply_chat_template(m))  # noqa: SLF001
+    ids = encode_items(items, py_gen._tok.encode, lambda m: py_gen._tok.apply_chat_template(m))  # noqa: SLF001
+    # and one that crosses the first KV capacity (kv_capacity_step = 256) while it decodes: the caches grow
+    # mid-request, the held positions copied
+    long = [t for p in ids for t in p][:250]
+    assert len(long) == 250 < 256 < 250 + MAX_NEW and py_gen._backend.manifest.kv_capacity_step == 256  # noqa: SLF001
+    return ids + [long]
 
 
 def _example(build: Path, export: Path, prompts: list[list[int]], mode: str, *options: str,
@@ -101,8 +106,9 @@ def c_greedy(capi_build, smol_export, prompts):
 
 
 def test_example_greedy_equals_python_runtime(c_greedy, py_gen, prompts):
-    """Greedy, the library's defaults plus the guard (as the Python API's): every prompt's ids equal; drafts were
-    accepted (τ > 1 printed for some request); the note says ONNX Runtime ran and which library file."""
+    """Greedy, the library's defaults plus the guard (as the Python API's): every prompt's ids equal (20 MT-Bench
+    prompts and one of 250 tokens that decodes past the first cache capacity); drafts were accepted (τ > 1 printed for some
+    request); the note says ONNX Runtime ran, which library file and which graphs."""
     got, err = c_greedy
     for ids, c_tokens in zip(prompts, got):
         assert c_tokens == py_gen.generate(ids, max_new_tokens=MAX_NEW).tokens
@@ -226,9 +232,63 @@ def test_sampling_without_the_op_library(capi_build, smol_export, prompts):
         g.close()
 
 
+_THREADS = r"""
+import ctypes as C, json, sys, threading
+V, P = C.c_void_p, C.POINTER
+req = json.loads(sys.stdin.read())
+lib = C.CDLL(req["lib"])
+TOKENS = C.CFUNCTYPE(C.c_int32, V, P(C.c_int32), C.c_size_t)
+for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
+                   "dfl2_model_load": [C.c_char_p, V, P(V)], "dfl2_session_create": [V, V, P(V)],
+                   "dfl2_session_generate": [V, P(C.c_int32), C.c_size_t, TOKENS, V],
+                   "dfl2_session_get_tokens": [V, P(P(C.c_int32)), P(C.c_size_t)]}.items():
+    getattr(lib, name).restype, getattr(lib, name).argtypes = V, args
+lib.dfl2_status_message.restype, lib.dfl2_status_message.argtypes = C.c_char_p, [V]
+errors = []
+def ok(st):
+    if st:
+        errors.append(lib.dfl2_status_message(st).decode())
+        raise RuntimeError(errors[-1])
+opts, model = V(), V()
+ok(lib.dfl2_options_create(C.byref(opts)))
+for kv in req["options"]:
+    ok(lib.dfl2_options_parse(opts, kv.encode()))
+ok(lib.dfl2_model_load(req["export"].encode(), opts, C.byref(model)))
+def run(i, out):  # one session per thread, two requests each (the same prompt twice: the session is reused)
+    s = V()
+    ok(lib.dfl2_session_create(model, opts, C.byref(s)))
+    p = req["prompts"][i]
+    for _ in range(2):
+        ok(lib.dfl2_session_generate(s, (C.c_int32 * len(p))(*p), len(p), TOKENS(0), None))
+        t, n = P(C.c_int32)(), C.c_size_t()
+        ok(lib.dfl2_session_get_tokens(s, C.byref(t), C.byref(n)))
+        out.setdefault(i, []).append(t[: n.value])
+threads, out = [], {}
+for i in range(len(req["prompts"])):
+    threads.append(threading.Thread(target=run, args=(i, out)))
+    threads[-1].start()
+for t in threads:
+    t.join()
+print(json.dumps({"errors": errors, "tokens": [out.get(i) for i in range(len(req["prompts"]))]}))
+"""
+
+
+def test_sessions_on_threads(capi_build, smol_export, prompts, c_greedy):
+    """Sessions of one ONNX Runtime model on 4 threads at once (the header: they run concurrently, each its own
+    caches): every request's ids equal its single run's, a session reused for a second request too."""
+    req = {"lib": str(capi_build / "lib" / "libdflash2.so"), "export": str(smol_export), "prompts": prompts[:4],
+           "options": ["backend=ort", "threads=1", f"max_new_tokens={MAX_NEW}", "verify_checksums=false"]}
+    proc = subprocess.run([sys.executable, "-c", _THREADS], input=json.dumps(req), capture_output=True, text=True,
+                          env={**os.environ, "DFLASH2_ORT_OPS": _ops_library()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert not got["errors"] and got["tokens"] == [[t, t] for t in c_greedy[0][:4]]
+
+
 def test_asan_ubsan_runs(smol_export, prompts, c_greedy, vectors_path):
     """examples/generate of the AddressSanitizer + UBSan build (test_capi's build/capi-asan: library, example, the
-    protobuf rewrite all instrumented; libonnxruntime is not): 3 prompts in turn and a batch of 3, with the op
+    protobuf rewrite all instrumented; libonnxruntime is not): 3 prompts in turn (the last one growing the caches)
+    and a batch of the 3, with the op
     library, run clean (any report ends the process) and give the uninstrumented build's ids. LeakSanitizer is off
     here: its tracer does not survive the uninstrumented ONNX Runtime's threads at exit (it crashes, not reports);
     test_capi's ASan ctests keep it on for everything else."""
@@ -240,9 +300,10 @@ def test_asan_ubsan_runs(smol_export, prompts, c_greedy, vectors_path):
     ])  # fmt: skip  (test_capi.test_asan_ubsan_ctests_and_fuzz's configuration: one build)
     env = {**os.environ, "DFLASH2_ORT_OPS": _ops_library(), "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1",
            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
+    pick = [0, 1, len(prompts) - 1]  # the last one grows the caches mid-request
     for mode in ("-s", "-b"):
-        got, err = _example(build, smol_export, prompts[:3], mode, "guard=true", env=env)
-        assert got == c_greedy[0][:3], mode
+        got, err = _example(build, smol_export, [prompts[i] for i in pick], mode, "guard=true", env=env)
+        assert got == [c_greedy[0][i] for i in pick], mode
         assert "Sanitizer" not in err and "runtime error" not in err, err
 
 

@@ -661,7 +661,7 @@ public:
             mIds[static_cast<size_t>(i)] = ids[i];
         }
         int32_t const len = mTkv.length;
-        bool const grown = mTkv.reserve(len + n);
+        mTkv.reserve(len + n);
         logits.resize(static_cast<size_t>(n) * static_cast<size_t>(V));
         mFeatures.resize(static_cast<size_t>(n) * F);
         mFeatureRows = 0;
@@ -673,9 +673,10 @@ public:
         if (mM.fused())
         {
             // GroupQueryAttention over the shared buffers: the valid length of each call is seqlens_k + 1
-            if (grown || mKvValues.empty())
+            if (mBoundCapacity != mTkv.capacity)  // bound once per buffer generation
             {
                 bindTargetKv();
+                mBoundCapacity = mTkv.capacity;
             }
             mSeqlens = len + n - 1;
             mTotal = len + n;
@@ -777,8 +778,10 @@ public:
             throw Error(DFL2_ERR_INTERNAL, "draft context holds " + std::to_string(mDkv.length) + " positions, anchor is at "
                 + std::to_string(pos));
         }
-        if (mDkv.reserve(std::max(1, pos)) || mCtxValues.empty())
+        mDkv.reserve(std::max(1, pos));
+        if (mCtxCapacity != mDkv.capacity)  // the buffers grew (here or when context was added): new values over them
         {
+            mCtxCapacity = mDkv.capacity;
             mCtxValues.clear();
             for (auto& a : mDkv.arrays)
             {
@@ -930,6 +933,8 @@ private:
     OrtIoBinding* mBinding{nullptr};
     std::vector<OrtTensor> mKvValues;   //!< over mTkv.arrays (bound as past and present)
     std::vector<OrtTensor> mCtxValues;  //!< over mDkv.arrays (the block's context inputs)
+    int32_t mCtxCapacity{-1};           //!< the capacity mCtxValues were made for
+    int32_t mBoundCapacity{-1};         //!< the capacity mKvValues were bound for
     std::vector<int64_t> mIds;
     int32_t mSeqlens{0};
     int32_t mTotal{0};
