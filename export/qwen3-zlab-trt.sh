@@ -10,6 +10,11 @@ set -euo pipefail
 : "${DRAFTER:?set DRAFTER to the z-lab DFlash 2 checkpoint folder}"
 OUT=${OUT:-./qwen3-dflash2-trt}
 PLUGIN=${PLUGIN:-build/lib/libdflash2_plugins.so}
-dflash2 export --target "$TARGET" --drafter "$DRAFTER" --out "$OUT" --dtype fp16 --max-seq-len 4096
+PG=${PG:-$OUT.polygraphy}     # a few real input sets per TensorRT-bound graph, for Polygraphy (docs/tensorrt.md)
+dflash2 export --target "$TARGET" --drafter "$DRAFTER" --out "$OUT" --dtype fp16 --max-seq-len 4096 \
+    --polygraphy-inputs "$PG"
 dflash2 build-engines "$OUT" --plugin "$PLUGIN" --selector plugin
+# An engine whose outputs look wrong: build it with Polygraphy from the same graph and compare with ONNX Runtime on
+# the recorded inputs, one graph at a time (target, drafter_context, drafter_block, drafter_head_greedy):
+#   polygraphy run "$OUT/target.onnx" --trt --onnxrt --load-inputs "$PG/target.inputs.json"
 dflash2 bench --model-dir "$OUT" --backend trt --prompts mtbench --limit 20 --max-new-tokens 256
