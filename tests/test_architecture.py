@@ -125,6 +125,18 @@ def test_every_subpackage_says_what_it_owns_and_imports():
                                                   f"subpackage owns and what it may import"
 
 
+def test_every_subpackage_docstring_lists_its_modules():
+    """Each module of a subpackage is named (as ``module``) in the subpackage's docstring: what it holds."""
+    missing = []
+    for init in PKG.rglob("__init__.py"):
+        if init.parent == PKG:
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        missing += [f"{init.parent.relative_to(ROOT)}/{m.name}" for m in sorted(init.parent.glob("*.py"))
+                    if m.name != "__init__.py" and f"``{m.stem}``" not in doc and f":mod:`.{m.stem}`" not in doc]
+    assert not missing, missing
+
+
 def test_manifest_schema_matches_the_dataclasses():
     from dflash2_trt import manifest as M
 

@@ -1,5 +1,6 @@
-"""The PyTorch DFlash 2 drafter: layers, dynamic convolutions, candidate selector, checkpoints — the one
-forward that training runs and ``dflash2 export`` traces.
+"""The PyTorch DFlash 2 drafter (``drafter``): its layers and dynamic convolutions (``layers``), the candidate
+selector (``selector``) and checkpoints in z-lab's format (``checkpoint``) — the one forward that training runs
+and ``dflash2 export`` traces.
 
 May import torch, ``config``, ``errors``, ``vocabulary``; never the runtime, export, train or bench.
 """

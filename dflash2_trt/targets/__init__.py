@@ -1,5 +1,7 @@
-"""Target families: one module per family of target architectures, chosen by the HF config's ``model_type`` from
-one table (:data:`FAMILIES`). Each family module holds what differs between families, with transformers' own
+"""Target families: one module per family of target architectures (``dense``: Llama / Mistral / Qwen2 / Qwen3;
+``hybrid``: Gated DeltaNet, the Qwen3.5 family; ``moe``: Qwen3-MoE; ``sliding``: gpt-oss, Muse Glimmer; and
+``recorded``, the past-recording cache the hybrid and sliding families share), chosen by the HF config's
+``model_type`` (:func:`family_for`). Each family module holds what differs between families, with transformers' own
 modules as the reference:
 
 * ``MODEL_TYPES`` -- the HF ``model_type`` values it serves;
