@@ -47,14 +47,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [...] int64 -> cos, sin [..., d] (Llama/Qwen 'rotate_half' layout), default RoPE only."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
-                                / head_dim))  # [d/2]
-    return _cos_sin(positions, inv_freq, 1.0, dtype)
-
-
 def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # [..., d/2]
