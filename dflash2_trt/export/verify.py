@@ -173,17 +173,16 @@ def verify_state_target(path: Path, target, layer_ids: list[int], dtype: str, np
     """A target with linear layers: a prompt chunk, a 5-row call asking every row's state, a rollback to 2 of its
     rows (the runtime's rule: :class:`~dflash2_trt.runtime.linear_state.LinearStates`), then 3 new rows — the logits
     and features of every call against HF passes over the sequence each call continues."""
-    from dflash2_trt.runtime.linear_state import LinearStates
+    from dflash2_trt.runtime.linear_state import LinearStates, layer_feed, split_present
 
     rng = np.random.default_rng(seed)
     cfg = target.model.config
     kinds = target.family.layer_kinds(cfg)
     names = target_state_names(kinds)
-    att = [i for i, k in enumerate(kinds) if k != "linear"]
     states = LinearStates([i for i, k in enumerate(kinds) if k == "linear"],
                           LinearStateSpec(**target.family.linear_state_shapes(cfg)), np_dtype)
     kvh, d, cap = int(cfg.num_key_value_heads), int(cfg.head_dim), 32
-    kv = {i: [np.zeros((1, kvh, cap, d), dtype=np_dtype) for _ in range(2)] for i in att}
+    kv = [np.zeros((1, kvh, cap, d), dtype=np_dtype) for k in kinds if k != "linear" for _ in range(2)]
     sess = session(path)
     prompt, block, fresh = (rng.integers(0, target.vocab_size, n) for n in (7, 5, 3))
     n, report = 0, {}
@@ -195,15 +194,12 @@ def verify_state_target(path: Path, target, layer_ids: list[int], dtype: str, np
         feed = {"input_ids": ids.reshape(1, -1).astype(np.int64), "attention_mask": mask,
                 "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1),
                 TARGET_STATE_ROWS: np.arange(S, dtype=np.int64)}
-        lin = iter(states.feed())
-        feed.update(zip(names, (a for i, k in enumerate(kinds) for a in (kv[i] if k != "linear" else
-                                                                         (next(lin), next(lin))))))
+        feed.update(zip(names, layer_feed(kinds, kv, states.feed())))
         out = sess.run(None, feed)
-        present = [out[2 + 2 * i: 4 + 2 * i] for i in range(len(kinds))]
-        for i in att:
-            for buf, new in zip(kv[i], present[i]):
-                buf[:, :, n:n + S] = new
-        states.update([a for i, k in enumerate(kinds) if k == "linear" for a in present[i]], 0, {0: S}, True)
+        kv_new, linear_new = split_present(kinds, out[2:])
+        for buf, new in zip(kv, kv_new):
+            buf[:, :, n:n + S] = new
+        states.update(linear_new, 0, {0: S}, True)
         history = np.concatenate([prompt, block[:2]]) if step == 2 else np.concatenate([prompt, block])[:n]
         target.reset(layer_ids)
         want_logits, want_feats = target.forward(torch.from_numpy(np.concatenate([history, ids])))

@@ -19,6 +19,23 @@ def target_ids(ids: list[int], vocab_size: int) -> np.ndarray:
     return arr
 
 
+def check_slot_rows(rows: dict[int, list[int]], active: np.ndarray, lengths: np.ndarray, vocab_size: int,
+                    max_positions: int) -> None:
+    """A batched target call's rows (slot -> token ids) are valid: each slot active, with at least one id, every id in
+    [0, vocab_size), and its length plus its rows within ``max_positions`` -- else DFlash2Error saying which."""
+    for b, r in rows.items():
+        if not active[b]:
+            raise DFlash2Error(f"batch slot {b} is not active")
+        if not r:
+            raise DFlash2Error(f"batch slot {b}: no rows")
+        arr = np.asarray(r)
+        if arr.min() < 0 or arr.max() >= vocab_size:
+            raise DFlash2Error(f"token id out of range [0, {vocab_size}) in target input")
+        if int(lengths[b]) + len(r) > max_positions:
+            raise DFlash2Error(f"sequence of {int(lengths[b]) + len(r)} positions exceeds the exported cache capacity "
+                               f"{max_positions} (re-export with a larger --max-seq-len)")
+
+
 def grown_capacity(n: int, capacity: int, step: int, max_capacity: int) -> int:
     """The KV capacity policy shared by the host and device buffers: the capacity that holds ``n``
     positions — ``capacity`` when it fits, else ``n`` rounded up to a multiple of ``step`` (at most

@@ -22,7 +22,7 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (BLOCK_LAYERS, ORT_SUFFIX, TARGET_ORT, TARGET_STATE_ROWS, ExportManifest, GraphSpec,
                                   read_manifest)
 from dflash2_trt.runtime.kv import KVBuffer, target_ids
-from dflash2_trt.runtime.linear_state import LinearStates
+from dflash2_trt.runtime.linear_state import LinearStates, layer_feed, split_present
 from dflash2_trt.runtime.protocol import (BackendBase, BackendUnavailable, BatchDraftRunner, BatchTargetRunner, Draft,
                                           independent_draft)
 from dflash2_trt.runtime.ort.failures import ort_failures
@@ -377,14 +377,11 @@ class OrtTargetRunner:
             self.kv.append(out[2:])
             return out[0][0], out[1][0]
         feed[TARGET_STATE_ROWS] = np.arange(S, dtype=np.int64) if every_row else np.array([S - 1], dtype=np.int64)
-        kv, lin = iter(self.kv.arrays), iter(self.linear.feed())
-        feed.update(zip(self.names, (a for kind in self.kinds for a in
-                                     ((next(lin), next(lin)) if kind == "linear" else (next(kv), next(kv))))))
+        feed.update(zip(self.names, layer_feed(self.kinds, self.kv.arrays, self.linear.feed())))
         out = self.sess.run(feed)
-        present = [out[2 + 2 * i: 4 + 2 * i] for i in range(len(self.kinds))]
-        self.kv.append([a for kind, p in zip(self.kinds, present) if kind != "linear" for a in p])
-        self.linear.update([a for kind, p in zip(self.kinds, present) if kind == "linear" for a in p], 0, {0: S},
-                           every_row)
+        kv_new, linear_new = split_present(self.kinds, out[2:])
+        self.kv.append(kv_new)
+        self.linear.update(linear_new, 0, {0: S}, every_row)
         return out[0][0], out[1][0]
 
     def crop(self, length: int) -> None:

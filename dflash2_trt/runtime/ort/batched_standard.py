@@ -25,8 +25,8 @@ import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import TARGET_STATE_ROWS
-from dflash2_trt.runtime.kv import grown_slot_buffers
-from dflash2_trt.runtime.linear_state import LinearStates
+from dflash2_trt.runtime.kv import check_slot_rows, grown_slot_buffers
+from dflash2_trt.runtime.linear_state import LinearStates, layer_feed, split_present
 from dflash2_trt.runtime.ort.batched_target import CALL_ROWS
 
 
@@ -94,17 +94,7 @@ class OrtStandardBatchedTargetRunner:
                 last_logits: bool = False) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """rows: slot -> m_b token ids at positions lengths[slot].. -> slot -> (logits [m_b, V] fp32, or [1, V] of
         the last row with ``last_logits``, features [m_b, F]); each slot's length grows by m_b."""
-        for b, r in rows.items():
-            if not self.active[b]:
-                raise DFlash2Error(f"batch slot {b} is not active")
-            if not r:
-                raise DFlash2Error(f"batch slot {b}: no rows")
-            arr = np.asarray(r)
-            if arr.min() < 0 or arr.max() >= self.vocab_size:
-                raise DFlash2Error(f"token id out of range [0, {self.vocab_size}) in target input")
-            if int(self.lengths[b]) + len(r) > self.max_positions:
-                raise DFlash2Error(f"sequence of {int(self.lengths[b]) + len(r)} positions exceeds the exported "
-                                   f"cache capacity {self.max_positions} (re-export with a larger --max-seq-len)")
+        check_slot_rows(rows, self.active, self.lengths, self.vocab_size, self.max_positions)
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         short = {b: r for b, r in rows.items() if len(r) <= self.max_rows}
         if short:
@@ -140,13 +130,11 @@ class OrtStandardBatchedTargetRunner:
         pos = np.minimum(start[:, None] + np.arange(S)[None], self.max_positions - 1)
         feed = {"input_ids": ids, "position_ids": pos.astype(np.int64), "attention_mask": mask,
                 TARGET_STATE_ROWS: np.arange(S, dtype=np.int64) if every_row else np.array([S - 1], dtype=np.int64)}
-        kv, lin = iter(a[lo:hi] for a in self.arrays), iter(self.linear.feed(lo, hi))
-        feed.update(zip(self.names, (a for kind in self.kinds for a in
-                                     ((next(lin), next(lin)) if kind == "linear" else (next(kv), next(kv))))))
+        feed.update(zip(self.names, layer_feed(self.kinds, [a[lo:hi] for a in self.arrays],
+                                               self.linear.feed(lo, hi))))
         res = self.sess.run(feed)
         self.calls += 1
-        present = [res[2 + 2 * i: 4 + 2 * i] for i in range(len(self.kinds))]
-        kv_new = [a for kind, p in zip(self.kinds, present) if kind != "linear" for a in p]
+        kv_new, linear_new = split_present(self.kinds, res[2:])
         m = {b: len(r) for b, r in rows.items()}
         for b, k in m.items():
             n0 = int(self.lengths[b])
@@ -154,6 +142,5 @@ class OrtStandardBatchedTargetRunner:
                 buf[b, :, n0:n0 + k] = new[b - lo, :, :k]
             self._call_start[b] = n0
             self.lengths[b] = n0 + k
-        self.linear.update([a for kind, p in zip(self.kinds, present) if kind == "linear" for a in p], lo, m,
-                           every_row)
+        self.linear.update(linear_new, lo, m, every_row)
         return {b: (res[0][b - lo, :k], res[1][b - lo, :k]) for b, k in m.items()}

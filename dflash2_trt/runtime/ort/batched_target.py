@@ -48,7 +48,7 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (TARGET_LOGITS_INDEX, TARGET_ORT, TARGET_PAST_SEQLENS, target_kv_names,
                                   target_present_names)
-from dflash2_trt.runtime.kv import grown_slot_buffers
+from dflash2_trt.runtime.kv import check_slot_rows, grown_slot_buffers
 from dflash2_trt.runtime.ort.failures import ort_failures
 
 CALL_ROWS = 12  # a graph call's fixed cost in rows (SmolLM2 fp32, 2 threads: ~29 ms a call + ~2.3 ms a row)
@@ -243,17 +243,7 @@ class OrtBatchedTargetRunner:
         """rows: slot -> m_b token ids at positions lengths[slot].. (m_b >= 1) -> slot -> (logits [m_b, V] fp32,
         or [1, V] of the last row with ``last_logits`` (a prefill), features [m_b, F]); each slot's length grows by
         m_b. How the slots share graph calls: the module docstring."""
-        for b, r in rows.items():
-            if not self.active[b]:
-                raise DFlash2Error(f"batch slot {b} is not active")
-            if not r:
-                raise DFlash2Error(f"batch slot {b}: no rows")
-            arr = np.asarray(r)
-            if arr.min() < 0 or arr.max() >= self.vocab_size:
-                raise DFlash2Error(f"token id out of range [0, {self.vocab_size}) in target input")
-            if int(self.lengths[b]) + len(r) > self.max_positions:
-                raise DFlash2Error(f"sequence of {int(self.lengths[b]) + len(r)} positions exceeds the exported "
-                                   f"cache capacity {self.max_positions} (re-export with a larger --max-seq-len)")
+        check_slot_rows(rows, self.active, self.lengths, self.vocab_size, self.max_positions)
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for call in self._calls(rows):
             lo, hi = call[0], call[-1] + 1
