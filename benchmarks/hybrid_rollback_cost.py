@@ -122,7 +122,7 @@ def _ort_session(cfg, layer):  # noqa: ANN001, ANN202
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]), st
 
 
-def _ort_verify(sess, st, rows, every: bool) -> float:  # noqa: ANN001
+def _ort_verify(sess, st, rows, every: bool) -> tuple[float, int]:  # noqa: ANN001
     import numpy as np
 
     k = rows.shape[1]
@@ -130,8 +130,19 @@ def _ort_verify(sess, st, rows, every: bool) -> float:  # noqa: ANN001
             "s0": np.full((1, st["num_heads"], st["key_dim"], st["value_dim"]), 0.01, np.float32),
             "rows": np.arange(k) if every else np.array([k - 1])}
     t = time.perf_counter()
-    sess.run(None, feed)
-    return time.perf_counter() - t
+    out = sess.run(None, feed)
+    return time.perf_counter() - t, int(out[1].nbytes + out[2].nbytes)
+
+
+def _paired(run, repeats: int) -> tuple[float, float, int]:  # noqa: ANN001
+    """Median ms of ``run(False)`` and ``run(True)`` (each -> (seconds, bytes)), interleaved so that drift hits both
+    alike, and the bytes of the last ``run(True)``."""
+    a, b, kept = [], [], 0
+    for _ in range(repeats):
+        a.append(run(False)[0])
+        dt, kept = run(True)
+        b.append(dt)
+    return 1e3 * statistics.median(a), 1e3 * statistics.median(b), kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,13 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         prompt = torch.randn(1, a.cached, H)
         for k in a.rows:
             rows = torch.randn(1, k, H)
-            plain, recorded, kept = [], [], 0
-            for _ in range(a.repeats):  # interleaved, so drift hits both alike
-                plain.append(_verify(cfg, layer, prompt, rows, False)[0])
-                dt, kept = _verify(cfg, layer, prompt, rows, True)
-                recorded.append(dt)
-            r = {"shape": shape, "rows": k, "cached": a.cached, "plain_ms": 1e3 * statistics.median(plain),
-                 "recorded_ms": 1e3 * statistics.median(recorded), "kept_bytes": kept}
+            plain, recorded, kept = _paired(lambda rec: _verify(cfg, layer, prompt, rows, rec), a.repeats)
+            r = {"shape": shape, "rows": k, "cached": a.cached, "plain_ms": plain, "recorded_ms": recorded,
+                 "kept_bytes": kept}
             r["ratio"] = r["recorded_ms"] / r["plain_ms"]
             out.append(r)
             print(f"{shape:>5} {k:>3} {r['plain_ms']:9.2f} {r['recorded_ms']:12.2f} {r['ratio']:6.2f} "
@@ -171,13 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, layer = _layer(shape)
         for k in a.rows:
             rows = torch.randn(1, k, cfg.hidden_size)
-            last, every, kept = [], [], 0
-            for _ in range(a.repeats):
-                last.append(_graph_verify(cfg, layer, rows, False)[0])
-                dt, kept = _graph_verify(cfg, layer, rows, True)
-                every.append(dt)
-            r = {"shape": shape, "rows": k, "last_row_ms": 1e3 * statistics.median(last),
-                 "every_row_ms": 1e3 * statistics.median(every), "returned_bytes": kept}
+            last, every, kept = _paired(lambda e: _graph_verify(cfg, layer, rows, e), a.repeats)
+            r = {"shape": shape, "rows": k, "last_row_ms": last, "every_row_ms": every, "returned_bytes": kept}
             r["ratio"] = r["every_row_ms"] / r["last_row_ms"]
             graph.append(r)
             print(f"{'':>22} {shape:>5} {k:>3} {r['last_row_ms']:12.2f} {r['every_row_ms']:13.2f} {r['ratio']:6.2f} "
@@ -191,10 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         for k in a.rows:
             rows = torch.randn(1, k, cfg.hidden_size)
             _ort_verify(sess, st, rows, True)  # warm-up
-            last = [_ort_verify(sess, st, rows, False) for _ in range(a.repeats)]
-            every = [_ort_verify(sess, st, rows, True) for _ in range(a.repeats)]
-            r = {"shape": shape, "rows": k, "last_row_ms": 1e3 * statistics.median(last),
-                 "every_row_ms": 1e3 * statistics.median(every)}
+            last, every, _ = _paired(lambda e: _ort_verify(sess, st, rows, e), a.repeats)
+            r = {"shape": shape, "rows": k, "last_row_ms": last, "every_row_ms": every}
             r["ratio"] = r["every_row_ms"] / r["last_row_ms"]
             onnx_rt.append(r)
             print(f"{'':>22} {shape:>5} {k:>3} {r['last_row_ms']:12.2f} {r['every_row_ms']:13.2f} {r['ratio']:6.2f}")
