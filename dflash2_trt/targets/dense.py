@@ -87,6 +87,36 @@ def _grouped_attention(q, k1, v1, k2, v2, bias1, bias2, scale: float, nh: int, k
     return o.reshape(B, nh, S, d)
 
 
+def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """position_ids [B, S] -> cos, sin [B, 1, S, 2 * len(inv_freq)] in the rotate_half layout (HF's tables)."""
+    freqs = position_ids.float().unsqueeze(-1) * inv_freq  # [B, S, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(dtype).unsqueeze(1), (emb.sin() * scaling).to(dtype).unsqueeze(1)
+
+
+def attention_biases(attention_mask: torch.Tensor, C: int, rep: int, dtype: torch.dtype,
+                     position_ids: torch.Tensor | None = None, window: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive biases (0 or -inf) of :func:`_grouped_attention` over a capacity buffer of C slots (slot j holds
+    position j) and S new rows, from the mask [B, C + S]: past [B, 1, 1, C] (the same for every row) and new
+    [B, 1, rep * S, S] (causal). With ``window`` (and the rows' ``position_ids``), keys are also limited to the last
+    ``window`` positions of each row: past becomes [B, 1, rep * S, C]."""
+    S = attention_mask.shape[1] - C
+    neg, zero = torch.tensor(float("-inf"), dtype=dtype), torch.tensor(0.0, dtype=dtype)
+    past_ok = attention_mask[:, :C] > 0  # [B, C]
+    causal = torch.ones(S, S, dtype=torch.bool, device=attention_mask.device).tril()[None] & (
+        attention_mask[:, C:] > 0)[:, None, :]  # [B, S, S]: new row s sees valid new rows <= s
+    if window is None:
+        return torch.where(past_ok, zero, neg)[:, None, None, :], \
+            torch.where(causal, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1)
+    slots = torch.arange(C, device=attention_mask.device)
+    near_past = position_ids[:, :, None] - slots[None, None, :] < window  # [B, S, C]
+    near_new = position_ids[:, :, None] - position_ids[:, None, :] < window  # [B, S, S]
+    return (torch.where(past_ok[:, None, :] & near_past, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1),
+            torch.where(causal & near_new, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1))
+
+
 def check_exportable(hf_model) -> None:  # noqa: ANN001
     """The exporter's graphs compute this target exactly, else DFlash2Error saying what they do not."""
     cfg = hf_model.config
@@ -164,21 +194,8 @@ class TargetGraph(nn.Module):
     def forward(self, input_ids, position_ids, attention_mask, *past):  # noqa: ANN001, ANN201
         B, S = input_ids.shape
         h = self.embed(input_ids)  # [B, S, H]
-        dtype = h.dtype
-        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq  # [B, S, d/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)  # [B, 1, S, d]
-        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
-        C = past[0].shape[2]
-        rep = self.nh // self.kvh
-        neg = torch.tensor(float("-inf"), dtype=dtype)
-        zero = torch.tensor(0.0, dtype=dtype)
-        past_ok = attention_mask[:, :C] > 0  # [B, C]
-        new_ok = attention_mask[:, C:] > 0  # [B, S]
-        causal = torch.ones(S, S, dtype=torch.bool, device=h.device).tril()  # [S, S]
-        past_bias = torch.where(past_ok, zero, neg)[:, None, None, :]  # [B, 1, 1, C] (same for every row)
-        new_bias = torch.where(causal[None] & new_ok[:, None, :], zero, neg)  # [B, S, S]
-        new_bias = new_bias.unsqueeze(1).repeat(1, 1, rep, 1)  # [B, 1, rep*S, S]
+        cos, sin = rope_tables(position_ids, self.inv_freq, self.attention_scaling, h.dtype)  # [B, 1, S, d]
+        past_bias, new_bias = attention_biases(attention_mask, past[0].shape[2], self.nh // self.kvh, h.dtype)
         taps = {}
         present = []
         for i, layer in enumerate(self.layers):

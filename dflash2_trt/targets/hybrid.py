@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.targets.dense import _grouped_attention
+from dflash2_trt.targets.dense import _grouped_attention, attention_biases, rope_tables
 from dflash2_trt.targets.moe import routed_mlp
 from dflash2_trt.targets.recorded import MAX_ROLLBACK_ROWS, before_forward, new_cache, rollback
 
@@ -183,19 +183,9 @@ class TargetGraph(nn.Module):
     def forward(self, input_ids, position_ids, attention_mask, state_rows, *past):  # noqa: ANN001, ANN201
         B, S = input_ids.shape
         h = self.embed(input_ids)
-        dtype = h.dtype
-        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)  # [B, 1, S, rot]
-        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
-        kv_past = [past[2 * i] for i, kind in enumerate(self.kinds) if kind == "attention"]
-        C = kv_past[0].shape[2]
-        rep = self.nh // self.kvh
-        neg, zero = torch.tensor(float("-inf"), dtype=dtype), torch.tensor(0.0, dtype=dtype)
-        causal = torch.ones(S, S, dtype=torch.bool, device=h.device).tril()
-        past_bias = torch.where(attention_mask[:, :C] > 0, zero, neg)[:, None, None, :]
-        new_bias = torch.where(causal[None] & (attention_mask[:, C:] > 0)[:, None, :], zero, neg)
-        new_bias = new_bias.unsqueeze(1).repeat(1, 1, rep, 1)
+        cos, sin = rope_tables(position_ids, self.inv_freq, self.attention_scaling, h.dtype)  # [B, 1, S, rot]
+        C = past[2 * self.kinds.index("attention")].shape[2]
+        past_bias, new_bias = attention_biases(attention_mask, C, self.nh // self.kvh, h.dtype)
         taps, present = {}, []
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)

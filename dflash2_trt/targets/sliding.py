@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.targets.dense import _grouped_attention, _rope, graph_io
+from dflash2_trt.targets.dense import _grouped_attention, _rope, attention_biases, graph_io, rope_tables
 from dflash2_trt.targets.recorded import before_forward, new_cache, rollback
 
 MODEL_TYPES = ("gpt_oss", "muse_glimmer")
@@ -91,25 +91,10 @@ class _WindowedGraph(nn.Module):
         """(cos, sin [B, 1, S, d]), biases of full layers, biases of sliding layers (each: past [B, 1, rows, C],
         new [B, 1, rep * S, S]; grouped heads folded into rows as :func:`dflash2_trt.targets.dense._grouped_attention`
         takes them)."""
-        B, S = position_ids.shape
-        dtype = h.dtype
-        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)
-        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
         rep = self.nh // self.kvh
-        neg, zero = torch.tensor(float("-inf"), dtype=dtype), torch.tensor(0.0, dtype=dtype)
-        past_ok = attention_mask[:, :C] > 0
-        new_ok = attention_mask[:, C:] > 0
-        causal = torch.ones(S, S, dtype=torch.bool, device=h.device).tril()
-        full = (torch.where(past_ok, zero, neg)[:, None, None, :],
-                torch.where(causal[None] & new_ok[:, None, :], zero, neg).unsqueeze(1).repeat(1, 1, rep, 1))
-        slots = torch.arange(C, device=h.device)
-        near_past = position_ids[:, :, None] - slots[None, None, :] < self.window  # [B, S, C]
-        near_new = position_ids[:, :, None] - position_ids[:, None, :] < self.window  # [B, S, S]
-        window = (torch.where(past_ok[:, None, :] & near_past, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1),
-                  torch.where(causal[None] & new_ok[:, None, :] & near_new, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1))
-        return (cos, sin), full, window
+        return (rope_tables(position_ids, self.inv_freq, self.attention_scaling, h.dtype),
+                attention_biases(attention_mask, C, rep, h.dtype),
+                attention_biases(attention_mask, C, rep, h.dtype, position_ids, self.window))
 
     def forward(self, input_ids, position_ids, attention_mask, *past):  # noqa: ANN001, ANN201
         h = self.embed(input_ids)
