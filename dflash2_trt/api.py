@@ -557,13 +557,15 @@ class Handle:
         assert self._result is not None
         return self._result
 
-    def cancel(self) -> None:
-        """Stop decoding this request and free its slot; returns once that is done (within one batch step). No
-        effect on a finished request."""
+    def cancel(self, wait: bool = True) -> None:
+        """Stop decoding this request and free its slot; returns once that is done (within one batch step), or at
+        once with ``wait=False`` (the loop frees the slot after the step under way). No effect on a finished
+        request."""
         if not self._done.is_set():
             self._cancel.set()
             self._loop.wake()
-            self._done.wait()
+            if wait:
+                self._done.wait()
 
     # -- the loop's side ---------------------------------------------------------------------------------
     def _emit(self, tokens: list[int], accepted: int | None) -> None:

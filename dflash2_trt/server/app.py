@@ -348,6 +348,7 @@ class Server:
     async def cancel(self, job: _Job) -> None:
         """Stop ``job``'s decoding; returns once its slot is free (at most the step under way finishes first)."""
         before = self.steps()
+        job.handle.cancel(wait=False)  # asked now, on this thread: the count starts when the loop can see it
         await anyio.to_thread.run_sync(job.handle.cancel)
         if job.gone:
             self.metrics.cancel_steps.observe(self.steps() - before)
