@@ -6,8 +6,9 @@ One writer (:func:`write_manifest`: fills the checksums, writes atomically) and 
 (:func:`read_manifest`: parses and validates once, into frozen dataclasses; every problem is one
 :class:`DFlash2Error` naming the field). Readers never touch the raw JSON.
 
-Layout (``MANIFEST_VERSION`` 2; ``STATE_MANIFEST_VERSION`` 3 for a target with linear layers, whose state the graph
-takes and returns, so that a reader that knows only version 2 refuses such an export instead of misdecoding it)::
+Layout (``MANIFEST_VERSION`` 2; ``STATE_MANIFEST_VERSION`` 3 for a target with linear or sliding-window layers, whose
+state the graph takes in another layout -- linear layers' states, sliding layers' ring buffers -- so that a reader that
+knows only version 2 refuses such an export instead of misdecoding it)::
 
     {"format": "dflash2-trt-export", "manifest_version": 2 | 3, "project_version", "exporter_revision",
      "opset", "dtype": fp32|fp16|bf16,
@@ -17,7 +18,8 @@ takes and returns, so that a reader that knows only version 2 refuses such an ex
      "target":  {"model_type", "vocab_size", "num_layers", "hidden_size", "num_key_value_heads", "head_dim",
                  "max_positions", "eos_token_ids", "layer_ids", "source",
                  "layer_kinds" (one of LAYER_KINDS per layer; absent: all attention), version 3: "linear_state":
-                 {"conv_dim", "conv_kernel", "num_heads", "key_dim", "value_dim", "max_rows_per_call"}},
+                 {"conv_dim", "conv_kernel", "num_heads", "key_dim", "value_dim", "max_rows_per_call"} and
+                 "sliding_window": {"window", "ring_slots"}},
      "drafter": the drafter's config.json (HF layout, DFlash2Config) with the exported block size,
      "plugin":  {"op_type", "domain", "plugin_version", "plugin_namespace"},
      "graphs":  {KEY: {"file", "role", "selector": decomposed|plugin|null, "mode",
@@ -60,7 +62,7 @@ from dflash2_trt.vocabulary import (DRAFT_MODES, DRAFTER_QUANTIZATIONS, DTYPES, 
 
 FORMAT = "dflash2-trt-export"
 MANIFEST_VERSION = 2
-STATE_MANIFEST_VERSION = 3  # a target with linear layers: their state is graph input and output
+STATE_MANIFEST_VERSION = 3  # a target with linear or sliding layers: their state is graph input and output
 MANIFEST_FILE = "manifest.json"
 SCHEMA_FILE = Path(__file__).with_name("manifest.schema.json")
 KV_CAPACITY_STEP = 256  # default KV capacity granularity (positions) of exports
@@ -110,6 +112,8 @@ def target_state_names(kinds: tuple[str, ...] | list[str], prefix: str = "past")
 
 # [R] int64, an input of a target graph with linear layers: the rows of the call whose recurrent states it returns
 TARGET_STATE_ROWS = "state_rows"
+# [B, ring_slots] int64, an input of a target graph with sliding layers: the position each ring slot holds (-1: none)
+TARGET_WINDOW_POSITIONS = "window_positions"
 
 
 def drafter_context_names(n_layers: int) -> list[str]:
@@ -152,6 +156,16 @@ class LinearStateSpec:
 
 
 @dataclass(frozen=True)
+class SlidingWindowSpec:
+    """The sliding layers' keys: each row attends to the last ``window`` positions; a sliding layer's K/V live in a
+    ring buffer of ``ring_slots`` (>= window) slots, position p in slot p % ring_slots, so that a verify of up to
+    ``ring_slots - window + 1`` rows writes over no key that a rollback into it needs again."""
+
+    window: int
+    ring_slots: int
+
+
+@dataclass(frozen=True)
 class TargetSpec:
     model_type: str
     vocab_size: int
@@ -165,6 +179,7 @@ class TargetSpec:
     source: str = ""
     layer_kinds: tuple[str, ...] = ()  # one of LAYER_KINDS per layer; () = every layer attention
     linear_state: Union[LinearStateSpec, None] = None  # the linear layers' state (version 3)
+    sliding_window: Union[SlidingWindowSpec, None] = None  # the sliding layers' window and ring (version 3)
 
 
 @dataclass(frozen=True)
@@ -320,14 +335,16 @@ class ExportManifest:
 
     @property
     def kv_only(self) -> bool:
-        """Every target layer's state is a KV cache of positions (attention, or sliding-window attention whose window
-        the graph masks): a crop rolls it back. Otherwise linear layers carry state through the graph (version 3)."""
-        return "linear" not in self.layer_kinds
+        """Every target layer is full attention: its state a KV cache of positions, which a crop rolls back. Otherwise
+        linear layers carry state through the graph and sliding layers keep ring buffers (version 3)."""
+        return all(k == "attention" for k in self.layer_kinds)
 
     def require_kv_only(self, what: str) -> None:
-        """DFlash2Error when the target has linear layers, whose state ``what`` (a runtime) cannot keep and roll back."""
+        """DFlash2Error when the target has linear or sliding layers, whose state ``what`` (a runtime) cannot keep and
+        roll back."""
         if not self.kv_only:
-            raise DFlash2Error(f"{what} does not run targets with linear layers yet (this export's "
+            kinds = " and ".join(sorted(set(self.layer_kinds) - {"attention"}))
+            raise DFlash2Error(f"{what} does not run targets with {kinds} layers yet (this export's "
                                f"{self.target.model_type!r}): run it with the ONNX Runtime backend "
                                f"(dflash2_trt.load(DIR, backend='ort'))")
 
@@ -479,8 +496,13 @@ def _check_layer_kinds(m: ExportManifest, where: str) -> None:
                            f"{sorted(set(m.layer_kinds))} is version {version}")
     if ("linear" in m.layer_kinds) != (m.target.linear_state is not None):
         raise DFlash2Error(f"{where}: target.linear_state must be given exactly when the target has linear layers")
-    if all(k == "linear" for k in m.layer_kinds):
-        raise DFlash2Error(f"{where}: the target has no attention layer (the export's graphs need one)")
+    sw = m.target.sliding_window
+    if ("sliding" in m.layer_kinds) != (sw is not None):
+        raise DFlash2Error(f"{where}: target.sliding_window must be given exactly when the target has sliding layers")
+    if sw is not None and not 1 <= sw.window <= sw.ring_slots:
+        raise DFlash2Error(f"{where}: target.sliding_window needs 1 <= window <= ring_slots, got {sw}")
+    if "attention" not in m.layer_kinds:
+        raise DFlash2Error(f"{where}: the target has no full attention layer (the export's graphs need one)")
 
 
 def graph_field_rules(m: ExportManifest) -> list[tuple[str, int, str, int]]:

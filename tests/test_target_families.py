@@ -3,7 +3,8 @@ on tiny random configurations of transformers' own models: the PyTorch adapter a
 verify's rows = one-row steps), rollback to every accepted length (sliding windows shorter than the sequence, so the
 recorded past is what a rollback restores), lossless greedy decoding with a drafter that gets drafts accepted and
 rejected at every length, a planted bug (a sliding window cropped without its recorded past) caught; all three
-exported and decoded on ONNX Runtime (a graph without its window caught)."""
+exported and decoded on ONNX Runtime (a graph without its window caught), the sliding layers' rings bounded, wrapping
+and rolled back (two planted ring bugs caught), and the batched loop's slots equal to single runs."""
 
 from __future__ import annotations
 
@@ -190,7 +191,8 @@ def test_training_on_the_family(arch, tmp_path):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_export_and_decode_on_ort(arch, tmp_path):
     """Tiny random Qwen3-MoE (4 experts, 2 per token), gpt-oss and Muse Glimmer (windows of 8 over 40 tokens, so the
-    window matters) targets with make-tiny's drafter: exported (manifest version 2: every layer's state a KV cache), the
+    window matters) targets with make-tiny's drafter: exported (manifest version 2 for Qwen3-MoE, whose every layer
+    keeps a KV cache; 3 for the sliding ones, whose sliding layers keep rings), the
     graph's logits within 1e-4 (relative) of transformers' over a prompt and steps, a k-row call's rows = one-row
     calls, every node in TensorRT's parser table; speculative greedy decoding on ONNX Runtime = its autoregressive
     output, with the exported (random) drafter and with the noisy oracle at block sizes 2, 4, 8 (drafts accepted and
@@ -198,7 +200,7 @@ def test_export_and_decode_on_ort(arch, tmp_path):
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
     m = _export_family(arch, tmp_path)
-    assert m.manifest_version == 2 and m.target.layer_kinds == {
+    assert m.manifest_version == (2 if arch == "qwen3_moe" else 3) and m.target.layer_kinds == {
         "qwen3_moe": (), "gpt_oss": ("sliding", "attention") * 2,
         "muse_glimmer": ("sliding", "sliding", "sliding", "attention")}[arch]
     be = OrtBackend(tmp_path / "e")
@@ -243,15 +245,14 @@ def _ort_spec_vs_ar(be, bs: int, n_prompts: int = 4) -> tuple[int, list[int]]:  
     return bad, accepted
 
 
-def test_an_ort_target_that_does_not_crop_is_caught(tmp_path, monkeypatch):
-    """Negative control: Muse Glimmer's export on ONNX Runtime with the KV crop after a rejected draft skipped (the
-    rejected rows' keys stay valid) decodes other tokens than its own autoregressive ones."""
-    from dflash2_trt.runtime.kv import KVBuffer
-    from dflash2_trt.runtime.ort.backend import OrtBackend
+def test_an_ort_target_that_does_not_crop_is_caught(window_exports, monkeypatch):
+    """Negative control: Muse Glimmer's export on ONNX Runtime with the target's crop after a rejected draft skipped
+    (the rejected rows' keys stay valid in the full layers' buffers and in the rings) decodes other tokens than its own
+    autoregressive ones."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend, OrtTargetRunner
 
-    _export_family("muse_glimmer", tmp_path)
-    be = OrtBackend(tmp_path / "e")
-    monkeypatch.setattr(KVBuffer, "crop", lambda self, length: None)
+    be = OrtBackend(window_exports["muse_glimmer"])
+    monkeypatch.setattr(OrtTargetRunner, "crop", lambda self, length: None)
     assert _ort_spec_vs_ar(be, 8)[0] > 0
 
 
@@ -289,3 +290,115 @@ def test_make_tiny_writes_each_family(tmp_path, capsys):
     assert main(["make-tiny", "--out", str(tmp_path / "x"), "--arch", "gpt_oss", "--accepting"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--accepting has a copying target for" in err[0]
+
+
+@pytest.fixture(scope="module")
+def window_exports(tmp_path_factory):
+    """gpt-oss and Muse Glimmer exports (windows of 8; make-tiny's drafter of block size 4, so rings of 8 + 16)."""
+    out = {}
+    for arch in ("gpt_oss", "muse_glimmer"):
+        tmp = tmp_path_factory.mktemp(arch)
+        _export_family(arch, tmp)
+        out[arch] = tmp / "e"
+    return out
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "muse_glimmer"])
+def test_window_ring_is_bounded_wraps_and_rolls_back(window_exports, arch):
+    """96 positions (four times the ring of 24, twelve times the window) in verifies of 8 rows, each cut back to a
+    random length: every kept row's logits within 1e-4 (relative) of transformers' over the whole sequence, so the
+    state after each rollback (the ring wrapped, the cut rows' slots overwritten later) is a fresh run's; the ring's
+    bytes never change (the full layers' KV grows with the context)."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    be = OrtBackend(window_exports[arch])
+    t, sw = be.manifest.target, be.manifest.target.sliding_window
+    assert (sw.window, sw.ring_slots) == (8, 24) and be.batching
+    rng = np.random.default_rng(5)
+    ids = rng.integers(2, 512, 4 * sw.ring_slots).tolist()
+    with torch.no_grad():
+        want = _build(arch).eval()(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+    scale = np.abs(want).max()
+    r = be.target_runner()
+    ring_bytes = 2 * t.layer_kinds.count("sliding") * t.num_key_value_heads * sw.ring_slots * t.head_dim * 4
+    assert r.ring.nbytes == ring_bytes + 8 * sw.ring_slots
+    assert np.abs(r.forward(ids[:10])[0] - want[:10]).max() <= 1e-4 * scale
+    n, kept = 10, []
+    while n < len(ids):
+        rows = r.forward(ids[n:n + 8])[0]
+        keep = 1 + int(rng.integers(0, len(rows)))
+        assert np.abs(rows[:keep] - want[n:n + keep]).max() <= 1e-4 * scale, n
+        r.crop(n + keep)
+        n, kept = n + keep, kept + [keep]
+    assert len(set(kept)) >= 5 and r.ring.positions.max() == len(ids) - 1 and r.ring.positions.min() >= 0
+    assert r.ring.nbytes == ring_bytes + 8 * sw.ring_slots and r.kv.capacity >= len(ids)
+
+
+def test_a_crop_deeper_than_the_ring_can_undo_is_refused():
+    """A ring without room beyond its window: after a call of 8 rows that wrapped it, a crop back into the call would
+    need keys the call overwrote -- refused in one line instead of decoding without them."""
+    from dflash2_trt.manifest import SlidingWindowSpec
+    from dflash2_trt.runtime.kv import WindowRing
+
+    ring = WindowRing(1, 1, 2, np.float32, SlidingWindowSpec(window=8, ring_slots=8))
+    ring.write(0, 0, [np.ones((1, 1, 12, 2), np.float32)] * 2)
+    ring.write(0, 12, [np.ones((1, 1, 8, 2), np.float32)] * 2)
+    ring.crop(0, 19)  # the last row cut: its slot held position 11, which the window of 19 no longer needs
+    with pytest.raises(DFlash2Error, match="cannot return to length 14"):
+        ring.crop(0, 14)
+
+
+def _ring_without_margin(init):  # noqa: ANN001, ANN202
+    """Planted bug: the ring holds the window alone and crops as if it held more (a verify overwrites window keys
+    that a rollback into it needs, which nothing restores)."""
+    import dataclasses
+
+    def planted(self, n_layers, heads, head_dim, dtype, spec, slots=1):  # noqa: ANN001, ANN202
+        init(self, n_layers, heads, head_dim, dtype, dataclasses.replace(spec, ring_slots=spec.window), slots)
+        self.floor = np.full(self.slots, -1 << 40)
+        self.write = _no_floor(self.write, self)
+
+    return planted
+
+
+def _no_floor(write, ring):  # noqa: ANN001, ANN202
+    def planted(*a, **kw):  # noqa: ANN001, ANN202
+        write(*a, **kw)
+        ring.floor[:] = -1 << 40
+
+    return planted
+
+
+def _crop_keeps_cut_slots(self, slot, length):  # noqa: ANN001, ANN202
+    """Planted bug: a crop lowers the length but leaves the cut rows' keys valid in the ring."""
+
+
+@pytest.mark.parametrize("bug", ["no_margin", "cut_slots_kept"])
+def test_planted_ring_bugs_are_caught(window_exports, bug, monkeypatch):
+    """Each planted ring bug makes Muse Glimmer's speculative output on ONNX Runtime (the noisy oracle, block size 8:
+    drafts accepted and rejected at every length, the ring wrapping) differ from its autoregressive output."""
+    from dflash2_trt.runtime.kv import WindowRing
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    be = OrtBackend(window_exports["muse_glimmer"])
+    assert _ort_spec_vs_ar(be, 8)[0] == 0
+    if bug == "no_margin":
+        monkeypatch.setattr(WindowRing, "__init__", _ring_without_margin(WindowRing.__init__))
+    else:
+        monkeypatch.setattr(WindowRing, "crop", _crop_keeps_cut_slots)
+    assert _ort_spec_vs_ar(be, 8)[0] > 0
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "muse_glimmer"])
+def test_generate_batch_equals_single_requests(window_exports, arch):
+    """generate_batch over 10 prompts (the batched loop over the standard graph, per-slot rings of 24 slots wrapping
+    over 60+ positions, every verify cut back into its call) = each prompt's own generate, token for token."""
+    import dflash2_trt
+
+    g = dflash2_trt.load(window_exports[arch], backend="ort")
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(2, 512, int(rng.integers(3, 30))).tolist() for _ in range(10)]
+    singles = [g.generate(p, 40, chat=False, eos_ids=set(), proposer="dflash2", guard=False) for p in prompts]
+    batch = g.generate_batch(prompts, 40, chat=False, eos_ids=set(), proposer="dflash2", max_batch=4, adaptive=False)
+    assert [r.tokens for r in batch] == [r.tokens for r in singles]
+    assert all(len(r.stats.accepted) >= 10 for r in batch)  # speculative cycles ran (each a verify and a crop)

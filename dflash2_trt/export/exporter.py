@@ -33,7 +33,8 @@ from typing import Any
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (BLOCK_HIDDEN, BLOCK_LAYERS, KV_CAPACITY_STEP, MANIFEST_VERSION,
                                  STATE_MANIFEST_VERSION, ExportManifest, GraphSpec, LinearStateSpec, PluginSpec,
-                                 TargetSpec, TensorSpec, TokenizerSpec, drafter_context_names, write_manifest)
+                                 SlidingWindowSpec, TargetSpec, TensorSpec, TokenizerSpec, drafter_context_names,
+                                 write_manifest)
 from dflash2_trt.outdir import TempFolder, check_replace, export_owner, write_error
 from dflash2_trt.validate import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, check_size
 from dflash2_trt.vocabulary import DRAFT_MODES, DTYPES, INDEPENDENT, Q8_0, SELECTOR_MODES, head_key
@@ -381,7 +382,9 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
                           eos_token_ids=tuple(sorted(t.eos_ids())), layer_ids=tuple(b.layer_ids),
                           source=str(b.target_dir), layer_kinds=kinds if set(kinds) != {"attention"} else (),
                           linear_state=LinearStateSpec(**t.family.linear_state_shapes(hf)) if "linear" in kinds
-                          else None),
+                          else None,
+                          sliding_window=SlidingWindowSpec(**t.family.sliding_window_spec(
+                              hf, b.drafter.config.block_size)) if "sliding" in kinds else None),
         drafter=b.drafter.config.to_dict(),
         plugin=PluginSpec(op_type=sc.OP_TYPE, domain=sc.DOMAIN, plugin_version=sc.PLUGIN_VERSION,
                           plugin_namespace=sc.PLUGIN_NAMESPACE),
@@ -390,7 +393,7 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
         drafter_quantization=Q8_0_MANIFEST if b.draft_q8_0 else b.draft_quant.manifest(),
         draft_vocab=int(draft_vocab), weights=onnx_utils.WEIGHTS_FILE, verification=dict(b.report),
         project_version=__version__, exporter_revision=EXPORTER_REVISION,
-        manifest_version=STATE_MANIFEST_VERSION if "linear" in kinds else MANIFEST_VERSION)
+        manifest_version=MANIFEST_VERSION if set(kinds) == {"attention"} else STATE_MANIFEST_VERSION)
     return write_manifest(b.tmp, manifest)
 
 

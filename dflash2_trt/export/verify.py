@@ -61,9 +61,10 @@ def session(path: Path):  # noqa: ANN201
 
 
 def verify_target(path: Path, target, layer_ids: list[int], dtype: str, np_dtype, seed: int = 0) -> dict:  # noqa: ANN001
-    """Two chunks (n1 + n2 rows) through a capacity buffer vs one HF pass over all rows (a target with linear
-    layers: :func:`verify_state_target`)."""
-    if "linear" in target.family.layer_kinds(target.model.config):
+    """Two chunks (n1 + n2 rows) through a capacity buffer vs one HF pass over all rows (a target with linear or
+    sliding layers: :func:`verify_state_target`)."""
+    cfg = getattr(target.model.config, "text_config", None) or target.model.config
+    if set(target.family.layer_kinds(cfg)) != {"attention"}:
         return verify_state_target(path, target, layer_ids, dtype, np_dtype, seed)
     rng = np.random.default_rng(seed)
     n1, n2 = 7, 5
@@ -170,36 +171,56 @@ def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: 
 
 
 def verify_state_target(path: Path, target, layer_ids: list[int], dtype: str, np_dtype, seed: int = 0) -> dict:  # noqa: ANN001
-    """A target with linear layers: a prompt chunk, a 5-row call asking every row's state, a rollback to 2 of its
-    rows (the runtime's rule: :class:`~dflash2_trt.runtime.linear_state.LinearStates`), then 3 new rows — the logits
-    and features of every call against HF passes over the sequence each call continues."""
-    from dflash2_trt.runtime.linear_state import LinearStates, layer_feed, split_present
+    """A target with linear or sliding layers: a prompt chunk (for sliding layers longer than their ring, so that it
+    wraps), a 5-row call asking every row's state, a rollback to 2 of its rows (the runtime's rules:
+    :class:`~dflash2_trt.runtime.linear_state.LinearStates`, :class:`~dflash2_trt.runtime.kv.WindowRing`), then 3
+    new rows — the logits and features of every call against HF passes over the sequence each call continues."""
+    from dflash2_trt.manifest import TARGET_WINDOW_POSITIONS, SlidingWindowSpec
+    from dflash2_trt.runtime.kv import WindowRing, layer_feed, split_present
+    from dflash2_trt.runtime.linear_state import LinearStates
 
     rng = np.random.default_rng(seed)
-    cfg = target.model.config
+    cfg = getattr(target.model.config, "text_config", None) or target.model.config
     kinds = target.family.layer_kinds(cfg)
     names = target_state_names(kinds)
+    kvh = int(cfg.num_key_value_heads)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     states = LinearStates([i for i, k in enumerate(kinds) if k == "linear"],
-                          LinearStateSpec(**target.family.linear_state_shapes(cfg)), np_dtype)
-    kvh, d, cap = int(cfg.num_key_value_heads), int(cfg.head_dim), 32
-    kv = [np.zeros((1, kvh, cap, d), dtype=np_dtype) for k in kinds if k != "linear" for _ in range(2)]
+                          LinearStateSpec(**target.family.linear_state_shapes(cfg)), np_dtype) \
+        if "linear" in kinds else None
+    ring = WindowRing(kinds.count("sliding"), kvh, d, np_dtype, SlidingWindowSpec(
+        **target.family.sliding_window_spec(cfg, 1))) if "sliding" in kinds else None
+    # a prompt that wraps the ring when that costs at most a few hundred rows (a linear layer's call: <= 64 rows)
+    n_prompt = ring.spec.ring_slots + 7 if ring is not None and ring.spec.ring_slots <= 500 else 7
+    cap = n_prompt + 16
+    kv = [np.zeros((1, kvh, cap, d), dtype=np_dtype) for _ in range(2 * kinds.count("attention"))]
     sess = session(path)
-    prompt, block, fresh = (rng.integers(0, target.vocab_size, n) for n in (7, 5, 3))
+    prompt, block, fresh = (rng.integers(0, target.vocab_size, n) for n in (n_prompt, 5, 3))
     n, report = 0, {}
-    for step, (ids, keep) in enumerate(((prompt, 7), (block, 2), (fresh, 3))):
+    for step, (ids, keep) in enumerate(((prompt, n_prompt), (block, 2), (fresh, 3))):
         S = len(ids)
         mask = np.zeros((1, cap + S), dtype=np.int64)
         mask[0, :n] = 1
         mask[0, cap:] = 1
         feed = {"input_ids": ids.reshape(1, -1).astype(np.int64), "attention_mask": mask,
-                "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1),
-                TARGET_STATE_ROWS: np.arange(S, dtype=np.int64)}
-        feed.update(zip(names, layer_feed(kinds, kv, states.feed())))
+                "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1)}
+        by_kind: dict[str, list[np.ndarray]] = {"attention": kv}
+        if states is not None:
+            feed[TARGET_STATE_ROWS] = np.arange(S, dtype=np.int64)
+            by_kind["linear"] = states.feed()
+        if ring is not None:
+            by_kind["sliding"], feed[TARGET_WINDOW_POSITIONS] = ring.feed()
+        feed.update(zip(names, layer_feed(kinds, by_kind)))
         out = sess.run(None, feed)
-        kv_new, linear_new = split_present(kinds, out[2:])
-        for buf, new in zip(kv, kv_new):
-            buf[:, :, n:n + S] = new
-        states.update(linear_new, 0, {0: S}, True)
+        new = split_present(kinds, out[2:])
+        for buf, x in zip(kv, new["attention"]):
+            buf[:, :, n:n + S] = x
+        if states is not None:
+            states.update(new["linear"], 0, {0: S}, True)
+            states.rollback(keep)
+        if ring is not None:
+            ring.write(0, n, new["sliding"])
+            ring.crop(0, n + keep)
         history = np.concatenate([prompt, block[:2]]) if step == 2 else np.concatenate([prompt, block])[:n]
         target.reset(layer_ids)
         want_logits, want_feats = target.forward(torch.from_numpy(np.concatenate([history, ids])))
@@ -209,6 +230,7 @@ def verify_state_target(path: Path, target, layer_ids: list[int], dtype: str, np
                tol, report)
         _decisions(f"target.argmax[{step}]", out[0][0].argmax(-1), want_logits[n:].argmax(-1).numpy(), report,
                    MIN_MATCH[dtype][0])
-        states.rollback(keep)
         n += keep
+    if ring is not None:
+        report["target.ring_wrapped"] = float(n_prompt > ring.spec.ring_slots)
     return report

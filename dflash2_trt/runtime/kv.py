@@ -1,6 +1,7 @@
-"""The KV capacity policy and the host KV buffer the backends share, and the target's id check.
+"""The KV capacity policy and the host KV buffer the backends share, the sliding layers' ring buffer, the target
+graph's per-layer state in layer order (:func:`layer_feed`, :func:`split_present`), and the target's id check.
 
-Imports only numpy and the project error type.
+Imports only numpy, the project error type and the manifest's window spec.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.manifest import SlidingWindowSpec
+
+Kinds = tuple[str, ...] | list[str]
 
 
 def target_ids(ids: list[int], vocab_size: int) -> np.ndarray:
@@ -111,3 +115,77 @@ class KVBuffer:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(0, int(length)))
+
+
+def layer_feed(kinds: Kinds, states: dict[str, list[np.ndarray]]) -> list[np.ndarray]:
+    """The target graph's per-layer state inputs in layer order (2 per layer), each taken from its kind's list in
+    ``states`` (each list in its own layers' order): an attention or sliding layer's key and value, a linear layer's
+    convolution and recurrent state."""
+    its = {kind: iter(arrays) for kind, arrays in states.items()}
+    out = []
+    for kind in kinds:
+        out += [next(its[kind]), next(its[kind])]
+    return out
+
+
+def split_present(kinds: Kinds, present: list[np.ndarray]) -> dict[str, list[np.ndarray]]:
+    """The graph's per-layer outputs (2 per layer, layer order) -> kind -> that kind's outputs in its own layers'
+    order (every kind of ``kinds`` a key): what :func:`layer_feed` takes back."""
+    out: dict[str, list[np.ndarray]] = {kind: [] for kind in kinds}
+    for i, kind in enumerate(kinds):
+        out[kind].extend(present[2 * i: 2 * i + 2])
+    return out
+
+
+class WindowRing:
+    """K/V of the sliding layers of ``slots`` sequences in ring buffers ``[slots, heads, ring_slots, d]``: position
+    p lives in slot p % ring_slots, and ``positions [slots, ring_slots]`` (the target graph's ``window_positions``)
+    says which position each slot holds (-1: none). Memory is bounded by the ring, whatever the context.
+
+    A call's new rows are written over the oldest slots; since the ring holds ``ring_slots - window`` more slots
+    than the window, a crop back into a call of at most ``ring_slots - window + 1`` rows finds every key its next
+    row needs (the overwritten ones are older than any window after the crop) and only drops the cut rows' slots.
+    A crop below that (:attr:`floor`) raises instead of decoding with keys lost."""
+
+    def __init__(self, n_layers: int, heads: int, head_dim: int, dtype: DTypeLike, spec: SlidingWindowSpec,
+                 slots: int = 1) -> None:
+        self.spec, self.slots = spec, int(slots)
+        self.arrays = [np.zeros((slots, heads, spec.ring_slots, head_dim), dtype=dtype) for _ in range(2 * n_layers)]
+        self.positions = np.full((slots, spec.ring_slots), -1, dtype=np.int64)
+        self.floor = np.zeros(slots, dtype=np.int64)  # per slot: the lowest length a crop can return to
+
+    def reset(self, slot: int | None = None) -> None:
+        """Empty one slot's ring (every slot's when None): a new sequence."""
+        rows = slice(None) if slot is None else slice(slot, slot + 1)
+        self.positions[rows] = -1
+        self.floor[rows] = 0
+
+    def feed(self, lo: int = 0, hi: int | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+        """(the rings of slots lo..hi-1, 2 per sliding layer; their ``window_positions``): views."""
+        hi = self.slots if hi is None else hi
+        return [a[lo:hi] for a in self.arrays], self.positions[lo:hi]
+
+    def write(self, slot: int, start: int, new: list[np.ndarray], row: int = 0) -> None:
+        """Slot ``slot``'s new rows at positions start.. : ``new`` 2 per sliding layer [n, heads, S, d], this slot's
+        rows at index ``row`` (the ring keeps the last ``ring_slots`` of them)."""
+        R, W = self.spec.ring_slots, self.spec.window
+        S = new[0].shape[2]
+        first = max(0, S - R)
+        idx = (start + np.arange(first, S)) % R
+        for buf, x in zip(self.arrays, new):
+            buf[slot][:, idx] = x[row][:, first:]
+        self.positions[slot, idx] = start + np.arange(first, S)
+        self.floor[slot] = max(0, start + S - (R - W) - 1)
+
+    def crop(self, slot: int, length: int) -> None:
+        """Slot ``slot`` keeps positions < ``length``, or DFlash2Error when the ring no longer holds the keys the row
+        at ``length`` needs (a crop deeper than a verify's rows into the last call)."""
+        if length < self.floor[slot]:
+            raise DFlash2Error(f"the sliding-window ring of {self.spec.ring_slots} slots cannot return to length "
+                               f"{length}: it holds the keys of lengths >= {int(self.floor[slot])} only")
+        p = self.positions[slot]
+        p[p >= length] = -1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays) + self.positions.nbytes

@@ -21,29 +21,6 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import LinearStateSpec
 
 
-def layer_feed(kinds: tuple[str, ...] | list[str], kv: list[np.ndarray], linear: list[np.ndarray]
-               ) -> list[np.ndarray]:
-    """The target graph's per-layer state inputs in layer order (2 per layer): a KV layer's key and value from ``kv``,
-    a linear layer's convolution and recurrent state from ``linear`` (each list in its own layers' order)."""
-    kv_it, lin_it = iter(kv), iter(linear)
-    out = []
-    for kind in kinds:
-        it = lin_it if kind == "linear" else kv_it
-        out += [next(it), next(it)]
-    return out
-
-
-def split_present(kinds: tuple[str, ...] | list[str], present: list[np.ndarray]
-                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The graph's per-layer outputs (2 per layer, layer order) -> (the KV layers' new K/V, the linear layers' conv
-    inputs and recurrent states), each in its own layers' order: what :func:`layer_feed` takes back."""
-    kv: list[np.ndarray] = []
-    linear: list[np.ndarray] = []
-    for i, kind in enumerate(kinds):
-        (linear if kind == "linear" else kv).extend(present[2 * i: 2 * i + 2])
-    return kv, linear
-
-
 class LinearStates:
     """Convolution [slots, conv_dim, K - 1] and recurrent [slots, heads, dk, dv] fp32 state of each linear layer."""
 

@@ -96,22 +96,30 @@ def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: flo
 
 
 def attention_biases(attention_mask: torch.Tensor, C: int, rep: int, dtype: torch.dtype,
-                     position_ids: torch.Tensor | None = None, window: int | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     position_ids: torch.Tensor | None = None, window: int | None = None,
+                     ring_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Additive biases (0 or -inf) of :func:`_grouped_attention` over a capacity buffer of C slots (slot j holds
     position j) and S new rows, from the mask [B, C + S]: past [B, 1, 1, C] (the same for every row) and new
     [B, 1, rep * S, S] (causal). With ``window`` (and the rows' ``position_ids``), keys are also limited to the last
-    ``window`` positions of each row: past becomes [B, 1, rep * S, C]."""
+    ``window`` positions of each row: past becomes [B, 1, rep * S, C]; with ``ring_positions`` [B, R] as well, the
+    past keys are a ring of R slots instead, slot j holding position ``ring_positions[:, j]`` (-1: none)."""
     S = attention_mask.shape[1] - C
     neg, zero = torch.tensor(float("-inf"), dtype=dtype), torch.tensor(0.0, dtype=dtype)
     past_ok = attention_mask[:, :C] > 0  # [B, C]
+    rows = torch.arange(S, device=attention_mask.device)
+    own = (rows[:, None] == rows[None, :])[None]
     causal = torch.ones(S, S, dtype=torch.bool, device=attention_mask.device).tril()[None] & (
-        attention_mask[:, C:] > 0)[:, None, :]  # [B, S, S]: new row s sees valid new rows <= s
+        (attention_mask[:, C:] > 0)[:, None, :] | own)  # [B, S, S]: new row s sees valid new rows <= s and itself
+    # (itself always: a batch's padding row then has a key in every window, so no softmax is over nothing, whose NaN
+    # would reach the valid rows through their zero weights on it)
     if window is None:
         return torch.where(past_ok, zero, neg)[:, None, None, :], \
             torch.where(causal, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1)
-    slots = torch.arange(C, device=attention_mask.device)
-    near_past = position_ids[:, :, None] - slots[None, None, :] < window  # [B, S, C]
+    if ring_positions is None:
+        slots = torch.arange(C, device=attention_mask.device)[None, None, :]
+    else:
+        past_ok, slots = ring_positions >= 0, ring_positions[:, None, :]
+    near_past = position_ids[:, :, None] - slots < window  # [B, S, C or R]
     near_new = position_ids[:, :, None] - position_ids[:, None, :] < window  # [B, S, S]
     return (torch.where(past_ok[:, None, :] & near_past, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1),
             torch.where(causal & near_new, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1))

@@ -7,10 +7,11 @@ to the accepted length before the window is restored; full attention layers crop
 Muse Glimmer is released as a vision-language model only: its folder loads as ``MuseGlimmerForConditionalGeneration``,
 whose text path (token ids in, logits out) is the target (:func:`load_model`).
 
-Export: :func:`TargetGraph` (:class:`MuseGlimmerGraph`, :class:`GptOssGraph`) keeps every layer's keys and values in
-the dense family's capacity buffers and masks a sliding layer's keys to its window from the positions, so a rollback
-is the dense family's crop and the graph's inputs and outputs are the dense graph's. (A ring buffer of the window
-would hold less; it is not implemented.)
+Export: :func:`TargetGraph` (:class:`MuseGlimmerGraph`, :class:`GptOssGraph`) keeps a full layer's keys and values in
+the dense family's capacity buffers, and a sliding layer's in a ring buffer of ``ring_slots`` slots (the manifest's
+``target.sliding_window``: the window plus the most rows a verify takes, so that a verify overwrites no key a
+rollback into it needs; :class:`~dflash2_trt.runtime.kv.WindowRing` keeps it), whose ``window_positions`` input
+says which position each slot holds: memory per sliding layer is bounded by the ring, whatever the context.
 """
 
 from __future__ import annotations
@@ -21,14 +22,18 @@ import torch
 from torch import nn
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.targets.dense import _grouped_attention, _rope, attention_biases, graph_io, rope_tables
+from dflash2_trt.targets import dense
+from dflash2_trt.targets.dense import _grouped_attention, _rope, attention_biases, rope_tables
 from dflash2_trt.targets.recorded import before_forward, new_cache, rollback
 
 MODEL_TYPES = ("gpt_oss", "muse_glimmer")
 _KINDS = {"full_attention": "attention", "sliding_attention": "sliding"}
 
 __all__ = ["MODEL_TYPES", "TargetGraph", "before_forward", "check_exportable", "graph_io", "layer_kinds", "load_model",
-           "new_cache", "rollback"]
+           "new_cache", "rollback", "sliding_window_spec"]
+
+# rows a verify may take beyond the window without a rollback into it losing a key (at least the block size)
+VERIFY_ROWS = 16
 
 
 def _text_config(config: Any) -> Any:
@@ -42,6 +47,32 @@ def layer_kinds(config: Any) -> list[str]:
     if len(types) != int(cfg.num_hidden_layers) or any(t not in _KINDS for t in types):
         raise DFlash2Error(f"target layer_types must list one of {', '.join(_KINDS)} per layer, got {types}")
     return [_KINDS[t] for t in types]
+
+
+def sliding_window_spec(config: Any, block_size: int) -> dict[str, int]:
+    """The manifest's ``target.sliding_window``: the window, and ring slots for it plus the rows of a verify (the
+    larger of :data:`VERIFY_ROWS` and ``block_size``)."""
+    window = int(_text_config(config).sliding_window)
+    return {"window": window, "ring_slots": window + max(VERIFY_ROWS, int(block_size))}
+
+
+def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
+    """The dense graph's inputs (:func:`dflash2_trt.targets.dense.graph_io`) with ``window_positions`` [B, R] after
+    the mask, and a sliding layer's past K/V over the R ring slots (traced with R = 5 beside a capacity of 4)."""
+    from dflash2_trt.manifest import TARGET_WINDOW_POSITIONS
+
+    args, inputs, outputs, dyn = dense.graph_io(hf_model, batch, dtype)
+    kinds = layer_kinds(hf_model.config)
+    past = list(args[3:])
+    for i, kind in enumerate(kinds):
+        if kind == "sliding":
+            past[2 * i: 2 * i + 2] = [torch.zeros(batch, *x.shape[1:2], 5, x.shape[3], dtype=dtype)
+                                      for x in past[2 * i: 2 * i + 2]]
+            for name in inputs[3 + 2 * i: 5 + 2 * i]:
+                dyn[name] = {0: "batch", 2: "ring_slots"}
+    ring = torch.tensor([[2, 3, -1, 0, 1]]).repeat(batch, 1)  # positions 0..3 in a ring, one slot empty
+    dyn[TARGET_WINDOW_POSITIONS] = {0: "batch", 1: "ring_slots"}
+    return ((*args[:3], ring, *past), [*inputs[:3], TARGET_WINDOW_POSITIONS, *inputs[3:]], outputs, dyn)
 
 
 def load_model(folder: str, dtype: Any) -> Any:
@@ -69,9 +100,15 @@ def check_exportable(hf_model: Any) -> None:
 
 
 class _WindowedGraph(nn.Module):
-    """What the sliding family's graphs share: the dense graph's interface (:class:`dflash2_trt.targets.dense.
-    TargetGraph`), RoPE tables, and the additive attention biases of full layers and of sliding layers, whose keys are
-    limited to the last ``sliding_window`` positions (slot j of the capacity buffer holds position j)."""
+    """What the sliding family's graphs share: the interface (:func:`graph_io`: the dense graph's, with the sliding
+    layers' keys in rings whose slots hold the positions ``window_positions`` gives), RoPE tables, and the additive
+    attention biases of full layers and of sliding layers, whose keys are limited to the last ``sliding_window``
+    positions of each row.
+
+    forward(input_ids [B, S], position_ids [B, S], attention_mask [B, C + S] (the full layers' slots and the new
+            rows), window_positions [B, R] int64 (-1: an empty slot), *past (2 per layer: full [B, kvh, C, d], sliding
+            [B, kvh, R, d]))
+    -> logits [B, S, V] fp32, context_features, *present (the S new rows' K/V of every layer [B, kvh, S, d])."""
 
     def __init__(self, hf_model: Any, layer_ids: list[int]) -> None:
         super().__init__()
@@ -87,18 +124,18 @@ class _WindowedGraph(nn.Module):
         self.register_buffer("inv_freq", rot.inv_freq.detach().float().clone(), persistent=False)
         self.attention_scaling = float(getattr(rot, "attention_scaling", 1.0))
 
-    def _tables(self, h, position_ids, attention_mask, C):  # noqa: ANN001, ANN202
-        """(cos, sin [B, 1, S, d]), biases of full layers, biases of sliding layers (each: past [B, 1, rows, C],
+    def _tables(self, h, position_ids, attention_mask, window_positions):  # noqa: ANN001, ANN202
+        """(cos, sin [B, 1, S, d]), biases of full layers, biases of sliding layers (each: past [B, 1, rows, C or R],
         new [B, 1, rep * S, S]; grouped heads folded into rows as :func:`dflash2_trt.targets.dense._grouped_attention`
         takes them)."""
-        rep = self.nh // self.kvh
+        rep, C = self.nh // self.kvh, attention_mask.shape[1] - h.shape[1]
         return (rope_tables(position_ids, self.inv_freq, self.attention_scaling, h.dtype),
                 attention_biases(attention_mask, C, rep, h.dtype),
-                attention_biases(attention_mask, C, rep, h.dtype, position_ids, self.window))
+                attention_biases(attention_mask, C, rep, h.dtype, position_ids, self.window, window_positions))
 
-    def forward(self, input_ids, position_ids, attention_mask, *past):  # noqa: ANN001, ANN201
+    def forward(self, input_ids, position_ids, attention_mask, window_positions, *past):  # noqa: ANN001, ANN201
         h = self.embed(input_ids)
-        rope, full, window = self._tables(h, position_ids, attention_mask, past[0].shape[2])
+        rope, full, window = self._tables(h, position_ids, attention_mask, window_positions)
         taps, present = {}, []
         for i, layer in enumerate(self.layers):
             h, k, v = self._layer(i, layer, h, rope, window if self.sliding[i] else full, past[2 * i], past[2 * i + 1])

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import (BLOCK_LAYERS, ORT_SUFFIX, TARGET_ORT, TARGET_STATE_ROWS, ExportManifest, GraphSpec,
-                                  read_manifest)
-from dflash2_trt.runtime.kv import KVBuffer, target_ids
-from dflash2_trt.runtime.linear_state import LinearStates, layer_feed, split_present
+from dflash2_trt.manifest import (BLOCK_LAYERS, ORT_SUFFIX, TARGET_ORT, TARGET_STATE_ROWS, TARGET_WINDOW_POSITIONS,
+                                  ExportManifest, GraphSpec, read_manifest)
+from dflash2_trt.runtime.kv import KVBuffer, WindowRing, layer_feed, split_present, target_ids
+from dflash2_trt.runtime.linear_state import LinearStates
 from dflash2_trt.runtime.protocol import (BackendBase, BackendUnavailable, BatchDraftRunner, BatchTargetRunner, Draft,
                                           independent_draft)
 from dflash2_trt.runtime.ort.failures import ort_failures
@@ -303,11 +303,11 @@ class OrtBackend(BackendBase):
     @property
     def batching(self) -> bool:
         """Many sequences per target call: the fused target (:mod:`dflash2_trt.runtime.ort.batched_target`), or the
-        standard graph of a target with linear layers (:mod:`dflash2_trt.runtime.ort.batched_standard`)."""
-        return self.fused or "linear" in self.manifest.layer_kinds
+        standard graph of a target with linear or sliding layers (:mod:`dflash2_trt.runtime.ort.batched_standard`)."""
+        return self.fused or not self.manifest.kv_only
 
     def batch_target_runner(self, slots: int) -> BatchTargetRunner:
-        if not self.fused and "linear" in self.manifest.layer_kinds:
+        if not self.fused and not self.manifest.kv_only:
             from dflash2_trt.runtime.ort.batched_standard import OrtStandardBatchedTargetRunner
 
             return OrtStandardBatchedTargetRunner(self, slots)
@@ -325,9 +325,10 @@ class OrtBackend(BackendBase):
 
 
 class OrtTargetRunner:
-    """TargetRunner over ``target.onnx``: KV capacity buffers for the attention layers and, for a target with linear
-    layers, their states (:class:`~dflash2_trt.runtime.linear_state.LinearStates`: a crop into the last call rolls
-    them back to the kept rows)."""
+    """TargetRunner over ``target.onnx``: KV capacity buffers for the attention layers, ring buffers for the sliding
+    layers (:class:`~dflash2_trt.runtime.kv.WindowRing`) and, for a target with linear layers, their states
+    (:class:`~dflash2_trt.runtime.linear_state.LinearStates`); a crop into the last call rolls each back to the kept
+    rows."""
 
     def __init__(self, be: OrtBackend) -> None:
         m = be.manifest
@@ -337,18 +338,21 @@ class OrtTargetRunner:
         self.max_positions = m.max_seq_len
         self.eos_ids = set(t.eos_token_ids)
         self.kinds = m.layer_kinds
-        attention = [i for i, k in enumerate(self.kinds) if k != "linear"]  # a KV cache: attention and sliding
+        count = {kind: self.kinds.count(kind) for kind in ("attention", "sliding")}
         linear = [i for i, k in enumerate(self.kinds) if k == "linear"]
-        self.kv = KVBuffer(len(attention), t.num_key_value_heads, t.head_dim, be.dtype, m.kv_capacity_step,
+        self.kv = KVBuffer(count["attention"], t.num_key_value_heads, t.head_dim, be.dtype, m.kv_capacity_step,
                            m.max_seq_len)
         self.names = m.target_kv_names()
         self.linear = LinearStates(linear, t.linear_state, be.dtype) if linear and t.linear_state else None
+        self.ring = (WindowRing(count["sliding"], t.num_key_value_heads, t.head_dim, be.dtype, t.sliding_window)
+                     if count["sliding"] and t.sliding_window else None)
         self._call_start = 0  # the cache length before the last forward (a rollback keeps rows of that call only)
 
     def reset(self) -> None:
         self.kv.reset()
-        if self.linear is not None:
-            self.linear.reset()
+        for state in (self.linear, self.ring):
+            if state is not None:
+                state.reset()
         self._call_start = 0
 
     @property
@@ -371,22 +375,36 @@ class OrtTargetRunner:
         self.kv.reserve(n + S)
         feed = {"input_ids": arr, "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1),
                 "attention_mask": np.concatenate([self.kv.valid_mask(), np.ones((1, S), dtype=np.int64)], axis=1)}
-        if self.linear is None:
+        if self.kv_only:
             feed.update(zip(self.names, self.kv.arrays))
             out = self.sess.run(feed)
             self.kv.append(out[2:])
             return out[0][0], out[1][0]
-        feed[TARGET_STATE_ROWS] = np.arange(S, dtype=np.int64) if every_row else np.array([S - 1], dtype=np.int64)
-        feed.update(zip(self.names, layer_feed(self.kinds, self.kv.arrays, self.linear.feed())))
+        states: dict[str, list[np.ndarray]] = {"attention": self.kv.arrays}
+        if self.linear is not None:
+            feed[TARGET_STATE_ROWS] = np.arange(S, dtype=np.int64) if every_row else np.array([S - 1], dtype=np.int64)
+            states["linear"] = self.linear.feed()
+        if self.ring is not None:
+            states["sliding"], feed[TARGET_WINDOW_POSITIONS] = self.ring.feed()
+        feed.update(zip(self.names, layer_feed(self.kinds, states)))
         out = self.sess.run(feed)
-        kv_new, linear_new = split_present(self.kinds, out[2:])
-        self.kv.append(kv_new)
-        self.linear.update(linear_new, 0, {0: S}, every_row)
+        new = split_present(self.kinds, out[2:])
+        self.kv.append(new.get("attention", []))
+        if self.linear is not None:
+            self.linear.update(new["linear"], 0, {0: S}, every_row)
+        if self.ring is not None:
+            self.ring.write(0, n, new["sliding"])
         return out[0][0], out[1][0]
+
+    @property
+    def kv_only(self) -> bool:
+        return self.linear is None and self.ring is None
 
     def crop(self, length: int) -> None:
         if self.linear is not None and length < self.kv.length:
             self.linear.rollback(length - self._call_start)
+        if self.ring is not None and length < self.kv.length:
+            self.ring.crop(0, length)
         self.kv.crop(length)
 
 

@@ -1,18 +1,21 @@
-"""Batched target runner over the standard ``target.onnx`` of a target with linear layers: ``slots`` sequences,
-each with its own KV length and its own linear-layer state (:class:`~dflash2_trt.runtime.linear_state.LinearStates`
-with one row per slot), so every slot rolls back to its own accepted length.
+"""Batched target runner over the standard ``target.onnx`` of a target with linear or sliding-window layers:
+``slots`` sequences, each with its own KV length, its own linear-layer state
+(:class:`~dflash2_trt.runtime.linear_state.LinearStates` with one row per slot) and its own sliding layers' rings
+(:class:`~dflash2_trt.runtime.kv.WindowRing`), so every slot rolls back to its own accepted length.
 
 Buffers::
 
     kv[j]        [slots, kvh, C, d]          attention layer j's keys / values; slot b's first lengths[b] valid
     conv, rec    [slots, ...] per linear layer  the state after each slot's last kept row
+    ring[j]      [slots, kvh, ring_slots, d]  sliding layer j's keys / values of each slot's last window
 
 A call runs over a slot range ``lo .. hi-1`` (views of the buffers, no copy): the slots with rows right-padded to
 the call's S (padding rows after a slot's own rows touch none of them: causal attention masks them as keys, and the
 linear layers' recurrence runs forward), the range's other slots a dummy row whose outputs are dropped. The graph
-returns the new rows' K/V (written at each slot's length) and every row's recurrent state (each slot keeps the row
-of its own length). Slots of at most ``max_rows_per_call`` rows share one call; a longer prompt runs alone, in calls
-of that many rows, and is not recorded for rollback.
+returns the new rows' K/V (written at each slot's length, or into its ring) and every row's recurrent state (each slot
+keeps the row of its own length). Slots of at most ``max_rows_per_call`` rows (a target with linear layers; else
+any number) share one call; a longer prompt runs alone, in calls of that many rows, and is not recorded for
+rollback.
 
 Ownership: one runner = ``slots`` requests' state; not thread safe (the batch loop owns it).
 """
@@ -24,14 +27,14 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import TARGET_STATE_ROWS
-from dflash2_trt.runtime.kv import check_slot_rows, grown_slot_buffers
-from dflash2_trt.runtime.linear_state import LinearStates, layer_feed, split_present
+from dflash2_trt.manifest import TARGET_STATE_ROWS, TARGET_WINDOW_POSITIONS
+from dflash2_trt.runtime.kv import WindowRing, check_slot_rows, grown_slot_buffers, layer_feed, split_present
+from dflash2_trt.runtime.linear_state import LinearStates
 from dflash2_trt.runtime.ort.batched_target import CALL_ROWS
 
 
 class OrtStandardBatchedTargetRunner:
-    """``slots`` sequences over the standard target graph (attention and linear layers)."""
+    """``slots`` sequences over the standard target graph (attention, linear and sliding layers)."""
 
     def __init__(self, be: Any, slots: int) -> None:  # be: OrtBackend
         if slots < 1:
@@ -43,15 +46,18 @@ class OrtStandardBatchedTargetRunner:
         self.slots = slots
         self.kinds = m.layer_kinds
         self.names = m.target_kv_names()
-        self.n_attention = sum(k != "linear" for k in self.kinds)
+        self.n_attention = self.kinds.count("attention")
         self.kv_heads, self.head_dim, self.dtype = t.num_key_value_heads, t.head_dim, be.dtype
         self.step = m.kv_capacity_step
         self.max_capacity = m.max_capacity
         self.capacity = 0
         self.arrays: list[np.ndarray] = []  # 2 per attention layer
-        self.linear = LinearStates([i for i, k in enumerate(self.kinds) if k == "linear"], t.linear_state,
-                                   be.dtype, slots)
-        self.max_rows = t.linear_state.max_rows_per_call
+        linear = [i for i, k in enumerate(self.kinds) if k == "linear"]
+        self.linear = LinearStates(linear, t.linear_state, be.dtype, slots) if linear and t.linear_state else None
+        n_sliding = self.kinds.count("sliding")
+        self.ring = (WindowRing(n_sliding, self.kv_heads, self.head_dim, be.dtype, t.sliding_window, slots)
+                     if n_sliding and t.sliding_window else None)
+        self.max_rows = t.linear_state.max_rows_per_call if self.linear is not None else self.max_positions
         self.lengths = np.zeros(slots, dtype=np.int64)
         self.active = np.zeros(slots, dtype=bool)
         self._call_start = np.zeros(slots, dtype=np.int64)  # each slot's length before its last call
@@ -64,7 +70,9 @@ class OrtStandardBatchedTargetRunner:
             raise DFlash2Error(f"all {self.slots} batch slots are in use")
         b = int(free[0])
         self.active[b], self.lengths[b], self._call_start[b] = True, 0, 0
-        self.linear.reset(b)
+        for state in (self.linear, self.ring):
+            if state is not None:
+                state.reset(b)
         return b
 
     def leave(self, slot: int) -> None:
@@ -76,10 +84,13 @@ class OrtStandardBatchedTargetRunner:
 
     def crop(self, slot: int, length: int) -> None:
         """Slot ``slot`` keeps positions 0..length-1: its KV by its length, its linear state rolled back into its
-        last call."""
+        last call, its rings' cut rows dropped."""
         length = max(0, int(length))
         if length < self.lengths[slot]:
-            self.linear.rollback(length - int(self._call_start[slot]), slot)
+            if self.linear is not None:
+                self.linear.rollback(length - int(self._call_start[slot]), slot)
+            if self.ring is not None:
+                self.ring.crop(slot, length)
             self.lengths[slot] = length
 
     def cost_units(self, rows: dict[int, int]) -> float:
@@ -128,19 +139,26 @@ class OrtStandardBatchedTargetRunner:
             ids[b - lo, : len(r)] = r
             mask[b - lo, C: C + len(r)] = 1
         pos = np.minimum(start[:, None] + np.arange(S)[None], self.max_positions - 1)
-        feed = {"input_ids": ids, "position_ids": pos.astype(np.int64), "attention_mask": mask,
-                TARGET_STATE_ROWS: np.arange(S, dtype=np.int64) if every_row else np.array([S - 1], dtype=np.int64)}
-        feed.update(zip(self.names, layer_feed(self.kinds, [a[lo:hi] for a in self.arrays],
-                                               self.linear.feed(lo, hi))))
+        feed = {"input_ids": ids, "position_ids": pos.astype(np.int64), "attention_mask": mask}
+        states: dict[str, list[np.ndarray]] = {"attention": [a[lo:hi] for a in self.arrays]}
+        if self.linear is not None:
+            feed[TARGET_STATE_ROWS] = np.arange(S, dtype=np.int64) if every_row else np.array([S - 1], dtype=np.int64)
+            states["linear"] = self.linear.feed(lo, hi)
+        if self.ring is not None:
+            states["sliding"], feed[TARGET_WINDOW_POSITIONS] = self.ring.feed(lo, hi)
+        feed.update(zip(self.names, layer_feed(self.kinds, states)))
         res = self.sess.run(feed)
         self.calls += 1
-        kv_new, linear_new = split_present(self.kinds, res[2:])
+        new = split_present(self.kinds, res[2:])
         m = {b: len(r) for b, r in rows.items()}
         for b, k in m.items():
             n0 = int(self.lengths[b])
-            for buf, new in zip(self.arrays, kv_new):
-                buf[b, :, n0:n0 + k] = new[b - lo, :, :k]
+            for buf, x in zip(self.arrays, new["attention"]):
+                buf[b, :, n0:n0 + k] = x[b - lo, :, :k]
+            if self.ring is not None:
+                self.ring.write(b, n0, [x[:, :, :k] for x in new["sliding"]], b - lo)
             self._call_start[b] = n0
             self.lengths[b] = n0 + k
-        self.linear.update(linear_new, lo, m, every_row)
+        if self.linear is not None:
+            self.linear.update(new["linear"], lo, m, every_row)
         return {b: (res[0][b - lo, :k], res[1][b - lo, :k]) for b, k in m.items()}
