@@ -402,3 +402,27 @@ def test_generate_batch_equals_single_requests(window_exports, arch):
     batch = g.generate_batch(prompts, 40, chat=False, eos_ids=set(), proposer="dflash2", max_batch=4, adaptive=False)
     assert [r.tokens for r in batch] == [r.tokens for r in singles]
     assert all(len(r.stats.accepted) >= 10 for r in batch)  # speculative cycles ran (each a verify and a crop)
+
+
+def test_the_sliding_window_recipe_runs_on_a_tiny_gpt_oss_pair(tmp_path):
+    """export/sliding-window-ort.sh on make-tiny's gpt-oss pair: exports (manifest version 3, rings for the sliding
+    layers) and decodes 48 tokens past the window of 8, output the target's own."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dflash2_trt.cli import main
+
+    assert main(["make-tiny", "--out", str(tmp_path / "pair"), "--arch", "gpt_oss", "--block-size", "4"]) == 0
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TARGET=str(tmp_path / "pair" / "target"), DRAFTER=str(tmp_path / "pair" / "drafter"),
+               OUT=str(tmp_path / "e"), MAX_SEQ_LEN="256", MAX_NEW_TOKENS="48",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    r = subprocess.run(["bash", str(root / "export" / "sliding-window-ort.sh")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "lossless: True" in r.stdout
+    m = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert m["manifest_version"] == 3 and m["target"]["sliding_window"] == {"window": 8, "ring_slots": 24}
