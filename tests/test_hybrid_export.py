@@ -1,8 +1,9 @@
-"""Hybrid Gated DeltaNet targets (qwen3_5, qwen3_5_moe) exported and run with ONNX Runtime: the standard target
-graph against transformers, a k-row verify against k one-row steps, the runtime's rollback of the linear layers'
-states to every kept length against a fresh run, lossless speculative decoding with drafts accepted at block sizes
-2, 4, 8, the sampling law at T = 1, two planted rollback bugs the suite must catch, the manifest's layer kinds and
-state shapes (and the readers that refuse them), and TensorRT's parser table for every node of the graph."""
+"""Hybrid Gated DeltaNet targets (qwen3_5, qwen3_5_moe, qwen3_next) exported and run with ONNX Runtime: the standard
+target graph against transformers, a k-row verify against k one-row steps, the runtime's rollback of the linear
+layers' states to every kept length against a fresh run, lossless speculative decoding with drafts accepted at block
+sizes 2, 4, 8 (the copying pair; a noisy oracle drafter on the random targets), the sampling law at T = 1, two planted
+rollback bugs the suite must catch, the manifest's layer kinds and state shapes (and the readers that refuse them),
+and TensorRT's parser table for every node of the graph."""
 
 from __future__ import annotations
 
@@ -15,15 +16,39 @@ import torch
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.linear_state import LinearStates
+from dflash2_trt.runtime.ngram import lookup_draft
 from helpers import assert_accepts, make_pair, two_token_law, two_token_p_value
 
-ARCHS = ("qwen3_5", "qwen3_5_moe")
+ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def _qwen3_next_pair(tmp_path_factory, name: str, initializer_range: float = 0.2):  # noqa: ANN202
+    """make-tiny's qwen3_5 pair (its tokenizer and random drafter) with the target replaced by a random qwen3_next one
+    of the same shapes: fused q/k/v/z and b/a projections, linear and full layers interleaved, partial rotary (a
+    quarter of each head), MoE MLPs with a gated shared expert (layer 3's MLP dense: ``mlp_only_layers``)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from dflash2_trt.tiny import HYBRID_LAYER_TYPES, TINY_VOCAB
+
+    pair = make_pair(tmp_path_factory, name, arch="qwen3_5")
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+                          linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                          linear_conv_kernel_dim=4, layer_types=list(HYBRID_LAYER_TYPES), num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                          mlp_only_layers=[3], max_position_embeddings=2048, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=0,
+                          initializer_range=initializer_range)
+    Qwen3NextForCausalLM(cfg).eval().save_pretrained(str(pair / "target"))
+    return pair
 
 
 def _export(tmp_path_factory, name: str, arch: str, accepting: bool, block_size: int | None = None):
     from dflash2_trt.export.exporter import export_model
 
-    pair = make_pair(tmp_path_factory, name, accepting=accepting, arch=arch)
+    pair = (_qwen3_next_pair(tmp_path_factory, name) if arch == "qwen3_next" else
+            make_pair(tmp_path_factory, name, accepting=accepting, arch=arch))
     out = tmp_path_factory.mktemp("export") / name
     export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=block_size)
     return pair, out
@@ -152,6 +177,71 @@ def test_lossless_greedy_with_drafts_accepted_on_ort(accepting_exports):
         assert bad == 0, f"block size {bs}: {bad} of 40 prompts differ"
         assert_accepts(acc, bs - 1, f"block size {bs}")
         assert any((0 < a or bs == 2) and a < bs - 1 for a in acc), f"no rollback at block size {bs}"
+
+
+class _NoisyOracle:
+    """A draft runner that proposes the target's own greedy continuation with each row wrong with probability 0.15
+    (fixed by the seed and the position), so cycles accept every length 0..L and roll back the rest
+    (tests/test_target_families.py's oracle)."""
+
+    block_size, num_draft_rows, top_k = 8, 7, 1
+
+    def __init__(self, full: list[int], vocab: int, seed: int) -> None:
+        self.full, self.vocab, self.seed = full, vocab, seed
+
+    def reset(self) -> None:
+        pass
+
+    def add_context(self, feats, start) -> None:  # noqa: ANN001
+        pass
+
+    def propose(self, anchor, pos, rows, temperature, uniforms):  # noqa: ANN001, ANN201
+        rng = np.random.default_rng([self.seed, pos])
+        return lookup_draft([t if rng.random() > 0.15 else (t + 1) % self.vocab
+                             for t in self.full[pos + 1: pos + 1 + rows]])
+
+
+def _oracle_lossless(be, vocab: int, bs: int) -> tuple[int, list[int]]:  # noqa: ANN001
+    """(mismatches, accepted drafts per cycle) of speculative greedy decoding with the noisy oracle at block size
+    ``bs`` against the same backend's autoregressive output, over 8 prompts of 40 new tokens."""
+    oracle = type("Oracle", (_NoisyOracle,), {"block_size": bs, "num_draft_rows": bs - 1})
+    rng = np.random.default_rng(3)
+    bad, accepted = 0, []
+    for i in range(8):
+        p = rng.integers(2, vocab, int(rng.integers(3, 20))).tolist()
+        want = D.target_generate(be.target_runner(), p, 40, eos_ids=set()).tokens
+        r = D.speculative_generate(be.target_runner(), oracle(p + want, vocab, i), p,
+                                   D.DecodeOptions(40, eos_ids=set()))
+        bad += r.tokens != want
+        accepted += r.accepted
+    return bad, accepted
+
+
+def test_lossless_greedy_with_a_noisy_oracle_on_ort(random_export):
+    """Block sizes 2, 4, 8 over each random export: speculative greedy output on ONNX Runtime = its own autoregressive
+    output, with the noisy oracle's drafts accepted and rejected at every length (so every kept length of the linear
+    layers' states was rolled back to)."""
+    t, be = random_export
+    for bs in (2, 4, 8):
+        bad, accepted = _oracle_lossless(be, t.vocab_size, bs)
+        assert bad == 0 and set(range(bs)) <= set(accepted), (bs, sorted(set(accepted)))
+
+
+def test_a_qwen3_next_fp16_export_decodes_losslessly(tmp_path_factory):
+    """A random qwen3_next target (weights of std 0.05: at the other random targets' 0.2, qwen3_5's as well, fp16
+    misses the export check's bounds) exported at fp16: the export-time check passes at fp16's bounds and ONNX
+    Runtime's speculative output with the noisy oracle equals its own autoregressive output, drafts accepted and
+    rejected at every length."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    pair = _qwen3_next_pair(tmp_path_factory, "hy_next_fp16", initializer_range=0.05)
+    out = tmp_path_factory.mktemp("export") / "next_fp16"
+    m = export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=256, block_size=8,
+                     dtype="fp16")
+    assert m.dtype == "fp16" and all(m.verification[f"target.argmax[{i}]_match"] == 1.0 for i in range(3))
+    bad, accepted = _oracle_lossless(OrtBackend(out), m.target.vocab_size, 8)
+    assert bad == 0 and set(range(8)) <= set(accepted), sorted(set(accepted))
 
 
 def test_batched_slots_equal_single_runs(random_export):
