@@ -14,7 +14,9 @@ attention layers crop their KV as the dense family does (:mod:`~dflash2_trt.targ
 Export: :class:`TargetGraph` carries every linear layer's state as graph inputs and outputs: a call returns the
 convolution's new inputs and the recurrent state after each row the runtime asks for (:func:`_delta_rule` computes
 the rows of one call in closed form, so the graph has no loop), from which the runtime keeps the state of the
-accepted prefix.
+accepted prefix. Qwen3-Next's fused input projections (``in_proj_qkvz``, ``in_proj_ba``, laid out per key head) are
+split in the graph into the q / k / v / z / b / a parts that Qwen3.5's separate projections give, so both run the
+same layer; the convolution's channels (q | k | v) and the state shapes are the same for both.
 """
 
 from __future__ import annotations
@@ -49,10 +51,6 @@ def check_exportable(hf_model: Any) -> None:
     """The exporter's graph computes this target exactly, else DFlash2Error saying what it does not."""
     cfg = hf_model.config
     layer_kinds(cfg)
-    if cfg.model_type == "qwen3_next":
-        raise DFlash2Error("dflash2 export does not support 'qwen3_next' targets yet (its fused q/k/v/z and b/a "
-                           "projections; it decodes with the PyTorch reference: dflash2 generate --target ... "
-                           "--drafter ...)")
     for what, value, ok in (("hidden_act", getattr(cfg, "hidden_act", "silu"), ("silu",)),
                             ("rope_type", (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default"),
                              ("default",))):
@@ -148,7 +146,7 @@ def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], l
 
 
 class TargetGraph(nn.Module):
-    """A Qwen3.5-family causal LM with explicit state: capacity-buffer KV for the attention layers (the dense
+    """A hybrid-family causal LM (Qwen3.5 or Qwen3-Next) with explicit state: capacity-buffer KV for the attention layers (the dense
     family's convention, :mod:`dflash2_trt.targets.dense`) and, for each linear layer, its convolution and recurrent
     state, returned so that the runtime can keep the state after any accepted prefix of the call.
 
@@ -218,10 +216,28 @@ class TargetGraph(nn.Module):
         o = o.transpose(1, 2).reshape(B, S, self.nh * self.d) * torch.sigmoid(gate)
         return a.o_proj(o), [k, v]
 
+    def _projections(self, la, x):  # noqa: ANN001, ANN202
+        """A Gated DeltaNet layer's input projections: (q | k | v [B, S, conv_dim] — the convolution's channels —,
+        z [B, S, hv * dv], b, a [B, S, hv]). Qwen3.5 has one projection per part; Qwen3-Next fuses them into
+        ``in_proj_qkvz`` and ``in_proj_ba``, laid out per key head ([q (dk) | k (dk) | v | z (rep * dv each)] and
+        [b | a (rep each)] for each of the hk key heads, rep = hv / hk value heads per key head), split here into the
+        same parts (transformers' ``fix_query_key_value_ordering``)."""
+        if not hasattr(la, "in_proj_qkvz"):
+            return la.in_proj_qkv(x), la.in_proj_z(x), la.in_proj_b(x), la.in_proj_a(x)
+        B, S = x.shape[0], x.shape[1]
+        dk, rv, rep = self.dk, (self.hv // self.hk) * self.dv, self.hv // self.hk
+        qkvz = la.in_proj_qkvz(x).view(B, S, self.hk, 2 * dk + 2 * rv)
+        ba = la.in_proj_ba(x).view(B, S, self.hk, 2 * rep)
+        q, k = qkvz[..., :dk].reshape(B, S, self.hk * dk), qkvz[..., dk: 2 * dk].reshape(B, S, self.hk * dk)
+        mixed = torch.cat([q, k, qkvz[..., 2 * dk: 2 * dk + rv].reshape(B, S, self.hv * self.dv)], dim=-1)
+        z = qkvz[..., 2 * dk + rv:].reshape(B, S, self.hv * self.dv)
+        return mixed, z, ba[..., :rep].reshape(B, S, self.hv), ba[..., rep:].reshape(B, S, self.hv)
+
     def _linear(self, la, x, conv, s0, state_rows):  # noqa: ANN001, ANN202
         """A Gated DeltaNet layer from its convolution and recurrent state."""
         B, S = x.shape[0], x.shape[1]
-        mixed = la.in_proj_qkv(x).transpose(1, 2)  # [B, conv_dim, S]
+        mixed, z, b, a = self._projections(la, x)
+        mixed = mixed.transpose(1, 2)  # [B, conv_dim, S]
         y = F.silu(F.conv1d(torch.cat([conv, mixed], dim=2), la.conv1d.weight, None, groups=mixed.shape[1]))
         y = y.transpose(1, 2)
         kd = self.hk * self.dk
@@ -233,10 +249,10 @@ class TargetGraph(nn.Module):
         v = y[..., 2 * kd:].reshape(B, S, self.hv, self.dv).transpose(1, 2).float()
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / (self.dk ** 0.5)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        beta = torch.sigmoid(la.in_proj_b(x)).float().transpose(1, 2)  # [B, H, S]
-        g = (-la.A_log.float().exp() * F.softplus(la.in_proj_a(x).float() + la.dt_bias)).transpose(1, 2)
+        beta = torch.sigmoid(b).float().transpose(1, 2)  # [B, H, S]
+        g = (-la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)).transpose(1, 2)
         core, states = _delta_rule(q, k, v, g, beta, s0.float(), state_rows)
         core = core.transpose(1, 2).to(x.dtype).reshape(-1, self.dv)
-        z = la.in_proj_z(x).reshape(-1, self.dv)
+        z = z.reshape(-1, self.dv)
         o = la.norm(core, z).reshape(B, S, self.hv * self.dv)
         return la.out_proj(o), [mixed, states]
