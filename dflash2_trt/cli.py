@@ -51,7 +51,7 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
                    help="a copying target and a drafter whose drafts are accepted often (tau well above 1)")
     t.add_argument("--arch", choices=TINY_ARCHS, default="llama",
                    help="the target: dense Llama; hybrid Gated DeltaNet (qwen3_5, + MoE: qwen3_5_moe); Qwen3-MoE; "
-                        "sliding-window gpt-oss or Muse Glimmer (windows of 8); --accepting: the first three")
+                        "sliding-window gpt-oss or Muse Glimmer (windows of 8); --accepting: any of them")
 
     train_cli.add_parser(sub)
 

@@ -8,7 +8,11 @@ most cycles. Both models are set by hand (no training, deterministic, well under
   attention head pair in layer 0 whose RoPE scores peak at distance P - 1 (queries and keys read a constant
   part of every embedding; values carry the token's code; the LM head reads the copied code). A small random
   MLP in layer 1 makes it deviate from the copy now and then (~15% of tokens), so acceptance stops mid-block;
-  the deviations are copied in turn, so decoding really depends on the KV cache;
+  the deviations are copied in turn, so decoding really depends on the KV cache. The other architectures
+  (``--arch``) copy the same way within their own layers: the hybrid ones' departures come from their linear
+  layers (and MoE experts), Qwen3-MoE's from its experts; gpt-oss and Muse Glimmer, whose sliding windows (8) are
+  shorter than the copy distance, copy in a full-attention layer (gpt-oss layer 1, Muse Glimmer layer 3) and
+  depart through random sliding attention (so the next token depends on the window's keys) and their MLPs;
 * the drafter's layer 0 does the same from the context features (RoPE peak at distance P): draft row k
   copies the context token at anchor + k - P, which is what the target will say unless it deviates. Its
   selector has small random weights (it can reorder near-equal candidates, and does so rarely).
@@ -32,7 +36,7 @@ from pathlib import Path
 import torch
 
 from dflash2_trt.config import DFlash2Config
-from dflash2_trt.vocabulary import ACCEPTING_TINY_ARCHS, TINY_ARCHS
+from dflash2_trt.vocabulary import TINY_ARCHS
 
 TINY_VOCAB = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
@@ -89,9 +93,6 @@ def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16, accep
         raise DFlash2Error(f"--accepting needs --block-size in [2, {COPY_PERIOD}], got {block_size}")
     if arch not in TINY_ARCHS:
         raise DFlash2Error(f"--arch must be one of {', '.join(TINY_ARCHS)}, got {arch!r}")
-    if accepting and arch not in ACCEPTING_TINY_ARCHS:
-        raise DFlash2Error(f"--accepting has a copying target for --arch {', '.join(ACCEPTING_TINY_ARCHS)} only, "
-                           f"not {arch}")
     out = Path(out)
     _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,10 +102,9 @@ def make_tiny(out: str | os.PathLike, seed: int = 0, block_size: int = 16, accep
     torch.manual_seed(seed)
     tok = build_tokenizer()
     vocab = len(tok)
-    target = _target_model(arch, vocab).eval()
+    target = _target_model(arch, vocab, accepting).eval()
     if accepting:
-        copying = _copying_target_weights if arch == "llama" else _copying_hybrid_weights
-        target.load_state_dict(copying(target.state_dict(), seed))
+        target.load_state_dict(_COPYING[arch](target.state_dict(), seed))
     tmp = Path(tempfile.mkdtemp(prefix=".target.", dir=out))
     target.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
@@ -140,10 +140,11 @@ README, MADE_BY = "README.txt", "dflash2 make-tiny"
 HYBRID_LAYER_TYPES = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
 
 
-def _target_model(arch: str, vocab: int) -> torch.nn.Module:
+def _target_model(arch: str, vocab: int, accepting: bool = False) -> torch.nn.Module:
     """A random tiny target of ``arch``: 4 layers, hidden 64, 4 heads of 16 (2 KV heads); the hybrid ones with
     linear layers 1 and 2 (4 value / 2 key heads of 16, a 4-tap convolution) and full RoPE (the copy head's peak
-    needs every frequency), the MoE one with 4 experts (2 per token) and a shared expert in every MLP."""
+    needs every frequency), the MoE one with 4 experts (2 per token) and a shared expert in every MLP.
+    ``accepting``: the config the copying target needs where it differs (Muse Glimmer's, :func:`_family_model`)."""
     common = dict(vocab_size=vocab, hidden_size=_H, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
                   eos_token_id=0, pad_token_id=0, initializer_range=0.2)
@@ -152,7 +153,7 @@ def _target_model(arch: str, vocab: int) -> torch.nn.Module:
 
         return LlamaForCausalLM(LlamaConfig(intermediate_size=128, **common))
     if arch in ("qwen3_moe", "gpt_oss", "muse_glimmer"):
-        return _family_model(arch, common)
+        return _family_model(arch, common, accepting)
     hybrid = dict(head_dim=_HD, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=_HD,
                   linear_value_head_dim=_HD, linear_conv_kernel_dim=4, layer_types=list(HYBRID_LAYER_TYPES),
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0})
@@ -166,10 +167,12 @@ def _target_model(arch: str, vocab: int) -> torch.nn.Module:
                                                       shared_expert_intermediate_size=32, **common, **hybrid))
 
 
-def _family_model(arch: str, common: dict) -> torch.nn.Module:
+def _family_model(arch: str, common: dict, accepting: bool = False) -> torch.nn.Module:
     """The other families' tiny targets (hidden 64, 4 layers): Qwen3-MoE with 4 experts (2 per token); gpt-oss
     (sliding and full layers alternating, 4 experts) and Muse Glimmer (three sliding layers per full one, a
-    vision-language model whose text path is the target), both with windows of 8 positions."""
+    vision-language model whose text path is the target), both with windows of 8 positions. ``accepting``: Muse
+    Glimmer's full layer (layer 3, the copy head) gets RoPE (NoPE otherwise, as the released model's full layers),
+    its q scale is the copy head's sharpness and its output multiplier keeps the logits well inside the soft cap."""
     import transformers
 
     common = {**common, "head_dim": _HD, "intermediate_size": 128}
@@ -182,6 +185,9 @@ def _family_model(arch: str, common: dict) -> torch.nn.Module:
             layer_types=["sliding_attention", "full_attention"] * 2,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common))
     text = {k: v for k, v in common.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if accepting:
+        text.update(layer_rope_theta=[10000.0] * 4, qk_scale_factor=_TARGET_SHARPNESS / 4,
+                    output_multiplier=_MUSE_OUTPUT_MULTIPLIER)
     return transformers.MuseGlimmerForConditionalGeneration(transformers.MuseGlimmerConfig(
         text_config=dict(sliding_window=8, bos_token_id=1, eos_token_id=0, pad_token_id=0, **text),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))
@@ -218,6 +224,15 @@ _COPY_GAIN, _HEAD_GAIN = 4.0, 3.0  # copied code vs own code in the residual; LM
 _TIE_BREAK = 0.3  # LM head weights on the own-token code: logit offsets of std ~2 (the copy's margin is ~19)
 _DEVIATION = 0.01  # scale of layer 1's random MLP: the target departs from the copy on ~15% of tokens
 _LINEAR_DEVIATION = 0.15  # scale of the hybrid target's linear layers' output: its departures from the copy
+_MOE_DEVIATION = 0.0105  # scale of the Qwen3-MoE target's experts' down projections: departures on ~7% of tokens
+# gpt-oss: its experts' down projections and layer 2's sliding attention output (together ~13%)
+_GPT_OSS_EXPERT_DEVIATION, _SLIDING_DEVIATION = 0.06, 0.25
+# Muse Glimmer: the scales of layers 1-2's post-attention norms and layer 3's post-MLP norm (together ~10%; the copied
+# code's entries are ~5.7 and the nearest other codes differ from it in a few places, so a departure needs a push of
+# about that size)
+_SLIDING_DEVIATION_MUSE, _MLP_DEVIATION_MUSE = 0.35, 5.0
+_NO_SINK = -100.0  # gpt-oss's attention sink logits: no mass
+_MUSE_OUTPUT_MULTIPLIER = 1 / 16  # the copied token's logit (~113 at the LM head) -> ~7, well inside the cap of 20
 
 
 def _rope_peak(distance: int, theta: float = 10000.0, freqs: tuple[int, ...] = (0, 1, 2, 3)
@@ -260,12 +275,12 @@ def _copy_heads(prefix: str, q: torch.Tensor, k: torch.Tensor, q_src: int, k_src
             prefix + "o_proj.weight": ow}
 
 
-def _code_embedding_and_head(out: dict[str, torch.Tensor], seed: int) -> None:
+def _code_embedding_and_head(out: dict[str, torch.Tensor], seed: int, model: str = "model.") -> None:
     """The copying target's embedding (a constant part and the token's code) and LM head (reads the copied code),
-    written into ``out``."""
-    V = out["model.embed_tokens.weight"].shape[0]
+    written into ``out`` (``model``: the prefix of the decoder's weights)."""
+    emb = out[model + "embed_tokens.weight"]  # [V, H]
+    V = emb.shape[0]
     codes = _token_codes(V, seed)  # [V, 24]
-    emb = out["model.embed_tokens.weight"]  # [V, H]
     emb[:, _CONST] = 1.0
     emb[:, _CODE] = codes
     out["lm_head.weight"][:, _COPY] = _HEAD_GAIN * codes
@@ -319,6 +334,93 @@ def _copying_hybrid_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str,
     return out
 
 
+def _copying_qwen3_moe_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The copying target of the module docstring in Qwen3-MoE: the dense target's copy head in layer 0 behind its
+    q / k RMS norms (weight w, not 1 + w: q and k normed to rms 1 per head are 2q, 2k, so q's norm weight = the
+    sharpness / 4 gives the dense target's scores, k's is 1); the deviations come from small random experts (and
+    random routing) in layers 1-3."""
+    out = {k: torch.ones_like(v) if k.endswith("norm.weight") else torch.zeros_like(v) for k, v in sd.items()}
+    _code_embedding_and_head(out, seed)
+    r = math.sqrt((8 + 24) / _H)
+    q, k = _rope_peak(COPY_PERIOD - 1)
+    a = "model.layers.0.self_attn."
+    out.update(_copy_heads(a, q, k, 0, 0, r))
+    out[a + "q_norm.weight"] = torch.full((_HD,), _TARGET_SHARPNESS / 4)
+    g = torch.Generator().manual_seed(seed + 1)
+    for key, v in sd.items():
+        if (".mlp.experts." in key or ".mlp.gate.weight" in key) and not key.startswith("model.layers.0."):
+            out[key] = torch.randn(v.shape, generator=g) * (_MOE_DEVIATION if "down_proj" in key else 1.0)
+    return out
+
+
+def _copying_gpt_oss_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The copying target of the module docstring in gpt-oss: the copy distance (P - 1) is beyond the sliding
+    window, so the dense target's copy head is in layer 1 (full attention); layer 0 (sliding) passes the embedding
+    through unchanged, so target layer 0's output -- the drafter's context -- is the constant part and the code. The
+    deviations come from layer 2's sliding attention (random, a small output projection: the next token depends on
+    the keys in its window) and small random clamped-SwiGLU experts (random routing) in layers 1-3. Every bias is
+    zero; every head's sink logit is very negative (it takes no attention mass)."""
+    out = {k: torch.ones_like(v) if k.endswith("norm.weight") else torch.zeros_like(v) for k, v in sd.items()}
+    for key in out:
+        if key.endswith("self_attn.sinks"):
+            out[key].fill_(_NO_SINK)
+    _code_embedding_and_head(out, seed)
+    r = math.sqrt((8 + 24) / _H)
+    q, k = _rope_peak(COPY_PERIOD - 1)
+    out.update(_copy_heads("model.layers.1.self_attn.", q * _TARGET_SHARPNESS * r, k * r, 0, 0, r))
+    g = torch.Generator().manual_seed(seed + 1)
+    a = "model.layers.2.self_attn."
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        out[a + proj + ".weight"] = torch.randn(sd[a + proj + ".weight"].shape, generator=g) * 0.25
+    out[a + "o_proj.weight"] = torch.randn(sd[a + "o_proj.weight"].shape, generator=g) * _SLIDING_DEVIATION
+    for key, v in sd.items():
+        if key.startswith("model.layers.0.") or key.endswith("bias"):
+            continue
+        if key.endswith(("mlp.router.weight", "experts.gate_up_proj")):
+            out[key] = torch.randn(v.shape, generator=g) * 0.25
+        elif key.endswith("experts.down_proj"):
+            out[key] = torch.randn(v.shape, generator=g) * _GPT_OSS_EXPERT_DEVIATION
+    return out
+
+
+def _copying_muse_glimmer_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The copying target of the module docstring in Muse Glimmer's text path. Its full layer (layer 3: RoPE in the
+    accepting config) holds the copy head: q and k are RMS-normed without scale (2q, 2k per head) and q is multiplied
+    by ``qk_scale_factor`` (the config's: the sharpness / 4, the dense target's scores); the output gate reads zero
+    weights (sigmoid(0) = 1/2) and the attention output is RMS-normed before the residual, so the copied code's size
+    is that norm's scale (1 + w), set to give the dense target's copy / own-code ratio over the normed embedding
+    (every entry +-sqrt(2)). Layer 0 is inert (its norms see zeros and give zeros), so target layer 0's output -- the
+    drafter's context -- is the normed embedding: constant part and code. The deviations come from layers 1-2's
+    sliding attention (random, after a post-attention norm of small scale: the next token depends on their windows)
+    and layer 3's random MLP (its post-MLP norm's scale sets how hard it pushes). The logits stay well inside the soft
+    cap (the accepting config's output multiplier). The vision tower keeps its random weights."""
+    m = "model.language_model."
+    out = {}
+    for key, v in sd.items():
+        if not key.startswith(m) and key != "lm_head.weight":
+            out[key] = v.clone()
+        else:  # the decoder layers' ("centred") RMS norms scale by 1 + w (0: 1), the final norm by w
+            out[key] = torch.ones_like(v) if key == m + "norm.weight" else torch.zeros_like(v)
+    _code_embedding_and_head(out, seed, m)
+    q, k = _rope_peak(COPY_PERIOD - 1)
+    a = m + "layers.3."
+    out.update(_copy_heads(a + "self_attn.", q, k, 0, 0, 1.0))
+    r = math.sqrt((8 + 24) / _H)  # embedding entries +-1 -> +-1 / r; copied code entries (24 of 64) -> +-sqrt(64 / 24)
+    out[a + "post_attention_layernorm.weight"] = torch.full((_H,), _COPY_GAIN / r / math.sqrt(_H / 24) - 1.0)
+    g = torch.Generator().manual_seed(seed + 1)
+    for layer in (1, 2):
+        a = f"{m}layers.{layer}."
+        for proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj"):
+            out[a + "self_attn." + proj + ".weight"] = torch.randn(sd[a + "self_attn." + proj + ".weight"].shape,
+                                                                   generator=g) * 0.25
+        out[a + "post_attention_layernorm.weight"] = torch.full((_H,), _SLIDING_DEVIATION_MUSE - 1.0)
+    a = m + "layers.3."
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        out[a + "mlp." + proj + ".weight"] = torch.randn(sd[a + "mlp." + proj + ".weight"].shape, generator=g)
+    out[a + "post_feedforward_layernorm.weight"] = torch.full((_H,), _MLP_DEVIATION_MUSE - 1.0)
+    return out
+
+
 def _copying_drafter_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     for k in out:
@@ -337,3 +439,9 @@ def _copying_drafter_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str
     out[cs + "predecessor_codebook"] = torch.randn(out[cs + "predecessor_codebook"].shape, generator=g) * 0.5
     out[cs + "successor_codebook"] = torch.randn(out[cs + "successor_codebook"].shape, generator=g) * 0.5
     return out
+
+
+# the copying target's weights of each architecture (TINY_ARCHS)
+_COPYING = {"llama": _copying_target_weights, "qwen3_5": _copying_hybrid_weights,
+            "qwen3_5_moe": _copying_hybrid_weights, "qwen3_moe": _copying_qwen3_moe_weights,
+            "gpt_oss": _copying_gpt_oss_weights, "muse_glimmer": _copying_muse_glimmer_weights}

@@ -4,7 +4,8 @@ verify's rows = one-row steps), rollback to every accepted length (sliding windo
 recorded past is what a rollback restores), lossless greedy decoding with a drafter that gets drafts accepted and
 rejected at every length, a planted bug (a sliding window cropped without its recorded past) caught; all three
 exported and decoded on ONNX Runtime (a graph without its window caught), the sliding layers' rings bounded, wrapping
-and rolled back (two planted ring bugs caught), and the batched loop's slots equal to single runs."""
+and rolled back (two planted ring bugs caught), the batched loop's slots equal to single runs, and each family's
+``make-tiny --accepting`` pair (drafts accepted, lossless on PyTorch and ONNX Runtime)."""
 
 from __future__ import annotations
 
@@ -273,23 +274,81 @@ def _wide_window(init):  # noqa: ANN001, ANN202
     return planted
 
 
-def test_make_tiny_writes_each_family(tmp_path, capsys):
+def test_make_tiny_writes_each_family(tmp_path):
     """``make-tiny --arch qwen3_moe|gpt_oss|muse_glimmer`` writes a target of that family with a drafter that fits it;
-    ``--accepting`` for them is refused in one line (its copying target is for llama and the Qwen3.5 family)."""
+    an architecture make-tiny does not know is refused (with or without ``--accepting``, which every one it knows
+    takes)."""
     from dflash2_trt.cli import main
     from dflash2_trt.model import load_drafter
     from dflash2_trt.target import TargetModel
     from dflash2_trt.targets import family_for
+    from dflash2_trt.tiny import make_tiny
 
     for arch in ARCHS:
         assert main(["make-tiny", "--out", str(tmp_path / arch), "--arch", arch, "--block-size", "4"]) == 0
         t = TargetModel.load(tmp_path / arch / "target")
         assert t.model.config.model_type == arch and t.family is family_for(t.model.config)
         t.check_drafter(load_drafter(tmp_path / arch / "drafter").config)
-    capsys.readouterr()
-    assert main(["make-tiny", "--out", str(tmp_path / "x"), "--arch", "gpt_oss", "--accepting"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--accepting has a copying target for" in err[0]
+    with pytest.raises(DFlash2Error, match="--arch must be one of"):
+        make_tiny(tmp_path / "x", accepting=True, arch="mixtral")
+
+
+def _decode_pair(target, draft, prompts: list[list[int]], n: int = 40) -> tuple[int, list[int]]:  # noqa: ANN001
+    """(prompts whose speculative greedy output differs from the target's autoregressive one, accepted per cycle):
+    ``target()`` / ``draft()`` make fresh runners of one backend."""
+    bad, accepted = 0, []
+    for p in prompts:
+        want = D.target_generate(target(), p, n, eos_ids=set()).tokens
+        r = D.speculative_generate(target(), draft(), p, D.DecodeOptions(n, eos_ids=set()))
+        bad += r.tokens != want
+        accepted += r.accepted
+    return bad, accepted
+
+
+def _assert_accepting(accepted: list[int], what: str) -> None:
+    """Most drafts accepted (at least 3 of 7 per cycle on average), and acceptance stopping mid-block in some cycles
+    (the copying target's departures)."""
+    assert np.mean(accepted) >= 3 and any(0 < a < 7 for a in accepted), (what, np.bincount(accepted, minlength=8))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_make_tiny_accepting_pair_of_each_family(arch, tmp_path, monkeypatch):
+    """``make-tiny --arch ARCH --accepting --block-size 8``: its own drafter gets most drafts accepted and some
+    partially, on the PyTorch reference and on ONNX Runtime after export, and speculative greedy output = the same
+    backend's autoregressive output on 10 prompts, 40 new tokens each (contexts of 43-59 positions: beyond the
+    windows of 8, so the sliding layers' rings of 24 slots wrap on ONNX Runtime). The sliding targets' departures
+    from the copy depend on their windows: a planted ring bug (a crop leaves the cut rows' keys valid) changes the
+    speculative output."""
+    from dflash2_trt.runtime.kv import WindowRing
+    from dflash2_trt.cli import main
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.runtime.torch.backend import TorchDraftRunner
+    from dflash2_trt.target import TargetModel
+    from helpers import bound_drafter
+
+    pair = tmp_path / "pair"
+    assert main(["make-tiny", "--out", str(pair), "--arch", arch, "--accepting", "--block-size", "8"]) == 0
+    t = TargetModel.load(pair / "target")
+    d = bound_drafter(pair, t)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(2, 512, int(rng.integers(3, 20))).tolist() for _ in range(10)]
+    bad, accepted = _decode_pair(lambda: TorchTargetRunner(t, d.config.target_layer_ids),
+                                 lambda: TorchDraftRunner(d), prompts)
+    assert bad == 0
+    _assert_accepting(accepted, f"{arch} on PyTorch")
+    export_model(pair / "target", pair / "drafter", tmp_path / "e", progress=False, max_seq_len=128)
+    be = OrtBackend(tmp_path / "e")
+    sw = be.manifest.target.sliding_window
+    assert (arch == "qwen3_moe") == (sw is None)
+    if sw is not None:
+        assert sw.ring_slots == 24 and min(len(p) for p in prompts) + 40 > sw.ring_slots
+    bad, accepted = _decode_pair(be.target_runner, lambda: be.draft_runner("greedy"), prompts)
+    assert bad == 0
+    _assert_accepting(accepted, f"{arch} on ONNX Runtime")
+    if sw is not None:
+        monkeypatch.setattr(WindowRing, "crop", _crop_keeps_cut_slots)
+        assert _decode_pair(be.target_runner, lambda: be.draft_runner("greedy"), prompts)[0] > 0
 
 
 @pytest.fixture(scope="module")
