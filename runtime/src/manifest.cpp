@@ -10,6 +10,7 @@
 #include <valijson/validation_results.hpp>
 #include <valijson/validator.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -83,21 +84,51 @@ constexpr char const* kRequiredGraphs[] = {"target", "drafter_context", "drafter
     throw Error(DFL2_ERR_CORRUPT, source + ": " + what + " (corrupt manifest)");
 }
 
+//! The layer index of a per-layer tensor name: "{prefix}{i}.key|value" (kv) or "{prefix}{i}" (a linear layer's
+//! state), else -1.
+int64_t layerOf(std::string const& name, std::string const& prefix, bool kv)
+{
+    if (name.compare(0, prefix.size(), prefix) != 0)
+    {
+        return -1;
+    }
+    std::string const rest = name.substr(prefix.size());
+    size_t const end = kv ? rest.find('.') : rest.size();
+    if (end == 0 || end == std::string::npos || rest.find_first_not_of("0123456789") != (kv ? end : std::string::npos))
+    {
+        return -1;
+    }
+    if (kv && rest.substr(end) != ".key" && rest.substr(end) != ".value")
+    {
+        return -1;
+    }
+    return std::stoll(rest.substr(0, end));
+}
+
 //! The fields the graphs' inputs and outputs also state agree with them (the rules of dflash2_trt/manifest.py
-//! check_graph_fields): one past_key_values.{i} / present.{i} pair per target layer and context.{i} per drafter
-//! layer, their heads (dim 1) and head size (dim 3), the feature width, the drafter's hidden size, the target's
-//! vocabulary. A symbolic dim states nothing.
+//! check_graph_fields): one past_key_values.{i} / present.{i} pair per KV layer of the target, one past_conv.{i} /
+//! past_recurrent.{i} / present_conv.{i} / present_recurrent.{i} set per linear layer and context.{i} per drafter
+//! layer, their heads (dim 1) and head size (dim 3), the linear layers' state sizes, the feature width, the
+//! drafter's hidden size, the target's vocabulary. A symbolic dim states nothing.
 void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& source)
 {
     struct Rule
     {
-        char const* prefix; //!< "name." of a KV tensor (then "{i}.key|value"), or a whole name
+        char const* prefix; //!< "name." of a per-layer tensor, or a whole name
         bool perLayer;
         int dim;            //!< negative: from the end
         char const* field;
         int64_t want;
     };
+    struct Layers
+    {
+        char const* prefix;
+        bool kv;                //!< "{i}.key|value" names
+        std::set<int64_t> ids;  //!< the layers that have them
+        std::string field;      //!< what says so
+    };
     int64_t const drafterHidden = m.hiddenSize; // the drafter's hidden size is the target's (checked above)
+    LinearStateSpec const& ls = m.linearState;
     Rule const rules[] = {
         {"past_key_values.", true, 1, "target.num_key_value_heads", m.targetKvHeads},
         {"past_key_values.", true, 3, "target.head_dim", m.targetHeadDim},
@@ -105,23 +136,53 @@ void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& 
         {"present.", true, 3, "target.head_dim", m.targetHeadDim},
         {"context.", true, 1, "drafter.num_key_value_heads", m.drafterKvHeads},
         {"context.", true, 3, "drafter.head_dim", m.drafterHeadDim},
+        {"past_conv.", true, 1, "target.linear_state.conv_dim", ls.convDim},
+        {"past_conv.", true, 2, "target.linear_state.conv_kernel - 1", ls.window()},
+        {"present_conv.", true, 1, "target.linear_state.conv_dim", ls.convDim},
+        {"past_recurrent.", true, 1, "target.linear_state.num_heads", ls.numHeads},
+        {"past_recurrent.", true, 2, "target.linear_state.key_dim", ls.keyDim},
+        {"past_recurrent.", true, 3, "target.linear_state.value_dim", ls.valueDim},
+        {"present_recurrent.", true, 2, "target.linear_state.num_heads", ls.numHeads},
+        {"present_recurrent.", true, 3, "target.linear_state.key_dim", ls.keyDim},
+        {"present_recurrent.", true, 4, "target.linear_state.value_dim", ls.valueDim},
         {"context_features", false, -1, "target.hidden_size x len(target.layer_ids)",
             static_cast<int64_t>(m.hiddenSize) * static_cast<int64_t>(m.layerIds.size())},
         {"hidden", false, -1, "drafter.hidden_size", drafterHidden},
     };
-    auto const layerOf = [](std::string const& name, std::string const& prefix) -> int64_t {
-        if (name.compare(0, prefix.size(), prefix) != 0)
+    std::set<int64_t> kvIds;
+    std::set<int64_t> linearIds;
+    for (int32_t i = 0; i < m.targetLayers; ++i)
+    {
+        (m.isLinear(i) ? linearIds : kvIds).insert(i);
+    }
+    std::set<int64_t> drafterIds;
+    for (int32_t i = 0; i < m.drafterLayers; ++i)
+    {
+        drafterIds.insert(i);
+    }
+    std::string const kvField = m.hasLinearLayers()
+        ? "target.layer_kinds has " + std::to_string(kvIds.size()) + " attention layers"
+        : "target.num_layers is " + std::to_string(m.targetLayers);
+    std::string const linearField = "target.layer_kinds has " + std::to_string(linearIds.size()) + " linear layers";
+    std::string const drafterField = "drafter.num_hidden_layers is " + std::to_string(m.drafterLayers);
+    Layers const layerSets[] = {
+        {"past_key_values.", true, kvIds, kvField},
+        {"present.", true, kvIds, kvField},
+        {"past_conv.", false, linearIds, linearField},
+        {"past_recurrent.", false, linearIds, linearField},
+        {"present_conv.", false, linearIds, linearField},
+        {"present_recurrent.", false, linearIds, linearField},
+        {"context.", true, drafterIds, drafterField},
+    };
+    auto const layerIndex = [&](std::string const& name, std::string const& prefix) -> int64_t {
+        for (Layers const& l : layerSets)
         {
-            return -1;
+            if (prefix == l.prefix)
+            {
+                return layerOf(name, prefix, l.kv);
+            }
         }
-        std::string const rest = name.substr(prefix.size());
-        size_t const dot = rest.find('.');
-        if (dot == 0 || dot == std::string::npos || (rest.substr(dot) != ".key" && rest.substr(dot) != ".value")
-            || rest.find_first_not_of("0123456789") != dot)
-        {
-            return -1;
-        }
-        return std::stoll(rest.substr(0, dot));
+        return -1;
     };
     for (auto const& item : graphs.items())
     {
@@ -154,16 +215,19 @@ void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& 
                                 + std::to_string(d));
                     }
                 };
-                for (Rule const& r : rules)
+                for (Layers const& l : layerSets)
                 {
-                    int64_t const layer = r.perLayer ? layerOf(name, r.prefix) : -1;
-                    if (r.perLayer ? layer >= 0 : name == r.prefix)
-                    {
-                        check(r.dim, r.field, r.want);
-                    }
+                    int64_t const layer = layerIndex(name, l.prefix);
                     if (layer >= 0)
                     {
-                        seen[r.prefix].insert(layer);
+                        seen[l.prefix].insert(layer);
+                    }
+                }
+                for (Rule const& r : rules)
+                {
+                    if (r.perLayer ? layerIndex(name, r.prefix) >= 0 : name == r.prefix)
+                    {
+                        check(r.dim, r.field, r.want);
                     }
                 }
                 if (name == "logits" && role == "target")
@@ -172,16 +236,14 @@ void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& 
                 }
             }
         }
-        for (auto const& [prefix, ids] : seen)
+        for (Layers const& l : layerSets)
         {
-            bool const drafter = prefix == "context.";
-            int64_t const want = drafter ? m.drafterLayers : m.targetLayers;
-            bool const all = static_cast<int64_t>(ids.size()) == want && *ids.begin() == 0 && *ids.rbegin() == want - 1;
-            if (!all)
+            auto const it = seen.find(l.prefix);
+            if (it != seen.end() && it->second != l.ids)
             {
-                corrupt(source, std::string(drafter ? "drafter.num_hidden_layers" : "target.num_layers") + " is "
-                        + std::to_string(want) + " but graph '" + key + "' has " + prefix.substr(0, prefix.size() - 1)
-                        + " tensors for " + std::to_string(ids.size()) + " layers");
+                std::string const prefix = l.prefix;
+                corrupt(source, l.field + " but graph '" + key + "' has " + prefix.substr(0, prefix.size() - 1)
+                        + " tensors for " + std::to_string(it->second.size()) + " layers");
             }
         }
     }
@@ -297,11 +359,115 @@ std::string sha256File(std::string const& path)
 }
 #endif
 
+//! target.layer_kinds and target.linear_state (manifest._check_layer_kinds): version 2 has no linear layer (every
+//! layer a KV cache, whatever its kind); version 3 has linear layers beside attention layers, and their state. A
+//! version 3 layer of another kind (a sliding layer's ring buffer) is not run here: DFL2_ERR_UNAVAILABLE naming it.
+void readLayerKinds(Manifest& m, Json const& t, std::string const& source)
+{
+    m.layerKinds.assign(static_cast<size_t>(m.targetLayers), "attention");
+    if (t.contains("layer_kinds") && !t["layer_kinds"].empty())  // absent or []: every layer attention
+    {
+        Json const& kinds = t["layer_kinds"];
+        if (!kinds.is_array() || kinds.size() != static_cast<size_t>(m.targetLayers))
+        {
+            corrupt(source, "'target.layer_kinds' must list one kind per layer (" + std::to_string(m.targetLayers) + ")");
+        }
+        for (size_t i = 0; i < kinds.size(); ++i)
+        {
+            m.layerKinds[i] = kinds[i].get<std::string>();  // a string of the schema's enum
+        }
+    }
+    bool const linear = std::count(m.layerKinds.begin(), m.layerKinds.end(), "linear") > 0;
+    if (m.manifestVersion == DFL2_MANIFEST_STATE_VERSION)
+    {
+        for (size_t i = 0; i < m.layerKinds.size(); ++i)
+        {
+            if (m.layerKinds[i] != "attention" && m.layerKinds[i] != "linear")
+            {
+                throw Error(DFL2_ERR_UNAVAILABLE, source + ": target layer " + std::to_string(i) + " is '"
+                        + m.layerKinds[i] + "': libdflash2 runs version 3 exports of 'attention' and 'linear' layers only");
+            }
+        }
+    }
+    if (linear != (m.manifestVersion == DFL2_MANIFEST_STATE_VERSION))
+    {
+        corrupt(source, "manifest_version is " + std::to_string(m.manifestVersion) + " but the target has "
+                + (linear ? "" : "no ") + "linear layers (version " + std::to_string(DFL2_MANIFEST_STATE_VERSION)
+                + " exactly when it has)");
+    }
+    bool const hasState = t.contains("linear_state") && t["linear_state"].is_object();
+    if (linear != hasState)
+    {
+        corrupt(source, "target.linear_state must be given exactly when the target has linear layers");
+    }
+    if (!linear)
+    {
+        return;
+    }
+    if (m.kvLayers() == 0)
+    {
+        corrupt(source, "the target has no attention layer (the export's graphs need one)");
+    }
+    Json const& ls = t["linear_state"];
+    std::string const where = "target.linear_state.";
+    m.linearState.convDim = intMember(ls, "conv_dim", source, where);
+    m.linearState.convKernel = intMember(ls, "conv_kernel", source, where, 2);
+    m.linearState.numHeads = intMember(ls, "num_heads", source, where);
+    m.linearState.keyDim = intMember(ls, "key_dim", source, where);
+    m.linearState.valueDim = intMember(ls, "value_dim", source, where);
+    m.linearState.maxRowsPerCall = intMember(ls, "max_rows_per_call", source, where);
+}
+
 } // namespace
 
 std::string headKey(std::string const& mode, bool plugin)
 {
     return "drafter_head_" + mode + (plugin ? "_plugin" : "");
+}
+
+int32_t Manifest::kvLayers() const
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < targetLayers; ++i)
+    {
+        n += isLinear(i) ? 0 : 1;
+    }
+    return n;
+}
+
+std::vector<std::string> targetKvNames(Manifest const& m, std::string const& prefix)
+{
+    std::vector<std::string> out;
+    for (int32_t i = 0; i < m.targetLayers; ++i)
+    {
+        if (!m.isLinear(i))
+        {
+            out.push_back(prefix + "." + std::to_string(i) + ".key");
+            out.push_back(prefix + "." + std::to_string(i) + ".value");
+        }
+    }
+    return out;
+}
+
+std::vector<std::string> targetStateNames(Manifest const& m, std::string const& prefix)
+{
+    std::string const kv = prefix == "past" ? "past_key_values" : prefix;
+    std::vector<std::string> out;
+    for (int32_t i = 0; i < m.targetLayers; ++i)
+    {
+        std::string const n = std::to_string(i);
+        if (m.isLinear(i))
+        {
+            out.push_back(prefix + "_conv." + n);
+            out.push_back(prefix + "_recurrent." + n);
+        }
+        else
+        {
+            out.push_back(kv + "." + n + ".key");
+            out.push_back(kv + "." + n + ".value");
+        }
+    }
+    return out;
 }
 
 Manifest parseManifest(std::string const& text, std::string const& source)
@@ -317,15 +483,16 @@ Manifest parseManifest(std::string const& text, std::string const& source)
     }
     Manifest m;
     Json const& ver = j.contains("manifest_version") ? j["manifest_version"] : Json();
-    if (!ver.is_number_integer() || ver.get<int64_t>() != DFL2_MANIFEST_VERSION)
+    if (!ver.is_number_integer()
+        || (ver.get<int64_t>() != DFL2_MANIFEST_VERSION && ver.get<int64_t>() != DFL2_MANIFEST_STATE_VERSION))
     {
         std::string const written = j.contains("project_version") && j["project_version"].is_string()
             ? j["project_version"].get<std::string>()
             : "?";
         throw Error(DFL2_ERR_VERSION_MISMATCH,
             source + " has manifest_version " + ver.dump() + " (written by dflash2-trt " + written
-                + "); this library reads version " + std::to_string(DFL2_MANIFEST_VERSION)
-                + ": re-export with a matching dflash2 export");
+                + "); this library reads versions " + std::to_string(DFL2_MANIFEST_VERSION) + " and "
+                + std::to_string(DFL2_MANIFEST_STATE_VERSION) + ": re-export with a matching dflash2 export");
     }
     // the whole document against dflash2_trt/manifest.schema.json (compiled in), then the typed reads below
     std::string const violation = schemaViolation(j);
@@ -354,6 +521,7 @@ Manifest parseManifest(std::string const& text, std::string const& source)
     m.eosTokenIds = t.contains("eos_token_ids") ? idList(t["eos_token_ids"], source, "target.eos_token_ids")
                                                 : std::vector<int32_t>{};
     m.layerIds = t.contains("layer_ids") ? idList(t["layer_ids"], source, "target.layer_ids") : std::vector<int32_t>{};
+    readLayerKinds(m, t, source);
 
     Json const& d = member(j, "drafter", source, "");
     if (intMember(d, "vocab_size", source, "drafter.") != m.vocabSize

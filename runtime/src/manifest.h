@@ -2,7 +2,8 @@
 //! manifest.json of an export folder, read for the C API — the ONE module that knows its layout (the layout
 //! is documented in dflash2_trt/manifest.py; when it changes, only this file changes).
 //!
-//! parseManifest checks the "format" string and "manifest_version" (DFL2_MANIFEST_VERSION) first, then the
+//! parseManifest checks the "format" string and "manifest_version" (DFL2_MANIFEST_VERSION, or
+//! DFL2_MANIFEST_STATE_VERSION for a hybrid target: "attention" and "linear" layers) first, then the
 //! whole document against the JSON Schema dflash2_trt/manifest.schema.json (compiled into the library at build
 //! time; validated with valijson), then reads the typed fields and checks consistency (drafter vocab/hidden ==
 //! target's, graph files listed with checksums, relative paths only). loadManifest adds the folder: listed
@@ -10,6 +11,8 @@
 //! DFL2_ERR_UNAVAILABLE for verification). Errors: dflash2::Error with DFL2_ERR_NOT_FOUND / CORRUPT /
 //! VERSION_MISMATCH and a message naming the entry.
 #pragma once
+
+#include "core/linearState.h"
 
 #include <cstdint>
 #include <map>
@@ -73,6 +76,8 @@ struct Manifest
     int32_t targetHeadDim{0};
     std::vector<int32_t> eosTokenIds;
     std::vector<int32_t> layerIds;
+    std::vector<std::string> layerKinds;  //!< one per target layer: "attention" | "linear" (version 2: as written)
+    LinearStateSpec linearState;          //!< the linear layers' state (version 3; zero without linear layers)
     // drafter
     int32_t drafterLayers{0};
     int32_t drafterKvHeads{0};
@@ -81,7 +86,27 @@ struct Manifest
     std::map<std::string, GraphEntry> graphs;
     std::map<std::string, std::string> files;  //!< relative path -> sha256
     EnginesEntry engines;
+
+    //! a linear (Gated DeltaNet) layer: its state is conv / recurrent, not a KV cache
+    bool isLinear(int32_t layer) const
+    {
+        return static_cast<size_t>(layer) < layerKinds.size() && layerKinds[static_cast<size_t>(layer)] == "linear";
+    }
+    bool hasLinearLayers() const
+    {
+        return linearState.convDim > 0;
+    }
+    //! the layers with a KV cache (every layer of a version 2 export)
+    int32_t kvLayers() const;
 };
+
+//! The target graph's per-layer state tensors, 2 per layer in layer order (manifest.target_state_names):
+//! "past": past_key_values.{i}.key / .value of a KV layer, past_conv.{i} / past_recurrent.{i} of a linear layer;
+//! "present": present.{i}.key / .value, present_conv.{i} / present_recurrent.{i}.
+std::vector<std::string> targetStateNames(Manifest const& m, std::string const& prefix);
+//! The KV tensors of the target's KV layers alone (every layer of a version 2 export), 2 per layer in layer order:
+//! "{prefix}.{i}.key" / ".value" (prefix "past_key_values" or "present").
+std::vector<std::string> targetKvNames(Manifest const& m, std::string const& prefix);
 
 //! Parse and check manifest text; `source` names it in messages.
 Manifest parseManifest(std::string const& text, std::string const& source);

@@ -2,10 +2,12 @@
 // memory that starts as garbage (0xFF bytes, a NaN in every float format, as cudaMalloc's may be), one sequence's
 // and a batch of slots' (ragged lengths); the inputs of a batched target call (RaggedBatch) checked against a
 // reference attention over the same rows; binding sizes against engine shapes, the libnvinfer major and engine
-// version rules, and the bounded context cache.
+// version rules, the bounded context cache, and the linear layers' state rollback both GPU and host backends use
+// (core/linearState.h) against the concatenate-and-slice of dflash2_trt/runtime/linear_state.py.
 //
 // usage: trtParts
 #include "backends/trtParts.h"
+#include "core/linearState.h"
 
 #include "dfl2Test.h"
 
@@ -14,6 +16,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -346,6 +349,85 @@ void testLru()
     CHECK(evicted == std::vector<std::string>({"b", "a"}));
 }
 
+//! After a call of `rows` rows (over `pitch` columns) from a window of W columns: every kept length's state equals
+//! the last W columns of [before | inputs[:, :keep]] and the recurrent state of row keep - 1 (keep 0: before).
+void testLinearRollback()
+{
+    LinearStateSpec spec;
+    spec.convDim = 3;
+    spec.convKernel = 4;  // W = 3
+    spec.numHeads = 1;
+    spec.keyDim = 2;
+    spec.valueDim = 2;
+    spec.maxRowsPerCall = 8;
+    int32_t const W = spec.window();
+    HostStateCopy copy;
+    for (int32_t pitch : {2, 5, 8})
+    {
+        for (int32_t rows = 1; rows <= pitch; ++rows)
+        {
+            std::vector<float> before(spec.windowElements()), inputs(static_cast<size_t>(spec.convDim * pitch));
+            std::vector<float> recBefore(spec.recurrentElements()), states(static_cast<size_t>(pitch) * spec.recurrentElements());
+            for (size_t i = 0; i < before.size(); ++i)
+            {
+                before[i] = 100.0F + static_cast<float>(i);
+            }
+            for (size_t i = 0; i < inputs.size(); ++i)
+            {
+                inputs[i] = 200.0F + static_cast<float>(i);
+            }
+            for (size_t i = 0; i < states.size(); ++i)
+            {
+                states[i] = 300.0F + static_cast<float>(i);
+            }
+            for (size_t i = 0; i < recBefore.size(); ++i)
+            {
+                recBefore[i] = 400.0F + static_cast<float>(i);
+            }
+            for (int32_t keep = 0; keep <= rows; ++keep)
+            {
+                std::vector<float> window(before.size(), -1.0F), recurrent(recBefore.size(), -1.0F);
+                LinearLayerState const layer{window.data(), recurrent.data(), before.data(), recBefore.data(),
+                    inputs.data(), states.data(), sizeof(float), sizeof(float)};
+                applyKept(layer, spec, keptState(W, keep, pitch, keep - 1), copy);
+                for (int32_t c = 0; c < spec.convDim; ++c)
+                {
+                    std::vector<float> seq(before.begin() + c * W, before.begin() + (c + 1) * W);  // [before | kept]
+                    seq.insert(seq.end(), inputs.begin() + c * pitch, inputs.begin() + c * pitch + keep);
+                    for (int32_t j = 0; j < W; ++j)
+                    {
+                        CHECK(window[static_cast<size_t>(c * W + j)] == seq[seq.size() - static_cast<size_t>(W) + static_cast<size_t>(j)]);
+                    }
+                }
+                size_t const r = spec.recurrentElements();
+                for (size_t i = 0; i < r; ++i)
+                {
+                    CHECK(recurrent[i] == (keep == 0 ? recBefore[i] : states[static_cast<size_t>(keep - 1) * r + i]));
+                }
+            }
+        }
+    }
+    // the log: a crop keeping every row changes nothing; into the call once; a second crop, a crop into a call that
+    // recorded its last row only, or before the call: DFL2_ERR_INTERNAL; the planted bug keeps the state
+    LinearStateLog log(W, 2, false);
+    KeptState const after = log.called(1, 10, 4, 6, true);
+    CHECK(after.recurrentRow == 3 && after.inputsPitch == 6);
+    CHECK(!log.crop(1, 14).has_value());
+    std::optional<KeptState> const kept = log.crop(1, 12);
+    CHECK(kept.has_value() && kept->recurrentRow == 1 && kept->inputsPitch == 6);
+    CHECK(codeOf([&] { log.crop(1, 11); }) == DFL2_ERR_INTERNAL);
+    log.called(0, 0, 70, 70, false);
+    std::string why;
+    CHECK(codeOf([&] { log.crop(0, 3); }, &why) == DFL2_ERR_INTERNAL && why.find("last call") != std::string::npos);
+    log.called(0, 5, 3, 3, true);
+    CHECK(codeOf([&] { log.crop(0, 4); }) == DFL2_ERR_INTERNAL);
+    log.reset(1);
+    CHECK(codeOf([&] { log.crop(1, 0); }) == DFL2_ERR_INTERNAL);
+    LinearStateLog planted(W, 1, true);
+    planted.called(0, 0, 5, 5, true);
+    CHECK(!planted.crop(0, 2).has_value());
+}
+
 } // namespace
 
 int main()
@@ -356,5 +438,6 @@ int main()
     testBindingShapes();
     testVersions();
     testLru();
+    testLinearRollback();
     return dfl2TestReport("trtParts");
 }

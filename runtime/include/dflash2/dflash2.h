@@ -119,8 +119,11 @@ extern "C" {
 /* (major << 16) | (minor << 8) | patch, of the header a program was compiled with */
 #define DFL2_API_VERSION \
     ((DFL2_API_VERSION_MAJOR << 16) | (DFL2_API_VERSION_MINOR << 8) | DFL2_API_VERSION_PATCH)
-/* The manifest_version of export folders this library reads. */
+/* The manifest_version of export folders this library reads: DFL2_MANIFEST_VERSION, and
+ * DFL2_MANIFEST_STATE_VERSION for a hybrid target (Gated DeltaNet "linear" layers beside "attention" layers, whose
+ * state the target graph takes and returns; run by the ONNX Runtime and TensorRT backends). */
 #define DFL2_MANIFEST_VERSION 2
+#define DFL2_MANIFEST_STATE_VERSION 3
 
 /* The version of the loaded library, encoded like DFL2_API_VERSION. A program compiled against major M
  * must check (dfl2_api_version() >> 16) == M. */
@@ -176,7 +179,8 @@ DFL2_API dfl2_status* dfl2_options_parse(dfl2_options* options, const char* key_
 typedef struct dfl2_model dfl2_model;
 
 /* Load an export folder (what dflash2-export writes): reads and checks manifest.json (format
- * "dflash2-trt-export", manifest_version DFL2_MANIFEST_VERSION, the manifest's JSON Schema, listed files,
+ * "dflash2-trt-export", manifest_version DFL2_MANIFEST_VERSION or DFL2_MANIFEST_STATE_VERSION (a v3 layer kind
+ * other than "attention" / "linear": DFL2_ERR_UNAVAILABLE), the manifest's JSON Schema, listed files,
  * checksums)
  * and opens the backend ("backend" option). "tensorrt" when this library was built with it and a GPU with
  * TensorRT is present; "ort": ONNX Runtime on the CPU (when this library was built with its C API headers; the

@@ -5,7 +5,10 @@
 //!
 //!   target            target_ort.onnx (the fused flavour: GroupQueryAttention writes each call's K/V rows into the
 //!                     bound capacity buffers, past and present one buffer) when the export has it, else target.onnx
-//!                     (the whole buffer in, the new rows out, appended here)
+//!                     (the whole buffer in, the new rows out, appended here); a hybrid target (manifest version
+//!                     3: Gated DeltaNet "linear" layers beside attention layers) runs target.onnx with every
+//!                     layer's state in layer order (KV of an attention layer, convolution window and recurrent
+//!                     state of a linear one) and state_rows, in calls of at most max_rows_per_call rows
 //!   drafter           drafter_context.onnx (context K/V of committed positions), drafter_block.onnx (the block's
 //!                     hidden states over the context), drafter_head_<mode>.onnx (the selector: candidates, path,
 //!                     proposal; greedy | viterbi)
@@ -14,13 +17,17 @@
 //! (a multiple of the export's kv_capacity_step, kv.grown_capacity), so every graph sees the inputs the Python
 //! backend feeds, bit for bit. The fused target's buffers are bound once per capacity (an OrtIoBinding: past and
 //! present the same OrtValue over the buffer); a call binds only its ids and its output rows (logits straight into
-//! the core's buffer). Options: "threads" (intra-op threads of every session; 0: ONNX Runtime's default) and
+//! the core's buffer). A hybrid target's linear state (HostLinearState over core/linearState.h, the twin of
+//! runtime/linear_state.py LinearStates) is per OrtRunners, so per session and per batch slot; its buffers are made
+//! once, and a crop into the last call takes the kept row's window and recurrent state from that call's outputs (a
+//! slice, never a recomputation). Options: "threads" (intra-op threads of every session; 0: ONNX Runtime's default) and
 //! $DFLASH2_ORT_SPINNING (as the Python backend: 1, the default, lets the target session's workers spin; 0 none).
 //!
 //! Ownership and threads: an OrtModel owns its sessions, which ONNX Runtime runs concurrently; each OrtRunners (a
 //! session's) owns one request's caches and bindings and is used by one thread at a time. A batch (dfl2_batch) holds
 //! one OrtRunners per slot and runs the slots' rows one sequence after another, so a batched request's tokens are its
 //! single run's.
+#include "../core/linearState.h"
 #include "../model.h"
 #include "onnxRewrite.h"
 #include "ortApi.h"
@@ -37,6 +44,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -201,6 +209,86 @@ struct HostKV
     std::vector<std::vector<float>> arrays;
 };
 
+//! linear_state.LinearStates of one sequence over host buffers (core/linearState.h): per linear layer the window and
+//! recurrent state the next call is fed, their copies from before the last call, and the last call's outputs (the
+//! convolution inputs [conv_dim, S] and the asked rows' recurrent states [R, heads, dk, dv]); every buffer is
+//! allocated once, for the graph's largest call (max_rows_per_call rows).
+struct HostLinearState
+{
+    struct Layer
+    {
+        std::vector<float> window;
+        std::vector<float> recurrent;
+        std::vector<float> windowBefore;
+        std::vector<float> recurrentBefore;
+        std::vector<float> inputs;
+        std::vector<float> states;
+
+        LinearLayerState view()
+        {
+            return LinearLayerState{window.data(), recurrent.data(), windowBefore.data(), recurrentBefore.data(),
+                inputs.data(), states.data(), sizeof(float), sizeof(float)};
+        }
+    };
+
+    explicit HostLinearState(Manifest const& m)
+        : spec(m.linearState)
+        , log(m.linearState.window(), 1, plantedSkipRollback())
+    {
+        size_t const rows = static_cast<size_t>(spec.maxRowsPerCall);
+        for (int32_t i = 0; i < m.targetLayers; ++i)
+        {
+            if (m.isLinear(i))
+            {
+                Layer l;
+                l.window.assign(spec.windowElements(), 0.0F);
+                l.recurrent.assign(spec.recurrentElements(), 0.0F);
+                l.windowBefore.assign(spec.windowElements(), 0.0F);
+                l.recurrentBefore.assign(spec.recurrentElements(), 0.0F);
+                l.inputs.assign(static_cast<size_t>(spec.convDim) * rows, 0.0F);
+                l.states.assign(rows * spec.recurrentElements(), 0.0F);
+                layers.push_back(std::move(l));
+            }
+        }
+    }
+    //! a new sequence: zero state, no call to roll back into
+    void reset()
+    {
+        for (Layer& l : layers)
+        {
+            std::fill(l.window.begin(), l.window.end(), 0.0F);
+            std::fill(l.recurrent.begin(), l.recurrent.end(), 0.0F);
+        }
+        log.reset(0);
+    }
+    //! a call of S rows from position `start` left its outputs in inputs / states -> the state after its rows
+    void called(int32_t start, int32_t S, bool everyRow)
+    {
+        KeptState const kept = log.called(0, start, S, S, everyRow);
+        for (Layer& l : layers)
+        {
+            saveBefore(l.view(), spec, copy);
+            applyKept(l.view(), spec, kept, copy);
+        }
+    }
+    //! the sequence keeps positions 0..length-1 (length before the end of the last call): the kept rows' state
+    void crop(int32_t length)
+    {
+        if (std::optional<KeptState> const kept = log.crop(0, length))
+        {
+            for (Layer& l : layers)
+            {
+                applyKept(l.view(), spec, *kept, copy);
+            }
+        }
+    }
+
+    LinearStateSpec spec;
+    LinearStateLog log;
+    HostStateCopy copy;
+    std::vector<Layer> layers;
+};
+
 //! One graph's session (owned: released with the Graph, also when a model's construction fails midway) and its
 //! interface (names in the graph's order).
 struct Graph
@@ -303,6 +391,11 @@ public:
         mEnv.api = mApi;
         bool const spin = targetSpins();
         mFused = m.graphs.count("target_ort") != 0;
+        if (mFused && m.hasLinearLayers())
+        {
+            throw Error(DFL2_ERR_UNAVAILABLE, dir + " has a fused target_ort graph for a target with linear layers: "
+                "libdflash2 runs such a target's standard target.onnx (re-export)");
+        }
         // the custom-op library as the Python backend uses it (OrtBackend: attention "auto", the fused target)
         mOps = mFused ? findOpsLibrary(o.getString("ort_ops_library", "")) : std::string();
         mPanels = !mOps.empty() && panelsWanted(mOps);
@@ -536,13 +629,17 @@ private:
         {
             throw Error(DFL2_ERR_CORRUPT, mTarget.file + ": context_features has no fixed feature size");
         }
-        for (std::string const& n : kvNames(m.targetLayers, "past_key_values"))
+        for (std::string const& n : targetKvNames(m, "past_key_values"))
         {
             need(mTarget, n, tkv);
         }
-        for (std::string const& n : kvNames(m.targetLayers, "present"))
+        for (std::string const& n : targetKvNames(m, "present"))
         {
             need(mTarget, n, tkv);
+        }
+        if (m.hasLinearLayers())
+        {
+            checkLinearInterface(need);
         }
         need(mContext, "context_features", {-1, -1, mFeatureDim});
         for (std::string const& n : kvNames(m.drafterLayers, "context"))
@@ -556,6 +653,26 @@ private:
         need(mHead, "cand_ids", {-1, L, m.topK});
         need(mHead, "path_ids", {-1, L});
         need(mHead, "proposal_probs", {-1, L, -1});
+    }
+
+    //! a hybrid target's state tensors: per linear layer the window, recurrent state and their outputs, and state_rows
+    template <typename Need>
+    void checkLinearInterface(Need const& need) const
+    {
+        Manifest const& m = mManifest;
+        LinearStateSpec const& s = m.linearState;
+        need(mTarget, "state_rows", {-1});
+        for (int32_t i = 0; i < m.targetLayers; ++i)
+        {
+            if (m.isLinear(i))
+            {
+                std::string const n = std::to_string(i);
+                need(mTarget, "past_conv." + n, {-1, s.convDim, s.window()});
+                need(mTarget, "past_recurrent." + n, {-1, s.numHeads, s.keyDim, s.valueDim});
+                need(mTarget, "present_conv." + n, {-1, s.convDim, -1});
+                need(mTarget, "present_recurrent." + n, {-1, -1, s.numHeads, s.keyDim, s.valueDim});
+            }
+        }
     }
 
     Manifest mManifest;
@@ -595,17 +712,21 @@ public:
     explicit OrtRunners(OrtModel const& model)
         : mM(model)
         , mApi(model.api())
-        , mTkv(model.manifest().targetLayers, model.manifest().targetKvHeads, model.manifest().targetHeadDim,
+        , mTkv(model.manifest().kvLayers(), model.manifest().targetKvHeads, model.manifest().targetHeadDim,
               model.manifest().kvCapacityStep, model.manifest().maxSeqLen)
         , mDkv(model.manifest().drafterLayers, model.manifest().drafterKvHeads, model.manifest().drafterHeadDim,
               model.manifest().kvCapacityStep, model.manifest().maxSeqLen)
-        , mPastNames(kvNames(model.manifest().targetLayers, "past_key_values"))
-        , mPresentNames(kvNames(model.manifest().targetLayers, "present"))
+        , mPastNames(targetKvNames(model.manifest(), "past_key_values"))
+        , mPresentNames(targetKvNames(model.manifest(), "present"))
         , mContextNames(kvNames(model.manifest().drafterLayers, "context"))
     {
         if (mM.fused())
         {
             ortCheck(mApi, mApi->CreateIoBinding(mM.target().session, &mBinding), "CreateIoBinding");
+        }
+        if (mM.manifest().hasLinearLayers())
+        {
+            setUpLinear();
         }
     }
     ~OrtRunners() override
@@ -640,6 +761,10 @@ public:
     void targetReset() override
     {
         mTkv.length = 0;
+        if (mLinear)
+        {
+            mLinear->reset();
+        }
         mFeatureRows = 0;
         mPending.clear();
         mPendingRows = 0;
@@ -661,10 +786,16 @@ public:
             mIds[static_cast<size_t>(i)] = ids[i];
         }
         int32_t const len = mTkv.length;
-        mTkv.reserve(len + n);
         logits.resize(static_cast<size_t>(n) * static_cast<size_t>(V));
         mFeatures.resize(static_cast<size_t>(n) * F);
         mFeatureRows = 0;
+        if (mLinear)
+        {
+            linearTargetForward(n, logits.data());
+            mFeatureRows = n;
+            return;
+        }
+        mTkv.reserve(len + n);
         std::vector<int64_t> const idsShape{1, n};
         OrtTensor idsT(mApi, mIds.data(), mIds.size() * sizeof(int64_t), idsShape, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
         OrtTensor logitsT(mApi, logits.data(), logits.size() * sizeof(float), {1, n, V}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
@@ -713,9 +844,15 @@ public:
         mFeatureRows = n;
     }
 
+    //! OrtTargetRunner.crop: the KV by its length; a hybrid target's linear state rolled back into the last call
     void targetCrop(int32_t length) override
     {
-        mTkv.length = std::min(mTkv.length, std::max(0, length));
+        int32_t const keep = std::max(0, length);
+        if (mLinear && keep < mTkv.length)
+        {
+            mLinear->crop(keep);
+        }
+        mTkv.length = std::min(mTkv.length, keep);
     }
 
     void drafterReset() override
@@ -845,6 +982,144 @@ public:
     }
 
 private:
+    //! A hybrid target (OrtTargetRunner with LinearStates): the state buffers, the call's names in the graph's
+    //! layer order (KV for attention layers, window and recurrent state for linear ones) and the state inputs'
+    //! values over the fixed state buffers, made once.
+    void setUpLinear()
+    {
+        Manifest const& man = mM.manifest();
+        mLinear = std::make_unique<HostLinearState>(man);
+        LinearStateSpec const& ls = man.linearState;
+        for (HostLinearState::Layer& l : mLinear->layers)
+        {
+            mLinearValues.emplace_back(mApi, l.window.data(), l.window.size() * sizeof(float),
+                std::vector<int64_t>{1, ls.convDim, ls.window()}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            mLinearValues.emplace_back(mApi, l.recurrent.data(), l.recurrent.size() * sizeof(float),
+                std::vector<int64_t>{1, ls.numHeads, ls.keyDim, ls.valueDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        }
+        mCallInNames = {"input_ids", "position_ids", "attention_mask", "state_rows"};
+        mCallOutNames = {"logits", "context_features"};
+        for (std::string const& n : targetStateNames(man, "past"))
+        {
+            mCallInNames.push_back(n);
+        }
+        for (std::string const& n : targetStateNames(man, "present"))
+        {
+            mCallOutNames.push_back(n);
+        }
+        mCallIn = cNames(mCallInNames);
+        mCallOut = cNames(mCallOutNames);
+        mCallInValues.assign(mCallIn.size(), nullptr);
+        mCallOutValues.assign(mCallOut.size(), nullptr);
+        mKvRows.assign(static_cast<size_t>(mTkv.count), {});
+        mCallOutTensors.reserve(mCallOut.size());
+    }
+
+    //! OrtTargetRunner.forward of a hybrid target: one call of n <= max_rows_per_call rows asking every row's state
+    //! (a verify, which a crop may roll back), else calls of max_rows_per_call rows asking their last row's only
+    void linearTargetForward(int32_t n, float* logits)
+    {
+        int32_t const step = mLinear->spec.maxRowsPerCall;
+        bool const everyRow = n <= step;
+        size_t const V = static_cast<size_t>(mM.vocabSize);
+        size_t const F = static_cast<size_t>(mM.fdim());
+        for (int32_t a = 0; a < n; a += step)
+        {
+            int32_t const S = std::min(step, n - a);
+            linearTargetCall(a, S, everyRow, logits + static_cast<size_t>(a) * V, mFeatures.data() + static_cast<size_t>(a) * F);
+        }
+    }
+
+    //! OrtTargetRunner._call with linear layers: ids mIds[a..a+S-1] at positions length.., the KV buffers + validity
+    //! mask and every linear layer's state in; the new rows' K/V (appended), the convolution inputs and the asked
+    //! rows' recurrent states out (HostLinearState.called keeps the state after the rows)
+    void linearTargetCall(int32_t a, int32_t S, bool everyRow, float* logits, float* feats)
+    {
+        Manifest const& man = mM.manifest();
+        LinearStateSpec const& ls = man.linearState;
+        int32_t const len = mTkv.length;
+        mTkv.reserve(len + S);
+        if (mPastCapacity != mTkv.capacity)  // the buffers grew: new values over them
+        {
+            mPastCapacity = mTkv.capacity;
+            mPastValues.clear();
+            for (auto& arr : mTkv.arrays)
+            {
+                mPastValues.emplace_back(mApi, arr.data(), arr.size() * sizeof(float), mTkv.shape(),
+                    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            }
+        }
+        int32_t const C = mTkv.capacity;
+        int32_t const R = everyRow ? S : 1;
+        mPos.resize(static_cast<size_t>(S));
+        mStateRows.resize(static_cast<size_t>(R));
+        for (int32_t i = 0; i < S; ++i)
+        {
+            mPos[static_cast<size_t>(i)] = len + i;
+        }
+        for (int32_t i = 0; i < R; ++i)
+        {
+            mStateRows[static_cast<size_t>(i)] = everyRow ? i : S - 1;
+        }
+        mMask.assign(static_cast<size_t>(C + S), 1);
+        std::fill(mMask.begin() + len, mMask.begin() + C, 0);
+        int32_t const V = mM.vocabSize;
+        int64_t const F = mM.fdim();
+        OrtTensor const idsT(mApi, mIds.data() + a, static_cast<size_t>(S) * sizeof(int64_t), {1, S},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        OrtTensor const posT(mApi, mPos.data(), mPos.size() * sizeof(int64_t), {1, S}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        OrtTensor const maskT(mApi, mMask.data(), mMask.size() * sizeof(int64_t), {1, C + S},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        OrtTensor const rowsT(mApi, mStateRows.data(), mStateRows.size() * sizeof(int64_t), {R},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        OrtTensor const logitsT(mApi, logits, static_cast<size_t>(S) * static_cast<size_t>(V) * sizeof(float), {1, S, V},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        OrtTensor const featT(mApi, feats, static_cast<size_t>(S) * static_cast<size_t>(F) * sizeof(float), {1, S, F},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        mCallInValues[0] = idsT.get();
+        mCallInValues[1] = posT.get();
+        mCallInValues[2] = maskT.get();
+        mCallInValues[3] = rowsT.get();
+        mCallOutValues[0] = logitsT.get();
+        mCallOutValues[1] = featT.get();
+        size_t const per = static_cast<size_t>(man.targetKvHeads) * static_cast<size_t>(S) * static_cast<size_t>(man.targetHeadDim);
+        mCallOutTensors.clear();
+        size_t kv = 0;
+        size_t lin = 0;
+        for (int32_t i = 0; i < man.targetLayers; ++i)  // layer order: 2 inputs and 2 outputs per layer
+        {
+            size_t const at = 4 + 2 * static_cast<size_t>(i);
+            size_t const out = 2 + 2 * static_cast<size_t>(i);
+            if (man.isLinear(i))
+            {
+                HostLinearState::Layer& l = mLinear->layers[lin];
+                mCallInValues[at] = mLinearValues[2 * lin].get();
+                mCallInValues[at + 1] = mLinearValues[2 * lin + 1].get();
+                mCallOutTensors.emplace_back(mApi, l.inputs.data(), static_cast<size_t>(ls.convDim) * static_cast<size_t>(S) * sizeof(float),
+                    std::vector<int64_t>{1, ls.convDim, S}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+                mCallOutValues[out] = mCallOutTensors.back().get();
+                mCallOutTensors.emplace_back(mApi, l.states.data(), static_cast<size_t>(R) * ls.recurrentElements() * sizeof(float),
+                    std::vector<int64_t>{1, R, ls.numHeads, ls.keyDim, ls.valueDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+                mCallOutValues[out + 1] = mCallOutTensors.back().get();
+                ++lin;
+                continue;
+            }
+            for (size_t k = 0; k < 2; ++k, ++kv)
+            {
+                mCallInValues[at + k] = mPastValues[kv].get();
+                mKvRows[kv].resize(per);
+                mCallOutTensors.emplace_back(mApi, mKvRows[kv].data(), per * sizeof(float),
+                    std::vector<int64_t>{1, man.targetKvHeads, S, man.targetHeadDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+                mCallOutValues[out + k] = mCallOutTensors.back().get();
+            }
+        }
+        ortCheck(mApi, mApi->Run(mM.target().session, nullptr, mCallIn.data(), mCallInValues.data(), mCallIn.size(),
+                           mCallOut.data(), mCallOut.size(), mCallOutValues.data()),
+            mM.target().file);
+        mTkv.append(mKvRows, S);
+        mLinear->called(len, S, everyRow);
+    }
+
     //! the fused target's capacity buffers as its past AND present (one OrtValue each: GroupQueryAttention then
     //! writes the new rows in place)
     void bindTargetKv()
@@ -945,6 +1220,22 @@ private:
     std::vector<float> mPending;   //!< [rows, F] queued for the drafter
     int32_t mPendingRows{0};
     std::vector<float> mHidden;    //!< [bs, H] the block's output, the head's input
+    // a hybrid target (setUpLinear): its linear layers' state and one call's inputs and outputs, made once
+    std::unique_ptr<HostLinearState> mLinear;
+    std::vector<OrtTensor> mLinearValues;  //!< per linear layer: window, recurrent (the state inputs)
+    std::vector<OrtTensor> mPastValues;    //!< over mTkv.arrays (the KV inputs)
+    int32_t mPastCapacity{-1};             //!< the capacity mPastValues were made for
+    std::vector<std::string> mCallInNames;
+    std::vector<std::string> mCallOutNames;
+    std::vector<char const*> mCallIn;
+    std::vector<char const*> mCallOut;
+    std::vector<OrtValue const*> mCallInValues;
+    std::vector<OrtValue*> mCallOutValues;
+    std::vector<OrtTensor> mCallOutTensors;     //!< one call's output values (over the buffers below and mLinear's)
+    std::vector<std::vector<float>> mKvRows;    //!< per KV buffer: the call's new rows [heads, S, dim]
+    std::vector<int64_t> mPos;
+    std::vector<int64_t> mMask;
+    std::vector<int64_t> mStateRows;
 };
 
 //! dfl2_batch over one OrtRunners per slot: each sequence's rows run as its single run's (batch 1 graphs).

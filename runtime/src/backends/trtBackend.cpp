@@ -33,6 +33,13 @@
 //! * TrtBatchRunners (one per dfl2_batch; see its comment) owns the batch's stream, the target's scratch, contexts
 //!   and I/O buffers, one KV cache [slots, heads, capacity, d] per layer (ragged: each slot its own length) and one
 //!   drafter-only TrtRunners per slot. The target runs eagerly (no graphs); the drafters capture as sessions do.
+//! * A hybrid target (manifest version 3: "linear" Gated DeltaNet layers beside "attention" layers) takes every
+//!   layer's state in layer order (KV of an attention layer; past_conv / past_recurrent of a linear one) and
+//!   state_rows, in calls of at most max_rows_per_call rows. Its linear state is a DeviceLinearState (per runner:
+//!   one row per session, or per batch slot), allocated once; after a call and on a crop into it the kept row's
+//!   window and recurrent state are device copies from the call's present_conv / present_recurrent outputs, as
+//!   core/linearState.h says (the ONNX Runtime backend's rule, the Python LinearStates').
+#include "../core/linearState.h"
 #include "../model.h"
 #include "trtParts.h"
 
@@ -47,6 +54,8 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -295,6 +304,159 @@ int32_t readInt(IOTensor const& t, size_t i)
                                           : static_cast<int32_t const*>(t.host)[i];
 }
 
+//! StateCopy over device memory: copies enqueued on one stream (ordered with the target calls).
+class CudaStateCopy : public StateCopy
+{
+public:
+    explicit CudaStateCopy(cudaStream_t stream)
+        : mStream(stream)
+    {
+    }
+    void copy2D(void* dst, size_t dstPitch, void const* src, size_t srcPitch, size_t width, size_t height) override
+    {
+        if (width != 0 && height != 0)
+        {
+            cudaCheck(cudaMemcpy2DAsync(dst, dstPitch, src, srcPitch, width, height, cudaMemcpyDeviceToDevice, mStream),
+                "linear state copy");
+        }
+    }
+
+private:
+    cudaStream_t mStream;
+};
+
+//! A hybrid target's linear layers' state on the device (core/linearState.h): per linear layer the window and
+//! recurrent state of `slots` sequences ([slots, conv_dim, K - 1], [slots, heads, dk, dv]: batch row = slot, what
+//! the target is fed) and their copies from before each slot's last call, allocated once and zeroed; the last call's
+//! outputs are the target's present_conv.{i} / present_recurrent.{i} I/O buffers. The rollback bookkeeping is the
+//! core's LinearStateLog; only the copies are here.
+struct DeviceLinearState
+{
+    LinearStateSpec spec;
+    int32_t slots{0};
+    size_t convElem{4};
+    size_t recurrentElem{4};
+    std::vector<int32_t> layers;  //!< the linear layers' indices
+    std::vector<void*> window, recurrent, windowBefore, recurrentBefore;  //!< per linear layer, [slots, ...]
+    std::unique_ptr<LinearStateLog> log;
+
+    bool active() const
+    {
+        return log != nullptr;
+    }
+    size_t windowBytes() const
+    {
+        return spec.windowElements() * convElem;
+    }
+    size_t recurrentBytes() const
+    {
+        return spec.recurrentElements() * recurrentElem;
+    }
+    //! the buffers (zeroed) for the linear layers of `m`, element types from the target engine `te`
+    void allocate(Manifest const& m, Engine const& te, int32_t slotCount, cudaStream_t stream);
+    void release() noexcept
+    {
+        for (auto* v : {&window, &recurrent, &windowBefore, &recurrentBefore})
+        {
+            for (void* p : *v)
+            {
+                cudaFree(p);
+            }
+            v->clear();
+        }
+        log.reset();
+    }
+    //! a new sequence in `slot`: zero state, no call to roll back into
+    void reset(int32_t slot, cudaStream_t stream)
+    {
+        for (size_t l = 0; l < layers.size(); ++l)
+        {
+            cudaCheck(cudaMemsetAsync(slotPart(window[l], windowBytes(), slot), 0, windowBytes(), stream), "zero window");
+            cudaCheck(cudaMemsetAsync(slotPart(recurrent[l], recurrentBytes(), slot), 0, recurrentBytes(), stream),
+                "zero recurrent state");
+        }
+        log->reset(slot);
+    }
+    //! linear layer l of `slot`, whose last call's outputs (over `pitch` columns, `stateRows` states per sequence)
+    //! sit at batch row `row` of the target's I/O buffers `io`
+    LinearLayerState view(std::map<std::string, IOTensor>& io, size_t l, int32_t slot, int32_t row, int32_t pitch,
+        int32_t stateRows)
+    {
+        std::string const n = std::to_string(layers[l]);
+        size_t const inputsBytes = static_cast<size_t>(spec.convDim) * static_cast<size_t>(pitch) * convElem;
+        size_t const statesBytes = static_cast<size_t>(stateRows) * recurrentBytes();
+        return LinearLayerState{slotPart(window[l], windowBytes(), slot), slotPart(recurrent[l], recurrentBytes(), slot),
+            slotPart(windowBefore[l], windowBytes(), slot), slotPart(recurrentBefore[l], recurrentBytes(), slot),
+            slotPart(io.at("present_conv." + n).dev, inputsBytes, row),
+            slotPart(io.at("present_recurrent." + n).dev, statesBytes, row), convElem, recurrentElem};
+    }
+    //! a call left `rows` rows of `slot` (from position `start`) at batch row `row` of its outputs: the state after
+    //! them (copies on `stream`)
+    void called(std::map<std::string, IOTensor>& io, int32_t slot, int32_t row, int32_t start, int32_t rows,
+        int32_t pitch, bool everyRow, cudaStream_t stream)
+    {
+        KeptState const kept = log->called(slot, start, rows, pitch, everyRow);
+        CudaStateCopy copy(stream);
+        for (size_t l = 0; l < layers.size(); ++l)
+        {
+            LinearLayerState const v = view(io, l, slot, row, pitch, everyRow ? pitch : 1);
+            saveBefore(v, spec, copy);
+            applyKept(v, spec, kept, copy);
+        }
+    }
+    //! `slot` keeps positions 0..length-1, before the end of its last call (a recorded one: batch row = slot)
+    void crop(std::map<std::string, IOTensor>& io, int32_t slot, int32_t length, cudaStream_t stream)
+    {
+        std::optional<KeptState> const kept = log->crop(slot, length);
+        if (!kept)
+        {
+            return;
+        }
+        CudaStateCopy copy(stream);
+        for (size_t l = 0; l < layers.size(); ++l)
+        {
+            applyKept(view(io, l, slot, slot, kept->inputsPitch, kept->inputsPitch), spec, *kept, copy);
+        }
+    }
+
+private:
+    static void* slotPart(void* base, size_t bytes, int32_t slot)
+    {
+        return static_cast<char*>(base) + static_cast<size_t>(slot) * bytes;
+    }
+};
+
+void DeviceLinearState::allocate(Manifest const& m, Engine const& te, int32_t slotCount, cudaStream_t stream)
+{
+    spec = m.linearState;
+    slots = slotCount;
+    for (int32_t i = 0; i < m.targetLayers; ++i)
+    {
+        if (m.isLinear(i))
+        {
+            layers.push_back(i);
+        }
+    }
+    std::string const first = std::to_string(layers.at(0));
+    convElem = elementSize(te.types.at("past_conv." + first));
+    recurrentElem = elementSize(te.types.at("past_recurrent." + first));
+    auto const alloc = [&](std::vector<void*>& to, size_t bytes) {
+        void* p = nullptr;
+        cudaCheck(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc linear state");
+        to.push_back(p);
+        cudaCheck(cudaMemsetAsync(p, 0, bytes, stream), "zero linear state");
+    };
+    size_t const n = static_cast<size_t>(slots);
+    for (size_t l = 0; l < layers.size(); ++l)
+    {
+        alloc(window, n * windowBytes());
+        alloc(recurrent, n * recurrentBytes());
+        alloc(windowBefore, n * windowBytes());
+        alloc(recurrentBefore, n * recurrentBytes());
+    }
+    log = std::make_unique<LinearStateLog>(spec.window(), slots, plantedSkipRollback());
+}
+
 class TrtModel : public Model
 {
 public:
@@ -381,11 +543,21 @@ public:
         // every generate starts here; the CUDA device is per thread and a session may move between threads
         cudaCheck(cudaSetDevice(mModel.device), "cudaSetDevice");
         mTargetKV.length = 0;
+        if (mLinear.active())
+        {
+            mLinear.reset(0, mStream);
+        }
     }
     void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) override;
+    //! the KV by its length; a hybrid target's linear state rolled back into the last call (device copies)
     void targetCrop(int32_t length) override
     {
-        mTargetKV.length = std::min(mTargetKV.length, std::max(0, length));
+        int32_t const keep = std::max(0, length);
+        if (mLinear.active() && keep < mTargetKV.length)
+        {
+            mLinear.crop(mTio, 0, keep, mStream);
+        }
+        mTargetKV.length = std::min(mTargetKV.length, keep);
     }
     void drafterReset() override
     {
@@ -427,7 +599,8 @@ private:
     void runStep(std::string const& key, bool capturable, std::vector<std::string> const& contexts, F&& step);
     void dropGraphs();
     void dropGraphsOf(std::string const& contextKey);
-    void targetCall(int32_t const* ids, int32_t S, float* logits, std::vector<char>& feats);
+    //! S target rows; a hybrid target's call asks every row's state (everyRow) or its last row's
+    void targetCall(int32_t const* ids, int32_t S, bool everyRow, float* logits, std::vector<char>& feats);
     void contextCall(char const* feats, int32_t m, int32_t start);
 
     bool mWithTarget{true};
@@ -441,6 +614,7 @@ private:
     bool mGraphsOk{true};
     std::map<std::string, IOTensor> mTio, mCio, mBio, mHio;  //!< target, context, block, head I/O
     DeviceKV mTargetKV, mDraftKV;
+    DeviceLinearState mLinear;  //!< a hybrid target's linear layers (inactive otherwise)
     std::vector<std::string> mTargetPast, mTargetPresent, mDraftKVNames;
     int64_t mTargetChunk{0}, mTargetStepRows{0}, mContextChunk{0}, mContextStepRows{0};
     int64_t mFeatDim{0};
@@ -453,6 +627,10 @@ private:
 
 //! Captured shape-bucket contexts kept per engine and session (each holds TensorRT per-context state).
 constexpr size_t kMAX_CAPTURED_CONTEXTS = 8;
+
+void linearTensors(std::map<std::string, IOTensor>& io, Engine const& te, Manifest const& m, int32_t slots, int64_t rows);
+void bindLinear(DeviceLinearState& linear, std::map<std::string, IOTensor>& io, int32_t slot, int32_t B, int32_t S,
+    bool everyRow, std::map<std::string, std::vector<int64_t>>& shapes, std::map<std::string, void*>& addr);
 
 TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& options)
     : manifest(m)
@@ -596,17 +774,17 @@ void TrtRunners::setUp()
     Engine const& te = model.engine("target");
     if (mWithTarget)
     {
-        for (int32_t i = 0; i < m.targetLayers; ++i)
-        {
-            for (char const* kv : {"key", "value"})
-            {
-                mTargetPast.push_back("past_key_values." + std::to_string(i) + "." + kv);
-                mTargetPresent.push_back("present." + std::to_string(i) + "." + kv);
-            }
-        }
-        mTargetKV = DeviceKV{&mOps, m.targetLayers, m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mTargetPast[0])),
+        mTargetPast = targetKvNames(m, "past_key_values");
+        mTargetPresent = targetKvNames(m, "present");
+        mTargetKV = DeviceKV{&mOps, m.kvLayers(), m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mTargetPast[0])),
             m.kvCapacityStep, maxCap, 0, 0, {}, 1};
         mTargetChunk = te.maxDim("prefill", "sequence");
+        if (m.hasLinearLayers())  // a call of a hybrid target takes at most max_rows_per_call rows
+        {
+            mTargetChunk = std::min<int64_t>(mTargetChunk, m.linearState.maxRowsPerCall);
+            mLinear.allocate(m, te, 1, mStream);
+            linearTensors(mTio, te, m, 1, mTargetChunk);
+        }
         mTargetStepRows = te.maxDim("step", "sequence");
         mFeatDim = te.engine->getTensorShape("context_features").d[2];
         mFeatElem = elementSize(te.types.at("context_features"));
@@ -711,6 +889,7 @@ void TrtRunners::releaseAll() noexcept
     }
     mTargetKV.release();
     mDraftKV.release();
+    mLinear.release();
     if (mStream != nullptr)
     {
         cudaStreamDestroy(mStream);
@@ -742,6 +921,55 @@ IOTensor& TrtRunners::tensor(std::map<std::string, IOTensor>& io, Engine const& 
         cudaCheck(cudaMallocHost(&t.host, std::max<size_t>(t.bytes, 1)), "cudaMallocHost");
     }
     return t;
+}
+
+//! A hybrid target's linear I/O: state_rows (with a host mirror) and per linear layer present_conv [1, conv_dim,
+//! rows] and present_recurrent [1, rows, heads, dk, dv] (`rows`: the most one call of the runner holds), and the
+//! state inputs' engine shapes checked against the [slots, ...] DeviceLinearState buffers they are bound to.
+void linearTensors(std::map<std::string, IOTensor>& io, Engine const& te, Manifest const& m, int32_t slots, int64_t rows)
+{
+    LinearStateSpec const& ls = m.linearState;
+    TrtRunners::tensor(io, te, "state_rows", {rows}, true);
+    for (int32_t i = 0; i < m.targetLayers; ++i)
+    {
+        if (!m.isLinear(i))
+        {
+            continue;
+        }
+        std::string const n = std::to_string(i);
+        TrtRunners::tensor(io, te, "present_conv." + n, {1, ls.convDim, rows}, false);
+        TrtRunners::tensor(io, te, "present_recurrent." + n, {1, rows, ls.numHeads, ls.keyDim, ls.valueDim}, false);
+        checkBindingShape(te.key, "past_conv." + n, dimsVector(te.engine->getTensorShape(("past_conv." + n).c_str())),
+            {slots, ls.convDim, ls.window()});
+        checkBindingShape(te.key, "past_recurrent." + n,
+            dimsVector(te.engine->getTensorShape(("past_recurrent." + n).c_str())),
+            {slots, ls.numHeads, ls.keyDim, ls.valueDim});
+    }
+}
+
+//! A hybrid target call's linear inputs: state_rows (every row's, or the last row's: R values written to its host
+//! mirror) and each linear layer's state, [B, ...] from batch row 0 of `linear` at `slot` -> shapes and addresses
+void bindLinear(DeviceLinearState& linear, std::map<std::string, IOTensor>& io, int32_t slot, int32_t B, int32_t S,
+    bool everyRow, std::map<std::string, std::vector<int64_t>>& shapes, std::map<std::string, void*>& addr)
+{
+    int32_t const R = everyRow ? S : 1;
+    std::vector<int64_t> rows(static_cast<size_t>(R));
+    for (int32_t i = 0; i < R; ++i)
+    {
+        rows[static_cast<size_t>(i)] = everyRow ? i : S - 1;
+    }
+    writeInts(io.at("state_rows"), 0, rows.data(), rows.size());
+    shapes["state_rows"] = {R};
+    LinearStateSpec const& ls = linear.spec;
+    for (size_t l = 0; l < linear.layers.size(); ++l)
+    {
+        std::string const n = std::to_string(linear.layers[l]);
+        LinearLayerState const v = linear.view(io, l, slot, 0, S, R);
+        shapes["past_conv." + n] = {B, ls.convDim, ls.window()};
+        shapes["past_recurrent." + n] = {B, ls.numHeads, ls.keyDim, ls.valueDim};
+        addr["past_conv." + n] = v.window;
+        addr["past_recurrent." + n] = v.recurrent;
+    }
 }
 
 std::unique_ptr<nv::IExecutionContext> TrtRunners::newContext(Engine const& e, int32_t profile)
@@ -884,7 +1112,7 @@ void TrtRunners::runStep(std::string const& key, bool capturable, std::vector<st
     mGraphContexts[key] = contexts;
 }
 
-void TrtRunners::targetCall(int32_t const* ids, int32_t S, float* logits, std::vector<char>& feats)
+void TrtRunners::targetCall(int32_t const* ids, int32_t S, bool everyRow, float* logits, std::vector<char>& feats)
 {
     Engine const& e = mModel.engine("target");
     DeviceKV& kv = mTargetKV;
@@ -925,7 +1153,12 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, float* logits, std::v
         shapes[mTargetPast[i]] = {1, kv.heads, C, kv.headDim};
         addr[mTargetPast[i]] = kv.ptrs[i];
     }
-    std::string const bucket = captured ? std::to_string(S) + "x" + std::to_string(C) : "eager";
+    if (mLinear.active())
+    {
+        bindLinear(mLinear, mTio, 0, 1, S, everyRow, shapes, addr);
+    }
+    std::string const rowsAsked = mLinear.active() && !everyRow ? "r1" : "";  // state_rows [1], not [S]
+    std::string const bucket = captured ? std::to_string(S) + "x" + std::to_string(C) + rowsAsked : "eager";
     nv::IExecutionContext& ctx = context(e, profile, bucket, captured);
     bind(e, ctx, shapes, addr, !captured || mGraphs.count("target/" + bucket) == 0);
     std::string const ctxKey = e.key + "/" + std::to_string(profile) + "/" + bucket;
@@ -943,6 +1176,12 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, float* logits, std::v
         cudaCheck(cudaMemcpyAsync(mTio["attention_mask"].dev, mTio["attention_mask"].host, maskBytes,
                       cudaMemcpyHostToDevice, mStream),
             "H2D mask");
+        if (mLinear.active())
+        {
+            IOTensor& rows = mTio["state_rows"];
+            size_t const rowBytes = static_cast<size_t>(everyRow ? S : 1) * elementSize(rows.type);
+            cudaCheck(cudaMemcpyAsync(rows.dev, rows.host, rowBytes, cudaMemcpyHostToDevice, mStream), "H2D state rows");
+        }
         enqueue(e, ctx);
         cudaCheck(cudaMemcpyAsync(mTio["logits"].host, mTio["logits"].dev, logitBytes, cudaMemcpyDeviceToHost, mStream),
             "D2H logits");
@@ -957,6 +1196,10 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, float* logits, std::v
         present.push_back(mTio[p].dev);
     }
     kv.append(present, S, mStream);  // commit outside the graph: the destination moves every step
+    if (mLinear.active())  // the state after the S rows (device copies, outside the graph too)
+    {
+        mLinear.called(mTio, 0, 0, n, S, S, everyRow, mStream);
+    }
     cudaCheck(cudaStreamSynchronize(mStream), "target sync");
     for (size_t i = 0; i < static_cast<size_t>(S) * V; ++i)
     {
@@ -972,10 +1215,11 @@ void TrtRunners::targetForward(int32_t const* ids, int32_t n, std::vector<float>
     logits.assign(static_cast<size_t>(n) * V, 0.0F);
     mFeatures.clear();
     mFeatureRows = 0;
+    bool const everyRow = n <= mTargetChunk;  // a hybrid target: one call that a crop may roll back (a verify)
     for (int32_t i = 0; i < n; i += static_cast<int32_t>(mTargetChunk))
     {
         int32_t const S = std::min<int32_t>(static_cast<int32_t>(mTargetChunk), n - i);
-        targetCall(ids + i, S, logits.data() + static_cast<size_t>(i) * V, mFeatures);
+        targetCall(ids + i, S, everyRow, logits.data() + static_cast<size_t>(i) * V, mFeatures);
     }
     mFeatureRows = n;
 }
@@ -1203,6 +1447,11 @@ public:
     {
         forget(slot);
         mLength[index(slot)] = 0;
+        if (mLinear.active())
+        {
+            device();
+            mLinear.reset(slot, mStream);
+        }
     }
     void targetRelease(int32_t slot) override
     {
@@ -1210,10 +1459,17 @@ public:
         mLength[index(slot)] = 0;  // its rows stay in the cache, masked (finite: zeroed or written by the engine)
     }
     void targetForward(std::vector<SlotRows> const& seqs, bool lastLogits, std::vector<float>& logits) override;
+    //! the slot's KV by its length; a hybrid target's linear state rolled back into the slot's last batched call
     void targetCrop(int32_t slot, int32_t length) override
     {
         int32_t& n = mLength[index(slot)];
-        n = std::min(n, std::max(0, length));
+        int32_t const keep = std::max(0, length);
+        if (mLinear.active() && keep < n)
+        {
+            device();
+            mLinear.crop(mTio, slot, keep, mStream);
+        }
+        n = std::min(n, keep);
     }
     void drafterReset(int32_t slot) override
     {
@@ -1297,6 +1553,7 @@ private:
     std::map<int32_t, std::unique_ptr<nv::IExecutionContext>> mContexts;  //!< per profile
     std::map<std::string, IOTensor> mTio;
     DeviceKV mKV;
+    DeviceLinearState mLinear;     //!< a hybrid target's linear layers, one row per slot (inactive otherwise)
     std::vector<int32_t> mLength;  //!< per slot: its cached positions
     std::vector<std::string> mPast, mPresent;
     int64_t mChunk{0}, mStepRows{0};
@@ -1337,20 +1594,19 @@ void TrtBatchRunners::setUp()
     cudaCheck(cudaStreamCreateWithFlags(&mStream, cudaStreamNonBlocking), "cudaStreamCreate");
     int32_t const maxCap = (m.maxSeqLen + m.kvCapacityStep - 1) / m.kvCapacityStep * m.kvCapacityStep;
     Engine const& te = mModel.engine("target");
-    for (int32_t i = 0; i < m.targetLayers; ++i)
-    {
-        for (char const* kv : {"key", "value"})
-        {
-            mPast.push_back("past_key_values." + std::to_string(i) + "." + kv);
-            mPresent.push_back("present." + std::to_string(i) + "." + kv);
-        }
-    }
-    mKV = DeviceKV{&mOps, m.targetLayers, m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mPast[0])),
+    mPast = targetKvNames(m, "past_key_values");
+    mPresent = targetKvNames(m, "present");
+    mKV = DeviceKV{&mOps, m.kvLayers(), m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mPast[0])),
         m.kvCapacityStep, maxCap, 0, 0, {}, mSlots};
     mStepProfile = te.profileIndex("step");
     mPrefillProfile = te.profileIndex("prefill");
     mChunk = te.maxDim("prefill", "sequence");
     mStepRows = te.maxDim("step", "sequence");
+    if (m.hasLinearLayers())  // a call of a hybrid target takes at most max_rows_per_call rows per sequence
+    {
+        mChunk = std::min<int64_t>(mChunk, m.linearState.maxRowsPerCall);
+        mStepRows = std::min<int64_t>(mStepRows, m.linearState.maxRowsPerCall);
+    }
     if (profilesMaxBatch(te.profiles) < mSlots)  // (dfl2_batch_create refuses more slots than the model's maxBatch)
     {
         throw Error(DFL2_ERR_INTERNAL, "the target engine takes fewer sequences per call than the batch's slots");
@@ -1368,6 +1624,11 @@ void TrtBatchRunners::setUp()
     for (std::string const& p : mPresent)
     {
         TrtRunners::tensor(mTio, te, p, {1, m.targetKvHeads, R, m.targetHeadDim}, false);
+    }
+    if (m.hasLinearLayers())
+    {
+        mLinear.allocate(m, te, mSlots, mStream);
+        linearTensors(mTio, te, m, mSlots, R);
     }
     for (std::string const& p : mPast)  // bound to the batched cache [slots, heads, capacity, d]
     {
@@ -1411,6 +1672,7 @@ void TrtBatchRunners::releaseAll() noexcept
         mScratch = nullptr;
     }
     mKV.release();
+    mLinear.release();
     if (mStream != nullptr)
     {
         cudaStreamDestroy(mStream);
@@ -1525,6 +1787,17 @@ void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOu
         shapes[mPast[i]] = {B, mKV.heads, C, mKV.headDim};
         addr[mPast[i]] = single ? mKV.slotPointer(i, part[0].slot) : mKV.ptrs[i];
     }
+    // a hybrid target: a batched call records every row's state (a verify may roll back), a prompt chunk its last
+    // row's (never rolled back); the state inputs from the slot's row (single) or the batch's first B rows
+    bool const everyRow = !single;
+    if (mLinear.active())
+    {
+        bindLinear(mLinear, mTio, single ? part[0].slot : 0, B, S, everyRow, shapes, addr);
+        for (int32_t b = 0; b < mSlots; ++b)  // this call overwrites the outputs the others' last calls left
+        {
+            mLinear.log->reset(b);
+        }
+    }
     nv::IExecutionContext& ctx = context(single ? mPrefillProfile : mStepProfile);
     TrtRunners::bind(e, ctx, shapes, addr, true);
     size_t const n = static_cast<size_t>(B) * static_cast<size_t>(S);
@@ -1537,6 +1810,10 @@ void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOu
     h2d("input_ids", n);
     h2d("position_ids", n);
     h2d("attention_mask", rb.attentionMask.size());
+    if (mLinear.active())
+    {
+        h2d("state_rows", static_cast<size_t>(everyRow ? S : 1));
+    }
     if (!ctx.enqueueV3(mStream))
     {
         throw Error(DFL2_ERR_BACKEND, "TensorRT execution of the batched target failed (see the TensorRT log)");
@@ -1555,6 +1832,10 @@ void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOu
     {
         int32_t const rows = static_cast<int32_t>(part[i].ids.size());
         mKV.appendRows(present, S, planned[i].slot, rows, part[i].slot, mLength[index(part[i].slot)], mStream);
+        if (mLinear.active())
+        {
+            mLinear.called(mTio, part[i].slot, planned[i].slot, mLength[index(part[i].slot)], rows, S, everyRow, mStream);
+        }
     }
     cudaCheck(cudaStreamSynchronize(mStream), "batched target sync");
     for (size_t i = 0; i < part.size(); ++i)
