@@ -9,6 +9,11 @@ target rewritten at load with dflash2.DecodeAttention (and PanelMatMul where its
 one-node layers and the selector's plugin node; the C library takes the same file through $DFLASH2_ORT_OPS. Without
 it (``DFLASH2_ORT_OPS`` naming no file) both run ONNX Runtime's own ops (GroupQueryAttention, the standard drafter
 block, the decomposed selector head): sampled again on a few prompts.
+
+A hybrid export (test_capi's ``hybrid_export``: ``make-tiny --arch qwen3_5 --accepting``, Gated DeltaNet layers
+beside attention layers, manifest version 3): the library keeps and rolls back the linear layers' state, so greedy
+and T = 0.8 runs equal the Python runtime's with partial acceptances; its planted bug (no rollback) is caught; a
+batch equals its single runs; the example runs clean under ASan + UBSan.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from unittest import mock
 
 import pytest
 
-from test_capi import BUILD, _cmake_build, _need, _run, capi_build, vectors_path  # noqa: F401
+from test_capi import BUILD, _cmake_build, _need, _prompts, _run, capi_build, hybrid_export, vectors_path  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -186,13 +191,15 @@ print(json.dumps(out))
 """
 
 
-def _c_samples(build: Path, export: Path, prompts: list[list[int]], seeds: list[int], ops: str) -> list[dict]:
-    """Each prompt at T = 0.8 through one dfl2_session of the C library with numpy's uniforms (default_rng(seed)),
-    in a process of its own -> per request {tokens, accepted, proposers}."""
+def _c_samples(build: Path, export: Path, prompts: list[list[int]], seeds: list[int], ops: str,
+               temperature: float = 0.8, max_new: int = MAX_NEW, env: dict | None = None) -> list[dict]:
+    """Each prompt at ``temperature`` through one dfl2_session of the C library with numpy's uniforms
+    (default_rng(seed)), in a process of its own (``env``: more of its environment) -> per request {tokens, accepted,
+    proposers}."""
     req = {"lib": str(build / "lib" / "libdflash2.so"), "export": str(export), "prompts": prompts, "seeds": seeds,
-           "options": ["backend=ort", f"threads={THREADS}", f"max_new_tokens={MAX_NEW}", "temperature=0.8"]}
+           "options": ["backend=ort", f"threads={THREADS}", f"max_new_tokens={max_new}", f"temperature={temperature}"]}
     proc = subprocess.run([sys.executable, "-c", _SAMPLER], input=json.dumps(req), capture_output=True, text=True,
-                          env={**os.environ, "DFLASH2_ORT_OPS": ops})
+                          env={**os.environ, "DFLASH2_ORT_OPS": ops, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -285,6 +292,19 @@ def test_sessions_on_threads(capi_build, smol_export, prompts, c_greedy):
     assert not got["errors"] and got["tokens"] == [[t, t] for t in c_greedy[0][:4]]
 
 
+def _asan_build(vectors_path: Path) -> Path:
+    """test_capi's build/capi-asan (test_capi.test_asan_ubsan_ctests_and_fuzz's configuration: one build)."""
+    _need("clang")
+    return _cmake_build(BUILD / "capi-asan", [
+        "-DCMAKE_C_COMPILER=clang", "-DCMAKE_CXX_COMPILER=clang++", "-DDFLASH2_SANITIZE=address,undefined",
+        "-DDFLASH2_FUZZ=ON", f"-DDFLASH2_CORE_VECTORS={vectors_path}",
+        f"-DDFL2_FUZZ_SECONDS={os.environ.get('DFLASH2_FUZZ_SECONDS', '5')}",
+    ])  # fmt: skip
+
+
+ASAN_ENV = {"ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1", "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
+
+
 def test_asan_ubsan_runs(smol_export, prompts, c_greedy, vectors_path):
     """examples/generate of the AddressSanitizer + UBSan build (test_capi's build/capi-asan: library, example, the
     protobuf rewrite all instrumented; libonnxruntime is not): 3 prompts in turn (the last one growing the caches)
@@ -292,14 +312,8 @@ def test_asan_ubsan_runs(smol_export, prompts, c_greedy, vectors_path):
     library, run clean (any report ends the process) and give the uninstrumented build's ids. LeakSanitizer is off
     here: its tracer does not survive the uninstrumented ONNX Runtime's threads at exit (it crashes, not reports);
     test_capi's ASan ctests keep it on for everything else."""
-    _need("clang")
-    build = _cmake_build(BUILD / "capi-asan", [
-        "-DCMAKE_C_COMPILER=clang", "-DCMAKE_CXX_COMPILER=clang++", "-DDFLASH2_SANITIZE=address,undefined",
-        "-DDFLASH2_FUZZ=ON", f"-DDFLASH2_CORE_VECTORS={vectors_path}",
-        f"-DDFL2_FUZZ_SECONDS={os.environ.get('DFLASH2_FUZZ_SECONDS', '5')}",
-    ])  # fmt: skip  (test_capi.test_asan_ubsan_ctests_and_fuzz's configuration: one build)
-    env = {**os.environ, "DFLASH2_ORT_OPS": _ops_library(), "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1",
-           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
+    build = _asan_build(vectors_path)
+    env = {**os.environ, "DFLASH2_ORT_OPS": _ops_library(), **ASAN_ENV}
     pick = [0, 1, len(prompts) - 1]  # the last one grows the caches mid-request
     for mode in ("-s", "-b"):
         got, err = _example(build, smol_export, [prompts[i] for i in pick], mode, "guard=true", env=env)
@@ -331,3 +345,95 @@ def test_without_onnxruntime_one_line_exit_1(capi_build, smol_export, tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("generate: load: ") and want in lines[0], (name, lines)
     assert "does not provide C API version" in proc.stderr
+
+
+# ---- a hybrid target (Gated DeltaNet linear layers beside attention layers; manifest version 3) -----------------------
+# test_capi's hybrid_export: the accepting qwen3_5 pair (make-tiny --arch qwen3_5 --accepting) at block size 8. Its
+# target graph is the standard one (no target_ort): neither runtime uses the op library for it.
+
+HYBRID_NEW = 24
+PLANT_ENV = "DFLASH2_PLANT_SKIP_LINEAR_ROLLBACK"  # the library's planted bug: a crop leaves the linear state as it is
+
+
+@pytest.fixture(scope="module")
+def hybrid_py(hybrid_export):
+    g = _load(hybrid_export, NO_LIBRARY)
+    assert "linear" in g._backend.manifest.layer_kinds and not g._backend.fused  # noqa: SLF001
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid_prompts() -> list[list[int]]:
+    """20 prompts of 1-29 tokens and one of 150 (fed in calls of at most 64 rows, the graph's max_rows_per_call)."""
+    short = _prompts(20, seed=11)
+    return short + [[t for p in short for t in p][:150]]
+
+
+def _hybrid_equal(build: Path, export: Path, py, prompts: list[list[int]], temperature: float,  # noqa: ANN001
+                  env: dict | None = None) -> tuple[int, list[int]]:
+    """The C library's and the Python runtime's runs (seeds 100 + i, no guard) -> (prompts whose ids differ, the
+    accepted drafts of every drafter cycle of the equal ones); ids, accepted drafts and proposers compared."""
+    seeds = [100 + i for i in range(len(prompts))]
+    differ, accepted = 0, []
+    for i, (ids, got) in enumerate(zip(prompts, _c_samples(build, export, prompts, seeds, NO_LIBRARY, temperature,
+                                                            HYBRID_NEW, env))):
+        want = py.generate(ids, max_new_tokens=HYBRID_NEW, temperature=temperature, seed=seeds[i], guard=False)
+        if got["tokens"] != want.tokens:
+            differ += 1
+            continue
+        assert got["accepted"] == want.stats.accepted and got["proposers"] == want.stats.proposers, i
+        accepted += [a for a, who in zip(got["accepted"], got["proposers"]) if who == "dflash2"]
+    return differ, accepted
+
+
+def _assert_partial_acceptances(accepted: list[int], rows: int) -> None:
+    """Drafts accepted, and cycles that kept some but not all of them: crops into the verify call, whose linear
+    state the library rolled back to the kept row."""
+    assert sum(accepted) > 0 and any(0 < a < rows for a in accepted), accepted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "T0.8"])
+def test_hybrid_export_equals_python_runtime(capi_build, hybrid_export, hybrid_py, hybrid_prompts, temperature):
+    """The library's ONNX Runtime backend on the hybrid export (per linear layer its convolution window and
+    recurrent state fed in layer order, rolled back to the accepted row on every crop): 21 prompts greedy and at
+    T = 0.8 (numpy's uniforms per seed) give the Python runtime's ids, accepted drafts and proposers, with drafts
+    accepted and partial acceptances (rollbacks into a call)."""
+    differ, accepted = _hybrid_equal(capi_build, hybrid_export, hybrid_py, hybrid_prompts, temperature)
+    assert differ == 0
+    _assert_partial_acceptances(accepted, hybrid_py._backend.manifest.num_draft_rows)  # noqa: SLF001
+
+
+def test_hybrid_planted_rollback_bug_is_caught(capi_build, hybrid_export, hybrid_py, hybrid_prompts):
+    """Negative control: with the planted bug (DFLASH2_PLANT_SKIP_LINEAR_ROLLBACK=1: a crop keeps the linear layers'
+    state after all the verified rows) greedy ids differ from the Python runtime's, so the test above catches it."""
+    differ, _ = _hybrid_equal(capi_build, hybrid_export, hybrid_py, hybrid_prompts, 0.0, env={PLANT_ENV: "1"})
+    assert differ > 0
+
+
+def test_hybrid_batch_equals_single_runs(capi_build, hybrid_export, hybrid_py, hybrid_prompts):
+    """dfl2_batch over the hybrid export (each slot its own linear state): 8 requests, the long one among them,
+    decoded 4 at a time give their single runs' ids, which are the Python runtime's."""
+    pick = hybrid_prompts[:7] + hybrid_prompts[-1:]
+    opts = (f"max_new_tokens={HYBRID_NEW}",)
+    env = {**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY}
+    single, _ = _example(capi_build, hybrid_export, pick, "-s", *opts, env=env)
+    batch, err = _example(capi_build, hybrid_export, pick, "-b", "max_batch=4", *opts, env=env)
+    assert batch == single and len(re.findall(r"request \d+: \d+ tokens", err)) == len(pick)
+    assert single == [hybrid_py.generate(p, max_new_tokens=HYBRID_NEW, guard=False).tokens for p in pick]
+
+
+def test_hybrid_asan_ubsan_runs(capi_build, hybrid_export, hybrid_prompts, vectors_path):
+    """examples/generate of the ASan + UBSan build on the hybrid export (the linear state's buffers, copies and
+    rollbacks instrumented): 3 prompts in turn, the long one among them, and a batch of the 3 run clean and give the
+    uninstrumented build's ids."""
+    build = _asan_build(vectors_path)
+    pick = hybrid_prompts[:2] + hybrid_prompts[-1:]
+    opts = (f"max_new_tokens={HYBRID_NEW}",)
+    want, _ = _example(capi_build, hybrid_export, pick, "-s", *opts,
+                       env={**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY})
+    env = {**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY, **ASAN_ENV}
+    for mode in ("-s", "-b"):
+        got, err = _example(build, hybrid_export, pick, mode, *opts, env=env)
+        assert got == want, mode
+        assert "Sanitizer" not in err and "runtime error" not in err, err
