@@ -46,6 +46,11 @@ def test_profiles_cover_every_dynamic_input(tiny_export):
     m = read_manifest(tiny_export, verify_checksums=False)  # bs 16, max_seq_len 512, step 256
     tp = E.profiles_for(m, "target", 256)
     assert [p.name for p in tp] == ["prefill", "step"]
+    # a dense target's profiles in full (no state dims: those are a hybrid target's, tests/test_trt_hybrid.py)
+    assert tp[0].dims == {"batch": (1, 1, 1), "sequence": (1, 128, 256), "capacity": (256, 512, 512),
+                          "capacity_plus_sequence": (257, 640, 768)}
+    assert tp[1].dims == {"batch": (1, 1, 1), "sequence": (1, 16, 16), "capacity": (256, 512, 512),
+                          "capacity_plus_sequence": (257, 528, 528)}
     shapes = E.input_shapes(m.graphs["target"], tp[1].dims)
     assert shapes["input_ids"] == ((1, 1), (1, 16), (1, 16))
     # capacity opt: the bucket of a typical length (TYPICAL_POSITIONS, here capped by the 512 exported)

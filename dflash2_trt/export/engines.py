@@ -7,6 +7,7 @@ Each graph is parsed by the TensorRT ONNX parser *from its file* (so ``weights.b
 ``libdflash2_plugins.so`` is loaded into the plugin registry, and built into a plan::
 
     DIR/engines-<id>/target.plan                  profiles: prefill (rows 1..P), step (rows 1..bs); batch 1..N
+                                                  (+ the linear layers' state inputs of a hybrid target, see below)
     DIR/engines-<id>/drafter_context.plan         profiles: prefill (rows 1..P), step (rows 1..bs)
     DIR/engines-<id>/drafter_block.plan           profile:  step (context capacity step..max)
     DIR/engines-<id>/drafter_head_{mode}[_plugin].plan   plugin variant by default; decomposed on request
@@ -21,6 +22,14 @@ API's batched TensorRT runner runs one B = 1 drafter per slot). N is recorded in
 ``batch`` dim ``[1, opt, N]`` (``EngineSet.max_batch`` reads it back), so manifests without the option stay
 valid. Capacity dims run from the manifest's ``kv_capacity_step`` to ``max_seq_len`` rounded up to it;
 P = ``--prefill-rows`` (default 256).
+
+A target with linear layers (hybrid, manifest version 3) also takes each linear layer's state, ``past_conv.{i}``
+[B, conv_dim, K - 1] and ``past_recurrent.{i}`` [B, heads, dk, dv] (fixed but for B: the shapes of
+``target.linear_state``), and ``state_rows`` [R], the rows whose recurrent state the call returns. Its prefill
+profile runs at most ``linear_state.max_rows_per_call`` rows (the graph's row limit; P above it is lowered to it) and
+asks for the last row's state only (R = 1: a prompt is never rolled back); its step profile asks for every row (R
+1..bs, a verify). The precision rules are the dense targets': the export refuses bf16 and ``--quantize`` for such a
+target, and so does this build.
 
 Precision comes from the ONNX types: networks are strongly typed (TensorRT 11 always is; on 10.x the
 STRONGLY_TYPED creation flag is set). ``--weak-typing`` (10.x only) instead enables the builder flag that
@@ -55,12 +64,12 @@ from typing import TYPE_CHECKING, Any
 
 from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import (EnginePlan, EngineProfile, EngineSet, ExportManifest, GraphSpec, parse_engine_set,
-                                 read_manifest, sha256_file, write_manifest)
+from dflash2_trt.manifest import (TARGET_STATE_ROWS, EnginePlan, EngineProfile, EngineSet, ExportManifest, GraphSpec,
+                                 parse_engine_set, read_manifest, sha256_file, write_manifest)
 from dflash2_trt.outdir import clean_stale_engines, lock_folder
 from dflash2_trt.runtime.trt.cuda_api import CudaApi
 from dflash2_trt.runtime.trt.env import (PLUGIN_ENV, current_identity, import_tensorrt, load_plugin_library,
-                                         version_tuple)
+                                         require_trt_layer_kinds, version_tuple)
 from dflash2_trt.vocabulary import DTYPES, ENGINE_SELECTORS, SELECTOR_MODES, head_key
 
 if TYPE_CHECKING:
@@ -151,14 +160,48 @@ def profiles_for(manifest: ExportManifest, key: str, prefill_rows: int,
         def tgt(rows: tuple[int, int, int], b: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
             return {"batch": b, "sequence": rows, "capacity": capacity,
                     "capacity_plus_sequence": tuple(capacity[i] + rows[i] for i in range(3))}
-        return [EngineProfile("prefill", tgt((1, max(1, P // 2), P), (1, 1, nb))),
-                EngineProfile("step", tgt((1, bs, bs), (1, nb, nb)))]
+        linear = manifest.target.linear_state is not None
+        rows = min(P, linear_row_limit(manifest)) if linear else P
+        prefill, verify = tgt((1, max(1, rows // 2), rows), (1, 1, nb)), tgt((1, bs, bs), (1, nb, nb))
+        if linear:  # state_rows [R]: a prefill chunk asks for its last row's state, a verify for every row's
+            R = state_rows_dim(manifest.graphs[key])
+            prefill[R], verify[R] = (1, 1, 1), (1, bs, bs)
+        return [EngineProfile("prefill", prefill), EngineProfile("step", verify)]
     if role == "drafter_context":
         return [EngineProfile("prefill", {"batch": batch, "rows": (1, max(1, P // 2), P)}),
                 EngineProfile("step", {"batch": batch, "rows": (1, bs, bs)})]
     if role == "drafter_block":
         return [EngineProfile("step", {"batch": batch, "context_capacity": capacity})]
     return [EngineProfile("step", {"batch": batch})]
+
+
+def linear_row_limit(manifest: ExportManifest) -> int:
+    """Rows of one call of a target graph with linear layers (``target.linear_state.max_rows_per_call``): its
+    prefill profile stops there, and a verify of the block size must fit, else DFlash2Error."""
+    ls = manifest.target.linear_state
+    assert ls is not None
+    if manifest.block_size > ls.max_rows_per_call:
+        raise DFlash2Error(f"block size {manifest.block_size} exceeds the target graph's {ls.max_rows_per_call} rows "
+                           f"per call (target.linear_state.max_rows_per_call): a verify could not be rolled back")
+    return ls.max_rows_per_call
+
+
+def state_rows_dim(graph: GraphSpec) -> str:
+    """The name of the dynamic dim R of a target graph's ``state_rows`` [R] input (as the manifest records it)."""
+    for t in graph.inputs:
+        if t.name == TARGET_STATE_ROWS and len(t.shape) == 1 and isinstance(t.shape[0], str):
+            return t.shape[0]
+    raise DFlash2Error(f"{graph.file}: a target with linear layers needs a {TARGET_STATE_ROWS} [R] input of dynamic "
+                       f"R (re-export)")
+
+
+def check_precision(manifest: ExportManifest) -> None:
+    """The export's refusals hold for its engines too: a target with linear layers builds at fp32 or fp16 and
+    unquantized only (its graphs are verified at those), else DFlash2Error."""
+    if "linear" in manifest.layer_kinds and (manifest.dtype == "bf16" or manifest.quantization.kind != "none"):
+        raise DFlash2Error(f"a target with linear layers builds from fp32 or fp16 exports without quantization, "
+                           f"this export is {manifest.dtype} with quantization {manifest.quantization.kind!r} "
+                           f"(re-export it)")
 
 
 def input_shapes(graph: GraphSpec, dims: dict[str, tuple[int, ...]]
@@ -276,7 +319,8 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
     Raises DFlash2Error (folder untouched) when TensorRT, a GPU or the plugin library is missing."""
     d = Path(model_dir)
     manifest = read_manifest(d, verify_checksums=True)
-    manifest.require_kv_only("build-engines")
+    require_trt_layer_kinds(manifest, "build-engines")
+    check_precision(manifest)
     clean_stale_engines(d)  # an interrupted build's folder: never listed, so no longer "ours" to replace freely
     keys = graph_keys(manifest, selector)
     if prefill_rows < 1:

@@ -22,10 +22,18 @@ in place as the ``past`` inputs; the new rows (the ``present`` outputs, in stagi
 2-D copies after the graph, because their destination moves every step. Prefill and long context updates run
 in chunks of ``prefill_rows`` rows on the prefill profile, eagerly.
 
+A target with linear layers (hybrid; manifest version 3) keeps their state on the device
+(:class:`~dflash2_trt.runtime.trt.device_buffers.DeviceLinearState`): buffers allocated once, bound in place as the
+``past_conv`` / ``past_recurrent`` inputs, so its steps are captured like a dense target's (the addresses never
+change). The engine returns the call's convolution inputs and the recurrent state after each asked row into fixed
+staging buffers; the state after the accepted rows is written from them by device-to-device copies outside the
+graph (at the crop after a verify, or before the next call: every row), never through the host. Its prompts run in
+chunks of at most the graph's row limit (``target.linear_state.max_rows_per_call``, the prefill profile's rows).
+
 Status: **never run** — no GPU and no TensorRT libraries were available while this was written. The logic
-above is exercised on the CPU against recording fakes (``tests/test_trt_runtime.py``) and type-checked
-against ``tensorrt-stubs`` (``tests/test_trt_static.py``); ``benchmarks/trt_gpu_check.py`` is the check
-to run on a GPU.
+above is exercised on the CPU against recording fakes (``tests/test_trt_runtime.py``; hybrid targets:
+``tests/test_trt_hybrid.py``) and type-checked against ``tensorrt-stubs`` (``tests/test_trt_static.py``);
+``benchmarks/trt_gpu_check.py`` is the check to run on a GPU.
 
 Ownership: a :class:`TrtBackend` owns its engines, stream and graph cache; runners own their buffers. Not
 thread safe (one backend per thread / concurrent request); call :meth:`TrtBackend.close` to free.
@@ -42,13 +50,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import EngineProfile, ExportManifest, read_manifest, sha256_file
+from dflash2_trt.manifest import (TARGET_STATE_ROWS, EngineProfile, ExportManifest, LinearStateSpec, read_manifest,
+                                  sha256_file)
 from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft
 from dflash2_trt.runtime.trt.cuda_api import CudaApi, CudaRuntime
 from dflash2_trt.runtime.trt.cuda_graphs import GraphCache, GraphKey
-from dflash2_trt.runtime.trt.device_buffers import BufferPool, DeviceKV, IOTensor, nbytes_of
+from dflash2_trt.runtime.trt.device_buffers import BufferPool, DeviceKV, DeviceLinearState, IOTensor, nbytes_of
 from dflash2_trt.runtime.trt.env import (check_engine_identity, current_identity, engine_set, import_tensorrt,
-                                         load_plugin_library, resolve_plugin)
+                                         load_plugin_library, require_trt_layer_kinds, resolve_plugin)
 from dflash2_trt.vocabulary import SELECTOR_MODES, head_key
 
 if TYPE_CHECKING:
@@ -221,7 +230,7 @@ class TrtBackend(BackendBase):
         self.trt: Any = trt_module if trt_module is not None else import_tensorrt()
         self.manifest: ExportManifest = read_manifest(self.dir, verify_checksums)
         try:
-            self.manifest.require_kv_only("the TensorRT backend")
+            require_trt_layer_kinds(self.manifest, "the TensorRT backend")
         except DFlash2Error as e:  # unavailable for this export: backend "auto" falls back to ONNX Runtime
             raise BackendUnavailable(str(e)) from None
         self.entry = engine_set(self.manifest, self.dir)
@@ -306,7 +315,13 @@ def _io(be: TrtBackend, eng: TrtEngine, max_shapes: dict[str, tuple[int, ...]], 
 
 
 class TrtTargetRunner:
-    """TargetRunner over the ``target`` engine (profiles ``prefill`` and ``step``)."""
+    """TargetRunner over the ``target`` engine (profiles ``prefill`` and ``step``): the attention layers' KV in
+    :class:`DeviceKV` and, for a target with linear layers, their state in :class:`DeviceLinearState`.
+
+    Linear layers: a forward of at most ``step_rows`` rows (a verify, a short prompt) asks for every row's recurrent
+    state, so a crop into it keeps the accepted rows' state (device copies); a longer one runs in chunks of at most
+    the graph's row limit (the prefill profile's rows) that ask for their last row's only and cannot be rolled back
+    (a prompt: the decoder never rolls one back)."""
 
     def __init__(self, be: TrtBackend) -> None:
         m = be.manifest
@@ -316,11 +331,13 @@ class TrtTargetRunner:
         self.vocab_size = t.vocab_size
         self.max_positions = m.max_seq_len
         self.eos_ids = set(t.eos_token_ids)
-        nl, kvh, d = t.num_layers, t.num_key_value_heads, t.head_dim
-        self.kv_names = m.target_kv_names()
-        self.present = m.target_present_names()
-        self.kv = DeviceKV(be.api, be.pool, nl, kvh, d, self.eng.dtypes[self.kv_names[0]].itemsize,
-                           m.kv_capacity_step, m.max_seq_len, be.stream, be.graphs.invalidate)
+        kvh, d = t.num_key_value_heads, t.head_dim
+        self.kinds = m.layer_kinds
+        self.kv_names, self.linear_names = _by_kind(self.kinds, m.target_kv_names())
+        self.present, self.linear_present = _by_kind(self.kinds, m.target_present_names())
+        self.kv = DeviceKV(be.api, be.pool, len(self.kv_names) // 2, kvh, d,
+                           self.eng.dtypes[self.kv_names[0]].itemsize, m.kv_capacity_step, m.max_seq_len, be.stream,
+                           be.graphs.invalidate)
         self.chunk = self.eng.max_dim("prefill", "sequence")
         self.step_rows = self.eng.max_dim("step", "sequence")
         F = int(self.eng.engine.get_tensor_shape("context_features")[2])
@@ -329,15 +346,42 @@ class TrtTargetRunner:
                   "attention_mask": (1, cap + self.chunk), "logits": (1, self.chunk, self.vocab_size),
                   "context_features": (1, self.chunk, F)}
         shapes.update({n: (1, kvh, self.chunk, d) for n in self.present})
-        for name in ("logits", *self.present):  # buffer sizes come from the manifest: the engine must agree
-            self.eng.check_static_shape(name, shapes[name])
+        host = {"input_ids", "position_ids", "attention_mask", "logits", "context_features"}
+        spec = t.linear_state if self.linear_names else None  # given with linear layers (the manifest reader's rule)
+        if spec is not None:
+            shapes.update(self._linear_shapes(spec))
+            host.add(TARGET_STATE_ROWS)
+        for name in ("logits", *self.present, *self.linear_present, *self.linear_names):
+            self.eng.check_static_shape(name, shapes[name])  # buffer sizes from the manifest: the engine must agree
         self.eng.check_float_output("logits")
-        self.io = _io(be, self.eng, shapes, {"input_ids", "position_ids", "attention_mask", "logits",
-                                             "context_features"})
+        self.io = _io(be, self.eng, {n: s for n, s in shapes.items() if n not in self.linear_names}, host)
+        self.linear: DeviceLinearState | None = None
+        if spec is not None:
+            self.linear = DeviceLinearState(be.api, be.pool, len(self.linear_names) // 2, spec,
+                                            self.eng.dtypes[self.linear_names[0]].itemsize,
+                                            [self.io[n].dev for n in self.linear_present[0::2]],
+                                            [self.io[n].dev for n in self.linear_present[1::2]], be.stream)
+        self.state_shapes = {n: shapes[n] for n in self.linear_names}  # the state inputs' shapes (fixed)
+        self._call_start = 0  # the cache length before the last forward (a rollback keeps rows of that call only)
         self.last_path = ""  # "replay" | "captured" | "eager" (for the GPU check)
+
+    def _linear_shapes(self, spec: LinearStateSpec) -> dict[str, tuple[int, ...]]:
+        """The linear layers' tensors at their largest: state inputs (fixed), the call's conv inputs (a chunk's
+        rows), the per-row recurrent states (every row of a step) and ``state_rows``."""
+        state = (spec.num_heads, spec.key_dim, spec.value_dim)
+        rows = self.step_rows
+        shapes: dict[str, tuple[int, ...]] = {TARGET_STATE_ROWS: (rows,)}
+        for conv, rec in zip(self.linear_names[0::2], self.linear_names[1::2]):
+            shapes[conv], shapes[rec] = (1, spec.conv_dim, spec.conv_kernel - 1), (1, *state)
+        for conv, rec in zip(self.linear_present[0::2], self.linear_present[1::2]):
+            shapes[conv], shapes[rec] = (1, spec.conv_dim, self.chunk), (1, rows, *state)
+        return shapes
 
     def reset(self) -> None:
         self.kv.reset()
+        if self.linear is not None:
+            self.linear.reset()
+        self._call_start = 0
 
     @property
     def cache_length(self) -> int:
@@ -350,12 +394,14 @@ class TrtTargetRunner:
             raise DFlash2Error("target input is empty")
         if arr.min() < 0 or arr.max() >= self.vocab_size:
             raise DFlash2Error(f"token id out of range [0, {self.vocab_size}) in target input")
-        outs = [self._call(arr[i: i + self.chunk]) for i in range(0, arr.size, self.chunk)]
+        self._call_start = self.kv.length
+        every_row = arr.size <= self.step_rows  # a call that may be rolled back (a verify): every row's state
+        outs = [self._call(arr[i: i + self.chunk], every_row) for i in range(0, arr.size, self.chunk)]
         if len(outs) == 1:
             return outs[0]
         return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
 
-    def _call(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _call(self, ids: np.ndarray, every_row: bool) -> tuple[np.ndarray, np.ndarray]:
         be, io, kv = self.be, self.io, self.kv
         n, S = kv.length, int(ids.size)
         kv.reserve(n + S)
@@ -373,26 +419,48 @@ class TrtTargetRunner:
         shapes.update({k: (1, kv.heads, C, kv.head_dim) for k in self.kv_names})
         addr = {k: t.dev for k, t in io.items()}
         addr.update(zip(self.kv_names, kv.ptrs))
-        ctx = self.eng.bind(profile, shapes, addr, captured)
-        F = io["context_features"].max_shape[2]
         h2d: list[tuple[IOTensor, tuple[int, ...]]] = [(io[k], (1, S)) for k in ("input_ids", "position_ids")]
         h2d.append((io["attention_mask"], (1, C + S)))
+        R = self._bind_linear(S, every_row, shapes, addr, h2d)
+        ctx = self.eng.bind(profile, shapes, addr, captured)
+        F = io["context_features"].max_shape[2]
         d2h: list[tuple[IOTensor, tuple[int, ...]]] = [(io["logits"], (1, S, self.vocab_size)),
                                                        (io["context_features"], (1, S, F))]
         step = _step(be, [(self.eng, ctx)], h2d, d2h)
         if captured:
-            key = GraphKey("target", profile, (S, C), _addresses(addr, io, ctx))
+            key = GraphKey("target", profile, (S, C, R), _addresses(addr, io, ctx))
             self.last_path = be.graphs.run(key, be.stream, step)
         else:
             step()
             self.last_path = "eager"
         kv.append([io[p].dev for p in self.present], S)  # commit: destinations move every step (not captured)
+        if self.linear is not None:
+            self.linear.called(S, every_row)
         be.sync()
         logits = io["logits"].host_view((1, S, self.vocab_size))[0].astype(np.float32)
         feats = io["context_features"].host_view((1, S, F))[0].copy()
         return logits, feats
 
+    def _bind_linear(self, S: int, every_row: bool, shapes: dict[str, tuple[int, ...]], addr: dict[str, int],
+                     h2d: list[tuple[IOTensor, tuple[int, ...]]]) -> int:
+        """A call's linear-layer part (none without linear layers: R = 0): the previous call's state committed (all
+        its rows, unless a crop kept fewer), the state buffers bound in place, ``state_rows`` = every row or the
+        last -> R, the rows asked."""
+        if self.linear is None:
+            return 0
+        self.linear.commit()
+        R = S if every_row else 1
+        rows = self.io[TARGET_STATE_ROWS]
+        rows.host_view((R,))[:] = np.arange(S) if every_row else S - 1
+        h2d.append((rows, (R,)))
+        shapes[TARGET_STATE_ROWS] = (R,)
+        shapes.update(self.state_shapes)
+        addr.update(zip(self.linear_names, self.linear.ptrs))
+        return R
+
     def crop(self, length: int) -> None:
+        if self.linear is not None and length < self.kv.length:
+            self.linear.rollback(length - self._call_start)
         self.kv.crop(length)
 
 
@@ -509,6 +577,15 @@ class TrtDraftRunner:
         return Draft(tokens=hio["path_ids"].host_view((1, L))[0].astype(np.int64),
                      proposal=hio["proposal_probs"].host_view((1, L, K))[0].astype(np.float32),
                      cand=hio["cand_ids"].host_view((1, L, K))[0].astype(np.int64))
+
+
+def _by_kind(kinds: Sequence[str], names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The target's per-layer state names (2 per layer, layer order) -> (the KV layers', the linear layers')."""
+    kv: list[str] = []
+    linear: list[str] = []
+    for i, kind in enumerate(kinds):
+        (linear if kind == "linear" else kv).extend(names[2 * i: 2 * i + 2])
+    return kv, linear
 
 
 def _addresses(addr: dict[str, int], io: dict[str, IOTensor], ctx: object) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
-"""Fixed device buffers for the TensorRT backend: I/O tensors with pinned host mirrors, and the device
-twin of :class:`~dflash2_trt.runtime.protocol.KVBuffer`.
+"""Fixed device buffers for the TensorRT backend: I/O tensors with pinned host mirrors, the device twin of
+:class:`~dflash2_trt.runtime.kv.KVBuffer` and the device twin of
+:class:`~dflash2_trt.runtime.linear_state.LinearStates` (the linear layers' state of a hybrid target).
 
 Ownership and lifetime (STYLE rule 12): a :class:`BufferPool` owns every allocation of one runner and frees
 them in :meth:`BufferPool.close`. I/O buffers are allocated once at their largest shape and never move, so
@@ -8,7 +9,9 @@ the cache grows past its capacity bucket: new buffers are zeroed (stale slots ar
 their scores, which a NaN or Inf left in device memory would still poison), the old contents are copied (pitched 2-D copies, one per
 tensor), the stream is synchronised, the old buffers are freed, and ``on_move`` receives their addresses —
 the owner passes them to :meth:`~dflash2_trt.runtime.trt.cuda_graphs.GraphCache.invalidate`, so no captured
-graph that reads a freed cache is ever replayed.
+graph that reads a freed cache is ever replayed. :class:`DeviceLinearState` buffers are allocated once and never
+move (a linear layer's state has a fixed size), so graphs that bind them stay valid; its updates are device-to-device
+copies enqueued on the runner's stream, outside any captured graph.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.manifest import LinearStateSpec
 from dflash2_trt.runtime.kv import grown_capacity
 from dflash2_trt.runtime.trt.cuda_api import CudaApi, HostBuffer
 
@@ -151,3 +155,94 @@ class DeviceKV:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(0, int(length)))
+
+
+class DeviceLinearState:
+    """The linear layers' state of one sequence on the device: per linear layer a convolution buffer
+    ``[1, conv_dim, K - 1]`` (``conv_itemsize`` bytes an element, the target's dtype) and a recurrent buffer
+    ``[1, heads, dk, dv]`` fp32, bound in place as the engine's ``past_conv.{i}`` / ``past_recurrent.{i}`` inputs.
+
+    The engine's outputs land in the runner's staging tensors, given here as ``conv_inputs`` (``present_conv.{i}``:
+    the call's convolution inputs, contiguous ``[1, conv_dim, S]``) and ``row_states`` (``present_recurrent.{i}``:
+    ``[1, R, heads, dk, dv]``, the state after each asked row). A call leaves the state buffers as they were (the
+    state before the call, which a rollback needs); :meth:`called` records it and :meth:`commit` writes the state
+    after its first ``keep`` rows, by copies on the device only:
+
+    * recurrent <- ``row_states[:, keep - 1]`` (every row asked; ``[:, 0]``, the last row's, otherwise): one copy;
+    * conv <- the last K - 1 columns of ``[conv | conv_inputs[:, :, :keep]]``: pitched 2-D copies, through
+      ``scratch`` when old columns are kept (a copy within one buffer would overlap);
+    * ``keep`` = 0: nothing (the state before the call is the state).
+
+    The runner commits a call's every row before the next call (:meth:`commit` with ``keep`` None) and a
+    verify's accepted rows at a crop (:meth:`rollback`), the same rules as :class:`LinearStates` (only the last
+    call, only when it asked for every row). Buffers are zeroed when allocated and by :meth:`reset` (a new sequence).
+    """
+
+    def __init__(self, api: CudaApi, pool: BufferPool, n_layers: int, spec: LinearStateSpec, conv_itemsize: int,
+                 conv_inputs: Sequence[int], row_states: Sequence[int], stream: int) -> None:
+        self.api, self.stream, self.spec = api, stream, spec
+        self.n_layers, self.conv_itemsize = n_layers, conv_itemsize
+        self.conv_bytes = spec.conv_dim * (spec.conv_kernel - 1) * conv_itemsize
+        self.state_bytes = spec.num_heads * spec.key_dim * spec.value_dim * 4  # fp32
+        self.conv = [pool.device(self.conv_bytes) for _ in range(n_layers)]
+        self.recurrent = [pool.device(self.state_bytes) for _ in range(n_layers)]
+        self.scratch = pool.device(self.conv_bytes)
+        self.conv_inputs, self.row_states = list(conv_inputs), list(row_states)
+        self.pending: tuple[int, bool] | None = None  # the last call not yet committed: (rows S, every row asked)
+        self.reset()
+
+    @property
+    def ptrs(self) -> list[int]:
+        """The engine's state inputs in layer order: conv, recurrent per linear layer."""
+        return [p for pair in zip(self.conv, self.recurrent) for p in pair]
+
+    def reset(self) -> None:
+        """Zero every layer's state (a new sequence; cudaMalloc memory is garbage) and forget the last call."""
+        for p in self.conv:
+            self.api.memset_async(p, 0, self.conv_bytes, self.stream)
+        for p in self.recurrent:
+            self.api.memset_async(p, 0, self.state_bytes, self.stream)
+        self.pending = None
+
+    def called(self, rows: int, every_row: bool) -> None:
+        """A call of ``rows`` rows ran (its outputs are in the staging tensors; the state buffers hold the state
+        before it). ``every_row``: it asked for each row's recurrent state, so it can be rolled back."""
+        if self.pending is not None:
+            raise DFlash2Error("linear state: the previous call was not committed before the next one")
+        self.pending = (int(rows), bool(every_row))
+
+    def commit(self, keep: int | None = None) -> None:
+        """The state after the first ``keep`` rows of the last call (None: all of them); nothing when committed."""
+        if self.pending is None:
+            return
+        rows, every_row = self.pending
+        keep = rows if keep is None else int(keep)
+        if not 0 <= keep <= rows or (keep != rows and not every_row):
+            raise DFlash2Error(f"cannot keep {keep} rows of a call of {rows}")
+        self.pending = None
+        if keep == 0:
+            return
+        row = keep - 1 if every_row else 0
+        for conv, rec, inputs, states in zip(self.conv, self.recurrent, self.conv_inputs, self.row_states):
+            self.api.memcpy_dtod_async(rec, states + row * self.state_bytes, self.state_bytes, self.stream)
+            self._shift_conv(conv, inputs, rows, keep)
+
+    def _shift_conv(self, conv: int, inputs: int, rows: int, keep: int) -> None:
+        """conv [conv_dim, K1] <- the last K1 columns of [conv | inputs[:, :keep]], inputs [conv_dim, rows]."""
+        it, c, k1 = self.conv_itemsize, self.spec.conv_dim, self.spec.conv_kernel - 1
+        new = min(keep, k1)  # columns from this call's inputs, after `old` columns kept from the state
+        old = k1 - new
+        dst = conv if old == 0 else self.scratch
+        api, s = self.api, self.stream
+        api.memcpy2d_dtod_async(dst, k1 * it, conv + new * it, k1 * it, old * it, c, s)
+        api.memcpy2d_dtod_async(dst + old * it, k1 * it, inputs + (keep - new) * it, rows * it, new * it, c, s)
+        if dst != conv:
+            api.memcpy_dtod_async(conv, self.scratch, self.conv_bytes, s)
+
+    def rollback(self, keep: int) -> None:
+        """Keep the first ``keep`` rows of the last call (0 <= keep <= its rows): the state after them. Only into the
+        last call, and only when it asked for every row (a verify), as :meth:`LinearStates.rollback`."""
+        if self.pending is None or not self.pending[1]:
+            raise DFlash2Error("the linear layers' state can be rolled back only into the last call, and only when "
+                               "it recorded every row's state")
+        self.commit(keep)

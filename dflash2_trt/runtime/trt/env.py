@@ -1,6 +1,6 @@
-"""The TensorRT environment: importing TensorRT, versions, what an engine set is tied to (TensorRT version,
-GPU, plugin library) and where the plugin library is. Shared by ``dflash2 build-engines``
-(:mod:`dflash2_trt.export.engines`) and the TensorRT backend; no backend lives here.
+"""The TensorRT environment: importing TensorRT, versions, the target layer kinds the engines run, what an engine
+set is tied to (TensorRT version, GPU, plugin library) and where the plugin library is. Shared by ``dflash2
+build-engines`` (:mod:`dflash2_trt.export.engines`) and the TensorRT backend; no backend lives here.
 
 Imports TensorRT lazily (:func:`import_tensorrt`); everything else is the standard library.
 """
@@ -23,6 +23,9 @@ from dflash2_trt.runtime.trt.cuda_api import DeviceInfo
 MIN_TRT = (10, 3)
 SUPPORTED_TRT_MAJORS = (10, 11)  # the plugin library is built for one of these (plugins/CMakeLists.txt)
 PLUGIN_ENV = "DFLASH2_PLUGIN_LIB"
+#: the target layer kinds (of :data:`~dflash2_trt.vocabulary.LAYER_KINDS`) that build-engines and the TensorRT
+#: backend run: attention (a KV cache) and linear (the hybrid family's state); sliding-window layers not yet
+TRT_LAYER_KINDS = ("attention", "linear")
 
 # Plugin libraries registered in this process, per tensorrt module (one in real use; the CPU tests' fakes
 # each have their own registry): sha256 -> path. TensorRT's registry is process-wide and
@@ -56,6 +59,15 @@ def import_tensorrt() -> ModuleType:
                                  f"{' and '.join(map(str, SUPPORTED_TRT_MAJORS))} (pip install "
                                  f"'dflash2-trt[trt]' or '[trt11]')")
     return mod
+
+
+def require_trt_layer_kinds(manifest: ExportManifest, what: str) -> None:
+    """DFlash2Error when the target has a layer kind outside :data:`TRT_LAYER_KINDS` (``what``: who refuses)."""
+    other = sorted(set(manifest.layer_kinds) - set(TRT_LAYER_KINDS))
+    if other:
+        raise DFlash2Error(f"{what} does not run targets with {' and '.join(other)} layers yet (this export's "
+                           f"{manifest.target.model_type!r}): run it with the ONNX Runtime backend "
+                           f"(dflash2_trt.load(DIR, backend='ort'))")
 
 
 def _creator_registered(registry: Any, spec: PluginSpec) -> bool:
