@@ -80,8 +80,9 @@ def profile_spec(target, drafter, prompt: list[int], n: int) -> tuple[list[dict]
 
     log = Log()
     ends: list[float] = []
-    res = D.speculative_generate(TimedTarget(target, log), TimedDrafter(drafter, log), prompt, n, eos_ids=set(),
-                                 on_cycle=lambda a, r: ends.append(time.perf_counter()))
+    res = D.speculative_generate(TimedTarget(target, log), TimedDrafter(drafter, log), prompt,
+                                 D.DecodeOptions(n, eos_ids=set()),
+                                 D.DecodeHooks(on_cycle=lambda a, r: ends.append(time.perf_counter())))
     # cycles start after the prefill's add_context (the first event of that kind)
     start = next(t0 + dt for kind, t0, dt, _ in log.events if kind == "add_context")
     cycles = []

@@ -69,10 +69,10 @@ class Ours:
     def spec(self, p: list[int], n: int, proposer: str = "dflash2") -> dict:
         t0 = time.perf_counter()
         first = []
-        res = D.speculative_generate(self.target, self.drafter, p, n, eos_ids=set(),
-                                     guard=AcceptanceGuard() if self.guard else None, proposer=proposer,
-                                     ngram_rows=NGRAM_ROWS,
-                                     on_tokens=lambda t: first.append(time.perf_counter() - t0) if not first else None)
+        hooks = D.DecodeHooks(on_tokens=lambda t: first.append(time.perf_counter() - t0) if not first else None,
+                              guard=AcceptanceGuard() if self.guard else None)
+        res = D.speculative_generate(self.target, self.drafter, p,
+                                     D.DecodeOptions(n, eos_ids=set(), proposer=proposer, ngram_rows=NGRAM_ROWS), hooks)
         return {"tokens": res.tokens, "s": res.elapsed_s, "ttft": first[0], "tau": res.stats()["tau"],
                 "cycles": len(res.accepted)}
 

@@ -412,9 +412,9 @@ class Generator:
                                      on_tokens=on_tokens)
         opts = D.DecodeOptions(req.max_new_tokens, req.temperature, req.eos_ids, req.seed, req.min_confidence,
                                req.proposer)
-        return D.speculative_decode(target, self._drafter(req.selector), req.prompt, opts,
-                                    AcceptanceGuard(GuardConfig()) if req.guard else None,
-                                    D.DecodeHooks(on_tokens, on_cycle, req.oracle))
+        guard = AcceptanceGuard(GuardConfig()) if req.guard else None
+        return D.speculative_generate(target, self._drafter(req.selector), req.prompt, opts,
+                                      D.DecodeHooks(on_tokens, on_cycle, req.oracle, guard))
 
     def _result(self, req: _Request, res: Any) -> Result:
         eos = self._target.eos_ids if req.eos_ids is None else req.eos_ids

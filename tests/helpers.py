@@ -146,7 +146,7 @@ def speculative_equals_autoregressive(be, seed: int, prompts: int, n: int, what:
     accepted = []
     for _ in range(prompts):
         p = rng.integers(4, target.vocab_size, int(rng.integers(3, n))).tolist()
-        spec = D.speculative_generate(target, drafter, p, n, eos_ids=set())
+        spec = D.speculative_generate(target, drafter, p, D.DecodeOptions(n, eos_ids=set()))
         assert spec.tokens == D.target_generate(target, p, n, eos_ids=set()).tokens
         accepted += spec.accepted
     assert_accepts(accepted, drafter.num_draft_rows, what)

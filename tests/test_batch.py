@@ -224,7 +224,7 @@ def test_an_accepted_eos_ends_the_count(be, k):
         dec.step()
     res = dec.results[rid]
     b1 = D.speculative_generate(be.target_runner(), _OracleDrafter(be.draft_runner("greedy"), prompt, want), prompt,
-                                40, eos_ids={eos})
+                                D.DecodeOptions(40, eos_ids={eos}))
     for r in (res, b1):
         assert r.tokens == want[: k + 1] and r.accepted == expected, (r.accepted, expected)
 

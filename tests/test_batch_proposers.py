@@ -55,9 +55,8 @@ def _prompts(be, lengths, seed, repeat=()):  # noqa: ANN001, ANN202
     return out
 
 
-def _b1(be, prompt, max_new, temperature=0.0, seed=0, proposer="auto", **kw):  # noqa: ANN001, ANN003, ANN202
-    return D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), prompt, max_new, temperature,
-                                  eos_ids=set(), seed=seed, proposer=proposer, **kw)
+def _b1(be, prompt, options: D.DecodeOptions, hooks: D.DecodeHooks = D.DecodeHooks()):  # noqa: ANN001, ANN202
+    return D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), prompt, options, hooks)
 
 
 def _decisions(res) -> tuple[list, list, list, int]:  # noqa: ANN001
@@ -103,7 +102,7 @@ def test_mixed_proposers_batch_equal_their_b1_runs(be):
     switched = 0
     for k, i in enumerate(ids):
         got = dec.results[i]
-        want = _b1(be, prompts[k], maxes[k], temps[k], 10 + k, proposers[k])
+        want = _b1(be, prompts[k], D.DecodeOptions(maxes[k], temps[k], set(), 10 + k, proposer=proposers[k]))
         _same_as_b1(got, want, temps[k], (k, proposers[k]))
         if temps[k] == 0:
             assert got.tokens == D.target_generate(tgt, prompts[k], maxes[k], eos_ids=set()).tokens, k
@@ -125,7 +124,8 @@ def test_lookup_only_batch_needs_no_drafter(be):
     dec = _decoder(be, 2, BT.SpeculationRule(adaptive=False))
     got = dec.run([BT.BatchRequest(prompts[0], 30, eos_ids=set(), proposer="ngram"),
                    BT.BatchRequest(prompts[1], 20, eos_ids=set(), proposer="dflash2")])
-    _same_as_b1(got[0], _b1(be, prompts[0], 30, proposer="ngram", ngram_rows=4), 0.0, "ngram")
+    want = _b1(be, prompts[0], D.DecodeOptions(30, eos_ids=set(), proposer="ngram", ngram_rows=4))
+    _same_as_b1(got[0], want, 0.0, "ngram")
     assert got[0].proposers and max(got[0].proposed) <= 4 and sum(got[0].accepted) > 0
     assert got[1].plain_steps == 19 and not got[1].accepted
     with pytest.raises(DFlash2Error, match="proposer must be one of"):
@@ -178,13 +178,14 @@ def test_one_sequence_auto_decides_as_b1(be, temperature):
     cheap = BT.FixedCosts(plain_fn=lambda n: 1.0, draft_s=1e-4, verify_s=1e-4)
     got = _decoder(be, 1, BT.SpeculationRule(costs=cheap), []).run(
         [BT.BatchRequest(prompt, 48, temperature, seed=7, eos_ids=set())])[0]
-    _same_as_b1(got, _b1(be, prompt, 48, temperature, 7), temperature, "drafter pays")
+    auto = D.DecodeOptions(48, temperature, set(), 7, proposer="auto")
+    _same_as_b1(got, _b1(be, prompt, auto), temperature, "drafter pays")
     assert {"ngram", "dflash2"} <= set(got.proposers)
     dear = BT.FixedCosts(plain_fn=lambda n: 1.0, draft_s=100.0, verify_s=1e-4)
     drafters: list[RecordingDrafter] = []
     got = _decoder(be, 1, BT.SpeculationRule(costs=dear), drafters).run(
         [BT.BatchRequest(prompt, 48, temperature, seed=7, eos_ids=set())])[0]
-    _same_as_b1(got, _b1(be, prompt, 48, temperature, 7, guard=_DrafterOff()), temperature, "drafter never pays")
+    _same_as_b1(got, _b1(be, prompt, auto, D.DecodeHooks(guard=_DrafterOff())), temperature, "drafter never pays")
     assert set(got.proposers) == {"ngram"} and got.plain_steps > 0 and sum(d.proposals for d in drafters) == 0
 
 

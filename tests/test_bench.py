@@ -224,7 +224,8 @@ def test_oracle_tau_at_positive_temperature_follows_its_definition(acc_target, a
         return o
 
     p = np.random.default_rng(9).integers(4, 500, 18).tolist()
-    res = D.speculative_generate(runner, src, p, 40, temperature=0.7, eos_ids=set(), seed=3, oracle=spy)
+    res = D.speculative_generate(runner, src, p, D.DecodeOptions(40, temperature=0.7, eos_ids=set(), seed=3),
+                                 D.DecodeHooks(oracle=spy))
     assert res.oracle_accepted == [s[6] for s in seen] and len(seen) == len(res.accepted)
     assert any(s[3] > 0 for s in seen)  # drafts were accepted, so the committed-prefix part is exercised
     for cand, drafts, n_rows, acc, bonus, pos, o, cache_len in seen:

@@ -192,9 +192,10 @@ def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_
     drafter = _ToyDrafter(target, bs, K, kind, seed, calls)
     with _recording_rng(draws):
         if speculative:
-            res = D.speculative_generate(target, drafter, prompt, max_new, temperature, set(eos), seed,
-                                         oracle_count if oracle else None, proposer=proposer,
-                                         ngram_rows=ngram_rows or None)
+            res = D.speculative_generate(target, drafter, prompt,
+                                         D.DecodeOptions(max_new, temperature, set(eos), seed, proposer=proposer,
+                                                         ngram_rows=ngram_rows or None),
+                                         D.DecodeHooks(oracle=oracle_count if oracle else None))
         else:
             res = D.target_generate(target, prompt, max_new, temperature, set(eos), seed)
     stats = res.stats()
@@ -945,8 +946,8 @@ def test_c_loop_equals_python_runtime_greedy(lib, acc_ort, mode):
     accepted = []
     try:
         for p in _prompts(3, seed=21):
-            py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner(mode), p, 40, eos_ids=set(),
-                                        oracle=oracle_count)
+            py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner(mode), p,
+                                        D.DecodeOptions(40, eos_ids=set()), D.DecodeHooks(oracle=oracle_count))
             toks, st, chunks = c.generate(p, {"max_new_tokens": 40, "eos_ids": [], "measure_oracle": True})
             _assert_same(toks, st, py)
             assert sum(chunks, []) == toks and len(chunks) == st["cycles"] + 1
@@ -1050,9 +1051,10 @@ def test_zlab_muse_glimmer_drafter_end_to_end(lib, tmp_path_factory):
     c = CRuntime(lib, be.target_runner(), dr, _feature_dim(be), dr.top_k)
     try:
         for p in _prompts(3, seed=9):
-            want = D.speculative_generate(TorchTargetRunner(t, cfg.target_layer_ids), TorchDraftRunner(ref), p, 16,
-                                          eos_ids=set())
-            py = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 16, eos_ids=set())
+            want = D.speculative_generate(TorchTargetRunner(t, cfg.target_layer_ids), TorchDraftRunner(ref), p,
+                                          D.DecodeOptions(16, eos_ids=set()))
+            py = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p,
+                                        D.DecodeOptions(16, eos_ids=set()))
             assert (py.tokens, py.accepted) == (want.tokens, want.accepted)
             toks, st, _ = c.generate(p, {"max_new_tokens": 16, "eos_ids": []})
             _assert_same(toks, st, py)
@@ -1074,7 +1076,8 @@ def test_c_loop_over_a_hybrid_target_equals_python_runtime(lib, hybrid_export):
     accepted = []
     try:
         for p in _prompts(8, seed=5):
-            py = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 32, eos_ids=set())
+            py = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p,
+                                        D.DecodeOptions(32, eos_ids=set()))
             toks, st, _ = c.generate(p, {"max_new_tokens": 32, "eos_ids": []})
             _assert_same(toks, st, py)
             accepted += st["accepted"]
@@ -1094,8 +1097,8 @@ def test_c_loop_equals_python_runtime_sampling(lib, acc_ort, mode):
     accepted = []
     try:
         for seed, p in enumerate(_prompts(3, seed=5)):
-            py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner(mode), p, 24, temperature=0.8,
-                                        eos_ids=set(), seed=seed)
+            py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner(mode), p,
+                                        D.DecodeOptions(24, temperature=0.8, eos_ids=set(), seed=seed))
             toks, st, _ = c.generate(p, {"max_new_tokens": 24, "temperature": 0.8, "eos_ids": []}, numpy_seed=seed)
             _assert_same(toks, st, py)
             accepted += st["accepted"]
@@ -1142,13 +1145,15 @@ def test_c_loop_with_accepting_drafter(lib, ort):
     make = lambda: _OracleDrafter(greedy, ort.manifest.block_size, ort.manifest.target.vocab_size)  # noqa: E731
     c = CRuntime(lib, ort.target_runner(), make(), _feature_dim(ort), 4)
     try:
-        py = D.speculative_generate(ort.target_runner(), make(), p, n, eos_ids=set(), oracle=oracle_count)
+        py = D.speculative_generate(ort.target_runner(), make(), p, D.DecodeOptions(n, eos_ids=set()),
+                                    D.DecodeHooks(oracle=oracle_count))
         toks, st, _ = c.generate(p, {"max_new_tokens": n, "eos_ids": [], "measure_oracle": True})
         _assert_same(toks, st, py)
         assert toks == greedy[len(p):]  # lossless
         assert st["tau"] > 2.0 and max(st["accepted"]) >= 3  # drafts were accepted ...
         assert any(a < r for a, r in zip(st["accepted"], st["proposed"]))  # ... and rejected
-        py = D.speculative_generate(ort.target_runner(), make(), p, n, temperature=0.1, eos_ids=set(), seed=11)
+        py = D.speculative_generate(ort.target_runner(), make(), p,
+                                    D.DecodeOptions(n, temperature=0.1, eos_ids=set(), seed=11))
         toks, st, _ = c.generate(p, {"max_new_tokens": n, "temperature": 0.1, "eos_ids": []}, numpy_seed=11)
         _assert_same(toks, st, py)
         assert sum(st["accepted"]) > 0  # a low temperature keeps the samples near the drafted greedy chain
@@ -1171,8 +1176,9 @@ def test_c_loop_with_prompt_lookup_equals_python_runtime(lib, acc_ort, proposer)
         for i in range(4):
             base = rng.integers(4, acc_ort.manifest.target.vocab_size, int(rng.integers(3, 9))).tolist()
             p, T = base * 3, [0.0, 0.8][i % 2]
-            py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner("greedy"), p, 40,
-                                        temperature=T, eos_ids=set(), seed=i, proposer=proposer, ngram_rows=6)
+            py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner("greedy"), p,
+                                        D.DecodeOptions(40, temperature=T, eos_ids=set(), seed=i, proposer=proposer,
+                                                        ngram_rows=6))
             before = dict(c.calls)
             toks, st, _ = c.generate(p, {"max_new_tokens": 40, "temperature": T, "eos_ids": [], "proposer": proposer,
                                          "ngram_rows": 6}, numpy_seed=i)
@@ -1215,7 +1221,7 @@ def test_c_loop_counts_no_drafts_after_an_accepted_eos(lib, ort, monkeypatch):
             if eos in cont[:i]:
                 continue  # the first occurrence ends the request
             raw.clear()
-            py = D.speculative_generate(ort.target_runner(), make(), p, n, eos_ids={eos})
+            py = D.speculative_generate(ort.target_runner(), make(), p, D.DecodeOptions(n, eos_ids={eos}))
             if raw[-1] <= py.accepted[-1]:
                 continue  # the EOS was the bonus or the last accepted draft: nothing to cut
             toks, st, _ = c.generate(p, {"max_new_tokens": n, "eos_ids": [eos]})

@@ -18,8 +18,7 @@ from dflash2_trt import DFlash2Error
 from dflash2_trt.model.checkpoint import TOKEN_COUNTS_NAME, draft_vocabulary, load_drafter
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.backends import open_backend
-from dflash2_trt.runtime.torch.backend import TorchDraftRunner
-from torch_ref import ref_speculative
+from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
 
 N = 256  # the accepting pair's vocabulary is 512: keep ids 0..255 (the counts below rank them first)
 MAX_NEW = 24
@@ -136,9 +135,9 @@ def test_export_decodes_losslessly_with_drafts_inside_the_vocabulary(dv_export, 
         hi = N if i < 3 else 512  # the last prompt copies ids the head cannot propose
         p = rng.integers(4, hi, size=int(rng.integers(8, 30))).tolist()
         rec = _Recording(be.draft_runner(mode))
-        got = D.speculative_generate(target, rec, p, MAX_NEW, eos_ids=set())
-        want = ref_speculative(acc_target, TorchDraftRunner(ref_d, mode), p, MAX_NEW, eos_ids=set(),
-                               layer_ids=[0, 2], measure_oracle=False)
+        got = D.speculative_generate(target, rec, p, D.DecodeOptions(MAX_NEW, eos_ids=set()))
+        want = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), TorchDraftRunner(ref_d, mode), p,
+                                      D.DecodeOptions(MAX_NEW, eos_ids=set()))
         assert got.tokens == want.tokens and got.accepted == want.accepted  # = the restricted PyTorch drafter
         assert got.tokens == D.target_generate(target, p, MAX_NEW, eos_ids=set()).tokens  # lossless
         drafted += rec.tokens

@@ -271,8 +271,10 @@ def test_dflash_v1_drafter_exports_and_runs(acc_dir, acc_target, acc_drafter, tm
     accepted = []
     for _ in range(3):
         p = rng.integers(4, 500, size=int(rng.integers(1, 20))).tolist()
-        want = ref_speculative(acc_target, TorchDraftRunner(v1.eval(), "independent"), p, 20, eos_ids=set(), layer_ids=[0, 2])
-        got = D.speculative_generate(target, drafter, p, 20, eos_ids=set(), oracle=oracle_count)
+        want = ref_speculative(acc_target, TorchDraftRunner(v1.eval(), "independent"), p,
+                               D.DecodeOptions(20, eos_ids=set()), layer_ids=[0, 2])
+        got = D.speculative_generate(target, drafter, p, D.DecodeOptions(20, eos_ids=set()),
+                                     D.DecodeHooks(oracle=oracle_count))
         assert got.tokens == want.tokens and got.stats() == want.stats()
         assert got.tokens == ref_autoregressive(acc_target, p, 20, eos_ids=set()).tokens
         accepted += got.accepted
@@ -427,7 +429,7 @@ def test_dense_targets_with_a_last_layer_tap_or_an_odd_head_size(tmp_path, head_
     for _ in range(3):
         prompt = rng.integers(2, m.target.vocab_size, int(rng.integers(3, 12))).tolist()
         want = D.target_generate(be.target_runner(), prompt, 12).tokens
-        got = D.speculative_generate(be.target_runner(), be.draft_runner(), prompt, 12)
+        got = D.speculative_generate(be.target_runner(), be.draft_runner(), prompt, D.DecodeOptions(12))
         assert got.tokens == want
         ids = torch.tensor(prompt)
         hf.reset(taps)

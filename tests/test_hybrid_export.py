@@ -162,7 +162,7 @@ def _lossless(be, prompts):  # noqa: ANN001, ANN202
     bad, accepted = 0, []
     for p in prompts:
         want = D.target_generate(be.target_runner(), p, 24, eos_ids=set()).tokens
-        r = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 24, eos_ids=set())
+        r = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, D.DecodeOptions(24, eos_ids=set()))
         bad += r.tokens != want
         accepted += r.accepted
     return bad, accepted
@@ -332,8 +332,8 @@ def test_sampling_keeps_the_target_law_on_ort(accepting_exports):
     be = accepting_exports[4]
     prompt = _prompts(be.manifest.target.vocab_size, 1, 23)[0] * 2
     law = two_token_law(be.target_runner(), prompt, 1.0)
-    runs = [D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), prompt, 6, temperature=1.0,
-                                   eos_ids=set(), seed=s) for s in range(400)]
+    runs = [D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), prompt,
+                                   D.DecodeOptions(6, temperature=1.0, eos_ids=set(), seed=s)) for s in range(400)]
     assert sum(sum(r.accepted) for r in runs) > 100
     assert two_token_p_value(law, [(r.tokens[0], r.tokens[1]) for r in runs]) > 1e-3
 
@@ -445,9 +445,10 @@ def test_zlab_shaped_drafter_end_to_end(tmp_path_factory):
     ref.bind_target(t.embed_weight, t.lm_head_weight)
     accepted = []
     for p in _prompts(t.vocab_size, 20, 5):
-        got = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 24, eos_ids=set())
-        want = D.speculative_generate(TorchTargetRunner(t, cfg.target_layer_ids), TorchDraftRunner(ref), p, 24,
-                                      eos_ids=set())
+        got = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p,
+                                     D.DecodeOptions(24, eos_ids=set()))
+        want = D.speculative_generate(TorchTargetRunner(t, cfg.target_layer_ids), TorchDraftRunner(ref), p,
+                                      D.DecodeOptions(24, eos_ids=set()))
         assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
         accepted += got.accepted
     assert sum(a >= 1 for a in accepted) >= len(accepted) // 3 and max(accepted) >= 3, accepted

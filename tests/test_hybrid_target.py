@@ -136,8 +136,8 @@ def _lossless_runs(t, d, prompts, refs, block_sizes=(2, 4, 8)):  # noqa: ANN001,
         db = with_block_size(d, bs)
         acc = accepted.setdefault(bs, [])
         for p, want in zip(prompts, refs):
-            r = D.speculative_generate(TorchTargetRunner(t, d.config.target_layer_ids), TorchDraftRunner(db), p, 24,
-                                       eos_ids=set())
+            r = D.speculative_generate(TorchTargetRunner(t, d.config.target_layer_ids), TorchDraftRunner(db), p,
+                                       D.DecodeOptions(24, eos_ids=set()))
             bad += r.tokens != want
             acc += r.accepted
     return bad, accepted
@@ -212,8 +212,8 @@ def test_sampling_keeps_the_target_law(acc_pair):
     prompt = _prompts(t.vocab_size, 1, 23)[0] * 2  # a repeat: the copying drafter is right
     law = two_token_law(_Target(t, d.config.target_layer_ids), prompt, 1.0)
     db = with_block_size(d, 4)
-    runs = [D.speculative_generate(TorchTargetRunner(t, d.config.target_layer_ids), TorchDraftRunner(db), prompt, 6,
-                                   temperature=1.0, eos_ids=set(), seed=s) for s in range(400)]
+    runs = [D.speculative_generate(TorchTargetRunner(t, d.config.target_layer_ids), TorchDraftRunner(db), prompt,
+                                   D.DecodeOptions(6, temperature=1.0, eos_ids=set(), seed=s)) for s in range(400)]
     assert sum(sum(r.accepted) for r in runs) > 100
     assert two_token_p_value(law, [(r.tokens[0], r.tokens[1]) for r in runs]) > 1e-3
 
@@ -239,7 +239,7 @@ def test_training_on_a_hybrid_target(tmp_path):
     """make-data, train and the offline τ on the accepting qwen3_5 pair: left-padded batched generation through the
     linear layers gives every row's features and greedy chain as one unpadded forward does; a few steps from the
     copying drafter train, and its offline τ is the τ of greedy speculative decoding of the same prompts (within 5 %)."""
-    from dflash2_trt.runtime.decoder import speculative_generate
+    from dflash2_trt.runtime.decoder import DecodeOptions, speculative_generate
     from dflash2_trt.target import TargetModel
     from dflash2_trt.tiny import make_tiny
     from dflash2_trt.train.data import GeneratedData
@@ -277,7 +277,8 @@ def test_training_on_a_hybrid_target(tmp_path):
     for i in rows:
         r = data.row(i)
         res = speculative_generate(TorchTargetRunner(target, d.config.target_layer_ids), TorchDraftRunner(d),
-                                   r.tokens[: r.prompt_len].tolist(), r.tokens.shape[0] - r.prompt_len, eos_ids=set())
+                                   r.tokens[: r.prompt_len].tolist(),
+                                   DecodeOptions(r.tokens.shape[0] - r.prompt_len, eos_ids=set()))
         assert res.tokens == r.tokens[r.prompt_len:].tolist()
         taus.append(res.stats()["tau"])
     # the offline τ reads make-data's fp16 features, decoding the exact ones: a few drafts differ

@@ -54,8 +54,8 @@ def test_lossless_greedy_grid(acc_target, acc_drafter, acc_refs):
             if key not in drafters:
                 drafters[key] = with_block_size(acc_drafter, bs, conv)
             d = drafters[key]
-            res = ref_speculative(acc_target, TorchDraftRunner(d, mode if selector else INDEPENDENT), p, MAX_NEW,
-                                  eos_ids=set(), layer_ids=d.config.target_layer_ids)
+            res = ref_speculative(acc_target, TorchDraftRunner(d, mode if selector else INDEPENDENT), p,
+                                  D.DecodeOptions(MAX_NEW, eos_ids=set()), layer_ids=d.config.target_layer_ids)
             assert res.tokens == want, (bs, mode, conv, selector, p)
             assert sum(a + 1 for a in res.accepted) == len(want) - 1  # every token after the first is committed by a cycle
             accepted[(bs, mode, conv, selector)] += res.accepted
@@ -110,7 +110,8 @@ def test_lossless_with_high_acceptance(tiny_target, tiny_drafter, ar_refs, bs):
     seen_acc = set()
     for p, want in zip(prompts[:20], refs[:20]):
         src = OracleSource(d, p, want, rng)
-        res = ref_speculative(tiny_target, src, p, MAX_NEW, eos_ids=set(), layer_ids=d.config.target_layer_ids)
+        res = ref_speculative(tiny_target, src, p, D.DecodeOptions(MAX_NEW, eos_ids=set()),
+                              layer_ids=d.config.target_layer_ids)
         assert res.tokens == want
         seen_acc.update(res.accepted)
         # the loop accepts exactly the proposed correct prefix (capped by the rows verified)
@@ -125,19 +126,20 @@ def test_eos_and_max_tokens(tiny_target, tiny_drafter, ar_refs):
     eos = {want[5]}
     stop = want.index(want[5]) + 1
     src = OracleSource(with_block_size(tiny_drafter, 8), p, want, np.random.default_rng(0))
-    res = ref_speculative(tiny_target, src, p, MAX_NEW, eos_ids=eos, layer_ids=[0, 2])
+    res = ref_speculative(tiny_target, src, p, D.DecodeOptions(MAX_NEW, eos_ids=eos), layer_ids=[0, 2])
     assert res.tokens == want[:stop]
     base = ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=eos)
     assert base.tokens == want[:stop]
     for n in (1, 2, 9, 17):
-        r = ref_speculative(tiny_target, TorchDraftRunner(tiny_drafter), p, n, eos_ids=set(), layer_ids=[0, 2])
+        r = ref_speculative(tiny_target, TorchDraftRunner(tiny_drafter), p, D.DecodeOptions(n, eos_ids=set()),
+                            layer_ids=[0, 2])
         assert r.tokens == want[:n]
 
 
 def test_metrics_consistent(tiny_target, tiny_drafter, ar_refs):
     prompts, refs = ar_refs
     src = OracleSource(with_block_size(tiny_drafter, 8), prompts[1], refs[1], np.random.default_rng(3))
-    res = ref_speculative(tiny_target, src, prompts[1], MAX_NEW, eos_ids=set(), layer_ids=[0, 2])
+    res = ref_speculative(tiny_target, src, prompts[1], D.DecodeOptions(MAX_NEW, eos_ids=set()), layer_ids=[0, 2])
     s = res.stats()
     assert s["cycles"] == len(res.accepted)
     assert s["tau"] == pytest.approx(np.mean(np.array(res.accepted) + 1))
@@ -150,13 +152,13 @@ def test_metrics_consistent(tiny_target, tiny_drafter, ar_refs):
 def test_bad_prompts(tiny_target, tiny_drafter):
     src = TorchDraftRunner(tiny_drafter)
     with pytest.raises(DFlash2Error, match="out of range"):
-        ref_speculative(tiny_target, src, [1, tiny_target.vocab_size], 4, layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [1, tiny_target.vocab_size], D.DecodeOptions(4), layer_ids=[0, 2])
     with pytest.raises(DFlash2Error, match="empty prompt"):
-        ref_speculative(tiny_target, src, [], 4, layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [], D.DecodeOptions(4), layer_ids=[0, 2])
     with pytest.raises(DFlash2Error, match="does not fit"):
-        ref_speculative(tiny_target, src, [5] * 5000, 4, layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [5] * 5000, D.DecodeOptions(4), layer_ids=[0, 2])
     with pytest.raises(DFlash2Error, match="max_new_tokens"):
-        ref_speculative(tiny_target, src, [5], 0, layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [5], D.DecodeOptions(0), layer_ids=[0, 2])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -294,8 +296,8 @@ def _chain_counts(t, d, mode, prompt, T, N):
     counts = np.zeros((SMALL_V,) * 3)
     accepted = []
     for seed in range(N):
-        r = decoder.speculative_generate(target, _MemoDraftSource(d, mode), prompt, 5, temperature=T,
-                                         eos_ids=set(), seed=seed)
+        r = decoder.speculative_generate(target, _MemoDraftSource(d, mode), prompt,
+                                         decoder.DecodeOptions(5, temperature=T, eos_ids=set(), seed=seed))
         assert r.proposed[0] == 3
         counts[tuple(r.tokens[:3])] += 1
         accepted.append(r.accepted[0])
@@ -350,8 +352,8 @@ def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
     """EOS accepted as the 2nd draft of a multi-draft cycle: that cycle counts 2 accepted drafts (the drafts
     after the EOS are never committed), not all it verified."""
     p = np.random.default_rng(5).integers(4, 500, 20).tolist()
-    full = ref_speculative(acc_target, TorchDraftRunner(acc_drafter), p, 48, eos_ids=set(), measure_oracle=False,
-                           layer_ids=[0, 2])
+    full = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), TorchDraftRunner(acc_drafter), p,
+                                  D.DecodeOptions(48, eos_ids=set()))
     idx = 1  # index in tokens of the current cycle's first draft
     for c, a in enumerate(full.accepted):
         eos = full.tokens[idx + 1] if a >= 3 else None
@@ -360,8 +362,8 @@ def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
         idx += a + 1
     else:
         pytest.fail(f"no cycle accepted >= 3 drafts with a fresh 2nd draft: {full.accepted}")
-    res = ref_speculative(acc_target, TorchDraftRunner(acc_drafter), p, 48, eos_ids={eos}, measure_oracle=False,
-                          layer_ids=[0, 2])
+    res = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), TorchDraftRunner(acc_drafter), p,
+                                 D.DecodeOptions(48, eos_ids={eos}))
     assert res.tokens == full.tokens[:idx + 2] and res.tokens[-1] == eos
     assert res.accepted == full.accepted[:c] + [2]
     assert sum(a + 1 for a in res.accepted) - 1 == len(res.tokens) - 1  # the last cycle commits no bonus
@@ -371,7 +373,7 @@ def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
 def test_bad_temperature_is_an_error(acc_target, acc_drafter, temp):
     target = TorchTargetRunner(acc_target, [0, 2])
     with pytest.raises(DFlash2Error, match="temperature must be a finite number >= 0"):
-        D.speculative_generate(target, TorchDraftRunner(acc_drafter), [5, 6], 4, temperature=temp)
+        D.speculative_generate(target, TorchDraftRunner(acc_drafter), [5, 6], D.DecodeOptions(4, temperature=temp))
     with pytest.raises(DFlash2Error, match="temperature must be a finite number >= 0"):
         D.target_generate(target, [5, 6], 4, temperature=temp)
 
@@ -387,6 +389,6 @@ def test_decoder_tells_the_drafter_the_verified_rows(acc_target, acc_drafter):
             return super().propose(anchor, pos, rows, temperature, uniforms)
 
     p = np.random.default_rng(8).integers(4, 500, 20).tolist()
-    res = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), Spy(acc_drafter, "viterbi"), p, 37,
-                                 eos_ids=set())
+    res = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), Spy(acc_drafter, "viterbi"), p,
+                                 D.DecodeOptions(37, eos_ids=set()))
     assert told == res.proposed and told[-1] < acc_drafter.config.num_draft_rows and max(res.accepted) >= 3

@@ -98,7 +98,8 @@ def test_lossless_with_lookup(acc_export, proposer):
     for i in range(5):
         base = rng.integers(4, target.vocab_size, int(rng.integers(3, 12))).tolist()
         p = base * 3 if i % 2 else base  # a repetitive prompt: lookups find matches
-        spec = D.speculative_generate(target, drafter, p, 32, eos_ids=set(), proposer=proposer, ngram_rows=4)
+        spec = D.speculative_generate(target, drafter, p,
+                                      D.DecodeOptions(32, eos_ids=set(), proposer=proposer, ngram_rows=4))
         assert spec.tokens == D.target_generate(target, p, 32, eos_ids=set()).tokens
         s = spec.stats()
         assert s["ngram_cycles"] + s["dflash2_cycles"] == s["spec_cycles"]
@@ -107,8 +108,8 @@ def test_lossless_with_lookup(acc_export, proposer):
             assert s["dflash2_cycles"] == 0
     if proposer != "dflash2":
         assert "ngram" in used
-    spec = D.speculative_generate(target, drafter, [5, 6, 5, 6, 5], 16, temperature=0.8, eos_ids=set(),
-                                  proposer=proposer)
+    spec = D.speculative_generate(target, drafter, [5, 6, 5, 6, 5],
+                                  D.DecodeOptions(16, temperature=0.8, eos_ids=set(), proposer=proposer))
     assert len(spec.tokens) == 16
 
 
@@ -127,7 +128,8 @@ def test_draft_context_stays_contiguous_across_lookup_cycles(acc_export):
     for _ in range(4):
         base = rng.integers(4, target.vocab_size, int(rng.integers(3, 9))).tolist()
         p = base * 3 + rng.integers(4, target.vocab_size, 5).tolist()  # matches, then a fresh tail
-        spec = D.speculative_generate(target, drafter, p, 40, eos_ids=set(), proposer="auto", ngram_rows=4)
+        spec = D.speculative_generate(target, drafter, p,
+                                      D.DecodeOptions(40, eos_ids=set(), proposer="auto", ngram_rows=4))
         assert spec.tokens == D.target_generate(target, p, 40, eos_ids=set()).tokens
         whos += [a + "->" + b for a, b in zip(spec.proposers, spec.proposers[1:])]
     assert "ngram->dflash2" in whos  # the deferred features were flushed into a drafter cycle
@@ -161,8 +163,9 @@ def test_guard_rules_the_drafter_and_a_paying_lookup_still_runs(acc_export):
     p = base * 4
     guard = Watching(GuardConfig(cost_ratio=100.0))
     during_plain = []
-    spec = D.speculative_generate(target, drafter, p, 48, eos_ids=set(), proposer="auto", guard=guard,
-                                  on_cycle=lambda a, n: during_plain.append(guard.said_plain))
+    spec = D.speculative_generate(target, drafter, p, D.DecodeOptions(48, eos_ids=set(), proposer="auto"),
+                                  D.DecodeHooks(on_cycle=lambda a, n: during_plain.append(guard.said_plain),
+                                                guard=guard))
     assert spec.tokens == D.target_generate(target, p, 48, eos_ids=set()).tokens
     assert spec.guard_switches >= 1 and spec.plain_steps > 0
     assert any(during_plain)  # lookup cycles while the guard kept the drafter off

@@ -191,9 +191,10 @@ def test_drafter_quantized_alone(quantized, tiny_target):
     for i in range(4):
         p = rng.integers(4, 500, int(rng.integers(2, 30))).tolist()
         ar = D.target_generate(target, p, MAX_NEW, eos_ids=set()).tokens
-        assert D.speculative_generate(target, be.draft_runner(), p, MAX_NEW, eos_ids=set()).tokens == ar
-        res = D.speculative_generate(target, AcceptingDrafter(be.draft_runner(), p, ar, rng), p, MAX_NEW,
-                                     eos_ids=set())
+        assert D.speculative_generate(target, be.draft_runner(), p,
+                                      D.DecodeOptions(MAX_NEW, eos_ids=set())).tokens == ar
+        res = D.speculative_generate(target, AcceptingDrafter(be.draft_runner(), p, ar, rng), p,
+                                     D.DecodeOptions(MAX_NEW, eos_ids=set()))
         assert res.tokens == ar
         accepted += res.accepted
     assert sum(accepted) > 0  # drafts were accepted: the quantized drafter's cycles ran, not plain steps
@@ -268,11 +269,11 @@ def test_quantized_decoding_is_lossless_wrt_quantized_target(quantized, tiny_tar
         p = rng.integers(4, 500, int(rng.integers(2, 30))).tolist()
         ar = D.target_generate(target, p, MAX_NEW, eos_ids=set()).tokens  # the quantized target's own output
         differs += ar != ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens
-        real = D.speculative_generate(target, be.draft_runner(("greedy", "viterbi")[i % 2]), p, MAX_NEW,
-                                      eos_ids=set())
+        real = D.speculative_generate(target, be.draft_runner(("greedy", "viterbi")[i % 2]), p,
+                                      D.DecodeOptions(MAX_NEW, eos_ids=set()))
         assert real.tokens == ar
-        res = D.speculative_generate(target, AcceptingDrafter(be.draft_runner(), p, ar, rng), p, MAX_NEW,
-                                     eos_ids=set())
+        res = D.speculative_generate(target, AcceptingDrafter(be.draft_runner(), p, ar, rng), p,
+                                     D.DecodeOptions(MAX_NEW, eos_ids=set()))
         assert res.tokens == ar
         accepted += res.accepted
     assert sum(accepted) > 0 and max(accepted) == be.manifest.num_draft_rows and 0 in accepted  # acceptance happened

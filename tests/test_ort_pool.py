@@ -16,7 +16,8 @@ SPIN = "session.intra_op.allow_spinning"
 def _decode(folder) -> tuple[dict[str, str], D.GenerationResult]:
     be = B.OrtBackend(folder, threads=2)
     target, drafter = be.target_runner(), be.draft_runner("greedy")
-    res = D.speculative_generate(target, drafter, [1, 2, 3, 4, 5, 6], 24, eos_ids=set(), proposer="dflash2")
+    res = D.speculative_generate(target, drafter, [1, 2, 3, 4, 5, 6],
+                                 D.DecodeOptions(24, eos_ids=set(), proposer="dflash2"))
     spins = {k: s.sess.get_session_options().get_session_config_entry(SPIN) for k, s in be._sessions.items()}
     return spins, res
 

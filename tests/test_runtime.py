@@ -11,7 +11,7 @@ import pytest
 
 from helpers import FIELD_EDITS, assert_accepts, with_block_size
 from dflash2_trt import DFlash2Error
-from dflash2_trt.runtime.torch.backend import TorchDraftRunner
+from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
 from torch_ref import ref_autoregressive, ref_speculative
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.backends import open_backend
@@ -49,9 +49,10 @@ def test_greedy_equals_pytorch_reference(exports, acc_target, acc_drafter, bs):
     accepted: dict[str, list[int]] = {"greedy": [], "viterbi": []}
     for i, p in enumerate(_prompts(6, seed=bs)):
         mode = ("greedy", "viterbi")[i % 2]
-        want = ref_speculative(acc_target, TorchDraftRunner(d, mode), p, MAX_NEW, eos_ids=set(),
+        want = ref_speculative(acc_target, TorchDraftRunner(d, mode), p, D.DecodeOptions(MAX_NEW, eos_ids=set()),
                                layer_ids=[0, 2])
-        got = D.speculative_generate(target, be.draft_runner(mode), p, MAX_NEW, eos_ids=set(), oracle=oracle_count)
+        got = D.speculative_generate(target, be.draft_runner(mode), p, D.DecodeOptions(MAX_NEW, eos_ids=set()),
+                                     D.DecodeHooks(oracle=oracle_count))
         assert got.tokens == want.tokens  # token for token
         assert (got.accepted, got.proposed, got.oracle_accepted) == (want.accepted, want.proposed, want.oracle_accepted)
         assert got.stats() == want.stats()  # identical docs/design.md metrics, oracle τ included
@@ -71,9 +72,10 @@ def test_sampling_equals_pytorch_reference(acc_export, acc_target, acc_drafter, 
     target, drafter = be.target_runner(), be.draft_runner(mode)
     same, accepted = 0, []
     for seed, p in enumerate(_prompts(4, seed=5)):
-        want = ref_speculative(acc_target, TorchDraftRunner(acc_drafter, mode), p, MAX_NEW, temperature=0.8,
-                               eos_ids=set(), seed=seed, layer_ids=[0, 2], measure_oracle=False)
-        got = D.speculative_generate(target, drafter, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed)
+        want = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), TorchDraftRunner(acc_drafter, mode), p,
+                                      D.DecodeOptions(MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed))
+        got = D.speculative_generate(target, drafter, p,
+                                     D.DecodeOptions(MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed))
         same += got.tokens == want.tokens and got.accepted == want.accepted
         assert got.tokens[:3] == want.tokens[:3] and len(got.tokens) == MAX_NEW
         accepted += got.accepted
@@ -95,15 +97,18 @@ def test_streaming_eos_and_cache_growth(acc_export, acc_target):
     target = be.target_runner()
     p = _prompts(1, seed=3)[0]
     chunks: list[list[int]] = []
-    res = D.speculative_generate(target, be.draft_runner(), p, MAX_NEW, eos_ids=set(), on_tokens=chunks.append)
+    res = D.speculative_generate(target, be.draft_runner(), p, D.DecodeOptions(MAX_NEW, eos_ids=set()),
+                                 D.DecodeHooks(on_tokens=chunks.append))
     assert [t for c in chunks for t in c] == res.tokens and len(chunks) == len(res.accepted) + 1
     assert_accepts(res.accepted, 15, "streaming")
     eos = {res.tokens[6]}
     stop = res.tokens.index(res.tokens[6]) + 1
-    assert D.speculative_generate(target, be.draft_runner(), p, MAX_NEW, eos_ids=eos).tokens == res.tokens[:stop]
+    assert D.speculative_generate(target, be.draft_runner(), p,
+                                  D.DecodeOptions(MAX_NEW, eos_ids=eos)).tokens == res.tokens[:stop]
     # a long request crosses the 256-slot capacity step: buffers grow, output still lossless
     long_p = np.random.default_rng(0).integers(4, 500, 250).tolist()
-    got = D.speculative_generate(target, be.draft_runner("viterbi"), long_p, 40, eos_ids=set(), oracle=oracle_count)
+    got = D.speculative_generate(target, be.draft_runner("viterbi"), long_p, D.DecodeOptions(40, eos_ids=set()),
+                                 D.DecodeHooks(oracle=oracle_count))
     assert target.kv.capacity == 512
     assert got.tokens == ref_autoregressive(acc_target, long_p, 40, eos_ids=set()).tokens
     assert_accepts(got.accepted, 15, "across the cache growth")
@@ -113,11 +118,11 @@ def test_runtime_bad_input(tiny_export, tmp_path):
     be, _ = open_backend(tiny_export, "ort")
     target, drafter = be.target_runner(), be.draft_runner()
     with pytest.raises(DFlash2Error, match="out of range"):
-        D.speculative_generate(target, drafter, [1, 512], 4)
+        D.speculative_generate(target, drafter, [1, 512], D.DecodeOptions(4))
     with pytest.raises(DFlash2Error, match="does not fit the 512 positions"):
-        D.speculative_generate(target, drafter, [5] * 600, 4)
+        D.speculative_generate(target, drafter, [5] * 600, D.DecodeOptions(4))
     with pytest.raises(DFlash2Error, match="empty prompt"):
-        D.speculative_generate(target, drafter, [], 4)
+        D.speculative_generate(target, drafter, [], D.DecodeOptions(4))
     with pytest.raises(DFlash2Error, match="backend must be one of"):
         open_backend(tiny_export, "tensorflow")
     with pytest.raises(DFlash2Error, match="TensorRT backend unavailable"):
@@ -192,7 +197,7 @@ def test_ort_failure_is_one_error(tiny_export, tmp_path):
     (d / "manifest.json").write_text(json.dumps(m))
     be, _ = open_backend(d, "ort")
     with pytest.raises(DFlash2Error, match="ONNX Runtime failed running target"):
-        D.speculative_generate(be.target_runner(), be.draft_runner(), [5] * 600, 4)
+        D.speculative_generate(be.target_runner(), be.draft_runner(), [5] * 600, D.DecodeOptions(4))
 
 
 def test_tokenizer_matches_transformers(tiny_export, tiny_target):
@@ -245,9 +250,10 @@ def test_no_selector_head_equals_pytorch(acc_export, acc_target, acc_drafter):
     target, drafter = be.target_runner(), be.draft_runner("independent")
     accepted = []
     for p in _prompts(3, seed=11):
-        want = ref_speculative(acc_target, TorchDraftRunner(acc_drafter, "independent"), p, MAX_NEW, eos_ids=set(),
-                               layer_ids=[0, 2])
-        got = D.speculative_generate(target, drafter, p, MAX_NEW, eos_ids=set(), oracle=oracle_count)
+        want = ref_speculative(acc_target, TorchDraftRunner(acc_drafter, "independent"), p,
+                               D.DecodeOptions(MAX_NEW, eos_ids=set()), layer_ids=[0, 2])
+        got = D.speculative_generate(target, drafter, p, D.DecodeOptions(MAX_NEW, eos_ids=set()),
+                                     D.DecodeHooks(oracle=oracle_count))
         assert got.tokens == want.tokens and got.stats() == want.stats()
         assert got.tokens == ref_autoregressive(acc_target, p, MAX_NEW, eos_ids=set()).tokens
         accepted += got.accepted

@@ -24,7 +24,8 @@ def test_smollm2_ort_lossless(smol_export):
     outs = []
     for i, text in enumerate(PROMPTS):
         ids = tok.apply_chat_template([{"role": "user", "content": text}])
-        got = D.speculative_generate(target, be.draft_runner(("greedy", "viterbi")[i % 2]), ids, MAX_NEW)
+        got = D.speculative_generate(target, be.draft_runner(("greedy", "viterbi")[i % 2]), ids,
+                                     D.DecodeOptions(MAX_NEW))
         assert got.tokens == D.target_generate(target, ids, MAX_NEW).tokens
         assert len(tok.decode(got.tokens).strip()) > 0
         outs.append((ids, got.tokens))

@@ -107,7 +107,8 @@ def _spec_vs_ar(target, n_prompts: int = 6) -> tuple[int, list[int]]:  # noqa: A
     for _ in range(n_prompts):
         p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
         want = D.target_generate(TorchTargetRunner(target), p, 30, eos_ids=set()).tokens
-        r = D.speculative_generate(TorchTargetRunner(target, [0, 2]), _NoisyOracle(p + want), p, 30, eos_ids=set())
+        r = D.speculative_generate(TorchTargetRunner(target, [0, 2]), _NoisyOracle(p + want), p,
+                                   D.DecodeOptions(30, eos_ids=set()))
         bad += r.tokens != want
         accepted += r.accepted
     return bad, accepted
@@ -226,7 +227,8 @@ def test_export_and_decode_on_ort(arch, tmp_path):
     assert np.abs(rows - got[30:38]).max() <= 1e-5 * np.abs(want).max()
     for p in [rng.integers(4, 512, int(rng.integers(1, 20))).tolist() for _ in range(3)]:
         ar = D.target_generate(be.target_runner(), p, 16, eos_ids=set()).tokens
-        assert D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, 16, eos_ids=set()).tokens == ar
+        assert D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p,
+                                      D.DecodeOptions(16, eos_ids=set())).tokens == ar
     for bs in (2, 4, 8):  # the noisy oracle over the exported target: drafts accepted and rejected at every length
         bad, accepted = _ort_spec_vs_ar(be, bs)
         assert bad == 0 and {0, bs - 1} <= set(accepted) and (bs == 2 or len(set(accepted)) >= 3), (bs, accepted)
@@ -240,7 +242,7 @@ def _ort_spec_vs_ar(be, bs: int, n_prompts: int = 4) -> tuple[int, list[int]]:  
     for _ in range(n_prompts):
         p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
         want = D.target_generate(be.target_runner(), p, 30, eos_ids=set()).tokens
-        r = D.speculative_generate(be.target_runner(), oracle(p + want), p, 30, eos_ids=set())
+        r = D.speculative_generate(be.target_runner(), oracle(p + want), p, D.DecodeOptions(30, eos_ids=set()))
         bad += r.tokens != want
         accepted += r.accepted
     return bad, accepted

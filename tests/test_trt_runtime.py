@@ -136,13 +136,13 @@ def test_drafter_step_is_one_graph_for_block_and_head(fake_engines):
 
 
 def test_capture_failure_runs_eagerly_and_decoder_loop_runs(fake_engines):
-    from dflash2_trt.runtime.decoder import speculative_generate, target_generate
+    from dflash2_trt.runtime.decoder import DecodeOptions, speculative_generate, target_generate
 
     cuda = FakeCuda()
     cuda.fail_capture = True
     be, trt, _ = _open(fake_engines, cuda=cuda)
     tgt, dr = be.target_runner(), be.draft_runner("greedy")
-    res = speculative_generate(tgt, dr, list(range(1, 30)), max_new_tokens=40, eos_ids=set())
+    res = speculative_generate(tgt, dr, list(range(1, 30)), DecodeOptions(40, eos_ids=set()))
     assert len(res.tokens) == 40 and len(res.accepted) >= 2
     # every step's capture failed once, then ran eagerly: nothing captured, nothing replayed
     assert be.graphs.stats.fallbacks >= 2 and len(be.graphs) == 0 and be.graphs.stats.replays == 0
@@ -383,7 +383,7 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
     Viterbi chains) equals ORT's, drafts accepted."""
     from helpers import assert_accepts
     from dflash2_trt.runtime.backends import open_backend
-    from dflash2_trt.runtime.decoder import speculative_generate, target_generate
+    from dflash2_trt.runtime.decoder import DecodeOptions, speculative_generate, target_generate
 
     cuda = FakeCuda()
     be, trt, _ = _open(acc_engines, cuda=cuda, trt=FakeTrt(cuda, compute=True), cuda_graphs=cuda_graphs)
@@ -394,8 +394,8 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
     for i in range(4):
         mode = ("greedy", "viterbi")[i % 2]
         p = rng.integers(4, 500, size=int(rng.integers(5, 40))).tolist()
-        got = speculative_generate(tgt, be.draft_runner(mode), p, 40, eos_ids=set())
-        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p, 40, eos_ids=set())
+        got = speculative_generate(tgt, be.draft_runner(mode), p, DecodeOptions(40, eos_ids=set()))
+        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p, DecodeOptions(40, eos_ids=set()))
         assert got.tokens == want.tokens == target_generate(ort_tgt, p, 40, eos_ids=set()).tokens
         assert got.accepted == want.accepted
         assert target_generate(tgt, p, 12, eos_ids=set()).tokens == want.tokens[:12]
@@ -405,8 +405,10 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
     sampled = []
     for mode in ("greedy", "viterbi"):  # T = 0.8: the same samples, drafts accepted by the rejection rule
         p = rng.integers(4, 500, size=20).tolist()
-        got = speculative_generate(tgt, be.draft_runner(mode), p, 30, temperature=0.8, eos_ids=set(), seed=3)
-        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p, 30, temperature=0.8, eos_ids=set(), seed=3)
+        got = speculative_generate(tgt, be.draft_runner(mode), p,
+                                   DecodeOptions(30, temperature=0.8, eos_ids=set(), seed=3))
+        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p,
+                                    DecodeOptions(30, temperature=0.8, eos_ids=set(), seed=3))
         assert got.tokens == want.tokens and got.accepted == want.accepted
         sampled += got.accepted
     assert_accepts(sampled, 15, "TensorRT backend, T = 0.8")
@@ -436,7 +438,7 @@ def test_plugin_heads_decode_like_ort_on_the_accepting_pair(acc_plugin_engines, 
     (decomposed selector graphs), drafts accepted."""
     from helpers import assert_accepts
     from dflash2_trt.runtime.backends import open_backend
-    from dflash2_trt.runtime.decoder import speculative_generate
+    from dflash2_trt.runtime.decoder import DecodeOptions, speculative_generate
 
     cuda = FakeCuda()
     trt = FakeTrt(cuda, compute=True, selector_host=str(plugin_build / "lib" / "libdflash2_selector_host.so"))
@@ -449,9 +451,9 @@ def test_plugin_heads_decode_like_ort_on_the_accepting_pair(acc_plugin_engines, 
         dr = be.draft_runner(mode)
         assert dr.head_eng.key == f"drafter_head_{mode}_plugin"
         p = rng.integers(4, 500, size=int(rng.integers(5, 30))).tolist()
-        got = speculative_generate(tgt, dr, p, 30, temperature=temp, eos_ids=set(), seed=4)
-        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p, 30, temperature=temp, eos_ids=set(),
-                                    seed=4)
+        got = speculative_generate(tgt, dr, p, DecodeOptions(30, temperature=temp, eos_ids=set(), seed=4))
+        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p,
+                                    DecodeOptions(30, temperature=temp, eos_ids=set(), seed=4))
         assert got.tokens == want.tokens and got.accepted == want.accepted, (mode, temp)
         accepted += got.accepted
     assert_accepts(accepted, 15, "TensorRT plugin heads")

@@ -14,9 +14,9 @@ def ref_autoregressive(target, prompt_ids: list[int], max_new_tokens: int, tempe
     return decoder.target_generate(TorchTargetRunner(target), prompt_ids, max_new_tokens, temperature, eos_ids, seed)
 
 
-def ref_speculative(target, source, prompt_ids: list[int], max_new_tokens: int = 64,  # noqa: ANN001
-                    temperature: float = 0.0, eos_ids: set[int] | None = None, seed: int = 0,
-                    measure_oracle: bool = True, layer_ids: list[int] | None = None) -> GenerationResult:
+def ref_speculative(target, source, prompt_ids: list[int],  # noqa: ANN001
+                    options: decoder.DecodeOptions = decoder.DecodeOptions(),
+                    layer_ids: list[int] | None = None) -> GenerationResult:
     """``layer_ids``: target layers feeding the drafter."""
-    return decoder.speculative_generate(TorchTargetRunner(target, layer_ids), source, prompt_ids, max_new_tokens,
-                                        temperature, eos_ids, seed, oracle_count if measure_oracle else None)
+    return decoder.speculative_generate(TorchTargetRunner(target, layer_ids), source, prompt_ids, options,
+                                        decoder.DecodeHooks(oracle=oracle_count))

@@ -60,7 +60,7 @@ def record(model_dir: str | Path, out_dir: str | Path, sets: int = 3, prompts: i
         target, drafter = be.target_runner(), be.draft_runner(mode)
         for _ in range(prompts):
             prompt = rng.integers(0, V, int(rng.integers(3, 9))).tolist()
-            D.speculative_generate(target, drafter, prompt, tokens, eos_ids=set(), proposer="dflash2")
+            D.speculative_generate(target, drafter, prompt, D.DecodeOptions(tokens, eos_ids=set(), proposer="dflash2"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for key, got in calls.items():

@@ -7,13 +7,13 @@ random number is drawn from one ``numpy.random.Generator`` in a fixed order (fir
 the drafter's uniforms, then the rejection test), so a backend whose graphs match PyTorch reproduces the
 reference's tokens and metrics exactly for a given seed.
 
-``guard``: an :class:`~dflash2_trt.runtime.guard.AcceptanceGuard` that runs plain target steps while measured
-acceptance does not pay for a cycle (exact: a plain step is the target's own step); ``min_confidence``: verify
-only the leading draft rows whose cumulative drafter confidence reaches it
-(:func:`~dflash2_trt.runtime.guard.verify_rows`; exact, the rule looks at the proposal side only).
-
-``oracle``: a per-cycle oracle top-K counter (:func:`dflash2_trt.bench.oracle.oracle_count`); its extra
-target passes are excluded from the timing. ``on_tokens`` streams each newly committed chunk of tokens.
+:func:`speculative_generate` takes what the request asks for as one :class:`DecodeOptions` and what the loop
+calls as one :class:`DecodeHooks`. Among the options, ``min_confidence``: verify only the leading draft rows whose
+cumulative drafter confidence reaches it (:func:`~dflash2_trt.runtime.guard.verify_rows`; exact, the rule looks at
+the proposal side only). Among the hooks, ``guard``: an :class:`~dflash2_trt.runtime.guard.AcceptanceGuard` that
+runs plain target steps while measured acceptance does not pay for a cycle (exact: a plain step is the target's own
+step); ``oracle``: a per-cycle oracle top-K counter (:func:`dflash2_trt.bench.oracle.oracle_count`), its extra
+target passes excluded from the timing; ``on_tokens`` streams each newly committed chunk of tokens.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _confidence(draft: Draft, temperature: float) -> np.ndarray | None:
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """What one speculative request asks for (:func:`speculative_decode`)."""
+    """What one speculative request asks for (:func:`speculative_generate`)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy; > 0: lossless rejection sampling
@@ -160,25 +160,28 @@ class DecodeOptions:
 
 @dataclass(frozen=True)
 class DecodeHooks:
-    """Callbacks of one request: ``on_tokens(new)`` gets each committed chunk (the prefill's first token, a plain
-    step's token, a cycle's tokens); ``on_cycle(accepted, rows)`` runs for each speculative cycle just before
-    ``on_tokens`` gets its tokens; ``oracle``: the per-cycle oracle top-K count, excluded from the timing."""
+    """What the loop calls during one request: ``on_tokens(new)`` gets each committed chunk (the prefill's first
+    token, a plain step's token, a cycle's tokens); ``on_cycle(accepted, rows)`` runs for each speculative cycle
+    just before ``on_tokens`` gets its tokens; ``oracle``: the per-cycle oracle top-K count, excluded from the
+    timing; ``guard``: asked before each step whether to run a plain one and told each step's time — it holds one
+    request's state, so a fresh one per call."""
 
     on_tokens: OnTokens | None = None
     on_cycle: OnCycle | None = None
     oracle: OracleFn | None = None
+    guard: AcceptanceGuard | None = None
 
 
 class _SpeculativeLoop:
-    """One request's state through the named steps of :func:`speculative_decode` (prefill, pick, plain step, draft,
+    """One request's state through the named steps of :func:`speculative_generate` (prefill, pick, plain step, draft,
     verify + accept, commit). Every random number comes from ``rng`` in a fixed order: the first token, then per
     cycle the drafter's uniforms, then the rejection test."""
 
     def __init__(self, target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int], o: DecodeOptions,
-                 guard: AcceptanceGuard | None, hooks: DecodeHooks) -> None:
+                 hooks: DecodeHooks) -> None:
         check_prompt(prompt_ids, target, o.max_new_tokens)
         check_temperature(o.temperature)
-        self.target, self.drafter, self.o, self.guard, self.hooks = target, drafter, o, guard, hooks
+        self.target, self.drafter, self.o, self.guard, self.hooks = target, drafter, o, hooks.guard, hooks
         self.prompt = list(prompt_ids)
         self.rng = np.random.default_rng(o.seed)
         self.eos = set(target.eos_ids) if o.eos_ids is None else o.eos_ids
@@ -312,13 +315,13 @@ class _SpeculativeLoop:
         return self.res
 
 
-def speculative_decode(target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int],
-                       options: DecodeOptions = DecodeOptions(), guard: AcceptanceGuard | None = None,
-                       hooks: DecodeHooks = DecodeHooks()) -> GenerationResult:
-    """Speculative decoding of one prompt (docs/design.md, the decoding loop); ``guard`` holds one request's state
-    (a fresh one per call). The loop, top to bottom: prefill, then per step the proposer's pick, a plain step or
-    draft -> verify + accept -> commit."""
-    loop = _SpeculativeLoop(target, drafter, prompt_ids, options, guard, hooks)
+def speculative_generate(target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int],
+                         options: DecodeOptions = DecodeOptions(), hooks: DecodeHooks = DecodeHooks()
+                         ) -> GenerationResult:
+    """Speculative decoding of one prompt (docs/design.md, the decoding loop; the C core's
+    ``dflash2::speculativeGenerate``, the twin of :func:`target_generate`). The loop, top to bottom: prefill, then
+    per step the proposer's pick, a plain step or draft -> verify + accept -> commit."""
+    loop = _SpeculativeLoop(target, drafter, prompt_ids, options, hooks)
     loop.prefill()
     while loop.running:
         t_step = time.perf_counter()
@@ -330,16 +333,3 @@ def speculative_decode(target: TargetRunner, drafter: DraftRunner, prompt_ids: l
         acc, bonus, v_feats = loop.verify(draft, drafts, n_rows)
         loop.commit(who, draft, drafts, n_rows, acc, bonus, v_feats, t_step)
     return loop.finish()
-
-
-def speculative_generate(target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int], max_new_tokens: int = 64,
-                         temperature: float = 0.0, eos_ids: set[int] | None = None, seed: int = 0,
-                         oracle: OracleFn | None = None, on_tokens: OnTokens | None = None,
-                         guard: AcceptanceGuard | None = None, min_confidence: float = 0.0,
-                         on_cycle: OnCycle | None = None, proposer: str = DFLASH2,
-                         ngram_rows: int | None = None) -> GenerationResult:
-    """:func:`speculative_decode` with the options and hooks as keywords (scripts and tests; the fields of
-    :class:`DecodeOptions` and :class:`DecodeHooks`)."""
-    return speculative_decode(target, drafter, prompt_ids,
-                              DecodeOptions(max_new_tokens, temperature, eos_ids, seed, min_confidence, proposer,
-                                            ngram_rows), guard, DecodeHooks(on_tokens, on_cycle, oracle))

@@ -26,7 +26,7 @@ from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.backends import open_backend
 be, _ = open_backend(sys.argv[1], "trt")
 ids = [int(t) for t in sys.argv[3:]]
-res = D.speculative_generate(be.target_runner(), be.draft_runner(sys.argv[2]), ids, 32, eos_ids=set())
+res = D.speculative_generate(be.target_runner(), be.draft_runner(sys.argv[2]), ids, D.DecodeOptions(32, eos_ids=set()))
 print(" ".join(map(str, res.tokens)))
 PY
 )

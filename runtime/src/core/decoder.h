@@ -130,9 +130,9 @@ struct GenerateConfig
     bool speculative{true};
     bool measureOracle{false};
     std::vector<int32_t> eosIds;
-    Proposer proposer{Proposer::kAUTO};  //!< dflash2 | ngram | auto (decoder.speculative_generate's `proposer`)
+    Proposer proposer{Proposer::kAUTO};  //!< dflash2 | ngram | auto (decoder.DecodeOptions.proposer)
     int32_t ngramRows{0};                //!< most lookup drafts per cycle; 0: defaultLookupRows(L)
-    //! the acceptance guard (core/guard.h; decoder.speculative_generate's `guard`): plain target steps while the
+    //! the acceptance guard (core/guard.h; decoder.DecodeHooks.guard): plain target steps while the
     //! drafter's measured acceptance does not pay for its cycles; none: every step a cycle where a proposer has drafts
     std::optional<GuardConfig> guard;
 };
