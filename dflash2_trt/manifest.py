@@ -339,15 +339,6 @@ class ExportManifest:
         linear layers carry state through the graph and sliding layers keep ring buffers (version 3)."""
         return all(k == "attention" for k in self.layer_kinds)
 
-    def require_kv_only(self, what: str) -> None:
-        """DFlash2Error when the target has linear or sliding layers, whose state ``what`` (a runtime) cannot keep and
-        roll back."""
-        if not self.kv_only:
-            kinds = " and ".join(sorted(set(self.layer_kinds) - {"attention"}))
-            raise DFlash2Error(f"{what} does not run targets with {kinds} layers yet (this export's "
-                               f"{self.target.model_type!r}): run it with the ONNX Runtime backend "
-                               f"(dflash2_trt.load(DIR, backend='ort'))")
-
     def target_kv_names(self) -> list[str]:
         """The target graph's state inputs, 2 per layer (attention: key, value; :func:`target_state_names`)."""
         return target_state_names(self.layer_kinds)
