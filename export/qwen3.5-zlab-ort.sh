@@ -5,8 +5,8 @@
 #   DRAFTER  DFlash 2 checkpoint folder (z-lab format: config.json + model.safetensors) trained for that target
 # fp32 graphs (fp16 also exports and is checked at its bounds; bf16 and --quantize are refused for
 # these targets). The target graph carries every linear layer's convolution and recurrent state; the runtime keeps
-# the state after each accepted prefix (docs/targets.md). TensorRT engines and the C API's own backends do not run
-# such an export yet (they refuse it in one line). Status: verified on CPU with tiny hybrid pairs (the test suite
+# the state after each accepted prefix (docs/targets.md); libdflash2 runs such an export on ONNX Runtime too
+# (runtime/README.md; TensorRT: qwen3.5-zlab-trt.sh). Status: verified on CPU with tiny hybrid pairs (the test suite
 # runs this script on `dflash2 make-tiny --arch qwen3_5 --accepting`); never run on a full-size checkpoint here.
 set -euo pipefail
 : "${TARGET:?set TARGET to the HF folder of the Qwen3.5-family target}"

@@ -5,7 +5,7 @@
 #   DRAFTER  drafter checkpoint folder (z-lab format: config.json + model.safetensors) trained for that target
 # fp32 graphs. Full-attention layers keep a KV cache of the context; each sliding layer keeps a ring buffer of its
 # window plus a verify's rows (manifest target.sliding_window), so its memory does not grow with the context
-# (docs/targets.md). TensorRT engines and the C API's own backends refuse such an export in one line. Status:
+# (docs/targets.md). The C API's own backends refuse such an export in one line (TensorRT: sliding-window-trt.sh). Status:
 # verified on CPU with a tiny random gpt-oss pair (the test suite runs this script on `dflash2 make-tiny --arch
 # gpt_oss`); never run on a full-size checkpoint here.
 set -euo pipefail

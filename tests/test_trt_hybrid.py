@@ -19,7 +19,6 @@ from dflash2_trt.manifest import read_manifest
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.trt.backend import TrtBackend
 from dflash2_trt.runtime.trt.device_buffers import DeviceLinearState
-from dflash2_trt.runtime.trt.env import require_trt_layer_kinds
 from helpers import assert_accepts, make_pair
 from trt_fakes import FakeCuda, FakeTrt
 
@@ -102,8 +101,8 @@ def test_profiles_cover_the_state_inputs(hy_export, tmp_path):
 
 
 def test_what_the_export_refuses_the_build_refuses(hy_export):
-    """bf16 and quantized hybrid exports (refused by the export), a block size past the graph's rows per call, a
-    sliding-window target: each refused in one line."""
+    """bf16 and quantized hybrid exports (refused by the export) and a block size past the graph's rows per call:
+    each refused in one line."""
     m = read_manifest(hy_export)
     E.check_precision(m)
     with pytest.raises(DFlash2Error, match="linear layers builds from fp32 or fp16 exports without quantization"):
@@ -114,12 +113,6 @@ def test_what_the_export_refuses_the_build_refuses(hy_export):
         m.target, linear_state=dataclasses.replace(m.target.linear_state, max_rows_per_call=4)))
     with pytest.raises(DFlash2Error, match="block size 8 exceeds the target graph's 4 rows per call"):
         E.profiles_for(short, "target", 256)
-    require_trt_layer_kinds(m, "build-engines")
-    sliding = dataclasses.replace(m, target=dataclasses.replace(
-        m.target, layer_kinds=("attention", "linear", "sliding", "attention")))
-    for who in ("build-engines", "the TensorRT backend"):
-        with pytest.raises(DFlash2Error, match=f"^{who} does not run targets with sliding layers yet"):
-            require_trt_layer_kinds(sliding, who)
 
 
 # ----------------------------------------------------------------------------------------------------

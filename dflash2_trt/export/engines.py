@@ -31,6 +31,10 @@ asks for the last row's state only (R = 1: a prompt is never rolled back); its s
 1..bs, a verify). The precision rules are the dense targets': the export refuses bf16 and ``--quantize`` for such a
 target, and so does this build.
 
+A target with sliding layers (gpt-oss, Muse Glimmer; manifest version 3) takes each sliding layer's past K/V over its
+ring, [B, kv heads, ring_slots, d], and ``window_positions`` [B, ring_slots]: the ``ring_slots`` dim is fixed at
+``target.sliding_window.ring_slots`` in both profiles.
+
 Precision comes from the ONNX types: networks are strongly typed (TensorRT 11 always is; on 10.x the
 STRONGLY_TYPED creation flag is set). ``--weak-typing`` (10.x only) instead enables the builder flag that
 matches the export dtype (FP16 / BF16). TF32 is switched off unless ``--tf32`` (fp32 exports must match ONNX
@@ -69,7 +73,7 @@ from dflash2_trt.manifest import (TARGET_STATE_ROWS, EnginePlan, EngineProfile, 
 from dflash2_trt.outdir import clean_stale_engines, lock_folder
 from dflash2_trt.runtime.trt.cuda_api import CudaApi
 from dflash2_trt.runtime.trt.env import (PLUGIN_ENV, current_identity, import_tensorrt, load_plugin_library,
-                                         require_trt_layer_kinds, version_tuple)
+                                         version_tuple)
 from dflash2_trt.vocabulary import DTYPES, ENGINE_SELECTORS, SELECTOR_MODES, head_key
 
 if TYPE_CHECKING:
@@ -166,6 +170,10 @@ def profiles_for(manifest: ExportManifest, key: str, prefill_rows: int,
         if linear:  # state_rows [R]: a prefill chunk asks for its last row's state, a verify for every row's
             R = state_rows_dim(manifest.graphs[key])
             prefill[R], verify[R] = (1, 1, 1), (1, bs, bs)
+        sw = manifest.target.sliding_window
+        if sw is not None:  # the sliding layers' rings and window_positions: the ring's fixed size
+            for profile in (prefill, verify):
+                profile[RING_SLOTS] = (sw.ring_slots,) * 3
         return [EngineProfile("prefill", prefill), EngineProfile("step", verify)]
     if role == "drafter_context":
         return [EngineProfile("prefill", {"batch": batch, "rows": (1, max(1, P // 2), P)}),
@@ -173,6 +181,9 @@ def profiles_for(manifest: ExportManifest, key: str, prefill_rows: int,
     if role == "drafter_block":
         return [EngineProfile("step", {"batch": batch, "context_capacity": capacity})]
     return [EngineProfile("step", {"batch": batch})]
+
+
+RING_SLOTS = "ring_slots"  # the dynamic dim of a sliding layer's past K/V and of window_positions (targets.sliding)
 
 
 def linear_row_limit(manifest: ExportManifest) -> int:
@@ -319,7 +330,6 @@ def build_engines(model_dir: str | Path, *, plugin: str | Path | None = None, se
     Raises DFlash2Error (folder untouched) when TensorRT, a GPU or the plugin library is missing."""
     d = Path(model_dir)
     manifest = read_manifest(d, verify_checksums=True)
-    require_trt_layer_kinds(manifest, "build-engines")
     check_precision(manifest)
     clean_stale_engines(d)  # an interrupted build's folder: never listed, so no longer "ours" to replace freely
     keys = graph_keys(manifest, selector)

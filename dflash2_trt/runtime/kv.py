@@ -168,14 +168,25 @@ class WindowRing:
     def write(self, slot: int, start: int, new: list[np.ndarray], row: int = 0) -> None:
         """Slot ``slot``'s new rows at positions start.. : ``new`` 2 per sliding layer [n, heads, S, d], this slot's
         rows at index ``row`` (the ring keeps the last ``ring_slots`` of them)."""
+        for src, dst, count in self.place(slot, start, new[0].shape[2]):
+            for buf, x in zip(self.arrays, new):
+                buf[slot][:, dst:dst + count] = x[row][:, src:src + count]
+
+    def place(self, slot: int, start: int, rows: int) -> list[tuple[int, int, int]]:
+        """Record that slot ``slot``'s ``rows`` new rows at positions start.. go into its ring -> where they go, as
+        contiguous runs (first row of the call, first ring slot, count; at most two): the last ``ring_slots`` of
+        the rows, each at slot position % ring_slots. (The device ring copies by these runs.)"""
         R, W = self.spec.ring_slots, self.spec.window
-        S = new[0].shape[2]
-        first = max(0, S - R)
-        idx = (start + np.arange(first, S)) % R
-        for buf, x in zip(self.arrays, new):
-            buf[slot][:, idx] = x[row][:, first:]
-        self.positions[slot, idx] = start + np.arange(first, S)
-        self.floor[slot] = max(0, start + S - (R - W) - 1)
+        first = max(0, rows - R)
+        runs = []
+        while first < rows:
+            dst = (start + first) % R
+            count = min(rows - first, R - dst)
+            runs.append((first, dst, count))
+            self.positions[slot, dst:dst + count] = start + first + np.arange(count)
+            first += count
+        self.floor[slot] = max(0, start + rows - (R - W) - 1)
+        return runs
 
     def crop(self, slot: int, length: int) -> None:
         """Slot ``slot`` keeps positions < ``length``, or DFlash2Error when the ring no longer holds the keys the row

@@ -50,15 +50,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import (TARGET_STATE_ROWS, EngineProfile, ExportManifest, LinearStateSpec, read_manifest,
-                                  sha256_file)
+from dflash2_trt.manifest import (TARGET_STATE_ROWS, TARGET_WINDOW_POSITIONS, EngineProfile, ExportManifest,
+                                  LinearStateSpec, read_manifest, sha256_file)
 from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft
 from dflash2_trt.runtime.trt.cuda_api import CudaApi, CudaRuntime
 from dflash2_trt.runtime.trt.cuda_graphs import GraphCache, GraphKey
-from dflash2_trt.runtime.trt.device_buffers import BufferPool, DeviceKV, DeviceLinearState, IOTensor, nbytes_of
+from dflash2_trt.runtime.trt.device_buffers import (BufferPool, DeviceKV, DeviceLinearState, DeviceWindowRing, IOTensor,
+                                                    nbytes_of)
 from dflash2_trt.runtime.trt.env import (check_engine_identity, current_identity, engine_set, import_tensorrt,
-                                         load_plugin_library, require_trt_layer_kinds, resolve_plugin)
-from dflash2_trt.vocabulary import SELECTOR_MODES, head_key
+                                         load_plugin_library, resolve_plugin)
+from dflash2_trt.vocabulary import LAYER_KINDS, SELECTOR_MODES, head_key
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -229,10 +230,6 @@ class TrtBackend(BackendBase):
         self.dir = Path(model_dir)
         self.trt: Any = trt_module if trt_module is not None else import_tensorrt()
         self.manifest: ExportManifest = read_manifest(self.dir, verify_checksums)
-        try:
-            require_trt_layer_kinds(self.manifest, "the TensorRT backend")
-        except DFlash2Error as e:  # unavailable for this export: backend "auto" falls back to ONNX Runtime
-            raise BackendUnavailable(str(e)) from None
         self.entry = engine_set(self.manifest, self.dir)
         self.api: CudaApi = api if api is not None else CudaRuntime()
         self.device = self.api.device_info()
@@ -316,7 +313,9 @@ def _io(be: TrtBackend, eng: TrtEngine, max_shapes: dict[str, tuple[int, ...]], 
 
 class TrtTargetRunner:
     """TargetRunner over the ``target`` engine (profiles ``prefill`` and ``step``): the attention layers' KV in
-    :class:`DeviceKV` and, for a target with linear layers, their state in :class:`DeviceLinearState`.
+    :class:`DeviceKV`, for a target with linear layers their state in :class:`DeviceLinearState`, for one with
+    sliding layers their rings in :class:`DeviceWindowRing` (bound in place at the ring's fixed size, the
+    ``window_positions`` input from its host bookkeeping, the call's new rows copied into their slots after it).
 
     Linear layers: a forward of at most ``step_rows`` rows (a verify, a short prompt) asks for every row's recurrent
     state, so a crop into it keeps the accepted rows' state (device copies); a longer one runs in chunks of at most
@@ -333,8 +332,10 @@ class TrtTargetRunner:
         self.eos_ids = set(t.eos_token_ids)
         kvh, d = t.num_key_value_heads, t.head_dim
         self.kinds = m.layer_kinds
-        self.kv_names, self.linear_names = _by_kind(self.kinds, m.target_kv_names())
-        self.present, self.linear_present = _by_kind(self.kinds, m.target_present_names())
+        past, present = _by_kind(self.kinds, m.target_kv_names()), _by_kind(self.kinds, m.target_present_names())
+        self.kv_names, self.linear_names, self.ring_names = past["attention"], past["linear"], past["sliding"]
+        self.present, self.linear_present, self.ring_present = (present["attention"], present["linear"],
+                                                                present["sliding"])
         self.kv = DeviceKV(be.api, be.pool, len(self.kv_names) // 2, kvh, d,
                            self.eng.dtypes[self.kv_names[0]].itemsize, m.kv_capacity_step, m.max_seq_len, be.stream,
                            be.graphs.invalidate)
@@ -345,23 +346,33 @@ class TrtTargetRunner:
         shapes = {"input_ids": (1, self.chunk), "position_ids": (1, self.chunk),
                   "attention_mask": (1, cap + self.chunk), "logits": (1, self.chunk, self.vocab_size),
                   "context_features": (1, self.chunk, F)}
-        shapes.update({n: (1, kvh, self.chunk, d) for n in self.present})
+        shapes.update({n: (1, kvh, self.chunk, d) for n in (*self.present, *self.ring_present)})
         host = {"input_ids", "position_ids", "attention_mask", "logits", "context_features"}
+        sw = t.sliding_window if self.ring_names else None  # given with sliding layers (the manifest reader's rule)
+        if sw is not None:
+            shapes[TARGET_WINDOW_POSITIONS] = (1, sw.ring_slots)
+            shapes.update({n: (1, kvh, sw.ring_slots, d) for n in self.ring_names})
+            host.add(TARGET_WINDOW_POSITIONS)
         spec = t.linear_state if self.linear_names else None  # given with linear layers (the manifest reader's rule)
         if spec is not None:
             shapes.update(self._linear_shapes(spec))
             host.add(TARGET_STATE_ROWS)
-        for name in ("logits", *self.present, *self.linear_present, *self.linear_names):
+        for name in ("logits", *self.present, *self.linear_present, *self.linear_names, *self.ring_present):
             self.eng.check_static_shape(name, shapes[name])  # buffer sizes from the manifest: the engine must agree
         self.eng.check_float_output("logits")
-        self.io = _io(be, self.eng, {n: s for n, s in shapes.items() if n not in self.linear_names}, host)
+        bound = {*self.linear_names, *self.ring_names}  # the state buffers, bound in place
+        self.io = _io(be, self.eng, {n: s for n, s in shapes.items() if n not in bound}, host)
         self.linear: DeviceLinearState | None = None
         if spec is not None:
             self.linear = DeviceLinearState(be.api, be.pool, len(self.linear_names) // 2, spec,
                                             self.eng.dtypes[self.linear_names[0]].itemsize,
                                             [self.io[n].dev for n in self.linear_present[0::2]],
                                             [self.io[n].dev for n in self.linear_present[1::2]], be.stream)
-        self.state_shapes = {n: shapes[n] for n in self.linear_names}  # the state inputs' shapes (fixed)
+        self.ring: DeviceWindowRing | None = None
+        if sw is not None:
+            self.ring = DeviceWindowRing(be.api, be.pool, len(self.ring_names) // 2, kvh, d,
+                                         self.eng.dtypes[self.ring_names[0]].itemsize, sw, be.stream)
+        self.state_shapes = {n: shapes[n] for n in (*self.linear_names, *self.ring_names)}  # state inputs (fixed)
         self._call_start = 0  # the cache length before the last forward (a rollback keeps rows of that call only)
         self.last_path = ""  # "replay" | "captured" | "eager" (for the GPU check)
 
@@ -379,8 +390,9 @@ class TrtTargetRunner:
 
     def reset(self) -> None:
         self.kv.reset()
-        if self.linear is not None:
-            self.linear.reset()
+        for state in (self.linear, self.ring):
+            if state is not None:
+                state.reset()
         self._call_start = 0
 
     @property
@@ -422,6 +434,7 @@ class TrtTargetRunner:
         h2d: list[tuple[IOTensor, tuple[int, ...]]] = [(io[k], (1, S)) for k in ("input_ids", "position_ids")]
         h2d.append((io["attention_mask"], (1, C + S)))
         R = self._bind_linear(S, every_row, shapes, addr, h2d)
+        self._bind_ring(shapes, addr, h2d)
         ctx = self.eng.bind(profile, shapes, addr, captured)
         F = io["context_features"].max_shape[2]
         d2h: list[tuple[IOTensor, tuple[int, ...]]] = [(io["logits"], (1, S, self.vocab_size)),
@@ -436,6 +449,8 @@ class TrtTargetRunner:
         kv.append([io[p].dev for p in self.present], S)  # commit: destinations move every step (not captured)
         if self.linear is not None:
             self.linear.called(S, every_row)
+        if self.ring is not None:
+            self.ring.append([io[p].dev for p in self.ring_present], n, S)
         be.sync()
         logits = io["logits"].host_view((1, S, self.vocab_size))[0].astype(np.float32)
         feats = io["context_features"].host_view((1, S, F))[0].copy()
@@ -454,13 +469,28 @@ class TrtTargetRunner:
         rows.host_view((R,))[:] = np.arange(S) if every_row else S - 1
         h2d.append((rows, (R,)))
         shapes[TARGET_STATE_ROWS] = (R,)
-        shapes.update(self.state_shapes)
+        shapes.update({n: self.state_shapes[n] for n in self.linear_names})
         addr.update(zip(self.linear_names, self.linear.ptrs))
         return R
+
+    def _bind_ring(self, shapes: dict[str, tuple[int, ...]], addr: dict[str, int],
+                   h2d: list[tuple[IOTensor, tuple[int, ...]]]) -> None:
+        """A call's sliding-layer part (none without sliding layers): the rings bound in place, ``window_positions``
+        from their bookkeeping."""
+        if self.ring is None:
+            return
+        wp = self.io[TARGET_WINDOW_POSITIONS]
+        wp.host_view(wp.max_shape)[0] = self.ring.positions
+        h2d.append((wp, wp.max_shape))
+        shapes[TARGET_WINDOW_POSITIONS] = wp.max_shape
+        shapes.update({n: self.state_shapes[n] for n in self.ring_names})
+        addr.update(zip(self.ring_names, self.ring.ptrs))
 
     def crop(self, length: int) -> None:
         if self.linear is not None and length < self.kv.length:
             self.linear.rollback(length - self._call_start)
+        if self.ring is not None and length < self.kv.length:
+            self.ring.crop(length)
         self.kv.crop(length)
 
 
@@ -579,13 +609,13 @@ class TrtDraftRunner:
                      cand=hio["cand_ids"].host_view((1, L, K))[0].astype(np.int64))
 
 
-def _by_kind(kinds: Sequence[str], names: Sequence[str]) -> tuple[list[str], list[str]]:
-    """The target's per-layer state names (2 per layer, layer order) -> (the KV layers', the linear layers')."""
-    kv: list[str] = []
-    linear: list[str] = []
+def _by_kind(kinds: Sequence[str], names: Sequence[str]) -> dict[str, list[str]]:
+    """The target's per-layer state names (2 per layer, layer order) -> kind -> that kind's names (every kind of
+    LAYER_KINDS a key)."""
+    out: dict[str, list[str]] = {kind: [] for kind in LAYER_KINDS}
     for i, kind in enumerate(kinds):
-        (linear if kind == "linear" else kv).extend(names[2 * i: 2 * i + 2])
-    return kv, linear
+        out[kind].extend(names[2 * i: 2 * i + 2])
+    return out
 
 
 def _addresses(addr: dict[str, int], io: dict[str, IOTensor], ctx: object) -> tuple[int, ...]:

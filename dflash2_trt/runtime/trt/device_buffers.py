@@ -1,6 +1,7 @@
 """Fixed device buffers for the TensorRT backend: I/O tensors with pinned host mirrors, the device twin of
-:class:`~dflash2_trt.runtime.kv.KVBuffer` and the device twin of
-:class:`~dflash2_trt.runtime.linear_state.LinearStates` (the linear layers' state of a hybrid target).
+:class:`~dflash2_trt.runtime.kv.KVBuffer`, the device twin of :class:`~dflash2_trt.runtime.linear_state.LinearStates`
+(the linear layers' state of a hybrid target) and the device twin of :class:`~dflash2_trt.runtime.kv.WindowRing`
+(the sliding layers' rings).
 
 Ownership and lifetime (STYLE rule 12): a :class:`BufferPool` owns every allocation of one runner and frees
 them in :meth:`BufferPool.close`. I/O buffers are allocated once at their largest shape and never move, so
@@ -11,7 +12,8 @@ tensor), the stream is synchronised, the old buffers are freed, and ``on_move`` 
 the owner passes them to :meth:`~dflash2_trt.runtime.trt.cuda_graphs.GraphCache.invalidate`, so no captured
 graph that reads a freed cache is ever replayed. :class:`DeviceLinearState` buffers are allocated once and never
 move (a linear layer's state has a fixed size), so graphs that bind them stay valid; its updates are device-to-device
-copies enqueued on the runner's stream, outside any captured graph.
+copies enqueued on the runner's stream, outside any captured graph. :class:`DeviceWindowRing` buffers are allocated
+once at the ring's size and never move either.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.manifest import LinearStateSpec
-from dflash2_trt.runtime.kv import grown_capacity
+from dflash2_trt.manifest import LinearStateSpec, SlidingWindowSpec
+from dflash2_trt.runtime.kv import WindowRing, grown_capacity
 from dflash2_trt.runtime.trt.cuda_api import CudaApi, HostBuffer
 
 
@@ -246,3 +248,44 @@ class DeviceLinearState:
             raise DFlash2Error("the linear layers' state can be rolled back only into the last call, and only when "
                                "it recorded every row's state")
         self.commit(keep)
+
+
+class DeviceWindowRing:
+    """The sliding layers' K/V of one sequence on the device: 2 buffers per sliding layer ``[1, heads, ring_slots,
+    d]``, bound in place as the engine's past inputs, with the bookkeeping of :class:`WindowRing` on the host (which
+    position each slot holds: the engine's ``window_positions`` input; how deep a crop may go). A call's new rows
+    arrive in the engine's ``present`` staging tensors ``[1, heads, S, d]`` and go to their slots by pitched 2-D
+    copies (:meth:`append`: at most two runs per tensor, where the ring wraps); a crop only drops the cut rows'
+    slots. Buffers are zeroed when allocated (a NaN in a masked slot would still poison its row)."""
+
+    def __init__(self, api: CudaApi, pool: BufferPool, n_layers: int, heads: int, head_dim: int, itemsize: int,
+                 spec: SlidingWindowSpec, stream: int) -> None:
+        self.api, self.stream, self.heads = api, stream, heads
+        self.row_bytes = head_dim * itemsize
+        self.slots_bytes = spec.ring_slots * self.row_bytes
+        self.ring = WindowRing(0, heads, head_dim, np.float32, spec)  # positions and floor only
+        self.ptrs = [pool.device(heads * self.slots_bytes) for _ in range(2 * n_layers)]  # 2 per layer
+        for p in self.ptrs:
+            api.memset_async(p, 0, heads * self.slots_bytes, stream)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """[ring_slots] int64: the position each slot holds (-1: none)."""
+        row: np.ndarray = self.ring.positions[0]
+        return row
+
+    def reset(self) -> None:
+        self.ring.reset()
+
+    def append(self, staging: Sequence[int], start: int, rows: int) -> None:
+        """staging: 2 per sliding layer, device ``[1, heads, rows, d]`` contiguous, positions start.. -> their
+        slots."""
+        for src, dst, count in self.ring.place(0, start, rows):
+            w = count * self.row_bytes
+            for ring, st in zip(self.ptrs, staging):
+                self.api.memcpy2d_dtod_async(ring + dst * self.row_bytes, self.slots_bytes,
+                                             st + src * self.row_bytes, rows * self.row_bytes, w, self.heads,
+                                             self.stream)
+
+    def crop(self, length: int) -> None:
+        self.ring.crop(0, length)

@@ -15,7 +15,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import EngineSet, ExportManifest, PluginSpec, sha256_file
 from dflash2_trt.runtime.protocol import BackendUnavailable
 from dflash2_trt.runtime.trt.cuda_api import DeviceInfo
@@ -23,9 +22,6 @@ from dflash2_trt.runtime.trt.cuda_api import DeviceInfo
 MIN_TRT = (10, 3)
 SUPPORTED_TRT_MAJORS = (10, 11)  # the plugin library is built for one of these (plugins/CMakeLists.txt)
 PLUGIN_ENV = "DFLASH2_PLUGIN_LIB"
-#: the target layer kinds (of :data:`~dflash2_trt.vocabulary.LAYER_KINDS`) that build-engines and the TensorRT
-#: backend run: attention (a KV cache) and linear (the hybrid family's state); sliding-window layers not yet
-TRT_LAYER_KINDS = ("attention", "linear")
 
 # Plugin libraries registered in this process, per tensorrt module (one in real use; the CPU tests' fakes
 # each have their own registry): sha256 -> path. TensorRT's registry is process-wide and
@@ -59,15 +55,6 @@ def import_tensorrt() -> ModuleType:
                                  f"{' and '.join(map(str, SUPPORTED_TRT_MAJORS))} (pip install "
                                  f"'dflash2-trt[trt]' or '[trt11]')")
     return mod
-
-
-def require_trt_layer_kinds(manifest: ExportManifest, what: str) -> None:
-    """DFlash2Error when the target has a layer kind outside :data:`TRT_LAYER_KINDS` (``what``: who refuses)."""
-    other = sorted(set(manifest.layer_kinds) - set(TRT_LAYER_KINDS))
-    if other:
-        raise DFlash2Error(f"{what} does not run targets with {' and '.join(other)} layers yet (this export's "
-                           f"{manifest.target.model_type!r}): run it with the ONNX Runtime backend "
-                           f"(dflash2_trt.load(DIR, backend='ort'))")
 
 
 def _creator_registered(registry: Any, spec: PluginSpec) -> bool:
