@@ -970,24 +970,24 @@ def hybrid_export(tmp_path_factory):
     return out
 
 
-def test_model_load_refuses_a_v3_layer_kind_it_does_not_run_in_one_line(lib, capi_build, hybrid_export, tmp_path):
-    """The library runs version 3 (hybrid) exports of attention and linear layers (tests/test_capi_ort.py); a version 3
-    export with another layer kind (the hybrid export's first attention layer marked sliding) is refused by its
-    manifest reader in one status naming the layer and the kind, and the example exits 1 with one line."""
+def test_model_load_refuses_a_sliding_layer_without_its_ring_in_one_line(lib, capi_build, hybrid_export, tmp_path):
+    """The library runs version 3 exports of attention, linear and sliding layers (tests/test_capi_ort.py); one whose
+    layer kinds name a sliding layer but give no target.sliding_window (the hybrid export's first attention layer
+    marked sliding) is refused by its manifest reader in one status naming the field, and the example exits 1 with
+    one line."""
     bad = tmp_path / "sliding"
     shutil.copytree(hybrid_export, bad)
     manifest = json.loads((bad / "manifest.json").read_text())
     kinds = manifest["target"]["layer_kinds"]
-    layer = kinds.index("attention")
-    kinds[layer] = "sliding"
+    kinds[kinds.index("attention")] = "sliding"
     (bad / "manifest.json").write_text(json.dumps(manifest))
     handle = C.c_void_p()
     with pytest.raises(CapiError) as e:
         _check(lib, lib.dfl2_model_load(str(bad).encode(), None, C.byref(handle)))
-    assert e.value.code == 8 and f"target layer {layer} is 'sliding'" in e.value.message  # DFL2_ERR_UNAVAILABLE
+    assert e.value.code == 6 and "target.sliding_window must be given" in e.value.message  # DFL2_ERR_CORRUPT
     assert "\n" not in e.value.message
     out = subprocess.run([str(capi_build / "bin" / "generate"), str(bad), "1", "2"], capture_output=True, text=True)
-    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "'sliding'" in out.stderr
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "sliding_window" in out.stderr
 
 
 def _muse_glimmer_pair(out: Path) -> tuple[Path, Path]:

@@ -437,3 +437,65 @@ def test_hybrid_asan_ubsan_runs(capi_build, hybrid_export, hybrid_prompts, vecto
         got, err = _example(build, hybrid_export, pick, mode, *opts, env=env)
         assert got == want, mode
         assert "Sanitizer" not in err and "runtime error" not in err, err
+
+
+# ---- sliding-window targets (gpt-oss, Muse Glimmer; manifest version 3) ---------------------------------------------
+# make-tiny's accepting pairs exported at block size 8: windows of 8 in rings of 24 slots, so the prompts and decodes
+# below (up to 150 + 24 positions) wrap the rings many times and every partial acceptance crops back into them.
+
+RING_PLANT_ENV = "DFLASH2_PLANT_RING_KEEP_CUT"  # the library's planted bug: a crop leaves the cut rows' slots valid
+
+
+@pytest.fixture(scope="module", params=["gpt_oss", "muse_glimmer"])
+def sliding(request, tmp_path_factory):
+    """(export, the Python runtime over it) for each sliding-window family."""
+    from dflash2_trt.export.exporter import export_model
+    from helpers import make_pair
+
+    pair = make_pair(tmp_path_factory, f"capi_{request.param}", accepting=True, arch=request.param)
+    out = tmp_path_factory.mktemp("export") / request.param
+    export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=8)
+    g = _load(out, NO_LIBRARY)
+    assert "sliding" in g._backend.manifest.layer_kinds and not g._backend.fused  # noqa: SLF001
+    yield out, g
+    g.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "T0.8"])
+def test_sliding_export_equals_python_runtime(capi_build, sliding, hybrid_prompts, temperature):
+    """The library's ONNX Runtime backend on a sliding-window export (per sliding layer a key and a value ring and
+    the window positions fed, the new rows written over the oldest slots, a crop dropping the cut rows' slots): 21
+    prompts greedy and at T = 0.8 give the Python runtime's ids, accepted drafts and proposers, with drafts accepted
+    and partial acceptances (rollbacks into a wrapped ring)."""
+    export, py = sliding
+    differ, accepted = _hybrid_equal(capi_build, export, py, hybrid_prompts, temperature)
+    assert differ == 0
+    _assert_partial_acceptances(accepted, py._backend.manifest.num_draft_rows)  # noqa: SLF001
+
+
+def test_sliding_planted_ring_bug_is_caught(capi_build, sliding, hybrid_prompts):
+    """Negative control: with the planted bug (DFLASH2_PLANT_RING_KEEP_CUT=1: a crop leaves the cut rows' keys valid
+    in the rings) greedy ids differ from the Python runtime's, so the test above catches it."""
+    export, py = sliding
+    differ, _ = _hybrid_equal(capi_build, export, py, hybrid_prompts, 0.0, env={RING_PLANT_ENV: "1"})
+    assert differ > 0
+
+
+def test_sliding_batch_equals_single_runs_under_asan(capi_build, sliding, hybrid_prompts, vectors_path):
+    """dfl2_batch over a sliding export (each slot its own rings): 8 requests, the long one among them, decoded 4 at
+    a time give their single runs' ids, which are the Python runtime's; the ASan + UBSan build gives the same ids
+    for 3 of them, single and batched, and reports nothing."""
+    export, py = sliding
+    pick = hybrid_prompts[:7] + hybrid_prompts[-1:]
+    opts = (f"max_new_tokens={HYBRID_NEW}",)
+    env = {**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY}
+    single, _ = _example(capi_build, export, pick, "-s", *opts, env=env)
+    batch, err = _example(capi_build, export, pick, "-b", "max_batch=4", *opts, env=env)
+    assert batch == single and len(re.findall(r"request \d+: \d+ tokens", err)) == len(pick)
+    assert single == [py.generate(p, max_new_tokens=HYBRID_NEW, guard=False).tokens for p in pick]
+    build = _asan_build(vectors_path)
+    few = [pick[0], pick[1], pick[-1]]
+    for mode in ("-s", "-b"):
+        got, err = _example(build, export, few, mode, *opts, env={**env, **ASAN_ENV})
+        assert got == [single[0], single[1], single[-1]], mode
+        assert "Sanitizer" not in err and "runtime error" not in err, err

@@ -359,9 +359,10 @@ std::string sha256File(std::string const& path)
 }
 #endif
 
-//! target.layer_kinds and target.linear_state (manifest._check_layer_kinds): version 2 has no linear layer (every
-//! layer a KV cache, whatever its kind); version 3 has linear layers beside attention layers, and their state. A
-//! version 3 layer of another kind (a sliding layer's ring buffer) is not run here: DFL2_ERR_UNAVAILABLE naming it.
+//! target.layer_kinds, target.linear_state and target.sliding_window (manifest._check_layer_kinds): version 2 has
+//! neither linear nor sliding layers (every layer a KV cache, whatever its kind); version 3 has linear (Gated
+//! DeltaNet) or sliding-window layers beside attention layers, and their state's spec (the schema's enum allows no
+//! other kind).
 void readLayerKinds(Manifest& m, Json const& t, std::string const& source)
 {
     m.layerKinds.assign(static_cast<size_t>(m.targetLayers), "attention");
@@ -377,36 +378,44 @@ void readLayerKinds(Manifest& m, Json const& t, std::string const& source)
             m.layerKinds[i] = kinds[i].get<std::string>();  // a string of the schema's enum
         }
     }
-    bool const linear = std::count(m.layerKinds.begin(), m.layerKinds.end(), "linear") > 0;
-    if (m.manifestVersion == DFL2_MANIFEST_STATE_VERSION)
+    if (m.manifestVersion != DFL2_MANIFEST_STATE_VERSION)  // version 2: every layer a KV cache
     {
-        for (size_t i = 0; i < m.layerKinds.size(); ++i)
-        {
-            if (m.layerKinds[i] != "attention" && m.layerKinds[i] != "linear")
-            {
-                throw Error(DFL2_ERR_UNAVAILABLE, source + ": target layer " + std::to_string(i) + " is '"
-                        + m.layerKinds[i] + "': libdflash2 runs version 3 exports of 'attention' and 'linear' layers only");
-            }
-        }
+        std::replace(m.layerKinds.begin(), m.layerKinds.end(), std::string("sliding"), std::string("attention"));
     }
-    if (linear != (m.manifestVersion == DFL2_MANIFEST_STATE_VERSION))
+    bool const linear = std::count(m.layerKinds.begin(), m.layerKinds.end(), "linear") > 0;
+    bool const sliding = std::count(m.layerKinds.begin(), m.layerKinds.end(), "sliding") > 0;
+    if ((linear || sliding) != (m.manifestVersion == DFL2_MANIFEST_STATE_VERSION))
     {
         corrupt(source, "manifest_version is " + std::to_string(m.manifestVersion) + " but the target has "
-                + (linear ? "" : "no ") + "linear layers (version " + std::to_string(DFL2_MANIFEST_STATE_VERSION)
+                + (linear || sliding ? "" : "no ") + "linear or sliding layers (version " + std::to_string(DFL2_MANIFEST_STATE_VERSION)
                 + " exactly when it has)");
     }
-    bool const hasState = t.contains("linear_state") && t["linear_state"].is_object();
-    if (linear != hasState)
+    if (linear != (t.contains("linear_state") && t["linear_state"].is_object()))
     {
         corrupt(source, "target.linear_state must be given exactly when the target has linear layers");
+    }
+    if (sliding != (t.contains("sliding_window") && t["sliding_window"].is_object()))
+    {
+        corrupt(source, "target.sliding_window must be given exactly when the target has sliding layers");
+    }
+    if ((linear || sliding) && m.kvLayers() == 0)
+    {
+        corrupt(source, "the target has no attention layer (the export's graphs need one)");
+    }
+    if (sliding)
+    {
+        Json const& sw = t["sliding_window"];
+        std::string const where = "target.sliding_window.";
+        m.slidingWindow.window = intMember(sw, "window", source, where);
+        m.slidingWindow.ringSlots = intMember(sw, "ring_slots", source, where);
+        if (m.slidingWindow.ringSlots < m.slidingWindow.window)
+        {
+            corrupt(source, "target.sliding_window needs window <= ring_slots");
+        }
     }
     if (!linear)
     {
         return;
-    }
-    if (m.kvLayers() == 0)
-    {
-        corrupt(source, "the target has no attention layer (the export's graphs need one)");
     }
     Json const& ls = t["linear_state"];
     std::string const where = "target.linear_state.";
@@ -430,7 +439,17 @@ int32_t Manifest::kvLayers() const
     int32_t n = 0;
     for (int32_t i = 0; i < targetLayers; ++i)
     {
-        n += isLinear(i) ? 0 : 1;
+        n += isLinear(i) || isSliding(i) ? 0 : 1;
+    }
+    return n;
+}
+
+int32_t Manifest::slidingLayers() const
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < targetLayers; ++i)
+    {
+        n += isSliding(i) ? 1 : 0;
     }
     return n;
 }
@@ -440,7 +459,7 @@ std::vector<std::string> targetKvNames(Manifest const& m, std::string const& pre
     std::vector<std::string> out;
     for (int32_t i = 0; i < m.targetLayers; ++i)
     {
-        if (!m.isLinear(i))
+        if (!m.isLinear(i) && !m.isSliding(i))
         {
             out.push_back(prefix + "." + std::to_string(i) + ".key");
             out.push_back(prefix + "." + std::to_string(i) + ".value");

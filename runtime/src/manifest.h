@@ -3,7 +3,7 @@
 //! is documented in dflash2_trt/manifest.py; when it changes, only this file changes).
 //!
 //! parseManifest checks the "format" string and "manifest_version" (DFL2_MANIFEST_VERSION, or
-//! DFL2_MANIFEST_STATE_VERSION for a hybrid target: "attention" and "linear" layers) first, then the
+//! DFL2_MANIFEST_STATE_VERSION for a target with "linear" or "sliding" layers beside "attention" ones) first, then the
 //! whole document against the JSON Schema dflash2_trt/manifest.schema.json (compiled into the library at build
 //! time; validated with valijson), then reads the typed fields and checks consistency (drafter vocab/hidden ==
 //! target's, graph files listed with checksums, relative paths only). loadManifest adds the folder: listed
@@ -13,6 +13,7 @@
 #pragma once
 
 #include "core/linearState.h"
+#include "core/windowRing.h"
 
 #include <cstdint>
 #include <map>
@@ -76,8 +77,9 @@ struct Manifest
     int32_t targetHeadDim{0};
     std::vector<int32_t> eosTokenIds;
     std::vector<int32_t> layerIds;
-    std::vector<std::string> layerKinds;  //!< one per target layer: "attention" | "linear" (version 2: as written)
+    std::vector<std::string> layerKinds;  //!< one per target layer: "attention" | "linear" | "sliding" (version 2: as written)
     LinearStateSpec linearState;          //!< the linear layers' state (version 3; zero without linear layers)
+    SlidingWindowSpec slidingWindow;      //!< the sliding layers' window and ring (version 3; zero without sliding layers)
     // drafter
     int32_t drafterLayers{0};
     int32_t drafterKvHeads{0};
@@ -96,15 +98,32 @@ struct Manifest
     {
         return linearState.convDim > 0;
     }
-    //! the layers with a KV cache (every layer of a version 2 export)
+    //! a sliding-window layer: its K/V live in a ring of slidingWindow.ringSlots slots, not a capacity buffer
+    bool isSliding(int32_t layer) const
+    {
+        return static_cast<size_t>(layer) < layerKinds.size() && layerKinds[static_cast<size_t>(layer)] == "sliding";
+    }
+    bool hasSlidingLayers() const
+    {
+        return slidingWindow.ringSlots > 0;
+    }
+    //! every layer full attention: the target's state is a KV cache of positions alone (a crop rolls it back)
+    bool kvOnly() const
+    {
+        return !hasLinearLayers() && !hasSlidingLayers();
+    }
+    //! the layers with a KV capacity buffer: full attention (every layer of a version 2 export)
     int32_t kvLayers() const;
+    //! the sliding-window layers (their K/V in rings)
+    int32_t slidingLayers() const;
 };
 
 //! The target graph's per-layer state tensors, 2 per layer in layer order (manifest.target_state_names):
 //! "past": past_key_values.{i}.key / .value of a KV layer, past_conv.{i} / past_recurrent.{i} of a linear layer;
 //! "present": present.{i}.key / .value, present_conv.{i} / present_recurrent.{i}.
 std::vector<std::string> targetStateNames(Manifest const& m, std::string const& prefix);
-//! The KV tensors of the target's KV layers alone (every layer of a version 2 export), 2 per layer in layer order:
+//! The KV tensors of the target's full-attention layers alone (every layer of a version 2 export), 2 per layer in
+//! layer order:
 //! "{prefix}.{i}.key" / ".value" (prefix "past_key_values" or "present").
 std::vector<std::string> targetKvNames(Manifest const& m, std::string const& prefix);
 

@@ -120,8 +120,9 @@ extern "C" {
 #define DFL2_API_VERSION \
     ((DFL2_API_VERSION_MAJOR << 16) | (DFL2_API_VERSION_MINOR << 8) | DFL2_API_VERSION_PATCH)
 /* The manifest_version of export folders this library reads: DFL2_MANIFEST_VERSION, and
- * DFL2_MANIFEST_STATE_VERSION for a hybrid target (Gated DeltaNet "linear" layers beside "attention" layers, whose
- * state the target graph takes and returns; run by the ONNX Runtime and TensorRT backends). */
+ * DFL2_MANIFEST_STATE_VERSION for a target with Gated DeltaNet "linear" layers (their state the target graph takes
+ * and returns; run by the ONNX Runtime and TensorRT backends) or "sliding" window layers (their K/V in ring buffers;
+ * run by the ONNX Runtime backend, refused by the TensorRT one) beside "attention" layers. */
 #define DFL2_MANIFEST_VERSION 2
 #define DFL2_MANIFEST_STATE_VERSION 3
 
@@ -179,8 +180,8 @@ DFL2_API dfl2_status* dfl2_options_parse(dfl2_options* options, const char* key_
 typedef struct dfl2_model dfl2_model;
 
 /* Load an export folder (what dflash2-export writes): reads and checks manifest.json (format
- * "dflash2-trt-export", manifest_version DFL2_MANIFEST_VERSION or DFL2_MANIFEST_STATE_VERSION (a v3 layer kind
- * other than "attention" / "linear": DFL2_ERR_UNAVAILABLE), the manifest's JSON Schema, listed files,
+ * "dflash2-trt-export", manifest_version DFL2_MANIFEST_VERSION or DFL2_MANIFEST_STATE_VERSION), the manifest's
+ * JSON Schema, listed files,
  * checksums)
  * and opens the backend ("backend" option). "tensorrt" when this library was built with it and a GPU with
  * TensorRT is present; "ort": ONNX Runtime on the CPU (when this library was built with its C API headers; the

@@ -8,7 +8,9 @@
 //!                     (the whole buffer in, the new rows out, appended here); a hybrid target (manifest version
 //!                     3: Gated DeltaNet "linear" layers beside attention layers) runs target.onnx with every
 //!                     layer's state in layer order (KV of an attention layer, convolution window and recurrent
-//!                     state of a linear one) and state_rows, in calls of at most max_rows_per_call rows
+//!                     state of a linear one) and state_rows, in calls of at most max_rows_per_call rows; a
+//!                     sliding-window target (version 3: "sliding" layers) its sliding layers' rings (HostRing over
+//!                     core/windowRing.h, the twin of runtime/kv.py WindowRing) and window_positions
 //!   drafter           drafter_context.onnx (context K/V of committed positions), drafter_block.onnx (the block's
 //!                     hidden states over the context), drafter_head_<mode>.onnx (the selector: candidates, path,
 //!                     proposal; greedy | viterbi)
@@ -28,6 +30,7 @@
 //! one OrtRunners per slot and runs the slots' rows one sequence after another, so a batched request's tokens are its
 //! single run's.
 #include "../core/linearState.h"
+#include "../core/windowRing.h"
 #include "../model.h"
 #include "onnxRewrite.h"
 #include "ortApi.h"
@@ -289,6 +292,44 @@ struct HostLinearState
     std::vector<Layer> layers;
 };
 
+//! kv.WindowRing of one sequence over host buffers (core/windowRing.h): per sliding layer a key and a value ring
+//! [heads, ringSlots, dim] (allocated once: the layer's memory, whatever the context) and the ring's window positions.
+struct HostRing
+{
+    HostRing(Manifest const& m)
+        : log(m.slidingWindow, 1, plantedRingKeepCut())
+        , heads(m.targetKvHeads)
+        , dim(m.targetHeadDim)
+        , arrays(2 * static_cast<size_t>(m.slidingLayers()),
+              std::vector<float>(static_cast<size_t>(m.targetKvHeads) * static_cast<size_t>(m.slidingWindow.ringSlots)
+                  * static_cast<size_t>(m.targetHeadDim), 0.0F))
+    {
+    }
+    //! a call of S rows from position `start` returned `rows` (per ring: [heads, S, dim]) -> into the rings
+    void write(int32_t start, int32_t S, std::vector<std::vector<float>> const& rows)
+    {
+        size_t const R = static_cast<size_t>(log.spec().ringSlots);
+        size_t const d = static_cast<size_t>(dim);
+        for (RingRun const& run : log.place(0, start, S))
+        {
+            for (size_t a = 0; a < arrays.size(); ++a)
+            {
+                for (size_t h = 0; h < static_cast<size_t>(heads); ++h)
+                {
+                    std::copy_n(rows[a].begin() + static_cast<long>((h * static_cast<size_t>(S) + static_cast<size_t>(run.first)) * d),
+                        static_cast<size_t>(run.count) * d,
+                        arrays[a].begin() + static_cast<long>((h * R + static_cast<size_t>(run.slot)) * d));
+                }
+            }
+        }
+    }
+
+    WindowRingLog log;
+    int32_t heads;
+    int32_t dim;
+    std::vector<std::vector<float>> arrays;  //!< 2 per sliding layer, in layer order
+};
+
 //! One graph's session (owned: released with the Graph, also when a model's construction fails midway) and its
 //! interface (names in the graph's order).
 struct Graph
@@ -391,10 +432,10 @@ public:
         mEnv.api = mApi;
         bool const spin = targetSpins();
         mFused = m.graphs.count("target_ort") != 0;
-        if (mFused && m.hasLinearLayers())
+        if (mFused && !m.kvOnly())
         {
-            throw Error(DFL2_ERR_UNAVAILABLE, dir + " has a fused target_ort graph for a target with linear layers: "
-                "libdflash2 runs such a target's standard target.onnx (re-export)");
+            throw Error(DFL2_ERR_UNAVAILABLE, dir + " has a fused target_ort graph for a target with linear or sliding "
+                "layers: libdflash2 runs such a target's standard target.onnx (re-export)");
         }
         // the custom-op library as the Python backend uses it (OrtBackend: attention "auto", the fused target)
         mOps = mFused ? findOpsLibrary(o.getString("ort_ops_library", "")) : std::string();
@@ -641,6 +682,22 @@ private:
         {
             checkLinearInterface(need);
         }
+        if (m.hasSlidingLayers())  // a sliding layer's ring in, its new rows out, and the ring's window positions
+        {
+            int32_t const R = m.slidingWindow.ringSlots;
+            need(mTarget, "window_positions", {-1, R});
+            for (int32_t i = 0; i < m.targetLayers; ++i)
+            {
+                for (char const* part : {".key", ".value"})
+                {
+                    if (m.isSliding(i))
+                    {
+                        need(mTarget, "past_key_values." + std::to_string(i) + part, {-1, m.targetKvHeads, R, m.targetHeadDim});
+                        need(mTarget, "present." + std::to_string(i) + part, tkv);
+                    }
+                }
+            }
+        }
         need(mContext, "context_features", {-1, -1, mFeatureDim});
         for (std::string const& n : kvNames(m.drafterLayers, "context"))
         {
@@ -724,9 +781,9 @@ public:
         {
             ortCheck(mApi, mApi->CreateIoBinding(mM.target().session, &mBinding), "CreateIoBinding");
         }
-        if (mM.manifest().hasLinearLayers())
+        if (!mM.manifest().kvOnly())
         {
-            setUpLinear();
+            setUpStates();
         }
     }
     ~OrtRunners() override
@@ -765,6 +822,10 @@ public:
         {
             mLinear->reset();
         }
+        if (mRing)
+        {
+            mRing->log.reset(0);
+        }
         mFeatureRows = 0;
         mPending.clear();
         mPendingRows = 0;
@@ -789,9 +850,9 @@ public:
         logits.resize(static_cast<size_t>(n) * static_cast<size_t>(V));
         mFeatures.resize(static_cast<size_t>(n) * F);
         mFeatureRows = 0;
-        if (mLinear)
+        if (!mM.manifest().kvOnly())
         {
-            linearTargetForward(n, logits.data());
+            stateTargetForward(n, logits.data());
             mFeatureRows = n;
             return;
         }
@@ -844,13 +905,18 @@ public:
         mFeatureRows = n;
     }
 
-    //! OrtTargetRunner.crop: the KV by its length; a hybrid target's linear state rolled back into the last call
+    //! OrtTargetRunner.crop: the KV by its length; a hybrid target's linear state rolled back into the last call,
+    //! a sliding target's rings the cut rows' slots
     void targetCrop(int32_t length) override
     {
         int32_t const keep = std::max(0, length);
         if (mLinear && keep < mTkv.length)
         {
             mLinear->crop(keep);
+        }
+        if (mRing && keep < mTkv.length)
+        {
+            mRing->log.crop(0, keep);
         }
         mTkv.length = std::min(mTkv.length, keep);
     }
@@ -982,22 +1048,40 @@ public:
     }
 
 private:
-    //! A hybrid target (OrtTargetRunner with LinearStates): the state buffers, the call's names in the graph's
-    //! layer order (KV for attention layers, window and recurrent state for linear ones) and the state inputs'
-    //! values over the fixed state buffers, made once.
-    void setUpLinear()
+    //! A target with linear or sliding layers (OrtTargetRunner with LinearStates / WindowRing): the state buffers,
+    //! the call's names in the graph's layer order (KV for attention and sliding layers, window and recurrent state
+    //! for linear ones) and the state inputs' values over the fixed state buffers, made once.
+    void setUpStates()
     {
         Manifest const& man = mM.manifest();
-        mLinear = std::make_unique<HostLinearState>(man);
+        mCallInNames = {"input_ids", "position_ids", "attention_mask"};
+        if (man.hasSlidingLayers())
+        {
+            mRing = std::make_unique<HostRing>(man);
+            int32_t const R = man.slidingWindow.ringSlots;
+            for (auto& a : mRing->arrays)
+            {
+                mRingValues.emplace_back(mApi, a.data(), a.size() * sizeof(float),
+                    std::vector<int64_t>{1, man.targetKvHeads, R, man.targetHeadDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            }
+            mRingRows.assign(mRing->arrays.size(), {});
+            mWindowPositions = OrtTensor(mApi, const_cast<int64_t*>(mRing->log.positions(0)), static_cast<size_t>(R) * sizeof(int64_t),
+                {1, R}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+            mCallInNames.push_back("window_positions");
+        }
+        if (man.hasLinearLayers())
+        {
+            mLinear = std::make_unique<HostLinearState>(man);
+            mCallInNames.push_back("state_rows");
+        }
         LinearStateSpec const& ls = man.linearState;
-        for (HostLinearState::Layer& l : mLinear->layers)
+        for (HostLinearState::Layer& l : mLinear ? mLinear->layers : mNoLayers)
         {
             mLinearValues.emplace_back(mApi, l.window.data(), l.window.size() * sizeof(float),
                 std::vector<int64_t>{1, ls.convDim, ls.window()}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
             mLinearValues.emplace_back(mApi, l.recurrent.data(), l.recurrent.size() * sizeof(float),
                 std::vector<int64_t>{1, ls.numHeads, ls.keyDim, ls.valueDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
         }
-        mCallInNames = {"input_ids", "position_ids", "attention_mask", "state_rows"};
         mCallOutNames = {"logits", "context_features"};
         for (std::string const& n : targetStateNames(man, "past"))
         {
@@ -1015,25 +1099,27 @@ private:
         mCallOutTensors.reserve(mCallOut.size());
     }
 
-    //! OrtTargetRunner.forward of a hybrid target: one call of n <= max_rows_per_call rows asking every row's state
-    //! (a verify, which a crop may roll back), else calls of max_rows_per_call rows asking their last row's only
-    void linearTargetForward(int32_t n, float* logits)
+    //! OrtTargetRunner.forward of a target with linear or sliding layers: with linear layers one call of n <=
+    //! max_rows_per_call rows asking every row's state (a verify, which a crop may roll back), else calls of
+    //! max_rows_per_call rows asking their last row's only; without, one call
+    void stateTargetForward(int32_t n, float* logits)
     {
-        int32_t const step = mLinear->spec.maxRowsPerCall;
+        int32_t const step = mLinear ? mLinear->spec.maxRowsPerCall : n;
         bool const everyRow = n <= step;
         size_t const V = static_cast<size_t>(mM.vocabSize);
         size_t const F = static_cast<size_t>(mM.fdim());
         for (int32_t a = 0; a < n; a += step)
         {
             int32_t const S = std::min(step, n - a);
-            linearTargetCall(a, S, everyRow, logits + static_cast<size_t>(a) * V, mFeatures.data() + static_cast<size_t>(a) * F);
+            stateTargetCall(a, S, everyRow, logits + static_cast<size_t>(a) * V, mFeatures.data() + static_cast<size_t>(a) * F);
         }
     }
 
-    //! OrtTargetRunner._call with linear layers: ids mIds[a..a+S-1] at positions length.., the KV buffers + validity
-    //! mask and every linear layer's state in; the new rows' K/V (appended), the convolution inputs and the asked
-    //! rows' recurrent states out (HostLinearState.called keeps the state after the rows)
-    void linearTargetCall(int32_t a, int32_t S, bool everyRow, float* logits, float* feats)
+    //! OrtTargetRunner._call with linear or sliding layers: ids mIds[a..a+S-1] at positions length.., the KV buffers
+    //! + validity mask, every sliding layer's ring + the window positions and every linear layer's state in; the
+    //! new rows' K/V (appended to the buffers, written into the rings), the convolution inputs and the asked rows'
+    //! recurrent states out (HostLinearState.called keeps the state after the rows)
+    void stateTargetCall(int32_t a, int32_t S, bool everyRow, float* logits, float* feats)
     {
         Manifest const& man = mM.manifest();
         LinearStateSpec const& ls = man.linearState;
@@ -1072,6 +1158,7 @@ private:
             ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
         OrtTensor const rowsT(mApi, mStateRows.data(), mStateRows.size() * sizeof(int64_t), {R},
             ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        size_t const fixedIn = mCallInNames.size() - 2 * static_cast<size_t>(man.targetLayers);
         OrtTensor const logitsT(mApi, logits, static_cast<size_t>(S) * static_cast<size_t>(V) * sizeof(float), {1, S, V},
             ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
         OrtTensor const featT(mApi, feats, static_cast<size_t>(S) * static_cast<size_t>(F) * sizeof(float), {1, S, F},
@@ -1079,16 +1166,25 @@ private:
         mCallInValues[0] = idsT.get();
         mCallInValues[1] = posT.get();
         mCallInValues[2] = maskT.get();
-        mCallInValues[3] = rowsT.get();
+        size_t extra = 3;
+        if (mRing)
+        {
+            mCallInValues[extra++] = mWindowPositions.get();
+        }
+        if (mLinear)
+        {
+            mCallInValues[extra++] = rowsT.get();
+        }
         mCallOutValues[0] = logitsT.get();
         mCallOutValues[1] = featT.get();
         size_t const per = static_cast<size_t>(man.targetKvHeads) * static_cast<size_t>(S) * static_cast<size_t>(man.targetHeadDim);
         mCallOutTensors.clear();
         size_t kv = 0;
         size_t lin = 0;
+        size_t ring = 0;
         for (int32_t i = 0; i < man.targetLayers; ++i)  // layer order: 2 inputs and 2 outputs per layer
         {
-            size_t const at = 4 + 2 * static_cast<size_t>(i);
+            size_t const at = fixedIn + 2 * static_cast<size_t>(i);
             size_t const out = 2 + 2 * static_cast<size_t>(i);
             if (man.isLinear(i))
             {
@@ -1104,6 +1200,18 @@ private:
                 ++lin;
                 continue;
             }
+            if (man.isSliding(i))
+            {
+                for (size_t k = 0; k < 2; ++k, ++ring)
+                {
+                    mCallInValues[at + k] = mRingValues[ring].get();
+                    mRingRows[ring].resize(per);
+                    mCallOutTensors.emplace_back(mApi, mRingRows[ring].data(), per * sizeof(float),
+                        std::vector<int64_t>{1, man.targetKvHeads, S, man.targetHeadDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+                    mCallOutValues[out + k] = mCallOutTensors.back().get();
+                }
+                continue;
+            }
             for (size_t k = 0; k < 2; ++k, ++kv)
             {
                 mCallInValues[at + k] = mPastValues[kv].get();
@@ -1117,7 +1225,14 @@ private:
                            mCallOut.data(), mCallOut.size(), mCallOutValues.data()),
             mM.target().file);
         mTkv.append(mKvRows, S);
-        mLinear->called(len, S, everyRow);
+        if (mRing)
+        {
+            mRing->write(len, S, mRingRows);
+        }
+        if (mLinear)
+        {
+            mLinear->called(len, S, everyRow);
+        }
     }
 
     //! the fused target's capacity buffers as its past AND present (one OrtValue each: GroupQueryAttention then
@@ -1223,6 +1338,12 @@ private:
     // a hybrid target (setUpLinear): its linear layers' state and one call's inputs and outputs, made once
     std::unique_ptr<HostLinearState> mLinear;
     std::vector<OrtTensor> mLinearValues;  //!< per linear layer: window, recurrent (the state inputs)
+    std::vector<HostLinearState::Layer> mNoLayers;  //!< (empty: the linear layers of a target without them)
+    // a sliding target: its rings, the values over them and the window positions, made once
+    std::unique_ptr<HostRing> mRing;
+    std::vector<OrtTensor> mRingValues;           //!< per sliding layer: key ring, value ring (the inputs)
+    std::vector<std::vector<float>> mRingRows;    //!< per ring: the call's new rows [heads, S, dim]
+    OrtTensor mWindowPositions;                   //!< over mRing's window positions
     std::vector<OrtTensor> mPastValues;    //!< over mTkv.arrays (the KV inputs)
     int32_t mPastCapacity{-1};             //!< the capacity mPastValues were made for
     std::vector<std::string> mCallInNames;

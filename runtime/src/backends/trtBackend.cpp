@@ -635,6 +635,11 @@ void bindLinear(DeviceLinearState& linear, std::map<std::string, IOTensor>& io, 
 TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& options)
     : manifest(m)
 {
+    if (m.hasSlidingLayers())  // the rings on the device are not written here: the ONNX Runtime backend runs them
+    {
+        throw Error(DFL2_ERR_UNAVAILABLE, dir + " has a target with sliding-window layers: libdflash2's TensorRT "
+                "backend does not run them (backend=ort does)");
+    }
     if (!m.engines.present)
     {
         throw Error(DFL2_ERR_UNAVAILABLE, dir + " has no TensorRT engines: build them with dflash2 build-engines "
