@@ -296,7 +296,7 @@ struct HostLinearState
 //! [heads, ringSlots, dim] (allocated once: the layer's memory, whatever the context) and the ring's window positions.
 struct HostRing
 {
-    HostRing(Manifest const& m)
+    explicit HostRing(Manifest const& m)
         : log(m.slidingWindow, 1, plantedRingKeepCut())
         , heads(m.targetKvHeads)
         , dim(m.targetHeadDim)
@@ -690,11 +690,12 @@ private:
             {
                 for (char const* part : {".key", ".value"})
                 {
-                    if (m.isSliding(i))
+                    if (!m.isSliding(i))
                     {
-                        need(mTarget, "past_key_values." + std::to_string(i) + part, {-1, m.targetKvHeads, R, m.targetHeadDim});
-                        need(mTarget, "present." + std::to_string(i) + part, tkv);
+                        break;
                     }
+                    need(mTarget, "past_key_values." + std::to_string(i) + part, {-1, m.targetKvHeads, R, m.targetHeadDim});
+                    need(mTarget, "present." + std::to_string(i) + part, tkv);
                 }
             }
         }
@@ -1075,8 +1076,9 @@ private:
             mCallInNames.push_back("state_rows");
         }
         LinearStateSpec const& ls = man.linearState;
-        for (HostLinearState::Layer& l : mLinear ? mLinear->layers : mNoLayers)
+        for (size_t i = 0; mLinear && i < mLinear->layers.size(); ++i)
         {
+            HostLinearState::Layer& l = mLinear->layers[i];
             mLinearValues.emplace_back(mApi, l.window.data(), l.window.size() * sizeof(float),
                 std::vector<int64_t>{1, ls.convDim, ls.window()}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
             mLinearValues.emplace_back(mApi, l.recurrent.data(), l.recurrent.size() * sizeof(float),
@@ -1338,7 +1340,6 @@ private:
     // a hybrid target (setUpLinear): its linear layers' state and one call's inputs and outputs, made once
     std::unique_ptr<HostLinearState> mLinear;
     std::vector<OrtTensor> mLinearValues;  //!< per linear layer: window, recurrent (the state inputs)
-    std::vector<HostLinearState::Layer> mNoLayers;  //!< (empty: the linear layers of a target without them)
     // a sliding target: its rings, the values over them and the window positions, made once
     std::unique_ptr<HostRing> mRing;
     std::vector<OrtTensor> mRingValues;           //!< per sliding layer: key ring, value ring (the inputs)
