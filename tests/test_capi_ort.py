@@ -411,16 +411,23 @@ def test_hybrid_planted_rollback_bug_is_caught(capi_build, hybrid_export, hybrid
     assert differ > 0
 
 
+def _batch_equals_single_runs(build: Path, export: Path, py, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN001
+    """8 requests (the last prompt among them) through dfl2_batch, 4 at a time, give their single runs' ids, which
+    are the Python runtime's -> the single runs' ids."""
+    pick = prompts[:7] + prompts[-1:]
+    opts = (f"max_new_tokens={HYBRID_NEW}",)
+    env = {**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY}
+    single, _ = _example(build, export, pick, "-s", *opts, env=env)
+    batch, err = _example(build, export, pick, "-b", "max_batch=4", *opts, env=env)
+    assert batch == single and len(re.findall(r"request \d+: \d+ tokens", err)) == len(pick)
+    assert single == [py.generate(p, max_new_tokens=HYBRID_NEW, guard=False).tokens for p in pick]
+    return single
+
+
 def test_hybrid_batch_equals_single_runs(capi_build, hybrid_export, hybrid_py, hybrid_prompts):
     """dfl2_batch over the hybrid export (each slot its own linear state): 8 requests, the long one among them,
     decoded 4 at a time give their single runs' ids, which are the Python runtime's."""
-    pick = hybrid_prompts[:7] + hybrid_prompts[-1:]
-    opts = (f"max_new_tokens={HYBRID_NEW}",)
-    env = {**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY}
-    single, _ = _example(capi_build, hybrid_export, pick, "-s", *opts, env=env)
-    batch, err = _example(capi_build, hybrid_export, pick, "-b", "max_batch=4", *opts, env=env)
-    assert batch == single and len(re.findall(r"request \d+: \d+ tokens", err)) == len(pick)
-    assert single == [hybrid_py.generate(p, max_new_tokens=HYBRID_NEW, guard=False).tokens for p in pick]
+    _batch_equals_single_runs(capi_build, hybrid_export, hybrid_py, hybrid_prompts)
 
 
 def test_hybrid_asan_ubsan_runs(capi_build, hybrid_export, hybrid_prompts, vectors_path):
@@ -486,16 +493,11 @@ def test_sliding_batch_equals_single_runs_under_asan(capi_build, sliding, hybrid
     a time give their single runs' ids, which are the Python runtime's; the ASan + UBSan build gives the same ids
     for 3 of them, single and batched, and reports nothing."""
     export, py = sliding
-    pick = hybrid_prompts[:7] + hybrid_prompts[-1:]
-    opts = (f"max_new_tokens={HYBRID_NEW}",)
-    env = {**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY}
-    single, _ = _example(capi_build, export, pick, "-s", *opts, env=env)
-    batch, err = _example(capi_build, export, pick, "-b", "max_batch=4", *opts, env=env)
-    assert batch == single and len(re.findall(r"request \d+: \d+ tokens", err)) == len(pick)
-    assert single == [py.generate(p, max_new_tokens=HYBRID_NEW, guard=False).tokens for p in pick]
+    single = _batch_equals_single_runs(capi_build, export, py, hybrid_prompts)
     build = _asan_build(vectors_path)
-    few = [pick[0], pick[1], pick[-1]]
+    few = [hybrid_prompts[0], hybrid_prompts[1], hybrid_prompts[-1]]
+    env = {**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY, **ASAN_ENV}
     for mode in ("-s", "-b"):
-        got, err = _example(build, export, few, mode, *opts, env={**env, **ASAN_ENV})
+        got, err = _example(build, export, few, mode, f"max_new_tokens={HYBRID_NEW}", env=env)
         assert got == [single[0], single[1], single[-1]], mode
         assert "Sanitizer" not in err and "runtime error" not in err, err

@@ -434,24 +434,9 @@ std::string headKey(std::string const& mode, bool plugin)
     return "drafter_head_" + mode + (plugin ? "_plugin" : "");
 }
 
-int32_t Manifest::kvLayers() const
+int32_t Manifest::layersOf(char const* kind) const
 {
-    int32_t n = 0;
-    for (int32_t i = 0; i < targetLayers; ++i)
-    {
-        n += isLinear(i) || isSliding(i) ? 0 : 1;
-    }
-    return n;
-}
-
-int32_t Manifest::slidingLayers() const
-{
-    int32_t n = 0;
-    for (int32_t i = 0; i < targetLayers; ++i)
-    {
-        n += isSliding(i) ? 1 : 0;
-    }
-    return n;
+    return static_cast<int32_t>(std::count(layerKinds.begin(), layerKinds.end(), kind));
 }
 
 std::vector<std::string> targetKvNames(Manifest const& m, std::string const& prefix)

@@ -112,10 +112,13 @@ struct Manifest
     {
         return !hasLinearLayers() && !hasSlidingLayers();
     }
+    //! the layers of one kind ("attention" | "linear" | "sliding")
+    int32_t layersOf(char const* kind) const;
     //! the layers with a KV capacity buffer: full attention (every layer of a version 2 export)
-    int32_t kvLayers() const;
-    //! the sliding-window layers (their K/V in rings)
-    int32_t slidingLayers() const;
+    int32_t kvLayers() const
+    {
+        return layersOf("attention");
+    }
 };
 
 //! The target graph's per-layer state tensors, 2 per layer in layer order (manifest.target_state_names):

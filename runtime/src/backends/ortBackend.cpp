@@ -300,7 +300,7 @@ struct HostRing
         : log(m.slidingWindow, 1, plantedRingKeepCut())
         , heads(m.targetKvHeads)
         , dim(m.targetHeadDim)
-        , arrays(2 * static_cast<size_t>(m.slidingLayers()),
+        , arrays(2 * static_cast<size_t>(m.layersOf("sliding")),
               std::vector<float>(static_cast<size_t>(m.targetKvHeads) * static_cast<size_t>(m.slidingWindow.ringSlots)
                   * static_cast<size_t>(m.targetHeadDim), 0.0F))
     {
@@ -692,7 +692,7 @@ private:
                 {
                     if (!m.isSliding(i))
                     {
-                        break;
+                        continue;
                     }
                     need(mTarget, "past_key_values." + std::to_string(i) + part, {-1, m.targetKvHeads, R, m.targetHeadDim});
                     need(mTarget, "present." + std::to_string(i) + part, tkv);
