@@ -3,7 +3,9 @@
 // and a batch of slots' (ragged lengths); the inputs of a batched target call (RaggedBatch) checked against a
 // reference attention over the same rows; binding sizes against engine shapes, the libnvinfer major and engine
 // version rules, the bounded context cache, and the linear layers' state rollback both GPU and host backends use
-// (core/linearState.h) against the concatenate-and-slice of dflash2_trt/runtime/linear_state.py.
+// (core/linearState.h) against the concatenate-and-slice of dflash2_trt/runtime/linear_state.py, and the sliding
+// layers' device rings (DeviceWindowRing: batch slots, wrapped rings rolled back at random lengths) against a host
+// twin filled as the ONNX Runtime backend fills its rings, with the planted ring bug as the negative control.
 //
 // usage: trtParts
 #include "backends/trtParts.h"
@@ -14,9 +16,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -428,6 +432,281 @@ void testLinearRollback()
     CHECK(!planted.crop(0, 2).has_value());
 }
 
+// ---- the sliding layers' device rings (DeviceWindowRing) against a host twin -----------------------------------
+
+//! The host twin of DeviceWindowRing: the ONNX Runtime backend's way (a WindowRingLog of its own, never planted, and
+//! plain vectors [slots, heads, ringSlots, d] per buffer filled by its runs row by row).
+struct HostRingTwin
+{
+    HostRingTwin(SlidingWindowSpec spec, int32_t slotCount, int32_t buffers, int32_t headCount, int32_t headDim)
+        : log(spec, slotCount, false)
+        , heads(headCount)
+        , dim(headDim)
+        , arrays(static_cast<size_t>(buffers),
+              std::vector<float>(static_cast<size_t>(slotCount * headCount * spec.ringSlots * headDim), 0.0F))
+    {
+    }
+    //! present [B, heads, S, d] per buffer: batch row b's first `rows` rows -> `slot`'s ring at positions start..
+    void write(std::vector<std::vector<float>> const& present, int32_t S, int32_t b, int32_t slot, int32_t start,
+        int32_t rows)
+    {
+        size_t const R = static_cast<size_t>(log.spec().ringSlots);
+        size_t const H = static_cast<size_t>(heads);
+        size_t const d = static_cast<size_t>(dim);
+        for (RingRun const& run : log.place(slot, start, rows))
+        {
+            for (size_t a = 0; a < arrays.size(); ++a)
+            {
+                for (size_t h = 0; h < H; ++h)
+                {
+                    size_t const src = ((static_cast<size_t>(b) * H + h) * static_cast<size_t>(S)
+                                           + static_cast<size_t>(run.first)) * d;
+                    size_t const dst = ((static_cast<size_t>(slot) * H + h) * R + static_cast<size_t>(run.slot)) * d;
+                    std::copy_n(present[a].begin() + static_cast<long>(src), static_cast<size_t>(run.count) * d,
+                        arrays[a].begin() + static_cast<long>(dst));
+                }
+            }
+        }
+    }
+
+    WindowRingLog log;
+    int32_t heads;
+    int32_t dim;
+    std::vector<std::vector<float>> arrays;
+};
+
+//! One random scenario over a device ring of 3 slots (2 sliding layers: 4 buffers, 2 heads, d 3, window 5 in 9
+//! ring slots): batched calls (padded rows, batch row = slot), long calls of one slot at batch row 0 (rings wrapped
+//! within a call), crops back to random lengths into the last call, too-deep crops (refused), resets. After every
+//! step the device ring is compared with the host twin (window positions, and the rows of every held slot) and
+//! with the spec: the cached positions the next row's window takes (a row at p sees p - window + 1..p, as
+//! targets/dense.py attention_biases) are each held once, every held position with the rows it was given, and no
+//! slot holds a position at or past the length. Returns the mismatches.
+int ringScenario(uint32_t seed, bool planted)
+{
+    int32_t const H = 2, D = 3, slots = 3, layers = 2;
+    SlidingWindowSpec const spec{5, 9};
+    int32_t const R = spec.ringSlots, W = spec.window;
+    int32_t const verifyRows = R - W + 1;  // the most rows a crop may cut back into
+    HostOps ops;
+    DeviceWindowRing ring{&ops, layers, H, D, sizeof(float), 1, {}, nullptr};
+    ring.allocate(spec, slots, planted, nullptr);
+    CHECK(ring.ptrs.size() == 4 && ops.allocs == 4 && ops.zeros == 4);
+    bool zeroed = true;
+    for (void* p : ring.ptrs)
+    {
+        float const* f = static_cast<float const*>(p);
+        for (size_t i = 0; i < static_cast<size_t>(slots * H * R * D); ++i)
+        {
+            zeroed = zeroed && f[i] == 0.0F;  // 0xFF garbage (a NaN) before
+        }
+    }
+    CHECK(zeroed);
+    std::vector<void*> const ptrs = ring.ptrs;
+    HostRingTwin twin(spec, slots, 2 * layers, H, D);
+    std::mt19937 rng(seed);
+    auto uniform = [&](int32_t lo, int32_t hi) { return std::uniform_int_distribution<int32_t>(lo, hi)(rng); };
+    std::uniform_real_distribution<float> value(-1.0F, 1.0F);
+    size_t const rowValues = static_cast<size_t>(2 * layers * H * D);  // one position's K/V, [buffer, head, d]
+    std::vector<std::vector<std::vector<float>>> history(static_cast<size_t>(slots));  // per slot, per position
+    // per slot: its last call's first position and rows, and the lowest length a crop can return to
+    std::vector<int32_t> lastStart(static_cast<size_t>(slots), 0), lastRows(static_cast<size_t>(slots), 0);
+    std::vector<int32_t> floorOf(static_cast<size_t>(slots), 0);
+    int mismatches = 0;
+    int wrapped = 0, rolledBack = 0, refused = 0;
+
+    // present [B, heads, S, d] per buffer, random; batch row b's first rows[b] rows become slot slotOf[b]'s
+    auto call = [&](std::vector<int32_t> const& slotOf, std::vector<int32_t> const& rows, int32_t B) {
+        int32_t const S = *std::max_element(rows.begin(), rows.end());
+        std::vector<std::vector<float>> present(static_cast<size_t>(2 * layers),
+            std::vector<float>(static_cast<size_t>(B * H * S * D)));
+        std::vector<void*> pp;
+        for (auto& buf : present)
+        {
+            for (float& v : buf)
+            {
+                v = value(rng);
+            }
+            pp.push_back(buf.data());
+        }
+        for (size_t i = 0; i < slotOf.size(); ++i)
+        {
+            int32_t const slot = slotOf[i];
+            int32_t const b = B == 1 ? 0 : slot;
+            int32_t const start = static_cast<int32_t>(history[static_cast<size_t>(slot)].size());
+            ring.place(pp, S, b, slot, start, rows[i], nullptr);
+            twin.write(present, S, b, slot, start, rows[i]);
+            for (int32_t r = 0; r < rows[i]; ++r)
+            {
+                std::vector<float> row(rowValues);
+                for (size_t a = 0; a < present.size(); ++a)
+                    for (int32_t h = 0; h < H; ++h)
+                        for (int32_t k = 0; k < D; ++k)
+                            row[(a * static_cast<size_t>(H) + static_cast<size_t>(h)) * static_cast<size_t>(D)
+                                + static_cast<size_t>(k)]
+                                = present[a][static_cast<size_t>(((b * H + h) * S + r) * D + k)];
+                history[static_cast<size_t>(slot)].push_back(row);
+            }
+            lastStart[static_cast<size_t>(slot)] = start;
+            lastRows[static_cast<size_t>(slot)] = rows[i];
+            floorOf[static_cast<size_t>(slot)] = std::max(0, start + rows[i] - (R - W) - 1);  // windowRing.h's rule
+            wrapped += (start % R) + rows[i] > R;
+        }
+    };
+    auto compare = [&] {
+        for (int32_t slot = 0; slot < slots; ++slot)
+        {
+            auto const& hist = history[static_cast<size_t>(slot)];
+            int64_t const L = static_cast<int64_t>(hist.size());
+            int64_t const* pos = ring.positions(slot);
+            int64_t const* twinPos = twin.log.positions(slot);
+            auto rowMatches = [&](int32_t j, std::vector<float> const& want, bool twinToo) {
+                bool same = true;
+                for (size_t a = 0; a < ring.ptrs.size(); ++a)
+                {
+                    float const* f = static_cast<float const*>(ring.slotPointer(a, slot));
+                    for (int32_t h = 0; h < H; ++h)
+                    {
+                        for (int32_t k = 0; k < D; ++k)
+                        {
+                            float const got = f[(h * R + j) * D + k];
+                            size_t const t = ((static_cast<size_t>(slot) * H + static_cast<size_t>(h)) * R
+                                                 + static_cast<size_t>(j)) * D + static_cast<size_t>(k);
+                            same = same && got == want[(a * H + static_cast<size_t>(h)) * D + static_cast<size_t>(k)];
+                            same = same && (!twinToo || got == twin.arrays[a][t]);
+                        }
+                    }
+                }
+                return same;
+            };
+            for (int32_t j = 0; j < R; ++j)
+            {
+                mismatches += pos[j] != twinPos[j];
+                mismatches += pos[j] >= L;  // a cut (or never written) position still valid
+                if (pos[j] >= 0 && pos[j] < L)
+                {
+                    mismatches += !rowMatches(j, hist[static_cast<size_t>(pos[j])], pos[j] == twinPos[j]);
+                }
+            }
+            for (int64_t p = std::max<int64_t>(0, L - W + 1); p < L; ++p)  // the next row's keys (position L sees
+            {                                                               // L - W + 1..L): each held once
+                int held = 0;
+                for (int32_t j = 0; j < R; ++j)
+                {
+                    held += pos[j] == p;
+                }
+                mismatches += held != 1;
+            }
+        }
+    };
+
+    for (int step = 0; step < 400; ++step)
+    {
+        int32_t const op = uniform(0, 9);
+        if (op <= 3)  // a batched call of some slots, ragged rows (a verify's at most)
+        {
+            std::vector<int32_t> slotOf, rows;
+            for (int32_t s = 0; s < slots; ++s)
+            {
+                if (uniform(0, 2) != 0)
+                {
+                    slotOf.push_back(s);
+                    rows.push_back(uniform(1, verifyRows));
+                }
+            }
+            if (!slotOf.empty())
+            {
+                call(slotOf, rows, slotOf.back() + 1);
+            }
+        }
+        else if (op <= 5)  // one slot's call at batch row 0 (a prompt chunk: up to 2 rings' rows)
+        {
+            call({uniform(0, slots - 1)}, {uniform(1, 2 * R + 3)}, 1);
+        }
+        else if (op <= 8)  // a crop back into the slot's last call, to a random length its ring can return to
+        {
+            size_t const s = static_cast<size_t>(uniform(0, slots - 1));
+            int32_t const L = static_cast<int32_t>(history[s].size());
+            if (lastRows[s] == 0)
+            {
+                continue;
+            }
+            if (floorOf[s] > 0 && uniform(0, 3) == 0)  // deeper than the ring holds: refused, nothing changes
+            {
+                int32_t const deep = uniform(0, floorOf[s] - 1);
+                refused += codeOf([&] { ring.crop(static_cast<int32_t>(s), deep); }) == DFL2_ERR_INTERNAL;
+                mismatches += codeOf([&] { twin.log.crop(static_cast<int32_t>(s), deep); }) != DFL2_ERR_INTERNAL;
+                compare();
+                continue;
+            }
+            int32_t const keep = uniform(std::min(std::max(floorOf[s], lastStart[s]), L), L);
+            ring.crop(static_cast<int32_t>(s), keep);
+            twin.log.crop(static_cast<int32_t>(s), keep);
+            history[s].resize(static_cast<size_t>(keep));
+            rolledBack += keep < L && lastStart[s] % R + lastRows[s] > R;
+        }
+        else  // a new sequence in a slot
+        {
+            size_t const s = static_cast<size_t>(uniform(0, slots - 1));
+            ring.reset(static_cast<int32_t>(s));
+            twin.log.reset(static_cast<int32_t>(s));
+            history[s].clear();
+            lastStart[s] = 0;
+            lastRows[s] = 0;
+            floorOf[s] = 0;
+        }
+        compare();
+    }
+    CHECK(ring.ptrs == ptrs && ops.allocs == 4 && ops.zeros == 4);  // allocated once, zeroed once, never moved
+    CHECK_MSG(wrapped > 10 && rolledBack > 3 && refused > 3, "seed %u: %d wrapped calls, %d wrapped calls rolled back, "
+        "%d refused crops", seed, wrapped, rolledBack, refused);
+    ring.release();
+    CHECK(ops.live.empty() && ring.ptrs.empty() && !ring.active());
+    return mismatches;
+}
+
+void testWindowRing()
+{
+    for (uint32_t seed : {1U, 2U, 3U, 4U, 5U})
+    {
+        int const mismatches = ringScenario(seed, plantedRingKeepCut());
+        CHECK_MSG(mismatches == 0, "seed %u: %d mismatches between the device ring and its host twin", seed, mismatches);
+    }
+    // the negative control: the planted bug ($DFLASH2_PLANT_RING_KEEP_CUT=1, a crop leaves the cut rows' slots
+    // valid) makes the comparison differ
+    ::setenv("DFLASH2_PLANT_RING_KEEP_CUT", "1", 1);
+    bool const planted = plantedRingKeepCut();
+    ::unsetenv("DFLASH2_PLANT_RING_KEEP_CUT");
+    CHECK(planted && !plantedRingKeepCut());
+    for (uint32_t seed : {1U, 2U})
+    {
+        CHECK_MSG(ringScenario(seed, planted) > 0, "seed %u: the planted ring bug went unnoticed", seed);
+    }
+
+    // a slot's part is what a B = 1 call binds; rows outside the present tensors or the slots are refused
+    HostOps ops;
+    DeviceWindowRing ring{&ops, 1, 2, 4, sizeof(float), 1, {}, nullptr};
+    ring.allocate(SlidingWindowSpec{4, 20}, 3, false, nullptr);
+    CHECK(ring.slotBytes() == 2 * 20 * 4 * sizeof(float) && ring.ringSlots() == 20);
+    CHECK(static_cast<char*>(ring.slotPointer(1, 2)) - static_cast<char*>(ring.ptrs[1])
+        == static_cast<std::ptrdiff_t>(2 * ring.slotBytes()));
+    std::vector<float> rows(2 * 2 * 4, 1.0F);
+    std::vector<void*> const present{rows.data(), rows.data()};
+    CHECK(codeOf([&] { ring.place(present, 2, 0, 3, 0, 1, nullptr); }) == DFL2_ERR_INTERNAL);   // no slot 3
+    CHECK(codeOf([&] { ring.place(present, 2, 0, 0, 0, 3, nullptr); }) == DFL2_ERR_INTERNAL);   // 3 rows of 2
+    CHECK(codeOf([&] { ring.place({rows.data()}, 2, 0, 0, 0, 1, nullptr); }) == DFL2_ERR_INTERNAL);  // 1 buffer of 2
+    CHECK(codeOf([&] { ring.allocate(SlidingWindowSpec{4, 20}, 3, false, nullptr); }) == DFL2_ERR_INTERNAL);  // twice
+    CHECK(ring.positions(0)[0] == -1);  // nothing recorded by the refused calls
+    ring.release();
+    // an allocation that fails midway leaves nothing allocated
+    HostOps tight;
+    tight.failAfter = 1;
+    DeviceWindowRing failing{&tight, 1, 2, 4, sizeof(float), 1, {}, nullptr};
+    CHECK(codeOf([&] { failing.allocate(SlidingWindowSpec{4, 20}, 3, false, nullptr); }) == DFL2_ERR_OUT_OF_MEMORY);
+    CHECK(tight.live.empty() && failing.ptrs.empty() && !failing.active());
+    CHECK(ops.live.empty());
+}
+
 } // namespace
 
 int main()
@@ -439,5 +718,6 @@ int main()
     testVersions();
     testLru();
     testLinearRollback();
+    testWindowRing();
     return dfl2TestReport("trtParts");
 }

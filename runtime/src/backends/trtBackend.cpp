@@ -39,6 +39,13 @@
 //!   one row per session, or per batch slot), allocated once; after a call and on a crop into it the kept row's
 //!   window and recurrent state are device copies from the call's present_conv / present_recurrent outputs, as
 //!   core/linearState.h says (the ONNX Runtime backend's rule, the Python LinearStates').
+//! * A sliding-window target (manifest version 3: "sliding" layers, gpt-oss and Muse Glimmer) keeps its sliding
+//!   layers' K/V in a DeviceWindowRing (trtParts.h; per runner: one ring per session, or one per batch slot):
+//!   [slots, heads, ring_slots, d] per buffer, allocated once and zeroed, bound in place as the layers' past inputs
+//!   (the engines' ring_slots dim is fixed at the ring's size by build-engines), never moved, so captured graphs stay
+//!   valid. A call's window_positions (the ring's bookkeeping, core/windowRing.h) go up with its ids; its new rows
+//!   come back in present staging buffers and are copied into their ring slots after it (outside the graph); a crop
+//!   only drops the cut rows' slots (the rule of the ONNX Runtime backend's rings and the Python DeviceWindowRing).
 #include "../core/linearState.h"
 #include "../model.h"
 #include "trtParts.h"
@@ -547,15 +554,24 @@ public:
         {
             mLinear.reset(0, mStream);
         }
+        if (mRing.active())
+        {
+            mRing.reset(0);
+        }
     }
     void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) override;
-    //! the KV by its length; a hybrid target's linear state rolled back into the last call (device copies)
+    //! the KV by its length; a hybrid target's linear state rolled back into the last call (device copies); a
+    //! sliding target's rings drop the cut rows' slots
     void targetCrop(int32_t length) override
     {
         int32_t const keep = std::max(0, length);
         if (mLinear.active() && keep < mTargetKV.length)
         {
             mLinear.crop(mTio, 0, keep, mStream);
+        }
+        if (mRing.active() && keep < mTargetKV.length)
+        {
+            mRing.crop(0, keep);
         }
         mTargetKV.length = std::min(mTargetKV.length, keep);
     }
@@ -615,6 +631,7 @@ private:
     std::map<std::string, IOTensor> mTio, mCio, mBio, mHio;  //!< target, context, block, head I/O
     DeviceKV mTargetKV, mDraftKV;
     DeviceLinearState mLinear;  //!< a hybrid target's linear layers (inactive otherwise)
+    DeviceWindowRing mRing;     //!< a sliding-window target's sliding layers (inactive otherwise)
     std::vector<std::string> mTargetPast, mTargetPresent, mDraftKVNames;
     int64_t mTargetChunk{0}, mTargetStepRows{0}, mContextChunk{0}, mContextStepRows{0};
     int64_t mFeatDim{0};
@@ -631,15 +648,17 @@ constexpr size_t kMAX_CAPTURED_CONTEXTS = 8;
 void linearTensors(std::map<std::string, IOTensor>& io, Engine const& te, Manifest const& m, int32_t slots, int64_t rows);
 void bindLinear(DeviceLinearState& linear, std::map<std::string, IOTensor>& io, int32_t slot, int32_t B, int32_t S,
     bool everyRow, std::map<std::string, std::vector<int64_t>>& shapes, std::map<std::string, void*>& addr);
+void ringTensors(DeviceWindowRing& ring, std::map<std::string, IOTensor>& io, Engine const& te, Manifest const& m,
+    int32_t slots, int64_t rows, DeviceOps& ops, cudaStream_t stream);
+void bindRing(DeviceWindowRing const& ring, std::map<std::string, IOTensor>& io, Manifest const& m,
+    std::vector<int32_t> const& slotOfRow, bool slotPart, std::map<std::string, std::vector<int64_t>>& shapes,
+    std::map<std::string, void*>& addr);
+void placeRows(DeviceWindowRing& ring, std::map<std::string, IOTensor>& io, Manifest const& m, int32_t S, int32_t b,
+    int32_t slot, int32_t start, int32_t rows, cudaStream_t stream);
 
 TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& options)
     : manifest(m)
 {
-    if (m.hasSlidingLayers())  // the rings on the device are not written here: the ONNX Runtime backend runs them
-    {
-        throw Error(DFL2_ERR_UNAVAILABLE, dir + " has a target with sliding-window layers: libdflash2's TensorRT "
-                "backend does not run them (backend=ort does)");
-    }
     if (!m.engines.present)
     {
         throw Error(DFL2_ERR_UNAVAILABLE, dir + " has no TensorRT engines: build them with dflash2 build-engines "
@@ -790,6 +809,10 @@ void TrtRunners::setUp()
             mLinear.allocate(m, te, 1, mStream);
             linearTensors(mTio, te, m, 1, mTargetChunk);
         }
+        if (m.hasSlidingLayers())
+        {
+            ringTensors(mRing, mTio, te, m, 1, mTargetChunk, mOps, mStream);
+        }
         mTargetStepRows = te.maxDim("step", "sequence");
         mFeatDim = te.engine->getTensorShape("context_features").d[2];
         mFeatElem = elementSize(te.types.at("context_features"));
@@ -895,6 +918,7 @@ void TrtRunners::releaseAll() noexcept
     mTargetKV.release();
     mDraftKV.release();
     mLinear.release();
+    mRing.release();
     if (mStream != nullptr)
     {
         cudaStreamDestroy(mStream);
@@ -975,6 +999,74 @@ void bindLinear(DeviceLinearState& linear, std::map<std::string, IOTensor>& io, 
         addr["past_conv." + n] = v.window;
         addr["past_recurrent." + n] = v.recurrent;
     }
+}
+
+//! A sliding-window target's ring I/O: the rings (`ring`: DeviceWindowRing over `slots` sequences, allocated once and
+//! zeroed), window_positions [slots, ring_slots] with a host mirror, per sliding layer present.{i}.key / .value
+//! [1, heads, rows, d] (`rows`: the most one call of the runner holds), and the past inputs' engine shapes checked
+//! against the [slots, heads, ring_slots, d] ring buffers they are bound to.
+void ringTensors(DeviceWindowRing& ring, std::map<std::string, IOTensor>& io, Engine const& te, Manifest const& m,
+    int32_t slots, int64_t rows, DeviceOps& ops, cudaStream_t stream)
+{
+    int32_t const R = m.slidingWindow.ringSlots;
+    std::vector<std::string> const past = slidingKvNames(m, "past_key_values");
+    for (std::string const& n : past)
+    {
+        if (te.types.count(n) == 0)
+        {
+            throw Error(DFL2_ERR_CORRUPT, "engine " + te.key + " has no tensor " + n
+                    + ": the engines do not belong to this export (rebuild with dflash2 build-engines)");
+        }
+        checkBindingShape(te.key, n, dimsVector(te.engine->getTensorShape(n.c_str())),
+            {slots, m.targetKvHeads, R, m.targetHeadDim});
+    }
+    TrtRunners::tensor(io, te, kWINDOW_POSITIONS, {slots, R}, true);
+    for (std::string const& n : slidingKvNames(m, "present"))
+    {
+        TrtRunners::tensor(io, te, n, {1, m.targetKvHeads, rows, m.targetHeadDim}, false);
+    }
+    ring.ops = &ops;
+    ring.layers = m.layersOf("sliding");
+    ring.heads = m.targetKvHeads;
+    ring.headDim = m.targetHeadDim;
+    ring.elem = elementSize(te.types.at(past.at(0)));
+    ring.allocate(m.slidingWindow, slots, plantedRingKeepCut(), stream);
+}
+
+//! A call's sliding-layer inputs: window_positions [B, ring_slots], batch row r from the ring of slotOfRow[r] (written
+//! to its host mirror; B = slotOfRow.size()), and the rings: the whole [slots, ...] buffers (batch row = slot), or
+//! (slotPart) the part of the one sequence's slot, at batch row 0 -> shapes and addresses
+void bindRing(DeviceWindowRing const& ring, std::map<std::string, IOTensor>& io, Manifest const& m,
+    std::vector<int32_t> const& slotOfRow, bool slotPart, std::map<std::string, std::vector<int64_t>>& shapes,
+    std::map<std::string, void*>& addr)
+{
+    int32_t const R = ring.ringSlots();
+    int64_t const B = static_cast<int64_t>(slotOfRow.size());
+    IOTensor const& wp = io.at(kWINDOW_POSITIONS);
+    for (size_t r = 0; r < slotOfRow.size(); ++r)
+    {
+        writeInts(wp, r * static_cast<size_t>(R), ring.positions(slotOfRow[r]), static_cast<size_t>(R));
+    }
+    shapes[kWINDOW_POSITIONS] = {B, R};
+    std::vector<std::string> const past = slidingKvNames(m, "past_key_values");
+    for (size_t i = 0; i < past.size(); ++i)
+    {
+        shapes[past[i]] = {B, ring.heads, R, ring.headDim};
+        addr[past[i]] = slotPart ? ring.slotPointer(i, slotOfRow.at(0)) : ring.ptrs[i];
+    }
+}
+
+//! After a call: batch row b's first `rows` rows of the sliding layers' present outputs ([B, heads, S, d] in `io`)
+//! are `slot`'s positions start.. -> its ring (copies on `stream`)
+void placeRows(DeviceWindowRing& ring, std::map<std::string, IOTensor>& io, Manifest const& m, int32_t S, int32_t b,
+    int32_t slot, int32_t start, int32_t rows, cudaStream_t stream)
+{
+    std::vector<void*> present;
+    for (std::string const& n : slidingKvNames(m, "present"))
+    {
+        present.push_back(io.at(n).dev);
+    }
+    ring.place(present, S, b, slot, start, rows, stream);
 }
 
 std::unique_ptr<nv::IExecutionContext> TrtRunners::newContext(Engine const& e, int32_t profile)
@@ -1162,6 +1254,10 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, bool everyRow, float*
     {
         bindLinear(mLinear, mTio, 0, 1, S, everyRow, shapes, addr);
     }
+    if (mRing.active())  // the ring bound in place, its window positions up with the ids
+    {
+        bindRing(mRing, mTio, mModel.manifest, {0}, false, shapes, addr);
+    }
     std::string const rowsAsked = mLinear.active() && !everyRow ? "r1" : "";  // state_rows [1], not [S]
     std::string const bucket = captured ? std::to_string(S) + "x" + std::to_string(C) + rowsAsked : "eager";
     nv::IExecutionContext& ctx = context(e, profile, bucket, captured);
@@ -1187,6 +1283,12 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, bool everyRow, float*
             size_t const rowBytes = static_cast<size_t>(everyRow ? S : 1) * elementSize(rows.type);
             cudaCheck(cudaMemcpyAsync(rows.dev, rows.host, rowBytes, cudaMemcpyHostToDevice, mStream), "H2D state rows");
         }
+        if (mRing.active())
+        {
+            IOTensor& wp = mTio[kWINDOW_POSITIONS];
+            size_t const wpBytes = static_cast<size_t>(mRing.ringSlots()) * elementSize(wp.type);
+            cudaCheck(cudaMemcpyAsync(wp.dev, wp.host, wpBytes, cudaMemcpyHostToDevice, mStream), "H2D window positions");
+        }
         enqueue(e, ctx);
         cudaCheck(cudaMemcpyAsync(mTio["logits"].host, mTio["logits"].dev, logitBytes, cudaMemcpyDeviceToHost, mStream),
             "D2H logits");
@@ -1204,6 +1306,10 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, bool everyRow, float*
     if (mLinear.active())  // the state after the S rows (device copies, outside the graph too)
     {
         mLinear.called(mTio, 0, 0, n, S, S, everyRow, mStream);
+    }
+    if (mRing.active())  // the new rows into their ring slots (outside the graph too)
+    {
+        placeRows(mRing, mTio, mModel.manifest, S, 0, 0, n, S, mStream);
     }
     cudaCheck(cudaStreamSynchronize(mStream), "target sync");
     for (size_t i = 0; i < static_cast<size_t>(S) * V; ++i)
@@ -1426,7 +1532,9 @@ void TrtRunners::drafterPropose(
 //! length, mLength: ragged). A forward's sequences of at most the step profile's rows run together in one call on
 //! the step profile (RaggedBatch: batch row = slot, B = the highest slot + 1, right-padded rows, per-slot masks); a
 //! sequence with more rows (a long prompt) runs alone on the prefill profile at batch 1 in chunks of its rows,
-//! bound to its slot's part of the cache. Eager: the target is not captured (B and S change from call to call).
+//! bound to its slot's part of the cache. Eager: the target is not captured (B and S change from call to call). A
+//! sliding-window target's rings are one DeviceWindowRing of `slots` rings (batch row = slot, as the cache); a
+//! slot's window_positions row goes up with the call, its new rows go into its own ring after it.
 //!
 //! Ownership: everything here belongs to the batch (dfl2_batch -> BatchDecoder -> this): its stream, the target's
 //! scratch, contexts (one per profile, made on first use: under the model's lock, as sessions' are), I/O buffers
@@ -1457,6 +1565,10 @@ public:
             device();
             mLinear.reset(slot, mStream);
         }
+        if (mRing.active())
+        {
+            mRing.reset(slot);
+        }
     }
     void targetRelease(int32_t slot) override
     {
@@ -1464,7 +1576,8 @@ public:
         mLength[index(slot)] = 0;  // its rows stay in the cache, masked (finite: zeroed or written by the engine)
     }
     void targetForward(std::vector<SlotRows> const& seqs, bool lastLogits, std::vector<float>& logits) override;
-    //! the slot's KV by its length; a hybrid target's linear state rolled back into the slot's last batched call
+    //! the slot's KV by its length; a hybrid target's linear state rolled back into the slot's last batched call; a
+    //! sliding target's slot ring drops the cut rows' slots
     void targetCrop(int32_t slot, int32_t length) override
     {
         int32_t& n = mLength[index(slot)];
@@ -1473,6 +1586,10 @@ public:
         {
             device();
             mLinear.crop(mTio, slot, keep, mStream);
+        }
+        if (mRing.active() && keep < n)
+        {
+            mRing.crop(slot, keep);
         }
         n = std::min(n, keep);
     }
@@ -1559,6 +1676,7 @@ private:
     std::map<std::string, IOTensor> mTio;
     DeviceKV mKV;
     DeviceLinearState mLinear;     //!< a hybrid target's linear layers, one row per slot (inactive otherwise)
+    DeviceWindowRing mRing;        //!< a sliding target's rings, one per slot (inactive otherwise)
     std::vector<int32_t> mLength;  //!< per slot: its cached positions
     std::vector<std::string> mPast, mPresent;
     int64_t mChunk{0}, mStepRows{0};
@@ -1635,6 +1753,10 @@ void TrtBatchRunners::setUp()
         mLinear.allocate(m, te, mSlots, mStream);
         linearTensors(mTio, te, m, mSlots, R);
     }
+    if (m.hasSlidingLayers())
+    {
+        ringTensors(mRing, mTio, te, m, mSlots, R, mOps, mStream);
+    }
     for (std::string const& p : mPast)  // bound to the batched cache [slots, heads, capacity, d]
     {
         checkBindingShape(te.key, p, dimsVector(te.engine->getTensorShape(p.c_str())),
@@ -1678,6 +1800,7 @@ void TrtBatchRunners::releaseAll() noexcept
     }
     mKV.release();
     mLinear.release();
+    mRing.release();
     if (mStream != nullptr)
     {
         cudaStreamDestroy(mStream);
@@ -1803,6 +1926,15 @@ void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOu
             mLinear.log->reset(b);
         }
     }
+    if (mRing.active())  // the rings of batch rows 0..B-1 (batch row = slot), or the one sequence's slot's at row 0
+    {
+        std::vector<int32_t> slotOfRow(static_cast<size_t>(B));
+        for (int32_t b = 0; b < B; ++b)
+        {
+            slotOfRow[static_cast<size_t>(b)] = single ? part[0].slot : b;
+        }
+        bindRing(mRing, mTio, mModel.manifest, slotOfRow, single, shapes, addr);
+    }
     nv::IExecutionContext& ctx = context(single ? mPrefillProfile : mStepProfile);
     TrtRunners::bind(e, ctx, shapes, addr, true);
     size_t const n = static_cast<size_t>(B) * static_cast<size_t>(S);
@@ -1818,6 +1950,10 @@ void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOu
     if (mLinear.active())
     {
         h2d("state_rows", static_cast<size_t>(everyRow ? S : 1));
+    }
+    if (mRing.active())
+    {
+        h2d(kWINDOW_POSITIONS, static_cast<size_t>(B) * static_cast<size_t>(mRing.ringSlots()));
     }
     if (!ctx.enqueueV3(mStream))
     {
@@ -1840,6 +1976,11 @@ void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOu
         if (mLinear.active())
         {
             mLinear.called(mTio, part[i].slot, planned[i].slot, mLength[index(part[i].slot)], rows, S, everyRow, mStream);
+        }
+        if (mRing.active())
+        {
+            placeRows(mRing, mTio, mModel.manifest, S, planned[i].slot, part[i].slot, mLength[index(part[i].slot)],
+                rows, mStream);
         }
     }
     cudaCheck(cudaStreamSynchronize(mStream), "batched target sync");

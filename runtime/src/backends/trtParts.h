@@ -1,12 +1,13 @@
 //! \file trtParts.h
 //! The parts of the TensorRT backend that need neither CUDA nor TensorRT headers, so that host tests run them
 //! (runtime/tests/testTrtParts.cpp): the device KV cache over a CUDA seam (one sequence, or a batch of slots with
-//! ragged lengths), the host inputs of a batched target call (RaggedBatch), the binding-size check, the TensorRT
+//! ragged lengths), the sliding layers' device rings over the same seam, the host inputs of a batched target call (RaggedBatch), the binding-size check, the TensorRT
 //! library / engine version rules and the bounded (LRU) cache of execution contexts.
 #pragma once
 
 #include "../core/batch.h"
 #include "../core/decoder.h"
+#include "../core/windowRing.h"
 #include "../manifest.h"
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <functional>
 #include <list>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -143,6 +145,154 @@ struct DeviceKV
         }
         ptrs.clear();
         capacity = 0;
+    }
+};
+
+//! The names of the target's sliding layers' K/V tensors, 2 per sliding layer in layer order: "{prefix}.{i}.key" /
+//! ".value" (prefix "past_key_values": the rings, bound in place; "present": the call's new rows).
+inline std::vector<std::string> slidingKvNames(Manifest const& m, std::string const& prefix)
+{
+    std::vector<std::string> out;
+    for (int32_t i = 0; i < m.targetLayers; ++i)
+    {
+        if (m.isSliding(i))
+        {
+            out.push_back(prefix + "." + std::to_string(i) + ".key");
+            out.push_back(prefix + "." + std::to_string(i) + ".value");
+        }
+    }
+    return out;
+}
+
+//! The target input of a sliding-window target: [B, ringSlots] the position each ring slot holds (-1: none)
+//! (dflash2_trt.manifest.TARGET_WINDOW_POSITIONS).
+constexpr char const* kWINDOW_POSITIONS = "window_positions";
+
+//! The sliding layers' K/V on the device, the twin of dflash2_trt/runtime/trt/device_buffers.py DeviceWindowRing
+//! (with batch slots): 2 buffers per sliding layer [slots, heads, ringSlots, d] (batch row = slot: what a batched
+//! target call binds; a slot's part [1, heads, ringSlots, d] is what a B = 1 call binds), bound in place as the
+//! engine's past inputs, and the bookkeeping of core/windowRing.h (which position each ring slot holds: the
+//! engine's window_positions; how deep a crop may go).
+//! Ownership and lifetime: allocated once at the ring's size (memory per sliding layer is fixed, whatever the
+//! context) and zeroed then (cudaMalloc memory is garbage; a NaN in a masked slot still NaNs its row), never moved
+//! until release(): CUDA graphs that bound the rings stay valid. A call's new rows arrive in the engine's present
+//! staging tensors [B, heads, S, d] and go to their ring slots by pitched 2-D copies (place(): per buffer at most
+//! two runs, where the ring wraps), on the caller's stream, outside any captured graph. reset() and crop() change
+//! the bookkeeping only: a slot whose position is -1 is masked, whatever it holds (finite: zeroed or engine-written).
+struct DeviceWindowRing
+{
+    DeviceOps* ops{nullptr};
+    int32_t layers{0}, heads{0}, headDim{0};  //!< sliding layers, kv heads, head dim
+    size_t elem{0};                           //!< bytes of one element (the engine's past type)
+    int32_t slots{1};
+    std::vector<void*> ptrs;                  //!< 2 per sliding layer (key, value), [slots, heads, ringSlots, d]
+    std::unique_ptr<WindowRingLog> log;
+
+    bool active() const
+    {
+        return log != nullptr;
+    }
+    int32_t ringSlots() const
+    {
+        return log->spec().ringSlots;
+    }
+    size_t rowBytes() const
+    {
+        return static_cast<size_t>(headDim) * elem;
+    }
+    //! one slot's part of one buffer: [heads, ringSlots, d]
+    size_t slotBytes() const
+    {
+        return static_cast<size_t>(heads) * static_cast<size_t>(ringSlots()) * rowBytes();
+    }
+    //! the buffers, zeroed on `stream`, and empty rings for `slotCount` sequences; plantedKeepCut: the tests'
+    //! planted bug (core/windowRing.h)
+    void allocate(SlidingWindowSpec const& spec, int32_t slotCount, bool plantedKeepCut, void* stream)
+    {
+        if (!ptrs.empty())
+        {
+            throw Error(DFL2_ERR_INTERNAL, "window rings allocated twice");
+        }
+        auto fresh = std::make_unique<WindowRingLog>(spec, slotCount, plantedKeepCut);
+        slots = slotCount;
+        size_t const bytes = static_cast<size_t>(slots) * static_cast<size_t>(heads)
+            * static_cast<size_t>(spec.ringSlots) * rowBytes();
+        try
+        {
+            for (size_t i = 0; i < static_cast<size_t>(2 * layers); ++i)
+            {
+                ptrs.push_back(ops->alloc(bytes));
+                ops->zero(ptrs.back(), bytes, stream);
+            }
+        }
+        catch (...)
+        {
+            release();
+            throw;
+        }
+        log = std::move(fresh);
+    }
+    //! Buffer i's ring of `slot` ([1, heads, ringSlots, d] of its own: what a B = 1 call binds)
+    void* slotPointer(size_t i, int32_t slot) const
+    {
+        if (slot < 0 || slot >= slots)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "window ring slot " + std::to_string(slot) + " out of range");
+        }
+        return static_cast<char*>(ptrs[i]) + static_cast<size_t>(slot) * slotBytes();
+    }
+    //! [ringSlots] the window_positions of `slot`
+    int64_t const* positions(int32_t slot) const
+    {
+        if (slot < 0 || slot >= slots)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "window ring slot " + std::to_string(slot) + " out of range");
+        }
+        return log->positions(slot);
+    }
+    //! a new sequence in `slot`: an empty ring
+    void reset(int32_t slot)
+    {
+        log->reset(slot);
+    }
+    //! present: 2 per sliding layer, [B, heads, S, d] contiguous; batch row b's first `rows` rows are `slot`'s
+    //! positions start.. -> their ring slots (the last ringSlots of them)
+    void place(std::vector<void*> const& present, int32_t S, int32_t b, int32_t slot, int32_t start, int32_t rows,
+        void* stream)
+    {
+        if (present.size() != ptrs.size() || b < 0 || slot < 0 || slot >= slots || rows < 0 || rows > S || start < 0)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "window ring: a call's rows do not fit its present tensors");
+        }
+        size_t const H = static_cast<size_t>(heads);
+        size_t const srcPitch = static_cast<size_t>(S) * rowBytes();
+        size_t const ringPitch = static_cast<size_t>(ringSlots()) * rowBytes();
+        for (RingRun const& run : log->place(slot, start, rows))
+        {
+            for (size_t i = 0; i < ptrs.size(); ++i)
+            {
+                ops->copy2D(static_cast<char*>(slotPointer(i, slot)) + static_cast<size_t>(run.slot) * rowBytes(),
+                    ringPitch,
+                    static_cast<char const*>(present[i]) + static_cast<size_t>(b) * H * srcPitch
+                        + static_cast<size_t>(run.first) * rowBytes(),
+                    srcPitch, static_cast<size_t>(run.count) * rowBytes(), H, stream);
+            }
+        }
+    }
+    //! `slot` keeps positions < length (DFL2_ERR_INTERNAL when its ring no longer holds the keys the row at
+    //! `length` needs: a crop deeper than a verify into the last call)
+    void crop(int32_t slot, int32_t length)
+    {
+        log->crop(slot, length);
+    }
+    void release() noexcept
+    {
+        for (void* p : ptrs)
+        {
+            ops->release(p);
+        }
+        ptrs.clear();
+        log.reset();
     }
 };
 
