@@ -4,9 +4,11 @@
 
 #include "core/decoder.h"
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -238,6 +240,7 @@ constexpr uint32_t kDIM_VALUE = 1;
 constexpr uint32_t kDIM_PARAM = 2;
 
 constexpr int64_t kFLOAT = 1;
+constexpr int64_t kUINT8 = 2;
 constexpr int64_t kINT32 = 6;
 constexpr int64_t kINT64 = 7;
 constexpr int64_t kPANEL_WIDTH = 16;  // plugins/ortDecodeAttention/panelMatMul.h
@@ -477,24 +480,68 @@ std::map<std::string, Initializer> initializers(Graph const& g)
     return out;
 }
 
-bool hasNodeOf(Graph const& g, char const* op)
+//! decode_attention._q4_shape: (K, N, block size) of a MatMulNBits node that PanelMatMulQ4 computes as specified
+//! (com.microsoft, 4 bits, accuracy level 0, no zero points / g_idx / bias, constant uint8 weights [N, K/block,
+//! block/2] and fp32 scales of N * K/block values, N % 16 == 0) -> else nothing
+std::optional<std::array<int64_t, 3>> q4Shape(Message const& node, std::map<std::string, Initializer> const& inits)
 {
-    for (Message const& n : g.nodes)
+    std::vector<std::string> const in = stringsOf(node, kNODE_INPUT);
+    if (opType(node) != "MatMulNBits" || stringOf(node, kNODE_DOMAIN) != "com.microsoft" || in.size() < 3)
     {
-        if (opType(n) == op)
+        return std::nullopt;
+    }
+    for (size_t i = 3; i < in.size(); ++i)
+    {
+        if (!in[i].empty())
         {
-            return true;
+            return std::nullopt;
         }
     }
-    return false;
+    std::map<std::string, Attr> const a = attributesOf(node);
+    auto const get = [&](char const* k, int64_t otherwise) {
+        auto const it = a.find(k);
+        return it == a.end() ? otherwise : it->second.i;
+    };
+    int64_t const K = get("K", 0);
+    int64_t const N = get("N", 0);
+    int64_t const block = get("block_size", 0);
+    auto const b = inits.find(in[1]);
+    auto const s = inits.find(in[2]);
+    if (get("bits", 4) != 4 || get("accuracy_level", 0) != 0 || b == inits.end() || s == inits.end()
+        || b->second.type != kUINT8 || s->second.type != kFLOAT || block < 2 || block % 2 != 0 || K % block != 0
+        || N % kPANEL_WIDTH != 0 || b->second.dims != std::vector<int64_t>{N, K / block, block / 2})
+    {
+        return std::nullopt;
+    }
+    int64_t scales = 1;
+    for (int64_t d : s->second.dims)
+    {
+        scales *= d;
+    }
+    if (scales != N * (K / block))
+    {
+        return std::nullopt;
+    }
+    return std::array<int64_t, 3>{K, N, block};
 }
 
-//! _swap_matmuls over the graph (MatMul by a constant fp32 [K, N], N % 16 == 0) -> the number swapped
-int swapInGraph(Graph& g)
+//! _swap_matmuls over the graph -> the number swapped: every MatMul by a constant fp32 [K, N] (N % 16 == 0) ->
+//! PanelMatMul, every exact int4 MatMulNBits (q4Shape) -> PanelMatMulQ4 over its packed weights and scales in
+//! panels of 16 columns; each counted into `swaps` when given
+int swapInGraph(Graph& g, PanelSwaps* swaps)
 {
     std::map<std::string, Initializer> const inits = initializers(g);
     std::vector<Message> nodes;
     int swapped = 0;
+    // constant `src` reshaped to `shape`, transposed by `perm` (nodes ONNX Runtime folds at load) -> `name`
+    auto const panels = [&](std::string const& name, std::string const& src, std::vector<int64_t> const& shape,
+                            std::vector<int64_t> const& perm) {
+        g.graph.push_back(int64Initializer(name + "_shape", shape));
+        nodes.push_back(makeNode("Reshape", {src, name + "_shape"}, {name + "_reshaped"}, name + "/reshape", ""));
+        nodes.push_back(makeNode("Transpose", {name + "_reshaped"}, {name}, name + "/transpose", "",
+            {intsAttribute("perm", perm)}));
+        return name;
+    };
     for (Message& node : g.nodes)
     {
         std::string name = stringOf(node, kNODE_NAME);
@@ -504,20 +551,37 @@ int swapInGraph(Graph& g)
         }
         std::vector<std::string> const in = stringsOf(node, kNODE_INPUT);
         auto const w = opType(node) == "MatMul" && in.size() == 2 ? inits.find(in[1]) : inits.end();
-        if (w == inits.end() || w->second.dims.size() != 2 || w->second.type != kFLOAT
-            || w->second.dims[1] % kPANEL_WIDTH != 0)
+        if (w != inits.end() && w->second.dims.size() == 2 && w->second.type == kFLOAT
+            && w->second.dims[1] % kPANEL_WIDTH == 0)
+        {
+            int64_t const K = w->second.dims[0];
+            int64_t const N = w->second.dims[1];
+            std::string const packed = panels(name + "/panels", in[1], {K, N / kPANEL_WIDTH, kPANEL_WIDTH}, {1, 0, 2});
+            nodes.push_back(makeNode("PanelMatMul", {in[0], packed}, stringsOf(node, kNODE_OUTPUT), name, kOP_DOMAIN));
+            if (swaps != nullptr)
+            {
+                ++swaps->fp32;
+            }
+        }
+        else if (std::optional<std::array<int64_t, 3>> const q4 = q4Shape(node, inits))
+        {
+            auto const [K, N, block] = *q4;
+            // [N, ...] -> [N/16, 16, cols] -> [N/16, cols, 16]
+            std::string const packed = panels(name + "/q4_panels", in[1], {N / kPANEL_WIDTH, kPANEL_WIDTH, K / 2}, {0, 2, 1});
+            std::string const scales
+                = panels(name + "/q4_scales", in[2], {N / kPANEL_WIDTH, kPANEL_WIDTH, K / block}, {0, 2, 1});
+            nodes.push_back(
+                makeNode("PanelMatMulQ4", {in[0], packed, scales}, stringsOf(node, kNODE_OUTPUT), name, kOP_DOMAIN));
+            if (swaps != nullptr)
+            {
+                ++swaps->int4;
+            }
+        }
+        else
         {
             nodes.push_back(std::move(node));
             continue;
         }
-        int64_t const K = w->second.dims[0];
-        int64_t const N = w->second.dims[1];
-        std::string const packed = name + "/panels";
-        g.graph.push_back(int64Initializer(packed + "_shape", {K, N / kPANEL_WIDTH, kPANEL_WIDTH}));
-        nodes.push_back(makeNode("Reshape", {in[1], packed + "_shape"}, {packed + "_reshaped"}, packed + "/reshape", ""));
-        nodes.push_back(makeNode("Transpose", {packed + "_reshaped"}, {packed}, packed + "/transpose", "",
-            {intsAttribute("perm", {1, 0, 2})}));
-        nodes.push_back(makeNode("PanelMatMul", {in[0], packed}, stringsOf(node, kNODE_OUTPUT), name, kOP_DOMAIN));
         ++swapped;
     }
     g.nodes = std::move(nodes);
@@ -526,13 +590,9 @@ int swapInGraph(Graph& g)
 
 } // namespace
 
-std::string rewriteTarget(std::string const& model, bool panels)
+std::string rewriteTarget(std::string const& model, bool panels, PanelSwaps* swaps)
 {
     Graph g = open(model);
-    if (hasNodeOf(g, "MatMulNBits"))
-    {
-        return "";  // int4 weights: PanelMatMulQ4 is not made here (see the header)
-    }
     // past_key_values inputs must be fp32
     bool kvFloat = false;
     bool kvSeen = false;
@@ -673,15 +733,15 @@ std::string rewriteTarget(std::string const& model, bool panels)
     g.graph.push_back(valueInfo("logits_index", kINT64, {"batch", "logits_rows", "1"}));
     if (panels)
     {
-        swapInGraph(g);
+        swapInGraph(g, swaps);
     }
     return close(g);
 }
 
-std::string swapMatMuls(std::string const& model)
+std::string swapMatMuls(std::string const& model, PanelSwaps* swaps)
 {
     Graph g = open(model);
-    if (swapInGraph(g) == 0)
+    if (swapInGraph(g, swaps) == 0)
     {
         return "";
     }

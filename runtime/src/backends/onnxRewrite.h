@@ -7,19 +7,30 @@
 //!   rewriteTarget   target_ort.onnx: each GroupQueryAttention -> dflash2.DecodeAttention (+ the graph input
 //!                   past_seqlens [batch] int32), the LM head's input gathered by logits_index [batch, rows, 1] int64,
 //!                   and with `panels` every MatMul by a constant fp32 weight [K, N] (N % 16 == 0) ->
-//!                   dflash2.PanelMatMul over the weight reshaped [K, N/16, 16] and transposed to [N/16, K, 16]
+//!                   dflash2.PanelMatMul over the weight reshaped [K, N/16, 16] and transposed to [N/16, K, 16], and
+//!                   every exact int4 MatMulNBits (4 bits, accuracy level 0, symmetric, N % 16 == 0: an --quantize
+//!                   int4 graph) -> dflash2.PanelMatMulQ4 over its packed weights [N, K/2] and scales [N, K/block]
+//!                   reshaped [N/16, 16, cols] and transposed to [N/16, cols, 16]
 //!   swapMatMuls     a drafter graph's MatMuls as above (prepare_panels)
 //!
 //! Both return the serialized model, or "" where Python's returns None (the graph cannot take the op, nothing to
-//! swap). The int4 MatMulNBits swap (PanelMatMulQ4) is not made here: such a graph keeps ORT's MatMulNBits.
+//! swap), and add the nodes they swapped to `swaps` when given.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace dflash2
 {
 
-std::string rewriteTarget(std::string const& model, bool panels);
-std::string swapMatMuls(std::string const& model);
+//! The MatMul nodes a rewrite swapped: for PanelMatMul (fp32 weights) and for PanelMatMulQ4 (int4 weights)
+struct PanelSwaps
+{
+    int32_t fp32{0};
+    int32_t int4{0};
+};
+
+std::string rewriteTarget(std::string const& model, bool panels, PanelSwaps* swaps = nullptr);
+std::string swapMatMuls(std::string const& model, PanelSwaps* swaps = nullptr);
 
 } // namespace dflash2

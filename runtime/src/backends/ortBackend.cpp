@@ -140,18 +140,31 @@ int32_t grownCapacity(int32_t n, int32_t capacity, int32_t step, int32_t maxCapa
     return std::min(maxCapacity, (n + step - 1) / step * step);
 }
 
-//! kv.KVBuffer: K/V of one sequence, 2 buffers per layer [1, heads, capacity, dim] fp32. Slots 0..length-1 hold
-//! positions 0..length-1; the others are stale (masked or past the attention's length). Growing copies the held
-//! positions into zeroed buffers (as the Python buffer does); cropping only lowers the length.
+//! Bytes of one element of a tensor type the graphs exchange in floating point (fp32, or an fp16 export's fp16).
+size_t elementBytes(ONNXTensorElementDataType type)
+{
+    return type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 2 : 4;
+}
+
+//! kv.KVBuffer: K/V of one sequence, 2 buffers per layer [1, heads, capacity, dim] of the graph's element type (fp32,
+//! fp16: elem bytes each). Slots 0..length-1 hold positions 0..length-1; the others are stale (masked or past the
+//! attention's length). Growing copies the held positions into zeroed buffers (as the Python buffer does); cropping
+//! only lowers the length.
 struct HostKV
 {
-    HostKV(int32_t layers, int32_t heads_, int32_t dim_, int32_t step_, int32_t maxLength)
+    HostKV(int32_t layers, int32_t heads_, int32_t dim_, int32_t step_, int32_t maxLength, size_t elem_)
         : count(2 * layers)
         , heads(heads_)
         , dim(dim_)
         , step(std::max(1, step_))
         , maxCapacity((maxLength + std::max(1, step_) - 1) / std::max(1, step_) * std::max(1, step_))
+        , elem(elem_)
     {
+    }
+    //! bytes of one position of one head
+    size_t rowBytes() const
+    {
+        return static_cast<size_t>(dim) * elem;
     }
     //! room for n positions -> whether the buffers were reallocated (bindings over them are then stale)
     bool reserve(int32_t n)
@@ -161,15 +174,15 @@ struct HostKV
         {
             return false;
         }
-        size_t const d = static_cast<size_t>(dim);
-        std::vector<std::vector<float>> grown(static_cast<size_t>(count));
+        size_t const rb = rowBytes();
+        std::vector<std::vector<char>> grown(static_cast<size_t>(count));
         for (size_t a = 0; a < grown.size(); ++a)
         {
-            grown[a].assign(static_cast<size_t>(heads) * static_cast<size_t>(cap) * d, 0.0F);
+            grown[a].assign(static_cast<size_t>(heads) * static_cast<size_t>(cap) * rb, 0);
             for (size_t h = 0; h < static_cast<size_t>(heads) && !arrays.empty(); ++h)
             {
-                std::copy_n(arrays[a].begin() + static_cast<long>(h * static_cast<size_t>(capacity) * d),
-                    static_cast<size_t>(length) * d, grown[a].begin() + static_cast<long>(h * static_cast<size_t>(cap) * d));
+                std::memcpy(grown[a].data() + h * static_cast<size_t>(cap) * rb,
+                    arrays[a].data() + h * static_cast<size_t>(capacity) * rb, static_cast<size_t>(length) * rb);
             }
         }
         arrays = std::move(grown);
@@ -177,16 +190,16 @@ struct HostKV
         return true;
     }
     //! rows [count][heads, m, dim] -> slots length..length+m-1
-    void append(std::vector<std::vector<float>> const& rows, int32_t m)
+    void append(std::vector<std::vector<char>> const& rows, int32_t m)
     {
         reserve(length + m);
-        size_t const d = static_cast<size_t>(dim);
+        size_t const rb = rowBytes();
         for (size_t a = 0; a < arrays.size(); ++a)
         {
             for (size_t h = 0; h < static_cast<size_t>(heads); ++h)
             {
-                std::copy_n(rows[a].begin() + static_cast<long>(h * static_cast<size_t>(m) * d), static_cast<size_t>(m) * d,
-                    arrays[a].begin() + static_cast<long>((h * static_cast<size_t>(capacity) + static_cast<size_t>(length)) * d));
+                std::memcpy(arrays[a].data() + (h * static_cast<size_t>(capacity) + static_cast<size_t>(length)) * rb,
+                    rows[a].data() + h * static_cast<size_t>(m) * rb, static_cast<size_t>(m) * rb);
             }
         }
         length += m;
@@ -207,9 +220,10 @@ struct HostKV
     int32_t dim;
     int32_t step;
     int32_t maxCapacity;
+    size_t elem;  //!< bytes per element
     int32_t length{0};
     int32_t capacity{0};
-    std::vector<std::vector<float>> arrays;
+    std::vector<std::vector<char>> arrays;
 };
 
 //! linear_state.LinearStates of one sequence over host buffers (core/linearState.h): per linear layer the window and
@@ -348,6 +362,7 @@ struct Graph
         inputs = std::move(o.inputs);
         outputs = std::move(o.outputs);
         shapes = std::move(o.shapes);
+        types = std::move(o.types);
         return *this;
     }
     Graph(Graph const&) = delete;
@@ -367,6 +382,7 @@ struct Graph
     std::vector<std::string> inputs;
     std::vector<std::string> outputs;
     std::map<std::string, std::vector<int64_t>> shapes;  //!< tensor name -> dims (-1: symbolic)
+    std::map<std::string, ONNXTensorElementDataType> types;  //!< tensor name -> element type
 
     bool hasInput(std::string const& name) const
     {
@@ -415,15 +431,16 @@ public:
         , mDir(dir)
     {
         std::string const mode = o.getString("draft_mode", "greedy");
-        if (mode == "independent")
+        mIndependent = mode == "independent";
+        if (m.dtype == "bf16")
         {
-            throw Error(DFL2_ERR_UNAVAILABLE, "draft_mode 'independent' is not run by libdflash2's ONNX Runtime "
-                "backend (its sampling is numpy's float32 arithmetic); use 'greedy' or 'viterbi'");
+            throw Error(DFL2_ERR_UNAVAILABLE, dir + " is a bf16 export: ONNX Runtime's CPU provider has no bf16 kernels, "
+                "so neither libdflash2 nor the Python runtime runs it with ONNX Runtime (export --dtype fp32 or fp16)");
         }
-        if (m.dtype != "fp32")
+        if (m.dtype != "fp32" && !m.kvOnly())
         {
-            throw Error(DFL2_ERR_UNAVAILABLE, "libdflash2's ONNX Runtime backend runs fp32 exports; " + dir + " is "
-                + m.dtype + " (export with --dtype fp32)");
+            throw Error(DFL2_ERR_UNAVAILABLE, dir + " is a " + m.dtype + " export of a target with linear or sliding "
+                "layers: libdflash2's ONNX Runtime backend runs those in fp32 only (export --dtype fp32)");
         }
         OrtLibrary const& lib = openOrtLibrary(o.getString("ort_library", ""));
         mApi = lib.api;
@@ -443,7 +460,8 @@ public:
         mTarget = open(mFused ? "target_ort" : "target", spin, kTARGET);
         mContext = open(variant("drafter_context"), false, kDRAFTER);
         mBlock = open(libraryGraph("drafter_block_layers", "drafter_block"), false, kDRAFTER);
-        mHead = open(libraryGraph(headKey(mode, true), headKey(mode, false)), false, kDRAFTER);
+        mHead = open(mIndependent ? variant(headKey(mode, false)) : libraryGraph(headKey(mode, true), headKey(mode, false)),
+            false, kDRAFTER);
 
         backend = "onnxruntime";
         vocabSize = m.vocabSize;
@@ -456,9 +474,14 @@ public:
             + mTarget.file + " + " + mContext.file + ", " + mBlock.file + ", " + mHead.file + ", attention "
             + (mRewritten ? "DecodeAttention" : "GroupQueryAttention") + (mPanels && mRewritten ? " + PanelMatMul" : "")
             + (mOps.empty() ? ", no op library" : ", op library " + mOps) + ", intra-op threads "
-            + (mThreads > 0 ? std::to_string(mThreads) : std::string("ONNX Runtime's default"));
+            + (mThreads > 0 ? std::to_string(mThreads) : std::string("ONNX Runtime's default"))
+            + (mSwaps.fp32 + mSwaps.int4 > 0 ? ", panels " + std::to_string(mSwaps.fp32) + " PanelMatMul + "
+                      + std::to_string(mSwaps.int4) + " PanelMatMulQ4"
+                                             : std::string())
+            + (m.dtype != "fp32" ? ", " + m.dtype + " caches" : std::string());
         mFeatureDim = static_cast<int32_t>(featureDim());
         checkInterface();
+        checkTypes();
     }
     std::unique_ptr<Runners> newRunners() override;
     std::unique_ptr<BatchRunners> newBatchRunners(int32_t slots) override;
@@ -505,6 +528,29 @@ public:
     Graph const& head() const
     {
         return mHead;
+    }
+    //! the head is drafter_head_independent (each row's logits; no selector)
+    bool independent() const
+    {
+        return mIndependent;
+    }
+    //! element types of the target's KV, its context features, the drafter's context K/V and the block's hidden
+    //! states: fp32, or fp16 in an fp16 export (the Python backend's be.dtype)
+    ONNXTensorElementDataType targetKvType() const
+    {
+        return mTargetKvType;
+    }
+    ONNXTensorElementDataType featureType() const
+    {
+        return mFeatureType;
+    }
+    ONNXTensorElementDataType drafterKvType() const
+    {
+        return mDrafterKvType;
+    }
+    ONNXTensorElementDataType hiddenType() const
+    {
+        return mHiddenType;
     }
 
     static constexpr int32_t kMAX_BATCH = 16;
@@ -564,7 +610,7 @@ private:
             if (!mOps.empty() && (kind == kTARGET || mPanels))
             {
                 std::string const model = readFile(path);
-                bytes = kind == kTARGET ? rewriteTarget(model, mPanels) : swapMatMuls(model);
+                bytes = kind == kTARGET ? rewriteTarget(model, mPanels, &mSwaps) : swapMatMuls(model, &mSwaps);
                 library = library || !bytes.empty();
                 mRewritten = mRewritten || (kind == kTARGET && !bytes.empty());
             }
@@ -618,8 +664,10 @@ private:
                     "SessionGet*TypeInfo");
                 OrtTensorTypeAndShapeInfo const* info = nullptr;
                 std::vector<int64_t> dims;
+                ONNXTensorElementDataType elem = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
                 if (mApi->CastTypeInfoToTensorInfo(type, &info) == nullptr && info != nullptr)
                 {
+                    ortCheck(mApi, mApi->GetTensorElementType(info, &elem), "GetTensorElementType");
                     size_t rank = 0;
                     ortCheck(mApi, mApi->GetDimensionsCount(info, &rank), "GetDimensionsCount");
                     dims.resize(rank);
@@ -628,6 +676,7 @@ private:
                 mApi->ReleaseTypeInfo(type);
                 (input ? g.inputs : g.outputs).push_back(s);
                 g.shapes[s] = dims;
+                g.types[s] = elem;
             }
         }
     }
@@ -708,9 +757,64 @@ private:
         need(mBlock, "context_mask", {-1, -1});
         need(mBlock, "hidden", {-1, m.blockSize, -1});
         need(mHead, "hidden", {-1, m.blockSize, -1});
+        if (mIndependent)
+        {
+            need(mHead, "logits", {-1, L, m.vocabSize});
+            return;
+        }
         need(mHead, "cand_ids", {-1, L, m.topK});
         need(mHead, "path_ids", {-1, L});
         need(mHead, "proposal_probs", {-1, L, -1});
+    }
+
+    //! The element types this backend exchanges with the graphs: logits and proposals fp32; the target's KV, the
+    //! features, the drafter's context K/V and the hidden states fp32 or fp16, each the same on both sides of a
+    //! graph boundary (the Python backend feeds one graph's outputs to the next as they are).
+    void checkTypes()
+    {
+        auto typeOf = [](Graph const& g, std::string const& name) {
+            auto const it = g.types.find(name);
+            return it == g.types.end() ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : it->second;
+        };
+        auto refuse = [](Graph const& g, std::string const& name, char const* want) {
+            return Error(DFL2_ERR_UNAVAILABLE, g.file + ": tensor '" + name + "' is not " + want
+                + ", which libdflash2's ONNX Runtime backend needs there");
+        };
+        auto same = [&](std::vector<std::pair<Graph const*, std::string>> const& uses, bool fp16) {
+            ONNXTensorElementDataType const t = typeOf(*uses[0].first, uses[0].second);
+            bool const ok = t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || (fp16 && t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16);
+            for (auto const& [g, name] : uses)
+            {
+                if (!ok || typeOf(*g, name) != t)
+                {
+                    throw refuse(*g, name, fp16 ? "fp32 or fp16 like the tensors it meets" : "fp32");
+                }
+            }
+            return t;
+        };
+        Manifest const& m = mManifest;
+        bool const fp16 = m.kvOnly();  // a target with linear or sliding layers: fp32 throughout
+        std::vector<std::pair<Graph const*, std::string>> kv;
+        for (std::string const& n : targetKvNames(m, "past_key_values"))
+        {
+            kv.emplace_back(&mTarget, n);
+        }
+        for (std::string const& n : targetKvNames(m, "present"))
+        {
+            kv.emplace_back(&mTarget, n);
+        }
+        mTargetKvType = kv.empty() ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : same(kv, fp16);
+        mFeatureType = same({{&mTarget, "context_features"}, {&mContext, "context_features"}}, fp16);
+        std::vector<std::pair<Graph const*, std::string>> ctx;
+        for (std::string const& n : kvNames(m.drafterLayers, "context"))
+        {
+            ctx.emplace_back(&mContext, n);
+            ctx.emplace_back(&mBlock, n);
+        }
+        mDrafterKvType = same(ctx, true);
+        mHiddenType = same({{&mBlock, "hidden"}, {&mHead, "hidden"}}, true);
+        same({{&mTarget, "logits"}}, false);
+        same({{&mHead, mIndependent ? "logits" : "proposal_probs"}}, false);
     }
 
     //! a hybrid target's state tensors: per linear layer the window, recurrent state and their outputs, and state_rows
@@ -756,6 +860,12 @@ private:
     std::string mOps;  //!< the custom-op library in use ("" none)
     bool mPanels{false};
     bool mRewritten{false};
+    PanelSwaps mSwaps;  //!< the MatMuls the rewrites swapped for the op library's panel kernels
+    bool mIndependent{false};
+    ONNXTensorElementDataType mTargetKvType{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+    ONNXTensorElementDataType mFeatureType{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+    ONNXTensorElementDataType mDrafterKvType{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+    ONNXTensorElementDataType mHiddenType{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
     int32_t mFeatureDim{0};
     Graph mTarget;
     Graph mContext;
@@ -771,9 +881,10 @@ public:
         : mM(model)
         , mApi(model.api())
         , mTkv(model.manifest().kvLayers(), model.manifest().targetKvHeads, model.manifest().targetHeadDim,
-              model.manifest().kvCapacityStep, model.manifest().maxSeqLen)
+              model.manifest().kvCapacityStep, model.manifest().maxSeqLen, elementBytes(model.targetKvType()))
         , mDkv(model.manifest().drafterLayers, model.manifest().drafterKvHeads, model.manifest().drafterHeadDim,
-              model.manifest().kvCapacityStep, model.manifest().maxSeqLen)
+              model.manifest().kvCapacityStep, model.manifest().maxSeqLen, elementBytes(model.drafterKvType()))
+        , mFeatureBytes(elementBytes(model.featureType()))
         , mPastNames(targetKvNames(model.manifest(), "past_key_values"))
         , mPresentNames(targetKvNames(model.manifest(), "present"))
         , mContextNames(kvNames(model.manifest().drafterLayers, "context"))
@@ -849,7 +960,7 @@ public:
         }
         int32_t const len = mTkv.length;
         logits.resize(static_cast<size_t>(n) * static_cast<size_t>(V));
-        mFeatures.resize(static_cast<size_t>(n) * F);
+        mFeatures.resize(static_cast<size_t>(n) * F * mFeatureBytes);
         mFeatureRows = 0;
         if (!mM.manifest().kvOnly())
         {
@@ -861,8 +972,7 @@ public:
         std::vector<int64_t> const idsShape{1, n};
         OrtTensor idsT(mApi, mIds.data(), mIds.size() * sizeof(int64_t), idsShape, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
         OrtTensor logitsT(mApi, logits.data(), logits.size() * sizeof(float), {1, n, V}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-        OrtTensor featT(mApi, mFeatures.data(), mFeatures.size() * sizeof(float), {1, n, static_cast<int64_t>(F)},
-            ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        OrtTensor featT(mApi, mFeatures.data(), mFeatures.size(), {1, n, static_cast<int64_t>(F)}, mM.featureType());
         if (mM.fused())
         {
             // GroupQueryAttention over the shared buffers: the valid length of each call is seqlens_k + 1
@@ -935,7 +1045,8 @@ public:
         {
             throw Error(DFL2_ERR_INTERNAL, "drafter context asks for more rows than the last target forward made");
         }
-        mPending.insert(mPending.end(), mFeatures.begin(), mFeatures.begin() + static_cast<long>(rows) * mM.fdim());
+        mPending.insert(mPending.end(), mFeatures.begin(),
+            mFeatures.begin() + static_cast<long>(rows) * mM.fdim() * static_cast<long>(mFeatureBytes));
         mPendingRows += rows;
     }
 
@@ -954,17 +1065,15 @@ public:
         {
             pos[static_cast<size_t>(i)] = start + i;
         }
-        size_t const per = static_cast<size_t>(man.drafterKvHeads) * static_cast<size_t>(m)
-            * static_cast<size_t>(man.drafterHeadDim);
-        std::vector<std::vector<float>> rows(static_cast<size_t>(mDkv.count), std::vector<float>(per));
-        OrtTensor featT(mApi, mPending.data(), mPending.size() * sizeof(float), {1, m, mM.fdim()},
-            ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        size_t const per = static_cast<size_t>(man.drafterKvHeads) * static_cast<size_t>(m) * mDkv.rowBytes();
+        std::vector<std::vector<char>> rows(static_cast<size_t>(mDkv.count), std::vector<char>(per));
+        OrtTensor featT(mApi, mPending.data(), mPending.size(), {1, m, mM.fdim()}, mM.featureType());
         OrtTensor posT(mApi, pos.data(), pos.size() * sizeof(int64_t), {1, m}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
         std::vector<OrtTensor> outs;
         for (auto& r : rows)
         {
-            outs.emplace_back(mApi, r.data(), r.size() * sizeof(float),
-                std::vector<int64_t>{1, man.drafterKvHeads, m, man.drafterHeadDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            outs.emplace_back(mApi, r.data(), r.size(), std::vector<int64_t>{1, man.drafterKvHeads, m, man.drafterHeadDim},
+                mM.drafterKvType());
         }
         run(mM.context(), {"context_features", "position_ids"}, {featT.get(), posT.get()}, mContextNames, outs);
         mDkv.append(rows, m);
@@ -989,8 +1098,7 @@ public:
             mCtxValues.clear();
             for (auto& a : mDkv.arrays)
             {
-                mCtxValues.emplace_back(mApi, a.data(), a.size() * sizeof(float), mDkv.shape(),
-                    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+                mCtxValues.emplace_back(mApi, a.data(), a.size(), mDkv.shape(), mM.drafterKvType());
             }
         }
         int32_t const bs = man.blockSize;
@@ -1001,7 +1109,8 @@ public:
         int64_t anchorId = anchor;
         int64_t anchorPos = pos;
         std::vector<int64_t> mask = mDkv.validMask();
-        mHidden.assign(static_cast<size_t>(bs) * static_cast<size_t>(H), 0.0F);
+        size_t const hb = elementBytes(mM.hiddenType());
+        mHidden.assign(static_cast<size_t>(bs) * static_cast<size_t>(H) * hb, 0);
         {
             OrtTensor a(mApi, &anchorId, sizeof(int64_t), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
             OrtTensor p(mApi, &anchorPos, sizeof(int64_t), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
@@ -1015,12 +1124,23 @@ public:
                 values.push_back(mCtxValues[i].get());
             }
             std::vector<OrtTensor> outs;
-            outs.emplace_back(mApi, mHidden.data(), mHidden.size() * sizeof(float), std::vector<int64_t>{1, bs, H},
-                ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            outs.emplace_back(mApi, mHidden.data(), mHidden.size(), std::vector<int64_t>{1, bs, H}, mM.hiddenType());
             run(mM.block(), names, values, {"hidden"}, outs);
         }
-        // a final partial block: the path over the verified rows alone
-        std::fill(mHidden.begin() + static_cast<long>((1 + rows) * H), mHidden.end(), 0.0F);
+        // a final partial block: the path over the verified rows alone (zero bits: 0.0 in fp32 and fp16)
+        std::fill(mHidden.begin() + static_cast<long>(static_cast<size_t>((1 + rows) * H) * hb), mHidden.end(), 0);
+        OrtTensor h(mApi, mHidden.data(), mHidden.size(), {1, bs, H}, mM.hiddenType());
+        if (mM.independent())  // no selector: each row's logits [L, V], then protocol.independent_draft
+        {
+            int32_t const V = mM.vocabSize;
+            mHeadLogits.resize(static_cast<size_t>(L) * static_cast<size_t>(V));
+            std::vector<OrtTensor> outs;
+            outs.emplace_back(mApi, mHeadLogits.data(), mHeadLogits.size() * sizeof(float), std::vector<int64_t>{1, L, V},
+                ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            run(mM.head(), {"hidden"}, {h.get()}, {"logits"}, outs);
+            independentDraft(mHeadLogits.data(), L, V, temperature, uniforms, K, out);
+            return;
+        }
         int32_t anchor32 = anchor;
         float temp = temperature;
         std::vector<float> u(static_cast<size_t>(L), 0.0F);
@@ -1033,7 +1153,6 @@ public:
         out.proposal.assign(static_cast<size_t>(L) * static_cast<size_t>(K), 0.0F);
         out.vocabProposal.clear();
         out.hasVocabProposal = false;
-        OrtTensor h(mApi, mHidden.data(), mHidden.size() * sizeof(float), {1, bs, H}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
         OrtTensor a(mApi, &anchor32, sizeof(int32_t), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
         OrtTensor t(mApi, &temp, sizeof(float), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
         OrtTensor uT(mApi, u.data(), u.size() * sizeof(float), {1, L}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
@@ -1113,7 +1232,8 @@ private:
         for (int32_t a = 0; a < n; a += step)
         {
             int32_t const S = std::min(step, n - a);
-            stateTargetCall(a, S, everyRow, logits + static_cast<size_t>(a) * V, mFeatures.data() + static_cast<size_t>(a) * F);
+            stateTargetCall(a, S, everyRow, logits + static_cast<size_t>(a) * V,
+                mFeatures.data() + static_cast<size_t>(a) * F * mFeatureBytes);
         }
     }
 
@@ -1121,7 +1241,7 @@ private:
     //! + validity mask, every sliding layer's ring + the window positions and every linear layer's state in; the
     //! new rows' K/V (appended to the buffers, written into the rings), the convolution inputs and the asked rows'
     //! recurrent states out (HostLinearState.called keeps the state after the rows)
-    void stateTargetCall(int32_t a, int32_t S, bool everyRow, float* logits, float* feats)
+    void stateTargetCall(int32_t a, int32_t S, bool everyRow, float* logits, char* feats)
     {
         Manifest const& man = mM.manifest();
         LinearStateSpec const& ls = man.linearState;
@@ -1133,8 +1253,7 @@ private:
             mPastValues.clear();
             for (auto& arr : mTkv.arrays)
             {
-                mPastValues.emplace_back(mApi, arr.data(), arr.size() * sizeof(float), mTkv.shape(),
-                    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+                mPastValues.emplace_back(mApi, arr.data(), arr.size(), mTkv.shape(), mM.targetKvType());
             }
         }
         int32_t const C = mTkv.capacity;
@@ -1163,8 +1282,8 @@ private:
         size_t const fixedIn = mCallInNames.size() - 2 * static_cast<size_t>(man.targetLayers);
         OrtTensor const logitsT(mApi, logits, static_cast<size_t>(S) * static_cast<size_t>(V) * sizeof(float), {1, S, V},
             ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-        OrtTensor const featT(mApi, feats, static_cast<size_t>(S) * static_cast<size_t>(F) * sizeof(float), {1, S, F},
-            ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        OrtTensor const featT(mApi, feats, static_cast<size_t>(S) * static_cast<size_t>(F) * mFeatureBytes, {1, S, F},
+            mM.featureType());
         mCallInValues[0] = idsT.get();
         mCallInValues[1] = posT.get();
         mCallInValues[2] = maskT.get();
@@ -1217,9 +1336,9 @@ private:
             for (size_t k = 0; k < 2; ++k, ++kv)
             {
                 mCallInValues[at + k] = mPastValues[kv].get();
-                mKvRows[kv].resize(per);
-                mCallOutTensors.emplace_back(mApi, mKvRows[kv].data(), per * sizeof(float),
-                    std::vector<int64_t>{1, man.targetKvHeads, S, man.targetHeadDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+                mKvRows[kv].resize(per * mTkv.elem);
+                mCallOutTensors.emplace_back(mApi, mKvRows[kv].data(), per * mTkv.elem,
+                    std::vector<int64_t>{1, man.targetKvHeads, S, man.targetHeadDim}, mM.targetKvType());
                 mCallOutValues[out + k] = mCallOutTensors.back().get();
             }
         }
@@ -1245,7 +1364,7 @@ private:
         for (size_t i = 0; i < mTkv.arrays.size(); ++i)
         {
             auto& a = mTkv.arrays[i];
-            mKvValues.emplace_back(mApi, a.data(), a.size() * sizeof(float), mTkv.shape(), ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            mKvValues.emplace_back(mApi, a.data(), a.size(), mTkv.shape(), mM.targetKvType());
             ortCheck(mApi, mApi->BindInput(mBinding, mPastNames[i].c_str(), mKvValues.back().get()), "BindInput past");
             ortCheck(mApi, mApi->BindOutput(mBinding, mPresentNames[i].c_str(), mKvValues.back().get()), "BindOutput present");
         }
@@ -1270,20 +1389,19 @@ private:
         std::vector<OrtTensor> past;
         for (size_t i = 0; i < mTkv.arrays.size(); ++i)
         {
-            past.emplace_back(mApi, mTkv.arrays[i].data(), mTkv.arrays[i].size() * sizeof(float), mTkv.shape(),
-                ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            past.emplace_back(mApi, mTkv.arrays[i].data(), mTkv.arrays[i].size(), mTkv.shape(), mM.targetKvType());
             names.push_back(mPastNames[i]);
             values.push_back(past.back().get());
         }
-        size_t const per = static_cast<size_t>(man.targetKvHeads) * static_cast<size_t>(n) * static_cast<size_t>(man.targetHeadDim);
-        std::vector<std::vector<float>> rows(mTkv.arrays.size(), std::vector<float>(per));
+        size_t const per = static_cast<size_t>(man.targetKvHeads) * static_cast<size_t>(n) * mTkv.rowBytes();
+        std::vector<std::vector<char>> rows(mTkv.arrays.size(), std::vector<char>(per));
         std::vector<std::string> outNames{"logits", "context_features"};
         std::vector<OrtValue*> outValues{logitsT.get(), featT.get()};
         std::vector<OrtTensor> presents;
         for (size_t i = 0; i < rows.size(); ++i)
         {
-            presents.emplace_back(mApi, rows[i].data(), rows[i].size() * sizeof(float),
-                std::vector<int64_t>{1, man.targetKvHeads, n, man.targetHeadDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            presents.emplace_back(mApi, rows[i].data(), rows[i].size(),
+                std::vector<int64_t>{1, man.targetKvHeads, n, man.targetHeadDim}, mM.targetKvType());
             outNames.push_back(mPresentNames[i]);
             outValues.push_back(presents.back().get());
         }
@@ -1319,6 +1437,7 @@ private:
     OrtApi const* mApi;
     HostKV mTkv;
     HostKV mDkv;
+    size_t mFeatureBytes;  //!< bytes per feature (fp32, fp16)
     std::vector<std::string> mPastNames;
     std::vector<std::string> mPresentNames;
     std::vector<std::string> mContextNames;
@@ -1332,11 +1451,12 @@ private:
     int32_t mTotal{0};
     int32_t mPast{0};
     std::vector<int64_t> mRowsIndex;
-    std::vector<float> mFeatures;  //!< [rows, F] of the latest target forward
+    std::vector<char> mFeatures;   //!< [rows, F] of the latest target forward (the graph's element type)
     int32_t mFeatureRows{0};
-    std::vector<float> mPending;   //!< [rows, F] queued for the drafter
+    std::vector<char> mPending;    //!< [rows, F] queued for the drafter
     int32_t mPendingRows{0};
-    std::vector<float> mHidden;    //!< [bs, H] the block's output, the head's input
+    std::vector<char> mHidden;     //!< [bs, H] the block's output, the head's input (its element type)
+    std::vector<float> mHeadLogits;  //!< [L, V] the independent head's output
     // a hybrid target (setUpLinear): its linear layers' state and one call's inputs and outputs, made once
     std::unique_ptr<HostLinearState> mLinear;
     std::vector<OrtTensor> mLinearValues;  //!< per linear layer: window, recurrent (the state inputs)
@@ -1354,7 +1474,7 @@ private:
     std::vector<OrtValue const*> mCallInValues;
     std::vector<OrtValue*> mCallOutValues;
     std::vector<OrtTensor> mCallOutTensors;     //!< one call's output values (over the buffers below and mLinear's)
-    std::vector<std::vector<float>> mKvRows;    //!< per KV buffer: the call's new rows [heads, S, dim]
+    std::vector<std::vector<char>> mKvRows;     //!< per KV buffer: the call's new rows [heads, S, dim]
     std::vector<int64_t> mPos;
     std::vector<int64_t> mMask;
     std::vector<int64_t> mStateRows;

@@ -51,13 +51,18 @@ void SplitMixUniforms::draw(dfl2_uniform_use use, double* out, size_t n)
     }
 }
 
-// numpy's pairwise summation (umath loops_utils): blocks of 8 accumulators up to 128 elements, halves
-// (rounded to multiples of 8) above. Reproducing its grouping makes our float64 sums bit-equal to np.sum.
-double pairwiseSum(double const* a, size_t n)
+namespace
+{
+
+// numpy's pairwise summation (umath loops_utils) in the array's own type T (np.sum of a float32 row adds in
+// float32): blocks of 8 accumulators up to 128 elements, halves (rounded to multiples of 8) above. Reproducing its
+// grouping makes our sums bit-equal to np.sum.
+template <typename T>
+T pairwiseSumOf(T const* a, size_t n)
 {
     if (n < 8)
     {
-        double res = 0.0;
+        T res = 0;
         for (size_t i = 0; i < n; ++i)
         {
             res += a[i];
@@ -66,7 +71,7 @@ double pairwiseSum(double const* a, size_t n)
     }
     if (n <= 128)
     {
-        double r[8];
+        T r[8];
         for (size_t j = 0; j < 8; ++j)
         {
             r[j] = a[j];
@@ -79,7 +84,7 @@ double pairwiseSum(double const* a, size_t n)
                 r[j] += a[i + j];
             }
         }
-        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        T res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
         for (; i < n; ++i)
         {
             res += a[i];
@@ -88,7 +93,19 @@ double pairwiseSum(double const* a, size_t n)
     }
     size_t n2 = n / 2;
     n2 -= n2 % 8;
-    return pairwiseSum(a, n2) + pairwiseSum(a + n2, n - n2);
+    return pairwiseSumOf(a, n2) + pairwiseSumOf(a + n2, n - n2);
+}
+
+} // namespace
+
+double pairwiseSum(double const* a, size_t n)
+{
+    return pairwiseSumOf(a, n);
+}
+
+float pairwiseSum(float const* a, size_t n)
+{
+    return pairwiseSumOf(a, n);
 }
 
 // reference.softmax_t (one row)
@@ -141,6 +158,73 @@ int32_t argmaxRow(float const* row, size_t n)
         }
     }
     return static_cast<int32_t>(best);
+}
+
+// protocol.independent_draft, numpy's float32 arithmetic step by step (z = logits / float32(T), e = exp(z - max z),
+// q = e / pairwise sum(e), a sequential cumsum); exp is the C library's expf (see decoder.h)
+void independentDraft(
+    float const* logits, int32_t L, int32_t V, float temperature, float const* uniforms, int32_t topK, Draft& out)
+{
+    size_t const nV = static_cast<size_t>(V);
+    size_t const K = static_cast<size_t>(std::max(1, std::min(topK, V)));
+    out.tokens.assign(static_cast<size_t>(L), 0);
+    out.cand.assign(static_cast<size_t>(L) * K, 0);
+    out.proposal.assign(static_cast<size_t>(L) * K, 0.0F);
+    out.hasVocabProposal = temperature > 0;
+    out.vocabProposal.assign(out.hasVocabProposal ? static_cast<size_t>(L) * nV : 0, 0.0F);
+    std::vector<int32_t> order(nV);
+    std::vector<float> e(nV);
+    for (int32_t r = 0; r < L; ++r)
+    {
+        float const* row = logits + static_cast<size_t>(r) * nV;
+        // the row's top K by value descending, then index ascending
+        for (size_t v = 0; v < nV; ++v)
+        {
+            order[v] = static_cast<int32_t>(v);
+        }
+        std::partial_sort(order.begin(), order.begin() + static_cast<long>(K), order.end(), [row](int32_t a, int32_t b) {
+            return row[a] > row[b] || (row[a] == row[b] && a < b);
+        });
+        int32_t* cand = out.cand.data() + static_cast<size_t>(r) * K;
+        std::copy_n(order.begin(), K, cand);
+        float* proposal = out.proposal.data() + static_cast<size_t>(r) * K;
+        int32_t& token = out.tokens[static_cast<size_t>(r)];
+        if (!(temperature > 0))
+        {
+            token = argmaxRow(row, nV);
+            for (size_t k = 0; k < K; ++k)
+            {
+                proposal[k] = cand[k] == token ? 1.0F : 0.0F;
+            }
+            continue;
+        }
+        float m = -INFINITY;
+        for (size_t v = 0; v < nV; ++v)
+        {
+            e[v] = row[v] / temperature;
+            m = std::max(m, e[v]);
+        }
+        for (size_t v = 0; v < nV; ++v)
+        {
+            e[v] = std::exp(e[v] - m);
+        }
+        float const sum = pairwiseSum(e.data(), nV);
+        float* q = out.vocabProposal.data() + static_cast<size_t>(r) * nV;
+        float const u = uniforms[r];
+        float cdf = 0.0F;
+        int32_t below = 0;
+        for (size_t v = 0; v < nV; ++v)
+        {
+            q[v] = e[v] / sum;
+            cdf += q[v];
+            below += cdf <= u ? 1 : 0;
+        }
+        token = std::min(below, V - 1);
+        for (size_t k = 0; k < K; ++k)
+        {
+            proposal[k] = q[cand[k]];
+        }
+    }
 }
 
 // reference.accept_greedy

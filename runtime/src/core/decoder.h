@@ -167,12 +167,24 @@ using TokenSink = std::function<bool(int32_t const* tokens, size_t n)>;
 
 //! numpy's pairwise summation of float64 (np.sum / add.reduce over a contiguous row).
 double pairwiseSum(double const* a, size_t n);
+//! the same over float32, adding in float32 (np.sum of a float32 row)
+float pairwiseSum(float const* a, size_t n);
 //! softmax(logits / T) in float64: out [V]
 void softmaxT(float const* logits, size_t V, double temperature, double* out);
 //! numpy Generator.choice(n, p=p) with its one uniform u: cdf = cumsum(p) / cdf[-1], searchsorted right
 int32_t choiceIndex(double const* p, size_t n, double u);
 //! argmax with the lowest index among ties
 int32_t argmaxRow(float const* row, size_t n);
+//! protocol.independent_draft: the drafts of a head without a selector from its rows' logits [L, V]. T <= 0: each
+//! row's argmax (lowest index among ties), a one-hot proposal over its candidates. T > 0: each row samples
+//! softmax(logits / T), computed in float32 as numpy does (the same divisions, numpy's pairwise sum, a sequential
+//! cumsum), by inverse CDF with its uniform (uniforms [L]); the proposal is that softmax (vocabProposal [L, V]) and
+//! its values at the candidates. cand [L, K]: each row's top K by value descending, then index ascending (numpy's
+//! argpartition may take another of several values tied at the K-th place). One difference from numpy stays: exp
+//! is the C library's expf, numpy's float32 exp its own SIMD routine (within a few ulp of it), so q may differ in
+//! its last bits and a uniform within that distance of a cumsum step pick the neighbouring token.
+void independentDraft(
+    float const* logits, int32_t L, int32_t V, float temperature, float const* uniforms, int32_t topK, Draft& out);
 //! Greedy verification: drafts [n], logits [n + 1, V] -> (accepted, bonus)
 std::pair<int32_t, int32_t> acceptGreedy(int32_t const* drafts, int32_t n, float const* logits, size_t V);
 //! Rejection sampling: drafts [n], q [n, V], p [n + 1, V] (float64) -> (accepted, bonus)
