@@ -13,7 +13,12 @@ block, the decomposed selector head): sampled again on a few prompts.
 A hybrid export (test_capi's ``hybrid_export``: ``make-tiny --arch qwen3_5 --accepting``, Gated DeltaNet layers
 beside attention layers, manifest version 3): the library keeps and rolls back the linear layers' state, so greedy
 and T = 0.8 runs equal the Python runtime's with partial acceptances; its planted bug (no rollback) is caught; a
-batch equals its single runs; the example runs clean under ASan + UBSan.
+batch equals its single runs; the example runs clean under ASan + UBSan. Sliding-window exports (gpt-oss, Muse
+Glimmer) likewise, with their rings.
+
+Tiny int4 (``--quantize int4``) and fp16 (``--dtype fp16``) exports of the accepting llama pair, drafting with the
+greedy selector and with independent rows: greedy and T = 0.8 equal the Python runtime's, the int4 target rewritten
+with as many PanelMatMulQ4 nodes as the Python rewrite makes; a bf16 export is refused by both runtimes.
 """
 
 from __future__ import annotations
@@ -60,12 +65,15 @@ def _venv(monkeypatch):
     monkeypatch.delenv("ORT_LIBRARY", raising=False)
 
 
-def _load(export: Path, ops: str):  # noqa: ANN202
+def _load(export: Path, ops: str, env: dict | None = None, selectors: tuple[str, ...] = ("greedy",)):  # noqa: ANN202
+    """The Python runtime over ``export`` with $DFLASH2_ORT_OPS = ``ops`` (and ``env``) while its sessions open (the
+    drafter graphs of each of ``selectors``)."""
     import dflash2_trt
 
-    with mock.patch.dict(os.environ, {"DFLASH2_ORT_OPS": ops}):
+    with mock.patch.dict(os.environ, {"DFLASH2_ORT_OPS": ops, **(env or {})}):
         g = dflash2_trt.load(export, backend="ort", threads=THREADS)
-        g.generate([1, 2], max_new_tokens=2)  # the sessions open (and read the library's settings) here
+        for selector in selectors:  # the sessions open (and read the library's settings) here
+            g.generate([1, 2], max_new_tokens=2, selector=selector)
     return g
 
 
@@ -192,12 +200,14 @@ print(json.dumps(out))
 
 
 def _c_samples(build: Path, export: Path, prompts: list[list[int]], seeds: list[int], ops: str,
-               temperature: float = 0.8, max_new: int = MAX_NEW, env: dict | None = None) -> list[dict]:
+               temperature: float = 0.8, max_new: int = MAX_NEW, env: dict | None = None,
+               options: tuple[str, ...] = ()) -> list[dict]:
     """Each prompt at ``temperature`` through one dfl2_session of the C library with numpy's uniforms
-    (default_rng(seed)), in a process of its own (``env``: more of its environment) -> per request {tokens, accepted,
-    proposers}."""
+    (default_rng(seed)), in a process of its own (``env``: more of its environment; ``options``: more model and
+    session options) -> per request {tokens, accepted, proposers}."""
     req = {"lib": str(build / "lib" / "libdflash2.so"), "export": str(export), "prompts": prompts, "seeds": seeds,
-           "options": ["backend=ort", f"threads={THREADS}", f"max_new_tokens={max_new}", f"temperature={temperature}"]}
+           "options": ["backend=ort", f"threads={THREADS}", f"max_new_tokens={max_new}", f"temperature={temperature}",
+                       *options]}
     proc = subprocess.run([sys.executable, "-c", _SAMPLER], input=json.dumps(req), capture_output=True, text=True,
                           env={**os.environ, "DFLASH2_ORT_OPS": ops, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -371,14 +381,16 @@ def hybrid_prompts() -> list[list[int]]:
 
 
 def _hybrid_equal(build: Path, export: Path, py, prompts: list[list[int]], temperature: float,  # noqa: ANN001
-                  env: dict | None = None) -> tuple[int, list[int]]:
-    """The C library's and the Python runtime's runs (seeds 100 + i, no guard) -> (prompts whose ids differ, the
-    accepted drafts of every drafter cycle of the equal ones); ids, accepted drafts and proposers compared."""
+                  env: dict | None = None, ops: str = NO_LIBRARY, selector: str = "greedy") -> tuple[int, list[int]]:
+    """The C library's and the Python runtime's runs (seeds 100 + i, no guard, draft mode ``selector``) -> (prompts
+    whose ids differ, the accepted drafts of every drafter cycle of the equal ones); ids, accepted drafts and
+    proposers compared."""
     seeds = [100 + i for i in range(len(prompts))]
     differ, accepted = 0, []
-    for i, (ids, got) in enumerate(zip(prompts, _c_samples(build, export, prompts, seeds, NO_LIBRARY, temperature,
-                                                            HYBRID_NEW, env))):
-        want = py.generate(ids, max_new_tokens=HYBRID_NEW, temperature=temperature, seed=seeds[i], guard=False)
+    for i, (ids, got) in enumerate(zip(prompts, _c_samples(build, export, prompts, seeds, ops, temperature,
+                                                            HYBRID_NEW, env, (f"draft_mode={selector}",)))):
+        want = py.generate(ids, max_new_tokens=HYBRID_NEW, temperature=temperature, seed=seeds[i], guard=False,
+                           selector=selector)
         if got["tokens"] != want.tokens:
             differ += 1
             continue
@@ -500,4 +512,118 @@ def test_sliding_batch_equals_single_runs_under_asan(capi_build, sliding, hybrid
     for mode in ("-s", "-b"):
         got, err = _example(build, export, few, mode, f"max_new_tokens={HYBRID_NEW}", env=env)
         assert got == [single[0], single[1], single[-1]], mode
+        assert "Sanitizer" not in err and "runtime error" not in err, err
+
+
+# ---- int4 and fp16 exports, independent drafts -----------------------------------------------------------------------
+# make-tiny's accepting llama pair exported at block size 8 with --quantize int4 (the fused target_ort with int4
+# MatMulNBits, the drafter's *_ort graphs with int8-activation ones) and with --dtype fp16 (the standard graphs, fp16
+# caches, features and hidden states). Both runtimes take the op library and the panels ($DFLASH2_ORT_PANELS=1, any
+# CPU): the int4 target rewritten with DecodeAttention and PanelMatMulQ4; the fp16 export has no fused target, so
+# neither uses the library for it.
+
+PANELS_ENV = {"DFLASH2_ORT_PANELS": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from helpers import make_pair
+
+    return make_pair(tmp_path_factory, "capi_ort_quant", accepting=True)
+
+
+@pytest.fixture(scope="module", params=["int4", "fp16"])
+def quant(request, tiny_pair, tmp_path_factory):
+    """(kind, export, the Python runtime over it with both draft modes' sessions open)."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.export.quantize import QuantSpec
+
+    kind = request.param
+    out = tmp_path_factory.mktemp("export") / kind
+    kw = {"quantization": QuantSpec("int4")} if kind == "int4" else {"dtype": "fp16"}
+    export_model(tiny_pair / "target", tiny_pair / "drafter", out, progress=False, max_seq_len=512, block_size=8, **kw)
+    g = _load(out, _ops_library(), PANELS_ENV, ("greedy", "independent"))
+    assert g._backend.fused == (kind == "int4") and g._backend.manifest.dtype == ("fp16" if kind == "fp16" else "fp32")  # noqa: SLF001
+    yield kind, out, g
+    g.close()
+
+
+@pytest.mark.parametrize("selector", ["greedy", "independent"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "T0.8"])
+def test_int4_fp16_and_independent_equal_python_runtime(capi_build, quant, hybrid_prompts, selector, temperature):
+    """The library's ONNX Runtime backend on the int4 and the fp16 export, drafting with the greedy selector and with
+    independent rows (drafter_head_independent: each row's argmax, or its sample of the row's softmax by the row's
+    uniform): 21 prompts greedy and at T = 0.8 (numpy's uniforms per seed) give the Python runtime's ids, accepted
+    drafts and proposers, with drafts accepted."""
+    kind, export, py = quant
+    env = {**PANELS_ENV}
+    differ, accepted = _hybrid_equal(capi_build, export, py, hybrid_prompts, temperature, env, _ops_library(), selector)
+    assert differ == 0
+    assert sum(accepted) > 0
+
+
+def test_int4_fp16_example_note_and_batch(capi_build, quant, hybrid_prompts):
+    """examples/generate on each export says what runs it: the int4 target rewritten with as many PanelMatMulQ4 nodes
+    as the Python rewrite makes (decode_attention.rewrite), the fp16 export's fp16 caches; greedy ids equal the
+    Python runtime's, and a dfl2_batch of 8 (4 at a time) gives the same ids."""
+    import onnx
+
+    from dflash2_trt.runtime.ort import decode_attention as DA
+
+    kind, export, py = quant
+    env = {**os.environ, "DFLASH2_ORT_OPS": _ops_library(), **PANELS_ENV}
+    pick = hybrid_prompts[:7] + hybrid_prompts[-1:]
+    opts = (f"max_new_tokens={HYBRID_NEW}",)
+    single, err = _example(capi_build, export, pick, "-s", *opts, env=env)
+    note = err.splitlines()[0]
+    if kind == "int4":
+        model = onnx.load_from_string(DA.rewrite(export / "target_ort.onnx", panels=True))
+        q4 = sum(n.op_type == DA.MATMUL_Q4_OP_TYPE for n in model.graph.node)
+        assert q4 > 0 and "attention DecodeAttention + PanelMatMul" in note, note
+        assert f"PanelMatMul + {q4} PanelMatMulQ4" in note, note
+    else:
+        assert "graphs target.onnx" in note and "fp16 caches" in note, note
+    assert single == [py.generate(p, max_new_tokens=HYBRID_NEW, guard=False).tokens for p in pick]
+    batch, _ = _example(capi_build, export, pick, "-b", "max_batch=4", *opts, env=env)
+    assert batch == single
+
+
+def test_bf16_refused_by_both_runtimes(capi_build, quant, tmp_path):
+    """A bf16 export (here the fp16 one's manifest saying bf16: both runtimes decide from it before reading a graph)
+    runs on neither: the Python ORT backend refuses it, and examples/generate says in one line why (ONNX Runtime's CPU
+    provider has no bf16 kernels) and exits 1."""
+    import shutil
+
+    import dflash2_trt
+    from dflash2_trt.errors import DFlash2Error
+
+    kind, export, _ = quant
+    if kind != "fp16":
+        pytest.skip("made from the fp16 export")
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(export, bf16)
+    manifest = bf16 / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"dtype": "fp16"', '"dtype": "bf16"'))
+    with pytest.raises(DFlash2Error, match="bf16"):
+        dflash2_trt.load(bf16, backend="ort")
+    proc = subprocess.run([str(capi_build / "bin" / "generate"), str(bf16), "1", "2", "-o", "backend=ort"],
+                          capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "bf16 export" in lines[0] and "no bf16 kernels" in lines[0], lines
+
+
+def test_int4_fp16_independent_asan_ubsan_runs(capi_build, quant, hybrid_prompts, vectors_path):
+    """examples/generate of the ASan + UBSan build on each export with independent drafts at T = 0.8 (the example's
+    own uniforms; the fp16 buffers, the int4 rewrite and the float32 sampling instrumented): 3 prompts in turn, the
+    long one among them, and a batch of the 3 run clean and give the uninstrumented build's ids (mode for mode)."""
+    kind, export, _ = quant
+    build = _asan_build(vectors_path)
+    pick = hybrid_prompts[:2] + hybrid_prompts[-1:]
+    opts = (f"max_new_tokens={HYBRID_NEW}", "draft_mode=independent", "temperature=0.8", "seed=7")
+    base = {**os.environ, "DFLASH2_ORT_OPS": _ops_library(), **PANELS_ENV}
+    for mode in ("-s", "-b"):
+        want, _ = _example(capi_build, export, pick, mode, *opts, env=base)
+        got, err = _example(build, export, pick, mode, *opts, env={**base, **ASAN_ENV})
+        assert got == want, mode
         assert "Sanitizer" not in err and "runtime error" not in err, err
