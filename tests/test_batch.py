@@ -394,3 +394,56 @@ def test_batched_sampling_keeps_the_target_law(be):
     assert sum(len(r.accepted) for r in res) >= n and sum(sum(r.accepted) for r in res) > n // 10  # drafts verified
     p_value = two_token_p_value(law, [(r.tokens[0], r.tokens[1]) for r in res])
     assert p_value > 1e-3, p_value
+
+
+def test_realized_check_compares_what_steps_made():
+    """MeasuredCosts.drafting_loses: plain steps at a batch size are measured first (4), then drafting ones; then
+    drafting is vetoed while its steps made fewer tokens per second than plain ones, every 16th vetoed step a probe;
+    batch sizes are kept apart; given costs (FixedCosts) never veto."""
+    c = BT.MeasuredCosts()
+    assert c.drafting_loses(4)  # nothing measured at 4: plain first
+    for _ in range(BT.STEP_RATE_MIN_STEPS):
+        c.record_step(4, False, 4, 0.010)  # 400 tokens/s
+    assert not c.drafting_loses(4)  # drafting not measured yet: the model's choice stands
+    for _ in range(BT.STEP_RATE_MIN_STEPS):
+        c.record_step(4, True, 6, 0.020)  # 300 tokens/s
+    picks = [c.drafting_loses(4) for _ in range(2 * BT.STEP_RATE_PROBE)]
+    probes = [i for i, vetoed in enumerate(picks) if not vetoed]
+    assert probes == [BT.STEP_RATE_PROBE - 1, 2 * BT.STEP_RATE_PROBE - 1]
+    assert c.drafting_loses(2)  # another batch size: its own plain steps first
+    for _ in range(BT.STEP_RATE_WINDOW):  # drafting steps that now pay (acceptance rose): the veto lifts
+        c.record_step(4, True, 12, 0.020)
+    assert not c.drafting_loses(4)
+    assert not BT.FixedCosts(plain_fn=lambda n: 1.0, draft_s=0.1, verify_s=0.1).drafting_loses(4)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_realized_check_stops_drafting_that_loses(be, monkeypatch, check):
+    """Two requests of the accepting pair one after another in one slot, on measured costs, where a verify costs far
+    more than its rows (the clock is the test's: a step's forward 10 ms, 310 ms with verify rows; proposals free):
+    the cost model, charging a verify by its rows, keeps drafting; the realized check stops it after its first
+    drafting steps (then probes only), and the output stays the target's own. The negative control (check=False:
+    the check planted out) keeps drafting, which fails the assertion the check passes."""
+    now = [0.0]
+    monkeypatch.setattr(BT, "COST_CLOCK", lambda: now[0])
+    if not check:
+        monkeypatch.setattr(BT.MeasuredCosts, "drafting_loses", lambda self, n: False)
+    dec = _decoder(be, 1, BT.SpeculationRule(prior_tau=3.0))
+    forward = dec.target.forward
+
+    def slow_verifies(rows, **kw):
+        now[0] += 0.010 + (0.300 if any(len(r) > 1 for r in rows.values()) else 0.0)
+        return forward(rows, **kw)
+
+    dec.target.forward = slow_verifies
+    prompts = _prompts(be, [7, 10], seed=11)
+    out = dec.run([BT.BatchRequest(p, 64, eos_ids=set(), proposer="dflash2") for p in prompts])
+    tgt = be.target_runner()
+    for o, p in zip(out, prompts):
+        assert o.tokens == D.target_generate(tgt, p, 64, eos_ids=set()).tokens
+    drafted = sum(len(o.accepted) for o in out)  # cycles
+    assert drafted >= BT.STEP_RATE_MIN_STEPS and sum(sum(o.accepted) for o in out) > 0  # the model drafted, accepted
+    if check:
+        assert drafted <= BT.STEP_RATE_MIN_STEPS + 4, drafted  # then probes only (every 16th step)
+    else:
+        assert drafted > BT.STEP_RATE_MIN_STEPS + 4, drafted

@@ -83,7 +83,17 @@ rule explores: the first step of a batch is plain, the next ones draft for one p
 drafter proposal while t_draft is unknown: at 8 sequences a step where all draft costs about what 4 plain steps
 gain) until its cost is measured. A sequence the rule kept plain for ``probe_after`` steps in a row forgets its
 cycles (τ̂ back to the prior), so acceptance that changed along a request (code vs prose) is measured again when
-the cost model lets the prior draft. Lossless either way: the rule picks which exact procedure makes a sequence's
+the cost model lets the prior draft.
+
+The model's estimates can be wrong at a load (τ̂'s optimism; a verify that costs more than its rows; drafter
+context catch-up), so what the steps made overrides it (:meth:`MeasuredCosts.drafting_loses`, the realized check):
+per batch size n the tokens per second of whole steps (choose to accept) that drafted and of those that did not are
+kept (exponential means over 8 steps). The first 4 steps at each n are plain, the next ones draft as the model
+says; once each kind has 4 steps at n and the drafting ones made fewer tokens per second, steps at n stay plain
+without weighing anything (no lookups, no estimates: at high load the rule's bookkeeping is not free either), every
+16th left to the model (a probe that keeps the comparison current). Against batched
+plain decoding, adaptive decoding then loses at most its exploration and probes where drafting does not pay. With
+given costs (:class:`FixedCosts`) the model decides alone. Lossless either way: the rule picks which exact procedure makes a sequence's
 next tokens, from past timings and counts only.
 
 Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot (or one batched
@@ -132,11 +142,36 @@ class BatchRequest:
     ngram_rows: int | None = None  # most lookup drafts per cycle; None: speculative_generate's default
 
 
+STEP_RATE_WINDOW = 8  # steps in StepRate's exponential means
+STEP_RATE_MIN_STEPS = 4  # steps of each kind at a batch size before the realized check compares them
+STEP_RATE_PROBE = 16  # while the check keeps a batch size plain, every 16th step there drafts (a probe)
+
+
+@dataclass
+class StepRate:
+    """Tokens per second that steps of one kind made (exponential means over :data:`STEP_RATE_WINDOW` steps of
+    their tokens and their seconds; the rate is their ratio, so a long step weighs by its length)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, s: float) -> None:
+        self.steps += 1
+        w = 1.0 / min(self.steps, STEP_RATE_WINDOW)
+        self.tokens += (tokens - self.tokens) * w
+        self.seconds += (s - self.seconds) * w
+
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-12)
+
+
 class MeasuredCosts:
     """The rule's step costs, measured in this run (seconds; running means, then exponential over 16): t_plain(n)
     per batch size, t_draft per proposal call by the sequences k in the call (B = 1 drafters: k = 1; a batched
     drafter's call for k), t_verify per drafting sequence (its share of a step's extra forward time; may be measured
-    below 0 by noise, used as >= 0)."""
+    below 0 by noise, used as >= 0); and what whole steps made per batch size (:meth:`record_step`), drafting or
+    not, for the realized check (:meth:`drafting_loses`)."""
 
     verify_from_plan = True  # with the runner's plan, t_plain(n) + k t_verify comes from it (SpeculationRule.choose)
 
@@ -144,6 +179,8 @@ class MeasuredCosts:
         self._plain: dict[int, tuple[float, int]] = {}  # sequences in the call -> (mean s, count)
         self._draft: dict[int, tuple[float, int]] = {}  # sequences in the proposal call -> (mean s, count)
         self._verify: tuple[float, int] = (0.0, 0)
+        self._made: dict[tuple[int, bool], StepRate] = {}  # (sequences, drafted) -> what whole steps made
+        self._vetoed: dict[int, int] = {}  # sequences -> steps in a row the check kept plain
 
     @staticmethod
     def _update(old: tuple[float, int], s: float) -> tuple[float, int]:
@@ -183,6 +220,27 @@ class MeasuredCosts:
     def verify(self) -> float | None:
         return self._verify[0] if self._verify[1] else None
 
+    def record_step(self, n: int, drafted: bool, tokens: int, s: float) -> None:
+        """A whole step over n sequences (choose to accept: drafting, the target forward, acceptance): the tokens
+        it committed in s seconds, by whether any sequence drafted."""
+        self._made.setdefault((n, drafted), StepRate()).add(tokens, s)
+        if drafted:
+            self._vetoed[n] = 0
+
+    def drafting_loses(self, n: int) -> bool:
+        """Asked before the rule weighs a step of n sequences -> True: the step is plain. Plain steps at n are
+        measured first (STEP_RATE_MIN_STEPS of them), then drafting ones as the rule chooses; once both are, True
+        while the steps that drafted made fewer tokens per second than the plain ones — except every
+        STEP_RATE_PROBE-th such step, left to the rule, so that the comparison follows a change (acceptance that
+        rose along the requests)."""
+        d, p = self._made.get((n, True)), self._made.get((n, False))
+        if p is None or p.steps < STEP_RATE_MIN_STEPS:
+            return True
+        if d is None or d.steps < STEP_RATE_MIN_STEPS or d.rate() >= p.rate():
+            return False
+        self._vetoed[n] = self._vetoed.get(n, 0) + 1
+        return self._vetoed[n] % STEP_RATE_PROBE != 0
+
 
 @dataclass
 class FixedCosts:
@@ -208,6 +266,11 @@ class FixedCosts:
 
     def verify(self) -> float:
         return self.verify_s
+
+    def record_step(self, n: int, drafted: bool, tokens: int, s: float) -> None: ...
+
+    def drafting_loses(self, n: int) -> bool:  # the given costs decide alone
+        return False
 
 
 @dataclass
@@ -397,6 +460,7 @@ class BatchDecoder:
         if not seqs:
             return
         self.steps += 1
+        t_step, made = COST_CLOCK(), sum(len(s.res.tokens) for s in seqs)
         plan = self._choose(seqs)  # id -> (proposer, lookup drafts)
         if plan:
             self.drafting_steps += 1
@@ -411,6 +475,8 @@ class BatchDecoder:
                 self._accept(s, plan[s.id][0], *proposals[s.id], logits, feats)
             else:
                 self._plain(s, logits, feats)
+        self.rule.costs.record_step(len(seqs), bool(proposals), sum(len(s.res.tokens) for s in seqs) - made,
+                                    COST_CLOCK() - t_step)
         for s in seqs:
             if s.res.tokens and (len(s.res.tokens) >= s.limit or s.res.tokens[-1] in s.eos):
                 self._finish(s)
@@ -484,6 +550,8 @@ class BatchDecoder:
                 for c in s.committed.values():
                     c.clear()
                 s.plain_run = 0
+        if cands and self.rule.adaptive and self.rule.costs.drafting_loses(len(seqs)):
+            return {}  # the steps made at this load say drafting does not pay (the realized check): plain, unweighed
         looked = {s.id: s.choice.ngram(s.limit - len(s.res.tokens) - 1) for s in cands}  # [] for dflash2
         taus: dict[tuple[int, str], float] = {}  # (id, proposer) -> τ̂: the rule's candidates, one per sequence
         rows: dict[tuple[int, str], int] = {}  # (id, proposer) -> its verify rows

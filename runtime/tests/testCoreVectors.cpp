@@ -326,11 +326,22 @@ int main(int argc, char** argv)
             {
                 costs->recordDraft(sec);
             }
-            else
+            else if (kind == "verify")
             {
                 costs->recordVerify(sec);
             }
+            else
+            {
+                costs->recordStep(r["n"].get<int32_t>(), r["drafted"].get<bool>(), r["tokens"].get<int32_t>(), sec);
+            }
         }
+        std::vector<int32_t> const losesN = flat<int32_t>(c["loses_n"]);
+        bool losesSame = true;
+        for (size_t j = 0; j < losesN.size(); ++j)
+        {
+            losesSame = losesSame && costs->draftingLoses(losesN[j]) == c["loses"][j].get<bool>();
+        }
+        check(losesSame, name + ": drafting_loses");
         bool plainSame = true;
         for (int32_t n = 0; n < static_cast<int32_t>(c["plain"].size()); ++n)
         {

@@ -54,6 +54,45 @@ void MeasuredCosts::recordVerify(double s)
     mVerify.update(s);
 }
 
+// StepRate.add / rate
+void StepRate::add(int32_t t, double s)
+{
+    ++steps;
+    double const w = 1.0 / static_cast<double>(std::min(steps, kSTEP_RATE_WINDOW));
+    tokens += (t - tokens) * w;
+    seconds += (s - seconds) * w;
+}
+
+double StepRate::rate() const
+{
+    return tokens / std::max(seconds, 1e-12);
+}
+
+void MeasuredCosts::recordStep(int32_t n, bool drafted, int32_t tokens, double s)
+{
+    mMade[{n, drafted}].add(tokens, s);
+    if (drafted)
+    {
+        mVetoed[n] = 0;
+    }
+}
+
+// MeasuredCosts.drafting_loses
+bool MeasuredCosts::draftingLoses(int32_t n)
+{
+    auto const d = mMade.find({n, true});
+    auto const p = mMade.find({n, false});
+    if (p == mMade.end() || p->second.steps < kSTEP_RATE_MIN_STEPS)
+    {
+        return true;
+    }
+    if (d == mMade.end() || d->second.steps < kSTEP_RATE_MIN_STEPS || d->second.rate() >= p->second.rate())
+    {
+        return false;
+    }
+    return ++mVetoed[n] % kSTEP_RATE_PROBE != 0;
+}
+
 // MeasuredCosts.plain: exact size, else numpy.interp over the measured sizes
 std::optional<double> MeasuredCosts::plain(int32_t n) const
 {
@@ -354,6 +393,12 @@ void BatchDecoder::step()
     if (!seqs.empty())
     {
         ++mCounters.steps;
+        double const tStep = costClock();
+        int64_t made = 0;
+        for (Seq const* s : seqs)
+        {
+            made += s->made();
+        }
         std::vector<Plan> const drafting = choose(seqs);
         if (!drafting.empty())
         {
@@ -445,6 +490,12 @@ void BatchDecoder::step()
         }
         if (ok)
         {
+            for (Seq const* s : seqs)
+            {
+                made -= s->made();
+            }
+            mRule.costs->recordStep(static_cast<int32_t>(seqs.size()), !proposals.empty(), static_cast<int32_t>(-made),
+                costClock() - tStep);
             ++mCounters.forwardCalls;
             mCounters.largestForward = std::max(mCounters.largestForward, static_cast<int32_t>(fed.size()));
             mCounters.largestPlain = std::max(mCounters.largestPlain, plainInCall);
@@ -606,6 +657,10 @@ std::vector<BatchDecoder::Plan> BatchDecoder::choose(std::vector<Seq*> const& se
             }
             cands.push_back(s);
         }
+    }
+    if (!cands.empty() && mRule.adaptive && mRule.costs->draftingLoses(static_cast<int32_t>(seqs.size())))
+    {
+        return {};  // the steps made at this load say drafting does not pay (the realized check): plain, unweighed
     }
     std::vector<std::vector<int32_t>> looked;  // per candidate: its lookup's drafts (none for dflash2)
     for (Seq* s : cands)

@@ -128,7 +128,24 @@ public:
     virtual std::optional<double> plain(int32_t n) const = 0;
     virtual std::optional<double> draft() const = 0;
     virtual std::optional<double> verify() const = 0;
+    //! a whole step over n sequences (choose to accept): the tokens it committed in s seconds, drafting or not
+    virtual void recordStep(int32_t n, bool drafted, int32_t tokens, double s) = 0;
+    //! the realized check, asked before the rule weighs a step of n sequences: true = the step is plain
+    virtual bool draftingLoses(int32_t n) = 0;
 };
+
+//! batch.StepRate: exponential means over kSTEP_RATE_WINDOW steps of a kind's tokens and seconds
+struct StepRate
+{
+    double tokens{0.0};
+    double seconds{0.0};
+    int64_t steps{0};
+    void add(int32_t t, double s);
+    double rate() const;
+};
+constexpr int64_t kSTEP_RATE_WINDOW = 8;
+constexpr int64_t kSTEP_RATE_MIN_STEPS = 4;
+constexpr int32_t kSTEP_RATE_PROBE = 16;
 
 //! batch.MeasuredCosts: running means, then exponential over 16 samples.
 class MeasuredCosts : public StepCosts
@@ -141,6 +158,10 @@ public:
     std::optional<double> plain(int32_t n) const override;
     std::optional<double> draft() const override;
     std::optional<double> verify() const override;
+    void recordStep(int32_t n, bool drafted, int32_t tokens, double s) override;
+    //! batch.MeasuredCosts.drafting_loses: plain steps at n measured first, then drafting ones; then true while the
+    //! drafting steps made fewer tokens per second, every kSTEP_RATE_PROBE-th step left to the rule
+    bool draftingLoses(int32_t n) override;
 
 private:
     struct Mean
@@ -152,6 +173,8 @@ private:
     std::map<int32_t, Mean> mPlain;
     Mean mDraft;
     Mean mVerify;
+    std::map<std::pair<int32_t, bool>, StepRate> mMade;  //!< (sequences, drafted) -> what whole steps made
+    std::map<int32_t, int32_t> mVetoed;  //!< sequences -> steps in a row the check kept plain
 };
 
 //! batch.FixedCosts with t_plain(n) = plainBase + plainPerSeq · n, t_verify = what one drafting sequence adds to a
@@ -180,6 +203,11 @@ public:
     std::optional<double> verify() const override
     {
         return mVerify;
+    }
+    void recordStep(int32_t, bool, int32_t, double) override {}
+    bool draftingLoses(int32_t) override  // the given costs decide alone
+    {
+        return false;
     }
 
 private:
