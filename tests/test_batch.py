@@ -397,24 +397,35 @@ def test_batched_sampling_keeps_the_target_law(be):
 
 
 def test_realized_check_compares_what_steps_made():
-    """MeasuredCosts.drafting_loses: plain steps at a batch size are measured first (4), then drafting ones; then
-    drafting is vetoed while its steps made fewer tokens per second than plain ones, every 16th vetoed step a probe;
-    batch sizes are kept apart; given costs (FixedCosts) never veto."""
+    """MeasuredCosts.holds_plain: plain steps at a batch size first (4); then the rule weighs while drafting is
+    unmeasured and its last choice drafted, or while drafting steps made at least the plain ones' tokens per second;
+    it holds the steps plain (every 16th weighed: a probe) while drafting made less, or after the rule chose plain;
+    batch sizes are kept apart; given costs (FixedCosts) never hold."""
+    P, M = BT.STEP_RATE_PROBE, BT.STEP_RATE_MIN_STEPS
+
+    def held(c, n, steps):  # the indices of the weighed steps among `steps` asked
+        return [i for i in range(steps) if not c.holds_plain(n)]
+
     c = BT.MeasuredCosts()
-    assert c.drafting_loses(4)  # nothing measured at 4: plain first
-    for _ in range(BT.STEP_RATE_MIN_STEPS):
-        c.record_step(4, False, 4, 0.010)  # 400 tokens/s
-    assert not c.drafting_loses(4)  # drafting not measured yet: the model's choice stands
-    for _ in range(BT.STEP_RATE_MIN_STEPS):
-        c.record_step(4, True, 6, 0.020)  # 300 tokens/s
-    picks = [c.drafting_loses(4) for _ in range(2 * BT.STEP_RATE_PROBE)]
-    probes = [i for i, vetoed in enumerate(picks) if not vetoed]
-    assert probes == [BT.STEP_RATE_PROBE - 1, 2 * BT.STEP_RATE_PROBE - 1]
-    assert c.drafting_loses(2)  # another batch size: its own plain steps first
-    for _ in range(BT.STEP_RATE_WINDOW):  # drafting steps that now pay (acceptance rose): the veto lifts
-        c.record_step(4, True, 12, 0.020)
-    assert not c.drafting_loses(4)
-    assert not BT.FixedCosts(plain_fn=lambda n: 1.0, draft_s=0.1, verify_s=0.1).drafting_loses(4)
+    assert c.holds_plain(4)  # nothing measured at 4: plain first
+    for _ in range(M):
+        c.record_step(4, False, 4, 0.010, weighed=False)  # 400 tokens/s
+    assert not c.holds_plain(4)  # drafting not measured: the rule weighs
+    c.record_step(4, True, 6, 0.020, weighed=True)
+    assert not c.holds_plain(4)  # it drafted last: still weighed
+    c.record_step(4, False, 4, 0.010, weighed=True)  # the rule chose plain: nothing changes until a probe
+    assert held(c, 4, 2 * P) == [P - 1, 2 * P - 1]
+    for _ in range(M):
+        c.record_step(4, True, 6, 0.020, weighed=True)  # 300 tokens/s: drafting measured, it loses
+    assert held(c, 4, P) == [P - 1]
+    c.record_step(4, True, 6, 0.020, weighed=True)  # the probe drafted: held again
+    assert c.holds_plain(4)
+    assert c.holds_plain(2)  # another batch size: its own plain steps first
+    for _ in range(BT.STEP_RATE_WINDOW):  # drafting steps that now pay (acceptance rose): weighed every step
+        c.record_step(4, True, 12, 0.020, weighed=True)
+    c.record_step(4, False, 4, 0.010, weighed=True)  # a plain choice among paying drafts: still weighed
+    assert held(c, 4, P) == list(range(P))
+    assert not BT.FixedCosts(plain_fn=lambda n: 1.0, draft_s=0.1, verify_s=0.1).holds_plain(4)
 
 
 @pytest.mark.parametrize("check", [True, False])
@@ -427,7 +438,7 @@ def test_realized_check_stops_drafting_that_loses(be, monkeypatch, check):
     now = [0.0]
     monkeypatch.setattr(BT, "COST_CLOCK", lambda: now[0])
     if not check:
-        monkeypatch.setattr(BT.MeasuredCosts, "drafting_loses", lambda self, n: False)
+        monkeypatch.setattr(BT.MeasuredCosts, "holds_plain", lambda self, n: False)
     dec = _decoder(be, 1, BT.SpeculationRule(prior_tau=3.0))
     forward = dec.target.forward
 

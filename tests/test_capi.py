@@ -313,7 +313,7 @@ def _rule_lookup_cases(rng: np.random.Generator) -> list[dict]:
 def _rule_cases(rng: np.random.Generator) -> list[dict]:
     """batch.SpeculationRule over batch.MeasuredCosts: random recorded step costs (none, some, many; below and above
     16 samples) and whole steps, priors and windows, candidates' committed tokens -> t_plain(n) for n = 0..10, the
-    chosen set, and the realized check's answers to a run of questions (drafting_loses: probes counted)."""
+    chosen set, and the realized check's answers to a run of questions (holds_plain: probes counted)."""
     from collections import deque
 
     from dflash2_trt.runtime import batch as BT
@@ -338,10 +338,11 @@ def _rule_cases(rng: np.random.Generator) -> list[dict]:
                 rec["drafted"] = bool(rng.integers(2))
                 rec["tokens"] = n + (int(rng.integers(0, 2 * n + 1)) if rec["drafted"] else 0)
                 rec["s"] = sec = sec * (float(rng.uniform(1, 3)) if rec["drafted"] else 1.0)
-                costs.record_step(n, rec["drafted"], rec["tokens"], sec)
+                rec["weighed"] = rec["drafted"] or bool(rng.integers(2))
+                costs.record_step(n, rec["drafted"], rec["tokens"], sec, rec["weighed"])
             records.append(rec)
-        loses_n = rng.integers(1, 4, 40).tolist()
-        loses = [costs.drafting_loses(n) for n in loses_n]
+        holds_n = rng.integers(1, 4, 40).tolist()
+        holds = [costs.holds_plain(n) for n in holds_n]
         rule = BT.SpeculationRule(prior_tau=float(rng.uniform(1, 5)), prior_weight=float(rng.uniform(0.5, 4)),
                                   window=int(rng.integers(1, 8)), adaptive=bool(i % 10), costs=costs)
         n_active = int(rng.integers(1, 9))
@@ -353,7 +354,7 @@ def _rule_cases(rng: np.random.Generator) -> list[dict]:
             "window": rule.window, "adaptive": rule.adaptive, "n_active": n_active,
             "committed": [list(c) for c in committed], "tau": list(cands.values()),
             "plain": [costs.plain(n) for n in range(11)], "chosen": sorted(rule.choose(n_active, cands)),
-            "loses_n": loses_n, "loses": loses,
+            "holds_n": holds_n, "holds": holds,
         })  # fmt: skip
     return cases
 
@@ -597,9 +598,9 @@ def test_core_vectors_exercise_every_branch(vectors_path):
     assert any(c["records"] and 0 < len(c["chosen"]) < len(c["tau"]) for c in rule)  # some draft, some not
     assert any(c["records"] and c["tau"] and not c["chosen"] and None not in c["plain"] for c in rule)
     assert any(not c["adaptive"] and c["tau"] for c in rule)
-    # the realized check: plain first, a veto held, its probe (a False inside a run of Trues), drafting that pays
-    assert any(all(c["loses"]) for c in rule) and any(not any(c["loses"]) for c in rule)
-    assert any("True, False, True" in str(c["loses"]) for c in rule)
+    # the realized check: plain first, steps held, a probe (a False inside a run of Trues), steps weighed
+    assert any(all(c["holds"]) for c in rule) and any("False, False, False, False" in str(c["holds"]) for c in rule)
+    assert any("True, False, True" in str(c["holds"]) for c in rule)
     # prompt lookup: matches and none; every answer of the choice; the rule's free keys and fallbacks taken
     assert any(c["want"] for c in v["lookup"]) and any(not c["want"] and len(c["tokens"]) > 2 for c in v["lookup"])
     ops = [o for c in v["proposer_choice"] for o in c["ops"]]

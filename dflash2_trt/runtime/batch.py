@@ -86,14 +86,18 @@ cycles (τ̂ back to the prior), so acceptance that changed along a request (cod
 the cost model lets the prior draft.
 
 The model's estimates can be wrong at a load (τ̂'s optimism; a verify that costs more than its rows; drafter
-context catch-up), so what the steps made overrides it (:meth:`MeasuredCosts.drafting_loses`, the realized check):
-per batch size n the tokens per second of whole steps (choose to accept) that drafted and of those that did not are
-kept (exponential means over 8 steps). The first 4 steps at each n are plain, the next ones draft as the model
-says; once each kind has 4 steps at n and the drafting ones made fewer tokens per second, steps at n stay plain
-without weighing anything (no lookups, no estimates: at high load the rule's bookkeeping is not free either), every
-16th left to the model (a probe that keeps the comparison current). Against batched
-plain decoding, adaptive decoding then loses at most its exploration and probes where drafting does not pay. With
-given costs (:class:`FixedCosts`) the model decides alone. Lossless either way: the rule picks which exact procedure makes a sequence's
+context catch-up), and weighing costs time of its own (a lookup and an estimate per sequence, the runner's plan per
+prefix: about 3 % of a step at 16 sequences), so what the steps made overrides it: the realized check
+(:meth:`MeasuredCosts.holds_plain`). Per batch size n the tokens per second of whole steps (choose to accept) that
+drafted and of those that did not are kept (exponential means over 8 steps). The first 4 steps at each n are
+plain; then the rule weighs every step while the drafting steps at n made at least the plain ones' tokens per
+second, or are not measured yet and the rule's last choice at n drafted. Otherwise (drafting made less, or the
+rule's last choice was plain: nothing it weighs changes in plain steps except the count that probes a sequence)
+steps at n are held plain without weighing, every 16th weighed (a probe: a new request, acceptance that rose).
+Against batched plain decoding, adaptive decoding then loses at most its exploration and probes where drafting
+does not pay. With given costs (:class:`FixedCosts`) the rule weighs every step. A held step counts as a plain
+step for ``probe_after``; it makes no lookup, so a lookup that would pay waits for the next weighed step.
+Lossless either way: the rule picks which exact procedure makes a sequence's
 next tokens, from past timings and counts only.
 
 Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot (or one batched
@@ -144,7 +148,7 @@ class BatchRequest:
 
 STEP_RATE_WINDOW = 8  # steps in StepRate's exponential means
 STEP_RATE_MIN_STEPS = 4  # steps of each kind at a batch size before the realized check compares them
-STEP_RATE_PROBE = 16  # while the check keeps a batch size plain, every 16th step there drafts (a probe)
+STEP_RATE_PROBE = 16  # while the check holds a batch size plain, every 16th step there is weighed (a probe)
 
 
 @dataclass
@@ -171,7 +175,7 @@ class MeasuredCosts:
     per batch size, t_draft per proposal call by the sequences k in the call (B = 1 drafters: k = 1; a batched
     drafter's call for k), t_verify per drafting sequence (its share of a step's extra forward time; may be measured
     below 0 by noise, used as >= 0); and what whole steps made per batch size (:meth:`record_step`), drafting or
-    not, for the realized check (:meth:`drafting_loses`)."""
+    not, for the realized check (:meth:`holds_plain`)."""
 
     verify_from_plan = True  # with the runner's plan, t_plain(n) + k t_verify comes from it (SpeculationRule.choose)
 
@@ -180,7 +184,8 @@ class MeasuredCosts:
         self._draft: dict[int, tuple[float, int]] = {}  # sequences in the proposal call -> (mean s, count)
         self._verify: tuple[float, int] = (0.0, 0)
         self._made: dict[tuple[int, bool], StepRate] = {}  # (sequences, drafted) -> what whole steps made
-        self._vetoed: dict[int, int] = {}  # sequences -> steps in a row the check kept plain
+        self._model_plain: dict[int, bool] = {}  # sequences -> the rule's last choice there was plain
+        self._held: dict[int, int] = {}  # sequences -> steps held plain since the rule last weighed one
 
     @staticmethod
     def _update(old: tuple[float, int], s: float) -> tuple[float, int]:
@@ -220,26 +225,32 @@ class MeasuredCosts:
     def verify(self) -> float | None:
         return self._verify[0] if self._verify[1] else None
 
-    def record_step(self, n: int, drafted: bool, tokens: int, s: float) -> None:
+    def record_step(self, n: int, drafted: bool, tokens: int, s: float, weighed: bool) -> None:
         """A whole step over n sequences (choose to accept: drafting, the target forward, acceptance): the tokens
-        it committed in s seconds, by whether any sequence drafted."""
+        it committed in s seconds, whether any sequence drafted, and whether the rule weighed it (False: held plain
+        by :meth:`holds_plain`)."""
         self._made.setdefault((n, drafted), StepRate()).add(tokens, s)
-        if drafted:
-            self._vetoed[n] = 0
+        if weighed:
+            self._model_plain[n], self._held[n] = not drafted, 0
 
-    def drafting_loses(self, n: int) -> bool:
-        """Asked before the rule weighs a step of n sequences -> True: the step is plain. Plain steps at n are
-        measured first (STEP_RATE_MIN_STEPS of them), then drafting ones as the rule chooses; once both are, True
-        while the steps that drafted made fewer tokens per second than the plain ones — except every
-        STEP_RATE_PROBE-th such step, left to the rule, so that the comparison follows a change (acceptance that
-        rose along the requests)."""
+    def holds_plain(self, n: int) -> bool:
+        """Asked before the rule weighs a step of n sequences -> True: the step is plain, unweighed. Plain steps at n
+        are measured first (STEP_RATE_MIN_STEPS of them); then the rule weighs every step while the steps that
+        drafted at n made at least the plain ones' tokens per second, or are not measured yet (fewer than
+        STEP_RATE_MIN_STEPS) and the rule's last choice at n drafted. Otherwise — drafting made less, or the rule's
+        last choice at n was plain (nothing it weighs changes in plain steps but the plain-step count that probes a
+        sequence) — the steps are held plain, every STEP_RATE_PROBE-th left to the rule so that a change (a new
+        request, acceptance that rose) is seen."""
         d, p = self._made.get((n, True)), self._made.get((n, False))
         if p is None or p.steps < STEP_RATE_MIN_STEPS:
             return True
-        if d is None or d.steps < STEP_RATE_MIN_STEPS or d.rate() >= p.rate():
+        measured = d is not None and d.steps >= STEP_RATE_MIN_STEPS
+        if measured and d.rate() >= p.rate():
             return False
-        self._vetoed[n] = self._vetoed.get(n, 0) + 1
-        return self._vetoed[n] % STEP_RATE_PROBE != 0
+        if not measured and not self._model_plain.get(n, False):
+            return False
+        self._held[n] = self._held.get(n, 0) + 1
+        return self._held[n] % STEP_RATE_PROBE != 0
 
 
 @dataclass
@@ -267,9 +278,9 @@ class FixedCosts:
     def verify(self) -> float:
         return self.verify_s
 
-    def record_step(self, n: int, drafted: bool, tokens: int, s: float) -> None: ...
+    def record_step(self, n: int, drafted: bool, tokens: int, s: float, weighed: bool) -> None: ...
 
-    def drafting_loses(self, n: int) -> bool:  # the given costs decide alone
+    def holds_plain(self, n: int) -> bool:  # the given costs decide every step
         return False
 
 
@@ -409,6 +420,7 @@ class BatchDecoder:
         self.results: dict[int, GenerationResult] = {}  # id -> result, once finished
         self._next_id = 0
         self.steps = 0  # batch steps run
+        self._weighed = True  # the rule weighed this step's proposals (False: held plain by the realized check)
         self.drafting_steps = 0  # steps where at least one sequence drafted
 
     # -- requests -----------------------------------------------------------------------------------------------
@@ -476,7 +488,7 @@ class BatchDecoder:
             else:
                 self._plain(s, logits, feats)
         self.rule.costs.record_step(len(seqs), bool(proposals), sum(len(s.res.tokens) for s in seqs) - made,
-                                    COST_CLOCK() - t_step)
+                                    COST_CLOCK() - t_step, self._weighed)
         for s in seqs:
             if s.res.tokens and (len(s.res.tokens) >= s.limit or s.res.tokens[-1] in s.eos):
                 self._finish(s)
@@ -550,8 +562,11 @@ class BatchDecoder:
                 for c in s.committed.values():
                     c.clear()
                 s.plain_run = 0
-        if cands and self.rule.adaptive and self.rule.costs.drafting_loses(len(seqs)):
-            return {}  # the steps made at this load say drafting does not pay (the realized check): plain, unweighed
+        self._weighed = bool(cands) and not (self.rule.adaptive and self.rule.costs.holds_plain(len(seqs)))
+        if cands and not self._weighed:  # the realized check: plain, unweighed (no lookups, no estimates)
+            for s in cands:
+                s.plain_run += 1
+            return {}
         looked = {s.id: s.choice.ngram(s.limit - len(s.res.tokens) - 1) for s in cands}  # [] for dflash2
         taus: dict[tuple[int, str], float] = {}  # (id, proposer) -> τ̂: the rule's candidates, one per sequence
         rows: dict[tuple[int, str], int] = {}  # (id, proposer) -> its verify rows

@@ -332,16 +332,17 @@ int main(int argc, char** argv)
             }
             else
             {
-                costs->recordStep(r["n"].get<int32_t>(), r["drafted"].get<bool>(), r["tokens"].get<int32_t>(), sec);
+                costs->recordStep(r["n"].get<int32_t>(), r["drafted"].get<bool>(), r["tokens"].get<int32_t>(), sec,
+                    r["weighed"].get<bool>());
             }
         }
-        std::vector<int32_t> const losesN = flat<int32_t>(c["loses_n"]);
-        bool losesSame = true;
-        for (size_t j = 0; j < losesN.size(); ++j)
+        std::vector<int32_t> const holdsN = flat<int32_t>(c["holds_n"]);
+        bool holdsSame = true;
+        for (size_t j = 0; j < holdsN.size(); ++j)
         {
-            losesSame = losesSame && costs->draftingLoses(losesN[j]) == c["loses"][j].get<bool>();
+            holdsSame = holdsSame && costs->holdsPlain(holdsN[j]) == c["holds"][j].get<bool>();
         }
-        check(losesSame, name + ": drafting_loses");
+        check(holdsSame, name + ": holds_plain");
         bool plainSame = true;
         for (int32_t n = 0; n < static_cast<int32_t>(c["plain"].size()); ++n)
         {

@@ -68,17 +68,18 @@ double StepRate::rate() const
     return tokens / std::max(seconds, 1e-12);
 }
 
-void MeasuredCosts::recordStep(int32_t n, bool drafted, int32_t tokens, double s)
+void MeasuredCosts::recordStep(int32_t n, bool drafted, int32_t tokens, double s, bool weighed)
 {
     mMade[{n, drafted}].add(tokens, s);
-    if (drafted)
+    if (weighed)
     {
-        mVetoed[n] = 0;
+        mModelPlain[n] = !drafted;
+        mHeld[n] = 0;
     }
 }
 
-// MeasuredCosts.drafting_loses
-bool MeasuredCosts::draftingLoses(int32_t n)
+// MeasuredCosts.holds_plain
+bool MeasuredCosts::holdsPlain(int32_t n)
 {
     auto const d = mMade.find({n, true});
     auto const p = mMade.find({n, false});
@@ -86,11 +87,17 @@ bool MeasuredCosts::draftingLoses(int32_t n)
     {
         return true;
     }
-    if (d == mMade.end() || d->second.steps < kSTEP_RATE_MIN_STEPS || d->second.rate() >= p->second.rate())
+    bool const measured = d != mMade.end() && d->second.steps >= kSTEP_RATE_MIN_STEPS;
+    if (measured && d->second.rate() >= p->second.rate())
     {
         return false;
     }
-    return ++mVetoed[n] % kSTEP_RATE_PROBE != 0;
+    auto const last = mModelPlain.find(n);
+    if (!measured && (last == mModelPlain.end() || !last->second))
+    {
+        return false;
+    }
+    return ++mHeld[n] % kSTEP_RATE_PROBE != 0;
 }
 
 // MeasuredCosts.plain: exact size, else numpy.interp over the measured sizes
@@ -495,7 +502,7 @@ void BatchDecoder::step()
                 made -= s->made();
             }
             mRule.costs->recordStep(static_cast<int32_t>(seqs.size()), !proposals.empty(), static_cast<int32_t>(-made),
-                costClock() - tStep);
+                costClock() - tStep, mWeighed);
             ++mCounters.forwardCalls;
             mCounters.largestForward = std::max(mCounters.largestForward, static_cast<int32_t>(fed.size()));
             mCounters.largestPlain = std::max(mCounters.largestPlain, plainInCall);
@@ -658,9 +665,14 @@ std::vector<BatchDecoder::Plan> BatchDecoder::choose(std::vector<Seq*> const& se
             cands.push_back(s);
         }
     }
-    if (!cands.empty() && mRule.adaptive && mRule.costs->draftingLoses(static_cast<int32_t>(seqs.size())))
+    mWeighed = !cands.empty() && !(mRule.adaptive && mRule.costs->holdsPlain(static_cast<int32_t>(seqs.size())));
+    if (!cands.empty() && !mWeighed)  // the realized check: plain, unweighed (no lookups, no estimates)
     {
-        return {};  // the steps made at this load say drafting does not pay (the realized check): plain, unweighed
+        for (Seq* s : cands)
+        {
+            ++s->plainRun;
+        }
+        return {};
     }
     std::vector<std::vector<int32_t>> looked;  // per candidate: its lookup's drafts (none for dflash2)
     for (Seq* s : cands)

@@ -128,10 +128,11 @@ public:
     virtual std::optional<double> plain(int32_t n) const = 0;
     virtual std::optional<double> draft() const = 0;
     virtual std::optional<double> verify() const = 0;
-    //! a whole step over n sequences (choose to accept): the tokens it committed in s seconds, drafting or not
-    virtual void recordStep(int32_t n, bool drafted, int32_t tokens, double s) = 0;
-    //! the realized check, asked before the rule weighs a step of n sequences: true = the step is plain
-    virtual bool draftingLoses(int32_t n) = 0;
+    //! a whole step over n sequences (choose to accept): the tokens it committed in s seconds, whether any sequence
+    //! drafted, whether the rule weighed it (false: held plain by holdsPlain)
+    virtual void recordStep(int32_t n, bool drafted, int32_t tokens, double s, bool weighed) = 0;
+    //! the realized check, asked before the rule weighs a step of n sequences: true = the step is plain, unweighed
+    virtual bool holdsPlain(int32_t n) = 0;
 };
 
 //! batch.StepRate: exponential means over kSTEP_RATE_WINDOW steps of a kind's tokens and seconds
@@ -158,10 +159,11 @@ public:
     std::optional<double> plain(int32_t n) const override;
     std::optional<double> draft() const override;
     std::optional<double> verify() const override;
-    void recordStep(int32_t n, bool drafted, int32_t tokens, double s) override;
-    //! batch.MeasuredCosts.drafting_loses: plain steps at n measured first, then drafting ones; then true while the
-    //! drafting steps made fewer tokens per second, every kSTEP_RATE_PROBE-th step left to the rule
-    bool draftingLoses(int32_t n) override;
+    void recordStep(int32_t n, bool drafted, int32_t tokens, double s, bool weighed) override;
+    //! batch.MeasuredCosts.holds_plain: plain steps at n measured first; then false (weigh) while drafting steps at n
+    //! made at least the plain ones' tokens per second, or are unmeasured and the rule's last choice at n drafted;
+    //! else true, every kSTEP_RATE_PROBE-th step excepted
+    bool holdsPlain(int32_t n) override;
 
 private:
     struct Mean
@@ -174,7 +176,8 @@ private:
     Mean mDraft;
     Mean mVerify;
     std::map<std::pair<int32_t, bool>, StepRate> mMade;  //!< (sequences, drafted) -> what whole steps made
-    std::map<int32_t, int32_t> mVetoed;  //!< sequences -> steps in a row the check kept plain
+    std::map<int32_t, bool> mModelPlain;  //!< sequences -> the rule's last choice there was plain
+    std::map<int32_t, int32_t> mHeld;  //!< sequences -> steps held plain since the rule last weighed one
 };
 
 //! batch.FixedCosts with t_plain(n) = plainBase + plainPerSeq · n, t_verify = what one drafting sequence adds to a
@@ -204,8 +207,8 @@ public:
     {
         return mVerify;
     }
-    void recordStep(int32_t, bool, int32_t, double) override {}
-    bool draftingLoses(int32_t) override  // the given costs decide alone
+    void recordStep(int32_t, bool, int32_t, double, bool) override {}
+    bool holdsPlain(int32_t) override  // the given costs decide every step
     {
         return false;
     }
@@ -332,6 +335,7 @@ private:
     std::vector<int32_t> mCacheLength;  //!< per slot
     std::vector<BatchFinished> mFinished;
     BatchCounters mCounters;
+    bool mWeighed{true};  //!< the rule weighed this step's proposals (false: held plain by the realized check)
 };
 
 } // namespace dflash2
