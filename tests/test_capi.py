@@ -1807,6 +1807,31 @@ def test_tensorrt_backend_opens_only_its_libnvinfer_major(capi_build, engines_ex
     assert "no CUDA device 0 here" in run(fake.parent, "101300")  # past every library check
 
 
+def test_tensorrt_backend_takes_a_sliding_export(capi_build, tmp_path_factory):
+    """The TensorRT backend runs sliding-window exports (each sliding layer's K/V in a device ring: trtParts.h
+    DeviceWindowRing, tested by the trtParts ctest against a host twin; never run on a GPU): a gpt-oss export with
+    FakeTrt engines (their profiles fix the rings' size) gets past every check of the model load to CUDA (none here)."""
+    if not _trt_args():
+        pytest.fail("needs the TensorRT backend compiled (CUDA toolkit + kernel-lens headers)")
+    from dflash2_trt.export import engines as E
+    from dflash2_trt.export.exporter import export_model
+    from helpers import make_pair
+    from trt_fakes import FakeCuda, FakeTrt
+
+    pair = make_pair(tmp_path_factory, "capi_trt_sw", accepting=True, arch="gpt_oss")
+    d = tmp_path_factory.mktemp("capi-trt-sw") / "exp"
+    export_model(pair / "target", pair / "drafter", d, progress=False, max_seq_len=256, block_size=8)
+    cuda = FakeCuda()
+    E.build_engines(d, selector="decomposed", progress=False, trt_module=FakeTrt(cuda), api=cuda)
+    assert json.loads((d / "manifest.json").read_text())["target"]["sliding_window"]
+    fake = next((capi_build / "fake-nvinfer").glob("libnvinfer.so.*"))
+    env = dict(os.environ, LD_LIBRARY_PATH=str(fake.parent), DFLASH2_FAKE_NVINFER_VERSION="101300",
+               DFLASH2_FAKE_NVINFER_BUILD="35")
+    out = subprocess.run([str(capi_build / "bin" / "generate"), str(d), "1", "2", "-o", "backend=tensorrt"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 1 and "no CUDA device 0 here" in out.stderr, out
+
+
 # --------------------------------------------------------------------------------------------------
 # Sanitizers + fuzzing (clang), and the aarch64 cross build under qemu
 # --------------------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@
 namespace dflash2
 {
 
-//! What DeviceKV needs from CUDA: trtBackend.cpp implements it over cudart; the host test over memory that,
-//! like cudaMalloc's, starts as garbage. `stream` is a cudaStream_t.
+//! What DeviceKV and DeviceWindowRing need from CUDA: trtBackend.cpp implements it over cudart; the host test over
+//! memory that, like cudaMalloc's, starts as garbage. `stream` is a cudaStream_t.
 class DeviceOps
 {
 public:
