@@ -616,14 +616,43 @@ def test_bf16_refused_by_both_runtimes(capi_build, quant, tmp_path):
 def test_int4_fp16_independent_asan_ubsan_runs(capi_build, quant, hybrid_prompts, vectors_path):
     """examples/generate of the ASan + UBSan build on each export with independent drafts at T = 0.8 (the example's
     own uniforms; the fp16 buffers, the int4 rewrite and the float32 sampling instrumented): 3 prompts in turn, the
-    long one among them, and a batch of the 3 run clean and give the uninstrumented build's ids (mode for mode)."""
+    long one among them, and a batch of the 3 (adaptive speculation off: its timing would choose the step kinds, and
+    with them the uniforms each request draws) run clean and give the uninstrumented build's ids, mode for mode."""
     kind, export, _ = quant
     build = _asan_build(vectors_path)
     pick = hybrid_prompts[:2] + hybrid_prompts[-1:]
-    opts = (f"max_new_tokens={HYBRID_NEW}", "draft_mode=independent", "temperature=0.8", "seed=7")
+    opts = (f"max_new_tokens={HYBRID_NEW}", "draft_mode=independent", "temperature=0.8", "seed=7", "adaptive=false")
     base = {**os.environ, "DFLASH2_ORT_OPS": _ops_library(), **PANELS_ENV}
     for mode in ("-s", "-b"):
         want, _ = _example(capi_build, export, pick, mode, *opts, env=base)
         got, err = _example(build, export, pick, mode, *opts, env={**base, **ASAN_ENV})
         assert got == want, mode
         assert "Sanitizer" not in err and "runtime error" not in err, err
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "gpt_oss"])
+def fp16_states(request, tmp_path_factory):
+    """(export, the Python runtime over it): the accepting hybrid (qwen3_5) and sliding-window (gpt_oss) pairs
+    exported with --dtype fp16 at block size 8 (fp16 KV caches, rings and convolution windows; fp32 recurrent
+    states)."""
+    from dflash2_trt.export.exporter import export_model
+    from helpers import make_pair
+
+    pair = make_pair(tmp_path_factory, f"capi_fp16_{request.param}", accepting=True, arch=request.param)
+    out = tmp_path_factory.mktemp("export") / f"fp16_{request.param}"
+    export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=8, dtype="fp16")
+    g = _load(out, NO_LIBRARY)
+    assert g._backend.manifest.dtype == "fp16" and not g._backend.manifest.kv_only  # noqa: SLF001
+    yield out, g
+    g.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "T0.8"])
+def test_fp16_hybrid_and_sliding_equal_python_runtime(capi_build, fp16_states, hybrid_prompts, temperature):
+    """fp16 exports of a hybrid and a sliding-window target (the linear layers' fp16 windows and fp32 recurrent
+    states rolled back, the fp16 rings cropped): 21 prompts greedy and at T = 0.8 give the Python runtime's ids,
+    accepted drafts and proposers, with partial acceptances."""
+    export, py = fp16_states
+    differ, accepted = _hybrid_equal(capi_build, export, py, hybrid_prompts, temperature)
+    assert differ == 0
+    _assert_partial_acceptances(accepted, py._backend.manifest.num_draft_rows)  # noqa: SLF001

@@ -13,7 +13,14 @@
 //!                     core/windowRing.h, the twin of runtime/kv.py WindowRing) and window_positions
 //!   drafter           drafter_context.onnx (context K/V of committed positions), drafter_block.onnx (the block's
 //!                     hidden states over the context), drafter_head_<mode>.onnx (the selector: candidates, path,
-//!                     proposal; greedy | viterbi)
+//!                     proposal; greedy | viterbi), or drafter_head_independent.onnx (each row's logits; the drafts
+//!                     core/decoder.h independentDraft makes of them, the twin of protocol.independent_draft)
+//!
+//! Exports: fp32, --quantize int4 (the *_ort variants with MatMulNBits; with the op library the target's exact ones
+//! become PanelMatMulQ4, onnxRewrite.h) and fp16 (the standard graphs; KV caches, rings, convolution windows, context
+//! features and hidden states in fp16 as the Python backend's be.dtype, recurrent states, logits and proposals
+//! fp32): the element types are read from the sessions and checked across each graph boundary (checkTypes), and the
+//! host buffers hold that many bytes an element. bf16 exports are refused, as the Python backend refuses them.
 //!
 //! The KV caches are host buffers [1, heads, capacity, head_dim] per layer, grown as the Python KVBuffer grows them
 //! (a multiple of the export's kv_capacity_step, kv.grown_capacity), so every graph sees the inputs the Python
@@ -234,21 +241,23 @@ struct HostLinearState
 {
     struct Layer
     {
-        std::vector<float> window;
+        std::vector<char> window;  //!< the convolution's (window, windowBefore, inputs): convElem bytes an element
         std::vector<float> recurrent;
-        std::vector<float> windowBefore;
+        std::vector<char> windowBefore;
         std::vector<float> recurrentBefore;
-        std::vector<float> inputs;
+        std::vector<char> inputs;
         std::vector<float> states;
+        size_t convElem{4};
 
         LinearLayerState view()
         {
             return LinearLayerState{window.data(), recurrent.data(), windowBefore.data(), recurrentBefore.data(),
-                inputs.data(), states.data(), sizeof(float), sizeof(float)};
+                inputs.data(), states.data(), convElem, sizeof(float)};
         }
     };
 
-    explicit HostLinearState(Manifest const& m)
+    //! convElem: bytes of a convolution window element (fp32; fp16 in an fp16 export); recurrent states are fp32
+    HostLinearState(Manifest const& m, size_t convElem)
         : spec(m.linearState)
         , log(m.linearState.window(), 1, plantedSkipRollback())
     {
@@ -258,11 +267,12 @@ struct HostLinearState
             if (m.isLinear(i))
             {
                 Layer l;
-                l.window.assign(spec.windowElements(), 0.0F);
+                l.convElem = convElem;
+                l.window.assign(spec.windowElements() * convElem, 0);
                 l.recurrent.assign(spec.recurrentElements(), 0.0F);
-                l.windowBefore.assign(spec.windowElements(), 0.0F);
+                l.windowBefore.assign(spec.windowElements() * convElem, 0);
                 l.recurrentBefore.assign(spec.recurrentElements(), 0.0F);
-                l.inputs.assign(static_cast<size_t>(spec.convDim) * rows, 0.0F);
+                l.inputs.assign(static_cast<size_t>(spec.convDim) * rows * convElem, 0);
                 l.states.assign(rows * spec.recurrentElements(), 0.0F);
                 layers.push_back(std::move(l));
             }
@@ -273,7 +283,7 @@ struct HostLinearState
     {
         for (Layer& l : layers)
         {
-            std::fill(l.window.begin(), l.window.end(), 0.0F);
+            std::fill(l.window.begin(), l.window.end(), 0);
             std::fill(l.recurrent.begin(), l.recurrent.end(), 0.0F);
         }
         log.reset(0);
@@ -310,29 +320,29 @@ struct HostLinearState
 //! [heads, ringSlots, dim] (allocated once: the layer's memory, whatever the context) and the ring's window positions.
 struct HostRing
 {
-    explicit HostRing(Manifest const& m)
+    //! elem: bytes of a K/V element (fp32; fp16 in an fp16 export)
+    HostRing(Manifest const& m, size_t elem)
         : log(m.slidingWindow, 1, plantedRingKeepCut())
         , heads(m.targetKvHeads)
-        , dim(m.targetHeadDim)
+        , rowBytes(static_cast<size_t>(m.targetHeadDim) * elem)
         , arrays(2 * static_cast<size_t>(m.layersOf("sliding")),
-              std::vector<float>(static_cast<size_t>(m.targetKvHeads) * static_cast<size_t>(m.slidingWindow.ringSlots)
-                  * static_cast<size_t>(m.targetHeadDim), 0.0F))
+              std::vector<char>(static_cast<size_t>(m.targetKvHeads) * static_cast<size_t>(m.slidingWindow.ringSlots)
+                  * rowBytes, 0))
     {
     }
     //! a call of S rows from position `start` returned `rows` (per ring: [heads, S, dim]) -> into the rings
-    void write(int32_t start, int32_t S, std::vector<std::vector<float>> const& rows)
+    void write(int32_t start, int32_t S, std::vector<std::vector<char>> const& rows)
     {
         size_t const R = static_cast<size_t>(log.spec().ringSlots);
-        size_t const d = static_cast<size_t>(dim);
         for (RingRun const& run : log.place(0, start, S))
         {
             for (size_t a = 0; a < arrays.size(); ++a)
             {
                 for (size_t h = 0; h < static_cast<size_t>(heads); ++h)
                 {
-                    std::copy_n(rows[a].begin() + static_cast<long>((h * static_cast<size_t>(S) + static_cast<size_t>(run.first)) * d),
-                        static_cast<size_t>(run.count) * d,
-                        arrays[a].begin() + static_cast<long>((h * R + static_cast<size_t>(run.slot)) * d));
+                    std::memcpy(arrays[a].data() + (h * R + static_cast<size_t>(run.slot)) * rowBytes,
+                        rows[a].data() + (h * static_cast<size_t>(S) + static_cast<size_t>(run.first)) * rowBytes,
+                        static_cast<size_t>(run.count) * rowBytes);
                 }
             }
         }
@@ -340,8 +350,8 @@ struct HostRing
 
     WindowRingLog log;
     int32_t heads;
-    int32_t dim;
-    std::vector<std::vector<float>> arrays;  //!< 2 per sliding layer, in layer order
+    size_t rowBytes;  //!< one position of one head
+    std::vector<std::vector<char>> arrays;  //!< 2 per sliding layer, in layer order
 };
 
 //! One graph's session (owned: released with the Graph, also when a model's construction fails midway) and its
@@ -436,11 +446,6 @@ public:
         {
             throw Error(DFL2_ERR_UNAVAILABLE, dir + " is a bf16 export: ONNX Runtime's CPU provider has no bf16 kernels, "
                 "so neither libdflash2 nor the Python runtime runs it with ONNX Runtime (export --dtype fp32 or fp16)");
-        }
-        if (m.dtype != "fp32" && !m.kvOnly())
-        {
-            throw Error(DFL2_ERR_UNAVAILABLE, dir + " is a " + m.dtype + " export of a target with linear or sliding "
-                "layers: libdflash2's ONNX Runtime backend runs those in fp32 only (export --dtype fp32)");
         }
         OrtLibrary const& lib = openOrtLibrary(o.getString("ort_library", ""));
         mApi = lib.api;
@@ -551,6 +556,12 @@ public:
     ONNXTensorElementDataType hiddenType() const
     {
         return mHiddenType;
+    }
+    //! a hybrid target's convolution windows (past_conv / present_conv): fp32, or fp16 in an fp16 export; the
+    //! recurrent states are fp32 in every export
+    ONNXTensorElementDataType convType() const
+    {
+        return mConvType;
     }
 
     static constexpr int32_t kMAX_BATCH = 16;
@@ -780,31 +791,47 @@ private:
             return Error(DFL2_ERR_UNAVAILABLE, g.file + ": tensor '" + name + "' is not " + want
                 + ", which libdflash2's ONNX Runtime backend needs there");
         };
-        auto same = [&](std::vector<std::pair<Graph const*, std::string>> const& uses, bool fp16) {
+        // the tensors `uses` have one element type, fp32 (or fp16 where halfToo) -> that type
+        auto same = [&](std::vector<std::pair<Graph const*, std::string>> const& uses, bool halfToo) {
             ONNXTensorElementDataType const t = typeOf(*uses[0].first, uses[0].second);
-            bool const ok = t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || (fp16 && t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16);
+            bool const ok = t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || (halfToo && t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16);
             for (auto const& [g, name] : uses)
             {
                 if (!ok || typeOf(*g, name) != t)
                 {
-                    throw refuse(*g, name, fp16 ? "fp32 or fp16 like the tensors it meets" : "fp32");
+                    throw refuse(*g, name, halfToo ? "fp32 or fp16 like the tensors it meets" : "fp32");
                 }
             }
             return t;
         };
         Manifest const& m = mManifest;
-        bool const fp16 = m.kvOnly();  // a target with linear or sliding layers: fp32 throughout
+        // attention and sliding layers' K/V (buffers and rings), linear layers' windows and recurrent states
         std::vector<std::pair<Graph const*, std::string>> kv;
-        for (std::string const& n : targetKvNames(m, "past_key_values"))
+        std::vector<std::pair<Graph const*, std::string>> conv;
+        std::vector<std::pair<Graph const*, std::string>> recurrent;
+        for (int32_t i = 0; i < m.targetLayers; ++i)
         {
-            kv.emplace_back(&mTarget, n);
+            std::string const n = std::to_string(i);
+            for (char const* prefix : {"past", "present"})
+            {
+                if (m.isLinear(i))
+                {
+                    conv.emplace_back(&mTarget, std::string(prefix) + "_conv." + n);
+                    recurrent.emplace_back(&mTarget, std::string(prefix) + "_recurrent." + n);
+                    continue;
+                }
+                std::string const base = std::string(prefix) == "past" ? "past_key_values." : "present.";
+                kv.emplace_back(&mTarget, base + n + ".key");
+                kv.emplace_back(&mTarget, base + n + ".value");
+            }
         }
-        for (std::string const& n : targetKvNames(m, "present"))
+        mTargetKvType = kv.empty() ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : same(kv, true);
+        if (!conv.empty())
         {
-            kv.emplace_back(&mTarget, n);
+            mConvType = same(conv, true);
+            same(recurrent, false);
         }
-        mTargetKvType = kv.empty() ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : same(kv, fp16);
-        mFeatureType = same({{&mTarget, "context_features"}, {&mContext, "context_features"}}, fp16);
+        mFeatureType = same({{&mTarget, "context_features"}, {&mContext, "context_features"}}, true);
         std::vector<std::pair<Graph const*, std::string>> ctx;
         for (std::string const& n : kvNames(m.drafterLayers, "context"))
         {
@@ -866,6 +893,7 @@ private:
     ONNXTensorElementDataType mFeatureType{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
     ONNXTensorElementDataType mDrafterKvType{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
     ONNXTensorElementDataType mHiddenType{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+    ONNXTensorElementDataType mConvType{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
     int32_t mFeatureDim{0};
     Graph mTarget;
     Graph mContext;
@@ -1177,12 +1205,12 @@ private:
         mCallInNames = {"input_ids", "position_ids", "attention_mask"};
         if (man.hasSlidingLayers())
         {
-            mRing = std::make_unique<HostRing>(man);
+            mRing = std::make_unique<HostRing>(man, mTkv.elem);
             int32_t const R = man.slidingWindow.ringSlots;
             for (auto& a : mRing->arrays)
             {
-                mRingValues.emplace_back(mApi, a.data(), a.size() * sizeof(float),
-                    std::vector<int64_t>{1, man.targetKvHeads, R, man.targetHeadDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+                mRingValues.emplace_back(mApi, a.data(), a.size(),
+                    std::vector<int64_t>{1, man.targetKvHeads, R, man.targetHeadDim}, mM.targetKvType());
             }
             mRingRows.assign(mRing->arrays.size(), {});
             mWindowPositions = OrtTensor(mApi, const_cast<int64_t*>(mRing->log.positions(0)), static_cast<size_t>(R) * sizeof(int64_t),
@@ -1191,15 +1219,15 @@ private:
         }
         if (man.hasLinearLayers())
         {
-            mLinear = std::make_unique<HostLinearState>(man);
+            mLinear = std::make_unique<HostLinearState>(man, elementBytes(mM.convType()));
             mCallInNames.push_back("state_rows");
         }
         LinearStateSpec const& ls = man.linearState;
         for (size_t i = 0; mLinear && i < mLinear->layers.size(); ++i)
         {
             HostLinearState::Layer& l = mLinear->layers[i];
-            mLinearValues.emplace_back(mApi, l.window.data(), l.window.size() * sizeof(float),
-                std::vector<int64_t>{1, ls.convDim, ls.window()}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+            mLinearValues.emplace_back(mApi, l.window.data(), l.window.size(),
+                std::vector<int64_t>{1, ls.convDim, ls.window()}, mM.convType());
             mLinearValues.emplace_back(mApi, l.recurrent.data(), l.recurrent.size() * sizeof(float),
                 std::vector<int64_t>{1, ls.numHeads, ls.keyDim, ls.valueDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
         }
@@ -1312,8 +1340,8 @@ private:
                 HostLinearState::Layer& l = mLinear->layers[lin];
                 mCallInValues[at] = mLinearValues[2 * lin].get();
                 mCallInValues[at + 1] = mLinearValues[2 * lin + 1].get();
-                mCallOutTensors.emplace_back(mApi, l.inputs.data(), static_cast<size_t>(ls.convDim) * static_cast<size_t>(S) * sizeof(float),
-                    std::vector<int64_t>{1, ls.convDim, S}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+                mCallOutTensors.emplace_back(mApi, l.inputs.data(), static_cast<size_t>(ls.convDim) * static_cast<size_t>(S) * l.convElem,
+                    std::vector<int64_t>{1, ls.convDim, S}, mM.convType());
                 mCallOutValues[out] = mCallOutTensors.back().get();
                 mCallOutTensors.emplace_back(mApi, l.states.data(), static_cast<size_t>(R) * ls.recurrentElements() * sizeof(float),
                     std::vector<int64_t>{1, R, ls.numHeads, ls.keyDim, ls.valueDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
@@ -1326,9 +1354,9 @@ private:
                 for (size_t k = 0; k < 2; ++k, ++ring)
                 {
                     mCallInValues[at + k] = mRingValues[ring].get();
-                    mRingRows[ring].resize(per);
-                    mCallOutTensors.emplace_back(mApi, mRingRows[ring].data(), per * sizeof(float),
-                        std::vector<int64_t>{1, man.targetKvHeads, S, man.targetHeadDim}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+                    mRingRows[ring].resize(per * mTkv.elem);
+                    mCallOutTensors.emplace_back(mApi, mRingRows[ring].data(), per * mTkv.elem,
+                        std::vector<int64_t>{1, man.targetKvHeads, S, man.targetHeadDim}, mM.targetKvType());
                     mCallOutValues[out + k] = mCallOutTensors.back().get();
                 }
                 continue;
@@ -1463,7 +1491,7 @@ private:
     // a sliding target: its rings, the values over them and the window positions, made once
     std::unique_ptr<HostRing> mRing;
     std::vector<OrtTensor> mRingValues;           //!< per sliding layer: key ring, value ring (the inputs)
-    std::vector<std::vector<float>> mRingRows;    //!< per ring: the call's new rows [heads, S, dim]
+    std::vector<std::vector<char>> mRingRows;     //!< per ring: the call's new rows [heads, S, dim]
     OrtTensor mWindowPositions;                   //!< over mRing's window positions
     std::vector<OrtTensor> mPastValues;    //!< over mTkv.arrays (the KV inputs)
     int32_t mPastCapacity{-1};             //!< the capacity mPastValues were made for
