@@ -393,7 +393,11 @@ DFL2_API dfl2_status* dfl2_session_get_proposers(const dfl2_session* session, co
  * is plain, the next ones draft for the speculative request of the best estimate (one) until a proposal and a
  * verify are measured. A request kept plain probe_after steps in a row returns to the prior (its acceptance is
  * measured again). So at low load a request whose drafts are accepted drafts, at high load the batch decodes in
- * batched plain steps. Lossless either way (the rule picks which exact procedure makes a request's next tokens).
+ * batched plain steps. Measured costs add the realized check: per batch size n, the tokens per second of whole
+ * steps that drafted and of plain ones (exponential means over 8 steps); the first 4 steps at each n are plain;
+ * then while drafting steps made fewer tokens per second than plain ones, or (drafting not yet measured at n) the
+ * rule's last choice at n was plain, steps at n are plain without weighing, every 16th weighed (a probe). Lossless
+ * either way (the rule picks which exact procedure makes a request's next tokens).
  *
  * BACKENDS. A callbacks model with max_batch >= 1 and the batch_* callbacks. A TensorRT model: up to the batch its
  * target engine takes per call (dflash2 build-engines --max-batch N; engines built without it take 1, so their
