@@ -515,7 +515,8 @@ int ringScenario(uint32_t seed, bool planted)
     int mismatches = 0;
     int wrapped = 0, rolledBack = 0, refused = 0;
 
-    // present [B, heads, S, d] per buffer, random; batch row b's first rows[b] rows become slot slotOf[b]'s
+    // present [B, heads, S, d] per buffer, random; sequence i's rows[i] rows (batch row slotOf[i], or 0 when B = 1)
+    // go to slot slotOf[i]'s ring
     auto call = [&](std::vector<int32_t> const& slotOf, std::vector<int32_t> const& rows, int32_t B) {
         int32_t const S = *std::max_element(rows.begin(), rows.end());
         std::vector<std::vector<float>> present(static_cast<size_t>(2 * layers),
