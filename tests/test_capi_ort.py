@@ -543,7 +543,8 @@ def quant(request, tiny_pair, tmp_path_factory):
     kw = {"quantization": QuantSpec("int4")} if kind == "int4" else {"dtype": "fp16"}
     export_model(tiny_pair / "target", tiny_pair / "drafter", out, progress=False, max_seq_len=512, block_size=8, **kw)
     g = _load(out, _ops_library(), PANELS_ENV, ("greedy", "independent"))
-    assert g._backend.fused == (kind == "int4") and g._backend.manifest.dtype == ("fp16" if kind == "fp16" else "fp32")  # noqa: SLF001
+    be = g._backend  # noqa: SLF001
+    assert be.fused == (kind == "int4") and be.manifest.dtype == ("fp16" if kind == "fp16" else "fp32")
     yield kind, out, g
     g.close()
 
@@ -555,9 +556,9 @@ def test_int4_fp16_and_independent_equal_python_runtime(capi_build, quant, hybri
     independent rows (drafter_head_independent: each row's argmax, or its sample of the row's softmax by the row's
     uniform): 21 prompts greedy and at T = 0.8 (numpy's uniforms per seed) give the Python runtime's ids, accepted
     drafts and proposers, with drafts accepted."""
-    kind, export, py = quant
-    env = {**PANELS_ENV}
-    differ, accepted = _hybrid_equal(capi_build, export, py, hybrid_prompts, temperature, env, _ops_library(), selector)
+    _, export, py = quant
+    differ, accepted = _hybrid_equal(capi_build, export, py, hybrid_prompts, temperature, PANELS_ENV, _ops_library(),
+                                     selector)
     assert differ == 0
     assert sum(accepted) > 0
 
