@@ -165,6 +165,10 @@ int32_t argmaxRow(float const* row, size_t n)
 void independentDraft(
     float const* logits, int32_t L, int32_t V, float temperature, float const* uniforms, int32_t topK, Draft& out)
 {
+    if (temperature > 0 && uniforms == nullptr)
+    {
+        throw Error(DFL2_ERR_INTERNAL, "an independent draft at temperature > 0 needs its rows' uniforms");
+    }
     size_t const nV = static_cast<size_t>(V);
     size_t const K = static_cast<size_t>(std::max(1, std::min(topK, V)));
     out.tokens.assign(static_cast<size_t>(L), 0);
