@@ -413,6 +413,34 @@ def _guard_cases(rng: np.random.Generator) -> list[dict]:
     return cases
 
 
+def _independent_cases(rng: np.random.Generator) -> list[dict]:
+    """protocol.independent_draft (drafts of a head without a selector): rows of random logits, some with values
+    tied (the argmax's first index; the top-K order, index ascending among equal values), vocabularies across the
+    pairwise-summation block boundaries, T = 0 (argmax, one-hot proposal) and T > 0 (inverse-CDF samples of the
+    float32 softmax by the rows' uniforms) -> tokens, proposals over the candidates, candidates (compared where no
+    value ties at the K-th place: numpy's argpartition picks any of them), the vocabulary proposal."""
+    from dflash2_trt.runtime.protocol import independent_draft
+
+    cases = []
+    for i in range(40):
+        L, V = int(rng.integers(1, 9)), int(rng.choice([1, 5, 8, 9, 100, 129, 300, 1000]))
+        logits = (rng.standard_normal((L, V)) * 3).astype(np.float32)
+        if i % 3 == 0:
+            logits = np.round(logits * 2) / 2  # ties
+        T = 0.0 if i % 2 == 0 else float(rng.choice([0.3, 0.8, 1.0, 1.7]))
+        K = int(rng.integers(1, 12))
+        u = rng.random(L).astype(np.float32)
+        d = independent_draft(logits, T, u[None] if T > 0 else None, K)
+        k = d.cand.shape[1]
+        kth = np.sort(logits, -1)[:, ::-1][:, k - 1] if k < V else None
+        unique = kth is None or bool(all((logits[r] == kth[r]).sum() == 1 for r in range(L)))
+        cases.append({"logits": logits.ravel().tolist(), "L": L, "V": V, "temperature": T, "top_k": K,
+                      "uniforms": u.tolist(), "tokens": d.tokens.tolist(), "proposal": d.proposal.ravel().tolist(),
+                      "cand": d.cand.ravel().tolist(), "cand_unique": unique,
+                      "vocab_proposal": None if d.vocab_proposal is None else d.vocab_proposal.ravel().tolist()})
+    return cases
+
+
 def write_core_vectors(path: Path) -> dict:
     """Reference vectors for the coreVectors ctest (fresh random inputs from a fixed seed)."""
     rng = np.random.default_rng(1234)
@@ -464,6 +492,7 @@ def write_core_vectors(path: Path) -> dict:
     v["proposer_choice"] = _proposer_choice_cases(lookup_rng)
     v["rule_lookup"] = _rule_lookup_cases(lookup_rng)
     v["guard"] = _guard_cases(np.random.default_rng(5678))  # its own stream
+    v["independent"] = _independent_cases(np.random.default_rng(8765))  # its own stream
     v["guard_bad_configs"] = list(GUARD_BAD_CONFIGS)
     v["loops"] = [
         _loop_case("greedy-selector-oracle", True, "selector", 0.0, 40, [], True, seed=1),
@@ -598,6 +627,8 @@ def test_core_vectors_exercise_every_branch(vectors_path):
     assert any(c["records"] and 0 < len(c["chosen"]) < len(c["tau"]) for c in rule)  # some draft, some not
     assert any(c["records"] and c["tau"] and not c["chosen"] and None not in c["plain"] for c in rule)
     assert any(not c["adaptive"] and c["tau"] for c in rule)
+    ind = v["independent"]  # independent drafts: argmax and samples, ties at the K-th place and none
+    assert {c["temperature"] > 0 for c in ind} == {True, False} and {c["cand_unique"] for c in ind} == {True, False}
     # the realized check: plain first, steps held, a probe (a False inside a run of Trues), steps weighed
     assert any(all(c["holds"]) for c in rule) and any("False, False, False, False" in str(c["holds"]) for c in rule)
     assert any("True, False, True" in str(c["holds"]) for c in rule)

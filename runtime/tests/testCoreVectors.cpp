@@ -310,6 +310,40 @@ int main(int argc, char** argv)
         checkStats(s, c["want"], "stats " + std::to_string(i++));
     }
     i = 0;
+    for (json const& c : v["independent"])
+    {
+        std::string const name = "independent " + std::to_string(i++);
+        std::vector<float> const logits = flat<float>(c["logits"]);
+        std::vector<float> const u = flat<float>(c["uniforms"]);
+        float const T = c["temperature"].get<float>();
+        Draft d;
+        independentDraft(logits.data(), c["L"].get<int32_t>(), c["V"].get<int32_t>(), T, T > 0 ? u.data() : nullptr,
+            c["top_k"].get<int32_t>(), d);
+        check(d.tokens == flat<int32_t>(c["tokens"]), name + ": tokens");
+        if (c["cand_unique"].get<bool>())
+        {
+            check(d.cand == flat<int32_t>(c["cand"]), name + ": candidates");
+            std::vector<double> const q = flat<double>(c["proposal"]);
+            bool same = q.size() == d.proposal.size();
+            for (size_t j = 0; same && j < q.size(); ++j)
+            {
+                same = close(d.proposal[j], q[j], 1e-6);
+            }
+            check(same, name + ": proposal");
+        }
+        check(d.hasVocabProposal == !c["vocab_proposal"].is_null(), name + ": vocabulary proposal given");
+        if (d.hasVocabProposal)
+        {
+            std::vector<double> const q = flat<double>(c["vocab_proposal"]);
+            bool same = q.size() == d.vocabProposal.size();
+            for (size_t j = 0; same && j < q.size(); ++j)
+            {
+                same = close(d.vocabProposal[j], q[j], 1e-6);
+            }
+            check(same, name + ": vocabulary proposal");
+        }
+    }
+    i = 0;
     for (json const& c : v["rule"])
     {
         std::string const name = "rule " + std::to_string(i++);
