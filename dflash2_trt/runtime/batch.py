@@ -96,9 +96,8 @@ rule's last choice was plain: nothing it weighs changes in plain steps except th
 steps at n are held plain without weighing, every 16th weighed (a probe: a new request, acceptance that rose).
 Against batched plain decoding, adaptive decoding then loses at most its exploration and probes where drafting
 does not pay. With given costs (:class:`FixedCosts`) the rule weighs every step. A held step counts as a plain
-step for ``probe_after``; it makes no lookup, so a lookup that would pay waits for the next weighed step.
-Lossless either way: the rule picks which exact procedure makes a sequence's
-next tokens, from past timings and counts only.
+step for ``probe_after``; it makes no lookup, so a lookup that would pay waits for the next weighed step. Lossless
+either way: the rule picks which exact procedure makes a sequence's next tokens, from past timings and counts only.
 
 Ownership: a :class:`BatchDecoder` owns its target runner's slots and one drafter runner per slot (or one batched
 drafter over all slots); not thread safe (one thread drives it: the Generator's batch loop thread behind
