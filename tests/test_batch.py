@@ -403,7 +403,7 @@ def test_realized_check_compares_what_steps_made():
     batch sizes are kept apart; given costs (FixedCosts) never hold."""
     P, M = BT.STEP_RATE_PROBE, BT.STEP_RATE_MIN_STEPS
 
-    def held(c, n, steps):  # the indices of the weighed steps among `steps` asked
+    def weighed(c, n, steps):  # the indices of the weighed steps among `steps` asked
         return [i for i in range(steps) if not c.holds_plain(n)]
 
     c = BT.MeasuredCosts()
@@ -414,18 +414,38 @@ def test_realized_check_compares_what_steps_made():
     c.record_step(4, True, 6, 0.020, weighed=True)
     assert not c.holds_plain(4)  # it drafted last: still weighed
     c.record_step(4, False, 4, 0.010, weighed=True)  # the rule chose plain: nothing changes until a probe
-    assert held(c, 4, 2 * P) == [P - 1, 2 * P - 1]
+    assert weighed(c, 4, 2 * P) == [P - 1, 2 * P - 1]
     for _ in range(M):
         c.record_step(4, True, 6, 0.020, weighed=True)  # 300 tokens/s: drafting measured, it loses
-    assert held(c, 4, P) == [P - 1]
+    assert weighed(c, 4, P) == [P - 1]
     c.record_step(4, True, 6, 0.020, weighed=True)  # the probe drafted: held again
     assert c.holds_plain(4)
     assert c.holds_plain(2)  # another batch size: its own plain steps first
     for _ in range(BT.STEP_RATE_WINDOW):  # drafting steps that now pay (acceptance rose): weighed every step
         c.record_step(4, True, 12, 0.020, weighed=True)
     c.record_step(4, False, 4, 0.010, weighed=True)  # a plain choice among paying drafts: still weighed
-    assert held(c, 4, P) == list(range(P))
+    assert weighed(c, 4, P) == list(range(P))
     assert not BT.FixedCosts(plain_fn=lambda n: 1.0, draft_s=0.1, verify_s=0.1).holds_plain(4)
+
+
+def test_realized_check_ignores_steps_the_rule_did_not_weigh(be):
+    """A prompt-lookup request whose context has no match offers the rule nothing: that plain step is no choice of
+    the rule's, so the realized check does not hold the batch size plain for it, and the next step whose lookup
+    matches is weighed (and drafts: a lookup is free of drafter time)."""
+    dec = _decoder(be, 1, BT.SpeculationRule(), draft=False)
+    i = dec.submit(BT.BatchRequest(_prompts(be, [6])[0], 60, eos_ids=set(), proposer="ngram"))
+    dec.step()
+    s = dec._active[i]
+    for _ in range(BT.STEP_RATE_MIN_STEPS):  # plain steps at one sequence measured: the check lets the rule weigh
+        dec.rule.costs.record_step(1, False, 1, 0.01, weighed=False)
+    dec.rule.costs.record_plain(1, 0.01)
+    s.choice.tokens = np.arange(20, dtype=np.int64)  # no repeated n-gram: no lookup
+    assert dec._choose([s]) == {} and not dec._weighed
+    dec.rule.costs.record_step(1, False, 1, 0.01, dec._weighed)
+    assert not dec.rule.costs.holds_plain(1)
+    s.choice.tokens = np.array([5, 6, 7, 8, 9, 5, 6], dtype=np.int64)  # "5 6" seen before: drafts 7 8 9 5 ...
+    plan = dec._choose([s])
+    assert dec._weighed and plan == {i: ("ngram", s.choice.ngram(60))}, plan
 
 
 @pytest.mark.parametrize("check", [True, False])

@@ -92,8 +92,10 @@ prefix: about 3 % of a step at 16 sequences), so what the steps made overrides i
 drafted and of those that did not are kept (exponential means over 8 steps). The first 4 steps at each n are
 plain; then the rule weighs every step while the drafting steps at n made at least the plain ones' tokens per
 second, or are not measured yet and the rule's last choice at n drafted. Otherwise (drafting made less, or the
-rule's last choice was plain: nothing it weighs changes in plain steps except the count that probes a sequence)
-steps at n are held plain without weighing, every 16th weighed (a probe: a new request, acceptance that rose).
+rule's last choice was plain: in plain steps nothing it weighs changes but the count that probes a sequence and
+the prompt lookups' matches) steps at n are held plain without weighing, every 16th weighed (a probe: a new
+request, acceptance that rose, a lookup that now matches). A step whose candidates offered the rule nothing (prompt
+lookups without a match) is not a choice of the rule's.
 Against batched plain decoding, adaptive decoding then loses at most its exploration and probes where drafting
 does not pay. With given costs (:class:`FixedCosts`) the rule weighs every step. A held step counts as a plain
 step for ``probe_after``; it makes no lookup, so a lookup that would pay waits for the next weighed step. Lossless
@@ -227,7 +229,7 @@ class MeasuredCosts:
     def record_step(self, n: int, drafted: bool, tokens: int, s: float, weighed: bool) -> None:
         """A whole step over n sequences (choose to accept: drafting, the target forward, acceptance): the tokens
         it committed in s seconds, whether any sequence drafted, and whether the rule weighed it (False: held plain
-        by :meth:`holds_plain`)."""
+        by :meth:`holds_plain`, or no candidate offered it a proposal)."""
         self._made.setdefault((n, drafted), StepRate()).add(tokens, s)
         if weighed:
             self._model_plain[n], self._held[n] = not drafted, 0
@@ -237,9 +239,9 @@ class MeasuredCosts:
         are measured first (STEP_RATE_MIN_STEPS of them); then the rule weighs every step while the steps that
         drafted at n made at least the plain ones' tokens per second, or are not measured yet (fewer than
         STEP_RATE_MIN_STEPS) and the rule's last choice at n drafted. Otherwise — drafting made less, or the rule's
-        last choice at n was plain (nothing it weighs changes in plain steps but the plain-step count that probes a
-        sequence) — the steps are held plain, every STEP_RATE_PROBE-th left to the rule so that a change (a new
-        request, acceptance that rose) is seen."""
+        last choice at n was plain (in plain steps nothing it weighs changes but the plain-step count that probes a
+        sequence and the lookups' matches) — the steps are held plain, every STEP_RATE_PROBE-th left to the rule so
+        that a change (a new request, acceptance that rose, a lookup that now matches) is seen."""
         d, p = self._made.get((n, True)), self._made.get((n, False))
         if p is None or p.steps < STEP_RATE_MIN_STEPS:
             return True
@@ -578,6 +580,7 @@ class BatchDecoder:
             if who == DFLASH2 and s.choice.preferred(looked[s.id], drafter=False) == NGRAM:
                 rows[s.id, NGRAM], tau = self._estimate(s, NGRAM, looked[s.id])
                 fallbacks[s.id, DFLASH2] = ((s.id, NGRAM), tau)
+        self._weighed = bool(taus)  # lookups without a match offer the rule nothing: no choice of its to remember
 
         def units(keys: list[tuple[int, str]]) -> float:  # the step's forward when ``keys`` draft (their rows)
             extra = {i: rows[i, who] for i, who in keys}

@@ -348,6 +348,7 @@ int main(int argc, char** argv)
     {
         std::string const name = "rule " + std::to_string(i++);
         auto costs = std::make_unique<MeasuredCosts>();
+        bool holdsSame = true;  // the realized check's answers, between the records and after them
         for (json const& r : c["records"])
         {
             std::string const kind = r["kind"].get<std::string>();
@@ -364,6 +365,10 @@ int main(int argc, char** argv)
             {
                 costs->recordVerify(sec);
             }
+            else if (kind == "ask")
+            {
+                holdsSame = holdsSame && costs->holdsPlain(r["n"].get<int32_t>()) == r["holds"].get<bool>();
+            }
             else
             {
                 costs->recordStep(r["n"].get<int32_t>(), r["drafted"].get<bool>(), r["tokens"].get<int32_t>(), sec,
@@ -371,7 +376,6 @@ int main(int argc, char** argv)
             }
         }
         std::vector<int32_t> const holdsN = flat<int32_t>(c["holds_n"]);
-        bool holdsSame = true;
         for (size_t j = 0; j < holdsN.size(); ++j)
         {
             holdsSame = holdsSame && costs->holdsPlain(holdsN[j]) == c["holds"][j].get<bool>();

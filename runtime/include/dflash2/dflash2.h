@@ -122,7 +122,7 @@ extern "C" {
 /* The manifest_version of export folders this library reads: DFL2_MANIFEST_VERSION, and
  * DFL2_MANIFEST_STATE_VERSION for a target with Gated DeltaNet "linear" layers (their state the target graph takes
  * and returns; run by the ONNX Runtime and TensorRT backends) or "sliding" window layers (their K/V in ring buffers;
- * run by the ONNX Runtime backend, refused by the TensorRT one) beside "attention" layers. */
+ * run by the ONNX Runtime and TensorRT backends) beside "attention" layers. */
 #define DFL2_MANIFEST_VERSION 2
 #define DFL2_MANIFEST_STATE_VERSION 3
 
@@ -396,7 +396,8 @@ DFL2_API dfl2_status* dfl2_session_get_proposers(const dfl2_session* session, co
  * batched plain steps. Measured costs add the realized check: per batch size n, the tokens per second of whole
  * steps that drafted and of plain ones (exponential means over 8 steps); the first 4 steps at each n are plain;
  * then while drafting steps made fewer tokens per second than plain ones, or (drafting not yet measured at n) the
- * rule's last choice at n was plain, steps at n are plain without weighing, every 16th weighed (a probe). Lossless
+ * rule's last choice at n was plain (a step whose candidates offered it no proposal, prompt lookups without a
+ * match, is no choice), steps at n are plain without weighing, every 16th weighed (a probe). Lossless
  * either way (the rule picks which exact procedure makes a request's next tokens).
  *
  * BACKENDS. A callbacks model with max_batch >= 1 and the batch_* callbacks. A TensorRT model: up to the batch its

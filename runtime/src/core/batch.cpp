@@ -701,6 +701,7 @@ std::vector<BatchDecoder::Plan> BatchDecoder::choose(std::vector<Seq*> const& se
             fallbacks.push_back({ruleKey(s.id, Proposer::kDFLASH2), {ruleKey(s.id, Proposer::kNGRAM), tau}});
         }
     }
+    mWeighed = !taus.empty();  // lookups without a match offer the rule nothing: no choice of its to remember
     std::vector<uint64_t> const chosen = mRule.choose(static_cast<int32_t>(seqs.size()), taus, free, fallbacks);
     std::vector<Plan> plan;
     for (size_t i = 0; i < cands.size(); ++i)
