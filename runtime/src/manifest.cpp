@@ -439,12 +439,13 @@ int32_t Manifest::layersOf(char const* kind) const
     return static_cast<int32_t>(std::count(layerKinds.begin(), layerKinds.end(), kind));
 }
 
-std::vector<std::string> targetKvNames(Manifest const& m, std::string const& prefix)
+std::vector<std::string> targetKvNames(Manifest const& m, std::string const& prefix, std::string const& kind)
 {
     std::vector<std::string> out;
     for (int32_t i = 0; i < m.targetLayers; ++i)
     {
-        if (!m.isLinear(i) && !m.isSliding(i))
+        bool const sliding = m.isSliding(i);
+        if (!m.isLinear(i) && sliding == (kind == "sliding"))
         {
             out.push_back(prefix + "." + std::to_string(i) + ".key");
             out.push_back(prefix + "." + std::to_string(i) + ".value");

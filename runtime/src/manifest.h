@@ -125,10 +125,15 @@ struct Manifest
 //! "past": past_key_values.{i}.key / .value of a KV layer, past_conv.{i} / past_recurrent.{i} of a linear layer;
 //! "present": present.{i}.key / .value, present_conv.{i} / present_recurrent.{i}.
 std::vector<std::string> targetStateNames(Manifest const& m, std::string const& prefix);
-//! The KV tensors of the target's full-attention layers alone (every layer of a version 2 export), 2 per layer in
-//! layer order:
-//! "{prefix}.{i}.key" / ".value" (prefix "past_key_values" or "present").
-std::vector<std::string> targetKvNames(Manifest const& m, std::string const& prefix);
+//! The KV tensors of the target's layers of one kind, 2 per layer in layer order: "{prefix}.{i}.key" / ".value"
+//! (prefix "past_key_values" or "present"); kind "attention": the full-attention layers (every layer of a version 2
+//! export; their capacity buffers), "sliding": the sliding-window layers (their rings).
+std::vector<std::string> targetKvNames(Manifest const& m, std::string const& prefix, std::string const& kind = "attention");
+
+//! Target inputs of version 3 exports (dflash2_trt.manifest): [B, ringSlots] the position each ring slot of a
+//! sliding-window target holds (-1: none); [R] the rows whose linear-layer state a hybrid target's call returns.
+constexpr char const* kWINDOW_POSITIONS = "window_positions";
+constexpr char const* kSTATE_ROWS = "state_rows";
 
 //! Parse and check manifest text; `source` names it in messages.
 Manifest parseManifest(std::string const& text, std::string const& source);

@@ -30,13 +30,15 @@ using namespace dflash2;
 namespace
 {
 
-//! DeviceOps over host memory: fresh allocations are 0xFF garbage; `failAfter` allocations succeed, then throw.
+//! DeviceOps over host memory: fresh allocations are 0xFF garbage; `failAfter` allocations succeed, then throw;
+//! `dropLastRow` (a negative control) makes every 2-D copy leave out its last row.
 class HostOps : public DeviceOps
 {
 public:
     std::vector<std::unique_ptr<std::vector<unsigned char>>> live;
     int allocs{0}, frees{0}, zeros{0}, syncs{0};
     int failAfter{-1};
+    bool dropLastRow{false};
 
     void* alloc(size_t bytes) override
     {
@@ -69,7 +71,7 @@ public:
     }
     void copy2D(void* dst, size_t dpitch, void const* src, size_t spitch, size_t width, size_t height, void*) override
     {
-        for (size_t r = 0; r < height; ++r)
+        for (size_t r = 0; r + (dropLastRow ? 1 : 0) < height; ++r)
         {
             std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<char const*>(src) + r * spitch, width);
         }
@@ -482,13 +484,14 @@ struct HostRingTwin
 //! with the spec: the cached positions the next row's window takes (a row at p sees p - window + 1..p, as
 //! targets/dense.py attention_biases) are each held once, every held position with the rows it was given, and no
 //! slot holds a position at or past the length. Returns the mismatches.
-int ringScenario(uint32_t seed, bool planted)
+int ringScenario(uint32_t seed, bool planted, bool dropLastRow = false)
 {
     int32_t const H = 2, D = 3, slots = 3, layers = 2;
     SlidingWindowSpec const spec{5, 9};
     int32_t const R = spec.ringSlots, W = spec.window;
     int32_t const verifyRows = R - W + 1;  // the most rows a crop may cut back into
     HostOps ops;
+    ops.dropLastRow = dropLastRow;
     DeviceWindowRing ring{&ops, layers, H, D, sizeof(float), 1, {}, nullptr};
     ring.allocate(spec, slots, planted, nullptr);
     CHECK(ring.ptrs.size() == 4 && ops.allocs == 4 && ops.zeros == 4);
@@ -682,6 +685,9 @@ void testWindowRing()
     for (uint32_t seed : {1U, 2U})
     {
         CHECK_MSG(ringScenario(seed, planted) > 0, "seed %u: the planted ring bug went unnoticed", seed);
+        // and a placement that loses rows (every pitched copy one row short: DeviceWindowRing's own arithmetic
+        // wrong) makes it differ too
+        CHECK_MSG(ringScenario(seed, false, true) > 0, "seed %u: a ring placement one row short went unnoticed", seed);
     }
 
     // a slot's part is what a B = 1 call binds; rows outside the present tensors or the slots are refused

@@ -745,18 +745,14 @@ private:
         if (m.hasSlidingLayers())  // a sliding layer's ring in, its new rows out, and the ring's window positions
         {
             int32_t const R = m.slidingWindow.ringSlots;
-            need(mTarget, "window_positions", {-1, R});
-            for (int32_t i = 0; i < m.targetLayers; ++i)
+            need(mTarget, kWINDOW_POSITIONS, {-1, R});
+            for (std::string const& n : targetKvNames(m, "past_key_values", "sliding"))
             {
-                for (char const* part : {".key", ".value"})
-                {
-                    if (!m.isSliding(i))
-                    {
-                        continue;
-                    }
-                    need(mTarget, "past_key_values." + std::to_string(i) + part, {-1, m.targetKvHeads, R, m.targetHeadDim});
-                    need(mTarget, "present." + std::to_string(i) + part, tkv);
-                }
+                need(mTarget, n, {-1, m.targetKvHeads, R, m.targetHeadDim});
+            }
+            for (std::string const& n : targetKvNames(m, "present", "sliding"))
+            {
+                need(mTarget, n, tkv);
             }
         }
         need(mContext, "context_features", {-1, -1, mFeatureDim});
@@ -850,7 +846,7 @@ private:
     {
         Manifest const& m = mManifest;
         LinearStateSpec const& s = m.linearState;
-        need(mTarget, "state_rows", {-1});
+        need(mTarget, kSTATE_ROWS, {-1});
         for (int32_t i = 0; i < m.targetLayers; ++i)
         {
             if (m.isLinear(i))
@@ -1215,12 +1211,12 @@ private:
             mRingRows.assign(mRing->arrays.size(), {});
             mWindowPositions = OrtTensor(mApi, const_cast<int64_t*>(mRing->log.positions(0)), static_cast<size_t>(R) * sizeof(int64_t),
                 {1, R}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-            mCallInNames.push_back("window_positions");
+            mCallInNames.push_back(kWINDOW_POSITIONS);
         }
         if (man.hasLinearLayers())
         {
             mLinear = std::make_unique<HostLinearState>(man, elementBytes(mM.convType()));
-            mCallInNames.push_back("state_rows");
+            mCallInNames.push_back(kSTATE_ROWS);
         }
         LinearStateSpec const& ls = man.linearState;
         for (size_t i = 0; mLinear && i < mLinear->layers.size(); ++i)

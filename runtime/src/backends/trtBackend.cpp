@@ -669,7 +669,9 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
     std::string const mode = options.getString("draft_mode", "greedy");
     if (mode == "independent")
     {
-        throw Error(DFL2_ERR_OPTION_VALUE, "the TensorRT backend runs the selector modes greedy / viterbi only");
+        // unavailable, not a bad value: backend=auto falls back to ONNX Runtime, which runs independent drafts
+        throw Error(DFL2_ERR_UNAVAILABLE, "the TensorRT backend runs the selector modes greedy / viterbi only "
+                "(backend=ort runs draft_mode 'independent')");
     }
     // engine identity: TensorRT version (before CUDA is touched), then the GPU
     checkEngineVersion(m.engines.tensorrtVersion, mLib.parts, dir);
@@ -958,7 +960,7 @@ IOTensor& TrtRunners::tensor(std::map<std::string, IOTensor>& io, Engine const& 
 void linearTensors(std::map<std::string, IOTensor>& io, Engine const& te, Manifest const& m, int32_t slots, int64_t rows)
 {
     LinearStateSpec const& ls = m.linearState;
-    TrtRunners::tensor(io, te, "state_rows", {rows}, true);
+    TrtRunners::tensor(io, te, kSTATE_ROWS, {rows}, true);
     for (int32_t i = 0; i < m.targetLayers; ++i)
     {
         if (!m.isLinear(i))
@@ -987,8 +989,8 @@ void bindLinear(DeviceLinearState& linear, std::map<std::string, IOTensor>& io, 
     {
         rows[static_cast<size_t>(i)] = everyRow ? i : S - 1;
     }
-    writeInts(io.at("state_rows"), 0, rows.data(), rows.size());
-    shapes["state_rows"] = {R};
+    writeInts(io.at(kSTATE_ROWS), 0, rows.data(), rows.size());
+    shapes[kSTATE_ROWS] = {R};
     LinearStateSpec const& ls = linear.spec;
     for (size_t l = 0; l < linear.layers.size(); ++l)
     {
@@ -1009,7 +1011,7 @@ void ringTensors(DeviceWindowRing& ring, std::map<std::string, IOTensor>& io, En
     int32_t slots, int64_t rows, DeviceOps& ops, cudaStream_t stream)
 {
     int32_t const R = m.slidingWindow.ringSlots;
-    std::vector<std::string> const past = slidingKvNames(m, "past_key_values");
+    std::vector<std::string> const past = targetKvNames(m, "past_key_values", "sliding");
     for (std::string const& n : past)
     {
         if (te.types.count(n) == 0)
@@ -1021,7 +1023,7 @@ void ringTensors(DeviceWindowRing& ring, std::map<std::string, IOTensor>& io, En
             {slots, m.targetKvHeads, R, m.targetHeadDim});
     }
     TrtRunners::tensor(io, te, kWINDOW_POSITIONS, {slots, R}, true);
-    for (std::string const& n : slidingKvNames(m, "present"))
+    for (std::string const& n : targetKvNames(m, "present", "sliding"))
     {
         TrtRunners::tensor(io, te, n, {1, m.targetKvHeads, rows, m.targetHeadDim}, false);
     }
@@ -1048,7 +1050,7 @@ void bindRing(DeviceWindowRing const& ring, std::map<std::string, IOTensor>& io,
         writeInts(wp, r * static_cast<size_t>(R), ring.positions(slotOfRow[r]), static_cast<size_t>(R));
     }
     shapes[kWINDOW_POSITIONS] = {B, R};
-    std::vector<std::string> const past = slidingKvNames(m, "past_key_values");
+    std::vector<std::string> const past = targetKvNames(m, "past_key_values", "sliding");
     for (size_t i = 0; i < past.size(); ++i)
     {
         shapes[past[i]] = {B, ring.heads, R, ring.headDim};
@@ -1062,7 +1064,7 @@ void placeRows(DeviceWindowRing& ring, std::map<std::string, IOTensor>& io, Mani
     int32_t slot, int32_t start, int32_t rows, cudaStream_t stream)
 {
     std::vector<void*> present;
-    for (std::string const& n : slidingKvNames(m, "present"))
+    for (std::string const& n : targetKvNames(m, "present", "sliding"))
     {
         present.push_back(io.at(n).dev);
     }
@@ -1279,7 +1281,7 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, bool everyRow, float*
             "H2D mask");
         if (mLinear.active())
         {
-            IOTensor& rows = mTio["state_rows"];
+            IOTensor& rows = mTio[kSTATE_ROWS];
             size_t const rowBytes = static_cast<size_t>(everyRow ? S : 1) * elementSize(rows.type);
             cudaCheck(cudaMemcpyAsync(rows.dev, rows.host, rowBytes, cudaMemcpyHostToDevice, mStream), "H2D state rows");
         }
@@ -1949,7 +1951,7 @@ void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOu
     h2d("attention_mask", rb.attentionMask.size());
     if (mLinear.active())
     {
-        h2d("state_rows", static_cast<size_t>(everyRow ? S : 1));
+        h2d(kSTATE_ROWS, static_cast<size_t>(everyRow ? S : 1));
     }
     if (mRing.active())
     {

@@ -148,26 +148,6 @@ struct DeviceKV
     }
 };
 
-//! The names of the target's sliding layers' K/V tensors, 2 per sliding layer in layer order: "{prefix}.{i}.key" /
-//! ".value" (prefix "past_key_values": the rings, bound in place; "present": the call's new rows).
-inline std::vector<std::string> slidingKvNames(Manifest const& m, std::string const& prefix)
-{
-    std::vector<std::string> out;
-    for (int32_t i = 0; i < m.targetLayers; ++i)
-    {
-        if (m.isSliding(i))
-        {
-            out.push_back(prefix + "." + std::to_string(i) + ".key");
-            out.push_back(prefix + "." + std::to_string(i) + ".value");
-        }
-    }
-    return out;
-}
-
-//! The target input of a sliding-window target: [B, ringSlots] the position each ring slot holds (-1: none)
-//! (dflash2_trt.manifest.TARGET_WINDOW_POSITIONS).
-constexpr char const* kWINDOW_POSITIONS = "window_positions";
-
 //! The sliding layers' K/V on the device, the twin of dflash2_trt/runtime/trt/device_buffers.py DeviceWindowRing
 //! (with batch slots): 2 buffers per sliding layer [slots, heads, ringSlots, d] (batch row = slot: what a batched
 //! target call binds; a slot's part [1, heads, ringSlots, d] is what a B = 1 call binds), bound in place as the
