@@ -1868,6 +1868,16 @@ def test_tensorrt_backend_takes_a_sliding_export(capi_build, tmp_path_factory):
     out = subprocess.run([str(capi_build / "bin" / "generate"), str(d), "1", "2", "-o", "backend=tensorrt"],
                          capture_output=True, text=True, env=env)
     assert out.returncode == 1 and "no CUDA device 0 here" in out.stderr, out
+    # engines whose profiles do not fix the ring at the manifest's size are refused first, in one line
+    manifest = json.loads((d / "manifest.json").read_text())
+    ring = manifest["target"]["sliding_window"]["ring_slots"]
+    for prof in manifest["engines"]["plans"]["target"]["profiles"]:
+        assert prof["dims"]["ring_slots"] == [ring] * 3
+        prof["dims"]["ring_slots"] = [1, ring, ring]
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    out = subprocess.run([str(capi_build / "bin" / "generate"), str(d), "1", "2", "-o", "backend=tensorrt"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 1 and f"does not fix ring_slots at the manifest's ring of {ring} slots" in out.stderr, out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -134,6 +134,9 @@ std::vector<std::string> targetKvNames(Manifest const& m, std::string const& pre
 //! sliding-window target holds (-1: none); [R] the rows whose linear-layer state a hybrid target's call returns.
 constexpr char const* kWINDOW_POSITIONS = "window_positions";
 constexpr char const* kSTATE_ROWS = "state_rows";
+//! The engines' profile dim of a sliding layer's ring (dflash2_trt.export.engines.RING_SLOTS): fixed at
+//! target.sliding_window.ring_slots in every profile.
+constexpr char const* kRING_SLOTS = "ring_slots";
 
 //! Parse and check manifest text; `source` names it in messages.
 Manifest parseManifest(std::string const& text, std::string const& source);

@@ -690,6 +690,18 @@ void testWindowRing()
         CHECK_MSG(ringScenario(seed, false, true) > 0, "seed %u: a ring placement one row short went unnoticed", seed);
     }
 
+    // the engines' profiles must fix the ring dim at the manifest's ring, in every profile
+    ProfileEntry fixed{"step", {{"batch", {1, 1, 4}}, {kRING_SLOTS, {24, 24, 24}}}};
+    ProfileEntry prefill{"prefill", {{kRING_SLOTS, {24, 24, 24}}}};
+    CHECK(codeOf([&] { checkRingProfiles("target", {fixed, prefill}, 24); }) == DFL2_OK);
+    std::string message;
+    CHECK(codeOf([&] { checkRingProfiles("target", {fixed, prefill}, 20); }, &message) == DFL2_ERR_CORRUPT);
+    CHECK(message.find("profile 'step' does not fix ring_slots at the manifest's ring of 20 slots") != std::string::npos);
+    ProfileEntry loose{"prefill", {{kRING_SLOTS, {1, 24, 24}}}};  // a ring smaller than the buffers it would bind
+    CHECK(codeOf([&] { checkRingProfiles("target", {fixed, loose}, 24); }) == DFL2_ERR_CORRUPT);
+    ProfileEntry none{"prefill", {{"sequence", {1, 64, 128}}}};
+    CHECK(codeOf([&] { checkRingProfiles("target", {fixed, none}, 24); }) == DFL2_ERR_CORRUPT);
+
     // a slot's part is what a B = 1 call binds; rows outside the present tensors or the slots are refused
     HostOps ops;
     DeviceWindowRing ring{&ops, 1, 2, 4, sizeof(float), 1, {}, nullptr};

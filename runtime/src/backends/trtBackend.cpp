@@ -664,6 +664,10 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
         throw Error(DFL2_ERR_UNAVAILABLE, dir + " has no TensorRT engines: build them with dflash2 build-engines "
                 + dir);
     }
+    if (m.hasSlidingLayers() && m.engines.plans.count("target") != 0)  // the rings are sized from the manifest
+    {
+        checkRingProfiles("target", m.engines.plans.at("target").profiles, m.slidingWindow.ringSlots);
+    }
     device = static_cast<int>(options.getInt("device", 0));
     cudaGraphs = options.getBool("cuda_graphs", true);
     std::string const mode = options.getString("draft_mode", "greedy");

@@ -148,6 +148,23 @@ struct DeviceKV
     }
 };
 
+//! A sliding-window target's engine: every profile must fix the ring dim (kRING_SLOTS) at the manifest's ring
+//! (build-engines does), since the device rings are allocated at that size and bound whole (DFL2_ERR_CORRUPT
+//! otherwise, before CUDA is touched).
+inline void checkRingProfiles(std::string const& key, std::vector<ProfileEntry> const& profiles, int32_t ringSlots)
+{
+    for (ProfileEntry const& p : profiles)
+    {
+        auto const d = p.dims.find(kRING_SLOTS);
+        if (d == p.dims.end() || d->second.size() != 3 || d->second[0] != ringSlots || d->second[2] != ringSlots)
+        {
+            throw Error(DFL2_ERR_CORRUPT, "engine " + key + " profile '" + p.name + "' does not fix " + kRING_SLOTS
+                    + " at the manifest's ring of " + std::to_string(ringSlots)
+                    + " slots (rebuild with dflash2 build-engines)");
+        }
+    }
+}
+
 //! The sliding layers' K/V on the device, the twin of dflash2_trt/runtime/trt/device_buffers.py DeviceWindowRing
 //! (with batch slots): 2 buffers per sliding layer [slots, heads, ringSlots, d] (batch row = slot: what a batched
 //! target call binds; a slot's part [1, heads, ringSlots, d] is what a B = 1 call binds), bound in place as the
