@@ -41,6 +41,20 @@ public:
     virtual void sync(void* stream) = 0;
 };
 
+//! One pitched copy per buffer of a call's new rows: present [B, heads, S, d] (contiguous), batch row b's rows
+//! first..first+count-1 -> dst [heads, dstRows, d] (one sequence's part of a buffer) at rows at..at+count-1.
+//! The KV cache (DeviceKV, dstRows = its capacity) and the rings (DeviceWindowRing, dstRows = the ring's slots) place
+//! rows with it.
+inline void copyPresentRows(DeviceOps& ops, void* dst, int32_t dstRows, int32_t at, void const* present, int32_t S,
+    int32_t b, int32_t first, int32_t count, int32_t heads, size_t rowBytes, void* stream)
+{
+    size_t const srcPitch = static_cast<size_t>(S) * rowBytes;
+    ops.copy2D(static_cast<char*>(dst) + static_cast<size_t>(at) * rowBytes, static_cast<size_t>(dstRows) * rowBytes,
+        static_cast<char const*>(present) + static_cast<size_t>(b) * static_cast<size_t>(heads) * srcPitch
+            + static_cast<size_t>(first) * rowBytes,
+        srcPitch, static_cast<size_t>(count) * rowBytes, static_cast<size_t>(heads), stream);
+}
+
 //! A KV cache on the device: 2 buffers per layer [batch, heads, capacity, d] — one request's (batch 1), or the
 //! slots of a batched runner (batch = slots, every slot its own length, kept by the runner: `length` is then the
 //! longest slot's, the rows a growth copies).
@@ -128,13 +142,10 @@ struct DeviceKV
         {
             throw Error(DFL2_ERR_INTERNAL, "KV append past the reserved capacity");
         }
-        size_t const H = static_cast<size_t>(heads);
         for (size_t i = 0; i < ptrs.size(); ++i)
         {
-            ops->copy2D(static_cast<char*>(slotPointer(i, slot)) + static_cast<size_t>(at) * rowBytes(),
-                static_cast<size_t>(capacity) * rowBytes(),
-                static_cast<char const*>(present[i]) + static_cast<size_t>(b) * H * static_cast<size_t>(S) * rowBytes(),
-                static_cast<size_t>(S) * rowBytes(), static_cast<size_t>(rows) * rowBytes(), H, stream);
+            copyPresentRows(*ops, slotPointer(i, slot), capacity, at, present[i], S, b, 0, rows, heads, rowBytes(),
+                stream);
         }
     }
     void release() noexcept
@@ -261,18 +272,12 @@ struct DeviceWindowRing
         {
             throw Error(DFL2_ERR_INTERNAL, "window ring: a call's rows do not fit its present tensors");
         }
-        size_t const H = static_cast<size_t>(heads);
-        size_t const srcPitch = static_cast<size_t>(S) * rowBytes();
-        size_t const ringPitch = static_cast<size_t>(ringSlots()) * rowBytes();
         for (RingRun const& run : log->place(slot, start, rows))
         {
             for (size_t i = 0; i < ptrs.size(); ++i)
             {
-                ops->copy2D(static_cast<char*>(slotPointer(i, slot)) + static_cast<size_t>(run.slot) * rowBytes(),
-                    ringPitch,
-                    static_cast<char const*>(present[i]) + static_cast<size_t>(b) * H * srcPitch
-                        + static_cast<size_t>(run.first) * rowBytes(),
-                    srcPitch, static_cast<size_t>(run.count) * rowBytes(), H, stream);
+                copyPresentRows(*ops, slotPointer(i, slot), ringSlots(), run.slot, present[i], S, b, run.first,
+                    run.count, heads, rowBytes(), stream);
             }
         }
     }
