@@ -805,20 +805,21 @@ private:
         std::vector<std::pair<Graph const*, std::string>> kv;
         std::vector<std::pair<Graph const*, std::string>> conv;
         std::vector<std::pair<Graph const*, std::string>> recurrent;
-        for (int32_t i = 0; i < m.targetLayers; ++i)
+        for (char const* prefix : {"past", "present"})
         {
-            std::string const n = std::to_string(i);
-            for (char const* prefix : {"past", "present"})
+            std::vector<std::string> const names = targetStateNames(m, prefix);  // 2 per layer, in layer order
+            for (int32_t i = 0; i < m.targetLayers; ++i)
             {
-                if (m.isLinear(i))
+                std::string const& first = names[2 * static_cast<size_t>(i)];
+                std::string const& second = names[2 * static_cast<size_t>(i) + 1];
+                if (m.isLinear(i))  // window, recurrent state
                 {
-                    conv.emplace_back(&mTarget, std::string(prefix) + "_conv." + n);
-                    recurrent.emplace_back(&mTarget, std::string(prefix) + "_recurrent." + n);
+                    conv.emplace_back(&mTarget, first);
+                    recurrent.emplace_back(&mTarget, second);
                     continue;
                 }
-                std::string const base = std::string(prefix) == "past" ? "past_key_values." : "present.";
-                kv.emplace_back(&mTarget, base + n + ".key");
-                kv.emplace_back(&mTarget, base + n + ".value");
+                kv.emplace_back(&mTarget, first);
+                kv.emplace_back(&mTarget, second);
             }
         }
         mTargetKvType = kv.empty() ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : same(kv, true);
