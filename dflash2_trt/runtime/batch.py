@@ -563,8 +563,8 @@ class BatchDecoder:
                 for c in s.committed.values():
                     c.clear()
                 s.plain_run = 0
-        self._weighed = bool(cands) and not (self.rule.adaptive and self.rule.costs.holds_plain(len(seqs)))
-        if cands and not self._weighed:  # the realized check: plain, unweighed (no lookups, no estimates)
+        if cands and self.rule.adaptive and self.rule.costs.holds_plain(len(seqs)):
+            self._weighed = False  # the realized check: plain, unweighed (no lookups, no estimates)
             for s in cands:
                 s.plain_run += 1
             return {}

@@ -665,9 +665,9 @@ std::vector<BatchDecoder::Plan> BatchDecoder::choose(std::vector<Seq*> const& se
             cands.push_back(s);
         }
     }
-    mWeighed = !cands.empty() && !(mRule.adaptive && mRule.costs->holdsPlain(static_cast<int32_t>(seqs.size())));
-    if (!cands.empty() && !mWeighed)  // the realized check: plain, unweighed (no lookups, no estimates)
+    if (!cands.empty() && mRule.adaptive && mRule.costs->holdsPlain(static_cast<int32_t>(seqs.size())))
     {
+        mWeighed = false;  // the realized check: plain, unweighed (no lookups, no estimates)
         for (Seq* s : cands)
         {
             ++s->plainRun;
