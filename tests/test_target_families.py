@@ -409,6 +409,81 @@ def test_a_crop_deeper_than_the_ring_can_undo_is_refused():
         ring.crop(0, 14)
 
 
+def _ring_crops(ring, rng, calls: int) -> list[tuple[int, int, bool, bool]]:  # noqa: ANN001
+    """Random calls of 1..ring_slots + 3 rows into slot 0 of ``ring``, each followed by every crop length from 0 to
+    the call's end asked on a copy: (length, floor, accepted, sound) per crop, where ``sound`` is the reference's
+    answer, read from the slots' positions before the crop: every key the row at that length attends to besides its
+    own (positions length - window + 1 .. length - 1) is still in the ring. Then the slot's own crop, back into the
+    call at most ring_slots - window + 1 rows (what a verify cuts), the next call's start."""
+    import copy
+
+    W, n, out = ring.spec.window, 0, []
+    for _ in range(calls):
+        rows = int(rng.integers(1, ring.spec.ring_slots + 4))
+        ring.place(0, n, rows)
+        n += rows
+        held = set(ring.positions[0].tolist())
+        for length in range(n + 1):
+            trial = copy.deepcopy(ring)
+            try:
+                trial.crop(0, length)
+                accepted = True
+            except DFlash2Error:
+                accepted = False
+            out.append((length, int(ring.floor[0]), accepted, set(range(max(0, length - W + 1), length)) <= held))
+        cut = int(rng.integers(0, min(rows, ring.spec.ring_slots - W + 1) + 1))
+        ring.crop(0, n - cut)
+        n -= cut
+    return out
+
+
+def test_the_ring_floor_is_exact():
+    """WindowRing's floor against the reference (the ring's own positions): after random calls (shorter and longer
+    than the ring) and crops back into them, a crop is accepted only where the ring still holds every key the next
+    row needs; once the ring has lost a position (the call reached past its slots) the floor is that reference's
+    lowest length: a crop exactly at it is accepted, one position below it refused. A verify's crop (into the last
+    call, at most ring_slots - window + 1 rows) is always accepted. The negative control -- the floor one position
+    too low -- fails it at the floor."""
+    from dflash2_trt.manifest import SlidingWindowSpec
+    from dflash2_trt.runtime.kv import WindowRing
+
+    at_floor = 0
+    for W, R in ((8, 24), (8, 8), (3, 10), (2, 5)):
+        crops = _ring_crops(WindowRing(1, 1, 2, np.float32, SlidingWindowSpec(window=W, ring_slots=R)),
+                            np.random.default_rng(W * R), 30)
+        assert all(sound for _, _, accepted, sound in crops if accepted), (W, R)
+        for length, floor, accepted, sound in crops:
+            if floor > 0 and length in (floor - 1, floor):
+                assert accepted == (length == floor), (W, R, length, floor)
+                at_floor += 1
+        lowest = {}  # call -> the reference's lowest sound length >= 1 of the lengths asked after it
+        for length, floor, _, sound in crops:
+            if length == 0:
+                call = len(lowest)
+            if length >= 1 and sound:
+                lowest.setdefault(call, (length, floor))
+        wrapped = [(low, floor) for low, floor in lowest.values() if low > 1]
+        assert wrapped and all(low == floor for low, floor in wrapped), (W, R, wrapped)
+    assert at_floor >= 100
+
+
+def test_the_ring_floor_one_too_low_is_caught(monkeypatch):
+    """Negative control of test_the_ring_floor_is_exact: a floor one position below the reference's accepts a crop
+    whose next row needs a key the call overwrote."""
+    from dflash2_trt.runtime.kv import WindowRing
+
+    place = WindowRing.place
+
+    def planted(self, slot, start, rows):  # noqa: ANN001, ANN202
+        runs = place(self, slot, start, rows)
+        self.floor[slot] = max(0, self.floor[slot] - 1)
+        return runs
+
+    monkeypatch.setattr(WindowRing, "place", planted)
+    with pytest.raises(AssertionError):
+        test_the_ring_floor_is_exact()
+
+
 def _ring_without_margin(init):  # noqa: ANN001, ANN202
     """Planted bug: the ring holds the window alone and crops as if it held more (a verify overwrites window keys
     that a rollback into it needs, which nothing restores)."""

@@ -185,7 +185,9 @@ class WindowRing:
             runs.append((first, dst, count))
             self.positions[slot, dst:dst + count] = start + first + np.arange(count)
             first += count
-        self.floor[slot] = max(0, start + rows - (R - W) - 1)
+        # the lowest key the ring holds only rises within a sequence (a cut row's slot stays lost to its older
+        # position), so neither does the floor: a short call after a crop must not lower it below the lost keys
+        self.floor[slot] = max(self.floor[slot], start + rows - (R - W) - 1)
         return runs
 
     def crop(self, slot: int, length: int) -> None:

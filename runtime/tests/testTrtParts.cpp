@@ -553,7 +553,8 @@ int ringScenario(uint32_t seed, bool planted, bool dropLastRow = false)
             }
             lastStart[static_cast<size_t>(slot)] = start;
             lastRows[static_cast<size_t>(slot)] = rows[i];
-            floorOf[static_cast<size_t>(slot)] = std::max(0, start + rows[i] - (R - W) - 1);  // windowRing.h's rule
+            int32_t& floor = floorOf[static_cast<size_t>(slot)];  // windowRing.cpp's rule: it never falls
+            floor = std::max(floor, start + rows[i] - (R - W) - 1);
             wrapped += (start % R) + rows[i] > R;
         }
     };
@@ -689,6 +690,15 @@ void testWindowRing()
         // wrong) makes it differ too
         CHECK_MSG(ringScenario(seed, false, true) > 0, "seed %u: a ring placement one row short went unnoticed", seed);
     }
+
+    // the floor never falls within a sequence: after a crop, a call shorter than the cut rows leaves the positions
+    // its cut rows overwrote lost (tests/test_target_families.py test_the_ring_floor_is_exact, the Python twin)
+    WindowRingLog floorLog(SlidingWindowSpec{8, 24}, 1, false);
+    floorLog.place(0, 0, 30);  // positions 0..5 overwritten by 24..29
+    floorLog.crop(0, 28);
+    floorLog.place(0, 28, 1);
+    CHECK(codeOf([&] { floorLog.crop(0, 12); }) == DFL2_ERR_INTERNAL);  // the row at 12 needs position 5
+    CHECK(codeOf([&] { floorLog.crop(0, 13); }) == DFL2_OK);  // at 13, positions 6..12: held
 
     // the engines' profiles must fix the ring dim at the manifest's ring, in every profile
     ProfileEntry fixed{"step", {{"batch", {1, 1, 4}}, {kRING_SLOTS, {24, 24, 24}}}};

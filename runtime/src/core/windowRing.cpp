@@ -61,7 +61,10 @@ std::vector<RingRun> WindowRingLog::place(int32_t seq, int32_t start, int32_t ro
         }
         first += count;
     }
-    mFloor[static_cast<size_t>(seq)] = std::max<int64_t>(0, static_cast<int64_t>(start) + rows - (R - mSpec.window) - 1);
+    // the lowest key the ring holds only rises within a sequence (a cut row's slot stays lost to its older position),
+    // so neither does the floor: a short call after a crop must not lower it below the lost keys
+    int64_t& floor = mFloor[static_cast<size_t>(seq)];
+    floor = std::max<int64_t>(floor, static_cast<int64_t>(start) + rows - (R - mSpec.window) - 1);
     return runs;
 }
 
