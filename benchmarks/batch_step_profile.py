@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2_trt.manifest import TARGET_ORT, read_manifest
     from dflash2_trt.runtime.ort import decode_attention as DA
     from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
-    from ort_op_profile import demo_export, parse_profile, session_options
+    from ort_op_profile import parse_profile, session_options
+
+    from dflash2_trt.bench.exports import demo_export
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--export", default=None, help="export folder (default: the demo's cached export)")

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="who drafts in the speculative runs (--spec)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from ort_op_profile import demo_export
+    from dflash2_trt.bench.exports import demo_export
 
     a.export = demo_export(a.export)
     n_max = max(a.streams)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from ort_op_profile import demo_export
+    from dflash2_trt.bench.exports import demo_export
 
     a.export = demo_export(a.export)
     rng = np.random.default_rng(0)

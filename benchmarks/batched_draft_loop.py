@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prior", type=float, default=None, help="the rule's prior tau (default: SpeculationRule's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from ort_op_profile import demo_export
+    from dflash2_trt.bench.exports import demo_export
 
     a.export = demo_export(a.export)
     prior = {} if a.prior is None else {"prior_tau": a.prior}

@@ -10,7 +10,8 @@ runtime finds it ($DFLASH2_ORT_OPS); the Python side is ``dflash2_trt.load(DIR, 
 runs C and Python for each mode, back to back (alternating which goes first); tokens/s = tokens / decode seconds
 summed over the prompts (model load excluded,
 prefill included, as both runtimes count ``elapsed_s``). Greedy ids must be equal (checked). Prints a Markdown table
-(the README's) and ``--json`` the numbers. Default export: the demo's SmolLM2 export (tests/conftest.py smol_export).
+(the README's) and ``--json`` the numbers. Default export: SmolLM2 with the identity-initialised drafter
+(``dflash2_trt.bench.exports.identity_export``, the one tests/test_capi_ort.py compares the runtimes on).
 """
 
 from __future__ import annotations
@@ -26,21 +27,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def smol_export() -> Path:
-    """The demo export the tests use (made once into the cache)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from make_smollm2_drafter import make_drafter
-
-    from dflash2_trt.export.cache import cached_export
-    from dflash2_trt.paths import cache_dir
-    from dflash2_trt.target import smollm2_path
-
-    drafter = cache_dir() / "drafters" / "smollm2-identity-bs8-seed0"
-    if not (drafter / "config.json").is_file():
-        make_drafter(drafter, seed=0, block_size=8)
-    return cached_export(smollm2_path(), drafter, progress=False, max_seq_len=1024)
 
 
 def run_c(build: Path, export: Path, prompts: list[list[int]], max_new: int, threads: int, speculative: bool,
@@ -84,10 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     import dflash2_trt
+    from dflash2_trt.bench.exports import identity_export
     from dflash2_trt.bench.prompts import encode_items, load_prompts
     from dflash2_trt.runtime.ort.decode_attention import find_library
 
-    export = a.export or smol_export()
+    export = identity_export(a.export)
     ops = str(find_library() or "")
     gen = dflash2_trt.load(export, backend="ort", threads=a.threads)
     prompts = encode_items(load_prompts("mtbench", a.prompts), gen._tok.encode,  # noqa: SLF001

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.runtime.tokenizer import TextTokenizer
     from dflash2_trt.vocabulary import head_key
-    from ort_op_profile import demo_export
+    from dflash2_trt.bench.exports import demo_export
 
     folder = demo_export(a.export)
     tok = TextTokenizer(folder)

@@ -100,8 +100,7 @@ def replay(trace: dict, guard_cfg: dict | None, cycle_cost: float, proposer: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from ort_op_profile import demo_export
+    from dflash2_trt.bench.exports import demo_export
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--export", default=None, help="export folder (default: the demo's cached export)")

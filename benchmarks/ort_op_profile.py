@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
 
+    from dflash2_trt.bench.exports import demo_export
     from dflash2_trt.manifest import TARGET_ORT, read_manifest
     from dflash2_trt.runtime.ort import decode_attention as DA
     from dflash2_trt.runtime.ort.fused_target import OrtFusedTargetRunner
@@ -197,17 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"args": vars(a), "load_average": load, "results": results}, indent=2) + "\n")
     return 0
-
-
-def demo_export(given: str | Path | None = None) -> Path:
-    """``given`` (a benchmark's --export) when set, else the demo's cached export (made on first use)."""
-    if given:
-        return Path(given)
-    from dflash2_trt.bench.demo import DEMO_DRAFT_VOCAB, DEMO_MAX_SEQ_LEN, demo_drafter_path
-    from dflash2_trt.export.cache import cached_export
-
-    return cached_export("smollm2", demo_drafter_path(), progress=True, max_seq_len=DEMO_MAX_SEQ_LEN,
-                         draft_vocab=DEMO_DRAFT_VOCAB)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from ort_op_profile import demo_export
+    from dflash2_trt.bench.exports import demo_export
 
     a.export = demo_export(a.export)
     servers = {m: _start(a.export, m, a.threads, max(a.streams)) for m in MODES}

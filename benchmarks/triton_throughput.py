@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, help="PNG: tokens/s against streams, one line per server")
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from ort_op_profile import demo_export
+    from dflash2_trt.bench.exports import demo_export
 
     a.export = demo_export(a.export)
     tok = TextTokenizer(a.export)

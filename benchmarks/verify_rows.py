@@ -89,10 +89,8 @@ def check_bit_equal(a, b, rows: list[int], cached: list[int]) -> int:  # noqa: A
 
 def main(argv: list[str] | None = None) -> int:
     from dflash2_trt.bench import verify_cost as VC
+    from dflash2_trt.bench.exports import demo_export
     from dflash2_trt.runtime.ort.backend import OrtBackend
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from ort_op_profile import demo_export
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--export", default=None, help="export folder (default: the demo's cached export)")

@@ -65,20 +65,9 @@ def acc_export(acc_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smol_export():
-    """SmolLM2-135M-Instruct exported with an identity-initialised DFlash 2 drafter (bs 8, seed 0; made once
-    into the cache by benchmarks/make_smollm2_drafter.py), max 1024 positions: the real-model runtime tests."""
-    import sys
-    from pathlib import Path
+def identity_export():
+    """SmolLM2-135M-Instruct exported with an identity-initialised DFlash 2 drafter (block size 8, seed 0), max 1024
+    positions, made once into the cache (``bench.exports.identity_export``): the real-model runtime tests."""
+    from dflash2_trt.bench.exports import identity_export
 
-    from dflash2_trt.export.cache import cached_export
-    from dflash2_trt.paths import cache_dir
-    from dflash2_trt.target import smollm2_path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from make_smollm2_drafter import make_drafter
-
-    drafter = cache_dir() / "drafters" / "smollm2-identity-bs8-seed0"
-    if not (drafter / "config.json").is_file():
-        make_drafter(drafter, seed=0, block_size=8)
-    return cached_export(smollm2_path(), drafter, progress=False, max_seq_len=1024)
+    return identity_export()

@@ -201,3 +201,55 @@ def test_jetson_recipe_expects_an_int8_export(tiny_export):
     r = subprocess.run(["bash", str(ROOT / "export" / "jetson-orin.sh")], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 1 and "is quantized 'none', this recipe expects 'int8'" in r.stderr, r.stderr
+
+
+# tests that check a benchmark script itself (its helpers, its table) load it by path: the script is their subject
+_SCRIPT_SUBJECTS = {("test_bench.py", "ort_side_by_side.py"), ("test_trt_gpu_check_scripts.py", "trt_gpu_check.py")}
+
+
+def _benchmark_imports(source: str, test_name: str) -> list[str]:
+    """How a test's source reaches into benchmarks/: imports of a benchmark module by name, benchmarks/ put on
+    sys.path, a benchmark loaded by path (unless it is one of ``_SCRIPT_SUBJECTS``)."""
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        found += [f"import {n}" for n in names if n.split(".")[0] in scripts | {"benchmarks"}]
+        if not isinstance(node, ast.Call):
+            continue
+        called = ast.unparse(node.func)
+        consts = {c.value for arg in node.args for c in ast.walk(arg)
+                  if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        if called in ("sys.path.insert", "sys.path.append") and any("benchmarks" in c for c in consts):
+            found.append(ast.unparse(node))
+        if called.endswith("spec_from_file_location") and any("benchmarks" in c for c in consts):
+            found += [f"loads benchmarks/{c}" for c in sorted(consts)
+                      if c.endswith(".py") and (test_name, c) not in _SCRIPT_SUBJECTS]
+    return found
+
+
+def test_no_test_imports_benchmarks():
+    """Fixtures (the demo's export, the identity export) live in the package (``bench.exports``): no test imports a
+    benchmark script or puts benchmarks/ on sys.path, so editing a benchmark cannot break the suite. Two tests load
+    the script they check by its path (``_SCRIPT_SUBJECTS``)."""
+    offenders = {p.name: hits for p in sorted((ROOT / "tests").glob("*.py"))
+                 if (hits := _benchmark_imports(p.read_text(), p.name))}
+    assert not offenders, offenders
+
+
+def test_benchmark_import_check_sees_each_way_in():
+    """Negative controls for the check above: each way a test could reach benchmarks/ is reported."""
+    ways = {
+        "from ort_op_profile import parse_profile": "import ort_op_profile",
+        "import make_smollm2_drafter": "import make_smollm2_drafter",
+        "from benchmarks.verify_rows import main": "import benchmarks.verify_rows",
+        'sys.path.insert(0, str(ROOT / "benchmarks"))': "sys.path.insert(0, str(ROOT / 'benchmarks'))",
+        'spec = importlib.util.spec_from_file_location("m", ROOT / "benchmarks" / "cycle_profile.py")':
+            "loads benchmarks/cycle_profile.py",
+    }
+    for source, expected in ways.items():
+        assert _benchmark_imports(source, "test_x.py") == [expected], source
+    subject = 'spec = importlib.util.spec_from_file_location("m", ROOT / "benchmarks" / "trt_gpu_check.py")'
+    assert _benchmark_imports(subject, "test_trt_gpu_check_scripts.py") == []
+    assert _benchmark_imports("from dflash2_trt.bench.exports import demo_export", "test_x.py") == []

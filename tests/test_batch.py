@@ -358,13 +358,13 @@ def test_generate_batch_api(acc_export):
 
 
 @pytest.mark.slow
-def test_smollm2_batch_equals_b1(smol_export):
+def test_smollm2_batch_equals_b1(identity_export):
     """SmolLM2-135M-Instruct: 3 chat prompts of different lengths in 2 slots (the third joins when one leaves),
     the adaptive rule choosing cycles or plain steps: greedy tokens == each prompt's B = 1 plain output on the
     same backend."""
     from test_runtime_smollm2 import PROMPTS
 
-    with dflash2_trt.load(smol_export, backend="ort", threads=2) as g:
+    with dflash2_trt.load(identity_export, backend="ort", threads=2) as g:
         prompts = [g.encode(p) for p in PROMPTS]
         want = [g.generate(p, max_new_tokens=24, speculative=False).tokens for p in prompts]
         got = g.generate_batch(prompts, max_new_tokens=24, max_batch=2)

@@ -1,6 +1,7 @@
-"""libdflash2's ONNX Runtime backend (runtime/src/backends/ortBackend.cpp) on the demo's SmolLM2 export, against the
-Python runtime: ``examples/generate`` (built by test_capi's ``build/capi-tests``) decodes MT-Bench prompts from
-token ids, greedy, token for token equal to ``dflash2_trt.load(...).generate``; at T = 0.8 the library, driven
+"""libdflash2's ONNX Runtime backend (runtime/src/backends/ortBackend.cpp) on SmolLM2 with the identity-initialised
+drafter (``identity_export``), against the Python runtime: ``examples/generate`` (built by test_capi's
+``build/capi-tests``) decodes MT-Bench prompts from token ids, greedy, token for token equal to
+``dflash2_trt.load(...).generate``; at T = 0.8 the library, driven
 through ctypes with numpy's uniforms, equals it for the same seeds; a ``dfl2_batch`` of 8 prompts equals their
 single runs; without ONNX Runtime, or with one whose C API is older than the headers', one line and exit status 1.
 
@@ -78,8 +79,8 @@ def _load(export: Path, ops: str, env: dict | None = None, selectors: tuple[str,
 
 
 @pytest.fixture(scope="module")
-def py_gen(smol_export):
-    g = _load(smol_export, _ops_library())
+def py_gen(identity_export):
+    g = _load(identity_export, _ops_library())
     assert g._backend.attention_op == "DecodeAttention"  # noqa: SLF001
     yield g
     g.close()
@@ -113,8 +114,8 @@ def _example(build: Path, export: Path, prompts: list[list[int]], mode: str, *op
 
 
 @pytest.fixture(scope="module")
-def c_greedy(capi_build, smol_export, prompts):
-    return _example(capi_build, smol_export, prompts, "-s", "guard=true",
+def c_greedy(capi_build, identity_export, prompts):
+    return _example(capi_build, identity_export, prompts, "-s", "guard=true",
                     env={**os.environ, "DFLASH2_ORT_OPS": _ops_library()})
 
 
@@ -137,9 +138,9 @@ def test_example_greedy_equals_python_runtime(c_greedy, py_gen, prompts):
     assert len(taus) == len(prompts) and max(taus) > 1.0, err
 
 
-def test_batch_of_8_equals_single_runs(capi_build, smol_export, prompts, c_greedy):
+def test_batch_of_8_equals_single_runs(capi_build, identity_export, prompts, c_greedy):
     """dfl2_batch over the ONNX Runtime model: 8 requests decoded together give each request's single-run ids."""
-    got, err = _example(capi_build, smol_export, prompts[:8], "-b", "max_batch=8",
+    got, err = _example(capi_build, identity_export, prompts[:8], "-b", "max_batch=8",
                         env={**os.environ, "DFLASH2_ORT_OPS": _ops_library()})
     assert got == c_greedy[0][:8]
     assert len(re.findall(r"request \d+: \d+ tokens", err)) == 8
@@ -228,22 +229,22 @@ def _sampling_equal(build: Path, export: Path, py, prompts: list[list[int]], ops
     return accepted, drafter_cycles
 
 
-def test_sampling_equals_python_runtime_same_seed(capi_build, smol_export, py_gen, prompts):
+def test_sampling_equals_python_runtime_same_seed(capi_build, identity_export, py_gen, prompts):
     """T = 0.8, no guard (its timing would choose the step kinds), the default proposers (the drafter, prompt lookup
     where the context repeats itself): the library with numpy's uniforms for seed s gives the Python runtime's ids
     for seed s, on every prompt, with the same accepted drafts and proposer per cycle; drafter cycles rejection-sample
     against its proposal (the residual's draws differ when the proposal does), and drafts were accepted."""
-    accepted, drafter_cycles = _sampling_equal(capi_build, smol_export, py_gen, prompts, _ops_library())
+    accepted, drafter_cycles = _sampling_equal(capi_build, identity_export, py_gen, prompts, _ops_library())
     assert accepted > 0 and drafter_cycles > len(prompts)
 
 
-def test_sampling_without_the_op_library(capi_build, smol_export, prompts):
+def test_sampling_without_the_op_library(capi_build, identity_export, prompts):
     """Both runtimes without the op library (ONNX Runtime's GroupQueryAttention, the standard drafter block and the
     decomposed selector head): sampling equal on 5 prompts."""
-    g = _load(smol_export, NO_LIBRARY)
+    g = _load(identity_export, NO_LIBRARY)
     try:
         assert g._backend.attention_op == "GroupQueryAttention"  # noqa: SLF001
-        _, drafter_cycles = _sampling_equal(capi_build, smol_export, g, prompts[:5], NO_LIBRARY)
+        _, drafter_cycles = _sampling_equal(capi_build, identity_export, g, prompts[:5], NO_LIBRARY)
         assert drafter_cycles > 0
     finally:
         g.close()
@@ -290,10 +291,10 @@ print(json.dumps({"errors": errors, "tokens": [out.get(i) for i in range(len(req
 """
 
 
-def test_sessions_on_threads(capi_build, smol_export, prompts, c_greedy):
+def test_sessions_on_threads(capi_build, identity_export, prompts, c_greedy):
     """Sessions of one ONNX Runtime model on 4 threads at once (the header: they run concurrently, each its own
     caches): every request's ids equal its single run's, a session reused for a second request too."""
-    req = {"lib": str(capi_build / "lib" / "libdflash2.so"), "export": str(smol_export), "prompts": prompts[:4],
+    req = {"lib": str(capi_build / "lib" / "libdflash2.so"), "export": str(identity_export), "prompts": prompts[:4],
            "options": ["backend=ort", "threads=1", f"max_new_tokens={MAX_NEW}", "verify_checksums=false"]}
     proc = subprocess.run([sys.executable, "-c", _THREADS], input=json.dumps(req), capture_output=True, text=True,
                           env={**os.environ, "DFLASH2_ORT_OPS": _ops_library()})
@@ -315,7 +316,7 @@ def _asan_build(vectors_path: Path) -> Path:
 ASAN_ENV = {"ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1", "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
 
 
-def test_asan_ubsan_runs(smol_export, prompts, c_greedy, vectors_path):
+def test_asan_ubsan_runs(identity_export, prompts, c_greedy, vectors_path):
     """examples/generate of the AddressSanitizer + UBSan build (test_capi's build/capi-asan: library, example, the
     protobuf rewrite all instrumented; libonnxruntime is not): 3 prompts in turn (the last one growing the caches)
     and a batch of the 3, with the op
@@ -326,12 +327,12 @@ def test_asan_ubsan_runs(smol_export, prompts, c_greedy, vectors_path):
     env = {**os.environ, "DFLASH2_ORT_OPS": _ops_library(), **ASAN_ENV}
     pick = [0, 1, len(prompts) - 1]  # the last one grows the caches mid-request
     for mode in ("-s", "-b"):
-        got, err = _example(build, smol_export, [prompts[i] for i in pick], mode, "guard=true", env=env)
+        got, err = _example(build, identity_export, [prompts[i] for i in pick], mode, "guard=true", env=env)
         assert got == [c_greedy[0][i] for i in pick], mode
         assert "Sanitizer" not in err and "runtime error" not in err, err
 
 
-def test_without_onnxruntime_one_line_exit_1(capi_build, smol_export, tmp_path):
+def test_without_onnxruntime_one_line_exit_1(capi_build, identity_export, tmp_path):
     """No libonnxruntime to be found (no $VIRTUAL_ENV, nothing on the loader's path), $ORT_LIBRARY naming a missing
     file, and a library whose C API is older than the headers' (a fake libonnxruntime answering GetApi with NULL):
     each one line on stderr naming the reason, exit status 1, no crash."""
@@ -349,7 +350,7 @@ def test_without_onnxruntime_one_line_exit_1(capi_build, smol_export, tmp_path):
     _run(["cc", "-shared", "-fPIC", "-o", str(fake), str(src)], "cc fake libonnxruntime")
     cases["old"] = ({"ORT_LIBRARY": str(fake)}, "ONNX Runtime 1.16.0 ($ORT_LIBRARY")
     for name, (env, want) in cases.items():
-        proc = subprocess.run([gen, str(smol_export), "1", "2", "3", "-o", "backend=ort"], capture_output=True,
+        proc = subprocess.run([gen, str(identity_export), "1", "2", "3", "-o", "backend=ort"], capture_output=True,
                               text=True, env={**base, **env})
         assert proc.returncode == 1, (name, proc.stderr)
         lines = proc.stderr.strip().splitlines()

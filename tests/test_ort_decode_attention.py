@@ -283,12 +283,7 @@ def test_speculative_equals_autoregressive_with_decode_attention(acc_export):
 def test_smollm2_k_rows_equal_k_steps():
     """The demo's export (SmolLM2-135M-Instruct fp32, fused): rows of 2..4-row calls vs 1-row calls at 256 and 1000
     cached positions, DecodeAttention (bit-equal) and GroupQueryAttention (within 1e-4 relative, same argmax)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from ort_op_profile import demo_export
-
+    from dflash2_trt.bench.exports import demo_export
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
     folder = demo_export()

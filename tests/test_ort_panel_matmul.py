@@ -25,12 +25,7 @@ def test_smollm2_codes_give_the_fp32_numbers(monkeypatch):
     linear layer's PanelMatMul finds the affine 4-bit code (GGUF's Q4_1), the tied LM head the 8-bit one (Q8_0), and
     the target's logits (a 300-token prompt, then calls of 1..4 rows) equal the fp32 kernels' bit for bit. The
     panels are switched on (DFLASH2_ORT_PANELS=1), so this runs the kernels this CPU gets (kernel_isa)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from ort_op_profile import demo_export
-
+    from dflash2_trt.bench.exports import demo_export
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
     folder = demo_export()

@@ -13,13 +13,13 @@ PROMPTS = ["What is the capital of France?", "Write a Python function that rever
 MAX_NEW = 20
 
 
-def test_smollm2_ort_lossless(smol_export):
+def test_smollm2_ort_lossless(identity_export):
     from dflash2_trt.runtime import decoder as D
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 
-    be, _ = open_backend(smol_export, "ort")
-    tok = TextTokenizer(smol_export)
+    be, _ = open_backend(identity_export, "ort")
+    tok = TextTokenizer(identity_export)
     target = be.target_runner()
     outs = []
     for i, text in enumerate(PROMPTS):

@@ -124,8 +124,7 @@ def _delta(after: dict, before: dict, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def export():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from ort_op_profile import demo_export
+    from dflash2_trt.bench.exports import demo_export
 
     return demo_export()
 

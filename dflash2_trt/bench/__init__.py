@@ -1,8 +1,10 @@
 """Evaluation (not runtime): prompt sets (``prompts``), the side-by-side speculative-vs-autoregressive
 benchmark with its table and plot (``harness``), the oracle top-K count (``oracle``), ``dflash2 demo`` (``demo``),
 the target's verify cost by row count (``verify_cost``), Polygraphy input sets of an export's graphs
-(``polygraphy_inputs``) and the subcommands' flags (``cli``).
+(``polygraphy_inputs``), the subcommands' flags (``cli``) and the SmolLM2 exports that tests and benchmarks share
+(``exports``: the demo's and the identity-initialised drafter's).
 
-May import the runtime (``dflash2_trt.runtime``) and ``reference``; nothing in the runtime, the model or the
-export imports this package. No torch.
+May import the runtime (``dflash2_trt.runtime``) and ``reference``, and inside functions the export cache and the
+model (``cli``, ``exports``); nothing in the runtime, the model or the export imports this package. No torch at
+import time (``exports`` makes its drafter and exports with torch on first use).
 """
