@@ -40,11 +40,13 @@ by :func:`load`, never torch.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import numbers
 import queue
 import secrets
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -427,15 +429,38 @@ class Generator:
         return Result(self._tok.decode(res.tokens), list(res.tokens), list(res.prompt_tokens), Stats.of(res), reason)
 
 
+_OPEN_STREAMS: weakref.WeakSet = weakref.WeakSet()  # the chunk iterators of streams not yet closed
+
+
+@atexit.register
+def _close_open_streams() -> None:
+    """At interpreter exit, stop the decoding of streams still referenced (``s = g.stream(...)`` left early): a
+    worker thread inside a native session while the interpreter tears down aborts the process."""
+    for it in list(_OPEN_STREAMS):
+        try:
+            it.close()
+        except ValueError:  # being iterated by another thread at exit: nothing to do from here
+            pass
+
+
 class Stream:
     """The chunks of one request being decoded (from :meth:`Generator.stream`): iterate it once; ``result`` is
     the request's :class:`Result` after the last chunk (None before, or when the stream was closed early).
     The decoding runs in a worker thread holding the Generator's lock; ``close()`` (also on leaving a ``for``
-    loop early, or garbage collection) stops it at its next step and waits for it."""
+    loop early, garbage collection or interpreter exit) stops it at its next step and waits for it.
+
+    The chunk iterator holds no reference to its Stream (the result goes through a one-item list): a ``for``
+    loop over ``g.stream(...)`` that breaks drops the last reference at once, which closes the iterator then —
+    with a cycle it would wait for the garbage collector, at exit for a worker thread torn down mid-session."""
 
     def __init__(self, gen: Generator, req: _Request) -> None:
-        self.result: Result | None = None
-        self._it = self._run(gen, req)
+        self._result: list[Result] = []
+        self._it = _stream_chunks(gen, req, self._result)
+        _OPEN_STREAMS.add(self._it)
+
+    @property
+    def result(self) -> Result | None:
+        return self._result[0] if self._result else None
 
     def __iter__(self) -> Iterator[Chunk]:
         return self._it
@@ -446,55 +471,57 @@ class Stream:
     def close(self) -> None:
         self._it.close()
 
-    def _run(self, gen: Generator, req: _Request) -> Iterator[Chunk]:
-        chunks: queue.Queue = queue.Queue(maxsize=64)
-        stop = threading.Event()
-        delta = _TextDelta(gen._tok.decode)
-        cycle: list[int | None] = [None]
-        done: list[Any] = []
 
-        def on_cycle(accepted: int, rows: int) -> None:
-            cycle[0] = accepted
+def _stream_chunks(gen: Generator, req: _Request, result: list[Result]) -> Iterator[Chunk]:
+    """The chunks of a :class:`Stream`; ``result`` gets its Result after the last one."""
+    chunks: queue.Queue = queue.Queue(maxsize=64)
+    stop = threading.Event()
+    delta = _TextDelta(gen._tok.decode)
+    cycle: list[int | None] = [None]
+    done: list[Any] = []
 
-        def on_tokens(new: list[int]) -> None:
-            if stop.is_set():
-                raise _Cancelled
-            chunks.put(Chunk(delta.add(new), list(new), cycle[0]))
-            cycle[0] = None
+    def on_cycle(accepted: int, rows: int) -> None:
+        cycle[0] = accepted
 
-        def work() -> None:
-            try:
-                with gen._lock:
-                    done.append(gen._run(req, (on_tokens, on_cycle)))
-                chunks.put(None)
-            except _Cancelled:
-                chunks.put(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-                chunks.put(e)
+    def on_tokens(new: list[int]) -> None:
+        if stop.is_set():
+            raise _Cancelled
+        chunks.put(Chunk(delta.add(new), list(new), cycle[0]))
+        cycle[0] = None
 
-        worker = threading.Thread(target=work, name="dflash2-stream", daemon=True)
-        worker.start()
+    def work() -> None:
         try:
-            while True:
-                item = chunks.get()
-                if item is None:
-                    tail = delta.add([], final=True)
-                    if done:
-                        self.result = gen._result(req, done[0])
-                    if tail:
-                        yield Chunk(tail, [], None)
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            while worker.is_alive():  # unblock a producer waiting on a full queue, then let it finish
-                try:
-                    chunks.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            worker.join()
+            with gen._lock:
+                done.append(gen._run(req, (on_tokens, on_cycle)))
+            chunks.put(None)
+        except _Cancelled:
+            chunks.put(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            chunks.put(e)
+
+    worker = threading.Thread(target=work, name="dflash2-stream", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = chunks.get()
+            if item is None:
+                tail = delta.add([], final=True)
+                if done:
+                    result.append(gen._result(req, done[0]))
+                if tail:
+                    yield Chunk(tail, [], None)
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():  # unblock a producer waiting on a full queue, then let it finish
+            try:
+                chunks.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        worker.join()
 
 
 _END = object()  # a Handle's last queue item

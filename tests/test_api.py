@@ -3,6 +3,8 @@ export, drafts accepted; bad arguments refused with the project error; calls fro
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -62,6 +64,45 @@ def test_leaving_a_stream_early_stops_it_and_frees_the_generator(gen):
     assert first.tokens
     it.close()  # the worker stops at its next step and releases the lock
     assert len(gen.generate(PROMPT, max_new_tokens=5, eos_ids=set()).tokens) == 5
+
+
+EXIT_AFTER_A_STREAM = """
+import atexit, sys, threading
+import dflash2_trt
+from dflash2_trt import api
+g = dflash2_trt.load(sys.argv[1], backend="ort")
+for chunk in g.stream("Tell me a story", max_new_tokens=400, eos_ids=set()):  # the README's usage
+    break
+assert not any(t.name == "dflash2-stream" for t in threading.enumerate()), "the loop left its worker running"
+s = g.stream("Tell me a story", max_new_tokens=400, eos_ids=set())  # a stream still referenced at exit
+next(iter(s))
+if sys.argv[2] == "plant":  # negative control: nothing stops that stream's worker before the interpreter ends
+    atexit.unregister(api._close_open_streams)
+print("done", flush=True)
+"""
+
+
+def _exit_after_a_stream(export, how: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", EXIT_AFTER_A_STREAM, str(export), how], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_leaving_a_stream_early_then_exiting_exits_0(identity_export):
+    """A process that leaves streams early and exits returns 0: a loop that breaks stops its worker at once (the
+    iterator holds no cycle), a stream still referenced is stopped at exit — a decoding worker inside a native
+    session while the interpreter tears down aborts the process ("terminate called without an active
+    exception", 134). The planted run without the exit hook shows the abort (it depends on where the worker is
+    at exit: one of three tries is enough)."""
+    r = _exit_after_a_stream(identity_export, "fixed")
+    assert r.returncode == 0 and r.stdout.strip() == "done" and "terminate called" not in r.stderr, \
+        (r.returncode, r.stderr[-2000:])
+    for _ in range(3):
+        p = _exit_after_a_stream(identity_export, "plant")
+        assert p.stdout.strip() == "done", p.stderr[-2000:]
+        if p.returncode != 0:
+            break
+    else:
+        raise AssertionError("the negative control exited cleanly 3 times: the test cannot see the abort")
 
 
 def test_list_prompt_and_sampling_seed(gen):
