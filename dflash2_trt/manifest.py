@@ -459,6 +459,11 @@ def parse_manifest(data: Any, where: str = MANIFEST_FILE) -> ExportManifest:
     if m.max_seq_len < 1 or m.kv_capacity_step < 1:
         raise DFlash2Error("manifest.max_seq_len and manifest.kv_capacity_step must be >= 1")
     cfg = m.drafter_config  # DFlash2Error naming the config field when the drafter entry is bad
+    ls = m.target.linear_state
+    if ls is not None and ls.max_rows_per_call < cfg.block_size:
+        raise DFlash2Error(f"{where}: target.linear_state.max_rows_per_call is {ls.max_rows_per_call} but the "
+                           f"drafter's block size is {cfg.block_size}: a verify would not be one graph call, and "
+                           f"could not be rolled back")
     for key, g in m.graphs.items():  # the drafter's hidden states [B, block_size, H] fit its block size
         for t in (*g.inputs, *g.outputs):
             if t.name == BLOCK_HIDDEN and len(t.shape) == 3 and isinstance(t.shape[1], int) and \

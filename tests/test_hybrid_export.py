@@ -8,6 +8,7 @@ and TensorRT's parser table for every node of the graph."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,14 +19,17 @@ from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.linear_state import LinearStates
 from dflash2_trt.runtime.ngram import lookup_draft
 from helpers import assert_accepts, make_pair, two_token_law, two_token_p_value
+from test_capi import capi_build, lib, vectors_path  # noqa: F401 (the C library's fixtures)
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
-def _qwen3_next_pair(tmp_path_factory, name: str, initializer_range: float = 0.2):  # noqa: ANN202
+def _qwen3_next_pair(tmp_path_factory, name: str, initializer_range: float = 0.2,  # noqa: ANN202
+                     value_head_dim: int = 24):
     """make-tiny's qwen3_5 pair (its tokenizer and random drafter) with the target replaced by a random qwen3_next one
-    of the same shapes: fused q/k/v/z and b/a projections, linear and full layers interleaved, partial rotary (a
-    quarter of each head), MoE MLPs with a gated shared expert (layer 3's MLP dense: ``mlp_only_layers``)."""
+    of the same shapes but its linear layers' values (``value_head_dim`` wide, their keys 16): fused q/k/v/z and
+    b/a projections, linear and full layers interleaved, partial rotary (a quarter of each head), MoE MLPs with a
+    gated shared expert (layer 3's MLP dense: ``mlp_only_layers``)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     from dflash2_trt.tiny import HYBRID_LAYER_TYPES, TINY_VOCAB
@@ -34,7 +38,7 @@ def _qwen3_next_pair(tmp_path_factory, name: str, initializer_range: float = 0.2
     torch.manual_seed(0)
     cfg = Qwen3NextConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
-                          linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                          linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=value_head_dim,
                           linear_conv_kernel_dim=4, layer_types=list(HYBRID_LAYER_TYPES), num_experts=4,
                           num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                           mlp_only_layers=[3], max_position_embeddings=2048, rms_norm_eps=1e-6,
@@ -235,7 +239,7 @@ def test_a_qwen3_next_fp16_export_decodes_losslessly(tmp_path_factory):
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
-    pair = _qwen3_next_pair(tmp_path_factory, "hy_next_fp16", initializer_range=0.05)
+    pair = _qwen3_next_pair(tmp_path_factory, "hy_next_fp16", initializer_range=0.05, value_head_dim=16)
     out = tmp_path_factory.mktemp("export") / "next_fp16"
     m = export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=256, block_size=8,
                      dtype="fp16")
@@ -373,6 +377,86 @@ def test_edited_layer_kinds_or_states_are_refused(random_export, tmp_path, edit,
     _, be = random_export
     with pytest.raises(DFlash2Error, match=message):
         read_manifest(_edited(be, tmp_path, edit), verify_checksums=False)
+
+
+def _state_edits(ls, block_size: int) -> list[tuple[str, dict, str]]:  # noqa: ANN001
+    """Each of the linear state's six fields edited, and key_dim / value_dim swapped: (name, the edit, the message
+    both readers give). A field the graphs' shapes state is compared with them (the first graph whose tensor
+    differs is named: its value and the graph's); max_rows_per_call, which no shape states, must hold a verify."""
+    f = "target.linear_state."
+    edits = [
+        ("conv_dim", {"conv_dim": ls.conv_dim + 8}, rf"{f}conv_dim is {ls.conv_dim + 8} but graph '\w+' has "
+         rf"past_conv\.\d+ of {ls.conv_dim} at dim 1"),
+        ("conv_kernel", {"conv_kernel": ls.conv_kernel + 1}, rf"{f}conv_kernel - 1 is {ls.conv_kernel} but graph "
+         rf"'\w+' has past_conv\.\d+ of {ls.conv_kernel - 1} at dim 2"),
+        ("num_heads", {"num_heads": ls.num_heads * 2}, rf"{f}num_heads is {ls.num_heads * 2} but graph '\w+' has "
+         rf"(past|present)_recurrent\.\d+ of {ls.num_heads} at dim [12]"),
+        ("key_dim", {"key_dim": ls.key_dim + 1}, rf"{f}key_dim is {ls.key_dim + 1} but graph '\w+' has "
+         rf"(past|present)_recurrent\.\d+ of {ls.key_dim} at dim [23]"),
+        ("value_dim", {"value_dim": ls.value_dim + 1}, rf"{f}value_dim is {ls.value_dim + 1} but graph '\w+' has "
+         rf"(past|present)_recurrent\.\d+ of {ls.value_dim} at dim [34]"),
+        ("swapped", {"key_dim": ls.value_dim, "value_dim": ls.key_dim}, rf"{f}key_dim is {ls.value_dim} but graph "
+         rf"'\w+' has (past|present)_recurrent\.\d+ of {ls.key_dim} at dim [23]"),
+        ("max_rows_per_call", {"max_rows_per_call": block_size - 1}, rf"{f}max_rows_per_call is {block_size - 1} "
+         rf"but the drafter's block size is {block_size}: a verify would not be one graph call"),
+    ]
+    return [e for e in edits if e[0] != "swapped" or ls.key_dim != ls.value_dim]  # equal dims: no edit
+
+
+def _c_load(lib, d) -> None:  # noqa: ANN001
+    """dfl2_model_load of folder ``d`` (CapiError when refused), the model freed."""
+    import ctypes
+
+    from test_capi import _check
+
+    handle = ctypes.c_void_p()
+    _check(lib, lib.dfl2_model_load(str(d).encode(), None, ctypes.byref(handle)))
+    lib.dfl2_model_free(handle)
+
+
+@pytest.mark.parametrize("plant", [None, "python_kernel", "c_swap"])
+def test_every_linear_state_field_edited_is_refused_by_python_and_c(random_export, lib, tmp_path, monkeypatch,
+                                                                     plant):
+    """Every field of target.linear_state edited in the manifest (and key_dim / value_dim swapped) is refused by the
+    Python reader and by libdflash2's (dfl2_model_load: DFL2_ERR_CORRUPT), each naming the field, its value and the
+    graph's; the unedited export loads in both. Negative controls, each failing this test: Python without the
+    conv_kernel - 1 rule; the C rules with key_dim / value_dim swapped ($DFLASH2_PLANT_SWAP_STATE_DIMS), which names
+    the wrong field, and on the qwen3_next export (keys 16 wide, values 24) refuses the unedited one."""
+    import re
+
+    import onnxruntime
+
+    from dflash2_trt import manifest as M
+    from test_capi import CapiError
+
+    t, be = random_export
+    ls, block_size = be.manifest.target.linear_state, be.manifest.block_size
+    monkeypatch.setenv("VIRTUAL_ENV", str(Path(onnxruntime.__file__).parents[4]))  # the wheel's libonnxruntime
+    monkeypatch.delenv("ORT_LIBRARY", raising=False)
+    if t.model.config.model_type == "qwen3_next":
+        assert ls.key_dim != ls.value_dim
+    if plant == "python_kernel":
+        rules = M._linear_state_rules  # noqa: SLF001
+        monkeypatch.setattr(M, "_linear_state_rules", lambda s: [r for r in rules(s) if "conv_kernel" not in r[2]])
+    if plant == "c_swap":
+        monkeypatch.setenv("DFLASH2_PLANT_SWAP_STATE_DIMS", "1")
+
+    def check() -> None:
+        M.read_manifest(be.dir, verify_checksums=False)
+        _c_load(lib, be.dir)
+        for name, edit, message in _state_edits(ls, block_size):
+            d = _edited(be, tmp_path / name, lambda m, change=edit: m["target"]["linear_state"].update(change))
+            with pytest.raises(DFlash2Error, match=message):
+                M.read_manifest(d, verify_checksums=False)
+            with pytest.raises(CapiError) as e:
+                _c_load(lib, d)
+            assert e.value.code == 6 and re.search(message, e.value.message), (name, e.value.message)
+
+    if plant is None:
+        check()
+    else:
+        with pytest.raises((AssertionError, pytest.fail.Exception, DFlash2Error, CapiError)):
+            check()
 
 
 def test_version_2_readers_refuse_in_one_line(random_export, tmp_path):

@@ -11,6 +11,7 @@
 #include <valijson/validator.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -129,6 +130,12 @@ void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& 
     };
     int64_t const drafterHidden = m.hiddenSize; // the drafter's hidden size is the target's (checked above)
     LinearStateSpec const& ls = m.linearState;
+    // $DFLASH2_PLANT_SWAP_STATE_DIMS=1: the tests' planted bug (tests/test_hybrid_export.py shows the edited-manifest
+    // check catching it): the rules below take key_dim for value_dim and back; never set it otherwise
+    char const* const swap = std::getenv("DFLASH2_PLANT_SWAP_STATE_DIMS");
+    bool const swapped = swap != nullptr && std::string(swap) == "1";
+    int64_t const keyDim = swapped ? ls.valueDim : ls.keyDim;
+    int64_t const valueDim = swapped ? ls.keyDim : ls.valueDim;
     Rule const rules[] = {
         {"past_key_values.", true, 1, "target.num_key_value_heads", m.targetKvHeads},
         {"past_key_values.", true, 3, "target.head_dim", m.targetHeadDim},
@@ -140,11 +147,11 @@ void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& 
         {"past_conv.", true, 2, "target.linear_state.conv_kernel - 1", ls.window()},
         {"present_conv.", true, 1, "target.linear_state.conv_dim", ls.convDim},
         {"past_recurrent.", true, 1, "target.linear_state.num_heads", ls.numHeads},
-        {"past_recurrent.", true, 2, "target.linear_state.key_dim", ls.keyDim},
-        {"past_recurrent.", true, 3, "target.linear_state.value_dim", ls.valueDim},
+        {"past_recurrent.", true, 2, "target.linear_state.key_dim", keyDim},
+        {"past_recurrent.", true, 3, "target.linear_state.value_dim", valueDim},
         {"present_recurrent.", true, 2, "target.linear_state.num_heads", ls.numHeads},
-        {"present_recurrent.", true, 3, "target.linear_state.key_dim", ls.keyDim},
-        {"present_recurrent.", true, 4, "target.linear_state.value_dim", ls.valueDim},
+        {"present_recurrent.", true, 3, "target.linear_state.key_dim", keyDim},
+        {"present_recurrent.", true, 4, "target.linear_state.value_dim", valueDim},
         {"context_features", false, -1, "target.hidden_size x len(target.layer_ids)",
             static_cast<int64_t>(m.hiddenSize) * static_cast<int64_t>(m.layerIds.size())},
         {"hidden", false, -1, "drafter.hidden_size", drafterHidden},
@@ -553,6 +560,12 @@ Manifest parseManifest(std::string const& text, std::string const& source)
     else
     {
         m.blockSize = intMember(d, "block_size", source, "drafter.", 2, 4096);
+    }
+    if (m.hasLinearLayers() && m.linearState.maxRowsPerCall < m.blockSize)
+    {
+        corrupt(source, "target.linear_state.max_rows_per_call is " + std::to_string(m.linearState.maxRowsPerCall)
+                + " but the drafter's block size is " + std::to_string(m.blockSize)
+                + ": a verify would not be one graph call, and could not be rolled back");
     }
     if (dc->contains("selector_top_k"))
     {
