@@ -568,163 +568,266 @@ Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, Gene
     return res;
 }
 
-// decoder.speculative_generate (every drafter row verified; the acceptance guard when cfg.guard is set)
+namespace
+{
+
+//! One cycle's drafts between the steps draft -> verify -> commit (the tuple _SpeculativeLoop.draft returns).
+struct Cycle
+{
+    Proposer who{Proposer::kNONE};
+    std::vector<int32_t> drafts;  //!< [nRows] the tokens to verify
+    int32_t nRows{0};             //!< rows verified (fewer in a final partial block)
+    int32_t draftK{0};            //!< candidates per row of the proposal (1 for a lookup's one-hot)
+};
+
+//! decoder._SpeculativeLoop: one request's state through the named steps of speculativeGenerate (prefill, pick,
+//! plainStep, draft, verify, commit, finish). Uniforms are drawn in the Python loop's order: the first token, then
+//! per cycle the drafter's, then the rejection test's.
+class SpeculativeLoop
+{
+public:
+    SpeculativeLoop(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
+        UniformSource& uniforms, TokenSink const& sink)
+        : mRunners(runners)
+        , mPrompt(prompt)
+        , mCfg(cfg)
+        , mUniforms(uniforms)
+        , mSink(sink)
+        , mV(runners.vocabSize())
+        , mL(runners.blockSize() - 1)
+        , mK(runners.topK())
+        , mLimit(lengthLimit(runners, prompt, cfg))
+        , mT0(Clock::now())
+        , mU64(static_cast<size_t>(mL))
+        , mU32(static_cast<size_t>(mL))
+    {
+        if (cfg.guard)
+        {
+            mGuard.emplace(*cfg.guard);
+        }
+    }
+
+    bool running() const
+    {
+        return !mCancelled && static_cast<int64_t>(mRes.tokens.size()) < mLimit && !isEos(mCfg, mAnchor);
+    }
+
+    //! target KV cache + context features of every prompt position; the first anchor
+    void prefill()
+    {
+        mRunners.targetReset();
+        mRunners.drafterReset();
+        int32_t const n = static_cast<int32_t>(mPrompt.size());
+        mRunners.targetForward(mPrompt.data(), n, mLogits);  // [n, V]
+        float const* last = mLogits.data() + static_cast<size_t>(n - 1) * vocab();
+        mAnchor = nextToken(last, vocab(), mCfg.temperature, mUniforms);
+        mRes.tokens.push_back(mAnchor);
+        emit(&mAnchor, 1);
+        std::vector<int32_t> context = mPrompt;
+        context.push_back(mAnchor);
+        int32_t const lookupRows = mCfg.ngramRows > 0 ? mCfg.ngramRows : defaultLookupRows(mL);
+        mChoice = ProposerChoice(mCfg.proposer, std::move(context), lookupRows);
+        if (mChoice.usesDrafter())
+        {
+            mRunners.drafterQueueContext(n);
+            mRunners.drafterAddContext(0);
+        }
+        mPos = n;
+    }
+
+    //! (the lookup's drafts, who proposes: kDFLASH2 | kNGRAM | kNONE for a plain step). The guard rules the drafter
+    //! alone: while it says plain steps, a lookup that pays still runs.
+    std::pair<std::vector<int32_t>, Proposer> pick()
+    {
+        std::vector<int32_t> lookedUp = mChoice.ngram(room());
+        Proposer const who
+            = mChoice.pick(lookedUp, mGuard ? mGuard->tStep() : std::nullopt, !mGuard || !mGuard->plainNext());
+        return {std::move(lookedUp), who};
+    }
+
+    //! the target's own next token (exactly targetGenerate's step)
+    void plainStep(Clock::time_point tStep)
+    {
+        mRunners.targetForward(&mAnchor, 1, mLogits);  // [1, V]
+        mAnchor = nextToken(mLogits.data(), vocab(), mCfg.temperature, mUniforms);
+        if (mChoice.usesDrafter())
+        {
+            mRunners.drafterQueueContext(1);
+            ++mPending;
+        }
+        ++mPos;
+        mRes.tokens.push_back(mAnchor);
+        mChoice.extend(&mAnchor, 1);
+        ++mRes.plainSteps;
+        emit(&mAnchor, 1);
+        if (mGuard)
+        {
+            mGuard->recordStep(secondsSince(tStep));
+        }
+    }
+
+    //! the drafts to verify: a lookup's as they are (a one-hot proposal), or the drafter's after its pending positions
+    //! join its context in one pass; a final partial block verifies fewer rows; all bs rows always run, as in training
+    Cycle draft(Proposer who, std::vector<int32_t> lookedUp)
+    {
+        Cycle c;
+        c.who = who;
+        if (who == Proposer::kNGRAM)  // prompt lookup: deterministic drafts, a one-hot proposal
+        {
+            c.drafts = std::move(lookedUp);
+            c.nRows = static_cast<int32_t>(c.drafts.size());
+            c.draftK = 1;
+            mDraft = lookupDraft(c.drafts);
+            return c;
+        }
+        if (mPending > 0)  // the drafter runs: the pending positions join in one pass
+        {
+            mRunners.drafterAddContext(mPos - mPending);
+            mPending = 0;
+        }
+        c.nRows = static_cast<int32_t>(std::min<int64_t>(mL, room()));
+        c.draftK = mK;
+        bool const sampling = mCfg.temperature > 0;
+        if (sampling)
+        {
+            drawDraftUniforms(mUniforms, mU64, mU32);
+        }
+        mRunners.drafterPropose(
+            mAnchor, mPos, c.nRows, static_cast<float>(mCfg.temperature), sampling ? mU32.data() : nullptr, mDraft);
+        checkDraft(mDraft, c.nRows, mK, mV);  // rows past nRows are never read
+        c.drafts.assign(mDraft.tokens.begin(), mDraft.tokens.begin() + c.nRows);
+        return c;
+    }
+
+    //! the target on [anchor, d_1..d_n] at positions pos..pos+n, then acceptance -> (accepted, bonus token)
+    std::pair<int32_t, int32_t> verify(Cycle const& c)
+    {
+        mVerifyIds.assign(1, mAnchor);
+        mVerifyIds.insert(mVerifyIds.end(), c.drafts.begin(), c.drafts.end());
+        mRunners.targetForward(mVerifyIds.data(), c.nRows + 1, mLogits);  // [nRows + 1, V]
+        return acceptDrafts(mDraft, c.drafts, mLogits.data(), mV, c.draftK, mCfg.temperature, mUniforms);
+    }
+
+    //! crop the target cache; committed positions become draft context (a lookup's wait for the drafter); the
+    //! cycle's tokens (up to an accepted EOS: drafts after it are not committed, so they do not count for τ) and counts
+    void commit(Cycle const& c, int32_t acc, int32_t bonus, Clock::time_point tStep)
+    {
+        mRunners.targetCrop(mPos + acc + 1);
+        if (mChoice.usesDrafter())
+        {
+            mRunners.drafterQueueContext(acc + 1);
+            if (c.who == Proposer::kNGRAM)
+            {
+                mPending += acc + 1;
+            }
+            else
+            {
+                mRunners.drafterAddContext(mPos);
+            }
+        }
+        std::vector<int32_t> const fresh = committedTokens(c.drafts, acc, bonus, mCfg);
+        mRes.accepted.push_back(std::min(acc, static_cast<int32_t>(fresh.size())));
+        mRes.proposed.push_back(c.nRows);
+        mRes.proposers.push_back(static_cast<int32_t>(c.who));
+        mChoice.extend(fresh.data(), fresh.size());
+        mChoice.record(c.who, static_cast<int32_t>(fresh.size()), secondsSince(tStep));
+        double cycleOracleS = 0.0;
+        if (mCfg.measureOracle)
+        {
+            auto const tO = Clock::now();
+            mRes.oracleAccepted.push_back(
+                oracleCount(mRunners, mDraft, c.draftK, c.drafts, c.nRows, acc, bonus, mPos, mLogits));
+            cycleOracleS = secondsSince(tO);
+            mOracleS += cycleOracleS;
+        }
+        mRes.tokens.insert(mRes.tokens.end(), fresh.begin(), fresh.end());
+        emit(fresh.data(), fresh.size());
+        mPos += acc + 1;
+        mAnchor = fresh.back();
+        if (mGuard && c.who == Proposer::kDFLASH2)
+        {
+            mGuard->recordCycle(static_cast<int32_t>(fresh.size()), secondsSince(tStep) - cycleOracleS);
+        }
+    }
+
+    Result finish()
+    {
+        if (mGuard)
+        {
+            mRes.guardSwitches = mGuard->switches();
+            mRes.guardProbes = mGuard->probes();
+        }
+        mRes.elapsedS = secondsSince(mT0) - mOracleS;
+        dflash2::finish(mRes, mCfg, mCancelled);
+        return std::move(mRes);
+    }
+
+private:
+    size_t vocab() const
+    {
+        return static_cast<size_t>(mV);
+    }
+    //! tokens still to make after the next one (a cycle's drafts fit before the limit)
+    int64_t room() const
+    {
+        return mLimit - static_cast<int64_t>(mRes.tokens.size()) - 1;
+    }
+    void emit(int32_t const* tokens, size_t n)
+    {
+        mCancelled = mSink && !mSink(tokens, n);
+    }
+
+    Runners& mRunners;
+    std::vector<int32_t> const& mPrompt;
+    GenerateConfig const& mCfg;
+    UniformSource& mUniforms;
+    TokenSink const& mSink;
+    int32_t const mV;
+    int32_t const mL;
+    int32_t const mK;
+    int64_t const mLimit;
+    Clock::time_point const mT0;
+    Result mRes;
+    double mOracleS{0.0};  //!< oracle passes, excluded from the timing
+    bool mCancelled{false};
+    int32_t mAnchor{-1};
+    int32_t mPos{0};  //!< the anchor's position
+    //! rows of committed positions queued in the backend, not yet in the draft context: plain steps and
+    //! prompt-lookup cycles add none until the drafter runs again, then all of them in one pass
+    int32_t mPending{0};
+    ProposerChoice mChoice;
+    std::optional<AcceptanceGuard> mGuard;
+    std::vector<float> mLogits;  //!< [rows, V] of the latest target forward
+    Draft mDraft;
+    std::vector<double> mU64;
+    std::vector<float> mU32;
+    std::vector<int32_t> mVerifyIds;
+};
+
+} // namespace
+
+// decoder.speculative_generate (every drafter row verified; the acceptance guard when cfg.guard is set). The loop, top
+// to bottom: prefill, then per step the proposer's pick, a plain step or draft -> verify + accept -> commit.
 Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
     UniformSource& uniforms, TokenSink const& sink)
 {
     checkPrompt(prompt, runners, cfg.maxNewTokens);
-    int32_t const V = runners.vocabSize();
-    size_t const Vs = static_cast<size_t>(V);
-    int32_t const L = runners.blockSize() - 1;
-    int32_t const K = runners.topK();
-    bool const sampling = cfg.temperature > 0;
-    Result res;
-    double oracleS = 0.0;
-    auto const t0 = Clock::now();
-
-    // prefill: target KV cache + context features of every prompt position; the first anchor
-    std::vector<float> logits;  // [n, V]
-    runners.targetReset();
-    runners.drafterReset();
-    int32_t const n = static_cast<int32_t>(prompt.size());
-    runners.targetForward(prompt.data(), n, logits);
-    int32_t anchor = nextToken(logits.data() + static_cast<size_t>(n - 1) * Vs, Vs, cfg.temperature, uniforms);
-    res.tokens.push_back(anchor);
-    bool cancelled = sink && !sink(&anchor, 1);
-    std::vector<int32_t> context = prompt;
-    context.push_back(anchor);
-    ProposerChoice choice(cfg.proposer, std::move(context), cfg.ngramRows > 0 ? cfg.ngramRows : defaultLookupRows(L));
-    if (choice.usesDrafter())
-    {
-        runners.drafterQueueContext(n);
-        runners.drafterAddContext(0);
-    }
-    int32_t pos = n;  // anchor position
-    int64_t const limit = lengthLimit(runners, prompt, cfg);
-    // rows of committed positions queued in the backend, not yet in the draft context: prompt-lookup cycles add
-    // none until the drafter runs again, then all of them in one pass
-    int32_t pending = 0;
-    std::optional<AcceptanceGuard> guard;
-    if (cfg.guard)
-    {
-        guard.emplace(*cfg.guard);
-    }
-
-    Draft draft;
-    std::vector<double> u64(static_cast<size_t>(L));
-    std::vector<float> u32(static_cast<size_t>(L));
-    std::vector<int32_t> verifyIds;
-    while (!cancelled && static_cast<int64_t>(res.tokens.size()) < limit && !isEos(cfg, anchor))
+    SpeculativeLoop loop(runners, prompt, cfg, uniforms, sink);
+    loop.prefill();
+    while (loop.running())
     {
         auto const tStep = Clock::now();
-        int64_t const room = limit - static_cast<int64_t>(res.tokens.size()) - 1;
-        std::vector<int32_t> const lookedUp = choice.ngram(room);
-        // the guard rules the drafter alone: while it says plain steps, a lookup that pays still runs
-        Proposer const who = choice.pick(
-            lookedUp, guard ? guard->tStep() : std::nullopt, !guard || !guard->plainNext());
+        auto [lookedUp, who] = loop.pick();
         if (who == Proposer::kNONE)
         {
-            // plain step: the target's own next token (exactly targetGenerate's step)
-            runners.targetForward(&anchor, 1, logits);  // [1, V]
-            anchor = nextToken(logits.data(), Vs, cfg.temperature, uniforms);
-            if (choice.usesDrafter())
-            {
-                runners.drafterQueueContext(1);
-                ++pending;
-            }
-            ++pos;
-            res.tokens.push_back(anchor);
-            choice.extend(&anchor, 1);
-            ++res.plainSteps;
-            cancelled = sink && !sink(&anchor, 1);
-            if (guard)
-            {
-                guard->recordStep(secondsSince(tStep));
-            }
+            loop.plainStep(tStep);
             continue;
         }
-        if (pending > 0 && who != Proposer::kNGRAM)  // the drafter runs: the pending positions join in one pass
-        {
-            runners.drafterAddContext(pos - pending);
-            pending = 0;
-        }
-        std::vector<int32_t> drafts;
-        int32_t nRows = 0;
-        int32_t draftK = K;
-        if (who == Proposer::kNGRAM)  // prompt lookup: deterministic drafts, a one-hot proposal
-        {
-            drafts = lookedUp;
-            nRows = static_cast<int32_t>(drafts.size());
-            draft = lookupDraft(drafts);
-            draftK = 1;
-        }
-        else
-        {
-            // a final partial block verifies fewer rows
-            nRows = static_cast<int32_t>(std::min<int64_t>(L, room));
-            // draft + select (all bs rows always run, as in training)
-            if (sampling)
-            {
-                drawDraftUniforms(uniforms, u64, u32);
-            }
-            runners.drafterPropose(
-                anchor, pos, nRows, static_cast<float>(cfg.temperature), sampling ? u32.data() : nullptr, draft);
-            checkDraft(draft, nRows, K, V);  // rows past nRows are never read
-            drafts.assign(draft.tokens.begin(), draft.tokens.begin() + nRows);
-        }
-        // verify [anchor, d_1..d_n] at positions pos..pos+n
-        verifyIds.assign(1, anchor);
-        verifyIds.insert(verifyIds.end(), drafts.begin(), drafts.end());
-        runners.targetForward(verifyIds.data(), nRows + 1, logits);  // [nRows + 1, V]
-        // accept
-        auto const [acc, bonus] = acceptDrafts(draft, drafts, logits.data(), V, draftK, cfg.temperature, uniforms);
-        // commit: crop the target cache; committed positions become draft context (a lookup's wait for the drafter)
-        runners.targetCrop(pos + acc + 1);
-        if (choice.usesDrafter())
-        {
-            runners.drafterQueueContext(acc + 1);
-            if (who == Proposer::kNGRAM)
-            {
-                pending += acc + 1;
-            }
-            else
-            {
-                runners.drafterAddContext(pos);
-            }
-        }
-        std::vector<int32_t> const fresh = committedTokens(drafts, acc, bonus, cfg);
-        // an accepted EOS ends the request: drafts after it are not committed, so they do not count for τ
-        res.accepted.push_back(std::min(acc, static_cast<int32_t>(fresh.size())));
-        res.proposed.push_back(nRows);
-        res.proposers.push_back(static_cast<int32_t>(who));
-        choice.extend(fresh.data(), fresh.size());
-        choice.record(who, static_cast<int32_t>(fresh.size()), secondsSince(tStep));
-        double cycleOracleS = 0.0;
-        if (cfg.measureOracle)
-        {
-            auto const tO = Clock::now();
-            res.oracleAccepted.push_back(oracleCount(runners, draft, draftK, drafts, nRows, acc, bonus, pos, logits));
-            cycleOracleS = secondsSince(tO);
-            oracleS += cycleOracleS;
-        }
-        res.tokens.insert(res.tokens.end(), fresh.begin(), fresh.end());
-        cancelled = sink && !sink(fresh.data(), fresh.size());
-        pos += acc + 1;
-        anchor = fresh.back();
-        if (guard && who == Proposer::kDFLASH2)
-        {
-            guard->recordCycle(static_cast<int32_t>(fresh.size()), secondsSince(tStep) - cycleOracleS);
-        }
+        Cycle const c = loop.draft(who, std::move(lookedUp));
+        auto const [acc, bonus] = loop.verify(c);
+        loop.commit(c, acc, bonus, tStep);
     }
-    if (guard)
-    {
-        res.guardSwitches = guard->switches();
-        res.guardProbes = guard->probes();
-    }
-
-    res.elapsedS = secondsSince(t0) - oracleS;
-    finish(res, cfg, cancelled);
-    return res;
+    return loop.finish();
 }
 
 } // namespace dflash2
