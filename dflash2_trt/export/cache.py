@@ -1,7 +1,7 @@
 """Exports cached outside the repo (``paths.cache_dir()/exports/<key>``) for ``dflash2 bench --target
 --drafter`` and the real-model tests.
 
-The key hashes the exporter's own source (export/ and model/ modules), the export options, the target
+The key hashes the exporter's own source (export/, model/ and targets/ modules), the export options, the target
 folder's files (name, size, mtime) and the drafter's files (content), so a changed exporter, model or
 option re-exports; an interrupted export leaves nothing (exports are atomic).
 """
@@ -21,7 +21,7 @@ _NOT_EXPORT_SOURCES = {"triton_repo.py"}
 def _source_digest() -> str:
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for sub in ("export", "model"):
+    for sub in ("export", "model", "targets"):
         for p in sorted((root / sub).glob("*.py")):
             if p.name in _NOT_EXPORT_SOURCES:
                 continue

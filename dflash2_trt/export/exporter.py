@@ -42,7 +42,7 @@ from dflash2_trt.vocabulary import DRAFT_MODES, DTYPES, INDEPENDENT, Q8_0, SELEC
 DEFAULT_OPSET = 17
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 #: bump when the graphs' content or conventions change (keys caches of exported models)
-EXPORTER_REVISION = 3
+EXPORTER_REVISION = 4
 _TRACE_BATCH = 2  # graphs are traced with batch 2 so that no batch-1 shape gets baked in
 
 

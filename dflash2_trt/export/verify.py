@@ -31,6 +31,11 @@ TOL = {"fp32": 2e-3, "fp16": 5e-2}
 # fraction of decisions that must equal PyTorch's: (argmax and top-K candidates, selected paths)
 # (fp16 logits of magnitude ~100 round in steps of 0.06, so near-equal candidates may swap places in top-K)
 MIN_MATCH = {"fp32": (1.0, 1.0), "fp16": (0.75, 0.8)}
+# the repeated-token prompts every target check runs beside the random one: one token for a hybrid target's longest
+# call (its linear layers' max_rows_per_call), the length where an unstable solve of the delta rule shows, for
+# REPEATED_TOKENS tokens (how far a repeated token drives a head depends on the token: its beta and decay)
+REPEATED_ROWS = 64
+REPEATED_TOKENS = 3
 
 
 def _close(name: str, got: np.ndarray, want: np.ndarray, tol: float, report: dict) -> None:
@@ -60,23 +65,40 @@ def session(path: Path):  # noqa: ANN201
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+def _repeated(rng: np.random.Generator, vocab: int, n_one: int, n_two: int) -> np.ndarray:
+    """n_one copies of one token, then n_two of two alternating — what indentation, whitespace runs and a list's
+    separators do to a target (aligned keys: where an unstable solve of a linear layer's rows cancels)."""
+    a, b, c = rng.integers(0, vocab, 3)
+    return np.concatenate([np.full(n_one, a), np.tile([b, c], n_two)[:n_two]]).astype(np.int64)
+
+
 def verify_target(path: Path, target, layer_ids: list[int], dtype: str, np_dtype, seed: int = 0) -> dict:  # noqa: ANN001
-    """Two chunks (n1 + n2 rows) through a capacity buffer vs one HF pass over all rows (a target with linear or
-    sliding layers: :func:`verify_state_target`)."""
+    """Two chunks (n1 + n2 rows) through a capacity buffer vs one HF pass over all rows: random tokens (7 + 5) and
+    repeated ones (:data:`REPEATED_ROWS` of one token, then 5 of two alternating; for :data:`REPEATED_TOKENS`
+    tokens). A target with linear or sliding layers: :func:`verify_state_target`."""
     cfg = getattr(target.model.config, "text_config", None) or target.model.config
     if set(target.family.layer_kinds(cfg)) != {"attention"}:
         return verify_state_target(path, target, layer_ids, dtype, np_dtype, seed)
     rng = np.random.default_rng(seed)
-    n1, n2 = 7, 5
-    ids = rng.integers(0, target.vocab_size, n1 + n2)
+    sess = session(path)
+    report: dict = {}
+    _two_chunks(sess, target, cfg, layer_ids, rng.integers(0, target.vocab_size, 12), 7, dtype, np_dtype, "target",
+                report)
+    for i in range(REPEATED_TOKENS):
+        _two_chunks(sess, target, cfg, layer_ids, _repeated(rng, target.vocab_size, REPEATED_ROWS, 5), REPEATED_ROWS,
+                    dtype, np_dtype, f"target.repeated{i}", report)
+    return report
+
+
+def _two_chunks(sess, target, cfg, layer_ids: list[int], ids: np.ndarray, n1: int, dtype: str, np_dtype,  # noqa: ANN001
+                name: str, report: dict) -> None:
+    """ids[:n1] then ids[n1:] through a capacity buffer against one HF pass: logits, features, argmax."""
     target.reset(layer_ids)
     want_logits, want_feats = target.forward(torch.from_numpy(ids))
-    sess = session(path)
     nl = target.num_layers
-    cfg = getattr(target.model.config, "text_config", None) or target.model.config  # a vision-language model: its LM's
     kvh = int(cfg.num_key_value_heads)
     d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    cap = 16
+    cap = len(ids)
     past = [np.zeros((1, kvh, cap, d), dtype=np_dtype) for _ in range(2 * nl)]
     logits, feats = [], []
     n = 0
@@ -94,14 +116,12 @@ def verify_target(path: Path, target, layer_ids: list[int], dtype: str, np_dtype
         for i, p in enumerate(out[2:]):
             past[i][:, :, n:n + S] = p
         n += S
-    report: dict = {}
     tol = TOL[dtype]
-    _close("target.logits", np.concatenate(logits), want_logits.float().numpy(), tol, report)
-    _close("target.context_features", np.concatenate(feats).astype(np.float32), want_feats.float().numpy(), tol,
+    _close(f"{name}.logits", np.concatenate(logits), want_logits.float().numpy(), tol, report)
+    _close(f"{name}.context_features", np.concatenate(feats).astype(np.float32), want_feats.float().numpy(), tol,
            report)
-    _decisions("target.argmax", np.concatenate(logits).argmax(-1), want_logits.argmax(-1).numpy(), report,
+    _decisions(f"{name}.argmax", np.concatenate(logits).argmax(-1), want_logits.argmax(-1).numpy(), report,
                MIN_MATCH[dtype][0])
-    return report
 
 
 def verify_drafter(paths: dict[str, Path], drafter, dtype: str, np_dtype, seed: int = 0) -> dict:  # noqa: ANN001
@@ -174,35 +194,52 @@ def verify_state_target(path: Path, target, layer_ids: list[int], dtype: str, np
     """A target with linear or sliding layers: a prompt chunk (for sliding layers longer than their ring, so that it
     wraps), a 5-row call asking every row's state, a rollback to 2 of its rows (the runtime's rules:
     :class:`~dflash2_trt.runtime.linear_state.LinearStates`, :class:`~dflash2_trt.runtime.kv.WindowRing`), then 3
-    new rows — the logits and features of every call against HF passes over the sequence each call continues."""
-    from dflash2_trt.manifest import TARGET_WINDOW_POSITIONS, SlidingWindowSpec
-    from dflash2_trt.runtime.kv import WindowRing, layer_feed, split_present
-    from dflash2_trt.runtime.linear_state import LinearStates
+    new rows — the logits and features of every call against HF passes over the sequence each call continues. Run on
+    random tokens and on repeated ones (a prompt of one token, at least :data:`REPEATED_ROWS` long — the longest
+    call of a linear layer —, then two tokens alternating; for :data:`REPEATED_TOKENS` tokens)."""
+    from dflash2_trt.manifest import SlidingWindowSpec
 
     rng = np.random.default_rng(seed)
     cfg = getattr(target.model.config, "text_config", None) or target.model.config
     kinds = target.family.layer_kinds(cfg)
+    ring_spec = SlidingWindowSpec(**target.family.sliding_window_spec(cfg, 1)) if "sliding" in kinds else None
+    # a prompt that wraps the ring when that costs at most a few hundred rows (a linear layer's call: <= 64 rows)
+    n_prompt = ring_spec.ring_slots + 7 if ring_spec is not None and ring_spec.ring_slots <= 500 else 7
+    sess = session(path)
+    report: dict = {"target.ring_wrapped": float(n_prompt > ring_spec.ring_slots)} if ring_spec is not None else {}
+    calls = lambda ids, name: _state_calls(sess, target, cfg, kinds, ring_spec, layer_ids, ids, dtype, np_dtype,  # noqa: E731
+                                           name, report)
+    calls(rng.integers(0, target.vocab_size, n_prompt + 8), "target")
+    for i in range(REPEATED_TOKENS):
+        calls(_repeated(rng, target.vocab_size, max(n_prompt, REPEATED_ROWS), 8), f"target.repeated{i}")
+    return report
+
+
+def _state_calls(sess, target, cfg, kinds: list[str], ring_spec, layer_ids: list[int], ids: np.ndarray,  # noqa: ANN001
+                 dtype: str, np_dtype, name: str, report: dict) -> None:
+    """ids = prompt, a 5-row block and 3 fresh rows: the calls of :func:`verify_state_target`."""
+    from dflash2_trt.manifest import TARGET_WINDOW_POSITIONS
+    from dflash2_trt.runtime.kv import WindowRing, layer_feed, split_present
+    from dflash2_trt.runtime.linear_state import LinearStates
+
     names = target_state_names(kinds)
     kvh = int(cfg.num_key_value_heads)
     d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     states = LinearStates([i for i, k in enumerate(kinds) if k == "linear"],
                           LinearStateSpec(**target.family.linear_state_shapes(cfg)), np_dtype) \
         if "linear" in kinds else None
-    ring = WindowRing(kinds.count("sliding"), kvh, d, np_dtype, SlidingWindowSpec(
-        **target.family.sliding_window_spec(cfg, 1))) if "sliding" in kinds else None
-    # a prompt that wraps the ring when that costs at most a few hundred rows (a linear layer's call: <= 64 rows)
-    n_prompt = ring.spec.ring_slots + 7 if ring is not None and ring.spec.ring_slots <= 500 else 7
+    ring = WindowRing(kinds.count("sliding"), kvh, d, np_dtype, ring_spec) if ring_spec is not None else None
+    n_prompt = len(ids) - 8
     cap = n_prompt + 16
     kv = [np.zeros((1, kvh, cap, d), dtype=np_dtype) for _ in range(2 * kinds.count("attention"))]
-    sess = session(path)
-    prompt, block, fresh = (rng.integers(0, target.vocab_size, n) for n in (n_prompt, 5, 3))
-    n, report = 0, {}
-    for step, (ids, keep) in enumerate(((prompt, n_prompt), (block, 2), (fresh, 3))):
-        S = len(ids)
+    prompt, block, fresh = ids[:n_prompt], ids[n_prompt:n_prompt + 5], ids[n_prompt + 5:]
+    n = 0
+    for step, (chunk, keep) in enumerate(((prompt, n_prompt), (block, 2), (fresh, 3))):
+        S = len(chunk)
         mask = np.zeros((1, cap + S), dtype=np.int64)
         mask[0, :n] = 1
         mask[0, cap:] = 1
-        feed = {"input_ids": ids.reshape(1, -1).astype(np.int64), "attention_mask": mask,
+        feed = {"input_ids": chunk.reshape(1, -1).astype(np.int64), "attention_mask": mask,
                 "position_ids": np.arange(n, n + S, dtype=np.int64).reshape(1, -1)}
         by_kind: dict[str, list[np.ndarray]] = {"attention": kv}
         if states is not None:
@@ -223,14 +260,11 @@ def verify_state_target(path: Path, target, layer_ids: list[int], dtype: str, np
             ring.crop(0, n + keep)
         history = np.concatenate([prompt, block[:2]]) if step == 2 else np.concatenate([prompt, block])[:n]
         target.reset(layer_ids)
-        want_logits, want_feats = target.forward(torch.from_numpy(np.concatenate([history, ids])))
+        want_logits, want_feats = target.forward(torch.from_numpy(np.concatenate([history, chunk])))
         tol = TOL[dtype]
-        _close(f"target.logits[{step}]", out[0][0], want_logits[n:].float().numpy(), tol, report)
-        _close(f"target.context_features[{step}]", out[1][0].astype(np.float32), want_feats[n:].float().numpy(),
+        _close(f"{name}.logits[{step}]", out[0][0], want_logits[n:].float().numpy(), tol, report)
+        _close(f"{name}.context_features[{step}]", out[1][0].astype(np.float32), want_feats[n:].float().numpy(),
                tol, report)
-        _decisions(f"target.argmax[{step}]", out[0][0].argmax(-1), want_logits[n:].argmax(-1).numpy(), report,
+        _decisions(f"{name}.argmax[{step}]", out[0][0].argmax(-1), want_logits[n:].argmax(-1).numpy(), report,
                    MIN_MATCH[dtype][0])
         n += keep
-    if ring is not None:
-        report["target.ring_wrapped"] = float(n_prompt > ring.spec.ring_slots)
-    return report

@@ -13,8 +13,8 @@ attention layers crop their KV as the dense family does (:mod:`~dflash2_trt.targ
 
 Export: :class:`TargetGraph` carries every linear layer's state as graph inputs and outputs: a call returns the
 convolution's new inputs and the recurrent state after each row the runtime asks for (:func:`_delta_rule` computes
-the rows of one call in closed form, so the graph has no loop), from which the runtime keeps the state of the
-accepted prefix. Qwen3-Next's fused input projections (``in_proj_qkvz``, ``in_proj_ba``, laid out per key head) are
+the rows of one call in closed form by a stable blocked triangular inverse, so the graph has no loop), from which
+the runtime keeps the state of the accepted prefix. Qwen3-Next's fused input projections (``in_proj_qkvz``, ``in_proj_ba``, laid out per key head) are
 split in the graph into the q / k / v / z / b / a parts that Qwen3.5's separate projections give, so both run the
 same layer; the convolution's channels (q | k | v) and the state shapes are the same for both.
 """
@@ -65,7 +65,7 @@ def check_exportable(hf_model: Any) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 MAX_CALL_ROWS = 64  # rows of one graph call: the runtime feeds a longer prompt in calls of at most this many
-_DOUBLINGS = (MAX_CALL_ROWS - 1).bit_length()  # (I - N)^-1 = prod_i (I + N^(2^i)) for a nilpotent N of order <= 64
+_LEVELS = (MAX_CALL_ROWS - 1).bit_length()  # block sizes 1, 2, ..., 32 of the triangular inverse: 2^_LEVELS >= 64 rows
 
 
 def linear_state_shapes(config: Any) -> dict[str, int]:
@@ -84,23 +84,34 @@ def _delta_rule(q, k, v, g, beta, s0, rows):  # noqa: ANN001, ANN202
     the state before the call; rows [R] int64 -> (outputs [B, H, S, dv], states after each of ``rows`` [B, R, H, dk,
     dv]). With G the cumulative log decay and D[t, s] = exp(G_t - G_s) for s <= t (never above 1), the row updates
     delta solve (I + A) delta = beta (v - exp(G) k s0) with A[t, s] = beta_t D[t, s] k_t.k_s strictly below the
-    diagonal: A is nilpotent, so its inverse is a product of ``_DOUBLINGS`` factors (I + N^(2^i)), N = -A; then
-    o_t = exp(G_t) q_t s0 + sum_{s<=t} D[t, s] (q_t.k_s) delta_s and S_t = exp(G_t) s0 + sum_{s<=t} D[t, s] k_s delta_s^T.
-    The same sums as transformers' row-by-row recurrence, in another order (equal to fp32 rounding)."""
+    diagonal; then o_t = exp(G_t) q_t s0 + sum_{s<=t} D[t, s] (q_t.k_s) delta_s and
+    S_t = exp(G_t) s0 + sum_{s<=t} D[t, s] k_s delta_s^T: the same sums as transformers' row-by-row recurrence, in
+    another order (equal to fp32 rounding).
+
+    T = (I + A)^-1 is built by blocked inversion, the block size doubling: with T_b the inverse of the b-row diagonal
+    blocks, T_2b = T_b - T_b (E_b * A) T_b, E_b selecting in each 2b-row block the rows of its second half and the
+    columns of its first (the block inverse [[T_lo, 0], [-T_hi A_21 T_lo, T_hi]]; a last block cut short by S is
+    still exact). Every factor is an inverse of a principal block — the recurrence run over those rows from a zero
+    state, bounded because each row's update (I - beta k k^T, |k| = 1, 0 <= beta <= 1) contracts — so no product
+    grows: repeated tokens (aligned keys, no decay, beta near 1) stay within fp32 rounding of a float64 recurrence,
+    where a Neumann series sum_j (-A)^j, exact in exact arithmetic, alternates with terms of size C(S, j) and
+    cancels catastrophically."""
     S = q.shape[2]
     G = torch.cumsum(g, dim=2)  # [B, H, S]
     idx = torch.arange(S, device=q.device)
     lower = idx[:, None] >= idx[None, :]  # [S, S] (t, s): s <= t
     strict = idx[:, None] > idx[None, :]
-    neg = torch.tensor(float("-inf"), dtype=q.dtype)
+    zero, neg = torch.zeros((), dtype=q.dtype), torch.tensor(float("-inf"), dtype=q.dtype)
     D = torch.exp(torch.where(lower, G[..., :, None] - G[..., None, :], neg))  # [B, H, S, S]
     gamma = torch.exp(G)[..., None]  # [B, H, S, 1]
-    n = torch.where(strict, -(beta[..., None] * D * torch.matmul(k, k.transpose(2, 3))), torch.zeros((), dtype=q.dtype))
-    x = beta[..., None] * (v - gamma * torch.matmul(k, s0))  # [B, H, S, dv]
-    for i in range(_DOUBLINGS):
-        x = x + torch.matmul(n, x)
-        if i + 1 < _DOUBLINGS:
-            n = torch.matmul(n, n)
+    a = torch.where(strict, beta[..., None] * D * torch.matmul(k, k.transpose(2, 3)), zero)  # [B, H, S, S]
+    blk = idx[None, :] // (2 ** torch.arange(_LEVELS, device=q.device))[:, None]  # [L, S] a row's b-block, b = 2^l
+    half = blk - 2 * (blk // 2)  # [L, S] 1: the second half of its 2b-block
+    hi_lo = (blk[:, :, None] // 2 == blk[:, None, :] // 2) & (half[:, :, None] > half[:, None, :])  # [L, S, S] E_b
+    t = (idx[:, None] == idx[None, :]).to(q.dtype) - torch.where(hi_lo[0], a, zero)  # T_2: 1-row blocks invert to 1
+    for level in range(1, _LEVELS):
+        t = t - torch.matmul(t, torch.matmul(torch.where(hi_lo[level], a, zero), t))
+    x = torch.matmul(t, beta[..., None] * (v - gamma * torch.matmul(k, s0)))  # [B, H, S, dv] the row updates
     out = gamma * torch.matmul(q, s0) + torch.matmul(D * torch.matmul(q, k.transpose(2, 3)), x)
     d_rows = torch.index_select(D, 2, rows)  # [B, H, R, S]
     g_rows = torch.index_select(gamma, 2, rows)[..., None]  # [B, H, R, 1, 1]
