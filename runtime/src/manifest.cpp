@@ -482,7 +482,11 @@ std::vector<std::string> targetStateNames(Manifest const& m, std::string const& 
     return out;
 }
 
-Manifest parseManifest(std::string const& text, std::string const& source)
+namespace
+{
+
+//! the document is JSON, a dflash2 manifest, of a version this library reads -> the parsed document
+Json readDocument(std::string const& text, std::string const& source)
 {
     Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded())
@@ -493,7 +497,6 @@ Manifest parseManifest(std::string const& text, std::string const& source)
     {
         throw Error(DFL2_ERR_VERSION_MISMATCH, source + " is not a " + std::string(kManifestFormat) + " manifest");
     }
-    Manifest m;
     Json const& ver = j.contains("manifest_version") ? j["manifest_version"] : Json();
     if (!ver.is_number_integer()
         || (ver.get<int64_t>() != DFL2_MANIFEST_VERSION && ver.get<int64_t>() != DFL2_MANIFEST_STATE_VERSION))
@@ -506,13 +509,19 @@ Manifest parseManifest(std::string const& text, std::string const& source)
                 + "); this library reads versions " + std::to_string(DFL2_MANIFEST_VERSION) + " and "
                 + std::to_string(DFL2_MANIFEST_STATE_VERSION) + ": re-export with a matching dflash2 export");
     }
-    // the whole document against dflash2_trt/manifest.schema.json (compiled in), then the typed reads below
+    // the whole document against dflash2_trt/manifest.schema.json (compiled in), then the typed reads
     std::string const violation = schemaViolation(j);
     if (!violation.empty())
     {
         corrupt(source, "does not match the manifest schema at " + violation);
     }
-    m.manifestVersion = ver.get<int64_t>();
+    return j;
+}
+
+//! the top-level fields: versions, dtype, max_seq_len, kv_capacity_step
+void readTopLevel(Manifest& m, Json const& j, std::string const& source)
+{
+    m.manifestVersion = j["manifest_version"].get<int64_t>();
     if (j.contains("project_version") && j["project_version"].is_string())
     {
         m.projectVersion = j["project_version"].get<std::string>();
@@ -523,8 +532,11 @@ Manifest parseManifest(std::string const& text, std::string const& source)
     {
         m.kvCapacityStep = intMember(j, "kv_capacity_step", source, "");
     }
+}
 
-    Json const& t = member(j, "target", source, "");
+//! "target": sizes, EOS ids, the drafter's feature layers, the layer kinds (readLayerKinds)
+void readTarget(Manifest& m, Json const& t, std::string const& source)
+{
     m.vocabSize = intMember(t, "vocab_size", source, "target.");
     m.targetLayers = intMember(t, "num_layers", source, "target.");
     m.hiddenSize = intMember(t, "hidden_size", source, "target.");
@@ -534,8 +546,12 @@ Manifest parseManifest(std::string const& text, std::string const& source)
                                                 : std::vector<int32_t>{};
     m.layerIds = t.contains("layer_ids") ? idList(t["layer_ids"], source, "target.layer_ids") : std::vector<int32_t>{};
     readLayerKinds(m, t, source);
+}
 
-    Json const& d = member(j, "drafter", source, "");
+//! "drafter" (its HF config): fits the target; layers, heads, block size (a verify fits one linear-state call),
+//! selector top K
+void readDrafter(Manifest& m, Json const& d, std::string const& source)
+{
     if (intMember(d, "vocab_size", source, "drafter.") != m.vocabSize
         || intMember(d, "hidden_size", source, "drafter.") != m.hiddenSize)
     {
@@ -572,8 +588,11 @@ Manifest parseManifest(std::string const& text, std::string const& source)
         m.topK = intMember(*dc, "selector_top_k", source, "drafter.dflash_config.", 1, m.vocabSize);
     }
     m.topK = std::min(m.topK, m.vocabSize);
+}
 
-    Json const& files = member(j, "files", source, "");
+//! "files": relative paths -> sha256 strings
+void readFiles(Manifest& m, Json const& files, std::string const& source)
+{
     if (!files.is_object())
     {
         corrupt(source, "'files' must map paths to sha256 strings");
@@ -587,8 +606,11 @@ Manifest parseManifest(std::string const& text, std::string const& source)
         }
         m.files[rel] = digest.get<std::string>();
     }
+}
 
-    Json const& graphs = member(j, "graphs", source, "");
+//! "graphs": each entry's file (with a checksum), role, selector, mode; every required graph present
+void readGraphs(Manifest& m, Json const& graphs, std::string const& source)
+{
     if (!graphs.is_object())
     {
         corrupt(source, "'graphs' must be an object");
@@ -613,6 +635,113 @@ Manifest parseManifest(std::string const& text, std::string const& source)
             corrupt(source, std::string("lists no '") + g + "' graph");
         }
     }
+}
+
+//! one optimisation profile of an engine plan: its name and dims {name: [min, opt, max]}
+ProfileEntry readProfile(Json const& pr, std::string const& where, std::string const& source)
+{
+    ProfileEntry prof;
+    prof.name = stringMember(pr, "name", source, where + "profiles[].");
+    Json const& dims = member(pr, "dims", source, where + "profiles[].");
+    if (!dims.is_object())
+    {
+        corrupt(source, "'" + where + "profiles[].dims' must be an object");
+    }
+    for (auto const& [dim, range] : dims.items())
+    {
+        if (!range.is_array() || range.size() != 3)
+        {
+            corrupt(source, "'" + where + "profiles[].dims." + dim + "' must be [min, opt, max]");
+        }
+        std::vector<int64_t> r;
+        for (Json const& x : range)
+        {
+            if (!x.is_number_integer() || x.get<int64_t>() < 0)
+            {
+                corrupt(source, "'" + where + "profiles[].dims." + dim + "' holds a non-size");
+            }
+            r.push_back(x.get<int64_t>());
+        }
+        prof.dims[dim] = r;
+    }
+    return prof;
+}
+
+//! "engines.plans": each plan's file and profiles
+void readPlans(Manifest& m, Json const& e, std::string const& source)
+{
+    Json const& plans = member(e, "plans", source, "engines.");
+    if (!plans.is_object())
+    {
+        corrupt(source, "'engines.plans' must be an object");
+    }
+    for (auto const& [key, p] : plans.items())
+    {
+        PlanEntry pe;
+        std::string const where = "engines.plans." + key + ".";
+        pe.file = stringMember(p, "file", source, where);
+        checkRelative(pe.file, source);
+        Json const& profiles = member(p, "profiles", source, where);
+        if (!profiles.is_array())
+        {
+            corrupt(source, "'" + where + "profiles' must be a list");
+        }
+        for (Json const& pr : profiles)
+        {
+            pe.profiles.push_back(readProfile(pr, where, source));
+        }
+        m.engines.plans[key] = pe;
+    }
+}
+
+//! "engines" (TensorRT, optional): folder, versions, GPU, plugin, prefill rows, plans
+void readEngines(Manifest& m, Json const& e, std::string const& source)
+{
+    m.engines.present = true;
+    m.engines.dir = stringMember(e, "dir", source, "engines.");
+    checkRelative(m.engines.dir, source);
+    if (e.contains("tensorrt_version") && e["tensorrt_version"].is_string())
+    {
+        m.engines.tensorrtVersion = e["tensorrt_version"].get<std::string>();
+    }
+    if (e.contains("gpu") && e["gpu"].is_object())
+    {
+        Json const& g = e["gpu"];
+        m.engines.gpuName = g.contains("name") && g["name"].is_string() ? g["name"].get<std::string>() : "";
+        m.engines.computeCapability = g.contains("compute_capability") && g["compute_capability"].is_string()
+            ? g["compute_capability"].get<std::string>()
+            : "";
+    }
+    if (e.contains("plugin") && e["plugin"].is_object())
+    {
+        m.engines.pluginFile = stringMember(e["plugin"], "file", source, "engines.plugin.");
+        if (e["plugin"].contains("sha256") && e["plugin"]["sha256"].is_string())
+        {
+            m.engines.pluginSha256 = e["plugin"]["sha256"].get<std::string>();
+        }
+    }
+    if (e.contains("prefill_rows"))
+    {
+        m.engines.prefillRows = intMember(e, "prefill_rows", source, "engines.");
+    }
+    readPlans(m, e, source);
+}
+
+} // namespace
+
+// manifest.parse_manifest, section by section (the document, the top level, target, drafter, files, graphs, the
+// graphs' fields against the sizes, engines): the first violation found is the one reported
+Manifest parseManifest(std::string const& text, std::string const& source)
+{
+    Json const j = readDocument(text, source);
+    Manifest m;
+    readTopLevel(m, j, source);
+    Json const& t = member(j, "target", source, "");
+    readTarget(m, t, source);
+    readDrafter(m, member(j, "drafter", source, ""), source);
+    readFiles(m, member(j, "files", source, ""), source);
+    Json const& graphs = member(j, "graphs", source, "");
+    readGraphs(m, graphs, source);
     int32_t const maxPositions = intMember(t, "max_positions", source, "target.");
     if (m.maxSeqLen > maxPositions)
     {
@@ -620,83 +749,9 @@ Manifest parseManifest(std::string const& text, std::string const& source)
                 + std::to_string(maxPositions));
     }
     checkGraphFields(m, graphs, source);
-
     if (j.contains("engines") && !j["engines"].is_null())
     {
-        Json const& e = j["engines"];
-        m.engines.present = true;
-        m.engines.dir = stringMember(e, "dir", source, "engines.");
-        checkRelative(m.engines.dir, source);
-        if (e.contains("tensorrt_version") && e["tensorrt_version"].is_string())
-        {
-            m.engines.tensorrtVersion = e["tensorrt_version"].get<std::string>();
-        }
-        if (e.contains("gpu") && e["gpu"].is_object())
-        {
-            Json const& g = e["gpu"];
-            m.engines.gpuName = g.contains("name") && g["name"].is_string() ? g["name"].get<std::string>() : "";
-            m.engines.computeCapability = g.contains("compute_capability") && g["compute_capability"].is_string()
-                ? g["compute_capability"].get<std::string>()
-                : "";
-        }
-        if (e.contains("plugin") && e["plugin"].is_object())
-        {
-            m.engines.pluginFile = stringMember(e["plugin"], "file", source, "engines.plugin.");
-            if (e["plugin"].contains("sha256") && e["plugin"]["sha256"].is_string())
-            {
-                m.engines.pluginSha256 = e["plugin"]["sha256"].get<std::string>();
-            }
-        }
-        if (e.contains("prefill_rows"))
-        {
-            m.engines.prefillRows = intMember(e, "prefill_rows", source, "engines.");
-        }
-        Json const& plans = member(e, "plans", source, "engines.");
-        if (!plans.is_object())
-        {
-            corrupt(source, "'engines.plans' must be an object");
-        }
-        for (auto const& [key, p] : plans.items())
-        {
-            PlanEntry pe;
-            std::string const where = "engines.plans." + key + ".";
-            pe.file = stringMember(p, "file", source, where);
-            checkRelative(pe.file, source);
-            Json const& profiles = member(p, "profiles", source, where);
-            if (!profiles.is_array())
-            {
-                corrupt(source, "'" + where + "profiles' must be a list");
-            }
-            for (Json const& pr : profiles)
-            {
-                ProfileEntry prof;
-                prof.name = stringMember(pr, "name", source, where + "profiles[].");
-                Json const& dims = member(pr, "dims", source, where + "profiles[].");
-                if (!dims.is_object())
-                {
-                    corrupt(source, "'" + where + "profiles[].dims' must be an object");
-                }
-                for (auto const& [dim, range] : dims.items())
-                {
-                    if (!range.is_array() || range.size() != 3)
-                    {
-                        corrupt(source, "'" + where + "profiles[].dims." + dim + "' must be [min, opt, max]");
-                    }
-                    std::vector<int64_t> r;
-                    for (Json const& x : range)
-                    {
-                        if (!x.is_number_integer() || x.get<int64_t>() < 0)
-                        {
-                            corrupt(source, "'" + where + "profiles[].dims." + dim + "' holds a non-size");
-                        }
-                        r.push_back(x.get<int64_t>());
-                    }
-                    prof.dims[dim] = r;
-                }
-                pe.profiles.push_back(prof);
-            }
-            m.engines.plans[key] = pe;
-        }
+        readEngines(m, j["engines"], source);
     }
     return m;
 }
