@@ -46,6 +46,51 @@ public:
     std::vector<int32_t> eosIds;
 };
 
+//! The sizes a runner interface answers (Runners and BatchRunners alike): a model's, or a callbacks struct's.
+struct RunnerSizes
+{
+    int32_t vocabSize{0};
+    int32_t blockSize{0};
+    int32_t topK{0};
+    int32_t maxPositions{0};
+
+    static RunnerSizes of(Model const& m)
+    {
+        return {m.vocabSize, m.blockSize, m.topK, m.maxPositions};
+    }
+};
+
+//! A runner interface (Base: Runners or BatchRunners) answering its sizes from a copy taken at construction (a
+//! model's sizes never change after load): the one definition of the size getters every backend's runners share.
+template <typename Base>
+class SizedRunners : public Base
+{
+public:
+    explicit SizedRunners(RunnerSizes const& sizes)
+        : mSizes(sizes)
+    {
+    }
+    int32_t vocabSize() const override
+    {
+        return mSizes.vocabSize;
+    }
+    int32_t blockSize() const override
+    {
+        return mSizes.blockSize;
+    }
+    int32_t topK() const override
+    {
+        return mSizes.topK;
+    }
+    int32_t maxPositions() const override
+    {
+        return mSizes.maxPositions;
+    }
+
+private:
+    RunnerSizes mSizes;
+};
+
 //! dfl2_callbacks -> Model (validates the struct; copies its first struct_size bytes: fields a caller's older,
 //! smaller struct lacks are absent, i.e. zero).
 std::unique_ptr<Model> createCallbackModel(dfl2_callbacks const* callbacks);

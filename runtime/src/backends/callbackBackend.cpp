@@ -41,28 +41,13 @@ void propose(dfl2_callbacks const& cb, float temperature, Draft& out, char const
 //! What both callbacks runners (Base: Runners for sessions, BatchRunners for batches) answer from the caller's
 //! struct: its sizes. Holds the runner's copy of dfl2_callbacks (the model's, eos pointer dropped).
 template <typename Base>
-class CallbackShapes : public Base
+class CallbackShapes : public SizedRunners<Base>
 {
 public:
     explicit CallbackShapes(dfl2_callbacks const& cb)
-        : mCb(cb)
+        : SizedRunners<Base>(RunnerSizes{cb.vocab_size, cb.block_size, cb.top_k, cb.max_positions})
+        , mCb(cb)
     {
-    }
-    int32_t vocabSize() const override
-    {
-        return mCb.vocab_size;
-    }
-    int32_t blockSize() const override
-    {
-        return mCb.block_size;
-    }
-    int32_t topK() const override
-    {
-        return mCb.top_k;
-    }
-    int32_t maxPositions() const override
-    {
-        return mCb.max_positions;
     }
 
 protected:

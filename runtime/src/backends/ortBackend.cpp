@@ -899,11 +899,12 @@ private:
 };
 
 //! One request's caches over the model's sessions (OrtTargetRunner / OrtFusedTargetRunner + OrtDraftRunner).
-class OrtRunners : public Runners
+class OrtRunners : public SizedRunners<Runners>
 {
 public:
     explicit OrtRunners(OrtModel const& model)
-        : mM(model)
+        : SizedRunners(RunnerSizes::of(model))
+        , mM(model)
         , mApi(model.api())
         , mTkv(model.manifest().kvLayers(), model.manifest().targetKvHeads, model.manifest().targetHeadDim,
               model.manifest().kvCapacityStep, model.manifest().maxSeqLen, elementBytes(model.targetKvType()))
@@ -930,22 +931,6 @@ public:
         {
             mApi->ReleaseIoBinding(mBinding);
         }
-    }
-    int32_t vocabSize() const override
-    {
-        return mM.vocabSize;
-    }
-    int32_t blockSize() const override
-    {
-        return mM.blockSize;
-    }
-    int32_t topK() const override
-    {
-        return mM.topK;
-    }
-    int32_t maxPositions() const override
-    {
-        return mM.maxPositions;
     }
     int32_t cacheLength() const
     {
@@ -1506,32 +1491,17 @@ private:
 };
 
 //! dfl2_batch over one OrtRunners per slot: each sequence's rows run as its single run's (batch 1 graphs).
-class OrtBatchRunners : public BatchRunners
+class OrtBatchRunners : public SizedRunners<BatchRunners>
 {
 public:
     OrtBatchRunners(OrtModel const& model, int32_t slots)
-        : mM(model)
+        : SizedRunners(RunnerSizes::of(model))
+        , mM(model)
     {
         for (int32_t i = 0; i < slots; ++i)
         {
             mSlots.push_back(std::make_unique<OrtRunners>(model));
         }
-    }
-    int32_t vocabSize() const override
-    {
-        return mM.vocabSize;
-    }
-    int32_t blockSize() const override
-    {
-        return mM.blockSize;
-    }
-    int32_t topK() const override
-    {
-        return mM.topK;
-    }
-    int32_t maxPositions() const override
-    {
-        return mM.maxPositions;
     }
     int32_t slots() const override
     {

@@ -507,28 +507,13 @@ private:
 
 //! The model's sizes for a runner interface (Runners, BatchRunners): both TensorRT runners read them from it.
 template <typename Base>
-class TrtShapes : public Base
+class TrtShapes : public SizedRunners<Base>
 {
 public:
     explicit TrtShapes(TrtModel& model)
-        : mModel(model)
+        : SizedRunners<Base>(RunnerSizes::of(model))
+        , mModel(model)
     {
-    }
-    int32_t vocabSize() const override
-    {
-        return mModel.vocabSize;
-    }
-    int32_t blockSize() const override
-    {
-        return mModel.blockSize;
-    }
-    int32_t topK() const override
-    {
-        return mModel.topK;
-    }
-    int32_t maxPositions() const override
-    {
-        return mModel.maxPositions;
     }
 
 protected:
