@@ -63,15 +63,25 @@ def _verify(cfg, layer, prompt, rows, record: bool) -> tuple[float, int]:  # noq
     return dt, kept
 
 
-def _graph_verify(cfg, layer, rows, every: bool) -> tuple[float, int]:  # noqa: ANN001
-    """Seconds of one k-row call of the exported graph's linear layer, and the bytes of what it returns for a
-    rollback (the asked rows' recurrent states and the convolution's inputs)."""
+def _linear_self(cfg):  # noqa: ANN001, ANN202
+    """What ``TargetGraph._linear`` reads of its ``self``, for calling it on one layer."""
     from types import SimpleNamespace
 
     from dflash2_trt.targets.hybrid import TargetGraph, linear_state_shapes
 
     st = linear_state_shapes(cfg)
     me = SimpleNamespace(hk=int(cfg.linear_num_key_heads), hv=st["num_heads"], dk=st["key_dim"], dv=st["value_dim"])
+    me._projections = lambda la, x: TargetGraph._projections(me, la, x)
+    return me
+
+
+def _graph_verify(cfg, layer, rows, every: bool) -> tuple[float, int]:  # noqa: ANN001
+    """Seconds of one k-row call of the exported graph's linear layer, and the bytes of what it returns for a
+    rollback (the asked rows' recurrent states and the convolution's inputs)."""
+    from dflash2_trt.targets.hybrid import TargetGraph, linear_state_shapes
+
+    st = linear_state_shapes(cfg)
+    me = _linear_self(cfg)
     conv = torch.randn(1, st["conv_dim"], st["conv_kernel"] - 1)
     s0 = 0.1 * torch.randn(1, st["num_heads"], st["key_dim"], st["value_dim"])
     k = rows.shape[1]
@@ -88,15 +98,9 @@ class _LinearLayer(torch.nn.Module):
     inputs, states of the asked rows)."""
 
     def __init__(self, cfg, layer) -> None:  # noqa: ANN001
-        from types import SimpleNamespace
-
-        from dflash2_trt.targets.hybrid import linear_state_shapes
-
         super().__init__()
-        st = linear_state_shapes(cfg)
         self.layer = layer
-        self.me = SimpleNamespace(hk=int(cfg.linear_num_key_heads), hv=st["num_heads"], dk=st["key_dim"],
-                                  dv=st["value_dim"])
+        self.me = _linear_self(cfg)
 
     def forward(self, x, conv, s0, rows):  # noqa: ANN001, ANN201
         from dflash2_trt.targets.hybrid import TargetGraph
