@@ -406,96 +406,13 @@ void BatchDecoder::step()
         {
             made += s->made();
         }
-        std::vector<Plan> const drafting = choose(seqs);
-        if (!drafting.empty())
+        std::vector<Plan> const plan = choose(seqs);
+        if (!plan.empty())
         {
             ++mCounters.draftingSteps;
         }
-        std::map<Seq*, Proposal> proposals;  // the drafting sequences' drafts
-        for (Plan const& plan : drafting)
-        {
-            try
-            {
-                Proposal p = draft(*plan.seq, plan.who, plan.looked);
-                proposals.emplace(plan.seq, std::move(p));
-            }
-            catch (...)
-            {
-                auto const [code, message] = errorOfCurrentException();
-                finish(*plan.seq, code, message);
-            }
-        }
-        // ONE target forward: a plain sequence's anchor, a drafting sequence's [anchor, drafts]
-        std::vector<Seq*> fed;
-        std::vector<SlotRows> rows;
-        for (Seq* s : seqs)
-        {
-            if (s->done)
-            {
-                continue;
-            }
-            fed.push_back(s);
-            rows.push_back(SlotRows{s->slot, mCacheLength[static_cast<size_t>(s->slot)], {s->anchor}});
-            auto const p = proposals.find(s);
-            if (p != proposals.end())
-            {
-                rows.back().ids.insert(rows.back().ids.end(), p->second.drafts.begin(), p->second.drafts.end());
-            }
-        }
-        std::vector<float> logits;  // [Σ rows, V]
-        bool ok = !fed.empty();
-        if (ok)
-        {
-            double const t = costClock();
-            try
-            {
-                mRunners.targetForward(rows, false, logits);
-            }
-            catch (...)
-            {
-                auto const [code, message] = errorOfCurrentException();
-                for (Seq* s : fed)
-                {
-                    finish(*s, code, "the step's target forward: " + message);
-                }
-                ok = false;
-            }
-            if (ok)
-            {
-                recordForward(static_cast<int32_t>(seqs.size()), static_cast<int32_t>(proposals.size()),
-                    costClock() - t);
-            }
-        }
-        size_t const V = static_cast<size_t>(mRunners.vocabSize());
-        size_t row = 0;
-        int32_t plainInCall = 0;
-        for (size_t i = 0; ok && i < fed.size(); ++i)
-        {
-            Seq& s = *fed[i];
-            int32_t const n = static_cast<int32_t>(rows[i].ids.size());
-            mCacheLength[static_cast<size_t>(s.slot)] += n;
-            float const* lg = logits.data() + row * V;
-            row += static_cast<size_t>(n);
-            try
-            {
-                auto const p = proposals.find(&s);
-                if (p != proposals.end())
-                {
-                    accept(s, p->second, lg);
-                }
-                else
-                {
-                    ++plainInCall;
-                    plain(s, lg);
-                }
-            }
-            catch (...)
-            {
-                auto const [code, message] = errorOfCurrentException();
-                finish(s, code, message);
-            }
-        }
-        if (ok)
+        std::map<Seq*, Proposal> const proposals = propose(plan);
+        if (forward(seqs, proposals))
         {
             for (Seq const* s : seqs)
             {
@@ -503,21 +420,119 @@ void BatchDecoder::step()
             }
             mRule.costs->recordStep(static_cast<int32_t>(seqs.size()), !proposals.empty(), static_cast<int32_t>(-made),
                 costClock() - tStep, mWeighed);
-            ++mCounters.forwardCalls;
-            mCounters.largestForward = std::max(mCounters.largestForward, static_cast<int32_t>(fed.size()));
-            mCounters.largestPlain = std::max(mCounters.largestPlain, plainInCall);
         }
-        for (Seq* s : seqs)  // retire: cancelled, max tokens / capacity, its own EOS
-        {
-            bool const ended = !s->res.tokens.empty()
-                && (s->made() >= s->limit || isEos(s->req.config, s->res.tokens.back()));
-            if (!s->done && (s->cancelled || ended))
-            {
-                finish(*s);
-            }
-        }
+        retire(seqs);
     }
     mActive.erase(std::remove_if(mActive.begin(), mActive.end(), [](auto const& s) { return s->done; }), mActive.end());
+}
+
+// BatchDecoder._propose: the planned sequences' drafts (a sequence whose drafter fails ends with its error)
+std::map<BatchDecoder::Seq*, BatchDecoder::Proposal> BatchDecoder::propose(std::vector<Plan> const& plan)
+{
+    std::map<Seq*, Proposal> proposals;
+    for (Plan const& p : plan)
+    {
+        try
+        {
+            proposals.emplace(p.seq, draft(*p.seq, p.who, p.looked));
+        }
+        catch (...)
+        {
+            auto const [code, message] = errorOfCurrentException();
+            finish(*p.seq, code, message);
+        }
+    }
+    return proposals;
+}
+
+// the step's ONE target forward (a plain sequence's anchor, a drafting sequence's [anchor, drafts]), then each
+// sequence's accept -> commit or plain step on its rows of the logits; false: the forward failed (its sequences
+// ended with the error)
+bool BatchDecoder::forward(std::vector<Seq*> const& seqs, std::map<Seq*, Proposal> const& proposals)
+{
+    std::vector<Seq*> fed;
+    std::vector<SlotRows> rows;
+    for (Seq* s : seqs)
+    {
+        if (s->done)
+        {
+            continue;
+        }
+        fed.push_back(s);
+        rows.push_back(SlotRows{s->slot, mCacheLength[static_cast<size_t>(s->slot)], {s->anchor}});
+        auto const p = proposals.find(s);
+        if (p != proposals.end())
+        {
+            rows.back().ids.insert(rows.back().ids.end(), p->second.drafts.begin(), p->second.drafts.end());
+        }
+    }
+    if (fed.empty())
+    {
+        return false;
+    }
+    std::vector<float> logits;  // [Σ rows, V]
+    double const t = costClock();
+    try
+    {
+        mRunners.targetForward(rows, false, logits);
+    }
+    catch (...)
+    {
+        auto const [code, message] = errorOfCurrentException();
+        for (Seq* s : fed)
+        {
+            finish(*s, code, "the step's target forward: " + message);
+        }
+        return false;
+    }
+    recordForward(static_cast<int32_t>(seqs.size()), static_cast<int32_t>(proposals.size()), costClock() - t);
+    size_t const V = static_cast<size_t>(mRunners.vocabSize());
+    size_t row = 0;
+    int32_t plainInCall = 0;
+    for (size_t i = 0; i < fed.size(); ++i)
+    {
+        Seq& s = *fed[i];
+        int32_t const n = static_cast<int32_t>(rows[i].ids.size());
+        mCacheLength[static_cast<size_t>(s.slot)] += n;
+        float const* lg = logits.data() + row * V;
+        row += static_cast<size_t>(n);
+        try
+        {
+            auto const p = proposals.find(&s);
+            if (p != proposals.end())
+            {
+                accept(s, p->second, lg);
+            }
+            else
+            {
+                ++plainInCall;
+                plain(s, lg);
+            }
+        }
+        catch (...)
+        {
+            auto const [code, message] = errorOfCurrentException();
+            finish(s, code, message);
+        }
+    }
+    ++mCounters.forwardCalls;
+    mCounters.largestForward = std::max(mCounters.largestForward, static_cast<int32_t>(fed.size()));
+    mCounters.largestPlain = std::max(mCounters.largestPlain, plainInCall);
+    return true;
+}
+
+// the step's end: a sequence cancelled, at max tokens / capacity or at its own EOS is finished
+void BatchDecoder::retire(std::vector<Seq*> const& seqs)
+{
+    for (Seq* s : seqs)
+    {
+        bool const ended
+            = !s->res.tokens.empty() && (s->made() >= s->limit || isEos(s->req.config, s->res.tokens.back()));
+        if (!s->done && (s->cancelled || ended))
+        {
+            finish(*s);
+        }
+    }
 }
 
 // BatchDecoder._admit: queued requests into free slots (slots assigned shortest prompt first), their prompts
@@ -588,45 +603,52 @@ void BatchDecoder::admit()
     size_t const V = static_cast<size_t>(mRunners.vocabSize());
     for (size_t i = 0; i < fed.size(); ++i)
     {
-        Seq& s = *fed[i];
-        int32_t const n = static_cast<int32_t>(s.req.prompt.size());
-        mCacheLength[static_cast<size_t>(s.slot)] = n;
-        try
+        start(*fed[i], logits.data() + i * V);
+    }
+}
+
+// the rest of _admit for one prefilled sequence (logits [V] of its last prompt row): its first token, its proposer
+// choice, the prompt's features queued for its drafter
+void BatchDecoder::start(Seq& s, float const* logits)
+{
+    int32_t const n = static_cast<int32_t>(s.req.prompt.size());
+    mCacheLength[static_cast<size_t>(s.slot)] = n;
+    try
+    {
+        s.anchor = nextToken(logits, static_cast<size_t>(mRunners.vocabSize()), s.req.config.temperature,
+            *s.req.uniforms);
+        s.res.tokens.push_back(s.anchor);
+        s.pos = n;
+        // a plain request never looks up: its choice keeps no context
+        GenerateConfig const& cfg = s.req.config;
+        Proposer const mode = cfg.speculative ? cfg.proposer : Proposer::kDFLASH2;
+        std::vector<int32_t> context;
+        if (mode != Proposer::kDFLASH2)
         {
-            s.anchor = nextToken(logits.data() + i * V, V, s.req.config.temperature, *s.req.uniforms);
-            s.res.tokens.push_back(s.anchor);
-            s.pos = n;
-            // a plain request never looks up: its choice keeps no context
-            GenerateConfig const& cfg = s.req.config;
-            Proposer const mode = cfg.speculative ? cfg.proposer : Proposer::kDFLASH2;
-            std::vector<int32_t> context;
-            if (mode != Proposer::kDFLASH2)
-            {
-                context = s.req.prompt;
-                context.push_back(s.anchor);
-            }
-            int32_t const lookupRows = mode == Proposer::kDFLASH2 ? 0
-                : cfg.ngramRows > 0                                ? cfg.ngramRows
-                                                                   : defaultLookupRows(mRunners.blockSize() - 1);
-            s.choice = ProposerChoice(mode, std::move(context), lookupRows);
-            if (s.usesDrafter())
-            {
-                mRunners.drafterReset(s.slot);
-                mRunners.drafterQueueContext(s.slot, n);
-                s.pendingRows = n;
-                s.pendingStart = 0;
-            }
-            emit(s, &s.anchor, 1);
-            if (s.cancelled || s.made() >= s.limit || isEos(s.req.config, s.anchor))
-            {
-                finish(s);
-            }
+            context = s.req.prompt;
+            context.push_back(s.anchor);
         }
-        catch (...)
+        int32_t const lookupRows = mode == Proposer::kDFLASH2 ? 0
+            : cfg.ngramRows > 0                                ? cfg.ngramRows
+                                                               : defaultLookupRows(mRunners.blockSize() - 1);
+        s.choice = ProposerChoice(mode, std::move(context), lookupRows);
+        if (s.usesDrafter())
         {
-            auto const [code, message] = errorOfCurrentException();
-            finish(s, code, message);
+            mRunners.drafterReset(s.slot);
+            mRunners.drafterQueueContext(s.slot, n);
+            s.pendingRows = n;
+            s.pendingStart = 0;
         }
+        emit(s, &s.anchor, 1);
+        if (s.cancelled || s.made() >= s.limit || isEos(s.req.config, s.anchor))
+        {
+            finish(s);
+        }
+    }
+    catch (...)
+    {
+        auto const [code, message] = errorOfCurrentException();
+        finish(s, code, message);
     }
 }
 

@@ -317,7 +317,11 @@ private:
         std::vector<int32_t> looked;
     };
     void admit();
+    void start(Seq& s, float const* logits);
     std::vector<Plan> choose(std::vector<Seq*> const& seqs);
+    std::map<Seq*, Proposal> propose(std::vector<Plan> const& plan);
+    bool forward(std::vector<Seq*> const& seqs, std::map<Seq*, Proposal> const& proposals);
+    void retire(std::vector<Seq*> const& seqs);
     std::pair<int32_t, double> estimate(Seq& s, Proposer who, std::vector<int32_t> const& looked) const;
     void recordForward(int32_t n, int32_t k, double seconds);
     void plain(Seq& s, float const* logits);
