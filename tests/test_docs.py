@@ -169,3 +169,82 @@ def test_history_check_sees_history_and_spares_the_present():
     assert history_words("an InferenceSession per graph; a C API session; int64 #include <x.h>; 3.5 rows; "
                          "layer 43; --streams 1 2 4 8 16; shape [B, 16]; a two-stage build") == []
     assert HISTORY_NAME.search("triton_throughput_s17.json") and not HISTORY_NAME.search("verify_rows_codes.json")
+
+
+# -- docs/contributing.md: the Python <-> C++ twins table ----------------------------------------------------------
+
+CONTRIBUTING = REPO / "docs" / "contributing.md"
+
+
+def twin_rows(markdown: str) -> list[list[list[str]]]:
+    """The twins table's body rows, each cell as its code spans (without backticks)."""
+    rows = []
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 4 and cells[0] != "rule":
+            rows.append([re.findall(r"`([^`]+)`", c) for c in cells])
+    return rows
+
+
+def missing_names(spans: list[str]) -> list[str]:
+    """Names of a Python or C++ cell (a file path, then the names that file holds; a C++ name may sit in the file's
+    header) that its file does not define or mention."""
+    missing, text = [], ""
+    for span in spans:
+        if span.endswith((".py", ".cpp", ".h")):
+            files = [REPO / span, (REPO / span).with_suffix(".h")]
+            if not files[0].is_file():
+                missing.append(span)
+            text = "\n".join(f.read_text(encoding="utf-8") for f in files if f.is_file())
+        elif not re.search(rf"\b{re.escape(span)}\b", text):
+            missing.append(span)
+    return missing
+
+
+def twin_command(markdown: str) -> list[str]:
+    """The one command that runs every twin test (the fenced bash line under "Running them all"), as pytest args."""
+    import shlex
+
+    section = markdown.split("## Running them all", 1)[1]
+    line = next(ln for ln in section.splitlines() if ln.startswith(".venv/bin/python -m pytest"))
+    return shlex.split(line)[3:]
+
+
+def test_contributing_lists_every_twin_by_names_that_exist():
+    """Each row of the twins table names a Python file and a C++ file and steps each of them holds (renaming a step
+    on one side fails here until the table, and the other side, follow); every ctest it names exists."""
+    rows = twin_rows(CONTRIBUTING.read_text(encoding="utf-8"))
+    assert len(rows) >= 10, rows
+    ctests = (REPO / "runtime" / "tests" / "CMakeLists.txt").read_text(encoding="utf-8")
+    for rule, python, cpp, tests in rows:
+        assert python[0].startswith("dflash2_trt/") and cpp[0].startswith("runtime/src/"), (rule, python, cpp)
+        assert not missing_names(python) and not missing_names(cpp), (rule, missing_names(python + cpp))
+        assert tests, rule
+        for t in tests:
+            assert t.startswith("test_") or re.search(rf"NAME {t}\b", ctests), (rule, t)
+
+
+def test_contributing_command_runs_exactly_the_twin_tests():
+    """The one command of docs/contributing.md selects every test the page names and no other."""
+    import subprocess
+    import sys
+
+    text = CONTRIBUTING.read_text(encoding="utf-8")
+    named = {s for s in re.findall(r"`([^`]+)`", text) if re.fullmatch(r"test_\w+", s)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider",
+                        *twin_command(text)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    selected = {ln.split("::")[1].split("[")[0] for ln in r.stdout.splitlines() if "::" in ln}
+    assert selected == named, (sorted(selected - named), sorted(named - selected))
+
+
+def test_twin_checks_see_a_wrong_name_and_a_stray_test():
+    """Negative controls: a step the file does not hold is reported; a command that selects a test the page does
+    not name (or misses one) differs."""
+    assert missing_names(["dflash2_trt/runtime/decoder.py", "_SpeculativeLoop", "no_such_step"]) == ["no_such_step"]
+    assert missing_names(["runtime/src/core/decoder.cpp", "SpeculativeLoop", "Cycle"]) == []
+    assert missing_names(["runtime/src/core/nothing.cpp"]) == ["runtime/src/core/nothing.cpp"]
+    rows = twin_rows("| rule | Python | C++ | tests |\n|---|---|---|---|\n| r | `a.py`: `x` | `b.cpp`: `y` | `test_z` |\n")
+    assert rows == [[[], ["a.py", "x"], ["b.cpp", "y"], ["test_z"]]]
+    cmd = twin_command("## Running them all\n\n```bash\n.venv/bin/python -m pytest -q tests/a.py -k \"x or y\"\n```\n")
+    assert cmd == ["-q", "tests/a.py", "-k", "x or y"]
