@@ -2,7 +2,8 @@
 protocol (``protocol``: ``Backend``, runners, ``Draft``; the shared KV capacity buffer in ``kv``); one subpackage per
 backend — ``ort`` (ONNX Runtime), ``trt`` (TensorRT with CUDA-graph-captured steps), ``torch`` (the PyTorch
 reference); ``backends`` (``open_backend``) chooses. Also the continuous-batch loop (``batch``), prompt lookup
-(``ngram``), the linear layers' host state and its rollback (``linear_state``) and the tokenizer (``tokenizer``).
+(``ngram``), the linear layers' host state and its rollback (``linear_state``), the prefix cache of finished
+sequences (``prefix_cache``) and the tokenizer (``tokenizer``).
 
 Importable without torch or transformers: every module but ``runtime.torch`` imports only numpy, the manifest,
 ``vocabulary`` and its own modules (onnxruntime / tensorrt / cuda-python lazily). Never imports export, train,

@@ -67,6 +67,18 @@ def grown_slot_buffers(arrays: list[np.ndarray], capacity: int, n: int, step: in
     return new, cap
 
 
+def take_rows(arrays: list[np.ndarray], slot: int, n: int) -> list[np.ndarray]:
+    """Copies of one sequence's first ``n`` positions from capacity buffers [slots, heads, C, d]: [heads, n, d] each
+    (what the prefix cache keeps, :mod:`dflash2_trt.runtime.prefix_cache`)."""
+    return [a[slot, :, :n].copy() for a in arrays]
+
+
+def put_rows(arrays: list[np.ndarray], slot: int, rows: list[np.ndarray]) -> None:
+    """:func:`take_rows`' rows [heads, n, d] back into slot ``slot`` of the buffers, positions 0..n-1."""
+    for a, r in zip(arrays, rows):
+        a[slot, :, : r.shape[1]] = r
+
+
 class KVBuffer:
     """K/V of one sequence for ``n_layers`` layers in capacity buffers ``[1, heads, capacity, d]``.
 
@@ -115,6 +127,17 @@ class KVBuffer:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(0, int(length)))
+
+    def rows(self, n: int) -> list[np.ndarray]:
+        """Copies of positions 0..n-1 (n <= length): [heads, n, d] per array."""
+        return take_rows(self.arrays, 0, min(n, self.length))
+
+    def load(self, rows: list[np.ndarray], n: int) -> None:
+        """Hold exactly positions 0..n-1, :meth:`rows`' copies (in place where the capacity suffices)."""
+        self.length = 0
+        self.reserve(n)
+        put_rows(self.arrays, 0, rows)
+        self.length = n
 
 
 def layer_feed(kinds: Kinds, states: dict[str, list[np.ndarray]]) -> list[np.ndarray]:
@@ -198,6 +221,17 @@ class WindowRing:
                                f"{length}: it holds the keys of lengths >= {int(self.floor[slot])} only")
         p = self.positions[slot]
         p[p >= length] = -1
+
+    def snapshot(self, slot: int) -> tuple[list[np.ndarray], np.ndarray, int]:
+        """Copies of slot ``slot``'s rings, window positions and floor: what :meth:`restore` puts back, the ring as
+        it is (rotated: position p in slot p % ring_slots)."""
+        return [a[slot].copy() for a in self.arrays], self.positions[slot].copy(), int(self.floor[slot])
+
+    def restore(self, slot: int, snap: tuple[list[np.ndarray], np.ndarray, int]) -> None:
+        arrays, positions, floor = snap
+        for a, x in zip(self.arrays, arrays):
+            a[slot] = x
+        self.positions[slot], self.floor[slot] = positions, floor
 
     @property
     def nbytes(self) -> int:

@@ -66,6 +66,17 @@ class LinearStates:
                 c[b] = np.concatenate([c[b:b + 1], x], axis=2)[0, :, -k:]
                 r[b] = s[0, -1]
 
+    def snapshot(self, slot: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Copies of slot ``slot``'s convolution and recurrent state (each layer's): what :meth:`restore` puts
+        back."""
+        return [c[slot].copy() for c in self.conv], [r[slot].copy() for r in self.recurrent]
+
+    def restore(self, slot: int, snap: tuple[list[np.ndarray], list[np.ndarray]]) -> None:
+        """Slot ``slot`` holds :meth:`snapshot`'s state (a new sequence: nothing to roll back into)."""
+        for c, r, c0, r0 in zip(self.conv, self.recurrent, *snap):
+            c[slot], r[slot] = c0, r0
+        self._last.pop(slot, None)
+
     def rollback(self, keep: int, slot: int = 0) -> None:
         """Keep the first ``keep`` rows of slot ``slot``'s last call (0 <= keep <= its rows): the state after them."""
         last = self._last.pop(slot, None)

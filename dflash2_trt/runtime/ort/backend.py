@@ -23,6 +23,7 @@ from dflash2_trt.manifest import (BLOCK_LAYERS, ORT_SUFFIX, TARGET_ORT, TARGET_S
                                   ExportManifest, GraphSpec, read_manifest)
 from dflash2_trt.runtime.kv import KVBuffer, WindowRing, layer_feed, split_present, target_ids
 from dflash2_trt.runtime.linear_state import LinearStates
+from dflash2_trt.runtime.prefix_cache import SlotState, restore_slot_state, slot_state
 from dflash2_trt.runtime.protocol import (BackendBase, BackendUnavailable, BatchDraftRunner, BatchTargetRunner, Draft,
                                           independent_draft)
 from dflash2_trt.runtime.ort.failures import ort_failures
@@ -400,6 +401,18 @@ class OrtTargetRunner:
     def kv_only(self) -> bool:
         return self.linear is None and self.ring is None
 
+    # -- the prefix cache (dflash2_trt.runtime.prefix_cache) ------------------------------------------------------
+    def prefix_rows(self, n: int, slot: int = 0) -> list[np.ndarray]:
+        return self.kv.rows(n)
+
+    def prefix_state(self, slot: int = 0) -> SlotState | None:
+        return None if self.kv_only else slot_state(self.linear, self.ring, 0)
+
+    def restore_prefix(self, rows: list[np.ndarray], n: int, state: SlotState | None, slot: int = 0) -> None:
+        self.kv.load(rows, n)
+        restore_slot_state(self.linear, self.ring, 0, state)
+        self._call_start = n
+
     def crop(self, length: int) -> None:
         if self.linear is not None and length < self.kv.length:
             self.linear.rollback(length - self._call_start)
@@ -430,6 +443,16 @@ class OrtDraftRunner:
 
     def reset(self) -> None:
         self.kv.reset()
+
+    # -- the prefix cache (dflash2_trt.runtime.prefix_cache) ------------------------------------------------------
+    def context_length(self) -> int:
+        return self.kv.length
+
+    def context_rows(self, n: int) -> list[np.ndarray]:
+        return self.kv.rows(n)
+
+    def restore_context(self, rows: list[np.ndarray]) -> None:
+        self.kv.load(rows, rows[0].shape[1] if rows else 0)
 
     def add_context(self, feats: np.ndarray, start: int) -> None:
         """feats [m, F] of positions start..start+m-1 -> the draft context cache."""

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.kv import grown_slot_buffers
+from dflash2_trt.runtime.kv import grown_slot_buffers, put_rows, take_rows
 from dflash2_trt.runtime.ort.failures import ort_failures
 from dflash2_trt.runtime.protocol import Draft, independent_draft
 from dflash2_trt.vocabulary import INDEPENDENT
@@ -102,6 +102,17 @@ class OrtBatchedDraftRunner:
         """Slot ``b`` starts a new sequence (its draft context empty)."""
         self._check_slot(b)
         self.lengths[b] = 0
+
+    def context_rows(self, b: int, n: int) -> list[np.ndarray]:
+        """Copies of slot ``b``'s draft context K/V of positions 0..n-1 (the prefix cache's)."""
+        return take_rows(self.arrays, b, min(n, int(self.lengths[b])))
+
+    def restore_context(self, b: int, rows: list[np.ndarray]) -> None:
+        """Slot ``b``'s draft context holds exactly :meth:`context_rows`' copies."""
+        n = rows[0].shape[1] if rows else 0
+        self._reserve(n)
+        put_rows(self.arrays, b, rows)
+        self.lengths[b] = n
 
     def add_context(self, b: int, feats: np.ndarray, start: int) -> None:
         """feats [m, F] of positions start..start+m-1 -> slot b's draft context."""
@@ -219,6 +230,15 @@ class SlotDraftRunner:
 
     def add_context(self, feats: np.ndarray, start: int) -> None:
         self.runner.add_context(self.b, feats, start)
+
+    def context_length(self) -> int:
+        return int(self.runner.lengths[self.b])
+
+    def context_rows(self, n: int) -> list[np.ndarray]:
+        return self.runner.context_rows(self.b, n)
+
+    def restore_context(self, rows: list[np.ndarray]) -> None:
+        self.runner.restore_context(self.b, rows)
 
     def propose(self, anchor: int, pos: int, rows: int, temperature: float, uniforms: np.ndarray | None) -> Draft:
         return self.runner.propose_batch([self.b], [anchor], [pos], [rows], [temperature], [uniforms])[0]

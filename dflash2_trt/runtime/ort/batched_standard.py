@@ -28,8 +28,10 @@ import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import TARGET_STATE_ROWS, TARGET_WINDOW_POSITIONS
-from dflash2_trt.runtime.kv import WindowRing, check_slot_rows, grown_slot_buffers, layer_feed, split_present
+from dflash2_trt.runtime.kv import (WindowRing, check_slot_rows, grown_slot_buffers, layer_feed, put_rows,
+                                    split_present, take_rows)
 from dflash2_trt.runtime.linear_state import LinearStates
+from dflash2_trt.runtime.prefix_cache import SlotState, restore_slot_state, slot_state
 from dflash2_trt.runtime.ort.batched_target import CALL_ROWS
 
 
@@ -92,6 +94,19 @@ class OrtStandardBatchedTargetRunner:
             if self.ring is not None:
                 self.ring.crop(slot, length)
             self.lengths[slot] = length
+
+    # -- the prefix cache (dflash2_trt.runtime.prefix_cache) ------------------------------------------------------
+    def prefix_rows(self, n: int, slot: int) -> list[np.ndarray]:
+        return take_rows(self.arrays, slot, min(n, int(self.lengths[slot])))
+
+    def prefix_state(self, slot: int) -> SlotState | None:
+        return None if self.linear is None and self.ring is None else slot_state(self.linear, self.ring, slot)
+
+    def restore_prefix(self, rows: list[np.ndarray], n: int, state: SlotState | None, slot: int) -> None:
+        self._reserve(n)
+        put_rows(self.arrays, slot, rows)
+        restore_slot_state(self.linear, self.ring, slot, state)
+        self.lengths[slot] = self._call_start[slot] = n
 
     def cost_units(self, rows: dict[int, int]) -> float:
         """A call's fixed cost plus its padded rows (slots of at most max_rows share one call)."""

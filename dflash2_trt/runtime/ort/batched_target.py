@@ -48,7 +48,7 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (TARGET_LOGITS_INDEX, TARGET_ORT, TARGET_PAST_SEQLENS, target_kv_names,
                                   target_present_names)
-from dflash2_trt.runtime.kv import check_slot_rows, grown_slot_buffers
+from dflash2_trt.runtime.kv import check_slot_rows, grown_slot_buffers, put_rows, take_rows
 from dflash2_trt.runtime.ort.failures import ort_failures
 
 CALL_ROWS = 12  # a graph call's fixed cost in rows (SmolLM2 fp32, 2 threads: ~29 ms a call + ~2.3 ms a row)
@@ -153,6 +153,18 @@ class OrtBatchedTargetRunner:
     def crop(self, slot: int, length: int) -> None:
         """Slot ``slot`` keeps positions 0..length-1 (no copy: the stale slots are hidden, then overwritten)."""
         self.lengths[slot] = min(int(self.lengths[slot]), max(0, int(length)))
+
+    # -- the prefix cache (dflash2_trt.runtime.prefix_cache): attention K/V only ----------------------------------
+    def prefix_rows(self, n: int, slot: int) -> list[np.ndarray]:
+        return take_rows(self.arrays, slot, min(n, int(self.lengths[slot])))
+
+    def prefix_state(self, slot: int) -> None:
+        return None
+
+    def restore_prefix(self, rows: list[np.ndarray], n: int, state: None, slot: int) -> None:
+        self._reserve(n)
+        put_rows(self.arrays, slot, rows)
+        self.lengths[slot] = n
 
     # -- buffers ------------------------------------------------------------------------------------------------
     def _reserve(self, n: int) -> None:

@@ -92,3 +92,13 @@ class OrtFusedTargetRunner:
 
     def crop(self, length: int) -> None:
         self.kv.crop(length)
+
+    # -- the prefix cache (dflash2_trt.runtime.prefix_cache): attention K/V only ----------------------------------
+    def prefix_rows(self, n: int, slot: int = 0) -> list[np.ndarray]:
+        return self.kv.rows(n)
+
+    def prefix_state(self, slot: int = 0) -> None:
+        return None
+
+    def restore_prefix(self, rows: list[np.ndarray], n: int, state: None, slot: int = 0) -> None:
+        self.kv.load(rows, n)  # in place (the bound OrtValues stay valid) unless the capacity grows
