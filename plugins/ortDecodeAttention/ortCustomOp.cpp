@@ -401,21 +401,8 @@ void ORT_API_CALL destroyKernel(void* kernel)
 
 OrtCustomOp makeOp()
 {
-    OrtCustomOp op{};
-    op.version = ORT_API_VERSION;
-    op.GetName = opName;
-    op.GetExecutionProviderType = dflash2::ort::cpuProvider;
-    op.GetInputType = inputType;
-    op.GetInputTypeCount = inputCount;
-    op.GetOutputType = outputType;
-    op.GetOutputTypeCount = outputCount;
-    op.GetInputCharacteristic = inputCharacteristic;
-    op.GetOutputCharacteristic = dflash2::ort::required;
-    op.GetInputMemoryType = inputMemory;
-    op.CreateKernelV2 = createKernel;
-    op.KernelComputeV2 = computeKernel;
-    op.KernelDestroy = destroyKernel;
-    return op;
+    return dflash2::ort::makeCustomOp({opName, inputType, inputCount, outputType, outputCount, createKernel,
+        computeKernel, destroyKernel, inputCharacteristic, inputMemory});
 }
 
 // -- dflash2.PanelMatMul and dflash2.PanelMatMulQ4 ---------------------------------------------------------------
@@ -630,21 +617,9 @@ void ORT_API_CALL destroyMatMul(void* kernel)
 
 OrtCustomOp makeMatMulOp()
 {
-    OrtCustomOp op{};
-    op.version = ORT_API_VERSION;
-    op.GetName = matMulName;
-    op.GetExecutionProviderType = dflash2::ort::cpuProvider;
-    op.GetInputType = outputType; // every input and the output: float
-    op.GetInputTypeCount = matMulInputCount;
-    op.GetOutputType = outputType;
-    op.GetOutputTypeCount = matMulOutputCount;
-    op.GetInputCharacteristic = dflash2::ort::required;
-    op.GetOutputCharacteristic = dflash2::ort::required;
-    op.GetInputMemoryType = dflash2::ort::defaultMemory;
-    op.CreateKernelV2 = createMatMul;
-    op.KernelComputeV2 = computeMatMulKernel;
-    op.KernelDestroy = destroyMatMul;
-    return op;
+    // every input and the output: float
+    return dflash2::ort::makeCustomOp({matMulName, outputType, matMulInputCount, outputType, matMulOutputCount,
+        createMatMul, computeMatMulKernel, destroyMatMul});
 }
 
 // -- dflash2.PanelMatMulQ4 ----------------------------------------------------------------------------------------
@@ -696,14 +671,8 @@ OrtStatus* ORT_API_CALL computeQ4Kernel(void*, OrtKernelContext* ctx)
 
 OrtCustomOp makeQ4Op()
 {
-    OrtCustomOp op = makeMatMulOp();
-    op.GetName = q4Name;
-    op.GetInputType = q4InputType;
-    op.GetInputTypeCount = q4InputCount;
-    op.CreateKernelV2 = createStateless;
-    op.KernelComputeV2 = computeQ4Kernel;
-    op.KernelDestroy = [](void*) {};
-    return op;
+    return dflash2::ort::makeCustomOp({q4Name, q4InputType, q4InputCount, outputType, matMulOutputCount,
+        createStateless, computeQ4Kernel, [](void*) {}});
 }
 
 OrtCustomOp gOp = makeOp();
@@ -739,19 +708,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
         return nullptr == base ? nullptr : base->GetApi(1)->CreateStatus(ORT_FAIL,
                    "dflash2.DecodeAttention: this ONNX Runtime is older than the headers the library was built with");
     }
-    OrtCustomOpDomain* domain = nullptr;
-    if (OrtStatus* st = gApi->CreateCustomOpDomain("dflash2", &domain))
-    {
-        return st;
-    }
-    for (OrtCustomOp* op : {&gOp, &gMatMulOp, &gQ4Op, dflash2::drafterLayerOp()})
-    {
-        if (OrtStatus* st = gApi->CustomOpDomain_Add(domain, op))
-        {
-            return st;
-        }
-    }
-    if (OrtStatus* st = gApi->AddCustomOpDomain(options, domain)) // the session options keep the domain alive
+    if (OrtStatus* st
+        = dflash2::ort::addDomain(gApi, options, "dflash2", {&gOp, &gMatMulOp, &gQ4Op, dflash2::drafterLayerOp()}))
     {
         return st;
     }

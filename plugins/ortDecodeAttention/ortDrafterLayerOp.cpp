@@ -355,21 +355,8 @@ void ORT_API_CALL destroyKernel(void* kernel)
 
 OrtCustomOp makeOp()
 {
-    OrtCustomOp op{};
-    op.version = ORT_API_VERSION;
-    op.GetName = name;
-    op.GetExecutionProviderType = dflash2::ort::cpuProvider;
-    op.GetInputType = floatType;
-    op.GetInputTypeCount = inputCount;
-    op.GetOutputType = floatType;
-    op.GetOutputTypeCount = outputCount;
-    op.GetInputCharacteristic = inputCharacteristic;
-    op.GetOutputCharacteristic = dflash2::ort::required;
-    op.GetInputMemoryType = dflash2::ort::defaultMemory;
-    op.CreateKernelV2 = createKernel;
-    op.KernelComputeV2 = computeKernel;
-    op.KernelDestroy = destroyKernel;
-    return op;
+    return dflash2::ort::makeCustomOp({name, floatType, inputCount, floatType, outputCount, createKernel,
+        computeKernel, destroyKernel, inputCharacteristic});
 }
 
 OrtCustomOp gLayerOp = makeOp();

@@ -244,21 +244,8 @@ void ORT_API_CALL destroy(void* kernel)
 
 OrtCustomOp makeOp()
 {
-    OrtCustomOp op{};
-    op.version = ORT_API_VERSION;
-    op.GetName = name;
-    op.GetExecutionProviderType = dflash2::ort::cpuProvider;
-    op.GetInputType = inputType;
-    op.GetInputTypeCount = inputCount;
-    op.GetOutputType = outputType;
-    op.GetOutputTypeCount = outputCount;
-    op.GetInputCharacteristic = dflash2::ort::required;
-    op.GetOutputCharacteristic = dflash2::ort::required;
-    op.GetInputMemoryType = dflash2::ort::defaultMemory;
-    op.CreateKernelV2 = create;
-    op.KernelComputeV2 = computeKernel;
-    op.KernelDestroy = destroy;
-    return op;
+    return dflash2::ort::makeCustomOp(
+        {name, inputType, inputCount, outputType, outputCount, create, computeKernel, destroy});
 }
 
 OrtCustomOp gSelectorOp = makeOp();
@@ -267,14 +254,5 @@ OrtCustomOp gSelectorOp = makeOp();
 
 OrtStatus* dflash2::addPathSelectorDomain(OrtApi const* api, OrtSessionOptions* options)
 {
-    OrtCustomOpDomain* domain = nullptr;
-    if (OrtStatus* st = api->CreateCustomOpDomain(kSelectorDomain, &domain))
-    {
-        return st;
-    }
-    if (OrtStatus* st = api->CustomOpDomain_Add(domain, &gSelectorOp))
-    {
-        return st;
-    }
-    return api->AddCustomOpDomain(options, domain); // the session options keep the domain alive
+    return dflash2::ort::addDomain(api, options, kSelectorDomain, {&gSelectorOp});
 }
