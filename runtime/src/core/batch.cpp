@@ -171,6 +171,45 @@ double SpeculationRule::tau(std::deque<int32_t> const& committed) const
 
 // SpeculationRule.choose (without a runner's cost plan, B = 1 drafters): candidates in the caller's order, `free`
 // keys cost no drafter time (lookups), each fallback weighed once the candidates are chosen, for a key left out
+namespace
+{
+
+// SpeculationRule.choose's order when drafter and lookup proposals compete: by tokens added per second of cost (a
+// free key's proposal costs only its verify), highest first, ties in the given order
+template <typename IsFree>
+std::vector<std::pair<uint64_t, double>> byGain(
+    std::vector<std::pair<uint64_t, double>> order, IsFree const& isFree, double td, double tv)
+{
+    auto const gain = [&](std::pair<uint64_t, double> const& c) {
+        double const cost = (isFree(c.first) ? 0.0 : td) + tv;
+        if (cost <= 0)  // a verify measured as free
+        {
+            return c.second > 1.0 ? INFINITY : 0.0;
+        }
+        return (c.second - 1.0) / cost;
+    };
+    std::stable_sort(order.begin(), order.end(), [&](auto const& a, auto const& b) { return -gain(a) < -gain(b); });
+    return order;
+}
+
+// the fallbacks (key, τ̂) of the keys the rule left out, highest τ̂ first
+std::vector<std::pair<uint64_t, double>> leftOutFallbacks(
+    std::vector<std::pair<uint64_t, std::pair<uint64_t, double>>> const& fallbacks, std::vector<uint64_t> const& chosen)
+{
+    std::vector<std::pair<uint64_t, double>> more;
+    for (auto const& [key, fb] : fallbacks)
+    {
+        if (std::find(chosen.begin(), chosen.end(), key) == chosen.end())
+        {
+            more.push_back(fb);
+        }
+    }
+    std::stable_sort(more.begin(), more.end(), [](auto const& a, auto const& b) { return -a.second < -b.second; });
+    return more;
+}
+
+} // namespace
+
 std::vector<uint64_t> SpeculationRule::choose(int32_t nActive,
     std::vector<std::pair<uint64_t, double>> const& candidates, std::vector<uint64_t> const& free,
     std::vector<std::pair<uint64_t, std::pair<uint64_t, double>>> const& fallbacks) const
@@ -220,16 +259,7 @@ std::vector<uint64_t> SpeculationRule::choose(int32_t nActive,
         = std::any_of(candidates.begin(), candidates.end(), [&](auto const& c) { return isFree(c.first); });
     if (anyFree)  // drafter and lookup proposals: by tokens added per second of cost
     {
-        auto const gain = [&](std::pair<uint64_t, double> const& c) {
-            double const cost = (isFree(c.first) ? 0.0 : td) + tv;
-            if (cost <= 0)  // a verify measured as free
-            {
-                return c.second > 1.0 ? INFINITY : 0.0;
-            }
-            return (c.second - 1.0) / cost;
-        };
-        order = candidates;
-        std::stable_sort(order.begin(), order.end(), [&](auto const& a, auto const& b) { return -gain(a) < -gain(b); });
+        order = byGain(candidates, isFree, td, tv);
     }
     // the n for which base + adds[:n] makes the most tokens per second (n = 0: base, at rate `best`, making
     // `tokens`): n; `best` and `tokens` become its rate and tokens
@@ -259,15 +289,7 @@ std::vector<uint64_t> SpeculationRule::choose(int32_t nActive,
     {
         chosen.push_back(order[k].first);
     }
-    std::vector<std::pair<uint64_t, double>> more;  // the fallbacks of the keys left out
-    for (auto const& [key, fb] : fallbacks)
-    {
-        if (std::find(chosen.begin(), chosen.end(), key) == chosen.end())
-        {
-            more.push_back(fb);
-        }
-    }
-    std::stable_sort(more.begin(), more.end(), [](auto const& a, auto const& b) { return -a.second < -b.second; });
+    std::vector<std::pair<uint64_t, double>> const more = leftOutFallbacks(fallbacks, chosen);
     size_t const bestJ = bestPrefix(chosen, more, tokens, best);
     for (size_t j = 0; j < bestJ; ++j)
     {
