@@ -10,8 +10,14 @@ Routes::
     GET  /health                                 200 {"status": "ok"} (the server listens only once loaded)
     GET  /metrics                                Prometheus text (see :class:`Metrics`)
 
-With an API key every ``/v1`` route needs ``Authorization: Bearer KEY`` (401 otherwise); /health and /metrics
-stay open (a load balancer and a scraper reach them without it).
+With an API key every ``/v1`` route needs ``Authorization: Bearer KEY`` (the scheme in any case; 401 otherwise);
+/health and /metrics stay open (a load balancer and a scraper reach them without it).
+
+Every answer carries an ``x-request-id`` header (the client's own when it sent a short one) and is counted in
+``dflash2_http_requests_total{route,status}`` as it starts. An exception that escapes a route is answered by the
+last resort (:class:`_LastResort`): one 500 with OpenAI's error object (type ``server_error``, the request id in
+its message), one log line naming the request id (with the traceback the first time that place fails), and the
+keep-alive connection stays open for the client's next request.
 
 One request's life: the body is checked (a bad one gets a 400 with OpenAI's error object and never reaches the
 batch) -> admission: with ``max_batch + max_queue`` requests in flight a 429 with ``Retry-After`` (memory stays
@@ -21,6 +27,8 @@ for the client's ``http.disconnect``. A disconnect, or a send that fails, cancel
 :meth:`Handle.cancel <dflash2_trt.api.Handle.cancel>` frees the slot before the loop's next step and returns then
 (metric ``dflash2_cancel_steps``: batch steps between the two). A stop string cancels the same way once it
 appears. Greedy requests (temperature 0) get the target's own tokens, those of :meth:`Generator.generate`.
+:meth:`Server.abort_all` (``dflash2 serve`` at ``--drain-timeout``) cancels what is still decoding: each such
+reply ends as it would have, with a last chunk of finish_reason ``"abort"`` (vLLM's) and ``[DONE]``.
 
 Threads: the event loop (uvicorn's) runs the routes; the Generator's loop thread decodes; one forwarding thread
 per request in flight blocks on its handle. The in-flight count is under a lock; prometheus_client's metrics are
@@ -30,9 +38,13 @@ thread safe.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import re
 import secrets
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +54,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -56,6 +69,10 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
                (b"x-accel-buffering", b"no")]
 # Result.finish_reason -> OpenAI's ("capacity": the cache is full, the context's length)
 FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "stop"}
+ABORT = "abort"  # the finish_reason (and finished{reason}) of a request the server cancelled: it is stopping
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")  # metrics' route label
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # an x-request-id we take over from the client
+_log = logging.getLogger("dflash2_trt.server")
 
 
 class _BatchSteps:
@@ -76,8 +93,10 @@ class _BatchSteps:
 class Metrics:
     """The server's Prometheus metrics, in a registry of its own (two servers in one process never collide).
 
-    Counters: ``dflash2_http_requests_total{route,status}``, ``dflash2_requests_submitted_total`` (reached the
-    batch), ``dflash2_requests_finished_total{reason}`` (stop, length, cancelled: the client went away, error),
+    Counters: ``dflash2_http_requests_total{route,status}`` (every answer, 500s too; route: one of
+    :data:`ROUTES` or "other"), ``dflash2_requests_submitted_total`` (reached the batch),
+    ``dflash2_requests_finished_total{reason}`` (stop, length: the finish_reason the client got; cancelled: the
+    client went away before its answer ended; abort: the server stopped it; error),
     ``dflash2_prompt_tokens_total``, ``dflash2_generation_tokens_total``, ``dflash2_speculative_cycles_total``,
     ``dflash2_draft_tokens_total`` (drafts verified), ``dflash2_accepted_draft_tokens_total``,
     ``dflash2_plain_steps_total``, ``dflash2_batch_steps_total{size}``. Gauges: ``dflash2_requests_waiting``
@@ -144,7 +163,7 @@ class Metrics:
             self.tau.observe(s.tau)
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the server's set of jobs in flight
 class _Job:
     """One submitted request, shared by its reply (event loop) and its forwarding thread."""
 
@@ -156,8 +175,24 @@ class _Job:
     rid: str = field(default_factory=str)
     created: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunk ..., then _End or an exception
-    gone: bool = False  # the client went away
+    gone: bool = False  # the client went away before its answer ended
     stopped: bool = False  # a stop string ended it
+    answered: bool = False  # the answer's last byte is being sent: a disconnect from now on is no cancel
+    aborted: bool = False  # Server.abort_all cancelled it
+
+
+def _finish(job: _Job, res: Any) -> str:
+    """The finish_reason of a reply whose decoding ended (a stop string's "stop" is the reply's own)."""
+    return ABORT if res.finish_reason == "cancelled" and job.aborted else FINISH.get(res.finish_reason, "stop")
+
+
+def _reason(job: _Job, res: Any, stop_hit: bool) -> str:
+    """finished{reason} of a request: "cancelled" when its client went away before the answer ended, else the
+    finish_reason its client got — "stop" when a stop string appeared in its text (``stop_hit``: the forwarding
+    thread's own cut of the same text, so the count does not depend on which thread gets there first)."""
+    if job.gone:
+        return "cancelled"
+    return "stop" if stop_hit or job.stopped else _finish(job, res)
 
 
 @dataclass
@@ -168,7 +203,8 @@ class _End:
 def _stats(res: Any) -> dict:
     """The decoding figures of a Result, the ``dflash2`` extension field of an answer."""
     s = res.stats
-    return {"tau": s.tau, "cycles": s.cycles, "accepted_drafts": sum(s.accepted), "verified_drafts": sum(s.verified),
+    return {"tau": s.tau if s.cycles else None,  # None: no speculative cycle ran (0 would read as a measurement)
+            "cycles": s.cycles, "accepted_drafts": sum(s.accepted), "verified_drafts": sum(s.verified),
             "plain_steps": s.plain_steps, "proposer_cycles": {p: s.proposers.count(p) for p in sorted(set(s.proposers))},
             "tokens_per_s": s.tokens_per_s}
 
@@ -190,6 +226,8 @@ class Server:
         self.metrics = Metrics(gen)
         self._lock = threading.Lock()
         self.in_flight = 0  # submitted, not finished (under _lock)
+        self._jobs: set[_Job] = set()  # those requests (under _lock)
+        self._failed: set[tuple] = set()  # where unexpected exceptions were raised: their traceback was logged
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -197,7 +235,7 @@ class Server:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
-        ], exception_handlers={HTTPException: self._http_error})
+        ], exception_handlers={HTTPException: self._http_error}, middleware=[Middleware(_LastResort, server=self)])
 
     def warm_up(self) -> None:
         """One 1-token request through the batch loop: its runners exist before the first client comes."""
@@ -223,8 +261,8 @@ class Server:
             return denied
         if request.path_params["model"] != self.model_name:
             return self._json(request, P.error_body(f"The model '{request.path_params['model']}' does not exist",
-                                                    param="model", code="model_not_found"), 404, route="/v1/models")
-        return self._json(request, self._card(), route="/v1/models")
+                                                    param="model", code="model_not_found"), 404)
+        return self._json(request, self._card())
 
     def _card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dflash2"}
@@ -236,19 +274,18 @@ class Server:
         status = getattr(exc, "status_code", 500)
         msg = {404: f"Unknown route {request.url.path}", 405: f"Method {request.method} not allowed on "
                f"{request.url.path}"}.get(status, str(getattr(exc, "detail", exc)))
-        return self._json(request, P.error_body(msg, code="not_found" if status == 404 else None), status,
-                          route="other")
+        return self._json(request, P.error_body(msg, code="not_found" if status == 404 else None), status)
 
-    def _json(self, request: Request, body: dict, status: int = 200, headers: dict | None = None,
-              route: str | None = None) -> Response:
-        self.metrics.http.labels(route or request.url.path, str(status)).inc()
-        return JSONResponse(body, status, headers)
+    def _json(self, request: Request, body: dict, status: int = 200, headers: dict | None = None) -> Response:
+        return _JSON(body, status, headers)
 
     def _denied(self, request: Request) -> Response | None:
         if self.api_key is None:
             return None
-        given = request.headers.get("authorization", "")
-        if given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), self.api_key.encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # RFC 7235: the scheme is case-insensitive
+        if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode("utf-8", "replace"),
+                                                                 self.api_key.encode()):
             return None
         return self._json(request, P.error_body("Incorrect API key provided.", code="invalid_api_key"), 401)
 
@@ -274,7 +311,6 @@ class Server:
             return self._json(request, e.body(), e.status, headers)
         except DFlash2Error as e:  # the Generator's own checks (token ids, template): the request's fault
             return self._json(request, P.error_body(str(e), param="messages" if kind == P.CHAT else "prompt"), 400)
-        self.metrics.http.labels(request.url.path, "200").inc()
         return _Reply(self, job)
 
     def _submit(self, spec: P.Spec) -> _Job:
@@ -299,12 +335,38 @@ class Server:
         self.metrics.waiting.inc()
         job = _Job(spec, len(ids), handle, asyncio.get_running_loop(), time.perf_counter(), P.new_id(spec.kind),
                    P.now())
+        with self._lock:
+            self._jobs.add(job)
         threading.Thread(target=self._forward, args=(job,), name="dflash2-serve-forward", daemon=True).start()
         return job
 
-    def _release(self) -> None:
+    def _release(self, job: _Job | None = None) -> None:
         with self._lock:
             self.in_flight -= 1
+            self._jobs.discard(job)  # type: ignore[arg-type]
+
+    def abort_all(self) -> int:
+        """Cancel every request still decoding (the server is stopping); their replies end with finish_reason
+        "abort" and ``[DONE]``. Returns how many were asked; does not wait."""
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.aborted = True
+            job.handle.cancel(wait=False)
+        return len(jobs)
+
+    def log_failure(self, rid: str, scope: dict, e: BaseException) -> None:
+        """One log line for an unexpected exception of request ``rid``; its traceback only the first time an
+        exception of its type is raised at its place (a client retrying does not flood the log)."""
+        where = traceback.extract_tb(e.__traceback__)[-1:] if e.__traceback__ else []
+        key = (type(e).__name__, *((where[0].filename, where[0].lineno) if where else ()))
+        with self._lock:
+            first = key not in self._failed
+            self._failed.add(key)
+        what = (str(e).splitlines() or [""])[0][:200]
+        _log.error("dflash2 serve: request %s (%s %s) failed: %s: %s%s", rid, scope.get("method"), scope.get("path"),
+                   type(e).__name__, what, "" if first else " (traceback logged before)",
+                   exc_info=e if first else None)
 
     def _forward(self, job: _Job) -> None:
         """The forwarding thread: the handle's chunks onto the event loop; at the end the request's accounting, then
@@ -319,8 +381,10 @@ class Server:
 
         first = last = None
         end: Any = None
+        cut = P.StopText(job.spec.stop)  # the reply cuts the same text: whether it will end on a stop string
         try:
             for c in job.handle:
+                cut.add(c.text)
                 last = time.perf_counter()
                 if first is None:
                     first = last
@@ -333,8 +397,7 @@ class Server:
             end = e
         if isinstance(end, _End):
             res = end.result
-            m.record(job.prompt_len, res, "cancelled" if job.gone else "stop" if job.stopped
-                     else FINISH[res.finish_reason])
+            m.record(job.prompt_len, res, _reason(job, res, cut.hit))
             if first is not None:
                 m.duration.observe(last - job.t0)
                 if len(res.tokens) > 1:
@@ -342,7 +405,7 @@ class Server:
         else:
             m.finished.labels("error").inc()
         (m.waiting if first is None else m.running).dec()  # after the counts: idle means counted
-        self._release()
+        self._release(job)
         put(end)
 
     async def cancel(self, job: _Job) -> None:
@@ -355,7 +418,10 @@ class Server:
 
 
 async def _body(request: Request) -> bytes:
-    size = int(request.headers.get("content-length") or 0)
+    try:
+        size = int(request.headers.get("content-length") or 0)
+    except ValueError:
+        raise P.RequestError("the Content-Length header is not a number") from None
     if size > MAX_BODY:
         raise P.RequestError(f"the request body is {size} bytes, more than the {MAX_BODY} accepted", status=413)
     raw = bytearray()
@@ -379,8 +445,9 @@ class _Reply(Response):
         async def watch(scope_: anyio.CancelScope) -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
-            job.gone = True
-            scope_.cancel()
+            if not job.answered:  # a client leaving after its whole answer cancelled nothing
+                job.gone = True
+                scope_.cancel()
 
         try:
             async with anyio.create_task_group() as tg:
@@ -392,7 +459,7 @@ class _Reply(Response):
                 tg.cancel_scope.cancel()
         finally:
             if not job.handle.done:  # the client went away, or the server stops: free the slot now
-                job.gone = job.gone or not job.stopped
+                job.gone = job.gone or not (job.stopped or job.aborted)
                 with anyio.CancelScope(shield=True):
                     await self.server.cancel(job)
 
@@ -425,7 +492,7 @@ class _Reply(Response):
                 yield it
                 return
             if isinstance(it, _End):
-                yield cut.flush(), (FINISH[it.result.finish_reason], len(it.result.tokens), it.result)
+                yield cut.flush(), (_finish(job, it.result), len(it.result.tokens), it.result)
                 return
             text, new = it
             before = len(tokens)
@@ -447,6 +514,7 @@ class _Reply(Response):
         parts: list[str] = []
         async for it in self._pieces():
             if isinstance(it, BaseException):
+                job.answered = True
                 await _send_json(send, 500, P.error_body(f"decoding failed: {it}", type="server_error"))
                 return
             text, end = it
@@ -455,6 +523,7 @@ class _Reply(Response):
                 finish, n, res = end
                 body = P.answer(job.spec.kind, job.rid, job.created, self.server.model_name, "".join(parts), finish,
                                 P.usage(job.prompt_len, n), _stats(res))
+                job.answered = True
                 await _send_json(send, 200, body)
                 return
 
@@ -480,11 +549,64 @@ class _Reply(Response):
                 await event(P.sse(P.chunk(kind, rid, created, name, None, finish, dflash2=_stats(res))))
                 if job.spec.include_usage:
                     await event(P.sse(P.usage_chunk(kind, rid, created, name, P.usage(job.prompt_len, n))))
+        job.answered = True
         await send({"type": "http.response.body", "body": P.SSE_DONE, "more_body": False})
 
 
+class _JSON(JSONResponse):
+    """A JSON answer that renders whatever strings it holds (a lone surrogate echoed from a URL or a header is
+    written as its JSON escape instead of failing the UTF-8 encoding)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
+
+
+class _LastResort:
+    """The app's middleware (inside Starlette's own error middleware, which then never sees an exception): it
+    names each request (``x-request-id``), counts each answer by route and status as it starts, and turns an
+    exception that escapes a route into one 500 with OpenAI's error object — a raise would reach uvicorn, which
+    answers a plain-text 500, logs the traceback each time and drops the keep-alive connection."""
+
+    def __init__(self, app: Any, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _CLIENT_ID.fullmatch(given) else "req-" + secrets.token_hex(8)
+        path = scope.get("path", "")
+        route = path if path in ROUTES else "/v1/models" if path.startswith("/v1/models/") else "other"
+        started: list[int] = []
+
+        async def counted(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                started.append(message["status"])
+                self.server.metrics.http.labels(route, str(message["status"])).inc()
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception as e:  # noqa: BLE001 - the last resort: anything a route did not expect
+            self.server.log_failure(rid, scope, e)
+            try:
+                if not started:
+                    await _send_json(counted, 500, P.error_body(
+                        f"The server had an error while processing your request (request id {rid}).",
+                        type="server_error"))
+                else:  # an answer under way (a stream): end its body, the client sees it cut
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except Exception:  # noqa: BLE001, S110 - the connection itself is gone; the failure is logged
+                pass
+
+
 async def _send_json(send: Any, status: int, body: dict) -> None:
-    data = JSONResponse(body).body
+    data = _JSON(body).body
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data, "more_body": False})

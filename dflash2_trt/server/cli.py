@@ -1,7 +1,7 @@
 """``dflash2 serve EXPORT_DIR``: the flags (defined here, standard library only) and the run: load the export, warm
 the batch loop up, then serve with uvicorn until SIGTERM or Ctrl-C, which drain: the listening socket closes at
-once, requests in flight finish (up to ``--drain-timeout`` seconds, then they are cancelled), the export is closed
-and the command returns 0.
+once, requests in flight finish (up to ``--drain-timeout`` seconds; then what still decodes is cancelled and each
+such reply ends with finish_reason "abort" and ``[DONE]``), the export is closed and the command returns 0.
 
 Output (stderr): one line once the export is loaded, ``dflash2 serve: MODEL on http://HOST:PORT (BACKEND, ...)``,
 then uvicorn's log lines (``Uvicorn running on ...`` once it listens; ``--access-log`` adds one per request). A missing ``serve`` extra, a bad export or a port in use is one
@@ -11,6 +11,7 @@ line ``dflash2: error: ...`` and exit 1, as every CLI error.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from dflash2_trt.ort_options import add_ort_options, ort_options
 from dflash2_trt.vocabulary import BACKEND_CHOICES, DEFAULT_PROPOSER, PROPOSERS, SPECULATION_MODES
 
 PORT = V.integer(1, 65535)
+ABORT_GRACE_S = 10.0  # after --drain-timeout, the aborted replies' last events: then uvicorn drops what is left
 
 
 def add_parser(sub: Any) -> None:
@@ -67,8 +69,20 @@ def run(a: argparse.Namespace) -> int:
                      proposer=a.proposer, api_key=a.api_key)
         srv.warm_up()
         config = uvicorn.Config(srv.app, host=a.host, port=a.port, lifespan="off", access_log=a.access_log,
-                                timeout_graceful_shutdown=a.drain_timeout, log_level="info")
-        server = uvicorn.Server(config)
+                                timeout_graceful_shutdown=a.drain_timeout + ABORT_GRACE_S, log_level="info")
+
+        class Draining(uvicorn.Server):
+            """uvicorn's drain, with the requests still decoding at --drain-timeout aborted (their replies end
+            whole) before uvicorn's own timeout would cut the connections."""
+
+            async def shutdown(self, sockets: Any = None) -> None:
+                timer = asyncio.get_running_loop().call_later(a.drain_timeout, srv.abort_all)
+                try:
+                    await super().shutdown(sockets)
+                finally:
+                    timer.cancel()
+
+        server = Draining(config)
         # uvicorn re-raises the signal that stopped it once it drained; these handlers take it, so a drained
         # server returns 0 instead of dying of its SIGTERM (or a KeyboardInterrupt)
         old = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -19,8 +19,10 @@ Parameters (both routes, OpenAI's names and defaults)::
                         "text": str}, ...]}], rendered with the target's chat template
     prompt              completions: a str (raw text, no template) or token ids, or a list of one of them
 
-Any other key is refused as OpenAI refuses it ("Unrecognized request argument supplied"). Every refusal is a
-:class:`RequestError` whose :meth:`~RequestError.body` is OpenAI's error object.
+Any other key is refused as OpenAI refuses it ("Unrecognized request argument supplied"). A body nested more than
+:data:`MAX_DEPTH` levels is ``invalid_json``; a string holding a lone UTF-16 surrogate (``"\\ud800"``, which no
+UTF-8 text holds) is refused naming its field, not replaced. Every refusal is a :class:`RequestError` whose
+:meth:`~RequestError.body` is OpenAI's error object.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from dflash2_trt.errors import DFlash2Error
 CHAT, COMPLETION = "chat", "completion"
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 MAX_SEED = 2**63 - 1
+MAX_ECHO = 80  # characters of a refused value quoted back in an error message
+MAX_DEPTH = 32  # JSON nesting a request body may have (the bodies this server takes are at most 5 deep)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 
@@ -95,15 +99,54 @@ def _reject_constant(name: str) -> float:
 
 
 def parse_json(raw: bytes) -> dict:
-    """A request body -> its JSON object (NaN / Infinity refused: they are not JSON)."""
+    """A request body -> its JSON object (NaN / Infinity refused: they are not JSON), checked as a whole by
+    :func:`check_tree` (nesting depth, lone surrogates)."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting past the parser's stack
         raise RequestError("We could not parse the JSON body of your request. The body must be a JSON object.",
                            code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("The body of your request must be a JSON object.", code="invalid_json")
+    check_tree(body)
     return body
+
+
+def _where(path: str, key: Any) -> str:
+    return f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+
+
+def _lone_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # the one str that UTF-8 cannot hold: a lone UTF-16 surrogate (JSON's "\ud800")
+        return True
+    return False
+
+
+def check_tree(body: dict) -> None:
+    """Every value of a parsed body, iteratively: containers at most :data:`MAX_DEPTH` deep (an OpenAI request
+    is a few levels; the deep ones only cost stack and log space) and no string, key or value, holding a lone
+    UTF-16 surrogate (JSON escapes one, no tokenizer or UTF-8 encoder takes it; clients that cut text mid-emoji
+    send them) -> RequestError naming the field."""
+    todo: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while todo:
+        node, path, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise RequestError(f"The JSON body of your request is nested more than {MAX_DEPTH} levels deep.",
+                               path or None, code="invalid_json")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            if isinstance(k, str) and _lone_surrogate(k):
+                raise RequestError(f"Invalid key in '{path or 'the body'}': it holds a lone UTF-16 surrogate, "
+                                   f"which is not Unicode text", path or None, code="invalid_value")
+            if isinstance(v, str):
+                if _lone_surrogate(v):
+                    where = _where(path, k)
+                    raise RequestError(f"Invalid value for '{where}': the text holds a lone UTF-16 surrogate, "
+                                       f"which is not Unicode text", where, code="invalid_value")
+            elif isinstance(v, (dict, list)):
+                todo.append((v, _where(path, k), depth + 1))
 
 
 def _type_error(name: str, expected: str, v: Any) -> RequestError:
@@ -146,6 +189,12 @@ def _boolean(body: dict, name: str) -> bool:
     return v
 
 
+def _shown(v: Any) -> str:
+    """``v`` as JSON to quote in an error message when it is short, else "" (50 tools are not echoed back)."""
+    text = json.dumps(v, ensure_ascii=False)
+    return text if len(text) <= MAX_ECHO else ""
+
+
 def _same(v: Any, w: Any) -> bool:  # JSON equality: true is not 1
     return isinstance(v, bool) == isinstance(w, bool) and v == w
 
@@ -158,7 +207,8 @@ def _common(body: dict, kind: str) -> dict:
     for name, ok in _NEUTRAL[kind].items():
         v = body.get(name)
         if v is not None and not any(_same(v, w) for w in ok):
-            raise RequestError(f"'{name}' = {json.dumps(v)} is not supported by this server"
+            shown = _shown(v)
+            raise RequestError(f"'{name}'{f' = {shown}' if shown else ''} is not supported by this server"
                                + (f" (it takes {' or '.join(json.dumps(w) for w in ok)} only)" if ok else ""), name,
                                code="unsupported_value")
     model = body.get("model")
@@ -233,8 +283,8 @@ def parse_chat(body: dict) -> Spec:
                                code="unknown_parameter")
         role = m.get("role")
         if role not in ROLES:
-            raise RequestError(f"Invalid value for 'messages[{i}].role': {json.dumps(role)}; supported roles: "
-                               f"{', '.join(ROLES)}", f"messages[{i}].role", code="invalid_value")
+            raise RequestError(f"Invalid value for 'messages[{i}].role': {_shown(role) or 'a long value'}; "
+                               f"supported roles: {', '.join(ROLES)}", f"messages[{i}].role", code="invalid_value")
         if "content" not in m:
             raise RequestError(f"'messages[{i}]' has no content", f"messages[{i}].content",
                                code="missing_required_parameter")
