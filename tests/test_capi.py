@@ -1705,6 +1705,57 @@ def test_c_batch_with_prompt_lookup_equals_python_batch_decoder(lib, batch_be, a
         c.close()
 
 
+@pytest.mark.parametrize("plant", [None, "c_weighed_kept"])
+def test_c_batch_equals_python_batch_decoder_on_measured_costs(lib, batch_be, monkeypatch, plant):
+    """Both batch loops on measured costs (their default) with one deterministic clock -- the test's: a target
+    forward takes 10 ms and 0.5 ms per verify row, everything else nothing; Python's batch.COST_CLOCK and the C
+    core's clock ($DFLASH2_TEST_COST_CLOCK) read it -- and the runner's cost plan hidden (the C core has none): the
+    same runner calls, tokens, accepted drafts, plain steps and step counts. The realized check runs both ways:
+    held steps (plain first, then after the rule chose plain: every 16th left to it) and weighed ones, drafting steps
+    among them (a prior of 6 and probe_after 3: requests probed). Negative control, failing the comparison: the C
+    core leaving mWeighed set on a held step ($DFLASH2_PLANT_HELD_STEP_WEIGHED)."""
+    import ctypes
+
+    from dflash2_trt.runtime import batch as BT
+    from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
+
+    now = ctypes.c_double(0.0)
+    monkeypatch.setattr(BT, "COST_CLOCK", lambda: now.value)
+    monkeypatch.setenv("DFLASH2_TEST_COST_CLOCK", str(ctypes.addressof(now)))
+    monkeypatch.delattr(OrtBatchedTargetRunner, "cost_units")  # the rule without a plan, as the C core's
+    forward = OrtBatchedTargetRunner.forward
+
+    def timed(self, rows, **kw):  # noqa: ANN001, ANN003, ANN202
+        now.value += 0.010 + 0.0005 * sum(len(r) - 1 for r in rows.values())
+        return forward(self, rows, **kw)
+
+    monkeypatch.setattr(OrtBatchedTargetRunner, "forward", timed)
+    steps: list[bool] = []  # whether the rule weighed each step
+    record = BT.MeasuredCosts.record_step
+
+    def counted(self, n, drafted, tokens, s, weighed):  # noqa: ANN001, ANN202
+        steps.append(weighed)
+        return record(self, n, drafted, tokens, s, weighed)
+
+    monkeypatch.setattr(BT.MeasuredCosts, "record_step", counted)
+    reqs = _batch_scenario(batch_be)
+    py, dec, py_log = _run_python_batch(
+        batch_be, BT.SpeculationRule(costs=BT.MeasuredCosts(), adaptive=True, prior_tau=6.0, probe_after=3), reqs)
+    assert dec.drafting_steps > 0 and 0 < sum(steps) < len(steps), (dec.drafting_steps, steps)
+    if plant == "c_weighed_kept":
+        monkeypatch.setenv("DFLASH2_PLANT_HELD_STEP_WEIGHED", "1")
+    now.value = 0.0
+    got, c = _run_c_batch(lib, batch_be, {"adaptive": True, "prior_tau": 6.0, "probe_after": 3}, reqs)
+    try:
+        if plant is None:
+            _assert_c_batch_equals_python(c, got, py, dec, py_log)
+        else:
+            with pytest.raises(AssertionError):
+                _assert_c_batch_equals_python(c, got, py, dec, py_log)
+    finally:
+        c.close()
+
+
 def test_option_table_matches_header(lib):
     """The header's OPTIONS list and the library's table (listed in the unknown-key message) are the same keys."""
     from dflash2_trt.vocabulary import DEFAULT_PROPOSER, PROPOSERS

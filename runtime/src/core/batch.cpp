@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <iterator>
 #include <string>
 
@@ -22,10 +24,25 @@ double secondsBetween(Clock::time_point a, Clock::time_point b)
 }
 
 // batch.COST_CLOCK: the rule's clock is wall time, what a user waits for (process CPU time overstated a proposal
-// while the target's workers spin into it)
+// while the target's workers spin into it). $DFLASH2_TEST_COST_CLOCK is the tests' hook, as they monkeypatch
+// batch.COST_CLOCK: the decimal address of a double in this process that the test advances as its runners run,
+// read as the clock (tests/test_capi.py compares the batch loops on measured costs with it); never set it otherwise
 double costClock()
 {
+    char const* const test = std::getenv("DFLASH2_TEST_COST_CLOCK");
+    if (test != nullptr && *test != '\0')
+    {
+        return *reinterpret_cast<double const*>(static_cast<uintptr_t>(std::strtoull(test, nullptr, 10)));
+    }
     return secondsBetween(Clock::time_point{}, Clock::now());
+}
+
+// $DFLASH2_PLANT_HELD_STEP_WEIGHED=1: the tests' planted bug (choose leaves mWeighed as the last weighed step set it
+// on a held step, so that tests/test_capi.py shows the measured-cost comparison catching it); never set it otherwise
+bool plantedHeldStepWeighed()
+{
+    char const* const v = std::getenv("DFLASH2_PLANT_HELD_STEP_WEIGHED");
+    return v != nullptr && std::string(v) == "1";
 }
 
 } // namespace
@@ -711,7 +728,10 @@ std::vector<BatchDecoder::Plan> BatchDecoder::choose(std::vector<Seq*> const& se
     }
     if (!cands.empty() && mRule.adaptive && mRule.costs->holdsPlain(static_cast<int32_t>(seqs.size())))
     {
-        mWeighed = false;  // the realized check: plain, unweighed (no lookups, no estimates)
+        if (!plantedHeldStepWeighed())
+        {
+            mWeighed = false;  // the realized check: plain, unweighed (no lookups, no estimates)
+        }
         for (Seq* s : cands)
         {
             ++s->plainRun;
