@@ -106,28 +106,29 @@ int64_t layerOf(std::string const& name, std::string const& prefix, bool kv)
     return std::stoll(rest.substr(0, end));
 }
 
-//! The fields the graphs' inputs and outputs also state agree with them (the rules of dflash2_trt/manifest.py
-//! check_graph_fields): one past_key_values.{i} / present.{i} pair per KV layer of the target, one past_conv.{i} /
-//! past_recurrent.{i} / present_conv.{i} / present_recurrent.{i} set per linear layer and context.{i} per drafter
-//! layer, their heads (dim 1) and head size (dim 3), the linear layers' state sizes, the feature width, the
-//! drafter's hidden size, the target's vocabulary. A symbolic dim states nothing.
-void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& source)
+//! manifest.graph_field_rules' rows: a tensor matching `prefix` (per layer: "{prefix}{i}..."; else the whole name)
+//! has `want` at `dim` (negative: from the end) where its shape fixes that dim.
+struct FieldRule
 {
-    struct Rule
-    {
-        char const* prefix; //!< "name." of a per-layer tensor, or a whole name
-        bool perLayer;
-        int dim;            //!< negative: from the end
-        char const* field;
-        int64_t want;
-    };
-    struct Layers
-    {
-        char const* prefix;
-        bool kv;                //!< "{i}.key|value" names
-        std::set<int64_t> ids;  //!< the layers that have them
-        std::string field;      //!< what says so
-    };
+    char const* prefix; //!< "name." of a per-layer tensor, or a whole name
+    bool perLayer;
+    int dim;            //!< negative: from the end
+    char const* field;
+    int64_t want;
+};
+
+//! check_graph_fields' `layers`: per-layer tensors of one prefix and the layers that must have them
+struct LayerSet
+{
+    char const* prefix;
+    bool kv;                //!< "{i}.key|value" names
+    std::set<int64_t> ids;  //!< the layers that have them
+    std::string field;      //!< what says so
+};
+
+//! manifest.graph_field_rules (+ _linear_state_rules)
+std::vector<FieldRule> graphFieldRules(Manifest const& m)
+{
     int64_t const drafterHidden = m.hiddenSize; // the drafter's hidden size is the target's (checked above)
     LinearStateSpec const& ls = m.linearState;
     // $DFLASH2_PLANT_SWAP_STATE_DIMS=1: the tests' planted bug (tests/test_hybrid_export.py shows the edited-manifest
@@ -136,7 +137,7 @@ void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& 
     bool const swapped = swap != nullptr && std::string(swap) == "1";
     int64_t const keyDim = swapped ? ls.valueDim : ls.keyDim;
     int64_t const valueDim = swapped ? ls.keyDim : ls.valueDim;
-    Rule const rules[] = {
+    return {
         {"past_key_values.", true, 1, "target.num_key_value_heads", m.targetKvHeads},
         {"past_key_values.", true, 3, "target.head_dim", m.targetHeadDim},
         {"present.", true, 1, "target.num_key_value_heads", m.targetKvHeads},
@@ -156,6 +157,12 @@ void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& 
             static_cast<int64_t>(m.hiddenSize) * static_cast<int64_t>(m.layerIds.size())},
         {"hidden", false, -1, "drafter.hidden_size", drafterHidden},
     };
+}
+
+//! check_graph_fields' `layers`: which layers have KV, linear-state and drafter-context tensors, and the field
+//! that says so
+std::vector<LayerSet> graphLayerSets(Manifest const& m)
+{
     std::set<int64_t> kvIds;
     std::set<int64_t> linearIds;
     for (int32_t i = 0; i < m.targetLayers; ++i)
@@ -172,7 +179,7 @@ void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& 
         : "target.num_layers is " + std::to_string(m.targetLayers);
     std::string const linearField = "target.layer_kinds has " + std::to_string(linearIds.size()) + " linear layers";
     std::string const drafterField = "drafter.num_hidden_layers is " + std::to_string(m.drafterLayers);
-    Layers const layerSets[] = {
+    return {
         {"past_key_values.", true, kvIds, kvField},
         {"present.", true, kvIds, kvField},
         {"past_conv.", false, linearIds, linearField},
@@ -181,20 +188,69 @@ void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& 
         {"present_recurrent.", false, linearIds, linearField},
         {"context.", true, drafterIds, drafterField},
     };
-    auto const layerIndex = [&](std::string const& name, std::string const& prefix) -> int64_t {
-        for (Layers const& l : layerSets)
-        {
-            if (prefix == l.prefix)
-            {
-                return layerOf(name, prefix, l.kv);
-            }
-        }
-        return -1;
-    };
-    for (auto const& item : graphs.items())
+}
+
+//! the layer of a per-layer tensor name of one of the sets' prefixes, else -1
+int64_t layerIndex(std::vector<LayerSet> const& sets, std::string const& name, std::string const& prefix)
+{
+    for (LayerSet const& l : sets)
     {
-        std::string const key = item.key(); // a plain name: lambdas cannot capture structured bindings in C++17
-        Json const& g = item.value();
+        if (prefix == l.prefix)
+        {
+            return layerOf(name, prefix, l.kv);
+        }
+    }
+    return -1;
+}
+
+//! One input or output of graph `key` (role `role`) against the rules; its layer noted in `seen` per prefix.
+void checkTensor(Manifest const& m, std::vector<FieldRule> const& rules, std::vector<LayerSet> const& sets,
+    std::string const& key, std::string const& role, Json const& tensor, std::map<std::string, std::set<int64_t>>& seen,
+    std::string const& source)
+{
+    std::string const name = tensor["name"].get<std::string>();
+    Json const& shape = tensor["shape"];
+    auto const check = [&](int dim, char const* field, int64_t want) {
+        int64_t const rank = static_cast<int64_t>(shape.size());
+        int64_t const d = dim < 0 ? rank + dim : dim;
+        if (d >= 0 && d < rank && shape[d].is_number_integer() && shape[d].get<int64_t>() != want)
+        {
+            corrupt(source, std::string(field) + " is " + std::to_string(want) + " but graph '" + key + "' has "
+                    + name + " of " + std::to_string(shape[d].get<int64_t>()) + " at dim " + std::to_string(d));
+        }
+    };
+    for (LayerSet const& l : sets)
+    {
+        int64_t const layer = layerIndex(sets, name, l.prefix);
+        if (layer >= 0)
+        {
+            seen[l.prefix].insert(layer);
+        }
+    }
+    for (FieldRule const& r : rules)
+    {
+        if (r.perLayer ? layerIndex(sets, name, r.prefix) >= 0 : name == r.prefix)
+        {
+            check(r.dim, r.field, r.want);
+        }
+    }
+    if (name == "logits" && role == "target")
+    {
+        check(-1, "target.vocab_size", m.vocabSize);
+    }
+}
+
+//! The fields the graphs' inputs and outputs also state agree with them (the rules of dflash2_trt/manifest.py
+//! check_graph_fields): one past_key_values.{i} / present.{i} pair per KV layer of the target, one past_conv.{i} /
+//! past_recurrent.{i} / present_conv.{i} / present_recurrent.{i} set per linear layer and context.{i} per drafter
+//! layer, their heads (dim 1) and head size (dim 3), the linear layers' state sizes, the feature width, the
+//! drafter's hidden size, the target's vocabulary. A symbolic dim states nothing.
+void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& source)
+{
+    std::vector<FieldRule> const rules = graphFieldRules(m);
+    std::vector<LayerSet> const sets = graphLayerSets(m);
+    for (auto const& [key, g] : graphs.items())
+    {
         std::map<std::string, std::set<int64_t>> seen;
         std::string const role = g.contains("role") && g["role"].is_string() ? g["role"].get<std::string>() : "";
         for (char const* side : {"inputs", "outputs"})
@@ -210,40 +266,10 @@ void checkGraphFields(Manifest const& m, Json const& graphs, std::string const& 
                 {
                     continue; // the schema check above refuses a malformed entry
                 }
-                std::string const name = tensor["name"].get<std::string>();
-                Json const& shape = tensor["shape"];
-                auto const check = [&](int dim, char const* field, int64_t want) {
-                    int64_t const rank = static_cast<int64_t>(shape.size());
-                    int64_t const d = dim < 0 ? rank + dim : dim;
-                    if (d >= 0 && d < rank && shape[d].is_number_integer() && shape[d].get<int64_t>() != want)
-                    {
-                        corrupt(source, std::string(field) + " is " + std::to_string(want) + " but graph '" + key
-                                + "' has " + name + " of " + std::to_string(shape[d].get<int64_t>()) + " at dim "
-                                + std::to_string(d));
-                    }
-                };
-                for (Layers const& l : layerSets)
-                {
-                    int64_t const layer = layerIndex(name, l.prefix);
-                    if (layer >= 0)
-                    {
-                        seen[l.prefix].insert(layer);
-                    }
-                }
-                for (Rule const& r : rules)
-                {
-                    if (r.perLayer ? layerIndex(name, r.prefix) >= 0 : name == r.prefix)
-                    {
-                        check(r.dim, r.field, r.want);
-                    }
-                }
-                if (name == "logits" && role == "target")
-                {
-                    check(-1, "target.vocab_size", m.vocabSize);
-                }
+                checkTensor(m, rules, sets, key, role, tensor, seen, source);
             }
         }
-        for (Layers const& l : layerSets)
+        for (LayerSet const& l : sets)
         {
             auto const it = seen.find(l.prefix);
             if (it != seen.end() && it->second != l.ids)
