@@ -424,23 +424,52 @@ def test_hybrid_planted_rollback_bug_is_caught(capi_build, hybrid_export, hybrid
     assert differ > 0
 
 
+def _differing(got: list[list[int]], want: list[list[int]]) -> list[int]:
+    """The indices of the requests whose ids differ (every request compared, not the first difference only)."""
+    assert len(got) == len(want)
+    return [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+
+
+def _c_batch(build: Path, export: Path, prompts: list[list[int]], adaptive: bool,
+             env: dict | None = None) -> tuple[list[list[int]], list[int]]:
+    """dfl2_batch (examples/generate -b) over the prompts, 4 at a time, the load-adaptive rule on or every request
+    drafting -> (each request's ids, its drafting cycles)."""
+    env = {**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY, **(env or {})}
+    ids, err = _example(build, export, prompts, "-b", "max_batch=4", f"max_new_tokens={HYBRID_NEW}",
+                        f"adaptive={str(adaptive).lower()}", env=env)
+    cycles = [int(c) for c in re.findall(r"request \d+: \d+ tokens, (\d+) cycles", err)]
+    assert len(cycles) == len(prompts), err
+    return ids, cycles
+
+
 def _batch_equals_single_runs(build: Path, export: Path, py, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN001
-    """8 requests (the last prompt among them) through dfl2_batch, 4 at a time, give their single runs' ids, which
-    are the Python runtime's -> the single runs' ids."""
-    pick = prompts[:7] + prompts[-1:]
+    """All the prompts (the long one among them) through dfl2_batch, 4 at a time, on the load-adaptive rule and with
+    every request drafting (adaptive=false: each step a verify in every slot, cut back into that slot's own state),
+    give their single runs' ids, which are the Python runtime's: no request differs in either; the always-drafting
+    batch ran drafting cycles in every request (so per-slot rollbacks) -> the single runs' ids."""
     opts = (f"max_new_tokens={HYBRID_NEW}",)
-    env = {**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY}
-    single, _ = _example(build, export, pick, "-s", *opts, env=env)
-    batch, err = _example(build, export, pick, "-b", "max_batch=4", *opts, env=env)
-    assert batch == single and len(re.findall(r"request \d+: \d+ tokens", err)) == len(pick)
-    assert single == [py.generate(p, max_new_tokens=HYBRID_NEW, guard=False).tokens for p in pick]
+    single, _ = _example(build, export, prompts, "-s", *opts, env={**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY})
+    assert _differing(single, [py.generate(p, max_new_tokens=HYBRID_NEW, guard=False).tokens for p in prompts]) == []
+    for adaptive in (True, False):
+        batch, cycles = _c_batch(build, export, prompts, adaptive)
+        assert _differing(batch, single) == [], adaptive
+    assert min(cycles) >= 2 and sum(cycles) >= 4 * len(prompts), cycles  # adaptive=false: every request drafted
     return single
 
 
 def test_hybrid_batch_equals_single_runs(capi_build, hybrid_export, hybrid_py, hybrid_prompts):
-    """dfl2_batch over the hybrid export (each slot its own linear state): 8 requests, the long one among them,
-    decoded 4 at a time give their single runs' ids, which are the Python runtime's."""
+    """dfl2_batch over the hybrid export (each slot its own linear state): the 21 requests, the long one among them,
+    decoded 4 at a time on the adaptive rule and always drafting give their single runs' ids, which are the Python
+    runtime's."""
     _batch_equals_single_runs(capi_build, hybrid_export, hybrid_py, hybrid_prompts)
+
+
+def test_hybrid_batch_planted_rollback_bug_is_caught(capi_build, hybrid_export, hybrid_prompts):
+    """Negative control: with the planted bug (a crop keeps the linear state after every verified row) the always
+    drafting batch's ids differ from the unplanted batch's in some requests, so the test above catches it."""
+    want, _ = _c_batch(capi_build, hybrid_export, hybrid_prompts, False)
+    got, _ = _c_batch(capi_build, hybrid_export, hybrid_prompts, False, env={PLANT_ENV: "1"})
+    assert _differing(got, want)
 
 
 def test_hybrid_asan_ubsan_runs(capi_build, hybrid_export, hybrid_prompts, vectors_path):
@@ -495,16 +524,20 @@ def test_sliding_export_equals_python_runtime(capi_build, sliding, hybrid_prompt
 
 def test_sliding_planted_ring_bug_is_caught(capi_build, sliding, hybrid_prompts):
     """Negative control: with the planted bug (DFLASH2_PLANT_RING_KEEP_CUT=1: a crop leaves the cut rows' keys valid
-    in the rings) greedy ids differ from the Python runtime's, so the test above catches it."""
+    in the rings) greedy ids differ from the Python runtime's, and the always drafting batch's from the unplanted
+    batch's, so the tests above and below catch it."""
     export, py = sliding
     differ, _ = _hybrid_equal(capi_build, export, py, hybrid_prompts, 0.0, env={RING_PLANT_ENV: "1"})
     assert differ > 0
+    want, _ = _c_batch(capi_build, export, hybrid_prompts, False)
+    got, _ = _c_batch(capi_build, export, hybrid_prompts, False, env={RING_PLANT_ENV: "1"})
+    assert _differing(got, want)
 
 
 def test_sliding_batch_equals_single_runs_under_asan(capi_build, sliding, hybrid_prompts, vectors_path):
-    """dfl2_batch over a sliding export (each slot its own rings): 8 requests, the long one among them, decoded 4 at
-    a time give their single runs' ids, which are the Python runtime's; the ASan + UBSan build gives the same ids
-    for 3 of them, single and batched, and reports nothing."""
+    """dfl2_batch over a sliding export (each slot its own rings): the 21 requests, the long one among them, decoded
+    4 at a time on the adaptive rule and always drafting give their single runs' ids, which are the Python runtime's;
+    the ASan + UBSan build gives the same ids for 3 of them, single and batched, and reports nothing."""
     export, py = sliding
     single = _batch_equals_single_runs(capi_build, export, py, hybrid_prompts)
     build = _asan_build(vectors_path)
