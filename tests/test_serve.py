@@ -4,8 +4,10 @@ free loopback port, driven by the official ``openai`` client: chat and completio
 with OpenAI's error object and never reach the batch; the API key; a client that goes away mid-stream (or before
 a whole answer) frees its slot within one batch step (the server's ``dflash2_cancel_steps``); 16 concurrent
 streaming clients with mixed lengths, some cancelling, every completed response equal to its own single-request
-output; a full queue gets 429 with Retry-After; SIGTERM drains what is in flight and exits 0. The stop-string cut
-is also checked alone against random splits of random text."""
+output; 100 mixed clients (stop strings, EOS, max_tokens, leaving early) and finished{reason} moving by exactly
+what they saw; a full queue gets 429 with Retry-After; SIGTERM drains what is in flight and exits 0, and what still
+decodes at --drain-timeout ends with finish_reason "abort" and [DONE]. The stop-string cut is also checked alone
+against random splits of random text. (tests/test_serve_inputs.py: what clients send, in process.)"""
 
 from __future__ import annotations
 
@@ -421,6 +423,109 @@ def test_sixteen_concurrent_streams(server, gen):
     assert _delta(after, before, "dflash2_generation_tokens_total") >= sum(len(r.tokens) for r in refs if r)
     shared = sum(_delta(after, before, f'dflash2_batch_steps_total{{size="{k}"}}') for k in range(2, 9))
     assert shared > 0 and after.get('dflash2_batch_steps_total{size="9"}', 0) == 0  # never beyond max batch
+
+
+def test_finished_reasons_equal_what_100_clients_saw(server):
+    """100 requests from 12 clients at once, mixed: streams ending on a stop string, on EOS or max_tokens, whole
+    answers with and without stop strings, streams the client closes after its first event. The server's
+    dflash2_requests_finished_total{reason} moves by exactly what the clients saw: the finish_reason each got, or
+    "cancelled" for those that left (a stream ended by a stop string was counted "cancelled" when the client's
+    disconnect after [DONE] reached the server first)."""
+    rng = random.Random(11)
+    jobs = [(i % 5, PROMPTS[i % len(PROMPTS)], rng.randint(3, 12)) for i in range(100)]
+    seen: list = [None] * len(jobs)
+    server.wait_idle()
+    before = server.metrics()
+    todo = iter(range(len(jobs)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        c = server.client()
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            kind, prompt, n = jobs[i]
+            msgs = [{"role": "user", "content": prompt}]
+            if kind == 0:  # a stream that a stop string ends (a space comes early in any answer)
+                events = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=n + 20, temperature=0,
+                                                        stop=[" ", "."], stream=True))
+                seen[i] = events[-1].choices[0].finish_reason
+            elif kind == 1:  # a stream to EOS or max_tokens
+                events = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=n, temperature=0,
+                                                        stream=True))
+                seen[i] = events[-1].choices[0].finish_reason
+            elif kind == 2:  # a whole answer, a stop string half of the time
+                r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=n, temperature=0,
+                                              stop=" " if i % 2 else None)
+                seen[i] = r.choices[0].finish_reason
+            elif kind == 3:  # a completions stream to max_tokens
+                events = list(c.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}))
+                seen[i] = events[-1].choices[0].finish_reason
+            else:  # a stream left after its first token: it cannot have finished (200 more tokens, no EOS)
+                s = c.completions.create(model=NAME, prompt=prompt, max_tokens=200, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+                next(iter(s))
+                s.close()
+                seen[i] = "cancelled"
+
+    threads = [threading.Thread(target=client) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert all(seen), [i for i, x in enumerate(seen) if x is None]
+    reasons = ("stop", "length", "cancelled", "abort", "error")
+    after = server.wait_idle(until=lambda m: sum(_delta(m, before, f'dflash2_requests_finished_total{{reason="{r}"}}')
+                                                 for r in reasons) >= len(jobs))
+    counted = {r: _delta(after, before, f'dflash2_requests_finished_total{{reason="{r}"}}') for r in reasons}
+    want = {r: sum(x == r for x in seen) for r in reasons}
+    assert counted == want and want["stop"] >= 20 and want["length"] >= 20 and want["cancelled"] == 20, (counted,
+                                                                                                          want)
+
+
+def test_drain_timeout_ends_what_still_decodes_with_abort(export, tmp_path):
+    """SIGTERM with two long streams and a whole answer in flight and --drain-timeout 1: after a second each stream
+    gets a last chunk with finish_reason "abort" then [DONE], the whole answer its text so far with "abort"; the
+    process exits 0 without a traceback or uvicorn's cancel of the connections (the metrics cannot be scraped
+    while draining: the listener is closed)."""
+    s = _Server(export, tmp_path, "--max-batch", "4", "--drain-timeout", "1")
+    try:
+        c = s.client(None)
+        streams = [c.completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=1500, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True}) for i in range(2)]
+        out: list = [[], [], None]
+
+        def read(i: int) -> None:
+            out[i] = list(streams[i])
+
+        def whole() -> None:
+            out[2] = _post(s.url + "/v1/completions", {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 1500,
+                                                       "temperature": 0, "ignore_eos": True}, key=None)
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(2)] + [threading.Thread(target=whole)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while s.metrics()["dflash2_requests_running"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        assert s.proc.wait(60) == 0
+    finally:
+        s.stop()
+    for events in out[:2]:
+        assert events and events[-1].choices[0].finish_reason == "abort" and not any(
+            e.choices[0].finish_reason for e in events[:-1])
+        assert 0 < sum(len(e.choices[0].text) for e in events)
+    st, body, _ = out[2]
+    assert st == 200 and body["choices"][0]["finish_reason"] == "abort" and body["usage"]["completion_tokens"] < 1500
+    log = s.log.read_text()
+    assert "Traceback" not in log and "Cancel" not in log, log[-3000:]
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ generated requests at every route: random JSON of any depth and type, valid requ
 random unicode with lone surrogates and control characters, random headers and content types — every answer a
 2xx or a 4xx with OpenAI's error object, none hung, /health OK after. Planted bugs (monkeypatched) show the
 checks catch what they claim: ``>=`` in the context check, TPOT over n tokens, no last resort.
-``scripts/fuzz_serve.py`` runs the generated requests for longer.
+``scripts/fuzz_serve.py`` runs the generated requests for longer, drawn afresh.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import http.client
 import inspect
 import json
 import logging
+import os
 import socket
 import textwrap
 import threading
@@ -105,7 +106,10 @@ class FakeDecoding:
     def set_batching(self, max_batch: int, adaptive: bool = True) -> None:
         pass
 
-    def submit(self, ids: list[int], max_new_tokens: int, *args: Any, **kw: Any) -> FakeHandle:
+    def submit(self, ids: list[int], max_new_tokens: int | None = None, *args: Any, request: Any = None,
+               **kw: Any) -> FakeHandle:
+        if request is not None:  # the options as one record
+            max_new_tokens = request.max_new_tokens
         vocab = self.gen._runner().vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if not ids or bad:
@@ -494,7 +498,12 @@ def fuzz(gen: Any, examples: int, seed_derandomize: bool = True) -> int:
 
 
 def test_no_5xx_for_generated_requests(gen):
-    """>= 2,000 generated requests answered, none with a 5xx or hung; /health and a valid request fine after."""
+    """>= 2,000 generated requests answered, none with a 5xx or hung; /health and a valid request fine after.
+    The suite's run is derandomized (the same requests each time); scripts/fuzz_serve.py sets
+    DFLASH2_FUZZ_EXAMPLES / DFLASH2_FUZZ_RANDOM for longer runs on fresh random requests."""
+    examples = int(os.environ.get("DFLASH2_FUZZ_EXAMPLES", "2100"))
     t0 = time.monotonic()
-    n = fuzz(gen, 2100)
-    assert n >= 2000 and time.monotonic() - t0 < 120, (n, time.monotonic() - t0)
+    n = fuzz(gen, examples, seed_derandomize=os.environ.get("DFLASH2_FUZZ_RANDOM") != "1")
+    assert n >= examples * 0.95, n  # a few go to uvicorn's own HTTP-level refusals, which close the connection
+    if examples == 2100:
+        assert time.monotonic() - t0 < 120, time.monotonic() - t0
