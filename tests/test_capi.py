@@ -1705,20 +1705,50 @@ def test_c_batch_with_prompt_lookup_equals_python_batch_decoder(lib, batch_be, a
         c.close()
 
 
-@pytest.mark.parametrize("plant", [None, "c_weighed_kept"])
-def test_c_batch_equals_python_batch_decoder_on_measured_costs(lib, batch_be, monkeypatch, plant):
+@pytest.fixture(scope="module")
+def poor_batch_be(tiny_export):
+    """The tiny random pair's ONNX Runtime backend: its drafter's proposals are nearly all rejected."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    with OrtBackend(tiny_export, attention="gqa", threads=1) as b:
+        yield b
+
+
+def _held_not_counted(BT):  # noqa: ANN001, ANN202
+    """Planted bug: BatchDecoder._choose whose held branch no longer counts the step toward probe_after."""
+    import inspect
+    import textwrap
+
+    src = textwrap.dedent(inspect.getsource(BT.BatchDecoder._choose))
+    held = "        for s in cands:\n            s.plain_run += 1\n        return {}"
+    assert src.count(held) == 1
+    scope: dict = {}
+    exec(src.replace(held, "        return {}"), vars(BT), scope)  # noqa: S102
+    return scope["_choose"]
+
+
+_PROBE_AFTER = 3
+
+
+@pytest.mark.parametrize(("pair", "plant"), [("accepting", None), ("random", None), ("random", "c_weighed_kept"),
+                                             ("random", "python_held_uncounted")])
+def test_c_batch_equals_python_batch_decoder_on_measured_costs(lib, batch_be, poor_batch_be, monkeypatch, pair,
+                                                               plant):
     """Both batch loops on measured costs (their default) with one deterministic clock -- the test's: a target
     forward takes 10 ms and 0.5 ms per verify row, everything else nothing; Python's batch.COST_CLOCK and the C
-    core's clock ($DFLASH2_TEST_COST_CLOCK) read it -- and the runner's cost plan hidden (the C core has none): the
-    same runner calls, tokens, accepted drafts, plain steps and step counts. The realized check runs both ways:
-    held steps (plain first, then after the rule chose plain: every 16th left to it) and weighed ones, drafting steps
-    among them (a prior of 6 and probe_after 3: requests probed). Negative control, failing the comparison: the C
-    core leaving mWeighed set on a held step ($DFLASH2_PLANT_HELD_STEP_WEIGHED)."""
+    core's clock ($DFLASH2_TEST_COST_CLOCK) read it -- and the runner's cost plan hidden (the C core has none), over
+    the accepting pair and the random one (drafts nearly all rejected): the same runner calls, tokens, accepted
+    drafts, plain steps and step counts. The realized check runs both ways: held steps (plain first, then after the
+    rule chose plain: every 16th left to it) and weighed ones, drafting steps among them; on the random pair held
+    steps count toward probe_after (3), so a request drafts again after a run of held steps (its estimate back at
+    the prior of 6). Negative controls, each failing the comparison: the C core leaving mWeighed set on a held step
+    ($DFLASH2_PLANT_HELD_STEP_WEIGHED), Python's _choose not counting a held step toward probe_after."""
     import ctypes
 
     from dflash2_trt.runtime import batch as BT
     from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
 
+    be = batch_be if pair == "accepting" else poor_batch_be
     now = ctypes.c_double(0.0)
     monkeypatch.setattr(BT, "COST_CLOCK", lambda: now.value)
     monkeypatch.setenv("DFLASH2_TEST_COST_CLOCK", str(ctypes.addressof(now)))
@@ -1730,22 +1760,33 @@ def test_c_batch_equals_python_batch_decoder_on_measured_costs(lib, batch_be, mo
         return forward(self, rows, **kw)
 
     monkeypatch.setattr(OrtBatchedTargetRunner, "forward", timed)
-    steps: list[bool] = []  # whether the rule weighed each step
+    steps: list[tuple[bool, bool]] = []  # (weighed, drafted) per step
     record = BT.MeasuredCosts.record_step
 
     def counted(self, n, drafted, tokens, s, weighed):  # noqa: ANN001, ANN202
-        steps.append(weighed)
+        steps.append((weighed, drafted))
         return record(self, n, drafted, tokens, s, weighed)
 
     monkeypatch.setattr(BT.MeasuredCosts, "record_step", counted)
-    reqs = _batch_scenario(batch_be)
-    py, dec, py_log = _run_python_batch(
-        batch_be, BT.SpeculationRule(costs=BT.MeasuredCosts(), adaptive=True, prior_tau=6.0, probe_after=3), reqs)
-    assert dec.drafting_steps > 0 and 0 < sum(steps) < len(steps), (dec.drafting_steps, steps)
+    reqs = _batch_scenario(be)
+
+    def python_run():  # noqa: ANN202
+        rule = BT.SpeculationRule(costs=BT.MeasuredCosts(), adaptive=True, prior_tau=6.0, probe_after=_PROBE_AFTER)
+        return _run_python_batch(be, rule, reqs)
+
+    py, dec, py_log = python_run()
+    weighed = [w for w, _ in steps]
+    assert dec.drafting_steps > 0 and 0 < sum(weighed) < len(weighed), (dec.drafting_steps, steps)
+    if pair == "random":  # a request probed: drafting again after more held steps than probe_after
+        assert any(d and not any(w for w, _ in steps[i - _PROBE_AFTER:i]) for i, (_, d) in enumerate(steps)
+                   if i >= _PROBE_AFTER and any(d0 for _, d0 in steps[:i])), steps
     if plant == "c_weighed_kept":
         monkeypatch.setenv("DFLASH2_PLANT_HELD_STEP_WEIGHED", "1")
+    if plant == "python_held_uncounted":
+        monkeypatch.setattr(BT.BatchDecoder, "_choose", _held_not_counted(BT))
+        py, dec, py_log = python_run()
     now.value = 0.0
-    got, c = _run_c_batch(lib, batch_be, {"adaptive": True, "prior_tau": 6.0, "probe_after": 3}, reqs)
+    got, c = _run_c_batch(lib, be, {"adaptive": True, "prior_tau": 6.0, "probe_after": _PROBE_AFTER}, reqs)
     try:
         if plant is None:
             _assert_c_batch_equals_python(c, got, py, dec, py_log)
