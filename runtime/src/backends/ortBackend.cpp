@@ -1247,15 +1247,10 @@ private:
         }
     }
 
-    //! OrtTargetRunner._call with linear or sliding layers: ids mIds[a..a+S-1] at positions length.., the KV buffers
-    //! + validity mask, every sliding layer's ring + the window positions and every linear layer's state in; the
-    //! new rows' K/V (appended to the buffers, written into the rings), the convolution inputs and the asked rows'
-    //! recurrent states out (HostLinearState.called keeps the state after the rows)
-    void stateTargetCall(int32_t a, int32_t S, bool everyRow, float* logits, char* feats)
+    //! a state call's host buffers for S rows at position `len`: the caches reserved (their values made again where
+    //! they grew), positions, the rows whose linear state is kept (every row, or the last), the attention mask
+    void prepareStateCall(int32_t len, int32_t S, bool everyRow)
     {
-        Manifest const& man = mM.manifest();
-        LinearStateSpec const& ls = man.linearState;
-        int32_t const len = mTkv.length;
         mTkv.reserve(len + S);
         if (mPastCapacity != mTkv.capacity)  // the buffers grew: new values over them
         {
@@ -1280,34 +1275,15 @@ private:
         }
         mMask.assign(static_cast<size_t>(C + S), 1);
         std::fill(mMask.begin() + len, mMask.begin() + C, 0);
-        int32_t const V = mM.vocabSize;
-        int64_t const F = mM.fdim();
-        OrtTensor const idsT(mApi, mIds.data() + a, static_cast<size_t>(S) * sizeof(int64_t), {1, S},
-            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-        OrtTensor const posT(mApi, mPos.data(), mPos.size() * sizeof(int64_t), {1, S}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-        OrtTensor const maskT(mApi, mMask.data(), mMask.size() * sizeof(int64_t), {1, C + S},
-            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-        OrtTensor const rowsT(mApi, mStateRows.data(), mStateRows.size() * sizeof(int64_t), {R},
-            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-        size_t const fixedIn = mCallInNames.size() - 2 * static_cast<size_t>(man.targetLayers);
-        OrtTensor const logitsT(mApi, logits, static_cast<size_t>(S) * static_cast<size_t>(V) * sizeof(float), {1, S, V},
-            ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-        OrtTensor const featT(mApi, feats, static_cast<size_t>(S) * static_cast<size_t>(F) * mFeatureBytes, {1, S, F},
-            mM.featureType());
-        mCallInValues[0] = idsT.get();
-        mCallInValues[1] = posT.get();
-        mCallInValues[2] = maskT.get();
-        size_t extra = 3;
-        if (mRing)
-        {
-            mCallInValues[extra++] = mWindowPositions.get();
-        }
-        if (mLinear)
-        {
-            mCallInValues[extra++] = rowsT.get();
-        }
-        mCallOutValues[0] = logitsT.get();
-        mCallOutValues[1] = featT.get();
+    }
+
+    //! every layer's state inputs (from index fixedIn) and outputs (from 2), in layer order: a linear layer's
+    //! convolution window and recurrent state (R rows), a sliding layer's ring and its S new rows, an attention
+    //! layer's past and its S new rows
+    void bindLayerStates(int32_t S, int32_t R, size_t fixedIn)
+    {
+        Manifest const& man = mM.manifest();
+        LinearStateSpec const& ls = man.linearState;
         size_t const per = static_cast<size_t>(man.targetKvHeads) * static_cast<size_t>(S) * static_cast<size_t>(man.targetHeadDim);
         mCallOutTensors.clear();
         size_t kv = 0;
@@ -1352,6 +1328,48 @@ private:
                 mCallOutValues[out + k] = mCallOutTensors.back().get();
             }
         }
+    }
+
+    //! OrtTargetRunner._call with linear or sliding layers: ids mIds[a..a+S-1] at positions length.., the KV buffers
+    //! + validity mask, every sliding layer's ring + the window positions and every linear layer's state in; the
+    //! new rows' K/V (appended to the buffers, written into the rings), the convolution inputs and the asked rows'
+    //! recurrent states out (HostLinearState.called keeps the state after the rows)
+    void stateTargetCall(int32_t a, int32_t S, bool everyRow, float* logits, char* feats)
+    {
+        Manifest const& man = mM.manifest();
+        int32_t const len = mTkv.length;
+        prepareStateCall(len, S, everyRow);
+        int32_t const C = mTkv.capacity;
+        int32_t const R = everyRow ? S : 1;
+        int32_t const V = mM.vocabSize;
+        int64_t const F = mM.fdim();
+        OrtTensor const idsT(mApi, mIds.data() + a, static_cast<size_t>(S) * sizeof(int64_t), {1, S},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        OrtTensor const posT(mApi, mPos.data(), mPos.size() * sizeof(int64_t), {1, S}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        OrtTensor const maskT(mApi, mMask.data(), mMask.size() * sizeof(int64_t), {1, C + S},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        OrtTensor const rowsT(mApi, mStateRows.data(), mStateRows.size() * sizeof(int64_t), {R},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+        size_t const fixedIn = mCallInNames.size() - 2 * static_cast<size_t>(man.targetLayers);
+        OrtTensor const logitsT(mApi, logits, static_cast<size_t>(S) * static_cast<size_t>(V) * sizeof(float), {1, S, V},
+            ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        OrtTensor const featT(mApi, feats, static_cast<size_t>(S) * static_cast<size_t>(F) * mFeatureBytes, {1, S, F},
+            mM.featureType());
+        mCallInValues[0] = idsT.get();
+        mCallInValues[1] = posT.get();
+        mCallInValues[2] = maskT.get();
+        size_t extra = 3;
+        if (mRing)
+        {
+            mCallInValues[extra++] = mWindowPositions.get();
+        }
+        if (mLinear)
+        {
+            mCallInValues[extra++] = rowsT.get();
+        }
+        mCallOutValues[0] = logitsT.get();
+        mCallOutValues[1] = featT.get();
+        bindLayerStates(S, R, fixedIn);
         ortCheck(mApi, mApi->Run(mM.target().session, nullptr, mCallIn.data(), mCallInValues.data(), mCallIn.size(),
                            mCallOut.data(), mCallOut.size(), mCallOutValues.data()),
             mM.target().file);
