@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from dflash2_trt.runtime.request import GenerationRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                                       batched_drafter=lambda slots: OrtBatchedDraftRunner(be, "greedy", slots))
             else:
                 dec = BT.BatchDecoder(target, (lambda: be.draft_runner("greedy")) if kind == "b1" else None, rule)
-            reqs = [BT.BatchRequest(p, a.tokens, eos_ids=set(), speculative=kind != "plain", proposer="dflash2")
-                    for p in prompts[:n]]
+            reqs = [(p, GenerationRequest(max_new_tokens=a.tokens, eos_ids=set(), speculative=kind != "plain",
+                                          proposer="dflash2")) for p in prompts[:n]]
             t = time.process_time(), time.perf_counter()
             out = dec.run(reqs)
             cpu, wall = time.process_time() - t[0], time.perf_counter() - t[1]

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from dflash2_trt.runtime.request import GenerationRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -81,7 +82,7 @@ def profile_spec(target, drafter, prompt: list[int], n: int) -> tuple[list[dict]
     log = Log()
     ends: list[float] = []
     res = D.speculative_generate(TimedTarget(target, log), TimedDrafter(drafter, log), prompt,
-                                 D.DecodeOptions(n, eos_ids=set()),
+                                 GenerationRequest(max_new_tokens=n, eos_ids=set(), proposer="dflash2", guard=False),
                                  D.DecodeHooks(on_cycle=lambda a, r: ends.append(time.perf_counter())))
     # cycles start after the prefill's add_context (the first event of that kind)
     start = next(t0 + dt for kind, t0, dt, _ in log.events if kind == "add_context")
@@ -104,7 +105,7 @@ def profile_ar(target, prompt: list[int], n: int) -> tuple[list[dict], dict]:  #
 
     log = Log()
     stamps: list[float] = []
-    res = D.target_generate(TimedTarget(target, log), prompt, n, eos_ids=set(),
+    res = D.target_generate(TimedTarget(target, log), prompt, GenerationRequest(max_new_tokens=n, eos_ids=set()),
                             on_tokens=lambda t: stamps.append(time.perf_counter()))
     fwd = [e for e in log.events if e[0] == "forward"][1:]  # the prefill excluded
     steps = [{"forward": f[2], "total": b - a} for f, a, b in zip(fwd, stamps[:-1], stamps[1:])]

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from dflash2_trt.runtime.request import GenerationRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -51,7 +52,8 @@ def record_traces(export: str, sets: list[str], limit: int, tokens: int, threads
         for name in sets:
             rows = []
             for p in encode_items(load_prompts(name, limit), g._tok.encode, lambda m: g._tok.apply_chat_template(m)):
-                seq = list(p) + target_generate(target, p, tokens, eos_ids=set()).tokens
+                plain = GenerationRequest(max_new_tokens=tokens, eos_ids=set())
+                seq = list(p) + target_generate(target, p, plain).tokens
                 target.reset()
                 _, feats = target.forward(seq[:-1])  # every position's features in one pass
                 drafter.reset()

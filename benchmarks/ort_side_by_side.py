@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from dflash2_trt.runtime.request import GenerationRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -62,7 +63,7 @@ class Ours:
     def ar(self, p: list[int], n: int) -> dict:
         t0 = time.perf_counter()
         first = []
-        res = D.target_generate(self.target, p, n, eos_ids=set(),
+        res = D.target_generate(self.target, p, GenerationRequest(max_new_tokens=n, eos_ids=set()),
                                 on_tokens=lambda t: first.append(time.perf_counter() - t0) if not first else None)
         return {"tokens": res.tokens, "s": res.elapsed_s, "ttft": first[0]}
 
@@ -72,7 +73,8 @@ class Ours:
         hooks = D.DecodeHooks(on_tokens=lambda t: first.append(time.perf_counter() - t0) if not first else None,
                               guard=AcceptanceGuard() if self.guard else None)
         res = D.speculative_generate(self.target, self.drafter, p,
-                                     D.DecodeOptions(n, eos_ids=set(), proposer=proposer, ngram_rows=NGRAM_ROWS), hooks)
+                                     GenerationRequest(max_new_tokens=n, eos_ids=set(), proposer=proposer,
+                                                       ngram_rows=NGRAM_ROWS, guard=False), hooks)
         return {"tokens": res.tokens, "s": res.elapsed_s, "ttft": first[0], "tau": res.stats()["tau"],
                 "cycles": len(res.accepted)}
 

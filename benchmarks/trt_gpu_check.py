@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dflash2_trt.runtime.request import GenerationRequest
 
 
 TIE_REL = 1e-4  # a top-1 / top-2 margin below TIE_REL * max|logit| is a tie up to float rounding
@@ -118,7 +119,7 @@ def _ar_with_logits(target: Any, prompt: list[int], n: int) -> tuple[list[int], 
 def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[dict[str, Any]]:
     import tensorrt as trt
 
-    from dflash2_trt.runtime.decoder import DecodeOptions, speculative_generate
+    from dflash2_trt.runtime.decoder import speculative_generate
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.runtime.trt.backend import TrtBackend
     from dflash2_trt.runtime.trt.env import SUPPORTED_TRT_MAJORS, load_plugin_library, version_tuple
@@ -215,8 +216,9 @@ def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[di
     dg, de = g.draft_runner("greedy"), e.draft_runner("greedy")
     bad = []
     for i, q in enumerate(prompts):
-        g_tok = speculative_generate(tg, dg, q, DecodeOptions(max_new, eos_ids=set())).tokens
-        e_tok = speculative_generate(te, de, q, DecodeOptions(max_new, eos_ids=set())).tokens
+        r = GenerationRequest(max_new_tokens=max_new, eos_ids=set(), proposer="dflash2", guard=False)
+        g_tok = speculative_generate(tg, dg, q, r).tokens
+        e_tok = speculative_generate(te, de, q, r).tokens
         k = first_divergence(g_tok, e_tok)
         if k is not None:
             bad.append(f"prompt {i} at token {k}")

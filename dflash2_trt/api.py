@@ -9,7 +9,11 @@
             print(chunk.text, end="", flush=True)
 
 A ``str`` prompt is a user message rendered with the target's chat template (``chat=False``, or a tokenizer
-without a template: the raw text); a ``list[int]`` prompt is used as it is. Greedy output (T = 0) is
+without a template: the raw text); a ``list[int]`` prompt is used as it is. The option arguments of
+:meth:`Generator.generate`, :meth:`~Generator.stream` and :meth:`~Generator.submit` (their defaults are the
+record's) build one :class:`~dflash2_trt.runtime.request.GenerationRequest`, validated once against this model's
+limits (vocabulary, positions, draft modes) before anything runs; or pass a record built elsewhere as
+``request=`` (the server and the Triton model do) and no option argument. Greedy output (T = 0) is
 token for token the target's own; T > 0 samples with lossless rejection sampling. ``seed=None`` draws a
 fresh seed; equal seeds give equal tokens with ``guard=False`` (the acceptance guard decides from measured
 timings, so with it on a seed fixes the sampling law, not the tokens).
@@ -44,7 +48,6 @@ import atexit
 import dataclasses
 import numbers
 import queue
-import secrets
 import threading
 import weakref
 from collections import deque
@@ -54,7 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.vocabulary import DEFAULT_PROPOSER, PROPOSERS
+from dflash2_trt.runtime.request import GenerationRequest, Limits
+from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
 __all__ = ["Chunk", "Generator", "Handle", "Result", "Stats", "Stream", "load"]
 
@@ -132,19 +136,8 @@ class _Cancelled(Exception):
     """Raised from the decode loop's callback when a stream's consumer went away."""
 
 
-@dataclass
-class _Request:
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float
-    seed: int
-    selector: str
-    guard: bool
-    min_confidence: float
-    speculative: bool
-    eos_ids: set[int] | None
-    oracle: Any = None
-    proposer: str = DEFAULT_PROPOSER
+# the record's defaults, which the option arguments below repeat (test_api checks that they agree)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationRequest) if f.init}
 
 
 class Generator:
@@ -225,42 +218,50 @@ class Generator:
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
                  min_confidence: float = 0.0, speculative: bool = True, eos_ids: set[int] | None = None,
-                 proposer: str = DEFAULT_PROPOSER, oracle: Any = None) -> Result:
-        """Decode one prompt. ``selector``: a draft mode of :attr:`selectors`; ``guard``: run plain target steps
-        while measured acceptance does not pay; ``speculative=False``: plain autoregressive decoding on the same
-        backend (the baseline); ``proposer``: who drafts — ``dflash2`` (the drafter), ``ngram`` (prompt lookup:
-        continuations of the context's last n-gram where it occurred before; no match = a plain step) or
-        ``auto``, the default (per cycle, the one whose measured acceptance is higher); ``eos_ids``: stop tokens (default: the target's; an empty set never stops
-        early); ``oracle``: an evaluation hook counting oracle top-K acceptance per cycle
-        (:func:`dflash2_trt.bench.oracle.oracle_count`), its passes excluded from the timing."""
-        req = self._request(prompt, max_new_tokens, temperature, seed, selector, guard, chat, min_confidence,
-                            speculative, eos_ids, oracle, proposer)
+                 proposer: str = DEFAULT_PROPOSER, oracle: Any = None,
+                 request: GenerationRequest | None = None) -> Result:
+        """Decode one prompt. ``selector``: a draft mode of :attr:`selectors` (the record's ``draft_mode``);
+        ``guard``: run plain target steps while measured acceptance does not pay; ``speculative=False``: plain
+        autoregressive decoding on the same backend (the baseline); ``proposer``: who drafts — ``dflash2`` (the
+        drafter), ``ngram`` (prompt lookup: continuations of the context's last n-gram where it occurred before; no
+        match = a plain step) or ``auto``, the default (per cycle, the one whose measured acceptance is higher);
+        ``eos_ids``: stop tokens (default: the target's; an empty set never stops early); ``oracle``: an evaluation
+        hook counting oracle top-K acceptance per cycle (:func:`dflash2_trt.bench.oracle.oracle_count`), its passes
+        excluded from the timing; ``request``: the options as one record instead of the arguments."""
+        ids, req = self._prepare(prompt, chat, request, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 seed=seed, draft_mode=selector, guard=guard, min_confidence=min_confidence,
+                                 speculative=speculative, eos_ids=eos_ids, proposer=proposer)
         with self._lock:
-            res = self._run(req, None)
-        return self._result(req, res)
+            res = self._run(ids, req, oracle, None)
+        return self._result(ids, req, res)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
                min_confidence: float = 0.0, eos_ids: set[int] | None = None, proposer: str = DEFAULT_PROPOSER,
-               oracle: Any = None) -> Stream:
+               oracle: Any = None, request: GenerationRequest | None = None) -> Stream:
         """Decode one prompt chunk by chunk (same arguments and tokens as :meth:`generate`): iterate the returned
         :class:`Stream` for :class:`Chunk` s; its ``result`` is the :class:`Result` once the iteration ended.
-        Leaving the loop early (``break``, or ``close()``) stops the decoding at its next step."""
-        req = self._request(prompt, max_new_tokens, temperature, seed, selector, guard, chat, min_confidence,
-                            True, eos_ids, oracle, proposer)
-        return Stream(self, req)
+        Leaving the loop early (``break``, or ``close()``) stops the decoding at its next step. A bad request
+        raises DFlash2Error here."""
+        ids, req = self._prepare(prompt, chat, request, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 seed=seed, draft_mode=selector, guard=guard, min_confidence=min_confidence,
+                                 eos_ids=eos_ids, proposer=proposer)
+        return Stream(self, ids, req, oracle)
 
     def submit(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
                selector: str = "greedy", *, chat: bool = True, speculative: bool = True,
-               eos_ids: set[int] | None = None, proposer: str = DEFAULT_PROPOSER) -> Handle:
+               eos_ids: set[int] | None = None, proposer: str = DEFAULT_PROPOSER,
+               request: GenerationRequest | None = None) -> Handle:
         """Queue one prompt for the background batch loop (see the module docstring) -> its :class:`Handle`;
         returns at once. Arguments as :meth:`generate`; ``speculative``: may draft while the loop's rule says it
-        pays (with ``set_batching(adaptive=False)``: every step); ``proposer``: who drafts for this request, as in
-        :meth:`generate` (requests of different proposers share the loop's steps). A bad request raises
+        pays (with ``set_batching(adaptive=False)``: every step; on a backend without batching the acceptance guard
+        is that rule: the record's ``guard`` is the loop's ``adaptive``); ``proposer``: who drafts for this request,
+        as in :meth:`generate` (requests of different proposers share the loop's steps). A bad request raises
         DFlash2Error here and nothing is queued. Each sequence's greedy tokens are its own :meth:`generate` tokens;
         its ``Stats.proposers`` say who proposed each cycle."""
-        return self._submit(self._batch_request(prompt, max_new_tokens, temperature, seed, selector, chat,
-                                                speculative, eos_ids, proposer))
+        return self._submit(*self._prepare(prompt, chat, request, batch=True, max_new_tokens=max_new_tokens,
+                                           temperature=temperature, seed=seed, draft_mode=selector,
+                                           speculative=speculative, eos_ids=eos_ids, proposer=proposer))
 
     def generate_batch(self, prompts: list[Prompt], max_new_tokens: int | list[int] = 128,
                        temperature: float | list[float] = 0.0, seed: int | None | list[int | None] = None,
@@ -288,13 +289,14 @@ class Generator:
                 return list(v)
             return [v] * n
 
-        reqs = [self._batch_request(p, m, t, s, selector, chat, speculative, eos_ids, w)
+        reqs = [self._prepare(p, chat, None, batch=True, max_new_tokens=m, temperature=t, seed=s,
+                              draft_mode=selector, speculative=speculative, eos_ids=eos_ids, proposer=w)
                 for p, m, t, s, w in zip(prompts, per(max_new_tokens, "max_new_tokens"),
                                          per(temperature, "temperature"), per(seed, "seed"), per(proposer, "proposer"))]
         handles: list[Handle] = []
         try:
-            for r in reqs:
-                handles.append(self._submit(r))
+            for ids, r in reqs:
+                handles.append(self._submit(ids, r))
         except BaseException:
             for h in handles:
                 h.cancel()
@@ -360,65 +362,48 @@ class Generator:
             self._drafters[selector] = self._backend.draft_runner(selector)  # checks the mode against the export
         return self._drafters[selector]
 
-    def _request(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int | None,
-                 selector: str, guard: bool, chat: bool, min_confidence: float, speculative: bool,
-                 eos_ids: set[int] | None, oracle: Any, proposer: str = DEFAULT_PROPOSER) -> _Request:
-        from dflash2_trt.runtime.decoder import check_temperature
+    def _prepare(self, prompt: Prompt, chat: bool, request: GenerationRequest | None, batch: bool = False,
+                 **options: Any) -> tuple[list[int], GenerationRequest]:
+        """(prompt ids, the request validated against this model's limits): the record built from ``options``
+        (argument names = its fields), or ``request`` when given (then every option at its default). ``batch``: for
+        the batch loop, whose ``adaptive`` setting is the guard of a request it serves without batching."""
+        if request is None:
+            request = GenerationRequest(**options)
+        elif not isinstance(request, GenerationRequest):
+            raise DFlash2Error(f"request must be a GenerationRequest, got {type(request).__name__}")
+        else:
+            given = sorted(k for k, v in options.items() if v != _DEFAULTS[k])
+            if given:
+                raise DFlash2Error(f"give the options as arguments or as request=, not both ({', '.join(given)})")
+        if batch and request.guard != self._adaptive:
+            request = dataclasses.replace(request, guard=self._adaptive)
+        ids = self.encode(prompt, chat)
+        whole_blocks = batch and bool(self._backend.batching)  # the batched loop verifies whole blocks
+        return ids, request.validate(ids, Limits.of(self._runner(), self.selectors, whole_blocks))
 
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise DFlash2Error(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        check_temperature(float(temperature))
-        if seed is None:
-            seed = secrets.randbits(63)
-        elif isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise DFlash2Error(f"seed must be an integer >= 0 or None, got {seed!r}")
-        if not 0.0 <= float(min_confidence) <= 1.0:  # `not <=` also refuses NaN
-            raise DFlash2Error(f"min_confidence must be in [0, 1], got {min_confidence!r}")
-        self.check_selector(selector)
-        if proposer not in PROPOSERS:
-            raise DFlash2Error(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}")
-        return _Request(self.encode(prompt, chat), max_new_tokens, float(temperature), seed, selector, bool(guard),
-                        float(min_confidence), bool(speculative), None if eos_ids is None else set(eos_ids), oracle,
-                        proposer)
-
-    def _batch_request(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int | None,
-                       selector: str, chat: bool, speculative: bool, eos_ids: set[int] | None,
-                       proposer: str = DEFAULT_PROPOSER) -> _Request:
-        """A request for the batch loop, checked in full now (prompt ids, length against the cache capacity)."""
-        from dflash2_trt.runtime.decoder import check_prompt
-
-        req = self._request(prompt, max_new_tokens, temperature, seed, selector, self._adaptive, chat, 0.0,
-                            speculative, eos_ids, None, proposer)
-        check_prompt(req.prompt, self._runner(), req.max_new_tokens)
-        return req
-
-    def _submit(self, req: _Request) -> Handle:
+    def _submit(self, prompt: list[int], req: GenerationRequest) -> Handle:
         with self._init_lock:
             if self._closed:
                 raise DFlash2Error("this Generator is closed")
             if self._loop is None:
                 self._loop = _BatchLoop(self, self._max_batch, self._adaptive)
-            h = Handle(self._loop, req)
+            h = Handle(self._loop, prompt, req)
             self._loop.put(h)
         return h
 
-    def _run(self, req: _Request, hooks: tuple[Callable, Callable] | None) -> Any:
-        """One request on this Generator's runners; the caller holds the lock."""
+    def _run(self, prompt: list[int], req: GenerationRequest, oracle: Any,
+             hooks: tuple[Callable, Callable] | None) -> Any:
+        """One request (validated for ``prompt``) on this Generator's runners; the caller holds the lock."""
         from dflash2_trt.runtime import decoder as D
-        from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig
 
         target = self._runner()
         on_tokens, on_cycle = hooks if hooks else (None, None)
         if not req.speculative:
-            return D.target_generate(target, req.prompt, req.max_new_tokens, req.temperature, req.eos_ids, req.seed,
-                                     on_tokens=on_tokens)
-        opts = D.DecodeOptions(req.max_new_tokens, req.temperature, req.eos_ids, req.seed, req.min_confidence,
-                               req.proposer)
-        guard = AcceptanceGuard(GuardConfig()) if req.guard else None
-        return D.speculative_generate(target, self._drafter(req.selector), req.prompt, opts,
-                                      D.DecodeHooks(on_tokens, on_cycle, req.oracle, guard))
+            return D.target_generate(target, prompt, req, on_tokens=on_tokens)
+        return D.speculative_generate(target, self._drafter(req.draft_mode), prompt, req,
+                                      D.DecodeHooks(on_tokens, on_cycle, oracle))
 
-    def _result(self, req: _Request, res: Any) -> Result:
+    def _result(self, prompt: list[int], req: GenerationRequest, res: Any) -> Result:
         eos = self._target.eos_ids if req.eos_ids is None else req.eos_ids
         if res.tokens and res.tokens[-1] in eos:
             reason = "stop"
@@ -453,9 +438,9 @@ class Stream:
     loop over ``g.stream(...)`` that breaks drops the last reference at once, which closes the iterator then —
     with a cycle it would wait for the garbage collector, at exit for a worker thread torn down mid-session."""
 
-    def __init__(self, gen: Generator, req: _Request) -> None:
+    def __init__(self, gen: Generator, prompt: list[int], req: GenerationRequest, oracle: Any = None) -> None:
         self._result: list[Result] = []
-        self._it = _stream_chunks(gen, req, self._result)
+        self._it = _stream_chunks(gen, prompt, req, oracle, self._result)
         _OPEN_STREAMS.add(self._it)
 
     @property
@@ -472,7 +457,8 @@ class Stream:
         self._it.close()
 
 
-def _stream_chunks(gen: Generator, req: _Request, result: list[Result]) -> Iterator[Chunk]:
+def _stream_chunks(gen: Generator, prompt: list[int], req: GenerationRequest, oracle: Any,
+                   result: list[Result]) -> Iterator[Chunk]:
     """The chunks of a :class:`Stream`; ``result`` gets its Result after the last one."""
     chunks: queue.Queue = queue.Queue(maxsize=64)
     stop = threading.Event()
@@ -492,7 +478,7 @@ def _stream_chunks(gen: Generator, req: _Request, result: list[Result]) -> Itera
     def work() -> None:
         try:
             with gen._lock:
-                done.append(gen._run(req, (on_tokens, on_cycle)))
+                done.append(gen._run(prompt, req, oracle, (on_tokens, on_cycle)))
             chunks.put(None)
         except _Cancelled:
             chunks.put(None)
@@ -507,7 +493,7 @@ def _stream_chunks(gen: Generator, req: _Request, result: list[Result]) -> Itera
             if item is None:
                 tail = delta.add([], final=True)
                 if done:
-                    result.append(gen._result(req, done[0]))
+                    result.append(gen._result(prompt, req, done[0]))
                 if tail:
                     yield Chunk(tail, [], None)
                 return
@@ -534,8 +520,8 @@ class Handle:
     :class:`Result`; ``cancel()`` stops it. Chunks queue without bound until read (a slow reader never stalls
     the batch; they are at most ``max_new_tokens`` tokens)."""
 
-    def __init__(self, loop: _BatchLoop, req: _Request) -> None:
-        self._loop, self._req = loop, req
+    def __init__(self, loop: _BatchLoop, prompt: list[int], req: GenerationRequest) -> None:
+        self._loop, self._prompt, self._req = loop, prompt, req
         self._chunks: queue.Queue = queue.Queue()  # Chunk ..., then _END
         self._done = threading.Event()
         self._cancel = threading.Event()
@@ -553,7 +539,7 @@ class Handle:
 
     @property
     def prompt_tokens(self) -> list[int]:
-        return list(self._req.prompt)
+        return list(self._prompt)
 
     def __iter__(self) -> Iterator[Chunk]:
         return (c for c in self.chunks() if c is not None)
@@ -683,7 +669,7 @@ class _BatchLoop:
             self._done(h, None, why)
 
     def _done(self, h: Handle, res: Any, error: BaseException | None = None) -> None:
-        h._finish(None if res is None else self.gen._result(h._req, res), error)
+        h._finish(None if res is None else self.gen._result(h._prompt, h._req, res), error)
         with self._cond:
             self._pending -= 1
 
@@ -700,7 +686,7 @@ class _BatchLoop:
             return
         from dflash2_trt.runtime import batch as B
 
-        r, mode = h._req, h._req.selector
+        mode = h._req.draft_mode
         try:
             dec = self._decoders.get(mode)
             if dec is None:
@@ -709,8 +695,7 @@ class _BatchLoop:
                                      B.SpeculationRule(adaptive=self.adaptive),
                                      batched_drafter=lambda n: be.batch_draft_runner(mode, n))
                 self._decoders[mode], self._live[mode] = dec, {}
-            i = dec.submit(B.BatchRequest(r.prompt, r.max_new_tokens, r.temperature, r.seed, r.eos_ids,
-                                          r.speculative, r.proposer))
+            i = dec.submit(h._prompt, h._req)
         except DFlash2Error as e:  # checked in submit already; whatever is left fails this request alone
             self._done(h, None, e)
             return
@@ -771,7 +756,7 @@ class _BatchLoop:
         for h in [h for h in self._serial if h._cancel.is_set()]:
             self._serial.remove(h)
             h._stopped = True
-            self._done(h, GenerationResult(prompt_tokens=list(h._req.prompt)))
+            self._done(h, GenerationResult(prompt_tokens=list(h._prompt)))
 
     def _serve_one(self) -> None:
         from dflash2_trt.runtime.decoder import GenerationResult
@@ -795,10 +780,10 @@ class _BatchLoop:
 
         try:
             with self.gen._lock:
-                res = self.gen._run(h._req, (on_tokens, on_cycle))
+                res = self.gen._run(h._prompt, h._req, None, (on_tokens, on_cycle))
         except _Cancelled:
             h._stopped = True
-            res = GenerationResult(prompt_tokens=list(h._req.prompt), tokens=list(h._tokens))
+            res = GenerationResult(prompt_tokens=list(h._prompt), tokens=list(h._tokens))
         except Exception as e:  # noqa: BLE001 - fails this request, not the loop
             self._done(h, None, e if isinstance(e, DFlash2Error) else
                        DFlash2Error(f"decoding failed: {type(e).__name__}: {e}"))

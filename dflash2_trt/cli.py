@@ -23,6 +23,7 @@ says: never a folder that dflash2 did not write.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -30,6 +31,7 @@ from dflash2_trt import validate as V
 from dflash2_trt.bench import cli as bench_cli
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.ort_options import add_ort_options, ort_options
+from dflash2_trt.runtime.request import GenerationRequest
 from dflash2_trt.server import cli as server_cli
 from dflash2_trt.vocabulary import BACKEND_CHOICES, SELECTOR_PRECISIONS, TINY_ARCHS
 
@@ -101,19 +103,19 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         if a.chat and not gen.has_chat_template:
             raise DFlash2Error("--chat: the target's tokenizer has no chat template")
         prompt = gen.encode(a.prompt, chat=a.chat)
-        gen.check_selector(a.selector)
         capped = bench_cli.capacity_note(a.max_new_tokens, [len(prompt)], gen.max_positions)
-        opts = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed, selector=a.selector,
-                    guard=a.guard, min_confidence=a.min_confidence, proposer=a.proposer)
+        request = GenerationRequest(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
+                                    draft_mode=a.selector, guard=a.guard, min_confidence=a.min_confidence,
+                                    proposer=a.proposer)
         oracle = None if a.no_oracle else oracle_count
         if a.stream and not a.json:
-            chunks = gen.stream(prompt, **opts, oracle=oracle)
+            chunks = gen.stream(prompt, request=request, oracle=oracle)
             for chunk in chunks:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
             r = chunks.result
         else:
-            r = gen.generate(prompt, **opts, oracle=oracle)
+            r = gen.generate(prompt, request=request, oracle=oracle)
         s = r.stats
         out: dict = {"text": r.text, "tokens": r.tokens,
                      "stats": {"tau": s.tau, "cycles": s.cycles, "per_position_cumulative": s.acceptance,
@@ -127,7 +129,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
             if a.temperature > 0:
                 out["lossless"] = None
             else:
-                base = gen.generate(prompt, a.max_new_tokens, speculative=False)
+                base = gen.generate(prompt, request=dataclasses.replace(request, speculative=False))
                 out["lossless"] = base.tokens == r.tokens
                 out["ar_tokens_per_s"] = base.stats.tokens_per_s
     if a.json:

@@ -5,8 +5,20 @@ decoding through a backend."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
+
+from dflash2_trt.runtime.request import GenerationRequest
+
+
+def req(max_new_tokens: int | None, **options: Any) -> GenerationRequest:
+    """A request as the tests that compare runs decode it (against the PyTorch reference, the C twin, another
+    backend, plain decoding): the drafter proposes every cycle (``proposer`` 'dflash2'), no acceptance guard (its
+    choices follow measured times), seed 0 — unless ``options`` say otherwise."""
+    return GenerationRequest(max_new_tokens=max_new_tokens, **{"proposer": "dflash2", "guard": False, "seed": 0,
+                                                               **options})
 
 
 def make_pair(tmp_path_factory, name: str, accepting: bool = False, arch: str = "llama"):
@@ -146,7 +158,7 @@ def speculative_equals_autoregressive(be, seed: int, prompts: int, n: int, what:
     accepted = []
     for _ in range(prompts):
         p = rng.integers(4, target.vocab_size, int(rng.integers(3, n))).tolist()
-        spec = D.speculative_generate(target, drafter, p, D.DecodeOptions(n, eos_ids=set()))
-        assert spec.tokens == D.target_generate(target, p, n, eos_ids=set()).tokens
+        spec = D.speculative_generate(target, drafter, p, req(n, eos_ids=set()))
+        assert spec.tokens == D.target_generate(target, p, req(n, eos_ids=set())).tokens
         accepted += spec.accepted
     assert_accepts(accepted, drafter.num_draft_rows, what)

@@ -15,7 +15,8 @@ import dflash2_trt
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import batch as BT
 from dflash2_trt.runtime import decoder as D
-from helpers import two_token_law, two_token_p_value
+from helpers import req, two_token_law, two_token_p_value
+from dflash2_trt.runtime.request import GenerationRequest
 
 
 @pytest.fixture(scope="module", params=["decode", "gqa"])
@@ -152,11 +153,11 @@ def test_greedy_batch_equals_b1_with_joins_and_leaves(be):
     prompts = _prompts(be, [5, 13, 8, 21, 9])
     max_new = [40, 12, 33, 25, 30]
     dec = _decoder(be, 3, BT.SpeculationRule(adaptive=False))
-    ids = [dec.submit(BT.BatchRequest(p, m)) for p, m in zip(prompts[:4], max_new[:4])]
-    victim = dec.submit(BT.BatchRequest(prompts[0], 100))  # cancelled once it has a few tokens
+    ids = [dec.submit(p, GenerationRequest(max_new_tokens=m)) for p, m in zip(prompts[:4], max_new[:4])]
+    victim = dec.submit(prompts[0], GenerationRequest(max_new_tokens=100))  # cancelled once it has a few tokens
     for _ in range(4):
         dec.step()
-    ids.append(dec.submit(BT.BatchRequest(prompts[4], max_new[4])))  # joins mid-way
+    ids.append(dec.submit(prompts[4], GenerationRequest(max_new_tokens=max_new[4])))  # joins mid-way
     cancelled = False
     while dec.busy:
         dec.step()
@@ -166,7 +167,7 @@ def test_greedy_batch_equals_b1_with_joins_and_leaves(be):
     assert cancelled
     tgt = be.target_runner()
     for i, p, m in zip(ids, prompts, max_new):
-        want = D.target_generate(tgt, p, m).tokens
+        want = D.target_generate(tgt, p, req(m)).tokens
         assert dec.results[i].tokens == want, f"request {i}"
     assert 5 <= len(dec.results[victim].tokens) < 100
     assert_accepts([a for i in ids for a in dec.results[i].accepted], 15, "(batched cycles)")
@@ -202,7 +203,7 @@ def test_an_accepted_eos_ends_the_count(be, k):
     and the second cycle (block size 16); k = 16: it is the first cycle's bonus token."""
     for seed in range(100):  # a prompt whose output's k-th token appears there first (the target copies)
         prompt = _prompts(be, [7], seed=seed)[0]
-        want = D.target_generate(be.target_runner(), prompt, 40, eos_ids=set()).tokens
+        want = D.target_generate(be.target_runner(), prompt, req(40, eos_ids=set())).tokens
         if want[k] not in want[:k]:
             break
     eos = want[k]
@@ -219,12 +220,12 @@ def test_an_accepted_eos_ends_the_count(be, k):
         pos += L + 1
     dec = BT.BatchDecoder(_decoder(be, 1).target, lambda: _OracleDrafter(be.draft_runner("greedy"), prompt, want),
                           BT.SpeculationRule(adaptive=False))
-    rid = dec.submit(BT.BatchRequest(prompt, 40, eos_ids={eos}))
+    rid = dec.submit(prompt, GenerationRequest(max_new_tokens=40, eos_ids={eos}))
     while dec.busy:
         dec.step()
     res = dec.results[rid]
     b1 = D.speculative_generate(be.target_runner(), _OracleDrafter(be.draft_runner("greedy"), prompt, want), prompt,
-                                D.DecodeOptions(40, eos_ids={eos}))
+                                req(40, eos_ids={eos}))
     for r in (res, b1):
         assert r.tokens == want[: k + 1] and r.accepted == expected, (r.accepted, expected)
 
@@ -235,7 +236,7 @@ def test_rule_estimate_of_a_final_partial_block(be):
     from dflash2_trt.runtime.ngram import DFLASH2
 
     dec = _decoder(be, 1, BT.SpeculationRule(adaptive=False))
-    rid = dec.submit(BT.BatchRequest(_prompts(be, [9], seed=5)[0], 60))
+    rid = dec.submit(_prompts(be, [9], seed=5)[0], GenerationRequest(max_new_tokens=60))
     for _ in range(4):
         dec.step()
     s = dec._active[rid]
@@ -255,10 +256,11 @@ def test_plain_batch_mixed_temperatures(be):
     prompts = _prompts(be, [6, 14, 9, 11], seed=5)
     temps, seeds = [0.0, 0.8, 0.0, 1.3], [0, 11, 0, 12]
     dec = _decoder(be, 4, draft=False)
-    out = dec.run([BT.BatchRequest(p, 24, t, s, proposer="dflash2") for p, t, s in zip(prompts, temps, seeds)])
+    out = dec.run([(p, GenerationRequest(max_new_tokens=24, temperature=t, seed=s, proposer="dflash2"))
+                   for p, t, s in zip(prompts, temps, seeds)])
     tgt = be.target_runner()
     for o, p, t, s in zip(out, prompts, temps, seeds):
-        assert o.tokens == D.target_generate(tgt, p, 24, t, seed=s).tokens
+        assert o.tokens == D.target_generate(tgt, p, req(24, temperature=t, seed=s)).tokens
         assert o.plain_steps == len(o.tokens) - 1 and not o.accepted
     assert dec.target.batched_calls > 0
 
@@ -311,7 +313,7 @@ def test_rule_probes_a_sequence_kept_plain(be):
     costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=0.4)
     rule = BT.SpeculationRule(costs=costs, prior_tau=2.0, prior_weight=1.0, probe_after=5)
     dec = _decoder(be, 1, rule)
-    i = dec.submit(BT.BatchRequest(_prompts(be, [9])[0], 60, eos_ids=set(), proposer="dflash2"))
+    i = dec.submit(_prompts(be, [9])[0], GenerationRequest(max_new_tokens=60, eos_ids=set(), proposer="dflash2"))
     dec.step()  # admits and drafts (prior 2.0)
     s = dec._active[i]
     s.committed["dflash2"].extend([1, 1, 1, 1])  # as if its recent cycles committed 1 token: tau = 1.4
@@ -328,14 +330,14 @@ def test_adaptive_loop_drafts_alone_and_goes_plain_under_load(be):
     (lookups under load: test_batch_proposers.py)."""
     costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.5, verify_s=0.4)
     prompts = _prompts(be, [7, 10, 12, 5, 9, 15], seed=9)
-    one = _decoder(be, 1, BT.SpeculationRule(costs=costs)).run([BT.BatchRequest(prompts[0], 40)])[0]
+    one = _decoder(be, 1, BT.SpeculationRule(costs=costs)).run([(prompts[0], GenerationRequest(max_new_tokens=40))])[0]
     assert len(one.accepted) > 0
     dec = _decoder(be, 6, BT.SpeculationRule(costs=costs, prior_tau=4.0))
-    many = dec.run([BT.BatchRequest(p, 20, proposer="dflash2") for p in prompts])
+    many = dec.run([(p, GenerationRequest(max_new_tokens=20, proposer="dflash2")) for p in prompts])
     tgt = be.target_runner()
-    assert one.tokens == D.target_generate(tgt, prompts[0], 40).tokens
+    assert one.tokens == D.target_generate(tgt, prompts[0], req(40)).tokens
     for o, p in zip(many, prompts):
-        assert o.tokens == D.target_generate(tgt, p, 20).tokens
+        assert o.tokens == D.target_generate(tgt, p, req(20)).tokens
     # drafting starts only once the load fell: the first steps (6 sequences) are all plain
     assert all(o.plain_steps >= 5 for o in many)
 
@@ -379,13 +381,13 @@ def test_batched_sampling_keeps_the_target_law(be):
     prompt = _prompts(be, [24], seed=17)[0]  # longer than the copy distance: the pair's drafts get accepted
     tgt = be.target_runner()
     law = two_token_law(tgt, prompt, T)
-    greedy_want = D.target_generate(tgt, prompt, 12).tokens
+    greedy_want = D.target_generate(tgt, prompt, req(12)).tokens
     dec = _decoder(be, 8, BT.SpeculationRule(adaptive=False))
     sampled, greedy = [], []
     for k in range(n):
         if k % 120 == 0:
-            greedy.append(dec.submit(BT.BatchRequest(prompt, 12)))
-        sampled.append(dec.submit(BT.BatchRequest(prompt, 8, T, seed=1000 + k)))
+            greedy.append(dec.submit(prompt, GenerationRequest(max_new_tokens=12)))
+        sampled.append(dec.submit(prompt, GenerationRequest(max_new_tokens=8, temperature=T, seed=1000 + k)))
     while dec.busy:
         dec.step()
     for i in greedy:
@@ -433,7 +435,7 @@ def test_realized_check_ignores_steps_the_rule_did_not_weigh(be):
     the rule's, so the realized check does not hold the batch size plain for it, and the next step whose lookup
     matches is weighed (and drafts: a lookup is free of drafter time)."""
     dec = _decoder(be, 1, BT.SpeculationRule(), draft=False)
-    i = dec.submit(BT.BatchRequest(_prompts(be, [6])[0], 60, eos_ids=set(), proposer="ngram"))
+    i = dec.submit(_prompts(be, [6])[0], GenerationRequest(max_new_tokens=60, eos_ids=set(), proposer="ngram"))
     dec.step()
     s = dec._active[i]
     for _ in range(BT.STEP_RATE_MIN_STEPS):  # plain steps at one sequence measured: the check lets the rule weigh
@@ -468,10 +470,10 @@ def test_realized_check_stops_drafting_that_loses(be, monkeypatch, check):
 
     dec.target.forward = slow_verifies
     prompts = _prompts(be, [7, 10], seed=11)
-    out = dec.run([BT.BatchRequest(p, 64, eos_ids=set(), proposer="dflash2") for p in prompts])
+    out = dec.run([(p, GenerationRequest(max_new_tokens=64, eos_ids=set(), proposer="dflash2")) for p in prompts])
     tgt = be.target_runner()
     for o, p in zip(out, prompts):
-        assert o.tokens == D.target_generate(tgt, p, 64, eos_ids=set()).tokens
+        assert o.tokens == D.target_generate(tgt, p, req(64, eos_ids=set())).tokens
     drafted = sum(len(o.accepted) for o in out)  # cycles
     assert drafted >= BT.STEP_RATE_MIN_STEPS and sum(sum(o.accepted) for o in out) > 0  # the model drafted, accepted
     if check:

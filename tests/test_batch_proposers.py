@@ -17,7 +17,8 @@ import dflash2_trt
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import batch as BT
 from dflash2_trt.runtime import decoder as D
-from helpers import RecordingDrafter, assert_accepts, two_token_law, two_token_p_value
+from helpers import RecordingDrafter, assert_accepts, req, two_token_law, two_token_p_value
+from dflash2_trt.runtime.request import GenerationRequest
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,8 @@ def _prompts(be, lengths, seed, repeat=()):  # noqa: ANN001, ANN202
     return out
 
 
-def _b1(be, prompt, options: D.DecodeOptions, hooks: D.DecodeHooks = D.DecodeHooks()):  # noqa: ANN001, ANN202
-    return D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), prompt, options, hooks)
+def _b1(be, prompt, request: GenerationRequest, hooks: D.DecodeHooks = D.DecodeHooks()):  # noqa: ANN001, ANN202
+    return D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), prompt, request, hooks)
 
 
 def _decisions(res) -> tuple[list, list, list, int]:  # noqa: ANN001
@@ -88,8 +89,8 @@ def test_mixed_proposers_batch_equal_their_b1_runs(be):
     dec = _decoder(be, 3, BT.SpeculationRule(adaptive=False), drafters)
 
     def submit(i: int) -> int:
-        return dec.submit(BT.BatchRequest(prompts[i], maxes[i], temps[i], seed=10 + i, eos_ids=set(),
-                                          proposer=proposers[i]))
+        return dec.submit(prompts[i], GenerationRequest(max_new_tokens=maxes[i], temperature=temps[i], seed=10 + i,
+                                                        eos_ids=set(), proposer=proposers[i]))
 
     ids = [submit(i) for i in range(5)]
     for _ in range(3):
@@ -102,10 +103,11 @@ def test_mixed_proposers_batch_equal_their_b1_runs(be):
     switched = 0
     for k, i in enumerate(ids):
         got = dec.results[i]
-        want = _b1(be, prompts[k], D.DecodeOptions(maxes[k], temps[k], set(), 10 + k, proposer=proposers[k]))
+        want = _b1(be, prompts[k], req(maxes[k], temperature=temps[k], eos_ids=set(), seed=10 + k,
+                                       proposer=proposers[k]))
         _same_as_b1(got, want, temps[k], (k, proposers[k]))
         if temps[k] == 0:
-            assert got.tokens == D.target_generate(tgt, prompts[k], maxes[k], eos_ids=set()).tokens, k
+            assert got.tokens == D.target_generate(tgt, prompts[k], req(maxes[k], eos_ids=set())).tokens, k
             lookups += [a for a, w in zip(got.accepted, got.proposers) if w == "ngram"]
         allowed = {"ngram": {"ngram"}, "dflash2": {"dflash2"}, "auto": {"ngram", "dflash2"}}[proposers[k]]
         assert set(got.proposers) <= allowed, k
@@ -122,14 +124,14 @@ def test_lookup_only_batch_needs_no_drafter(be):
     drafter), the same cycles and tokens as B = 1 with 4 rows; a dflash2 request there steps plain."""
     prompts = _prompts(be, [10, 17], seed=2, repeat=(0,))
     dec = _decoder(be, 2, BT.SpeculationRule(adaptive=False))
-    got = dec.run([BT.BatchRequest(prompts[0], 30, eos_ids=set(), proposer="ngram"),
-                   BT.BatchRequest(prompts[1], 20, eos_ids=set(), proposer="dflash2")])
-    want = _b1(be, prompts[0], D.DecodeOptions(30, eos_ids=set(), proposer="ngram", ngram_rows=4))
+    got = dec.run([(prompts[0], GenerationRequest(max_new_tokens=30, eos_ids=set(), proposer="ngram")),
+                   (prompts[1], GenerationRequest(max_new_tokens=20, eos_ids=set(), proposer="dflash2"))])
+    want = _b1(be, prompts[0], req(30, eos_ids=set(), proposer="ngram", ngram_rows=4))
     _same_as_b1(got[0], want, 0.0, "ngram")
     assert got[0].proposers and max(got[0].proposed) <= 4 and sum(got[0].accepted) > 0
     assert got[1].plain_steps == 19 and not got[1].accepted
     with pytest.raises(DFlash2Error, match="proposer must be one of"):
-        dec.submit(BT.BatchRequest(prompts[0], 5, proposer="lookahead"))
+        dec.submit(prompts[0], GenerationRequest(max_new_tokens=5, proposer="lookahead"))
 
 
 def test_lookup_drafts_keep_the_target_law(be):
@@ -144,8 +146,8 @@ def test_lookup_drafts_keep_the_target_law(be):
     tgt = be.target_runner()
     law = two_token_law(tgt, prompt, T)
     dec = _decoder(be, 8, BT.SpeculationRule(adaptive=False))
-    ids = [dec.submit(BT.BatchRequest(prompt, 4, T, seed=2000 + k, eos_ids=set(), proposer="ngram"))
-           for k in range(n)]
+    ids = [dec.submit(prompt, GenerationRequest(max_new_tokens=4, temperature=T, seed=2000 + k, eos_ids=set(),
+                                                proposer="ngram")) for k in range(n)]
     while dec.busy:
         dec.step()
     res = [dec.results[i] for i in ids]
@@ -177,14 +179,14 @@ def test_one_sequence_auto_decides_as_b1(be, temperature):
     prompt = _prompts(be, [20], seed=4, repeat=(0,))[0]
     cheap = BT.FixedCosts(plain_fn=lambda n: 1.0, draft_s=1e-4, verify_s=1e-4)
     got = _decoder(be, 1, BT.SpeculationRule(costs=cheap), []).run(
-        [BT.BatchRequest(prompt, 48, temperature, seed=7, eos_ids=set())])[0]
-    auto = D.DecodeOptions(48, temperature, set(), 7, proposer="auto")
+        [(prompt, GenerationRequest(max_new_tokens=48, temperature=temperature, seed=7, eos_ids=set()))])[0]
+    auto = req(48, temperature=temperature, eos_ids=set(), seed=7, proposer="auto")
     _same_as_b1(got, _b1(be, prompt, auto), temperature, "drafter pays")
     assert {"ngram", "dflash2"} <= set(got.proposers)
     dear = BT.FixedCosts(plain_fn=lambda n: 1.0, draft_s=100.0, verify_s=1e-4)
     drafters: list[RecordingDrafter] = []
     got = _decoder(be, 1, BT.SpeculationRule(costs=dear), drafters).run(
-        [BT.BatchRequest(prompt, 48, temperature, seed=7, eos_ids=set())])[0]
+        [(prompt, GenerationRequest(max_new_tokens=48, temperature=temperature, seed=7, eos_ids=set()))])[0]
     _same_as_b1(got, _b1(be, prompt, auto, D.DecodeHooks(guard=_DrafterOff())), temperature, "drafter never pays")
     assert set(got.proposers) == {"ngram"} and got.plain_steps > 0 and sum(d.proposals for d in drafters) == 0
 
@@ -196,10 +198,10 @@ def test_lookups_run_beside_batched_plain_steps_under_load(be):
     prompts = _prompts(be, [7, 22, 12, 5, 18, 15], seed=9, repeat=(1, 4))
     drafters: list[RecordingDrafter] = []
     dec = _decoder(be, 6, BT.SpeculationRule(costs=costs), drafters)
-    out = dec.run([BT.BatchRequest(p, 30, eos_ids=set()) for p in prompts])
+    out = dec.run([(p, GenerationRequest(max_new_tokens=30, eos_ids=set())) for p in prompts])
     tgt = be.target_runner()
     for o, p in zip(out, prompts):
-        assert o.tokens == D.target_generate(tgt, p, 30, eos_ids=set()).tokens
+        assert o.tokens == D.target_generate(tgt, p, req(30, eos_ids=set())).tokens
         assert set(o.proposers) <= {"ngram"} and o.plain_steps > 0
     assert sum(d.proposals for d in drafters) == 0
     assert_accepts([a for o in out for a in o.accepted], 4, "(lookups under load)")

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from dflash2_trt import DFlash2Error
+from dflash2_trt.runtime.request import GenerationRequest
+from helpers import req
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +147,8 @@ def test_batch_loop_drafts_in_one_call(be):
     made: list = []
     for batched in (False, True):
         dec = _loop(be, 3, batched, BT.SpeculationRule(adaptive=False), made)
-        out[batched] = dec.run([BT.BatchRequest(p, m, t, s, eos_ids=set(), proposer="dflash2")
-                                for p, (m, t, s) in zip(prompts, spec)])
+        out[batched] = dec.run([(p, GenerationRequest(max_new_tokens=m, temperature=t, seed=s, eos_ids=set(),
+                                                      proposer="dflash2")) for p, (m, t, s) in zip(prompts, spec)])
         steps = dec.drafting_steps
     run = made[0]
     assert run.block_calls == run.head_calls == steps  # one block + one head call per drafting step
@@ -158,7 +160,7 @@ def test_batch_loop_drafts_in_one_call(be):
     tgt = be.target_runner()
     for r, p, (m, t, _) in zip(out[True], prompts, spec):
         if t == 0:
-            assert r.tokens == D.target_generate(tgt, p, m, eos_ids=set()).tokens
+            assert r.tokens == D.target_generate(tgt, p, req(m, eos_ids=set())).tokens
     assert_accepts([a for r, (_, t, _) in zip(out[True], spec) if t == 0 for a in r.accepted], 15, "(greedy ones)")
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.bench.prompts import load_prompts
+from helpers import req
 
 KEYS = {"backend", "n_prompts", "tau", "per_position_cumulative", "per_position_conditional", "oracle_tau",
         "spec_tokens_per_s", "ar_tokens_per_s", "speedup", "lossless"}
@@ -224,7 +225,7 @@ def test_oracle_tau_at_positive_temperature_follows_its_definition(acc_target, a
         return o
 
     p = np.random.default_rng(9).integers(4, 500, 18).tolist()
-    res = D.speculative_generate(runner, src, p, D.DecodeOptions(40, temperature=0.7, eos_ids=set(), seed=3),
+    res = D.speculative_generate(runner, src, p, req(40, temperature=0.7, eos_ids=set(), seed=3),
                                  D.DecodeHooks(oracle=spy))
     assert res.oracle_accepted == [s[6] for s in seen] and len(seen) == len(res.accepted)
     assert any(s[3] > 0 for s in seen)  # drafts were accepted, so the committed-prefix part is exercised

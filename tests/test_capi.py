@@ -37,6 +37,8 @@ from dflash2_trt import reference as ref
 from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.protocol import Draft, independent_draft
+from dflash2_trt.runtime.request import GenerationRequest
+from helpers import req
 
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME = REPO / "runtime"
@@ -193,11 +195,11 @@ def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_
     with _recording_rng(draws):
         if speculative:
             res = D.speculative_generate(target, drafter, prompt,
-                                         D.DecodeOptions(max_new, temperature, set(eos), seed, proposer=proposer,
-                                                         ngram_rows=ngram_rows or None),
+                                         req(max_new, temperature=temperature, eos_ids=set(eos), seed=seed,
+                                             proposer=proposer, ngram_rows=ngram_rows or None),
                                          D.DecodeHooks(oracle=oracle_count if oracle else None))
         else:
-            res = D.target_generate(target, prompt, max_new, temperature, set(eos), seed)
+            res = D.target_generate(target, prompt, req(max_new, temperature=temperature, eos_ids=set(eos), seed=seed))
     stats = res.stats()
     return {
         "name": name, "speculative": speculative, "prompt": prompt, "max_new_tokens": max_new,
@@ -999,7 +1001,7 @@ def test_c_loop_equals_python_runtime_greedy(lib, acc_ort, mode):
     try:
         for p in _prompts(3, seed=21):
             py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner(mode), p,
-                                        D.DecodeOptions(40, eos_ids=set()), D.DecodeHooks(oracle=oracle_count))
+                                        req(40, eos_ids=set()), D.DecodeHooks(oracle=oracle_count))
             toks, st, chunks = c.generate(p, {"max_new_tokens": 40, "eos_ids": [], "measure_oracle": True})
             _assert_same(toks, st, py)
             assert sum(chunks, []) == toks and len(chunks) == st["cycles"] + 1
@@ -1104,9 +1106,9 @@ def test_zlab_muse_glimmer_drafter_end_to_end(lib, tmp_path_factory):
     try:
         for p in _prompts(3, seed=9):
             want = D.speculative_generate(TorchTargetRunner(t, cfg.target_layer_ids), TorchDraftRunner(ref), p,
-                                          D.DecodeOptions(16, eos_ids=set()))
+                                          req(16, eos_ids=set()))
             py = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p,
-                                        D.DecodeOptions(16, eos_ids=set()))
+                                        req(16, eos_ids=set()))
             assert (py.tokens, py.accepted) == (want.tokens, want.accepted)
             toks, st, _ = c.generate(p, {"max_new_tokens": 16, "eos_ids": []})
             _assert_same(toks, st, py)
@@ -1129,7 +1131,7 @@ def test_c_loop_over_a_hybrid_target_equals_python_runtime(lib, hybrid_export):
     try:
         for p in _prompts(8, seed=5):
             py = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p,
-                                        D.DecodeOptions(32, eos_ids=set()))
+                                        req(32, eos_ids=set()))
             toks, st, _ = c.generate(p, {"max_new_tokens": 32, "eos_ids": []})
             _assert_same(toks, st, py)
             accepted += st["accepted"]
@@ -1150,12 +1152,12 @@ def test_c_loop_equals_python_runtime_sampling(lib, acc_ort, mode):
     try:
         for seed, p in enumerate(_prompts(3, seed=5)):
             py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner(mode), p,
-                                        D.DecodeOptions(24, temperature=0.8, eos_ids=set(), seed=seed))
+                                        req(24, temperature=0.8, eos_ids=set(), seed=seed))
             toks, st, _ = c.generate(p, {"max_new_tokens": 24, "temperature": 0.8, "eos_ids": []}, numpy_seed=seed)
             _assert_same(toks, st, py)
             accepted += st["accepted"]
         assert not c.errors and max(accepted) >= 3, accepted
-        ar = D.target_generate(acc_ort.target_runner(), p, 16, temperature=0.8, eos_ids=set(), seed=3)
+        ar = D.target_generate(acc_ort.target_runner(), p, req(16, temperature=0.8, eos_ids=set(), seed=3))
         toks, _, _ = c.generate(p, {"max_new_tokens": 16, "temperature": 0.8, "eos_ids": [], "speculative": False},
                                 numpy_seed=3)
         assert toks == ar.tokens
@@ -1193,11 +1195,11 @@ def test_c_loop_with_accepting_drafter(lib, ort):
     at T = 0 and T > 0, and acceptance happened (τ > 1, some cycles accept several drafts, some reject)."""
     p = _prompts(1, seed=77)[0]
     n = 40
-    greedy = list(p) + D.target_generate(ort.target_runner(), p, n, eos_ids=set()).tokens
+    greedy = list(p) + D.target_generate(ort.target_runner(), p, req(n, eos_ids=set())).tokens
     make = lambda: _OracleDrafter(greedy, ort.manifest.block_size, ort.manifest.target.vocab_size)  # noqa: E731
     c = CRuntime(lib, ort.target_runner(), make(), _feature_dim(ort), 4)
     try:
-        py = D.speculative_generate(ort.target_runner(), make(), p, D.DecodeOptions(n, eos_ids=set()),
+        py = D.speculative_generate(ort.target_runner(), make(), p, req(n, eos_ids=set()),
                                     D.DecodeHooks(oracle=oracle_count))
         toks, st, _ = c.generate(p, {"max_new_tokens": n, "eos_ids": [], "measure_oracle": True})
         _assert_same(toks, st, py)
@@ -1205,7 +1207,7 @@ def test_c_loop_with_accepting_drafter(lib, ort):
         assert st["tau"] > 2.0 and max(st["accepted"]) >= 3  # drafts were accepted ...
         assert any(a < r for a, r in zip(st["accepted"], st["proposed"]))  # ... and rejected
         py = D.speculative_generate(ort.target_runner(), make(), p,
-                                    D.DecodeOptions(n, temperature=0.1, eos_ids=set(), seed=11))
+                                    req(n, temperature=0.1, eos_ids=set(), seed=11))
         toks, st, _ = c.generate(p, {"max_new_tokens": n, "temperature": 0.1, "eos_ids": []}, numpy_seed=11)
         _assert_same(toks, st, py)
         assert sum(st["accepted"]) > 0  # a low temperature keeps the samples near the drafted greedy chain
@@ -1229,8 +1231,7 @@ def test_c_loop_with_prompt_lookup_equals_python_runtime(lib, acc_ort, proposer)
             base = rng.integers(4, acc_ort.manifest.target.vocab_size, int(rng.integers(3, 9))).tolist()
             p, T = base * 3, [0.0, 0.8][i % 2]
             py = D.speculative_generate(acc_ort.target_runner(), acc_ort.draft_runner("greedy"), p,
-                                        D.DecodeOptions(40, temperature=T, eos_ids=set(), seed=i, proposer=proposer,
-                                                        ngram_rows=6))
+                                        req(40, temperature=T, eos_ids=set(), seed=i, proposer=proposer, ngram_rows=6))
             before = dict(c.calls)
             toks, st, _ = c.generate(p, {"max_new_tokens": 40, "temperature": T, "eos_ids": [], "proposer": proposer,
                                          "ngram_rows": 6}, numpy_seed=i)
@@ -1254,7 +1255,7 @@ def test_c_loop_counts_no_drafts_after_an_accepted_eos(lib, ort, monkeypatch):
 
     p = _prompts(1, seed=77)[0]
     n = 40
-    cont = D.target_generate(ort.target_runner(), p, n, eos_ids=set()).tokens
+    cont = D.target_generate(ort.target_runner(), p, req(n, eos_ids=set())).tokens
     greedy = list(p) + cont
     make = lambda: _OracleDrafter(greedy, ort.manifest.block_size, ort.manifest.target.vocab_size)  # noqa: E731
     raw: list[int] = []  # acceptance counts before the EOS cut
@@ -1273,7 +1274,7 @@ def test_c_loop_counts_no_drafts_after_an_accepted_eos(lib, ort, monkeypatch):
             if eos in cont[:i]:
                 continue  # the first occurrence ends the request
             raw.clear()
-            py = D.speculative_generate(ort.target_runner(), make(), p, D.DecodeOptions(n, eos_ids={eos}))
+            py = D.speculative_generate(ort.target_runner(), make(), p, req(n, eos_ids={eos}))
             if raw[-1] <= py.accepted[-1]:
                 continue  # the EOS was the bonus or the last accepted draft: nothing to cut
             toks, st, _ = c.generate(p, {"max_new_tokens": n, "eos_ids": [eos]})
@@ -1524,7 +1525,7 @@ def _batch_scenario(be) -> list[dict]:  # noqa: ANN001
     temps, seeds = [0.0, 0.0, 0.8, 0.0, 1.0, 0.0, 0.0], [0, 0, 11, 0, 12, 0, 0]
     reqs = [{"prompt": rng.integers(0, V, n).tolist(), "max_new": m, "temperature": t, "seed": sd, "eos": [],
              "speculative": i != 5} for i, (n, m, t, sd) in enumerate(zip(lengths, max_new, temps, seeds))]
-    b1 = D.target_generate(be.target_runner(), reqs[3]["prompt"], reqs[3]["max_new"], eos_ids=set()).tokens
+    b1 = D.target_generate(be.target_runner(), reqs[3]["prompt"], req(reqs[3]["max_new"], eos_ids=set())).tokens
     reqs[3]["eos"] = [b1[9]]  # an EOS it reaches
     return reqs
 
@@ -1542,8 +1543,10 @@ def _run_python_batch(be, rule, reqs: list[dict]):  # noqa: ANN001, ANN202
 
     def submit(i: int) -> int:
         r = reqs[i]
-        return dec.submit(BT.BatchRequest(r["prompt"], r["max_new"], r["temperature"], r["seed"], set(r["eos"]),
-                                          r["speculative"], r.get("proposer", "dflash2"), r.get("ngram_rows") or None))
+        return dec.submit(r["prompt"], GenerationRequest(
+            max_new_tokens=r["max_new"], temperature=r["temperature"], seed=r["seed"], eos_ids=set(r["eos"]),
+            speculative=r["speculative"], proposer=r.get("proposer", "dflash2"),
+            ngram_rows=r.get("ngram_rows") or None))
 
     ids = {i: submit(i) for i in range(6)}
     k = 0
@@ -1629,7 +1632,7 @@ def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
         tgt = batch_be.target_runner()
         for i, r in enumerate(reqs):
             if r["temperature"] == 0 and i != 0:
-                want = D.target_generate(tgt, r["prompt"], r["max_new"], eos_ids=set(r["eos"])).tokens
+                want = D.target_generate(tgt, r["prompt"], req(r["max_new"], eos_ids=set(r["eos"]))).tokens
                 assert got[i]["tokens"] == want, f"request {i} differs from its B = 1 output"
         assert 5 <= len(got[0]["tokens"]) < reqs[0]["max_new"]
         assert info.largest_step == 3 and info.cycles > 0 and 0 < info.drafting_steps
@@ -1692,7 +1695,7 @@ def test_c_batch_with_prompt_lookup_equals_python_batch_decoder(lib, batch_be, a
         tgt = batch_be.target_runner()
         for i, r in enumerate(reqs):
             if r["temperature"] == 0 and i != 0:  # lossless: each greedy request is its own B = 1 output
-                want = D.target_generate(tgt, r["prompt"], r["max_new"], eos_ids=set()).tokens
+                want = D.target_generate(tgt, r["prompt"], req(r["max_new"], eos_ids=set())).tokens
                 assert got[i]["tokens"] == want, f"request {i} differs from its B = 1 output"
         lookups = {i: [a for a, w in zip(r["accepted"], r["proposers"]) if w == "ngram"] for i, r in enumerate(got)}
         assert sum(map(sum, lookups.values())) > 0 and lookups[1] and lookups[3] and not lookups[4], lookups

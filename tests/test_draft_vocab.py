@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_accepts
+from helpers import assert_accepts, req
 from dflash2_trt import DFlash2Error
 from dflash2_trt.model.checkpoint import TOKEN_COUNTS_NAME, draft_vocabulary, load_drafter
 from dflash2_trt.runtime import decoder as D
@@ -135,11 +135,11 @@ def test_export_decodes_losslessly_with_drafts_inside_the_vocabulary(dv_export, 
         hi = N if i < 3 else 512  # the last prompt copies ids the head cannot propose
         p = rng.integers(4, hi, size=int(rng.integers(8, 30))).tolist()
         rec = _Recording(be.draft_runner(mode))
-        got = D.speculative_generate(target, rec, p, D.DecodeOptions(MAX_NEW, eos_ids=set()))
+        got = D.speculative_generate(target, rec, p, req(MAX_NEW, eos_ids=set()))
         want = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), TorchDraftRunner(ref_d, mode), p,
-                                      D.DecodeOptions(MAX_NEW, eos_ids=set()))
+                                      req(MAX_NEW, eos_ids=set()))
         assert got.tokens == want.tokens and got.accepted == want.accepted  # = the restricted PyTorch drafter
-        assert got.tokens == D.target_generate(target, p, MAX_NEW, eos_ids=set()).tokens  # lossless
+        assert got.tokens == D.target_generate(target, p, req(MAX_NEW, eos_ids=set())).tokens  # lossless
         drafted += rec.tokens
         if i < 3:
             accepted += got.accepted

@@ -14,6 +14,7 @@ from dflash2_trt import DFlash2Error, reference as ref
 from dflash2_trt.manifest import PluginSpec, TensorSpec
 from dflash2_trt.export import selector_contract as sc
 from dflash2_trt.bench.oracle import oracle_count
+from helpers import req
 
 
 def test_layout_manifest_and_checker(tiny_export):
@@ -272,8 +273,8 @@ def test_dflash_v1_drafter_exports_and_runs(acc_dir, acc_target, acc_drafter, tm
     for _ in range(3):
         p = rng.integers(4, 500, size=int(rng.integers(1, 20))).tolist()
         want = ref_speculative(acc_target, TorchDraftRunner(v1.eval(), "independent"), p,
-                               D.DecodeOptions(20, eos_ids=set()), layer_ids=[0, 2])
-        got = D.speculative_generate(target, drafter, p, D.DecodeOptions(20, eos_ids=set()),
+                               req(20, eos_ids=set()), layer_ids=[0, 2])
+        got = D.speculative_generate(target, drafter, p, req(20, eos_ids=set()),
                                      D.DecodeHooks(oracle=oracle_count))
         assert got.tokens == want.tokens and got.stats() == want.stats()
         assert got.tokens == ref_autoregressive(acc_target, p, 20, eos_ids=set()).tokens
@@ -428,8 +429,8 @@ def test_dense_targets_with_a_last_layer_tap_or_an_odd_head_size(tmp_path, head_
     rng = np.random.default_rng(0)
     for _ in range(3):
         prompt = rng.integers(2, m.target.vocab_size, int(rng.integers(3, 12))).tolist()
-        want = D.target_generate(be.target_runner(), prompt, 12).tokens
-        got = D.speculative_generate(be.target_runner(), be.draft_runner(), prompt, D.DecodeOptions(12))
+        want = D.target_generate(be.target_runner(), prompt, req(12)).tokens
+        got = D.speculative_generate(be.target_runner(), be.draft_runner(), prompt, req(12))
         assert got.tokens == want
         ids = torch.tensor(prompt)
         hf.reset(taps)

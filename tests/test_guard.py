@@ -16,6 +16,7 @@ from dflash2_trt.reference import softmax_t
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.protocol import Draft
 from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig, verify_rows
+from helpers import req
 
 
 class MarkovTarget:
@@ -85,10 +86,10 @@ def test_guard_switches_to_plain_and_probes_back_losslessly():
     # the drafter is useless for the first 40 positions, then perfect
     drafter = ScheduledOracleDrafter(W, 8, lambda pos: 0 if pos < 45 else 7)
     prompt = [3, 1, 4]
-    want = D.target_generate(target, prompt, 120).tokens
+    want = D.target_generate(target, prompt, req(120)).tokens
     guard = AcceptanceGuard(GuardConfig(window=2, min_cycles=2, backoff=4, max_backoff=16, cost_ratio=2.0))
     target.forwards = []
-    res = D.speculative_generate(target, drafter, prompt, D.DecodeOptions(120), D.DecodeHooks(guard=guard))
+    res = D.speculative_generate(target, drafter, prompt, req(120), D.DecodeHooks(guard=guard))
     assert res.tokens == want
     assert res.guard_switches >= 1 and res.guard_probes >= 1 and res.plain_steps > 0
     # failed probes doubled the backoff, the passed one reset it; the late cycles are full blocks
@@ -106,8 +107,8 @@ def test_guard_stays_speculative_when_drafts_pay():
     W = _toy(seed=1)
     target = MarkovTarget(W)
     drafter = ScheduledOracleDrafter(W, 8, lambda pos: 7)
-    want = D.target_generate(target, [5], 80).tokens
-    res = D.speculative_generate(target, drafter, [5], D.DecodeOptions(80),
+    want = D.target_generate(target, [5], req(80)).tokens
+    res = D.speculative_generate(target, drafter, [5], req(80),
                                  D.DecodeHooks(guard=AcceptanceGuard(GuardConfig(cost_ratio=2.0))))
     assert res.tokens == want
     assert res.plain_steps == 0 and res.guard_switches == 0
@@ -232,10 +233,10 @@ def test_confidence_verify_length_lossless_greedy(guard):
     rng = np.random.default_rng(0)
     ks = {}
     drafter = ScheduledOracleDrafter(W, 8, lambda pos: ks.setdefault(pos, int(rng.integers(0, 8))))
-    want = D.target_generate(target, [7, 8], 100).tokens
+    want = D.target_generate(target, [7, 8], req(100)).tokens
     g = AcceptanceGuard(GuardConfig(window=2, min_cycles=2, backoff=2, cost_ratio=1.5)) if guard else None
     target.forwards = []
-    res = D.speculative_generate(target, drafter, [7, 8], D.DecodeOptions(100, min_confidence=0.5),
+    res = D.speculative_generate(target, drafter, [7, 8], req(100, min_confidence=0.5),
                                  D.DecodeHooks(guard=g))
     assert res.tokens == want
     # the cut fell where the drafter's confidence fell: every verified row was a right one
@@ -290,7 +291,7 @@ def test_guard_and_confidence_exact_in_law_at_t1():
         target = MarkovTarget(W)
         g = AcceptanceGuard(GuardConfig(window=1, min_cycles=1, probe_window=1, backoff=1, max_backoff=2, cost_ratio=2.0))
         r = D.speculative_generate(target, SamplingDrafter(Q, 4), prompt,
-                                   D.DecodeOptions(n_tok, temperature=1.0, seed=seed, min_confidence=0.35),
+                                   req(n_tok, temperature=1.0, seed=seed, min_confidence=0.35),
                                    D.DecodeHooks(guard=g))
         counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
         cut += any(n < min(3, n_tok - 1) for n in r.proposed[:1])
@@ -323,12 +324,12 @@ def test_guard_measured_cost_in_the_loop(monkeypatch):
     monkeypatch.setattr(D, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
     W = _toy(seed=3)
     target = TimedTarget(W)
-    want = D.target_generate(target, [2], 400).tokens
+    want = D.target_generate(target, [2], req(400)).tokens
     drafter = ScheduledOracleDrafter(W, 16, lambda pos: 2 if pos < 150 else 15)
     g = AcceptanceGuard()
-    res = D.speculative_generate(target, drafter, [2], D.DecodeOptions(400), D.DecodeHooks(guard=g))
+    res = D.speculative_generate(target, drafter, [2], req(400), D.DecodeHooks(guard=g))
     assert res.tokens == want
     # measured: a plain step 1.25 s, a full cycle (16 rows) 5 s -> break-even τ 4, between the two drafters' τ
     assert g.t_step == pytest.approx(1.25) and (16, pytest.approx(5.0)) in g.window
     assert res.guard_switches >= 1 and res.guard_probes >= 1 and res.plain_steps >= g.cfg.backoff
-    assert res.accepted[-2] == 15 and res.elapsed_s < D.target_generate(target, [2], 400).elapsed_s
+    assert res.accepted[-2] == 15 and res.elapsed_s < D.target_generate(target, [2], req(400)).elapsed_s

@@ -18,7 +18,7 @@ from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.linear_state import LinearStates
 from dflash2_trt.runtime.ngram import lookup_draft
-from helpers import assert_accepts, make_pair, two_token_law, two_token_p_value
+from helpers import assert_accepts, make_pair, req, two_token_law, two_token_p_value
 from test_capi import capi_build, lib, vectors_path  # noqa: F401 (the C library's fixtures)
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -165,8 +165,8 @@ def _lossless(be, prompts):  # noqa: ANN001, ANN202
     """(mismatches against the same backend's autoregressive output, accepted drafts per cycle)."""
     bad, accepted = 0, []
     for p in prompts:
-        want = D.target_generate(be.target_runner(), p, 24, eos_ids=set()).tokens
-        r = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, D.DecodeOptions(24, eos_ids=set()))
+        want = D.target_generate(be.target_runner(), p, req(24, eos_ids=set())).tokens
+        r = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, req(24, eos_ids=set()))
         bad += r.tokens != want
         accepted += r.accepted
     return bad, accepted
@@ -213,9 +213,9 @@ def _oracle_lossless(be, vocab: int, bs: int) -> tuple[int, list[int]]:  # noqa:
     bad, accepted = 0, []
     for i in range(8):
         p = rng.integers(2, vocab, int(rng.integers(3, 20))).tolist()
-        want = D.target_generate(be.target_runner(), p, 40, eos_ids=set()).tokens
+        want = D.target_generate(be.target_runner(), p, req(40, eos_ids=set())).tokens
         r = D.speculative_generate(be.target_runner(), oracle(p + want, vocab, i), p,
-                                   D.DecodeOptions(40, eos_ids=set()))
+                                   req(40, eos_ids=set()))
         bad += r.tokens != want
         accepted += r.accepted
     return bad, accepted
@@ -239,7 +239,7 @@ def test_a_qwen3_next_fp16_export_decodes_losslessly(tmp_path_factory):
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
-    pair = _qwen3_next_pair(tmp_path_factory, "hy_next_fp16", initializer_range=0.05, value_head_dim=16)
+    pair = _qwen3_next_pair(tmp_path_factory, "hy_next_fp16", initializer_range=0.05, value_head_dim=8)
     out = tmp_path_factory.mktemp("export") / "next_fp16"
     m = export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=256, block_size=8,
                      dtype="fp16")
@@ -320,7 +320,7 @@ def test_planted_rollback_bugs_are_caught_on_ort(accepting_exports, bug, monkeyp
 
     be = accepting_exports[8]
     prompts = _prompts(be.manifest.target.vocab_size, 20, 7)
-    want = [D.target_generate(be.target_runner(), p, 24, eos_ids=set()).tokens for p in prompts]  # no rollback
+    want = [D.target_generate(be.target_runner(), p, req(24, eos_ids=set())).tokens for p in prompts]  # no rollback
     monkeypatch.setattr(LinearStates, "_real_rollback", LinearStates.rollback, raising=False)
     monkeypatch.setattr(LinearStates, "rollback", bug)
     bad, _ = _lossless(be, prompts)
@@ -337,7 +337,7 @@ def test_sampling_keeps_the_target_law_on_ort(accepting_exports):
     prompt = _prompts(be.manifest.target.vocab_size, 1, 23)[0] * 2
     law = two_token_law(be.target_runner(), prompt, 1.0)
     runs = [D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), prompt,
-                                   D.DecodeOptions(6, temperature=1.0, eos_ids=set(), seed=s)) for s in range(400)]
+                                   req(6, temperature=1.0, eos_ids=set(), seed=s)) for s in range(400)]
     assert sum(sum(r.accepted) for r in runs) > 100
     assert two_token_p_value(law, [(r.tokens[0], r.tokens[1]) for r in runs]) > 1e-3
 
@@ -530,9 +530,9 @@ def test_zlab_shaped_drafter_end_to_end(tmp_path_factory):
     accepted = []
     for p in _prompts(t.vocab_size, 20, 5):
         got = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p,
-                                     D.DecodeOptions(24, eos_ids=set()))
+                                     req(24, eos_ids=set()))
         want = D.speculative_generate(TorchTargetRunner(t, cfg.target_layer_ids), TorchDraftRunner(ref), p,
-                                      D.DecodeOptions(24, eos_ids=set()))
+                                      req(24, eos_ids=set()))
         assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
         accepted += got.accepted
     assert sum(a >= 1 for a in accepted) >= len(accepted) // 3 and max(accepted) >= 3, accepted

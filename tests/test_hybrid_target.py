@@ -14,7 +14,7 @@ from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
 from dflash2_trt.targets import hybrid
-from helpers import assert_accepts, bound_drafter, make_pair, two_token_law, two_token_p_value, with_block_size
+from helpers import assert_accepts, bound_drafter, make_pair, req, two_token_law, two_token_p_value, with_block_size
 
 ARCHS = ("qwen3_5", "qwen3_5_moe")
 
@@ -137,7 +137,7 @@ def _lossless_runs(t, d, prompts, refs, block_sizes=(2, 4, 8)):  # noqa: ANN001,
         acc = accepted.setdefault(bs, [])
         for p, want in zip(prompts, refs):
             r = D.speculative_generate(TorchTargetRunner(t, d.config.target_layer_ids), TorchDraftRunner(db), p,
-                                       D.DecodeOptions(24, eos_ids=set()))
+                                       req(24, eos_ids=set()))
             bad += r.tokens != want
             acc += r.accepted
     return bad, accepted
@@ -147,7 +147,7 @@ def _lossless_runs(t, d, prompts, refs, block_sizes=(2, 4, 8)):  # noqa: ANN001,
 def acc_refs(acc_pair):
     t, _ = acc_pair
     prompts = _prompts(t.vocab_size, 40, 7)
-    return prompts, [D.target_generate(TorchTargetRunner(t), p, 24, eos_ids=set()).tokens for p in prompts]
+    return prompts, [D.target_generate(TorchTargetRunner(t), p, req(24, eos_ids=set())).tokens for p in prompts]
 
 
 def test_lossless_greedy_with_drafts_accepted(acc_pair, acc_refs):
@@ -213,7 +213,7 @@ def test_sampling_keeps_the_target_law(acc_pair):
     law = two_token_law(_Target(t, d.config.target_layer_ids), prompt, 1.0)
     db = with_block_size(d, 4)
     runs = [D.speculative_generate(TorchTargetRunner(t, d.config.target_layer_ids), TorchDraftRunner(db), prompt,
-                                   D.DecodeOptions(6, temperature=1.0, eos_ids=set(), seed=s)) for s in range(400)]
+                                   req(6, temperature=1.0, eos_ids=set(), seed=s)) for s in range(400)]
     assert sum(sum(r.accepted) for r in runs) > 100
     assert two_token_p_value(law, [(r.tokens[0], r.tokens[1]) for r in runs]) > 1e-3
 
@@ -239,7 +239,7 @@ def test_training_on_a_hybrid_target(tmp_path):
     """make-data, train and the offline τ on the accepting qwen3_5 pair: left-padded batched generation through the
     linear layers gives every row's features and greedy chain as one unpadded forward does; a few steps from the
     copying drafter train, and its offline τ is the τ of greedy speculative decoding of the same prompts (within 5 %)."""
-    from dflash2_trt.runtime.decoder import DecodeOptions, speculative_generate
+    from dflash2_trt.runtime.decoder import speculative_generate
     from dflash2_trt.target import TargetModel
     from dflash2_trt.tiny import make_tiny
     from dflash2_trt.train.data import GeneratedData
@@ -278,7 +278,7 @@ def test_training_on_a_hybrid_target(tmp_path):
         r = data.row(i)
         res = speculative_generate(TorchTargetRunner(target, d.config.target_layer_ids), TorchDraftRunner(d),
                                    r.tokens[: r.prompt_len].tolist(),
-                                   DecodeOptions(r.tokens.shape[0] - r.prompt_len, eos_ids=set()))
+                                   req(r.tokens.shape[0] - r.prompt_len, eos_ids=set()))
         assert res.tokens == r.tokens[r.prompt_len:].tolist()
         taus.append(res.stats()["tau"])
     # the offline τ reads make-data's fp16 features, decoding the exact ones: a few drafts differ

@@ -14,7 +14,7 @@ from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.protocol import Draft
 from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
 from dflash2_trt.vocabulary import INDEPENDENT
-from helpers import assert_accepts, with_block_size
+from helpers import assert_accepts, req, with_block_size
 from torch_ref import ref_autoregressive, ref_speculative
 
 N_PROMPTS = 50
@@ -55,7 +55,7 @@ def test_lossless_greedy_grid(acc_target, acc_drafter, acc_refs):
                 drafters[key] = with_block_size(acc_drafter, bs, conv)
             d = drafters[key]
             res = ref_speculative(acc_target, TorchDraftRunner(d, mode if selector else INDEPENDENT), p,
-                                  D.DecodeOptions(MAX_NEW, eos_ids=set()), layer_ids=d.config.target_layer_ids)
+                                  req(MAX_NEW, eos_ids=set()), layer_ids=d.config.target_layer_ids)
             assert res.tokens == want, (bs, mode, conv, selector, p)
             assert sum(a + 1 for a in res.accepted) == len(want) - 1  # every token after the first is committed by a cycle
             accepted[(bs, mode, conv, selector)] += res.accepted
@@ -110,7 +110,7 @@ def test_lossless_with_high_acceptance(tiny_target, tiny_drafter, ar_refs, bs):
     seen_acc = set()
     for p, want in zip(prompts[:20], refs[:20]):
         src = OracleSource(d, p, want, rng)
-        res = ref_speculative(tiny_target, src, p, D.DecodeOptions(MAX_NEW, eos_ids=set()),
+        res = ref_speculative(tiny_target, src, p, req(MAX_NEW, eos_ids=set()),
                               layer_ids=d.config.target_layer_ids)
         assert res.tokens == want
         seen_acc.update(res.accepted)
@@ -126,12 +126,12 @@ def test_eos_and_max_tokens(tiny_target, tiny_drafter, ar_refs):
     eos = {want[5]}
     stop = want.index(want[5]) + 1
     src = OracleSource(with_block_size(tiny_drafter, 8), p, want, np.random.default_rng(0))
-    res = ref_speculative(tiny_target, src, p, D.DecodeOptions(MAX_NEW, eos_ids=eos), layer_ids=[0, 2])
+    res = ref_speculative(tiny_target, src, p, req(MAX_NEW, eos_ids=eos), layer_ids=[0, 2])
     assert res.tokens == want[:stop]
     base = ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=eos)
     assert base.tokens == want[:stop]
     for n in (1, 2, 9, 17):
-        r = ref_speculative(tiny_target, TorchDraftRunner(tiny_drafter), p, D.DecodeOptions(n, eos_ids=set()),
+        r = ref_speculative(tiny_target, TorchDraftRunner(tiny_drafter), p, req(n, eos_ids=set()),
                             layer_ids=[0, 2])
         assert r.tokens == want[:n]
 
@@ -139,7 +139,7 @@ def test_eos_and_max_tokens(tiny_target, tiny_drafter, ar_refs):
 def test_metrics_consistent(tiny_target, tiny_drafter, ar_refs):
     prompts, refs = ar_refs
     src = OracleSource(with_block_size(tiny_drafter, 8), prompts[1], refs[1], np.random.default_rng(3))
-    res = ref_speculative(tiny_target, src, prompts[1], D.DecodeOptions(MAX_NEW, eos_ids=set()), layer_ids=[0, 2])
+    res = ref_speculative(tiny_target, src, prompts[1], req(MAX_NEW, eos_ids=set()), layer_ids=[0, 2])
     s = res.stats()
     assert s["cycles"] == len(res.accepted)
     assert s["tau"] == pytest.approx(np.mean(np.array(res.accepted) + 1))
@@ -152,13 +152,13 @@ def test_metrics_consistent(tiny_target, tiny_drafter, ar_refs):
 def test_bad_prompts(tiny_target, tiny_drafter):
     src = TorchDraftRunner(tiny_drafter)
     with pytest.raises(DFlash2Error, match="out of range"):
-        ref_speculative(tiny_target, src, [1, tiny_target.vocab_size], D.DecodeOptions(4), layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [1, tiny_target.vocab_size], req(4), layer_ids=[0, 2])
     with pytest.raises(DFlash2Error, match="empty prompt"):
-        ref_speculative(tiny_target, src, [], D.DecodeOptions(4), layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [], req(4), layer_ids=[0, 2])
     with pytest.raises(DFlash2Error, match="does not fit"):
-        ref_speculative(tiny_target, src, [5] * 5000, D.DecodeOptions(4), layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [5] * 5000, req(4), layer_ids=[0, 2])
     with pytest.raises(DFlash2Error, match="max_new_tokens"):
-        ref_speculative(tiny_target, src, [5], D.DecodeOptions(0), layer_ids=[0, 2])
+        ref_speculative(tiny_target, src, [5], req(0), layer_ids=[0, 2])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def _chain_counts(t, d, mode, prompt, T, N):
     accepted = []
     for seed in range(N):
         r = decoder.speculative_generate(target, _MemoDraftSource(d, mode), prompt,
-                                         decoder.DecodeOptions(5, temperature=T, eos_ids=set(), seed=seed))
+                                         req(5, temperature=T, eos_ids=set(), seed=seed))
         assert r.proposed[0] == 3
         counts[tuple(r.tokens[:3])] += 1
         accepted.append(r.accepted[0])
@@ -353,7 +353,7 @@ def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
     after the EOS are never committed), not all it verified."""
     p = np.random.default_rng(5).integers(4, 500, 20).tolist()
     full = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), TorchDraftRunner(acc_drafter), p,
-                                  D.DecodeOptions(48, eos_ids=set()))
+                                  req(48, eos_ids=set()))
     idx = 1  # index in tokens of the current cycle's first draft
     for c, a in enumerate(full.accepted):
         eos = full.tokens[idx + 1] if a >= 3 else None
@@ -363,7 +363,7 @@ def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
     else:
         pytest.fail(f"no cycle accepted >= 3 drafts with a fresh 2nd draft: {full.accepted}")
     res = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), TorchDraftRunner(acc_drafter), p,
-                                 D.DecodeOptions(48, eos_ids={eos}))
+                                 req(48, eos_ids={eos}))
     assert res.tokens == full.tokens[:idx + 2] and res.tokens[-1] == eos
     assert res.accepted == full.accepted[:c] + [2]
     assert sum(a + 1 for a in res.accepted) - 1 == len(res.tokens) - 1  # the last cycle commits no bonus
@@ -373,9 +373,9 @@ def test_tau_stops_counting_at_an_accepted_eos(acc_target, acc_drafter):
 def test_bad_temperature_is_an_error(acc_target, acc_drafter, temp):
     target = TorchTargetRunner(acc_target, [0, 2])
     with pytest.raises(DFlash2Error, match="temperature must be a finite number >= 0"):
-        D.speculative_generate(target, TorchDraftRunner(acc_drafter), [5, 6], D.DecodeOptions(4, temperature=temp))
+        D.speculative_generate(target, TorchDraftRunner(acc_drafter), [5, 6], req(4, temperature=temp))
     with pytest.raises(DFlash2Error, match="temperature must be a finite number >= 0"):
-        D.target_generate(target, [5, 6], 4, temperature=temp)
+        D.target_generate(target, [5, 6], req(4, temperature=temp))
 
 
 def test_decoder_tells_the_drafter_the_verified_rows(acc_target, acc_drafter):
@@ -390,5 +390,5 @@ def test_decoder_tells_the_drafter_the_verified_rows(acc_target, acc_drafter):
 
     p = np.random.default_rng(8).integers(4, 500, 20).tolist()
     res = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), Spy(acc_drafter, "viterbi"), p,
-                                 D.DecodeOptions(37, eos_ids=set()))
+                                 req(37, eos_ids=set()))
     assert told == res.proposed and told[-1] < acc_drafter.config.num_draft_rows and max(res.accepted) >= 3

@@ -10,6 +10,7 @@ import pytest
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime.ngram import ProposerChoice, lookup
+from helpers import req
 
 
 def lookup_twin(tokens: list[int], rows: int, max_n: int = 4, min_n: int = 2) -> list[int]:
@@ -58,8 +59,8 @@ def test_choice():
     assert a.pick([2], drafter=False) == "ngram" and a.pick([], drafter=False) is None  # the guard's plain stretch
     assert ProposerChoice("dflash2", [1], 2).pick([], drafter=False) is None
     assert not ProposerChoice("ngram", [1], 2).uses_drafter
-    with pytest.raises(DFlash2Error, match="proposer"):
-        ProposerChoice("lookahead", [1], 2)
+    with pytest.raises(DFlash2Error, match="proposer must be one of"):  # the request's check, made when it is built
+        req(4, proposer="lookahead")
 
 
 def test_a_lookup_not_chosen_drifts_back_to_the_prior():
@@ -99,8 +100,8 @@ def test_lossless_with_lookup(acc_export, proposer):
         base = rng.integers(4, target.vocab_size, int(rng.integers(3, 12))).tolist()
         p = base * 3 if i % 2 else base  # a repetitive prompt: lookups find matches
         spec = D.speculative_generate(target, drafter, p,
-                                      D.DecodeOptions(32, eos_ids=set(), proposer=proposer, ngram_rows=4))
-        assert spec.tokens == D.target_generate(target, p, 32, eos_ids=set()).tokens
+                                      req(32, eos_ids=set(), proposer=proposer, ngram_rows=4))
+        assert spec.tokens == D.target_generate(target, p, req(32, eos_ids=set())).tokens
         s = spec.stats()
         assert s["ngram_cycles"] + s["dflash2_cycles"] == s["spec_cycles"]
         used += spec.proposers
@@ -109,7 +110,7 @@ def test_lossless_with_lookup(acc_export, proposer):
     if proposer != "dflash2":
         assert "ngram" in used
     spec = D.speculative_generate(target, drafter, [5, 6, 5, 6, 5],
-                                  D.DecodeOptions(16, temperature=0.8, eos_ids=set(), proposer=proposer))
+                                  req(16, temperature=0.8, eos_ids=set(), proposer=proposer))
     assert len(spec.tokens) == 16
 
 
@@ -129,8 +130,8 @@ def test_draft_context_stays_contiguous_across_lookup_cycles(acc_export):
         base = rng.integers(4, target.vocab_size, int(rng.integers(3, 9))).tolist()
         p = base * 3 + rng.integers(4, target.vocab_size, 5).tolist()  # matches, then a fresh tail
         spec = D.speculative_generate(target, drafter, p,
-                                      D.DecodeOptions(40, eos_ids=set(), proposer="auto", ngram_rows=4))
-        assert spec.tokens == D.target_generate(target, p, 40, eos_ids=set()).tokens
+                                      req(40, eos_ids=set(), proposer="auto", ngram_rows=4))
+        assert spec.tokens == D.target_generate(target, p, req(40, eos_ids=set())).tokens
         whos += [a + "->" + b for a, b in zip(spec.proposers, spec.proposers[1:])]
     assert "ngram->dflash2" in whos  # the deferred features were flushed into a drafter cycle
     assert drafter.proposals > 0
@@ -163,10 +164,10 @@ def test_guard_rules_the_drafter_and_a_paying_lookup_still_runs(acc_export):
     p = base * 4
     guard = Watching(GuardConfig(cost_ratio=100.0))
     during_plain = []
-    spec = D.speculative_generate(target, drafter, p, D.DecodeOptions(48, eos_ids=set(), proposer="auto"),
+    spec = D.speculative_generate(target, drafter, p, req(48, eos_ids=set(), proposer="auto"),
                                   D.DecodeHooks(on_cycle=lambda a, n: during_plain.append(guard.said_plain),
                                                 guard=guard))
-    assert spec.tokens == D.target_generate(target, p, 48, eos_ids=set()).tokens
+    assert spec.tokens == D.target_generate(target, p, req(48, eos_ids=set())).tokens
     assert spec.guard_switches >= 1 and spec.plain_steps > 0
     assert any(during_plain)  # lookup cycles while the guard kept the drafter off
     assert guard.judged == spec.proposers.count("dflash2") >= 3  # the guard saw drafter cycles only

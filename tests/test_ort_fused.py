@@ -15,6 +15,7 @@ import torch
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.protocol import Draft
+from helpers import req
 
 MAX_NEW = 24
 
@@ -86,7 +87,7 @@ def test_backend_picks_fused_graphs(tiny_export, tiny_target):
     p = np.random.default_rng(3).integers(4, 500, 17).tolist()
     want = ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens
     for be in (fused, std):
-        assert D.target_generate(be.target_runner(), p, MAX_NEW, eos_ids=set()).tokens == want
+        assert D.target_generate(be.target_runner(), p, req(MAX_NEW, eos_ids=set())).tokens == want
     with pytest.raises(DFlash2Error, match="flavour"):
         OrtBackend(tiny_export, flavour="fast")
 
@@ -190,11 +191,11 @@ def test_drafter_quantized_alone(quantized, tiny_target):
     accepted = []
     for i in range(4):
         p = rng.integers(4, 500, int(rng.integers(2, 30))).tolist()
-        ar = D.target_generate(target, p, MAX_NEW, eos_ids=set()).tokens
+        ar = D.target_generate(target, p, req(MAX_NEW, eos_ids=set())).tokens
         assert D.speculative_generate(target, be.draft_runner(), p,
-                                      D.DecodeOptions(MAX_NEW, eos_ids=set())).tokens == ar
+                                      req(MAX_NEW, eos_ids=set())).tokens == ar
         res = D.speculative_generate(target, AcceptingDrafter(be.draft_runner(), p, ar, rng), p,
-                                     D.DecodeOptions(MAX_NEW, eos_ids=set()))
+                                     req(MAX_NEW, eos_ids=set()))
         assert res.tokens == ar
         accepted += res.accepted
     assert sum(accepted) > 0  # drafts were accepted: the quantized drafter's cycles ran, not plain steps
@@ -267,13 +268,13 @@ def test_quantized_decoding_is_lossless_wrt_quantized_target(quantized, tiny_tar
     accepted, differs = [], 0
     for i in range(6):
         p = rng.integers(4, 500, int(rng.integers(2, 30))).tolist()
-        ar = D.target_generate(target, p, MAX_NEW, eos_ids=set()).tokens  # the quantized target's own output
+        ar = D.target_generate(target, p, req(MAX_NEW, eos_ids=set())).tokens  # the quantized target's own output
         differs += ar != ref_autoregressive(tiny_target, p, MAX_NEW, eos_ids=set()).tokens
         real = D.speculative_generate(target, be.draft_runner(("greedy", "viterbi")[i % 2]), p,
-                                      D.DecodeOptions(MAX_NEW, eos_ids=set()))
+                                      req(MAX_NEW, eos_ids=set()))
         assert real.tokens == ar
         res = D.speculative_generate(target, AcceptingDrafter(be.draft_runner(), p, ar, rng), p,
-                                     D.DecodeOptions(MAX_NEW, eos_ids=set()))
+                                     req(MAX_NEW, eos_ids=set()))
         assert res.tokens == ar
         accepted += res.accepted
     assert sum(accepted) > 0 and max(accepted) == be.manifest.num_draft_rows and 0 in accepted  # acceptance happened

@@ -9,6 +9,7 @@ import pytest
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.ort import backend as B
+from helpers import req
 
 SPIN = "session.intra_op.allow_spinning"
 
@@ -17,7 +18,7 @@ def _decode(folder) -> tuple[dict[str, str], D.GenerationResult]:
     be = B.OrtBackend(folder, threads=2)
     target, drafter = be.target_runner(), be.draft_runner("greedy")
     res = D.speculative_generate(target, drafter, [1, 2, 3, 4, 5, 6],
-                                 D.DecodeOptions(24, eos_ids=set(), proposer="dflash2"))
+                                 req(24, eos_ids=set(), proposer="dflash2"))
     spins = {k: s.sess.get_session_options().get_session_config_entry(SPIN) for k, s in be._sessions.items()}
     return spins, res
 

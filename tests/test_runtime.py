@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from helpers import FIELD_EDITS, assert_accepts, with_block_size
+from helpers import FIELD_EDITS, assert_accepts, req, with_block_size
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
 from torch_ref import ref_autoregressive, ref_speculative
@@ -49,14 +49,14 @@ def test_greedy_equals_pytorch_reference(exports, acc_target, acc_drafter, bs):
     accepted: dict[str, list[int]] = {"greedy": [], "viterbi": []}
     for i, p in enumerate(_prompts(6, seed=bs)):
         mode = ("greedy", "viterbi")[i % 2]
-        want = ref_speculative(acc_target, TorchDraftRunner(d, mode), p, D.DecodeOptions(MAX_NEW, eos_ids=set()),
+        want = ref_speculative(acc_target, TorchDraftRunner(d, mode), p, req(MAX_NEW, eos_ids=set()),
                                layer_ids=[0, 2])
-        got = D.speculative_generate(target, be.draft_runner(mode), p, D.DecodeOptions(MAX_NEW, eos_ids=set()),
+        got = D.speculative_generate(target, be.draft_runner(mode), p, req(MAX_NEW, eos_ids=set()),
                                      D.DecodeHooks(oracle=oracle_count))
         assert got.tokens == want.tokens  # token for token
         assert (got.accepted, got.proposed, got.oracle_accepted) == (want.accepted, want.proposed, want.oracle_accepted)
         assert got.stats() == want.stats()  # identical docs/design.md metrics, oracle τ included
-        ar = D.target_generate(target, p, MAX_NEW, eos_ids=set())
+        ar = D.target_generate(target, p, req(MAX_NEW, eos_ids=set()))
         assert ar.tokens == got.tokens == ref_autoregressive(acc_target, p, MAX_NEW, eos_ids=set()).tokens  # lossless
         accepted[mode] += got.accepted
     for mode, acc in accepted.items():
@@ -73,9 +73,9 @@ def test_sampling_equals_pytorch_reference(acc_export, acc_target, acc_drafter, 
     same, accepted = 0, []
     for seed, p in enumerate(_prompts(4, seed=5)):
         want = D.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), TorchDraftRunner(acc_drafter, mode), p,
-                                      D.DecodeOptions(MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed))
+                                      req(MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed))
         got = D.speculative_generate(target, drafter, p,
-                                     D.DecodeOptions(MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed))
+                                     req(MAX_NEW, temperature=0.8, eos_ids=set(), seed=seed))
         same += got.tokens == want.tokens and got.accepted == want.accepted
         assert got.tokens[:3] == want.tokens[:3] and len(got.tokens) == MAX_NEW
         accepted += got.accepted
@@ -83,7 +83,7 @@ def test_sampling_equals_pytorch_reference(acc_export, acc_target, acc_drafter, 
     assert_accepts(accepted, 15, ("T=0.8", mode))
     p = _prompts(1, seed=8)[0]
     ar_want = ref_autoregressive(acc_target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1)
-    assert D.target_generate(target, p, MAX_NEW, temperature=0.8, eos_ids=set(), seed=1).tokens == ar_want.tokens
+    assert D.target_generate(target, p, req(MAX_NEW, temperature=0.8, eos_ids=set(), seed=1)).tokens == ar_want.tokens
 
 
 def test_streaming_eos_and_cache_growth(acc_export, acc_target):
@@ -97,17 +97,17 @@ def test_streaming_eos_and_cache_growth(acc_export, acc_target):
     target = be.target_runner()
     p = _prompts(1, seed=3)[0]
     chunks: list[list[int]] = []
-    res = D.speculative_generate(target, be.draft_runner(), p, D.DecodeOptions(MAX_NEW, eos_ids=set()),
+    res = D.speculative_generate(target, be.draft_runner(), p, req(MAX_NEW, eos_ids=set()),
                                  D.DecodeHooks(on_tokens=chunks.append))
     assert [t for c in chunks for t in c] == res.tokens and len(chunks) == len(res.accepted) + 1
     assert_accepts(res.accepted, 15, "streaming")
     eos = {res.tokens[6]}
     stop = res.tokens.index(res.tokens[6]) + 1
     assert D.speculative_generate(target, be.draft_runner(), p,
-                                  D.DecodeOptions(MAX_NEW, eos_ids=eos)).tokens == res.tokens[:stop]
+                                  req(MAX_NEW, eos_ids=eos)).tokens == res.tokens[:stop]
     # a long request crosses the 256-slot capacity step: buffers grow, output still lossless
     long_p = np.random.default_rng(0).integers(4, 500, 250).tolist()
-    got = D.speculative_generate(target, be.draft_runner("viterbi"), long_p, D.DecodeOptions(40, eos_ids=set()),
+    got = D.speculative_generate(target, be.draft_runner("viterbi"), long_p, req(40, eos_ids=set()),
                                  D.DecodeHooks(oracle=oracle_count))
     assert target.kv.capacity == 512
     assert got.tokens == ref_autoregressive(acc_target, long_p, 40, eos_ids=set()).tokens
@@ -118,11 +118,11 @@ def test_runtime_bad_input(tiny_export, tmp_path):
     be, _ = open_backend(tiny_export, "ort")
     target, drafter = be.target_runner(), be.draft_runner()
     with pytest.raises(DFlash2Error, match="out of range"):
-        D.speculative_generate(target, drafter, [1, 512], D.DecodeOptions(4))
+        D.speculative_generate(target, drafter, [1, 512], req(4))
     with pytest.raises(DFlash2Error, match="does not fit the 512 positions"):
-        D.speculative_generate(target, drafter, [5] * 600, D.DecodeOptions(4))
+        D.speculative_generate(target, drafter, [5] * 600, req(4))
     with pytest.raises(DFlash2Error, match="empty prompt"):
-        D.speculative_generate(target, drafter, [], D.DecodeOptions(4))
+        D.speculative_generate(target, drafter, [], req(4))
     with pytest.raises(DFlash2Error, match="backend must be one of"):
         open_backend(tiny_export, "tensorflow")
     with pytest.raises(DFlash2Error, match="TensorRT backend unavailable"):
@@ -197,7 +197,7 @@ def test_ort_failure_is_one_error(tiny_export, tmp_path):
     (d / "manifest.json").write_text(json.dumps(m))
     be, _ = open_backend(d, "ort")
     with pytest.raises(DFlash2Error, match="ONNX Runtime failed running target"):
-        D.speculative_generate(be.target_runner(), be.draft_runner(), [5] * 600, D.DecodeOptions(4))
+        D.speculative_generate(be.target_runner(), be.draft_runner(), [5] * 600, req(4))
 
 
 def test_tokenizer_matches_transformers(tiny_export, tiny_target):
@@ -251,8 +251,8 @@ def test_no_selector_head_equals_pytorch(acc_export, acc_target, acc_drafter):
     accepted = []
     for p in _prompts(3, seed=11):
         want = ref_speculative(acc_target, TorchDraftRunner(acc_drafter, "independent"), p,
-                               D.DecodeOptions(MAX_NEW, eos_ids=set()), layer_ids=[0, 2])
-        got = D.speculative_generate(target, drafter, p, D.DecodeOptions(MAX_NEW, eos_ids=set()),
+                               req(MAX_NEW, eos_ids=set()), layer_ids=[0, 2])
+        got = D.speculative_generate(target, drafter, p, req(MAX_NEW, eos_ids=set()),
                                      D.DecodeHooks(oracle=oracle_count))
         assert got.tokens == want.tokens and got.stats() == want.stats()
         assert got.tokens == ref_autoregressive(acc_target, p, MAX_NEW, eos_ids=set()).tokens

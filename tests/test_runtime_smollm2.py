@@ -5,6 +5,7 @@ ONNX Runtime: lossless against ONNX Runtime and PyTorch autoregressive decoding.
 from __future__ import annotations
 
 import pytest
+from helpers import req
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +26,8 @@ def test_smollm2_ort_lossless(identity_export):
     for i, text in enumerate(PROMPTS):
         ids = tok.apply_chat_template([{"role": "user", "content": text}])
         got = D.speculative_generate(target, be.draft_runner(("greedy", "viterbi")[i % 2]), ids,
-                                     D.DecodeOptions(MAX_NEW))
-        assert got.tokens == D.target_generate(target, ids, MAX_NEW).tokens
+                                     req(MAX_NEW))
+        assert got.tokens == D.target_generate(target, ids, req(MAX_NEW)).tokens
         assert len(tok.decode(got.tokens).strip()) > 0
         outs.append((ids, got.tokens))
     # and equal to the PyTorch target's own greedy decode (first prompt)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import req
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,6 @@ def smol():
 
 def test_smollm2_identity_drafter_lossless(smol):
     from dflash2_trt.config import DFlash2Config
-    from dflash2_trt.runtime.decoder import DecodeOptions
     from dflash2_trt.runtime.torch.backend import TorchDraftRunner
     from torch_ref import ref_autoregressive, ref_speculative
     from dflash2_trt.model import DFlash2Drafter
@@ -39,7 +39,7 @@ def test_smollm2_identity_drafter_lossless(smol):
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         want = ref_autoregressive(smol, ids, 20)
-        got = ref_speculative(smol, TorchDraftRunner(d, ("greedy", "viterbi")[i % 2]), ids, DecodeOptions(20),
+        got = ref_speculative(smol, TorchDraftRunner(d, ("greedy", "viterbi")[i % 2]), ids, req(20),
                               layer_ids=cfg.target_layer_ids)
         assert got.tokens == want.tokens
         assert len(tok.decode(got.tokens, skip_special_tokens=True).strip()) > 0

@@ -11,11 +11,11 @@ import torch
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.config import DFlash2Config
-from dflash2_trt.runtime.decoder import DecodeOptions
 from dflash2_trt.runtime.torch.backend import TorchDraftRunner
 from torch_ref import ref_autoregressive, ref_speculative
 from dflash2_trt.model import DFlash2Drafter
 from dflash2_trt.target import TargetModel
+from helpers import req
 
 
 def test_features_are_decoder_layer_outputs(tiny_target):
@@ -101,7 +101,7 @@ def test_other_families_lossless(family, tmp_path):
     d.bind_target(target.embed_weight, target.lm_head_weight)
     for prompt in ([5, 6, 7], [100] * 9, [1]):
         want = ref_autoregressive(target, prompt, 12, eos_ids=set()).tokens
-        got = ref_speculative(target, TorchDraftRunner(d.eval()), prompt, DecodeOptions(12, eos_ids=set()),
+        got = ref_speculative(target, TorchDraftRunner(d.eval()), prompt, req(12, eos_ids=set()),
                               layer_ids=[0, 1])
         assert got.tokens == want
 

@@ -18,6 +18,7 @@ from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.ngram import lookup_draft
 from dflash2_trt.runtime.torch.backend import TorchTargetRunner
 from dflash2_trt.targets import dense, moe, sliding
+from helpers import req
 
 _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
@@ -106,9 +107,9 @@ def _spec_vs_ar(target, n_prompts: int = 6) -> tuple[int, list[int]]:  # noqa: A
     bad, accepted = 0, []
     for _ in range(n_prompts):
         p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
-        want = D.target_generate(TorchTargetRunner(target), p, 30, eos_ids=set()).tokens
+        want = D.target_generate(TorchTargetRunner(target), p, req(30, eos_ids=set())).tokens
         r = D.speculative_generate(TorchTargetRunner(target, [0, 2]), _NoisyOracle(p + want), p,
-                                   D.DecodeOptions(30, eos_ids=set()))
+                                   req(30, eos_ids=set()))
         bad += r.tokens != want
         accepted += r.accepted
     return bad, accepted
@@ -226,9 +227,9 @@ def test_export_and_decode_on_ort(arch, tmp_path):
     assert (rows.argmax(-1) == want[30:38].argmax(-1)).all()
     assert np.abs(rows - got[30:38]).max() <= 1e-5 * np.abs(want).max()
     for p in [rng.integers(4, 512, int(rng.integers(1, 20))).tolist() for _ in range(3)]:
-        ar = D.target_generate(be.target_runner(), p, 16, eos_ids=set()).tokens
+        ar = D.target_generate(be.target_runner(), p, req(16, eos_ids=set())).tokens
         assert D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p,
-                                      D.DecodeOptions(16, eos_ids=set())).tokens == ar
+                                      req(16, eos_ids=set())).tokens == ar
     for bs in (2, 4, 8):  # the noisy oracle over the exported target: drafts accepted and rejected at every length
         bad, accepted = _ort_spec_vs_ar(be, bs)
         assert bad == 0 and {0, bs - 1} <= set(accepted) and (bs == 2 or len(set(accepted)) >= 3), (bs, accepted)
@@ -241,8 +242,8 @@ def _ort_spec_vs_ar(be, bs: int, n_prompts: int = 4) -> tuple[int, list[int]]:  
     bad, accepted = 0, []
     for _ in range(n_prompts):
         p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
-        want = D.target_generate(be.target_runner(), p, 30, eos_ids=set()).tokens
-        r = D.speculative_generate(be.target_runner(), oracle(p + want), p, D.DecodeOptions(30, eos_ids=set()))
+        want = D.target_generate(be.target_runner(), p, req(30, eos_ids=set())).tokens
+        r = D.speculative_generate(be.target_runner(), oracle(p + want), p, req(30, eos_ids=set()))
         bad += r.tokens != want
         accepted += r.accepted
     return bad, accepted
@@ -300,8 +301,8 @@ def _decode_pair(target, draft, prompts: list[list[int]], n: int = 40) -> tuple[
     ``target()`` / ``draft()`` make fresh runners of one backend."""
     bad, accepted = 0, []
     for p in prompts:
-        want = D.target_generate(target(), p, n, eos_ids=set()).tokens
-        r = D.speculative_generate(target(), draft(), p, D.DecodeOptions(n, eos_ids=set()))
+        want = D.target_generate(target(), p, req(n, eos_ids=set())).tokens
+        r = D.speculative_generate(target(), draft(), p, req(n, eos_ids=set()))
         bad += r.tokens != want
         accepted += r.accepted
     return bad, accepted

@@ -13,6 +13,7 @@ import torch
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.train import data as D
+from helpers import req
 
 PROMPTS = [{"src": "t", "chat": True, "text": t} for t in (
     "Return the sum of a list.", "Hello world!", "The quick brown fox jumps over the lazy dog again and again.",
@@ -432,7 +433,7 @@ def test_offline_tau_equals_speculative_decoding(tiny_dir, tiny_data, tiny_targe
     """The offline τ on generated greedy rows equals the τ (and oracle τ) of greedy speculative decoding of
     the same prompts for the same number of new tokens."""
     from dflash2_trt.bench.oracle import oracle_count
-    from dflash2_trt.runtime.decoder import DecodeHooks, DecodeOptions, speculative_generate
+    from dflash2_trt.runtime.decoder import DecodeHooks, speculative_generate
     from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
     from dflash2_trt.train.data import GeneratedData
     from dflash2_trt.train.trainer import offline_tau
@@ -449,7 +450,7 @@ def test_offline_tau_equals_speculative_decoding(tiny_dir, tiny_data, tiny_targe
         r = data.row(i)
         n_new = r.tokens.shape[0] - r.prompt_len
         res = speculative_generate(TorchTargetRunner(tiny_target, cfg.target_layer_ids), TorchDraftRunner(d),
-                                   r.tokens[: r.prompt_len].tolist(), DecodeOptions(n_new, eos_ids=set()),
+                                   r.tokens[: r.prompt_len].tolist(), req(n_new, eos_ids=set()),
                                    DecodeHooks(oracle=oracle_count))
         assert res.tokens == r.tokens[r.prompt_len:].tolist()
         s = res.stats()
@@ -514,7 +515,7 @@ def test_trainer_block_equals_what_the_runtime_feeds_the_drafter(acc_target, acc
 
     calls.clear()
     res = decoder.speculative_generate(TorchTargetRunner(acc_target, [0, 2]), TorchDraftRunner(d), text[:a],
-                                       decoder.DecodeOptions(bs, eos_ids=set()))
+                                       req(bs, eos_ids=set()))
     r_anchor, r_pos, r_h = calls[0]  # the first cycle: anchor text[a] at position a, context = positions < a
     assert (t_anchor, t_pos) == (r_anchor, r_pos) == ([text[a]], [a])
     torch.testing.assert_close(t_h, r_h, rtol=2e-2, atol=2e-2)  # the data stores features in fp16

@@ -231,7 +231,7 @@ def test_repo_configs_parse_strictly(tiny_export, tmp_path):
         T.write_triton_repo(tiny_export, tmp_path / "r2", max_batch=0)
     with pytest.raises(DFlash2Error, match="--triton-speculation must be one of adaptive, always, off, got 'x'"):
         T.write_triton_repo(tiny_export, tmp_path / "r2", speculation="x")
-    with pytest.raises(DFlash2Error, match="--triton-proposer must be one of dflash2, ngram, auto, got 'x'"):
+    with pytest.raises(DFlash2Error, match="--triton-proposer: proposer must be one of dflash2, ngram, auto, got 'x'"):
         T.write_triton_repo(tiny_export, tmp_path / "r2", proposer="x")
     with pytest.raises(DFlash2Error, match="--triton-ort-spinning"):
         T.write_triton_repo(tiny_export, tmp_path / "r2", ort_spinning="yes")
@@ -428,10 +428,11 @@ BAD = [  # (request, part of the error message)
     ({"max_tokens": 5}, "give exactly one of the inputs"),
     ({"ids": [1, 2], "text": "both"}, "give exactly one of the inputs"),
     ({"ids": [1] * 600, "max_tokens": 5}, "does not fit the 512 positions"),
-    ({"ids": [1, 2], "max_tokens": 0}, "max_tokens must be in [1, 512]"),
+    ({"ids": [1, 2], "max_tokens": 0}, "max_new_tokens must be an integer >= 1, got 0"),  # GenerationRequest's check
+    ({"ids": [1, 2], "max_tokens": 513}, "max_tokens must be at most 512"),  # the deployment's max_tokens_limit
     ({"ids": [1, 2], "temperature": -1.0}, "temperature must be a finite number >= 0"),
     ({"ids": [1, 2], "temperature": float("nan")}, "temperature must be a finite number >= 0"),
-    ({"ids": [1, 2], "seed": -4}, "seed must be >= 0"),
+    ({"ids": [1, 2], "seed": -4}, "seed must be an integer >= 0"),
     ({"ids": [1, 2], "mode": "bogus"}, "draft mode must be one of greedy, viterbi, independent, got 'bogus'"),
     ({"ids": [1, 10**6]}, "prompt token id 1000000 out of range"),
     ({"ids": [1, 2], "proposer": "lookahead"}, "proposer must be one of dflash2, ngram, auto, got 'lookahead'"),

@@ -19,7 +19,7 @@ from dflash2_trt.manifest import read_manifest
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.trt.backend import TrtBackend
 from dflash2_trt.runtime.trt.device_buffers import DeviceLinearState
-from helpers import assert_accepts, make_pair
+from helpers import assert_accepts, make_pair, req
 from trt_fakes import FakeCuda, FakeTrt
 
 BLOCK = 8
@@ -286,8 +286,8 @@ def _decode_mismatches(be, ort_be, prompts) -> tuple[int, list[int]]:  # noqa: A
     tgt, ort_tgt = be.target_runner(), ort_be.target_runner()
     bad, accepted = 0, []
     for p in prompts:
-        want = D.target_generate(ort_tgt, p, 24, eos_ids=set()).tokens
-        got = D.speculative_generate(tgt, be.draft_runner("greedy"), p, D.DecodeOptions(24, eos_ids=set()))
+        want = D.target_generate(ort_tgt, p, req(24, eos_ids=set())).tokens
+        got = D.speculative_generate(tgt, be.draft_runner("greedy"), p, req(24, eos_ids=set()))
         bad += got.tokens != want
         accepted += got.accepted
     return bad, accepted
@@ -310,8 +310,8 @@ def test_decodes_like_ort_with_drafts_accepted_and_rolled_back(hy_engines, cuda_
     assert any(0 < a < BLOCK - 1 for a in accepted), accepted
     tgt, ort_tgt = be.target_runner(), ort_be.target_runner()
     for p in prompts[:3]:  # cycle for cycle: the accepted counts equal ORT's
-        got = D.speculative_generate(tgt, be.draft_runner("greedy"), p, D.DecodeOptions(24, eos_ids=set()))
-        want = D.speculative_generate(ort_tgt, ort_be.draft_runner("greedy"), p, D.DecodeOptions(24, eos_ids=set()))
+        got = D.speculative_generate(tgt, be.draft_runner("greedy"), p, req(24, eos_ids=set()))
+        want = D.speculative_generate(ort_tgt, ort_be.draft_runner("greedy"), p, req(24, eos_ids=set()))
         assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
     assert (be.graphs.stats.replays > 0) == cuda_graphs
     be.close()

@@ -17,6 +17,7 @@ from dflash2_trt.runtime.protocol import BackendUnavailable
 from dflash2_trt.runtime.trt.backend import TrtBackend
 from test_plugin_selector import plugin_build  # noqa: F401  (the host twin of the plugin, built once)
 from trt_fakes import FakeCuda, FakeTrt
+from helpers import req
 
 
 @pytest.fixture(scope="module")
@@ -136,19 +137,19 @@ def test_drafter_step_is_one_graph_for_block_and_head(fake_engines):
 
 
 def test_capture_failure_runs_eagerly_and_decoder_loop_runs(fake_engines):
-    from dflash2_trt.runtime.decoder import DecodeOptions, speculative_generate, target_generate
+    from dflash2_trt.runtime.decoder import speculative_generate, target_generate
 
     cuda = FakeCuda()
     cuda.fail_capture = True
     be, trt, _ = _open(fake_engines, cuda=cuda)
     tgt, dr = be.target_runner(), be.draft_runner("greedy")
-    res = speculative_generate(tgt, dr, list(range(1, 30)), DecodeOptions(40, eos_ids=set()))
+    res = speculative_generate(tgt, dr, list(range(1, 30)), req(40, eos_ids=set()))
     assert len(res.tokens) == 40 and len(res.accepted) >= 2
     # every step's capture failed once, then ran eagerly: nothing captured, nothing replayed
     assert be.graphs.stats.fallbacks >= 2 and len(be.graphs) == 0 and be.graphs.stats.replays == 0
     assert {k.step for k in be.graphs.failures} >= {"target", "drafter_step:greedy"}
     # fake engines write zeros: every value here is meaningless - only the plumbing ran
-    assert target_generate(tgt, list(range(1, 10)), max_new_tokens=5, eos_ids=set()).tokens == [0] * 5
+    assert target_generate(tgt, list(range(1, 10)), req(5, eos_ids=set())).tokens == [0] * 5
     be.close()
 
 
@@ -383,7 +384,7 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
     Viterbi chains) equals ORT's, drafts accepted."""
     from helpers import assert_accepts
     from dflash2_trt.runtime.backends import open_backend
-    from dflash2_trt.runtime.decoder import DecodeOptions, speculative_generate, target_generate
+    from dflash2_trt.runtime.decoder import speculative_generate, target_generate
 
     cuda = FakeCuda()
     be, trt, _ = _open(acc_engines, cuda=cuda, trt=FakeTrt(cuda, compute=True), cuda_graphs=cuda_graphs)
@@ -394,11 +395,11 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
     for i in range(4):
         mode = ("greedy", "viterbi")[i % 2]
         p = rng.integers(4, 500, size=int(rng.integers(5, 40))).tolist()
-        got = speculative_generate(tgt, be.draft_runner(mode), p, DecodeOptions(40, eos_ids=set()))
-        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p, DecodeOptions(40, eos_ids=set()))
-        assert got.tokens == want.tokens == target_generate(ort_tgt, p, 40, eos_ids=set()).tokens
+        got = speculative_generate(tgt, be.draft_runner(mode), p, req(40, eos_ids=set()))
+        want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p, req(40, eos_ids=set()))
+        assert got.tokens == want.tokens == target_generate(ort_tgt, p, req(40, eos_ids=set())).tokens
         assert got.accepted == want.accepted
-        assert target_generate(tgt, p, 12, eos_ids=set()).tokens == want.tokens[:12]
+        assert target_generate(tgt, p, req(12, eos_ids=set())).tokens == want.tokens[:12]
         accepted[mode] += got.accepted
     for mode, acc in accepted.items():
         assert_accepts(acc, 15, ("TensorRT backend", mode))
@@ -406,9 +407,9 @@ def test_decodes_like_ort_on_the_accepting_pair(acc_engines, cuda_graphs):
     for mode in ("greedy", "viterbi"):  # T = 0.8: the same samples, drafts accepted by the rejection rule
         p = rng.integers(4, 500, size=20).tolist()
         got = speculative_generate(tgt, be.draft_runner(mode), p,
-                                   DecodeOptions(30, temperature=0.8, eos_ids=set(), seed=3))
+                                   req(30, temperature=0.8, eos_ids=set(), seed=3))
         want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p,
-                                    DecodeOptions(30, temperature=0.8, eos_ids=set(), seed=3))
+                                    req(30, temperature=0.8, eos_ids=set(), seed=3))
         assert got.tokens == want.tokens and got.accepted == want.accepted
         sampled += got.accepted
     assert_accepts(sampled, 15, "TensorRT backend, T = 0.8")
@@ -438,7 +439,7 @@ def test_plugin_heads_decode_like_ort_on_the_accepting_pair(acc_plugin_engines, 
     (decomposed selector graphs), drafts accepted."""
     from helpers import assert_accepts
     from dflash2_trt.runtime.backends import open_backend
-    from dflash2_trt.runtime.decoder import DecodeOptions, speculative_generate
+    from dflash2_trt.runtime.decoder import speculative_generate
 
     cuda = FakeCuda()
     trt = FakeTrt(cuda, compute=True, selector_host=str(plugin_build / "lib" / "libdflash2_selector_host.so"))
@@ -451,9 +452,9 @@ def test_plugin_heads_decode_like_ort_on_the_accepting_pair(acc_plugin_engines, 
         dr = be.draft_runner(mode)
         assert dr.head_eng.key == f"drafter_head_{mode}_plugin"
         p = rng.integers(4, 500, size=int(rng.integers(5, 30))).tolist()
-        got = speculative_generate(tgt, dr, p, DecodeOptions(30, temperature=temp, eos_ids=set(), seed=4))
+        got = speculative_generate(tgt, dr, p, req(30, temperature=temp, eos_ids=set(), seed=4))
         want = speculative_generate(ort_tgt, ort_be.draft_runner(mode), p,
-                                    DecodeOptions(30, temperature=temp, eos_ids=set(), seed=4))
+                                    req(30, temperature=temp, eos_ids=set(), seed=4))
         assert got.tokens == want.tokens and got.accepted == want.accepted, (mode, temp)
         accepted += got.accepted
     assert_accepts(accepted, 15, "TensorRT plugin heads")

@@ -15,7 +15,7 @@ from dflash2_trt.manifest import read_manifest
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.trt.backend import TrtBackend
 from dflash2_trt.runtime.trt.device_buffers import DeviceWindowRing
-from helpers import assert_accepts, make_pair
+from helpers import assert_accepts, make_pair, req
 from trt_fakes import FakeCuda, FakeTrt
 
 BLOCK = 8
@@ -56,8 +56,8 @@ def _decode(be, tgt, ort_be, prompts):  # noqa: ANN001
     ort_tgt = ort_be.target_runner()
     bad, accepted = 0, []
     for p in prompts:
-        want = D.target_generate(ort_tgt, p, 40, eos_ids=set()).tokens
-        got = D.speculative_generate(tgt, be.draft_runner("greedy"), p, D.DecodeOptions(40, eos_ids=set()))
+        want = D.target_generate(ort_tgt, p, req(40, eos_ids=set())).tokens
+        got = D.speculative_generate(tgt, be.draft_runner("greedy"), p, req(40, eos_ids=set()))
         bad += got.tokens != want
         accepted += got.accepted
     return bad, accepted

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.request import GenerationRequest
 
 
 def record(model_dir: str | Path, out_dir: str | Path, sets: int = 3, prompts: int = 2, tokens: int = 8,
@@ -56,11 +57,12 @@ def record(model_dir: str | Path, out_dir: str | Path, sets: int = 3, prompts: i
     be.session = session  # type: ignore[method-assign]
     rng = np.random.default_rng(seed)
     V = be.manifest.target.vocab_size
+    request = GenerationRequest(max_new_tokens=tokens, eos_ids=set(), proposer="dflash2", guard=False)
     for mode in be.draft_modes:
         target, drafter = be.target_runner(), be.draft_runner(mode)
         for _ in range(prompts):
             prompt = rng.integers(0, V, int(rng.integers(3, 9))).tolist()
-            D.speculative_generate(target, drafter, prompt, D.DecodeOptions(tokens, eos_ids=set(), proposer="dflash2"))
+            D.speculative_generate(target, drafter, prompt, request)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for key, got in calls.items():

@@ -50,6 +50,7 @@ from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import GraphSpec, read_manifest
 from dflash2_trt.outdir import TempFolder, check_replace, repo_owner, write_error, write_repo_record
+from dflash2_trt.runtime.request import GenerationRequest
 from dflash2_trt.vocabulary import (BACKEND_CHOICES, DEFAULT_PROPOSER, DRAFT_MODES, ORT_SPINNING, PROPOSERS,
                                     SPECULATION_MODES)
 
@@ -170,13 +171,19 @@ def write_triton_repo(export_dir: str | Path, repo_dir: str | Path, *, model_nam
         raise DFlash2Error(f"--triton-max-batch must be >= 1, got {max_batch}")
     if speculation not in SPECULATION_MODES:
         raise DFlash2Error(f"--triton-speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
-    if proposer not in PROPOSERS:
-        raise DFlash2Error(f"--triton-proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}")
     if ort_spinning not in ORT_SPINNING:
         raise DFlash2Error(f"--triton-ort-spinning must be one of {', '.join(ORT_SPINNING)}, got {ort_spinning!r}")
+    # the requests' defaults: the fields of the GenerationRequest the model builds from them at load
+    for flag, field, value in (("--triton-max-tokens", "max_new_tokens", default_max_tokens),
+                               ("--triton-proposer", "proposer", proposer)):
+        try:
+            GenerationRequest(**{field: value})
+        except DFlash2Error as e:
+            raise DFlash2Error(f"{flag}: {e}") from None
     m.check_draft_mode(default_mode)
-    if not 1 <= default_max_tokens <= m.max_seq_len:
-        raise DFlash2Error(f"--triton-max-tokens must be in [1, {m.max_seq_len}], got {default_max_tokens}")
+    if default_max_tokens > m.max_seq_len:
+        raise DFlash2Error(f"--triton-max-tokens must be at most {m.max_seq_len} (the export's positions), got "
+                           f"{default_max_tokens}")
     check_replace(repo, "--triton-repo", repo_owner, overwrite)
     try:
         with TempFolder(repo, "triton") as t:

@@ -27,7 +27,12 @@ One step, flat (the names of :mod:`dflash2_trt.runtime.decoder`):
             target's own next token
     commit  crop each verified slot to its accepted length; committed positions' features become draft context
 
-Proposers: each request names its own (``BatchRequest.proposer``, of :data:`dflash2_trt.vocabulary.PROPOSERS`;
+Requests: each one's options are a :class:`~dflash2_trt.runtime.request.GenerationRequest`, validated by
+:meth:`BatchDecoder.submit` against the target's limits (unless the caller validated it for that prompt), read as
+the B = 1 loop reads them; ``guard`` and ``min_confidence`` are the B = 1 loop's (here the rule below decides, and
+every verify takes the whole block: ``Limits.whole_blocks`` refuses a request with ``min_confidence`` > 0).
+
+Proposers: each request names its own (``GenerationRequest.proposer``, of :data:`dflash2_trt.vocabulary.PROPOSERS`;
 default ``auto``, as the B = 1 loop): ``dflash2`` the drafter, ``ngram`` prompt lookup only (the drafter never runs
 for it; no match = a plain step; needs no drafter in the decoder), ``auto`` per cycle whichever its measured
 acceptance favours. One :class:`~dflash2_trt.runtime.ngram.ProposerChoice` per sequence makes that choice exactly
@@ -116,15 +121,13 @@ from typing import Any
 
 import numpy as np
 
-from dflash2_trt import reference as ref
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.decoder import (GenerationResult, _next_token, _proposal_in_vocab, check_prompt,
-                                         check_temperature)
+from dflash2_trt.runtime.accept import accept_drafts, next_token
+from dflash2_trt.runtime.decoder import GenerationResult
 from dflash2_trt.runtime.guard import MIN_SPREAD
-from dflash2_trt.runtime.ngram import (DFLASH2, NGRAM, ProposerChoice, check_proposer, default_rows,
-                                       lookup_draft)
+from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft
 from dflash2_trt.runtime.protocol import DraftRunner
-from dflash2_trt.vocabulary import DEFAULT_PROPOSER
+from dflash2_trt.runtime.request import GenerationRequest, Limits
 
 
 # The rule's clock: wall time, what a user waits for, as the B = 1 guard's. Process CPU time overstated a
@@ -133,18 +136,6 @@ from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 # B = 1 loop paid (0.99x against 1.17x). With the ORT runner's plan a verify's cost comes from the plan, so the
 # rule uses only direct timings (t_plain(n), t_draft(k)); without a plan t_verify is still the difference of two.
 COST_CLOCK = time.perf_counter
-
-
-@dataclass
-class BatchRequest:
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    seed: int = 0
-    eos_ids: set[int] | None = None  # None: the target's
-    speculative: bool = True  # may draft (when its proposer can and the rule says it pays)
-    proposer: str = DEFAULT_PROPOSER  # dflash2 | ngram | auto (the module docstring)
-    ngram_rows: int | None = None  # most lookup drafts per cycle; None: speculative_generate's default
 
 
 STEP_RATE_WINDOW = 8  # steps in StepRate's exponential means
@@ -384,7 +375,8 @@ class SpeculationRule:
 @dataclass
 class _Seq:
     id: int
-    req: BatchRequest
+    prompt: list[int]
+    req: GenerationRequest  # validated for prompt
     slot: int
     rng: np.random.Generator
     res: GenerationResult
@@ -425,19 +417,15 @@ class BatchDecoder:
         self.drafting_steps = 0  # steps where at least one sequence drafted
 
     # -- requests -----------------------------------------------------------------------------------------------
-    def submit(self, req: BatchRequest) -> int:
-        """Queue a request (it joins at the next step with a free slot) -> its id."""
-        check_prompt(req.prompt, self.target, req.max_new_tokens)
-        check_temperature(req.temperature)
-        check_proposer(req.proposer)
-        if req.ngram_rows is not None and not (isinstance(req.ngram_rows, int) and req.ngram_rows >= 1):
-            raise DFlash2Error(f"ngram_rows must be an integer >= 1 or None, got {req.ngram_rows!r}")
+    def submit(self, prompt: list[int], request: GenerationRequest) -> int:
+        """Queue a request (it joins at the next step with a free slot) -> its id; ``prompt``: token ids."""
+        req = request.validate(prompt, Limits.of(self.target, whole_blocks=True))
         i = self._next_id
         self._next_id += 1
         eos = set(self.target.eos_ids) if req.eos_ids is None else set(req.eos_ids)
-        limit = min(req.max_new_tokens, self.target.max_positions - len(req.prompt))
-        self._queue.append(_Seq(i, req, -1, np.random.default_rng(req.seed),
-                                GenerationResult(prompt_tokens=list(req.prompt)), eos, limit, 0.0,
+        limit = min(req.max_new_tokens, self.target.max_positions - len(prompt))
+        self._queue.append(_Seq(i, list(prompt), req, -1, np.random.default_rng(req.seed),
+                                GenerationResult(prompt_tokens=list(prompt)), eos, limit, 0.0,
                                 committed={who: deque(maxlen=self.rule.window) for who in (DFLASH2, NGRAM)}))
         return i
 
@@ -459,8 +447,9 @@ class BatchDecoder:
         s = self._active.get(i)
         return None if s is None else s.res
 
-    def run(self, reqs: list[BatchRequest]) -> list[GenerationResult]:
-        ids = [self.submit(r) for r in reqs]
+    def run(self, reqs: list[tuple[list[int], GenerationRequest]]) -> list[GenerationResult]:
+        """Submit each (prompt, request), step until all finished -> their results in that order."""
+        ids = [self.submit(p, r) for p, r in reqs]
         while self.busy:
             self.step()
         return [self.results[i] for i in ids]
@@ -504,18 +493,18 @@ class BatchDecoder:
             return
         t0 = time.perf_counter()
         # prompts of like lengths in neighbouring slots: a graph call binds a slot range, padded to its longest
-        for s in sorted(new, key=lambda s: len(s.req.prompt)):
+        for s in sorted(new, key=lambda s: len(s.prompt)):
             s.slot, s.t0 = self.target.join(), t0
         # slot -> (logits [1, V] of the last prompt row, features [n, F])
-        out = self.target.forward({s.slot: list(s.req.prompt) for s in new}, last_logits=True)
+        out = self.target.forward({s.slot: list(s.prompt) for s in new}, last_logits=True)
         for s in new:
             logits, feats = out[s.slot]
-            s.anchor = _next_token(logits[-1], s.req.temperature, s.rng)
+            s.anchor = next_token(logits[-1], s.req.temperature, s.rng)
             s.res.tokens.append(s.anchor)
-            s.pos = len(s.req.prompt)
+            s.pos = len(s.prompt)
             # a plain request never looks up: its choice keeps no context
             mode = s.req.proposer if s.req.speculative else DFLASH2
-            s.choice = ProposerChoice(mode, list(s.req.prompt) + [s.anchor],
+            s.choice = ProposerChoice(mode, list(s.prompt) + [s.anchor],
                                       0 if mode == DFLASH2 else self._lookup_rows(s))
             if self._uses_drafter(s):
                 s.pending, s.pending_start = [feats], 0
@@ -621,7 +610,7 @@ class BatchDecoder:
 
     def _plain(self, s: _Seq, logits: np.ndarray, feats: np.ndarray) -> None:
         """The target's next token after the anchor (logits [1, V], features [1, F]): exactly a B = 1 plain step."""
-        s.anchor = _next_token(logits[-1], s.req.temperature, s.rng)
+        s.anchor = next_token(logits[-1], s.req.temperature, s.rng)
         if self._uses_drafter(s):
             self._defer(s, feats)
         s.pos += 1
@@ -690,14 +679,8 @@ class BatchDecoder:
     def _accept(self, s: _Seq, who: str, draft: Any, drafts: list[int], v_logits: np.ndarray,
                 v_feats: np.ndarray) -> None:
         """accept → commit of one sequence's verify (v_logits [n+1, V], v_feats [n+1, F] of [anchor, drafts])."""
-        T = s.req.temperature
         n_rows = len(drafts)
-        if T <= 0:
-            acc, bonus = ref.accept_greedy(np.asarray(drafts, dtype=np.int64), v_logits)
-        else:
-            p = ref.softmax_t(v_logits, T)  # [n+1, V]
-            q = _proposal_in_vocab(draft, n_rows, p.shape[-1])  # [n, V]
-            acc, bonus = ref.accept_rejection(np.asarray(drafts, dtype=np.int64), q, p, s.rng)
+        acc, bonus = accept_drafts(draft, drafts, v_logits, s.req.temperature, s.rng)
         self.target.crop(s.slot, s.pos + acc + 1)
         if who == DFLASH2:  # the drafter's pass took the pending features: the verified rows are the next ones
             s.pending, s.pending_start = [v_feats[: acc + 1]], s.pos

@@ -7,13 +7,16 @@ random number is drawn from one ``numpy.random.Generator`` in a fixed order (fir
 the drafter's uniforms, then the rejection test), so a backend whose graphs match PyTorch reproduces the
 reference's tokens and metrics exactly for a given seed.
 
-:func:`speculative_generate` takes what the request asks for as one :class:`DecodeOptions` and what the loop
-calls as one :class:`DecodeHooks`. Among the options, ``min_confidence``: verify only the leading draft rows whose
-cumulative drafter confidence reaches it (:func:`~dflash2_trt.runtime.guard.verify_rows`; exact, the rule looks at
-the proposal side only). Among the hooks, ``guard``: an :class:`~dflash2_trt.runtime.guard.AcceptanceGuard` that
-runs plain target steps while measured acceptance does not pay for a cycle (exact: a plain step is the target's own
-step); ``oracle``: a per-cycle oracle top-K counter (:func:`dflash2_trt.bench.oracle.oracle_count`), its extra
-target passes excluded from the timing; ``on_tokens`` streams each newly committed chunk of tokens.
+:func:`speculative_generate` and :func:`target_generate` read what the request asks for from one
+:class:`~dflash2_trt.runtime.request.GenerationRequest` (validated at their entry against the target's limits,
+unless the caller validated it for this prompt) and take what the loop calls as one :class:`DecodeHooks`. The
+request's ``min_confidence``: verify only the leading draft rows whose cumulative drafter confidence reaches it
+(:func:`~dflash2_trt.runtime.guard.verify_rows`; exact, the rule looks at the proposal side only); its ``guard``:
+an :class:`~dflash2_trt.runtime.guard.AcceptanceGuard` runs plain target steps while measured acceptance does not
+pay for a cycle (exact: a plain step is the target's own step). Among the hooks, ``oracle``: a per-cycle oracle
+top-K counter (:func:`dflash2_trt.bench.oracle.oracle_count`), its extra target passes excluded from the timing;
+``on_tokens`` streams each newly committed chunk of tokens. The accept step is
+:func:`dflash2_trt.runtime.accept.accept_drafts`, shared with the batched loop.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash2_trt import reference as ref
-from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.reference import acceptance_stats
-from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
-from dflash2_trt.runtime.guard import AcceptanceGuard, verify_rows
+from dflash2_trt.runtime.accept import accept_drafts, next_token
+from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig, verify_rows
 from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft
+from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
+from dflash2_trt.runtime.request import GenerationRequest, Limits
 
 OnTokens = Callable[[list[int]], None]
 OnCycle = Callable[[int, int], None]  # (accepted drafts, verified rows) of a speculative cycle
@@ -70,67 +73,30 @@ class GenerationResult:
 
 
 
-def _next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-    """logits [V] -> argmax at T = 0, else a sample of softmax(logits / T)."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    p = ref.softmax_t(logits, temperature)
-    return int(rng.choice(p.shape[-1], p=p))
-
-
-def check_temperature(temperature: float) -> None:
-    """T = 0 is greedy, T > 0 samples; a negative or NaN T is a user error, never silently greedy."""
-    if not temperature >= 0 or temperature == float("inf"):  # `not >=` catches NaN
-        raise DFlash2Error(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-
-
-def check_prompt(prompt_ids: list[int], target: TargetRunner, max_new_tokens: int) -> None:
-    if not prompt_ids:
-        raise DFlash2Error("empty prompt")
-    bad = [t for t in prompt_ids if not 0 <= int(t) < target.vocab_size]
-    if bad:
-        raise DFlash2Error(f"prompt token id {bad[0]} out of range [0, {target.vocab_size})")
-    if len(prompt_ids) + 1 > target.max_positions:
-        raise DFlash2Error(f"prompt of {len(prompt_ids)} tokens does not fit the {target.max_positions} positions "
-                           f"available (the target's maximum, or the --max-seq-len of an export)")
-    if max_new_tokens < 1:
-        raise DFlash2Error(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-
-
-def target_generate(target: TargetRunner, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                    eos_ids: set[int] | None = None, seed: int = 0, on_tokens: OnTokens | None = None
-                    ) -> GenerationResult:
-    """Plain autoregressive decoding on the same backend (the lossless reference and the speed baseline)."""
-    check_prompt(prompt_ids, target, max_new_tokens)
-    check_temperature(temperature)
-    rng = np.random.default_rng(seed)
-    eos = set(target.eos_ids) if eos_ids is None else eos_ids
+def target_generate(target: TargetRunner, prompt_ids: list[int], request: GenerationRequest,
+                    on_tokens: OnTokens | None = None) -> GenerationResult:
+    """Plain autoregressive decoding on the same backend (the lossless reference and the speed baseline); reads
+    the request's ``max_new_tokens``, ``temperature``, ``seed`` and ``eos_ids``."""
+    r = request.validate(prompt_ids, Limits.of(target))
+    rng = np.random.default_rng(r.seed)
+    eos = set(target.eos_ids) if r.eos_ids is None else r.eos_ids
     res = GenerationResult(prompt_tokens=list(prompt_ids))
     t0 = time.perf_counter()
     target.reset()
     logits, _ = target.forward(list(prompt_ids))
-    tok = _next_token(logits[-1], temperature, rng)
+    tok = next_token(logits[-1], r.temperature, rng)
     res.tokens.append(tok)
     if on_tokens:
         on_tokens([tok])
-    limit = min(max_new_tokens, target.max_positions - len(prompt_ids))
+    limit = min(r.max_new_tokens, target.max_positions - len(prompt_ids))
     while len(res.tokens) < limit and tok not in eos:
         logits, _ = target.forward([tok])
-        tok = _next_token(logits[-1], temperature, rng)
+        tok = next_token(logits[-1], r.temperature, rng)
         res.tokens.append(tok)
         if on_tokens:
             on_tokens([tok])
     res.elapsed_s = time.perf_counter() - t0
     return res
-
-
-def _proposal_in_vocab(draft: Draft, n_rows: int, vocab: int) -> np.ndarray:
-    """q over the candidates scattered into the vocabulary: [n_rows, V] float64."""
-    if draft.vocab_proposal is not None:
-        return draft.vocab_proposal[:n_rows].astype(np.float64)
-    q = np.zeros((n_rows, vocab), dtype=np.float32)
-    np.put_along_axis(q, draft.cand[:n_rows], draft.proposal[:n_rows].astype(np.float32), axis=-1)
-    return q.astype(np.float64)
 
 
 def _confidence(draft: Draft, temperature: float) -> np.ndarray | None:
@@ -144,27 +110,13 @@ def _confidence(draft: Draft, temperature: float) -> np.ndarray | None:
 
 
 @dataclass(frozen=True)
-class DecodeOptions:
-    """What one speculative request asks for (:func:`speculative_generate`)."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy; > 0: lossless rejection sampling
-    eos_ids: set[int] | None = None  # stop tokens; None: the target's; empty: never stop early
-    seed: int = 0
-    min_confidence: float = 0.0  # verify only the leading rows whose cumulative confidence reaches it
-    # 'dflash2' (the drafter), 'ngram' (prompt lookup only: the drafter never runs; no match = a plain step), 'auto'
-    # (per cycle, :class:`~dflash2_trt.runtime.ngram.ProposerChoice`)
-    proposer: str = DFLASH2
-    ngram_rows: int | None = None  # most lookup drafts per cycle (None: NGRAM_ROWS = 4, or the draft rows where more)
-
-
-@dataclass(frozen=True)
 class DecodeHooks:
     """What the loop calls during one request: ``on_tokens(new)`` gets each committed chunk (the prefill's first
     token, a plain step's token, a cycle's tokens); ``on_cycle(accepted, rows)`` runs for each speculative cycle
     just before ``on_tokens`` gets its tokens; ``oracle``: the per-cycle oracle top-K count, excluded from the
-    timing; ``guard``: asked before each step whether to run a plain one and told each step's time — it holds one
-    request's state, so a fresh one per call."""
+    timing; ``guard``: the acceptance guard to run (a test's own clock or config), asked before each step whether
+    to run a plain one and told each step's time — it holds one request's state, so a fresh one per call; None:
+    a fresh ``AcceptanceGuard(GuardConfig())`` when the request's ``guard`` is on."""
 
     on_tokens: OnTokens | None = None
     on_cycle: OnCycle | None = None
@@ -177,11 +129,11 @@ class _SpeculativeLoop:
     verify + accept, commit). Every random number comes from ``rng`` in a fixed order: the first token, then per
     cycle the drafter's uniforms, then the rejection test."""
 
-    def __init__(self, target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int], o: DecodeOptions,
+    def __init__(self, target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int], request: GenerationRequest,
                  hooks: DecodeHooks) -> None:
-        check_prompt(prompt_ids, target, o.max_new_tokens)
-        check_temperature(o.temperature)
-        self.target, self.drafter, self.o, self.guard, self.hooks = target, drafter, o, hooks.guard, hooks
+        o = request.validate(prompt_ids, Limits.of(target))
+        guard = hooks.guard if hooks.guard is not None else AcceptanceGuard(GuardConfig()) if o.guard else None
+        self.target, self.drafter, self.o, self.guard, self.hooks = target, drafter, o, guard, hooks
         self.prompt = list(prompt_ids)
         self.rng = np.random.default_rng(o.seed)
         self.eos = set(target.eos_ids) if o.eos_ids is None else o.eos_ids
@@ -210,7 +162,7 @@ class _SpeculativeLoop:
         self.target.reset()
         self.drafter.reset()
         logits, feats = self.target.forward(self.prompt)  # [n, V], [n, F]
-        self.anchor = _next_token(logits[-1], self.o.temperature, self.rng)
+        self.anchor = next_token(logits[-1], self.o.temperature, self.rng)
         self.res.tokens.append(self.anchor)
         self._emit([self.anchor])
         self.choice = ProposerChoice(self.o.proposer, self.prompt + [self.anchor],
@@ -231,7 +183,7 @@ class _SpeculativeLoop:
         """The target's own next token (exactly target_generate's step)."""
         assert self.choice is not None
         logits, feats = self.target.forward([self.anchor])  # [1, V], [1, F]
-        self.anchor = _next_token(logits[-1], self.o.temperature, self.rng)
+        self.anchor = next_token(logits[-1], self.o.temperature, self.rng)
         if self.choice.uses_drafter:
             self.pending.append(feats)
         self.pos += 1
@@ -262,13 +214,7 @@ class _SpeculativeLoop:
         """The target on [anchor, d_1..d_n] at positions pos..pos+n, then acceptance -> (accepted, bonus token,
         features [n+1, F])."""
         v_logits, v_feats = self.target.forward([self.anchor] + drafts)  # [n+1, V], [n+1, F]
-        T = self.o.temperature
-        if T <= 0:
-            acc, bonus = ref.accept_greedy(np.asarray(drafts, dtype=np.int64), v_logits)
-        else:
-            p = ref.softmax_t(v_logits, T)  # [n+1, V]
-            q = _proposal_in_vocab(draft, n_rows, p.shape[-1])  # [n, V]
-            acc, bonus = ref.accept_rejection(np.asarray(drafts, dtype=np.int64), q, p, self.rng)
+        acc, bonus = accept_drafts(draft, drafts, v_logits, self.o.temperature, self.rng)
         return acc, bonus, v_feats
 
     def commit(self, who: str, draft: Draft, drafts: list[int], n_rows: int, acc: int, bonus: int,
@@ -316,12 +262,11 @@ class _SpeculativeLoop:
 
 
 def speculative_generate(target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int],
-                         options: DecodeOptions = DecodeOptions(), hooks: DecodeHooks = DecodeHooks()
-                         ) -> GenerationResult:
+                         request: GenerationRequest, hooks: DecodeHooks = DecodeHooks()) -> GenerationResult:
     """Speculative decoding of one prompt (docs/design.md, the decoding loop; the C core's
     ``dflash2::speculativeGenerate``, the twin of :func:`target_generate`). The loop, top to bottom: prefill, then
     per step the proposer's pick, a plain step or draft -> verify + accept -> commit."""
-    loop = _SpeculativeLoop(target, drafter, prompt_ids, options, hooks)
+    loop = _SpeculativeLoop(target, drafter, prompt_ids, request, hooks)
     loop.prefill()
     while loop.running:
         t_step = time.perf_counter()

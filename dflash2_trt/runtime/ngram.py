@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.protocol import Draft
 from dflash2_trt.vocabulary import PROPOSERS
 
@@ -47,12 +46,6 @@ def lookup(tokens: np.ndarray, rows: int, max_n: int = 4, min_n: int = 2) -> lis
     return []
 
 
-def check_proposer(mode: str) -> str:
-    if mode not in PROPOSERS:
-        raise DFlash2Error(f"proposer must be one of {', '.join(PROPOSERS)}, got {mode!r}")
-    return mode
-
-
 def lookup_draft(drafts: list[int]) -> Draft:
     """A lookup's drafts as a :class:`~dflash2_trt.runtime.protocol.Draft`: deterministic, so a one-hot proposal
     (at T > 0 rejection sampling accepts draft i with probability p_i(d_i) and resamples from the residual)."""
@@ -70,7 +63,7 @@ class ProposerChoice:
     """One request's proposer state: the context so far and each proposer's measured acceptance."""
 
     def __init__(self, mode: str, prompt: list[int], ngram_rows: int, decay: float = 0.8) -> None:
-        self.mode = check_proposer(mode)
+        self.mode = mode  # of PROPOSERS: the request's, checked when it was built
         self.rows = int(ngram_rows)
         self.tokens = np.asarray(prompt, dtype=np.int64)
         self.decay = decay

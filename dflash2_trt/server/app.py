@@ -38,6 +38,7 @@ thread safe.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -60,6 +61,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.request import GenerationRequest
 from dflash2_trt.server import protocol as P
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
@@ -167,7 +169,7 @@ class Metrics:
 class _Job:
     """One submitted request, shared by its reply (event loop) and its forwarding thread."""
 
-    spec: P.Spec
+    spec: P.ParsedRequest
     prompt_len: int
     handle: Any  # dflash2_trt.api.Handle
     loop: asyncio.AbstractEventLoop
@@ -239,8 +241,14 @@ class Server:
 
     def warm_up(self) -> None:
         """One 1-token request through the batch loop: its runners exist before the first client comes."""
-        self.gen.submit(self.gen.encode("Hi", chat=False) or [0], 1, 0.0, seed=0, selector=self.selector,
-                        chat=False, speculative=self.speculative, proposer=self.proposer).result()
+        self.gen.submit(self.gen.encode("Hi", chat=False) or [0], chat=False,
+                        request=self._served(GenerationRequest(max_new_tokens=1, seed=0))).result()
+
+    def _served(self, request: GenerationRequest, **fields: Any) -> GenerationRequest:
+        """A request as this server decodes it: the ``--selector`` / ``--speculation`` / ``--proposer`` choices
+        and ``fields`` set in it (its seed kept)."""
+        return dataclasses.replace(request, draft_mode=self.selector, speculative=self.speculative,
+                                   proposer=self.proposer, **fields)
 
     def steps(self) -> int:
         return sum(self.gen.batch_sizes.values())
@@ -313,7 +321,7 @@ class Server:
             return self._json(request, P.error_body(str(e), param="messages" if kind == P.CHAT else "prompt"), 400)
         return _Reply(self, job)
 
-    def _submit(self, spec: P.Spec) -> _Job:
+    def _submit(self, spec: P.ParsedRequest) -> _Job:
         """Encode, check against the context, admit, submit; the forwarding thread started. RequestError /
         DFlash2Error when refused (nothing queued then)."""
         ids = self.gen.encode(spec.prompt, chat=spec.kind == P.CHAT)
@@ -325,9 +333,7 @@ class Server:
                                      code="rate_limit_exceeded")
             self.in_flight += 1
         try:
-            handle = self.gen.submit(ids, max_tokens, spec.temperature, spec.seed, self.selector, chat=False,
-                                     speculative=self.speculative, eos_ids=set() if spec.ignore_eos else None,
-                                     proposer=self.proposer)
+            handle = self.gen.submit(ids, chat=False, request=self._served(spec.request, max_new_tokens=max_tokens))
         except BaseException:
             self._release()
             raise

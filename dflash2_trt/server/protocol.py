@@ -1,5 +1,6 @@
-"""OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` requests checked into a :class:`Spec`, and the bodies
-of the answers (standard library only; :mod:`dflash2_trt.server.app` serves them).
+"""OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` requests checked into a :class:`ParsedRequest` (its
+generation options one :class:`~dflash2_trt.runtime.request.GenerationRequest`), and the bodies of the answers
+(standard library only; :mod:`dflash2_trt.server.app` serves them).
 
 Parameters (both routes, OpenAI's names and defaults)::
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.request import GenerationRequest
 
 CHAT, COMPLETION = "chat", "completion"
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -77,19 +79,19 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 @dataclass
-class Spec:
-    """One checked request. ``prompt``: chat messages ([{"role", "content": str}]), raw text or token ids."""
+class ParsedRequest:
+    """One checked request: what the route answers (``kind``, ``model``, stop strings, streaming), the prompt (chat
+    messages [{"role", "content": str}], raw text or token ids) and the generation options as one record —
+    ``max_tokens`` as its ``max_new_tokens`` (None: the route's default, :func:`max_tokens_for`), ``temperature``
+    (OpenAI's default 1), ``seed`` (none: a fresh stream), ``ignore_eos`` as ``eos_ids`` = {}."""
 
     kind: str  # CHAT | COMPLETION
     model: str
     prompt: str | list[int] | list[dict[str, str]]
-    max_tokens: int | None  # None: the route's default (see the module docstring)
-    temperature: float
-    seed: int | None
+    request: GenerationRequest
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
-    ignore_eos: bool = False
 
 
 # -- parsing ---------------------------------------------------------------------------------------------------
@@ -258,8 +260,15 @@ def _content(i: int, content: Any) -> str:
     raise _type_error(where, "a string or an array of text parts", content)
 
 
-def parse_chat(body: dict) -> Spec:
-    """A ``/v1/chat/completions`` body -> its Spec, or RequestError."""
+def _parsed(c: dict, prompt: str | list[int] | list[dict[str, str]]) -> ParsedRequest:
+    """The checked body's fields (:func:`_common`) and its prompt -> the ParsedRequest with its GenerationRequest."""
+    options = GenerationRequest(max_new_tokens=c.pop("max_tokens"), temperature=c.pop("temperature"),
+                                seed=c.pop("seed"), eos_ids=frozenset() if c.pop("ignore_eos") else None)
+    return ParsedRequest(prompt=prompt, request=options, **c)
+
+
+def parse_chat(body: dict) -> ParsedRequest:
+    """A ``/v1/chat/completions`` body -> its ParsedRequest, or RequestError."""
     c = _common(body, CHAT)
     if body.get("max_tokens") is None:
         c["max_tokens"] = _integer(body, "max_completion_tokens", 1)
@@ -289,11 +298,11 @@ def parse_chat(body: dict) -> Spec:
             raise RequestError(f"'messages[{i}]' has no content", f"messages[{i}].content",
                                code="missing_required_parameter")
         out.append({"role": ROLES[role], "content": _content(i, m["content"])})
-    return Spec(prompt=out, **c)
+    return _parsed(c, out)
 
 
-def parse_completion(body: dict) -> Spec:
-    """A ``/v1/completions`` body -> its Spec, or RequestError."""
+def parse_completion(body: dict) -> ParsedRequest:
+    """A ``/v1/completions`` body -> its ParsedRequest, or RequestError."""
     c = _common(body, COMPLETION)
     p = body.get("prompt")
     if p is None:
@@ -309,14 +318,14 @@ def parse_completion(body: dict) -> Spec:
         p = list(p)
     else:
         raise _type_error("prompt", "a string or a non-empty array of token ids", p)
-    return Spec(prompt=p, **c)
+    return _parsed(c, p)
 
 
-def max_tokens_for(spec: Spec, prompt_len: int, positions: int) -> int:
+def max_tokens_for(spec: ParsedRequest, prompt_len: int, positions: int) -> int:
     """The request's max_tokens (its route's default when not given), checked against the context: prompt +
     max_tokens <= ``positions`` (the export's cache capacity), else OpenAI's context_length_exceeded."""
     room = positions - prompt_len
-    m = spec.max_tokens
+    m = spec.request.max_new_tokens
     if m is None:
         m = room if spec.kind == CHAT else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
     if room < 1 or prompt_len + m > positions:

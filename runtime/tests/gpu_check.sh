@@ -24,9 +24,11 @@ for mode in greedy viterbi; do
 import sys
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.backends import open_backend
+from dflash2_trt.runtime.request import GenerationRequest
 be, _ = open_backend(sys.argv[1], "trt")
 ids = [int(t) for t in sys.argv[3:]]
-res = D.speculative_generate(be.target_runner(), be.draft_runner(sys.argv[2]), ids, D.DecodeOptions(32, eos_ids=set()))
+req = GenerationRequest(max_new_tokens=32, eos_ids=set(), proposer="dflash2", guard=False)
+res = D.speculative_generate(be.target_runner(), be.draft_runner(sys.argv[2]), ids, req)
 print(" ".join(map(str, res.tokens)))
 PY
 )

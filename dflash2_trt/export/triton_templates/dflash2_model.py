@@ -7,7 +7,7 @@ totals. Inputs (one of ``text_input`` / ``input_ids``; the rest optional)::
 
     text_input     BYTES [1]   a user message, rendered with the target's chat template (raw text if none)
     input_ids      INT64 [-1]  prompt token ids, used as they are
-    max_tokens     INT32 [1]   default: parameter default_max_tokens; at most parameter max_tokens_limit
+    max_tokens     INT32 [1]   >= 1; default: parameter default_max_tokens; at most parameter max_tokens_limit
     temperature    FP32  [1]   0 = greedy (default); > 0 samples (lossless rejection sampling)
     seed           INT64 [1]   the request's random stream (default 0; see parameter speculation below)
     selector_mode  BYTES [1]   greedy | viterbi | independent (default: parameter default_selector_mode)
@@ -32,7 +32,9 @@ only while the load-adaptive rule says it pays (at high load: batched plain deco
 step, ``off`` never drafts. Greedy output is the target's own either way; at T > 0 a seed fixes the tokens with
 ``always`` / ``off`` and the sampling law with ``adaptive`` (the rule decides from measured timings). Parameter
 ``ort_spinning`` (``auto`` | ``on`` | ``off``): whether ONNX Runtime's target session spins between ops
-(``dflash2_trt.load(spinning=...)``; ``off`` for several instances or servers on one CPU). A bad
+(``dflash2_trt.load(spinning=...)``; ``off`` for several instances or servers on one CPU). The inputs become one
+:class:`dflash2_trt.runtime.request.GenerationRequest` (the model's default parameters are one too, built at load),
+checked by the record and the API alone: a bad
 request gets one Triton error (INVALID_ARG) and is never queued; a cancelled request (the client cancelled or
 disconnected, checked at least every 0.1 s) leaves the batch at the next step, freeing its slot. Custom
 metrics, per instance: ``dflash2_active_requests`` (gauge), ``dflash2_requests`` (counter: requests queued for
@@ -56,8 +58,8 @@ def _add_python_path() -> None:
 
 _add_python_path()
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -65,7 +67,8 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from dflash2_trt.errors import DFlash2Error  # noqa: E402
-from dflash2_trt.vocabulary import DEFAULT_PROPOSER, ORT_SPINNING, PROPOSERS, SPECULATION_MODES  # noqa: E402
+from dflash2_trt.runtime.request import GenerationRequest  # noqa: E402
+from dflash2_trt.vocabulary import DEFAULT_PROPOSER, ORT_SPINNING, SPECULATION_MODES  # noqa: E402
 
 
 def _scalar(request, name: str):  # noqa: ANN001, ANN202
@@ -104,18 +107,18 @@ class TritonPythonModel:
                                     verify_checksums=params.get("verify_checksums", "true") == "true",
                                     spinning=ORT_SPINNING[spinning])
         pb_utils.Logger.log_info(f"dflash2 {self.name}: {self.gen.note}")
-        self.speculative = speculation != "off"
         max_batch = int(params.get("max_batch", "8"))
         self.gen.set_batching(max_batch, adaptive=speculation == "adaptive")
         # an instance holds at most max_batch requests: beyond, execute waits, so Triton hands new requests to
         # another instance (or keeps them in its queue) instead of piling them onto this one's
         self.slots = threading.BoundedSemaphore(max_batch)
-        self.default_mode = params.get("default_selector_mode", "greedy")
-        self.default_proposer = params.get("default_proposer", DEFAULT_PROPOSER)
-        if self.default_proposer not in PROPOSERS:
-            raise DFlash2Error(f"parameter default_proposer must be one of {', '.join(PROPOSERS)}, "
-                               f"got {self.default_proposer!r}")
-        self.default_max_tokens = int(params.get("default_max_tokens", "128"))
+        try:  # a request's defaults (seed 0: an input not given is the same stream every time)
+            self.defaults = GenerationRequest(
+                max_new_tokens=int(params.get("default_max_tokens", "128")), seed=0, speculative=speculation != "off",
+                draft_mode=params.get("default_selector_mode", "greedy"),
+                proposer=params.get("default_proposer", DEFAULT_PROPOSER))
+        except DFlash2Error as e:
+            raise DFlash2Error(f"the model's default parameters: {e}") from None
         self.max_tokens_limit = int(params.get("max_tokens_limit", "4096"))
         labels = {"model": cfg["name"], "instance": args["model_instance_name"]}
         # a family must outlive its metrics: both are kept for the instance's lifetime
@@ -163,7 +166,8 @@ class TritonPythonModel:
         self.gen.close()
 
     # -- one request -------------------------------------------------------------------------------------
-    def _parse(self, request) -> dict:  # noqa: ANN001
+    def _parse(self, request) -> tuple[list[int], GenerationRequest]:  # noqa: ANN001
+        """A request's inputs -> (prompt ids, its GenerationRequest: the defaults with the inputs given)."""
         text = _scalar(request, "text_input")
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if (text is None) == (ids_t is None):
@@ -173,22 +177,14 @@ class TritonPythonModel:
             prompt = self.gen.encode(text)  # the chat template when the tokenizer has one, else the raw text
         else:
             prompt = [int(t) for t in ids_t.as_numpy().reshape(-1)]
-        max_tokens = _scalar(request, "max_tokens")
-        max_tokens = self.default_max_tokens if max_tokens is None else int(max_tokens)
-        if not 1 <= max_tokens <= self.max_tokens_limit:
-            raise DFlash2Error(f"max_tokens must be in [1, {self.max_tokens_limit}], got {max_tokens}")
-        temperature = _scalar(request, "temperature")
-        temperature = 0.0 if temperature is None else float(temperature)
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise DFlash2Error(f"temperature must be a finite number >= 0, got {temperature}")
-        seed = _scalar(request, "seed")
-        seed = 0 if seed is None else int(seed)
-        if seed < 0:
-            raise DFlash2Error(f"seed must be >= 0, got {seed}")
-        mode = _scalar(request, "selector_mode") or self.default_mode
-        proposer = _scalar(request, "proposer") or self.default_proposer  # checked by submit
-        return {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "mode": mode,
-                "proposer": proposer}
+        given = {"max_new_tokens": _scalar(request, "max_tokens"), "temperature": _scalar(request, "temperature"),
+                 "seed": _scalar(request, "seed"), "draft_mode": _scalar(request, "selector_mode") or None,
+                 "proposer": _scalar(request, "proposer") or None}
+        casts = {"max_new_tokens": int, "temperature": float, "seed": int, "draft_mode": str, "proposer": str}
+        req = dataclasses.replace(self.defaults, **{k: casts[k](v) for k, v in given.items() if v is not None})
+        if req.max_new_tokens > self.max_tokens_limit:  # this deployment's cap (parameter max_tokens_limit)
+            raise DFlash2Error(f"max_tokens must be at most {self.max_tokens_limit}, got {req.max_new_tokens}")
+        return prompt, req
 
     def _submit(self, request) -> None:  # noqa: ANN001
         """Check and queue one request, then forward its chunks from a thread of its own."""
@@ -196,14 +192,13 @@ class TritonPythonModel:
             with self.ipc:
                 sender = request.get_response_sender()
                 request_id = request.request_id()
-                spec = self._parse(request)
+                prompt, req = self._parse(request)
         except (DFlash2Error, ValueError, UnicodeError) as e:
             self._send_error(sender, str(e))
             return
         self.slots.acquire()  # released by the request's forwarder, or below
         try:
-            handle = self.gen.submit(spec["prompt"], spec["max_tokens"], spec["temperature"], spec["seed"],
-                                     spec["mode"], chat=False, speculative=self.speculative, proposer=spec["proposer"])
+            handle = self.gen.submit(prompt, chat=False, request=req)
         except BaseException as e:
             self.slots.release()
             if not isinstance(e, DFlash2Error):

@@ -361,7 +361,7 @@ BatchDecoder::BatchDecoder(BatchRunners& runners, SpeculationRule rule)
 
 BatchDecoder::~BatchDecoder() = default;
 
-// batch.BatchDecoder.submit's checks (decoder.check_prompt, check_temperature)
+// batch.BatchDecoder.submit's checks (request.GenerationRequest: its fields, validate)
 void checkBatchRequest(BatchRequest const& request, int32_t vocabSize, int32_t maxPositions)
 {
     GenerateConfig const& cfg = request.config;

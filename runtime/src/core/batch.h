@@ -238,7 +238,7 @@ struct SpeculationRule
         std::vector<std::pair<uint64_t, std::pair<uint64_t, double>>> const& fallbacks = {}) const;
 };
 
-//! One request (batch.BatchRequest + where its uniforms come from and where its tokens go).
+//! One request (a prompt and its request.GenerationRequest + where its uniforms come from and where its tokens go).
 struct BatchRequest
 {
     std::vector<int32_t> prompt;

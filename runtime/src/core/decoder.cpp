@@ -337,7 +337,7 @@ Stats resultStats(Result const& r)
     return s;
 }
 
-// decoder.check_prompt
+// request.GenerationRequest.validate (check_limits)
 void checkPrompt(std::vector<int32_t> const& prompt, Runners const& runners, int64_t maxNewTokens)
 {
     checkPrompt(prompt, runners.vocabSize(), runners.maxPositions(), maxNewTokens);
@@ -426,7 +426,7 @@ int32_t oracleCount(Runners& runners, Draft const& draft, int32_t K, std::vector
     return o;
 }
 
-// decoder._proposal_in_vocab: q over the candidates scattered into the vocabulary [nRows, V] float64
+// accept.proposal_in_vocab: q over the candidates scattered into the vocabulary [nRows, V] float64
 // (float32 values, the last duplicate candidate wins, as numpy's put_along_axis)
 void proposalInVocab(Draft const& draft, int32_t nRows, size_t V, int32_t K, std::vector<double>& q)
 {
@@ -455,7 +455,7 @@ bool isEos(GenerateConfig const& cfg, int32_t t)
     return std::find(cfg.eosIds.begin(), cfg.eosIds.end(), t) != cfg.eosIds.end();
 }
 
-// decoder._next_token
+// accept.next_token
 int32_t nextToken(float const* logits, size_t V, double temperature, UniformSource& uniforms)
 {
     if (temperature <= 0)

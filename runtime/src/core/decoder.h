@@ -130,7 +130,7 @@ struct GenerateConfig
     bool speculative{true};
     bool measureOracle{false};
     std::vector<int32_t> eosIds;
-    Proposer proposer{Proposer::kAUTO};  //!< dflash2 | ngram | auto (decoder.DecodeOptions.proposer)
+    Proposer proposer{Proposer::kAUTO};  //!< dflash2 | ngram | auto (request.GenerationRequest.proposer)
     int32_t ngramRows{0};                //!< most lookup drafts per cycle; 0: defaultLookupRows(L)
     //! the acceptance guard (core/guard.h; decoder.DecodeHooks.guard): plain target steps while the
     //! drafter's measured acceptance does not pay for its cycles; none: every step a cycle where a proposer has drafts
@@ -197,14 +197,14 @@ Stats resultStats(Result const& r);
 // ---- pieces of a cycle (shared by the loops here and the batched loop, core/batch.cpp) ----------------
 
 bool isEos(GenerateConfig const& cfg, int32_t token);
-//! decoder._next_token: argmax at T <= 0, else a sample of softmax(logits / T) (one ACCEPT uniform)
+//! accept.next_token: argmax at T <= 0, else a sample of softmax(logits / T) (one ACCEPT uniform)
 int32_t nextToken(float const* logits, size_t V, double temperature, UniformSource& uniforms);
 //! the drafter's L uniforms of a sampling cycle (one DRAFT request), in float32 as the Python runtime hands them
 void drawDraftUniforms(UniformSource& uniforms, std::vector<double>& u64, std::vector<float>& u32);
 //! the drafter's tokens and candidates of the first nRows rows are ids in [0, V) (else DFL2_ERR_OUT_OF_RANGE)
 void checkDraft(Draft const& draft, int32_t nRows, int32_t K, int32_t V);
 //! accept: drafts [n] against the verify logits [n + 1, V] -> (accepted, bonus): greedy matching at T <= 0,
-//! rejection sampling at T > 0 (the proposal scattered into the vocabulary)
+//! rejection sampling at T > 0 (the proposal scattered into the vocabulary); accept.accept_drafts
 std::pair<int32_t, int32_t> acceptDrafts(Draft const& draft, std::vector<int32_t> const& drafts,
     float const* logits, int32_t V, int32_t K, double temperature, UniformSource& uniforms);
 //! commit: drafts[:accepted] + [bonus], cut after the first EOS
