@@ -590,10 +590,12 @@ int swapInGraph(Graph& g, PanelSwaps* swaps)
 
 } // namespace
 
-std::string rewriteTarget(std::string const& model, bool panels, PanelSwaps* swaps)
+namespace
 {
-    Graph g = open(model);
-    // past_key_values inputs must be fp32
+
+// decode_attention.rewrite's first check: the first past_key_values input is fp32 (DecodeAttention's caches)
+bool pastKvIsFloat(Graph const& g)
+{
     bool kvFloat = false;
     bool kvSeen = false;
     for (Field const& f : g.graph)
@@ -615,10 +617,13 @@ std::string rewriteTarget(std::string const& model, bool panels, PanelSwaps* swa
             kvFloat = kvFloat || (x.num == kTENSOR_ELEM && x.wire == 0 && static_cast<int64_t>(x.value) == kFLOAT);
         }
     }
-    if (!kvSeen || !kvFloat)
-    {
-        return "";
-    }
+    return kvSeen && kvFloat;
+}
+
+// every GroupQueryAttention node -> dflash2.DecodeAttention (packed qkv, past K/V, then past_seqlens) -> how many;
+// -1: a node DecodeAttention does not implement (a variant, or unpacked q/k/v), nothing to use
+int swapAttention(Graph& g)
+{
     int swapped = 0;
     for (Message& node : g.nodes)
     {
@@ -632,13 +637,13 @@ std::string rewriteTarget(std::string const& model, bool panels, PanelSwaps* swa
         if (get("do_rotary").i != 1 || get("rotary_interleaved").i != 0 || (window.present && window.i != -1 && window.i != 0)
             || get("softcap").f != 0.0F)
         {
-            return "";  // a variant DecodeAttention does not implement
+            return -1;  // a variant DecodeAttention does not implement
         }
         std::vector<std::string> const ins = stringsOf(node, kNODE_INPUT);
         // qkv (packed; key/value inputs empty), past_key, past_value, seqlens_k, total_sequence_length, cos, sin
         if (ins.size() < 9 || !ins[1].empty() || !ins[2].empty())
         {
-            return "";
+            return -1;
         }
         std::vector<std::string> in{ins[0]};
         in.insert(in.end(), ins.begin() + 3, ins.begin() + 9);
@@ -659,28 +664,12 @@ std::string rewriteTarget(std::string const& model, bool panels, PanelSwaps* swa
         node = std::move(n);
         ++swapped;
     }
-    size_t head = g.nodes.size();
-    int heads = 0;
-    for (size_t i = 0; i < g.nodes.size(); ++i)
-    {
-        std::vector<std::string> const o = stringsOf(g.nodes[i], kNODE_OUTPUT);
-        if (o.size() == 1 && o[0] == "logits")
-        {
-            head = i;
-            ++heads;
-        }
-    }
-    if (swapped == 0 || heads != 1)
-    {
-        return "";
-    }
-    // hidden [B, S, H] -> its rows logits_index [B, R, 1] -> [B, R, H] -> the LM head -> logits [B, R, V]
-    std::vector<std::string> headIn = stringsOf(g.nodes[head], kNODE_INPUT);
-    Message gather = makeNode("GatherND", {headIn[0], "logits_index"}, {"lm_head/rows"}, "lm_head/gather_rows", "",
-        {intAttribute("batch_dims", 1)});
-    headIn[0] = "lm_head/rows";
-    setStrings(g.nodes[head], kNODE_INPUT, headIn);
-    g.nodes.insert(g.nodes.begin() + static_cast<long>(head), gather);
+    return swapped;
+}
+
+// the logits output's row dim (dim 1) named logits_rows: the rewritten graph computes the rows logits_index asks
+void nameLogitRows(Graph& g)
+{
     for (Field& f : g.graph)
     {
         if (f.num != kGRAPH_OUTPUT || f.wire != 2)
@@ -728,6 +717,48 @@ std::string rewriteTarget(std::string const& model, bool panels, PanelSwaps* swa
             vt.bytes = serialize(type);
         }
         f.bytes = serialize(v);
+    }
+}
+
+// the LM head (the one node making "logits") computes only the rows logits_index asks: hidden [B, S, H] -> GatherND
+// -> [B, R, H] -> the head -> logits [B, R, V]; false where no single node makes logits
+bool gatherLogitRows(Graph& g)
+{
+    size_t head = g.nodes.size();
+    int heads = 0;
+    for (size_t i = 0; i < g.nodes.size(); ++i)
+    {
+        std::vector<std::string> const o = stringsOf(g.nodes[i], kNODE_OUTPUT);
+        if (o.size() == 1 && o[0] == "logits")
+        {
+            head = i;
+            ++heads;
+        }
+    }
+    if (heads != 1)
+    {
+        return false;
+    }
+    // hidden [B, S, H] -> its rows logits_index [B, R, 1] -> [B, R, H] -> the LM head -> logits [B, R, V]
+    std::vector<std::string> headIn = stringsOf(g.nodes[head], kNODE_INPUT);
+    Message gather = makeNode("GatherND", {headIn[0], "logits_index"}, {"lm_head/rows"}, "lm_head/gather_rows", "",
+        {intAttribute("batch_dims", 1)});
+    headIn[0] = "lm_head/rows";
+    setStrings(g.nodes[head], kNODE_INPUT, headIn);
+    g.nodes.insert(g.nodes.begin() + static_cast<long>(head), gather);
+    nameLogitRows(g);
+    return true;
+}
+
+} // namespace
+
+// decode_attention.rewrite
+std::string rewriteTarget(std::string const& model, bool panels, PanelSwaps* swaps)
+{
+    Graph g = open(model);
+    if (!pastKvIsFloat(g) || swapAttention(g) <= 0 || !gatherLogitRows(g))
+    {
+        return "";
     }
     g.graph.push_back(valueInfo("past_seqlens", kINT32, {"batch"}));
     g.graph.push_back(valueInfo("logits_index", kINT64, {"batch", "logits_rows", "1"}));
