@@ -498,6 +498,9 @@ public:
     bool cudaGraphs{true};
 
 private:
+    //! one plan deserialized: its tensors' names, types and directions, its aux streams (fp32 / fp16 logits only)
+    std::unique_ptr<Engine> loadEngine(std::string const& key, PlanEntry const& plan, std::string const& dir);
+
     NvInferLib mLib;
     Logger mLogger;
     std::mutex mGenerateLock;
@@ -588,6 +591,8 @@ public:
 
 private:
     void setUp();
+    void setUpTarget(int32_t maxCap);
+    void setUpDrafter(int32_t maxCap);
     void releaseAll() noexcept;
     //! The context of (engine, profile, bucket): "eager" / "fixed" buckets are kept for the session, captured
     //! shape buckets are bounded per engine (LRU; an evicted context's graphs are destroyed first).
@@ -602,6 +607,10 @@ private:
     void dropGraphsOf(std::string const& contextKey);
     //! S target rows; a hybrid target's call asks every row's state (everyRow) or its last row's
     void targetCall(int32_t const* ids, int32_t S, bool everyRow, float* logits, std::vector<char>& feats);
+    void writeDraftInputs(int32_t anchor, int32_t pos, int32_t C, float temperature, float const* uniforms);
+    void readDraft(Draft& out);
+    void writeTargetInputs(int32_t const* ids, int32_t S, int32_t n, int32_t C);
+    void keepTargetRows(int32_t n, int32_t S, bool everyRow);
     void contextCall(char const* feats, int32_t m, int32_t start);
 
     bool mWithTarget{true};
@@ -697,36 +706,7 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
     }
     for (auto const& [key, plan] : m.engines.plans)
     {
-        std::vector<char> const blob = readFile(dir + "/" + plan.file);
-        auto e = std::make_unique<Engine>();
-        e->key = key;
-        e->profiles = plan.profiles;
-        e->engine.reset(mRuntime->deserializeCudaEngine(blob.data(), blob.size()));
-        if (!e->engine)
-        {
-            throw Error(DFL2_ERR_BACKEND, "TensorRT could not deserialize " + plan.file
-                    + " (other TensorRT version or GPU, corrupt, or the plugin library is missing): rebuild with "
-                      "dflash2 build-engines");
-        }
-        for (int32_t i = 0; i < e->engine->getNbIOTensors(); ++i)
-        {
-            std::string const name = e->engine->getIOTensorName(i);
-            e->names.push_back(name);
-            e->types[name] = e->engine->getTensorDataType(name.c_str());
-            e->isInput[name] = e->engine->getTensorIOMode(name.c_str()) == nv::TensorIOMode::kINPUT;
-        }
-        e->auxStreams = e->engine->getNbAuxStreams();
-        // the host reads these as fp32 / fp16 (readFloat); a bf16 engine output would be misread
-        for (char const* out : {"logits", "proposal_probs"})
-        {
-            auto t = e->types.find(out);
-            if (t != e->types.end() && t->second != nv::DataType::kFLOAT && t->second != nv::DataType::kHALF)
-            {
-                throw Error(DFL2_ERR_CORRUPT, "engine " + key + ": output " + out
-                        + " is neither fp32 nor fp16; rebuild with dflash2 build-engines");
-            }
-        }
-        mEngines[key] = std::move(e);
+        mEngines[key] = loadEngine(key, plan, dir);
     }
     for (bool plugin : {true, false})
     {
@@ -746,6 +726,40 @@ TrtModel::TrtModel(Manifest const& m, std::string const& dir, Options const& opt
     topK = m.topK;
     maxPositions = m.maxSeqLen;
     eosIds = m.eosTokenIds;
+}
+
+std::unique_ptr<Engine> TrtModel::loadEngine(std::string const& key, PlanEntry const& plan, std::string const& dir)
+{
+    std::vector<char> const blob = readFile(dir + "/" + plan.file);
+    auto e = std::make_unique<Engine>();
+    e->key = key;
+    e->profiles = plan.profiles;
+    e->engine.reset(mRuntime->deserializeCudaEngine(blob.data(), blob.size()));
+    if (!e->engine)
+    {
+        throw Error(DFL2_ERR_BACKEND, "TensorRT could not deserialize " + plan.file
+                + " (other TensorRT version or GPU, corrupt, or the plugin library is missing): rebuild with "
+                  "dflash2 build-engines");
+    }
+    for (int32_t i = 0; i < e->engine->getNbIOTensors(); ++i)
+    {
+        std::string const name = e->engine->getIOTensorName(i);
+        e->names.push_back(name);
+        e->types[name] = e->engine->getTensorDataType(name.c_str());
+        e->isInput[name] = e->engine->getTensorIOMode(name.c_str()) == nv::TensorIOMode::kINPUT;
+    }
+    e->auxStreams = e->engine->getNbAuxStreams();
+    // the host reads these as fp32 / fp16 (readFloat); a bf16 engine output would be misread
+    for (char const* out : {"logits", "proposal_probs"})
+    {
+        auto t = e->types.find(out);
+        if (t != e->types.end() && t->second != nv::DataType::kFLOAT && t->second != nv::DataType::kHALF)
+        {
+            throw Error(DFL2_ERR_CORRUPT, "engine " + key + ": output " + out
+                    + " is neither fp32 nor fp16; rebuild with dflash2 build-engines");
+        }
+    }
+    return e;
 }
 
 std::unique_ptr<Runners> TrtModel::newRunners()
@@ -775,6 +789,8 @@ TrtRunners::TrtRunners(TrtModel& model, bool withTarget)
     }
 }
 
+// the stream, the target's tensors (setUpTarget, when this runner has the target), the drafter's (setUpDrafter), each
+// engine's scratch memory
 void TrtRunners::setUp()
 {
     TrtModel& model = mModel;
@@ -782,47 +798,75 @@ void TrtRunners::setUp()
     cudaCheck(cudaSetDevice(model.device), "cudaSetDevice");
     cudaCheck(cudaStreamCreateWithFlags(&mStream, cudaStreamNonBlocking), "cudaStreamCreate");
     int32_t const maxCap = (m.maxSeqLen + m.kvCapacityStep - 1) / m.kvCapacityStep * m.kvCapacityStep;
+    if (mWithTarget)
+    {
+        setUpTarget(maxCap);
+    }
+    setUpDrafter(maxCap);
+    Engine const& te = model.engine("target");
+    Engine const& ce = model.engine("drafter_context");
+    Engine const& be = model.engine("drafter_block");
+    Engine const& he = model.engine(model.headKeyUsed);
+    for (Engine const* e : {&te, &ce, &be, &he})
+    {
+        if (e == &te && !mWithTarget)
+        {
+            continue;
+        }
+        void* scratch = nullptr;
+        cudaCheck(cudaMalloc(&scratch, static_cast<size_t>(std::max<int64_t>(1, e->engine->getDeviceMemorySizeV2()))),
+            "cudaMalloc scratch");
+        mScratch[e->key] = scratch;
+    }
+}
+
+// the target engine's tensors: its KV cache (+ linear states and rings), the step and prefill calls' inputs and outputs
+void TrtRunners::setUpTarget(int32_t maxCap)
+{
+    Manifest const& m = mModel.manifest;
+    Engine const& te = mModel.engine("target");
+    mTargetPast = targetKvNames(m, "past_key_values");
+    mTargetPresent = targetKvNames(m, "present");
+    mTargetKV = DeviceKV{&mOps, m.kvLayers(), m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mTargetPast[0])),
+        m.kvCapacityStep, maxCap, 0, 0, {}, 1};
+    mTargetChunk = te.maxDim("prefill", "sequence");
+    if (m.hasLinearLayers())  // a call of a hybrid target takes at most max_rows_per_call rows
+    {
+        mTargetChunk = std::min<int64_t>(mTargetChunk, m.linearState.maxRowsPerCall);
+        mLinear.allocate(m, te, 1, mStream);
+        linearTensors(mTio, te, m, 1, mTargetChunk);
+    }
+    if (m.hasSlidingLayers())
+    {
+        ringTensors(mRing, mTio, te, m, 1, mTargetChunk, mOps, mStream);
+    }
+    mTargetStepRows = te.maxDim("step", "sequence");
+    mFeatDim = te.engine->getTensorShape("context_features").d[2];
+    mFeatElem = elementSize(te.types.at("context_features"));
+    tensor(mTio, te, "input_ids", {1, mTargetChunk}, true);
+    tensor(mTio, te, "position_ids", {1, mTargetChunk}, true);
+    tensor(mTio, te, "attention_mask", {1, maxCap + mTargetChunk}, true);
+    tensor(mTio, te, "logits", {1, mTargetChunk, m.vocabSize}, true);
+    tensor(mTio, te, "context_features", {1, mTargetChunk, mFeatDim}, true);
+    for (std::string const& p : mTargetPresent)
+    {
+        tensor(mTio, te, p, {1, m.targetKvHeads, mTargetChunk, m.targetHeadDim}, false);
+    }
+    for (std::string const& p : mTargetPast) // bound to the KV cache buffers, sized from the manifest
+    {
+        checkBindingShape(te.key, p, dimsVector(te.engine->getTensorShape(p.c_str())),
+            {1, m.targetKvHeads, maxCap, m.targetHeadDim});
+    }
+}
+
+// the drafter engines' tensors: its context KV cache, the context, block and head calls' inputs and outputs
+void TrtRunners::setUpDrafter(int32_t maxCap)
+{
+    TrtModel& model = mModel;
+    Manifest const& m = model.manifest;
     int32_t const bs = m.blockSize;
     int32_t const L = bs - 1;
     int32_t const K = m.topK;
-
-    Engine const& te = model.engine("target");
-    if (mWithTarget)
-    {
-        mTargetPast = targetKvNames(m, "past_key_values");
-        mTargetPresent = targetKvNames(m, "present");
-        mTargetKV = DeviceKV{&mOps, m.kvLayers(), m.targetKvHeads, m.targetHeadDim, elementSize(te.types.at(mTargetPast[0])),
-            m.kvCapacityStep, maxCap, 0, 0, {}, 1};
-        mTargetChunk = te.maxDim("prefill", "sequence");
-        if (m.hasLinearLayers())  // a call of a hybrid target takes at most max_rows_per_call rows
-        {
-            mTargetChunk = std::min<int64_t>(mTargetChunk, m.linearState.maxRowsPerCall);
-            mLinear.allocate(m, te, 1, mStream);
-            linearTensors(mTio, te, m, 1, mTargetChunk);
-        }
-        if (m.hasSlidingLayers())
-        {
-            ringTensors(mRing, mTio, te, m, 1, mTargetChunk, mOps, mStream);
-        }
-        mTargetStepRows = te.maxDim("step", "sequence");
-        mFeatDim = te.engine->getTensorShape("context_features").d[2];
-        mFeatElem = elementSize(te.types.at("context_features"));
-        tensor(mTio, te, "input_ids", {1, mTargetChunk}, true);
-        tensor(mTio, te, "position_ids", {1, mTargetChunk}, true);
-        tensor(mTio, te, "attention_mask", {1, maxCap + mTargetChunk}, true);
-        tensor(mTio, te, "logits", {1, mTargetChunk, m.vocabSize}, true);
-        tensor(mTio, te, "context_features", {1, mTargetChunk, mFeatDim}, true);
-        for (std::string const& p : mTargetPresent)
-        {
-            tensor(mTio, te, p, {1, m.targetKvHeads, mTargetChunk, m.targetHeadDim}, false);
-        }
-        for (std::string const& p : mTargetPast) // bound to the KV cache buffers, sized from the manifest
-        {
-            checkBindingShape(te.key, p, dimsVector(te.engine->getTensorShape(p.c_str())),
-                {1, m.targetKvHeads, maxCap, m.targetHeadDim});
-        }
-    }
-
     Engine const& ce = model.engine("drafter_context");
     Engine const& be = model.engine("drafter_block");
     Engine const& he = model.engine(model.headKeyUsed);
@@ -864,17 +908,6 @@ void TrtRunners::setUp()
     tensor(mHio, he, "path_ids", {1, L}, true);
     tensor(mHio, he, "proposal_probs", {1, L, K}, true);
     checkBindingShape(he.key, "hidden", dimsVector(he.engine->getTensorShape("hidden")), {1, bs, m.hiddenSize});
-    for (Engine const* e : {&te, &ce, &be, &he})
-    {
-        if (e == &te && !mWithTarget)
-        {
-            continue;
-        }
-        void* scratch = nullptr;
-        cudaCheck(cudaMalloc(&scratch, static_cast<size_t>(std::max<int64_t>(1, e->engine->getDeviceMemorySizeV2()))),
-            "cudaMalloc scratch");
-        mScratch[e->key] = scratch;
-    }
 }
 
 TrtRunners::~TrtRunners()
@@ -1200,19 +1233,9 @@ void TrtRunners::runStep(std::string const& key, bool capturable, std::vector<st
     mGraphContexts[key] = contexts;
 }
 
-void TrtRunners::targetCall(int32_t const* ids, int32_t S, bool everyRow, float* logits, std::vector<char>& feats)
+// a target call's host inputs: S ids at positions n.., the mask over the C cache slots (valid below n) and the new rows
+void TrtRunners::writeTargetInputs(int32_t const* ids, int32_t S, int32_t n, int32_t C)
 {
-    Engine const& e = mModel.engine("target");
-    DeviceKV& kv = mTargetKV;
-    int32_t const n = kv.length;
-    if (kv.reserve(n + S, mStream))
-    {
-        dropGraphs();  // the graphs read the old cache addresses
-    }
-    int32_t const C = kv.capacity;
-    bool const stepProfile = S <= mTargetStepRows;
-    bool const captured = stepProfile && e.auxStreams == 0;
-    int32_t const profile = e.profileIndex(stepProfile ? "step" : "prefill");
     std::vector<int64_t> buf(static_cast<size_t>(std::max(S, C + S)));
     for (int32_t i = 0; i < S; ++i)
     {
@@ -1229,6 +1252,42 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, bool everyRow, float*
         buf[static_cast<size_t>(i)] = (i < n || i >= C) ? 1 : 0;
     }
     writeInts(mTio["attention_mask"], 0, buf.data(), static_cast<size_t>(C + S));
+}
+
+// a target call's S new rows at position n kept (device copies, outside any captured graph: their destinations move
+// every step): the present K/V appended to the cache, the linear state after the rows, the rows into their ring slots
+void TrtRunners::keepTargetRows(int32_t n, int32_t S, bool everyRow)
+{
+    std::vector<void*> present;
+    for (std::string const& p : mTargetPresent)
+    {
+        present.push_back(mTio[p].dev);
+    }
+    mTargetKV.append(present, S, mStream);
+    if (mLinear.active())
+    {
+        mLinear.called(mTio, 0, 0, n, S, S, everyRow, mStream);
+    }
+    if (mRing.active())
+    {
+        placeRows(mRing, mTio, mModel.manifest, S, 0, 0, n, S, mStream);
+    }
+}
+
+void TrtRunners::targetCall(int32_t const* ids, int32_t S, bool everyRow, float* logits, std::vector<char>& feats)
+{
+    Engine const& e = mModel.engine("target");
+    DeviceKV& kv = mTargetKV;
+    int32_t const n = kv.length;
+    if (kv.reserve(n + S, mStream))
+    {
+        dropGraphs();  // the graphs read the old cache addresses
+    }
+    int32_t const C = kv.capacity;
+    bool const stepProfile = S <= mTargetStepRows;
+    bool const captured = stepProfile && e.auxStreams == 0;
+    int32_t const profile = e.profileIndex(stepProfile ? "step" : "prefill");
+    writeTargetInputs(ids, S, n, C);
     std::map<std::string, std::vector<int64_t>> shapes{
         {"input_ids", {1, S}}, {"position_ids", {1, S}}, {"attention_mask", {1, C + S}}};
     std::map<std::string, void*> addr;
@@ -1288,20 +1347,7 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, bool everyRow, float*
             "D2H features");
     };
     runStep("target/" + bucket, captured, {ctxKey}, step);
-    std::vector<void*> present;
-    for (std::string const& p : mTargetPresent)
-    {
-        present.push_back(mTio[p].dev);
-    }
-    kv.append(present, S, mStream);  // commit outside the graph: the destination moves every step
-    if (mLinear.active())  // the state after the S rows (device copies, outside the graph too)
-    {
-        mLinear.called(mTio, 0, 0, n, S, S, everyRow, mStream);
-    }
-    if (mRing.active())  // the new rows into their ring slots (outside the graph too)
-    {
-        placeRows(mRing, mTio, mModel.manifest, S, 0, 0, n, S, mStream);
-    }
+    keepTargetRows(n, S, everyRow);
     cudaCheck(cudaStreamSynchronize(mStream), "target sync");
     for (size_t i = 0; i < static_cast<size_t>(S) * V; ++i)
     {
@@ -1425,23 +1471,7 @@ void TrtRunners::drafterPropose(
     }
     int32_t const C = kv.capacity;
     int32_t const L = mModel.blockSize - 1;
-    int32_t const K = mModel.topK;
-    int64_t const a = anchor;
-    int64_t const p = pos;
-    writeInts(mBio["anchor_ids"], 0, &a, 1);
-    writeInts(mBio["anchor_position"], 0, &p, 1);
-    std::vector<int64_t> mask(static_cast<size_t>(C));
-    for (int32_t i = 0; i < C; ++i)
-    {
-        mask[static_cast<size_t>(i)] = i < kv.length ? 1 : 0;
-    }
-    writeInts(mBio["context_mask"], 0, mask.data(), mask.size());
-    writeInts(mHio["anchor_ids"], 0, &a, 1);
-    static_cast<float*>(mHio["temperature"].host)[0] = temperature;
-    for (int32_t i = 0; i < L; ++i)
-    {
-        static_cast<float*>(mHio["uniforms"].host)[i] = uniforms != nullptr ? uniforms[i] : 0.0F;
-    }
+    writeDraftInputs(anchor, pos, C, temperature, uniforms);
     std::map<std::string, std::vector<int64_t>> bshapes{{"anchor_ids", {1}}, {"anchor_position", {1}}, {"context_mask", {1, C}}};
     std::map<std::string, void*> baddr;
     for (auto& [name, t] : mBio)
@@ -1497,6 +1527,37 @@ void TrtRunners::drafterPropose(
     // a partial block (once per request) runs eagerly
     runStep(key, capturable && rows == L, {be.key + "/0/" + std::to_string(C)}, step);
     cudaCheck(cudaStreamSynchronize(mStream), "draft sync");
+    readDraft(out);
+}
+
+// the drafter block's and head's host inputs: the anchor and its position, the context mask over the C slots (valid
+// below the context's length), the temperature and the L uniforms (zeros at T <= 0)
+void TrtRunners::writeDraftInputs(int32_t anchor, int32_t pos, int32_t C, float temperature, float const* uniforms)
+{
+    int32_t const L = mModel.blockSize - 1;
+    int64_t const a = anchor;
+    int64_t const p = pos;
+    writeInts(mBio["anchor_ids"], 0, &a, 1);
+    writeInts(mBio["anchor_position"], 0, &p, 1);
+    std::vector<int64_t> mask(static_cast<size_t>(C));
+    for (int32_t i = 0; i < C; ++i)
+    {
+        mask[static_cast<size_t>(i)] = i < mDraftKV.length ? 1 : 0;
+    }
+    writeInts(mBio["context_mask"], 0, mask.data(), mask.size());
+    writeInts(mHio["anchor_ids"], 0, &a, 1);
+    static_cast<float*>(mHio["temperature"].host)[0] = temperature;
+    for (int32_t i = 0; i < L; ++i)
+    {
+        static_cast<float*>(mHio["uniforms"].host)[i] = uniforms != nullptr ? uniforms[i] : 0.0F;
+    }
+}
+
+// the head's outputs (on the host after the step's sync): the path's L tokens, each row's K candidates and proposal
+void TrtRunners::readDraft(Draft& out)
+{
+    int32_t const L = mModel.blockSize - 1;
+    int32_t const K = mModel.topK;
     out.tokens.resize(static_cast<size_t>(L));
     out.cand.resize(static_cast<size_t>(L * K));
     out.proposal.resize(static_cast<size_t>(L * K));
@@ -1658,6 +1719,9 @@ private:
     //! One engine call: `part` (cacheLength = each slot's length now) batched on the step profile, or (single) its
     //! one sequence at batch 1 on the prefill profile. Appends the new rows to the slots' caches and features.
     void call(std::vector<SlotRows> const& part, std::vector<CallOut> const& out, bool single);
+    void keepRows(std::vector<SlotRows> const& part, std::vector<SlotRows> const& planned, int32_t S, bool everyRow);
+    void readRows(std::vector<SlotRows> const& part, std::vector<SlotRows> const& planned, RaggedBatch const& rb,
+        std::vector<CallOut> const& out);
 
     int32_t mSlots;
     cudaStream_t mStream{nullptr};
@@ -1955,12 +2019,22 @@ void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOu
     cudaCheck(cudaMemcpyAsync(lg.host, lg.dev, n * V * elementSize(lg.type), cudaMemcpyDeviceToHost, mStream),
         "D2H logits");
     cudaCheck(cudaMemcpyAsync(ft.host, ft.dev, n * featureRowBytes(), cudaMemcpyDeviceToHost, mStream), "D2H features");
+    keepRows(part, planned, S, everyRow);
+    cudaCheck(cudaStreamSynchronize(mStream), "batched target sync");
+    readRows(part, planned, rb, out);
+}
+
+// commit a call's new rows (device copies on the stream): each sequence's present K/V, linear state and ring rows at
+// its slot's own length (`planned`: the call's batch row of each sequence of `part`)
+void TrtBatchRunners::keepRows(
+    std::vector<SlotRows> const& part, std::vector<SlotRows> const& planned, int32_t S, bool everyRow)
+{
     std::vector<void*> present;
     for (std::string const& p : mPresent)
     {
         present.push_back(mTio[p].dev);
     }
-    for (size_t i = 0; i < part.size(); ++i)  // commit: each sequence's rows at its slot's own length
+    for (size_t i = 0; i < part.size(); ++i)
     {
         int32_t const rows = static_cast<int32_t>(part[i].ids.size());
         mKV.appendRows(present, S, planned[i].slot, rows, part[i].slot, mLength[index(part[i].slot)], mStream);
@@ -1974,7 +2048,16 @@ void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOu
                 rows, mStream);
         }
     }
-    cudaCheck(cudaStreamSynchronize(mStream), "batched target sync");
+}
+
+// after the call's sync: each sequence's logits (every row, or its last) into its CallOut, its features kept for its
+// drafter, its slot's length advanced
+void TrtBatchRunners::readRows(std::vector<SlotRows> const& part, std::vector<SlotRows> const& planned,
+    RaggedBatch const& rb, std::vector<CallOut> const& out)
+{
+    size_t const V = static_cast<size_t>(mModel.vocabSize);
+    IOTensor& lg = mTio["logits"];
+    IOTensor& ft = mTio["context_features"];
     for (size_t i = 0; i < part.size(); ++i)
     {
         size_t const b = index(part[i].slot);
