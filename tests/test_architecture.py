@@ -253,3 +253,80 @@ def test_benchmark_import_check_sees_each_way_in():
     subject = 'spec = importlib.util.spec_from_file_location("m", ROOT / "benchmarks" / "trt_gpu_check.py")'
     assert _benchmark_imports(subject, "test_trt_gpu_check_scripts.py") == []
     assert _benchmark_imports("from dflash2_trt.bench.exports import demo_export", "test_x.py") == []
+
+
+# -- C++ function length ----------------------------------------------------------------------------------------
+
+_CPP_STRIP = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+_CPP_NOT_FUNCTION = re.compile(r"\b(namespace|class|struct|enum|union|extern)\b|=\s*$|^\s*$")
+_CPP_FUNCTION_END = re.compile(r"\)\s*((const|override|noexcept|final|mutable)\b\s*|->\s*[\w:<>,*&\s]+)*$")
+MAX_CPP_FUNCTION_LINES = 100
+
+
+def cpp_function_lengths(source: str) -> list[tuple[str, int]]:
+    """(signature, lines from its first line to its closing brace) of every function body of C++ source that is not
+    inside another function: free and member functions, constructors (comments and literals ignored; a lambda or a
+    block counts toward the function it sits in)."""
+    text = _CPP_STRIP.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), source)
+    out: list[tuple[str, int]] = []
+    depth, head_start = 0, 0
+    inside: tuple[int, str, int] | None = None  # (depth, signature, first line) of the open function
+    for i, ch in enumerate(text):
+        if ch == "{" and inside is None:
+            head = text[head_start:i]
+            if not _CPP_NOT_FUNCTION.search(head) and "(" in head and _CPP_FUNCTION_END.search(head.rstrip()):
+                first = head_start + len(head) - len(head.lstrip())
+                inside = (depth, " ".join(head.split()), text.count("\n", 0, first) + 1)
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if inside is not None and depth == inside[0]:
+                out.append((inside[1], text.count("\n", 0, i) + 2 - inside[2]))
+                inside = None
+        if ch in ";{}" and inside is None:
+            head_start = i + 1
+    return out
+
+
+def test_no_cpp_function_over_100_lines():
+    """The C library's functions (runtime/src) read as small named steps, as the Python twins do: none is longer than
+    100 lines from its signature to its closing brace."""
+    long = [f"{p.relative_to(ROOT)}: {sig[:80]} ({n} lines)" for p in sorted((ROOT / "runtime" / "src").rglob("*"))
+            if p.suffix in (".cpp", ".h") for sig, n in cpp_function_lengths(p.read_text(encoding="utf-8"))
+            if n > MAX_CPP_FUNCTION_LINES]
+    assert not long, long
+    assert len([1 for p in (ROOT / "runtime" / "src").rglob("*.cpp")
+                for _ in cpp_function_lengths(p.read_text(encoding="utf-8"))]) > 300  # the scan sees the functions
+
+
+def test_cpp_function_length_sees_functions_and_nothing_else():
+    """Negative controls for the scan: a long free function, member function and constructor are measured from their
+    signature; namespaces, classes, initialisers, lambdas and braces in comments or strings are not functions."""
+    body = "\n".join(f"    x += {i};" for i in range(101))
+    src = f"""namespace a
+{{
+// not a function: f() {{
+struct S
+{{
+    int f() const
+    {{
+{body}
+    }}
+    S(int x)
+        : mX(x)
+    {{
+    }}
+    int mX;
+}};
+int const table[] = {{1, 2}};
+void g(int x) noexcept
+{{
+    auto h = [&](int y) {{ return y; }};
+    char const* s = "}} {{";
+{body}
+}}
+}} // namespace a
+"""
+    got = cpp_function_lengths(src)
+    assert [(sig.split("(")[0], n) for sig, n in got] == [("int f", 104), ("S", 4), ("void g", 106)], got
