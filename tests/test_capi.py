@@ -1980,9 +1980,12 @@ def test_tensorrt_backend_takes_a_sliding_export(capi_build, tmp_path_factory):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_asan_ubsan_ctests_and_fuzz(vectors_path):
-    """The C tests under AddressSanitizer + UBSan (clang), then libFuzzer over manifest + option parsing for a
-    bounded time (DFLASH2_FUZZ_SECONDS, default 5)."""
+def test_asan_ubsan_ctests_and_fuzz(vectors_path, tmp_path):
+    """The C tests under AddressSanitizer + UBSan (clang), then libFuzzer for a bounded time each
+    (DFLASH2_FUZZ_SECONDS, default 5): over manifest + option parsing, and over the generation entry points
+    (dfl2_session_generate, dfl2_batch_submit / step / cancel / get_result with fuzzed model sizes, prompt ids,
+    lengths and options). The planted bug of the second (a prompt id one past the vocabulary let through) is found
+    by it from an empty corpus."""
     _need("clang")
     secs = os.environ.get("DFLASH2_FUZZ_SECONDS", "5")
     build = _cmake_build(BUILD / "capi-asan", [
@@ -1991,8 +1994,14 @@ def test_asan_ubsan_ctests_and_fuzz(vectors_path):
     ])  # fmt: skip
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
     out = _ctest(build, env)
-    for name in ("capiC", "coreVectors", "fuzzManifestOptions"):
+    for name in ("capiC", "coreVectors", "fuzzManifestOptions", "fuzzGenerate"):
         assert re.search(rf"{name} \.+\s+Passed", out), out
+    (tmp_path / "corpus").mkdir()  # empty; the crash file goes to the working folder
+    planted = subprocess.run([str(build / "tests" / "fuzzGenerate"), "-seed=1", "-max_total_time=60", "-max_len=2048",
+                              str(tmp_path / "corpus")], capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                             env=dict(env, DFLASH2_PLANT_PROMPT_ID_PAST_VOCAB="1"))
+    assert planted.returncode != 0 and "a target call with an id outside the vocabulary" in planted.stderr, \
+        planted.stderr[-2000:]
 
 
 def test_aarch64_cross_build_under_qemu(vectors_path):

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <new>
 #include <string>
 
@@ -343,15 +345,24 @@ void checkPrompt(std::vector<int32_t> const& prompt, Runners const& runners, int
     checkPrompt(prompt, runners.vocabSize(), runners.maxPositions(), maxNewTokens);
 }
 
+//! The planted bug of the generation fuzz test (DFLASH2_PLANT_PROMPT_ID_PAST_VOCAB=1): the prompt check lets the
+//! id V through, so tests/test_capi.py shows runtime/tests/fuzzGenerate finding it. Never set it otherwise.
+static bool plantedPromptIdPastVocab()
+{
+    char const* v = std::getenv("DFLASH2_PLANT_PROMPT_ID_PAST_VOCAB");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 void checkPrompt(std::vector<int32_t> const& prompt, int32_t V, int32_t maxPositions, int64_t maxNewTokens)
 {
     if (prompt.empty())
     {
         throw Error(DFL2_ERR_INVALID_ARGUMENT, "empty prompt");
     }
+    int32_t const past = plantedPromptIdPastVocab() ? V + 1 : V;
     for (int32_t t : prompt)
     {
-        if (t < 0 || t >= V)
+        if (t < 0 || t >= past)
         {
             throw Error(DFL2_ERR_OUT_OF_RANGE,
                 "prompt token id " + std::to_string(t) + " out of range [0, " + std::to_string(V) + ")");
