@@ -504,6 +504,7 @@ def test_no_5xx_for_generated_requests(gen):
     examples = int(os.environ.get("DFLASH2_FUZZ_EXAMPLES", "2100"))
     t0 = time.monotonic()
     n = fuzz(gen, examples, seed_derandomize=os.environ.get("DFLASH2_FUZZ_RANDOM") != "1")
-    assert n >= examples * 0.95, n  # a few go to uvicorn's own HTTP-level refusals, which close the connection
+    # a request uvicorn refuses at the HTTP level (h11's own 400) closes the connection and is not counted
+    assert n >= (2000 if examples == 2100 else 0.95 * examples), n
     if examples == 2100:
         assert time.monotonic() - t0 < 120, time.monotonic() - t0
