@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.grammar import GrammarSpec
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER, DRAFT_MODES, PROPOSERS, check_draft_mode
 
 
@@ -84,6 +85,8 @@ class GenerationRequest:
     ngram_rows: int | None = None  # most prompt-lookup drafts per cycle; None: max(4, the drafter's rows)
     guard: bool = True  # B = 1: plain target steps while measured acceptance does not pay (runtime/guard.py)
     min_confidence: float = 0.0  # B = 1: verify only the leading rows whose cumulative confidence reaches it
+    # -- structured output
+    grammar: GrammarSpec | None = None  # the output's grammar (runtime/grammar.py: JSON schema, regex, Lark); None: free
     # the (prompt ids, limits) validate() checked this record against; not an option
     _checked: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -107,6 +110,8 @@ class GenerationRequest:
         c = self.min_confidence
         if not (_number(c) and 0.0 <= c <= 1.0):  # `not <=` also refuses NaN
             raise DFlash2Error(f"min_confidence must be in [0, 1], got {c!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise DFlash2Error(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
         eos = self.eos_ids
         if eos is not None:
             if isinstance(eos, (str, bytes)) or not isinstance(eos, Iterable) or not all(_integer(e) for e in eos):
