@@ -29,6 +29,24 @@ def make_pair(tmp_path_factory, name: str, accepting: bool = False, arch: str = 
     return out
 
 
+def long_memory_heads(target_dir) -> None:  # noqa: ANN001
+    """Edit a saved tiny qwen3_5 target in place: every linear head's decay ~0.987 a row (A_log = log 0.01) and its
+    update strength near 1 — long memory, the heads repeated tokens drive into cancellation and whose state moves
+    the tokens."""
+    import math
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = next(target_dir.glob("*.safetensors"))
+    sd = load_file(str(path))
+    for key in [k for k in sd if k.endswith("linear_attn.A_log")]:
+        sd[key] = torch.full_like(sd[key], math.log(0.01))
+        prefix = key[: -len("A_log")]
+        sd[prefix + "in_proj_b.weight"] = sd[prefix + "in_proj_b.weight"] * 0.1 + 0.3
+    save_file(sd, str(path), metadata={"format": "pt"})
+
+
 def bound_drafter(pair_dir, target):
     from dflash2_trt.model import load_drafter
 

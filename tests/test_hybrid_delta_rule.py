@@ -17,7 +17,7 @@ import torch
 from dflash2_trt import DFlash2Error
 from dflash2_trt.bench.unstable_delta_rule import doubling_delta_rule
 from dflash2_trt.targets import hybrid
-from helpers import make_pair
+from helpers import long_memory_heads, make_pair
 
 TOL = 1e-4  # relative to the reference's largest magnitude
 
@@ -117,18 +117,9 @@ def test_the_planted_doubling_solve_fails_it(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 
 def _long_memory_pair(tmp_path_factory, name: str):  # noqa: ANN202
-    """make-tiny's qwen3_5 pair with every linear head's decay ~0.987 a row (A_log = log 0.01) and its update
-    strength near 1: long memory, the heads repeated tokens drive into cancellation."""
-    from safetensors.torch import load_file, save_file
-
+    """make-tiny's qwen3_5 pair with long-memory linear heads (helpers.long_memory_heads)."""
     pair = make_pair(tmp_path_factory, name, arch="qwen3_5")
-    path = next((pair / "target").glob("*.safetensors"))
-    sd = load_file(str(path))
-    for key in [k for k in sd if k.endswith("linear_attn.A_log")]:
-        sd[key] = torch.full_like(sd[key], math.log(0.01))
-        prefix = key[: -len("A_log")]
-        sd[prefix + "in_proj_b.weight"] = sd[prefix + "in_proj_b.weight"] * 0.1 + 0.3  # beta = sigmoid(b) near 0.9
-    save_file(sd, str(path), metadata={"format": "pt"})
+    long_memory_heads(pair / "target")
     return pair
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import prefix_cache as P
+from helpers import long_memory_heads
 
 
 class _Target:
@@ -123,3 +124,201 @@ def test_a_bad_budget_is_refused_in_one_line():
     cache = P.PrefixCache(0)  # 0: keeps nothing
     _store(cache, [1, 2, 3])
     assert cache.lookup([1, 2, 3, 4], drafter=False) is None and cache.stats.entries == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Through the runtime: tiny accepting pairs of every target kind on ONNX Runtime
+# ----------------------------------------------------------------------------------------------------
+
+ARCHS = ("llama", "qwen3_5", "gpt_oss", "muse_glimmer", "qwen3_moe")  # dense, hybrid, sliding x2, MoE
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """(arch, accepting) -> the export of its tiny pair at block size 8 (windows of 8 in rings of 24 for the sliding
+    ones: a 40-token prompt wraps them), made on first use: the accepting pair (the copying target and drafter), or
+    the random target, whose every layer moves its tokens (qwen3_5's with long-memory linear heads)."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.tiny import make_tiny
+
+    made = {}
+
+    def get(arch: str, accepting: bool = True):  # noqa: ANN202
+        if (arch, accepting) not in made:
+            d = tmp_path_factory.mktemp(f"pc_{arch}")
+            make_tiny(d / "pair", seed=0, block_size=8, accepting=accepting, arch=arch)
+            if arch == "qwen3_5" and not accepting:
+                long_memory_heads(d / "pair" / "target")
+            export_model(d / "pair" / "target", d / "pair" / "drafter", d / "export", progress=False,
+                         max_seq_len=512)
+            made[arch, accepting] = d / "export"
+        return made[arch, accepting]
+
+    return get
+
+
+@pytest.fixture(params=ARCHS)
+def pair_export(request, exports):
+    """(arch, export) of each target kind's accepting pair."""
+    return request.param, exports(request.param)
+
+
+def _gens(export, **kw):  # noqa: ANN001, ANN202, ANN003
+    import dflash2_trt
+
+    return (dflash2_trt.load(export, backend="ort", threads=1, **kw),
+            dflash2_trt.load(export, backend="ort", threads=1, prefix_cache_bytes=0))
+
+
+def _conversation(rng: np.random.Generator, first) -> list[tuple[str, list[int], int]]:  # noqa: ANN001
+    """(case, prompt, positions a hit restores: dense / stateful) after ``first`` (the result of a 40-token prompt
+    whose sequence the cache holds): the next turn (the whole sequence: its end snapshot), a branch inside its answer
+    (dense: there; stateful: the prompt's snapshot at 40), the prompt again with one more token (40: a snapshot)."""
+    p1, out = first.prompt_tokens, first.tokens
+    end = len(p1) + len(out) - 1
+    return [("next turn", p1 + out + rng.integers(2, 200, 9).tolist(), (end, end)),
+            ("inside the answer", p1 + out[:5] + [7, 8, 9], (len(p1) + 5, len(p1))),
+            ("at the prompt's snapshot", p1 + [5], (len(p1), len(p1)))]
+
+
+def _decode_both(on, off, prompt, T: float = 0.0):  # noqa: ANN001, ANN202
+    return tuple(g.generate(prompt, max_new_tokens=24, eos_ids=set(), temperature=T, seed=3, guard=False)
+                 for g in (on, off))
+
+
+def _same_decode(on, off, prompt, want_cached, T: float = 0.0) -> None:  # noqa: ANN001
+    """A decode after a hit = the decode from an empty cache: tokens (greedy, or seeded at T > 0), and the drafter
+    as good right after the hit (its first three cycles' accepted drafts within 2 of the uncached run's: a
+    near-tie may move one, a drafter without its context accepts nothing). ``want_cached``: the positions the
+    greedy run restores (the T > 0 run of the same prompt after it may restore more: the greedy run's sequence is
+    cached by then)."""
+    a, b = _decode_both(on, off, prompt, T)
+    assert (a.stats.cached_tokens == want_cached if T == 0 else a.stats.cached_tokens >= want_cached)
+    assert b.stats.cached_tokens == 0
+    assert a.tokens == b.tokens
+    assert sum(b.stats.accepted) > 0
+    assert sum(a.stats.accepted[:3]) >= sum(b.stats.accepted[:3]) - 2, \
+        f"first cycles' accepted drafts after the hit {a.stats.accepted}, without the cache {b.stats.accepted}"
+
+
+def test_a_decode_after_a_hit_equals_one_from_an_empty_cache(pair_export):
+    """Every target kind, greedy and at T = 0.8 (seeded): hits ending inside a block's answer, at a snapshot and
+    between snapshots; the path taken asserted (positions restored, drafts accepted)."""
+    arch, export = pair_export
+    on, off = _gens(export)
+    rng = np.random.default_rng(0)
+    with on, off:
+        p1 = rng.integers(2, 200, 40).tolist()
+        first = on.generate(p1, max_new_tokens=24, eos_ids=set(), guard=False)
+        assert first.stats.cached_tokens == 0
+        stateful = arch != "llama" and arch != "qwen3_moe"
+        for case, prompt, cached in _conversation(rng, first):
+            for T in (0.0, 0.8):
+                _same_decode(on, off, prompt, cached[stateful], T)
+        assert on.prefix_cache.stats.hits == 6
+
+
+def test_batched_requests_diverging_from_a_cached_prefix(pair_export):
+    """The batch loop: four requests sharing a cached prefix and diverging, decoded together (where the backend
+    batches the family), each = its own uncached single run; the cache's budget held after evictions (a budget of
+    two entries)."""
+    arch, export = pair_export
+    rng = np.random.default_rng(1)
+    p1 = rng.integers(2, 200, 40).tolist()
+    on, off = _gens(export)
+    with on, off:
+        first = on.generate(p1, max_new_tokens=16, eos_ids=set(), guard=False)
+        base = p1 + first.tokens
+        prompts = [base + rng.integers(2, 200, k).tolist() for k in (1, 3, 6, 9)]
+        on.set_batching(max_batch=4, adaptive=False)
+        got = [h.result() for h in [on.submit(p, max_new_tokens=16, eos_ids=set()) for p in prompts]]
+        want = [off.generate(p, max_new_tokens=16, eos_ids=set(), guard=False) for p in prompts]
+        assert [g.tokens for g in got] == [w.tokens for w in want]
+        # admitted together, each restores the first sequence (a backend that does not batch a family, MoE's,
+        # serves them one after another: then each also finds the one before it, a token further)
+        assert all(g.stats.cached_tokens >= len(base) - 1 for g in got)
+        assert sum(sum(g.stats.accepted) for g in got) > 0
+        budget = 2 * max(e.nbytes for e in on.prefix_cache._entries)
+        on.prefix_cache.budget_bytes = budget
+        for p in prompts:
+            on.submit(p + [11], max_new_tokens=4, eos_ids=set()).result()
+            assert on.prefix_cache.stats.nbytes <= budget
+        assert on.prefix_cache.stats.evictions > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Planted restore bugs the tests above must catch
+# ----------------------------------------------------------------------------------------------------
+
+def _next_turn(export, case: str, check=_same_decode, stateful: bool = False) -> None:  # noqa: ANN001
+    """The first turn (a 40-token prompt), then ``check`` on the decode of ``case``'s prompt (``stateful``: the
+    target's hits stop at snapshots)."""
+    on, off = _gens(export)
+    rng = np.random.default_rng(0)
+    with on, off:
+        first = on.generate(rng.integers(2, 200, 40).tolist(), max_new_tokens=24, eos_ids=set(), guard=False)
+        _, prompt, cached = next(c for c in _conversation(rng, first) if c[0] == case)
+        check(on, off, prompt, cached[stateful])
+
+
+def _same_tokens(on, off, prompt, want_cached) -> None:  # noqa: ANN001
+    """A random target's greedy decode after a hit = the one from an empty cache (every layer moves its tokens)."""
+    a, b = _decode_both(on, off, prompt)
+    assert a.stats.cached_tokens == want_cached and a.tokens == b.tokens
+
+
+def test_a_hit_without_the_drafters_context_is_caught(exports, monkeypatch):
+    """The planted bug of engines that restore the target alone: the drafter's context left as garbage (zeros) —
+    output still lossless, but the first cycles after the hit draft from nothing."""
+    restore = P.PrefixCache.restore
+
+    def planted(self, hit, target, drafter, slot=0):  # noqa: ANN001, ANN202
+        restore(self, hit, target, drafter, slot)
+        if drafter is not None:
+            drafter.restore_context([np.zeros_like(r) for r in drafter.context_rows(hit.length)])
+
+    monkeypatch.setattr(P.PrefixCache, "restore", planted)
+    for case in ("next turn", "inside the answer", "at the prompt's snapshot"):
+        with pytest.raises(AssertionError, match="accepted"):
+            _next_turn(exports("llama"), case)
+
+
+def test_a_hybrid_state_from_the_snapshot_after_the_hit_is_caught(exports, monkeypatch):
+    """On the random qwen3_5 target: a hit between snapshots restores exactly; the planted bug — the K/V cropped
+    at the hit, the linear layers' state taken from the next snapshot after it (the request's end) — changes the
+    tokens."""
+    _next_turn(exports("qwen3_5", False), "inside the answer", _same_tokens, True)
+    restore = P.PrefixCache.restore
+
+    def planted(self, hit, target, drafter, slot=0):  # noqa: ANN001, ANN202
+        later = [k for k in hit.entry.states if k > hit.length]
+        if later:
+            states = dict(hit.entry.states)
+            states[hit.length] = states[min(later)]
+            hit = P.Hit(P.Entry(hit.entry.ids, hit.entry.target_rows, states, hit.entry.drafter_rows,
+                                hit.entry.feats, hit.entry.stateful), hit.length)
+        restore(self, hit, target, drafter, slot)
+
+    monkeypatch.setattr(P.PrefixCache, "restore", planted)
+    with pytest.raises(AssertionError, match="tokens"):
+        _next_turn(exports("qwen3_5", False), "inside the answer", _same_tokens, True)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "muse_glimmer"])
+def test_a_ring_restored_unrotated_is_caught(exports, monkeypatch, arch):
+    """On the random sliding targets: a hit restores the rings exactly; the planted bug — a ring put back with its
+    oldest position in slot 0 (unrotated) while its window positions still say where each position was — changes
+    the tokens."""
+    from dflash2_trt.runtime.kv import WindowRing
+
+    _next_turn(exports(arch, False), "next turn", _same_tokens, True)
+    restore = WindowRing.restore
+
+    def planted(self, slot, snap):  # noqa: ANN001, ANN202
+        arrays, positions, floor = snap
+        oldest = int(np.argmin(np.where(positions >= 0, positions, np.iinfo(np.int64).max)))
+        restore(self, slot, ([np.roll(a, -oldest, axis=1) for a in arrays], positions, floor))
+
+    monkeypatch.setattr(WindowRing, "restore", planted)
+    with pytest.raises(AssertionError, match="tokens"):
+        _next_turn(exports(arch, False), "next turn", _same_tokens, True)

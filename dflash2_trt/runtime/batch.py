@@ -126,6 +126,7 @@ from dflash2_trt.runtime.accept import accept_drafts, next_token
 from dflash2_trt.runtime.decoder import GenerationResult
 from dflash2_trt.runtime.guard import MIN_SPREAD
 from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft
+from dflash2_trt.runtime.prefix_cache import PrefixCache
 from dflash2_trt.runtime.protocol import DraftRunner
 from dflash2_trt.runtime.request import GenerationRequest, Limits
 
@@ -391,6 +392,7 @@ class _Seq:
     plain_run: int = 0  # steps in a row the rule kept this candidate plain
     choice: ProposerChoice | None = None  # who proposes (made at admission: the context needs the first token)
     done: bool = False
+    snapshots: dict = field(default_factory=dict)  # the target's state after the prefill (the prefix cache's)
 
 
 class BatchDecoder:
@@ -400,8 +402,10 @@ class BatchDecoder:
     ``step`` / ``cancel`` / ``results``; or :meth:`run`."""
 
     def __init__(self, target: Any, drafter_factory: Callable[[], DraftRunner] | None = None,
-                 rule: SpeculationRule | None = None, batched_drafter: Callable[[int], Any] | None = None) -> None:
+                 rule: SpeculationRule | None = None, batched_drafter: Callable[[int], Any] | None = None,
+                 cache: PrefixCache | None = None) -> None:
         self.target = target  # OrtBatchedTargetRunner (join/leave/crop/forward over slots)
+        self.cache = cache  # the prefix cache prompts start from and finished sequences join
         self.rule = rule or SpeculationRule()
         self._make_drafter = drafter_factory
         self._make_batched = batched_drafter  # slots -> an OrtBatchedDraftRunner (made on first use)
@@ -493,12 +497,20 @@ class BatchDecoder:
             return
         t0 = time.perf_counter()
         # prompts of like lengths in neighbouring slots: a graph call binds a slot range, padded to its longest
+        start = {}
         for s in sorted(new, key=lambda s: len(s.prompt)):
             s.slot, s.t0 = self.target.join(), t0
-        # slot -> (logits [1, V] of the last prompt row, features [n, F])
-        out = self.target.forward({s.slot: list(s.prompt) for s in new}, last_logits=True)
+            drafter = self._drafter(s.slot) if self._uses_drafter(s) else None
+            if drafter is not None:
+                drafter.reset()
+            start[s.id] = 0 if self.cache is None else self.cache.prefill_from(s.prompt, self.target, drafter, s.slot)
+        # slot -> (logits [1, V] of the last prompt row, features [n, F] of the rows computed)
+        out = self.target.forward({s.slot: list(s.prompt[start[s.id]:]) for s in new}, last_logits=True)
         for s in new:
             logits, feats = out[s.slot]
+            s.res.cached_tokens = start[s.id]
+            if self.cache is not None:
+                s.snapshots = PrefixCache.snapshot(self.target, s.slot)
             s.anchor = next_token(logits[-1], s.req.temperature, s.rng)
             s.res.tokens.append(s.anchor)
             s.pos = len(s.prompt)
@@ -507,16 +519,15 @@ class BatchDecoder:
             s.choice = ProposerChoice(mode, list(s.prompt) + [s.anchor],
                                       0 if mode == DFLASH2 else self._lookup_rows(s))
             if self._uses_drafter(s):
-                s.pending, s.pending_start = [feats], 0
-                self._drafter(s.slot).reset()
+                s.pending, s.pending_start = [feats], start[s.id]
             self._active[s.id] = s
             if len(s.res.tokens) >= s.limit or s.anchor in s.eos:
                 self._finish(s)
 
     def _uses_drafter(self, s: _Seq) -> bool:
-        """Whether the DFlash 2 drafter proposes for s (its context then follows s's committed positions)."""
-        assert s.choice is not None
-        return s.req.speculative and self._has_drafter and s.choice.uses_drafter
+        """Whether the DFlash 2 drafter proposes for s (its context then follows s's committed positions): its
+        request speculates with a proposer other than prompt lookup alone (its choice's ``uses_drafter``)."""
+        return s.req.speculative and self._has_drafter and s.req.proposer != NGRAM
 
     def _speculates(self, s: _Seq) -> bool:
         """Whether s may draft at all: with the drafter, or by prompt lookup (which needs no drafter)."""
@@ -704,6 +715,11 @@ class BatchDecoder:
     def _finish(self, s: _Seq) -> None:
         s.done = True
         s.res.elapsed_s = time.perf_counter() - s.t0
+        if self.cache is not None:  # the sequence joins the prefix cache before its slot is freed
+            drafts = self._uses_drafter(s)
+            self.cache.store((s.prompt + s.res.tokens)[: int(self.target.lengths[s.slot])], self.target,
+                             self._drafter(s.slot) if drafts else None,
+                             np.concatenate(s.pending) if drafts and s.pending else None, s.snapshots, s.slot)
         self.target.leave(s.slot)
         self._active.pop(s.id, None)
         self.results[s.id] = s.res

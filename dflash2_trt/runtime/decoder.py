@@ -31,6 +31,7 @@ from dflash2_trt.reference import acceptance_stats
 from dflash2_trt.runtime.accept import accept_drafts, next_token
 from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig, verify_rows
 from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft
+from dflash2_trt.runtime.prefix_cache import PrefixCache
 from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
 from dflash2_trt.runtime.request import GenerationRequest, Limits
 
@@ -54,6 +55,7 @@ class GenerationResult:
     guard_switches: int = 0  # speculative -> plain switches
     guard_probes: int = 0  # plain -> speculative probes
     proposers: list[str] = field(default_factory=list)  # per cycle: who proposed ('dflash2' | 'ngram')
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache (not computed)
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,16 +76,20 @@ class GenerationResult:
 
 
 def target_generate(target: TargetRunner, prompt_ids: list[int], request: GenerationRequest,
-                    on_tokens: OnTokens | None = None) -> GenerationResult:
+                    on_tokens: OnTokens | None = None, cache: PrefixCache | None = None) -> GenerationResult:
     """Plain autoregressive decoding on the same backend (the lossless reference and the speed baseline); reads
-    the request's ``max_new_tokens``, ``temperature``, ``seed`` and ``eos_ids``."""
+    the request's ``max_new_tokens``, ``temperature``, ``seed`` and ``eos_ids``. ``cache``: the prefix cache the
+    prompt starts from and the finished sequence joins (no drafter context: plain decoding keeps none)."""
     r = request.validate(prompt_ids, Limits.of(target))
     rng = np.random.default_rng(r.seed)
     eos = set(target.eos_ids) if r.eos_ids is None else r.eos_ids
     res = GenerationResult(prompt_tokens=list(prompt_ids))
     t0 = time.perf_counter()
     target.reset()
-    logits, _ = target.forward(list(prompt_ids))
+    start = cache.prefill_from(prompt_ids, target, None) if cache is not None else 0
+    logits, _ = target.forward(list(prompt_ids[start:]))
+    res.cached_tokens = start
+    snaps = PrefixCache.snapshot(target) if cache is not None else {}
     tok = next_token(logits[-1], r.temperature, rng)
     res.tokens.append(tok)
     if on_tokens:
@@ -96,6 +102,8 @@ def target_generate(target: TargetRunner, prompt_ids: list[int], request: Genera
         if on_tokens:
             on_tokens([tok])
     res.elapsed_s = time.perf_counter() - t0
+    if cache is not None:
+        cache.store((list(prompt_ids) + res.tokens)[: target.cache_length], target, None, None, snaps)
     return res
 
 
@@ -130,7 +138,7 @@ class _SpeculativeLoop:
     cycle the drafter's uniforms, then the rejection test."""
 
     def __init__(self, target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int], request: GenerationRequest,
-                 hooks: DecodeHooks) -> None:
+                 hooks: DecodeHooks, cache: PrefixCache | None = None) -> None:
         o = request.validate(prompt_ids, Limits.of(target))
         guard = hooks.guard if hooks.guard is not None else AcceptanceGuard(GuardConfig()) if o.guard else None
         self.target, self.drafter, self.o, self.guard, self.hooks = target, drafter, o, guard, hooks
@@ -148,6 +156,8 @@ class _SpeculativeLoop:
         # cycles add none until the drafter runs again, then all of them in one pass
         self.pending: list[np.ndarray] = []
         self.choice: ProposerChoice | None = None
+        self.cache = cache
+        self.snapshots: dict = {}  # the target's state after the prefill, for the prefix cache (stateful targets)
 
     @property
     def running(self) -> bool:
@@ -158,17 +168,24 @@ class _SpeculativeLoop:
             self.hooks.on_tokens(new)
 
     def prefill(self) -> None:
-        """Target KV cache + context features of every prompt position; the first anchor."""
+        """Target KV cache + context features of every prompt position (those the prefix cache restores, then the
+        rest computed); the first anchor."""
         self.target.reset()
         self.drafter.reset()
-        logits, feats = self.target.forward(self.prompt)  # [n, V], [n, F]
+        drafts = self.o.proposer != NGRAM  # the choice's uses_drafter (the choice needs the first token)
+        start = 0 if self.cache is None else \
+            self.cache.prefill_from(self.prompt, self.target, self.drafter if drafts else None)
+        logits, feats = self.target.forward(self.prompt[start:])  # [n - start, V], [n - start, F]
+        self.res.cached_tokens = start
+        if self.cache is not None:
+            self.snapshots = PrefixCache.snapshot(self.target)
         self.anchor = next_token(logits[-1], self.o.temperature, self.rng)
         self.res.tokens.append(self.anchor)
         self._emit([self.anchor])
         self.choice = ProposerChoice(self.o.proposer, self.prompt + [self.anchor],
                                      self.o.ngram_rows or default_rows(self.L))
         if self.choice.uses_drafter:
-            self.drafter.add_context(feats, 0)
+            self.drafter.add_context(feats, start)
 
     def pick(self) -> tuple[list[int], str | None]:
         """(the lookup's drafts, who proposes: 'dflash2' | 'ngram' | None for a plain step). The guard rules the
@@ -255,18 +272,28 @@ class _SpeculativeLoop:
             self.guard.record_cycle(len(new), time.perf_counter() - t_step - cycle_oracle_s)
 
     def finish(self) -> GenerationResult:
+        """The result; the finished sequence joins the prefix cache (its cached positions, the drafter's context
+        and the features it has not taken in yet)."""
         if self.guard is not None:
             self.res.guard_switches, self.res.guard_probes = self.guard.switches, self.guard.probes
         self.res.elapsed_s = time.perf_counter() - self.t0 - self.oracle_s
+        if self.cache is not None:
+            assert self.choice is not None
+            drafts = self.choice.uses_drafter
+            self.cache.store((self.prompt + self.res.tokens)[: self.target.cache_length], self.target,
+                             self.drafter if drafts else None,
+                             np.concatenate(self.pending) if drafts and self.pending else None, self.snapshots)
         return self.res
 
 
 def speculative_generate(target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int],
-                         request: GenerationRequest, hooks: DecodeHooks = DecodeHooks()) -> GenerationResult:
+                         request: GenerationRequest, hooks: DecodeHooks = DecodeHooks(),
+                         cache: PrefixCache | None = None) -> GenerationResult:
     """Speculative decoding of one prompt (docs/design.md, the decoding loop; the C core's
     ``dflash2::speculativeGenerate``, the twin of :func:`target_generate`). The loop, top to bottom: prefill, then
-    per step the proposer's pick, a plain step or draft -> verify + accept -> commit."""
-    loop = _SpeculativeLoop(target, drafter, prompt_ids, request, hooks)
+    per step the proposer's pick, a plain step or draft -> verify + accept -> commit. ``cache``: the prefix cache
+    (:mod:`dflash2_trt.runtime.prefix_cache`) the prefill starts from and the finished sequence joins."""
+    loop = _SpeculativeLoop(target, drafter, prompt_ids, request, hooks, cache)
     loop.prefill()
     while loop.running:
         t_step = time.perf_counter()

@@ -158,10 +158,17 @@ class PrefixCache:
             assert e.feats is not None
             drafter.add_context(e.feats[: n - m], m)
 
-    def computed(self, tokens: int) -> None:
-        """A request's prompt positions the target computed (after a hit: the rest)."""
+    def prefill_from(self, prompt: Sequence[int], target: Any, drafter: Any | None, slot: int = 0) -> int:
+        """A request's prefill begins here: the longest usable prefix of ``prompt`` restored into the target's
+        ``slot`` (and into ``drafter``, the request's B = 1 draft runner, None when it does not draft) -> the
+        positions restored (0: none); the rest is counted as computed."""
+        hit = self.lookup(prompt, drafter is not None)
+        if hit is not None:
+            self.restore(hit, target, drafter, slot)
+        n = 0 if hit is None else hit.length
         with self._lock:
-            self.stats.computed_tokens += tokens
+            self.stats.computed_tokens += len(prompt) - n
+        return n
 
     # -- store ------------------------------------------------------------------------------------------------------
     @staticmethod
@@ -173,7 +180,7 @@ class PrefixCache:
 
     def store(self, ids: Sequence[int], target: Any, drafter: Any | None, pending_feats: np.ndarray | None,
               states: dict[int, SlotState], slot: int = 0) -> None:
-        """Keep a finished sequence: ``ids`` the tokens of the target's cached positions (its cache length),
+        """Keep a finished sequence: ``ids`` the tokens of the target's first cached positions (its cache length),
         ``drafter`` its draft runner (None: none ran; then no drafter context is kept), ``pending_feats`` the
         features of positions past the drafter's context, ``states`` snapshots taken earlier (:meth:`snapshot`) —
         the target's state now is added."""
@@ -183,7 +190,7 @@ class PrefixCache:
         end = target.prefix_state(slot)
         stateful = end is not None
         snaps = {k: v for k, v in states.items() if k <= n}
-        if stateful:
+        if stateful and _length(target, slot) == n:  # (a cache past an accepted EOS holds more than ids)
             snaps[n] = end
         m = drafter.context_length() if drafter is not None else 0
         feats = None if pending_feats is None or not len(pending_feats) else np.array(pending_feats[: n - m])

@@ -189,9 +189,8 @@ class Backend(Protocol):
 
 class BackendBase:
     """Behaviour shared by the backends: the draft modes of an export (its ``manifest``; the PyTorch backend,
-    which opens no export, overrides them), no batching and no weight codes unless the backend has them, and the
-    context manager (``with open_backend(...) as be:`` closes
-    ``be``)."""
+    which opens no export, overrides them), no batching, prefix cache or weight codes unless the backend has them,
+    and the context manager (``with open_backend(...) as be:`` closes ``be``)."""
 
     name: str
     manifest: Any  # dflash2_trt.manifest.ExportManifest of the export folder
@@ -205,6 +204,11 @@ class BackendBase:
 
     @property
     def batching(self) -> bool:
+        return False
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether its runners save and restore prefixes (:mod:`dflash2_trt.runtime.prefix_cache`)."""
         return False
 
     def batch_target_runner(self, slots: int) -> BatchTargetRunner:

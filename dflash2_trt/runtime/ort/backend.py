@@ -307,6 +307,10 @@ class OrtBackend(BackendBase):
         standard graph of a target with linear or sliding layers (:mod:`dflash2_trt.runtime.ort.batched_standard`)."""
         return self.fused or not self.manifest.kv_only
 
+    @property
+    def prefix_cache(self) -> bool:
+        return True  # every runner above: prefix_rows / prefix_state / restore_prefix, the drafters' context rows
+
     def batch_target_runner(self, slots: int) -> BatchTargetRunner:
         if not self.fused and not self.manifest.kv_only:
             from dflash2_trt.runtime.ort.batched_standard import OrtStandardBatchedTargetRunner
