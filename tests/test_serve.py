@@ -200,6 +200,28 @@ def test_chat_and_completions_equal_generate(server, gen):
                                                                          0) == 12
 
 
+def test_a_conversation_reuses_its_history(server, export):
+    """Turn 2 of a chat resends turn 1 and its answer: the prefix cache restores them (OpenAI's
+    usage.prompt_tokens_details.cached_tokens, the Prometheus series) and the answer is the one computed from an
+    empty cache."""
+    c = server.client()
+    before = server.metrics()
+    msgs = [{"role": "system", "content": "You answer in one short sentence."},
+            {"role": "user", "content": PROMPTS[2]}]
+    r1 = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0)
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": PROMPTS[0]}]
+    r2 = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert r1.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens / 2  # (the template's opening)
+    assert r1.usage.prompt_tokens <= cached < r2.usage.prompt_tokens  # turn 1's prompt at least: the history
+    with dflash2_trt.load(export, "ort", threads=1, prefix_cache_bytes=0) as cold:
+        assert r2.choices[0].message.content == cold.generate(msgs, 12, temperature=0.0).text
+    after = server.metrics()
+    assert _delta(after, before, "dflash2_prefix_cache_hit_tokens_total") >= cached
+    assert _delta(after, before, "dflash2_prefix_cache_computed_tokens_total") > 0
+    assert 0 < after["dflash2_prefix_cache_bytes"] <= after["dflash2_prefix_cache_budget_bytes"]
+
+
 def test_raw_sse_framing(server):
     """The wire format itself: `data: {json}` events separated by a blank line, `data: [DONE]` last."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)

@@ -52,7 +52,7 @@ from typing import Any
 
 import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -92,6 +92,33 @@ class _BatchSteps:
         yield c
 
 
+class _PrefixCache:
+    """The prefix cache's series, read from :attr:`Generator.prefix_cache <dflash2_trt.api.Generator.prefix_cache>`
+    at each scrape: ``dflash2_prefix_cache_hit_tokens_total`` (prompt tokens restored),
+    ``dflash2_prefix_cache_computed_tokens_total`` (prompt tokens computed), ``dflash2_prefix_cache_evictions_total``,
+    ``dflash2_prefix_cache_bytes`` and ``dflash2_prefix_cache_budget_bytes`` (none without a cache)."""
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+
+    def collect(self) -> Any:
+        cache = self.gen.prefix_cache
+        if cache is None:
+            return
+        s = cache.stats
+        for name, what, v in (("hit_tokens", "prompt tokens restored from the prefix cache", s.hit_tokens),
+                              ("computed_tokens", "prompt tokens computed (not restored)", s.computed_tokens),
+                              ("evictions", "prefix cache entries evicted", s.evictions)):
+            c = CounterMetricFamily(f"dflash2_prefix_cache_{name}", what)
+            c.add_metric([], v)
+            yield c
+        for name, what, v in (("bytes", "bytes the prefix cache holds", s.nbytes),
+                              ("budget_bytes", "the prefix cache's budget", cache.budget_bytes)):
+            g = GaugeMetricFamily(f"dflash2_prefix_cache_{name}", what)
+            g.add_metric([], v)
+            yield g
+
+
 class Metrics:
     """The server's Prometheus metrics, in a registry of its own (two servers in one process never collide).
 
@@ -101,7 +128,7 @@ class Metrics:
     client went away before its answer ended; abort: the server stopped it; error),
     ``dflash2_prompt_tokens_total``, ``dflash2_generation_tokens_total``, ``dflash2_speculative_cycles_total``,
     ``dflash2_draft_tokens_total`` (drafts verified), ``dflash2_accepted_draft_tokens_total``,
-    ``dflash2_plain_steps_total``, ``dflash2_batch_steps_total{size}``. Gauges: ``dflash2_requests_waiting``
+    ``dflash2_plain_steps_total``, ``dflash2_batch_steps_total{size}``, the prefix cache's (``_PrefixCache``). Gauges: ``dflash2_requests_waiting``
     (submitted, no batch slot yet: the queue depth), ``dflash2_requests_running`` (holding a slot),
     ``dflash2_tau`` (tokens per speculative cycle, pooled since start), ``dflash2_acceptance_rate`` (accepted /
     verified drafts). Histograms: ``dflash2_time_to_first_token_seconds``,
@@ -142,6 +169,7 @@ class Metrics:
         self.cancel_steps = Histogram("dflash2_cancel_steps", "batch steps from a client's disconnect to its slot "
                                       "being free", buckets=(0, 1, 2, 3, 5, 10, 20), registry=r)
         r.register(_BatchSteps(gen))
+        r.register(_PrefixCache(gen))
 
     def _ratio(self, num: str, den: str, plus: float = 0.0) -> float:
         with self._lock:
@@ -528,7 +556,7 @@ class _Reply(Response):
             if end is not None:
                 finish, n, res = end
                 body = P.answer(job.spec.kind, job.rid, job.created, self.server.model_name, "".join(parts), finish,
-                                P.usage(job.prompt_len, n), _stats(res))
+                                P.usage(job.prompt_len, n, res.stats.cached_tokens), _stats(res))
                 job.answered = True
                 await _send_json(send, 200, body)
                 return
@@ -554,7 +582,8 @@ class _Reply(Response):
                 finish, n, res = end
                 await event(P.sse(P.chunk(kind, rid, created, name, None, finish, dflash2=_stats(res))))
                 if job.spec.include_usage:
-                    await event(P.sse(P.usage_chunk(kind, rid, created, name, P.usage(job.prompt_len, n))))
+                    await event(P.sse(P.usage_chunk(kind, rid, created, name,
+                                                    P.usage(job.prompt_len, n, res.stats.cached_tokens))))
         job.answered = True
         await send({"type": "http.response.body", "body": P.SSE_DONE, "more_body": False})
 

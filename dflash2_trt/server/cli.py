@@ -20,6 +20,7 @@ from typing import Any
 from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.ort_options import add_ort_options, ort_options
+from dflash2_trt.runtime.prefix_cache import DEFAULT_BUDGET_BYTES
 from dflash2_trt.vocabulary import BACKEND_CHOICES, DEFAULT_PROPOSER, PROPOSERS, SPECULATION_MODES
 
 PORT = V.integer(1, 65535)
@@ -49,6 +50,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--drain-timeout", type=V.NON_NEGATIVE_NUMBER, default=60.0,
                    help="seconds SIGTERM waits for requests in flight before cancelling them")
     s.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    s.add_argument("--prefix-cache-mib", type=V.NON_NEGATIVE, default=DEFAULT_BUDGET_BYTES >> 20,
+                   help="host memory for the prefix cache of finished conversations, MiB (0: off; default %(default)s)")
     add_ort_options(s)
 
 
@@ -63,7 +66,8 @@ def run(a: argparse.Namespace) -> int:
     import dflash2_trt
 
     name = a.model_name or Path(a.export_dir).resolve().name
-    with dflash2_trt.load(a.export_dir, a.backend, threads=a.threads, **ort_options(a)) as gen:
+    with dflash2_trt.load(a.export_dir, a.backend, threads=a.threads, prefix_cache_bytes=a.prefix_cache_mib << 20,
+                          **ort_options(a)) as gen:
         srv = Server(gen, name, max_batch=a.max_batch, max_queue=a.max_queue,
                      adaptive=a.speculation == "adaptive", speculative=a.speculation != "off",
                      proposer=a.proposer, api_key=a.api_key)

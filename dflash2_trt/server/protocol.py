@@ -378,9 +378,11 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == CHAT else "cmpl-") + secrets.token_hex(12)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens the prefix cache restored instead of computing."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _choice(kind: str, text: str | None, finish: str | None, stream: bool, first: bool = False) -> dict:
