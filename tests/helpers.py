@@ -137,7 +137,10 @@ def two_token_p_value(law: dict[tuple[int, int], float], first_two: list[tuple[i
         counts[index.get(pair, len(cells))] += 1
     exp = np.append(np.array([law[c] for c in cells]), max(0.0, 1.0 - sum(law.values()))) * n
     small = exp < 5
-    return chisquare(np.append(counts[~small], counts[small].sum()), np.append(exp[~small], exp[small].sum()))[1]
+    pooled_obs, pooled_exp = counts[small].sum(), exp[small].sum()
+    if pooled_exp <= 0:  # a truncated law has no remainder: nothing may fall there
+        return 0.0 if pooled_obs > 0 else chisquare(counts[~small], exp[~small])[1]
+    return chisquare(np.append(counts[~small], pooled_obs), np.append(exp[~small], pooled_exp))[1]
 
 
 # Manifest edits whose fields no longer agree with the graphs, and what the one-line error must say (the Python and
@@ -180,3 +183,45 @@ def speculative_equals_autoregressive(be, seed: int, prompts: int, n: int, what:
         assert spec.tokens == D.target_generate(target, p, req(n, eos_ids=set())).tokens
         accepted += spec.accepted
     assert_accepts(accepted, drafter.num_draft_rows, what)
+
+
+def transformed_logprobs(rows, seen: list[list[int]], temperature: float = 1.0, **kw: Any):
+    """The reference of runtime/sampling.py: rows [m, V] of target logits, ``seen[i]`` the tokens row i's penalties
+    count (with repeats) -> log of the transformed law [m, V] float64, built from transformers' logits processors
+    (repetition penalty, temperature, top-k, top-p, min-p) with the logit bias and OpenAI's presence / frequency
+    penalties added by hand, in vLLM's order."""
+    import torch
+    from transformers.generation import logits_process as LP
+
+    x = torch.tensor(np.asarray(rows, dtype=np.float64))
+    for t, b in dict(kw.get("logit_bias", {})).items():
+        x[:, int(t)] += b
+    out = []
+    for i in range(x.shape[0]):
+        row = x[i: i + 1]
+        ids = torch.tensor([seen[i]], dtype=torch.long)
+        if kw.get("repetition_penalty", 1.0) != 1.0 and seen[i]:
+            row = LP.RepetitionPenaltyLogitsProcessor(kw["repetition_penalty"])(ids, row)
+        for t in set(seen[i]):
+            row[0, t] -= kw.get("frequency_penalty", 0.0) * seen[i].count(t) + kw.get("presence_penalty", 0.0)
+        row = LP.TemperatureLogitsWarper(temperature)(ids, row)
+        if kw.get("top_k", 0):
+            row = LP.TopKLogitsWarper(kw["top_k"])(ids, row)
+        if kw.get("top_p", 1.0) < 1.0:
+            row = LP.TopPLogitsWarper(kw["top_p"])(ids, row)
+        if kw.get("min_p", 0.0) > 0:
+            row = LP.MinPLogitsWarper(kw["min_p"])(ids, row)
+        out.append(torch.log_softmax(row, -1)[0].numpy())
+    return np.stack(out)
+
+
+def transformed_two_token_law(target, prompt: list[int], temperature: float, **kw: Any) -> dict:
+    """:func:`two_token_law` under the sampling transforms ``kw`` (:func:`transformed_logprobs`; the penalties count
+    the prompt, then the first token too)."""
+    def law_after(ids: list[int]):  # noqa: ANN202
+        target.reset()
+        return np.exp(transformed_logprobs(target.forward(ids)[0][-1:], [list(ids)], temperature, **kw)[0])
+
+    p1 = law_after(prompt)
+    return {(int(a), int(b)): p1[a] * q
+            for a in np.flatnonzero(p1 > 1e-4) for b, q in enumerate(law_after(prompt + [int(a)])) if q > 1e-6}

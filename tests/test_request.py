@@ -216,7 +216,7 @@ def test_both_loops_accept_through_the_one_accept_step(acc_export, monkeypatch):
         src = Path(mod.__file__).read_text()
         assert "accept_greedy" not in src and "accept_rejection" not in src, mod  # no acceptance of their own
 
-    def reject_all(draft, drafts, v_logits, temperature, rng):  # noqa: ANN001, ANN202
+    def reject_all(draft, drafts, v_logits, temperature, rng, sampler=None):  # noqa: ANN001, ANN202
         return 0, int(np.argmax(v_logits[0]))
 
     be = OrtBackend(acc_export)

@@ -3,7 +3,8 @@ batched loop (:mod:`dflash2_trt.runtime.batch`) call :func:`accept_drafts`, as t
 ``acceptDrafts`` (``runtime/src/core/decoder.cpp``); :func:`next_token` is the target's own token of a plain step
 or a prefill (the C core's ``nextToken``). The rules themselves are the NumPy references
 (:func:`dflash2_trt.reference.accept_greedy`, :func:`~dflash2_trt.reference.accept_rejection`), looked up at call
-time so a test can plant a faulty rule.
+time so a test can plant a faulty rule. Given the sequence's :class:`~dflash2_trt.runtime.sampling.Sampler`, both
+decide on the request's transformed target law (runtime/sampling.py) instead of the raw logits.
 """
 
 from __future__ import annotations
@@ -12,13 +13,18 @@ import numpy as np
 
 from dflash2_trt import reference as ref
 from dflash2_trt.runtime.protocol import Draft
+from dflash2_trt.runtime.sampling import Sampler
 
 
-def next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-    """logits [V] -> argmax at T = 0, else a sample of softmax(logits / T) (one draw of ``rng``)."""
+def next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator, sampler: Sampler | None = None
+               ) -> int:
+    """logits [V] -> argmax at T = 0, else a sample of softmax(logits / T) (one draw of ``rng``); with ``sampler``,
+    of the transformed logits / law."""
+    if sampler is not None:
+        logits = sampler.logits(logits[None])[0]
     if temperature <= 0:
         return int(np.argmax(logits))
-    p = ref.softmax_t(logits, temperature)
+    p = ref.softmax_t(logits, temperature) if sampler is None else sampler.law(logits[None], temperature)[0]
     return int(rng.choice(p.shape[-1], p=p))
 
 
@@ -32,13 +38,17 @@ def proposal_in_vocab(draft: Draft, n_rows: int, vocab: int) -> np.ndarray:
 
 
 def accept_drafts(draft: Draft, drafts: list[int], v_logits: np.ndarray, temperature: float,
-                  rng: np.random.Generator) -> tuple[int, int]:
+                  rng: np.random.Generator, sampler: Sampler | None = None) -> tuple[int, int]:
     """accept: the drafts [n] against the verify logits [n + 1, V] of ``[anchor, d_1..d_n]`` -> (accepted, bonus
     token): greedy matching at T <= 0 (no draw), rejection sampling at T > 0 against the draft's proposal scattered
-    into the vocabulary (its draws from ``rng``; a prompt lookup's draft is a one-hot proposal)."""
+    into the vocabulary (its draws from ``rng``; a prompt lookup's draft is a one-hot proposal). With ``sampler``
+    the target side is the transformed law, row i seeing the drafts before it; the proposal stays the one the
+    drafts were drawn from (the draft's own)."""
     d = np.asarray(drafts, dtype=np.int64)  # [n]
+    if sampler is not None:
+        v_logits = sampler.logits(v_logits, d)  # [n+1, V]
     if temperature <= 0:
         return ref.accept_greedy(d, v_logits)
-    p = ref.softmax_t(v_logits, temperature)  # [n+1, V]
+    p = ref.softmax_t(v_logits, temperature) if sampler is None else sampler.law(v_logits, temperature)  # [n+1, V]
     q = proposal_in_vocab(draft, d.shape[0], p.shape[-1])  # [n, V]
     return ref.accept_rejection(d, q, p, rng)

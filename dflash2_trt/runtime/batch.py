@@ -129,6 +129,7 @@ from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_ro
 from dflash2_trt.runtime.prefix_cache import PrefixCache
 from dflash2_trt.runtime.protocol import DraftRunner
 from dflash2_trt.runtime.request import GenerationRequest, Limits
+from dflash2_trt.runtime.sampling import Sampler
 
 
 # The rule's clock: wall time, what a user waits for, as the B = 1 guard's. Process CPU time overstated a
@@ -393,6 +394,7 @@ class _Seq:
     choice: ProposerChoice | None = None  # who proposes (made at admission: the context needs the first token)
     done: bool = False
     snapshots: dict = field(default_factory=dict)  # the target's state after the prefill (the prefix cache's)
+    sampler: Sampler | None = None  # the request's sampling transforms and logprobs (runtime/sampling.py)
 
 
 class BatchDecoder:
@@ -428,9 +430,12 @@ class BatchDecoder:
         self._next_id += 1
         eos = set(self.target.eos_ids) if req.eos_ids is None else set(req.eos_ids)
         limit = min(req.max_new_tokens, self.target.max_positions - len(prompt))
-        self._queue.append(_Seq(i, list(prompt), req, -1, np.random.default_rng(req.seed),
-                                GenerationResult(prompt_tokens=list(prompt)), eos, limit, 0.0,
-                                committed={who: deque(maxlen=self.rule.window) for who in (DFLASH2, NGRAM)}))
+        res = GenerationResult(prompt_tokens=list(prompt))
+        sampler = Sampler(req, list(prompt), int(self.target.vocab_size))
+        sampler.logprobs = res.logprobs
+        self._queue.append(_Seq(i, list(prompt), req, -1, np.random.default_rng(req.seed), res, eos, limit, 0.0,
+                                committed={who: deque(maxlen=self.rule.window) for who in (DFLASH2, NGRAM)},
+                                sampler=sampler))
         return i
 
     def cancel(self, i: int) -> None:
@@ -503,16 +508,22 @@ class BatchDecoder:
             drafter = self._drafter(s.slot) if self._uses_drafter(s) else None
             if drafter is not None:
                 drafter.reset()
-            start[s.id] = 0 if self.cache is None else self.cache.prefill_from(s.prompt, self.target, drafter, s.slot)
-        # slot -> (logits [1, V] of the last prompt row, features [n, F] of the rows computed)
-        out = self.target.forward({s.slot: list(s.prompt[start[s.id]:]) for s in new}, last_logits=True)
+            start[s.id] = 0 if self.cache is None or s.req.prompt_logprobs else \
+                self.cache.prefill_from(s.prompt, self.target, drafter, s.slot)
+        # slot -> (logits [1, V] of the last prompt row — every row when one asks for prompt logprobs —, features
+        # [n, F] of the rows computed)
+        every_row = any(s.req.prompt_logprobs for s in new)
+        out = self.target.forward({s.slot: list(s.prompt[start[s.id]:]) for s in new}, last_logits=not every_row)
         for s in new:
             logits, feats = out[s.slot]
             s.res.cached_tokens = start[s.id]
             if self.cache is not None:
                 s.snapshots = PrefixCache.snapshot(self.target, s.slot)
-            s.anchor = next_token(logits[-1], s.req.temperature, s.rng)
+            if s.req.prompt_logprobs:
+                s.res.prompt_logprobs = s.sampler.prompt_logprobs(s.prompt, logits)
+            s.anchor = next_token(logits[-1], s.req.temperature, s.rng, s.sampler)
             s.res.tokens.append(s.anchor)
+            s.sampler.commit([s.anchor])
             s.pos = len(s.prompt)
             # a plain request never looks up: its choice keeps no context
             mode = s.req.proposer if s.req.speculative else DFLASH2
@@ -621,11 +632,12 @@ class BatchDecoder:
 
     def _plain(self, s: _Seq, logits: np.ndarray, feats: np.ndarray) -> None:
         """The target's next token after the anchor (logits [1, V], features [1, F]): exactly a B = 1 plain step."""
-        s.anchor = next_token(logits[-1], s.req.temperature, s.rng)
+        s.anchor = next_token(logits[-1], s.req.temperature, s.rng, s.sampler)
         if self._uses_drafter(s):
             self._defer(s, feats)
         s.pos += 1
         s.res.tokens.append(s.anchor)
+        s.sampler.commit([s.anchor])
         s.choice.extend([s.anchor])
         s.res.plain_steps += 1
 
@@ -653,7 +665,7 @@ class BatchDecoder:
             s.pending = []
         n_rows = min(L, s.limit - len(s.res.tokens) - 1)  # a final partial block verifies fewer rows
         uniforms = s.rng.random((1, L), dtype=np.float32) if T > 0 else None
-        draft = drafter.propose(s.anchor, s.pos, n_rows, T, uniforms)
+        draft = s.sampler.redraw(drafter.propose(s.anchor, s.pos, n_rows, T, uniforms), uniforms, n_rows)
         self.rule.costs.record_draft(COST_CLOCK() - t)
         return draft, [int(x) for x in draft.tokens[:n_rows]]
 
@@ -685,13 +697,14 @@ class BatchDecoder:
         drafts = run.propose_batch([s.slot for s in seqs], [s.anchor for s in seqs], [s.pos for s in seqs], n_rows,
                                    [s.req.temperature for s in seqs], uniforms)
         self.rule.costs.record_draft(COST_CLOCK() - t, len(seqs))
+        drafts = [s.sampler.redraw(d, u, n) for s, d, u, n in zip(seqs, drafts, uniforms, n_rows)]
         return {s.id: (d, [int(x) for x in d.tokens[:n]]) for s, d, n in zip(seqs, drafts, n_rows)}
 
     def _accept(self, s: _Seq, who: str, draft: Any, drafts: list[int], v_logits: np.ndarray,
                 v_feats: np.ndarray) -> None:
         """accept → commit of one sequence's verify (v_logits [n+1, V], v_feats [n+1, F] of [anchor, drafts])."""
         n_rows = len(drafts)
-        acc, bonus = accept_drafts(draft, drafts, v_logits, s.req.temperature, s.rng)
+        acc, bonus = accept_drafts(draft, drafts, v_logits, s.req.temperature, s.rng, sampler=s.sampler)
         self.target.crop(s.slot, s.pos + acc + 1)
         if who == DFLASH2:  # the drafter's pass took the pending features: the verified rows are the next ones
             s.pending, s.pending_start = [v_feats[: acc + 1]], s.pos
@@ -706,6 +719,7 @@ class BatchDecoder:
         s.res.proposed.append(n_rows)
         s.res.proposers.append(who)
         s.res.tokens.extend(new)
+        s.sampler.commit(new)
         s.committed[who].append(len(new))
         s.choice.extend(new)
         s.choice.record(who, len(new))

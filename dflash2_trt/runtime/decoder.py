@@ -34,9 +34,11 @@ from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_ro
 from dflash2_trt.runtime.prefix_cache import PrefixCache
 from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
 from dflash2_trt.runtime.request import GenerationRequest, Limits
+from dflash2_trt.runtime.sampling import Sampler, TokenLogprob
 
 OnTokens = Callable[[list[int]], None]
 OnCycle = Callable[[int, int], None]  # (accepted drafts, verified rows) of a speculative cycle
+OnLogprobs = Callable[[list[TokenLogprob]], None]  # the logprobs of the chunk on_tokens gets next
 # (target, cand [L, K], drafts, n_rows, accepted, bonus, anchor position) -> oracle top-K count of the cycle
 OracleFn = Callable[[TargetRunner, np.ndarray, list[int], int, int, int, int], int]
 
@@ -56,6 +58,8 @@ class GenerationResult:
     guard_probes: int = 0  # plain -> speculative probes
     proposers: list[str] = field(default_factory=list)  # per cycle: who proposed ('dflash2' | 'ngram')
     cached_tokens: int = 0  # prompt positions restored from the prefix cache (not computed)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when the request asks (runtime/sampling)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when the request asks
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,31 +80,40 @@ class GenerationResult:
 
 
 def target_generate(target: TargetRunner, prompt_ids: list[int], request: GenerationRequest,
-                    on_tokens: OnTokens | None = None, cache: PrefixCache | None = None) -> GenerationResult:
+                    on_tokens: OnTokens | None = None, cache: PrefixCache | None = None,
+                    on_logprobs: OnLogprobs | None = None) -> GenerationResult:
     """Plain autoregressive decoding on the same backend (the lossless reference and the speed baseline); reads
     the request's ``max_new_tokens``, ``temperature``, ``seed`` and ``eos_ids``. ``cache``: the prefix cache the
-    prompt starts from and the finished sequence joins (no drafter context: plain decoding keeps none)."""
+    prompt starts from and the finished sequence joins (no drafter context: plain decoding keeps none). The
+    request's sampling transforms and logprobs: :mod:`dflash2_trt.runtime.sampling` (``on_logprobs`` gets each
+    token's just before ``on_tokens`` gets the token)."""
     r = request.validate(prompt_ids, Limits.of(target))
     rng = np.random.default_rng(r.seed)
     eos = set(target.eos_ids) if r.eos_ids is None else r.eos_ids
     res = GenerationResult(prompt_tokens=list(prompt_ids))
+    sampler = Sampler(r, prompt_ids, target.vocab_size)
+    sampler.logprobs = res.logprobs
     t0 = time.perf_counter()
     target.reset()
-    start = cache.prefill_from(prompt_ids, target, None) if cache is not None else 0
+    start = cache.prefill_from(prompt_ids, target, None) if cache is not None and not r.prompt_logprobs else 0
     logits, _ = target.forward(list(prompt_ids[start:]))
     res.cached_tokens = start
+    if r.prompt_logprobs:
+        res.prompt_logprobs = sampler.prompt_logprobs(prompt_ids, logits)
     snaps = PrefixCache.snapshot(target) if cache is not None else {}
-    tok = next_token(logits[-1], r.temperature, rng)
-    res.tokens.append(tok)
-    if on_tokens:
-        on_tokens([tok])
+    tok = next_token(logits[-1], r.temperature, rng, sampler)
     limit = min(r.max_new_tokens, target.max_positions - len(prompt_ids))
-    while len(res.tokens) < limit and tok not in eos:
-        logits, _ = target.forward([tok])
-        tok = next_token(logits[-1], r.temperature, rng)
+    while True:
         res.tokens.append(tok)
+        sampler.commit([tok])
+        if on_logprobs and r.logprobs:
+            on_logprobs(res.logprobs[-1:])
         if on_tokens:
             on_tokens([tok])
+        if len(res.tokens) >= limit or tok in eos:
+            break
+        logits, _ = target.forward([tok])
+        tok = next_token(logits[-1], r.temperature, rng, sampler)
     res.elapsed_s = time.perf_counter() - t0
     if cache is not None:
         cache.store((list(prompt_ids) + res.tokens)[: target.cache_length], target, None, None, snaps)
@@ -130,6 +143,7 @@ class DecodeHooks:
     on_cycle: OnCycle | None = None
     oracle: OracleFn | None = None
     guard: AcceptanceGuard | None = None
+    on_logprobs: OnLogprobs | None = None  # each chunk's logprobs, just before on_tokens (when the request asks)
 
 
 class _SpeculativeLoop:
@@ -147,6 +161,8 @@ class _SpeculativeLoop:
         self.eos = set(target.eos_ids) if o.eos_ids is None else o.eos_ids
         self.L = drafter.num_draft_rows
         self.res = GenerationResult(prompt_tokens=list(prompt_ids))
+        self.sampler = Sampler(o, prompt_ids, target.vocab_size)  # the request's transforms, its logprobs
+        self.sampler.logprobs = self.res.logprobs
         self.oracle_s = 0.0
         self.t0 = time.perf_counter()
         self.limit = min(o.max_new_tokens, target.max_positions - len(prompt_ids))
@@ -164,6 +180,9 @@ class _SpeculativeLoop:
         return len(self.res.tokens) < self.limit and self.anchor not in self.eos
 
     def _emit(self, new: list[int]) -> None:
+        self.sampler.commit(new)
+        if self.hooks.on_logprobs and self.o.logprobs:
+            self.hooks.on_logprobs(self.res.logprobs[-len(new):])
         if self.hooks.on_tokens:
             self.hooks.on_tokens(new)
 
@@ -173,13 +192,15 @@ class _SpeculativeLoop:
         self.target.reset()
         self.drafter.reset()
         drafts = self.o.proposer != NGRAM  # the choice's uses_drafter (the choice needs the first token)
-        start = 0 if self.cache is None else \
+        start = 0 if self.cache is None or self.o.prompt_logprobs else \
             self.cache.prefill_from(self.prompt, self.target, self.drafter if drafts else None)
         logits, feats = self.target.forward(self.prompt[start:])  # [n - start, V], [n - start, F]
         self.res.cached_tokens = start
+        if self.o.prompt_logprobs:
+            self.res.prompt_logprobs = self.sampler.prompt_logprobs(self.prompt, logits)
         if self.cache is not None:
             self.snapshots = PrefixCache.snapshot(self.target)
-        self.anchor = next_token(logits[-1], self.o.temperature, self.rng)
+        self.anchor = next_token(logits[-1], self.o.temperature, self.rng, self.sampler)
         self.res.tokens.append(self.anchor)
         self._emit([self.anchor])
         self.choice = ProposerChoice(self.o.proposer, self.prompt + [self.anchor],
@@ -200,7 +221,7 @@ class _SpeculativeLoop:
         """The target's own next token (exactly target_generate's step)."""
         assert self.choice is not None
         logits, feats = self.target.forward([self.anchor])  # [1, V], [1, F]
-        self.anchor = next_token(logits[-1], self.o.temperature, self.rng)
+        self.anchor = next_token(logits[-1], self.o.temperature, self.rng, self.sampler)
         if self.choice.uses_drafter:
             self.pending.append(feats)
         self.pos += 1
@@ -223,7 +244,7 @@ class _SpeculativeLoop:
         n_rows = min(self.L, self.limit - len(self.res.tokens) - 1)
         T = self.o.temperature
         uniforms = self.rng.random((1, self.L), dtype=np.float32) if T > 0 else None
-        draft = self.drafter.propose(self.anchor, self.pos, n_rows, T, uniforms)
+        draft = self.sampler.redraw(self.drafter.propose(self.anchor, self.pos, n_rows, T, uniforms), uniforms, n_rows)
         n_rows = verify_rows(_confidence(draft, T), n_rows, self.o.min_confidence)
         return draft, [int(t) for t in draft.tokens[:n_rows]], n_rows
 
@@ -231,7 +252,7 @@ class _SpeculativeLoop:
         """The target on [anchor, d_1..d_n] at positions pos..pos+n, then acceptance -> (accepted, bonus token,
         features [n+1, F])."""
         v_logits, v_feats = self.target.forward([self.anchor] + drafts)  # [n+1, V], [n+1, F]
-        acc, bonus = accept_drafts(draft, drafts, v_logits, self.o.temperature, self.rng)
+        acc, bonus = accept_drafts(draft, drafts, v_logits, self.o.temperature, self.rng, sampler=self.sampler)
         return acc, bonus, v_feats
 
     def commit(self, who: str, draft: Draft, drafts: list[int], n_rows: int, acc: int, bonus: int,

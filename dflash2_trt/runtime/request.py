@@ -27,7 +27,7 @@ import dataclasses
 import math
 import numbers
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -78,6 +78,20 @@ class GenerationRequest:
     # -- sampling
     temperature: float = 0.0  # 0: greedy (the target's argmax); > 0: lossless rejection sampling
     seed: int | None = None  # the request's random stream (>= 0); None: a fresh one, drawn when the record is built
+    # the sampling transforms (runtime/sampling.py), applied to the target's logits in this order: logit_bias,
+    # repetition / presence / frequency penalties (over the prompt + committed tokens), temperature, top_k, top_p,
+    # min_p; their neutral values change nothing
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit in [-100, 100]); a mapping is accepted
+    repetition_penalty: float = 1.0  # > 0; a seen token's logit divided by it when positive, multiplied otherwise
+    presence_penalty: float = 0.0  # in [-2, 2]; subtracted from the logit of every seen token
+    frequency_penalty: float = 0.0  # in [-2, 2]; subtracted once per occurrence of a seen token
+    top_k: int = 0  # keep the k most likely tokens (>= 0; 0 or -1: all)
+    top_p: float = 1.0  # in (0, 1]; keep the smallest most-likely set of probability >= top_p
+    min_p: float = 0.0  # in [0, 1]; keep the tokens of probability >= min_p x the largest
+    # -- logprobs (the target's, after the transforms)
+    logprobs: bool = False  # each generated token's log-probability
+    top_logprobs: int = 0  # in [0, 20]: the most likely tokens of each row with theirs (needs logprobs)
+    prompt_logprobs: bool = False  # each prompt token's log-probability too (computes every prompt row: no cache)
     # -- speculation
     speculative: bool = True  # False: plain autoregressive decoding of the target (the baseline)
     draft_mode: str = "greedy"  # the drafter head (of vocabulary.DRAFT_MODES); the API's ``selector``
@@ -110,6 +124,7 @@ class GenerationRequest:
         c = self.min_confidence
         if not (_number(c) and 0.0 <= c <= 1.0):  # `not <=` also refuses NaN
             raise DFlash2Error(f"min_confidence must be in [0, 1], got {c!r}")
+        sampling = _check_sampling(self)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise DFlash2Error(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
         eos = self.eos_ids
@@ -127,6 +142,8 @@ class GenerationRequest:
         put(self, "ngram_rows", None if r is None else int(r))
         put(self, "min_confidence", float(c))
         put(self, "eos_ids", eos)
+        for k, v in sampling.items():
+            put(self, k, v)
 
     def validate(self, prompt: list[int], limits: Limits) -> GenerationRequest:
         """This request against ``prompt`` (token ids) and a backend's ``limits`` -> the record the loops run
@@ -157,8 +174,56 @@ def check_limits(request: GenerationRequest, prompt: list[int], limits: Limits) 
     if len(prompt) + 1 > limits.max_positions:
         raise DFlash2Error(f"prompt of {len(prompt)} tokens does not fit the {limits.max_positions} positions "
                            f"available (the target's maximum, or the --max-seq-len of an export)")
+    bad = [t for t, _ in request.logit_bias if t >= limits.vocab_size]
+    if bad:
+        raise DFlash2Error(f"logit_bias token id {bad[0]} out of range [0, {limits.vocab_size})")
     if limits.draft_modes is not None:
         check_draft_mode(request.draft_mode, limits.draft_modes, "this export")
     if limits.whole_blocks and request.min_confidence > 0:
         raise DFlash2Error(f"min_confidence must be 0 for the batched loop (it verifies whole blocks), got "
                            f"{request.min_confidence}")
+
+
+def _check_sampling(r: GenerationRequest) -> dict[str, Any]:
+    """The sampling transforms' and logprobs' fields checked -> their normalised values (plain Python types; the
+    logit bias as sorted (id, bias) pairs, its ids checked against the vocabulary by :func:`check_limits`)."""
+    def real(name: str, ok: Any, allowed: str) -> float:
+        v = getattr(r, name)
+        if not (_number(v) and math.isfinite(v) and ok(v)):
+            raise DFlash2Error(f"{name} must be {allowed}, got {v!r}")
+        return float(v)
+
+    out: dict[str, Any] = {
+        "repetition_penalty": real("repetition_penalty", lambda v: v > 0, "a number > 0 (1: off)"),
+        "presence_penalty": real("presence_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+        "frequency_penalty": real("frequency_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+        "top_p": real("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        "min_p": real("min_p", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    }
+    k = r.top_k
+    if not (_integer(k) and k >= -1):
+        raise DFlash2Error(f"top_k must be an integer >= 0 (0 or -1: all tokens), got {k!r}")
+    out["top_k"] = max(0, int(k))
+    n = r.top_logprobs
+    if not (_integer(n) and 0 <= n <= 20):
+        raise DFlash2Error(f"top_logprobs must be an integer in [0, 20], got {n!r}")
+    if n and not r.logprobs:
+        raise DFlash2Error("top_logprobs needs logprobs=True")
+    out.update(top_logprobs=int(n), logprobs=bool(r.logprobs), prompt_logprobs=bool(r.prompt_logprobs))
+    bias = r.logit_bias
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise DFlash2Error(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+    clean: dict[int, float] = {}
+    for t, b in pairs:
+        if isinstance(t, str) and t.strip().isdigit():  # JSON object keys are strings
+            t = int(t)
+        if not (_integer(t) and t >= 0):
+            raise DFlash2Error(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+        if not (_number(b) and -100 <= b <= 100):  # `not <=` also refuses NaN
+            raise DFlash2Error(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        clean[int(t)] = float(b)
+    out["logit_bias"] = tuple(sorted(clean.items()))
+    return out
