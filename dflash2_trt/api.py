@@ -57,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache
 from dflash2_trt.runtime.request import GenerationRequest, Limits
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
@@ -86,7 +85,6 @@ class Stats:
     guard_switches: int = 0  # speculative -> plain switches of the acceptance guard
     guard_probes: int = 0  # plain -> speculative probes
     proposers: list[str] = field(default_factory=list)  # per cycle: who proposed (dflash2_trt.vocabulary.PROPOSERS)
-    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
 
     @classmethod
     def of(cls, res: Any) -> Stats:
@@ -97,7 +95,7 @@ class Stats:
                    tokens_per_s=res.tokens_per_s, elapsed_s=res.elapsed_s, accepted=list(res.accepted),
                    verified=list(res.proposed), oracle_tau=s["oracle_tau"], oracle_accepted=list(res.oracle_accepted),
                    guard_switches=res.guard_switches, guard_probes=res.guard_probes,
-                   proposers=list(res.proposers), cached_tokens=res.cached_tokens)
+                   proposers=list(res.proposers))
 
 
 @dataclass(frozen=True)
@@ -145,14 +143,10 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationRequest) if
 class Generator:
     """A loaded export: ``generate``, ``stream``, ``close``. Build it with :func:`load`."""
 
-    def __init__(self, backend: Any, tokenizer: Any, note: str = "",
-                 prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+    def __init__(self, backend: Any, tokenizer: Any, note: str = "") -> None:
         """``backend``: a :class:`~dflash2_trt.runtime.protocol.Backend` (the Generator owns and closes it);
-        ``tokenizer``: :class:`~dflash2_trt.runtime.tokenizer.TextTokenizer` or one with its methods;
-        ``prefix_cache_bytes``: the prefix cache's budget (0: none; a backend without one has none)."""
+        ``tokenizer``: :class:`~dflash2_trt.runtime.tokenizer.TextTokenizer` or one with its methods."""
         self._backend = backend
-        # finished sequences the next requests start from (generate, stream and the batch loop share it)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if backend.prefix_cache and prefix_cache_bytes else None
         self._tok = tokenizer
         self.note = note  # how the backend was chosen, e.g. "TensorRT not available (...), using ONNX Runtime"
         self._lock = threading.Lock()  # generate / stream: one request at a time on the runners below
@@ -404,10 +398,22 @@ class Generator:
 
         target = self._runner()
         on_tokens, on_cycle = hooks if hooks else (None, None)
+        gtok = self.grammar_tokenizer() if req.grammar is not None else None
         if not req.speculative:
-            return D.target_generate(target, prompt, req, on_tokens=on_tokens, cache=self.prefix_cache)
+            return D.target_generate(target, prompt, req, on_tokens=on_tokens, grammar_tokenizer=gtok)
         return D.speculative_generate(target, self._drafter(req.draft_mode), prompt, req,
-                                      D.DecodeHooks(on_tokens, on_cycle, oracle), self.prefix_cache)
+                                      D.DecodeHooks(on_tokens, on_cycle, oracle, grammar=gtok))
+
+    def grammar_tokenizer(self) -> Any:
+        """The target's tokenizer as the grammar matcher sees it (:class:`~dflash2_trt.runtime.grammar.GrammarTokenizer`,
+        built on first use and kept)."""
+        target = self._runner()
+        with self._init_lock:
+            if getattr(self, "_gtok", None) is None:
+                from dflash2_trt.runtime.grammar import GrammarTokenizer
+
+                self._gtok = GrammarTokenizer(self._tok.tok.to_str(), target.vocab_size, sorted(target.eos_ids))
+            return self._gtok
 
     def _result(self, prompt: list[int], req: GenerationRequest, res: Any) -> Result:
         eos = self._target.eos_ids if req.eos_ids is None else req.eos_ids
@@ -700,7 +706,7 @@ class _BatchLoop:
                 dec = B.BatchDecoder(be.batch_target_runner(self.max_batch), None,
                                      B.SpeculationRule(adaptive=self.adaptive),
                                      batched_drafter=lambda n: be.batch_draft_runner(mode, n),
-                                     cache=self.gen.prefix_cache)
+                                     grammar_tokenizer=self.gen.grammar_tokenizer)
                 self._decoders[mode], self._live[mode] = dec, {}
             i = dec.submit(h._prompt, h._req)
         except DFlash2Error as e:  # checked in submit already; whatever is left fails this request alone
@@ -800,7 +806,7 @@ class _BatchLoop:
 
 def load(model_dir: str | Path, backend: str = "auto", threads: int | None = None,
          verify_checksums: bool = True, *, spinning: bool | None = None, panels: bool | None = None,
-         weight_codes: bool = True, prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES) -> Generator:
+         weight_codes: bool = True) -> Generator:
     """Open a ``dflash2 export`` folder. ``backend``: ``auto`` (TensorRT when it can run here, else ONNX
     Runtime; :attr:`Generator.note` says which and why), ``trt`` or ``ort``; ``verify_checksums``: check every file
     against the manifest. ONNX Runtime's options (the TensorRT backend has none of them):
@@ -816,10 +822,7 @@ def load(model_dir: str | Path, backend: str = "auto", threads: int | None = Non
       (4-bit affine, 8-bit, fp16, bf16: :attr:`Generator.weight_codes`; the same numbers, fewer bytes); False: from
       the fp32 weights.
 
-    None of them changes a token: they choose how the same numbers are computed. Nor does ``prefix_cache_bytes``:
-    the budget of the prefix cache (default 1 GiB; 0: none) — a request whose prompt begins with a finished
-    sequence's tokens restores that prefix instead of computing it (:attr:`Stats.cached_tokens`); ONNX Runtime
-    only."""
+    None of them changes a token: they choose how the same numbers are computed."""
     from dflash2_trt.manifest import export_folder
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.tokenizer import TextTokenizer
@@ -833,7 +836,6 @@ def load(model_dir: str | Path, backend: str = "auto", threads: int | None = Non
         raise DFlash2Error(f"weight_codes must be True or False, got {weight_codes!r}")
     export_folder(model_dir)  # not an export: say so before the tokenizer's files are looked for
     tok = TextTokenizer(model_dir)  # before the backend: a folder without a tokenizer fails cheaply
-    PrefixCache(prefix_cache_bytes)  # a bad budget fails before the backend loads
     be, note = open_backend(model_dir, backend, verify_checksums=verify_checksums, threads=threads, spinning=spinning,
                             panels=panels, weight_codes=weight_codes)
-    return Generator(be, tok, note, prefix_cache_bytes)
+    return Generator(be, tok, note)

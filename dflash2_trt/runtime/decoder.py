@@ -28,17 +28,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash2_trt.reference import acceptance_stats
+from dflash2_trt.runtime import grammar
 from dflash2_trt.runtime.accept import accept_drafts, next_token
 from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig, verify_rows
 from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft
-from dflash2_trt.runtime.prefix_cache import PrefixCache
 from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
 from dflash2_trt.runtime.request import GenerationRequest, Limits
-from dflash2_trt.runtime.sampling import Sampler, TokenLogprob
 
 OnTokens = Callable[[list[int]], None]
 OnCycle = Callable[[int, int], None]  # (accepted drafts, verified rows) of a speculative cycle
-OnLogprobs = Callable[[list[TokenLogprob]], None]  # the logprobs of the chunk on_tokens gets next
 # (target, cand [L, K], drafts, n_rows, accepted, bonus, anchor position) -> oracle top-K count of the cycle
 OracleFn = Callable[[TargetRunner, np.ndarray, list[int], int, int, int, int], int]
 
@@ -57,9 +55,6 @@ class GenerationResult:
     guard_switches: int = 0  # speculative -> plain switches
     guard_probes: int = 0  # plain -> speculative probes
     proposers: list[str] = field(default_factory=list)  # per cycle: who proposed ('dflash2' | 'ngram')
-    cached_tokens: int = 0  # prompt positions restored from the prefix cache (not computed)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when the request asks (runtime/sampling)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when the request asks
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,43 +75,32 @@ class GenerationResult:
 
 
 def target_generate(target: TargetRunner, prompt_ids: list[int], request: GenerationRequest,
-                    on_tokens: OnTokens | None = None, cache: PrefixCache | None = None,
-                    on_logprobs: OnLogprobs | None = None) -> GenerationResult:
+                    on_tokens: OnTokens | None = None,
+                    grammar_tokenizer: grammar.GrammarTokenizer | None = None) -> GenerationResult:
     """Plain autoregressive decoding on the same backend (the lossless reference and the speed baseline); reads
-    the request's ``max_new_tokens``, ``temperature``, ``seed`` and ``eos_ids``. ``cache``: the prefix cache the
-    prompt starts from and the finished sequence joins (no drafter context: plain decoding keeps none). The
-    request's sampling transforms and logprobs: :mod:`dflash2_trt.runtime.sampling` (``on_logprobs`` gets each
-    token's just before ``on_tokens`` gets the token)."""
+    the request's ``max_new_tokens``, ``temperature``, ``seed`` and ``eos_ids``."""
     r = request.validate(prompt_ids, Limits.of(target))
+    constraint = grammar.start(r, grammar_tokenizer)  # the request's grammar (runtime/grammar.py); None: free
     rng = np.random.default_rng(r.seed)
     eos = set(target.eos_ids) if r.eos_ids is None else r.eos_ids
     res = GenerationResult(prompt_tokens=list(prompt_ids))
-    sampler = Sampler(r, prompt_ids, target.vocab_size)
-    sampler.logprobs = res.logprobs
     t0 = time.perf_counter()
     target.reset()
-    start = cache.prefill_from(prompt_ids, target, None) if cache is not None and not r.prompt_logprobs else 0
-    logits, _ = target.forward(list(prompt_ids[start:]))
-    res.cached_tokens = start
-    if r.prompt_logprobs:
-        res.prompt_logprobs = sampler.prompt_logprobs(prompt_ids, logits)
-    snaps = PrefixCache.snapshot(target) if cache is not None else {}
-    tok = next_token(logits[-1], r.temperature, rng, sampler)
+    logits, _ = target.forward(list(prompt_ids))
+    tok = next_token(grammar.masked(constraint, logits[-1]), r.temperature, rng)
+    grammar.advance(constraint, [tok])
+    res.tokens.append(tok)
+    if on_tokens:
+        on_tokens([tok])
     limit = min(r.max_new_tokens, target.max_positions - len(prompt_ids))
-    while True:
+    while len(res.tokens) < limit and tok not in eos:
+        logits, _ = target.forward([tok])
+        tok = next_token(grammar.masked(constraint, logits[-1]), r.temperature, rng)
+        grammar.advance(constraint, [tok])
         res.tokens.append(tok)
-        sampler.commit([tok])
-        if on_logprobs and r.logprobs:
-            on_logprobs(res.logprobs[-1:])
         if on_tokens:
             on_tokens([tok])
-        if len(res.tokens) >= limit or tok in eos:
-            break
-        logits, _ = target.forward([tok])
-        tok = next_token(logits[-1], r.temperature, rng, sampler)
     res.elapsed_s = time.perf_counter() - t0
-    if cache is not None:
-        cache.store((list(prompt_ids) + res.tokens)[: target.cache_length], target, None, None, snaps)
     return res
 
 
@@ -143,7 +127,7 @@ class DecodeHooks:
     on_cycle: OnCycle | None = None
     oracle: OracleFn | None = None
     guard: AcceptanceGuard | None = None
-    on_logprobs: OnLogprobs | None = None  # each chunk's logprobs, just before on_tokens (when the request asks)
+    grammar: grammar.GrammarTokenizer | None = None  # the target's tokenizer for a request's grammar
 
 
 class _SpeculativeLoop:
@@ -152,7 +136,7 @@ class _SpeculativeLoop:
     cycle the drafter's uniforms, then the rejection test."""
 
     def __init__(self, target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int], request: GenerationRequest,
-                 hooks: DecodeHooks, cache: PrefixCache | None = None) -> None:
+                 hooks: DecodeHooks) -> None:
         o = request.validate(prompt_ids, Limits.of(target))
         guard = hooks.guard if hooks.guard is not None else AcceptanceGuard(GuardConfig()) if o.guard else None
         self.target, self.drafter, self.o, self.guard, self.hooks = target, drafter, o, guard, hooks
@@ -161,8 +145,8 @@ class _SpeculativeLoop:
         self.eos = set(target.eos_ids) if o.eos_ids is None else o.eos_ids
         self.L = drafter.num_draft_rows
         self.res = GenerationResult(prompt_tokens=list(prompt_ids))
-        self.sampler = Sampler(o, prompt_ids, target.vocab_size)  # the request's transforms, its logprobs
-        self.sampler.logprobs = self.res.logprobs
+        self.constraint = grammar.start(o, hooks.grammar)  # the request's grammar matcher, None without one
+        self.masks: np.ndarray | None = None  # [n + 1, V] bool: the verify rows' grammar masks of this cycle
         self.oracle_s = 0.0
         self.t0 = time.perf_counter()
         self.limit = min(o.max_new_tokens, target.max_positions - len(prompt_ids))
@@ -172,41 +156,28 @@ class _SpeculativeLoop:
         # cycles add none until the drafter runs again, then all of them in one pass
         self.pending: list[np.ndarray] = []
         self.choice: ProposerChoice | None = None
-        self.cache = cache
-        self.snapshots: dict = {}  # the target's state after the prefill, for the prefix cache (stateful targets)
 
     @property
     def running(self) -> bool:
         return len(self.res.tokens) < self.limit and self.anchor not in self.eos
 
     def _emit(self, new: list[int]) -> None:
-        self.sampler.commit(new)
-        if self.hooks.on_logprobs and self.o.logprobs:
-            self.hooks.on_logprobs(self.res.logprobs[-len(new):])
         if self.hooks.on_tokens:
             self.hooks.on_tokens(new)
 
     def prefill(self) -> None:
-        """Target KV cache + context features of every prompt position (those the prefix cache restores, then the
-        rest computed); the first anchor."""
+        """Target KV cache + context features of every prompt position; the first anchor."""
         self.target.reset()
         self.drafter.reset()
-        drafts = self.o.proposer != NGRAM  # the choice's uses_drafter (the choice needs the first token)
-        start = 0 if self.cache is None or self.o.prompt_logprobs else \
-            self.cache.prefill_from(self.prompt, self.target, self.drafter if drafts else None)
-        logits, feats = self.target.forward(self.prompt[start:])  # [n - start, V], [n - start, F]
-        self.res.cached_tokens = start
-        if self.o.prompt_logprobs:
-            self.res.prompt_logprobs = self.sampler.prompt_logprobs(self.prompt, logits)
-        if self.cache is not None:
-            self.snapshots = PrefixCache.snapshot(self.target)
-        self.anchor = next_token(logits[-1], self.o.temperature, self.rng, self.sampler)
+        logits, feats = self.target.forward(self.prompt)  # [n, V], [n, F]
+        self.anchor = next_token(grammar.masked(self.constraint, logits[-1]), self.o.temperature, self.rng)
+        grammar.advance(self.constraint, [self.anchor])
         self.res.tokens.append(self.anchor)
         self._emit([self.anchor])
         self.choice = ProposerChoice(self.o.proposer, self.prompt + [self.anchor],
                                      self.o.ngram_rows or default_rows(self.L))
         if self.choice.uses_drafter:
-            self.drafter.add_context(feats, start)
+            self.drafter.add_context(feats, 0)
 
     def pick(self) -> tuple[list[int], str | None]:
         """(the lookup's drafts, who proposes: 'dflash2' | 'ngram' | None for a plain step). The guard rules the
@@ -221,7 +192,8 @@ class _SpeculativeLoop:
         """The target's own next token (exactly target_generate's step)."""
         assert self.choice is not None
         logits, feats = self.target.forward([self.anchor])  # [1, V], [1, F]
-        self.anchor = next_token(logits[-1], self.o.temperature, self.rng, self.sampler)
+        self.anchor = next_token(grammar.masked(self.constraint, logits[-1]), self.o.temperature, self.rng)
+        grammar.advance(self.constraint, [self.anchor])
         if self.choice.uses_drafter:
             self.pending.append(feats)
         self.pos += 1
@@ -236,7 +208,7 @@ class _SpeculativeLoop:
         """-> (the draft, its tokens to verify, rows verified). The drafter's pending positions join its context
         in one pass first; a final partial block verifies fewer rows; all bs rows always run, as in training."""
         if who == NGRAM:  # prompt lookup: deterministic drafts, a one-hot proposal
-            return lookup_draft(looked_up), looked_up, len(looked_up)
+            return self._constrain(lookup_draft(looked_up), looked_up)
         if self.pending:
             ctx = np.concatenate(self.pending)
             self.drafter.add_context(ctx, self.pos - ctx.shape[0])
@@ -244,15 +216,27 @@ class _SpeculativeLoop:
         n_rows = min(self.L, self.limit - len(self.res.tokens) - 1)
         T = self.o.temperature
         uniforms = self.rng.random((1, self.L), dtype=np.float32) if T > 0 else None
-        draft = self.sampler.redraw(self.drafter.propose(self.anchor, self.pos, n_rows, T, uniforms), uniforms, n_rows)
+        draft = self.drafter.propose(self.anchor, self.pos, n_rows, T, uniforms)
         n_rows = verify_rows(_confidence(draft, T), n_rows, self.o.min_confidence)
-        return draft, [int(t) for t in draft.tokens[:n_rows]], n_rows
+        return self._constrain(draft, [int(t) for t in draft.tokens[:n_rows]])
+
+    def _constrain(self, draft: Draft, drafts: list[int]) -> tuple[Draft, list[int], int]:
+        """The request's grammar along the draft (:func:`~dflash2_trt.runtime.grammar.constrain_draft`): refused
+        candidates masked, the path cut at a row with none allowed, the verify rows' masks kept."""
+        if self.constraint is not None:
+            draft, drafts, self.masks = grammar.constrain_draft(self.constraint, draft, drafts, self.o.temperature,
+                                                                self.rng)
+        return draft, drafts, len(drafts)
 
     def verify(self, draft: Draft, drafts: list[int], n_rows: int) -> tuple[int, int, np.ndarray]:
         """The target on [anchor, d_1..d_n] at positions pos..pos+n, then acceptance -> (accepted, bonus token,
         features [n+1, F])."""
         v_logits, v_feats = self.target.forward([self.anchor] + drafts)  # [n+1, V], [n+1, F]
-        acc, bonus = accept_drafts(draft, drafts, v_logits, self.o.temperature, self.rng, sampler=self.sampler)
+        if self.constraint is not None:  # the masked target law; the matcher back to the accepted length + bonus
+            v_logits = grammar.mask_rows(self.masks, v_logits)
+        acc, bonus = accept_drafts(draft, drafts, v_logits, self.o.temperature, self.rng)
+        if self.constraint is not None:
+            grammar.commit(self.constraint, len(drafts), acc, bonus)
         return acc, bonus, v_feats
 
     def commit(self, who: str, draft: Draft, drafts: list[int], n_rows: int, acc: int, bonus: int,
@@ -293,28 +277,18 @@ class _SpeculativeLoop:
             self.guard.record_cycle(len(new), time.perf_counter() - t_step - cycle_oracle_s)
 
     def finish(self) -> GenerationResult:
-        """The result; the finished sequence joins the prefix cache (its cached positions, the drafter's context
-        and the features it has not taken in yet)."""
         if self.guard is not None:
             self.res.guard_switches, self.res.guard_probes = self.guard.switches, self.guard.probes
         self.res.elapsed_s = time.perf_counter() - self.t0 - self.oracle_s
-        if self.cache is not None:
-            assert self.choice is not None
-            drafts = self.choice.uses_drafter
-            self.cache.store((self.prompt + self.res.tokens)[: self.target.cache_length], self.target,
-                             self.drafter if drafts else None,
-                             np.concatenate(self.pending) if drafts and self.pending else None, self.snapshots)
         return self.res
 
 
 def speculative_generate(target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int],
-                         request: GenerationRequest, hooks: DecodeHooks = DecodeHooks(),
-                         cache: PrefixCache | None = None) -> GenerationResult:
+                         request: GenerationRequest, hooks: DecodeHooks = DecodeHooks()) -> GenerationResult:
     """Speculative decoding of one prompt (docs/design.md, the decoding loop; the C core's
     ``dflash2::speculativeGenerate``, the twin of :func:`target_generate`). The loop, top to bottom: prefill, then
-    per step the proposer's pick, a plain step or draft -> verify + accept -> commit. ``cache``: the prefix cache
-    (:mod:`dflash2_trt.runtime.prefix_cache`) the prefill starts from and the finished sequence joins."""
-    loop = _SpeculativeLoop(target, drafter, prompt_ids, request, hooks, cache)
+    per step the proposer's pick, a plain step or draft -> verify + accept -> commit."""
+    loop = _SpeculativeLoop(target, drafter, prompt_ids, request, hooks)
     loop.prefill()
     while loop.running:
         t_step = time.perf_counter()
