@@ -16,7 +16,10 @@ limits (vocabulary, positions, draft modes) before anything runs; or pass a reco
 ``request=`` (the server and the Triton model do) and no option argument. Greedy output (T = 0) is
 token for token the target's own; T > 0 samples with lossless rejection sampling. ``seed=None`` draws a
 fresh seed; equal seeds give equal tokens with ``guard=False`` (the acceptance guard decides from measured
-timings, so with it on a seed fixes the sampling law, not the tokens).
+timings, so with it on a seed fixes the sampling law, not the tokens). The record's other fields — the sampling
+transforms (``top_p``, ``top_k``, ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
+``logit_bias``) and ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` — are keyword arguments of the same names
+(:mod:`dflash2_trt.runtime.sampling`); the logprobs come back in ``Result.logprobs`` / ``Chunk.logprobs``.
 
 Many requests at once (servers): :meth:`Generator.submit` queues a request from any thread and returns a
 :class:`Handle` at once (a bad request raises :class:`~dflash2_trt.errors.DFlash2Error` there and is never
@@ -26,7 +29,7 @@ rest wait in arrival order). Iterating a handle streams its :class:`Chunk` s as 
 ``handle.cancel()`` frees its slot before it returns (within one batch step); ``handle.result()`` waits for the
 :class:`Result`. Each request drafts with its own ``proposer`` (the drafter, prompt lookup or ``auto``, as
 :meth:`Generator.generate`). :meth:`Generator.generate_batch` is submit + result for a list of prompts;
-:meth:`Generator.set_batching` sets ``max_batch`` and whether drafting is load-adaptive. Batching needs a
+:meth:`Generator.set_batching` sets ``max_batch``, whether drafting is load-adaptive and the prefill chunk. Batching needs a
 backend whose ``batching`` is on (:class:`~dflash2_trt.runtime.protocol.Backend`; today the fused ONNX Runtime
 target, the ``ort`` backend on the CPU); on other backends the same loop serves the submitted requests one after
 another.
@@ -57,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache
+from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
 from dflash2_trt.runtime.request import GenerationRequest, Limits
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
@@ -85,6 +90,7 @@ class Stats:
     guard_switches: int = 0  # speculative -> plain switches of the acceptance guard
     guard_probes: int = 0  # plain -> speculative probes
     proposers: list[str] = field(default_factory=list)  # per cycle: who proposed (dflash2_trt.vocabulary.PROPOSERS)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
 
     @classmethod
     def of(cls, res: Any) -> Stats:
@@ -95,7 +101,7 @@ class Stats:
                    tokens_per_s=res.tokens_per_s, elapsed_s=res.elapsed_s, accepted=list(res.accepted),
                    verified=list(res.proposed), oracle_tau=s["oracle_tau"], oracle_accepted=list(res.oracle_accepted),
                    guard_switches=res.guard_switches, guard_probes=res.guard_probes,
-                   proposers=list(res.proposers))
+                   proposers=list(res.proposers), cached_tokens=res.cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,10 @@ class Result:
     prompt_tokens: list[int]
     stats: Stats
     finish_reason: str  # one of FINISH_REASONS
+    # one TokenLogprob (runtime/sampling.py: token, logprob, top) per generated token when the request asked for
+    # logprobs, per prompt token from the second on when it asked for prompt_logprobs; else empty
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,7 @@ class Chunk:
     text: str  # the text these tokens add (empty while a UTF-8 character is split; it follows with the next)
     tokens: list[int]
     accepted: int | None  # drafts accepted in the cycle; None for the first token and plain steps
+    logprobs: list = field(default_factory=list)  # one TokenLogprob per token, when the request asked for logprobs
 
 
 class _TextDelta:
@@ -143,10 +154,14 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationRequest) if
 class Generator:
     """A loaded export: ``generate``, ``stream``, ``close``. Build it with :func:`load`."""
 
-    def __init__(self, backend: Any, tokenizer: Any, note: str = "") -> None:
+    def __init__(self, backend: Any, tokenizer: Any, note: str = "",
+                 prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         """``backend``: a :class:`~dflash2_trt.runtime.protocol.Backend` (the Generator owns and closes it);
-        ``tokenizer``: :class:`~dflash2_trt.runtime.tokenizer.TextTokenizer` or one with its methods."""
+        ``tokenizer``: :class:`~dflash2_trt.runtime.tokenizer.TextTokenizer` or one with its methods;
+        ``prefix_cache_bytes``: the prefix cache's budget (0: none; a backend without one has none)."""
         self._backend = backend
+        # finished sequences the next requests start from (generate, stream and the batch loop share it)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if backend.prefix_cache and prefix_cache_bytes else None
         self._tok = tokenizer
         self.note = note  # how the backend was chosen, e.g. "TensorRT not available (...), using ONNX Runtime"
         self._lock = threading.Lock()  # generate / stream: one request at a time on the runners below
@@ -154,7 +169,7 @@ class Generator:
         self._target: Any = None
         self._drafters: dict[str, Any] = {}
         self._loop: _BatchLoop | None = None  # submit's background loop, started by the first submit
-        self._max_batch, self._adaptive = 8, True  # its settings (set_batching)
+        self._max_batch, self._adaptive, self._prefill_chunk = 8, True, DEFAULT_PREFILL_CHUNK  # set_batching's
         self._batch_sizes: dict[int, int] = {}  # sequences decoded in one batch step -> steps (written by the loop)
         self._closed = False
 
@@ -219,7 +234,7 @@ class Generator:
                  seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
                  min_confidence: float = 0.0, speculative: bool = True, eos_ids: set[int] | None = None,
                  proposer: str = DEFAULT_PROPOSER, oracle: Any = None,
-                 request: GenerationRequest | None = None) -> Result:
+                 request: GenerationRequest | None = None, **sampling: Any) -> Result:
         """Decode one prompt. ``selector``: a draft mode of :attr:`selectors` (the record's ``draft_mode``);
         ``guard``: run plain target steps while measured acceptance does not pay; ``speculative=False``: plain
         autoregressive decoding on the same backend (the baseline); ``proposer``: who drafts — ``dflash2`` (the
@@ -227,10 +242,11 @@ class Generator:
         match = a plain step) or ``auto``, the default (per cycle, the one whose measured acceptance is higher);
         ``eos_ids``: stop tokens (default: the target's; an empty set never stops early); ``oracle``: an evaluation
         hook counting oracle top-K acceptance per cycle (:func:`dflash2_trt.bench.oracle.oracle_count`), its passes
-        excluded from the timing; ``request``: the options as one record instead of the arguments."""
+        excluded from the timing; ``request``: the options as one record instead of the arguments; ``sampling``: the
+        record's other fields by name (``top_p``, ``logit_bias``, ``logprobs``, ...)."""
         ids, req = self._prepare(prompt, chat, request, max_new_tokens=max_new_tokens, temperature=temperature,
                                  seed=seed, draft_mode=selector, guard=guard, min_confidence=min_confidence,
-                                 speculative=speculative, eos_ids=eos_ids, proposer=proposer)
+                                 speculative=speculative, eos_ids=eos_ids, proposer=proposer, **sampling)
         with self._lock:
             res = self._run(ids, req, oracle, None)
         return self._result(ids, req, res)
@@ -238,20 +254,20 @@ class Generator:
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
                min_confidence: float = 0.0, eos_ids: set[int] | None = None, proposer: str = DEFAULT_PROPOSER,
-               oracle: Any = None, request: GenerationRequest | None = None) -> Stream:
+               oracle: Any = None, request: GenerationRequest | None = None, **sampling: Any) -> Stream:
         """Decode one prompt chunk by chunk (same arguments and tokens as :meth:`generate`): iterate the returned
         :class:`Stream` for :class:`Chunk` s; its ``result`` is the :class:`Result` once the iteration ended.
         Leaving the loop early (``break``, or ``close()``) stops the decoding at its next step. A bad request
         raises DFlash2Error here."""
         ids, req = self._prepare(prompt, chat, request, max_new_tokens=max_new_tokens, temperature=temperature,
                                  seed=seed, draft_mode=selector, guard=guard, min_confidence=min_confidence,
-                                 eos_ids=eos_ids, proposer=proposer)
+                                 eos_ids=eos_ids, proposer=proposer, **sampling)
         return Stream(self, ids, req, oracle)
 
     def submit(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
                selector: str = "greedy", *, chat: bool = True, speculative: bool = True,
                eos_ids: set[int] | None = None, proposer: str = DEFAULT_PROPOSER,
-               request: GenerationRequest | None = None) -> Handle:
+               request: GenerationRequest | None = None, **sampling: Any) -> Handle:
         """Queue one prompt for the background batch loop (see the module docstring) -> its :class:`Handle`;
         returns at once. Arguments as :meth:`generate`; ``speculative``: may draft while the loop's rule says it
         pays (with ``set_batching(adaptive=False)``: every step; on a backend without batching the acceptance guard
@@ -261,13 +277,14 @@ class Generator:
         its ``Stats.proposers`` say who proposed each cycle."""
         return self._submit(*self._prepare(prompt, chat, request, batch=True, max_new_tokens=max_new_tokens,
                                            temperature=temperature, seed=seed, draft_mode=selector,
-                                           speculative=speculative, eos_ids=eos_ids, proposer=proposer))
+                                           speculative=speculative, eos_ids=eos_ids, proposer=proposer, **sampling))
 
     def generate_batch(self, prompts: list[Prompt], max_new_tokens: int | list[int] = 128,
                        temperature: float | list[float] = 0.0, seed: int | None | list[int | None] = None,
                        selector: str = "greedy", *, chat: bool = True, speculative: bool = True,
                        eos_ids: set[int] | None = None, max_batch: int | None = None,
-                       adaptive: bool | None = None, proposer: str | list[str] = DEFAULT_PROPOSER) -> list[Result]:
+                       adaptive: bool | None = None, proposer: str | list[str] = DEFAULT_PROPOSER,
+                       **sampling: Any) -> list[Result]:
         """Decode many prompts together: :meth:`submit` each (every prompt checked before any is queued), then
         wait for the results (in prompt order). ``max_new_tokens`` / ``temperature`` / ``seed`` / ``proposer``: one
         value for all, or one per prompt; ``max_batch`` / ``adaptive``: :meth:`set_batching` first (None: keep the
@@ -290,7 +307,7 @@ class Generator:
             return [v] * n
 
         reqs = [self._prepare(p, chat, None, batch=True, max_new_tokens=m, temperature=t, seed=s,
-                              draft_mode=selector, speculative=speculative, eos_ids=eos_ids, proposer=w)
+                              draft_mode=selector, speculative=speculative, eos_ids=eos_ids, proposer=w, **sampling)
                 for p, m, t, s, w in zip(prompts, per(max_new_tokens, "max_new_tokens"),
                                          per(temperature, "temperature"), per(seed, "seed"), per(proposer, "proposer"))]
         handles: list[Handle] = []
@@ -303,25 +320,29 @@ class Generator:
             raise
         return [h.result() for h in handles]
 
-    def set_batching(self, max_batch: int = 8, adaptive: bool = True) -> None:
+    def set_batching(self, max_batch: int = 8, adaptive: bool = True,
+                     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
         """The batch loop's settings: ``max_batch`` sequences decoded together (more wait for a slot);
         ``adaptive``: a sequence drafts only while the load-adaptive rule of :mod:`dflash2_trt.runtime.batch`
-        says it pays (False: every speculative sequence drafts every step). Needs no request in flight
-        (DFlash2Error otherwise) when they change; the loop then restarts with fresh measured costs."""
-        from dflash2_trt.runtime.batch import check_batch_size
+        says it pays (False: every speculative sequence drafts every step); ``prefill_chunk``: prompt rows computed
+        in one step over all joining prompts (running streams wait one chunk, not a whole prompt; None: whole
+        prompts). Needs no request in flight (DFlash2Error otherwise) when they change; the loop then restarts with
+        fresh measured costs."""
+        from dflash2_trt.runtime.batch import check_batch_size, check_prefill_chunk
 
         check_batch_size(max_batch)
+        check_prefill_chunk(prefill_chunk)
         with self._init_lock:
             if self._closed:
                 raise DFlash2Error("this Generator is closed")
-            if (max_batch, bool(adaptive)) == (self._max_batch, self._adaptive):
+            if (max_batch, bool(adaptive), prefill_chunk) == (self._max_batch, self._adaptive, self._prefill_chunk):
                 return  # the loop keeps its runners and measured costs
             if self._loop is not None:
                 if not self._loop.idle:
                     raise DFlash2Error("set_batching needs the batch loop idle; requests are in flight")
                 self._loop.close()
                 self._loop = None
-            self._max_batch, self._adaptive = max_batch, bool(adaptive)
+            self._max_batch, self._adaptive, self._prefill_chunk = max_batch, bool(adaptive), prefill_chunk
 
     @property
     def batch_sizes(self) -> dict[int, int]:
@@ -367,6 +388,10 @@ class Generator:
         """(prompt ids, the request validated against this model's limits): the record built from ``options``
         (argument names = its fields), or ``request`` when given (then every option at its default). ``batch``: for
         the batch loop, whose ``adaptive`` setting is the guard of a request it serves without batching."""
+        unknown = sorted(set(options) - set(_DEFAULTS))
+        if unknown:
+            raise DFlash2Error(f"unknown option {unknown[0]!r} (the GenerationRequest fields are "
+                               f"{', '.join(sorted(_DEFAULTS))})")
         if request is None:
             request = GenerationRequest(**options)
         elif not isinstance(request, GenerationRequest):
@@ -397,12 +422,13 @@ class Generator:
         from dflash2_trt.runtime import decoder as D
 
         target = self._runner()
-        on_tokens, on_cycle = hooks if hooks else (None, None)
+        on_tokens, on_cycle, on_logprobs = (*hooks, None)[:3] if hooks else (None, None, None)
         gtok = self.grammar_tokenizer() if req.grammar is not None else None
         if not req.speculative:
-            return D.target_generate(target, prompt, req, on_tokens=on_tokens, grammar_tokenizer=gtok)
-        return D.speculative_generate(target, self._drafter(req.draft_mode), prompt, req,
-                                      D.DecodeHooks(on_tokens, on_cycle, oracle, grammar=gtok))
+            return D.target_generate(target, prompt, req, on_tokens=on_tokens, cache=self.prefix_cache,
+                                     on_logprobs=on_logprobs, grammar_tokenizer=gtok)
+        hooks_ = D.DecodeHooks(on_tokens, on_cycle, oracle, on_logprobs=on_logprobs, grammar=gtok)
+        return D.speculative_generate(target, self._drafter(req.draft_mode), prompt, req, hooks_, self.prefix_cache)
 
     def grammar_tokenizer(self) -> Any:
         """The target's tokenizer as the grammar matcher sees it (:class:`~dflash2_trt.runtime.grammar.GrammarTokenizer`,
@@ -423,7 +449,8 @@ class Generator:
             reason = "length"
         else:
             reason = "capacity"
-        return Result(self._tok.decode(res.tokens), list(res.tokens), list(res.prompt_tokens), Stats.of(res), reason)
+        return Result(self._tok.decode(res.tokens), list(res.tokens), list(res.prompt_tokens), Stats.of(res), reason,
+                      list(res.logprobs), list(res.prompt_logprobs))
 
 
 _OPEN_STREAMS: weakref.WeakSet = weakref.WeakSet()  # the chunk iterators of streams not yet closed
@@ -476,21 +503,25 @@ def _stream_chunks(gen: Generator, prompt: list[int], req: GenerationRequest, or
     stop = threading.Event()
     delta = _TextDelta(gen._tok.decode)
     cycle: list[int | None] = [None]
+    logprobs: list[list] = [[]]  # the next chunk's
     done: list[Any] = []
 
     def on_cycle(accepted: int, rows: int) -> None:
         cycle[0] = accepted
 
+    def on_logprobs(lps: list) -> None:
+        logprobs[0] = list(lps)
+
     def on_tokens(new: list[int]) -> None:
         if stop.is_set():
             raise _Cancelled
-        chunks.put(Chunk(delta.add(new), list(new), cycle[0]))
-        cycle[0] = None
+        chunks.put(Chunk(delta.add(new), list(new), cycle[0], logprobs[0]))
+        cycle[0], logprobs[0] = None, []
 
     def work() -> None:
         try:
             with gen._lock:
-                done.append(gen._run(prompt, req, oracle, (on_tokens, on_cycle)))
+                done.append(gen._run(prompt, req, oracle, (on_tokens, on_cycle, on_logprobs)))
             chunks.put(None)
         except _Cancelled:
             chunks.put(None)
@@ -593,9 +624,9 @@ class Handle:
                 self._done.wait()
 
     # -- the loop's side ---------------------------------------------------------------------------------
-    def _emit(self, tokens: list[int], accepted: int | None) -> None:
+    def _emit(self, tokens: list[int], accepted: int | None, logprobs: list | None = None) -> None:
         self._tokens.extend(tokens)
-        self._chunks.put(Chunk(self._delta.add(tokens), list(tokens), accepted))
+        self._chunks.put(Chunk(self._delta.add(tokens), list(tokens), accepted, list(logprobs or [])))
 
     def _finish(self, result: Result | None, error: BaseException | None = None) -> None:
         if result is not None:
@@ -706,6 +737,7 @@ class _BatchLoop:
                 dec = B.BatchDecoder(be.batch_target_runner(self.max_batch), None,
                                      B.SpeculationRule(adaptive=self.adaptive),
                                      batched_drafter=lambda n: be.batch_draft_runner(mode, n),
+                                     cache=self.gen.prefix_cache, prefill_chunk=self.gen._prefill_chunk,
                                      grammar_tokenizer=self.gen.grammar_tokenizer)
                 self._decoders[mode], self._live[mode] = dec, {}
             i = dec.submit(h._prompt, h._req)
@@ -750,12 +782,13 @@ class _BatchLoop:
             if new:
                 stepped += 1
                 if not h._tokens:  # the prefill's first token is a chunk of its own
-                    h._emit(new[:1], None)
+                    h._emit(new[:1], None, res.logprobs[:1])
                     new = new[1:]
             if new:  # one plain step's token or one cycle's tokens (a step runs one or the other)
                 cycled = len(res.accepted) > h._cycles
                 h._cycles = len(res.accepted)
-                h._emit(new, res.accepted[-1] if cycled else None)
+                n = len(h._tokens)
+                h._emit(new, res.accepted[-1] if cycled else None, res.logprobs[n: n + len(new)])
             if fin is not None:
                 del live[i]
                 self._done(h, fin)
@@ -779,21 +812,25 @@ class _BatchLoop:
             return
         h = self._serial.popleft()
         cycle: list[int | None] = [None]
+        logprobs: list[list] = [[]]  # the next chunk's
 
         def on_cycle(accepted: int, rows: int) -> None:
             cycle[0] = accepted
 
+        def on_logprobs(lps: list) -> None:
+            logprobs[0] = list(lps)
+
         def on_tokens(new: list[int]) -> None:
             if h._cancel.is_set():
                 raise _Cancelled
-            h._emit(new, cycle[0])
-            cycle[0] = None
+            h._emit(new, cycle[0], logprobs[0])
+            cycle[0], logprobs[0] = None, []
             self._take_inbox()
             self._drop_cancelled_serial()
 
         try:
             with self.gen._lock:
-                res = self.gen._run(h._prompt, h._req, None, (on_tokens, on_cycle))
+                res = self.gen._run(h._prompt, h._req, None, (on_tokens, on_cycle, on_logprobs))
         except _Cancelled:
             h._stopped = True
             res = GenerationResult(prompt_tokens=list(h._prompt), tokens=list(h._tokens))
@@ -806,7 +843,7 @@ class _BatchLoop:
 
 def load(model_dir: str | Path, backend: str = "auto", threads: int | None = None,
          verify_checksums: bool = True, *, spinning: bool | None = None, panels: bool | None = None,
-         weight_codes: bool = True) -> Generator:
+         weight_codes: bool = True, prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES) -> Generator:
     """Open a ``dflash2 export`` folder. ``backend``: ``auto`` (TensorRT when it can run here, else ONNX
     Runtime; :attr:`Generator.note` says which and why), ``trt`` or ``ort``; ``verify_checksums``: check every file
     against the manifest. ONNX Runtime's options (the TensorRT backend has none of them):
@@ -822,7 +859,10 @@ def load(model_dir: str | Path, backend: str = "auto", threads: int | None = Non
       (4-bit affine, 8-bit, fp16, bf16: :attr:`Generator.weight_codes`; the same numbers, fewer bytes); False: from
       the fp32 weights.
 
-    None of them changes a token: they choose how the same numbers are computed."""
+    None of them changes a token: they choose how the same numbers are computed. Nor does ``prefix_cache_bytes``:
+    the budget of the prefix cache (default 1 GiB; 0: none) — a request whose prompt begins with a finished
+    sequence's tokens restores that prefix instead of computing it (:attr:`Stats.cached_tokens`); ONNX Runtime
+    only."""
     from dflash2_trt.manifest import export_folder
     from dflash2_trt.runtime.backends import open_backend
     from dflash2_trt.runtime.tokenizer import TextTokenizer
@@ -836,6 +876,7 @@ def load(model_dir: str | Path, backend: str = "auto", threads: int | None = Non
         raise DFlash2Error(f"weight_codes must be True or False, got {weight_codes!r}")
     export_folder(model_dir)  # not an export: say so before the tokenizer's files are looked for
     tok = TextTokenizer(model_dir)  # before the backend: a folder without a tokenizer fails cheaply
+    PrefixCache(prefix_cache_bytes)  # a bad budget fails before the backend loads
     be, note = open_backend(model_dir, backend, verify_checksums=verify_checksums, threads=threads, spinning=spinning,
                             panels=panels, weight_codes=weight_codes)
-    return Generator(be, tok, note)
+    return Generator(be, tok, note, prefix_cache_bytes)

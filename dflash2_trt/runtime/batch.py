@@ -127,8 +127,10 @@ from dflash2_trt.runtime.accept import accept_drafts, next_token
 from dflash2_trt.runtime.decoder import GenerationResult
 from dflash2_trt.runtime.guard import MIN_SPREAD
 from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft
+from dflash2_trt.runtime.prefix_cache import PrefixCache
 from dflash2_trt.runtime.protocol import DraftRunner
 from dflash2_trt.runtime.request import GenerationRequest, Limits
+from dflash2_trt.runtime.sampling import Sampler
 
 
 # The rule's clock: wall time, what a user waits for, as the B = 1 guard's. Process CPU time overstated a
@@ -392,6 +394,8 @@ class _Seq:
     plain_run: int = 0  # steps in a row the rule kept this candidate plain
     choice: ProposerChoice | None = None  # who proposes (made at admission: the context needs the first token)
     done: bool = False
+    snapshots: dict = field(default_factory=dict)  # the target's state after the prefill (the prefix cache's)
+    sampler: Sampler | None = None  # the request's sampling transforms and logprobs (runtime/sampling.py)
     constraint: Any = None  # the request's grammar matcher (runtime/grammar.py), None without a grammar
     masks: Any = None  # [n + 1, V] bool: this step's verify rows' grammar masks
 
@@ -404,9 +408,10 @@ class BatchDecoder:
 
     def __init__(self, target: Any, drafter_factory: Callable[[], DraftRunner] | None = None,
                  rule: SpeculationRule | None = None, batched_drafter: Callable[[int], Any] | None = None,
-                 grammar_tokenizer: Any = None) -> None:
+                 cache: PrefixCache | None = None, grammar_tokenizer: Any = None) -> None:
         self.target = target  # OrtBatchedTargetRunner (join/leave/crop/forward over slots)
         self.grammar_tokenizer = grammar_tokenizer  # the target's tokenizer for requests with a grammar
+        self.cache = cache  # the prefix cache prompts start from and finished sequences join
         self.rule = rule or SpeculationRule()
         self._make_drafter = drafter_factory
         self._make_batched = batched_drafter  # slots -> an OrtBatchedDraftRunner (made on first use)
@@ -429,10 +434,12 @@ class BatchDecoder:
         self._next_id += 1
         eos = set(self.target.eos_ids) if req.eos_ids is None else set(req.eos_ids)
         limit = min(req.max_new_tokens, self.target.max_positions - len(prompt))
-        self._queue.append(_Seq(i, list(prompt), req, -1, np.random.default_rng(req.seed),
-                                GenerationResult(prompt_tokens=list(prompt)), eos, limit, 0.0,
+        res = GenerationResult(prompt_tokens=list(prompt))
+        sampler = Sampler(req, list(prompt), int(self.target.vocab_size))
+        sampler.logprobs = res.logprobs
+        self._queue.append(_Seq(i, list(prompt), req, -1, np.random.default_rng(req.seed), res, eos, limit, 0.0,
                                 committed={who: deque(maxlen=self.rule.window) for who in (DFLASH2, NGRAM)},
-                                constraint=grammar.start(req, self.grammar_tokenizer)))
+                                sampler=sampler, constraint=grammar.start(req, self.grammar_tokenizer)))
         return i
 
     def cancel(self, i: int) -> None:
@@ -500,31 +507,44 @@ class BatchDecoder:
             return
         t0 = time.perf_counter()
         # prompts of like lengths in neighbouring slots: a graph call binds a slot range, padded to its longest
+        start = {}
         for s in sorted(new, key=lambda s: len(s.prompt)):
             s.slot, s.t0 = self.target.join(), t0
-        # slot -> (logits [1, V] of the last prompt row, features [n, F])
-        out = self.target.forward({s.slot: list(s.prompt) for s in new}, last_logits=True)
+            drafter = self._drafter(s.slot) if self._uses_drafter(s) else None
+            if drafter is not None:
+                drafter.reset()
+            start[s.id] = 0 if self.cache is None or s.req.prompt_logprobs else \
+                self.cache.prefill_from(s.prompt, self.target, drafter, s.slot)
+        # slot -> (logits [1, V] of the last prompt row — every row when one asks for prompt logprobs —, features
+        # [n, F] of the rows computed)
+        every_row = any(s.req.prompt_logprobs for s in new)
+        out = self.target.forward({s.slot: list(s.prompt[start[s.id]:]) for s in new}, last_logits=not every_row)
         for s in new:
             logits, feats = out[s.slot]
-            s.anchor = next_token(grammar.masked(s.constraint, logits[-1]), s.req.temperature, s.rng)
+            s.res.cached_tokens = start[s.id]
+            if self.cache is not None:
+                s.snapshots = PrefixCache.snapshot(self.target, s.slot)
+            if s.req.prompt_logprobs:
+                s.res.prompt_logprobs = s.sampler.prompt_logprobs(s.prompt, logits)
+            s.anchor = next_token(grammar.masked(s.constraint, logits[-1]), s.req.temperature, s.rng, s.sampler)
             grammar.advance(s.constraint, [s.anchor])
             s.res.tokens.append(s.anchor)
+            s.sampler.commit([s.anchor])
             s.pos = len(s.prompt)
             # a plain request never looks up: its choice keeps no context
             mode = s.req.proposer if s.req.speculative else DFLASH2
             s.choice = ProposerChoice(mode, list(s.prompt) + [s.anchor],
                                       0 if mode == DFLASH2 else self._lookup_rows(s))
             if self._uses_drafter(s):
-                s.pending, s.pending_start = [feats], 0
-                self._drafter(s.slot).reset()
+                s.pending, s.pending_start = [feats], start[s.id]
             self._active[s.id] = s
             if len(s.res.tokens) >= s.limit or s.anchor in s.eos:
                 self._finish(s)
 
     def _uses_drafter(self, s: _Seq) -> bool:
-        """Whether the DFlash 2 drafter proposes for s (its context then follows s's committed positions)."""
-        assert s.choice is not None
-        return s.req.speculative and self._has_drafter and s.choice.uses_drafter
+        """Whether the DFlash 2 drafter proposes for s (its context then follows s's committed positions): its
+        request speculates with a proposer other than prompt lookup alone (its choice's ``uses_drafter``)."""
+        return s.req.speculative and self._has_drafter and s.req.proposer != NGRAM
 
     def _speculates(self, s: _Seq) -> bool:
         """Whether s may draft at all: with the drafter, or by prompt lookup (which needs no drafter)."""
@@ -618,12 +638,13 @@ class BatchDecoder:
 
     def _plain(self, s: _Seq, logits: np.ndarray, feats: np.ndarray) -> None:
         """The target's next token after the anchor (logits [1, V], features [1, F]): exactly a B = 1 plain step."""
-        s.anchor = next_token(grammar.masked(s.constraint, logits[-1]), s.req.temperature, s.rng)
+        s.anchor = next_token(grammar.masked(s.constraint, logits[-1]), s.req.temperature, s.rng, s.sampler)
         grammar.advance(s.constraint, [s.anchor])
         if self._uses_drafter(s):
             self._defer(s, feats)
         s.pos += 1
         s.res.tokens.append(s.anchor)
+        s.sampler.commit([s.anchor])
         s.choice.extend([s.anchor])
         s.res.plain_steps += 1
 
@@ -651,7 +672,7 @@ class BatchDecoder:
             s.pending = []
         n_rows = min(L, s.limit - len(s.res.tokens) - 1)  # a final partial block verifies fewer rows
         uniforms = s.rng.random((1, L), dtype=np.float32) if T > 0 else None
-        draft = drafter.propose(s.anchor, s.pos, n_rows, T, uniforms)
+        draft = s.sampler.redraw(drafter.propose(s.anchor, s.pos, n_rows, T, uniforms), uniforms, n_rows)
         self.rule.costs.record_draft(COST_CLOCK() - t)
         return draft, [int(x) for x in draft.tokens[:n_rows]]
 
@@ -683,6 +704,7 @@ class BatchDecoder:
         drafts = run.propose_batch([s.slot for s in seqs], [s.anchor for s in seqs], [s.pos for s in seqs], n_rows,
                                    [s.req.temperature for s in seqs], uniforms)
         self.rule.costs.record_draft(COST_CLOCK() - t, len(seqs))
+        drafts = [s.sampler.redraw(d, u, n) for s, d, u, n in zip(seqs, drafts, uniforms, n_rows)]
         return {s.id: (d, [int(x) for x in d.tokens[:n]]) for s, d, n in zip(seqs, drafts, n_rows)}
 
     @staticmethod
@@ -700,7 +722,7 @@ class BatchDecoder:
         n_rows = len(drafts)
         if s.constraint is not None:  # the masked target law; the matcher back to the accepted length + bonus
             v_logits = grammar.mask_rows(s.masks, v_logits)
-        acc, bonus = accept_drafts(draft, drafts, v_logits, s.req.temperature, s.rng)
+        acc, bonus = accept_drafts(draft, drafts, v_logits, s.req.temperature, s.rng, sampler=s.sampler)
         if s.constraint is not None:
             grammar.commit(s.constraint, n_rows, acc, bonus)
         self.target.crop(s.slot, s.pos + acc + 1)
@@ -717,6 +739,7 @@ class BatchDecoder:
         s.res.proposed.append(n_rows)
         s.res.proposers.append(who)
         s.res.tokens.extend(new)
+        s.sampler.commit(new)
         s.committed[who].append(len(new))
         s.choice.extend(new)
         s.choice.record(who, len(new))
@@ -726,6 +749,11 @@ class BatchDecoder:
     def _finish(self, s: _Seq) -> None:
         s.done = True
         s.res.elapsed_s = time.perf_counter() - s.t0
+        if self.cache is not None:  # the sequence joins the prefix cache before its slot is freed
+            drafts = self._uses_drafter(s)
+            self.cache.store((s.prompt + s.res.tokens)[: int(self.target.lengths[s.slot])], self.target,
+                             self._drafter(s.slot) if drafts else None,
+                             np.concatenate(s.pending) if drafts and s.pending else None, s.snapshots, s.slot)
         self.target.leave(s.slot)
         self._active.pop(s.id, None)
         self.results[s.id] = s.res

@@ -32,11 +32,14 @@ from dflash2_trt.runtime import grammar
 from dflash2_trt.runtime.accept import accept_drafts, next_token
 from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig, verify_rows
 from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft
+from dflash2_trt.runtime.prefix_cache import PrefixCache
 from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
 from dflash2_trt.runtime.request import GenerationRequest, Limits
+from dflash2_trt.runtime.sampling import Sampler, TokenLogprob
 
 OnTokens = Callable[[list[int]], None]
 OnCycle = Callable[[int, int], None]  # (accepted drafts, verified rows) of a speculative cycle
+OnLogprobs = Callable[[list[TokenLogprob]], None]  # the logprobs of the chunk on_tokens gets next
 # (target, cand [L, K], drafts, n_rows, accepted, bonus, anchor position) -> oracle top-K count of the cycle
 OracleFn = Callable[[TargetRunner, np.ndarray, list[int], int, int, int, int], int]
 
@@ -55,6 +58,9 @@ class GenerationResult:
     guard_switches: int = 0  # speculative -> plain switches
     guard_probes: int = 0  # plain -> speculative probes
     proposers: list[str] = field(default_factory=list)  # per cycle: who proposed ('dflash2' | 'ngram')
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache (not computed)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when the request asks (runtime/sampling)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when the request asks
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,32 +81,47 @@ class GenerationResult:
 
 
 def target_generate(target: TargetRunner, prompt_ids: list[int], request: GenerationRequest,
-                    on_tokens: OnTokens | None = None,
+                    on_tokens: OnTokens | None = None, cache: PrefixCache | None = None,
+                    on_logprobs: OnLogprobs | None = None,
                     grammar_tokenizer: grammar.GrammarTokenizer | None = None) -> GenerationResult:
     """Plain autoregressive decoding on the same backend (the lossless reference and the speed baseline); reads
-    the request's ``max_new_tokens``, ``temperature``, ``seed`` and ``eos_ids``."""
+    the request's ``max_new_tokens``, ``temperature``, ``seed`` and ``eos_ids``. ``cache``: the prefix cache the
+    prompt starts from and the finished sequence joins (no drafter context: plain decoding keeps none). The
+    request's sampling transforms and logprobs: :mod:`dflash2_trt.runtime.sampling` (``on_logprobs`` gets each
+    token's just before ``on_tokens`` gets the token). The request's grammar (:mod:`dflash2_trt.runtime.grammar`)
+    masks each step's logits; ``grammar_tokenizer``: the target's tokenizer for it."""
     r = request.validate(prompt_ids, Limits.of(target))
-    constraint = grammar.start(r, grammar_tokenizer)  # the request's grammar (runtime/grammar.py); None: free
+    constraint = grammar.start(r, grammar_tokenizer)
     rng = np.random.default_rng(r.seed)
     eos = set(target.eos_ids) if r.eos_ids is None else r.eos_ids
     res = GenerationResult(prompt_tokens=list(prompt_ids))
+    sampler = Sampler(r, prompt_ids, target.vocab_size)
+    sampler.logprobs = res.logprobs
     t0 = time.perf_counter()
     target.reset()
-    logits, _ = target.forward(list(prompt_ids))
-    tok = next_token(grammar.masked(constraint, logits[-1]), r.temperature, rng)
-    grammar.advance(constraint, [tok])
-    res.tokens.append(tok)
-    if on_tokens:
-        on_tokens([tok])
+    start = cache.prefill_from(prompt_ids, target, None) if cache is not None and not r.prompt_logprobs else 0
+    logits, _ = target.forward(list(prompt_ids[start:]))
+    res.cached_tokens = start
+    if r.prompt_logprobs:
+        res.prompt_logprobs = sampler.prompt_logprobs(prompt_ids, logits)
+    snaps = PrefixCache.snapshot(target) if cache is not None else {}
+    tok = next_token(grammar.masked(constraint, logits[-1]), r.temperature, rng, sampler)
     limit = min(r.max_new_tokens, target.max_positions - len(prompt_ids))
-    while len(res.tokens) < limit and tok not in eos:
-        logits, _ = target.forward([tok])
-        tok = next_token(grammar.masked(constraint, logits[-1]), r.temperature, rng)
-        grammar.advance(constraint, [tok])
+    while True:
         res.tokens.append(tok)
+        grammar.advance(constraint, [tok])
+        sampler.commit([tok])
+        if on_logprobs and r.logprobs:
+            on_logprobs(res.logprobs[-1:])
         if on_tokens:
             on_tokens([tok])
+        if len(res.tokens) >= limit or tok in eos:
+            break
+        logits, _ = target.forward([tok])
+        tok = next_token(grammar.masked(constraint, logits[-1]), r.temperature, rng, sampler)
     res.elapsed_s = time.perf_counter() - t0
+    if cache is not None:
+        cache.store((list(prompt_ids) + res.tokens)[: target.cache_length], target, None, None, snaps)
     return res
 
 
@@ -127,6 +148,7 @@ class DecodeHooks:
     on_cycle: OnCycle | None = None
     oracle: OracleFn | None = None
     guard: AcceptanceGuard | None = None
+    on_logprobs: OnLogprobs | None = None  # each chunk's logprobs, just before on_tokens (when the request asks)
     grammar: grammar.GrammarTokenizer | None = None  # the target's tokenizer for a request's grammar
 
 
@@ -136,7 +158,7 @@ class _SpeculativeLoop:
     cycle the drafter's uniforms, then the rejection test."""
 
     def __init__(self, target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int], request: GenerationRequest,
-                 hooks: DecodeHooks) -> None:
+                 hooks: DecodeHooks, cache: PrefixCache | None = None) -> None:
         o = request.validate(prompt_ids, Limits.of(target))
         guard = hooks.guard if hooks.guard is not None else AcceptanceGuard(GuardConfig()) if o.guard else None
         self.target, self.drafter, self.o, self.guard, self.hooks = target, drafter, o, guard, hooks
@@ -145,6 +167,8 @@ class _SpeculativeLoop:
         self.eos = set(target.eos_ids) if o.eos_ids is None else o.eos_ids
         self.L = drafter.num_draft_rows
         self.res = GenerationResult(prompt_tokens=list(prompt_ids))
+        self.sampler = Sampler(o, prompt_ids, target.vocab_size)  # the request's transforms, its logprobs
+        self.sampler.logprobs = self.res.logprobs
         self.constraint = grammar.start(o, hooks.grammar)  # the request's grammar matcher, None without one
         self.masks: np.ndarray | None = None  # [n + 1, V] bool: the verify rows' grammar masks of this cycle
         self.oracle_s = 0.0
@@ -156,28 +180,43 @@ class _SpeculativeLoop:
         # cycles add none until the drafter runs again, then all of them in one pass
         self.pending: list[np.ndarray] = []
         self.choice: ProposerChoice | None = None
+        self.cache = cache
+        self.snapshots: dict = {}  # the target's state after the prefill, for the prefix cache (stateful targets)
 
     @property
     def running(self) -> bool:
         return len(self.res.tokens) < self.limit and self.anchor not in self.eos
 
     def _emit(self, new: list[int]) -> None:
+        self.sampler.commit(new)
+        if self.hooks.on_logprobs and self.o.logprobs:
+            self.hooks.on_logprobs(self.res.logprobs[-len(new):])
         if self.hooks.on_tokens:
             self.hooks.on_tokens(new)
 
     def prefill(self) -> None:
-        """Target KV cache + context features of every prompt position; the first anchor."""
+        """Target KV cache + context features of every prompt position (those the prefix cache restores, then the
+        rest computed); the first anchor."""
         self.target.reset()
         self.drafter.reset()
-        logits, feats = self.target.forward(self.prompt)  # [n, V], [n, F]
-        self.anchor = next_token(grammar.masked(self.constraint, logits[-1]), self.o.temperature, self.rng)
+        drafts = self.o.proposer != NGRAM  # the choice's uses_drafter (the choice needs the first token)
+        start = 0 if self.cache is None or self.o.prompt_logprobs else \
+            self.cache.prefill_from(self.prompt, self.target, self.drafter if drafts else None)
+        logits, feats = self.target.forward(self.prompt[start:])  # [n - start, V], [n - start, F]
+        self.res.cached_tokens = start
+        if self.o.prompt_logprobs:
+            self.res.prompt_logprobs = self.sampler.prompt_logprobs(self.prompt, logits)
+        if self.cache is not None:
+            self.snapshots = PrefixCache.snapshot(self.target)
+        self.anchor = next_token(grammar.masked(self.constraint, logits[-1]), self.o.temperature, self.rng,
+                                 self.sampler)
         grammar.advance(self.constraint, [self.anchor])
         self.res.tokens.append(self.anchor)
         self._emit([self.anchor])
         self.choice = ProposerChoice(self.o.proposer, self.prompt + [self.anchor],
                                      self.o.ngram_rows or default_rows(self.L))
         if self.choice.uses_drafter:
-            self.drafter.add_context(feats, 0)
+            self.drafter.add_context(feats, start)
 
     def pick(self) -> tuple[list[int], str | None]:
         """(the lookup's drafts, who proposes: 'dflash2' | 'ngram' | None for a plain step). The guard rules the
@@ -192,7 +231,8 @@ class _SpeculativeLoop:
         """The target's own next token (exactly target_generate's step)."""
         assert self.choice is not None
         logits, feats = self.target.forward([self.anchor])  # [1, V], [1, F]
-        self.anchor = next_token(grammar.masked(self.constraint, logits[-1]), self.o.temperature, self.rng)
+        self.anchor = next_token(grammar.masked(self.constraint, logits[-1]), self.o.temperature, self.rng,
+                                 self.sampler)
         grammar.advance(self.constraint, [self.anchor])
         if self.choice.uses_drafter:
             self.pending.append(feats)
@@ -216,7 +256,7 @@ class _SpeculativeLoop:
         n_rows = min(self.L, self.limit - len(self.res.tokens) - 1)
         T = self.o.temperature
         uniforms = self.rng.random((1, self.L), dtype=np.float32) if T > 0 else None
-        draft = self.drafter.propose(self.anchor, self.pos, n_rows, T, uniforms)
+        draft = self.sampler.redraw(self.drafter.propose(self.anchor, self.pos, n_rows, T, uniforms), uniforms, n_rows)
         n_rows = verify_rows(_confidence(draft, T), n_rows, self.o.min_confidence)
         return self._constrain(draft, [int(t) for t in draft.tokens[:n_rows]])
 
@@ -234,7 +274,7 @@ class _SpeculativeLoop:
         v_logits, v_feats = self.target.forward([self.anchor] + drafts)  # [n+1, V], [n+1, F]
         if self.constraint is not None:  # the masked target law; the matcher back to the accepted length + bonus
             v_logits = grammar.mask_rows(self.masks, v_logits)
-        acc, bonus = accept_drafts(draft, drafts, v_logits, self.o.temperature, self.rng)
+        acc, bonus = accept_drafts(draft, drafts, v_logits, self.o.temperature, self.rng, sampler=self.sampler)
         if self.constraint is not None:
             grammar.commit(self.constraint, len(drafts), acc, bonus)
         return acc, bonus, v_feats
@@ -277,18 +317,28 @@ class _SpeculativeLoop:
             self.guard.record_cycle(len(new), time.perf_counter() - t_step - cycle_oracle_s)
 
     def finish(self) -> GenerationResult:
+        """The result; the finished sequence joins the prefix cache (its cached positions, the drafter's context
+        and the features it has not taken in yet)."""
         if self.guard is not None:
             self.res.guard_switches, self.res.guard_probes = self.guard.switches, self.guard.probes
         self.res.elapsed_s = time.perf_counter() - self.t0 - self.oracle_s
+        if self.cache is not None:
+            assert self.choice is not None
+            drafts = self.choice.uses_drafter
+            self.cache.store((self.prompt + self.res.tokens)[: self.target.cache_length], self.target,
+                             self.drafter if drafts else None,
+                             np.concatenate(self.pending) if drafts and self.pending else None, self.snapshots)
         return self.res
 
 
 def speculative_generate(target: TargetRunner, drafter: DraftRunner, prompt_ids: list[int],
-                         request: GenerationRequest, hooks: DecodeHooks = DecodeHooks()) -> GenerationResult:
+                         request: GenerationRequest, hooks: DecodeHooks = DecodeHooks(),
+                         cache: PrefixCache | None = None) -> GenerationResult:
     """Speculative decoding of one prompt (docs/design.md, the decoding loop; the C core's
     ``dflash2::speculativeGenerate``, the twin of :func:`target_generate`). The loop, top to bottom: prefill, then
-    per step the proposer's pick, a plain step or draft -> verify + accept -> commit."""
-    loop = _SpeculativeLoop(target, drafter, prompt_ids, request, hooks)
+    per step the proposer's pick, a plain step or draft -> verify + accept -> commit. ``cache``: the prefix cache
+    (:mod:`dflash2_trt.runtime.prefix_cache`) the prefill starts from and the finished sequence joins."""
+    loop = _SpeculativeLoop(target, drafter, prompt_ids, request, hooks, cache)
     loop.prefill()
     while loop.running:
         t_step = time.perf_counter()
