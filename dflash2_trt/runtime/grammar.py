@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,11 +229,13 @@ def commit(constraint: Constraint, n_drafts: int, accepted: int, bonus: int) -> 
         constraint.consume([bonus])
 
 
-def start(request: Any, tok: GrammarTokenizer | None) -> Constraint | None:
+def start(request: Any, tok: GrammarTokenizer | Callable[[], GrammarTokenizer] | None) -> Constraint | None:
     """The request's matcher (None without a grammar); ``tok``: the target's :class:`GrammarTokenizer`, which the
-    entry point that owns the tokenizer hands the loop."""
+    entry point that owns the tokenizer hands the loop (or a function making it on first use)."""
     if request.grammar is None:
         return None
+    if tok is not None and not isinstance(tok, GrammarTokenizer):
+        tok = tok()
     if tok is None:
         raise DFlash2Error("a request with a grammar needs the target's tokenizer (GrammarTokenizer) in the loop")
     return tok.matcher(request.grammar)
