@@ -3,15 +3,15 @@ prompt sent again, with the cache and without (two Generators on the same export
 request by request so that drift hits both alike), the tokens of each pair compared.
 
 - conversation: a system prompt, then ``--turns`` user turns of ``--turn-tokens`` tokens (MT-Bench questions
-  padded with context), each answered greedily with ``--max-new-tokens`` tokens that join the history (turn 6 at
-  ~2.1k tokens by default);
+  padded with context), each answered greedily with ``--max-new-tokens`` tokens (EOS ignored) that join the history
+  (turn 6 at ~2.1k tokens by default);
 - repeated: one ``--long``-token prompt sent ``--repeats`` times.
 
 Prints the per-turn table (ms without, ms with, ratio, tokens restored) and the geometric mean of turns 2..6;
 ``--json`` writes every figure with ``dflash2_trt.bench.machine.describe()``.
 
     python benchmarks/prefix_cache_turns.py [--export DIR | --max-seq-len 4096] [--threads 2] [--turns 8]
-                                            [--turn-tokens 300] [--long 1600] [--json F]
+                                            [--turn-tokens 170] [--max-new-tokens 180] [--long 1600] [--json F]
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--turn-tokens", type=int, default=300)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--turn-tokens", type=int, default=170)
+    p.add_argument("--max-new-tokens", type=int, default=180)
     p.add_argument("--long", type=int, default=1600)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                                        draft_vocab=DEMO_DRAFT_VOCAB)
     off = dflash2_trt.load(export, backend="ort", threads=a.threads, prefix_cache_bytes=0)
     on = dflash2_trt.load(export, backend="ort", threads=a.threads)
+    for g in (off, on):  # ONNX Runtime's first runs (allocations, thread pool) are nobody's time to first token
+        g.generate("Hello", max_new_tokens=4)
+    on.prefix_cache.clear()
     history = [{"role": "system", "content": "You are a careful coding assistant. " + TURN_FILLER * 3}]
     turns = []
     print(f"{'turn':>4} {'prompt':>7} {'off ms':>8} {'on ms':>8} {'ratio':>6} {'restored':>9} equal")

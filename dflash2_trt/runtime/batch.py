@@ -375,6 +375,11 @@ class SpeculationRule:
         return set(chosen)
 
 
+# prompt rows a batch step computes over the prompts joining (BatchDecoder.prefill_chunk): a running stream's next
+# token waits for at most this many (docs/design.md, chunked prefill: measured by benchmarks/prefill_join_gap.py)
+DEFAULT_PREFILL_CHUNK = 32
+
+
 @dataclass
 class _Seq:
     id: int
@@ -395,6 +400,9 @@ class _Seq:
     choice: ProposerChoice | None = None  # who proposes (made at admission: the context needs the first token)
     done: bool = False
     snapshots: dict = field(default_factory=dict)  # the target's state after the prefill (the prefix cache's)
+    prefilled: int = 0  # prompt positions the target holds (restored or computed) while the prompt is prefilling
+    prefilling: bool = False  # holds a slot, its prompt not yet all computed: no decode step runs for it
+    prompt_rows: list = field(default_factory=list)  # [m, V] logits of its prompt chunks (for prompt logprobs)
     sampler: Sampler | None = None  # the request's sampling transforms and logprobs (runtime/sampling.py)
     constraint: Any = None  # the request's grammar matcher (runtime/grammar.py), None without a grammar
     masks: Any = None  # [n + 1, V] bool: this step's verify rows' grammar masks
@@ -408,10 +416,12 @@ class BatchDecoder:
 
     def __init__(self, target: Any, drafter_factory: Callable[[], DraftRunner] | None = None,
                  rule: SpeculationRule | None = None, batched_drafter: Callable[[int], Any] | None = None,
-                 cache: PrefixCache | None = None, grammar_tokenizer: Any = None) -> None:
+                 cache: PrefixCache | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, grammar_tokenizer: Any = None) -> None:
         self.target = target  # OrtBatchedTargetRunner (join/leave/crop/forward over slots)
         self.grammar_tokenizer = grammar_tokenizer  # the target's tokenizer for requests with a grammar
         self.cache = cache  # the prefix cache prompts start from and finished sequences join
+        # prompt rows computed in one step, over all prompts still prefilling (None: whole prompts at admission)
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.rule = rule or SpeculationRule()
         self._make_drafter = drafter_factory
         self._make_batched = batched_drafter  # slots -> an OrtBatchedDraftRunner (made on first use)
@@ -471,7 +481,7 @@ class BatchDecoder:
     def step(self) -> None:
         """Admit, then one plain step or speculative cycle per active sequence, then retire the finished."""
         self._admit()
-        seqs = list(self._active.values())
+        seqs = [s for s in self._active.values() if not s.prefilling]
         if not seqs:
             return
         self.steps += 1
@@ -498,30 +508,30 @@ class BatchDecoder:
                 self._finish(s)
 
     def _admit(self) -> None:
-        """Queued requests into free slots, their prompts prefilled in one target forward (the runner shares
-        graph calls between them where that pays), each its first token drawn."""
+        """Queued requests into free slots, each from its longest cached prefix; then one prefill step
+        (:meth:`_prefill`): the prompts still prefilling compute their next rows, and those now whole draw their
+        first token."""
         new: list[_Seq] = []
         while self._queue and len(new) < self.target.free_slots:
             new.append(self._queue.popleft())
-        if not new:
-            return
         t0 = time.perf_counter()
         # prompts of like lengths in neighbouring slots: a graph call binds a slot range, padded to its longest
-        start = {}
         for s in sorted(new, key=lambda s: len(s.prompt)):
             s.slot, s.t0 = self.target.join(), t0
             drafter = self._drafter(s.slot) if self._uses_drafter(s) else None
             if drafter is not None:
                 drafter.reset()
-            start[s.id] = 0 if self.cache is None or s.req.prompt_logprobs else \
+            s.prefilled = 0 if self.cache is None or s.req.prompt_logprobs else \
                 self.cache.prefill_from(s.prompt, self.target, drafter, s.slot)
-        # slot -> (logits [1, V] of the last prompt row — every row when one asks for prompt logprobs —, features
-        # [n, F] of the rows computed)
-        every_row = any(s.req.prompt_logprobs for s in new)
-        out = self.target.forward({s.slot: list(s.prompt[start[s.id]:]) for s in new}, last_logits=not every_row)
-        for s in new:
-            logits, feats = out[s.slot]
-            s.res.cached_tokens = start[s.id]
+            s.res.cached_tokens = s.pending_start = s.prefilled
+            s.prefilling = True
+            self._active[s.id] = s
+        if new:  # the joining requests' whole length at once: no growth (a copy of every slot) chunk after chunk
+            n = min(self.target.max_positions, max(len(s.prompt) + s.limit for s in new))
+            self.target.reserve(n)
+            if self._batched is not None:
+                self._batched.reserve(n)
+        for s, logits in self._prefill():
             if self.cache is not None:
                 s.snapshots = PrefixCache.snapshot(self.target, s.slot)
             if s.req.prompt_logprobs:
@@ -535,11 +545,55 @@ class BatchDecoder:
             mode = s.req.proposer if s.req.speculative else DFLASH2
             s.choice = ProposerChoice(mode, list(s.prompt) + [s.anchor],
                                       0 if mode == DFLASH2 else self._lookup_rows(s))
-            if self._uses_drafter(s):
-                s.pending, s.pending_start = [feats], start[s.id]
-            self._active[s.id] = s
             if len(s.res.tokens) >= s.limit or s.anchor in s.eos:
                 self._finish(s)
+
+    def _prefill(self) -> list[tuple[_Seq, np.ndarray]]:
+        """One prefill step: the prompts still prefilling, oldest first, forward their next rows in one target
+        forward — at most ``prefill_chunk`` rows over all of them while other sequences decode (a long prompt
+        joining running streams delays their next token by one chunk's time, not by the whole prompt's; with none
+        decoding, whole prompts) -> (sequence, logits) of those whose prompt
+        is now whole: the last row's [1, V], every computed row's when the request asks for prompt logprobs. The
+        rows' features join the drafter's context in the same step."""
+        order = [s for s in self._active.values() if s.prefilling]
+        # nobody decoding: nobody waits, whole prompts (the fewest, largest calls)
+        budget = self.prefill_chunk if len(order) < len(self._active) else None
+        rows: dict[int, list[int]] = {}
+        for s in order:
+            take = len(s.prompt) - s.prefilled if budget is None else min(budget, len(s.prompt) - s.prefilled)
+            if take <= 0:
+                break
+            rows[s.slot] = s.prompt[s.prefilled: s.prefilled + take]
+            budget = None if budget is None else budget - take
+        if not rows:
+            return []
+        every_row = any(s.req.prompt_logprobs for s in order if s.slot in rows)
+        out = self.target.forward(rows, last_logits=not every_row)  # slot -> (logits, features [m, F])
+        done, context = [], {}
+        for s in order:
+            if s.slot not in rows:
+                continue
+            logits, feats = out[s.slot]
+            if self._uses_drafter(s):
+                context[s.slot] = (feats, s.prefilled)
+            s.prefilled += len(rows[s.slot])
+            if s.req.prompt_logprobs:
+                s.prompt_rows.append(logits)
+            if s.prefilled == len(s.prompt):
+                s.prefilling = False
+                s.pending_start = s.prefilled
+                done.append((s, np.concatenate(s.prompt_rows) if s.req.prompt_logprobs else logits))
+        self._add_contexts(context)
+        return done
+
+    def _add_contexts(self, context: dict[int, tuple[np.ndarray, int]]) -> None:
+        """slot -> (features [m, F], start): the prompt chunks' rows join their drafters' contexts in this step
+        (one call on a batched drafter), so no step carries a whole prompt's context."""
+        if self._batched is not None:
+            self._batched.add_contexts(context)
+            return
+        for slot, (feats, start) in context.items():
+            self._drafter(slot).add_context(feats, start)
 
     def _uses_drafter(self, s: _Seq) -> bool:
         """Whether the DFlash 2 drafter proposes for s (its context then follows s's committed positions): its
@@ -757,6 +811,12 @@ class BatchDecoder:
         self.target.leave(s.slot)
         self._active.pop(s.id, None)
         self.results[s.id] = s.res
+
+
+def check_prefill_chunk(rows: Any) -> int | None:
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise DFlash2Error(f"prefill_chunk must be an integer >= 1 or None, got {rows!r}")
+    return rows
 
 
 def check_batch_size(max_batch: Any) -> int:

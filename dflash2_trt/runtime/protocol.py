@@ -20,9 +20,10 @@ A backend that decodes many sequences per graph call says so with ``batching`` a
 (:class:`dflash2_trt.runtime.batch.BatchDecoder`) two more runners over ``slots`` sequences:
 
 * :class:`BatchTargetRunner` — ``join() -> slot``, ``leave(slot)``, ``crop(slot, length)``,
-  ``forward({slot: ids}) -> {slot: (logits, features)}``, ``cost_units({slot: rows})``;
-* :class:`BatchDraftRunner` — ``slot(b)`` (slot ``b`` as a :class:`DraftRunner`), ``add_contexts`` and
-  ``propose_batch``: every drafting sequence's proposal in one call.
+  ``forward({slot: ids}) -> {slot: (logits, features)}``, ``cost_units({slot: rows})``, ``reserve(n)`` (room for n
+  positions in every slot);
+* :class:`BatchDraftRunner` — ``slot(b)`` (slot ``b`` as a :class:`DraftRunner`), ``add_contexts``, ``reserve(n)``
+  and ``propose_batch``: every drafting sequence's proposal in one call.
 
 Where ``batching`` is False the Generator serves submitted requests one after another on the B = 1 runners.
 """
@@ -133,6 +134,8 @@ class BatchTargetRunner(Protocol):
 
     def cost_units(self, rows: dict[int, int]) -> float: ...  # slot -> rows -> the forward's cost in row units
 
+    def reserve(self, n: int) -> None: ...  # room for n positions in every slot
+
     # slot -> ids at its positions -> slot -> (logits [m, V] fp32, or [1, V] with last_logits; features [m, F])
     def forward(self, rows: dict[int, list[int]],
                 last_logits: bool = False) -> dict[int, tuple[np.ndarray, np.ndarray]]: ...
@@ -147,6 +150,8 @@ class BatchDraftRunner(Protocol):
     def slot(self, b: int) -> DraftRunner: ...
 
     def add_contexts(self, new: dict[int, tuple[np.ndarray, int]]) -> None: ...  # slot -> (feats [m, F], start)
+
+    def reserve(self, n: int) -> None: ...  # room for n context positions in every slot
 
     def propose_batch(self, slots: Sequence[int], anchors: Sequence[int], positions: Sequence[int],
                       rows: Sequence[int], temperatures: Sequence[float],

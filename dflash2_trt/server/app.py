@@ -61,6 +61,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
 from dflash2_trt.runtime.request import GenerationRequest
 from dflash2_trt.server import protocol as P
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
@@ -241,15 +242,15 @@ def _stats(res: Any) -> dict:
 
 class Server:
     """The routes over ``gen`` (a loaded Generator; the caller closes it). ``max_batch``: sequences decoded
-    together (set on the Generator with ``adaptive``); ``max_queue``: requests that may wait beyond them;
-    ``speculative``: requests may draft; ``api_key``: required on /v1 routes when given."""
+    together (set on the Generator with ``adaptive`` and ``prefill_chunk``); ``max_queue``: requests that may wait
+    beyond them; ``speculative``: requests may draft; ``api_key``: required on /v1 routes when given."""
 
     def __init__(self, gen: Any, model_name: str, *, max_batch: int = 8, max_queue: int = 32,
                  adaptive: bool = True, speculative: bool = True, proposer: str = DEFAULT_PROPOSER,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
         self.gen, self.model_name, self.api_key = gen, model_name, api_key
         self.speculative, self.proposer, self.limit = speculative, proposer, max_batch + max_queue
-        gen.set_batching(max_batch, adaptive=adaptive)
+        gen.set_batching(max_batch, adaptive=adaptive, prefill_chunk=prefill_chunk)
         self.positions = gen.max_positions
         self.selector = gen.selectors[0]
         self.created = P.now()

@@ -110,7 +110,7 @@ class OrtBatchedDraftRunner:
     def restore_context(self, b: int, rows: list[np.ndarray]) -> None:
         """Slot ``b``'s draft context holds exactly :meth:`context_rows`' copies."""
         n = rows[0].shape[1] if rows else 0
-        self._reserve(n)
+        self.reserve(n)
         put_rows(self.arrays, b, rows)
         self.lengths[b] = n
 
@@ -129,7 +129,7 @@ class OrtBatchedDraftRunner:
                                    f"position {start}")
         if not items:
             return
-        self._reserve(max(start + f.shape[0] for _, f, start in items))
+        self.reserve(max(start + f.shape[0] for _, f, start in items))
         feats = np.concatenate([f for _, f, _ in items])[None].astype(self.dtype, copy=False)  # [1, M, F]
         pos = np.concatenate([np.arange(s, s + f.shape[0], dtype=np.int64) for _, f, s in items])[None]  # [1, M]
         with ort_failures(self._ctx.path):
@@ -166,7 +166,7 @@ class OrtBatchedDraftRunner:
             if self.lengths[b] != pos:
                 raise DFlash2Error(f"slot {b}: draft context holds {int(self.lengths[b])} positions, anchor is at "
                                    f"{pos}")
-        self._reserve(max(1, max(int(p) for p in positions)))
+        self.reserve(max(1, max(int(p) for p in positions)))
         hidden = self._block_call(list(slots), [int(a) for a in anchors])  # [n, bs, H]
         for i, r in enumerate(rows):
             hidden[i, 1 + int(r):] = 0  # a final partial block: the path over the verified rows alone
@@ -211,7 +211,9 @@ class OrtBatchedDraftRunner:
         if not 0 <= int(b) < self.slots:
             raise DFlash2Error(f"batch slot {b} is out of range [0, {self.slots})")
 
-    def _reserve(self, n: int) -> None:
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` positions in every slot (a growth copies every slot's rows: the batch loop reserves a
+        joining request's whole length at once rather than growing chunk by chunk)."""
         self.arrays, self.capacity = grown_slot_buffers(self.arrays, self.capacity, n, self.step, self.max_capacity,
                                                         (2 * self.n_layers, self.slots, self.kv_heads, self.head_dim),
                                                         self.dtype)

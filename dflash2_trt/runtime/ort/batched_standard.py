@@ -103,7 +103,7 @@ class OrtStandardBatchedTargetRunner:
         return None if self.linear is None and self.ring is None else slot_state(self.linear, self.ring, slot)
 
     def restore_prefix(self, rows: list[np.ndarray], n: int, state: SlotState | None, slot: int) -> None:
-        self._reserve(n)
+        self.reserve(n)
         put_rows(self.arrays, slot, rows)
         restore_slot_state(self.linear, self.ring, slot, state)
         self.lengths[slot] = self._call_start[slot] = n
@@ -134,7 +134,9 @@ class OrtStandardBatchedTargetRunner:
             out = {b: (lg[-1:], ft) for b, (lg, ft) in out.items()}
         return out
 
-    def _reserve(self, n: int) -> None:
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` positions in every slot (a growth copies every slot's rows: the batch loop reserves a
+        joining request's whole length at once rather than growing chunk by chunk)."""
         self.arrays, self.capacity = grown_slot_buffers(self.arrays, self.capacity, n, self.step, self.max_capacity,
                                                         (2 * self.n_attention, self.slots, self.kv_heads,
                                                          self.head_dim), self.dtype)
@@ -144,7 +146,7 @@ class OrtStandardBatchedTargetRunner:
         """One graph call over slots lo..hi-1 (slots without rows run a dummy row, dropped)."""
         n, S = hi - lo, max(len(r) for r in rows.values())
         start = self.lengths[lo:hi].copy()
-        self._reserve(int(start.max()) + S)
+        self.reserve(int(start.max()) + S)
         C = self.capacity
         ids = np.zeros((n, S), dtype=np.int64)
         mask = np.zeros((n, C + S), dtype=np.int64)

@@ -162,12 +162,14 @@ class OrtBatchedTargetRunner:
         return None
 
     def restore_prefix(self, rows: list[np.ndarray], n: int, state: None, slot: int) -> None:
-        self._reserve(n)
+        self.reserve(n)
         put_rows(self.arrays, slot, rows)
         self.lengths[slot] = n
 
     # -- buffers ------------------------------------------------------------------------------------------------
-    def _reserve(self, n: int) -> None:
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` positions in every slot (a growth copies every slot's rows: the batch loop reserves a
+        joining request's whole length at once rather than growing chunk by chunk)."""
         old = self.capacity
         self.arrays, self.capacity = grown_slot_buffers(self.arrays, old, n, self.step, self.max_capacity,
                                                         (2 * self.n_layers, self.slots, self.kv_heads, self.head_dim),
@@ -204,7 +206,7 @@ class OrtBatchedTargetRunner:
             ids[b - lo, : len(r)] = r
             m[b - lo] = len(r)
         end = start + m  # [n] each slot's length after the call
-        self._reserve(int(end.max()))
+        self.reserve(int(end.max()))
         io = self._binding(lo, hi)
         io.bind_cpu_input("input_ids", ids)
         io.bind_cpu_input("seqlens_k", (end - 1).astype(np.int32))
