@@ -16,7 +16,10 @@ limits (vocabulary, positions, draft modes) before anything runs; or pass a reco
 ``request=`` (the server and the Triton model do) and no option argument. Greedy output (T = 0) is
 token for token the target's own; T > 0 samples with lossless rejection sampling. ``seed=None`` draws a
 fresh seed; equal seeds give equal tokens with ``guard=False`` (the acceptance guard decides from measured
-timings, so with it on a seed fixes the sampling law, not the tokens).
+timings, so with it on a seed fixes the sampling law, not the tokens). The record's other fields — the sampling
+transforms (``top_p``, ``top_k``, ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
+``logit_bias``) and ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` — are keyword arguments of the same names
+(:mod:`dflash2_trt.runtime.sampling`); the logprobs come back in ``Result.logprobs`` / ``Chunk.logprobs``.
 
 Many requests at once (servers): :meth:`Generator.submit` queues a request from any thread and returns a
 :class:`Handle` at once (a bad request raises :class:`~dflash2_trt.errors.DFlash2Error` there and is never
@@ -26,7 +29,7 @@ rest wait in arrival order). Iterating a handle streams its :class:`Chunk` s as 
 ``handle.cancel()`` frees its slot before it returns (within one batch step); ``handle.result()`` waits for the
 :class:`Result`. Each request drafts with its own ``proposer`` (the drafter, prompt lookup or ``auto``, as
 :meth:`Generator.generate`). :meth:`Generator.generate_batch` is submit + result for a list of prompts;
-:meth:`Generator.set_batching` sets ``max_batch``, whether drafting is load-adaptive and the prefill chunk. Batching needs a
+:meth:`Generator.set_batching` sets ``max_batch`` and whether drafting is load-adaptive. Batching needs a
 backend whose ``batching`` is on (:class:`~dflash2_trt.runtime.protocol.Backend`; today the fused ONNX Runtime
 target, the ``ort`` backend on the CPU); on other backends the same loop serves the submitted requests one after
 another.
@@ -58,7 +61,6 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache
-from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
 from dflash2_trt.runtime.request import GenerationRequest, Limits
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
@@ -108,6 +110,10 @@ class Result:
     prompt_tokens: list[int]
     stats: Stats
     finish_reason: str  # one of FINISH_REASONS
+    # one TokenLogprob (runtime/sampling.py: token, logprob, top) per generated token when the request asked for
+    # logprobs, per prompt token from the second on when it asked for prompt_logprobs; else empty
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ class Chunk:
     text: str  # the text these tokens add (empty while a UTF-8 character is split; it follows with the next)
     tokens: list[int]
     accepted: int | None  # drafts accepted in the cycle; None for the first token and plain steps
+    logprobs: list = field(default_factory=list)  # one TokenLogprob per token, when the request asked for logprobs
 
 
 class _TextDelta:
@@ -161,7 +168,7 @@ class Generator:
         self._target: Any = None
         self._drafters: dict[str, Any] = {}
         self._loop: _BatchLoop | None = None  # submit's background loop, started by the first submit
-        self._max_batch, self._adaptive, self._prefill_chunk = 8, True, DEFAULT_PREFILL_CHUNK  # set_batching's
+        self._max_batch, self._adaptive = 8, True  # its settings (set_batching)
         self._batch_sizes: dict[int, int] = {}  # sequences decoded in one batch step -> steps (written by the loop)
         self._closed = False
 
@@ -226,7 +233,7 @@ class Generator:
                  seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
                  min_confidence: float = 0.0, speculative: bool = True, eos_ids: set[int] | None = None,
                  proposer: str = DEFAULT_PROPOSER, oracle: Any = None,
-                 request: GenerationRequest | None = None) -> Result:
+                 request: GenerationRequest | None = None, **sampling: Any) -> Result:
         """Decode one prompt. ``selector``: a draft mode of :attr:`selectors` (the record's ``draft_mode``);
         ``guard``: run plain target steps while measured acceptance does not pay; ``speculative=False``: plain
         autoregressive decoding on the same backend (the baseline); ``proposer``: who drafts — ``dflash2`` (the
@@ -234,10 +241,11 @@ class Generator:
         match = a plain step) or ``auto``, the default (per cycle, the one whose measured acceptance is higher);
         ``eos_ids``: stop tokens (default: the target's; an empty set never stops early); ``oracle``: an evaluation
         hook counting oracle top-K acceptance per cycle (:func:`dflash2_trt.bench.oracle.oracle_count`), its passes
-        excluded from the timing; ``request``: the options as one record instead of the arguments."""
+        excluded from the timing; ``request``: the options as one record instead of the arguments; ``sampling``: the
+        record's other fields by name (``top_p``, ``logit_bias``, ``logprobs``, ...)."""
         ids, req = self._prepare(prompt, chat, request, max_new_tokens=max_new_tokens, temperature=temperature,
                                  seed=seed, draft_mode=selector, guard=guard, min_confidence=min_confidence,
-                                 speculative=speculative, eos_ids=eos_ids, proposer=proposer)
+                                 speculative=speculative, eos_ids=eos_ids, proposer=proposer, **sampling)
         with self._lock:
             res = self._run(ids, req, oracle, None)
         return self._result(ids, req, res)
@@ -245,20 +253,20 @@ class Generator:
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                seed: int | None = None, selector: str = "greedy", guard: bool = True, *, chat: bool = True,
                min_confidence: float = 0.0, eos_ids: set[int] | None = None, proposer: str = DEFAULT_PROPOSER,
-               oracle: Any = None, request: GenerationRequest | None = None) -> Stream:
+               oracle: Any = None, request: GenerationRequest | None = None, **sampling: Any) -> Stream:
         """Decode one prompt chunk by chunk (same arguments and tokens as :meth:`generate`): iterate the returned
         :class:`Stream` for :class:`Chunk` s; its ``result`` is the :class:`Result` once the iteration ended.
         Leaving the loop early (``break``, or ``close()``) stops the decoding at its next step. A bad request
         raises DFlash2Error here."""
         ids, req = self._prepare(prompt, chat, request, max_new_tokens=max_new_tokens, temperature=temperature,
                                  seed=seed, draft_mode=selector, guard=guard, min_confidence=min_confidence,
-                                 eos_ids=eos_ids, proposer=proposer)
+                                 eos_ids=eos_ids, proposer=proposer, **sampling)
         return Stream(self, ids, req, oracle)
 
     def submit(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
                selector: str = "greedy", *, chat: bool = True, speculative: bool = True,
                eos_ids: set[int] | None = None, proposer: str = DEFAULT_PROPOSER,
-               request: GenerationRequest | None = None) -> Handle:
+               request: GenerationRequest | None = None, **sampling: Any) -> Handle:
         """Queue one prompt for the background batch loop (see the module docstring) -> its :class:`Handle`;
         returns at once. Arguments as :meth:`generate`; ``speculative``: may draft while the loop's rule says it
         pays (with ``set_batching(adaptive=False)``: every step; on a backend without batching the acceptance guard
@@ -268,13 +276,14 @@ class Generator:
         its ``Stats.proposers`` say who proposed each cycle."""
         return self._submit(*self._prepare(prompt, chat, request, batch=True, max_new_tokens=max_new_tokens,
                                            temperature=temperature, seed=seed, draft_mode=selector,
-                                           speculative=speculative, eos_ids=eos_ids, proposer=proposer))
+                                           speculative=speculative, eos_ids=eos_ids, proposer=proposer, **sampling))
 
     def generate_batch(self, prompts: list[Prompt], max_new_tokens: int | list[int] = 128,
                        temperature: float | list[float] = 0.0, seed: int | None | list[int | None] = None,
                        selector: str = "greedy", *, chat: bool = True, speculative: bool = True,
                        eos_ids: set[int] | None = None, max_batch: int | None = None,
-                       adaptive: bool | None = None, proposer: str | list[str] = DEFAULT_PROPOSER) -> list[Result]:
+                       adaptive: bool | None = None, proposer: str | list[str] = DEFAULT_PROPOSER,
+                       **sampling: Any) -> list[Result]:
         """Decode many prompts together: :meth:`submit` each (every prompt checked before any is queued), then
         wait for the results (in prompt order). ``max_new_tokens`` / ``temperature`` / ``seed`` / ``proposer``: one
         value for all, or one per prompt; ``max_batch`` / ``adaptive``: :meth:`set_batching` first (None: keep the
@@ -297,7 +306,7 @@ class Generator:
             return [v] * n
 
         reqs = [self._prepare(p, chat, None, batch=True, max_new_tokens=m, temperature=t, seed=s,
-                              draft_mode=selector, speculative=speculative, eos_ids=eos_ids, proposer=w)
+                              draft_mode=selector, speculative=speculative, eos_ids=eos_ids, proposer=w, **sampling)
                 for p, m, t, s, w in zip(prompts, per(max_new_tokens, "max_new_tokens"),
                                          per(temperature, "temperature"), per(seed, "seed"), per(proposer, "proposer"))]
         handles: list[Handle] = []
@@ -310,29 +319,25 @@ class Generator:
             raise
         return [h.result() for h in handles]
 
-    def set_batching(self, max_batch: int = 8, adaptive: bool = True,
-                     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
+    def set_batching(self, max_batch: int = 8, adaptive: bool = True) -> None:
         """The batch loop's settings: ``max_batch`` sequences decoded together (more wait for a slot);
         ``adaptive``: a sequence drafts only while the load-adaptive rule of :mod:`dflash2_trt.runtime.batch`
-        says it pays (False: every speculative sequence drafts every step); ``prefill_chunk``: prompt rows computed
-        in one step over all joining prompts (running streams wait one chunk, not a whole prompt; None: whole
-        prompts). Needs no request in flight (DFlash2Error otherwise) when they change; the loop then restarts with
-        fresh measured costs."""
-        from dflash2_trt.runtime.batch import check_batch_size, check_prefill_chunk
+        says it pays (False: every speculative sequence drafts every step). Needs no request in flight
+        (DFlash2Error otherwise) when they change; the loop then restarts with fresh measured costs."""
+        from dflash2_trt.runtime.batch import check_batch_size
 
         check_batch_size(max_batch)
-        check_prefill_chunk(prefill_chunk)
         with self._init_lock:
             if self._closed:
                 raise DFlash2Error("this Generator is closed")
-            if (max_batch, bool(adaptive), prefill_chunk) == (self._max_batch, self._adaptive, self._prefill_chunk):
+            if (max_batch, bool(adaptive)) == (self._max_batch, self._adaptive):
                 return  # the loop keeps its runners and measured costs
             if self._loop is not None:
                 if not self._loop.idle:
                     raise DFlash2Error("set_batching needs the batch loop idle; requests are in flight")
                 self._loop.close()
                 self._loop = None
-            self._max_batch, self._adaptive, self._prefill_chunk = max_batch, bool(adaptive), prefill_chunk
+            self._max_batch, self._adaptive = max_batch, bool(adaptive)
 
     @property
     def batch_sizes(self) -> dict[int, int]:
@@ -378,6 +383,10 @@ class Generator:
         """(prompt ids, the request validated against this model's limits): the record built from ``options``
         (argument names = its fields), or ``request`` when given (then every option at its default). ``batch``: for
         the batch loop, whose ``adaptive`` setting is the guard of a request it serves without batching."""
+        unknown = sorted(set(options) - set(_DEFAULTS))
+        if unknown:
+            raise DFlash2Error(f"unknown option {unknown[0]!r} (the GenerationRequest fields are "
+                               f"{', '.join(sorted(_DEFAULTS))})")
         if request is None:
             request = GenerationRequest(**options)
         elif not isinstance(request, GenerationRequest):
@@ -408,13 +417,13 @@ class Generator:
         from dflash2_trt.runtime import decoder as D
 
         target = self._runner()
-        on_tokens, on_cycle = hooks if hooks else (None, None)
+        on_tokens, on_cycle, on_logprobs = (*hooks, None)[:3] if hooks else (None, None, None)
         gtok = self.grammar_tokenizer() if req.grammar is not None else None
         if not req.speculative:
             return D.target_generate(target, prompt, req, on_tokens=on_tokens, cache=self.prefix_cache,
-                                     grammar_tokenizer=gtok)
-        return D.speculative_generate(target, self._drafter(req.draft_mode), prompt, req,
-                                      D.DecodeHooks(on_tokens, on_cycle, oracle, grammar=gtok), self.prefix_cache)
+                                     on_logprobs=on_logprobs, grammar_tokenizer=gtok)
+        hooks_ = D.DecodeHooks(on_tokens, on_cycle, oracle, on_logprobs=on_logprobs, grammar=gtok)
+        return D.speculative_generate(target, self._drafter(req.draft_mode), prompt, req, hooks_, self.prefix_cache)
 
     def grammar_tokenizer(self) -> Any:
         """The target's tokenizer as the grammar matcher sees it (:class:`~dflash2_trt.runtime.grammar.GrammarTokenizer`,
@@ -435,7 +444,8 @@ class Generator:
             reason = "length"
         else:
             reason = "capacity"
-        return Result(self._tok.decode(res.tokens), list(res.tokens), list(res.prompt_tokens), Stats.of(res), reason)
+        return Result(self._tok.decode(res.tokens), list(res.tokens), list(res.prompt_tokens), Stats.of(res), reason,
+                      list(res.logprobs), list(res.prompt_logprobs))
 
 
 _OPEN_STREAMS: weakref.WeakSet = weakref.WeakSet()  # the chunk iterators of streams not yet closed
@@ -488,21 +498,25 @@ def _stream_chunks(gen: Generator, prompt: list[int], req: GenerationRequest, or
     stop = threading.Event()
     delta = _TextDelta(gen._tok.decode)
     cycle: list[int | None] = [None]
+    logprobs: list[list] = [[]]  # the next chunk's
     done: list[Any] = []
 
     def on_cycle(accepted: int, rows: int) -> None:
         cycle[0] = accepted
 
+    def on_logprobs(lps: list) -> None:
+        logprobs[0] = list(lps)
+
     def on_tokens(new: list[int]) -> None:
         if stop.is_set():
             raise _Cancelled
-        chunks.put(Chunk(delta.add(new), list(new), cycle[0]))
-        cycle[0] = None
+        chunks.put(Chunk(delta.add(new), list(new), cycle[0], logprobs[0]))
+        cycle[0], logprobs[0] = None, []
 
     def work() -> None:
         try:
             with gen._lock:
-                done.append(gen._run(prompt, req, oracle, (on_tokens, on_cycle)))
+                done.append(gen._run(prompt, req, oracle, (on_tokens, on_cycle, on_logprobs)))
             chunks.put(None)
         except _Cancelled:
             chunks.put(None)
@@ -605,9 +619,9 @@ class Handle:
                 self._done.wait()
 
     # -- the loop's side ---------------------------------------------------------------------------------
-    def _emit(self, tokens: list[int], accepted: int | None) -> None:
+    def _emit(self, tokens: list[int], accepted: int | None, logprobs: list | None = None) -> None:
         self._tokens.extend(tokens)
-        self._chunks.put(Chunk(self._delta.add(tokens), list(tokens), accepted))
+        self._chunks.put(Chunk(self._delta.add(tokens), list(tokens), accepted, list(logprobs or [])))
 
     def _finish(self, result: Result | None, error: BaseException | None = None) -> None:
         if result is not None:
@@ -718,7 +732,7 @@ class _BatchLoop:
                 dec = B.BatchDecoder(be.batch_target_runner(self.max_batch), None,
                                      B.SpeculationRule(adaptive=self.adaptive),
                                      batched_drafter=lambda n: be.batch_draft_runner(mode, n),
-                                     cache=self.gen.prefix_cache, prefill_chunk=self.gen._prefill_chunk, grammar_tokenizer=self.gen.grammar_tokenizer)
+                                     cache=self.gen.prefix_cache, grammar_tokenizer=self.gen.grammar_tokenizer)
                 self._decoders[mode], self._live[mode] = dec, {}
             i = dec.submit(h._prompt, h._req)
         except DFlash2Error as e:  # checked in submit already; whatever is left fails this request alone
@@ -762,12 +776,13 @@ class _BatchLoop:
             if new:
                 stepped += 1
                 if not h._tokens:  # the prefill's first token is a chunk of its own
-                    h._emit(new[:1], None)
+                    h._emit(new[:1], None, res.logprobs[:1])
                     new = new[1:]
             if new:  # one plain step's token or one cycle's tokens (a step runs one or the other)
                 cycled = len(res.accepted) > h._cycles
                 h._cycles = len(res.accepted)
-                h._emit(new, res.accepted[-1] if cycled else None)
+                n = len(h._tokens)
+                h._emit(new, res.accepted[-1] if cycled else None, res.logprobs[n: n + len(new)])
             if fin is not None:
                 del live[i]
                 self._done(h, fin)
@@ -791,21 +806,25 @@ class _BatchLoop:
             return
         h = self._serial.popleft()
         cycle: list[int | None] = [None]
+        logprobs: list[list] = [[]]  # the next chunk's
 
         def on_cycle(accepted: int, rows: int) -> None:
             cycle[0] = accepted
 
+        def on_logprobs(lps: list) -> None:
+            logprobs[0] = list(lps)
+
         def on_tokens(new: list[int]) -> None:
             if h._cancel.is_set():
                 raise _Cancelled
-            h._emit(new, cycle[0])
-            cycle[0] = None
+            h._emit(new, cycle[0], logprobs[0])
+            cycle[0], logprobs[0] = None, []
             self._take_inbox()
             self._drop_cancelled_serial()
 
         try:
             with self.gen._lock:
-                res = self.gen._run(h._prompt, h._req, None, (on_tokens, on_cycle))
+                res = self.gen._run(h._prompt, h._req, None, (on_tokens, on_cycle, on_logprobs))
         except _Cancelled:
             h._stopped = True
             res = GenerationResult(prompt_tokens=list(h._prompt), tokens=list(h._tokens))

@@ -211,3 +211,35 @@ def test_untransformed_q_is_caught(be, monkeypatch):
 
     monkeypatch.setattr(S.Sampler, "redraw", stale_q)
     assert _first_two(be, TRANSFORMS["top_p"], 400, "spread", "single") < 1e-3
+
+
+def test_api_passes_the_sampling_set_and_returns_logprobs(acc_export):
+    """The Python API: the record's sampling and logprobs fields as keyword arguments of generate / stream / submit
+    (no per-field code in api.py); Result.logprobs = the loop's, Chunk.logprobs = each chunk's (stream and
+    submit), the same tokens as generate; prompt logprobs skip the prefix cache (a repeat of the prompt restores
+    it otherwise); an unknown option is one DFlash2Error."""
+    import dflash2_trt
+    from dflash2_trt import DFlash2Error
+
+    kw = {"presence_penalty": 0.5, "logit_bias": {"7": 2.0}, "logprobs": True, "top_logprobs": 2}
+    with dflash2_trt.load(acc_export, backend="ort", threads=1) as g:
+        p = _prompt_ids = np.random.default_rng(5).integers(0, 512, 20).tolist()
+        r = g.generate(p, max_new_tokens=10, guard=False, proposer="dflash2", eos_ids=set(), **kw)
+        assert len(r.logprobs) == 10 and [lp.token for lp in r.logprobs] == r.tokens
+        assert all(lp.top[0][0] == lp.token for lp in r.logprobs)
+        assert r.tokens != g.generate(p, max_new_tokens=10, eos_ids=set()).tokens  # the transforms act
+        s = g.stream(p, max_new_tokens=10, guard=False, proposer="dflash2", eos_ids=set(), **kw)
+        chunks = list(s)
+        assert [lp for c in chunks for lp in c.logprobs] == r.logprobs
+        assert all(len(c.logprobs) == len(c.tokens) for c in chunks)
+        h = g.submit(p, max_new_tokens=10, proposer="dflash2", eos_ids=set(), **kw)
+        hc = list(h)
+        assert h.result().tokens == r.tokens and [lp.token for c in hc for lp in c.logprobs] == r.tokens
+        again = g.generate(_prompt_ids, max_new_tokens=4, eos_ids=set())
+        assert again.stats.cached_tokens > 0
+        echo = g.generate(_prompt_ids, max_new_tokens=4, eos_ids=set(), prompt_logprobs=True)
+        assert echo.stats.cached_tokens == 0 and [lp.token for lp in echo.prompt_logprobs] == p[1:]
+        with pytest.raises(DFlash2Error, match="unknown option 'top_q'"):
+            g.generate(p, top_q=0.5)
+        with pytest.raises(DFlash2Error, match="top_p must be"):
+            g.submit(p, top_p=1.5)
