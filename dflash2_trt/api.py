@@ -29,7 +29,7 @@ rest wait in arrival order). Iterating a handle streams its :class:`Chunk` s as 
 ``handle.cancel()`` frees its slot before it returns (within one batch step); ``handle.result()`` waits for the
 :class:`Result`. Each request drafts with its own ``proposer`` (the drafter, prompt lookup or ``auto``, as
 :meth:`Generator.generate`). :meth:`Generator.generate_batch` is submit + result for a list of prompts;
-:meth:`Generator.set_batching` sets ``max_batch`` and whether drafting is load-adaptive. Batching needs a
+:meth:`Generator.set_batching` sets ``max_batch``, whether drafting is load-adaptive and the prefill chunk. Batching needs a
 backend whose ``batching`` is on (:class:`~dflash2_trt.runtime.protocol.Backend`; today the fused ONNX Runtime
 target, the ``ort`` backend on the CPU); on other backends the same loop serves the submitted requests one after
 another.
@@ -61,6 +61,7 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache
+from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
 from dflash2_trt.runtime.request import GenerationRequest, Limits
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
@@ -168,7 +169,7 @@ class Generator:
         self._target: Any = None
         self._drafters: dict[str, Any] = {}
         self._loop: _BatchLoop | None = None  # submit's background loop, started by the first submit
-        self._max_batch, self._adaptive = 8, True  # its settings (set_batching)
+        self._max_batch, self._adaptive, self._prefill_chunk = 8, True, DEFAULT_PREFILL_CHUNK  # set_batching's
         self._batch_sizes: dict[int, int] = {}  # sequences decoded in one batch step -> steps (written by the loop)
         self._closed = False
 
@@ -319,25 +320,29 @@ class Generator:
             raise
         return [h.result() for h in handles]
 
-    def set_batching(self, max_batch: int = 8, adaptive: bool = True) -> None:
+    def set_batching(self, max_batch: int = 8, adaptive: bool = True,
+                     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
         """The batch loop's settings: ``max_batch`` sequences decoded together (more wait for a slot);
         ``adaptive``: a sequence drafts only while the load-adaptive rule of :mod:`dflash2_trt.runtime.batch`
-        says it pays (False: every speculative sequence drafts every step). Needs no request in flight
-        (DFlash2Error otherwise) when they change; the loop then restarts with fresh measured costs."""
-        from dflash2_trt.runtime.batch import check_batch_size
+        says it pays (False: every speculative sequence drafts every step); ``prefill_chunk``: prompt rows computed
+        in one step over all joining prompts (running streams wait one chunk, not a whole prompt; None: whole
+        prompts). Needs no request in flight (DFlash2Error otherwise) when they change; the loop then restarts with
+        fresh measured costs."""
+        from dflash2_trt.runtime.batch import check_batch_size, check_prefill_chunk
 
         check_batch_size(max_batch)
+        check_prefill_chunk(prefill_chunk)
         with self._init_lock:
             if self._closed:
                 raise DFlash2Error("this Generator is closed")
-            if (max_batch, bool(adaptive)) == (self._max_batch, self._adaptive):
+            if (max_batch, bool(adaptive), prefill_chunk) == (self._max_batch, self._adaptive, self._prefill_chunk):
                 return  # the loop keeps its runners and measured costs
             if self._loop is not None:
                 if not self._loop.idle:
                     raise DFlash2Error("set_batching needs the batch loop idle; requests are in flight")
                 self._loop.close()
                 self._loop = None
-            self._max_batch, self._adaptive = max_batch, bool(adaptive)
+            self._max_batch, self._adaptive, self._prefill_chunk = max_batch, bool(adaptive), prefill_chunk
 
     @property
     def batch_sizes(self) -> dict[int, int]:
@@ -732,7 +737,7 @@ class _BatchLoop:
                 dec = B.BatchDecoder(be.batch_target_runner(self.max_batch), None,
                                      B.SpeculationRule(adaptive=self.adaptive),
                                      batched_drafter=lambda n: be.batch_draft_runner(mode, n),
-                                     cache=self.gen.prefix_cache, grammar_tokenizer=self.gen.grammar_tokenizer)
+                                     cache=self.gen.prefix_cache, prefill_chunk=self.gen._prefill_chunk, grammar_tokenizer=self.gen.grammar_tokenizer)
                 self._decoders[mode], self._live[mode] = dec, {}
             i = dec.submit(h._prompt, h._req)
         except DFlash2Error as e:  # checked in submit already; whatever is left fails this request alone
