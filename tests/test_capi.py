@@ -1739,8 +1739,8 @@ def test_c_batch_equals_python_batch_decoder_on_measured_costs(lib, batch_be, po
                                                                plant):
     """Both batch loops on measured costs (their default) with one deterministic clock -- the test's: a target
     forward takes 10 ms and 0.5 ms per verify row, everything else nothing; Python's batch.COST_CLOCK and the C
-    core's clock ($DFLASH2_TEST_COST_CLOCK) read it -- and the runner's cost plan hidden (the C core has none), over
-    the accepting pair and the random one (drafts nearly all rejected): the same runner calls, tokens, accepted
+    core's clock (its test hook dflash2TestCostClock, set through ctypes) read it -- and the runner's cost plan
+    hidden (the C core has none), over the accepting pair and the random one (drafts nearly all rejected): the same runner calls, tokens, accepted
     drafts, plain steps and step counts. The realized check runs both ways: held steps (plain first, then after the
     rule chose plain: every 16th left to it) and weighed ones, drafting steps among them; on the random pair held
     steps count toward probe_after (3), so a request drafts again after a run of held steps (its estimate back at
@@ -1754,7 +1754,7 @@ def test_c_batch_equals_python_batch_decoder_on_measured_costs(lib, batch_be, po
     be = batch_be if pair == "accepting" else poor_batch_be
     now = ctypes.c_double(0.0)
     monkeypatch.setattr(BT, "COST_CLOCK", lambda: now.value)
-    monkeypatch.setenv("DFLASH2_TEST_COST_CLOCK", str(ctypes.addressof(now)))
+    monkeypatch.setattr(ctypes.c_void_p.in_dll(lib, "dflash2TestCostClock"), "value", ctypes.addressof(now))
     monkeypatch.delattr(OrtBatchedTargetRunner, "cost_units")  # the rule without a plan, as the C core's
     forward = OrtBatchedTargetRunner.forward
 

@@ -1,8 +1,8 @@
 """Chunked prefill in the batch loop (``BatchDecoder(prefill_chunk=...)``): a long prompt joining running streams is
 computed ``prefill_chunk`` rows a step, so the running sequences get a token in every step while it prefills (the
 path asserted step by step), and every request's tokens equal its own single, unchunked, uncached run — on a dense,
-a hybrid and a sliding-window tiny accepting pair, with drafts accepted; a planted chunk whose features skip the
-drafter's context is caught."""
+a hybrid and a sliding-window tiny accepting pair, with drafts accepted; a planted chunk whose features never reach
+the drafter is caught."""
 
 from __future__ import annotations
 
@@ -76,15 +76,18 @@ def test_unchunked_prefill_takes_the_prompt_in_one_step(backend):
     assert results[2].tokens
 
 
-def test_a_chunk_that_skips_the_drafters_context_is_caught(backend, monkeypatch):
-    """Negative control: a prefill step whose first chunk's features never join the drafter's context (the others
-    do) — the context has a hole, which the drafter's position check refuses in one line."""
-    add = B.BatchDecoder._add_contexts
+def test_a_chunk_whose_features_are_lost_is_caught(backend, monkeypatch):
+    """Negative control: a prefill step that keeps only the prompt's last chunk of features for the drafter (the
+    others lost) — its context would have a hole, which the drafter's position check refuses in one line."""
+    prefill = B.BatchDecoder._prefill
 
-    def planted(self, context):  # noqa: ANN001, ANN202
-        add(self, {slot: c for slot, c in context.items() if c[1] > 0})
+    def planted(self):  # noqa: ANN001, ANN202
+        done = prefill(self)
+        for s, _ in done:
+            s.pending = s.pending[-1:]
+        return done
 
-    monkeypatch.setattr(B.BatchDecoder, "_add_contexts", planted)
+    monkeypatch.setattr(B.BatchDecoder, "_prefill", planted)
     with pytest.raises(DFlash2Error, match="draft context (is at length|holds)"):
         _joining(backend, 16)
 

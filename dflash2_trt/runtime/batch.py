@@ -375,8 +375,9 @@ class SpeculationRule:
         return set(chosen)
 
 
-# prompt rows a batch step computes over the prompts joining (BatchDecoder.prefill_chunk): a running stream's next
-# token waits for at most this many (docs/design.md, chunked prefill: measured by benchmarks/prefill_join_gap.py)
+# prompt rows a batch step computes over the prompts joining while others decode: the Generator's and the server's
+# default (Generator.set_batching); a BatchDecoder made without one prefills whole prompts, as the C twin does
+# (docs/design.md, chunked prefill: measured by benchmarks/prefill_join_gap.py)
 DEFAULT_PREFILL_CHUNK = 32
 
 
@@ -416,7 +417,8 @@ class BatchDecoder:
 
     def __init__(self, target: Any, drafter_factory: Callable[[], DraftRunner] | None = None,
                  rule: SpeculationRule | None = None, batched_drafter: Callable[[int], Any] | None = None,
-                 cache: PrefixCache | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, grammar_tokenizer: Any = None) -> None:
+                 cache: PrefixCache | None = None, prefill_chunk: int | None = None,
+                 grammar_tokenizer: Any = None) -> None:
         self.target = target  # OrtBatchedTargetRunner (join/leave/crop/forward over slots)
         self.grammar_tokenizer = grammar_tokenizer  # the target's tokenizer for requests with a grammar
         self.cache = cache  # the prefix cache prompts start from and finished sequences join
@@ -516,8 +518,10 @@ class BatchDecoder:
             new.append(self._queue.popleft())
         t0 = time.perf_counter()
         # prompts of like lengths in neighbouring slots: a graph call binds a slot range, padded to its longest
-        for s in sorted(new, key=lambda s: len(s.prompt)):
+        by_length = sorted(new, key=lambda s: len(s.prompt))
+        for s in by_length:
             s.slot, s.t0 = self.target.join(), t0
+        for s in by_length:  # (the C twin's admit: every slot reset, then every drafter, then the prefill)
             drafter = self._drafter(s.slot) if self._uses_drafter(s) else None
             if drafter is not None:
                 drafter.reset()
@@ -525,7 +529,7 @@ class BatchDecoder:
                 self.cache.prefill_from(s.prompt, self.target, drafter, s.slot)
             s.res.cached_tokens = s.pending_start = s.prefilled
             s.prefilling = True
-            self._active[s.id] = s
+        self._active.update((s.id, s) for s in new)  # prefilled in the order they came
         if new:  # the joining requests' whole length at once: no growth (a copy of every slot) chunk after chunk
             n = min(self.target.max_positions, max(len(s.prompt) + s.limit for s in new))
             self.target.reserve(n)
@@ -554,7 +558,7 @@ class BatchDecoder:
         joining running streams delays their next token by one chunk's time, not by the whole prompt's; with none
         decoding, whole prompts) -> (sequence, logits) of those whose prompt
         is now whole: the last row's [1, V], every computed row's when the request asks for prompt logprobs. The
-        rows' features join the drafter's context in the same step."""
+        rows' features wait in the sequence's pending context (its drafter takes them at its first proposal)."""
         order = [s for s in self._active.values() if s.prefilling]
         # nobody decoding: nobody waits, whole prompts (the fewest, largest calls)
         budget = self.prefill_chunk if len(order) < len(self._active) else None
@@ -569,31 +573,20 @@ class BatchDecoder:
             return []
         every_row = any(s.req.prompt_logprobs for s in order if s.slot in rows)
         out = self.target.forward(rows, last_logits=not every_row)  # slot -> (logits, features [m, F])
-        done, context = [], {}
+        done = []
         for s in order:
             if s.slot not in rows:
                 continue
             logits, feats = out[s.slot]
             if self._uses_drafter(s):
-                context[s.slot] = (feats, s.prefilled)
+                s.pending.append(feats)
             s.prefilled += len(rows[s.slot])
             if s.req.prompt_logprobs:
                 s.prompt_rows.append(logits)
             if s.prefilled == len(s.prompt):
                 s.prefilling = False
-                s.pending_start = s.prefilled
                 done.append((s, np.concatenate(s.prompt_rows) if s.req.prompt_logprobs else logits))
-        self._add_contexts(context)
         return done
-
-    def _add_contexts(self, context: dict[int, tuple[np.ndarray, int]]) -> None:
-        """slot -> (features [m, F], start): the prompt chunks' rows join their drafters' contexts in this step
-        (one call on a batched drafter), so no step carries a whole prompt's context."""
-        if self._batched is not None:
-            self._batched.add_contexts(context)
-            return
-        for slot, (feats, start) in context.items():
-            self._drafter(slot).add_context(feats, start)
 
     def _uses_drafter(self, s: _Seq) -> bool:
         """Whether the DFlash 2 drafter proposes for s (its context then follows s's committed positions): its

@@ -10,6 +10,14 @@
 #include <iterator>
 #include <string>
 
+//! The tests' hook, as they monkeypatch batch.COST_CLOCK (tests/test_capi.py sets it through ctypes to a double it
+//! advances as its runners run, and back to null): while not null, the batch loop's cost clock reads that double.
+//! Not part of the C API (no header declares it); nothing but the tests sets it.
+extern "C"
+{
+__attribute__((visibility("default"))) double const* dflash2TestCostClock = nullptr;
+}
+
 namespace dflash2
 {
 
@@ -24,15 +32,12 @@ double secondsBetween(Clock::time_point a, Clock::time_point b)
 }
 
 // batch.COST_CLOCK: the rule's clock is wall time, what a user waits for (process CPU time overstated a proposal
-// while the target's workers spin into it). $DFLASH2_TEST_COST_CLOCK is the tests' hook, as they monkeypatch
-// batch.COST_CLOCK: the decimal address of a double in this process that the test advances as its runners run,
-// read as the clock (tests/test_capi.py compares the batch loops on measured costs with it); never set it otherwise
+// while the target's workers spin into it); the tests' deterministic clock where they set one (dflash2TestCostClock)
 double costClock()
 {
-    char const* const test = std::getenv("DFLASH2_TEST_COST_CLOCK");
-    if (test != nullptr && *test != '\0')
+    if (dflash2TestCostClock != nullptr)
     {
-        return *reinterpret_cast<double const*>(static_cast<uintptr_t>(std::strtoull(test, nullptr, 10)));
+        return *dflash2TestCostClock;
     }
     return secondsBetween(Clock::time_point{}, Clock::now());
 }
@@ -337,9 +342,11 @@ struct BatchDecoder::Seq
     bool done{false};
 
     //! whether the DFlash 2 drafter proposes for it (its context then follows the committed positions)
+    //! batch._uses_drafter: a speculative request whose proposer is not prompt lookup alone (its choice's
+    //! usesDrafter, known before the choice is made at its first token)
     bool usesDrafter() const
     {
-        return req.config.speculative && choice.usesDrafter();
+        return req.config.speculative && req.config.proposer != Proposer::kNGRAM;
     }
     std::deque<int32_t>& committedBy(Proposer who)
     {
@@ -611,6 +618,21 @@ void BatchDecoder::admit()
             finish(*s, code, message);
         }
     }
+    for (Seq* s : byLength)  // then every drafter (the Python loop restores a cached prefix into it here)
+    {
+        if (!s->done && s->usesDrafter())
+        {
+            try
+            {
+                mRunners.drafterReset(s->slot);
+            }
+            catch (...)
+            {
+                auto const [code, message] = errorOfCurrentException();
+                finish(*s, code, message);
+            }
+        }
+    }
     std::vector<Seq*> fed;
     std::vector<SlotRows> rows;
     for (Seq* s : fresh)
@@ -673,7 +695,6 @@ void BatchDecoder::start(Seq& s, float const* logits)
         s.choice = ProposerChoice(mode, std::move(context), lookupRows);
         if (s.usesDrafter())
         {
-            mRunners.drafterReset(s.slot);
             mRunners.drafterQueueContext(s.slot, n);
             s.pendingRows = n;
             s.pendingStart = 0;
