@@ -112,6 +112,14 @@ def test_the_planted_doubling_solve_fails_it(tmp_path):
     assert worst[4] < TOL and worst[32] > 1.0 and worst[64] > 1e6, worst
 
 
+def test_a_planted_inverse_one_level_short_fails_it(tmp_path, monkeypatch):
+    """Negative control: the blocked inverse one level short (blocks up to 32 rows) is exact to 32 rows and wrong
+    past them — which random prompts cannot tell, and these cases do."""
+    monkeypatch.setattr(hybrid, "_LEVELS", hybrid._LEVELS - 1)
+    worst = _worst_error(_session(hybrid._delta_rule, tmp_path, "short"), (32, 33, 64))
+    assert worst[32] < TOL and worst[33] > TOL and worst[64] > TOL, worst
+
+
 # ----------------------------------------------------------------------------------------------------
 # A long-memory target, end to end
 # ----------------------------------------------------------------------------------------------------
