@@ -284,14 +284,16 @@ def test_serve_without_the_extra_is_one_line():
 
 
 BAD = [  # (body changes, param named in the error)
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": 3}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": True}, "max_tokens"),
-    ({"top_p": 0.5}, "top_p"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
     ({"seed": -1}, "seed"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -315,14 +317,14 @@ def test_bad_requests_get_400_and_never_reach_the_batch(server, gen):
         err = body["error"]
         assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], (change, err)
     with pytest.raises(openai.BadRequestError) as e:  # the official client sees the same
-        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], n=2)
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], n=17)
     assert e.value.body["param"] == "n"
     long_prompt = [1] * gen.max_positions  # completions: token ids, one more than fits with a token to generate
     for body, param in [({"model": NAME, "prompt": long_prompt, "max_tokens": 1}, "prompt"),
                         ({"model": NAME, "prompt": [10**9], "max_tokens": 1}, "prompt"),  # id out of the vocabulary
-                        ({"model": NAME, "prompt": ["a", "b"]}, "prompt"),
+                        ({"model": NAME, "prompt": ["a"] * 33}, "prompt"),
                         ({"model": NAME, "prompt": "", "max_tokens": 1}, "prompt"),
-                        ({"model": NAME, "prompt": "Hi", "echo": True}, "echo")]:
+                        ({"model": NAME, "prompt": "Hi", "echo": "yes"}, "echo")]:
         st, out, _ = _post(server.url + "/v1/completions", body)
         assert st == 400 and out["error"]["param"] == param, (body if len(str(body)) < 200 else param, out)
     assert "context length" in _post(server.url + "/v1/completions", {"model": NAME, "prompt": long_prompt})[1][

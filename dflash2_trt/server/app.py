@@ -210,6 +210,8 @@ class _Job:
     stopped: bool = False  # a stop string ended it
     answered: bool = False  # the answer's last byte is being sent: a disconnect from now on is no cancel
     aborted: bool = False  # Server.abort_all cancelled it
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of the chunks taken, not yet sent (streams)
+    sent: int = 0  # characters of text sent (completions' text_offset)
 
 
 def _finish(job: _Job, res: Any) -> str:
@@ -247,8 +249,10 @@ class Server:
 
     def __init__(self, gen: Any, model_name: str, *, max_batch: int = 8, max_queue: int = 32,
                  adaptive: bool = True, speculative: bool = True, proposer: str = DEFAULT_PROPOSER,
-                 api_key: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
+                 api_key: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+                 strict_params: bool = False) -> None:
         self.gen, self.model_name, self.api_key = gen, model_name, api_key
+        self.strict_params = strict_params  # harmless OpenAI keys refused (P.HARMLESS) instead of ignored
         self.speculative, self.proposer, self.limit = speculative, proposer, max_batch + max_queue
         gen.set_batching(max_batch, adaptive=adaptive, prefill_chunk=prefill_chunk)
         self.positions = gen.max_positions
@@ -338,17 +342,47 @@ class Server:
         if denied:
             return denied
         try:
-            spec = (P.parse_chat if kind == P.CHAT else P.parse_completion)(P.parse_json(await _body(request)))
+            spec = (P.parse_chat if kind == P.CHAT else P.parse_completion)(P.parse_json(await _body(request)),
+                                                                              self.strict_params)
+            if spec.ignored:
+                _log.warning("dflash2 serve: ignored %s (no effect on this server; --strict-params refuses them)",
+                             ", ".join(spec.ignored))
             if spec.model != self.model_name:
                 raise P.RequestError(f"The model '{spec.model}' does not exist", "model", status=404,
                                      code="model_not_found")
-            job = self._submit(spec)
+            jobs = self._submit_choices(spec)
         except P.RequestError as e:
             headers = {"retry-after": str(RETRY_AFTER_S)} if e.status == 429 else None
             return self._json(request, e.body(), e.status, headers)
         except DFlash2Error as e:  # the Generator's own checks (token ids, template): the request's fault
             return self._json(request, P.error_body(str(e), param="messages" if kind == P.CHAT else "prompt"), 400)
-        return _Reply(self, job)
+        return _Reply(self, jobs[0]) if len(jobs) == 1 else _Choices(self, jobs, spec.n)
+
+    def _submit_choices(self, spec: P.ParsedRequest) -> list[_Job]:
+        """Every choice of a request submitted (prompt i's j-th: index i x n + j; choice j samples with the
+        request's seed + j), or none: RequestError / DFlash2Error when one is refused (those submitted before it are
+        cancelled)."""
+        prompts = P.prompts_of(spec)
+        if len(prompts) == 1 and spec.n == 1:
+            return [self._submit(spec)]
+        with self._lock:
+            if self.in_flight + len(prompts) * spec.n > self.limit:
+                raise P.RequestError(f"The server is at capacity ({self.in_flight} requests in flight, "
+                                     f"{len(prompts) * spec.n} choices asked); retry after {RETRY_AFTER_S} s",
+                                     status=429, type="rate_limit_error", code="rate_limit_exceeded")
+        jobs: list[_Job] = []
+        try:
+            for p in prompts:
+                for j in range(spec.n):
+                    seed = (spec.request.seed + j) % (P.MAX_SEED + 1)
+                    jobs.append(self._submit(dataclasses.replace(
+                        spec, prompt=p, more_prompts=[], request=dataclasses.replace(spec.request, seed=seed))))
+        except BaseException:
+            for job in jobs:
+                job.aborted = True
+                job.handle.cancel(wait=False)
+            raise
+        return jobs
 
     def _submit(self, spec: P.ParsedRequest) -> _Job:
         """Encode, check against the context, admit, submit; the forwarding thread started. RequestError /
@@ -514,6 +548,7 @@ class _Reply(Response):
                     return
                 text += it.text
                 tokens += it.tokens
+                self.job.logprobs += it.logprobs
             yield text, tokens
 
     async def _pieces(self) -> AsyncIterator[Any]:
@@ -544,6 +579,38 @@ class _Reply(Response):
             if out:
                 yield out, None
 
+    def _echo(self) -> str:
+        """The prompt's text a completions answer begins with when it asks for ``echo`` (else "")."""
+        spec = self.job.spec
+        if not spec.echo:
+            return ""
+        return spec.prompt if isinstance(spec.prompt, str) else self.server.gen.decode(spec.prompt)
+
+    def _logprobs(self, res: Any, n: int) -> dict | None:
+        """The logprobs object of a whole answer of ``n`` completion tokens (OpenAI's chat or completions shape;
+        with echo the prompt's tokens first), None when not asked."""
+        spec, decode = self.job.spec, self.server.gen.decode
+        if not spec.request.logprobs:
+            return None
+        if spec.kind == P.CHAT:
+            return P.chat_logprobs(res.logprobs[:n], decode)
+        if not spec.echo:
+            return P.completion_logprobs(res.logprobs[:n], decode)
+        from dflash2_trt.runtime.sampling import TokenLogprob
+
+        first = [TokenLogprob(res.prompt_tokens[0], 0.0)]
+        return P.completion_logprobs(first + res.prompt_logprobs + res.logprobs[:n], decode, first_null=True)
+
+    def _sent_logprobs(self, text: str) -> dict | None:
+        """The logprobs of the tokens taken since the last text sent (a stream's chunk of ``text``)."""
+        job = self.job
+        if not job.spec.request.logprobs:
+            return None
+        lps, job.logprobs = job.logprobs, []
+        offset, job.sent = job.sent, job.sent + len(text)
+        decode = self.server.gen.decode
+        return P.chat_logprobs(lps, decode) if job.spec.kind == P.CHAT else P.completion_logprobs(lps, decode, offset)
+
     async def _whole(self, send: Any) -> None:
         job = self.job
         parts: list[str] = []
@@ -556,8 +623,10 @@ class _Reply(Response):
             parts.append(text)
             if end is not None:
                 finish, n, res = end
-                body = P.answer(job.spec.kind, job.rid, job.created, self.server.model_name, "".join(parts), finish,
-                                P.usage(job.prompt_len, n, res.stats.cached_tokens), _stats(res))
+                text = self._echo() + "".join(parts)
+                body = P.answer(job.spec.kind, job.rid, job.created, self.server.model_name, text, finish,
+                                P.usage(job.prompt_len, n, res.stats.cached_tokens), _stats(res),
+                                self._logprobs(res, n))
                 job.answered = True
                 await _send_json(send, 200, body)
                 return
@@ -572,13 +641,16 @@ class _Reply(Response):
 
         if kind == P.CHAT:
             await event(P.sse(P.chunk(kind, rid, created, name, first=True)))
+        elif job.spec.echo:  # the prompt's text first (its logprobs come with whole answers only)
+            job.sent = len(self._echo())
+            await event(P.sse(P.chunk(kind, rid, created, name, self._echo())))
         async for it in self._pieces():
             if isinstance(it, BaseException):
                 await event(P.sse(P.error_body(f"decoding failed: {it}", type="server_error")))
                 break
             text, end = it
             if text:
-                await event(P.sse(P.chunk(kind, rid, created, name, text)))
+                await event(P.sse(P.chunk(kind, rid, created, name, text, logprobs=self._sent_logprobs(text))))
             if end is not None:
                 finish, n, res = end
                 await event(P.sse(P.chunk(kind, rid, created, name, None, finish, dflash2=_stats(res))))
@@ -586,6 +658,90 @@ class _Reply(Response):
                     await event(P.sse(P.usage_chunk(kind, rid, created, name,
                                                     P.usage(job.prompt_len, n, res.stats.cached_tokens))))
         job.answered = True
+        await send({"type": "http.response.body", "body": P.SSE_DONE, "more_body": False})
+
+
+class _Choices(Response):
+    """The answer to a request of several choices (n > 1, several prompts): one :class:`_Reply` per choice, their
+    bodies merged into one (choices indexed, usage summed: :func:`~dflash2_trt.server.protocol.merge_answers`) or
+    their streams interleaved with each chunk's choice index (one usage chunk, one ``[DONE]``); a client going
+    away cancels them all."""
+
+    def __init__(self, server: Server, jobs: list[_Job], n: int) -> None:
+        super().__init__()
+        self.server, self.replies, self.n = server, [_Reply(server, j) for j in jobs], n
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        jobs = [r.job for r in self.replies]
+
+        async def watch(scope_: anyio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            for job in jobs:
+                job.gone = job.gone or not job.answered
+            scope_.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch, tg.cancel_scope)
+                try:
+                    await (self._stream(send) if jobs[0].spec.stream else self._whole(send))
+                except OSError:
+                    for job in jobs:
+                        job.gone = True
+                tg.cancel_scope.cancel()
+        finally:
+            for job in jobs:
+                if not job.handle.done:
+                    job.gone = job.gone or not (job.stopped or job.aborted)
+                    with anyio.CancelScope(shield=True):
+                        await self.server.cancel(job)
+
+    async def _whole(self, send: Any) -> None:
+        bodies = []
+        for r in self.replies:
+            got: list[dict] = []
+
+            async def keep(message: Any, got: list = got) -> None:
+                got.append(message)
+
+            await r._whole(keep)
+            body = json.loads(b"".join(m.get("body", b"") for m in got[1:]))
+            if got[0]["status"] != 200:
+                await _send_json(send, got[0]["status"], body)
+                return
+            bodies.append(body)
+        await _send_json(send, 200, P.merge_answers(bodies, self.n))
+
+    async def _stream(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        lock, uses = anyio.Lock(), {}
+
+        async def one(k: int, r: _Reply) -> None:
+            async def relay(message: Any) -> None:
+                data = message.get("body", b"") if message["type"] == "http.response.body" else b""
+                if not data or data == P.SSE_DONE:
+                    return
+                obj = json.loads(data[len(b"data: "):])
+                if obj.get("choices"):
+                    obj["choices"][0]["index"] = k
+                elif "usage" in obj:
+                    uses[k] = obj
+                    return
+                async with lock:
+                    await send({"type": "http.response.body", "body": P.sse(obj), "more_body": True})
+
+            await r._stream(relay)
+
+        async with anyio.create_task_group() as tg:
+            for k, r in enumerate(self.replies):
+                tg.start_soon(one, k, r)
+        if len(uses) == len(self.replies):
+            last = uses[0]
+            last["usage"] = P.merge_usage([uses[k]["usage"] for k in range(len(uses))], self.n)
+            await send({"type": "http.response.body", "body": P.sse(last), "more_body": True})
+        for r in self.replies:
+            r.job.answered = True
         await send({"type": "http.response.body", "body": P.SSE_DONE, "more_body": False})
 
 

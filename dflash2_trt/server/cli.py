@@ -51,6 +51,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--drain-timeout", type=V.NON_NEGATIVE_NUMBER, default=60.0,
                    help="seconds SIGTERM waits for requests in flight before cancelling them")
     s.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    s.add_argument("--strict-params", action="store_true",
+                   help="refuse harmless OpenAI keys (store, metadata, reasoning_effort, service_tier, ...) as unknown "
+                        "instead of ignoring them with a logged warning")
     s.add_argument("--prefill-chunk", type=V.COUNT, default=DEFAULT_PREFILL_CHUNK,
                    help="prompt rows computed per batch step while other requests decode (default %(default)s)")
     s.add_argument("--prefix-cache-mib", type=V.NON_NEGATIVE, default=DEFAULT_BUDGET_BYTES >> 20,
@@ -73,7 +76,8 @@ def run(a: argparse.Namespace) -> int:
                           **ort_options(a)) as gen:
         srv = Server(gen, name, max_batch=a.max_batch, max_queue=a.max_queue,
                      adaptive=a.speculation == "adaptive", speculative=a.speculation != "off",
-                     proposer=a.proposer, api_key=a.api_key, prefill_chunk=a.prefill_chunk)
+                     proposer=a.proposer, api_key=a.api_key, prefill_chunk=a.prefill_chunk,
+                     strict_params=a.strict_params)
         srv.warm_up()
         config = uvicorn.Config(srv.app, host=a.host, port=a.port, lifespan="off", access_log=a.access_log,
                                 timeout_graceful_shutdown=a.drain_timeout + ABORT_GRACE_S, log_level="info")

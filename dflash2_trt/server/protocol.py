@@ -8,17 +8,28 @@ Parameters (both routes, OpenAI's names and defaults)::
     max_tokens          int >= 1; chat also max_completion_tokens. Default: chat, the rest of the context;
                         completions, 16 (OpenAI's). prompt + max_tokens beyond the export's positions: 400
     temperature         number in [0, 2], default 1; 0 is greedy (the target's own tokens)
+    top_p, top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias
+                        the sampling transforms (top_k, min_p, repetition_penalty: vLLM's extensions), checked by
+                        the GenerationRequest they become (runtime/sampling.py); lossless under speculation
+    logprobs            chat: bool, with top_logprobs (0..20); completions: int 0..5 (the top count). The target's
+                        log-probabilities after the transforms, per generated token
+    echo                completions: the prompt's text before the completion (with logprobs: the prompt tokens'
+                        too, the first one's null)
+    n                   1..MAX_N choices per prompt (each its own sampling stream: seed + index when a seed is given)
     seed                int in [0, 2^63); none: a fresh random stream
     stop                a string or up to 4; the text ends before the first one (finish_reason "stop")
     stream              bool; stream_options {"include_usage": bool} with it
-    n, top_p, presence_penalty, frequency_penalty, logit_bias, logprobs, top_logprobs, best_of, echo, suffix,
-    response_format, tools, tool_choice, parallel_tool_calls, user
-                        accepted at their neutral value only (n = 1, top_p = 1, penalties 0, no logprobs, no
-                        tools, text responses): anything else is a 400 naming the parameter, never ignored
+    best_of, suffix     accepted at their neutral value only (best_of = 1, no suffix): anything else is a 400
+                        naming the parameter, never ignored
+    user                a string, unused
+    store, metadata, reasoning_effort, service_tier, ...
+                        harmless keys (:data:`HARMLESS`) that change nothing here: ignored, each with a logged
+                        warning (``strict``, ``dflash2 serve --strict-params``: refused as unknown)
     ignore_eos          bool (vLLM's extension): decode max_tokens tokens whatever the target's EOS
     messages            chat: [{"role": system|developer|user|assistant, "content": str | [{"type": "text",
                         "text": str}, ...]}], rendered with the target's chat template
-    prompt              completions: a str (raw text, no template) or token ids, or a list of one of them
+    prompt              completions: a str (raw text, no template) or token ids, or a list of up to MAX_PROMPTS
+                        of them (one choice per prompt and n, index prompt x n + j)
 
 Any other key is refused as OpenAI refuses it ("Unrecognized request argument supplied"). A body nested more than
 :data:`MAX_DEPTH` levels is ``invalid_json``; a string holding a lone UTF-16 surrogate (``"\\ud800"``, which no
@@ -28,6 +39,7 @@ UTF-8 text holds) is refused naming its field, not replaced. Every refusal is a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import secrets
@@ -44,21 +56,29 @@ MAX_SEED = 2**63 - 1
 MAX_ECHO = 80  # characters of a refused value quoted back in an error message
 MAX_DEPTH = 32  # JSON nesting a request body may have (the bodies this server takes are at most 5 deep)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 32  # prompts in one completions request
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on completions' logprobs
+# keys OpenAI clients send that change nothing this server does: ignored with a warning (refused when strict)
+HARMLESS = ("store", "metadata", "reasoning_effort", "service_tier", "prompt_cache_key", "safety_identifier",
+            "verbosity", "modalities", "prediction", "web_search_options")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 
 # parameters accepted only at their neutral value (None is always fine): name -> the values that change nothing
-# (completions' logprobs: none; 0 would still ask for the chosen tokens' log-probabilities)
-_NEUTRAL_COMMON: dict[str, tuple] = {"n": (1,), "top_p": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
-                                     "logit_bias": ({},)}
+_NEUTRAL_COMMON: dict[str, tuple] = {}
+# the sampling transforms: passed to the GenerationRequest by name, which checks them
+SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 _NEUTRAL = {
-    CHAT: {**_NEUTRAL_COMMON, "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
+    CHAT: {**_NEUTRAL_COMMON, "response_format": ({"type": "text"},),
            "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False)},
-    COMPLETION: {**_NEUTRAL_COMMON, "logprobs": (), "best_of": (1,), "echo": (False,), "suffix": ("",)},
+    COMPLETION: {**_NEUTRAL_COMMON, "best_of": (1,), "suffix": ("",)},
 }
 _PARAMS_COMMON = {"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "user",
-                  "ignore_eos"}
+                  "ignore_eos", "n", "logprobs", *SAMPLING}
 _PARAMS = {CHAT: _PARAMS_COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL[CHAT]),
            COMPLETION: _PARAMS_COMMON | {"prompt"} | set(_NEUTRAL[COMPLETION])}
+_PARAMS[CHAT] |= {"top_logprobs"}  # logprobs' companions, one per route
+_PARAMS[COMPLETION] |= {"echo"}
 
 
 class RequestError(DFlash2Error):
@@ -83,7 +103,8 @@ class ParsedRequest:
     """One checked request: what the route answers (``kind``, ``model``, stop strings, streaming), the prompt (chat
     messages [{"role", "content": str}], raw text or token ids) and the generation options as one record —
     ``max_tokens`` as its ``max_new_tokens`` (None: the route's default, :func:`max_tokens_for`), ``temperature``
-    (OpenAI's default 1), ``seed`` (none: a fresh stream), ``ignore_eos`` as ``eos_ids`` = {}."""
+    (OpenAI's default 1), ``seed`` (none: a fresh stream), ``ignore_eos`` as ``eos_ids`` = {}, the sampling
+    transforms and logprobs as theirs (``echo`` with logprobs: ``prompt_logprobs``)."""
 
     kind: str  # CHAT | COMPLETION
     model: str
@@ -92,6 +113,15 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices per prompt
+    more_prompts: list = field(default_factory=list)  # completions: the prompts after the first
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
+    ignored: list[str] = field(default_factory=list)  # harmless keys given and ignored (the server logs them)
+
+
+def prompts_of(spec: ParsedRequest) -> list:
+    """Every prompt of a request (completions may hold several; one choice per prompt and n)."""
+    return [spec.prompt, *spec.more_prompts]
 
 
 # -- parsing ---------------------------------------------------------------------------------------------------
@@ -201,8 +231,9 @@ def _same(v: Any, w: Any) -> bool:  # JSON equality: true is not 1
     return isinstance(v, bool) == isinstance(w, bool) and v == w
 
 
-def _common(body: dict, kind: str) -> dict:
-    unknown = sorted(set(body) - _PARAMS[kind])
+def _common(body: dict, kind: str, strict: bool = False) -> dict:
+    ignored = [] if strict else sorted(k for k in set(body) & set(HARMLESS) if body[k] is not None)
+    unknown = sorted(set(body) - _PARAMS[kind] - set(HARMLESS if not strict else ()))
     if unknown:
         raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0],
                            code="unknown_parameter")
@@ -238,10 +269,22 @@ def _common(body: dict, kind: str) -> dict:
     if user is not None and not isinstance(user, str):
         raise _type_error("user", "a string", user)
     temperature = _number(body, "temperature", 0.0, 2.0)
+    n = _integer(body, "n", 1, MAX_N)
+    sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+    if kind == CHAT:
+        lp = _boolean(body, "logprobs")
+        top = _integer(body, "top_logprobs", 0, 20)
+        if top is not None and not lp:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs", code="invalid_value")
+        logprobs = {"logprobs": lp, "top_logprobs": top or 0}
+    else:
+        top = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+        logprobs = {"logprobs": top is not None, "top_logprobs": top or 0}
     return {"kind": kind, "model": model, "max_tokens": _integer(body, "max_tokens", 1),
             "temperature": 1.0 if temperature is None else temperature,
             "seed": _integer(body, "seed", 0, MAX_SEED), "stop": stops, "stream": stream,
-            "include_usage": include_usage, "ignore_eos": _boolean(body, "ignore_eos")}
+            "include_usage": include_usage, "ignore_eos": _boolean(body, "ignore_eos"),
+            "n": n or 1, "sampling": {**sampling, **logprobs}, "ignored": ignored}
 
 
 def _content(i: int, content: Any) -> str:
@@ -260,16 +303,30 @@ def _content(i: int, content: Any) -> str:
     raise _type_error(where, "a string or an array of text parts", content)
 
 
+def _record(**fields: Any) -> GenerationRequest:
+    """The GenerationRequest of ``fields``; its refusal of a sampling or logprobs field (the record checks them) a
+    RequestError naming the field."""
+    try:
+        return GenerationRequest(**fields)
+    except DFlash2Error as e:
+        name = next((k for k in sorted(fields, key=len, reverse=True) if str(e).startswith(k)), None)
+        raise RequestError(f"Invalid value for '{name}': {e}" if name else str(e), name,
+                           code="invalid_value") from None
+
+
 def _parsed(c: dict, prompt: str | list[int] | list[dict[str, str]]) -> ParsedRequest:
     """The checked body's fields (:func:`_common`) and its prompt -> the ParsedRequest with its GenerationRequest."""
-    options = GenerationRequest(max_new_tokens=c.pop("max_tokens"), temperature=c.pop("temperature"),
-                                seed=c.pop("seed"), eos_ids=frozenset() if c.pop("ignore_eos") else None)
+    sampling = c.pop("sampling")  # checked by the record: its DFlash2Error is a 400
+    if c.get("echo") and sampling["logprobs"]:
+        sampling["prompt_logprobs"] = True
+    options = _record(max_new_tokens=c.pop("max_tokens"), temperature=c.pop("temperature"),
+                      seed=c.pop("seed"), eos_ids=frozenset() if c.pop("ignore_eos") else None, **sampling)
     return ParsedRequest(prompt=prompt, request=options, **c)
 
 
-def parse_chat(body: dict) -> ParsedRequest:
-    """A ``/v1/chat/completions`` body -> its ParsedRequest, or RequestError."""
-    c = _common(body, CHAT)
+def parse_chat(body: dict, strict: bool = False) -> ParsedRequest:
+    """A ``/v1/chat/completions`` body -> its ParsedRequest, or RequestError; ``strict``: harmless keys refused."""
+    c = _common(body, CHAT, strict)
     if body.get("max_tokens") is None:
         c["max_tokens"] = _integer(body, "max_completion_tokens", 1)
     elif body.get("max_completion_tokens") is not None:
@@ -301,24 +358,31 @@ def parse_chat(body: dict) -> ParsedRequest:
     return _parsed(c, out)
 
 
-def parse_completion(body: dict) -> ParsedRequest:
-    """A ``/v1/completions`` body -> its ParsedRequest, or RequestError."""
-    c = _common(body, COMPLETION)
+def _one_prompt(p: Any, where: str) -> str | list[int]:
+    if isinstance(p, str):
+        if not p:
+            raise RequestError(f"'{where}' must not be empty", where, code="invalid_value")
+        return p
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return list(p)
+    raise _type_error(where, "a string or a non-empty array of token ids", p)
+
+
+def parse_completion(body: dict, strict: bool = False) -> ParsedRequest:
+    """A ``/v1/completions`` body -> its ParsedRequest, or RequestError; ``strict``: harmless keys refused."""
+    c = _common(body, COMPLETION, strict)
+    c["echo"] = _boolean(body, "echo")
     p = body.get("prompt")
     if p is None:
         raise RequestError("you must provide a prompt parameter", "prompt", code="missing_required_parameter")
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):  # a batch of prompts
-        if len(p) != 1:
-            raise RequestError(f"one prompt per request, got {len(p)}", "prompt", code="unsupported_value")
-        p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise RequestError("'prompt' must not be empty", "prompt", code="invalid_value")
-    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        p = list(p)
+        if len(p) > MAX_PROMPTS:
+            raise RequestError(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt",
+                               code="invalid_value")
+        prompts = [_one_prompt(q, f"prompt[{i}]") for i, q in enumerate(p)]
     else:
-        raise _type_error("prompt", "a string or a non-empty array of token ids", p)
-    return _parsed(c, p)
+        prompts = [_one_prompt(p, "prompt")]
+    return dataclasses.replace(_parsed(c, prompts[0]), more_prompts=prompts[1:])
 
 
 def max_tokens_for(spec: ParsedRequest, prompt_len: int, positions: int) -> int:
@@ -385,29 +449,75 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _choice(kind: str, text: str | None, finish: str | None, stream: bool, first: bool = False) -> dict:
+def _choice(kind: str, text: str | None, finish: str | None, stream: bool, first: bool = False,
+            logprobs: dict | None = None) -> dict:
     if kind == COMPLETION:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if not stream:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
     delta: dict = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def chat_logprobs(lps: list, decode: Any) -> dict:
+    """OpenAI's chat logprobs object of TokenLogprobs (runtime/sampling.py); ``decode``: ids -> text."""
+    return {"content": [{**_entry(decode([lp.token]), lp.logprob),
+                         "top_logprobs": [_entry(decode([t]), v) for t, v in lp.top]} for lp in lps]}
+
+
+def completion_logprobs(lps: list, decode: Any, offset: int = 0, first_null: bool = False) -> dict:
+    """OpenAI's legacy completions logprobs object of TokenLogprobs: tokens, token_logprobs, top_logprobs (token
+    text -> logprob), text_offset (from ``offset`` in the choice's text); ``first_null``: the first entry is the
+    prompt's first token, which has no logprob (echo)."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for i, lp in enumerate(lps):
+        text = decode([lp.token])
+        null = first_null and i == 0
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if null else lp.logprob)
+        out["top_logprobs"].append(None if null else {decode([t]): v for t, v in lp.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
 
 
 def answer(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict,
-           stats: dict) -> dict:
+           stats: dict, logprobs: dict | None = None) -> dict:
     """The non-streaming body; ``stats``: the decoding figures, under the ``dflash2`` extension field."""
     return {"id": rid, "object": "chat.completion" if kind == CHAT else "text_completion", "created": created,
-            "model": model, "choices": [_choice(kind, text, finish, False)], "usage": use, "dflash2": stats}
+            "model": model, "choices": [_choice(kind, text, finish, False, logprobs=logprobs)], "usage": use,
+            "dflash2": stats}
+
+
+def merge_answers(bodies: list[dict], n: int) -> dict:
+    """The bodies of a request's choices (prompt i's j-th at i x n + j) -> one body: the choices indexed, the usage
+    summed (each prompt's tokens counted once), ``dflash2`` one entry per choice."""
+    out = dict(bodies[0])
+    out["choices"] = [{**b["choices"][0], "index": k} for k, b in enumerate(bodies)]
+    out["usage"] = merge_usage([b["usage"] for b in bodies], n)
+    out["dflash2"] = [b["dflash2"] for b in bodies]
+    return out
+
+
+def merge_usage(uses: list[dict], n: int) -> dict:
+    """The usage of a request's choices (see :func:`merge_answers`)."""
+    firsts = uses[::n]
+    return usage(sum(u["prompt_tokens"] for u in firsts), sum(u["completion_tokens"] for u in uses),
+                 sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts))
 
 
 def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None, finish: str | None = None,
-          first: bool = False, **extra: Any) -> dict:
-    """One streamed chunk (OpenAI's chunk object); ``first``: chat's opening role delta; ``extra``: top-level
-    fields (``dflash2`` on the finishing chunk)."""
+          first: bool = False, logprobs: dict | None = None, **extra: Any) -> dict:
+    """One streamed chunk (OpenAI's chunk object); ``first``: chat's opening role delta; ``logprobs``: those of
+    its tokens; ``extra``: top-level fields (``dflash2`` on the finishing chunk)."""
     return {"id": rid, "object": "chat.completion.chunk" if kind == CHAT else "text_completion",
-            "created": created, "model": model, "choices": [_choice(kind, text, finish, True, first)], **extra}
+            "created": created, "model": model, "choices": [_choice(kind, text, finish, True, first, logprobs)],
+            **extra}
 
 
 def usage_chunk(kind: str, rid: str, created: int, model: str, use: dict) -> dict:
