@@ -1,7 +1,7 @@
 """The sampling transforms of one sequence: the target's logits rows -> the law its tokens are drawn from, and the
 log-probabilities it reports.
 
-One fixed order (vLLM's; docs/design.md, sampling): logit bias, penalties (repetition, then frequency, then
+One fixed order (vLLM's): logit bias, penalties (repetition, then frequency, then
 presence, over the prompt + the committed tokens; a verify row also sees the drafts before it as committed),
 temperature, top-k, top-p, min-p. :class:`Sampler` holds what the penalties count and is called by the accept step
 (:mod:`dflash2_trt.runtime.accept`) for every plain step, prefill and verify row of both loops, so the output is the
