@@ -197,6 +197,12 @@ class Generator:
         return tuple(self._backend.draft_modes)
 
     @property
+    def tokenizer(self) -> Any:
+        """The target's tokenizer (:class:`~dflash2_trt.runtime.tokenizer.TextTokenizer`: ``chat_template``,
+        ``apply_chat_template(messages, tools=...)``)."""
+        return self._tok
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(self._tok.chat_template)
 
@@ -737,7 +743,8 @@ class _BatchLoop:
                 dec = B.BatchDecoder(be.batch_target_runner(self.max_batch), None,
                                      B.SpeculationRule(adaptive=self.adaptive),
                                      batched_drafter=lambda n: be.batch_draft_runner(mode, n),
-                                     cache=self.gen.prefix_cache, prefill_chunk=self.gen._prefill_chunk, grammar_tokenizer=self.gen.grammar_tokenizer)
+                                     cache=self.gen.prefix_cache, prefill_chunk=self.gen._prefill_chunk,
+                                     grammar_tokenizer=self.gen.grammar_tokenizer)
                 self._decoders[mode], self._live[mode] = dec, {}
             i = dec.submit(h._prompt, h._req)
         except DFlash2Error as e:  # checked in submit already; whatever is left fails this request alone

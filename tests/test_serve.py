@@ -298,11 +298,11 @@ BAD = [  # (body changes, param named in the error)
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
     ({"messages": "hello"}, "messages"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0]"),
     ({"max_tokens": 2048}, "messages"),  # prompt + max_tokens beyond the export's 2048 positions
 ]
 

@@ -79,7 +79,10 @@ class GrammarSpec:
         elif self.kind in ("regex", "lark") and not t:
             raise DFlash2Error(f"a {self.kind} grammar cannot be empty")
         object.__setattr__(self, "text", t)
-        is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(self.engine_grammar())
+        try:
+            is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(self.engine_grammar())
+        except (ValueError, TypeError, RuntimeError) as e:
+            is_error, messages = True, [str(e)]
         if is_error:
             raise DFlash2Error(f"{self.kind} grammar refused: {'; '.join(messages)[:300]}")
 

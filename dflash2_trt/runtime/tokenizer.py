@@ -52,7 +52,10 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The messages through the chat template (``tools``: OpenAI's function definitions, for a template
+        that renders them)."""
         if not self.chat_template:
             raise DFlash2Error("the target's tokenizer has no chat template")
         import jinja2
@@ -68,9 +71,11 @@ class TextTokenizer:
         try:
             tpl = env.from_string(self.chat_template)
             return tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                              **({"tools": tools} if tools else {}),
                               **{k: v for k, v in self.special_tokens.items() if v is not None})
         except jinja2.TemplateError as e:
             raise DFlash2Error(f"cannot render the chat template: {e}") from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))

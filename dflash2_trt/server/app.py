@@ -63,6 +63,7 @@ from starlette.routing import Route
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
 from dflash2_trt.runtime.request import GenerationRequest
+from dflash2_trt.server import tools
 from dflash2_trt.server import protocol as P
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
@@ -384,10 +385,29 @@ class Server:
             raise
         return jobs
 
+    def _prompt(self, spec: P.ParsedRequest) -> tuple[list[int], Any]:
+        """The prompt's ids and the request record: a chat with tools (or tool calls / results in its history)
+        rendered by server/tools, the grammar that forces its calls added."""
+        uses_tools = spec.kind == P.CHAT and (spec.tools is not None or any(
+            m.get("tool_calls") or m["role"] == "tool" for m in spec.prompt))
+        if not uses_tools:
+            return self.gen.encode(spec.prompt, chat=spec.kind == P.CHAT), spec.request
+        tok = self.gen.tokenizer
+        if not tok.chat_template:
+            raise P.RequestError("tools need a chat template; this model has none", "tools", code="invalid_value")
+        family = tools.family_of(tok.chat_template)
+        return tools.render(tok, spec.prompt, spec.tools), tools.with_grammar(spec.request,
+                                                                              tools.tool_grammar(spec.tools, family))
+
+    def _held(self, spec: P.ParsedRequest) -> bool:
+        """Whether the answer's text is split by server/tools (calls or reasoning) before it is sent."""
+        t = self.gen.tokenizer.chat_template if spec.kind == P.CHAT else None
+        return spec.kind == P.CHAT and ((spec.tools is not None and spec.tools.active) or "<think>" in (t or ""))
+
     def _submit(self, spec: P.ParsedRequest) -> _Job:
         """Encode, check against the context, admit, submit; the forwarding thread started. RequestError /
         DFlash2Error when refused (nothing queued then)."""
-        ids = self.gen.encode(spec.prompt, chat=spec.kind == P.CHAT)
+        ids, request = self._prompt(spec)
         max_tokens = P.max_tokens_for(spec, len(ids), self.positions)
         with self._lock:
             if self.in_flight >= self.limit:
@@ -396,7 +416,7 @@ class Server:
                                      code="rate_limit_exceeded")
             self.in_flight += 1
         try:
-            handle = self.gen.submit(ids, chat=False, request=self._served(spec.request, max_new_tokens=max_tokens))
+            handle = self.gen.submit(ids, chat=False, request=self._served(request, max_new_tokens=max_tokens))
         except BaseException:
             self._release()
             raise
@@ -627,6 +647,10 @@ class _Reply(Response):
                 body = P.answer(job.spec.kind, job.rid, job.created, self.server.model_name, text, finish,
                                 P.usage(job.prompt_len, n, res.stats.cached_tokens), _stats(res),
                                 self._logprobs(res, n))
+                if self.server._held(job.spec):  # calls and reasoning apart from the content
+                    p = tools.split_answer("".join(parts), job.spec.tools, self.server.gen.tokenizer.chat_template)
+                    msg, body["choices"][0]["finish_reason"] = tools.message(p, finish)
+                    body["choices"][0]["message"] = msg
                 job.answered = True
                 await _send_json(send, 200, body)
                 return
@@ -644,15 +668,26 @@ class _Reply(Response):
         elif job.spec.echo:  # the prompt's text first (its logprobs come with whole answers only)
             job.sent = len(self._echo())
             await event(P.sse(P.chunk(kind, rid, created, name, self._echo())))
+        held = self.server._held(job.spec)  # sent once whole: a call is never sent half parsed
+        parts: list[str] = []
         async for it in self._pieces():
             if isinstance(it, BaseException):
                 await event(P.sse(P.error_body(f"decoding failed: {it}", type="server_error")))
                 break
             text, end = it
-            if text:
+            if text and held:
+                parts.append(text)
+            elif text:
                 await event(P.sse(P.chunk(kind, rid, created, name, text, logprobs=self._sent_logprobs(text))))
             if end is not None:
                 finish, n, res = end
+                if held:
+                    p = tools.split_answer("".join(parts), job.spec.tools, self.server.gen.tokenizer.chat_template)
+                    finish = tools.message(p, finish)[1]
+                    for delta in tools.deltas(p):
+                        c = P.chunk(kind, rid, created, name, "")
+                        c["choices"][0]["delta"] = delta
+                        await event(P.sse(c))
                 await event(P.sse(P.chunk(kind, rid, created, name, None, finish, dflash2=_stats(res))))
                 if job.spec.include_usage:
                     await event(P.sse(P.usage_chunk(kind, rid, created, name,

@@ -49,6 +49,7 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.request import GenerationRequest
+from dflash2_trt.server import tools
 
 CHAT, COMPLETION = "chat", "completion"
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -62,21 +63,22 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on completions' logprobs
 # keys OpenAI clients send that change nothing this server does: ignored with a warning (refused when strict)
 HARMLESS = ("store", "metadata", "reasoning_effort", "service_tier", "prompt_cache_key", "safety_identifier",
             "verbosity", "modalities", "prediction", "web_search_options")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}  # -> the template's
 
 # parameters accepted only at their neutral value (None is always fine): name -> the values that change nothing
 _NEUTRAL_COMMON: dict[str, tuple] = {}
 # the sampling transforms: passed to the GenerationRequest by name, which checks them
 SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 _NEUTRAL = {
-    CHAT: {**_NEUTRAL_COMMON, "response_format": ({"type": "text"},),
-           "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False)},
+    CHAT: {**_NEUTRAL_COMMON},
     COMPLETION: {**_NEUTRAL_COMMON, "best_of": (1,), "suffix": ("",)},
 }
 _PARAMS_COMMON = {"model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "user",
                   "ignore_eos", "n", "logprobs", *SAMPLING}
-_PARAMS = {CHAT: _PARAMS_COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL[CHAT]),
-           COMPLETION: _PARAMS_COMMON | {"prompt"} | set(_NEUTRAL[COMPLETION])}
+_PARAMS = {CHAT: _PARAMS_COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL[CHAT]) | set(tools.CHAT_KEYS)
+           | set(tools.GUIDED_KEYS),
+           COMPLETION: _PARAMS_COMMON | {"prompt"} | set(_NEUTRAL[COMPLETION]) | set(tools.GUIDED_KEYS)}
 _PARAMS[CHAT] |= {"top_logprobs"}  # logprobs' companions, one per route
 _PARAMS[COMPLETION] |= {"echo"}
 
@@ -117,6 +119,7 @@ class ParsedRequest:
     more_prompts: list = field(default_factory=list)  # completions: the prompts after the first
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     ignored: list[str] = field(default_factory=list)  # harmless keys given and ignored (the server logs them)
+    tools: tools.ToolSetup | None = None  # chat: the request's tools (server/tools), None without
 
 
 def prompts_of(spec: ParsedRequest) -> list:
@@ -284,7 +287,9 @@ def _common(body: dict, kind: str, strict: bool = False) -> dict:
             "temperature": 1.0 if temperature is None else temperature,
             "seed": _integer(body, "seed", 0, MAX_SEED), "stop": stops, "stream": stream,
             "include_usage": include_usage, "ignore_eos": _boolean(body, "ignore_eos"),
-            "n": n or 1, "sampling": {**sampling, **logprobs}, "ignored": ignored}
+            "n": n or 1, "sampling": {**sampling, **logprobs}, "ignored": ignored,
+            "grammar": tools.parse_grammar(body, kind == CHAT),
+            "tools": tools.parse_tools(body) if kind == CHAT else None}
 
 
 def _content(i: int, content: Any) -> str:
@@ -320,7 +325,11 @@ def _parsed(c: dict, prompt: str | list[int] | list[dict[str, str]]) -> ParsedRe
     if c.get("echo") and sampling["logprobs"]:
         sampling["prompt_logprobs"] = True
     options = _record(max_new_tokens=c.pop("max_tokens"), temperature=c.pop("temperature"),
-                      seed=c.pop("seed"), eos_ids=frozenset() if c.pop("ignore_eos") else None, **sampling)
+                      seed=c.pop("seed"), eos_ids=frozenset() if c.pop("ignore_eos") else None, **sampling,
+                      grammar=c.pop("grammar"))
+    if options.grammar is not None and c["tools"] is not None and c["tools"].active:
+        raise RequestError("give tools or a response format, not both (tool_choice 'none' to use the format)",
+                           "response_format", code="invalid_value")
     return ParsedRequest(prompt=prompt, request=options, **c)
 
 
@@ -343,7 +352,7 @@ def parse_chat(body: dict, strict: bool = False) -> ParsedRequest:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise _type_error(f"messages[{i}]", "an object", m)
-        extra = sorted(set(m) - {"role", "content", "name"})
+        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
         if extra:
             raise RequestError(f"Unrecognized argument in 'messages[{i}]': {extra[0]}", f"messages[{i}].{extra[0]}",
                                code="unknown_parameter")
@@ -351,11 +360,36 @@ def parse_chat(body: dict, strict: bool = False) -> ParsedRequest:
         if role not in ROLES:
             raise RequestError(f"Invalid value for 'messages[{i}].role': {_shown(role) or 'a long value'}; "
                                f"supported roles: {', '.join(ROLES)}", f"messages[{i}].role", code="invalid_value")
-        if "content" not in m:
+        calls = m.get("tool_calls")
+        if calls is not None:
+            _tool_calls(i, role, calls)
+        if "content" not in m and not calls:
             raise RequestError(f"'messages[{i}]' has no content", f"messages[{i}].content",
                                code="missing_required_parameter")
-        out.append({"role": ROLES[role], "content": _content(i, m["content"])})
+        msg = {"role": ROLES[role], "content": "" if calls and m.get("content") is None else _content(i, m["content"])}
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id", ""), str):
+                raise _type_error(f"messages[{i}].tool_call_id", "a string", m["tool_call_id"])
+            msg["tool_call_id"] = m.get("tool_call_id", "")
+        out.append(msg)
     return _parsed(c, out)
+
+
+def _tool_calls(i: int, role: str, calls: Any) -> None:
+    """An assistant message's tool_calls in the history: [{"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}]."""
+    where = f"messages[{i}].tool_calls"
+    if role != "assistant":
+        raise RequestError(f"'{where}' is only for assistant messages", where, code="invalid_value")
+    if not isinstance(calls, list):
+        raise _type_error(where, "an array", calls)
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("arguments", ""), str)):
+            raise RequestError(f"Invalid value for '{where}[{j}]': {{\"type\": \"function\", \"function\": "
+                               f"{{\"name\": str, \"arguments\": str}}}}", f"{where}[{j}]", code="invalid_value")
 
 
 def _one_prompt(p: Any, where: str) -> str | list[int]:

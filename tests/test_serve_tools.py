@@ -1,0 +1,184 @@
+"""Structured outputs and tool calls through ``dflash2 serve`` (server/tools) with the official openai client on the
+demo export (SmolLM2: no tool template, so the generic format): a strict json_schema answer validates and equals
+plain constrained decoding (``speculative=False`` in process) at temperature 0, streamed = whole; a named tool
+call's arguments validate against its parameters, streamed deltas reassemble to the whole answer's call; a tool
+conversation replays. In process: each family's parser on its own format; the streamed deltas (name once, then
+argument fragments) and the negative control — a delta split mid-JSON whose tail is lost — caught by the
+reassembly check.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the dev extra installs the openai client")
+pytest.importorskip("starlette", reason="the serve extra")
+pytest.importorskip("llguidance", reason="the grammar extra")
+jsonschema = pytest.importorskip("jsonschema")
+
+import dflash2_trt  # noqa: E402
+from dflash2_trt.runtime.grammar import GrammarSpec  # noqa: E402
+from dflash2_trt.runtime.request import GenerationRequest  # noqa: E402
+from dflash2_trt.server import tools  # noqa: E402
+from test_serve import KEY, NAME, _Server  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "country": {"type": "string", "maxLength": 20},
+                                           "population_millions": {"type": "integer"}},
+          "required": ["city", "country", "population_millions"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The local time of a city.",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def export():
+    from dflash2_trt.bench.exports import demo_export
+
+    return demo_export()
+
+
+@pytest.fixture(scope="module")
+def server(export, tmp_path_factory):
+    s = _Server(export, tmp_path_factory.mktemp("serve_tools"), "--api-key", KEY, "--max-batch", "4")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def gen(export):
+    with dflash2_trt.load(export, "ort", threads=1) as g:
+        yield g
+
+
+def _reassemble(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    """A client's view of streamed deltas: (content, [(name, arguments)]), as the openai SDK accumulates them."""
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content") or ""
+        for c in d.get("tool_calls") or []:
+            slot = calls.setdefault(c["index"], ["", ""])
+            f = c.get("function") or {}
+            slot[0] += f.get("name") or ""
+            slot[1] += f.get("arguments") or ""
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+def _delta(chunk) -> dict:
+    d = chunk.choices[0].delta if chunk.choices else None
+    if d is None:
+        return {}
+    return {"content": d.content, "tool_calls": [{"index": c.index, "function": {
+        "name": c.function.name if c.function else None,
+        "arguments": c.function.arguments if c.function else None}} for c in d.tool_calls or []]}
+
+
+def test_json_schema_validates_equals_plain_and_streams_whole(server, gen):
+    c = server.client()
+    msgs = [{"role": "user", "content": "Give the largest city of Japan as JSON."}]
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    whole = c.chat.completions.create(model=NAME, messages=msgs, temperature=0, max_tokens=48, response_format=rf)
+    text = whole.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    ref = gen.generate(msgs, request=GenerationRequest(max_new_tokens=48, grammar=GrammarSpec(
+        "json_schema", json.dumps(SCHEMA)), speculative=False))
+    assert text == ref.text
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=NAME, messages=msgs, temperature=0, max_tokens=48, response_format=rf, stream=True) if ch.choices)
+    assert streamed == text
+    obj = c.chat.completions.create(model=NAME, messages=msgs, temperature=0, max_tokens=48,
+                                    response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_named_tool_call_validates_and_streams_as_the_whole(server):
+    c = server.client()
+    msgs = [{"role": "user", "content": "What's the weather like in Paris?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = c.chat.completions.create(model=NAME, messages=msgs, temperature=0, max_tokens=64, tools=[WEATHER, TIME],
+                                      tool_choice=choice, parallel_tool_calls=False)
+    ch = whole.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+    call = ch.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    deltas = [_delta(x) for x in c.chat.completions.create(
+        model=NAME, messages=msgs, temperature=0, max_tokens=64, tools=[WEATHER, TIME], tool_choice=choice,
+        parallel_tool_calls=False, stream=True)]
+    names = [d for d in deltas for t in d.get("tool_calls") or [] if t["function"]["name"]]
+    assert len(names) == 1  # the name once, then argument fragments
+    assert _reassemble(deltas)[1] == [("get_weather", call.function.arguments)]
+    # the conversation goes on with the call and its result in the history
+    follow = c.chat.completions.create(model=NAME, temperature=0, max_tokens=16, tools=[WEATHER], messages=msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {
+            "name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}])
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    required = c.chat.completions.create(model=NAME, messages=msgs, temperature=0, max_tokens=64,
+                                         tools=[WEATHER, TIME], tool_choice="required")
+    assert required.choices[0].message.tool_calls
+    for t in required.choices[0].message.tool_calls:
+        params = {"get_weather": WEATHER, "get_time": TIME}[t.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(t.function.arguments), params)
+
+
+def test_bad_tools_and_formats_are_400(server):
+    c = server.client()
+    msgs = [{"role": "user", "content": "hi"}]
+    for kw in ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+               {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+               {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+               {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+               {"extra_body": {"guided_regex": "(unclosed"}}):
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=NAME, messages=msgs, max_tokens=4, **kw)
+
+
+@pytest.mark.parametrize("family,text,calls,content", [
+    ("hermes", 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', [("f", {"a": 1})], "Sure."),
+    ("llama3", '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', [("f", {"a": 1})], None),
+    ("gpt_oss", '<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary to=functions.f '
+                '<|constrain|>json<|message|>{"a": 1}<|call|>', [("f", '{"a": 1}')], None),
+    ("qwen3_coder", '<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>',
+     [("f", {"a": 1})], None),
+    ("generic", '{"tool_calls": [{"name": "f", "arguments": {"a": 1}}]}', [("f", {"a": 1})], None),
+    ("generic", '{"response": "hello"}', [], "hello"),
+])
+def test_each_family_parses_its_format(family, text, calls, content):
+    p = tools.PARSERS[family](text)
+    assert p.calls == calls and p.content == content
+    if family == "gpt_oss":
+        assert p.reasoning == "think"
+
+
+def test_family_of_templates():
+    assert tools.family_of(None) == "generic"
+    assert tools.family_of("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert tools.family_of("{% if tools %}<|python_tag|>{% endif %}") == "llama3"
+    assert tools.family_of("{% if tools %}<|channel|>{% endif %}") == "gpt_oss"
+    assert tools.family_of("{% if tools %}<function={% endif %}") == "qwen3_coder"
+    r, rest = tools.split_answer("<think>hmm</think>Hi", None, "<think>"), None
+    assert (r.reasoning, r.content) == ("hmm", "Hi")
+
+
+def test_streamed_deltas_reassemble_and_a_split_call_is_caught(monkeypatch):
+    args = json.dumps({"city": "Paris", "unit": "celsius", "note": "x" * 40})
+    p = tools.Parsed(content=None, calls=[("get_weather", args), ("get_time", {"city": "Oslo"})])
+    deltas = tools.deltas(p)
+    assert _reassemble(deltas)[1] == [("get_weather", args), ("get_time", '{"city": "Oslo"}')]
+    assert sum(1 for d in deltas for c in d.get("tool_calls", []) if c["function"].get("name")) == 2
+    assert max(len(d.get("tool_calls", [])) for d in deltas) == 1
+
+    # negative control: a delta split mid-JSON whose tail never comes (a half-parsed call sent)
+    monkeypatch.setattr(tools, "fragments", lambda a: [a[: len(a) // 2]])
+    broken = _reassemble(tools.deltas(p))[1]
+    with pytest.raises(ValueError):
+        for _, a in broken:
+            json.loads(a)
