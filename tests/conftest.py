@@ -5,6 +5,7 @@ are not fixtures live in tests/helpers.py."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -15,6 +16,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # tests check numbers, not speed, on machines shared with other work: no ORT session spins (tests/test_ort_pool.py
 # sets the variable itself to cover the runtime's default, the target session spinning)
 os.environ.setdefault("DFLASH2_ORT_SPINNING", "0")
+# the suite run by a virtual environment's interpreter without activating it (.venv/bin/python -m pytest) is run as
+# if activated: libdflash2 and its examples find the onnxruntime wheel's library through $VIRTUAL_ENV
+if sys.prefix != sys.base_prefix:
+    os.environ.setdefault("VIRTUAL_ENV", sys.prefix)
 
 
 @pytest.fixture(scope="session")
