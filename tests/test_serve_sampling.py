@@ -121,3 +121,26 @@ def test_harmless_keys_and_bad_values(server, plain):
                       ({"logit_bias": {"1": 500}}, "logit_bias"), ({"n": 0}, "n")]:
         status, body, _ = _post(server.url + "/v1/chat/completions", {"model": NAME, "messages": MSG, **bad})
         assert status == 400 and name in body["error"]["message"] + str(body["error"]["param"]), (bad, body)
+
+
+def test_streamed_completions_of_two_prompts_with_logprobs(server, gen):  # noqa: F811
+    """Completions streamed for two prompts with logprobs = 1 and usage: chunks of both indices, each choice's text
+    its own greedy answer, its chunks' logprobs one per token (text_offset following the text sent), one usage
+    chunk counting both, one [DONE]."""
+    c = server.client()
+    prompts = ["The capital of France is", "One, two, three,"]
+    texts, tokens, offsets, usage = {0: "", 1: ""}, {0: [], 1: []}, {0: [], 1: []}, []
+    for ch in c.completions.create(model=NAME, prompt=prompts, max_tokens=8, temperature=0, logprobs=1,
+                                   stream=True, stream_options={"include_usage": True}):
+        if ch.usage is not None:
+            usage.append(ch.usage)
+        for x in ch.choices:
+            texts[x.index] += x.text
+            if x.logprobs:
+                tokens[x.index] += x.logprobs.tokens
+                offsets[x.index] += x.logprobs.text_offset
+    refs = [gen.generate(p, 8, temperature=0.0, chat=False) for p in prompts]
+    assert [texts[0], texts[1]] == [r.text for r in refs]
+    assert [len(tokens[0]), len(tokens[1])] == [len(r.tokens) for r in refs]
+    assert offsets[0][0] == 0 and offsets[0] == sorted(offsets[0])
+    assert len(usage) == 1 and usage[0].completion_tokens == sum(len(r.tokens) for r in refs)
