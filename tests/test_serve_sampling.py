@@ -84,14 +84,16 @@ def test_n_choices_with_top_p(server):
     kw = dict(model=NAME, messages=MSG, max_tokens=12, temperature=1.0, top_p=0.9, n=2, seed=7)
     r = c.chat.completions.create(**kw)
     assert [x.index for x in r.choices] == [0, 1] and all(x.message.content for x in r.choices)
+    assert r.id.startswith("chatcmpl-")
     assert r.usage.completion_tokens >= 2
-    texts, finished = {0: "", 1: ""}, {}
+    texts, finished, ids = {0: "", 1: ""}, {}, set()
     for ch in c.chat.completions.create(**kw, stream=True):
+        ids.add(ch.id)
         for x in ch.choices:
             texts[x.index] += x.delta.content or ""
             if x.finish_reason:
                 finished[x.index] = x.finish_reason
-    assert texts[0] and texts[1] and sorted(finished) == [0, 1]
+    assert texts[0] and texts[1] and sorted(finished) == [0, 1] and len(ids) == 1  # one answer, one id
 
 
 def test_penalties_and_bias_equal_plain_decoding(server, plain, gen):  # noqa: F811

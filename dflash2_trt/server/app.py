@@ -383,6 +383,8 @@ class Server:
                 job.aborted = True
                 job.handle.cancel(wait=False)
             raise
+        for job in jobs[1:]:  # one answer: one id and creation time for every choice
+            job.rid, job.created = jobs[0].rid, jobs[0].created
         return jobs
 
     def _prompt(self, spec: P.ParsedRequest) -> tuple[list[int], Any]:
