@@ -288,8 +288,16 @@ def _common(body: dict, kind: str, strict: bool = False) -> dict:
             "seed": _integer(body, "seed", 0, MAX_SEED), "stop": stops, "stream": stream,
             "include_usage": include_usage, "ignore_eos": _boolean(body, "ignore_eos"),
             "n": n or 1, "sampling": {**sampling, **logprobs}, "ignored": ignored,
-            "grammar": tools.parse_grammar(body, kind == CHAT),
-            "tools": tools.parse_tools(body) if kind == CHAT else None}
+            **_structured(body, kind)}
+
+
+def _structured(body: dict, kind: str) -> dict:
+    """The request's grammar and tools (server/tools), a refusal as a 400 naming the parameter."""
+    try:
+        return {"grammar": tools.parse_grammar(body, kind == CHAT),
+                "tools": tools.parse_tools(body) if kind == CHAT else None}
+    except tools.ToolError as e:
+        raise RequestError(str(e), e.param, code="invalid_value") from None
 
 
 def _content(i: int, content: Any) -> str:

@@ -19,6 +19,12 @@ a system message and the answer is one JSON object the grammar forces (``{"respo
 Streaming: the text of a request with tools is held until the answer ends, then sent as OpenAI sends calls — per
 call a delta with its index, id, type and name (arguments ""), then its arguments in fragments — so a client never
 sees a half-parsed call. A thinking template's ``<think>...</think>`` becomes ``reasoning_content``.
+
+Modules: this one (the request's parameters, the family table, rendering, answers and deltas); ``common`` (the
+parsed answer, a call's schema, <think> splitting); one per family: ``hermes``, ``llama3``, ``gpt_oss``,
+``qwen3_coder``, ``generic``. Imports: the standard library, :mod:`dflash2_trt.errors` and
+:mod:`dflash2_trt.runtime.grammar` only (the protocol imports this package and turns a :class:`ToolError` into its
+400).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.grammar import GrammarSpec
 from dflash2_trt.server.tools import gpt_oss, hermes, llama3, qwen3_coder
 from dflash2_trt.server.tools import generic as generic_format
@@ -65,15 +72,19 @@ class ToolSetup:
         return [t for t in self.tools if t["function"]["name"] == self.choice]
 
 
-def _error(message: str, param: str) -> Exception:
-    from dflash2_trt.server.protocol import RequestError
+class ToolError(DFlash2Error):
+    """A refused structured-output or tools parameter: ``param`` names it (the protocol answers a 400)."""
 
-    return RequestError(message, param, code="invalid_value")
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _error(message: str, param: str) -> Exception:
+    return ToolError(message, param)
 
 
 def _spec(kind: str, text: Any, param: str) -> GrammarSpec:
-    from dflash2_trt.errors import DFlash2Error
-
     try:
         return GrammarSpec(kind, text)
     except DFlash2Error as e:
