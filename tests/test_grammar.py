@@ -159,6 +159,11 @@ def test_redrawn_draft_is_distributed_as_the_masked_proposal():
                                                                           cand=cand), [3], 0.0, rng)
     assert drafts == [7]
     # no allowed candidate: the path is cut there
-    new, drafts, masks = grammar.constrain_draft(_Allowed(V, [0]), Draft(tokens=np.array([3]), proposal=q,
-                                                                          cand=cand), [3], 0.0, rng)
+    new, drafts, masks = grammar.constrain_draft(_Allowed(V, [0, 2]), Draft(tokens=np.array([3]), proposal=q,
+                                                                             cand=cand), [3], 0.0, rng)
     assert drafts == [] and masks.shape == (1, V)
+    # one token allowed (the grammar forces it): it is the draft, with a one-hot proposal, at T = 0 and T > 0
+    for T in (0.0, 1.0):
+        new, drafts, _ = grammar.constrain_draft(_Allowed(V, [0]), Draft(tokens=np.array([3]), proposal=q,
+                                                                          cand=cand), [3], T, rng)
+        assert drafts == [0] and new.cand[0, -1] == 0 and list(new.proposal[0]) == [0, 0, 0, 0, 1]

@@ -165,13 +165,19 @@ def constrain_draft(constraint: Constraint, draft: Any, drafts: list[int], tempe
     The matcher is left advanced by the returned drafts (:func:`commit` rolls it back to the accepted length)."""
     import numpy as np
 
-    cand = np.asarray(draft.cand)  # [L, K] int64
+    cand = np.array(draft.cand)  # [L, K] int64 (a forced token may take a refused candidate's place)
     prop = np.array(draft.proposal, dtype=np.float64)  # [L, K]
     vocab_q = None if draft.vocab_proposal is None else np.array(draft.vocab_proposal, dtype=np.float64)  # [L, V]
     out: list[int] = []
     masks = [constraint.mask()]  # masks[t]: the state before draft t (= verify row t)
     for t, d in enumerate(drafts):
         allowed = masks[-1]
+        only = np.flatnonzero(allowed)
+        if only.size == 1 and vocab_q is None and only[0] not in cand[t]:
+            # the grammar forces a token the drafter did not propose: it takes the last (refused) candidate's place
+            # with a one-hot proposal; its masked target probability is 1, so it is always accepted
+            cand[t, -1] = only[0]
+            prop[t] = np.arange(cand.shape[1]) == cand.shape[1] - 1
         if vocab_q is not None:  # a proposal over the whole vocabulary (no selector)
             q = np.where(allowed, vocab_q[t], 0.0)
             tok = _keep_or_redraw(d, allowed, q, np.arange(q.shape[0]), temperature, rng, by_rank=None)
@@ -193,7 +199,7 @@ def constrain_draft(constraint: Constraint, draft: Any, drafts: list[int], tempe
     if len(masks) == len(out):  # cut after an end token: its row's mask is never read past it
         masks.append(np.ones(constraint.V, dtype=bool))
     new = dataclasses.replace(draft, tokens=np.asarray(out + [0] * (len(cand) - len(out)), dtype=np.int64),
-                              proposal=prop.astype(np.float32),
+                              proposal=prop.astype(np.float32), cand=cand,
                               vocab_proposal=None if vocab_q is None else vocab_q.astype(np.float32))
     return new, out, np.stack(masks)
 
