@@ -102,8 +102,9 @@ class FakeDecoding:
         self.encode, self.decode, self.tokenizer = gen.encode, gen.decode, gen.tokenizer
         self.submitted: list[tuple[list[int], int]] = []
         self.batch_sizes: dict[int, int] = {}
+        self.prefix_cache = None  # as a Generator without one (the server reads its figures)
 
-    def set_batching(self, max_batch: int, adaptive: bool = True) -> None:
+    def set_batching(self, max_batch: int, adaptive: bool = True, prefill_chunk: int | None = None) -> None:
         pass
 
     def submit(self, ids: list[int], max_new_tokens: int | None = None, *args: Any, request: Any = None,
