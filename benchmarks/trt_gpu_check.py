@@ -216,7 +216,7 @@ def check(d: Path, plugin: Path | None, n_prompts: int, max_new: int) -> list[di
     dg, de = g.draft_runner("greedy"), e.draft_runner("greedy")
     bad = []
     for i, q in enumerate(prompts):
-        r = GenerationRequest(max_new_tokens=max_new, eos_ids=set(), proposer="dflash2", guard=False)
+        r = GenerationRequest(max_new_tokens=max_new, eos_ids=frozenset(), proposer="dflash2", guard=False)
         g_tok = speculative_generate(tg, dg, q, r).tokens
         e_tok = speculative_generate(te, de, q, r).tokens
         k = first_divergence(g_tok, e_tok)

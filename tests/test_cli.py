@@ -133,5 +133,5 @@ def test_serve_takes_the_ort_options(tiny_export, monkeypatch, capsys):
 
     monkeypatch.setattr(dflash2_trt, "load", spy)
     assert main(["serve", str(tiny_export), "--no-spinning", "--panels", "--no-weight-codes"]) == 1
-    assert seen == [{"spinning": False, "panels": True, "weight_codes": False}]
+    assert seen == [{"prefix_cache_bytes": 1 << 30, "spinning": False, "panels": True, "weight_codes": False}]
     assert "stop here" in capsys.readouterr().err

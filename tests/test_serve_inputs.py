@@ -325,8 +325,8 @@ def test_a_refused_tools_array_is_not_echoed(gen):
         err = openai_error(st, out)
         assert st == 400 and err["param"] == "tools[49]" and "does things" not in err["message"], err
         st, _, out = call(conn, "POST", "/v1/chat/completions",
-                          {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "n": 2})
-        assert st == 400 and "= 2" in openai_error(st, out)["message"]  # a short value is still quoted
+                          {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "n": 99})
+        assert st == 400 and "99" in openai_error(st, out)["message"]  # a short value is still quoted
         conn.close()
 
 
