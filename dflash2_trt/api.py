@@ -29,10 +29,10 @@ rest wait in arrival order). Iterating a handle streams its :class:`Chunk` s as 
 ``handle.cancel()`` frees its slot before it returns (within one batch step); ``handle.result()`` waits for the
 :class:`Result`. Each request drafts with its own ``proposer`` (the drafter, prompt lookup or ``auto``, as
 :meth:`Generator.generate`). :meth:`Generator.generate_batch` is submit + result for a list of prompts;
-:meth:`Generator.set_batching` sets ``max_batch``, whether drafting is load-adaptive and the prefill chunk. Batching needs a
-backend whose ``batching`` is on (:class:`~dflash2_trt.runtime.protocol.Backend`; today the fused ONNX Runtime
-target, the ``ort`` backend on the CPU); on other backends the same loop serves the submitted requests one after
-another.
+:meth:`Generator.set_batching` sets ``max_batch``, whether drafting is load-adaptive and the prefill chunk.
+Batching needs a backend whose ``batching`` is on (:class:`~dflash2_trt.runtime.protocol.Backend`; today the fused
+ONNX Runtime target, the ``ort`` backend on the CPU); on other backends the same loop serves the submitted requests
+one after another.
 
 Thread safety: a :class:`Generator` owns one backend. ``generate`` / ``stream`` decode one request at a time on
 their own runners, serialised by a lock (a second call waits for the first, including a stream being
@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache
+from dflash2_trt.runtime.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache, check_budget
 from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
 from dflash2_trt.runtime.request import GenerationRequest, Limits
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
@@ -882,7 +882,7 @@ def load(model_dir: str | Path, backend: str = "auto", threads: int | None = Non
         raise DFlash2Error(f"weight_codes must be True or False, got {weight_codes!r}")
     export_folder(model_dir)  # not an export: say so before the tokenizer's files are looked for
     tok = TextTokenizer(model_dir)  # before the backend: a folder without a tokenizer fails cheaply
-    PrefixCache(prefix_cache_bytes)  # a bad budget fails before the backend loads
+    check_budget(prefix_cache_bytes)  # a bad budget fails before the backend loads
     be, note = open_backend(model_dir, backend, verify_checksums=verify_checksums, threads=threads, spinning=spinning,
                             panels=panels, weight_codes=weight_codes)
     return Generator(be, tok, note, prefix_cache_bytes)

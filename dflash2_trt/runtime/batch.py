@@ -126,7 +126,7 @@ from dflash2_trt.runtime import grammar
 from dflash2_trt.runtime.accept import accept_drafts, next_token
 from dflash2_trt.runtime.decoder import GenerationResult
 from dflash2_trt.runtime.guard import MIN_SPREAD
-from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft
+from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft, uses_drafter
 from dflash2_trt.runtime.prefix_cache import PrefixCache
 from dflash2_trt.runtime.protocol import DraftRunner
 from dflash2_trt.runtime.request import GenerationRequest, Limits
@@ -531,7 +531,7 @@ class BatchDecoder:
             s.prefilling = True
         self._active.update((s.id, s) for s in new)  # prefilled in the order they came
         if new:  # the joining requests' whole length at once: no growth (a copy of every slot) chunk after chunk
-            n = min(self.target.max_positions, max(len(s.prompt) + s.limit for s in new))
+            n = max(len(s.prompt) + s.limit for s in new)  # (a limit leaves its prompt within max_positions)
             self.target.reserve(n)
             if self._batched is not None:
                 self._batched.reserve(n)
@@ -591,7 +591,7 @@ class BatchDecoder:
     def _uses_drafter(self, s: _Seq) -> bool:
         """Whether the DFlash 2 drafter proposes for s (its context then follows s's committed positions): its
         request speculates with a proposer other than prompt lookup alone (its choice's ``uses_drafter``)."""
-        return s.req.speculative and self._has_drafter and s.req.proposer != NGRAM
+        return s.req.speculative and self._has_drafter and uses_drafter(s.req.proposer)
 
     def _speculates(self, s: _Seq) -> bool:
         """Whether s may draft at all: with the drafter, or by prompt lookup (which needs no drafter)."""

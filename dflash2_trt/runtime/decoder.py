@@ -31,7 +31,7 @@ from dflash2_trt.reference import acceptance_stats
 from dflash2_trt.runtime import grammar
 from dflash2_trt.runtime.accept import accept_drafts, next_token
 from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig, verify_rows
-from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft
+from dflash2_trt.runtime.ngram import DFLASH2, NGRAM, ProposerChoice, default_rows, lookup_draft, uses_drafter
 from dflash2_trt.runtime.prefix_cache import PrefixCache
 from dflash2_trt.runtime.protocol import Draft, DraftRunner, TargetRunner
 from dflash2_trt.runtime.request import GenerationRequest, Limits
@@ -199,7 +199,7 @@ class _SpeculativeLoop:
         rest computed); the first anchor."""
         self.target.reset()
         self.drafter.reset()
-        drafts = self.o.proposer != NGRAM  # the choice's uses_drafter (the choice needs the first token)
+        drafts = uses_drafter(self.o.proposer)  # (the choice needs the first token)
         start = 0 if self.cache is None or self.o.prompt_logprobs else \
             self.cache.prefill_from(self.prompt, self.target, self.drafter if drafts else None)
         logits, feats = self.target.forward(self.prompt[start:])  # [n - start, V], [n - start, F]

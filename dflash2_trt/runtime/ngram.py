@@ -53,6 +53,12 @@ def lookup_draft(drafts: list[int]) -> Draft:
     return Draft(tokens=d, proposal=np.ones((d.shape[0], 1), np.float32), cand=d[:, None])
 
 
+def uses_drafter(proposer: str) -> bool:
+    """Whether ``proposer`` runs the DFlash 2 drafter (every one but prompt lookup alone): known from the request,
+    before its choice is made at the first token."""
+    return proposer != NGRAM
+
+
 def default_rows(draft_rows: int) -> int:
     """Most lookup drafts per cycle when not given: ``NGRAM_ROWS``, or the drafter's L = block size - 1 where larger
     (``draft_rows`` 0: no drafter)."""
@@ -77,7 +83,7 @@ class ProposerChoice:
 
     @property
     def uses_drafter(self) -> bool:
-        return self.mode != NGRAM
+        return uses_drafter(self.mode)
 
     def ngram(self, rows: int) -> list[int]:
         """Up to ``rows`` lookup drafts for the next cycle (the last token of the context is the anchor)."""

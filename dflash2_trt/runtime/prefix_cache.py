@@ -119,9 +119,7 @@ class PrefixCache:
     """Entries of finished sequences within ``budget_bytes``, least recently used evicted first (0: keep nothing)."""
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
-        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
-            raise DFlash2Error(f"prefix cache budget must be a whole number of bytes >= 0, got {budget_bytes!r}")
-        self.budget_bytes = budget_bytes
+        self.budget_bytes = check_budget(budget_bytes)
         self.stats = CacheStats()
         self._entries: list[Entry] = []  # least recently used first
         self._lock = threading.Lock()
@@ -137,7 +135,7 @@ class PrefixCache:
                 u = e.usable(ids, drafter)
                 if u > 0 and u >= length:  # ties: the most recently used (the list's later entries)
                     best, length = e, u
-            if best is None or length == 0:
+            if best is None:
                 return None
             self._entries.remove(best)
             self._entries.append(best)
@@ -226,6 +224,13 @@ class PrefixCache:
         with self._lock:
             self._entries.clear()
             self.stats.nbytes = self.stats.entries = 0
+
+
+def check_budget(budget_bytes: Any) -> int:
+    """A prefix cache budget: a whole number of bytes >= 0 (0: keep nothing), else DFlash2Error."""
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
+        raise DFlash2Error(f"prefix cache budget must be a whole number of bytes >= 0, got {budget_bytes!r}")
+    return budget_bytes
 
 
 def slot_state(linear: Any, ring: Any, slot: int) -> SlotState:
