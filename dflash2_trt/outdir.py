@@ -1,5 +1,4 @@
-"""Folders the commands write, and the one rule for replacing them (STYLE rule 15: never delete what we did not
-write).
+"""Folders the commands write, and the one rule for replacing them: never delete what we did not write.
 
 Every command that writes a folder builds it in a hidden temporary sibling ``.NAME.KIND-XXXXXXXX`` and moves it
 into place whole (the folder is never partial). An existing folder is replaced only when it proves to be ours:

@@ -1,4 +1,4 @@
-"""The project's vocabulary: every set of names that more than one module speaks (STYLE rule 13).
+"""The project's vocabulary: every set of names that more than one module speaks.
 
 Defined once here and imported everywhere; a literal tuple of these names anywhere else is a bug.
 Only the standard library is needed.

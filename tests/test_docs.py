@@ -139,8 +139,8 @@ def test_no_build_history_in_tracked_text():
 
 
 # A document the repository does not hold: the specification the project was built from (its sections are in
-# docs/design.md and docs/training.md now) and the steering folder beside the checkout.
-OUTSIDE = re.compile(r"\bSPEC §\d|\bSPEC\.md\b|\.\./shared/|\bSTYLE\.md\b")
+# docs/design.md and docs/training.md now), the steering folder beside the checkout and its style guide's rules.
+OUTSIDE = re.compile(r"\bSPEC §\d|\bSPEC\.md\b|\.\./shared/|\bSTYLE\.md\b|\bSTYLE(?: rules?)? ?\d*[:)]|\bSTYLE rules? \d")
 
 
 def test_nothing_points_at_a_document_outside_the_repository():
@@ -248,3 +248,63 @@ def test_twin_checks_see_a_wrong_name_and_a_stray_test():
     assert rows == [[[], ["a.py", "x"], ["b.cpp", "y"], ["test_z"]]]
     cmd = twin_command("## Running them all\n\n```bash\n.venv/bin/python -m pytest -q tests/a.py -k \"x or y\"\n```\n")
     assert cmd == ["-q", "tests/a.py", "-k", "x or y"]
+
+
+# -- docs/design.md: the code layout lists the package ----------------------------------------------------------------
+
+PACKAGE = REPO / "dflash2_trt"
+
+
+def layout_names(markdown: str) -> set[str]:
+    """The names docs/design.md's code layout gives under ``dflash2_trt/``: ``x.py`` modules and ``x/`` folders."""
+    block = markdown.split("## Code layout", 1)[1].split("```", 2)[1]
+    names = set()
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            head = re.split(r"\s{2,}", line.strip())[0]
+            names |= {n.strip() for n in head.split(",")}
+    return names
+
+
+def package_entries(tracked: bool = True) -> set[str]:
+    """The package's top-level modules and subpackages (and its package-data folders), as the layout names them:
+    those git tracks, or (``tracked=False``) those on disk, work in progress included."""
+    files = [REPO / f for f in tracked_files() if f.startswith("dflash2_trt/")] if tracked else \
+        [p for p in PACKAGE.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    out = set()
+    for f in files:
+        top = f.relative_to(PACKAGE).parts
+        if len(top) == 1 and top[0].endswith(".py") and top[0] != "__init__.py":
+            out.add(top[0])
+        elif len(top) > 1 and not top[0].startswith(("_", ".")):
+            out.add(f"{top[0]}/")
+    return out
+
+
+def test_design_layout_lists_every_top_level_module_and_subpackage():
+    """docs/design.md's code layout names each top-level module and subpackage of dflash2_trt that git tracks, and
+    nothing that is not there."""
+    listed = layout_names((REPO / "docs" / "design.md").read_text(encoding="utf-8"))
+    missing, gone = package_entries() - listed, listed - package_entries(tracked=False)
+    assert not missing, f"not in docs/design.md's layout: {sorted(missing)}"
+    assert not gone, f"in the layout but not in the package: {sorted(gone)}"
+
+
+def test_layout_check_sees_a_missing_module():
+    """Negative control: a layout that leaves out a module, or names one that is gone, differs from the package."""
+    text = ("## Code layout\n\n```\ndflash2_trt/   root\n  api.py, gone.py   x\n  runtime/   y\n"
+            "plugins/   z\n```\n")
+    assert layout_names(text) == {"api.py", "gone.py", "runtime/"}
+    assert "errors.py" in package_entries() - layout_names(text)
+
+
+def test_every_declared_pytest_marker_is_used():
+    """A marker pyproject.toml declares marks at least one test (a declared marker no test uses promises a selection
+    that selects nothing)."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    declared = [m.split(":", 1)[0].strip() for m in config["tool"]["pytest"]["ini_options"]["markers"]]
+    tests = "\n".join(p.read_text(encoding="utf-8") for p in (REPO / "tests").glob("*.py"))
+    unused = [m for m in declared if not re.search(rf"\bmark\.{m}\b", tests)]
+    assert declared and not unused, unused

@@ -377,7 +377,7 @@ def test_out_of_range_ids_are_clamped(host_twin):
 
 
 # --------------------------------------------------------------------------------------------------
-# Contract: yaml <-> ONNX op schema <-> creator field list (STYLE rule 10)
+# Contract: yaml <-> ONNX op schema <-> creator field list
 # --------------------------------------------------------------------------------------------------
 
 

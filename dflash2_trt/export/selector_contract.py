@@ -1,6 +1,6 @@
 """ONNX side of the ``trt.plugins::DFlash2PathSelector`` TensorRT plugin contract.
 
-The contract lives in three places (STYLE rule 10) — ``plugins/pathSelector/dflash2PathSelector.yaml``,
+The contract lives in three places — ``plugins/pathSelector/dflash2PathSelector.yaml``,
 this op schema, and the plugin creator's field list — and ``tests/test_plugin_selector.py`` pins them
 together. Semantics are those of :func:`dflash2_trt.reference.select_paths` (docs/design.md).
 

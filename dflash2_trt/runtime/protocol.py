@@ -1,4 +1,4 @@
-"""What every backend implements (STYLE rule 3): the backend and runner protocols, the draft they exchange.
+"""What every backend implements: the backend and runner protocols, the draft they exchange.
 
 A :class:`Backend` (ONNX Runtime, TensorRT, PyTorch) is constructed on a model, describes what it runs on,
 hands out runners and is closed (also as a context manager). A backend that cannot run here raises

@@ -1,7 +1,7 @@
 /*
- * dflash2_trt — DFlash2PathSelector plugin, then its creator (STYLE rule 8). See the header for
+ * dflash2_trt — DFlash2PathSelector plugin, then its creator. See the header for
  * the I/O contract. Every TensorRT-facing method is noexcept and catches everything: exceptions
- * never cross the library boundary (STYLE rule 11); errors are logged and reported as status.
+ * never cross the library boundary; errors are logged and reported as status.
  */
 #include "dflash2PathSelectorPlugin.h"
 

@@ -1,5 +1,5 @@
 /*
- * dflash2_trt — DFlash2PathSelector CUDA kernel. Kernels first, then launchers (STYLE rule 8).
+ * dflash2_trt — DFlash2PathSelector CUDA kernel. Kernels first, then launchers.
  *
  * One block per sequence (grid = B, 512 threads):
  *   1. cache the clamped candidate ids of the sequence in shared memory;

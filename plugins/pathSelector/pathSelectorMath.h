@@ -17,7 +17,7 @@
  * these flags for both sides.
  *
  * Semantics: dflash2_trt/reference.py (module docstring) — the NumPy executable spec.
- * No TensorRT headers here (STYLE: the kernel side knows nothing about TensorRT).
+ * No TensorRT headers here: the kernel side knows nothing about TensorRT.
  */
 #ifndef DFLASH2_PATH_SELECTOR_MATH_H
 #define DFLASH2_PATH_SELECTOR_MATH_H

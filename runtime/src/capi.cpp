@@ -1,6 +1,6 @@
 //! \file capi.cpp
-//! The C boundary: every exported function is noexcept, catches everything and returns a dfl2_status
-//! (STYLE rule 11). Handles are thin structs around the C++ objects.
+//! The C boundary: every exported function is noexcept, catches everything and returns a dfl2_status (no
+//! exception crosses the library boundary). Handles are thin structs around the C++ objects.
 #include "dflash2/dflash2.h"
 
 #include "core/batch.h"

@@ -3,7 +3,7 @@
 (the linear layers' state of a hybrid target) and the device twin of :class:`~dflash2_trt.runtime.kv.WindowRing`
 (the sliding layers' rings).
 
-Ownership and lifetime (STYLE rule 12): a :class:`BufferPool` owns every allocation of one runner and frees
+Ownership and lifetime: a :class:`BufferPool` owns every allocation of one runner and frees
 them in :meth:`BufferPool.close`. I/O buffers are allocated once at their largest shape and never move, so
 CUDA graphs that read or write them stay valid for the runner's life. :class:`DeviceKV` buffers move when
 the cache grows past its capacity bucket: new buffers are zeroed (stale slots are masked by adding -inf to

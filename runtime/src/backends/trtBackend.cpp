@@ -14,7 +14,7 @@
 //! cudart_static. The parts without CUDA or TensorRT (KV cache, size and version checks, context LRU) live in
 //! trtParts.h and are tested on the host.
 //!
-//! Ownership and lifetime (STYLE rule 12):
+//! Ownership and lifetime:
 //! * TrtModel (one per dfl2_model) owns the IRuntime, the deserialized ICudaEngines and the loaded plugin library;
 //!   engines are immutable and shared by the sessions.
 //! * TrtRunners (one per dfl2_session) owns everything mutable: its CUDA stream, one scratch allocation per engine
