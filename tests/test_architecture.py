@@ -330,3 +330,41 @@ void g(int x) noexcept
 """
     got = cpp_function_lengths(src)
     assert [(sig.split("(")[0], n) for sig, n in got] == [("int f", 104), ("S", 4), ("void g", 106)], got
+
+
+# Graph input / output names of the per-layer state: spelt in dflash2_trt/manifest.py only.
+STATE_NAME = re.compile(r"^(past_key_values|present|past_conv|past_recurrent|present_conv|present_recurrent|context)\.")
+
+
+def state_names_spelt(source: str) -> list[str]:
+    """String literals (f-strings included, docstrings left out) that begin a per-layer state's graph name."""
+    tree = ast.parse(source)
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    docs |= {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}  # an f-string's parts
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.JoinedStr) and n.values and isinstance(n.values[0], ast.Constant):
+            head = str(n.values[0].value)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
+            head = n.value
+        else:
+            continue
+        if STATE_NAME.match(head):
+            found.append(head)
+    return found
+
+
+def test_state_graph_names_are_spelt_in_the_manifest_module_only():
+    """Every exporter, verifier and runner takes the KV / linear-state input and output names from manifest.py."""
+    bad = {}
+    for f in PKG.rglob("*.py"):
+        if f.name != "manifest.py" and (names := state_names_spelt(f.read_text(encoding="utf-8"))):
+            bad[str(f.relative_to(ROOT))] = names
+    assert not bad, bad
+
+
+def test_state_name_check_sees_an_f_string_and_spares_docstrings():
+    src = '"""past_key_values.{i}.key in a docstring."""\nx = {f"past_key_values.{i}.{k}": 1, "present.0.key": 2}\n'
+    assert sorted(state_names_spelt(src)) == ["past_key_values.", "present.0.key"]

@@ -142,16 +142,16 @@ def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], l
     args: list = [torch.randint(0, int(cfg.vocab_size), (batch, 3)), torch.arange(3).repeat(batch, 1),
                   torch.ones(batch, 4 + 3, dtype=torch.long), torch.tensor([0, 2])]
     for i, kind in enumerate(kinds):
-        if kind == "linear":
+        ins, outs = past[2 * i:2 * i + 2], present[2 * i:2 * i + 2]  # layer i's two state inputs and outputs
+        if kind == "linear":  # conv, recurrent
             args += [torch.zeros(batch, st["conv_dim"], st["conv_kernel"] - 1, dtype=dtype),
                      torch.zeros(batch, st["num_heads"], st["key_dim"], st["value_dim"])]
-            dyn.update({f"past_conv.{i}": {0: "batch"}, f"past_recurrent.{i}": {0: "batch"},
-                        f"present_conv.{i}": {0: "batch", 2: "sequence"},
-                        f"present_recurrent.{i}": {0: "batch", 1: "state_rows"}})
-        else:
+            dyn.update({ins[0]: {0: "batch"}, ins[1]: {0: "batch"}, outs[0]: {0: "batch", 2: "sequence"},
+                        outs[1]: {0: "batch", 1: "state_rows"}})
+        else:  # key, value
             args += [torch.zeros(batch, kvh, 4, d, dtype=dtype) for _ in range(2)]
-            dyn.update({f"past_key_values.{i}.{k}": {0: "batch", 2: "capacity"} for k in ("key", "value")})
-            dyn.update({f"present.{i}.{k}": {0: "batch", 2: "sequence"} for k in ("key", "value")})
+            dyn.update({n: {0: "batch", 2: "capacity"} for n in ins})
+            dyn.update({n: {0: "batch", 2: "sequence"} for n in outs})
     names = ["input_ids", "position_ids", "attention_mask", TARGET_STATE_ROWS, *past]
     return tuple(args), names, ["logits", "context_features", *present], dyn
 
