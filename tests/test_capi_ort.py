@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -356,6 +357,32 @@ def test_without_onnxruntime_one_line_exit_1(capi_build, identity_export, tmp_pa
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("generate: load: ") and want in lines[0], (name, lines)
     assert "does not provide C API version" in proc.stderr
+
+
+def test_a_pip_installed_libdflash2_finds_the_onnxruntime_wheel_beside_it(capi_build, identity_export, tmp_path):
+    """No virtual environment active, no system libonnxruntime: a libdflash2 laid out as ``pip install`` lays it
+    (site-packages/dflash2_trt/lib/) opens the onnxruntime wheel of the same site-packages, and its note names that
+    rule and file. Negative control: the same library with no wheel beside it is "ONNX Runtime not found", naming
+    where it looked."""
+    import onnxruntime
+
+    site = tmp_path / "site-packages"
+    lib = site / "dflash2_trt" / "lib"
+    lib.mkdir(parents=True)
+    shutil.copy(capi_build / "lib" / "libdflash2.so.1", lib / "libdflash2.so.1")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "ORT_LIBRARY", "LD_LIBRARY_PATH")}
+    env["LD_LIBRARY_PATH"] = str(lib)  # before the example's RUNPATH: this copy is the libdflash2 it loads
+    cmd = [str(capi_build / "bin" / "generate"), str(identity_export), "1", "2", "3", "-o", "backend=ort"]
+    alone = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert alone.returncode == 1 and "ONNX Runtime not found" in alone.stderr, alone.stderr
+    assert "no onnxruntime wheel beside libdflash2" in alone.stderr, alone.stderr
+    wheel = sorted((Path(onnxruntime.__file__).parent / "capi").glob("libonnxruntime.so.1*"))[-1]
+    (site / "onnxruntime" / "capi").mkdir(parents=True)
+    (site / "onnxruntime" / "capi" / wheel.name).symlink_to(wheel)
+    found = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert found.returncode == 0, found.stderr
+    note = next(ln for ln in found.stderr.splitlines() if "onnxruntime wheel beside libdflash2" in ln)
+    assert str(site / "onnxruntime" / "capi") in note or wheel.name in note, note
 
 
 # ---- a hybrid target (Gated DeltaNet linear layers beside attention layers; manifest version 3) -----------------------

@@ -20,16 +20,10 @@ std::string envOr(char const* name)
     return v != nullptr ? std::string(v) : std::string();
 }
 
-//! The wheel's copies in the active virtual environment, newest name last (glob sorts).
-std::vector<std::string> wheelCopies()
+//! The files matching a glob pattern, sorted (newest version name last).
+std::vector<std::string> globFiles(std::string const& pattern)
 {
-    std::string const venv = envOr("VIRTUAL_ENV");
     std::vector<std::string> out;
-    if (venv.empty())
-    {
-        return out;
-    }
-    std::string const pattern = venv + "/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1*";
     glob_t g{};
     if (::glob(pattern.c_str(), 0, nullptr, &g) == 0)
     {
@@ -40,6 +34,40 @@ std::vector<std::string> wheelCopies()
     }
     ::globfree(&g);
     return out;
+}
+
+//! The wheel's copies in the active virtual environment, newest name last (glob sorts).
+std::vector<std::string> wheelCopies()
+{
+    std::string const venv = envOr("VIRTUAL_ENV");
+    if (venv.empty())
+    {
+        return {};
+    }
+    return globFiles(venv + "/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1*");
+}
+
+//! The folder of the file this code was loaded from: libdflash2.so (or the program a static libdflash2 is linked
+//! into); "" when the loader cannot say.
+std::string ownFolder()
+{
+    Dl_info info{};
+    if (::dladdr(reinterpret_cast<void*>(&ownFolder), &info) == 0 || info.dli_fname == nullptr)
+    {
+        return {};
+    }
+    std::string const self(info.dli_fname);
+    auto const slash = self.rfind('/');
+    return slash == std::string::npos ? std::string() : self.substr(0, slash);
+}
+
+//! The onnxruntime wheel's copies in the site-packages that holds this libdflash2: `pip install` puts the library in
+//! site-packages/dflash2_trt/lib/, the wheel's ONNX Runtime in site-packages/onnxruntime/capi/.
+std::vector<std::string> besideCopies()
+{
+    std::string const dir = ownFolder();
+    return dir.empty() ? std::vector<std::string>{}
+                       : globFiles(dir + "/../../onnxruntime/capi/libonnxruntime.so.1*");
 }
 
 //! dlopen + OrtGetApiBase + GetApi(ORT_API_VERSION); refusals name the file and the reason.
@@ -108,6 +136,12 @@ OrtLibrary findLibrary(std::string const& optionPath)
     }
     tried += envOr("VIRTUAL_ENV").empty() ? ", no $VIRTUAL_ENV with the onnxruntime wheel"
                                           : ", no onnxruntime wheel in $VIRTUAL_ENV=" + envOr("VIRTUAL_ENV");
+    std::vector<std::string> const beside = besideCopies();
+    if (!beside.empty())
+    {
+        return openAt(beside.back(), "the onnxruntime wheel beside libdflash2");
+    }
+    tried += ", no onnxruntime wheel beside libdflash2 (" + ownFolder() + "/../../onnxruntime/capi)";
     throw Error(DFL2_ERR_UNAVAILABLE, "ONNX Runtime not found (tried " + tried + "): pip install onnxruntime in "
         "the active virtual environment, install libonnxruntime.so.1, or name the library with $ORT_LIBRARY or the "
         "ort_library option");

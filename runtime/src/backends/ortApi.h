@@ -6,8 +6,11 @@
 //!
 //! Which library (the first that opens): the "ort_library" option; $ORT_LIBRARY; the system's libonnxruntime.so.1
 //! (the loader's search: LD_LIBRARY_PATH, ldconfig's cache); the onnxruntime wheel's copy in the active virtual
-//! environment ($VIRTUAL_ENV/lib/python3.*/site-packages/onnxruntime/capi/libonnxruntime.so.1.*). The library found
-//! first is the one taken: a named path that does not open is refused, not skipped.
+//! environment ($VIRTUAL_ENV/lib/python3.*/site-packages/onnxruntime/capi/libonnxruntime.so.1.*); the onnxruntime
+//! wheel's copy in the site-packages that holds this libdflash2 (a pip-installed libdflash2 lies in
+//! site-packages/dflash2_trt/lib/: ../../onnxruntime/capi/libonnxruntime.so.1.* from its folder), which a C program
+//! linked against the installed package finds without an activated environment. The library found first is the one
+//! taken: a named path that does not open is refused, not skipped.
 #pragma once
 
 #include "core/decoder.h"
