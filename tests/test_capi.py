@@ -759,7 +759,8 @@ class _Stats(C.Structure):
     _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
                 ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("per_position_cumulative", P(C.c_double)),
                 ("per_position_conditional", P(C.c_double)), ("accepted", P(C.c_int32)),
-                ("proposed", P(C.c_int32)), ("oracle_accepted", P(C.c_int32)), ("elapsed_s", C.c_double)]
+                ("proposed", P(C.c_int32)), ("oracle_accepted", P(C.c_int32)), ("elapsed_s", C.c_double),
+                ("cached_tokens", C.c_int32)]
 
 
 class _ModelInfo(C.Structure):

@@ -161,7 +161,7 @@ class Stats(C.Structure):
     _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
                 ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("cum", P(C.c_double)),
                 ("cond", P(C.c_double)), ("accepted", P(C.c_int32)), ("proposed", P(C.c_int32)),
-                ("oracle", P(C.c_int32)), ("elapsed", C.c_double)]
+                ("oracle", P(C.c_int32)), ("elapsed", C.c_double), ("cached", C.c_int32)]
 for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
                    "dfl2_model_load": [C.c_char_p, V, P(V)], "dfl2_session_create": [V, V, P(V)],
                    "dfl2_session_set_uniform_source": [V, UNIFORM, V],

@@ -2,9 +2,13 @@
 last token; a stateful target only at a snapshot at or below the match; the drafter's context only as far as the
 entry rebuilds it), the byte budget and least-recently-used eviction (an evicted entry is never matched: a planted
 bug that keeps it fails), and — through the runtime's runners on tiny dense, hybrid, sliding and MoE exports — a
-decode after a hit equal to the same decode from an empty cache, with the planted restore bugs caught."""
+decode after a hit equal to the same decode from an empty cache, with the planted restore bugs caught. The C library's
+twin (a dfl2_session keeping its last sequence, runtime/src/core/prefixCache.h) on the same exports: its requests equal
+the Python runtime's with its cache and its own without prefix reuse, with its planted restore bugs caught."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ import pytest
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import prefix_cache as P
 from helpers import long_memory_heads
+from test_capi import capi_build, vectors_path  # noqa: F401
 
 
 class _Target:
@@ -322,3 +327,167 @@ def test_a_ring_restored_unrotated_is_caught(exports, monkeypatch, arch):
     monkeypatch.setattr(WindowRing, "restore", planted)
     with pytest.raises(AssertionError, match="tokens"):
         _next_turn(exports(arch, False), "next turn", _same_tokens, True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The C library's twin: a dfl2_session keeps its last sequence (runtime/src/core/prefixCache.h)
+# ----------------------------------------------------------------------------------------------------
+
+# One process per call (the library opens the onnxruntime wheel's library, which this process has loaded too): per run a
+# session made with its options, its requests in turn with numpy's uniforms for each request's seed.
+_C_SESSIONS = r"""
+import ctypes as C, json, sys
+import numpy as np
+V, P = C.c_void_p, C.POINTER
+req = json.loads(sys.stdin.read())
+lib = C.CDLL(req["lib"])
+UNIFORM = C.CFUNCTYPE(C.c_int32, V, C.c_int, P(C.c_double), C.c_size_t)
+TOKENS = C.CFUNCTYPE(C.c_int32, V, P(C.c_int32), C.c_size_t)
+class Stats(C.Structure):
+    _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
+                ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("cum", P(C.c_double)),
+                ("cond", P(C.c_double)), ("accepted", P(C.c_int32)), ("proposed", P(C.c_int32)),
+                ("oracle", P(C.c_int32)), ("elapsed", C.c_double), ("cached", C.c_int32)]
+for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
+                   "dfl2_model_load": [C.c_char_p, V, P(V)], "dfl2_session_create": [V, V, P(V)],
+                   "dfl2_session_set_uniform_source": [V, UNIFORM, V],
+                   "dfl2_session_generate": [V, P(C.c_int32), C.c_size_t, TOKENS, V],
+                   "dfl2_session_get_tokens": [V, P(P(C.c_int32)), P(C.c_size_t)],
+                   "dfl2_session_get_stats": [V, P(Stats)],
+                   "dfl2_session_get_proposers": [V, P(P(C.c_int32)), P(C.c_size_t)]}.items():
+    getattr(lib, name).restype, getattr(lib, name).argtypes = V, args
+lib.dfl2_status_message.restype, lib.dfl2_status_message.argtypes = C.c_char_p, [V]
+def ok(st):
+    if st:
+        sys.exit("status: " + lib.dfl2_status_message(st).decode())
+def options(kvs):
+    o = V()
+    ok(lib.dfl2_options_create(C.byref(o)))
+    for kv in kvs:
+        ok(lib.dfl2_options_parse(o, kv.encode()))
+    return o
+model = V()
+ok(lib.dfl2_model_load(req["export"].encode(), options(req["model"]), C.byref(model)))
+out = []
+for run in req["runs"]:
+    session = V()
+    ok(lib.dfl2_session_create(model, options(run["options"]), C.byref(session)))
+    got = []
+    for prompt, seed in run["requests"]:
+        rng = np.random.default_rng(seed)
+        def uniforms(u, use, buf, n):  # numpy's draws as the Python runtime makes them
+            vals = rng.random((1, n), dtype=np.float32).reshape(-1) if use == 0 else np.array([rng.random()])
+            np.ctypeslib.as_array(buf, (n,))[:] = vals
+            return 0
+        cb = UNIFORM(uniforms)
+        ok(lib.dfl2_session_set_uniform_source(session, cb, None))
+        ok(lib.dfl2_session_generate(session, (C.c_int32 * len(prompt))(*prompt), len(prompt), TOKENS(0), None))
+        toks, n, st, who, m = P(C.c_int32)(), C.c_size_t(), Stats(), P(C.c_int32)(), C.c_size_t()
+        ok(lib.dfl2_session_get_tokens(session, C.byref(toks), C.byref(n)))
+        ok(lib.dfl2_session_get_stats(session, C.byref(st)))
+        ok(lib.dfl2_session_get_proposers(session, C.byref(who), C.byref(m)))
+        got.append({"tokens": toks[: n.value], "accepted": st.accepted[: st.cycles], "cached": st.cached,
+                    "proposers": [("dflash2", "ngram")[w] for w in who[: m.value]]})
+    out.append(got)
+assert "onnxruntime" not in sys.modules
+print(json.dumps(out))
+"""
+
+C_NEW = 24
+
+
+def _c_sessions(build, export, runs: list[tuple[list[str], list[tuple[list[int], int]]]],  # noqa: ANN001
+                env: dict | None = None) -> list[list[dict]]:
+    """Per run (session options, [(prompt, seed)]) one dfl2_session of the C library over ``export`` (ONNX Runtime, 1
+    thread, the op library the Python runtime finds), its requests in turn -> per run, per request {tokens, accepted,
+    proposers, cached}."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import onnxruntime
+
+    from dflash2_trt.runtime.ort.decode_attention import find_library
+
+    ops = find_library()
+    req = {"lib": str(build / "lib" / "libdflash2.so"), "export": str(export),
+           "model": ["backend=ort", "threads=1"],
+           "runs": [{"options": [f"max_new_tokens={C_NEW}", "eos_ids=", "guard=false", *opts], "requests": reqs}
+                    for opts, reqs in runs]}
+    venv = str(Path(onnxruntime.__file__).parents[4])  # VENV/lib/python3.X/site-packages/onnxruntime/__init__.py
+    proc = subprocess.run([sys.executable, "-c", _C_SESSIONS], input=json.dumps(req), capture_output=True, text=True,
+                          env={**os.environ, "VIRTUAL_ENV": venv, "DFLASH2_ORT_OPS": str(ops or "/nonexistent"),
+                               **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _turns(export, T: float, cases: tuple[str, ...] | None = None):  # noqa: ANN001, ANN202
+    """The Python runtime's conversation at temperature ``T`` (a 40-token prompt, then :func:`_conversation`'s cases,
+    or those named) through one generator with the prefix cache -> (the requests [(prompt, seed)], its results)."""
+    on, _ = _gens(export)
+    rng = np.random.default_rng(0)
+    with on:
+        kw = dict(max_new_tokens=C_NEW, eos_ids=set(), temperature=T, seed=3, guard=False)
+        first = on.generate(rng.integers(2, 200, 40).tolist(), **kw)
+        prompts = [first.prompt_tokens] + [p for case, p, _ in _conversation(rng, first)
+                                           if cases is None or case in cases]
+        results = [first] + [on.generate(p, **kw) for p in prompts[1:]]
+    return [(p, 3) for p in prompts], results
+
+
+def _c_equals_twin(got: list[dict], want, off: list[dict]) -> None:  # noqa: ANN001
+    """The C session's requests = the Python runtime's with its prefix cache (ids, positions restored, accepted drafts
+    and proposers per cycle) and = the C session without prefix reuse (ids)."""
+    for i, (g, w, o) in enumerate(zip(got, want, off)):
+        assert g["cached"] == w.stats.cached_tokens, (i, g["cached"], w.stats.cached_tokens)
+        assert g["tokens"] == w.tokens, f"tokens of request {i}"
+        assert g["accepted"] == w.stats.accepted and g["proposers"] == w.stats.proposers, \
+            f"accepted drafts of request {i}: {g['accepted']}, the Python runtime's {w.stats.accepted}"
+        assert o["cached"] == 0 and o["tokens"] == g["tokens"], f"tokens of request {i} without prefix reuse"
+
+
+def test_c_session_prefix_reuse_equals_python_twin(capi_build, pair_export):
+    """Every target kind, greedy and at T = 0.8 (numpy's uniforms, seed 3): a dfl2_session's conversation — a 40-token
+    prompt, the next turn (a hit at the end of the kept sequence), a branch inside its answer (dense: there; stateful:
+    the prompt's snapshot, inherited from the first turn), the prompt again with one more token — equals the Python
+    runtime's decoding with its prefix cache (ids, positions restored, accepted drafts per cycle) and the same session
+    without prefix reuse (ids); hits happen and drafts are accepted after them; a budget below the sequence's bytes
+    keeps nothing."""
+    arch, export = pair_export
+    stateful = arch not in ("llama", "qwen3_moe")
+    for T in (0.0, 0.8):
+        reqs, want = _turns(export, T)
+        on, off, tight = _c_sessions(capi_build, export, [([f"temperature={T}"], reqs),
+                                                          ([f"temperature={T}", "prefix_cache_bytes=0"], reqs),
+                                                          ([f"temperature={T}", "prefix_cache_bytes=4096"], reqs)])
+        _c_equals_twin(on, want, off)
+        assert [g["cached"] for g in on[1:]] == [want[1].stats.cached_tokens, 40 + 5 * (not stateful), 40]
+        assert sum(sum(g["accepted"]) for g in on[1:]) > 0
+        assert [t["cached"] for t in tight] == [0] * len(reqs) and [t["tokens"] for t in tight] == [o["tokens"] for o in off]
+
+
+def test_c_session_planted_drafter_context_bug_is_caught(capi_build, exports):
+    """Negative control: with $DFLASH2_PLANT_PREFIX_DRAFTER_ZEROED=1 (a hit restores the target but leaves the
+    drafter's context zeros) the ids stay lossless but the accepted drafts after each hit differ from the twin's."""
+    export = exports("llama")
+    reqs, want = _turns(export, 0.0)
+    on, off = _c_sessions(capi_build, export, [([], reqs), (["prefix_cache_bytes=0"], reqs)],
+                          env={"DFLASH2_PLANT_PREFIX_DRAFTER_ZEROED": "1"})
+    with pytest.raises(AssertionError, match="accepted drafts"):
+        _c_equals_twin(on, want, off)
+    assert [g["tokens"] for g in on] == [o["tokens"] for o in off]
+
+
+def test_c_session_planted_later_snapshot_bug_is_caught(capi_build, exports):
+    """On the random qwen3_5 target (every layer moves its tokens): a hit inside the last answer restores the prompt's
+    snapshot and decodes as the twin; with $DFLASH2_PLANT_PREFIX_LATER_SNAPSHOT=1 (the K/V cropped at the hit, the
+    linear layers' state from the next snapshot after it) the ids change."""
+    export = exports("qwen3_5", False)
+    reqs, want = _turns(export, 0.0, ("inside the answer",))
+    on, off = _c_sessions(capi_build, export, [([], reqs), (["prefix_cache_bytes=0"], reqs)])
+    _c_equals_twin(on, want, off)
+    assert on[1]["cached"] == 40
+    (planted,) = _c_sessions(capi_build, export, [([], reqs)], env={"DFLASH2_PLANT_PREFIX_LATER_SNAPSHOT": "1"})
+    assert planted[1]["cached"] == 40 and planted[1]["tokens"] != off[1]["tokens"]

@@ -5,6 +5,7 @@
 
 #include "core/batch.h"
 #include "core/decoder.h"
+#include "core/prefixCache.h"
 #include "manifest.h"
 #include "model.h"
 #include "options.h"
@@ -78,6 +79,7 @@ struct dfl2_session
     void* uniformUser{nullptr};
     dflash2::Result result;
     dflash2::Stats stats;
+    std::unique_ptr<dflash2::PrefixCache> prefix;  //!< what the runners keep of the last request ("prefix_cache_bytes")
 };
 
 namespace
@@ -196,6 +198,7 @@ void fillStats(dflash2::Result const& r, dflash2::Stats const& s, dfl2_stats* ou
     out->proposed = r.proposed.data();
     out->oracle_accepted = r.oracleAccepted.empty() ? nullptr : r.oracleAccepted.data();
     out->elapsed_s = r.elapsedS;
+    out->cached_tokens = r.cachedTokens;
 }
 
 std::unique_lock<std::mutex> modelLock(dfl2_model* model)
@@ -507,6 +510,7 @@ dfl2_status* dfl2_session_create(dfl2_model* model, dfl2_options const* options,
         s->config = dflash2::generateConfig(o, model->impl->eosIds);
         s->seed = static_cast<uint64_t>(o.getInt("seed", 0));
         s->runners = model->impl->newRunners();
+        s->prefix = std::make_unique<dflash2::PrefixCache>(o.getInt("prefix_cache_bytes", dflash2::kPREFIX_BUDGET_BYTES));
         *out = s.release();
     });
 }
@@ -541,9 +545,17 @@ dfl2_status* dfl2_session_generate(
         dflash2::TokenSink const sink = tokenSink(on_tokens, user_data);
         auto const guard = modelLock(session->model);
         dflash2::Runners& r = *session->runners;
-        session->result = session->config.speculative
-            ? dflash2::speculativeGenerate(r, ids, session->config, *uniforms, sink)
-            : dflash2::targetGenerate(r, ids, session->config, *uniforms, sink);
+        try
+        {
+            session->result = session->config.speculative
+                ? dflash2::speculativeGenerate(r, ids, session->config, *uniforms, sink, session->prefix.get())
+                : dflash2::targetGenerate(r, ids, session->config, *uniforms, sink, session->prefix.get());
+        }
+        catch (...)
+        {
+            session->prefix->clear();  // the caches' content is unknown: the next request starts empty
+            throw;
+        }
         session->stats = dflash2::resultStats(session->result);
     });
 }

@@ -23,6 +23,7 @@ std::vector<OptionSpec> const& optionSpecs()
         {"proposer", OptionType::kSTRING, proposerChoices()},
         {"ngram_rows", OptionType::kINT, nullptr},
         {"guard", OptionType::kBOOL, nullptr},
+        {"prefix_cache_bytes", OptionType::kINT, nullptr},
         {"backend", OptionType::kSTRING, "auto|tensorrt|trt|ort"},
         {"draft_mode", OptionType::kSTRING, "greedy|viterbi|independent"},
         {"verify_checksums", OptionType::kBOOL, nullptr},
@@ -94,6 +95,10 @@ void checkRange(std::string const& key, OptionSpec const& spec, OptionValue cons
     if (key == "seed" && std::get<int64_t>(v) < 0)
     {
         bad("must be >= 0 (as the Python API's seed), got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "prefix_cache_bytes" && std::get<int64_t>(v) < 0)
+    {
+        bad("must be >= 0 (0: keep nothing), got " + std::to_string(std::get<int64_t>(v)));
     }
     if (key == "device" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > 1024))
     {

@@ -62,6 +62,9 @@
  *                                     again after a doubling backoff (dflash2_trt/runtime/guard.py states the rule).
  *                                     Lossless; its choices follow measured times, so with it a seed fixes the law of
  *                                     the tokens at T > 0 but not the sample
+ *     "prefix_cache_bytes" int 1 GiB  a session's prefix reuse (PREFIX REUSE below): the most bytes the sequence it
+ *                                     keeps may hold (target K/V rows, drafter context, queued features, snapshots);
+ *                                     a larger one is not kept; 0: every request starts from empty caches (sessions)
  *   model (read by dfl2_model_load / dfl2_model_create_callbacks):
  *     "backend"         string "auto" "auto" (TensorRT where it loads, else ONNX Runtime; dfl2_model_get_note says
  *                                     why) | "tensorrt" (or "trt") | "ort" (dfl2_model_load); callbacks models ignore it
@@ -111,10 +114,13 @@ extern "C" {
 /* ---- version ---------------------------------------------------------------------------------------- */
 
 #define DFL2_API_VERSION_MAJOR 1
-#define DFL2_API_VERSION_MINOR 3 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR; 1.2: prompt lookup
+#define DFL2_API_VERSION_MINOR 4 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR; 1.2: prompt lookup
                                   * ("proposer", "ngram_rows", dfl2_session_get_proposers, dfl2_batch_get_proposers);
                                   * 1.3: the ONNX Runtime backend ("backend" "ort", "threads", "ort_library",
-                                  * dfl2_model_get_note) */
+                                  * dfl2_model_get_note); 1.4: a session's prefix reuse ("prefix_cache_bytes",
+                                  * dfl2_stats.cached_tokens: the struct grew at its end, so a program compiled
+                                  * against an older header must be rebuilt before it calls dfl2_*_get_stats or
+                                  * dfl2_batch_get_result with stats) */
 #define DFL2_API_VERSION_PATCH 0
 /* (major << 16) | (minor << 8) | patch, of the header a program was compiled with */
 #define DFL2_API_VERSION \
@@ -308,8 +314,21 @@ typedef int32_t (*dfl2_uniform_fn)(void* user_data, dfl2_uniform_use use, double
 /* fn NULL restores the built-in generator. Kept for every later generate of this session. */
 DFL2_API dfl2_status* dfl2_session_set_uniform_source(dfl2_session* session, dfl2_uniform_fn fn, void* user_data);
 
-/* Generate from prompt ids[n] (each in [0, vocab); 1 <= n and n + 1 <= max_positions). Resets the
- * session first, so one session serves many requests one after another. on_tokens may be NULL. */
+/* Generate from prompt ids[n] (each in [0, vocab); 1 <= n and n + 1 <= max_positions). One session serves many
+ * requests one after another: each starts from what the session kept of the last one (PREFIX REUSE below), the rest
+ * of its state reset. on_tokens may be NULL.
+ *
+ * PREFIX REUSE (API 1.4). After a request the session keeps its caches (ONNX Runtime backend; the callbacks and
+ * TensorRT backends keep nothing: every request starts empty). The next prompt's longest common prefix, by token ids,
+ * with the last request's prompt + generated tokens (those its target cache holds) is not computed again: at most all
+ * but the prompt's last token; for a request that drafts with the DFlash 2 drafter, within the drafter context the
+ * session can rebuild (its K/V and the features of positions it had not taken in yet, added at the hit); for a
+ * target with linear (Gated DeltaNet) or sliding-window layers, whose state cannot be cropped, the longest snapshot
+ * at or below the match (snapshots: after each prompt's prefill and at the end of each request; those at or below a
+ * hit stay with the next sequence). Exact: the tokens equal a run from an empty session (greedy; at T > 0 the same
+ * uniforms give the same tokens), and the drafter drafts from the context it would have had. dfl2_stats.cached_tokens
+ * says how many prompt positions were restored. The twin of dflash2_trt/runtime/prefix_cache.py (its PrefixCache
+ * for one sequence, the session's last). "prefix_cache_bytes" bounds what is kept; a failed generate keeps nothing. */
 DFL2_API dfl2_status* dfl2_session_generate(dfl2_session* session, const int32_t* prompt, size_t n,
                                             dfl2_token_fn on_tokens, void* user_data);
 
@@ -341,6 +360,8 @@ typedef struct dfl2_stats {
     const int32_t* proposed;                /* [cycles] drafts verified per cycle */
     const int32_t* oracle_accepted;         /* [cycles] when measured, else NULL */
     double elapsed_s;                       /* wall time, oracle passes excluded */
+    int32_t cached_tokens;                  /* prompt positions restored by prefix reuse, not computed (API 1.4;
+                                             * sessions; 0 in a batch's results) */
 } dfl2_stats;
 
 DFL2_API dfl2_status* dfl2_session_get_stats(const dfl2_session* session, dfl2_stats* out);

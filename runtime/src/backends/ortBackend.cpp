@@ -29,7 +29,10 @@
 //! the core's buffer). A hybrid target's linear state (HostLinearState over core/linearState.h, the twin of
 //! runtime/linear_state.py LinearStates) is per OrtRunners, so per session and per batch slot; its buffers are made
 //! once, and a crop into the last call takes the kept row's window and recurrent state from that call's outputs (a
-//! slice, never a recomputation). Options: "threads" (intra-op threads of every session; 0: ONNX Runtime's default) and
+//! slice, never a recomputation). A session's caches stay between requests for its prefix reuse (core/prefixCache.h):
+//! a hit crops the K/V and the drafter's context by their lengths and puts a linear or sliding target's state back from
+//! an OrtTargetSnapshot (copies of the linear layers' windows and recurrent states, the rings, their positions and
+//! floor). Options: "threads" (intra-op threads of every session; 0: ONNX Runtime's default) and
 //! $DFLASH2_ORT_SPINNING (as the Python backend: 1, the default, lets the target session's workers spin; 0 none).
 //!
 //! Ownership and threads: an OrtModel owns its sessions, which ONNX Runtime runs concurrently; each OrtRunners (a
@@ -37,6 +40,7 @@
 //! one OrtRunners per slot and runs the slots' rows one sequence after another, so a batched request's tokens are its
 //! single run's.
 #include "../core/linearState.h"
+#include "../core/prefixCache.h"
 #include "../core/windowRing.h"
 #include "../model.h"
 #include "onnxRewrite.h"
@@ -56,6 +60,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -898,6 +903,35 @@ private:
     Graph mHead;
 };
 
+//! A linear or sliding target's state at one length (prefix_cache.SlotState): per linear layer its convolution window
+//! and recurrent state, per ring its contents, and the rings' window positions and floor.
+struct OrtTargetSnapshot : TargetSnapshot
+{
+    std::vector<std::vector<char>> windows;
+    std::vector<std::vector<float>> recurrents;
+    std::vector<std::vector<char>> rings;
+    std::vector<int64_t> positions;
+    int64_t floor{0};
+
+    size_t nbytes() const override
+    {
+        size_t n = positions.size() * sizeof(int64_t);
+        for (auto const& w : windows)
+        {
+            n += w.size();
+        }
+        for (auto const& r : recurrents)
+        {
+            n += r.size() * sizeof(float);
+        }
+        for (auto const& r : rings)
+        {
+            n += r.size();
+        }
+        return n;
+    }
+};
+
 //! One request's caches over the model's sessions (OrtTargetRunner / OrtFusedTargetRunner + OrtDraftRunner).
 class OrtRunners : public SizedRunners<Runners>
 {
@@ -1089,6 +1123,117 @@ public:
         mDkv.append(rows, m);
         mPending.clear();
         mPendingRows = 0;
+    }
+
+    // ---- prefix reuse (core/prefixCache.h): OrtTargetRunner.prefix_state / restore_prefix, OrtDraftRunner's
+    // context_rows / restore_context, over the caches in place
+    bool keepsPrefix() const override
+    {
+        return true;
+    }
+    int32_t targetLength() const override
+    {
+        return mTkv.length;
+    }
+    std::shared_ptr<TargetSnapshot const> targetSnapshot() override
+    {
+        if (!mLinear && !mRing)
+        {
+            return nullptr;
+        }
+        auto snap = std::make_shared<OrtTargetSnapshot>();
+        for (size_t i = 0; mLinear && i < mLinear->layers.size(); ++i)
+        {
+            snap->windows.push_back(mLinear->layers[i].window);
+            snap->recurrents.push_back(mLinear->layers[i].recurrent);
+        }
+        if (mRing)
+        {
+            snap->rings = mRing->arrays;
+            std::tie(snap->positions, snap->floor) = mRing->log.snapshot(0);
+        }
+        return snap;
+    }
+    void targetRestore(int32_t length, TargetSnapshot const* state) override
+    {
+        if (length < 0 || length > mTkv.length || ((mLinear || mRing) && state == nullptr))
+        {
+            throw Error(DFL2_ERR_INTERNAL, "a prefix restore to length " + std::to_string(length) + " of a target at "
+                + std::to_string(mTkv.length) + (state == nullptr ? " without its state" : ""));
+        }
+        mTkv.length = length;
+        mFeatureRows = 0;
+        if (state == nullptr)
+        {
+            return;
+        }
+        auto const& snap = dynamic_cast<OrtTargetSnapshot const&>(*state);
+        // copied into the buffers the state inputs' values are made over (never reallocated)
+        for (size_t i = 0; mLinear && i < mLinear->layers.size(); ++i)
+        {
+            HostLinearState::Layer& l = mLinear->layers[i];
+            std::copy(snap.windows[i].begin(), snap.windows[i].end(), l.window.begin());
+            std::copy(snap.recurrents[i].begin(), snap.recurrents[i].end(), l.recurrent.begin());
+        }
+        if (mLinear)
+        {
+            mLinear->log.reset(0);  // a new sequence: no call to roll back into
+        }
+        if (mRing)
+        {
+            for (size_t a = 0; a < mRing->arrays.size(); ++a)
+            {
+                std::copy(snap.rings[a].begin(), snap.rings[a].end(), mRing->arrays[a].begin());
+            }
+            mRing->log.restore(0, snap.positions, snap.floor);
+        }
+    }
+    int32_t drafterLength() const override
+    {
+        return mDkv.length + mPendingRows;
+    }
+    void drafterRestore(int32_t length) override
+    {
+        if (length < 0 || length > drafterLength())
+        {
+            throw Error(DFL2_ERR_INTERNAL, "a drafter context restore to length " + std::to_string(length)
+                + " of one that can rebuild " + std::to_string(drafterLength()));
+        }
+        if (length <= mDkv.length)
+        {
+            mDkv.length = length;
+            mPending.clear();
+            mPendingRows = 0;
+        }
+        else  // the queued features of the positions the context lacks join it in one pass
+        {
+            size_t const rowBytes = static_cast<size_t>(mM.fdim()) * mFeatureBytes;
+            mPending.resize(static_cast<size_t>(length - mDkv.length) * rowBytes);
+            mPendingRows = length - mDkv.length;
+            drafterAddContext(mDkv.length);
+        }
+        if (plantedPrefixDrafterZeroed())  // the planted bug: the target restored, the drafter's context garbage
+        {
+            size_t const rb = mDkv.rowBytes();
+            for (auto& a : mDkv.arrays)
+            {
+                for (size_t h = 0; h < static_cast<size_t>(mDkv.heads); ++h)
+                {
+                    std::fill_n(a.begin() + static_cast<long>(h * static_cast<size_t>(mDkv.capacity) * rb),
+                        static_cast<size_t>(length) * rb, 0);
+                }
+            }
+        }
+    }
+    size_t prefixBytes(int32_t n) const override
+    {
+        auto kvBytes = [](HostKV const& kv, int32_t rows) {
+            return static_cast<size_t>(kv.count) * static_cast<size_t>(kv.heads) * static_cast<size_t>(rows)
+                * kv.rowBytes();
+        };
+        int32_t const queued = std::min(mPendingRows, std::max(0, n - mDkv.length));
+        return kvBytes(mTkv, std::min(n, mTkv.length)) + kvBytes(mDkv, std::min(n, mDkv.length))
+            + static_cast<size_t>(queued) * static_cast<size_t>(mM.fdim()) * mFeatureBytes;
     }
 
     //! OrtDraftRunner.propose: block over the context, rows past the verified ones zeroed, the selector head

@@ -3,6 +3,7 @@
 #include "decoder.h"
 
 #include "ngram.h"
+#include "prefixCache.h"
 
 #include <algorithm>
 #include <chrono>
@@ -554,16 +555,30 @@ dfl2_finish_reason finishReason(Result const& r, GenerateConfig const& cfg, bool
 
 // decoder.target_generate
 Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
-    UniformSource& uniforms, TokenSink const& sink)
+    UniformSource& uniforms, TokenSink const& sink, PrefixCache* cache)
 {
     checkPrompt(prompt, runners, cfg.maxNewTokens);
     size_t const V = static_cast<size_t>(runners.vocabSize());
     Result res;
     auto const t0 = Clock::now();
     std::vector<float> logits;
-    runners.targetReset();
-    runners.targetForward(prompt.data(), static_cast<int32_t>(prompt.size()), logits);
-    int32_t tok = nextToken(logits.data() + (prompt.size() - 1) * V, V, cfg.temperature, uniforms);
+    int32_t start = 0;
+    if (cache != nullptr)
+    {
+        start = cache->prefillFrom(prompt, runners, false);  // plain decoding keeps no drafter context
+    }
+    else
+    {
+        runners.targetReset();
+    }
+    int32_t const rest = static_cast<int32_t>(prompt.size()) - start;
+    runners.targetForward(prompt.data() + start, rest, logits);  // [rest, V]
+    res.cachedTokens = start;
+    if (cache != nullptr)
+    {
+        cache->snapshot(runners);
+    }
+    int32_t tok = nextToken(logits.data() + static_cast<size_t>(rest - 1) * V, V, cfg.temperature, uniforms);
     res.tokens.push_back(tok);
     bool cancelled = sink && !sink(&tok, 1);
     int64_t const limit = lengthLimit(runners, prompt, cfg);
@@ -576,6 +591,10 @@ Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, Gene
     }
     res.elapsedS = secondsSince(t0);
     finish(res, cfg, cancelled);
+    if (cache != nullptr)
+    {
+        cache->store(prompt, res.tokens, runners, false);
+    }
     return res;
 }
 
@@ -598,7 +617,7 @@ class SpeculativeLoop
 {
 public:
     SpeculativeLoop(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
-        UniformSource& uniforms, TokenSink const& sink)
+        UniformSource& uniforms, TokenSink const& sink, PrefixCache* cache)
         : mRunners(runners)
         , mPrompt(prompt)
         , mCfg(cfg)
@@ -611,6 +630,7 @@ public:
         , mT0(Clock::now())
         , mU64(static_cast<size_t>(mL))
         , mU32(static_cast<size_t>(mL))
+        , mCache(cache)
     {
         if (cfg.guard)
         {
@@ -623,14 +643,28 @@ public:
         return !mCancelled && static_cast<int64_t>(mRes.tokens.size()) < mLimit && !isEos(mCfg, mAnchor);
     }
 
-    //! target KV cache + context features of every prompt position; the first anchor
+    //! target KV cache + context features of every prompt position (those the prefix cache keeps, then the rest
+    //! computed); the first anchor
     void prefill()
     {
-        mRunners.targetReset();
-        mRunners.drafterReset();
+        int32_t start = 0;
+        if (mCache != nullptr)
+        {
+            start = mCache->prefillFrom(mPrompt, mRunners, usesDrafter(mCfg.proposer));
+        }
+        else
+        {
+            mRunners.targetReset();
+            mRunners.drafterReset();
+        }
         int32_t const n = static_cast<int32_t>(mPrompt.size());
-        mRunners.targetForward(mPrompt.data(), n, mLogits);  // [n, V]
-        float const* last = mLogits.data() + static_cast<size_t>(n - 1) * vocab();
+        mRunners.targetForward(mPrompt.data() + start, n - start, mLogits);  // [n - start, V]
+        mRes.cachedTokens = start;
+        if (mCache != nullptr)
+        {
+            mCache->snapshot(mRunners);
+        }
+        float const* last = mLogits.data() + static_cast<size_t>(n - start - 1) * vocab();
         mAnchor = nextToken(last, vocab(), mCfg.temperature, mUniforms);
         mRes.tokens.push_back(mAnchor);
         emit(&mAnchor, 1);
@@ -640,8 +674,8 @@ public:
         mChoice = ProposerChoice(mCfg.proposer, std::move(context), lookupRows);
         if (mChoice.usesDrafter())
         {
-            mRunners.drafterQueueContext(n);
-            mRunners.drafterAddContext(0);
+            mRunners.drafterQueueContext(n - start);
+            mRunners.drafterAddContext(start);
         }
         mPos = n;
     }
@@ -770,6 +804,10 @@ public:
         }
         mRes.elapsedS = secondsSince(mT0) - mOracleS;
         dflash2::finish(mRes, mCfg, mCancelled);
+        if (mCache != nullptr)  // the finished sequence is kept (its positions, the drafter's context and queue)
+        {
+            mCache->store(mPrompt, mRes.tokens, mRunners, mChoice.usesDrafter());
+        }
         return std::move(mRes);
     }
 
@@ -813,6 +851,7 @@ private:
     std::vector<double> mU64;
     std::vector<float> mU32;
     std::vector<int32_t> mVerifyIds;
+    PrefixCache* mCache;  //!< the session's kept prefix (nullptr: none)
 };
 
 } // namespace
@@ -820,10 +859,10 @@ private:
 // decoder.speculative_generate (every drafter row verified; the acceptance guard when cfg.guard is set). The loop, top
 // to bottom: prefill, then per step the proposer's pick, a plain step or draft -> verify + accept -> commit.
 Result speculativeGenerate(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
-    UniformSource& uniforms, TokenSink const& sink)
+    UniformSource& uniforms, TokenSink const& sink, PrefixCache* cache)
 {
     checkPrompt(prompt, runners, cfg.maxNewTokens);
-    SpeculativeLoop loop(runners, prompt, cfg, uniforms, sink);
+    SpeculativeLoop loop(runners, prompt, cfg, uniforms, sink, cache);
     loop.prefill();
     while (loop.running())
     {

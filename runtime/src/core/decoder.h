@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -60,6 +61,15 @@ struct Draft
     bool hasVocabProposal{false};
 };
 
+//! A target's non-croppable state of one sequence at one length (linear layers' convolution and recurrent states,
+//! sliding-window rings: prefix_cache.SlotState), a backend's own copy; immutable once taken.
+class TargetSnapshot
+{
+public:
+    virtual ~TargetSnapshot() = default;
+    virtual size_t nbytes() const = 0;
+};
+
 //! The backend interface: one request's target and drafter (runtime/protocol.py's TargetRunner + DraftRunner).
 //! Context features never leave the backend: drafterQueueContext queues the first `rows` rows of the features that
 //! the latest targetForward produced and drafterAddContext hands the queue to the drafter in one call (rows of
@@ -88,6 +98,51 @@ public:
     virtual void drafterPropose(
         int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out)
         = 0;
+
+    // ---- prefix reuse (core/prefixCache.h; the runner side of prefix_cache.py) --------------------------------
+    //! Whether the caches may be kept between requests (the members below implemented); false: every request starts
+    //! from empty caches (targetReset / drafterReset).
+    virtual bool keepsPrefix() const
+    {
+        return false;
+    }
+    //! positions the target cache holds
+    virtual int32_t targetLength() const
+    {
+        return 0;
+    }
+    //! a copy of the target's non-croppable state at targetLength() (nullptr: an attention-only target)
+    virtual std::shared_ptr<TargetSnapshot const> targetSnapshot()
+    {
+        return nullptr;
+    }
+    //! the target keeps positions < length (<= targetLength()): attention K/V cropped, the non-croppable state put
+    //! back from `state` (taken at `length`; nullptr for an attention-only target); nothing left to roll back into
+    virtual void targetRestore(int32_t length, TargetSnapshot const* state)
+    {
+        (void) length;
+        (void) state;
+        throw Error(DFL2_ERR_INTERNAL, "this backend keeps no prefix");
+    }
+    //! positions of drafter context drafterRestore can rebuild: its context and the queued features past it
+    virtual int32_t drafterLength() const
+    {
+        return 0;
+    }
+    //! the drafter's context holds positions < length (<= drafterLength()): cropped, or the queued features of the
+    //! positions it lacks added in one pass; nothing queued afterwards
+    virtual void drafterRestore(int32_t length)
+    {
+        (void) length;
+        throw Error(DFL2_ERR_INTERNAL, "this backend keeps no prefix");
+    }
+    //! bytes the caches hold for the first n positions (target K/V + drafter context + queued features), snapshots
+    //! excluded: what a kept sequence costs against the prefix budget
+    virtual size_t prefixBytes(int32_t n) const
+    {
+        (void) n;
+        return 0;
+    }
 };
 
 //! Where uniforms come from (the order of requests is the Python runtime's rng order).
@@ -148,6 +203,7 @@ struct Result
     std::vector<int32_t> proposers;       //!< per cycle: who proposed (dfl2_proposer)
     int32_t guardSwitches{0};             //!< the guard's speculative -> plain switches
     int32_t guardProbes{0};               //!< the guard's plain -> speculative probes
+    int32_t cachedTokens{0};              //!< prompt positions restored from the session's prefix (not computed)
     dfl2_finish_reason finish{DFL2_FINISH_NONE};
 };
 
@@ -215,16 +271,19 @@ dfl2_finish_reason finishReason(Result const& r, GenerateConfig const& cfg, bool
 
 // ---- the loops ----------------------------------------------------------------------------------------
 
+class PrefixCache;  // core/prefixCache.h
+
 //! Rejects an empty prompt, out-of-range ids, a prompt that does not fit, max_new_tokens < 1.
 void checkPrompt(std::vector<int32_t> const& prompt, int32_t vocabSize, int32_t maxPositions, int64_t maxNewTokens);
 void checkPrompt(std::vector<int32_t> const& prompt, Runners const& runners, int64_t maxNewTokens);
-//! Plain autoregressive decoding (decoder.target_generate).
+//! Plain autoregressive decoding (decoder.target_generate). cache: the prefix the prompt starts from and the finished
+//! sequence is kept as (nullptr: empty caches, nothing kept).
 Result targetGenerate(
     Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg, UniformSource& uniforms,
-    TokenSink const& sink);
-//! Speculative decoding of one prompt (decoder.speculative_generate).
+    TokenSink const& sink, PrefixCache* cache = nullptr);
+//! Speculative decoding of one prompt (decoder.speculative_generate); cache as for targetGenerate.
 Result speculativeGenerate(
     Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg, UniformSource& uniforms,
-    TokenSink const& sink);
+    TokenSink const& sink, PrefixCache* cache = nullptr);
 
 } // namespace dflash2

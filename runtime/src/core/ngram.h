@@ -26,6 +26,13 @@ Proposer proposerOf(std::string const& name);
 //! The choices as the option table spells them: "dflash2|ngram|auto".
 char const* proposerChoices();
 
+//! ngram.uses_drafter: whether `mode` runs the DFlash 2 drafter (every one but prompt lookup alone), known from the
+//! request before its choice is made at the first token.
+inline bool usesDrafter(Proposer mode)
+{
+    return mode != Proposer::kNGRAM;
+}
+
 //! Most lookup drafts per cycle by default (ngram.NGRAM_ROWS).
 constexpr int32_t kNGRAM_ROWS = 4;
 
@@ -54,7 +61,7 @@ public:
     //! whether the DFlash 2 drafter proposes for this request (its context then follows the committed positions)
     bool usesDrafter() const
     {
-        return mMode != Proposer::kNGRAM;
+        return dflash2::usesDrafter(mMode);
     }
     //! committed tokens join the context (the drafter alone never looks it up, so keeps none)
     void extend(int32_t const* tokens, size_t n);

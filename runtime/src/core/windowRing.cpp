@@ -45,6 +45,26 @@ void WindowRingLog::reset(int32_t seq)
     mFloor[static_cast<size_t>(seq)] = 0;
 }
 
+std::pair<std::vector<int64_t>, int64_t> WindowRingLog::snapshot(int32_t seq) const
+{
+    if (seq < 0 || seq >= mSequences)
+    {
+        throw Error(DFL2_ERR_INTERNAL, "window ring sequence " + std::to_string(seq) + " out of range");
+    }
+    int64_t const* p = positions(seq);
+    return {std::vector<int64_t>(p, p + mSpec.ringSlots), mFloor[static_cast<size_t>(seq)]};
+}
+
+void WindowRingLog::restore(int32_t seq, std::vector<int64_t> const& positions, int64_t floor)
+{
+    if (positions.size() != static_cast<size_t>(mSpec.ringSlots))
+    {
+        throw Error(DFL2_ERR_INTERNAL, "a window ring snapshot of another ring size");
+    }
+    std::copy(positions.begin(), positions.end(), row(seq));
+    mFloor[static_cast<size_t>(seq)] = floor;
+}
+
 std::vector<RingRun> WindowRingLog::place(int32_t seq, int32_t start, int32_t rows)
 {
     int64_t* p = row(seq);

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace dflash2
@@ -48,6 +49,10 @@ public:
     //! sequence `seq` keeps positions < length (DFL2_ERR_INTERNAL when its ring no longer holds the keys the row at
     //! `length` needs)
     void crop(int32_t seq, int32_t length);
+    //! kv.WindowRing.snapshot without the arrays: sequence `seq`'s window positions [ringSlots] and crop floor
+    std::pair<std::vector<int64_t>, int64_t> snapshot(int32_t seq) const;
+    //! kv.WindowRing.restore without the arrays: snapshot()'s positions and floor back into sequence `seq`
+    void restore(int32_t seq, std::vector<int64_t> const& positions, int64_t floor);
     //! [ringSlots] the window_positions of sequence `seq` (valid until the next call that changes it)
     int64_t const* positions(int32_t seq) const
     {
