@@ -225,3 +225,61 @@ def transformed_two_token_law(target, prompt: list[int], temperature: float, **k
     p1 = law_after(prompt)
     return {(int(a), int(b)): p1[a] * q
             for a in np.flatnonzero(p1 > 1e-4) for b, q in enumerate(law_after(prompt + [int(a)])) if q > 1e-6}
+
+
+def prefix_cache_equals_uncached(be, ort_be, seed: int = 0) -> list[int]:  # noqa: ANN001
+    """``be``'s runners decode through a prefix cache: a 40-token prompt (stored), then the next turn (its whole
+    sequence + 9 tokens), a branch inside its answer and the prompt again + 1 token, each = ``ort_be``'s decode of
+    the same prompt from an empty cache, tokens and accepted drafts cycle for cycle, with positions restored and
+    drafts accepted -> the positions each restored."""
+    from dflash2_trt.runtime import decoder as D
+    from dflash2_trt.runtime.prefix_cache import PrefixCache
+
+    cache, rng = PrefixCache(), np.random.default_rng(seed)
+    vocab = be.manifest.target.vocab_size
+    tgt, drf = be.target_runner(), be.draft_runner("greedy")
+    want_tgt, want_drf = ort_be.target_runner(), ort_be.draft_runner("greedy")
+    p1 = rng.integers(4, vocab, 40).tolist()
+    first = D.speculative_generate(tgt, drf, p1, req(24, eos_ids=set()), cache=cache)
+    restored, accepted = [], []
+    for p in (p1 + first.tokens + rng.integers(4, vocab, 9).tolist(), p1 + first.tokens[:5] + [7, 8, 9], p1 + [5]):
+        got = D.speculative_generate(tgt, drf, p, req(24, eos_ids=set()), cache=cache)
+        want = D.speculative_generate(want_tgt, want_drf, p, req(24, eos_ids=set()))
+        assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
+        assert tgt.cache_length == want_tgt.cache_length
+        _same_state(_held(tgt, tgt.cache_length), _held(want_tgt, want_tgt.cache_length))
+        restored.append(got.cached_tokens)
+        accepted += got.accepted
+    assert min(restored) > 0 and cache.stats.hits == 3 and sum(accepted) > 0, (restored, accepted)
+    hit = cache.lookup(p1 + [5], drafter=True)  # a restore read straight back: what the entry holds at the hit
+    assert hit is not None
+    cache.restore(hit, tgt, drf)
+    e, n = hit.entry, hit.length
+    _same_state(_held(tgt, n), ([r[:, :n] for r in e.target_rows], e.states.get(n)))
+    return restored
+
+
+def _held(target, n: int):  # noqa: ANN001, ANN202
+    """A target runner's first n K/V rows and its state, through its prefix-cache views."""
+    return target.prefix_rows(n), target.prefix_state()
+
+
+def _same_state(got, want) -> None:  # noqa: ANN001
+    """(K/V rows, SlotState or None) pairs equal: the rows, linear states, and the rings' positions, floor and the
+    slots holding a position."""
+    for a, b in zip(got[0], want[0], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    s, w = got[1], want[1]
+    assert (s is None) == (w is None)
+    if w is None:
+        return
+    if w.linear is not None:
+        for a, b in zip([*s.linear[0], *s.linear[1]], [*w.linear[0], *w.linear[1]], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    if w.ring is not None:
+        np.testing.assert_array_equal(s.ring[1], w.ring[1])
+        assert s.ring[2] == w.ring[2]
+        held = w.ring[1] >= 0
+        for a, b in zip(s.ring[0], w.ring[0], strict=True):
+            np.testing.assert_allclose(a[:, held], b[:, held], rtol=1e-4, atol=1e-5)
+

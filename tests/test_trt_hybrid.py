@@ -343,3 +343,22 @@ def test_planted_rollback_bugs_are_caught(hy_engines, bug, monkeypatch):
     assert bad > 0
     be.close()
     ort_be.close()
+
+
+def test_prefix_cache_restores_the_device_state_exactly(hy_engines, monkeypatch):
+    """The prefix cache on the TensorRT backend, hybrid target: a hit restores the device linear states from a
+    snapshot (hits at the stored sequence's end and at its prompt's snapshot), and each decode equals ONNX Runtime's
+    from an empty cache, cycle for cycle. Planted bug: a restore that leaves the recurrent state as it was is
+    caught."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from helpers import prefix_cache_equals_uncached
+
+    be, _, _ = _open(hy_engines, compute=True)
+    ort_be = OrtBackend(hy_engines)
+    prefix_cache_equals_uncached(be, ort_be)
+    real = DeviceLinearState.restore
+    monkeypatch.setattr(DeviceLinearState, "restore", lambda self, snap, st: real(self, (snap[0], []), st))
+    with pytest.raises(AssertionError):
+        prefix_cache_equals_uncached(be, ort_be)
+    be.close()
+    ort_be.close()

@@ -514,3 +514,29 @@ def test_partial_block_draft_is_the_verified_rows_path(acc_engines, acc_drafter,
         assert runners["trt"].last_path == ("eager" if n < L else "captured"), n
     be.close()
     ort_be.close()
+
+
+def test_prefix_cache_restores_device_buffers_exactly(acc_engines, monkeypatch):
+    """The prefix cache on the TensorRT backend (engines that compute): each decode after a hit (the next turn, a
+    branch inside the answer, the prompt again) equals ONNX Runtime's from an empty cache, cycle for cycle — the
+    device K/V of target and drafter copied out through the pinned staging buffer and back. Planted bug: a restore
+    that loads the first head only is caught."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.runtime.trt.device_buffers import DeviceKV
+    from helpers import prefix_cache_equals_uncached
+
+    cuda = FakeCuda()
+    be, _, _ = _open(acc_engines, cuda=cuda, trt=FakeTrt(cuda, compute=True))
+    ort_be = OrtBackend(acc_engines)
+    assert be.prefix_cache
+    prefix_cache_equals_uncached(be, ort_be)
+    real = DeviceKV.load
+
+    def first_head_only(self, rows, n, staging):  # noqa: ANN001, ANN202
+        real(self, [np.concatenate([r[:1], np.zeros_like(r[1:])]) for r in rows], n, staging)
+
+    monkeypatch.setattr(DeviceKV, "load", first_head_only)
+    with pytest.raises(AssertionError):
+        prefix_cache_equals_uncached(be, ort_be)
+    be.close()
+    ort_be.close()

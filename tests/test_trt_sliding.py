@@ -101,3 +101,24 @@ def test_a_crop_that_keeps_the_cut_slots_is_caught(sw_engines, monkeypatch):
     assert _decode(be, be.target_runner(), ort_be, prompts)[0] > 0
     be.close()
     ort_be.close()
+
+
+def test_prefix_cache_restores_the_rings_exactly(sw_engines, monkeypatch):
+    """The prefix cache on the TensorRT backend, sliding-window target (a 40-token prompt wraps the rings of 24): a
+    hit restores the device rings with their window positions, and each decode equals ONNX Runtime's from an empty
+    cache, cycle for cycle. Planted bug: rings restored without their positions is caught."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.runtime.trt.device_buffers import DeviceWindowRing
+    from helpers import prefix_cache_equals_uncached
+
+    cuda = FakeCuda()
+    be = TrtBackend(sw_engines, trt_module=FakeTrt(cuda, compute=True), api=cuda)
+    ort_be = OrtBackend(sw_engines)
+    prefix_cache_equals_uncached(be, ort_be)
+    real = DeviceWindowRing.restore
+    monkeypatch.setattr(DeviceWindowRing, "restore",
+                        lambda self, snap, st: real(self, (snap[0], np.full_like(snap[1], -1), 0), st))
+    with pytest.raises(AssertionError):
+        prefix_cache_equals_uncached(be, ort_be)
+    be.close()
+    ort_be.close()

@@ -52,11 +52,12 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (TARGET_STATE_ROWS, TARGET_WINDOW_POSITIONS, EngineProfile, ExportManifest,
                                   LinearStateSpec, read_manifest, sha256_file)
+from dflash2_trt.runtime.prefix_cache import SlotState
 from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft
 from dflash2_trt.runtime.trt.cuda_api import CudaApi, CudaRuntime
 from dflash2_trt.runtime.trt.cuda_graphs import GraphCache, GraphKey
-from dflash2_trt.runtime.trt.device_buffers import (BufferPool, DeviceKV, DeviceLinearState, DeviceWindowRing, IOTensor,
-                                                    nbytes_of)
+from dflash2_trt.runtime.trt.device_buffers import (BufferPool, DeviceKV, DeviceLinearState, DeviceWindowRing,
+                                                    HostStaging, IOTensor, nbytes_of)
 from dflash2_trt.runtime.trt.env import (check_engine_identity, current_identity, engine_set, import_tensorrt,
                                          load_plugin_library, resolve_plugin)
 from dflash2_trt.vocabulary import LAYER_KINDS, SELECTOR_MODES, head_key
@@ -244,6 +245,7 @@ class TrtBackend(BackendBase):
         self.stream = self.api.stream_create()
         self._closed = False
         self.pool = BufferPool(self.api)
+        self.staging = HostStaging(self.api, self.pool, self.stream)  # the prefix cache's copies
         self.graphs = GraphCache(self.api, enabled=cuda_graphs, max_graphs=self.max_graphs)
         self._engines: dict[str, TrtEngine] = {}
         self.profiler: trt.IProfiler | None = None  # set before creating runners to time layers
@@ -257,6 +259,10 @@ class TrtBackend(BackendBase):
     @property
     def description(self) -> str:
         return f"TensorRT {self.trt.__version__} on {self.device.name}"
+
+    @property
+    def prefix_cache(self) -> bool:
+        return True  # both runners: host copies of the device K/V, linear states and rings (HostStaging)
 
     def engine(self, key: str) -> TrtEngine:
         if key not in self._engines:
@@ -493,6 +499,26 @@ class TrtTargetRunner:
             self.ring.crop(length)
         self.kv.crop(length)
 
+    # -- the prefix cache (dflash2_trt.runtime.prefix_cache): host copies through the backend's pinned staging ----
+    def prefix_rows(self, n: int, slot: int = 0) -> list[np.ndarray]:
+        return self.kv.rows(n, self.eng.dtypes[self.kv_names[0]], self.be.staging)
+
+    def prefix_state(self, slot: int = 0) -> SlotState | None:
+        if self.linear is None and self.ring is None:
+            return None
+        st = self.be.staging
+        return SlotState(
+            None if self.linear is None else self.linear.snapshot(self.eng.dtypes[self.linear_names[0]], st),
+            None if self.ring is None else self.ring.snapshot(self.eng.dtypes[self.ring_names[0]], st))
+
+    def restore_prefix(self, rows: list[np.ndarray], n: int, state: SlotState | None, slot: int = 0) -> None:
+        self.kv.load(rows, n, self.be.staging)
+        if state is not None and self.linear is not None and state.linear is not None:
+            self.linear.restore(state.linear, self.be.staging)
+        if state is not None and self.ring is not None and state.ring is not None:
+            self.ring.restore(state.ring, self.be.staging)
+        self._call_start = n
+
 
 class TrtDraftRunner:
     """DraftRunner over ``drafter_context``, ``drafter_block`` and the head engine of ``mode`` (plugin
@@ -535,6 +561,16 @@ class TrtDraftRunner:
 
     def reset(self) -> None:
         self.kv.reset()
+
+    # -- the prefix cache (dflash2_trt.runtime.prefix_cache) ------------------------------------------------------
+    def context_length(self) -> int:
+        return self.kv.length
+
+    def context_rows(self, n: int) -> list[np.ndarray]:
+        return self.kv.rows(n, self.ctx_eng.dtypes[self.names[0]], self.be.staging)
+
+    def restore_context(self, rows: list[np.ndarray]) -> None:
+        self.kv.load(rows, rows[0].shape[1] if rows else 0, self.be.staging)
 
     def add_context(self, feats: np.ndarray, start: int) -> None:
         """feats [m, F] of positions start..start+m-1 -> the draft context cache."""

@@ -93,6 +93,39 @@ class BufferPool:
         self._host.clear()
 
 
+class HostStaging:
+    """A pinned bounce buffer for the prefix cache's copies between device buffers and host arrays
+    (:mod:`dflash2_trt.runtime.prefix_cache` keeps its entries in host memory): made on first use, ``nbytes`` at a
+    time, each piece's copy waited for before the buffer is reused."""
+
+    def __init__(self, api: CudaApi, pool: BufferPool, stream: int, nbytes: int = 8 << 20) -> None:
+        self.api, self.pool, self.stream, self.nbytes = api, pool, stream, nbytes
+        self._buf: HostBuffer | None = None
+
+    def _piece(self) -> HostBuffer:
+        if self._buf is None:
+            self._buf = self.pool.pinned(self.nbytes)
+        return self._buf
+
+    def to_host(self, src: int, out: np.ndarray) -> None:
+        """The device bytes at ``src`` -> ``out`` (C-contiguous; as many bytes as it holds)."""
+        flat, buf = out.reshape(-1).view(np.uint8), self._piece()
+        for a in range(0, flat.size, self.nbytes):
+            n = min(self.nbytes, flat.size - a)
+            self.api.memcpy_dtoh_async(buf.ptr, src + a, n, self.stream)
+            self.api.stream_synchronize(self.stream)
+            flat[a: a + n] = buf.array[:n]
+
+    def to_device(self, arr: np.ndarray, dst: int) -> None:
+        """``arr``'s bytes (C order) -> the device at ``dst``."""
+        flat, buf = np.ascontiguousarray(arr).reshape(-1).view(np.uint8), self._piece()
+        for a in range(0, flat.size, self.nbytes):
+            n = min(self.nbytes, flat.size - a)
+            buf.array[:n] = flat[a: a + n]
+            self.api.memcpy_htod_async(dst + a, buf.ptr, n, self.stream)
+            self.api.stream_synchronize(self.stream)
+
+
 class DeviceKV:
     """K/V of one sequence on the device: 2 buffers per layer laid out ``[1, heads, capacity, d]``.
 
@@ -157,6 +190,25 @@ class DeviceKV:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(0, int(length)))
+
+    def rows(self, n: int, dtype: np.dtype, staging: HostStaging) -> list[np.ndarray]:
+        """Host copies of positions 0..n-1 (n <= length): [heads, n, d] per buffer, as ``KVBuffer.rows``."""
+        n = min(int(n), self.length)
+        out = [np.empty((self.heads, n, self.head_dim), dtype) for _ in self.ptrs]
+        for p, a in zip(self.ptrs, out):
+            for h in range(self.heads):  # each head's rows are contiguous at the buffer's pitch
+                staging.to_host(p + h * self.capacity * self.row_bytes, a[h])
+        return out
+
+    def load(self, rows: Sequence[np.ndarray], n: int, staging: HostStaging) -> None:
+        """Hold exactly positions 0..n-1, :meth:`rows`' copies (a new sequence: the buffers keep their place where
+        the capacity suffices)."""
+        self.length = 0
+        self.reserve(n)
+        for p, a in zip(self.ptrs, rows):
+            for h in range(self.heads):
+                staging.to_device(a[h, :n], p + h * self.capacity * self.row_bytes)
+        self.length = int(n)
 
 
 class DeviceLinearState:
@@ -249,6 +301,24 @@ class DeviceLinearState:
                                "it recorded every row's state")
         self.commit(keep)
 
+    def snapshot(self, conv_dtype: np.dtype, staging: HostStaging) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Host copies of every layer's convolution [conv_dim, K - 1] and recurrent [heads, dk, dv] state after
+        the last call (committed first: a snapshot is taken where nothing rolls back), as
+        ``LinearStates.snapshot``."""
+        self.commit()
+        spec = self.spec
+        conv = [np.empty((spec.conv_dim, spec.conv_kernel - 1), conv_dtype) for _ in self.conv]
+        rec = [np.empty((spec.num_heads, spec.key_dim, spec.value_dim), np.float32) for _ in self.recurrent]
+        for p, a in (*zip(self.conv, conv), *zip(self.recurrent, rec)):
+            staging.to_host(p, a)
+        return conv, rec
+
+    def restore(self, snap: tuple[list[np.ndarray], list[np.ndarray]], staging: HostStaging) -> None:
+        """Hold :meth:`snapshot`'s state (a new sequence: nothing to roll back into)."""
+        for p, a in (*zip(self.conv, snap[0]), *zip(self.recurrent, snap[1])):
+            staging.to_device(a, p)
+        self.pending = None
+
 
 class DeviceWindowRing:
     """The sliding layers' K/V of one sequence on the device: 2 buffers per sliding layer ``[1, heads, ring_slots,
@@ -260,7 +330,7 @@ class DeviceWindowRing:
 
     def __init__(self, api: CudaApi, pool: BufferPool, n_layers: int, heads: int, head_dim: int, itemsize: int,
                  spec: SlidingWindowSpec, stream: int) -> None:
-        self.api, self.stream, self.heads = api, stream, heads
+        self.api, self.stream, self.heads, self.head_dim, self.slots = api, stream, heads, head_dim, spec.ring_slots
         self.row_bytes = head_dim * itemsize
         self.slots_bytes = spec.ring_slots * self.row_bytes
         self.ring = WindowRing(0, heads, head_dim, np.float32, spec)  # positions and floor only
@@ -289,3 +359,18 @@ class DeviceWindowRing:
 
     def crop(self, length: int) -> None:
         self.ring.crop(0, length)
+
+    def snapshot(self, dtype: np.dtype, staging: HostStaging) -> tuple[list[np.ndarray], np.ndarray, int]:
+        """Host copies of the rings [heads, ring_slots, d] as they lie (rotated), the window positions and the
+        floor: ``WindowRing.snapshot``'s form."""
+        arrays = [np.empty((self.heads, self.slots, self.head_dim), dtype) for _ in self.ptrs]
+        for p, a in zip(self.ptrs, arrays):
+            staging.to_host(p, a)
+        _, positions, floor = self.ring.snapshot(0)
+        return arrays, positions, floor
+
+    def restore(self, snap: tuple[list[np.ndarray], np.ndarray, int], staging: HostStaging) -> None:
+        arrays, positions, floor = snap
+        for p, a in zip(self.ptrs, arrays):
+            staging.to_device(a, p)
+        self.ring.restore(0, ([], positions, floor))
