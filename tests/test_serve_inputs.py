@@ -103,6 +103,7 @@ class FakeDecoding:
         self.submitted: list[tuple[list[int], int]] = []
         self.batch_sizes: dict[int, int] = {}
         self.prefix_cache = None  # as a Generator without one (the server reads its figures)
+        self.backend, self.op_library = gen.backend, gen.op_library  # what /health names
 
     def set_batching(self, max_batch: int, adaptive: bool = True, prefill_chunk: int | None = None) -> None:
         pass
@@ -492,7 +493,7 @@ def fuzz(gen: Any, examples: int, seed_derandomize: bool = True) -> int:
         one()
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         st_, _, out = call(conn, "GET", "/health")
-        assert st_ == 200 and json.loads(out) == {"status": "ok"}
+        assert st_ == 200 and json.loads(out)["status"] == "ok"
         st_, _, out = call(conn, "POST", "/v1/chat/completions", CHAT_BASE)
         assert st_ == 200, out
         conn.close()

@@ -185,6 +185,8 @@ class Backend(Protocol):
 
     def panel_codes(self) -> dict[str, int]: ...  # loaded weight matrices by exact weight code; {}: none
 
+    def op_library(self) -> str: ...  # one line: the custom-op library in use (where, its nodes) or not; "": n/a
+
     def close(self) -> None: ...
 
     def __enter__(self) -> Backend: ...
@@ -224,6 +226,10 @@ class BackendBase:
 
     def panel_codes(self) -> dict[str, int]:
         return {}
+
+    def op_library(self) -> str:
+        """One line on the ONNX Runtime custom-op library; "" for a backend that has none to load."""
+        return ""
 
     def close(self) -> None:
         """Free what the backend holds (sessions, engines, device memory); idempotent."""

@@ -7,7 +7,8 @@ Routes::
                                                  "stream": true server-sent events, one per committed chunk
                                                  (OpenAI's chunk objects), then ``data: [DONE]``
     GET  /v1/models, /v1/models/{model}          the one served model
-    GET  /health                                 200 {"status": "ok"} (the server listens only once loaded)
+    GET  /health                                 200 {"status": "ok", "backend": ..., "op_library": ...} (the server
+                                                 listens only once loaded; op_library: Generator.op_library)
     GET  /metrics                                Prometheus text (see :class:`Metrics`)
 
 With an API key every ``/v1`` route needs ``Authorization: Bearer KEY`` (the scheme in any case; 401 otherwise);
@@ -289,7 +290,7 @@ class Server:
 
     # -- small routes --------------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        return self._json(request, {"status": "ok"})
+        return self._json(request, {"status": "ok", "backend": self.gen.backend, "op_library": self.gen.op_library})
 
     async def models(self, request: Request) -> Response:
         denied = self._denied(request)

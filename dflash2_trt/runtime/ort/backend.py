@@ -110,6 +110,9 @@ class _Session:
             raise DFlash2Error(f"ONNX Runtime cannot load {path.name}: {str(e).splitlines()[0][:300]}") from None
         # this session's weight matrices by the exact code they are read as (kernels created while the session loaded)
         self.panel_codes = {k: v - before[k] for k, v in DA.panel_codes().items()} if counted else {}
+        # the nodes the library runs in this session's graph (op type -> count), for Generator.note and /health
+        self.library_nodes = (DA.library_nodes(DA.onnx_model(model) if self.rewritten else DA._load_graph(path))
+                              if counted else {})
         if self.rewritten:
             DA.release_freed_memory()
         self.ort = ort
@@ -218,13 +221,16 @@ class OrtBackend(BackendBase):
         if attention not in ORT_ATTENTIONS:
             raise DFlash2Error(f"attention must be one of {', '.join(ORT_ATTENTIONS)}, got {attention!r}")
         self.decode_attention = False
-        if self.fused and attention != "gqa":
+        self._library_absent = "op library not used: attention 'gqa' (ONNX Runtime's GroupQueryAttention)"
+        if not self.fused:
+            self._library_absent = "op library not used: the standard graphs (fused graphs run on the CPU only)"
+        elif attention != "gqa":
             from dflash2_trt.runtime.ort import decode_attention as DA
 
             ok, why = DA.available()
             if not ok and attention == "decode":
                 raise DFlash2Error(f"attention 'decode' is unavailable: {why}")
-            self.decode_attention = ok
+            self.decode_attention, self._library_absent = ok, why
 
     @property
     def description(self) -> str:
@@ -284,6 +290,25 @@ class OrtBackend(BackendBase):
         if self.decode_attention and variant in graphs and standard + ORT_SUFFIX not in graphs:
             return variant
         return standard
+
+    def op_library(self) -> str:
+        """One line on the custom-op library: where it was loaded from and the nodes it runs in the graphs opened so
+        far (the target graph is opened for it: its rewrite is the count that matters), or why the plain ONNX
+        Runtime graph runs and what that costs."""
+        if not self.decode_attention:
+            return self._library_absent
+        from dflash2_trt.runtime.ort import decode_attention as DA
+
+        target = self.session(TARGET_ORT)
+        nodes: dict[str, int] = {}
+        for s in self._sessions.values():
+            for k, v in s.library_nodes.items():
+                nodes[k] = nodes.get(k, 0) + v
+        where = f"op library loaded from {DA.find_library()}"
+        if not target.rewritten:
+            return f"{where}, but the target graph cannot take its ops: {DA.WITHOUT_LIBRARY}"
+        listed = ", ".join(f"{k} {v}" for k, v in sorted(nodes.items()))
+        return f"{where}: it runs {sum(nodes.values())} nodes ({listed})"
 
     def panel_codes(self) -> dict[str, int]:
         """The loaded sessions' weight matrices (PanelMatMul and DrafterLayer kernels) by the exact code they fit

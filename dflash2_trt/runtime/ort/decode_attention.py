@@ -63,27 +63,51 @@ PANEL_WIDTH = 16  # columns per panel (plugins/ortDecodeAttention/panelMatMul.h)
 _ROOT = Path(__file__).resolve().parents[3]
 
 
+# what running without the library costs, said wherever the runtime names its path (Generator.note, /health)
+WITHOUT_LIBRARY = "the plain ONNX Runtime graph, ~2x slower here; see docs/onnxruntime.md"
+
+
 def find_library() -> Path | None:
-    """$DFLASH2_ORT_OPS, else the package folder, else the source tree's CMake build (build/ort_ops)."""
+    """$DFLASH2_ORT_OPS, else the package's lib/ (where ``pip install`` puts it, beside libdflash2:
+    dflash2_trt.native), else the package folder, else the source tree's CMake build (build/ort_ops)."""
+    from dflash2_trt.native import LIB_DIR
+
     env = os.environ.get(LIBRARY_ENV)
     if env:
         return Path(env) if Path(env).is_file() else None
-    for p in (Path(__file__).resolve().parent / LIBRARY_NAME, _ROOT / "build" / "ort_ops" / LIBRARY_NAME):
+    for p in (LIB_DIR / LIBRARY_NAME, Path(__file__).resolve().parent / LIBRARY_NAME,
+              _ROOT / "build" / "ort_ops" / LIBRARY_NAME):
         if p.is_file():
             return p
     return None
 
 
 def available() -> tuple[bool, str]:
-    """(usable, why not)."""
+    """(usable, why not: one line that names what is missing and what running without it costs)."""
     if find_library() is None:
-        return False, (f"{LIBRARY_NAME} not built (cmake -S plugins/ortDecodeAttention -B build/ort_ops "
-                       f"-DORT_INCLUDE_DIR=...; or set {LIBRARY_ENV})")
+        return False, f"op library not found ({LIBRARY_NAME}; or set {LIBRARY_ENV}): {WITHOUT_LIBRARY}"
     try:
         import onnx  # noqa: F401
     except ImportError:
-        return False, "the onnx package is not installed (needed to swap the attention op)"
+        return False, f"op library unused: the onnx package is not installed (pip install onnx): {WITHOUT_LIBRARY}"
     return True, ""
+
+
+def onnx_model(serialized: bytes) -> Any:
+    """A rewritten graph (:func:`rewrite`'s bytes) parsed again -> onnx.ModelProto (its weights stay on disk)."""
+    import onnx
+
+    return onnx.load_from_string(serialized)
+
+
+def library_nodes(model: Any) -> dict[str, int]:
+    """The nodes of an ONNX graph (onnx.ModelProto) that the library runs (its ``dflash2`` ops and the selector's
+    ``trt.plugins`` node) -> {op type: count}."""
+    out: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.domain in (OP_DOMAIN, "trt.plugins"):
+            out[node.op_type] = out.get(node.op_type, 0) + 1
+    return out
 
 
 def _load_graph(path: Path) -> Any:
