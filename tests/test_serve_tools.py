@@ -182,3 +182,70 @@ def test_streamed_deltas_reassemble_and_a_split_call_is_caught(monkeypatch):
     with pytest.raises(ValueError):
         for _, a in broken:
             json.loads(a)
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+@pytest.mark.parametrize("family", ["hermes", "llama3", "gpt_oss", "qwen3_coder"])
+def test_forced_calls_of_each_family_validate(gen, family, choice):
+    """Each family's forced call (tool_choice named / required: :func:`tools.tool_grammar`) decoded on the demo
+    export at T = 0, speculative = plain token for token: the family's parser finds one call, naming an offered tool
+    (the named one) with arguments that validate against its parameters."""
+    tc = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    setup = tools.parse_tools({"tools": [WEATHER, TIME], "tool_choice": tc, "parallel_tool_calls": False})
+    spec = tools.tool_grammar(setup, family, gen.tokenizer)
+    assert spec is not None and spec.kind in ("lark", "json_schema")
+    msgs = [{"role": "user", "content": "What is the weather in Paris? Answer in celsius."}]
+
+    def run(speculative: bool):  # noqa: ANN202
+        return gen.generate(msgs, request=GenerationRequest(max_new_tokens=96, grammar=spec, seed=0, guard=False,
+                                                            speculative=speculative, proposer="dflash2"))
+
+    r = run(True)
+    assert r.finish_reason == "stop" and r.tokens == run(False).tokens, r.text
+    p = tools.PARSERS[family](r.text, setup.tools)
+    assert len(p.calls) == 1, r.text
+    name, args = p.calls[0]
+    assert name == "get_weather" if choice == "named" else name in ("get_weather", "get_time")
+    params = {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"]
+    jsonschema.validate(json.loads(args) if isinstance(args, str) else args, params)
+
+
+def test_a_free_answer_is_no_call(gen):
+    """Negative control for the forced calls: the demo's own answer to the same message without the grammar is no
+    call in any family's format (what the test above finds, the grammar made)."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris? Answer in celsius."}]
+    text = gen.generate(msgs, request=GenerationRequest(max_new_tokens=96, seed=0, guard=False)).text
+    for family in ("hermes", "llama3", "gpt_oss", "qwen3_coder"):
+        p = tools.PARSERS[family](text, (WEATHER, TIME))
+        assert p.calls == [] and p.content == text, family
+
+
+def test_gpt_oss_markers_are_special_tokens_where_the_tokenizer_has_them(gen):
+    """gpt-oss's harmony markers: on a tokenizer where they are special tokens the forced-call grammar references
+    them as such (a matcher over that tokenizer takes the marker ids and the call's text to an accepting state);
+    on the demo's tokenizer (no such tokens) they are text; a Qwen3-Coder string parameter keeps text that reads
+    as JSON."""
+    from tokenizers import Tokenizer
+
+    from dflash2_trt.runtime.grammar import GrammarTokenizer
+
+    tok = Tokenizer.from_str(gen.tokenizer.tok.to_str())
+    tok.add_special_tokens(["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "<|start|>"])
+
+    class Harmony:
+        tok = None
+
+    Harmony.tok = tok
+    setup = tools.parse_tools({"tools": [TIME], "tool_choice": "required"})
+    spec = tools.tool_grammar(setup, "gpt_oss", Harmony())
+    assert "<|channel|> (" in spec.text and '"<|channel|>"' in tools.tool_grammar(setup, "gpt_oss", gen.tokenizer).text
+    ids = {m: tok.token_to_id(m) for m in ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>")}
+    seq = ([ids["<|channel|>"]] + tok.encode("commentary to=functions.get_time ", add_special_tokens=False).ids
+           + [ids["<|constrain|>"]] + tok.encode("json", add_special_tokens=False).ids + [ids["<|message|>"]]
+           + tok.encode('{"city": "Oslo"}', add_special_tokens=False).ids + [ids["<|call|>"]])
+    m = GrammarTokenizer(tok.to_str(), tok.get_vocab_size(), [0]).matcher(spec)
+    m.consume(seq)
+    assert m.m.is_accepting()
+    p = tools.PARSERS["qwen3_coder"]('<tool_call>\n<function=get_time>\n<parameter=city>\n42\n</parameter>\n'
+                                     '</function>\n</tool_call>', (TIME,))
+    assert p.calls == [("get_time", {"city": "42"})]

@@ -399,8 +399,8 @@ class Server:
         if not tok.chat_template:
             raise P.RequestError("tools need a chat template; this model has none", "tools", code="invalid_value")
         family = tools.family_of(tok.chat_template)
-        return tools.render(tok, spec.prompt, spec.tools), tools.with_grammar(spec.request,
-                                                                              tools.tool_grammar(spec.tools, family))
+        return tools.render(tok, spec.prompt, spec.tools), tools.with_grammar(
+            spec.request, tools.tool_grammar(spec.tools, family, tok))
 
     def _held(self, spec: P.ParsedRequest) -> bool:
         """Whether the answer's text is split by server/tools (calls or reasoning) before it is sent."""

@@ -8,13 +8,13 @@ Tool formats, one module each, chosen from the chat template (:func:`family_of`)
     family       template sign              calls look like                                  forced by a grammar
     hermes       ``<tool_call>``            <tool_call>{"name", "arguments"}</tool_call>     yes (Lark + JSON schema)
     llama3       ``<|python_tag|>``         {"name", "parameters"}                            yes (JSON schema)
-    gpt_oss      ``<|channel|>``            <|channel|>commentary to=functions.NAME ...       no (parsed only)
-    qwen3_coder  ``<function=``             <tool_call><function=NAME><parameter=K>v ...      no (parsed only)
+    gpt_oss      ``<|channel|>``            <|channel|>commentary to=functions.NAME ...       yes (Lark + JSON schema)
+    qwen3_coder  ``<function=``             <tool_call><function=NAME><parameter=K>v ...      yes (Lark per parameter)
     generic      no tool support            {"tool_calls": [{"name", "arguments"}]}            yes (JSON schema)
 
 The generic format (llama.cpp's generic handler) makes every target able to call tools: the tools are described in
 a system message and the answer is one JSON object the grammar forces (``{"response": ...}`` for text under
-``tool_choice`` auto). ``required`` and a named function are forced valid by the grammar in the families marked so.
+``tool_choice`` auto). ``required`` and a named function are forced valid by the grammar in every family.
 
 Streaming: the text of a request with tools is held until the answer ends, then sent as OpenAI sends calls — per
 call a delta with its index, id, type and name (arguments ""), then its arguments in fragments — so a client never
@@ -42,7 +42,7 @@ from dflash2_trt.server.tools import gpt_oss, hermes, llama3, qwen3_coder
 from dflash2_trt.server.tools import generic as generic_format
 from dflash2_trt.server.tools.common import Parsed, arguments_text, split_think
 
-# family -> its parser (one module each)
+# family -> its parser (one module each): parse(text, tools) -> Parsed (tools: the request's function definitions)
 PARSERS = {"hermes": hermes.parse, "llama3": llama3.parse, "gpt_oss": gpt_oss.parse,
            "qwen3_coder": qwen3_coder.parse, "generic": generic_format.parse}
 # the request keys this module reads (the protocol accepts them)
@@ -190,8 +190,18 @@ def family_of(template: str | None) -> str:
     return "generic"
 
 
-def tool_grammar(setup: ToolSetup | None, family: str) -> GrammarSpec | None:
-    """The grammar that forces a valid call (required / named) or, generic under auto, the JSON answer."""
+def special_tokens(tokenizer: Any) -> set[str]:
+    """The texts of the tokenizer's special added tokens (gpt-oss's harmony markers are, on its own tokenizer)."""
+    tok = getattr(tokenizer, "tok", None)
+    if tok is None:
+        return set()
+    return {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+
+
+def tool_grammar(setup: ToolSetup | None, family: str, tokenizer: Any = None) -> GrammarSpec | None:
+    """The grammar that forces a valid call (required / named) or, generic under auto, the JSON answer;
+    ``tokenizer``: the target's (:class:`~dflash2_trt.runtime.tokenizer.TextTokenizer`), whose special tokens a
+    format's markers are written as."""
     if setup is None or not setup.active:
         return None
     forced = setup.choice != "auto"
@@ -204,6 +214,11 @@ def tool_grammar(setup: ToolSetup | None, family: str) -> GrammarSpec | None:
         return GrammarSpec("lark", hermes.lark(offered, setup.parallel))
     if family == "llama3":
         return GrammarSpec("json_schema", json.dumps(llama3.schema(offered)))
+    if family == "gpt_oss":
+        special = set(gpt_oss.MARKERS) <= special_tokens(tokenizer)
+        return GrammarSpec("lark", gpt_oss.lark(offered, setup.parallel, special))
+    if family == "qwen3_coder":
+        return GrammarSpec("lark", qwen3_coder.lark(offered, setup.parallel))
     return None
 
 
@@ -261,7 +276,7 @@ def split_answer(text: str, setup: ToolSetup | None, template: str | None) -> Pa
     reasoning, rest = split_think(text) if template and "<think>" in template else (None, text)
     if setup is None or not setup.active:
         return Parsed(content=rest, reasoning=reasoning)
-    p = PARSERS[family_of(template)](rest)
+    p = PARSERS[family_of(template)](rest, setup.tools)
     if p.reasoning is None:
         p.reasoning = reasoning
     return p

@@ -36,7 +36,7 @@ def schema(tools: list[dict], forced: bool, parallel: bool) -> dict:
     return {"anyOf": [call_obj, text]}
 
 
-def parse(text: str) -> Parsed:
+def parse(text: str, tools: list[dict] | tuple = ()) -> Parsed:
     try:
         obj = json.loads(text)
     except ValueError:

@@ -16,7 +16,7 @@ def lark(tools: list[dict], parallel: bool) -> str:
     return f'start: call{"+" if parallel else ""}\ncall: "<tool_call>\\n" %json {s} "\\n</tool_call>"\n'
 
 
-def parse(text: str) -> Parsed:
+def parse(text: str, tools: list[dict] | tuple = ()) -> Parsed:
     calls = []
     for m in CALL.finditer(text):
         try:

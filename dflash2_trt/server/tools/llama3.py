@@ -12,7 +12,7 @@ def schema(tools: list[dict]) -> dict:
     return {"anyOf": [call_item_schema(t, "parameters") for t in tools]}
 
 
-def parse(text: str) -> Parsed:
+def parse(text: str, tools: list[dict] | tuple = ()) -> Parsed:
     body = text.strip().removeprefix("<|python_tag|>").strip()
     calls = []
     for part in body.split(";") if body.startswith("{") else []:
