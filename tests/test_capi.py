@@ -186,7 +186,7 @@ class _ToyDrafter:
 
 def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_new: int, eos: list[int],
                oracle: bool, max_positions: int = 200, bs: int = 5, V: int = 24, K: int = 6, seed: int = 0,
-               proposer: str = "dflash2", ngram_rows: int = 0) -> dict:
+               proposer: str = "dflash2", ngram_rows: int = 0, sampling: dict | None = None) -> dict:
     calls: list = []
     draws: list = []
     target = _ToyTarget(V, max_positions, seed, calls)
@@ -196,10 +196,11 @@ def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_
         if speculative:
             res = D.speculative_generate(target, drafter, prompt,
                                          req(max_new, temperature=temperature, eos_ids=set(eos), seed=seed,
-                                             proposer=proposer, ngram_rows=ngram_rows or None),
+                                             proposer=proposer, ngram_rows=ngram_rows or None, **(sampling or {})),
                                          D.DecodeHooks(oracle=oracle_count if oracle else None))
         else:
-            res = D.target_generate(target, prompt, req(max_new, temperature=temperature, eos_ids=set(eos), seed=seed))
+            res = D.target_generate(target, prompt, req(max_new, temperature=temperature, eos_ids=set(eos), seed=seed,
+                                                        **(sampling or {})))
     stats = res.stats()
     return {
         "name": name, "speculative": speculative, "prompt": prompt, "max_new_tokens": max_new,
@@ -208,8 +209,16 @@ def _loop_case(name: str, speculative: bool, kind: str, temperature: float, max_
         "accepted": res.accepted, "proposed": res.proposed, "oracle_accepted": res.oracle_accepted,
         "stats": stats, "proposer": proposer, "ngram_rows": ngram_rows,
         "proposers": [_PROPOSER_IDS[w] for w in res.proposers], "plain_steps": res.plain_steps,
+        "sampling": sampling, "logprobs": _logprob_json(res.logprobs),
     }  # fmt: skip
 
+
+_LOOP_SAMPLING = (  # the transforms of the loop vectors: all of them, then truncation, then penalties and bias
+    {"logit_bias": [[3, 2.5], [7, -4.0]], "repetition_penalty": 1.3, "presence_penalty": 0.4,
+     "frequency_penalty": 0.3, "top_k": 5, "top_p": 0.9, "min_p": 0.05, "logprobs": True, "top_logprobs": 3},
+    {"top_k": 6, "top_p": 0.8, "min_p": 0.02, "logprobs": True, "top_logprobs": 2},
+    {"logit_bias": [[1, 3.0]], "presence_penalty": 0.5, "frequency_penalty": 0.2, "top_p": 0.85, "logprobs": True},
+)
 
 _PROPOSER_IDS = {"dflash2": 0, "ngram": 1}  # dfl2_proposer
 _PROPOSER_NAMES = {i: w for w, i in _PROPOSER_IDS.items()}
@@ -449,6 +458,75 @@ def _independent_cases(rng: np.random.Generator) -> list[dict]:
     return cases
 
 
+def _sampling_config(rng: np.random.Generator, V: int, i: int) -> dict:
+    """One random set of runtime/sampling.py transforms over a vocabulary of V (each transform on in some cases, all
+    neutral in one, logprobs with a random top_logprobs count)."""
+    on = [bool(b) for b in rng.integers(0, 2, 6)] if i % 7 else [False] * 6
+    bias = [(int(t), float(np.round(rng.uniform(-5, 5), 2))) for t in rng.integers(0, V, int(rng.integers(1, 4)))]
+    return {"logit_bias": bias if on[0] else [],
+            "repetition_penalty": float(rng.choice([0.7, 1.3, 2.0])) if on[1] else 1.0,
+            "presence_penalty": float(rng.uniform(-2, 2)) if on[2] else 0.0,
+            "frequency_penalty": float(rng.uniform(-2, 2)) if on[2] and i % 2 else 0.0,
+            "top_k": int(rng.integers(1, V + 2)) if on[3] else 0,
+            "top_p": float(rng.choice([0.05, 0.5, 0.9, 0.99])) if on[4] else 1.0,
+            "min_p": float(rng.choice([0.01, 0.1, 0.5])) if on[5] else 0.0,
+            "logprobs": True, "top_logprobs": int(rng.integers(0, 6))}
+
+
+def _finite(x: np.ndarray) -> list:
+    """float64 values as JSON (-inf as null)."""
+    return [None if not np.isfinite(v) else float(v) for v in np.asarray(x, dtype=np.float64).ravel()]
+
+
+def _logprob_json(lps: list) -> list[dict]:  # noqa: ANN001
+    return [{"token": t.token, "logprob": None if not np.isfinite(t.logprob) else t.logprob,
+             "top_ids": [i for i, _ in t.top], "top_logprobs": [x for _, x in t.top]} for t in lps]
+
+
+def _sampling_cases(rng: np.random.Generator) -> list[dict]:
+    """runtime/sampling.py's Sampler on the same logits: rows [m, V] of random target logits (some with tied values,
+    vocabularies across the pairwise-summation block boundaries, top_k past V), a random set of transforms, the
+    prompt the penalties count and the drafts a verify's rows see -> the transformed logits, the law at T (greedy:
+    none) and the logprobs of the m tokens the rows emit (with their top ones); and Sampler.redraw of an independent
+    draft under them (its tokens, proposals and vocabulary proposal)."""
+    from dflash2_trt.runtime.sampling import Sampler
+
+    cases = []
+    for i in range(48):
+        m, V = int(rng.integers(1, 6)), int(rng.choice([2, 5, 8, 9, 100, 129, 300]))
+        rows = (rng.standard_normal((m, V)) * 3).astype(np.float32)
+        if i % 3 == 0:
+            rows = np.round(rows * 2) / 2  # ties
+        T = 0.0 if i % 4 == 0 else float(rng.choice([0.3, 0.8, 1.0, 1.7]))
+        cfg = _sampling_config(rng, V, i)
+        prompt = rng.integers(0, V, int(rng.integers(1, 12))).tolist()
+        drafts = rng.integers(0, V, m - 1).tolist()
+        r = GenerationRequest(max_new_tokens=8, temperature=T, **cfg)
+        sampler = Sampler(r, prompt, V)
+        x = sampler.logits(rows, drafts)
+        law = sampler.law(x, T) if T > 0 else None
+        tokens = drafts + [int(rng.integers(0, V))]
+        sampler.commit(tokens)
+        case = {"V": V, "m": m, "temperature": T, "sampling": cfg, "prompt": prompt, "rows": rows.ravel().tolist(),
+                "drafts": drafts, "tokens": tokens, "logits": _finite(x), "law": None if law is None else _finite(law),
+                "logprobs": _logprob_json(sampler.logprobs)}
+        if T > 0:  # an independent draft of L rows drawn again under the transforms
+            L, K = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+            d = independent_draft((rng.standard_normal((L, V)) * 3).astype(np.float32), T,
+                                  rng.random((1, L)).astype(np.float32), K)
+            u = rng.random((1, L)).astype(np.float32)
+            n_rows = int(rng.integers(1, L + 1))
+            redrawn = sampler.redraw(d, u, n_rows)
+            case["redraw"] = {"L": L, "K": d.cand.shape[1], "n_rows": n_rows, "uniforms": u.ravel().tolist(),
+                              "tokens": d.tokens.tolist(), "proposal": d.proposal.ravel().tolist(),
+                              "cand": d.cand.ravel().tolist(), "vocab_proposal": d.vocab_proposal.ravel().tolist(),
+                              "want_tokens": redrawn.tokens.tolist(),
+                              "want_proposal": redrawn.proposal.ravel().astype(np.float64).tolist(),
+                              "want_vocab_proposal": redrawn.vocab_proposal.ravel().astype(np.float64).tolist()}
+        cases.append(case)
+    return cases
+
+
 def write_core_vectors(path: Path) -> dict:
     """Reference vectors for the coreVectors ctest (fresh random inputs from a fixed seed)."""
     rng = np.random.default_rng(1234)
@@ -502,6 +580,7 @@ def write_core_vectors(path: Path) -> dict:
     v["guard"] = _guard_cases(np.random.default_rng(5678))  # its own stream
     v["independent"] = _independent_cases(np.random.default_rng(8765))  # its own stream
     v["guard_bad_configs"] = list(GUARD_BAD_CONFIGS)
+    v["sampling"] = _sampling_cases(np.random.default_rng(9876))  # its own stream
     v["loops"] = [
         _loop_case("greedy-selector-oracle", True, "selector", 0.0, 40, [], True, seed=1),
         _loop_case("greedy-vocab", True, "vocab", 0.0, 33, [], False, seed=2),
@@ -518,6 +597,13 @@ def write_core_vectors(path: Path) -> dict:
         _loop_case("auto-greedy", True, "selector", 0.0, 70, [], False, bs=3, seed=11, proposer="auto"),
         _loop_case("auto-sample", True, "vocab", 0.3, 70, [], False, bs=2, seed=16, proposer="auto", ngram_rows=3),
         _loop_case("ngram-sample", True, "selector", 0.3, 60, [], False, seed=13, proposer="ngram"),
+        # the sampling transforms at every row (runtime/sampling.py) and the logprobs of the chosen tokens
+        _loop_case("transforms-greedy", True, "selector", 0.0, 40, [], False, seed=17, sampling=_LOOP_SAMPLING[0]),
+        _loop_case("transforms-sample", True, "selector", 0.8, 40, [], False, seed=18, sampling=_LOOP_SAMPLING[1]),
+        _loop_case("transforms-vocab", True, "vocab", 0.9, 40, [], False, seed=19, sampling=_LOOP_SAMPLING[2]),
+        _loop_case("transforms-ar", False, "selector", 0.7, 25, [], False, seed=20, sampling=_LOOP_SAMPLING[1]),
+        _loop_case("transforms-auto", True, "selector", 0.5, 50, [], False, bs=3, seed=21, proposer="auto",
+                   sampling=_LOOP_SAMPLING[0]),
     ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(v))
@@ -701,6 +787,38 @@ def test_core_vectors_detect_a_wrong_core(capi_build, vectors_path, tmp_path):
     bad.write_text(json.dumps(v))
     proc = subprocess.run([str(capi_build / "tests" / "coreVectors"), str(bad)], capture_output=True, text=True)
     assert proc.returncode == 1 and "tokens" in proc.stderr
+
+
+def test_sampling_vectors_exercise_every_transform(vectors_path):
+    """The sampling vectors reach every transform and edge: each transform on and off, ties, top_k past V, -inf
+    logprobs (cut tokens), a greedy row, redrawn drafts that changed; the transform loops sample and ask logprobs."""
+    v = json.loads(vectors_path.read_text())
+    cases = v["sampling"]
+    cfgs = [c["sampling"] for c in cases]
+    assert any(c["logit_bias"] for c in cfgs) and any(c["repetition_penalty"] != 1 for c in cfgs)
+    assert any(c["presence_penalty"] for c in cfgs) and any(c["frequency_penalty"] for c in cfgs)
+    assert any(0 < c["top_k"] < cs["V"] for c, cs in zip(cfgs, cases)) and any(c["top_k"] > cs["V"]
+                                                                                for c, cs in zip(cfgs, cases))
+    assert any(c["top_p"] < 1 for c in cfgs) and any(c["min_p"] > 0 for c in cfgs)
+    assert any(all(c[k] in (0, 1.0, [], 0.0) for k in ("logit_bias", "top_k", "top_p", "min_p", "presence_penalty"))
+               for c in cfgs)
+    assert any(c["temperature"] == 0 for c in cases) and any(None in (c["law"] or []) or 0.0 in (c["law"] or [])
+                                                             for c in cases)
+    assert any(lp["logprob"] is None for c in cases for lp in c["logprobs"])
+    assert any(lp["top_ids"] for c in cases for lp in c["logprobs"])
+    assert any("redraw" in c and c["redraw"]["want_tokens"] != c["redraw"]["tokens"] for c in cases)
+    loops = [c for c in v["loops"] if c.get("sampling")]
+    assert len(loops) == 5 and all(len(c["logprobs"]) == len(c["tokens"]) for c in loops)
+    assert any(c["temperature"] > 0 and sum(c["accepted"]) > 0 for c in loops)
+
+
+def test_core_vectors_catch_the_planted_redraw_bug(capi_build, vectors_path):
+    """Negative control: with $DFLASH2_PLANT_REDRAW_RAW_PROPOSAL=1 (an independent draft drawn from the transformed law,
+    the untransformed proposal fed to the acceptance ratio) the coreVectors binary fails on the redrawn proposals and
+    on the transforms loop of independent drafts."""
+    proc = subprocess.run([str(capi_build / "tests" / "coreVectors"), str(vectors_path)], capture_output=True,
+                          text=True, env={**os.environ, "DFLASH2_PLANT_REDRAW_RAW_PROPOSAL": "1"})
+    assert proc.returncode == 1 and "redrawn proposals" in proc.stderr and "loop transforms-vocab" in proc.stderr
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1818,6 +1936,56 @@ def test_option_table_matches_header(lib):
     assert e.value.code == 4 and "|".join(PROPOSERS) in e.value.message
     assert re.search(rf'"proposer"\s+string "{DEFAULT_PROPOSER}"', header)
     lib.dfl2_options_free(opts)
+
+
+@pytest.mark.parametrize(("option", "why"), [
+    ("top_p=0", "(0, 1]"), ("top_p=1.5", "(0, 1]"), ("min_p=-0.1", "[0, 1]"), ("top_k=-2", ">= 0"),
+    ("presence_penalty=2.5", "[-2, 2]"), ("frequency_penalty=-3", "[-2, 2]"), ("repetition_penalty=0", "> 0"),
+    ("top_logprobs=21", "[0, 20]"), ("logit_bias=5", "id:bias"), ("logit_bias=5:101", "id:bias"),
+    ("logit_bias=-1:2", "id:bias"), ("logit_bias=5:2,", "comma")])
+def test_sampling_options_refused_in_one_status(lib, option, why):
+    """A sampling option out of request.GenerationRequest's range is refused by its setter (DFL2_ERR_OPTION_VALUE,
+    the key and the allowed values named)."""
+    opts = C.c_void_p()
+    _check(lib, lib.dfl2_options_create(C.byref(opts)))
+    try:
+        with pytest.raises(CapiError) as e:
+            _check(lib, lib.dfl2_options_parse(opts, option.encode()))
+        assert e.value.code == 4 and option.split("=")[0] in e.value.message and why in e.value.message
+    finally:
+        lib.dfl2_options_free(opts)
+
+
+def test_sampling_options_checked_against_the_model(lib, tiny_export, monkeypatch):
+    """top_logprobs without logprobs, and a logit_bias id past the vocabulary, refuse the session in one status
+    (DFL2_ERR_OPTION_VALUE naming the option); the vocabulary's last id is taken."""
+    import onnxruntime
+
+    monkeypatch.setenv("VIRTUAL_ENV", str(Path(onnxruntime.__file__).parents[4]))
+    monkeypatch.delenv("ORT_LIBRARY", raising=False)
+    monkeypatch.delenv("DFLASH2_ORT_OPS", raising=False)
+    m, info = C.c_void_p(), _ModelInfo()
+    load = _c_options(lib, {"backend": "ort"})
+    _check(lib, lib.dfl2_model_load(str(tiny_export).encode(), load, C.byref(m)))
+    lib.dfl2_options_free(load)
+    try:
+        _check(lib, lib.dfl2_model_get_info(m, C.byref(info)))
+        V = info.vocab_size
+        for options, what in (({"top_logprobs": 2}, "top_logprobs"), ({"logit_bias": f"{V}:1.5"}, "logit_bias"),
+                              ({"logit_bias": f"{V - 1}:1.5", "logprobs": True, "top_logprobs": 2}, None)):
+            opts, sess = _c_options(lib, options), C.c_void_p()
+            try:
+                if what is None:
+                    _check(lib, lib.dfl2_session_create(m, opts, C.byref(sess)))
+                    lib.dfl2_session_free(sess)
+                    continue
+                with pytest.raises(CapiError) as e:
+                    _check(lib, lib.dfl2_session_create(m, opts, C.byref(sess)))
+                assert e.value.code == 4 and what in e.value.message and not sess.value
+            finally:
+                lib.dfl2_options_free(opts)
+    finally:
+        lib.dfl2_model_free(m)
 
 
 def test_model_load_falls_back_to_onnxruntime(lib, tiny_export, monkeypatch):

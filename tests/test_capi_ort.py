@@ -170,6 +170,11 @@ for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_
                    "dfl2_session_get_stats": [V, P(Stats)],
                    "dfl2_session_get_proposers": [V, P(P(C.c_int32)), P(C.c_size_t)]}.items():
     getattr(lib, name).restype, getattr(lib, name).argtypes = V, args
+class Logprob(C.Structure):
+    _fields_ = [("token", C.c_int32), ("logprob", C.c_double), ("n_top", C.c_int32), ("top_ids", P(C.c_int32)),
+                ("top_logprobs", P(C.c_double))]
+lib.dfl2_session_get_logprobs.restype = V
+lib.dfl2_session_get_logprobs.argtypes = [V, P(P(Logprob)), P(C.c_size_t)]
 lib.dfl2_status_message.restype, lib.dfl2_status_message.argtypes = C.c_char_p, [V]
 def ok(st):
     if st:
@@ -194,8 +199,12 @@ for prompt, seed in zip(req["prompts"], req["seeds"]):
     ok(lib.dfl2_session_get_tokens(session, C.byref(toks), C.byref(n)))
     ok(lib.dfl2_session_get_stats(session, C.byref(st)))
     ok(lib.dfl2_session_get_proposers(session, C.byref(who), C.byref(m)))
+    lps, k = P(Logprob)(), C.c_size_t()
+    ok(lib.dfl2_session_get_logprobs(session, C.byref(lps), C.byref(k)))
     out.append({"tokens": toks[: n.value], "accepted": st.accepted[: st.cycles],
-                "proposers": [("dflash2", "ngram")[w] for w in who[: m.value]]})
+                "proposers": [("dflash2", "ngram")[w] for w in who[: m.value]],
+                "logprobs": [[lps[i].token, lps[i].logprob, lps[i].top_ids[: lps[i].n_top],
+                              lps[i].top_logprobs[: lps[i].n_top]] for i in range(k.value)]})
 assert "onnxruntime" not in sys.modules
 print(json.dumps(out))
 """
@@ -425,6 +434,43 @@ def _hybrid_equal(build: Path, export: Path, py, prompts: list[list[int]], tempe
         assert got["accepted"] == want.stats.accepted and got["proposers"] == want.stats.proposers, i
         accepted += [a for a, who in zip(got["accepted"], got["proposers"]) if who == "dflash2"]
     return differ, accepted
+
+
+TRANSFORMS = {"top_k": 8, "top_p": 0.9, "min_p": 0.02, "presence_penalty": 0.3, "frequency_penalty": 0.2,
+              "repetition_penalty": 1.2, "logit_bias": {5: 2.0, 9: -3.0}, "logprobs": True, "top_logprobs": 3}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "T0.8"])
+def test_sampling_transforms_and_logprobs_equal_python_runtime(capi_build, hybrid_export, hybrid_py, hybrid_prompts,
+                                                              temperature):
+    """The sampling options (top_k, top_p, min_p, the three penalties, logit_bias) and logprobs with top_logprobs
+    through a dfl2_session on the hybrid export: 6 prompts greedy and at T = 0.8 (numpy's uniforms per seed) give the
+    Python runtime's ids, accepted drafts and logprobs (each chosen token's and its row's top 3, the target's after
+    the transforms); the transforms change the answer of some prompt, and drafts are accepted under them; greedy, a
+    dfl2_batch of them gives the same ids."""
+    opts = [f"{k}={v}" for k, v in TRANSFORMS.items() if k != "logit_bias"] + ["logit_bias=5:2.0,9:-3.0"]
+    prompts = hybrid_prompts[:6]
+    seeds = [100 + i for i in range(len(prompts))]
+    got = _c_samples(capi_build, hybrid_export, prompts, seeds, NO_LIBRARY, temperature, HYBRID_NEW, None,
+                     tuple(o.replace("True", "true") for o in opts))
+    plain = _c_samples(capi_build, hybrid_export, prompts, seeds, NO_LIBRARY, temperature, HYBRID_NEW)
+    for i, (ids, g) in enumerate(zip(prompts, got)):
+        want = hybrid_py.generate(ids, max_new_tokens=HYBRID_NEW, temperature=temperature, seed=seeds[i],
+                                  guard=False, **TRANSFORMS)
+        assert g["tokens"] == want.tokens and g["accepted"] == want.stats.accepted, i
+        assert len(g["logprobs"]) == len(want.tokens), i
+        for (tok, lp, top_ids, top_lps), w in zip(g["logprobs"], want.logprobs):
+            assert tok == w.token and lp == pytest.approx(w.logprob, rel=1e-6, abs=1e-9), i
+            assert top_ids == [t for t, _ in w.top] and top_lps == pytest.approx([x for _, x in w.top], abs=1e-9)
+            if temperature == 0:
+                assert top_ids[0] == tok  # greedy: the chosen token is its row's most likely
+    assert any(g["tokens"] != p["tokens"] for g, p in zip(got, plain))
+    assert sum(sum(g["accepted"]) for g in got) > 0
+    if temperature == 0:  # a dfl2_batch (4 slots, every request drafting) applies them too
+        batch, _ = _example(capi_build, hybrid_export, prompts, "-b", "max_batch=4", "adaptive=false",
+                            f"max_new_tokens={HYBRID_NEW}", *(o.replace("True", "true") for o in opts),
+                            env={**os.environ, "DFLASH2_ORT_OPS": NO_LIBRARY})
+        assert batch == [g["tokens"] for g in got]
 
 
 def _assert_partial_acceptances(accepted: list[int], rows: int) -> None:

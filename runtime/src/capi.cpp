@@ -50,6 +50,7 @@ struct dfl2_batch
         dflash2::Stats stats;
         dfl2_code error;
         std::string message;
+        std::vector<dfl2_logprob> logprobs;  //!< views of result.logprobs
     };
 
     dfl2_model* model{nullptr};
@@ -79,6 +80,7 @@ struct dfl2_session
     void* uniformUser{nullptr};
     dflash2::Result result;
     dflash2::Stats stats;
+    std::vector<dfl2_logprob> logprobs;  //!< views of result.logprobs
     std::unique_ptr<dflash2::PrefixCache> prefix;  //!< what the runners keep of the last request ("prefix_cache_bytes")
 };
 
@@ -201,6 +203,19 @@ void fillStats(dflash2::Result const& r, dflash2::Stats const& s, dfl2_stats* ou
     out->cached_tokens = r.cachedTokens;
 }
 
+//! dfl2_logprob views of a result's logprobs (valid as long as the result is not changed)
+std::vector<dfl2_logprob> logprobViews(dflash2::Result const& r)
+{
+    std::vector<dfl2_logprob> out;
+    out.reserve(r.logprobs.size());
+    for (dflash2::TokenLogprob const& t : r.logprobs)
+    {
+        out.push_back(dfl2_logprob{t.token, t.logprob, static_cast<int32_t>(t.topIds.size()),
+            t.topIds.empty() ? nullptr : t.topIds.data(), t.topLogprobs.empty() ? nullptr : t.topLogprobs.data()});
+    }
+    return out;
+}
+
 std::unique_lock<std::mutex> modelLock(dfl2_model* model)
 {
     std::mutex* lock = model->impl->generateLock();
@@ -256,7 +271,9 @@ void batchStep(dfl2_batch& b)
             notify.emplace_back(it->second, f.result.finish);
             b.live.erase(it);
             dflash2::Stats st = dflash2::resultStats(f.result);
-            b.ended[f.id] = dfl2_batch::Ended{std::move(f.result), std::move(st), f.error, f.message};
+            dfl2_batch::Ended& e = b.ended[f.id] = dfl2_batch::Ended{std::move(f.result), std::move(st), f.error,
+                f.message, {}};
+            e.logprobs = logprobViews(e.result);
         }
         dflash2::BatchCounters const& c = d.counters();
         b.info.active = d.activeCount();
@@ -508,6 +525,14 @@ dfl2_status* dfl2_session_create(dfl2_model* model, dfl2_options const* options,
         auto s = std::make_unique<dfl2_session>();
         s->model = model;
         s->config = dflash2::generateConfig(o, model->impl->eosIds);
+        for (auto const& [t, b] : s->config.sampling.logitBias)
+        {
+            if (t >= model->impl->vocabSize)
+            {
+                throw Error(DFL2_ERR_OPTION_VALUE, "option 'logit_bias': token id " + std::to_string(t)
+                    + " out of range [0, " + std::to_string(model->impl->vocabSize) + ")");
+            }
+        }
         s->seed = static_cast<uint64_t>(o.getInt("seed", 0));
         s->runners = model->impl->newRunners();
         s->prefix = std::make_unique<dflash2::PrefixCache>(o.getInt("prefix_cache_bytes", dflash2::kPREFIX_BUDGET_BYTES));
@@ -540,6 +565,7 @@ dfl2_status* dfl2_session_generate(
         }
         session->result = dflash2::Result{};
         session->stats = dflash2::Stats{};
+        session->logprobs.clear();
         std::vector<int32_t> const ids(prompt, prompt + n);
         auto const uniforms = uniformSource(session->uniformFn, session->uniformUser, session->seed);
         dflash2::TokenSink const sink = tokenSink(on_tokens, user_data);
@@ -557,6 +583,18 @@ dfl2_status* dfl2_session_generate(
             throw;
         }
         session->stats = dflash2::resultStats(session->result);
+        session->logprobs = logprobViews(session->result);
+    });
+}
+
+dfl2_status* dfl2_session_get_logprobs(dfl2_session const* session, dfl2_logprob const** logprobs, size_t* n)
+{
+    return guarded([&] {
+        need(session, "session");
+        need(logprobs, "logprobs");
+        need(n, "n");
+        *logprobs = session->logprobs.empty() ? nullptr : session->logprobs.data();
+        *n = session->logprobs.size();
     });
 }
 
@@ -768,6 +806,23 @@ dfl2_status* dfl2_batch_get_proposers(dfl2_batch* batch, uint64_t request_id, in
         dfl2_batch::Ended const& e = endedRequest(*batch, request_id);
         *proposers = e.result.proposers.data();
         *n = e.result.proposers.size();
+        if (e.error != DFL2_OK)
+        {
+            throw Error(e.error, e.message);
+        }
+    });
+}
+
+dfl2_status* dfl2_batch_get_logprobs(dfl2_batch* batch, uint64_t request_id, dfl2_logprob const** logprobs, size_t* n)
+{
+    return guarded([&] {
+        need(batch, "batch");
+        need(logprobs, "logprobs");
+        need(n, "n");
+        std::lock_guard<std::mutex> g(batch->mutex);
+        dfl2_batch::Ended const& e = endedRequest(*batch, request_id);
+        *logprobs = e.logprobs.empty() ? nullptr : e.logprobs.data();
+        *n = e.logprobs.size();
         if (e.error != DFL2_OK)
         {
             throw Error(e.error, e.message);

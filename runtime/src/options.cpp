@@ -24,6 +24,15 @@ std::vector<OptionSpec> const& optionSpecs()
         {"ngram_rows", OptionType::kINT, nullptr},
         {"guard", OptionType::kBOOL, nullptr},
         {"prefix_cache_bytes", OptionType::kINT, nullptr},
+        {"logit_bias", OptionType::kSTRING, nullptr},
+        {"repetition_penalty", OptionType::kDOUBLE, nullptr},
+        {"frequency_penalty", OptionType::kDOUBLE, nullptr},
+        {"presence_penalty", OptionType::kDOUBLE, nullptr},
+        {"top_k", OptionType::kINT, nullptr},
+        {"top_p", OptionType::kDOUBLE, nullptr},
+        {"min_p", OptionType::kDOUBLE, nullptr},
+        {"logprobs", OptionType::kBOOL, nullptr},
+        {"top_logprobs", OptionType::kINT, nullptr},
         {"backend", OptionType::kSTRING, "auto|tensorrt|trt|ort"},
         {"draft_mode", OptionType::kSTRING, "greedy|viterbi|independent"},
         {"verify_checksums", OptionType::kBOOL, nullptr},
@@ -95,6 +104,37 @@ void checkRange(std::string const& key, OptionSpec const& spec, OptionValue cons
     if (key == "seed" && std::get<int64_t>(v) < 0)
     {
         bad("must be >= 0 (as the Python API's seed), got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "top_k" && (std::get<int64_t>(v) < -1 || std::get<int64_t>(v) > INT32_MAX))
+    {
+        bad("must be >= 0 (0 or -1: all tokens), got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "top_logprobs" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > 20))
+    {
+        bad("must be in [0, 20], got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "top_p" || key == "min_p" || key == "presence_penalty" || key == "frequency_penalty"
+        || key == "repetition_penalty")
+    {
+        // request.GenerationRequest's ranges
+        double const x = std::get<double>(v);
+        bool const ok = key == "top_p"    ? x > 0 && x <= 1
+            : key == "min_p"              ? x >= 0 && x <= 1
+            : key == "repetition_penalty" ? std::isfinite(x) && x > 0
+                                          : x >= -2 && x <= 2;
+        if (!ok)
+        {
+            std::ostringstream os;
+            os << "must be " << (key == "top_p" ? "in (0, 1]" : key == "min_p" ? "in [0, 1]"
+                                     : key == "repetition_penalty"               ? "a finite number > 0 (1: off)"
+                                                                                 : "in [-2, 2]")
+               << ", got " << x;
+            bad(os.str());
+        }
+    }
+    if (key == "logit_bias")
+    {
+        parseLogitBias(std::get<std::string>(v));
     }
     if (key == "prefix_cache_bytes" && std::get<int64_t>(v) < 0)
     {
@@ -280,6 +320,33 @@ std::vector<int32_t> Options::getIntArray(std::string const& key, std::vector<in
     return it == mValues.end() ? fallback : std::get<std::vector<int32_t>>(it->second);
 }
 
+std::vector<std::pair<int32_t, double>> parseLogitBias(std::string const& text)
+{
+    std::vector<std::pair<int32_t, double>> pairs;
+    std::stringstream ss(text);
+    std::string item;
+    while (!text.empty() && std::getline(ss, item, ','))
+    {
+        size_t const colon = item.find(':');
+        char* endId = nullptr;
+        char* endBias = nullptr;
+        long long const id = colon == std::string::npos ? -1 : std::strtoll(item.c_str(), &endId, 10);
+        double const bias = colon == std::string::npos ? NAN : std::strtod(item.c_str() + colon + 1, &endBias);
+        if (colon == std::string::npos || colon == 0 || endId != item.c_str() + colon || id < 0 || id > INT32_MAX
+            || endBias != item.c_str() + item.size() || colon + 1 == item.size() || !(bias >= -100 && bias <= 100))
+        {
+            throw Error(DFL2_ERR_OPTION_VALUE, "option 'logit_bias' must be 'id:bias,...' (id >= 0, bias in [-100, "
+                "100]), got '" + text + "'");
+        }
+        pairs.emplace_back(static_cast<int32_t>(id), bias);
+    }
+    if (!text.empty() && text.back() == ',')
+    {
+        throw Error(DFL2_ERR_OPTION_VALUE, "option 'logit_bias' ends with a comma: '" + text + "'");
+    }
+    return pairs;
+}
+
 std::vector<double> parseFixedCosts(std::string const& text)
 {
     std::vector<double> costs;
@@ -322,6 +389,20 @@ GenerateConfig generateConfig(Options const& options, std::vector<int32_t> const
     if (options.getBool("guard", false))
     {
         c.guard = GuardConfig{};
+    }
+    SamplingConfig& sc = c.sampling;
+    sc.topK = static_cast<int32_t>(std::max<int64_t>(0, options.getInt("top_k", 0)));
+    sc.topP = options.getDouble("top_p", 1.0);
+    sc.minP = options.getDouble("min_p", 0.0);
+    sc.presencePenalty = options.getDouble("presence_penalty", 0.0);
+    sc.frequencyPenalty = options.getDouble("frequency_penalty", 0.0);
+    sc.repetitionPenalty = options.getDouble("repetition_penalty", 1.0);
+    sc.logitBias = parseLogitBias(options.getString("logit_bias", ""));
+    sc.logprobs = options.getBool("logprobs", false);
+    sc.topLogprobs = static_cast<int32_t>(options.getInt("top_logprobs", 0));
+    if (sc.topLogprobs > 0 && !sc.logprobs)
+    {
+        throw Error(DFL2_ERR_OPTION_VALUE, "option 'top_logprobs' needs 'logprobs' true");
     }
     return c;
 }

@@ -63,6 +63,10 @@ private:
 //! "fixed_costs": "" -> {} (measured), "a,b,d,v" -> {a, b, d, v} (seconds, each >= 0), else DFL2_ERR_OPTION_VALUE.
 std::vector<double> parseFixedCosts(std::string const& text);
 
+//! "logit_bias": "" -> {} (none), "id:bias,id:bias" -> the pairs (id >= 0, bias a number in [-100, 100] as OpenAI's;
+//! the last of an id's wins), else DFL2_ERR_OPTION_VALUE.
+std::vector<std::pair<int32_t, double>> parseLogitBias(std::string const& text);
+
 //! The generation settings a session (and a batched request) reads from options (defaults from the header's table).
 GenerateConfig generateConfig(Options const& options, std::vector<int32_t> const& modelEos);
 

@@ -10,6 +10,7 @@
 #include "core/decoder.h"
 #include "core/guard.h"
 #include "core/ngram.h"
+#include "core/sampling.h"
 
 #include "dfl2Test.h"
 
@@ -69,6 +70,76 @@ std::vector<T> flat(json const& j)
 bool close(double a, double b, double tol)
 {
     return std::fabs(a - b) <= tol * std::max(1.0, std::fabs(b));
+}
+
+//! runtime/sampling.py's settings as the vectors write them (null: none)
+SamplingConfig samplingOf(json const& j)
+{
+    SamplingConfig c;
+    if (j.is_null())
+    {
+        return c;
+    }
+    for (json const& b : j.value("logit_bias", json::array()))
+    {
+        c.logitBias.emplace_back(b[0].get<int32_t>(), b[1].get<double>());
+    }
+    c.repetitionPenalty = j.value("repetition_penalty", 1.0);
+    c.presencePenalty = j.value("presence_penalty", 0.0);
+    c.frequencyPenalty = j.value("frequency_penalty", 0.0);
+    c.topK = j.value("top_k", 0);
+    c.topP = j.value("top_p", 1.0);
+    c.minP = j.value("min_p", 0.0);
+    c.logprobs = j.value("logprobs", false);
+    c.topLogprobs = j.value("top_logprobs", 0);
+    return c;
+}
+
+double orMinusInf(json const& x)
+{
+    return x.is_null() ? -INFINITY : x.get<double>();
+}
+
+//! logprobs against the vectors' (null: -inf), within tol; the top ids exactly
+bool sameLogprobs(std::vector<TokenLogprob> const& got, json const& want, double tol)
+{
+    if (got.size() != want.size())
+    {
+        return false;
+    }
+    for (size_t i = 0; i < got.size(); ++i)
+    {
+        json const& w = want[i];
+        double const lp = orMinusInf(w["logprob"]);
+        bool const sameLp = std::isinf(lp) ? std::isinf(got[i].logprob) && got[i].logprob < 0 : close(got[i].logprob, lp, tol);
+        if (got[i].token != w["token"].get<int32_t>() || !sameLp || got[i].topIds != flat<int32_t>(w["top_ids"]))
+        {
+            return false;
+        }
+        std::vector<double> const top = flat<double>(w["top_logprobs"]);
+        for (size_t k = 0; k < top.size(); ++k)
+        {
+            if (!close(got[i].topLogprobs[k], top[k], tol))
+            {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+//! float64 values against the vectors' (null: -inf), within tol
+bool sameValues(double const* got, json const& want, double tol)
+{
+    for (size_t i = 0; i < want.size(); ++i)
+    {
+        double const w = orMinusInf(want[i]);
+        if (std::isinf(w) ? got[i] != w : !close(got[i], w, tol))
+        {
+            return false;
+        }
+    }
+    return true;
 }
 
 // Uniforms recorded from numpy, checked for their use and count.
@@ -587,6 +658,53 @@ int main(int argc, char** argv)
         check(refused, "guard config refused: " + bad.dump());
         ++i;
     }
+    i = 0;
+    for (json const& c : v["sampling"])  // runtime/sampling.py's Sampler on the same logits
+    {
+        std::string const name = "sampling " + std::to_string(i++);
+        int32_t const V = c["V"].get<int32_t>();
+        int32_t const m = c["m"].get<int32_t>();
+        double const T = c["temperature"].get<double>();
+        std::vector<float> const rows = flat<float>(c["rows"]);
+        std::vector<int32_t> const drafts = flat<int32_t>(c["drafts"]);
+        std::vector<int32_t> const tokens = flat<int32_t>(c["tokens"]);
+        Sampler sampler(samplingOf(c["sampling"]), flat<int32_t>(c["prompt"]), V, T);
+        double const* x = sampler.logits(rows.data(), m, drafts.data());
+        check(sameValues(x, c["logits"], 1e-12), name + ": transformed logits");
+        if (T > 0)
+        {
+            std::vector<double> law(static_cast<size_t>(m) * static_cast<size_t>(V));
+            sampler.law(x, m, T, law.data());
+            check(sameValues(law.data(), c["law"], 1e-12), name + ": law");
+        }
+        sampler.commit(tokens.data(), tokens.size());
+        check(sameLogprobs(sampler.logprobs(), c["logprobs"], 1e-9), name + ": logprobs");
+        if (c.contains("redraw"))
+        {
+            json const& r = c["redraw"];
+            Draft d;
+            d.tokens = flat<int32_t>(r["tokens"]);
+            d.proposal = flat<float>(r["proposal"]);
+            d.cand = flat<int32_t>(r["cand"]);
+            d.vocabProposal = flat<float>(r["vocab_proposal"]);
+            d.hasVocabProposal = true;
+            std::vector<float> const u = flat<float>(r["uniforms"]);
+            sampler.redraw(d, u.data(), r["n_rows"].get<int32_t>());
+            check(d.tokens == flat<int32_t>(r["want_tokens"]), name + ": redrawn tokens");
+            std::vector<double> const q = flat<double>(r["want_proposal"]);
+            std::vector<double> const vq = flat<double>(r["want_vocab_proposal"]);
+            bool same = q.size() == d.proposal.size() && vq.size() == d.vocabProposal.size();
+            for (size_t j = 0; same && j < q.size(); ++j)
+            {
+                same = close(d.proposal[j], q[j], 1e-6);
+            }
+            for (size_t j = 0; same && j < vq.size(); ++j)
+            {
+                same = close(d.vocabProposal[j], vq[j], 1e-6);
+            }
+            check(same, name + ": redrawn proposals");
+        }
+    }
     int loops = 0;
     for (json const& c : v["loops"])
     {
@@ -603,6 +721,7 @@ int main(int argc, char** argv)
             cfg.eosIds = flat<int32_t>(c["eos_ids"]);
             cfg.proposer = proposerOf(c.value("proposer", std::string("dflash2")));
             cfg.ngramRows = c.value("ngram_rows", 0);
+            cfg.sampling = samplingOf(c.value("sampling", json()));
             std::vector<int32_t> const prompt = flat<int32_t>(c["prompt"]);
             std::vector<int32_t> streamed;
             TokenSink sink = [&](int32_t const* t, size_t n) {
@@ -620,6 +739,10 @@ int main(int argc, char** argv)
             {
                 check(r.proposers == flat<int32_t>(c["proposers"]), name + ": proposer per cycle");
                 check(r.plainSteps == c["plain_steps"].get<int32_t>(), name + ": plain steps");
+            }
+            if (c.contains("logprobs"))
+            {
+                check(sameLogprobs(r.logprobs, c["logprobs"], 1e-9), name + ": logprobs");
             }
             check(runners.allUsed(), name + ": the core made fewer runner calls than the reference");
             check(uniforms.allUsed(), name + ": the core drew fewer uniforms than the reference");

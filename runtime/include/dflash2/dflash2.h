@@ -65,6 +65,20 @@
  *     "prefix_cache_bytes" int 1 GiB  a session's prefix reuse (PREFIX REUSE below): the most bytes the sequence it
  *                                     keeps may hold (target K/V rows, drafter context, queued features, snapshots);
  *                                     a larger one is not kept; 0: every request starts from empty caches (sessions)
+ *   sampling (API 1.4; applied as dflash2_trt/runtime/sampling.py applies them, in this order, to the target's logits
+ *   at every prefill, plain step and verify row — row i of a verify seeing the drafts before it as committed — so the
+ *   tokens are the transformed target's: its argmax at T = 0, its law at T > 0; an independent draft (draft_mode
+ *   "independent") is drawn again from its proposal under the same transforms, and rejection sampling is fed the law
+ *   the drafts were drawn from; neutral values change nothing):
+ *     "logit_bias"      string ""     "id:bias,id:bias,..." added to those logits (bias in [-100, 100]; id < vocab)
+ *     "repetition_penalty" double 1.0 > 0: a seen token's logit divided by it when > 0, multiplied otherwise
+ *     "frequency_penalty" double 0.0  in [-2, 2]: subtracted once per occurrence of a seen token (prompt + committed)
+ *     "presence_penalty" double 0.0   in [-2, 2]: subtracted from every seen token's logit
+ *     "top_k"           int    0      keep the k most likely tokens (0 or -1: all; ties at the k-th kept)
+ *     "top_p"           double 1.0    in (0, 1]: keep the most likely tokens whose mass before them is < top_p
+ *     "min_p"           double 0.0    in [0, 1]: keep the tokens of probability >= min_p x the largest
+ *     "logprobs"        bool   false  each generated token's log-probability (dfl2_session_get_logprobs)
+ *     "top_logprobs"    int    0      in [0, 20] (needs "logprobs"): each token's row's most likely tokens with theirs
  *   model (read by dfl2_model_load / dfl2_model_create_callbacks):
  *     "backend"         string "auto" "auto" (TensorRT where it loads, else ONNX Runtime; dfl2_model_get_note says
  *                                     why) | "tensorrt" (or "trt") | "ort" (dfl2_model_load); callbacks models ignore it
@@ -120,7 +134,8 @@ extern "C" {
                                   * dfl2_model_get_note); 1.4: a session's prefix reuse ("prefix_cache_bytes",
                                   * dfl2_stats.cached_tokens: the struct grew at its end, so a program compiled
                                   * against an older header must be rebuilt before it calls dfl2_*_get_stats or
-                                  * dfl2_batch_get_result with stats) */
+                                  * dfl2_batch_get_result with stats); the sampling options and logprobs
+                                  * (dfl2_logprob, dfl2_session_get_logprobs, dfl2_batch_get_logprobs) */
 #define DFL2_API_VERSION_PATCH 0
 /* (major << 16) | (minor << 8) | patch, of the header a program was compiled with */
 #define DFL2_API_VERSION \
@@ -366,6 +381,21 @@ typedef struct dfl2_stats {
 
 DFL2_API dfl2_status* dfl2_session_get_stats(const dfl2_session* session, dfl2_stats* out);
 
+/* A generated token's log-probability under the transformed target law (the log of the law the sampling options
+ * make, at temperature 1 for a greedy request; a token cut by top_k / top_p / min_p is -inf and never listed among
+ * the top ones): the target's, never the drafter's (API 1.4). */
+typedef struct dfl2_logprob {
+    int32_t token;
+    double logprob;
+    int32_t n_top;               /* entries below: min(top_logprobs, tokens of finite logprob) */
+    const int32_t* top_ids;      /* [n_top] the row's most likely tokens, most likely first (ties: lower id) */
+    const double* top_logprobs;  /* [n_top] theirs */
+} dfl2_logprob;
+
+/* The logprobs of the last generate's tokens (n = its tokens when "logprobs" was set, else 0; *logprobs NULL when
+ * n = 0), owned by the session (valid until the next generate / free). */
+DFL2_API dfl2_status* dfl2_session_get_logprobs(const dfl2_session* session, const dfl2_logprob** logprobs, size_t* n);
+
 /* ---- prompt lookup (API 1.2) -----------------------------------------------------------------------------
  *
  * Beside the DFlash 2 drafter a cycle's drafts can come from prompt lookup: the continuation of the context's
@@ -504,6 +534,11 @@ DFL2_API dfl2_status* dfl2_batch_release(dfl2_batch* batch, uint64_t request_id)
  * tokens; errors as dfl2_batch_get_result (for a failed request: the cycles it ran, and its error). */
 DFL2_API dfl2_status* dfl2_batch_get_proposers(dfl2_batch* batch, uint64_t request_id, const int32_t** proposers,
                                                size_t* n);
+
+/* The logprobs of an ended request's tokens (API 1.4), as dfl2_session_get_logprobs; valid as long as its tokens;
+ * errors as dfl2_batch_get_result. */
+DFL2_API dfl2_status* dfl2_batch_get_logprobs(dfl2_batch* batch, uint64_t request_id, const dfl2_logprob** logprobs,
+                                              size_t* n);
 
 typedef struct dfl2_batch_info {
     int32_t max_batch;      /* slots */

@@ -2,6 +2,8 @@
 //! Continuous batching; see batch.h. Each function names its Python twin in dflash2_trt/runtime/batch.py.
 #include "batch.h"
 
+#include "sampling.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -338,6 +340,7 @@ struct BatchDecoder::Seq
     std::deque<int32_t> committed[2];  //!< per proposer (dflash2, ngram): tokens per cycle, last `window` cycles
     int32_t plainRun{0};       //!< steps in a row the rule kept this candidate plain
     ProposerChoice choice;     //!< who proposes (made at admission: the context needs the first token)
+    std::optional<Sampler> sampler;  //!< its transforms and logprobs (none: the raw target law)
     bool cancelled{false};
     bool done{false};
 
@@ -347,6 +350,10 @@ struct BatchDecoder::Seq
     bool usesDrafter() const
     {
         return req.config.speculative && req.config.proposer != Proposer::kNGRAM;
+    }
+    Sampler* transforms()
+    {
+        return sampler ? &*sampler : nullptr;
     }
     std::deque<int32_t>& committedBy(Proposer who)
     {
@@ -397,6 +404,7 @@ void BatchDecoder::submit(uint64_t id, BatchRequest request)
     int64_t const room = mRunners.maxPositions() - static_cast<int64_t>(request.prompt.size());
     s->limit = std::min<int64_t>(cfg.maxNewTokens, room);
     s->req = std::move(request);
+    s->sampler = samplerOf(s->req.config, s->req.prompt, mRunners.vocabSize());
     mQueue.push_back(std::move(s));
 }
 
@@ -677,7 +685,7 @@ void BatchDecoder::start(Seq& s, float const* logits)
     try
     {
         s.anchor = nextToken(logits, static_cast<size_t>(mRunners.vocabSize()), s.req.config.temperature,
-            *s.req.uniforms);
+            *s.req.uniforms, s.transforms());
         s.res.tokens.push_back(s.anchor);
         s.pos = n;
         // a plain request never looks up: its choice keeps no context
@@ -847,7 +855,7 @@ void BatchDecoder::recordForward(int32_t n, int32_t k, double seconds)
 void BatchDecoder::plain(Seq& s, float const* logits)
 {
     size_t const V = static_cast<size_t>(mRunners.vocabSize());
-    s.anchor = nextToken(logits, V, s.req.config.temperature, *s.req.uniforms);
+    s.anchor = nextToken(logits, V, s.req.config.temperature, *s.req.uniforms, s.transforms());
     if (s.usesDrafter())
     {
         defer(s, 1);
@@ -904,6 +912,10 @@ BatchDecoder::Proposal BatchDecoder::draft(Seq& s, Proposer who, std::vector<int
         cfg.temperature > 0 ? u32.data() : nullptr, p.draft);
     mRule.costs->recordDraft(costClock() - t);
     checkDraft(p.draft, nRows, mRunners.topK(), mRunners.vocabSize());
+    if (s.sampler && cfg.temperature > 0)
+    {
+        s.sampler->redraw(p.draft, u32.data(), nRows);  // an independent draft from the transformed law
+    }
     p.drafts.assign(p.draft.tokens.begin(), p.draft.tokens.begin() + nRows);
     return p;
 }
@@ -915,7 +927,8 @@ void BatchDecoder::accept(Seq& s, Proposal const& p, float const* logits)
     int32_t const nRows = static_cast<int32_t>(p.drafts.size());
     int32_t const K = p.who == Proposer::kNGRAM ? 1 : mRunners.topK();  // a lookup's: one candidate per row
     auto const [acc, bonus]
-        = acceptDrafts(p.draft, p.drafts, logits, mRunners.vocabSize(), K, cfg.temperature, *s.req.uniforms);
+        = acceptDrafts(p.draft, p.drafts, logits, mRunners.vocabSize(), K, cfg.temperature, *s.req.uniforms,
+            s.transforms());
     int32_t const keep = s.pos + acc + 1;
     mRunners.targetCrop(s.slot, keep);
     int32_t& cached = mCacheLength[static_cast<size_t>(s.slot)];
@@ -948,6 +961,10 @@ void BatchDecoder::accept(Seq& s, Proposal const& p, float const* logits)
 
 void BatchDecoder::emit(Seq& s, int32_t const* tokens, size_t n)
 {
+    if (s.sampler)
+    {
+        s.sampler->commit(tokens, n);
+    }
     if (s.req.sink && !s.req.sink(tokens, n))
     {
         s.cancelled = true;
@@ -958,6 +975,10 @@ void BatchDecoder::emit(Seq& s, int32_t const* tokens, size_t n)
 void BatchDecoder::finish(Seq& s, dfl2_code error, std::string const& message)
 {
     s.done = true;
+    if (s.sampler)
+    {
+        s.res.logprobs = s.sampler->logprobs();
+    }
     BatchFinished f{s.id, std::move(s.res), error, message};
     if (s.slot >= 0)
     {

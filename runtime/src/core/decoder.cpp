@@ -4,6 +4,7 @@
 
 #include "ngram.h"
 #include "prefixCache.h"
+#include "sampling.h"
 
 #include <algorithm>
 #include <chrono>
@@ -112,7 +113,8 @@ float pairwiseSum(float const* a, size_t n)
 }
 
 // reference.softmax_t (one row)
-void softmaxT(float const* logits, size_t V, double temperature, double* out)
+template <typename T>
+static void softmaxOf(T const* logits, size_t V, double temperature, double* out)
 {
     double m = -INFINITY;
     for (size_t v = 0; v < V; ++v)
@@ -129,6 +131,16 @@ void softmaxT(float const* logits, size_t V, double temperature, double* out)
     {
         out[v] /= s;
     }
+}
+
+void softmaxT(float const* logits, size_t V, double temperature, double* out)
+{
+    softmaxOf(logits, V, temperature, out);
+}
+
+void softmaxT(double const* logits, size_t V, double temperature, double* out)
+{
+    softmaxOf(logits, V, temperature, out);
 }
 
 // numpy Generator.choice(n, p=p): cdf = cumsum(p); cdf /= cdf[-1]; searchsorted(cdf, u, side="right")
@@ -150,7 +162,8 @@ int32_t choiceIndex(double const* p, size_t n, double u)
     return static_cast<int32_t>(std::min(idx, n - 1));  // u < 1 = cdf[-1] keeps idx < n; guard anyway
 }
 
-int32_t argmaxRow(float const* row, size_t n)
+template <typename T>
+static int32_t argmaxOf(T const* row, size_t n)
 {
     size_t best = 0;
     for (size_t i = 1; i < n; ++i)
@@ -161,6 +174,16 @@ int32_t argmaxRow(float const* row, size_t n)
         }
     }
     return static_cast<int32_t>(best);
+}
+
+int32_t argmaxRow(float const* row, size_t n)
+{
+    return argmaxOf(row, n);
+}
+
+int32_t argmaxRow(double const* row, size_t n)
+{
+    return argmaxOf(row, n);
 }
 
 // protocol.independent_draft, numpy's float32 arithmetic step by step (z = logits / float32(T), e = exp(z - max z),
@@ -236,6 +259,17 @@ void independentDraft(
 
 // reference.accept_greedy
 std::pair<int32_t, int32_t> acceptGreedy(int32_t const* drafts, int32_t n, float const* logits, size_t V)
+{
+    int32_t acc = 0;
+    while (acc < n && drafts[acc] == argmaxRow(logits + static_cast<size_t>(acc) * V, V))
+    {
+        ++acc;
+    }
+    return {acc, argmaxRow(logits + static_cast<size_t>(acc) * V, V)};
+}
+
+// reference.accept_greedy over transformed (float64) rows
+static std::pair<int32_t, int32_t> acceptGreedyRows(int32_t const* drafts, int32_t n, double const* logits, size_t V)
 {
     int32_t acc = 0;
     while (acc < n && drafts[acc] == argmaxRow(logits + static_cast<size_t>(acc) * V, V))
@@ -468,8 +502,19 @@ bool isEos(GenerateConfig const& cfg, int32_t t)
 }
 
 // accept.next_token
-int32_t nextToken(float const* logits, size_t V, double temperature, UniformSource& uniforms)
+int32_t nextToken(float const* logits, size_t V, double temperature, UniformSource& uniforms, Sampler* sampler)
 {
+    if (sampler != nullptr)
+    {
+        double const* x = sampler->logits(logits, 1, nullptr);  // [1, V]
+        if (temperature <= 0)
+        {
+            return argmaxRow(x, V);
+        }
+        std::vector<double> p(V);
+        sampler->law(x, 1, temperature, p.data());
+        return choiceIndex(p.data(), V, drawOne(uniforms));
+    }
     if (temperature <= 0)
     {
         return argmaxRow(logits, V);
@@ -512,16 +557,22 @@ void checkDraft(Draft const& draft, int32_t nRows, int32_t K, int32_t V)
 }
 
 std::pair<int32_t, int32_t> acceptDrafts(Draft const& draft, std::vector<int32_t> const& drafts,
-    float const* logits, int32_t V, int32_t K, double temperature, UniformSource& uniforms)
+    float const* logits, int32_t V, int32_t K, double temperature, UniformSource& uniforms, Sampler* sampler)
 {
     size_t const Vs = static_cast<size_t>(V);
     int32_t const nRows = static_cast<int32_t>(drafts.size());
+    double const* x = sampler != nullptr ? sampler->logits(logits, nRows + 1, drafts.data()) : nullptr;  // [n+1, V]
     if (temperature <= 0)
     {
-        return acceptGreedy(drafts.data(), nRows, logits, Vs);
+        return x != nullptr ? acceptGreedyRows(drafts.data(), nRows, x, Vs)
+                            : acceptGreedy(drafts.data(), nRows, logits, Vs);
     }
     std::vector<double> p(static_cast<size_t>(nRows + 1) * Vs);
-    for (int32_t r = 0; r <= nRows; ++r)
+    if (x != nullptr)
+    {
+        sampler->law(x, nRows + 1, temperature, p.data());
+    }
+    for (int32_t r = 0; x == nullptr && r <= nRows; ++r)
     {
         softmaxT(logits + static_cast<size_t>(r) * Vs, Vs, temperature, p.data() + static_cast<size_t>(r) * Vs);
     }
@@ -553,6 +604,15 @@ dfl2_finish_reason finishReason(Result const& r, GenerateConfig const& cfg, bool
                                                              : DFL2_FINISH_LENGTH;
 }
 
+std::optional<Sampler> samplerOf(GenerateConfig const& cfg, std::vector<int32_t> const& prompt, int32_t V)
+{
+    if (cfg.sampling.identity() && !cfg.sampling.logprobs)
+    {
+        return std::nullopt;  // the loops' numbers unchanged to the bit
+    }
+    return Sampler(cfg.sampling, prompt, V, cfg.temperature);
+}
+
 // decoder.target_generate
 Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, GenerateConfig const& cfg,
     UniformSource& uniforms, TokenSink const& sink, PrefixCache* cache)
@@ -578,16 +638,30 @@ Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, Gene
     {
         cache->snapshot(runners);
     }
-    int32_t tok = nextToken(logits.data() + static_cast<size_t>(rest - 1) * V, V, cfg.temperature, uniforms);
+    std::optional<Sampler> sampler = samplerOf(cfg, prompt, runners.vocabSize());
+    Sampler* const s = sampler ? &*sampler : nullptr;
+    int32_t tok = nextToken(logits.data() + static_cast<size_t>(rest - 1) * V, V, cfg.temperature, uniforms, s);
     res.tokens.push_back(tok);
+    if (s != nullptr)
+    {
+        s->commit(&tok, 1);
+    }
     bool cancelled = sink && !sink(&tok, 1);
     int64_t const limit = lengthLimit(runners, prompt, cfg);
     while (!cancelled && static_cast<int64_t>(res.tokens.size()) < limit && !isEos(cfg, tok))
     {
         runners.targetForward(&tok, 1, logits);
-        tok = nextToken(logits.data(), V, cfg.temperature, uniforms);
+        tok = nextToken(logits.data(), V, cfg.temperature, uniforms, s);
         res.tokens.push_back(tok);
+        if (s != nullptr)
+        {
+            s->commit(&tok, 1);
+        }
         cancelled = sink && !sink(&tok, 1);
+    }
+    if (s != nullptr)
+    {
+        res.logprobs = s->logprobs();
     }
     res.elapsedS = secondsSince(t0);
     finish(res, cfg, cancelled);
@@ -630,6 +704,7 @@ public:
         , mT0(Clock::now())
         , mU64(static_cast<size_t>(mL))
         , mU32(static_cast<size_t>(mL))
+        , mSampler(samplerOf(cfg, prompt, runners.vocabSize()))
         , mCache(cache)
     {
         if (cfg.guard)
@@ -665,7 +740,7 @@ public:
             mCache->snapshot(mRunners);
         }
         float const* last = mLogits.data() + static_cast<size_t>(n - start - 1) * vocab();
-        mAnchor = nextToken(last, vocab(), mCfg.temperature, mUniforms);
+        mAnchor = nextToken(last, vocab(), mCfg.temperature, mUniforms, sampler());
         mRes.tokens.push_back(mAnchor);
         emit(&mAnchor, 1);
         std::vector<int32_t> context = mPrompt;
@@ -694,7 +769,7 @@ public:
     void plainStep(Clock::time_point tStep)
     {
         mRunners.targetForward(&mAnchor, 1, mLogits);  // [1, V]
-        mAnchor = nextToken(mLogits.data(), vocab(), mCfg.temperature, mUniforms);
+        mAnchor = nextToken(mLogits.data(), vocab(), mCfg.temperature, mUniforms, sampler());
         if (mChoice.usesDrafter())
         {
             mRunners.drafterQueueContext(1);
@@ -740,6 +815,10 @@ public:
         mRunners.drafterPropose(
             mAnchor, mPos, c.nRows, static_cast<float>(mCfg.temperature), sampling ? mU32.data() : nullptr, mDraft);
         checkDraft(mDraft, c.nRows, mK, mV);  // rows past nRows are never read
+        if (mSampler && sampling)
+        {
+            mSampler->redraw(mDraft, mU32.data(), c.nRows);  // an independent draft from the transformed law
+        }
         c.drafts.assign(mDraft.tokens.begin(), mDraft.tokens.begin() + c.nRows);
         return c;
     }
@@ -750,7 +829,7 @@ public:
         mVerifyIds.assign(1, mAnchor);
         mVerifyIds.insert(mVerifyIds.end(), c.drafts.begin(), c.drafts.end());
         mRunners.targetForward(mVerifyIds.data(), c.nRows + 1, mLogits);  // [nRows + 1, V]
-        return acceptDrafts(mDraft, c.drafts, mLogits.data(), mV, c.draftK, mCfg.temperature, mUniforms);
+        return acceptDrafts(mDraft, c.drafts, mLogits.data(), mV, c.draftK, mCfg.temperature, mUniforms, sampler());
     }
 
     //! crop the target cache; committed positions become draft context (a lookup's wait for the drafter); the
@@ -802,6 +881,10 @@ public:
             mRes.guardSwitches = mGuard->switches();
             mRes.guardProbes = mGuard->probes();
         }
+        if (mSampler)
+        {
+            mRes.logprobs = mSampler->logprobs();
+        }
         mRes.elapsedS = secondsSince(mT0) - mOracleS;
         dflash2::finish(mRes, mCfg, mCancelled);
         if (mCache != nullptr)  // the finished sequence is kept (its positions, the drafter's context and queue)
@@ -821,8 +904,16 @@ private:
     {
         return mLimit - static_cast<int64_t>(mRes.tokens.size()) - 1;
     }
+    Sampler* sampler()
+    {
+        return mSampler ? &*mSampler : nullptr;
+    }
     void emit(int32_t const* tokens, size_t n)
     {
+        if (mSampler)
+        {
+            mSampler->commit(tokens, n);
+        }
         mCancelled = mSink && !mSink(tokens, n);
     }
 
@@ -851,6 +942,7 @@ private:
     std::vector<double> mU64;
     std::vector<float> mU32;
     std::vector<int32_t> mVerifyIds;
+    std::optional<Sampler> mSampler;  //!< the request's transforms and logprobs (none: the raw target law)
     PrefixCache* mCache;  //!< the session's kept prefix (nullptr: none)
 };
 

@@ -178,6 +178,44 @@ enum class Proposer : int32_t
     kAUTO = 2
 };
 
+// the sampling transforms' settings and a token's logprobs (core/sampling.h applies and makes them)
+//! request.GenerationRequest's sampling and logprobs fields (their neutral values change nothing).
+struct SamplingConfig
+{
+    std::vector<std::pair<int32_t, double>> logitBias;  //!< (token id, added logit); the last of a token's wins
+    double repetitionPenalty{1.0};                       //!< > 0: a seen token's logit / it when > 0, x it otherwise
+    double presencePenalty{0.0};                         //!< subtracted from every seen token's logit
+    double frequencyPenalty{0.0};                        //!< subtracted once per occurrence of a seen token
+    int32_t topK{0};                                     //!< 0: all tokens
+    double topP{1.0};
+    double minP{0.0};
+    bool logprobs{false};     //!< each generated token's log-probability
+    int32_t topLogprobs{0};   //!< [0, 20] the most likely tokens of each row with theirs
+
+    //! no transform: the target's logits as they are
+    bool identity() const
+    {
+        return logitBias.empty() && !penalised() && !truncated();
+    }
+    bool penalised() const
+    {
+        return repetitionPenalty != 1.0 || presencePenalty != 0.0 || frequencyPenalty != 0.0;
+    }
+    bool truncated() const
+    {
+        return topK > 0 || topP < 1.0 || minP > 0.0;
+    }
+};
+
+//! sampling.TokenLogprob: one emitted token's log-probability and its row's most likely tokens (most likely first).
+struct TokenLogprob
+{
+    int32_t token{0};
+    double logprob{0.0};
+    std::vector<int32_t> topIds;
+    std::vector<double> topLogprobs;
+};
+
 struct GenerateConfig
 {
     int64_t maxNewTokens{64};
@@ -190,6 +228,7 @@ struct GenerateConfig
     //! the acceptance guard (core/guard.h; decoder.DecodeHooks.guard): plain target steps while the
     //! drafter's measured acceptance does not pay for its cycles; none: every step a cycle where a proposer has drafts
     std::optional<GuardConfig> guard;
+    SamplingConfig sampling;  //!< the sampling transforms and logprobs (core/sampling.h)
 };
 
 struct Result
@@ -204,6 +243,7 @@ struct Result
     int32_t guardSwitches{0};             //!< the guard's speculative -> plain switches
     int32_t guardProbes{0};               //!< the guard's plain -> speculative probes
     int32_t cachedTokens{0};              //!< prompt positions restored from the session's prefix (not computed)
+    std::vector<TokenLogprob> logprobs;   //!< per generated token, when sampling.logprobs
     dfl2_finish_reason finish{DFL2_FINISH_NONE};
 };
 
@@ -227,10 +267,13 @@ double pairwiseSum(double const* a, size_t n);
 float pairwiseSum(float const* a, size_t n);
 //! softmax(logits / T) in float64: out [V]
 void softmaxT(float const* logits, size_t V, double temperature, double* out);
+//! the same over float64 logits (a transformed row, core/sampling.h)
+void softmaxT(double const* logits, size_t V, double temperature, double* out);
 //! numpy Generator.choice(n, p=p) with its one uniform u: cdf = cumsum(p) / cdf[-1], searchsorted right
 int32_t choiceIndex(double const* p, size_t n, double u);
 //! argmax with the lowest index among ties
 int32_t argmaxRow(float const* row, size_t n);
+int32_t argmaxRow(double const* row, size_t n);
 //! protocol.independent_draft: the drafts of a head without a selector from its rows' logits [L, V]. T <= 0: each
 //! row's argmax (lowest index among ties), a one-hot proposal over its candidates. T > 0: each row samples
 //! softmax(logits / T), computed in float32 as numpy does (the same divisions, numpy's pairwise sum, a sequential
@@ -253,16 +296,21 @@ Stats resultStats(Result const& r);
 // ---- pieces of a cycle (shared by the loops here and the batched loop, core/batch.cpp) ----------------
 
 bool isEos(GenerateConfig const& cfg, int32_t token);
-//! accept.next_token: argmax at T <= 0, else a sample of softmax(logits / T) (one ACCEPT uniform)
-int32_t nextToken(float const* logits, size_t V, double temperature, UniformSource& uniforms);
+class Sampler;  // core/sampling.h
+
+//! accept.next_token: argmax at T <= 0, else a sample of softmax(logits / T) (one ACCEPT uniform); with `sampler`
+//! (nullptr: none), of the transformed logits / law
+int32_t nextToken(float const* logits, size_t V, double temperature, UniformSource& uniforms, Sampler* sampler = nullptr);
 //! the drafter's L uniforms of a sampling cycle (one DRAFT request), in float32 as the Python runtime hands them
 void drawDraftUniforms(UniformSource& uniforms, std::vector<double>& u64, std::vector<float>& u32);
 //! the drafter's tokens and candidates of the first nRows rows are ids in [0, V) (else DFL2_ERR_OUT_OF_RANGE)
 void checkDraft(Draft const& draft, int32_t nRows, int32_t K, int32_t V);
 //! accept: drafts [n] against the verify logits [n + 1, V] -> (accepted, bonus): greedy matching at T <= 0,
 //! rejection sampling at T > 0 (the proposal scattered into the vocabulary); accept.accept_drafts
+//! With `sampler` the target side is the transformed law, row i seeing the drafts before it; the proposal stays the
+//! one the drafts were drawn from.
 std::pair<int32_t, int32_t> acceptDrafts(Draft const& draft, std::vector<int32_t> const& drafts,
-    float const* logits, int32_t V, int32_t K, double temperature, UniformSource& uniforms);
+    float const* logits, int32_t V, int32_t K, double temperature, UniformSource& uniforms, Sampler* sampler = nullptr);
 //! commit: drafts[:accepted] + [bonus], cut after the first EOS
 std::vector<int32_t> committedTokens(
     std::vector<int32_t> const& drafts, int32_t accepted, int32_t bonus, GenerateConfig const& cfg);
