@@ -31,7 +31,7 @@ from dflash2_trt import validate as V
 from dflash2_trt.bench import cli as bench_cli
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.ort_options import add_ort_options, ort_options
-from dflash2_trt.runtime.request import GenerationRequest
+from dflash2_trt.runtime.request import SAMPLING_SCALARS, GenerationRequest
 from dflash2_trt.server import cli as server_cli
 from dflash2_trt.vocabulary import BACKEND_CHOICES, SELECTOR_PRECISIONS, TINY_ARCHS
 
@@ -78,6 +78,9 @@ def _build_parser(prog: str = "dflash2") -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="render the prompt with the target's chat template")
     g.add_argument("--no-oracle", action="store_true", help="skip the oracle top-K measurement passes")
     g.add_argument("--seed", type=V.SEED, default=0)
+    for name, kind in SAMPLING_SCALARS.items():  # the record checks their ranges (docs/python-api.md)
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=f"sampling transform {name} of the target's law (default: off)")
     g.add_argument("--json", action="store_true")
 
     bench_cli.add_parsers(sub)
@@ -90,6 +93,11 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     (--target/--drafter), both through :class:`dflash2_trt.api.Generator`."""
     from dflash2_trt.bench.oracle import oracle_count
 
+    # the record first: a value out of range is one line before any model loads
+    request = GenerationRequest(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
+                                draft_mode=a.selector, guard=a.guard, min_confidence=a.min_confidence,
+                                proposer=a.proposer,
+                                **{k: getattr(a, k) for k in SAMPLING_SCALARS if getattr(a, k) is not None})
     if a.model_dir:
         gen = bench_cli.open_generator(a.model_dir, a.backend, a.threads, **ort_options(a))
     else:
@@ -104,9 +112,6 @@ def _cmd_generate(a: argparse.Namespace) -> int:
             raise DFlash2Error("--chat: the target's tokenizer has no chat template")
         prompt = gen.encode(a.prompt, chat=a.chat)
         capped = bench_cli.capacity_note(a.max_new_tokens, [len(prompt)], gen.max_positions)
-        request = GenerationRequest(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
-                                    draft_mode=a.selector, guard=a.guard, min_confidence=a.min_confidence,
-                                    proposer=a.proposer)
         oracle = None if a.no_oracle else oracle_count
         if a.stream and not a.json:
             chunks = gen.stream(prompt, request=request, oracle=oracle)

@@ -135,3 +135,27 @@ def test_serve_takes_the_ort_options(tiny_export, monkeypatch, capsys):
     assert main(["serve", str(tiny_export), "--no-spinning", "--panels", "--no-weight-codes"]) == 1
     assert seen == [{"prefix_cache_bytes": 1 << 30, "spinning": False, "panels": True, "weight_codes": False}]
     assert "stop here" in capsys.readouterr().err
+
+
+def test_generate_sampling_flags_build_the_request(acc_export, capsys):
+    """--top-p / --top-k / --min-p / the penalties (SAMPLING_SCALARS) reach the request record: greedy tokens = the
+    Python API's with the same fields, and differ from those without; a value out of range is one line, exit 1."""
+    import dflash2_trt
+    from dflash2_trt.runtime.request import SAMPLING_SCALARS, GenerationRequest
+
+    kw = {"presence_penalty": 2.0, "frequency_penalty": 1.0, "repetition_penalty": 2.0, "top_k": 5, "top_p": 0.9,
+          "min_p": 0.01}
+    assert set(kw) == set(SAMPLING_SCALARS)
+    flags = [x for k, v in kw.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    base = ["generate", "--model-dir", str(acc_export), "--backend", "ort", "--threads", "1", "--prompt",
+            "the the the cat the cat", "--max-new-tokens", "12", "--json", "--no-oracle"]
+    assert main([*base, *flags]) == 0
+    got = json.loads(capsys.readouterr().out)["tokens"]
+    with dflash2_trt.load(acc_export, "ort", threads=1) as g:
+        p = g.encode("the the the cat the cat", chat=False)
+        want = g.generate(p, request=GenerationRequest(max_new_tokens=12, seed=0, guard=False, **kw)).tokens
+        plain = g.generate(p, request=GenerationRequest(max_new_tokens=12, seed=0, guard=False)).tokens
+    assert got == want != plain
+    assert main([*base, "--top-p", "1.5"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "top_p" in err and "\n" not in err

@@ -202,7 +202,9 @@ def test_repo_configs_parse_strictly(tiny_export, tmp_path):
     c = cfgs[MODEL]
     assert c["backend"] == "python" and c["modelTransactionPolicy"] == {"decoupled": True}
     assert {i["name"] for i in c["input"]} == {"text_input", "input_ids", "max_tokens", "temperature", "seed",
-                                             "selector_mode", "proposer"}
+                                             "selector_mode", "proposer", "top_p", "top_k", "min_p",
+                                             "presence_penalty", "frequency_penalty", "repetition_penalty"}
+    assert {i["name"]: i["dataType"] for i in c["input"]}["top_k"] == "TYPE_INT32"
     assert all(i["optional"] for i in c["input"])
     assert c["instanceGroup"] == [{"count": 3, "kind": "KIND_CPU"}]
     assert c["parameters"]["default_selector_mode"] == {"stringValue": "viterbi"}

@@ -2,7 +2,7 @@
 stand-in for the python backend's ``triton_python_backend_utils`` (the real one exists only inside
 ``tritonserver``), over the tiny export's Generator. Hypothesis generates requests over every optional input with
 the config's data types and any shape — ids of any int64, invalid UTF-8 text, NaN / infinite temperatures,
-extreme seeds and token counts, bogus modes — and each must end in exactly one final response: its tokens, or an
+extreme seeds and token counts, bogus modes, sampling transforms in and out of range — and each must end in exactly one final response: its tokens, or an
 INVALID_ARG error; an INTERNAL error (the server's fault) for a client's input fails. tests/test_triton.py checks
 the same model under the real server with chosen bad requests.
 """
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import dflash2_trt  # noqa: E402
-from dflash2_trt.runtime.request import GenerationRequest  # noqa: E402
+from dflash2_trt.runtime.request import SAMPLING_SCALARS, GenerationRequest  # noqa: E402
 
 MODEL_FILE = Path(dflash2_trt.__file__).parent / "export" / "triton_templates" / "dflash2_model.py"
 FINAL = 1
@@ -141,6 +141,9 @@ ANY = st.fixed_dictionaries({}, optional={
     "selector_mode": _array(np.object_, st.sampled_from([b"greedy", b"viterbi", b"independent", b"", b"\xff",
                                                          b"bogus"])),
     "proposer": _array(np.object_, st.sampled_from([b"dflash2", b"ngram", b"auto", b"", b"\xfe\xff", b"x"])),
+    **{k: _array(np.float32, st.floats(width=32) | st.sampled_from([0.0, 0.5, 1.0, 1.5]))
+       for k, t in SAMPLING_SCALARS.items() if t is float},
+    "top_k": _array(np.int32, st.integers(-2**31, 2**31 - 1) | st.integers(-2, 5)),
 })
 VALID = st.fixed_dictionaries({  # a request the model takes, with one generated input over it
     "input_ids": st.lists(st.integers(0, 15), min_size=1, max_size=8).map(lambda v: np.array(v, dtype=np.int64)),
@@ -186,3 +189,35 @@ def test_every_request_ends_in_tokens_or_invalid_arg_plant(model, monkeypatch):
     monkeypatch.setattr(mod, "_scalar", scope["_scalar"])
     with pytest.raises(AssertionError, match="INTERNAL|IndexError"):
         check_inputs(model)
+
+
+def _output_ids(model: Any, inputs: dict) -> tuple[list[int], list[_Error]]:
+    req = _Request(inputs)
+    model.execute([req])
+    assert req.sender.done.wait(60), "no final response"
+    ids = [int(t) for r in req.sender.responses for o in r.outputs if o.name == "output_ids" for t in o.array]
+    return ids, [r.error for r in req.sender.responses if r.error is not None]
+
+
+def test_sampling_inputs_reach_the_request(model):
+    """The sampling inputs (top_p, top_k, min_p and the penalties: SAMPLING_SCALARS) become the request record's
+    fields: greedy output with penalties = the Python API's with the same fields, and differs from the output
+    without them; a value out of range is INVALID_ARG naming the field."""
+    kw = {"presence_penalty": 2.0, "frequency_penalty": 1.5, "repetition_penalty": 3.0, "top_k": 4, "top_p": 0.9,
+          "min_p": 0.01}
+    gen, rng = model.gen, np.random.default_rng(0)
+    for _ in range(20):  # a prompt whose greedy output the penalties change (the random target rarely repeats)
+        p = rng.integers(4, 64, 6).tolist() * 2
+        want = gen.generate(p, request=GenerationRequest(max_new_tokens=LIMIT, seed=0, **kw)).tokens
+        plain = gen.generate(p, request=GenerationRequest(max_new_tokens=LIMIT, seed=0)).tokens
+        if want != plain:
+            break
+    assert want != plain
+    inputs = {"input_ids": np.array(p, np.int64), "max_tokens": np.array([LIMIT], np.int32),
+              **{k: np.array([v], np.int32 if isinstance(v, int) else np.float32) for k, v in kw.items()}}
+    got, errors = _output_ids(model, inputs)
+    assert not errors and got == want
+    for name, bad in (("top_p", 1.5), ("presence_penalty", 3.0), ("top_k", -2)):
+        _, errors = _output_ids(model, {"input_ids": np.array(p, np.int64), name: np.array(
+            [bad], np.int32 if name == "top_k" else np.float32)})
+        assert len(errors) == 1 and errors[0].code == _Error.INVALID_ARG and name in errors[0].message, name

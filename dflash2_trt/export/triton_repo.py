@@ -50,7 +50,7 @@ from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import GraphSpec, read_manifest
 from dflash2_trt.outdir import TempFolder, check_replace, repo_owner, write_error, write_repo_record
-from dflash2_trt.runtime.request import GenerationRequest
+from dflash2_trt.runtime.request import SAMPLING_SCALARS, GenerationRequest
 from dflash2_trt.vocabulary import (BACKEND_CHOICES, DEFAULT_PROPOSER, DRAFT_MODES, ORT_SPINNING, PROPOSERS,
                                     SPECULATION_MODES)
 
@@ -62,7 +62,8 @@ _TRT_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_
 # the python model's interface (see the template's docstring): name, type, dims
 _INPUTS = (("text_input", "TYPE_STRING", [1]), ("input_ids", "TYPE_INT64", [-1]), ("max_tokens", "TYPE_INT32", [1]),
            ("temperature", "TYPE_FP32", [1]), ("seed", "TYPE_INT64", [1]), ("selector_mode", "TYPE_STRING", [1]),
-           ("proposer", "TYPE_STRING", [1]))
+           ("proposer", "TYPE_STRING", [1]),
+           *((n, "TYPE_FP32" if t is float else "TYPE_INT32", [1]) for n, t in SAMPLING_SCALARS.items()))
 _OUTPUTS = (("output_ids", "TYPE_INT64", [-1]), ("text_output", "TYPE_STRING", [1]), ("accepted", "TYPE_INT32", [-1]),
             ("tau", "TYPE_FP32", [1]))
 

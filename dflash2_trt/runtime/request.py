@@ -36,6 +36,12 @@ from dflash2_trt.runtime.grammar import GrammarSpec
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER, DRAFT_MODES, PROPOSERS, check_draft_mode
 
 
+# the record's scalar sampling transforms as the interfaces without keyword arguments pass them (the Triton model's
+# optional inputs, the CLI's flags: --top-p ...): field name -> its Python type (the record checks the values)
+SAMPLING_SCALARS: dict[str, type] = {"top_p": float, "top_k": int, "min_p": float, "presence_penalty": float,
+                                     "frequency_penalty": float, "repetition_penalty": float}
+
+
 class _HasLimits(Protocol):
     vocab_size: int
     max_positions: int

@@ -13,6 +13,10 @@ totals. Inputs (one of ``text_input`` / ``input_ids``; the rest optional)::
     selector_mode  BYTES [1]   greedy | viterbi | independent (default: parameter default_selector_mode)
     proposer       BYTES [1]   dflash2 | ngram | auto: who drafts, the drafter, prompt lookup or per cycle
                                whichever pays (default: parameter default_proposer, itself auto by default)
+    top_p, min_p   FP32  [1]   the sampling transforms, applied to the target's law at every row (default: none;
+    presence_penalty, frequency_penalty, repetition_penalty
+                   FP32  [1]   ranges as GenerationRequest's; lossless under speculation)
+    top_k          INT32 [1]
 
 Outputs of every response::
 
@@ -67,7 +71,7 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from dflash2_trt.errors import DFlash2Error  # noqa: E402
-from dflash2_trt.runtime.request import GenerationRequest  # noqa: E402
+from dflash2_trt.runtime.request import SAMPLING_SCALARS, GenerationRequest  # noqa: E402
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER, ORT_SPINNING, SPECULATION_MODES  # noqa: E402
 
 
@@ -179,8 +183,10 @@ class TritonPythonModel:
             prompt = [int(t) for t in ids_t.as_numpy().reshape(-1)]
         given = {"max_new_tokens": _scalar(request, "max_tokens"), "temperature": _scalar(request, "temperature"),
                  "seed": _scalar(request, "seed"), "draft_mode": _scalar(request, "selector_mode") or None,
-                 "proposer": _scalar(request, "proposer") or None}
-        casts = {"max_new_tokens": int, "temperature": float, "seed": int, "draft_mode": str, "proposer": str}
+                 "proposer": _scalar(request, "proposer") or None,
+                 **{k: _scalar(request, k) for k in SAMPLING_SCALARS}}
+        casts = {"max_new_tokens": int, "temperature": float, "seed": int, "draft_mode": str, "proposer": str,
+                 **SAMPLING_SCALARS}
         req = dataclasses.replace(self.defaults, **{k: casts[k](v) for k, v in given.items() if v is not None})
         if req.max_new_tokens > self.max_tokens_limit:  # this deployment's cap (parameter max_tokens_limit)
             raise DFlash2Error(f"max_tokens must be at most {self.max_tokens_limit}, got {req.max_new_tokens}")
