@@ -223,14 +223,14 @@ def test_a_free_answer_is_no_call(gen):
 def test_gpt_oss_markers_are_special_tokens_where_the_tokenizer_has_them(gen):
     """gpt-oss's harmony markers: on a tokenizer where they are special tokens the forced-call grammar references
     them as such (a matcher over that tokenizer takes the marker ids and the call's text to an accepting state);
-    on the demo's tokenizer (no such tokens) they are text; a Qwen3-Coder string parameter keeps text that reads
-    as JSON."""
+    on the demo's tokenizer (no such tokens) they are text; the server parses a gpt-oss answer decoded with its
+    markers kept; a Qwen3-Coder string parameter keeps text that reads as JSON."""
     from tokenizers import Tokenizer
 
     from dflash2_trt.runtime.grammar import GrammarTokenizer
 
     tok = Tokenizer.from_str(gen.tokenizer.tok.to_str())
-    tok.add_special_tokens(["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "<|start|>"])
+    tok.add_special_tokens(["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "<|start|>", "<|end|>"])
 
     class Harmony:
         tok = None
@@ -246,6 +246,23 @@ def test_gpt_oss_markers_are_special_tokens_where_the_tokenizer_has_them(gen):
     m = GrammarTokenizer(tok.to_str(), tok.get_vocab_size(), [0]).matcher(spec)
     m.consume(seq)
     assert m.m.is_accepting()
+    # the answer the server parses: decoded again with the markers kept (the chunks' text has them dropped)
+    template = "{% if tools %}<|channel|>{% endif %}"
+
+    class HarmonyText:
+        chat_template = template
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    answer = ('<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary '
+              'to=functions.get_time <|constrain|>json<|message|>{"city": "Oslo"}<|call|>')
+    answer_ids = tok.encode(answer, add_special_tokens=False).ids
+    chunks_text = tok.decode(answer_ids)
+    assert tools.split_answer(chunks_text, setup, template).calls == []  # why the answer is decoded again
+    p = tools.split_answer(tools.answer_text(HarmonyText(), answer_ids, chunks_text), setup, template)
+    assert p.calls == [("get_time", '{"city": "Oslo"}')] and p.reasoning == "think"
+    assert tools.answer_text(gen.tokenizer, gen.encode("hi", chat=False), "hi") == "hi"  # other families: the text
     p = tools.PARSERS["qwen3_coder"]('<tool_call>\n<function=get_time>\n<parameter=city>\n42\n</parameter>\n'
                                      '</function>\n</tool_call>', (TIME,))
     assert p.calls == [("get_time", {"city": "42"})]

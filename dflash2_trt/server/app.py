@@ -651,7 +651,9 @@ class _Reply(Response):
                                 P.usage(job.prompt_len, n, res.stats.cached_tokens), _stats(res),
                                 self._logprobs(res, n))
                 if self.server._held(job.spec):  # calls and reasoning apart from the content
-                    p = tools.split_answer("".join(parts), job.spec.tools, self.server.gen.tokenizer.chat_template)
+                    tok = self.server.gen.tokenizer
+                    p = tools.split_answer(tools.answer_text(tok, res.tokens[:n], "".join(parts)), job.spec.tools,
+                                           tok.chat_template)
                     msg, body["choices"][0]["finish_reason"] = tools.message(p, finish)
                     body["choices"][0]["message"] = msg
                 job.answered = True
@@ -685,7 +687,9 @@ class _Reply(Response):
             if end is not None:
                 finish, n, res = end
                 if held:
-                    p = tools.split_answer("".join(parts), job.spec.tools, self.server.gen.tokenizer.chat_template)
+                    tok = self.server.gen.tokenizer
+                    p = tools.split_answer(tools.answer_text(tok, res.tokens[:n], "".join(parts)), job.spec.tools,
+                                           tok.chat_template)
                     finish = tools.message(p, finish)[1]
                     for delta in tools.deltas(p):
                         c = P.chunk(kind, rid, created, name, "")

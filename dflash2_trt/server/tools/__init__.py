@@ -271,6 +271,14 @@ def render(tokenizer: Any, messages: list[dict], setup: ToolSetup | None) -> lis
     return tokenizer.apply_chat_template(msgs)
 
 
+def answer_text(tokenizer: Any, tokens: list[int], text: str) -> str:
+    """The text a family's parser reads of an answer (``tokens``, decoded as ``text``): gpt-oss's harmony markers are
+    special tokens, which decoding drops, so its answer is decoded again with them kept; the others' is ``text``."""
+    if family_of(tokenizer.chat_template) != "gpt_oss":
+        return text
+    return tokenizer.decode(list(tokens), skip_special_tokens=False)
+
+
 def split_answer(text: str, setup: ToolSetup | None, template: str | None) -> Parsed:
     """The answer's text -> content, calls and reasoning (calls only when the request has active tools)."""
     reasoning, rest = split_think(text) if template and "<think>" in template else (None, text)
