@@ -110,10 +110,10 @@ def _p_value(gen, res: list, prompt: list[int], kw: dict) -> float:
 
 
 @pytest.mark.parametrize("mode, loop, kw", [
-    ("greedy", "single", {}), ("independent", "single", {}), ("greedy", "batch", {}),
+    ("greedy", "single", {}), ("greedy", "batch", {}),
     ("greedy", "single", {"top_p": 0.8, "presence_penalty": 1.0}),
     ("independent", "batch", {"top_p": 0.8, "presence_penalty": 1.0})],
-    ids=["selector", "independent", "batch", "selector-top_p-presence", "independent-batch-top_p-presence"])
+    ids=["selector", "batch", "selector-top_p-presence", "independent-batch-top_p-presence"])
 def test_constrained_law_under_speculation(gen, monkeypatch, mode, loop, kw):
     """T = 3 with a regex (and top-p + a presence penalty): the first two tokens' joint law through the Python API
     (``generate``: the single loop; ``submit``: the batched loop) is the masked, transformed target's; the cycles ran
@@ -142,7 +142,8 @@ def _spread_first_two(gen, monkeypatch, kw: dict) -> float:
 
 
 def test_spread_drafts_hold_the_law(gen, monkeypatch):
-    """The controls' positive twin: spread drafts, often refused by the grammar and cut by top-p, keep the law."""
+    """The controls' positive twin (and the single loop's independent drafts): spread drafts, often refused by the
+    grammar and cut by top-p, keep the law."""
     assert _spread_first_two(gen, monkeypatch, {"top_p": 0.6}) > 1e-3
 
 
