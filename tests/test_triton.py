@@ -39,7 +39,9 @@ MODEL = "dflash2"
 
 # -- helpers ---------------------------------------------------------------------------------------------------
 def _inputs(ids=None, text=None, max_tokens=None, temperature=None, seed=None, mode=None,  # noqa: ANN001, ANN202
-            proposer=None):
+            proposer=None, **sampling):  # noqa: ANN003 - SAMPLING_SCALARS by name
+    from dflash2_trt.runtime.request import SAMPLING_SCALARS
+
     out = []
 
     def add(name: str, arr: np.ndarray, dtype: str) -> None:
@@ -61,6 +63,9 @@ def _inputs(ids=None, text=None, max_tokens=None, temperature=None, seed=None, m
         add("selector_mode", np.array([mode.encode()], dtype=np.object_), "BYTES")
     if proposer is not None:
         add("proposer", np.array([proposer.encode()], dtype=np.object_), "BYTES")
+    for k, v in sampling.items():
+        f = SAMPLING_SCALARS[k] is float
+        add(k, np.array([v], dtype=np.float32 if f else np.int32), "FP32" if f else "INT32")
     return out
 
 
@@ -145,10 +150,10 @@ class Expected:
 
 
 def expected(export: Path, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
-             mode: str = "greedy", proposer: str = "auto") -> Expected:
+             mode: str = "greedy", proposer: str = "auto", **sampling) -> Expected:  # noqa: ANN003
     g = _generator(export)
     g.set_batching(adaptive=False)
-    chunks = list(g.submit(prompt, max_tokens, temperature, seed, mode, chat=False, proposer=proposer))
+    chunks = list(g.submit(prompt, max_tokens, temperature, seed, mode, chat=False, proposer=proposer, **sampling))
     return Expected(chunks, [c.accepted for c in chunks if c.accepted is not None])
 
 
@@ -177,7 +182,8 @@ def check_against_runtime(out: dict, export: Path, prompt: list[int], max_tokens
     tau = (sum(ref.accepted) + len(ref.accepted)) / len(ref.accepted) if ref.accepted else 0.0
     assert out["final"]["tau"] == pytest.approx(tau, rel=1e-6)
     if kw.get("temperature", 0.0) == 0.0:
-        plain = _generator(export).generate(prompt, max_tokens, speculative=False, chat=False)
+        sampling = {k: v for k, v in kw.items() if k not in ("temperature", "seed", "mode", "proposer")}
+        plain = _generator(export).generate(prompt, max_tokens, speculative=False, chat=False, **sampling)
         assert _tokens(out) == plain.tokens
     return ref
 
@@ -338,6 +344,13 @@ def test_tiny_streams_equal_the_runtime(acc_server, acc_export):
                           acc_export, prompt, 20, temperature=1.0, seed=3, mode="viterbi")
     check_against_runtime(run_request(url, ids=prompt, max_tokens=9, mode="independent"), acc_export, prompt, 9,
                           mode="independent")
+    # the sampling transforms' inputs: greedy with penalties, and T = 0.8 under top-p / top-k, = the API's streams
+    pen = {"presence_penalty": 2.0, "repetition_penalty": 2.0}
+    pref = check_against_runtime(run_request(url, ids=prompt, max_tokens=12, **pen), acc_export, prompt, 12, **pen)
+    assert [t for c in pref.chunks for t in c.tokens] != [t for c in ref.chunks for t in c.tokens][:12]  # they act
+    cut = {"top_p": 0.9, "top_k": 8, "min_p": 0.01, "frequency_penalty": 0.5}
+    check_against_runtime(run_request(url, ids=prompt, max_tokens=12, temperature=0.8, seed=5, **cut), acc_export,
+                          prompt, 12, temperature=0.8, seed=5, **cut)
     # a request's own proposer (the drafter alone, prompt lookup alone) instead of the model's default (auto)
     refs = [check_against_runtime(run_request(url, ids=prompt * 4, max_tokens=30, proposer=who), acc_export,
                                   prompt * 4, 30, proposer=who) for who in ("dflash2", "ngram")]
