@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -203,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
             onnx_rt.append(r)
             print(f"{'':>22} {shape:>5} {k:>3} {r['last_row_ms']:12.2f} {r['every_row_ms']:13.2f} {r['ratio']:6.2f}")
     if a.json:
+        from dflash2_trt.bench.machine import describe
+
         with open(a.json, "w") as f:
-            json.dump({"threads": 1, "results": out, "graph": graph, "onnxruntime": onnx_rt}, f, indent=1)
+            json.dump({"machine": describe(), "command": "python benchmarks/hybrid_rollback_cost.py "
+                       + " ".join(sys.argv[1:] if argv is None else argv), "threads": 1, "results": out,
+                       "graph": graph, "onnxruntime": onnx_rt}, f, indent=1)
     return 0
 
 
