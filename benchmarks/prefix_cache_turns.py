@@ -10,8 +10,15 @@ request by request so that drift hits both alike), the tokens of each pair compa
 Prints the per-turn table (ms without, ms with, ratio, tokens restored) and the geometric mean of turns 2..6;
 ``--json`` writes every figure with ``dflash2_trt.bench.machine.describe()``.
 
+``--peer URL``: the same conversation (the same system prompt and user turns; each engine continues with its own
+answers, ``--max-new-tokens`` of them, end of sequence ignored) against a llama-server at URL (llama.cpp's server on
+the demo pair converted to GGUF by llama.cpp's own script), time to the first streamed content token of
+its OpenAI chat endpoint with ``cache_prompt`` false and true, request by request as above. Our times are taken in
+process (``Generator.stream``), the peer's over loopback HTTP (a few ms more).
+
     python benchmarks/prefix_cache_turns.py [--export DIR | --max-seq-len 4096] [--threads 2] [--turns 8]
-                                            [--turn-tokens 170] [--max-new-tokens 180] [--long 1600] [--json F]
+                                            [--turn-tokens 170] [--max-new-tokens 180] [--long 1600]
+                                            [--peer http://127.0.0.1:8081] [--json F]
 """
 
 from __future__ import annotations
@@ -36,6 +43,47 @@ def _ttft(gen, prompt, max_new: int) -> tuple[float, list[int], int]:  # noqa: A
             first = time.perf_counter() - t
     r = stream.result
     return first, list(r.tokens), r.stats.cached_tokens
+
+
+def _peer_ttft(url: str, messages: list[dict], max_new: int, cache: bool) -> tuple[float, str, int]:
+    """llama-server: (seconds to the first streamed content, the answer's text, prompt tokens it reused)."""
+    import urllib.request
+
+    body = {"messages": messages, "max_tokens": max_new, "temperature": 0, "stream": True, "cache_prompt": cache,
+            "ignore_eos": True, "timings_per_token": False}
+    rq = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                headers={"Content-Type": "application/json"})
+    t, first, text, reused = time.perf_counter(), None, [], 0
+    with urllib.request.urlopen(rq, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk.get("choices", []):
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    first = first if first is not None else time.perf_counter() - t
+                    text.append(piece)
+            timings = chunk.get("timings")
+            if timings:
+                reused = int(timings.get("cache_n", reused))
+    assert first is not None, "the peer streamed no content"
+    return first, "".join(text), reused
+
+
+def _peer_turns(url: str, system: dict, user_turns: list[str], max_new: int) -> list[dict]:
+    history, rows = [system], []
+    for i, text in enumerate(user_turns):
+        history.append({"role": "user", "content": text})
+        t_off, _, _ = _peer_ttft(url, history, max_new, cache=False)
+        t_on, answer, reused = _peer_ttft(url, history, max_new, cache=True)
+        rows.append({"turn": i + 1, "off_ms": 1e3 * t_off, "on_ms": 1e3 * t_on, "ratio": t_off / t_on,
+                     "cached_tokens": reused})
+        print(f"peer turn {i + 1}: off {1e3 * t_off:.0f} ms, on {1e3 * t_on:.0f} ms, {t_off / t_on:.1f}x, "
+              f"reused {reused}")
+        history.append({"role": "assistant", "content": answer})
+    return rows
 
 
 def _user_turns(gen, n: int, turn_tokens: int) -> list[str]:  # noqa: ANN001
@@ -66,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=180)
     p.add_argument("--long", type=int, default=1600)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--peer", default=None, help="a llama-server URL to run the same conversation against")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     export = a.export or cached_export("smollm2", demo_drafter_path(), max_seq_len=a.max_seq_len,
@@ -75,10 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     for g in (off, on):  # ONNX Runtime's first runs (allocations, thread pool) are nobody's time to first token
         g.generate("Hello", max_new_tokens=4)
     on.prefix_cache.clear()
-    history = [{"role": "system", "content": "You are a careful coding assistant. " + TURN_FILLER * 3}]
+    system = {"role": "system", "content": "You are a careful coding assistant. " + TURN_FILLER * 3}
+    history = [system]
+    user_turns = _user_turns(off, a.turns, a.turn_tokens)
     turns = []
     print(f"{'turn':>4} {'prompt':>7} {'off ms':>8} {'on ms':>8} {'ratio':>6} {'restored':>9} equal")
-    for i, text in enumerate(_user_turns(off, a.turns, a.turn_tokens)):
+    for i, text in enumerate(user_turns):
         history.append({"role": "user", "content": text})
         n = len(off.encode(history))
         if n + a.max_new_tokens > off.max_positions:
@@ -104,11 +155,21 @@ def main(argv: list[str] | None = None) -> int:
                          "cached_tokens": cached, "equal": tok_off == tok_on})
         print(f"repeat {k + 1}: {len(long_ids)} tokens, off {1e3 * t_off:.0f} ms, on {1e3 * t_on:.0f} ms, "
               f"{t_off / t_on:.1f}x, restored {cached}, equal {tok_off == tok_on}")
+    peer = _peer_turns(a.peer, system, user_turns[: len(turns)], a.max_new_tokens) if a.peer else None
+    peer_gmean = None
+    if peer:
+        later = [r["ratio"] for r in peer if 2 <= r["turn"] <= 6]
+        peer_gmean = math.exp(sum(map(math.log, later)) / len(later)) if later else float("nan")
+        print(f"peer geometric mean of turns 2..6: {peer_gmean:.1f}x")
+        for ours, theirs in zip(turns, peer):
+            print(f"turn {ours['turn']}: cached time to first token, ours / peer's = "
+                  f"{ours['on_ms'] / theirs['on_ms']:.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"machine": describe(), "command": "python benchmarks/prefix_cache_turns.py "
                        + " ".join(argv if argv is not None else sys.argv[1:]), "turns": turns,
-                       "turns_2_6_geomean": gmean, "repeated": repeated}, f, indent=1)
+                       "turns_2_6_geomean": gmean, "repeated": repeated, "peer": peer,
+                       "peer_turns_2_6_geomean": peer_gmean}, f, indent=1)
     off.close()
     on.close()
     return 0
