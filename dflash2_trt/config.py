@@ -33,6 +33,8 @@ from dflash2_trt.errors import DFlash2Error
 ARCH_V2 = "DFlash2DraftModel"
 ARCH_V1 = "DFlashDraftModel"
 MODEL_TYPE = "qwen3"  # what z-lab's checkpoints declare (their drafter config class is transformers' Qwen3Config)
+# a drafter model_type refused in one line (Meta's Muse Glimmer drafter: another weight layout and attention mask)
+REFUSED_MODEL_TYPE = "muse_glimmer_assistant"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # MLP activations (transformers' ACT2FN names) the drafter implements; anything else is refused.
 HIDDEN_ACTS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
@@ -148,15 +150,35 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 _TARGET_ONLY_ROPE = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
+def _full_layers_rope(per_type: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer-type RoPE parameters (Gemma 4) -> the full-attention layers' (a drafter attends over the whole
+    context, as they do). Their ``proportional`` type is default RoPE over the rotated part with the frequencies
+    divided by ``factor`` (transformers' definition): once the rotated part is the whole head, ``default`` or
+    ``linear``."""
+    full = per_type.get("full_attention")
+    if not isinstance(full, dict):
+        raise _bad("rope_parameters", f"per layer type has no full_attention entry: {per_type!r}")
+    full = dict(full)
+    if full.get("rope_type") == "proportional":
+        factor = full.pop("factor", 1.0)
+        full["rope_type"] = "default" if factor == 1 else "linear"
+        if factor != 1:
+            full["factor"] = factor
+    return full
+
+
 def rope_from_hf(hf_config: Any) -> dict[str, Any]:
     """RoPE of a transformers config (object or dict) as DFlash2Config fields ``{rope_theta, rope_scaling}``.
 
     transformers 5 keeps θ only in ``rope_parameters`` (``getattr(cfg, "rope_theta", 10000)`` silently
     gives 10000); transformers 4 in ``rope_theta`` (+ ``rope_scaling``). Missing or unsupported -> DFlash2Error.
-    A target's partial rotation and multimodal sections are left out (:data:`_TARGET_ONLY_ROPE`).
+    A target's partial rotation and multimodal sections are left out (:data:`_TARGET_ONLY_ROPE`); of per-layer-type
+    parameters (Gemma 4), the full-attention layers' are taken (:func:`_full_layers_rope`).
     """
     d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
     d = {k: d[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if d.get(k) is not None}
+    if isinstance(d.get("rope_parameters"), dict) and any(t in d["rope_parameters"] for t in LAYER_TYPES):
+        d["rope_parameters"] = _full_layers_rope(d["rope_parameters"])
     if isinstance(d.get("rope_parameters"), dict):
         # how much of a head the target rotates and its multimodal sections (Qwen3.5: partial_rotary_factor,
         # mrope_section) shape the target's attention, not the drafter's: a drafter rotates its whole head
@@ -358,6 +380,14 @@ class DFlash2Config:
         if not isinstance(d, dict):
             raise DFlash2Error(f"invalid drafter config: must be a JSON object, got {type(d).__name__}")
         d = dict(d)
+        if d.get("model_type") == REFUSED_MODEL_TYPE:
+            raise DFlash2Error(f"drafter model_type {REFUSED_MODEL_TYPE!r} (Meta's Muse Glimmer assistant) is not "
+                               "loaded: transformers' MuseGlimmerAssistantModel keeps its context projection under "
+                               "other names (encoder.fc, encoder.output_norm_enc) and attends bidirectionally in "
+                               "sliding layers, which z-lab's layout (the one read here) makes causal")
+        if d.get("is_neox_style", True) is not True:  # the drafter's own RoPE layout, never its target's
+            raise _bad("is_neox_style", f"is {d['is_neox_style']!r}: only the neox (rotate-half) RoPE layout is "
+                       "implemented (absent or true)")
         archs = d.pop("architectures", None) or [ARCH_V2]
         if isinstance(archs, str):
             archs = [archs]

@@ -195,8 +195,18 @@ class TargetModel:
 
     # ------------------------------------------------------------------ compatibility
     def check_drafter(self, cfg: DFlash2Config) -> None:
-        """Refuse a drafter that does not fit this target, saying which field and both values."""
+        """Refuse a drafter that does not fit this target, saying which field and both values. What the target's
+        family says a drafter sharing its embedding and LM head must apply as the target does (Gemma 4: the
+        embedding's scale and the logits' soft cap, ``drafter_fields``) is written into ``cfg`` where it leaves it
+        unset, as z-lab's code takes it from the target; a drafter that sets another value is refused."""
         problems = []
+        fields = getattr(self.family, "drafter_fields", None)
+        for name, want in (fields(self.model.config) if fields is not None else {}).items():
+            have = getattr(cfg, name)
+            if have is None:
+                setattr(cfg, name, want)
+            elif want is None or abs(have - want) > 1e-6 * abs(want):
+                problems.append(f"{name} {have} != the target's {want}")
         if cfg.target_hidden_size != self.hidden_size:
             problems.append(f"target_hidden_size {cfg.target_hidden_size} != target hidden size {self.hidden_size}")
         if cfg.hidden_size != self.hidden_size:

@@ -12,7 +12,9 @@ most cycles. Both models are set by hand (no training, deterministic, well under
   (``--arch``) copy the same way within their own layers: the hybrid ones' departures come from their linear
   layers (and MoE experts), Qwen3-MoE's from its experts; gpt-oss and Muse Glimmer, whose sliding windows (8) are
   shorter than the copy distance, copy in a full-attention layer (gpt-oss layer 1, Muse Glimmer layer 3) and
-  depart through random sliding attention (so the next token depends on the window's keys) and their MLPs;
+  depart through random sliding attention (so the next token depends on the window's keys) and their MLPs; Gemma
+  4 copies in its first full layer and departs through a sliding layer that attends over the keys it shares with
+  layer 0, and an MLP;
 * the drafter's layer 0 does the same from the context features (RoPE peak at distance P): draft row k
   copies the context token at anchor + k - P, which is what the target will say unless it deviates. Its
   selector has small random weights (it can reorder near-equal candidates, and does so rarely).
@@ -154,6 +156,8 @@ def _target_model(arch: str, vocab: int, accepting: bool = False) -> torch.nn.Mo
         return LlamaForCausalLM(LlamaConfig(intermediate_size=128, **common))
     if arch in ("qwen3_moe", "gpt_oss", "muse_glimmer"):
         return _family_model(arch, common, accepting)
+    if arch == "gemma4":
+        return _gemma4_model(vocab)
     hybrid = dict(head_dim=_HD, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=_HD,
                   linear_value_head_dim=_HD, linear_conv_kernel_dim=4, layer_types=list(HYBRID_LAYER_TYPES),
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0})
@@ -441,7 +445,94 @@ def _copying_drafter_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str
     return out
 
 
+# Gemma 4: sliding / full layers alternating; the last two layers share the keys and values of the first two
+GEMMA4_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+_GEMMA_GLOBAL_HD = 32  # the full layers' head size (the sliding layers': _HD), one KV head whose keys are its values
+_GEMMA_CAP = 10.0  # final logit soft cap
+_GEMMA_HEAD_SCALE = 1 / 16  # the copied token's logit (~113 at make-tiny's LM head) -> ~7, inside the cap
+# the scales of layer 2's (shared) sliding attention output and layer 3's MLP output (after their post-norms)
+_GEMMA_SLIDING_DEVIATION, _GEMMA_MLP_DEVIATION = 35.0, 15.0
+
+
+def _gemma4_model(vocab: int) -> torch.nn.Module:
+    """A random tiny Gemma 4 (the multimodal model, as released: its text model is the target): hidden 64,
+    :data:`GEMMA4_LAYER_TYPES` with windows of 8; sliding layers of 4 heads of 16 (2 KV heads, RoPE θ 10⁴), full
+    layers of 4 heads of 32 over one KV head whose keys are also its values (proportional RoPE on a quarter of the
+    head, θ 10⁸: the same four frequencies as the sliding layers' fastest); layers 2 and 3 share layers 0 and 1's keys
+    and values; logits soft-capped at 10; no per-layer-input embeddings."""
+    import transformers
+
+    text = dict(vocab_size=vocab, hidden_size=_H, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=_HD, global_head_dim=_GEMMA_GLOBAL_HD, num_global_key_value_heads=1,
+                attention_k_eq_v=True, num_kv_shared_layers=2, layer_types=list(GEMMA4_LAYER_TYPES), sliding_window=8,
+                final_logit_softcapping=_GEMMA_CAP, hidden_size_per_layer_input=0, max_position_embeddings=2048,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=2, eos_token_id=0, pad_token_id=0,
+                initializer_range=0.2,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1e8}})
+    return transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config=text, audio_config=None, tie_word_embeddings=False,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16)))
+
+
+def _copying_gemma4_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The copying target of the module docstring in Gemma 4's text model. The embedding is scaled by sqrt(H) = 8 and
+    every layer's attention and MLP outputs are RMS-normed before the residual (norms of weight w, ones: 1). Layer 1
+    (full) holds the copy head: its one KV head's projection carries the RoPE peak (the four rotated frequency pairs)
+    and the token's code (the 24 unrotated dims): the keys are also the values, so the peak's query reads only the
+    rotated dims and the output projection only the code dims; its q norm's scale is the sharpness, its post-attention
+    norm's scale gives the dense target's copy / own-code ratio over the scaled embedding. Layer 0 (sliding) has
+    random keys and values but a post-attention norm of 0: its output -- the drafter's context -- is the scaled
+    embedding, and its keys are what layer 2 (sliding, shared) attends over: that layer's output (random queries,
+    a post-attention norm of small scale) makes the next token depend on the shared window, and layer 3's random MLP
+    adds departures of its own. The LM head is scaled down so the logits stay inside the soft cap."""
+    m = "model.language_model."
+    out = {}
+    for key, v in sd.items():
+        if not key.startswith(m) and key != "lm_head.weight":
+            out[key] = v.clone()
+        else:
+            out[key] = torch.ones_like(v) if key.endswith(("norm.weight", "layer_scalar")) else torch.zeros_like(v)
+    _code_embedding_and_head(out, seed, m)
+    out["lm_head.weight"] *= _GEMMA_HEAD_SCALE
+    d, half = _GEMMA_GLOBAL_HD, _GEMMA_GLOBAL_HD // 2
+    q0, k0 = _rope_peak(COPY_PERIOD - 1)  # [_HD] in the sliding layers' rotate-half layout: pairs (j, j + 8)
+    code_dims = [i for i in range(d) if i % half >= 4]  # the 24 dims no frequency rotates
+    a = m + "layers.1.self_attn."
+    qw, kw, ow = torch.zeros(4 * d, _H), torch.zeros(d, _H), torch.zeros(_H, 4 * d)
+    for j in range(4):
+        qw[j, _CONST.start] = q0[j]
+        kw[j, _CONST.start], kw[j + half, _CONST.start] = k0[j], k0[j + _HD // 2]
+    for i, dim in enumerate(code_dims):
+        kw[dim, _CODE.start + i] = 1.0
+        ow[_COPY.start + i, dim] = 1.0
+    out.update({a + "q_proj.weight": qw, a + "k_proj.weight": kw, a + "o_proj.weight": ow})
+    k_rms = math.sqrt((4 + 24) / d)  # the key's rms over its head (peak entries cos / sin, code entries +-1)
+    out[a + "q_norm.weight"] = torch.full((d,), _TARGET_SHARPNESS * k_rms / math.sqrt(d / 4))
+    # the copied code after the post-attention norm: +-sqrt(H / 24) x w; the embedding's code: +-sqrt(H)
+    out[m + "layers.1.post_attention_layernorm.weight"] = torch.full((_H,), _COPY_GAIN * math.sqrt(_H)
+                                                                     / math.sqrt(_H / 24))
+    g = torch.Generator().manual_seed(seed + 1)
+    for proj in ("k_proj", "v_proj"):
+        key = m + "layers.0.self_attn." + proj + ".weight"
+        out[key] = torch.randn(sd[key].shape, generator=g) * 0.25
+    out[m + "layers.0.post_attention_layernorm.weight"] = torch.zeros(_H)
+    for proj in ("q_proj", "o_proj"):
+        key = m + "layers.2.self_attn." + proj + ".weight"
+        out[key] = torch.randn(sd[key].shape, generator=g) * 0.25
+    out[m + "layers.2.post_attention_layernorm.weight"] = torch.full((_H,), _GEMMA_SLIDING_DEVIATION)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        key = m + "layers.3.mlp." + proj + ".weight"
+        out[key] = torch.randn(sd[key].shape, generator=g)
+    out[m + "layers.3.post_feedforward_layernorm.weight"] = torch.full((_H,), _GEMMA_MLP_DEVIATION)
+    out[m + "layers.3.post_attention_layernorm.weight"] = torch.zeros(_H)
+    return out
+
+
 # the copying target's weights of each architecture (TINY_ARCHS)
 _COPYING = {"llama": _copying_target_weights, "qwen3_5": _copying_hybrid_weights,
             "qwen3_5_moe": _copying_hybrid_weights, "qwen3_moe": _copying_qwen3_moe_weights,
-            "gpt_oss": _copying_gpt_oss_weights, "muse_glimmer": _copying_muse_glimmer_weights}
+            "gpt_oss": _copying_gpt_oss_weights, "muse_glimmer": _copying_muse_glimmer_weights,
+            "gemma4": _copying_gemma4_weights}

@@ -49,8 +49,8 @@ DRAFTER_QUANTIZATIONS = (*QUANTIZATIONS, Q8_0)
 GRAPH_FLAVOURS = ("ort", "qdq")
 
 # `make-tiny --arch`: the tiny target's architecture (dense Llama; hybrid Gated DeltaNet, + MoE MLPs; Qwen3-MoE;
-# sliding-window gpt-oss, Muse Glimmer), each with a copying target for `make-tiny --accepting`
-TINY_ARCHS = ("llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "gpt_oss", "muse_glimmer")
+# sliding-window gpt-oss, Muse Glimmer; Gemma 4), each with a copying target for `make-tiny --accepting`
+TINY_ARCHS = ("llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "gpt_oss", "muse_glimmer", "gemma4")
 # Kinds of target decoder layers: full (or grouped-query) attention; a linear-attention (Gated DeltaNet) layer;
 # sliding-window attention. An export's manifest lists its target's (dflash2_trt.targets: the families).
 LAYER_KINDS = ("attention", "linear", "sliding")

@@ -1,8 +1,8 @@
 """Target families: one module per family of target architectures (``dense``: Llama / Mistral / Qwen2 / Qwen3;
-``hybrid``: Gated DeltaNet, the Qwen3.5 family; ``moe``: Qwen3-MoE; ``sliding``: gpt-oss, Muse Glimmer; and
-``recorded``, the past-recording cache the hybrid and sliding families share), chosen by the HF config's
-``model_type`` (:func:`family_for`). Each family module holds what differs between families, with transformers' own
-modules as the reference:
+``hybrid``: Gated DeltaNet, the Qwen3.5 family; ``moe``: Qwen3-MoE; ``sliding``: gpt-oss, Muse Glimmer;
+``gemma``: Gemma 4; and ``recorded``, the past-recording cache the hybrid, sliding and gemma families share),
+chosen by the HF config's ``model_type`` (:func:`family_for`). Each family module holds what differs between
+families, with transformers' own modules as the reference:
 
 * ``MODEL_TYPES`` -- the HF ``model_type`` values it serves;
 * ``layer_kinds(config)`` -- the kind of every decoder layer (:data:`LAYER_KINDS`);
@@ -29,9 +29,9 @@ __all__ = ["LAYER_KINDS", "family_for", "supported_model_types"]
 
 
 def _modules() -> dict[str, ModuleType]:
-    from dflash2_trt.targets import dense, hybrid, moe, sliding
+    from dflash2_trt.targets import dense, gemma, hybrid, moe, sliding
 
-    return {"dense": dense, "hybrid": hybrid, "moe": moe, "sliding": sliding}
+    return {"dense": dense, "hybrid": hybrid, "moe": moe, "sliding": sliding, "gemma": gemma}
 
 
 def family_for(config: Any) -> ModuleType:
