@@ -4,9 +4,10 @@ and values, logit soft-capping, sqrt(hidden) embedding scale): the PyTorch adapt
 1-300 tokens, a verify's rows = one-row steps, a rollback to every accepted length = a fresh run of the accepted prefix
 (every cached key and value compared), lossless greedy decoding with drafts accepted and rejected at every length,
 the multimodal folder loaded as its text model, ``make-tiny --arch gemma4 --accepting`` (drafts accepted, some
-partially), the drafter side (the target's embedding scale and soft cap applied, as z-lab's Gemma 4 drafters do; RoPE
-from the drafter's own config), and two planted bugs caught: a shared layer attending over its own rows instead of
-its source layer's cache, and a drafter without the soft cap."""
+partially), the pair exported and decoded on ONNX Runtime and its batched loop, the drafter side (the target's
+embedding scale and soft cap applied, as z-lab's Gemma 4 drafters do; RoPE from the drafter's own config), and
+three planted bugs caught: a shared layer attending over its own rows instead of its source layer's cache (PyTorch)
+or over an unwritten buffer of its own (the graph), and a drafter without the soft cap."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.ngram import lookup_draft
 from dflash2_trt.runtime.torch.backend import TorchTargetRunner
 from dflash2_trt.targets import family_for, gemma
-from helpers import bound_drafter, req
+from helpers import assert_accepts, bound_drafter, req
 
 _TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
@@ -338,14 +339,99 @@ def test_muse_glimmer_assistant_is_refused_in_one_line(accepting):
     assert "\n" not in str(e.value)
 
 
-def test_export_is_refused_in_one_line(accepting, tmp_path):
-    """``dflash2 export`` of a Gemma 4 target stops at the family's check with one line (no graph is written)."""
-    from dflash2_trt.cli import main
+
+@pytest.fixture(scope="module")
+def exported(accepting, tmp_path_factory):
+    """The accepting pair exported (max 128 positions; rings of 8 + 16 slots)."""
     from dflash2_trt.export.exporter import export_model
 
-    pair = accepting[0]
-    with pytest.raises(DFlash2Error, match="Gemma 4.*not exportable yet") as e:
-        export_model(pair / "target", pair / "drafter", tmp_path / "e", progress=False, max_seq_len=64)
-    assert "\n" not in str(e.value) and not (tmp_path / "e" / "target.onnx").exists()
-    assert main(["export", "--target", str(pair / "target"), "--drafter", str(pair / "drafter"),
-                 "--out", str(tmp_path / "e2")]) == 1
+    out = tmp_path_factory.mktemp("gemma4_export") / "e"
+    export_model(accepting[0] / "target", accepting[0] / "drafter", out, progress=False, max_seq_len=128)
+    return out
+
+
+def test_export_and_decode_on_ort(accepting, exported):
+    """``dflash2 export`` of the copying Gemma 4 pair (the export check ran: a prompt wrapping the rings, a verify cut
+    back): every node in TensorRT's parser table; the graph's logits within 1e-4 (relative) of transformers' over a
+    prompt and one-row steps, a verify's rows = one-row calls; greedy speculative decoding on ONNX Runtime = its
+    autoregressive output = transformers' greedy output, drafts accepted (some partially)."""
+    import onnx
+
+    from dflash2_trt.export.onnx_utils import trt_parser_refusals
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    _, t, d = accepting
+    be = OrtBackend(exported)
+    m = be.manifest
+    assert m.target.model_type == "gemma4_text" and m.target.layer_kinds == ("sliding", "attention") * 2
+    assert (m.target.num_key_value_heads, m.target.head_dim) == gemma.kv_layout(t.model.config) == (1, 32)
+    assert m.target.sliding_window.ring_slots == 24
+    assert trt_parser_refusals(onnx.load(str(exported / "target.onnx"), load_external_data=False)) == []
+    ids = np.random.default_rng(2).integers(2, 512, 40).tolist()
+    with torch.no_grad():
+        want = t.model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+    r = be.target_runner()
+    got = np.concatenate([r.forward(ids[:30])[0]] + [r.forward([x])[0] for x in ids[30:]])
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    r.reset()
+    r.forward(ids[:30])
+    assert np.abs(r.forward(ids[30:38])[0] - got[30:38]).max() <= 1e-5 * np.abs(want).max()
+    rng = np.random.default_rng(11)
+    bad, accepted = 0, []
+    for _ in range(6):
+        p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
+        ar = D.target_generate(be.target_runner(), p, req(32, eos_ids=set())).tokens
+        assert ar == D.target_generate(TorchTargetRunner(t), p, req(32, eos_ids=set())).tokens
+        sp = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, req(32, eos_ids=set()))
+        bad += sp.tokens != ar
+        accepted += sp.accepted
+    assert bad == 0
+    assert np.mean(accepted) >= 3 and any(0 < a < 7 for a in accepted), np.bincount(accepted, minlength=8)
+
+
+def test_generate_batch_equals_single_requests(exported):
+    """generate_batch over 6 prompts (the batched loop over the standard graph: per-slot rings wrapping, every shared
+    layer's buffer written with its source's keys) = each prompt's own generate, token for token."""
+    import dflash2_trt
+
+    g = dflash2_trt.load(exported, backend="ort")
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(2, 512, int(rng.integers(3, 30))).tolist() for _ in range(6)]
+    singles = [g.generate(p, 32, chat=False, eos_ids=set(), proposer="dflash2", guard=False) for p in prompts]
+    batch = g.generate_batch(prompts, 32, chat=False, eos_ids=set(), proposer="dflash2", max_batch=4, adaptive=False)
+    assert [r.tokens for r in batch] == [r.tokens for r in singles]
+    assert_accepts([a for r in batch for a in r.stats.accepted], 7, "generate_batch")
+
+
+def _shared_presents_zeroed(forward):  # noqa: ANN001, ANN202
+    """The planted graph bug: a shared layer's own buffer is never written with its source layer's keys and values
+    (its ``present`` is zeros), so it attends over an empty cache of its own."""
+    def planted(self, *args):  # noqa: ANN001, ANN202
+        out = list(forward(self, *args))
+        for i, src in enumerate(self.sources):
+            if src != i:
+                out[2 + 2 * i], out[3 + 2 * i] = torch.zeros_like(out[2 + 2 * i]), torch.zeros_like(out[3 + 2 * i])
+        return tuple(out)
+
+    return planted
+
+
+def test_a_shared_layer_reading_an_unwritten_cache_fails_the_export_check(accepting, tmp_path, monkeypatch):
+    """Negative control: the graph with shared layers' buffers left unwritten differs from transformers once a call
+    reads cached keys, and the export check refuses it."""
+    from dflash2_trt.export.exporter import export_model
+
+    monkeypatch.setattr(gemma.TargetGraph, "forward", _shared_presents_zeroed(gemma.TargetGraph.forward))
+    with pytest.raises(DFlash2Error, match="differs from PyTorch"):
+        export_model(accepting[0] / "target", accepting[0] / "drafter", tmp_path / "e", progress=False,
+                     max_seq_len=64)
+
+
+def test_what_the_graph_does_not_compute_is_refused_in_one_line(tmp_path):
+    """Per-layer-input embeddings (the small Gemma 4 models) are refused by the export check in one line."""
+    import transformers
+
+    m = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{**_TEXT, "hidden_size_per_layer_input": 8}))
+    with pytest.raises(DFlash2Error, match="per-layer-input embeddings") as e:
+        gemma.check_exportable(m)
+    assert "\n" not in str(e.value)

@@ -374,11 +374,14 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
     hf = getattr(t.model.config, "text_config", None) or t.model.config  # a vision-language model: its LM's
     kinds = tuple(t.family.layer_kinds(hf))
     attn = next(layer.self_attn for layer in t.model.get_decoder().layers if hasattr(layer, "self_attn"))
+    # the KV buffers' shape: the family's where its layers differ (Gemma 4), else the config's
+    kv_layout = t.family.kv_layout(hf) if hasattr(t.family, "kv_layout") else (int(hf.num_key_value_heads),
+                                                                               int(attn.head_dim))
     manifest = ExportManifest(
         opset=b.opset, dtype=b.dtype, max_seq_len=b.max_seq_len,
         target=TargetSpec(model_type=t.model.config.model_type, vocab_size=t.vocab_size, num_layers=t.num_layers,
-                          hidden_size=t.hidden_size, num_key_value_heads=int(hf.num_key_value_heads),
-                          head_dim=int(attn.head_dim), max_positions=t.max_positions,
+                          hidden_size=t.hidden_size, num_key_value_heads=kv_layout[0], head_dim=kv_layout[1],
+                          max_positions=t.max_positions,
                           eos_token_ids=tuple(sorted(t.eos_ids())), layer_ids=tuple(b.layer_ids),
                           source=str(b.target_dir), layer_kinds=kinds if set(kinds) != {"attention"} else (),
                           linear_state=LinearStateSpec(**t.family.linear_state_shapes(hf)) if "linear" in kinds

@@ -223,8 +223,8 @@ def _state_calls(sess, target, cfg, kinds: list[str], ring_spec, layer_ids: list
     from dflash2_trt.runtime.linear_state import LinearStates
 
     names = target_state_names(kinds)
-    kvh = int(cfg.num_key_value_heads)
-    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    kvh, d = target.family.kv_layout(cfg) if hasattr(target.family, "kv_layout") else (  # Gemma 4: per-layer shapes
+        int(cfg.num_key_value_heads), int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads))
     states = LinearStates([i for i, k in enumerate(kinds) if k == "linear"],
                           LinearStateSpec(**target.family.linear_state_shapes(cfg)), np_dtype) \
         if "linear" in kinds else None

@@ -16,25 +16,36 @@ keys and values its source layer produced in the same call.
 The multimodal folder (``Gemma4ForConditionalGeneration``) loads as its text model: :func:`load_model` maps the
 language model's weights onto ``Gemma4ForCausalLM`` (the vision and audio towers are not loaded).
 
-Export: not yet. :func:`check_exportable` refuses every Gemma 4 target in one line, so ``dflash2 export`` stops before
-tracing anything; the PyTorch adapter (transformers' own modules: per-layer-input embeddings and MoE blocks included)
-is the only runtime.
+Export: :class:`TargetGraph` has the sliding family's interface (:func:`graph_io`: full layers' keys in capacity
+buffers, sliding layers' in rings, ``window_positions``), with every layer's keys and values in one buffer shape
+(:func:`kv_layout`: a layer's ``kvh * d`` values per position folded into ``[KVH, D]`` of the widest head, zero-padded),
+so the runtimes' uniform KV buffers hold every layer. A shared layer outputs its source layer's new keys and values
+as its own ``present`` and reads its own buffer, which the runtime therefore keeps equal to its source's (the memory
+of a copy per shared layer, for an interface no runtime needed to change). :func:`check_exportable` refuses what the
+graph does not compute (per-layer-input embeddings, MoE blocks, bidirectional attention) in one line; the PyTorch
+adapter (transformers' own modules) runs those.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 from dflash2_trt.errors import DFlash2Error
+from dflash2_trt.targets.dense import _grouped_attention, _rope, attention_biases, rope_tables
 from dflash2_trt.targets.recorded import before_forward, new_cache, rollback
+from dflash2_trt.targets.sliding import VERIFY_ROWS, sliding_window_spec
 
 MODEL_TYPES = ("gemma4", "gemma4_text")
 _KINDS = {"full_attention": "attention", "sliding_attention": "sliding"}
 # the multimodal checkpoint's language model -> Gemma4ForCausalLM's decoder
 _TEXT_PREFIX = {r"^model\.language_model\.": "model."}
 
-__all__ = ["MODEL_TYPES", "before_forward", "check_exportable", "drafter_fields", "kv_sources", "layer_kinds",
-           "load_model", "new_cache", "rollback"]
+__all__ = ["MODEL_TYPES", "VERIFY_ROWS", "TargetGraph", "before_forward", "check_exportable", "drafter_fields",
+           "graph_io", "kv_layout", "kv_sources", "layer_kinds", "load_model", "new_cache", "rollback",
+           "sliding_window_spec"]
 
 
 def _text_config(config: Any) -> Any:
@@ -98,7 +109,140 @@ def load_model(folder: str, dtype: Any) -> Any:
 
 
 def check_exportable(hf_model: Any) -> None:
-    """Always DFlash2Error: no graph of this family is written yet (its per-layer head sizes and shared keys and values
-    need an interface the runtimes' uniform KV buffers do not have)."""
-    raise DFlash2Error(f"target model_type {hf_model.config.model_type!r} (Gemma 4) is not exportable yet: it runs on "
-                       "the PyTorch reference only (dflash2 generate --target --drafter)")
+    """The exporter's graph computes this target exactly, else DFlash2Error saying what it does not."""
+    cfg = _text_config(hf_model.config)
+    layer_kinds(cfg)
+    kv_sources(cfg)
+    off = [name for name, on in (("per-layer-input embeddings", getattr(cfg, "hidden_size_per_layer_input", 0)),
+                                 ("MoE blocks", getattr(cfg, "enable_moe_block", False)),
+                                 ("bidirectional attention", getattr(cfg, "use_bidirectional_attention", None)))
+           if on]
+    ropes = {t: (p or {}).get("rope_type", "default") for t, p in (cfg.rope_parameters or {}).items()}
+    if off or any(r not in ("default", "proportional") for r in ropes.values()):
+        raise DFlash2Error(f"target {hf_model.config.model_type!r} is not exportable: the graph computes no "
+                           f"{', '.join(off) or 'rope_type ' + str(ropes)} (the PyTorch reference runs it)")
+
+
+def _heads(hf_model: Any) -> list[tuple[int, int]]:
+    """(kv heads, head size) of every layer, as transformers built it."""
+    nh = int(_text_config(hf_model.config).num_attention_heads)
+    return [(nh // int(layer.self_attn.num_key_value_groups), int(layer.self_attn.head_dim))
+            for layer in hf_model.get_decoder().layers]
+
+
+def kv_layout(config: Any) -> tuple[int, int]:
+    """(KVH, D) of the graph's KV buffers: D the widest head, KVH the fewest heads of D holding any layer's
+    ``kvh * d`` values per position (each layer's from transformers' per-layer config)."""
+    cfg = _text_config(config)
+    layers = [cfg.per_layer_config[i] for i in range(int(cfg.num_hidden_layers))]
+    D = max(int(c.head_dim) for c in layers)
+    return -(-max(int(c.num_key_value_heads) * int(c.head_dim) for c in layers) // D), D
+
+
+def _fold(x: torch.Tensor, KVH: int, D: int) -> torch.Tensor:
+    """[B, kvh, n, d] -> [B, KVH, n, D]: each position's kvh * d values, zero-padded to KVH * D."""
+    B, kvh, n, d = x.shape
+    flat = x.transpose(1, 2).reshape(B, n, kvh * d)
+    if kvh * d < KVH * D:
+        flat = torch.cat([flat, torch.zeros(B, n, KVH * D - kvh * d, dtype=x.dtype)], dim=2)
+    return flat.reshape(B, n, KVH, D).transpose(1, 2)
+
+
+def _unfold(x: torch.Tensor, kvh: int, d: int) -> torch.Tensor:
+    """[B, KVH, n, D] -> [B, kvh, n, d] (the first kvh * d values of each position)."""
+    B, KVH, n, D = x.shape
+    flat = x.transpose(1, 2).reshape(B, n, KVH * D)
+    return flat[:, :, :kvh * d].reshape(B, n, kvh, d).transpose(1, 2)
+
+
+def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
+    """The sliding family's graph inputs (:func:`dflash2_trt.targets.sliding.graph_io`) with every layer's past in
+    the :func:`kv_layout` shape: full layers [B, KVH, 4, D], sliding layers' rings [B, KVH, 5, D]."""
+    from dflash2_trt.manifest import TARGET_WINDOW_POSITIONS, target_kv_names, target_present_names
+
+    cfg = _text_config(hf_model.config)
+    nl, kinds = int(cfg.num_hidden_layers), layer_kinds(cfg)
+    KVH, D = kv_layout(cfg)
+    kv_names, present = target_kv_names(nl), target_present_names(nl)
+    dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
+           "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, "logits": {0: "batch", 1: "sequence"},
+           "context_features": {0: "batch", 1: "sequence"}, TARGET_WINDOW_POSITIONS: {0: "batch", 1: "ring_slots"}}
+    for i, kind in enumerate(kinds):
+        for name in kv_names[2 * i: 2 * i + 2]:
+            dyn[name] = {0: "batch", 2: "ring_slots" if kind == "sliding" else "capacity"}
+    dyn.update({n: {0: "batch", 2: "sequence"} for n in present})
+    past = [torch.zeros(batch, KVH, 5 if kinds[i // 2] == "sliding" else 4, D, dtype=dtype) for i in range(2 * nl)]
+    ring = torch.tensor([[2, 3, -1, 0, 1]]).repeat(batch, 1)  # positions 0..3 in a ring, one slot empty
+    args = (torch.randint(0, int(cfg.vocab_size), (batch, 3)), torch.arange(3).repeat(batch, 1),
+            torch.ones(batch, 4 + 3, dtype=torch.long), ring, *past)
+    return (args, ["input_ids", "position_ids", "attention_mask", TARGET_WINDOW_POSITIONS, *kv_names],
+            ["logits", "context_features", *present], dyn)
+
+
+class TargetGraph(nn.Module):
+    """Gemma 4's text model with explicit caches (the interface of :func:`graph_io`).
+
+    forward(input_ids [B, S], position_ids [B, S], attention_mask [B, C + S], window_positions [B, R] int64 (-1: an
+            empty slot), *past (2 per layer, [B, KVH, C or R, D]: :func:`kv_layout`))
+    -> logits [B, S, V] fp32 (soft-capped), context_features, *present (the S new rows' K/V of every layer
+       [B, KVH, S, D]; a shared layer's are its source layer's)."""
+
+    def __init__(self, hf_model: Any, layer_ids: list[int]) -> None:
+        super().__init__()
+        check_exportable(hf_model)
+        cfg = _text_config(hf_model.config)
+        lm = hf_model.get_decoder()
+        self.embed, self.layers, self.norm, self.lm_head = lm.embed_tokens, lm.layers, lm.norm, hf_model.lm_head
+        self.layer_ids = list(layer_ids)
+        self.types = list(cfg.layer_types)
+        self.sliding = [k == "sliding" for k in layer_kinds(cfg)]
+        self.sources = kv_sources(cfg)
+        self.heads = _heads(hf_model)
+        self.kv = kv_layout(cfg)
+        self.window, self.nh = int(cfg.sliding_window), int(cfg.num_attention_heads)
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        self.cap = float(cap) if cap else None
+        rot = lm.rotary_emb
+        for t in sorted(set(self.types)):
+            self.register_buffer(f"{t}_inv_freq", getattr(rot, f"{t}_inv_freq").detach().float().clone(),
+                                 persistent=False)
+        self.rope_scaling = {t: float(getattr(rot, f"{t}_attention_scaling", 1.0)) for t in set(self.types)}
+
+    def forward(self, input_ids, position_ids, attention_mask, window_positions, *past):  # noqa: ANN001, ANN201
+        B, S = input_ids.shape
+        h = self.embed(input_ids)  # [B, S, H], scaled by sqrt(H)
+        C = attention_mask.shape[1] - S
+        rope = {t: rope_tables(position_ids, getattr(self, f"{t}_inv_freq"), self.rope_scaling[t], h.dtype)
+                for t in set(self.types)}
+        biases: dict = {}
+        new: dict = {}
+        taps, present = {}, []
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            kvh, d = self.heads[i]
+            rep = self.nh // kvh
+            if (self.sliding[i], rep) not in biases:
+                biases[(self.sliding[i], rep)] = attention_biases(
+                    attention_mask, C, rep, h.dtype, position_ids, self.window, window_positions) \
+                    if self.sliding[i] else attention_biases(attention_mask, C, rep, h.dtype)
+            cos, sin = rope[self.types[i]]
+            x = layer.input_layernorm(h)
+            q = _rope(a.q_norm(a.q_proj(x).view(B, S, self.nh, d)).transpose(1, 2), cos, sin, d)
+            if self.sources[i] == i:
+                kr = a.k_proj(x).view(B, S, kvh, d)
+                vr = a.v_proj(x).view(B, S, kvh, d) if a.v_proj is not None else kr  # keys = values
+                new[i] = (_rope(a.k_norm(kr).transpose(1, 2), cos, sin, d), a.v_norm(vr).transpose(1, 2))
+            k, v = new[self.sources[i]]
+            pk, pv = _unfold(past[2 * i], kvh, d), _unfold(past[2 * i + 1], kvh, d)
+            o = _grouped_attention(q, pk, pv, k, v, *biases[(self.sliding[i], rep)], 1.0, self.nh, kvh, d)
+            h = h + layer.post_attention_layernorm(a.o_proj(o.transpose(1, 2).reshape(B, S, self.nh * d)))
+            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            h = h * layer.layer_scalar
+            present += [_fold(k, *self.kv), _fold(v, *self.kv)]
+            taps[i] = h
+        h = self.norm(h)
+        taps[len(self.layers) - 1] = h
+        logits = self.lm_head(h).float()
+        if self.cap is not None:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return (logits, torch.cat([taps[j] for j in self.layer_ids], dim=-1), *present)
