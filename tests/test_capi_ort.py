@@ -568,9 +568,9 @@ def test_hybrid_asan_ubsan_runs(capi_build, hybrid_export, hybrid_prompts, vecto
 RING_PLANT_ENV = "DFLASH2_PLANT_RING_KEEP_CUT"  # the library's planted bug: a crop leaves the cut rows' slots valid
 
 
-@pytest.fixture(scope="module", params=["gpt_oss", "muse_glimmer"])
+@pytest.fixture(scope="module", params=["gpt_oss", "muse_glimmer", "gemma4"])
 def sliding(request, tmp_path_factory):
-    """(export, the Python runtime over it) for each sliding-window family."""
+    """(export, the Python runtime over it) for each sliding-window family and Gemma 4 (the same graph interface)."""
     from dflash2_trt.export.exporter import export_model
     from helpers import make_pair
 
