@@ -341,6 +341,16 @@ def delta_rule(d: dict) -> tuple[str, ...]:
             f2(next(r["ratio"] for r in big if r["call"] == "prompt")), span(tiny))
 
 
+def mamba2_rollback(d: dict) -> tuple[str, ...]:
+    """targets.md's Nemotron-H passage: the 30b layer's k = 4 / 8 verifies, every row's state against the last's, the
+    bytes returned, and a recomputing call over half the rows."""
+    big = {r["rows"]: r for r in d["results"] if r["shape"] == "30b"}
+    pct = lambda r: f0(100 * (r["every_over_last"] - 1))  # noqa: E731
+    return (f1(big[4]["every_ms"]), f1(big[4]["last_ms"]), pct(big[4]), f1(big[8]["every_ms"]), f1(big[8]["last_ms"]),
+            pct(big[8]), f1(big[4]["rollback_bytes"] / 1e6), f1(big[8]["rollback_bytes"] / 1e6),
+            f1(big[4]["recompute_ms"]), f1(big[8]["recompute_ms"]))
+
+
 GRAMMAR = ("grammar_cost.json",)
 
 
@@ -357,6 +367,11 @@ OTHER_FIGURES = [
            "Qwen3.5-4B-sized layer (no slower: a few small matmuls beside the projections), {} on make-tiny's layer",
            ("hybrid_delta_rule_cost.json",), delta_rule),
     Figure("docs/python-api.md", "| speculative | {} | {} | {} | | plain | — | — | {} |", GRAMMAR, grammar_rows),
+    Figure("docs/targets.md", "a k-row verify returning every row's state costs {} ms against {} ms for the last row's "
+           "alone at k = 4 (+{} %) and {} against {} ms at k = 8 (+{} %), and returns {} / {} MB per layer for the "
+           "rollback; recomputing instead (the last state only, then a second call over the accepted rows after a "
+           "partial acceptance) costs a whole call: {} ms for 2 rows, {} ms for 4", ("mamba2_rollback_cost.json",),
+           mamba2_rollback),
 ]
 
 FIGURES = SIDE_BY_SIDE + DEMO_FIGURES + LOOP_FIGURES + SERVING_FIGURES + PREFIX_FIGURES + OTHER_FIGURES
@@ -373,6 +388,7 @@ NOT_MEASURED = {
     "docs/support.md": ("≈ 15% of tokens", "over 4× the ring"),
     "docs/zlab-compatibility.md": ("0.81% of the time",),
     "docs/serve.md": ("(500s too)", "About 100 s on a 2-core", "About 35 s."),
+    "docs/environment.md": ("761 s for the four files",),  # the test suite's own time, not the product's speed
 }
 
 
