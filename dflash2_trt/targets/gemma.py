@@ -44,7 +44,7 @@ _KINDS = {"full_attention": "attention", "sliding_attention": "sliding"}
 _TEXT_PREFIX = {r"^model\.language_model\.": "model."}
 
 __all__ = ["MODEL_TYPES", "VERIFY_ROWS", "TargetGraph", "before_forward", "check_exportable", "drafter_fields",
-           "graph_io", "kv_layout", "kv_sources", "layer_kinds", "load_model", "new_cache", "rollback",
+           "drafter_heads", "graph_io", "kv_layout", "kv_sources", "layer_kinds", "load_model", "new_cache", "rollback",
            "sliding_window_spec"]
 
 
@@ -88,6 +88,12 @@ def drafter_fields(config: Any) -> dict[str, float | None]:
     cap = getattr(cfg, "final_logit_softcapping", None)
     return {"input_embedding_scale": float(cfg.hidden_size) ** 0.5,
             "final_logit_softcapping": float(cap) if cap else None}
+
+
+def drafter_heads(config: Any) -> tuple[int, int]:
+    """(kv heads, head size) of a drafter trained here for this target: its sliding layers' (the first layer's)."""
+    first = _text_config(config).per_layer_config[0]
+    return int(first.num_key_value_heads), int(first.head_dim)
 
 
 def load_model(folder: str, dtype: Any) -> Any:

@@ -123,10 +123,13 @@ def make_drafter_config(tc: TrainConfig, target, layer_ids: list[int]) -> DFlash
     if mask is None:
         mask = _mask_token_id(target)
     heads = int(hf.num_attention_heads)
+    heads_of = getattr(target.family, "drafter_heads", None)  # a family whose layers' heads differ (Gemma 4) says
+    kv_heads, head_dim = heads_of(hf) if heads_of is not None else (
+        int(getattr(hf, "num_key_value_heads", None) or heads), int(getattr(hf, "head_dim", None) or
+                                                                    target.hidden_size // heads))
     return DFlash2Config(
         hidden_size=target.hidden_size, intermediate_size=int(hf.intermediate_size), num_hidden_layers=tc.layers,
-        num_attention_heads=heads, num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(hf, "head_dim", None) or target.hidden_size // heads),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         rms_norm_eps=float(hf.rms_norm_eps), **rope_from_hf(hf),
         vocab_size=target.vocab_size, num_target_layers=target.num_layers, target_layer_ids=list(layer_ids),
         block_size=tc.block_size,
