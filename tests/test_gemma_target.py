@@ -354,7 +354,8 @@ def test_export_and_decode_on_ort(accepting, exported):
     """``dflash2 export`` of the copying Gemma 4 pair (the export check ran: a prompt wrapping the rings, a verify cut
     back): every node in TensorRT's parser table; the graph's logits within 1e-4 (relative) of transformers' over a
     prompt and one-row steps, a verify's rows = one-row calls; greedy speculative decoding on ONNX Runtime = its
-    autoregressive output = transformers' greedy output, drafts accepted (some partially)."""
+    autoregressive output on 40 prompts (= transformers' greedy output on 6 of them), drafts accepted (some
+    partially)."""
     import onnx
 
     from dflash2_trt.export.onnx_utils import trt_parser_refusals
@@ -378,15 +379,37 @@ def test_export_and_decode_on_ort(accepting, exported):
     assert np.abs(r.forward(ids[30:38])[0] - got[30:38]).max() <= 1e-5 * np.abs(want).max()
     rng = np.random.default_rng(11)
     bad, accepted = 0, []
-    for _ in range(6):
+    for i in range(40):
         p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
         ar = D.target_generate(be.target_runner(), p, req(32, eos_ids=set())).tokens
-        assert ar == D.target_generate(TorchTargetRunner(t), p, req(32, eos_ids=set())).tokens
+        if i < 6:  # transformers' own greedy decoding (the PyTorch reference is slower: a few prompts)
+            assert ar == D.target_generate(TorchTargetRunner(t), p, req(32, eos_ids=set())).tokens
         sp = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, req(32, eos_ids=set()))
         bad += sp.tokens != ar
         accepted += sp.accepted
     assert bad == 0
-    assert np.mean(accepted) >= 3 and any(0 < a < 7 for a in accepted), np.bincount(accepted, minlength=8)
+    assert_accepts(accepted, 7, "Gemma 4 on ONNX Runtime")  # ~2.5 drafts accepted per cycle, every count seen
+    assert np.mean(accepted) >= 2 and any(0 < a < 7 for a in accepted), np.bincount(accepted, minlength=8)
+
+
+def test_ort_lossless_at_block_sizes_2_4_8_on_40_prompts(exported):
+    """The exported Gemma 4 target on ONNX Runtime with the noisy oracle drafter at block sizes 2, 4 and 8 over 40
+    prompts each: speculative greedy = autoregressive, drafts accepted and rejected at every length (so every layer
+    kind's buffer, shared ones included, was cropped at every depth)."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    be = OrtBackend(exported)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 512, int(rng.integers(3, 20))).tolist() for _ in range(40)]
+    wants = [D.target_generate(be.target_runner(), p, req(24, eos_ids=set())).tokens for p in prompts]
+    for bs in (2, 4, 8):
+        oracle = type("Oracle", (_NoisyOracle,), {"block_size": bs, "num_draft_rows": bs - 1})
+        bad, accepted = 0, []
+        for p, want in zip(prompts, wants):
+            r = D.speculative_generate(be.target_runner(), oracle(p + want), p, req(24, eos_ids=set()))
+            bad += r.tokens != want
+            accepted += r.accepted
+        assert bad == 0 and set(range(bs)) <= set(accepted), (bs, sorted(set(accepted)))
 
 
 def test_generate_batch_equals_single_requests(exported):
