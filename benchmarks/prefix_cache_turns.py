@@ -13,8 +13,9 @@ Prints the per-turn table (ms without, ms with, ratio, tokens restored) and the 
 ``--peer URL``: the same conversation (the same system prompt and user turns; each engine continues with its own
 answers, ``--max-new-tokens`` of them, end of sequence ignored) against a llama-server at URL (llama.cpp's server on
 the demo pair converted to GGUF by llama.cpp's own script), time to the first streamed content token of
-its OpenAI chat endpoint with ``cache_prompt`` false and true, request by request as above. Our times are taken in
-process (``Generator.stream``), the peer's over loopback HTTP (a few ms more).
+its OpenAI chat endpoint with ``cache_prompt`` false in slot 0 and true in slot 1 (start it with ``-np 2``, so
+that the cached slot holds only the earlier turns), request by request as above. Our times are taken in process
+(``Generator.stream``), the peer's over loopback HTTP (a few ms more).
 
     python benchmarks/prefix_cache_turns.py [--export DIR | --max-seq-len 4096] [--threads 2] [--turns 8]
                                             [--turn-tokens 170] [--max-new-tokens 180] [--long 1600]
@@ -50,7 +51,7 @@ def _peer_ttft(url: str, messages: list[dict], max_new: int, cache: bool) -> tup
     import urllib.request
 
     body = {"messages": messages, "max_tokens": max_new, "temperature": 0, "stream": True, "cache_prompt": cache,
-            "ignore_eos": True, "timings_per_token": False}
+            "ignore_eos": True, "id_slot": int(cache)}  # slot 1 holds the cached conversation only
     rq = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", data=json.dumps(body).encode(),
                                 headers={"Content-Type": "application/json"})
     t, first, text, reused = time.perf_counter(), None, [], 0
