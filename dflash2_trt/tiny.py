@@ -14,7 +14,8 @@ most cycles. Both models are set by hand (no training, deterministic, well under
   shorter than the copy distance, copy in a full-attention layer (gpt-oss layer 1, Muse Glimmer layer 3) and
   depart through random sliding attention (so the next token depends on the window's keys) and their MLPs; Gemma
   4 copies in its first full layer and departs through a sliding layer that attends over the keys it shares with
-  layer 0, and an MLP;
+  layer 0, and an MLP; Nemotron-H, whose attention has no position embeddings, copies through layer 0's Mamba-2
+  convolution (P taps) and departs through its experts, its attention and a random Mamba-2 layer;
 * the drafter's layer 0 does the same from the context features (RoPE peak at distance P): draft row k
   copies the context token at anchor + k - P, which is what the target will say unless it deviates. Its
   selector has small random weights (it can reorder near-equal candidates, and does so rarely).
@@ -158,6 +159,8 @@ def _target_model(arch: str, vocab: int, accepting: bool = False) -> torch.nn.Mo
         return _family_model(arch, common, accepting)
     if arch == "gemma4":
         return _gemma4_model(vocab)
+    if arch == "nemotron_h":
+        return _nemotron_h_model(vocab, accepting)
     hybrid = dict(head_dim=_HD, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=_HD,
                   linear_value_head_dim=_HD, linear_conv_kernel_dim=4, layer_types=list(HYBRID_LAYER_TYPES),
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0})
@@ -195,6 +198,25 @@ def _family_model(arch: str, common: dict, accepting: bool = False) -> torch.nn.
     return transformers.MuseGlimmerForConditionalGeneration(transformers.MuseGlimmerConfig(
         text_config=dict(sliding_window=8, bos_token_id=1, eos_token_id=0, pad_token_id=0, **text),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))
+
+
+# Nemotron-H: Mamba-2 (the copy of --accepting), MoE, attention, Mamba-2
+NEMOTRON_H_LAYER_TYPES = ["linear_attention", "moe", "full_attention", "linear_attention"]
+
+
+def _nemotron_h_model(vocab: int, accepting: bool = False) -> torch.nn.Module:
+    """A random tiny Nemotron-H (hidden 64, :data:`NEMOTRON_H_LAYER_TYPES`): Mamba-2 layers of 8 heads of 8 with a
+    state of 8 in 2 groups (a 4-tap convolution; ``accepting``: P taps, the copy's reach), 4 ReLU² experts (2 per
+    token) and a shared expert, attention of 4 heads of 16 (2 KV heads) without position embeddings."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    return NemotronHForCausalLM(NemotronHConfig(
+        vocab_size=vocab, hidden_size=_H, layers_block_type=list(NEMOTRON_H_LAYER_TYPES), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=_HD, intermediate_size=128, mamba_num_heads=8, mamba_head_dim=8,
+        ssm_state_size=8, n_groups=2, conv_kernel=COPY_PERIOD if accepting else 4, chunk_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+        max_position_embeddings=2048, layer_norm_epsilon=1e-6, initializer_range=0.2, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=0, pad_token_id=0))
 
 
 def _check_out(out: Path) -> None:
@@ -237,6 +259,11 @@ _GPT_OSS_EXPERT_DEVIATION, _SLIDING_DEVIATION = 0.06, 0.25
 _SLIDING_DEVIATION_MUSE, _MLP_DEVIATION_MUSE = 0.35, 5.0
 _NO_SINK = -100.0  # gpt-oss's attention sink logits: no mass
 _MUSE_OUTPUT_MULTIPLIER = 1 / 16  # the copied token's logit (~113 at the LM head) -> ~7, well inside the cap of 20
+# Nemotron-H: the copy's convolution input and bias scale, its output projection gain (a copied code of ~+-4 as the
+# dense target's); the scales of layer 1's expert down projections, layer 2's attention output and layer 3's Mamba-2
+# output: the departures from the copy
+_MAMBA_CODE, _MAMBA_COPY_GAIN = 4.0, 5.0
+_NEMOTRON_MOE_DEVIATION, _NEMOTRON_ATTENTION_DEVIATION, _NEMOTRON_MAMBA_DEVIATION = 0.004, 0.15, 0.45
 
 
 def _rope_peak(distance: int, theta: float = 10000.0, freqs: tuple[int, ...] = (0, 1, 2, 3)
@@ -425,6 +452,46 @@ def _copying_muse_glimmer_weights(sd: dict[str, torch.Tensor], seed: int) -> dic
     return out
 
 
+def _copying_nemotron_h_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The copying target of the module docstring in Nemotron-H, whose attention has no position embeddings: the copy
+    is layer 0's Mamba-2 convolution (P taps, only the oldest one set: position n reads the input of n + 1 - P). Its
+    channels 0-23 take the token's code (times _MAMBA_CODE), channel 24 nothing; every one gets the bias
+    _MAMBA_CODE, so after the convolution's SiLU a code entry of +1 is silu(2 _MAMBA_CODE), -1 is silu(0), and
+    channel 24 (and every channel before P positions exist) silu(_MAMBA_CODE), about halfway: the output projection
+    writes (code channel - channel 24) into the copy dims, a code of nearly symmetric +-4 after the gated group norm
+    (a constant gate). The scan reads no B / C (zero) so layer 0's output is that skip path (D = 1) alone. The
+    deviations come from layer 1's small random experts (random routing), layer 2's random attention (the next token
+    depends on its KV) and layer 3's random Mamba-2 layer (its convolution and scan states). Norm weights are 1."""
+    out = {k: torch.ones_like(v) if k.endswith(("norm.weight", "norm_f.weight", "mixer.D")) else torch.zeros_like(v)
+           for k, v in sd.items()}
+    out["model.embed_tokens.weight"] = out.pop("model.embeddings.weight")
+    _code_embedding_and_head(out, seed)
+    out["model.embeddings.weight"] = out.pop("model.embed_tokens.weight")
+    r = math.sqrt((8 + 24) / _H)  # rms of every embedding row: the block's norm divides by it
+    m = "model.layers.0.mixer."
+    inter = sd[m + "out_proj.weight"].shape[1]  # [H, heads * head_dim]
+    w = out[m + "in_proj.weight"]  # [gate (inter) | x, B, C (conv_dim) | dt (heads), H]
+    w[:inter, _CONST] = 0.25  # a constant gate (its scale cancels in the group norm)
+    for j in range(24):
+        w[inter + j, _CODE.start + j] = _MAMBA_CODE * r
+    out[m + "conv1d.weight"][:25, 0, 0] = 1.0  # the oldest tap: position n reads n - (P - 1)
+    out[m + "conv1d.bias"][:25] = _MAMBA_CODE
+    out[m + "out_proj.weight"][_COPY, :24] = _MAMBA_COPY_GAIN * torch.eye(24)
+    out[m + "out_proj.weight"][_COPY, 24] = -_MAMBA_COPY_GAIN
+    for key in ("A_log", "dt_bias"):
+        out[m + key] = sd[m + key].clone()
+    g = torch.Generator().manual_seed(seed + 1)
+    for key, v in sd.items():
+        if key.startswith("model.layers.1.mixer.") and not key.endswith("e_score_correction_bias"):
+            out[key] = torch.randn(v.shape, generator=g) * (_NEMOTRON_MOE_DEVIATION if "down_proj" in key else 1.0)
+        elif key.startswith("model.layers.2.mixer."):
+            out[key] = torch.randn(v.shape, generator=g) * (_NEMOTRON_ATTENTION_DEVIATION if "o_proj" in key else 0.25)
+        elif key.startswith("model.layers.3.mixer.") and not key.endswith(("norm.weight", "mixer.D")):
+            out[key] = sd[key].clone() if key.endswith(("A_log", "dt_bias")) else \
+                torch.randn(v.shape, generator=g) * (_NEMOTRON_MAMBA_DEVIATION if "out_proj" in key else 0.5)
+    return out
+
+
 def _copying_drafter_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     for k in out:
@@ -535,4 +602,4 @@ def _copying_gemma4_weights(sd: dict[str, torch.Tensor], seed: int) -> dict[str,
 _COPYING = {"llama": _copying_target_weights, "qwen3_5": _copying_hybrid_weights,
             "qwen3_5_moe": _copying_hybrid_weights, "qwen3_moe": _copying_qwen3_moe_weights,
             "gpt_oss": _copying_gpt_oss_weights, "muse_glimmer": _copying_muse_glimmer_weights,
-            "gemma4": _copying_gemma4_weights}
+            "nemotron_h": _copying_nemotron_h_weights, "gemma4": _copying_gemma4_weights}

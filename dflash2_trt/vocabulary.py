@@ -49,11 +49,13 @@ DRAFTER_QUANTIZATIONS = (*QUANTIZATIONS, Q8_0)
 GRAPH_FLAVOURS = ("ort", "qdq")
 
 # `make-tiny --arch`: the tiny target's architecture (dense Llama; hybrid Gated DeltaNet, + MoE MLPs; Qwen3-MoE;
-# sliding-window gpt-oss, Muse Glimmer; Gemma 4), each with a copying target for `make-tiny --accepting`
-TINY_ARCHS = ("llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "gpt_oss", "muse_glimmer", "gemma4")
-# Kinds of target decoder layers: full (or grouped-query) attention; a linear-attention (Gated DeltaNet) layer;
-# sliding-window attention. An export's manifest lists its target's (dflash2_trt.targets: the families).
-LAYER_KINDS = ("attention", "linear", "sliding")
+# sliding-window gpt-oss, Muse Glimmer; Nemotron-H Mamba-2 + MoE + attention; Gemma 4), each with a copying target for
+# `make-tiny --accepting`
+TINY_ARCHS = ("llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "gpt_oss", "muse_glimmer", "nemotron_h", "gemma4")
+# Kinds of target decoder layers: full (or grouped-query) attention; a linear-attention layer (Gated DeltaNet or
+# Mamba-2: a convolution state and a recurrent state); sliding-window attention; a layer with no state (Nemotron-H's
+# MoE and MLP layers). An export's manifest lists its target's (dflash2_trt.targets: the families).
+LAYER_KINDS = ("attention", "linear", "sliding", "mlp")
 
 # How the path selector is built into the drafter head graph / engine.
 SELECTOR_IMPLS = ("decomposed", "plugin")  # standard ONNX ops | the DFlash2PathSelector TensorRT plugin node

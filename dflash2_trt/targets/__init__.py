@@ -1,6 +1,7 @@
 """Target families: one module per family of target architectures (``dense``: Llama / Mistral / Qwen2 / Qwen3;
 ``hybrid``: Gated DeltaNet, the Qwen3.5 family; ``moe``: Qwen3-MoE; ``sliding``: gpt-oss, Muse Glimmer;
-``gemma``: Gemma 4; and ``recorded``, the past-recording cache the hybrid, sliding and gemma families share),
+``gemma``: Gemma 4; ``nemotron_h``: Mamba-2, MoE and attention layers, NVIDIA's Nemotron-H; and ``recorded``, the
+past-recording cache the hybrid, sliding, gemma and nemotron_h families share),
 chosen by the HF config's ``model_type`` (:func:`family_for`). Each family module holds what differs between
 families, with transformers' own modules as the reference:
 
@@ -29,9 +30,10 @@ __all__ = ["LAYER_KINDS", "family_for", "supported_model_types"]
 
 
 def _modules() -> dict[str, ModuleType]:
-    from dflash2_trt.targets import dense, gemma, hybrid, moe, sliding
+    from dflash2_trt.targets import dense, gemma, hybrid, moe, nemotron_h, sliding
 
-    return {"dense": dense, "hybrid": hybrid, "moe": moe, "sliding": sliding, "gemma": gemma}
+    return {"dense": dense, "hybrid": hybrid, "moe": moe, "sliding": sliding, "gemma": gemma,
+            "nemotron_h": nemotron_h}
 
 
 def family_for(config: Any) -> ModuleType:
