@@ -1,4 +1,4 @@
-"""The TensorRT engine build and backend on a sliding-window (gpt-oss) export, against the fakes of
+"""The TensorRT engine build and backend on a sliding-window (gpt-oss) export and a Gemma 4 one, against the fakes of
 tests/trt_fakes.py: the profiles fix the rings' size, the rings are bound in place (and the steps captured), engines
 that compute (``FakeTrt(compute=True)`` runs the real target graph) decode like ONNX Runtime token for token with drafts
 accepted and rolled back while the rings wrap, and a planted ring bug is caught. Real TensorRT engines never ran."""
@@ -21,13 +21,14 @@ from trt_fakes import FakeCuda, FakeTrt
 BLOCK = 8
 
 
-@pytest.fixture(scope="module")
-def sw_engines(tmp_path_factory):
-    """make-tiny's accepting gpt-oss pair (sliding and full layers alternating, windows of 8) exported at block size 8,
-    with FakeTrt engines (decomposed heads) recorded in its manifest."""
+@pytest.fixture(scope="module", params=["gpt_oss", "gemma4"])
+def sw_engines(request, tmp_path_factory):
+    """make-tiny's accepting gpt-oss pair (sliding and full layers alternating, windows of 8) and Gemma 4 pair (the
+    same interface: every layer's KV in one buffer shape, shared layers with copies) exported at block size 8, with
+    FakeTrt engines (decomposed heads) recorded in its manifest."""
     from dflash2_trt.export.exporter import export_model
 
-    pair = make_pair(tmp_path_factory, "trt_sw", accepting=True, arch="gpt_oss")
+    pair = make_pair(tmp_path_factory, f"trt_sw_{request.param}", accepting=True, arch=request.param)
     out = tmp_path_factory.mktemp("export") / "trt_sw"
     export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=256, block_size=BLOCK)
     d = tmp_path_factory.mktemp("trt_sw") / "exp"
