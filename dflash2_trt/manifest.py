@@ -101,12 +101,14 @@ def target_state_names(kinds: tuple[str, ...] | list[str], prefix: str = "past")
     """The target graph's per-layer state, 2 per layer in layer order: an attention layer's KV
     (``past_key_values.{i}.key/.value`` inputs, ``present.{i}.*`` outputs), a linear layer's convolution and
     recurrent state (``past_conv.{i}`` / ``past_recurrent.{i}`` inputs; ``present_conv.{i}``, the call's convolution
-    inputs, and ``present_recurrent.{i}``, the recurrent state after each asked row, outputs)."""
+    inputs, and ``present_recurrent.{i}``, the recurrent state after each asked row, outputs); an ``mlp`` layer (no
+    state) none."""
     kv = "past_key_values" if prefix == "past" else prefix
     out = []
     for i, kind in enumerate(kinds):
-        out += [f"{prefix}_conv.{i}", f"{prefix}_recurrent.{i}"] if kind == "linear" else \
-            [f"{kv}.{i}.key", f"{kv}.{i}.value"]
+        if kind != "mlp":
+            out += [f"{prefix}_conv.{i}", f"{prefix}_recurrent.{i}"] if kind == "linear" else \
+                [f"{kv}.{i}.key", f"{kv}.{i}.value"]
     return out
 
 
@@ -539,8 +541,8 @@ def check_graph_fields(m: ExportManifest, where: str = MANIFEST_FILE) -> None:
     field and both values (an edited manifest, or graphs of another export)."""
     import re
 
-    attention = {i for i, k in enumerate(m.layer_kinds) if k != "linear"}
-    linear = set(range(m.target.num_layers)) - attention
+    attention = {i for i, k in enumerate(m.layer_kinds) if k in ("attention", "sliding")}
+    linear = {i for i, k in enumerate(m.layer_kinds) if k == "linear"}
     if m.target.layer_kinds:
         att = (f"target.layer_kinds has {len(attention)} attention layers", attention)
         lin = (f"target.layer_kinds has {len(linear)} linear layers", linear)

@@ -373,7 +373,8 @@ def _write_manifest(b: _Build, draft_vocab: int) -> ExportManifest:
     t = b.target
     hf = getattr(t.model.config, "text_config", None) or t.model.config  # a vision-language model: its LM's
     kinds = tuple(t.family.layer_kinds(hf))
-    attn = next(layer.self_attn for layer in t.model.get_decoder().layers if hasattr(layer, "self_attn"))
+    attn = next(getattr(layer, "self_attn", None) or layer.mixer for layer in t.model.get_decoder().layers
+                if hasattr(layer, "self_attn") or hasattr(getattr(layer, "mixer", None), "o_proj"))  # Nemotron-H: mixer
     # the KV buffers' shape: the family's where its layers differ (Gemma 4), else the config's
     kv_layout = t.family.kv_layout(hf) if hasattr(t.family, "kv_layout") else (int(hf.num_key_value_heads),
                                                                                int(attn.head_dim))

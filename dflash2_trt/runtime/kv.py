@@ -141,22 +141,26 @@ class KVBuffer:
 
 
 def layer_feed(kinds: Kinds, states: dict[str, list[np.ndarray]]) -> list[np.ndarray]:
-    """The target graph's per-layer state inputs in layer order (2 per layer), each taken from its kind's list in
-    ``states`` (each list in its own layers' order): an attention or sliding layer's key and value, a linear layer's
-    convolution and recurrent state."""
+    """The target graph's per-layer state inputs in layer order (2 per layer with state), each taken from its kind's
+    list in ``states`` (each list in its own layers' order): an attention or sliding layer's key and value, a linear
+    layer's convolution and recurrent state; an ``mlp`` layer has none."""
     its = {kind: iter(arrays) for kind, arrays in states.items()}
     out = []
     for kind in kinds:
-        out += [next(its[kind]), next(its[kind])]
+        if kind != "mlp":
+            out += [next(its[kind]), next(its[kind])]
     return out
 
 
 def split_present(kinds: Kinds, present: list[np.ndarray]) -> dict[str, list[np.ndarray]]:
-    """The graph's per-layer outputs (2 per layer, layer order) -> kind -> that kind's outputs in its own layers'
-    order (every kind of ``kinds`` a key): what :func:`layer_feed` takes back."""
+    """The graph's per-layer outputs (2 per layer with state, layer order) -> kind -> that kind's outputs in its own
+    layers' order (every kind of ``kinds`` a key): what :func:`layer_feed` takes back."""
     out: dict[str, list[np.ndarray]] = {kind: [] for kind in kinds}
-    for i, kind in enumerate(kinds):
-        out[kind].extend(present[2 * i: 2 * i + 2])
+    at = 0
+    for kind in kinds:
+        if kind != "mlp":
+            out[kind].extend(present[at: at + 2])
+            at += 2
     return out
 
 

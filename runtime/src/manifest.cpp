@@ -394,8 +394,8 @@ std::string sha256File(std::string const& path)
 
 //! target.layer_kinds, target.linear_state and target.sliding_window (manifest._check_layer_kinds): version 2 has
 //! neither linear nor sliding layers (every layer a KV cache, whatever its kind); version 3 has linear (Gated
-//! DeltaNet) or sliding-window layers beside attention layers, and their state's spec (the schema's enum allows no
-//! other kind).
+//! DeltaNet) or sliding-window layers beside attention layers, and their state's spec; the schema's fourth kind,
+//! 'mlp' (a layer without state), is refused here.
 void readLayerKinds(Manifest& m, Json const& t, std::string const& source)
 {
     m.layerKinds.assign(static_cast<size_t>(m.targetLayers), "attention");
@@ -410,6 +410,11 @@ void readLayerKinds(Manifest& m, Json const& t, std::string const& source)
         {
             m.layerKinds[i] = kinds[i].get<std::string>();  // a string of the schema's enum
         }
+    }
+    if (std::count(m.layerKinds.begin(), m.layerKinds.end(), "mlp") > 0)  // stateless MoE / MLP layers (Nemotron-H)
+    {
+        throw Error(DFL2_ERR_VERSION_MISMATCH, source + ": the target has layers of kind 'mlp' (a Nemotron-H target), "
+                    "which this library does not run");
     }
     if (m.manifestVersion != DFL2_MANIFEST_STATE_VERSION)  // version 2: every layer a KV cache
     {

@@ -646,11 +646,14 @@ class TrtDraftRunner:
 
 
 def _by_kind(kinds: Sequence[str], names: Sequence[str]) -> dict[str, list[str]]:
-    """The target's per-layer state names (2 per layer, layer order) -> kind -> that kind's names (every kind of
-    LAYER_KINDS a key)."""
+    """The target's per-layer state names (2 per layer with state, layer order; an ``mlp`` layer has none) -> kind
+    -> that kind's names (every kind of LAYER_KINDS a key)."""
     out: dict[str, list[str]] = {kind: [] for kind in LAYER_KINDS}
-    for i, kind in enumerate(kinds):
-        out[kind].extend(names[2 * i: 2 * i + 2])
+    at = 0
+    for kind in kinds:
+        if kind != "mlp":
+            out[kind].extend(names[at: at + 2])
+            at += 2
     return out
 
 

@@ -1,0 +1,222 @@
+"""Nemotron-H targets (Mamba-2, MoE and attention layers) exported and run with ONNX Runtime: the standard target
+graph against transformers, a k-row verify against k one-row steps, the runtime's rollback of the Mamba-2 layers'
+convolution and SSM states to every kept length against a fresh run, lossless speculative decoding with drafts
+accepted on the copying pair (= transformers' own greedy output) in the single and the batched loop, a planted
+SSM-state rollback bug the suite must catch, the manifest's layer kinds and state shapes, TensorRT's parser table for
+every node of the graph, and the C library's one-line refusal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash2_trt.runtime import decoder as D
+from dflash2_trt.runtime.linear_state import LinearStates
+from dflash2_trt.tiny import COPY_PERIOD
+from helpers import assert_accepts, make_pair, req
+from test_capi import capi_build, lib, vectors_path  # noqa: F401 (the C library's fixtures)
+
+
+def _export(tmp_path_factory, name: str, accepting: bool, block_size: int | None = None):  # noqa: ANN202
+    from dflash2_trt.export.exporter import export_model
+
+    pair = make_pair(tmp_path_factory, name, accepting=accepting, arch="nemotron_h")
+    out = tmp_path_factory.mktemp("export") / name
+    export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=block_size)
+    return pair, out
+
+
+@pytest.fixture(scope="module")
+def random_export(tmp_path_factory):
+    """(HF target, ORT backend) of a random tiny Nemotron-H target (every layer at full strength)."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.target import TargetModel
+
+    pair, out = _export(tmp_path_factory, "nh_rand", accepting=False)
+    return TargetModel.load(pair / "target"), OrtBackend(out)
+
+
+@pytest.fixture(scope="module")
+def accepting_export(tmp_path_factory):
+    """(HF target, ORT backend) of the accepting pair exported at block size 8."""
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.target import TargetModel
+
+    pair, out = _export(tmp_path_factory, "nh_acc", accepting=True, block_size=8)
+    return TargetModel.load(pair / "target"), OrtBackend(out)
+
+
+def _hf_logits(t, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return t.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+
+
+def test_manifest_describes_layer_kinds_and_states(random_export):
+    t, be = random_export
+    m = be.manifest
+    assert m.manifest_version == 3 and m.target.layer_kinds == ("linear", "mlp", "attention", "linear")
+    cfg = t.model.config
+    ls = m.target.linear_state
+    assert (ls.conv_dim, ls.conv_kernel, ls.num_heads, ls.key_dim, ls.value_dim) == (
+        cfg.mamba_num_heads * cfg.mamba_head_dim + 2 * cfg.n_groups * cfg.ssm_state_size, cfg.conv_kernel,
+        cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size)
+    names = [x.name for x in m.graphs["target"].inputs]
+    assert [n for n in names if n.startswith("past")] == ["past_conv.0", "past_recurrent.0", "past_key_values.2.key",
+                                                           "past_key_values.2.value", "past_conv.3",
+                                                           "past_recurrent.3"]  # the MoE layer: no state
+    assert "target_ort" not in m.graphs and be.batching
+
+
+def test_graph_equals_transformers_on_prompts_up_to_300(random_export):
+    """Prompts of 1..300 tokens (fed in calls of at most 64 rows) then single steps: logits within 1e-4 (relative)
+    of transformers' whole-sequence forward."""
+    t, be = random_export
+    rng = np.random.default_rng(0)
+    r = be.target_runner()
+    for n in (1, 5, 64, 65, 300):
+        ids = rng.integers(2, t.vocab_size, n + 3).tolist()
+        r.reset()
+        got = np.concatenate([r.forward(ids[:n])[0]] + [r.forward(ids[n + i: n + i + 1])[0] for i in range(3)])
+        want = _hf_logits(t, ids)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 1e-4, (n, err)
+
+
+def _state(r) -> list[np.ndarray]:  # noqa: ANN001
+    """What the next call reads: the valid KV slots and every Mamba-2 layer's conv and SSM state."""
+    n = r.kv.length
+    return [a[:, :, :n] for a in r.kv.arrays] + r.linear.conv + r.linear.recurrent
+
+
+def test_verify_rows_equal_steps_and_rollback_equals_a_fresh_run(random_export):
+    """After a prompt, a k-row call equals k one-row calls (argmax identical, logits within 1e-5 of the largest); a
+    rollback to every kept length 0..k leaves the state (KV, conv, SSM) equal to a fresh run of the prompt and the
+    kept rows (to fp32 rounding), and the next call's logits equal too."""
+    t, be = random_export
+    rng = np.random.default_rng(1)
+    r, fresh = be.target_runner(), be.target_runner()
+    for k in (4, 8):
+        prompt = rng.integers(2, t.vocab_size, 9).tolist()
+        rows = rng.integers(2, t.vocab_size, k).tolist()
+        nxt = rng.integers(2, t.vocab_size, 1).tolist()
+        fresh.reset()
+        fresh.forward(prompt)
+        steps = np.concatenate([fresh.forward([x])[0] for x in rows])
+        for keep in range(k + 1):
+            r.reset()
+            r.forward(prompt)
+            block = r.forward(rows)[0]
+            assert (block.argmax(-1) == steps.argmax(-1)).all()
+            assert np.abs(block - steps).max() <= 1e-5 * np.abs(steps).max()
+            r.crop(len(prompt) + keep)
+            fresh.reset()
+            fresh.forward(prompt + rows[:keep]) if keep else fresh.forward(prompt)
+            got, want = _state(r), _state(fresh)
+            assert len(got) == 6  # one attention layer's K, V; two Mamba-2 layers' conv and SSM states
+            for a, b in zip(got, want):
+                assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max()), (k, keep)
+            a, b = r.forward(nxt)[0], fresh.forward(nxt)[0]
+            assert a.argmax() == b.argmax() and np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), (k, keep)
+
+
+def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """Prompts of COPY_PERIOD..40 tokens: the copying target has a token to copy from its first new one."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, size=int(rng.integers(COPY_PERIOD, 40))).tolist() for _ in range(n)]
+
+
+_NEW = 20  # tokens generated per prompt
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(accepting_export):
+    """(prompts, transformers' own greedy continuation of each): the reference of the lossless tests."""
+    t, be = accepting_export
+    prompts = _prompts(be.manifest.target.vocab_size, 40, 7)
+    with torch.no_grad():
+        out = [t.model.generate(torch.tensor([p]), max_new_tokens=_NEW, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert all(len(o) == _NEW for o in out)
+    return prompts, out
+
+
+def test_lossless_greedy_with_drafts_accepted_on_ort(accepting_export, hf_greedy):
+    """40 prompts at block size 8: speculative greedy output on ONNX Runtime = transformers' own greedy output, token
+    for token, with drafts accepted and partial blocks rolled back."""
+    _, be = accepting_export
+    prompts, want = hf_greedy
+    bad, accepted = 0, []
+    for p, w in zip(prompts, want):
+        r = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, req(_NEW, eos_ids=set()))
+        bad += r.tokens != w
+        accepted += r.accepted
+    assert bad == 0
+    assert_accepts(accepted, 7, "block size 8")
+    assert any(0 < a < 7 for a in accepted), "no partial acceptance"
+
+
+def test_generate_batch_equals_transformers(accepting_export, hf_greedy):
+    """generate_batch over 12 prompts (the batched loop, per-slot Mamba-2 states) = transformers' greedy output,
+    token for token, with drafts accepted and rolled back."""
+    import dflash2_trt
+
+    _, be = accepting_export
+    prompts, want = hf_greedy
+    g = dflash2_trt.load(be.dir, backend="ort")
+    batch = g.generate_batch(prompts[:12], _NEW, chat=False, eos_ids=set(), proposer="dflash2", max_batch=4,
+                             adaptive=False)
+    assert [r.tokens for r in batch] == want[:12]
+    acc = [a for r in batch for a in r.stats.accepted]
+    assert_accepts(acc, 7, "batched")
+    assert any(0 < a < 7 for a in acc)
+
+
+def _keep_ssm_rows(self, keep, slot=0):  # noqa: ANN001, ANN202
+    """Planted bug: the convolution state is rolled back, the SSM state stays the one after all k rows."""
+    rec = [r[slot].copy() for r in self.recurrent]
+    LinearStates._real_rollback(self, keep, slot)
+    for r, after in zip(self.recurrent, rec):
+        r[slot] = after
+
+
+def test_planted_ssm_rollback_bug_is_caught_on_ort(accepting_export, hf_greedy, monkeypatch):
+    """The SSM state not rolled back makes speculative output differ from transformers', on the B = 1 runner and in
+    the batched loop, so the lossless tests above fail on it."""
+    import dflash2_trt
+
+    _, be = accepting_export
+    prompts, want = hf_greedy
+    monkeypatch.setattr(LinearStates, "_real_rollback", LinearStates.rollback, raising=False)
+    monkeypatch.setattr(LinearStates, "rollback", _keep_ssm_rows)
+    got = [D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, req(_NEW, eos_ids=set())).tokens
+           for p in prompts[:20]]
+    assert sum(g != w for g, w in zip(got, want)) > 0
+    g = dflash2_trt.load(be.dir, backend="ort")
+    batch = g.generate_batch(prompts[:12], _NEW, chat=False, eos_ids=set(), proposer="dflash2", max_batch=4,
+                             adaptive=False)
+    assert sum(r.tokens != w for r, w in zip(batch, want)) > 0
+
+
+def test_every_node_imports_into_tensorrt(random_export):
+    import onnx
+
+    from dflash2_trt.export.onnx_utils import trt_parser_refusals
+
+    _, be = random_export
+    model = onnx.load(str(be.dir / "target.onnx"), load_external_data=False)
+    assert trt_parser_refusals(model) == []
+
+
+def test_the_c_library_refuses_the_export_in_one_line(random_export, lib):
+    """libdflash2 does not run a target with stateless (mlp) layers yet: loading the export is refused in one line
+    (manifest version mismatch) instead of reading the MoE layers as KV layers."""
+    import ctypes
+
+    from test_capi import CapiError, _check
+
+    _, be = random_export
+    handle = ctypes.c_void_p()
+    with pytest.raises(CapiError) as e:
+        _check(lib, lib.dfl2_model_load(str(be.dir).encode(), None, ctypes.byref(handle)))
+    assert e.value.code == 7 and "layers of kind 'mlp'" in e.value.message and "\n" not in e.value.message
