@@ -234,7 +234,7 @@ def accepting(tmp_path_factory):
     return pair, t, d
 
 
-def _decode(t, d, n_prompts: int = 6) -> tuple[int, list[int]]:  # noqa: ANN001
+def _decode(t, d, n_prompts: int = 4) -> tuple[int, list[int]]:  # noqa: ANN001
     from dflash2_trt.runtime.torch.backend import TorchDraftRunner
 
     rng = np.random.default_rng(11)
@@ -250,7 +250,7 @@ def _decode(t, d, n_prompts: int = 6) -> tuple[int, list[int]]:  # noqa: ANN001
 
 
 def test_make_tiny_accepting_pair_is_lossless_with_drafts_accepted(accepting):
-    """The copying Gemma 4 target and its drafter: speculative greedy = autoregressive on 6 prompts x 32 tokens, most
+    """The copying Gemma 4 target and its drafter: speculative greedy = autoregressive on 4 prompts x 32 tokens, most
     drafts accepted and some cycles stopping mid-block (the target's departures)."""
     _, t, d = accepting
     assert t.model.config.model_type == "gemma4_text" and t.family is gemma
