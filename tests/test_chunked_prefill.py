@@ -96,3 +96,49 @@ def test_a_bad_chunk_is_refused():
     for bad in (0, -3, 2.5, True, "64"):
         with pytest.raises(DFlash2Error, match="prefill_chunk"):
             B.check_prefill_chunk(bad)
+
+
+def _sharing(be, monkeypatch) -> tuple[list, list[list[int]], int]:  # noqa: ANN001
+    """A stream decoding, then three requests join: two with one 60-token prompt (T = 0.8, seeds 3 and 4: a request's
+    n = 2 choices) and another prompt; chunks of 16 -> (results, prompts, the first rows the second choice's slot
+    forwarded)."""
+    rng = np.random.default_rng(2)
+    short, shared, other = (rng.integers(2, 200, k).tolist() for k in (12, 60, 30))
+    dec = _decoder(be, 16)
+    seen: list[dict] = []
+    real = dec.target.forward
+    monkeypatch.setattr(dec.target, "forward", lambda rows, **kw: seen.append(dict(rows)) or real(rows, **kw))
+    ids = [dec.submit(short, req(120, eos_ids=frozenset()))]
+    dec.step()
+    ids += [dec.submit(p, req(24, eos_ids=frozenset(), temperature=0.8, seed=k))
+            for p, k in ((shared, 3), (shared, 4), (other, 5))]
+    dec.step()
+    slot = dec._active[ids[2]].slot
+    while dec.busy:
+        dec.step()
+    first = next(r[slot] for r in seen[1:] if slot in r)
+    return [dec.results[i] for i in ids], [short, shared, shared, other], first
+
+
+def test_identical_prompts_admitted_together_are_computed_once(backend, monkeypatch):
+    """A request's n = 2 choices (identical prompts, their own seeds) joining a running stream with chunked prefill:
+    the first computes the prompt, the second takes a copy of its slot (target rows and state, the drafter's pending
+    features) — its slot's first forward is its first token — and each request = its own single run (T = 0.8
+    seeded; drafts accepted)."""
+    results, prompts, first = _sharing(backend, monkeypatch)
+    assert first[0] == results[2].tokens[0] and len(first) <= 8
+    for res, prompt, (T, seed) in zip(results, prompts, ((0.0, 0), (0.8, 3), (0.8, 4), (0.8, 5))):
+        single = D.speculative_generate(backend.target_runner(), backend.draft_runner("greedy"), prompt,
+                                        req(len(res.tokens), eos_ids=frozenset(), temperature=T, seed=seed))
+        assert res.tokens == single.tokens
+    assert all(sum(r.accepted) > 0 for r in results)
+
+
+def test_a_choice_that_takes_the_logits_but_not_the_slot_is_caught(backend, monkeypatch):
+    """Negative control: the second choice marked prefilled without its leader's rows and state copied."""
+    def not_copied(self, leader, f):  # noqa: ANN001, ANN202
+        f.prefilled, f.prefilling, f.leader = len(f.prompt), False, None
+
+    monkeypatch.setattr(B.BatchDecoder, "_share_prompt", not_copied)
+    with pytest.raises((AssertionError, DFlash2Error)):
+        test_identical_prompts_admitted_together_are_computed_once(backend, monkeypatch)

@@ -407,6 +407,9 @@ class _Seq:
     sampler: Sampler | None = None  # the request's sampling transforms and logprobs (runtime/sampling.py)
     constraint: Any = None  # the request's grammar matcher (runtime/grammar.py), None without a grammar
     masks: Any = None  # [n + 1, V] bool: this step's verify rows' grammar masks
+    # admitted with an identical prompt (a request's n > 1 choices): waits for that sequence's prefill, then takes a
+    # copy of its slot instead of computing the prompt again
+    leader: _Seq | None = None
 
 
 class BatchDecoder:
@@ -529,6 +532,11 @@ class BatchDecoder:
                 self.cache.prefill_from(s.prompt, self.target, drafter, s.slot)
             s.res.cached_tokens = s.pending_start = s.prefilled
             s.prefilling = True
+        first: dict[tuple, _Seq] = {}
+        for s in new:  # identical prompts admitted together are computed once (the same cached prefix restored)
+            if not s.req.prompt_logprobs and hasattr(self.target, "restore_prefix"):
+                s.leader = first.setdefault((tuple(s.prompt), self._uses_drafter(s)), s)
+                s.leader = None if s.leader is s else s.leader
         self._active.update((s.id, s) for s in new)  # prefilled in the order they came
         if new:  # the joining requests' whole length at once: no growth (a copy of every slot) chunk after chunk
             n = max(len(s.prompt) + s.limit for s in new)  # (a limit leaves its prompt within max_positions)
@@ -559,9 +567,9 @@ class BatchDecoder:
         decoding, whole prompts) -> (sequence, logits) of those whose prompt
         is now whole: the last row's [1, V], every computed row's when the request asks for prompt logprobs. The
         rows' features wait in the sequence's pending context (its drafter takes them at its first proposal)."""
-        order = [s for s in self._active.values() if s.prefilling]
+        order = [s for s in self._active.values() if s.prefilling and s.leader is None]
         # nobody decoding: nobody waits, whole prompts (the fewest, largest calls)
-        budget = self.prefill_chunk if len(order) < len(self._active) else None
+        budget = self.prefill_chunk if any(not s.prefilling for s in self._active.values()) else None
         rows: dict[int, list[int]] = {}
         for s in order:
             take = len(s.prompt) - s.prefilled if budget is None else min(budget, len(s.prompt) - s.prefilled)
@@ -586,7 +594,21 @@ class BatchDecoder:
             if s.prefilled == len(s.prompt):
                 s.prefilling = False
                 done.append((s, np.concatenate(s.prompt_rows) if s.req.prompt_logprobs else logits))
+        for s, logits in list(done):
+            for f in [f for f in self._active.values() if f.leader is s]:
+                self._share_prompt(s, f)
+                done.append((f, logits))
         return done
+
+    def _share_prompt(self, leader: _Seq, f: _Seq) -> None:
+        """f's slot (and drafter context to come) = its leader's, whose prompt is now whole: the target's rows and
+        state copied across slots, the leader's pending features (past the same cached prefix) taken."""
+        n = len(f.prompt)
+        self.target.restore_prefix(self.target.prefix_rows(n, leader.slot), n, self.target.prefix_state(leader.slot),
+                                   f.slot)
+        if self._uses_drafter(f):
+            f.pending = list(leader.pending)
+        f.prefilled, f.prefilling, f.leader = n, False, None
 
     def _uses_drafter(self, s: _Seq) -> bool:
         """Whether the DFlash 2 drafter proposes for s (its context then follows s's committed positions): its
@@ -794,6 +816,9 @@ class BatchDecoder:
         s.anchor = new[-1]
 
     def _finish(self, s: _Seq) -> None:
+        for f in self._active.values():  # cancelled while prefilling: those waiting for it prefill themselves
+            if f.leader is s:
+                f.leader = None
         s.done = True
         s.res.elapsed_s = time.perf_counter() - s.t0
         if self.cache is not None:  # the sequence joins the prefix cache before its slot is freed
