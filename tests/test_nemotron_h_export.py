@@ -18,10 +18,12 @@ from helpers import assert_accepts, make_pair, req
 from test_capi import capi_build, lib, vectors_path  # noqa: F401 (the C library's fixtures)
 
 
-def _export(tmp_path_factory, name: str, accepting: bool, block_size: int | None = None):  # noqa: ANN202
+def _export(tmp_path_factory, name: str, accepting: bool, block_size: int | None = None,  # noqa: ANN202
+            pair=None):  # noqa: ANN001
+    """(pair folder, export folder) of a tiny Nemotron-H pair (``pair``: one made already) at ``block_size``."""
     from dflash2_trt.export.exporter import export_model
 
-    pair = make_pair(tmp_path_factory, name, accepting=accepting, arch="nemotron_h")
+    pair = pair or make_pair(tmp_path_factory, name, accepting=accepting, arch="nemotron_h")
     out = tmp_path_factory.mktemp("export") / name
     export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=block_size)
     return pair, out
@@ -45,6 +47,17 @@ def accepting_export(tmp_path_factory):
 
     pair, out = _export(tmp_path_factory, "nh_acc", accepting=True, block_size=8)
     return TargetModel.load(pair / "target"), OrtBackend(out)
+
+
+@pytest.fixture(scope="module")
+def small_block_exports(tmp_path_factory, accepting_export):
+    """Block size -> ORT backend of the same accepting pair exported at block sizes 2 and 4."""
+    from pathlib import Path
+
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+
+    pair = Path(accepting_export[0].path).parent
+    return {bs: OrtBackend(_export(tmp_path_factory, f"nh_acc_{bs}", True, bs, pair)[1]) for bs in (2, 4)}
 
 
 def _hf_logits(t, ids: list[int]) -> np.ndarray:
@@ -141,19 +154,19 @@ def hf_greedy(accepting_export):
     return prompts, out
 
 
-def test_lossless_greedy_with_drafts_accepted_on_ort(accepting_export, hf_greedy):
-    """40 prompts at block size 8: speculative greedy output on ONNX Runtime = transformers' own greedy output, token
-    for token, with drafts accepted and partial blocks rolled back."""
-    _, be = accepting_export
+def test_lossless_greedy_with_drafts_accepted_on_ort(accepting_export, small_block_exports, hf_greedy):
+    """40 prompts x block sizes 2, 4, 8 (one export each): speculative greedy output on ONNX Runtime = transformers'
+    own greedy output, token for token, with drafts accepted and partial blocks rolled back."""
     prompts, want = hf_greedy
-    bad, accepted = 0, []
-    for p, w in zip(prompts, want):
-        r = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, req(_NEW, eos_ids=set()))
-        bad += r.tokens != w
-        accepted += r.accepted
-    assert bad == 0
-    assert_accepts(accepted, 7, "block size 8")
-    assert any(0 < a < 7 for a in accepted), "no partial acceptance"
+    for bs, be in {**small_block_exports, 8: accepting_export[1]}.items():
+        bad, accepted = 0, []
+        for p, w in zip(prompts, want):
+            r = D.speculative_generate(be.target_runner(), be.draft_runner("greedy"), p, req(_NEW, eos_ids=set()))
+            bad += r.tokens != w
+            accepted += r.accepted
+        assert bad == 0, f"block size {bs}: {bad} of 40 prompts differ"
+        assert_accepts(accepted, bs - 1, f"block size {bs}")
+        assert any((0 < a or bs == 2) and a < bs - 1 for a in accepted), f"no rollback at block size {bs}"
 
 
 def test_generate_batch_equals_transformers(accepting_export, hf_greedy):

@@ -130,7 +130,7 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     return [rng.integers(4, vocab, size=int(rng.integers(COPY_PERIOD, 40))).tolist() for _ in range(n)]
 
 
-_NEW = 20  # tokens generated per prompt
+_NEW = 12  # tokens generated per prompt
 
 
 def _lossless_runs(t, d, prompts, refs, block_sizes=(2, 4, 8)):  # noqa: ANN001, ANN202
@@ -173,7 +173,8 @@ def _no_ssm_rollback(cache, length):  # noqa: ANN001, ANN202
     remove = int(cache.get_seq_length()) - length
     if remove <= 0:
         return
-    last = {i: layer.recurrent_states[0].clone() for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states")}
+    last = {i: layer.recurrent_states[0].clone() for i, layer in enumerate(cache.layers)
+            if hasattr(layer, "conv_states")}
     cache.crop(-remove)
     for i, state in last.items():
         cache.layers[i].recurrent_states[0] = state

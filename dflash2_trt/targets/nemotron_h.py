@@ -90,8 +90,9 @@ def _ssd(x, dt, A, Bm, Cm, s0, rows):  # noqa: ANN001, ANN202
     [B, H, S, N] (each group's B / C repeated over its heads), s0 [B, H, P, N] the state before the call; rows [R]
     int64 -> (scan outputs without the D skip [B, H, S, P], states after each of ``rows`` [B, R, H, P, N]).
     With G the cumulative log decay (G_t = sum_{s<=t} dt_s A) and L[t, s] = exp(G_t - G_s) for s <= t (else 0, never
-    above 1; its exponent summed over the segment s < r <= t): S_t = exp(G_t) s0 + sum_{s<=t} L[t, s] dt_s x_s B_s^T and y_t = S_t C_t -- transformers' row-by-row
-    recurrence (``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T``) summed in another order (equal to fp32 rounding)."""
+    above 1; its exponent summed over the segment s < r <= t): S_t = exp(G_t) s0 + sum_{s<=t} L[t, s] dt_s x_s B_s^T
+    and y_t = S_t C_t -- transformers' row-by-row recurrence (``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T``) summed
+    in another order (equal to fp32 rounding)."""
     S = x.shape[2]
     a = dt * A[None, :, None]  # [B, H, S] each row's log decay (<= 0)
     idx = torch.arange(S, device=x.device)
