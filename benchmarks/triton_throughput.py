@@ -1,7 +1,7 @@
 """Serving throughput on a real ``tritonserver``: 1 / 2 / 4 / 8 / 16 concurrent gRPC streams of
 MT-Bench first turns (SmolLM2-135M-Instruct fp32 fused + the packaged drafter: the demo's cached export),
 ``--tokens`` tokens each (EOS on: a request ends early at its EOS, the same tokens in every server), against
-three servers built by ``dflash2 triton-repo`` and run by the bundled CPU server (:mod:`dflash2_trt.triton_server`)::
+three servers built by ``dflash2 triton-repo`` and run by the bundled CPU server (:mod:`dflash2_trt.serving.triton.server`)::
 
     instances   today's layout: N instances (N = streams), each decoding one request at a time
                 (--triton-instances N --triton-max-batch 1 --triton-speculation always), drafting every step
@@ -141,9 +141,9 @@ def _cell(srv, prompts: list[list[int]], streams: int, tokens: int, rounds: int)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash2_trt import triton_server as S
+    from dflash2_trt.serving.triton import server as S
     from dflash2_trt.bench.prompts import encode_items, load_prompts
-    from dflash2_trt.export import triton_repo as T
+    from dflash2_trt.serving.triton import repo as T
     from dflash2_trt.paths import cache_dir
     from dflash2_trt.runtime.tokenizer import TextTokenizer
 

@@ -1,7 +1,7 @@
 """The ``dflash2`` command (``dflash2-export`` is ``dflash2 export``): ``dflash2 --help`` lists the subcommands,
 ``dflash2 SUBCOMMAND --help`` their flags. Each subcommand's flags are defined once, beside it: export /
 build-engines / triton-repo in :mod:`dflash2_trt.export.cli`, train / make-data / eval-tau in
-:mod:`dflash2_trt.train.cli`, bench / demo in :mod:`dflash2_trt.bench.cli`, serve in :mod:`dflash2_trt.server.cli`,
+:mod:`dflash2_trt.train.cli`, bench / demo in :mod:`dflash2_trt.bench.cli`, serve in :mod:`dflash2_trt.serving.http.cli`,
 generate and make-tiny here.
 ``generate`` and ``bench`` decode through the public API (:func:`dflash2_trt.load`; the PyTorch reference with
 --target/--drafter through the same :class:`~dflash2_trt.api.Generator`).
@@ -32,7 +32,7 @@ from dflash2_trt.bench import cli as bench_cli
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.ort_options import add_ort_options, ort_options
 from dflash2_trt.runtime.request import SAMPLING_SCALARS, GenerationRequest
-from dflash2_trt.server import cli as server_cli
+from dflash2_trt.serving.http import cli as server_cli
 from dflash2_trt.vocabulary import BACKEND_CHOICES, SELECTOR_PRECISIONS, TINY_ARCHS
 
 

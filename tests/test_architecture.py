@@ -81,7 +81,7 @@ def test_layers_import_only_downward():
         return any(d == p or d.startswith(p + ".") for p in pkgs)
 
     for mod, deps in graph.items():
-        if mod.startswith("dflash2_trt.export.triton_templates"):
+        if mod.startswith("dflash2_trt.serving.triton.templates"):
             continue  # package data: the model file Triton's python backend runs, a runtime client by design
         if mod.startswith("dflash2_trt.export"):
             bad = {d for d in deps if (in_pkg(d, backend_pkgs) and d not in export_may_use

@@ -117,7 +117,7 @@ def test_serve_start_up_line_and_health(tiny_export, ort_ops, monkeypatch, capsy
     import uvicorn
 
     from dflash2_trt.cli import main
-    from dflash2_trt.server import app as A
+    from dflash2_trt.serving.http import app as A
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

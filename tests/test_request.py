@@ -174,10 +174,10 @@ def _calls_to(path: Path, methods: set[str]) -> list[ast.Call]:
 def test_the_server_the_triton_model_and_the_cli_only_build_the_record():
     """They hand the API a GenerationRequest (``request=``), never option arguments of their own; the server's
     parser returns one in its parsed request."""
-    from dflash2_trt.server import protocol as P
+    from dflash2_trt.serving.http import protocol as P
 
-    entry = {PKG / "server" / "app.py": {"submit"},
-             PKG / "export" / "triton_templates" / "dflash2_model.py": {"submit"},
+    entry = {PKG / "serving" / "http" / "app.py": {"submit"},
+             PKG / "serving" / "triton" / "templates" / "dflash2_model.py": {"submit"},
              PKG / "cli.py": {"generate", "stream"}}
     for path, methods in entry.items():
         calls = _calls_to(path, methods)

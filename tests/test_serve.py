@@ -31,7 +31,7 @@ openai = pytest.importorskip("openai", reason="the dev extra installs the openai
 pytest.importorskip("starlette", reason="the serve extra")
 
 import dflash2_trt  # noqa: E402
-from dflash2_trt.server.protocol import StopText  # noqa: E402
+from dflash2_trt.serving.http.protocol import StopText  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-serve"

@@ -1,4 +1,4 @@
-"""``dflash2 serve``'s answers to what clients send, in process: the app of :mod:`dflash2_trt.server.app` under
+"""``dflash2 serve``'s answers to what clients send, in process: the app of :mod:`dflash2_trt.serving.http.app` under
 uvicorn on a loopback port, over the demo export's real Generator for the tokenizer, chat template and limits,
 its decoding replaced by a scripted one (:class:`FakeDecoding`: each request's tokens, chunks and decoding figures
 are the test's, so the server's own arithmetic is checked against numbers it did not produce).
@@ -41,8 +41,8 @@ from hypothesis import strategies as st  # noqa: E402
 import dflash2_trt  # noqa: E402
 from dflash2_trt.api import Chunk, Result, Stats  # noqa: E402
 from dflash2_trt.errors import DFlash2Error  # noqa: E402
-from dflash2_trt.server import app as A  # noqa: E402
-from dflash2_trt.server import protocol as P  # noqa: E402
+from dflash2_trt.serving.http import app as A  # noqa: E402
+from dflash2_trt.serving.http import protocol as P  # noqa: E402
 
 NAME = "smol"
 KEY = "k-inputs"
@@ -359,7 +359,7 @@ def check_last_resort(gen: Any, caplog: Any) -> None:
         return encode(prompt, chat)
 
     fake.encode = faulty
-    with serving(fake) as (_, port), caplog.at_level(logging.INFO, logger="dflash2_trt.server"):
+    with serving(fake) as (_, port), caplog.at_level(logging.INFO, logger="dflash2_trt.serving.http"):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         rids = []
         for i in range(2):
@@ -373,7 +373,7 @@ def check_last_resort(gen: Any, caplog: Any) -> None:
             assert st == 200, out
         conn.close()
         assert rids[1] == "client-1"
-        lines = [r for r in caplog.records if r.name == "dflash2_trt.server"]
+        lines = [r for r in caplog.records if r.name == "dflash2_trt.serving.http"]
         assert [rid in r.getMessage() for r, rid in zip(lines, rids)] == [True, True] and len(lines) == 2
         assert lines[0].exc_info and not lines[1].exc_info
         m = metrics(port)

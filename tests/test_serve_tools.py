@@ -21,7 +21,7 @@ jsonschema = pytest.importorskip("jsonschema")
 import dflash2_trt  # noqa: E402
 from dflash2_trt.runtime.grammar import GrammarSpec  # noqa: E402
 from dflash2_trt.runtime.request import GenerationRequest  # noqa: E402
-from dflash2_trt.server import tools  # noqa: E402
+from dflash2_trt.serving.http import tools  # noqa: E402
 from test_serve import KEY, NAME, _Server  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

@@ -31,8 +31,8 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is part of the dev install")
 
 from dflash2_trt.errors import DFlash2Error  # noqa: E402
-from dflash2_trt import triton_server as S  # noqa: E402
-from dflash2_trt.export import triton_repo as T  # noqa: E402
+from dflash2_trt.serving.triton import server as S  # noqa: E402
+from dflash2_trt.serving.triton import repo as T  # noqa: E402
 
 MODEL = "dflash2"
 

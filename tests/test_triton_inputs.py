@@ -1,4 +1,4 @@
-"""The Triton model's input checks, in process: ``export/triton_templates/dflash2_model.py``'s ``_submit`` with a
+"""The Triton model's input checks, in process: ``serving/triton/templates/dflash2_model.py``'s ``_submit`` with a
 stand-in for the python backend's ``triton_python_backend_utils`` (the real one exists only inside
 ``tritonserver``), over the tiny export's Generator. Hypothesis generates requests over every optional input with
 the config's data types and any shape — ids of any int64, invalid UTF-8 text, NaN / infinite temperatures,
@@ -27,7 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 import dflash2_trt  # noqa: E402
 from dflash2_trt.runtime.request import SAMPLING_SCALARS, GenerationRequest  # noqa: E402
 
-MODEL_FILE = Path(dflash2_trt.__file__).parent / "export" / "triton_templates" / "dflash2_model.py"
+MODEL_FILE = Path(dflash2_trt.__file__).parent / "serving" / "triton" / "templates" / "dflash2_model.py"
 FINAL = 1
 LIMIT = 6  # the deployment's max_tokens_limit here: every accepted request decodes a few tokens
 

@@ -9,7 +9,7 @@ entry point, :func:`dflash2_trt.cli.export_main`).
                    [--no-quantize-lm-head]] [--verify-cost] [--polygraphy-inputs DIR] [--overwrite]
     dflash2 build-engines DIR [engine options]      (TensorRT engines: see :mod:`dflash2_trt.export.engines`)
     dflash2 triton-repo DIR --triton-repo REPO [triton options] [--overwrite]
-                                                    (see :mod:`dflash2_trt.export.triton_repo`)
+                                                    (see :mod:`dflash2_trt.serving.triton.repo`)
 
 --target takes a HF folder, a .gguf file or the alias ``smollm2``; --block-size overrides the drafter's
 (weights do not depend on it); --max-seq-len bounds prompt + generated tokens (default: the target's
@@ -31,7 +31,7 @@ from dflash2_trt.vocabulary import DRAFTER_QUANTIZATIONS, DTYPES, QUANTIZATIONS
 
 def add_parsers(sub) -> None:  # noqa: ANN001
     from dflash2_trt.export.engines import add_engine_options
-    from dflash2_trt.export.triton_repo import add_triton_options
+    from dflash2_trt.serving.triton.repo import add_triton_options
 
     p = sub.add_parser("export", help="export a target + DFlash 2 drafter to ONNX (and TensorRT engines)",
                        description="Export a target + DFlash 2 drafter to ONNX")
@@ -127,8 +127,8 @@ def run_build_engines(a: argparse.Namespace, prog: str, model_dir: str | None = 
 
 
 def run_triton_repo(a: argparse.Namespace, prog: str, model_dir: str | None = None) -> int:
-    from dflash2_trt.export.triton_repo import run_write
-    from dflash2_trt.triton_server import serve_hint
+    from dflash2_trt.serving.triton.repo import run_write
+    from dflash2_trt.serving.triton.server import serve_hint
 
     rc = run_write(model_dir or a.dir, a)
     print(serve_hint(a.triton_repo))

@@ -1,6 +1,6 @@
 """One request's options: :class:`GenerationRequest`, the one record every entry point builds and every loop reads.
 
-The Python API (:mod:`dflash2_trt.api`), the OpenAI server (:mod:`dflash2_trt.server.protocol`), the Triton model
+The Python API (:mod:`dflash2_trt.api`), the OpenAI server (:mod:`dflash2_trt.serving.http.protocol`), the Triton model
 and the CLI build it; the single loop (:func:`~dflash2_trt.runtime.decoder.speculative_generate`,
 :func:`~dflash2_trt.runtime.decoder.target_generate`) and the batched loop
 (:meth:`~dflash2_trt.runtime.batch.BatchDecoder.submit`) read it. It is checked in two steps, each written once:

@@ -1,4 +1,4 @@
-"""DFlash 2 speculative decoding served by Triton's python backend (written by ``dflash2_trt.export.triton_repo``
+"""DFlash 2 speculative decoding served by Triton's python backend (written by ``dflash2_trt.serving.triton.repo``
 as ``<repo>/<model>/1/model.py``; the export folder it runs sits beside it in ``1/export/``).
 
 Decoupled: one request streams one response per committed chunk (the prefill's first token, then each
@@ -92,7 +92,7 @@ class TritonPythonModel:
             # this python backend reads arrays through the NumPy 1.x C ABI: under NumPy 2 every output would
             # reach the client empty, so refuse to load instead
             raise DFlash2Error(f"NumPy {np.__version__} is first on the server's path; the python backend needs "
-                               f"NumPy 1.x (see dflash2_trt.triton_server.numpy1_dir)")
+                               f"NumPy 1.x (see dflash2_trt.serving.triton.server.numpy1_dir)")
         import dflash2_trt
 
         cfg = json.loads(args["model_config"])

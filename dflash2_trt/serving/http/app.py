@@ -3,7 +3,7 @@ background loop decodes every request in one continuous batch, and its Prometheu
 
 Routes::
 
-    POST /v1/completions, /v1/chat/completions   OpenAI's bodies (:mod:`dflash2_trt.server.protocol`); with
+    POST /v1/completions, /v1/chat/completions   OpenAI's bodies (:mod:`dflash2_trt.serving.http.protocol`); with
                                                  "stream": true server-sent events, one per committed chunk
                                                  (OpenAI's chunk objects), then ``data: [DONE]``
     GET  /v1/models, /v1/models/{model}          the one served model
@@ -64,8 +64,8 @@ from starlette.routing import Route
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
 from dflash2_trt.runtime.request import GenerationRequest
-from dflash2_trt.server import tools
-from dflash2_trt.server import protocol as P
+from dflash2_trt.serving.http import tools
+from dflash2_trt.serving.http import protocol as P
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
 MAX_BODY = 8 << 20  # bytes of a request body
@@ -77,7 +77,7 @@ FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled":
 ABORT = "abort"  # the finish_reason (and finished{reason}) of a request the server cancelled: it is stopping
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")  # metrics' route label
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # an x-request-id we take over from the client
-_log = logging.getLogger("dflash2_trt.server")
+_log = logging.getLogger("dflash2_trt.serving.http")
 
 
 class _BatchSteps:
@@ -705,7 +705,7 @@ class _Reply(Response):
 
 class _Choices(Response):
     """The answer to a request of several choices (n > 1, several prompts): one :class:`_Reply` per choice, their
-    bodies merged into one (choices indexed, usage summed: :func:`~dflash2_trt.server.protocol.merge_answers`) or
+    bodies merged into one (choices indexed, usage summed: :func:`~dflash2_trt.serving.http.protocol.merge_answers`) or
     their streams interleaved with each chunk's choice index (one usage chunk, one ``[DONE]``); a client going
     away cancels them all."""
 

@@ -38,9 +38,9 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.grammar import GrammarSpec
-from dflash2_trt.server.tools import gpt_oss, hermes, llama3, qwen3_coder
-from dflash2_trt.server.tools import generic as generic_format
-from dflash2_trt.server.tools.common import Parsed, arguments_text, split_think
+from dflash2_trt.serving.http.tools import gpt_oss, hermes, llama3, qwen3_coder
+from dflash2_trt.serving.http.tools import generic as generic_format
+from dflash2_trt.serving.http.tools.common import Parsed, arguments_text, split_think
 
 # family -> its parser (one module each): parse(text, tools) -> Parsed (tools: the request's function definitions)
 PARSERS = {"hermes": hermes.parse, "llama3": llama3.parse, "gpt_oss": gpt_oss.parse,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 
-from dflash2_trt.server.tools.common import Parsed
+from dflash2_trt.serving.http.tools.common import Parsed
 
 MSG = re.compile(r"<\|channel\|>(\w+)(.*?)<\|message\|>(.*?)(?=<\|end\|>|<\|call\|>|<\|return\|>|<\|start\|>|$)",
                  re.S)

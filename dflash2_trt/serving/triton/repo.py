@@ -14,7 +14,7 @@ only when it is a repository we wrote, see :mod:`dflash2_trt.outdir`)::
     DIR/dflash2-repo.json            the files we wrote (Triton reads model folders only)
 
     DIR/<name>/config.pbtxt          python backend, decoupled (token streaming), inputs/outputs/parameters
-    DIR/<name>/1/model.py            triton_templates/dflash2_model.py: the DFlash 2 loop over
+    DIR/<name>/1/model.py            templates/dflash2_model.py: the DFlash 2 loop over
                                      ``runtime.open_backend`` (TensorRT when the engines load, else ONNX Runtime;
                                      the choice is logged by the server)
     DIR/<name>/1/export/             the export folder (hard links where the filesystem allows, else copies)
@@ -27,7 +27,7 @@ only when it is a repository we wrote, see :mod:`dflash2_trt.outdir`)::
 Every config.pbtxt is built as a ``tritonclient`` ``ModelConfig`` protobuf message and checked by parsing the
 written text back (protobuf text format rejects unknown fields).
 
-Serving the repository (the bundled server, its command and environment) is :mod:`dflash2_trt.triton_server`'s.
+Serving the repository (the bundled server, its command and environment) is :mod:`dflash2_trt.serving.triton.server`'s.
 
 Concurrency: each instance decodes all the requests it holds in one continuous batch (``Generator.submit``: up
 to ``--triton-max-batch`` sequences share each step, more wait for a slot; ``--triton-speculation``: drafting
@@ -54,7 +54,7 @@ from dflash2_trt.runtime.request import SAMPLING_SCALARS, GenerationRequest
 from dflash2_trt.vocabulary import (BACKEND_CHOICES, DEFAULT_PROPOSER, DRAFT_MODES, ORT_SPINNING, PROPOSERS,
                                     SPECULATION_MODES)
 
-TEMPLATE = Path(__file__).resolve().parent / "triton_templates" / "dflash2_model.py"
+TEMPLATE = Path(__file__).resolve().parent / "templates" / "dflash2_model.py"
 DEFAULT_MODEL_NAME = "dflash2"
 EXPORT_SUBDIR = "export"
 _TRT_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from dflash2_trt.server.tools.common import Parsed, call_item_schema
+from dflash2_trt.serving.http.tools.common import Parsed, call_item_schema
 
 
 def schema(tools: list[dict]) -> dict:

@@ -1,6 +1,6 @@
 """OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` requests checked into a :class:`ParsedRequest` (its
 generation options one :class:`~dflash2_trt.runtime.request.GenerationRequest`), and the bodies of the answers
-(standard library only; :mod:`dflash2_trt.server.app` serves them).
+(standard library only; :mod:`dflash2_trt.serving.http.app` serves them).
 
 Parameters (both routes, OpenAI's names and defaults)::
 
@@ -49,7 +49,7 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.request import GenerationRequest
-from dflash2_trt.server import tools
+from dflash2_trt.serving.http import tools
 
 CHAT, COMPLETION = "chat", "completion"
 MAX_STOPS = 4  # OpenAI's limit on stop strings

@@ -1,4 +1,4 @@
-"""Serving a Triton model repository (written by :mod:`dflash2_trt.export.triton_repo`) with the bundled
+"""Serving a Triton model repository (written by :mod:`dflash2_trt.serving.triton.repo`) with the bundled
 server of the PyPI ``nvidia-pytriton`` wheel, which runs the python backend on the CPU (standard library only;
 no torch).
 

@@ -65,7 +65,7 @@ def run(a: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from dflash2_trt.server.app import Server
+        from dflash2_trt.serving.http.app import Server
     except ImportError as e:
         raise DFlash2Error(f"dflash2 serve needs the serve extra ({e.name} is missing): "
                            f"pip install 'dflash2-trt[serve]'") from None

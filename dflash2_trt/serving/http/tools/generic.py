@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dflash2_trt.server.tools.common import Parsed, call_item_schema
+from dflash2_trt.serving.http.tools.common import Parsed, call_item_schema
 
 
 def system_text(tools: list[dict], forced: bool) -> str:

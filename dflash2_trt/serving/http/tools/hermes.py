@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from dflash2_trt.server.tools.common import Parsed, call_item_schema
+from dflash2_trt.serving.http.tools.common import Parsed, call_item_schema
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 

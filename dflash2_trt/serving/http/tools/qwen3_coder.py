@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 
-from dflash2_trt.server.tools.common import Parsed
+from dflash2_trt.serving.http.tools.common import Parsed
 
 CALL = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.S)
 PARAM = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
