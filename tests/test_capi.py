@@ -33,6 +33,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from dflash2_trt import acceptance
 from dflash2_trt import reference as ref
 from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.runtime import decoder as D
@@ -535,9 +536,9 @@ def write_core_vectors(path: Path) -> dict:
         logits = (rng.standard_normal(n) * 3).astype(np.float32)
         T = float(rng.choice([0.3, 1.0, 1.7]))
         v["softmax"].append({"logits": logits.tolist(), "temperature": T,
-                             "probs": ref.softmax_t(logits, T).tolist()})
+                             "probs": acceptance.softmax_t(logits, T).tolist()})
     for _ in range(40):
-        p = ref.softmax_t((rng.standard_normal(50) * 2).astype(np.float32), 1.0)
+        p = acceptance.softmax_t((rng.standard_normal(50) * 2).astype(np.float32), 1.0)
         g = np.random.default_rng(int(rng.integers(1 << 30)))
         state = g.bit_generator.state
         idx = int(g.choice(50, p=p))
@@ -549,12 +550,12 @@ def write_core_vectors(path: Path) -> dict:
         logits = rng.integers(-3, 4, size=(n + 1, V)).astype(np.float32)  # small integers: ties on purpose
         target = logits.argmax(-1)
         drafts = np.where(rng.random(n) < 0.7, target[:n], rng.integers(0, V, n))
-        a, b = ref.accept_greedy(drafts, logits)
+        a, b = acceptance.accept_greedy(drafts, logits)
         v["accept_greedy"].append({"drafts": drafts.tolist(), "logits": logits.tolist(), "accepted": a, "bonus": b})
     for _ in range(60):
         n, V = int(rng.integers(0, 6)), 20
-        p = ref.softmax_t((rng.standard_normal((n + 1, V)) * 2).astype(np.float32), 1.0)
-        q = ref.softmax_t((rng.standard_normal((n, V)) * 2).astype(np.float32), 1.0)
+        p = acceptance.softmax_t((rng.standard_normal((n + 1, V)) * 2).astype(np.float32), 1.0)
+        q = acceptance.softmax_t((rng.standard_normal((n, V)) * 2).astype(np.float32), 1.0)
         if n and rng.random() < 0.3:
             q[0] = p[0]  # resid sums to 0: the fallback to p
         if n and rng.random() < 0.3:
@@ -563,7 +564,7 @@ def write_core_vectors(path: Path) -> dict:
         drafts = np.array([int(np.argmax(r)) if rng.random() < 0.6 else int(rng.integers(V)) for r in q], np.int64)
         draws: list = []
         rec = _RecordingRng(int(rng.integers(1 << 30)), draws)
-        a, b = ref.accept_rejection(drafts, q, p, rec)
+        a, b = acceptance.accept_rejection(drafts, q, p, rec)
         v["accept_rejection"].append({"drafts": drafts.tolist(), "q": q.tolist(), "p": p.tolist(), "uniforms": draws,
                                       "accepted": a, "bonus": b})
     for _ in range(20):
@@ -571,7 +572,7 @@ def write_core_vectors(path: Path) -> dict:
         proposed = rng.integers(1, 6, size=c)
         accepted = [int(rng.integers(0, k + 1)) for k in proposed]
         v["stats"].append({"accepted": accepted, "proposed": proposed.tolist(),
-                           "want": ref.acceptance_stats(accepted, proposed.tolist())})
+                           "want": acceptance.acceptance_stats(accepted, proposed.tolist())})
     v["rule"] = _rule_cases(rng)
     lookup_rng = np.random.default_rng(4321)  # its own stream: the vectors above stay as they were
     v["lookup"] = _lookup_cases(lookup_rng)
@@ -1370,7 +1371,7 @@ def test_c_loop_with_prompt_lookup_equals_python_runtime(lib, acc_ort, proposer)
 def test_c_loop_counts_no_drafts_after_an_accepted_eos(lib, ort, monkeypatch):
     """An EOS accepted mid-block with accepted drafts after it: the request ends there and the cycle counts
     only the drafts up to the EOS — in the C loop as in the Python runtime (the C loop used to count all)."""
-    import dflash2_trt.reference as ref
+    from dflash2_trt import acceptance
 
     p = _prompts(1, seed=77)[0]
     n = 40
@@ -1378,14 +1379,14 @@ def test_c_loop_counts_no_drafts_after_an_accepted_eos(lib, ort, monkeypatch):
     greedy = list(p) + cont
     make = lambda: _OracleDrafter(greedy, ort.manifest.block_size, ort.manifest.target.vocab_size)  # noqa: E731
     raw: list[int] = []  # acceptance counts before the EOS cut
-    real = ref.accept_greedy
+    real = acceptance.accept_greedy
 
     def recording(drafts, logits):  # noqa: ANN001, ANN202
         acc, bonus = real(drafts, logits)
         raw.append(acc)
         return acc, bonus
 
-    monkeypatch.setattr(ref, "accept_greedy", recording)
+    monkeypatch.setattr(acceptance, "accept_greedy", recording)
     c = CRuntime(lib, ort.target_runner(), make(), _feature_dim(ort), 4)
     try:
         cases = 0

@@ -12,7 +12,7 @@ import pytest
 from scipy import stats
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.reference import softmax_t
+from dflash2_trt.acceptance import softmax_t
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.protocol import Draft
 from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig, verify_rows

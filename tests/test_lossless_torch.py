@@ -208,7 +208,7 @@ def _chi2_pvalue(counts, law, n):
 
 def _exact_law(t, prompt, T, n=3):
     """P(first n generated tokens) under target-only sampling, by enumeration: [SMALL_V] * n."""
-    from dflash2_trt.reference import softmax_t
+    from dflash2_trt.acceptance import softmax_t
 
     def next_p(seq):
         t.reset([])
@@ -328,7 +328,7 @@ def test_sampling_preserves_target_distribution(small_pair, mode, use_selector):
 def test_sampling_test_has_power(small_pair, monkeypatch, rule):
     """Negative controls: two wrong acceptance rules, each detected by the chi-square test on the chain law —
     accepting every draft, and resampling a rejected row from p instead of normalize(max(p - q, 0))."""
-    import dflash2_trt.reference as ref
+    from dflash2_trt import acceptance
 
     t, d = small_pair
 
@@ -341,7 +341,8 @@ def test_sampling_test_has_power(small_pair, monkeypatch, rule):
                 return i, int(rng.choice(p.shape[1], p=p[i]))
         return len(drafts), int(rng.choice(p.shape[1], p=p[len(drafts)]))
 
-    monkeypatch.setattr(ref, "accept_rejection", {"accept_all": accept_all, "residual_is_p": residual_is_p}[rule])
+    wrong = {"accept_all": accept_all, "residual_is_p": residual_is_p}[rule]
+    monkeypatch.setattr(acceptance, "accept_rejection", wrong)
     prompt, T, N = [1, 2, 3], 1.0, 3000
     counts, _ = _chain_counts(t, d, "greedy", prompt, T, N)
     assert _chi2_pvalue(counts, _exact_law(t, prompt, T), N) < 1e-3

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
+from dflash2_trt import acceptance
 from dflash2_trt import reference as R
 from selector_oracles import brute_force_best_path, chain_distribution
 
@@ -92,7 +93,7 @@ def test_greedy_walk_follows_predecessor():
 
 
 def test_acceptance_stats_definitions():
-    s = R.acceptance_stats([0, 3, 1, 3], [3, 3, 3, 2])
+    s = acceptance.acceptance_stats([0, 3, 1, 3], [3, 3, 3, 2])
     # r_1: cycles with >=1 accepted among eligible (all 4): 3/4
     assert s["per_position_cumulative"][0] == pytest.approx(3 / 4)
     assert s["per_position_cumulative"][2] == pytest.approx(1 / 3)  # only 3 cycles had a 3rd row
@@ -103,6 +104,6 @@ def test_acceptance_stats_definitions():
 
 def test_accept_greedy():
     logits = np.eye(5)[[1, 2, 4, 0]]  # target argmax per row: 1, 2, 4, 0
-    assert R.accept_greedy(np.array([1, 2, 3]), logits) == (2, 4)
-    assert R.accept_greedy(np.array([1, 2, 4]), logits) == (3, 0)
-    assert R.accept_greedy(np.array([3, 2, 4]), logits) == (0, 1)
+    assert acceptance.accept_greedy(np.array([1, 2, 3]), logits) == (2, 4)
+    assert acceptance.accept_greedy(np.array([1, 2, 4]), logits) == (3, 0)
+    assert acceptance.accept_greedy(np.array([3, 2, 4]), logits) == (0, 1)

@@ -6,7 +6,7 @@ the target's verify cost by row count (``verify_cost``), Polygraphy input sets o
 (``machine``) and the delta rule's unstable Neumann-series solve, a benchmark baseline and the tests' planted bug
 (``unstable_delta_rule``).
 
-May import the runtime (``dflash2_trt.runtime``) and ``reference``, and inside functions the export cache and the
+May import the runtime (``dflash2_trt.runtime``) and ``acceptance``, and inside functions the export cache and the
 model (``cli``, ``exports``); nothing in the runtime, the model or the export imports this package. No torch at
 import time (``exports`` makes its drafter and exports with torch on first use).
 """

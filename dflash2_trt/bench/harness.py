@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dflash2_trt.bench.oracle import oracle_count
-from dflash2_trt.reference import acceptance_stats
+from dflash2_trt.acceptance import acceptance_stats
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
 

@@ -2,7 +2,7 @@
 batched loop (:mod:`dflash2_trt.runtime.batch`) call :func:`accept_drafts`, as the C core's loops call
 ``acceptDrafts`` (``runtime/src/core/decoder.cpp``); :func:`next_token` is the target's own token of a plain step
 or a prefill (the C core's ``nextToken``). The rules themselves are the NumPy references
-(:func:`dflash2_trt.reference.accept_greedy`, :func:`~dflash2_trt.reference.accept_rejection`), looked up at call
+(:func:`dflash2_trt.acceptance.accept_greedy`, :func:`~dflash2_trt.acceptance.accept_rejection`), looked up at call
 time so a test can plant a faulty rule. Given the sequence's :class:`~dflash2_trt.runtime.sampling.Sampler`, both
 decide on the request's transformed target law (runtime/sampling.py) instead of the raw logits.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash2_trt import reference as ref
+from dflash2_trt import acceptance
 from dflash2_trt.runtime.protocol import Draft
 from dflash2_trt.runtime.sampling import Sampler
 
@@ -24,7 +24,7 @@ def next_token(logits: np.ndarray, temperature: float, rng: np.random.Generator,
         logits = sampler.logits(logits[None])[0]
     if temperature <= 0:
         return int(np.argmax(logits))
-    p = ref.softmax_t(logits, temperature) if sampler is None else sampler.law(logits[None], temperature)[0]
+    p = acceptance.softmax_t(logits, temperature) if sampler is None else sampler.law(logits[None], temperature)[0]
     return int(rng.choice(p.shape[-1], p=p))
 
 
@@ -48,7 +48,8 @@ def accept_drafts(draft: Draft, drafts: list[int], v_logits: np.ndarray, tempera
     if sampler is not None:
         v_logits = sampler.logits(v_logits, d)  # [n+1, V]
     if temperature <= 0:
-        return ref.accept_greedy(d, v_logits)
-    p = ref.softmax_t(v_logits, temperature) if sampler is None else sampler.law(v_logits, temperature)  # [n+1, V]
+        return acceptance.accept_greedy(d, v_logits)
+    p = (acceptance.softmax_t(v_logits, temperature) if sampler is None
+         else sampler.law(v_logits, temperature))  # [n+1, V]
     q = proposal_in_vocab(draft, d.shape[0], p.shape[-1])  # [n, V]
-    return ref.accept_rejection(d, q, p, rng)
+    return acceptance.accept_rejection(d, q, p, rng)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash2_trt.reference import acceptance_stats
+from dflash2_trt.acceptance import acceptance_stats
 from dflash2_trt.runtime import grammar
 from dflash2_trt.runtime.accept import accept_drafts, next_token
 from dflash2_trt.runtime.guard import AcceptanceGuard, GuardConfig, verify_rows

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash2_trt import reference as ref
+from dflash2_trt import acceptance
 from dflash2_trt.runtime.protocol import Draft
 from dflash2_trt.runtime.request import GenerationRequest
 
@@ -125,7 +125,7 @@ class Sampler:
     def law(self, logits: np.ndarray, temperature: float) -> np.ndarray:
         """Transformed logits [m, V] (of :meth:`logits`) -> the law [m, V] float64: softmax at ``temperature``,
         then top-k, top-p, min-p."""
-        p = ref.softmax_t(logits, temperature)
+        p = acceptance.softmax_t(logits, temperature)
         return truncate(p, self.r.top_k, self.r.top_p, self.r.min_p) if self.truncated else p
 
     def redraw(self, draft: Draft, uniforms: np.ndarray | None, n_rows: int) -> Draft:

@@ -112,7 +112,7 @@ float pairwiseSum(float const* a, size_t n)
     return pairwiseSumOf(a, n);
 }
 
-// reference.softmax_t (one row)
+// acceptance.softmax_t (one row)
 template <typename T>
 static void softmaxOf(T const* logits, size_t V, double temperature, double* out)
 {
@@ -257,7 +257,7 @@ void independentDraft(
     }
 }
 
-// reference.accept_greedy
+// acceptance.accept_greedy
 std::pair<int32_t, int32_t> acceptGreedy(int32_t const* drafts, int32_t n, float const* logits, size_t V)
 {
     int32_t acc = 0;
@@ -268,7 +268,7 @@ std::pair<int32_t, int32_t> acceptGreedy(int32_t const* drafts, int32_t n, float
     return {acc, argmaxRow(logits + static_cast<size_t>(acc) * V, V)};
 }
 
-// reference.accept_greedy over transformed (float64) rows
+// acceptance.accept_greedy over transformed (float64) rows
 static std::pair<int32_t, int32_t> acceptGreedyRows(int32_t const* drafts, int32_t n, double const* logits, size_t V)
 {
     int32_t acc = 0;
@@ -286,7 +286,7 @@ static double drawOne(UniformSource& uniforms)
     return u;
 }
 
-// reference.accept_rejection: a uniform is drawn only when q > 0 (Python's `and` short-circuits)
+// acceptance.accept_rejection: a uniform is drawn only when q > 0 (Python's `and` short-circuits)
 std::pair<int32_t, int32_t> acceptRejection(
     int32_t const* drafts, int32_t n, double const* q, double const* p, size_t V, UniformSource& uniforms)
 {
@@ -323,7 +323,7 @@ std::pair<int32_t, int32_t> acceptRejection(
     return {n, choiceIndex(p + static_cast<size_t>(n) * V, V, drawOne(uniforms))};
 }
 
-// reference.acceptance_stats
+// acceptance.acceptance_stats
 Stats acceptanceStats(std::vector<int32_t> const& accepted, std::vector<int32_t> const& proposed)
 {
     Stats s;

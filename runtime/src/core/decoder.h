@@ -4,8 +4,8 @@
 //! rejection sampling on given uniforms, commit/crop bookkeeping,
 //! partial final blocks, EOS / length stops, τ and per-position statistics, and the oracle top-K count.
 //!
-//! It is a line-by-line twin of dflash2_trt/runtime/decoder.py (and the acceptance functions of
-//! dflash2_trt/reference.py): the same steps in the same order, the same uniforms drawn in the same order,
+//! It is a line-by-line twin of dflash2_trt/runtime/decoder.py (and the acceptance rules of
+//! dflash2_trt/acceptance.py): the same steps in the same order, the same uniforms drawn in the same order,
 //! the same tie rules (lowest index), float64 probabilities with numpy's pairwise summation. Token-level
 //! equality is tested against vectors the Python reference writes (tests/test_capi.py -> coreVectors ctest).
 //!
@@ -259,7 +259,7 @@ struct Stats
 //! Streamed chunk of committed tokens; return false to cancel.
 using TokenSink = std::function<bool(int32_t const* tokens, size_t n)>;
 
-// ---- the steps (reference.py twins), exposed for the vector tests -------------------------------------
+// ---- the steps (acceptance.py twins), exposed for the vector tests -------------------------------------
 
 //! numpy's pairwise summation of float64 (np.sum / add.reduce over a contiguous row).
 double pairwiseSum(double const* a, size_t n);
@@ -289,7 +289,7 @@ std::pair<int32_t, int32_t> acceptGreedy(int32_t const* drafts, int32_t n, float
 //! Rejection sampling: drafts [n], q [n, V], p [n + 1, V] (float64) -> (accepted, bonus)
 std::pair<int32_t, int32_t> acceptRejection(
     int32_t const* drafts, int32_t n, double const* q, double const* p, size_t V, UniformSource& uniforms);
-//! docs/design.md metrics from per-cycle counts (reference.acceptance_stats)
+//! docs/design.md metrics from per-cycle counts (acceptance.acceptance_stats)
 Stats acceptanceStats(std::vector<int32_t> const& accepted, std::vector<int32_t> const& proposed);
 Stats resultStats(Result const& r);
 
