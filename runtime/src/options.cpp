@@ -94,6 +94,50 @@ OptionType typeOf(OptionValue const& v)
     return kByIndex[v.index()];
 }
 
+// Why a real-valued option is out of its range (request.GenerationRequest's, the speculation rule's), or "".
+std::string realRangeError(std::string const& key, double x)
+{
+    bool ok = true;
+    char const* want = "";
+    if (key == "top_p")
+    {
+        ok = x > 0 && x <= 1;
+        want = "in (0, 1]";
+    }
+    else if (key == "min_p")
+    {
+        ok = x >= 0 && x <= 1;
+        want = "in [0, 1]";
+    }
+    else if (key == "repetition_penalty")
+    {
+        ok = std::isfinite(x) && x > 0;
+        want = "a finite number > 0 (1: off)";
+    }
+    else if (key == "presence_penalty" || key == "frequency_penalty")
+    {
+        ok = x >= -2 && x <= 2;
+        want = "in [-2, 2]";
+    }
+    else if (key == "prior_tau" || key == "temperature")
+    {
+        ok = std::isfinite(x) && x >= 0;
+        want = "a finite number >= 0";
+    }
+    else if (key == "prior_weight")
+    {
+        ok = std::isfinite(x) && x > 0;
+        want = "a finite number > 0";
+    }
+    if (ok)
+    {
+        return "";
+    }
+    std::ostringstream os;
+    os << "must be " << want << ", got " << x;
+    return os.str();
+}
+
 void checkRange(std::string const& key, OptionSpec const& spec, OptionValue const& v)
 {
     auto bad = [&](std::string const& why) { throw Error(DFL2_ERR_OPTION_VALUE, "option '" + key + "' " + why); };
@@ -113,23 +157,12 @@ void checkRange(std::string const& key, OptionSpec const& spec, OptionValue cons
     {
         bad("must be in [0, 20], got " + std::to_string(std::get<int64_t>(v)));
     }
-    if (key == "top_p" || key == "min_p" || key == "presence_penalty" || key == "frequency_penalty"
-        || key == "repetition_penalty")
+    if (std::holds_alternative<double>(v))
     {
-        // request.GenerationRequest's ranges
-        double const x = std::get<double>(v);
-        bool const ok = key == "top_p"    ? x > 0 && x <= 1
-            : key == "min_p"              ? x >= 0 && x <= 1
-            : key == "repetition_penalty" ? std::isfinite(x) && x > 0
-                                          : x >= -2 && x <= 2;
-        if (!ok)
+        std::string const why = realRangeError(key, std::get<double>(v));
+        if (!why.empty())
         {
-            std::ostringstream os;
-            os << "must be " << (key == "top_p" ? "in (0, 1]" : key == "min_p" ? "in [0, 1]"
-                                     : key == "repetition_penalty"               ? "a finite number > 0 (1: off)"
-                                                                                 : "in [-2, 2]")
-               << ", got " << x;
-            bad(os.str());
+            bad(why);
         }
     }
     if (key == "logit_bias")
@@ -160,29 +193,9 @@ void checkRange(std::string const& key, OptionSpec const& spec, OptionValue cons
     {
         bad("must be >= 0 (0: the model's), got " + std::to_string(std::get<int64_t>(v)));
     }
-    if (key == "prior_tau" || key == "prior_weight")
-    {
-        double const x = std::get<double>(v);
-        if (!std::isfinite(x) || x < 0 || (key == "prior_weight" && x == 0))
-        {
-            std::ostringstream os;
-            os << "must be a finite number " << (key == "prior_weight" ? "> 0" : ">= 0") << ", got " << x;
-            bad(os.str());
-        }
-    }
     if (key == "fixed_costs")
     {
         parseFixedCosts(std::get<std::string>(v));
-    }
-    if (key == "temperature")
-    {
-        double const t = std::get<double>(v);
-        if (!std::isfinite(t) || t < 0)
-        {
-            std::ostringstream os;
-            os << "must be a finite number >= 0, got " << t;
-            bad(os.str());
-        }
     }
     if (spec.choices != nullptr)
     {
