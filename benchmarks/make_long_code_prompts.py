@@ -27,7 +27,7 @@ FILES = ["textwrap.py", "heapq.py", "fractions.py", "statistics.py", "difflib.py
 def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
-    from dflash2_trt.target import resolve_target_path
+    from dflash2_trt.targets.adapter import resolve_target_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=1300)

@@ -80,7 +80,7 @@ class Ours:
 
 
 def genai_model(precision: str, threads: int) -> Path:
-    from dflash2_trt.target import cache_dir, resolve_target_path
+    from dflash2_trt.targets.adapter import cache_dir, resolve_target_path
 
     out = cache_dir() / "genai" / f"smollm2-{precision}"
     if not (out / "genai_config.json").is_file():
@@ -133,7 +133,7 @@ class LlamaCpp:
     def __init__(self, threads: int) -> None:
         from llama_cpp import Llama
 
-        from dflash2_trt.target import smollm2_gguf
+        from dflash2_trt.targets.adapter import smollm2_gguf
 
         self.llm = Llama(model_path=str(smollm2_gguf()), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
 

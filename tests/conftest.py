@@ -29,7 +29,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_dir):
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     return TargetModel.load(tiny_dir / "target")
 
@@ -53,7 +53,7 @@ def acc_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def acc_target(acc_dir):
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     return TargetModel.load(acc_dir / "target")
 

@@ -90,7 +90,7 @@ def test_layers_import_only_downward():
             assert not bad, f"{mod} (export) imports a runtime backend: {bad}"
         if mod.startswith("dflash2_trt.runtime") and not in_pkg(mod, ("dflash2_trt.runtime.torch",)):
             heavy = {d for d in deps if d.split(".")[0] in ("torch", "transformers", "safetensors")
-                     or d.startswith(("dflash2_trt.model", "dflash2_trt.target", "dflash2_trt.train",
+                     or d.startswith(("dflash2_trt.model", "dflash2_trt.targets", "dflash2_trt.train",
                                       "dflash2_trt.export", "dflash2_trt.bench", "dflash2_trt.runtime.torch"))}
             assert not heavy, f"{mod} (runtime) imports torch-side or evaluation code: {heavy}"
         if mod == "dflash2_trt.api":

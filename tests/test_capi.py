@@ -1209,7 +1209,7 @@ def test_zlab_muse_glimmer_drafter_end_to_end(lib, tmp_path_factory):
     from dflash2_trt.model import load_drafter
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     work = tmp_path_factory.mktemp("muse")
     target_dir, drafter_dir = _muse_glimmer_pair(work)

@@ -18,7 +18,7 @@ def test_packaged_drafter_is_small_fp16_and_fits_smollm2():
 
     from dflash2_trt.bench.demo import demo_drafter_path
     from dflash2_trt.config import DFlash2Config
-    from dflash2_trt.target import TargetModel, smollm2_path
+    from dflash2_trt.targets.adapter import TargetModel, smollm2_path
 
     p = demo_drafter_path()
     assert (p / "model.safetensors").stat().st_size <= 40 * 2**20

@@ -414,7 +414,7 @@ def test_dense_targets_with_a_last_layer_tap_or_an_odd_head_size(tmp_path, head_
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.runtime import decoder as D
     from dflash2_trt.runtime.ort.backend import OrtBackend
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     target_dir, drafter_dir = _dense_pair(tmp_path, head_dim, taps)
     export_model(target_dir, drafter_dir, tmp_path / "export", progress=False, max_seq_len=256)

@@ -41,7 +41,7 @@ def _text_model():  # noqa: ANN202
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     folder = tmp_path_factory.mktemp("gemma4_text")
     _text_model().save_pretrained(str(folder))
@@ -196,7 +196,7 @@ def test_the_multimodal_folder_loads_its_text_model(tmp_path):
     import transformers
     from safetensors.torch import load_file, save_file
 
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     torch.manual_seed(1)
     text = {k: v for k, v in _TEXT.items() if k not in ("tie_word_embeddings",)}
@@ -224,7 +224,7 @@ def test_the_multimodal_folder_loads_its_text_model(tmp_path):
 def accepting(tmp_path_factory):
     """``make-tiny --arch gemma4 --accepting --block-size 8``: (pair folder, target, bound drafter)."""
     from dflash2_trt.cli import main
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     pair = tmp_path_factory.mktemp("gemma4_pair")
     assert main(["make-tiny", "--out", str(pair), "--arch", "gemma4", "--accepting", "--block-size", "8"]) == 0

@@ -140,7 +140,7 @@ def long_memory(tmp_path_factory):
     """(pair, HF target, ORT backend, export folder) of the long-memory pair exported by dflash2-export (its check passing)."""
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.runtime.ort.backend import OrtBackend
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     pair = _long_memory_pair(tmp_path_factory, "long_memory")
     out = tmp_path_factory.mktemp("export") / "long_memory"

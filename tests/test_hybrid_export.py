@@ -62,7 +62,7 @@ def _export(tmp_path_factory, name: str, arch: str, accepting: bool, block_size:
 def random_export(request, tmp_path_factory):
     """(HF target, ORT backend) of a random tiny hybrid target (its linear layers at full strength)."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     pair, out = _export(tmp_path_factory, f"hy_rand_{request.param}", request.param, accepting=False)
     return TargetModel.load(pair / "target"), OrtBackend(out)
@@ -514,7 +514,7 @@ def test_zlab_shaped_drafter_end_to_end(tmp_path_factory):
     from dflash2_trt.model import load_drafter
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     pair = make_pair(tmp_path_factory, "hy_zlab", accepting=True, arch="qwen3_5")
     drafter_dir = _zlab_shaped_drafter(pair, tmp_path_factory.mktemp("zlab") / "drafter")

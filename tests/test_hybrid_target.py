@@ -22,7 +22,7 @@ ARCHS = ("qwen3_5", "qwen3_5_moe")
 @pytest.fixture(scope="module", params=ARCHS)
 def random_target(request, tmp_path_factory):
     """A random tiny hybrid target (its linear layers at full strength: every state matters)."""
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     return TargetModel.load(make_pair(tmp_path_factory, f"hybrid_{request.param}", arch=request.param) / "target")
 
@@ -30,7 +30,7 @@ def random_target(request, tmp_path_factory):
 @pytest.fixture(scope="module", params=ARCHS)
 def acc_pair(request, tmp_path_factory):
     """(target, drafter) of ``make-tiny --arch ARCH --accepting``."""
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     d = make_pair(tmp_path_factory, f"hybrid_acc_{request.param}", accepting=True, arch=request.param)
     t = TargetModel.load(d / "target")
@@ -240,7 +240,7 @@ def test_training_on_a_hybrid_target(tmp_path):
     linear layers gives every row's features and greedy chain as one unpadded forward does; a few steps from the
     copying drafter train, and its offline τ is the τ of greedy speculative decoding of the same prompts (within 5 %)."""
     from dflash2_trt.runtime.decoder import speculative_generate
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
     from dflash2_trt.tiny import make_tiny
     from dflash2_trt.train.data import GeneratedData
     from dflash2_trt.train.make_data import MakeDataConfig, make_data
@@ -296,7 +296,7 @@ def test_qwen3_next_rolls_back_as_qwen3_5(tmp_path):
     (tests/test_hybrid_export.py exports one and runs it)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     torch.manual_seed(0)
     Qwen3NextForCausalLM(Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -321,7 +321,7 @@ def test_a_multimodal_checkpoint_loads_its_text_model(tmp_path):
     its text model: the hybrid family, the same logits as the whole model's on text."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     torch.manual_seed(0)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,

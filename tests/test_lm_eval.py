@@ -34,7 +34,7 @@ def _reference(pairs: list[tuple[str, str]], tokenizer) -> list[tuple[float, boo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash2_trt.target import smollm2_path
+    from dflash2_trt.targets.adapter import smollm2_path
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_path(), torch_dtype=torch.float64).eval()
     out = []

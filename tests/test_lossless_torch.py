@@ -175,7 +175,7 @@ def small_pair():
 
     from dflash2_trt.config import DFlash2Config
     from dflash2_trt.model import DFlash2Drafter
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=SMALL_V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

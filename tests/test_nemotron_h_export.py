@@ -33,7 +33,7 @@ def _export(tmp_path_factory, name: str, accepting: bool, block_size: int | None
 def random_export(tmp_path_factory):
     """(HF target, ORT backend) of a random tiny Nemotron-H target (every layer at full strength)."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     pair, out = _export(tmp_path_factory, "nh_rand", accepting=False)
     return TargetModel.load(pair / "target"), OrtBackend(out)
@@ -43,7 +43,7 @@ def random_export(tmp_path_factory):
 def accepting_export(tmp_path_factory):
     """(HF target, ORT backend) of the accepting pair exported at block size 8."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     pair, out = _export(tmp_path_factory, "nh_acc", accepting=True, block_size=8)
     return TargetModel.load(pair / "target"), OrtBackend(out)

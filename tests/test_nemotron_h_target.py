@@ -21,7 +21,7 @@ from helpers import assert_accepts, bound_drafter, make_pair, req, with_block_si
 @pytest.fixture(scope="module")
 def random_target(tmp_path_factory):
     """A random tiny Nemotron-H target (every layer at full strength: every state matters)."""
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     return TargetModel.load(make_pair(tmp_path_factory, "nemotron_h", arch="nemotron_h") / "target")
 
@@ -29,7 +29,7 @@ def random_target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def acc_pair(tmp_path_factory):
     """(target, drafter) of ``make-tiny --arch nemotron_h --accepting``."""
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     d = make_pair(tmp_path_factory, "nemotron_h_acc", accepting=True, arch="nemotron_h")
     t = TargetModel.load(d / "target")

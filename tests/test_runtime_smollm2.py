@@ -32,7 +32,7 @@ def test_smollm2_ort_lossless(identity_export):
         outs.append((ids, got.tokens))
     # and equal to the PyTorch target's own greedy decode (first prompt)
     from torch_ref import ref_autoregressive
-    from dflash2_trt.target import TargetModel, smollm2_path
+    from dflash2_trt.targets.adapter import TargetModel, smollm2_path
 
     ref = TargetModel.load(smollm2_path())
     hf_ids = ref.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,

@@ -15,7 +15,7 @@ PROMPTS = ["What is the capital of France?", "Write a Python function that rever
 
 @pytest.fixture(scope="module")
 def smol():
-    from dflash2_trt.target import TargetModel, smollm2_path
+    from dflash2_trt.targets.adapter import TargetModel, smollm2_path
 
     return TargetModel.load(smollm2_path())
 

@@ -14,7 +14,7 @@ from dflash2_trt.config import DFlash2Config
 from dflash2_trt.runtime.torch.backend import TorchDraftRunner
 from torch_ref import ref_autoregressive, ref_speculative
 from dflash2_trt.model import DFlash2Drafter
-from dflash2_trt.target import TargetModel
+from dflash2_trt.targets.adapter import TargetModel
 from helpers import req
 
 
@@ -109,7 +109,7 @@ def test_other_families_lossless(family, tmp_path):
 # -- pinned review findings, each failed before its fix ---------------------------------------------------
 def test_generation_config_eos_ids_survive_loading(acc_dir, tmp_path):
     """Llama-3 style: the stop ids [eos, eot] live only in generation_config.json; eos_ids() must see them."""
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     d = tmp_path / "t"
     shutil.copytree(acc_dir / "target", d)

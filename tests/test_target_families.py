@@ -44,7 +44,7 @@ def _build(arch: str):  # noqa: ANN202
 
 @pytest.fixture(scope="module", params=ARCHS)
 def target(request, tmp_path_factory):
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     folder = tmp_path_factory.mktemp(request.param)
     _build(request.param).eval().save_pretrained(str(folder))
@@ -162,7 +162,7 @@ def test_training_on_the_family(arch, tmp_path):
     """make-data, train and the offline τ on each family: left-padded batched generation (prompts longer than the
     windows, MoE routing per row) gives every row the greedy chain of one unpadded forward; a few training steps from
     make-tiny's drafter run, and the offline τ is computed."""
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
     from dflash2_trt.train.data import GeneratedData
     from dflash2_trt.train.make_data import MakeDataConfig, make_data
     from dflash2_trt.train.trainer import TrainConfig, offline_tau, train
@@ -283,7 +283,7 @@ def test_make_tiny_writes_each_family(tmp_path):
     takes)."""
     from dflash2_trt.cli import main
     from dflash2_trt.model import load_drafter
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
     from dflash2_trt.targets import family_for
     from dflash2_trt.tiny import make_tiny
 
@@ -327,7 +327,7 @@ def test_make_tiny_accepting_pair_of_each_family(arch, tmp_path, monkeypatch):
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.runtime.torch.backend import TorchDraftRunner
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
     from helpers import bound_drafter
 
     pair = tmp_path / "pair"

@@ -57,7 +57,7 @@ def identity_export(given: str | Path | None = None, progress: bool = False) -> 
         return Path(given)
     from dflash2_trt.export.cache import cached_export
     from dflash2_trt.paths import cache_dir
-    from dflash2_trt.target import smollm2_path
+    from dflash2_trt.targets.adapter import smollm2_path
 
     drafter = cache_dir() / "drafters" / f"smollm2-identity-bs{IDENTITY_BLOCK_SIZE}-seed{IDENTITY_SEED}"
     if not (drafter / "config.json").is_file():

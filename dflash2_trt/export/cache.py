@@ -27,7 +27,7 @@ def _source_digest() -> str:
                 continue
             h.update(p.name.encode())
             h.update(p.read_bytes())
-    for name in ("config.py", "target.py"):
+    for name in ("config.py",):
         h.update((root / name).read_bytes())
     return h.hexdigest()
 
@@ -51,7 +51,7 @@ def cached_export(target: str | Path, drafter: str | Path, progress: bool = True
     from dflash2_trt.errors import DFlash2Error
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.paths import cache_dir
-    from dflash2_trt.target import resolve_target_path
+    from dflash2_trt.targets.adapter import resolve_target_path
 
     target_dir = resolve_target_path(target)
     drafter_dir = Path(drafter)

@@ -138,7 +138,7 @@ class _Build:
     and their typed entries (graph key -> :class:`GraphSpec`; inputs/outputs filled once saved)."""
 
     tmp: Path  # the temporary folder written into
-    target: Any  # dflash2_trt.target.TargetModel, in the export dtype
+    target: Any  # dflash2_trt.targets.adapter.TargetModel, in the export dtype
     target_dir: Path
     drafter: Any  # dflash2_trt.model.DFlash2Drafter, bound to the target
     dtype: str
@@ -192,7 +192,7 @@ def _load(tmp: Path, target_path: Path, drafter_path: Path, opts: _Options) -> _
     from dflash2_trt.export.quantize import q8_0_drafter
     from dflash2_trt.model import load_drafter
     from dflash2_trt.model.checkpoint import draft_vocabulary
-    from dflash2_trt.target import TargetModel, resolve_target_path
+    from dflash2_trt.targets.adapter import TargetModel, resolve_target_path
 
     drafter = load_drafter(drafter_path)
     target = TargetModel.load(target_path)

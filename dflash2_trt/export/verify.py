@@ -1,6 +1,6 @@
 """Export-time checks of the ONNX graphs against the PyTorch reference models, run with ONNX Runtime.
 
-* target: the HF model (through :class:`~dflash2_trt.target.TargetModel`) on random tokens vs the target
+* target: the HF model (through :class:`~dflash2_trt.targets.adapter.TargetModel`) on random tokens vs the target
   graph run in two chunks through a capacity buffer (prefill, then continuation) — logits and context
   features;
 * drafter: :class:`~dflash2_trt.model.DFlash2Drafter` (extend_context, block_forward, draft_from_hidden) on

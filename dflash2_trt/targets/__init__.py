@@ -8,14 +8,18 @@ families, with transformers' own modules as the reference:
 * ``MODEL_TYPES`` -- the HF ``model_type`` values it serves;
 * ``layer_kinds(config)`` -- the kind of every decoder layer (:data:`LAYER_KINDS`);
 * ``new_cache(model)``, ``before_forward(cache, rows)``, ``rollback(cache, length)`` -- the per-request
-  state the PyTorch target adapter (:class:`dflash2_trt.target.TargetModel`) keeps, and how it returns to any
-  accepted length of the last call (a KV crop for attention layers; for linear-attention layers the recorded
-  convolution and recurrent states);
+  state the PyTorch target adapter keeps, and how it returns to any accepted length of the last call (a KV crop for
+  attention layers; for linear-attention layers the recorded convolution and recurrent states);
 * ``check_exportable(hf_model)`` and the family's graphs -- what ``dflash2 export`` traces;
 * optionally ``load_model(folder, dtype)`` -- where transformers has no causal LM class for the model type.
 
-Owns: the per-family adapter parts, state shapes and target graphs. May import torch and transformers (lazily),
-``errors``; never the runtime, export, train or bench packages (export imports the families, not the reverse).
+The PyTorch target adapter itself, ``adapter`` (:class:`~dflash2_trt.targets.adapter.TargetModel`: a local HF
+causal LM or GGUF file of a supported family, logits + context features + cache), lives beside the families and
+takes its family from :func:`family_for`.
+
+Owns: the target adapter, the per-family adapter parts, state shapes and target graphs. May import torch and
+transformers (lazily), ``errors``, ``vocabulary``, ``config`` and ``paths``; never the runtime, export, train or
+bench packages (export imports the families, not the reverse).
 """
 
 from __future__ import annotations

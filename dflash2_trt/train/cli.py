@@ -204,7 +204,7 @@ def _run_eval_tau(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.threads)
     from dflash2_trt.model import load_drafter
     from dflash2_trt.model.checkpoint import draft_vocabulary
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
     from dflash2_trt.train import dist as DI
     from dflash2_trt.train.data import GeneratedData
     from dflash2_trt.train.trainer import offline_tau

@@ -303,7 +303,7 @@ def _check_resumable(out: Path) -> None:
 def _load_target(cfg: MakeDataConfig, dev: Any) -> tuple[Any, Any, list[int], set[int], int]:  # dev: torch.device
     """The target on ``dev`` -> (target, tokenizer, tap layer ids, EOS ids, pad id); a target that cannot make
     data (no chat template, no EOS, taps outside its layers) is one DFlash2Error."""
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
     from dflash2_trt.train import dist as DI
 
     target = TargetModel.load(cfg.target, DI.torch_dtype(cfg.dtype))

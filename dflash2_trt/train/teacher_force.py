@@ -112,7 +112,7 @@ def build_text_list(cfg: TeacherForcedConfig, tok) -> tuple[list[dict], dict]:  
 
 def make_teacher_forced(cfg: TeacherForcedConfig, progress: bool = True) -> Path:
     """Write (or resume) the folder; prints one JSON line per shard (tokens, labelled tokens, tokens/s)."""
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
     from dflash2_trt.train import prompts as P
     from dflash2_trt.train.make_data import _default_layer_ids, _write_shard
 

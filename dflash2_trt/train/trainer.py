@@ -596,7 +596,7 @@ def write_trained_prompts(out: Path, data: D.GeneratedData, init_dir: Path | Non
 
 def prepare(tc: TrainConfig):  # noqa: ANN201
     """Load the target (frozen embedding / LM head / config) and the data. Returns (target, cfg, data)."""
-    from dflash2_trt.target import TargetModel
+    from dflash2_trt.targets.adapter import TargetModel
 
     from dflash2_trt.train.dist import torch_dtype
 

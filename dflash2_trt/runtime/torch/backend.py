@@ -1,7 +1,7 @@
 """PyTorch backend: the reference every other backend is tested against, behind the same runner protocol.
 
 :class:`TorchBackend` opens a HF target (folder, .gguf or ``smollm2``) and a drafter folder — not an export
-folder — and hands out :class:`TorchTargetRunner` (over :class:`~dflash2_trt.target.TargetModel`, tapping the
+folder — and hands out :class:`TorchTargetRunner` (over :class:`~dflash2_trt.targets.adapter.TargetModel`, tapping the
 drafter's layers) and :class:`TorchDraftRunner` (over :class:`~dflash2_trt.model.DFlash2Drafter`, one
 request's draft context cache). The loop is :mod:`dflash2_trt.runtime.decoder`, as for every backend: greedy
 (T = 0) output equals the target's own greedy decode; T > 0 uses rejection sampling.
@@ -19,7 +19,7 @@ import torch
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.model.drafter import DFlash2Drafter, DraftContext
 from dflash2_trt.runtime.protocol import BackendBase, Draft
-from dflash2_trt.target import TargetModel
+from dflash2_trt.targets.adapter import TargetModel
 from dflash2_trt.vocabulary import DRAFT_MODES, INDEPENDENT, check_draft_mode
 
 
