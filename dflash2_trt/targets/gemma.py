@@ -36,29 +36,15 @@ from torch import nn
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.targets.dense import _grouped_attention, _rope, attention_biases, rope_tables
 from dflash2_trt.targets.recorded import before_forward, new_cache, rollback
-from dflash2_trt.targets.sliding import VERIFY_ROWS, sliding_window_spec
+from dflash2_trt.targets.sliding import VERIFY_ROWS, _text_config, layer_kinds, sliding_window_spec
 
 MODEL_TYPES = ("gemma4", "gemma4_text")
-_KINDS = {"full_attention": "attention", "sliding_attention": "sliding"}
 # the multimodal checkpoint's language model -> Gemma4ForCausalLM's decoder
 _TEXT_PREFIX = {r"^model\.language_model\.": "model."}
 
 __all__ = ["MODEL_TYPES", "VERIFY_ROWS", "TargetGraph", "before_forward", "check_exportable", "drafter_fields",
            "drafter_heads", "graph_io", "kv_layout", "kv_sources", "layer_kinds", "load_model", "new_cache", "rollback",
            "sliding_window_spec"]
-
-
-def _text_config(config: Any) -> Any:
-    return getattr(config, "text_config", None) or config
-
-
-def layer_kinds(config: Any) -> list[str]:
-    """The kind of every decoder layer, from the (text) config's ``layer_types``."""
-    cfg = _text_config(config)
-    types = list(getattr(cfg, "layer_types", None) or [])
-    if len(types) != int(cfg.num_hidden_layers) or any(t not in _KINDS for t in types):
-        raise DFlash2Error(f"target layer_types must list one of {', '.join(_KINDS)} per layer, got {types}")
-    return [_KINDS[t] for t in types]
 
 
 def kv_sources(config: Any) -> list[int]:

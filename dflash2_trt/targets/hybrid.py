@@ -33,7 +33,7 @@ from dflash2_trt.targets.moe import routed_mlp
 from dflash2_trt.targets.recorded import MAX_ROLLBACK_ROWS, before_forward, new_cache, rollback
 
 __all__ = ["MAX_CALL_ROWS", "MAX_ROLLBACK_ROWS", "MODEL_TYPES", "TargetGraph", "before_forward", "check_exportable",
-           "graph_io", "layer_kinds", "linear_state_shapes", "new_cache", "rollback"]
+           "graph_io", "layer_kinds", "linear_state_shapes", "new_cache", "rollback", "state_graph_io"]
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 _KINDS = {"full_attention": "attention", "linear_attention": "linear"}
@@ -127,13 +127,19 @@ def _rope_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) 
 
 
 def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
-    """What the exporter traces :class:`TargetGraph` with: example inputs (``batch`` rows of 3 new tokens over a KV
-    capacity of 4, the states of rows 0 and 2 asked for), input and output names, dynamic axes."""
+    """What the exporter traces :class:`TargetGraph` with (:func:`state_graph_io`)."""
+    cfg = hf_model.config
+    return state_graph_io(cfg, layer_kinds(cfg), linear_state_shapes(cfg), batch, dtype)
+
+
+def state_graph_io(cfg: Any, kinds: list[str], st: dict[str, int], batch: int, dtype: Any
+                   ) -> tuple[tuple, list[str], list[str], dict]:
+    """A target graph with linear-layer states (this family's, Nemotron-H's): example inputs (``batch`` rows of 3 new
+    tokens over a KV capacity of 4, the states of rows 0 and 2 asked for), input and output names, dynamic axes.
+    ``kinds``: the layers' kinds (an ``mlp`` layer has no state inputs or outputs); ``st``: the linear state's
+    shapes."""
     from dflash2_trt.manifest import TARGET_STATE_ROWS, target_state_names
 
-    cfg = hf_model.config
-    kinds = layer_kinds(cfg)
-    st = linear_state_shapes(cfg)
     kvh, d = int(cfg.num_key_value_heads), int(cfg.head_dim)
     past, present = target_state_names(kinds), target_state_names(kinds, "present")
     dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
@@ -141,8 +147,8 @@ def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], l
            "logits": {0: "batch", 1: "sequence"}, "context_features": {0: "batch", 1: "sequence"}}
     args: list = [torch.randint(0, int(cfg.vocab_size), (batch, 3)), torch.arange(3).repeat(batch, 1),
                   torch.ones(batch, 4 + 3, dtype=torch.long), torch.tensor([0, 2])]
-    for i, kind in enumerate(kinds):
-        ins, outs = past[2 * i:2 * i + 2], present[2 * i:2 * i + 2]  # layer i's two state inputs and outputs
+    for j, kind in enumerate(k for k in kinds if k != "mlp"):
+        ins, outs = past[2 * j:2 * j + 2], present[2 * j:2 * j + 2]  # the layer's two state inputs and outputs
         if kind == "linear":  # conv, recurrent
             args += [torch.zeros(batch, st["conv_dim"], st["conv_kernel"] - 1, dtype=dtype),
                      torch.zeros(batch, st["num_heads"], st["key_dim"], st["value_dim"])]

@@ -113,34 +113,12 @@ def _ssd(x, dt, A, Bm, Cm, s0, rows):  # noqa: ANN001, ANN202
 
 
 def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], list[str], dict]:
-    """What the exporter traces :class:`TargetGraph` with: example inputs (``batch`` rows of 3 new tokens over a KV
-    capacity of 4, the states of rows 0 and 2 asked for), input and output names, dynamic axes."""
-    from dflash2_trt.manifest import TARGET_STATE_ROWS, target_state_names
+    """What the exporter traces :class:`TargetGraph` with (the hybrid family's
+    :func:`~dflash2_trt.targets.hybrid.state_graph_io`, its ``mlp`` layers without state)."""
+    from dflash2_trt.targets.hybrid import state_graph_io
 
     cfg = hf_model.config
-    kinds = layer_kinds(cfg)
-    st = linear_state_shapes(cfg)
-    kvh, d = int(cfg.num_key_value_heads), int(cfg.head_dim)
-    past, present = target_state_names(kinds), target_state_names(kinds, "present")
-    dyn = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
-           "attention_mask": {0: "batch", 1: "capacity_plus_sequence"}, TARGET_STATE_ROWS: {0: "state_rows"},
-           "logits": {0: "batch", 1: "sequence"}, "context_features": {0: "batch", 1: "sequence"}}
-    args: list = [torch.randint(0, int(cfg.vocab_size), (batch, 3)), torch.arange(3).repeat(batch, 1),
-                  torch.ones(batch, 4 + 3, dtype=torch.long), torch.tensor([0, 2])]
-    stateful = [kind for kind in kinds if kind != "mlp"]  # an mlp layer has no state inputs or outputs
-    for j, kind in enumerate(stateful):
-        ins, outs = past[2 * j:2 * j + 2], present[2 * j:2 * j + 2]  # the layer's two state inputs and outputs
-        if kind == "linear":  # conv, recurrent
-            args += [torch.zeros(batch, st["conv_dim"], st["conv_kernel"] - 1, dtype=dtype),
-                     torch.zeros(batch, st["num_heads"], st["key_dim"], st["value_dim"])]
-            dyn.update({ins[0]: {0: "batch"}, ins[1]: {0: "batch"}, outs[0]: {0: "batch", 2: "sequence"},
-                        outs[1]: {0: "batch", 1: "state_rows"}})
-        else:  # key, value
-            args += [torch.zeros(batch, kvh, 4, d, dtype=dtype) for _ in range(2)]
-            dyn.update({n: {0: "batch", 2: "capacity"} for n in ins})
-            dyn.update({n: {0: "batch", 2: "sequence"} for n in outs})
-    names = ["input_ids", "position_ids", "attention_mask", TARGET_STATE_ROWS, *past]
-    return tuple(args), names, ["logits", "context_features", *present], dyn
+    return state_graph_io(cfg, layer_kinds(cfg), linear_state_shapes(cfg), batch, dtype)
 
 
 class TargetGraph(nn.Module):
