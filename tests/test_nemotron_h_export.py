@@ -3,9 +3,12 @@ graph against transformers, a k-row verify against k one-row steps, the runtime'
 convolution and SSM states to every kept length against a fresh run, lossless speculative decoding with drafts
 accepted on the copying pair (= transformers' own greedy output) in the single and the batched loop, a planted
 SSM-state rollback bug the suite must catch, the manifest's layer kinds and state shapes, TensorRT's parser table for
-every node of the graph, and the C library's one-line refusal."""
+every node of the graph; the C library (libdflash2's ONNX Runtime backend, session and batch) on the same exports:
+= transformers' greedy, = the Python runtime for the same seeds, its planted SSM-state bug caught."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -221,15 +224,87 @@ def test_every_node_imports_into_tensorrt(random_export):
     assert trt_parser_refusals(model) == []
 
 
-def test_the_c_library_refuses_the_export_in_one_line(random_export, lib):
-    """libdflash2 does not run a target with stateless (mlp) layers yet: loading the export is refused in one line
-    (manifest version mismatch) instead of reading the MoE layers as KV layers."""
-    import ctypes
+# ---- the C library (libdflash2's ONNX Runtime backend): the same exports, the same references ------------------------
+# Its runs are test_capi_ort's: one process per call (dfl2_session through ctypes with numpy's uniforms, or
+# examples/generate -b for a dfl2_batch), neither runtime using the op library (the target graph is the standard one).
 
-    from test_capi import CapiError, _check
+C_OPTIONS = ("eos_ids=", "proposer=dflash2", "guard=false")  # transformers' references ignore EOS; every cycle drafts
+SSM_PLANT = "DFLASH2_PLANT_KEEP_SSM_STATE"  # the library's planted bug: a crop rolls the conv state back, not the SSM
 
-    _, be = random_export
-    handle = ctypes.c_void_p()
-    with pytest.raises(CapiError) as e:
-        _check(lib, lib.dfl2_model_load(str(be.dir).encode(), None, ctypes.byref(handle)))
-    assert e.value.code == 7 and "layers of kind 'mlp'" in e.value.message and "\n" not in e.value.message
+
+@pytest.fixture
+def c_env(monkeypatch):
+    """The environment test_capi_ort's C runs need: the onnxruntime wheel's venv (where libdflash2 finds ONNX
+    Runtime) and no op library."""
+    from test_capi_ort import NO_LIBRARY, _wheel_venv
+
+    monkeypatch.setenv("VIRTUAL_ENV", _wheel_venv())
+    monkeypatch.delenv("ORT_LIBRARY", raising=False)
+    monkeypatch.setenv("DFLASH2_ORT_OPS", NO_LIBRARY)
+
+
+def _c_runs(build, export, prompts: list[list[int]], temperature: float = 0.0,  # noqa: ANN001
+            env: dict | None = None) -> list[dict]:
+    """Each prompt through one dfl2_session (seeds 100 + i) -> per request {tokens, accepted, proposers}."""
+    from test_capi_ort import NO_LIBRARY, _c_samples
+
+    return _c_samples(build, export, prompts, [100 + i for i in range(len(prompts))], NO_LIBRARY, temperature, _NEW,
+                      env, C_OPTIONS)
+
+
+def _c_batch(build, export, prompts: list[list[int]], env: dict | None = None) -> list[list[int]]:  # noqa: ANN001
+    """dfl2_batch (examples/generate -b) over the prompts, 4 slots, every request drafting -> each request's ids."""
+    from test_capi_ort import _example
+
+    ids, _ = _example(build, export, prompts, "-b", "max_batch=4", "adaptive=false", f"max_new_tokens={_NEW}",
+                      *C_OPTIONS, env={**os.environ, **(env or {})})
+    return ids
+
+
+def test_c_library_greedy_equals_transformers(capi_build, c_env, accepting_export, small_block_exports, hf_greedy):
+    """libdflash2 on the Nemotron-H exports (the Mamba-2 layers' conv and SSM states fed and rolled back to the
+    accepted row; the MoE layer without state tensors): 40 prompts x block sizes 2, 4, 8 greedy = transformers'
+    own greedy output, token for token, with drafts accepted and partial blocks rolled back; a dfl2_batch of 12 of
+    them (4 slots, per-slot states) too."""
+    prompts, want = hf_greedy
+    exports = {**{bs: be.dir for bs, be in small_block_exports.items()}, 8: accepting_export[1].dir}
+    for bs, export in exports.items():
+        runs = _c_runs(capi_build, export, prompts)
+        assert [i for i, (r, w) in enumerate(zip(runs, want)) if r["tokens"] != w] == [], f"block size {bs}"
+        accepted = [a for r in runs for a in r["accepted"]]
+        assert all(who == "dflash2" for r in runs for who in r["proposers"])
+        assert_accepts(accepted, bs - 1, f"C, block size {bs}")
+        assert any((0 < a or bs == 2) and a < bs - 1 for a in accepted), f"no rollback at block size {bs}"
+    assert _c_batch(capi_build, exports[8], prompts[:12]) == want[:12]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "T0.8"])
+def test_c_library_equals_python_runtime(capi_build, c_env, accepting_export, hf_greedy, temperature):
+    """The C library and the Python runtime on the block-8 export, the same seeds (numpy's uniforms): 10 prompts give
+    the same ids and the same accepted drafts per cycle, greedy and at T = 0.8, with partial acceptances."""
+    from test_capi_ort import _load
+
+    prompts = hf_greedy[0][:10]
+    export = accepting_export[1].dir
+    py = _load(export, os.environ["DFLASH2_ORT_OPS"])
+    try:
+        accepted = []
+        for i, (p, got) in enumerate(zip(prompts, _c_runs(capi_build, export, prompts, temperature))):
+            want = py.generate(p, max_new_tokens=_NEW, temperature=temperature, seed=100 + i, guard=False,
+                               chat=False, eos_ids=set(), proposer="dflash2")
+            assert got["tokens"] == want.tokens and got["accepted"] == want.stats.accepted, i
+            accepted += got["accepted"]
+    finally:
+        py.close()
+    assert sum(accepted) > 0 and any(0 < a < 7 for a in accepted), accepted
+
+
+def test_planted_ssm_rollback_bug_is_caught_in_the_c_library(capi_build, c_env, accepting_export, hf_greedy):
+    """Negative control: with the library's planted bug (DFLASH2_PLANT_KEEP_SSM_STATE=1: a crop rolls the conv state
+    back but leaves the SSM state after all the verified rows) the session's and the batch's greedy ids differ from
+    transformers', so the test above catches it."""
+    prompts, want = hf_greedy
+    export = accepting_export[1].dir
+    runs = _c_runs(capi_build, export, prompts[:20], env={SSM_PLANT: "1"})
+    assert sum(r["tokens"] != w for r, w in zip(runs, want)) > 0
+    assert _c_batch(capi_build, export, prompts[:12], env={SSM_PLANT: "1"}) != want[:12]

@@ -167,7 +167,10 @@ std::vector<LayerSet> graphLayerSets(Manifest const& m)
     std::set<int64_t> linearIds;
     for (int32_t i = 0; i < m.targetLayers; ++i)
     {
-        (m.isLinear(i) ? linearIds : kvIds).insert(i);
+        if (m.hasState(i))  // an mlp layer has no state tensors
+        {
+            (m.isLinear(i) ? linearIds : kvIds).insert(i);
+        }
     }
     std::set<int64_t> drafterIds;
     for (int32_t i = 0; i < m.drafterLayers; ++i)
@@ -394,8 +397,8 @@ std::string sha256File(std::string const& path)
 
 //! target.layer_kinds, target.linear_state and target.sliding_window (manifest._check_layer_kinds): version 2 has
 //! neither linear nor sliding layers (every layer a KV cache, whatever its kind); version 3 has linear (Gated
-//! DeltaNet) or sliding-window layers beside attention layers, and their state's spec; the schema's fourth kind,
-//! 'mlp' (a layer without state), is refused here.
+//! DeltaNet or Mamba-2) or sliding-window layers beside attention layers, and their state's spec; the fourth kind,
+//! 'mlp' (a Nemotron-H MoE / MLP layer), has no state: no graph inputs or outputs, nothing to roll back.
 void readLayerKinds(Manifest& m, Json const& t, std::string const& source)
 {
     m.layerKinds.assign(static_cast<size_t>(m.targetLayers), "attention");
@@ -410,11 +413,6 @@ void readLayerKinds(Manifest& m, Json const& t, std::string const& source)
         {
             m.layerKinds[i] = kinds[i].get<std::string>();  // a string of the schema's enum
         }
-    }
-    if (std::count(m.layerKinds.begin(), m.layerKinds.end(), "mlp") > 0)  // stateless MoE / MLP layers (Nemotron-H)
-    {
-        throw Error(DFL2_ERR_VERSION_MISMATCH, source + ": the target has layers of kind 'mlp' (a Nemotron-H target), "
-                    "which this library does not run");
     }
     if (m.manifestVersion != DFL2_MANIFEST_STATE_VERSION)  // version 2: every layer a KV cache
     {
@@ -483,7 +481,7 @@ std::vector<std::string> targetKvNames(Manifest const& m, std::string const& pre
     for (int32_t i = 0; i < m.targetLayers; ++i)
     {
         bool const sliding = m.isSliding(i);
-        if (!m.isLinear(i) && sliding == (kind == "sliding"))
+        if (m.hasState(i) && !m.isLinear(i) && sliding == (kind == "sliding"))
         {
             out.push_back(prefix + "." + std::to_string(i) + ".key");
             out.push_back(prefix + "." + std::to_string(i) + ".value");
@@ -499,6 +497,10 @@ std::vector<std::string> targetStateNames(Manifest const& m, std::string const& 
     for (int32_t i = 0; i < m.targetLayers; ++i)
     {
         std::string const n = std::to_string(i);
+        if (!m.hasState(i))
+        {
+            continue;
+        }
         if (m.isLinear(i))
         {
             out.push_back(prefix + "_conv." + n);

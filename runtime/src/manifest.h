@@ -77,7 +77,7 @@ struct Manifest
     int32_t targetHeadDim{0};
     std::vector<int32_t> eosTokenIds;
     std::vector<int32_t> layerIds;
-    std::vector<std::string> layerKinds;  //!< one per target layer: "attention" | "linear" | "sliding" (version 2: as written)
+    std::vector<std::string> layerKinds;  //!< one per target layer: "attention" | "linear" | "sliding" | "mlp" (version 2: as written)
     LinearStateSpec linearState;          //!< the linear layers' state (version 3; zero without linear layers)
     SlidingWindowSpec slidingWindow;      //!< the sliding layers' window and ring (version 3; zero without sliding layers)
     // drafter
@@ -98,6 +98,16 @@ struct Manifest
     {
         return linearState.convDim > 0;
     }
+    //! a layer with state: every kind but "mlp" (a Nemotron-H MoE / MLP layer, which has no graph inputs/outputs)
+    bool hasState(int32_t layer) const
+    {
+        return static_cast<size_t>(layer) < layerKinds.size() && layerKinds[static_cast<size_t>(layer)] != "mlp";
+    }
+    //! the layers with state tensors (2 inputs and 2 outputs each in the target graph)
+    int32_t stateLayers() const
+    {
+        return targetLayers - layersOf("mlp");
+    }
     //! a sliding-window layer: its K/V live in a ring of slidingWindow.ringSlots slots, not a capacity buffer
     bool isSliding(int32_t layer) const
     {
@@ -112,7 +122,7 @@ struct Manifest
     {
         return !hasLinearLayers() && !hasSlidingLayers();
     }
-    //! the layers of one kind ("attention" | "linear" | "sliding")
+    //! the layers of one kind ("attention" | "linear" | "sliding" | "mlp")
     int32_t layersOf(char const* kind) const;
     //! the layers with a KV capacity buffer: full attention (every layer of a version 2 export)
     int32_t kvLayers() const
@@ -121,7 +131,8 @@ struct Manifest
     }
 };
 
-//! The target graph's per-layer state tensors, 2 per layer in layer order (manifest.target_state_names):
+//! The target graph's per-layer state tensors, 2 per layer with state in layer order (manifest.target_state_names;
+//! an "mlp" layer has none):
 //! "past": past_key_values.{i}.key / .value of a KV layer, past_conv.{i} / past_recurrent.{i} of a linear layer;
 //! "present": present.{i}.key / .value, present_conv.{i} / present_recurrent.{i}.
 std::vector<std::string> targetStateNames(Manifest const& m, std::string const& prefix);

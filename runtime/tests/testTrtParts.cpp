@@ -414,8 +414,9 @@ void testLinearRollback()
         }
     }
     // the log: a crop keeping every row changes nothing; into the call once; a second crop, a crop into a call that
-    // recorded its last row only, or before the call: DFL2_ERR_INTERNAL; the planted bug keeps the state
-    LinearStateLog log(W, 2, false);
+    // recorded its last row only, or before the call: DFL2_ERR_INTERNAL; the planted bugs keep the state, or the
+    // recurrent state alone (the window rolled back)
+    LinearStateLog log(W, 2, LinearPlant::kNONE);
     KeptState const after = log.called(1, 10, 4, 6, true);
     CHECK(after.recurrentRow == 3 && after.inputsPitch == 6);
     CHECK(!log.crop(1, 14).has_value());
@@ -429,9 +430,20 @@ void testLinearRollback()
     CHECK(codeOf([&] { log.crop(0, 4); }) == DFL2_ERR_INTERNAL);
     log.reset(1);
     CHECK(codeOf([&] { log.crop(1, 0); }) == DFL2_ERR_INTERNAL);
-    LinearStateLog planted(W, 1, true);
+    LinearStateLog planted(W, 1, LinearPlant::kSKIP_ROLLBACK);
     planted.called(0, 0, 5, 5, true);
     CHECK(!planted.crop(0, 2).has_value());
+    LinearStateLog keepSsm(W, 1, LinearPlant::kKEEP_RECURRENT);
+    keepSsm.called(0, 0, 5, 5, true);
+    std::optional<KeptState> const ssm = keepSsm.crop(0, 2);
+    KeptState const right = keptState(W, 2, 5, 1);
+    CHECK(ssm.has_value() && ssm->recurrentRow == 4 && ssm->spanCount == right.spanCount);
+    for (int32_t i = 0; ssm.has_value() && i < right.spanCount; ++i)
+    {
+        ConvSpan const& a = ssm->spans[static_cast<size_t>(i)];
+        ConvSpan const& b = right.spans[static_cast<size_t>(i)];
+        CHECK(a.fromInputs == b.fromInputs && a.srcCol == b.srcCol && a.dstCol == b.dstCol && a.cols == b.cols);
+    }
 }
 
 // ---- the sliding layers' device rings (DeviceWindowRing) against a host twin -----------------------------------

@@ -264,7 +264,7 @@ struct HostLinearState
     //! convElem: bytes of a convolution window element (fp32; fp16 in an fp16 export); recurrent states are fp32
     HostLinearState(Manifest const& m, size_t convElem)
         : spec(m.linearState)
-        , log(m.linearState.window(), 1, plantedSkipRollback())
+        , log(m.linearState.window(), 1, plantedLinearRollback())
     {
         size_t const rows = static_cast<size_t>(spec.maxRowsPerCall);
         for (int32_t i = 0; i < m.targetLayers; ++i)
@@ -812,11 +812,16 @@ private:
         std::vector<std::pair<Graph const*, std::string>> recurrent;
         for (char const* prefix : {"past", "present"})
         {
-            std::vector<std::string> const names = targetStateNames(m, prefix);  // 2 per layer, in layer order
+            std::vector<std::string> const names = targetStateNames(m, prefix);  // 2 per layer with state, in order
+            size_t at = 0;
             for (int32_t i = 0; i < m.targetLayers; ++i)
             {
-                std::string const& first = names[2 * static_cast<size_t>(i)];
-                std::string const& second = names[2 * static_cast<size_t>(i) + 1];
+                if (!m.hasState(i))  // an mlp layer: no tensors
+                {
+                    continue;
+                }
+                std::string const& first = names[at++];
+                std::string const& second = names[at++];
                 if (m.isLinear(i))  // window, recurrent state
                 {
                     conv.emplace_back(&mTarget, first);
@@ -1424,7 +1429,7 @@ private:
 
     //! every layer's state inputs (from index fixedIn) and outputs (from 2), in layer order: a linear layer's
     //! convolution window and recurrent state (R rows), a sliding layer's ring and its S new rows, an attention
-    //! layer's past and its S new rows
+    //! layer's past and its S new rows; an mlp layer has none
     void bindLayerStates(int32_t S, int32_t R, size_t fixedIn)
     {
         Manifest const& man = mM.manifest();
@@ -1434,10 +1439,15 @@ private:
         size_t kv = 0;
         size_t lin = 0;
         size_t ring = 0;
-        for (int32_t i = 0; i < man.targetLayers; ++i)  // layer order: 2 inputs and 2 outputs per layer
+        size_t stateful = 0;
+        for (int32_t i = 0; i < man.targetLayers; ++i)  // layer order: 2 inputs and 2 outputs per layer with state
         {
-            size_t const at = fixedIn + 2 * static_cast<size_t>(i);
-            size_t const out = 2 + 2 * static_cast<size_t>(i);
+            if (!man.hasState(i))
+            {
+                continue;
+            }
+            size_t const at = fixedIn + 2 * stateful;
+            size_t const out = 2 + 2 * stateful++;
             if (man.isLinear(i))
             {
                 HostLinearState::Layer& l = mLinear->layers[lin];
@@ -1495,7 +1505,7 @@ private:
             ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
         OrtTensor const rowsT(mApi, mStateRows.data(), mStateRows.size() * sizeof(int64_t), {R},
             ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-        size_t const fixedIn = mCallInNames.size() - 2 * static_cast<size_t>(man.targetLayers);
+        size_t const fixedIn = mCallInNames.size() - 2 * static_cast<size_t>(man.stateLayers());
         OrtTensor const logitsT(mApi, logits, static_cast<size_t>(S) * static_cast<size_t>(V) * sizeof(float), {1, S, V},
             ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
         OrtTensor const featT(mApi, feats, static_cast<size_t>(S) * static_cast<size_t>(F) * mFeatureBytes, {1, S, F},

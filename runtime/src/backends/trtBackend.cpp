@@ -461,7 +461,7 @@ void DeviceLinearState::allocate(Manifest const& m, Engine const& te, int32_t sl
         alloc(windowBefore, n * windowBytes());
         alloc(recurrentBefore, n * recurrentBytes());
     }
-    log = std::make_unique<LinearStateLog>(spec.window(), slots, plantedSkipRollback());
+    log = std::make_unique<LinearStateLog>(spec.window(), slots, plantedLinearRollback());
 }
 
 class TrtModel : public Model

@@ -66,9 +66,9 @@ void applyKept(LinearLayerState const& layer, LinearStateSpec const& spec, KeptS
     copy.copy2D(layer.recurrent, recurrentBytes, src, recurrentBytes, recurrentBytes, 1);
 }
 
-LinearStateLog::LinearStateLog(int32_t window, int32_t slots, bool skipRollback)
+LinearStateLog::LinearStateLog(int32_t window, int32_t slots, LinearPlant plant)
     : mWindow(window)
-    , mSkipRollback(skipRollback)
+    , mPlant(plant)
     , mCalls(static_cast<size_t>(std::max(1, slots)))
 {
 }
@@ -117,17 +117,24 @@ std::optional<KeptState> LinearStateLog::crop(int32_t slot, int32_t length)
             + std::to_string(c.rows));
     }
     c.recorded = false;
-    if (mSkipRollback)
+    if (mPlant == LinearPlant::kSKIP_ROLLBACK)
     {
         return std::nullopt;
     }
-    return keptState(mWindow, keep, c.pitch, keep - 1);
+    return keptState(mWindow, keep, c.pitch, mPlant == LinearPlant::kKEEP_RECURRENT ? c.rows - 1 : keep - 1);
 }
 
-bool plantedSkipRollback()
+LinearPlant plantedLinearRollback()
 {
-    char const* v = std::getenv("DFLASH2_PLANT_SKIP_LINEAR_ROLLBACK");
-    return v != nullptr && std::string(v) == "1";
+    auto const on = [](char const* name) {
+        char const* v = std::getenv(name);
+        return v != nullptr && std::string(v) == "1";
+    };
+    if (on("DFLASH2_PLANT_SKIP_LINEAR_ROLLBACK"))
+    {
+        return LinearPlant::kSKIP_ROLLBACK;
+    }
+    return on("DFLASH2_PLANT_KEEP_SSM_STATE") ? LinearPlant::kKEEP_RECURRENT : LinearPlant::kNONE;
 }
 
 } // namespace dflash2

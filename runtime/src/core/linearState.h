@@ -114,14 +114,23 @@ void saveBefore(LinearLayerState const& layer, LinearStateSpec const& spec, Stat
 //! window / recurrent := the kept state (from the *Before buffers and the call's outputs)
 void applyKept(LinearLayerState const& layer, LinearStateSpec const& spec, KeptState const& kept, StateCopy& copy);
 
+//! The planted bugs of the tests (plantedLinearRollback): none; a crop keeps the state after all the call's rows
+//! (convolution window and recurrent state); a crop rolls the window back but keeps the recurrent (a Mamba-2 layer's
+//! SSM) state after all the call's rows.
+enum class LinearPlant
+{
+    kNONE,
+    kSKIP_ROLLBACK,
+    kKEEP_RECURRENT,
+};
+
 //! Per sequence slot, the last call (LinearStates._last): where it started, its rows, whether it recorded each
 //! row's state. Not thread safe (one per runner).
 class LinearStateLog
 {
 public:
-    //! `skipRollback`: a planted bug for the tests (DFLASH2_PLANT_SKIP_LINEAR_ROLLBACK, plantedSkipRollback): a
-    //! crop keeps the state after all the call's rows
-    LinearStateLog(int32_t window, int32_t slots, bool skipRollback);
+    //! `plant`: a planted bug for the tests (plantedLinearRollback), kNONE otherwise
+    LinearStateLog(int32_t window, int32_t slots, LinearPlant plant);
     void reset(int32_t slot);
     //! A graph call of `rows` rows of the slot from position `start`, over `pitch` columns (the call's S; rows <=
     //! pitch: a batch pads) whose states are every row's (`everyRow`) or the last row's alone -> the state after
@@ -143,12 +152,14 @@ private:
     Call& at(int32_t slot);
 
     int32_t mWindow;
-    bool mSkipRollback;
+    LinearPlant mPlant;
     std::vector<Call> mCalls;
 };
 
-//! $DFLASH2_PLANT_SKIP_LINEAR_ROLLBACK=1: the planted bug of the tests (a crop leaves the linear layers' state after
-//! all the verified rows), so that their lossless checks are shown to catch it. Unset or 0: off.
-bool plantedSkipRollback();
+//! The planted bug of the tests, so that their lossless checks are shown to catch it:
+//! $DFLASH2_PLANT_SKIP_LINEAR_ROLLBACK=1: kSKIP_ROLLBACK (a crop leaves the linear layers' state after all the
+//! verified rows); $DFLASH2_PLANT_KEEP_SSM_STATE=1: kKEEP_RECURRENT (a crop rolls the convolution window back but not
+//! the recurrent state: a Mamba-2 layer's SSM state). Unset or 0: kNONE.
+LinearPlant plantedLinearRollback();
 
 } // namespace dflash2
