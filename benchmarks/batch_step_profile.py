@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash2_trt.bench.machine import describe
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -111,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['threads']} | {r['batch']} | " + " | ".join(f"{r[c]:.2f}" for c in cols)
               + f" | {r['wall_ms'] / one['wall_ms']:.2f} |")
     if a.out:
-        Path(a.out).write_text(json.dumps({"command": " ".join(["python", "benchmarks/batch_step_profile.py",
-                                                                 *(argv or sys.argv[1:])]),
-                                           "load_average": load, "results": results}, indent=1) + "\n")
+        Path(a.out).write_text(json.dumps({
+            "machine": describe(),
+            "command": " ".join(["python", "benchmarks/batch_step_profile.py", *(argv or sys.argv[1:])]),
+            "load_average": load, "results": results}, indent=1) + "\n")
     return 0
 
 

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from dflash2_trt.bench.machine import describe
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                                          f"{who}: 0 cycles" for who, v in by_proposer[key].items()))
         if a.out:
             Path(a.out).write_text(json.dumps({
+                "machine": describe(),
                 "command": " ".join(["python", "benchmarks/batch_throughput.py", *(argv or sys.argv[1:])]),
                 "threads": a.threads, "tokens": a.tokens, "repeats": a.repeats, "loadavg": os.getloadavg()[0],
                 "attention": be.attention_op, "tokens_per_s": best,

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from dflash2_trt.bench.machine import describe
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['separate_wall_ms']:17.2f} {c['separate_wall_ms'] / c['batched_wall_ms']:6.2f}")
     if a.out:
         Path(a.out).write_text(json.dumps({
+            "machine": describe(),
             "command": " ".join(["python", "benchmarks/batched_draft_cost.py", *(argv or sys.argv[1:])]),
             "export": Path(a.export).name, "mode": a.mode, "threads": a.threads, "context": a.context, "new": a.new,
             "steps": a.steps, "loadavg": os.getloadavg()[0], "ms_per_step": cells}, indent=1) + "\n")

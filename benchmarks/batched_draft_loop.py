@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 from dflash2_trt.runtime.request import GenerationRequest
+from dflash2_trt.bench.machine import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:7d} " + " ".join(row))
     if a.out:
         Path(a.out).write_text(json.dumps({
+            "machine": describe(),
             "command": " ".join(["python", "benchmarks/batched_draft_loop.py", *(argv or sys.argv[1:])]),
             "export": Path(a.export).name, "threads": a.threads, "tokens": a.tokens, "repeats": a.repeats,
             "prior_tau": a.prior, "loadavg": os.getloadavg()[0], "cells": cells}, indent=1) + "\n")

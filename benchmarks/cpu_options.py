@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from dflash2_trt.bench.machine import describe
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -69,7 +71,7 @@ def main() -> int:
     variants = [(f"{e}: {m}" if e else m, e, guard, conf) for e in dirs for m, guard, conf in modes]
     gens = {e: dflash2_trt.load(d, "ort", threads=a.threads) for e, d in dirs.items()}
     first = next(iter(gens.values()))
-    results = {"model_dirs": dirs, "backend": first.backend, "max_new_tokens": a.max_new_tokens,
+    results = {"machine": describe(), "model_dirs": dirs, "backend": first.backend, "max_new_tokens": a.max_new_tokens,
                "selector": a.selector, "temperature": a.temperature, "sets": {}}
     for name in a.prompts:
         prompts = encode_items(load_prompts(name, a.limit), lambda t: first.encode(t, chat=False), first.encode)

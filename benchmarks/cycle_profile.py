@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from dflash2_trt.runtime.request import GenerationRequest
+from dflash2_trt.bench.machine import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['cycle_ms'] / r['step_ms']:.2f} | {r['spec_tok_s']:.1f} | {r['ar_tok_s']:.1f} | {r['speedup']:.2f} |")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows_out}, indent=2) + "\n")
+        Path(a.out).write_text(json.dumps({"machine": describe(), "args": vars(a), "rows": rows_out}, indent=2) + "\n")
     return 0
 
 

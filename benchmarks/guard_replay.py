@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from dflash2_trt.runtime.request import GenerationRequest
+from dflash2_trt.bench.machine import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                       + "  ".join(f"{v:6.3f}" for v in cell.values()))
     if a.out:
         Path(a.out).write_text(json.dumps({
+            "machine": describe(),
             "command": " ".join(["python", "benchmarks/guard_replay.py", *(argv or sys.argv[1:])]),
             "lookup_saving": LOOKUP_SAVING, "table": table}, indent=1) + "\n")
     return 0

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash2_trt.bench.machine import describe
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -196,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['outside_ms']:.2f} | " + " | ".join(f"{r[c]:.2f}" for c in CATEGORIES) + " |")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"args": vars(a), "load_average": load, "results": results}, indent=2) + "\n")
+        Path(a.out).write_text(json.dumps({
+            "machine": describe(),
+            "args": vars(a), "load_average": load, "results": results}, indent=2) + "\n")
     return 0
 
 

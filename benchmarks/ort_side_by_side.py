@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from dflash2_trt.runtime.request import GenerationRequest
+from dflash2_trt.bench.machine import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -268,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
           "output equals the same system's autoregressive output ('-' on AR rows: they are the reference)")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"args": vars(a), "ours_quantization": quant, "summary": summary}, indent=2) + "\n")
+        Path(a.out).write_text(json.dumps({
+            "machine": describe(),
+            "args": vars(a), "ours_quantization": quant, "summary": summary}, indent=2) + "\n")
     if a.plot:
         import matplotlib
 

@@ -37,6 +37,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from dflash2_trt.bench.machine import describe
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 MODES = ("adaptive", "off")  # the server's --speculation: load-adaptive drafting | batched plain decoding
@@ -223,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'all' if not mismatches else f'{mismatches} differ'}")
     if a.out:
         Path(a.out).write_text(json.dumps({
+            "machine": describe(),
             "command": " ".join(["python", "benchmarks/serve_concurrency.py", *(argv or sys.argv[1:])]),
             "threads": a.threads, "tokens": a.tokens, "requests": a.requests, "repeats": a.repeats,
             "loadavg": os.getloadavg()[0], "cells": best, "repeats_tokens_per_s": runs, "single_stream_tokens_per_s": single,

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dflash2_trt.bench.machine import describe
+
 ROWS = [("DFlash v1", "v1", ["--no-selector"]),
         ("DFlash 2, selector off", "v2", ["--no-selector"]),
         ("DFlash 2, greedy selector", "v2", ["--selector", "greedy"]),
@@ -54,7 +56,9 @@ def main() -> int:
                       flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"drafters": {k: str(v) for k, v in drafters.items()}, "limit": a.limit,
+    out.write_text(json.dumps({
+        "machine": describe(),
+        "drafters": {k: str(v) for k, v in drafters.items()}, "limit": a.limit,
                                "max_new_tokens": a.max_new_tokens, "runs": results}, indent=1))
     print(table(results))
     plot(results, out.with_suffix(".png"))

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash2_trt.bench.machine import describe
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -227,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                   + f", median {float(np.median(q)):.2f}")
     if a.out:
         Path(a.out).write_text(json.dumps({
+            "machine": describe(),
             "command": " ".join(["python", "benchmarks/triton_throughput.py", *(argv or sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "export": str(a.export),
             "tokens": a.tokens, "rounds": a.rounds, "repeats": a.repeats, "ort_threads": a.threads, "cpus": os.cpu_count(),

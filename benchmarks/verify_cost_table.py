@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from dflash2_trt.bench.machine import describe
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -52,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{VC.DEFAULT_DRAFT_COST} x a 1-row step): " + ", ".join(f"{k}: {v} (export recorded {recorded.get(k)})"
                                                                   for k, v in recommended.items()))
     if a.json:
-        Path(a.json).write_text(json.dumps({"tables": tables, "recommended": recommended, "recorded": recorded},
-                                           indent=2) + "\n")
+        Path(a.json).write_text(json.dumps({
+            "machine": describe(),
+            "tables": tables, "recommended": recommended, "recorded": recorded}, indent=2) + "\n")
     return 0
 
 

@@ -22,6 +22,8 @@ import os
 import sys
 from pathlib import Path
 
+from dflash2_trt.bench.machine import describe
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.before_lib and "decode" not in a.attention:
         ap.error("--before-lib compares with 'decode': add it to --attention")
     folder = demo_export(a.export)
-    out: dict = {"args": vars(a), "runs": []}
+    out: dict = {"machine": describe(), "args": vars(a), "runs": []}
     for threads in a.threads:
         runners = {}
         for att in a.attention:
