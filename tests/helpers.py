@@ -1,7 +1,7 @@
 """Helpers shared by the tests (fixtures live in conftest.py and use these): the tiny pairs made by the
 project's own make-tiny and exported once, the same weights at another block size, and the acceptance check
 of the lossless / equivalence tests, the check that the custom-op library is built, and speculative = autoregressive
-decoding through a backend."""
+decoding through a backend, and the batched loop's lossless bar."""
 
 from __future__ import annotations
 
@@ -79,6 +79,25 @@ def assert_accepts(accepted: list[int], draft_rows: int, what: object = "") -> N
     frac = sum(a >= 1 for a in accepted) / len(accepted)
     assert frac >= 0.5, f"only {frac:.0%} of {len(accepted)} cycles accepted a draft {what}"
     assert max(accepted) >= min(3, draft_rows), f"no cycle accepted {min(3, draft_rows)} drafts {what}: {accepted}"
+
+
+def assert_batch_lossless(exports: dict, prompts: list[list[int]], want: list[list[int]], new: int) -> None:
+    """The batched loop's lossless bar: for each block size -> export folder of ``exports``, generate_batch over all
+    the prompts (4 slots, every request drafting every cycle) gives ``want`` (the reference's greedy continuations),
+    token for token, with drafts accepted (assert_accepts) and partial acceptances (rollbacks into a verify)."""
+    import dflash2_trt
+
+    for bs, export in exports.items():
+        g = dflash2_trt.load(export, backend="ort")
+        try:
+            batch = g.generate_batch(prompts, new, chat=False, eos_ids=set(), proposer="dflash2", max_batch=4,
+                                     adaptive=False)
+        finally:
+            g.close()
+        assert [i for i, (r, w) in enumerate(zip(batch, want)) if r.tokens != w] == [], f"block size {bs}"
+        accepted = [a for r in batch for a in r.stats.accepted]
+        assert_accepts(accepted, bs - 1, f"generate_batch, block size {bs}")
+        assert any((0 < a or bs == 2) and a < bs - 1 for a in accepted), f"no rollback at block size {bs}"
 
 
 class RecordingDrafter:

@@ -17,7 +17,7 @@ import torch
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.linear_state import LinearStates
 from dflash2_trt.tiny import COPY_PERIOD
-from helpers import assert_accepts, make_pair, req
+from helpers import assert_accepts, assert_batch_lossless, make_pair, req
 from test_capi import capi_build, lib, vectors_path  # noqa: F401 (the C library's fixtures)
 
 
@@ -172,20 +172,11 @@ def test_lossless_greedy_with_drafts_accepted_on_ort(accepting_export, small_blo
         assert any((0 < a or bs == 2) and a < bs - 1 for a in accepted), f"no rollback at block size {bs}"
 
 
-def test_generate_batch_equals_transformers(accepting_export, hf_greedy):
-    """generate_batch over 12 prompts (the batched loop, per-slot Mamba-2 states) = transformers' greedy output,
-    token for token, with drafts accepted and rolled back."""
-    import dflash2_trt
-
-    _, be = accepting_export
-    prompts, want = hf_greedy
-    g = dflash2_trt.load(be.dir, backend="ort")
-    batch = g.generate_batch(prompts[:12], _NEW, chat=False, eos_ids=set(), proposer="dflash2", max_batch=4,
-                             adaptive=False)
-    assert [r.tokens for r in batch] == want[:12]
-    acc = [a for r in batch for a in r.stats.accepted]
-    assert_accepts(acc, 7, "batched")
-    assert any(0 < a < 7 for a in acc)
+def test_generate_batch_equals_transformers(accepting_export, small_block_exports, hf_greedy):
+    """generate_batch (the batched loop, per-slot Mamba-2 states) over the 40 prompts at block sizes 2, 4 and 8 =
+    transformers' greedy output, token for token, with drafts accepted and rolled back."""
+    exports = {**{bs: be.dir for bs, be in small_block_exports.items()}, 8: accepting_export[1].dir}
+    assert_batch_lossless(exports, *hf_greedy, _NEW)
 
 
 def _keep_ssm_rows(self, keep, slot=0):  # noqa: ANN001, ANN202
