@@ -871,7 +871,7 @@ class _Request(C.Structure):
 class _BatchInfo(C.Structure):
     _fields_ = [("max_batch", C.c_int32), ("active", C.c_int32), ("queued", C.c_int32), ("largest_step", C.c_int32),
                 ("largest_plain", C.c_int32), ("steps", C.c_int64), ("drafting_steps", C.c_int64),
-                ("cycles", C.c_int64)]
+                ("cycles", C.c_int64), ("prefill_calls", C.c_int64), ("prefill_rows", C.c_int64)]
 
 
 class _Stats(C.Structure):
@@ -1653,13 +1653,13 @@ def _batch_scenario(be) -> list[dict]:  # noqa: ANN001
 _JOIN_AFTER, _CANCEL_AFTER = {4: [6]}, {6: 0}
 
 
-def _run_python_batch(be, rule, reqs: list[dict]):  # noqa: ANN001, ANN202
+def _run_python_batch(be, rule, reqs: list[dict], prefill_chunk: int | None = None):  # noqa: ANN001, ANN202
     from dflash2_trt.runtime import batch as BT
     from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
 
     log: list = []
     dec = BT.BatchDecoder(_LoggedTarget(OrtBatchedTargetRunner.from_backend(be, 3), log),
-                          lambda: _LoggedDrafter(be.draft_runner("greedy"), log), rule)
+                          lambda: _LoggedDrafter(be.draft_runner("greedy"), log), rule, prefill_chunk=prefill_chunk)
 
     def submit(i: int) -> int:
         r = reqs[i]
@@ -1766,6 +1766,56 @@ def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
                        ("C batch", adaptive))
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("chunk", [4, 9])
+def test_c_batch_chunked_prefill_equals_python_batch_decoder(lib, batch_be, chunk):
+    """Chunked prefill ("prefill_chunk") in the C batched core against the Python BatchDecoder's (prefill_chunk): the
+    scenario's requests that join while others decode prefill ``chunk`` rows a step over all joining prompts — the
+    same runner calls in the same order (each chunk a prefill forward at its slot's cache length, the chunks'
+    features reaching the drafter in one add_context), the same tokens, drafts and step counts; the path asserted
+    (prompts split into chunks, the info's prefill calls and rows = the prefill forwards logged). Every request's
+    tokens equal those of whole-prompt prefill ("prefill_chunk" 0; every request drafting, so the T > 0 requests'
+    draws do not depend on when the others start)."""
+    from dflash2_trt.runtime import batch as BT
+
+    reqs = _batch_scenario(batch_be)
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.1, verify_s=0.2)
+    opts = {"fixed_costs": "1.0,0.05,0.1,0.2", "prior_tau": 2.0}
+    for adaptive in (True, False):
+        rule = BT.SpeculationRule(costs=costs, adaptive=adaptive, prior_tau=2.0)
+        py, dec, py_log = _run_python_batch(batch_be, rule, reqs, prefill_chunk=chunk)
+        got, c = _run_c_batch(lib, batch_be, {**opts, "adaptive": adaptive, "prefill_chunk": chunk}, reqs)
+        try:
+            info = _assert_c_batch_equals_python(c, got, py, dec, py_log)
+            prefills = [e[1] for e in c.log if e[0] == "forward" and e[2]]
+            assert (info.prefill_calls, info.prefill_rows) == (len(prefills), sum(len(r) for p in prefills
+                                                                                    for _, r, _ in p))
+            assert info.prefill_rows == sum(len(r["prompt"]) for r in reqs)
+            # prompts cut into chunks (while nobody decodes: whole) and continued at a cache length past 0
+            assert any(sum(len(r) for _, r, _ in p) == chunk for p in prefills)
+            assert any(n > 0 for p in prefills for _, _, n in p)
+        finally:
+            c.close()
+    whole, cw = _run_c_batch(lib, batch_be, {**opts, "adaptive": False, "prefill_chunk": 0}, reqs)
+    try:
+        assert [r["tokens"] for r in got] == [r["tokens"] for r in whole]
+        assert cw.info().prefill_calls < info.prefill_calls
+    finally:
+        cw.close()
+
+
+def test_c_batch_planted_chunk_shift_is_caught(lib, batch_be, monkeypatch):
+    """Negative control: with $DFLASH2_PLANT_PREFILL_CHUNK_SHIFT=1 (a prompt chunk after the first takes its ids one
+    position early) the chunked batch's greedy tokens differ from whole-prompt prefill's."""
+    reqs = [dict(r, temperature=0.0) for r in _batch_scenario(batch_be)]
+    opts = {"fixed_costs": "1.0,0.05,0.1,0.2", "adaptive": False}
+    whole, cw = _run_c_batch(lib, batch_be, {**opts, "prefill_chunk": 0}, reqs)
+    cw.close()
+    monkeypatch.setenv("DFLASH2_PLANT_PREFILL_CHUNK_SHIFT", "1")  # (the library reads it at each prefill)
+    got, c = _run_c_batch(lib, batch_be, {**opts, "prefill_chunk": 4}, reqs)
+    c.close()
+    assert [r["tokens"] for r in got] != [r["tokens"] for r in whole]
 
 
 def _lookup_scenario(be) -> list[dict]:  # noqa: ANN001

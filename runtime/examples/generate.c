@@ -190,6 +190,12 @@ static int runBatch(dfl2_model* model, const dfl2_options* opts, const int32_t* 
         }
     }
     rc = 0;
+    dfl2_batch_info info;
+    if ((st = dfl2_batch_get_info(batch, &info)) == NULL) {
+        fprintf(stderr, "generate: batch: %lld steps, %lld prefill calls, %lld prefill rows\n", (long long) info.steps,
+                (long long) info.prefill_calls, (long long) info.prefill_rows);
+    }
+    dfl2_status_free(st);
     for (size_t i = 0; i < nReq; ++i) {
         const int32_t* t = NULL;
         size_t k = 0;

@@ -283,6 +283,8 @@ void batchStep(dfl2_batch& b)
         b.info.steps = c.steps;
         b.info.drafting_steps = c.draftingSteps;
         b.info.cycles = c.cycles;
+        b.info.prefill_calls = c.prefillCalls;
+        b.info.prefill_rows = c.prefillRows;
     }
     for (size_t i = 0; i < done.size(); ++i)
     {
@@ -660,7 +662,8 @@ dfl2_status* dfl2_batch_create(dfl2_model* model, dfl2_options const* options, d
         }
         b->maxBatch = slots;
         b->info.max_batch = slots;
-        b->decoder = std::make_unique<dflash2::BatchDecoder>(*b->runners, std::move(rule));
+        auto const chunk = static_cast<int32_t>(o.getInt("prefill_chunk", dflash2::kPREFILL_CHUNK));
+        b->decoder = std::make_unique<dflash2::BatchDecoder>(*b->runners, std::move(rule), chunk);
         *out = b.release();
     });
 }

@@ -49,6 +49,7 @@ std::vector<OptionSpec> const& optionSpecs()
         {"tau_window", OptionType::kINT, nullptr},
         {"probe_after", OptionType::kINT, nullptr},
         {"fixed_costs", OptionType::kSTRING, nullptr},
+        {"prefill_chunk", OptionType::kINT, nullptr},
     };
     return kSpecs;
 }
@@ -176,6 +177,10 @@ void checkRange(std::string const& key, OptionSpec const& spec, OptionValue cons
     if (key == "device" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > 1024))
     {
         bad("must be a CUDA device ordinal >= 0, got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "prefill_chunk" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > INT32_MAX))
+    {
+        bad("must be >= 0 (0: whole prompts at admission), got " + std::to_string(std::get<int64_t>(v)));
     }
     if (key == "ngram_rows" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > INT32_MAX))
     {

@@ -105,6 +105,8 @@
  *     "probe_after"     int    64     plain steps in a row after which a request's estimate returns to the prior
  *     "fixed_costs"     string ""     "" = step costs measured in this run; "a,b,d,v" = given costs in seconds:
  *                                     plain target call over n requests a + b * n, one draft d, one verify v
+ *     "prefill_chunk"   int    32     prompt rows a step computes over the prompts joining while other requests
+ *                                     decode (API 1.5; chunked prefill, BATCHED DECODING below); 0 = whole prompts
  *   A setter stores any known key on any options object; each create reads the keys it uses.
  */
 #ifndef DFLASH2_DFLASH2_H
@@ -128,14 +130,17 @@ extern "C" {
 /* ---- version ---------------------------------------------------------------------------------------- */
 
 #define DFL2_API_VERSION_MAJOR 1
-#define DFL2_API_VERSION_MINOR 4 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR; 1.2: prompt lookup
+#define DFL2_API_VERSION_MINOR 5 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR; 1.2: prompt lookup
                                   * ("proposer", "ngram_rows", dfl2_session_get_proposers, dfl2_batch_get_proposers);
                                   * 1.3: the ONNX Runtime backend ("backend" "ort", "threads", "ort_library",
                                   * dfl2_model_get_note); 1.4: a session's prefix reuse ("prefix_cache_bytes",
                                   * dfl2_stats.cached_tokens: the struct grew at its end, so a program compiled
                                   * against an older header must be rebuilt before it calls dfl2_*_get_stats or
                                   * dfl2_batch_get_result with stats); the sampling options and logprobs
-                                  * (dfl2_logprob, dfl2_session_get_logprobs, dfl2_batch_get_logprobs) */
+                                  * (dfl2_logprob, dfl2_session_get_logprobs, dfl2_batch_get_logprobs); 1.5:
+                                  * chunked prefill in a batch ("prefill_chunk", dfl2_batch_info.prefill_calls /
+                                  * prefill_rows: the struct grew at its end, so a program compiled against an
+                                  * older header must be rebuilt before it calls dfl2_batch_get_info) */
 #define DFL2_API_VERSION_PATCH 0
 /* (major << 16) | (minor << 8) | patch, of the header a program was compiled with */
 #define DFL2_API_VERSION \
@@ -424,11 +429,17 @@ DFL2_API dfl2_status* dfl2_session_get_proposers(const dfl2_session* session, co
  * a request's tokens are exactly its own single-session output whatever the batch; at T > 0 it draws its own
  * uniforms in the single loop's order, so its tokens follow the target's law and depend on the others only through
  * the rule's choice of plain step or cycle (not at all with "adaptive" false or "speculative" false).
- * A step: admit queued requests into free slots (their prompts prefilled together in one target call, each its
- * first token drawn); choose which requests draft (the rule below); draft for those; ONE target call for every
- * active request (ragged rows: a plain request's last token, a drafting request's [last token, drafts], each slot
- * at its own cache length); accept per request (its own accepted length); retire the ended ones, freeing their
- * slots.
+ * A step: admit queued requests into free slots; one prefill call (below); choose which requests draft (the rule
+ * below); draft for those; ONE target call for every active request whose prompt is whole (ragged rows: a plain
+ * request's last token, a drafting request's [last token, drafts], each slot at its own cache length); accept per
+ * request (its own accepted length); retire the ended ones, freeing their slots.
+ * CHUNKED PREFILL (API 1.5; the twin of the Python BatchDecoder's prefill_chunk). The prompts still prefilling, in
+ * the order they were admitted, compute their next rows in one target call per step: at most "prefill_chunk" rows
+ * over all of them while other requests decode (a long prompt joining running streams delays their next token by
+ * one chunk's time, not by the whole prompt's), whole prompts while nobody decodes or with "prefill_chunk" 0. A
+ * prompt whose last row is computed draws its first token; its rows' features reach its drafter in one
+ * batch_drafter_add_context call when the drafter first proposes. The tokens are those of whole-prompt prefill.
+ * dfl2_batch_info counts the prefill calls and rows.
  *
  * THE RULE ("adaptive" = true). Per step, with n active requests and the speculative ones sorted by their
  * estimated tokens per cycle t_1 >= t_2 >= ..., draft for the k that maximise
@@ -549,6 +560,8 @@ typedef struct dfl2_batch_info {
     int64_t steps;          /* steps that ran requests */
     int64_t drafting_steps; /* steps where at least one request drafted */
     int64_t cycles;         /* speculative cycles, all requests */
+    int64_t prefill_calls;  /* target calls that computed prompt rows (API 1.5; a chunked prompt: one per chunk) */
+    int64_t prefill_rows;   /* prompt rows those calls computed (API 1.5) */
 } dfl2_batch_info;
 
 DFL2_API dfl2_status* dfl2_batch_get_info(dfl2_batch* batch, dfl2_batch_info* out);

@@ -52,6 +52,15 @@ bool plantedHeldStepWeighed()
     return v != nullptr && std::string(v) == "1";
 }
 
+// $DFLASH2_PLANT_PREFILL_CHUNK_SHIFT=1: the tests' planted bug (a prompt chunk after the first takes its ids one
+// position early, so that tests/test_capi_batch_cache.py shows its comparison with whole-prompt prefill catching it);
+// never set it otherwise
+bool plantedPrefillChunkShift()
+{
+    char const* const v = std::getenv("DFLASH2_PLANT_PREFILL_CHUNK_SHIFT");
+    return v != nullptr && std::string(v) == "1";
+}
+
 } // namespace
 
 // ---- costs and the rule ------------------------------------------------------------------------------------
@@ -341,6 +350,8 @@ struct BatchDecoder::Seq
     int32_t plainRun{0};       //!< steps in a row the rule kept this candidate plain
     ProposerChoice choice;     //!< who proposes (made at admission: the context needs the first token)
     std::optional<Sampler> sampler;  //!< its transforms and logprobs (none: the raw target law)
+    int32_t prefilled{0};      //!< prompt positions the target holds while the prompt is prefilling
+    bool prefilling{false};    //!< holds a slot, its prompt not yet all computed: no decode step runs for it
     bool cancelled{false};
     bool done{false};
 
@@ -365,9 +376,10 @@ struct BatchDecoder::Seq
     }
 };
 
-BatchDecoder::BatchDecoder(BatchRunners& runners, SpeculationRule rule)
+BatchDecoder::BatchDecoder(BatchRunners& runners, SpeculationRule rule, int32_t prefillChunk)
     : mRunners(runners)
     , mRule(std::move(rule))
+    , mPrefillChunk(prefillChunk)
     , mSlotUsed(static_cast<size_t>(runners.slots()), false)
     , mCacheLength(static_cast<size_t>(runners.slots()), 0)
 {
@@ -446,7 +458,7 @@ void BatchDecoder::step()
     std::vector<Seq*> seqs;
     for (auto& s : mActive)
     {
-        if (!s->done)  // (a request can end at admission)
+        if (!s->done && !s->prefilling)  // (a request can end at admission)
         {
             seqs.push_back(s.get());
         }
@@ -589,8 +601,8 @@ void BatchDecoder::retire(std::vector<Seq*> const& seqs)
     }
 }
 
-// BatchDecoder._admit: queued requests into free slots (slots assigned shortest prompt first), their prompts
-// prefilled in one target forward, each its first token drawn
+// BatchDecoder._admit: queued requests into free slots (slots assigned shortest prompt first), each slot reset (then
+// every drafter), then one prefill step
 void BatchDecoder::admit()
 {
     std::vector<Seq*> fresh;
@@ -600,10 +612,6 @@ void BatchDecoder::admit()
         mActive.push_back(std::move(mQueue.front()));
         mQueue.pop_front();
         fresh.push_back(mActive.back().get());
-    }
-    if (fresh.empty())
-    {
-        return;
     }
     auto const t0 = Clock::now();
     std::vector<Seq*> byLength = fresh;
@@ -616,6 +624,7 @@ void BatchDecoder::admit()
         s->t0 = t0;
         *slot = true;
         mCacheLength[static_cast<size_t>(s->slot)] = 0;
+        s->prefilling = true;
         try
         {
             mRunners.targetReset(s->slot);
@@ -641,21 +650,42 @@ void BatchDecoder::admit()
             }
         }
     }
+    prefill();
+}
+
+// BatchDecoder._prefill: the prompts still prefilling, in admission order, forward their next rows in one target
+// forward — at most mPrefillChunk rows over all of them while other sequences decode, else whole prompts; the rows'
+// features join the slot's pending context; a prompt now whole draws its first token (start)
+void BatchDecoder::prefill()
+{
+    bool const decoding = std::any_of(
+        mActive.begin(), mActive.end(), [](auto const& s) { return !s->done && !s->prefilling; });
+    int64_t budget = mPrefillChunk > 0 && decoding ? mPrefillChunk : -1;  // -1: whole prompts
     std::vector<Seq*> fed;
     std::vector<SlotRows> rows;
-    for (Seq* s : fresh)
+    for (auto const& p : mActive)
     {
-        if (!s->done)
+        Seq* s = p.get();
+        if (s->done || !s->prefilling)
         {
-            fed.push_back(s);
-            rows.push_back(SlotRows{s->slot, 0, s->req.prompt});
+            continue;
         }
+        int64_t const left = static_cast<int64_t>(s->req.prompt.size()) - s->prefilled;
+        int64_t const take = budget < 0 ? left : std::min(budget, left);
+        if (take <= 0)
+        {
+            break;
+        }
+        auto const from = s->req.prompt.begin() + s->prefilled - (s->prefilled > 0 && plantedPrefillChunkShift());
+        fed.push_back(s);
+        rows.push_back(SlotRows{s->slot, s->prefilled, std::vector<int32_t>(from, from + take)});
+        budget = budget < 0 ? budget : budget - take;
     }
-    std::vector<float> logits;  // [fed, V]: each prompt's last row
     if (fed.empty())
     {
         return;
     }
+    std::vector<float> logits;  // [fed, V]: each sequence's last row
     try
     {
         mRunners.targetForward(rows, true, logits);
@@ -669,19 +699,42 @@ void BatchDecoder::admit()
         }
         return;
     }
+    ++mCounters.prefillCalls;
     size_t const V = static_cast<size_t>(mRunners.vocabSize());
     for (size_t i = 0; i < fed.size(); ++i)
     {
-        start(*fed[i], logits.data() + i * V);
+        Seq& s = *fed[i];
+        int32_t const n = static_cast<int32_t>(rows[i].ids.size());
+        mCounters.prefillRows += n;
+        s.prefilled += n;
+        mCacheLength[static_cast<size_t>(s.slot)] = s.prefilled;
+        try
+        {
+            if (s.usesDrafter())
+            {
+                mRunners.drafterQueueContext(s.slot, n);
+                s.pendingRows += n;
+            }
+        }
+        catch (...)
+        {
+            auto const [code, message] = errorOfCurrentException();
+            finish(s, code, message);
+            continue;
+        }
+        if (s.prefilled == static_cast<int32_t>(s.req.prompt.size()))
+        {
+            s.prefilling = false;
+            start(s, logits.data() + i * V);
+        }
     }
 }
 
 // the rest of _admit for one prefilled sequence (logits [V] of its last prompt row): its first token, its proposer
-// choice, the prompt's features queued for its drafter
+// choice (its prompt's features wait in the slot's pending context, queued chunk by chunk by prefill)
 void BatchDecoder::start(Seq& s, float const* logits)
 {
     int32_t const n = static_cast<int32_t>(s.req.prompt.size());
-    mCacheLength[static_cast<size_t>(s.slot)] = n;
     try
     {
         s.anchor = nextToken(logits, static_cast<size_t>(mRunners.vocabSize()), s.req.config.temperature,
@@ -701,12 +754,6 @@ void BatchDecoder::start(Seq& s, float const* logits)
             : cfg.ngramRows > 0                                ? cfg.ngramRows
                                                                : defaultLookupRows(mRunners.blockSize() - 1);
         s.choice = ProposerChoice(mode, std::move(context), lookupRows);
-        if (s.usesDrafter())
-        {
-            mRunners.drafterQueueContext(s.slot, n);
-            s.pendingRows = n;
-            s.pendingStart = 0;
-        }
         emit(s, &s.anchor, 1);
         if (s.cancelled || s.made() >= s.limit || isEos(s.req.config, s.anchor))
         {

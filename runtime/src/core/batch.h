@@ -4,9 +4,15 @@
 //! callbacks and compares them request by request).
 //!
 //! Requests join and leave between steps: submit() queues one, each step() first admits queued requests into
-//! free slots (slots given shortest prompt first; their prompts prefilled together in one target forward, each its
-//! first token drawn), then runs one step for every active sequence, then retires the finished ones (their own
-//! EOS set, max tokens, the capacity, a cancel), freeing their slots.
+//! free slots (slots given shortest prompt first), then runs one prefill step (below), then one step for every
+//! active sequence whose prompt is whole, then retires the finished ones (their own EOS set, max tokens, the
+//! capacity, a cancel), freeing their slots.
+//!
+//! Chunked prefill (batch._prefill): the prompts still prefilling, in admission order, compute their next rows in ONE
+//! target forward per step — at most `prefillChunk` rows over all of them while other sequences decode (a long prompt
+//! joining running streams delays their next token by one chunk's time, not by the whole prompt's); with nobody
+//! decoding, or prefillChunk 0, whole prompts. A prompt whose last row is computed draws its first token (start);
+//! the chunks' features wait in the slot's pending context until its drafter first proposes.
 //!
 //! One step, flat (the names of batch.py):
 //!   choose  which sequences draft this step and who proposes for each (SpeculationRule, below)
@@ -267,12 +273,20 @@ struct BatchCounters
     int32_t largestForward{0};  //!< most sequences in one step's target forward
     int32_t largestPlain{0};    //!< most plain steps (one row each) in one step's target forward
     int64_t cycles{0};          //!< speculative cycles over all sequences
+    int64_t prefillCalls{0};    //!< target forwards of prompt rows (a chunked prompt: one per chunk)
+    int64_t prefillRows{0};     //!< prompt rows those forwards computed
 };
+
+//! batch.DEFAULT_PREFILL_CHUNK: prompt rows a step computes over the prompts joining while others decode (the
+//! Generator's, the server's and option "prefill_chunk"'s default)
+constexpr int32_t kPREFILL_CHUNK = 32;
 
 class BatchDecoder
 {
 public:
-    BatchDecoder(BatchRunners& runners, SpeculationRule rule);
+    //! prefillChunk: prompt rows per step while others decode (batch.BatchDecoder's prefill_chunk; 0: whole prompts,
+    //! its None)
+    BatchDecoder(BatchRunners& runners, SpeculationRule rule, int32_t prefillChunk);
     ~BatchDecoder();  //!< (Seq is complete in batch.cpp only)
 
     //! Queue a request under the caller's id (checks the prompt, max tokens, and that no oracle is asked).
@@ -317,6 +331,7 @@ private:
         std::vector<int32_t> looked;
     };
     void admit();
+    void prefill();
     void start(Seq& s, float const* logits);
     std::vector<Plan> choose(std::vector<Seq*> const& seqs);
     std::map<Seq*, Proposal> propose(std::vector<Plan> const& plan);
@@ -333,6 +348,7 @@ private:
 
     BatchRunners& mRunners;
     SpeculationRule mRule;
+    int32_t mPrefillChunk;  //!< 0: whole prompts
     std::deque<std::unique_ptr<Seq>> mQueue;
     std::vector<std::unique_ptr<Seq>> mActive;  //!< in admission order (batch.py's dict order)
     std::vector<bool> mSlotUsed;

@@ -1,0 +1,157 @@
+"""The C library's batch (dfl2_batch, runtime/src/core/batch.cpp) on ONNX Runtime exports of tiny dense, hybrid and
+sliding-window pairs: chunked prefill ("prefill_chunk": a prompt joining running streams computed a chunk a step)
+gives the tokens of whole-prompt prefill, greedy and seeded at T > 0, with the path asserted through
+dfl2_batch_info's prefill counters. (The call-for-call twin test against the Python BatchDecoder and the planted
+chunk bug live with the other batch twins in tests/test_capi.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_capi import capi_build, vectors_path  # noqa: F401
+from test_prefix_cache import exports  # noqa: F401
+
+# One process per call (the library opens the onnxruntime wheel's library): per run a batch made with its options,
+# its requests submitted at their steps with numpy's uniforms for each request's seed, stepped until idle.
+_C_BATCH = r"""
+import ctypes as C, json, sys
+import numpy as np
+V, P = C.c_void_p, C.POINTER
+req = json.loads(sys.stdin.read())
+lib = C.CDLL(req["lib"])
+UNIFORM = C.CFUNCTYPE(C.c_int32, V, C.c_int, P(C.c_double), C.c_size_t)
+TOKENS = C.CFUNCTYPE(C.c_int32, V, P(C.c_int32), C.c_size_t)
+DONE = C.CFUNCTYPE(None, V, C.c_uint64, C.c_int, V)
+class Stats(C.Structure):
+    _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
+                ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("cum", P(C.c_double)),
+                ("cond", P(C.c_double)), ("accepted", P(C.c_int32)), ("proposed", P(C.c_int32)),
+                ("oracle", P(C.c_int32)), ("elapsed", C.c_double), ("cached", C.c_int32)]
+class Request(C.Structure):
+    _fields_ = [("struct_size", C.c_uint32), ("prompt", P(C.c_int32)), ("n_prompt", C.c_size_t),
+                ("options", V), ("on_tokens", TOKENS), ("on_done", DONE), ("user_data", V),
+                ("uniforms", UNIFORM), ("uniforms_user_data", V)]
+class Info(C.Structure):
+    _fields_ = [("max_batch", C.c_int32), ("active", C.c_int32), ("queued", C.c_int32), ("largest_step", C.c_int32),
+                ("largest_plain", C.c_int32), ("steps", C.c_int64), ("drafting_steps", C.c_int64),
+                ("cycles", C.c_int64), ("prefill_calls", C.c_int64), ("prefill_rows", C.c_int64)]
+for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
+                   "dfl2_model_load": [C.c_char_p, V, P(V)], "dfl2_batch_create": [V, V, P(V)],
+                   "dfl2_batch_submit": [V, P(Request), P(C.c_uint64)], "dfl2_batch_step": [V, P(C.c_size_t)],
+                   "dfl2_batch_get_result": [V, C.c_uint64, P(P(C.c_int32)), P(C.c_size_t), P(Stats), P(C.c_int32)],
+                   "dfl2_batch_get_info": [V, P(Info)]}.items():
+    getattr(lib, name).restype, getattr(lib, name).argtypes = V, args
+lib.dfl2_status_message.restype, lib.dfl2_status_message.argtypes = C.c_char_p, [V]
+def ok(st):
+    if st:
+        sys.exit("status: " + lib.dfl2_status_message(st).decode())
+def options(kvs):
+    o = V()
+    ok(lib.dfl2_options_create(C.byref(o)))
+    for kv in kvs:
+        ok(lib.dfl2_options_parse(o, kv.encode()))
+    return o
+model = V()
+ok(lib.dfl2_model_load(req["export"].encode(), options(req["model"]), C.byref(model)))
+keep = []
+def uniform_source(seed):
+    rng = np.random.default_rng(seed)
+    def uniforms(u, use, buf, n):  # numpy's draws as the Python runtime makes them
+        vals = rng.random((1, n), dtype=np.float32).reshape(-1) if use == 0 else np.array([rng.random()])
+        np.ctypeslib.as_array(buf, (n,))[:] = vals
+        return 0
+    keep.append(UNIFORM(uniforms))
+    return keep[-1]
+out = []
+for run in req["runs"]:
+    batch = V()
+    ok(lib.dfl2_batch_create(model, options(run["options"]), C.byref(batch)))
+    ids, step, pending = {}, 0, 0
+    todo = sorted(range(len(run["requests"])), key=lambda i: run["requests"][i]["after"])
+    while todo or pending:
+        while todo and run["requests"][todo[0]]["after"] <= step:
+            i = todo.pop(0)
+            r = run["requests"][i]
+            prompt = (C.c_int32 * len(r["prompt"]))(*r["prompt"])
+            keep.append(prompt)
+            q = Request(C.sizeof(Request), C.cast(prompt, P(C.c_int32)), len(r["prompt"]), options(r["options"]),
+                        TOKENS(0), DONE(0), None, uniform_source(r["seed"]), None)
+            rid = C.c_uint64()
+            ok(lib.dfl2_batch_submit(batch, C.byref(q), C.byref(rid)))
+            ids[i] = rid.value
+        n = C.c_size_t()
+        ok(lib.dfl2_batch_step(batch, C.byref(n)))
+        pending, step = n.value, step + 1
+    got = []
+    for i in range(len(run["requests"])):
+        toks, n, st, plain = P(C.c_int32)(), C.c_size_t(), Stats(), C.c_int32()
+        ok(lib.dfl2_batch_get_result(batch, ids[i], C.byref(toks), C.byref(n), C.byref(st), C.byref(plain)))
+        got.append({"tokens": toks[: n.value], "accepted": st.accepted[: st.cycles], "cached": st.cached})
+    info = Info()
+    ok(lib.dfl2_batch_get_info(batch, C.byref(info)))
+    out.append({"requests": got, "info": {k: getattr(info, k) for k, _ in Info._fields_}})
+print(json.dumps(out))
+"""
+
+
+def c_batches(build: Path, export: Path, runs: list[tuple[list[str], list[dict]]], env: dict | None = None) -> list:
+    """Per run (batch options, requests {prompt, seed, after, options}) one dfl2_batch of the C library over ``export``
+    (ONNX Runtime, 1 thread, ONNX Runtime's own ops), each request submitted before step ``after`` -> per run
+    {requests: [{tokens, accepted, cached}], info: dfl2_batch_info's fields}."""
+    import onnxruntime
+
+    req = {"lib": str(build / "lib" / "libdflash2.so"), "export": str(export), "model": ["backend=ort", "threads=1"],
+           "runs": [{"options": opts, "requests": [{"options": [], "seed": 0, "after": 0, **r} for r in reqs]}
+                    for opts, reqs in runs]}
+    venv = str(Path(onnxruntime.__file__).parents[4])  # VENV/lib/python3.X/site-packages/onnxruntime/__init__.py
+    proc = subprocess.run([sys.executable, "-c", _C_BATCH], input=json.dumps(req), capture_output=True, text=True,
+                          env={**os.environ, "VIRTUAL_ENV": venv, "DFLASH2_ORT_OPS": "/nonexistent", **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _joining(T: float) -> list[dict]:
+    """A running stream (long enough to outlast the others' chunks), then two long prompts joining it (after steps 2
+    and 4) and a short one; greedy or seeded."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    return [{"prompt": rng.integers(2, 200, n).tolist(), "seed": 10 + i, "after": after,
+             "options": [f"temperature={T}", f"max_new_tokens={new}", "eos_ids="]}
+            for i, (n, new, after) in enumerate([(12, 160, 0), (70, 24, 2), (45, 24, 4), (9, 24, 4)])]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "gpt_oss"])
+def test_chunked_prefill_equals_whole_prompts(capi_build, exports, arch):
+    """Dense, hybrid (the linear state carried from chunk to chunk) and sliding (rings of 24 wrapped by the chunks):
+    long prompts joining a running stream, prefilled 16 rows a step, give the tokens of whole-prompt prefill, greedy
+    and at T = 0.8 with the same seeds (every request drafting, so no draw depends on when the others start); the
+    path asserted: the chunked run made more prefill calls over the same prompt rows, drafts were accepted."""
+    export = exports(arch)
+    for T in (0.0, 0.8):
+        reqs = _joining(T)
+        chunked, whole = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", "prefill_chunk=16"], reqs),
+                                                        (["max_batch=4", "adaptive=false", "prefill_chunk=0"], reqs)])
+        assert [r["tokens"] for r in chunked["requests"]] == [r["tokens"] for r in whole["requests"]], T
+        rows = sum(len(r["prompt"]) for r in reqs)
+        assert chunked["info"]["prefill_rows"] == whole["info"]["prefill_rows"] == rows
+        assert chunked["info"]["prefill_calls"] >= whole["info"]["prefill_calls"] + 5  # 70 + 45 rows in chunks of 16
+        assert sum(sum(r["accepted"]) for r in chunked["requests"]) > 0
+
+
+def test_hybrid_planted_chunk_shift_is_caught(capi_build, exports):
+    """Negative control on the hybrid export: with $DFLASH2_PLANT_PREFILL_CHUNK_SHIFT=1 (a chunk after the first
+    takes its ids one position early) the joining prompts' tokens differ from whole-prompt prefill's."""
+    export = exports("qwen3_5")
+    reqs = _joining(0.0)
+    (whole,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", "prefill_chunk=0"], reqs)])
+    (planted,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", "prefill_chunk=16"], reqs)],
+                           env={"DFLASH2_PLANT_PREFILL_CHUNK_SHIFT": "1"})
+    assert planted["requests"][0]["tokens"] == whole["requests"][0]["tokens"]  # the running stream: whole at start
+    assert planted["requests"][1]["tokens"] != whole["requests"][1]["tokens"]
