@@ -234,3 +234,22 @@ def test_both_loops_accept_through_the_one_accept_step(acc_export, monkeypatch):
     bad_b = dec.run([(p, req(24, eos_ids=set()))])[0]
     assert bad.accepted and set(bad.accepted) == {0} and bad_b.accepted and set(bad_b.accepted) == {0}
     assert bad.tokens == good.tokens == bad_b.tokens  # greedy: the bonus token is the target's own either way
+
+
+@pytest.mark.parametrize("parse, body, param, code", [
+    ("parse_chat", {"messages": [{"role": "user", "content": "hi"}]}, "model", "missing_required_parameter"),
+    ("parse_chat", {"model": 3, "messages": [{"role": "user", "content": "hi"}]}, "model", "invalid_type"),
+    ("parse_chat", {"model": "m"}, "messages", "missing_required_parameter"),
+    ("parse_chat", {"model": "m", "messages": {"role": "user"}}, "messages", "invalid_type"),
+    ("parse_completion", {"model": "m"}, "prompt", "missing_required_parameter"),
+    ("parse_completion", {"prompt": "hi", "model": None}, "model", "missing_required_parameter"),
+])
+def test_the_server_names_a_missing_or_mistyped_required_field(parse, body, param, code):
+    """model, messages and prompt: absent (or null) -> missing_required_parameter, of the wrong type -> invalid_type;
+    OpenAI's error object names the field either way."""
+    from dflash2_trt.serving.http import protocol as P
+
+    with pytest.raises(P.RequestError) as e:
+        getattr(P, parse)(body)
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code), str(e.value)
+    assert param in str(e.value)

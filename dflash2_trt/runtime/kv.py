@@ -1,10 +1,14 @@
 """The KV capacity policy and the host KV buffer the backends share, the sliding layers' ring buffer, the target
-graph's per-layer state in layer order (:func:`layer_feed`, :func:`split_present`), and the target's id check.
+graph's per-layer state in layer order (:func:`layer_feed`, :func:`split_present`), the target's id check, and
+what a target runner keeps between forwards (:class:`TargetState`, :class:`BatchSlots`).
 
 Imports only numpy, the project error type and the manifest's window spec.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -13,6 +17,7 @@ from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import SlidingWindowSpec
 
 Kinds = tuple[str, ...] | list[str]
+T = TypeVar("T")
 
 
 def target_ids(ids: list[int], vocab_size: int) -> np.ndarray:
@@ -38,6 +43,36 @@ def check_slot_rows(rows: dict[int, list[int]], active: np.ndarray, lengths: np.
         if int(lengths[b]) + len(r) > max_positions:
             raise DFlash2Error(f"sequence of {int(lengths[b]) + len(r)} positions exceeds the exported cache capacity "
                                f"{max_positions} (re-export with a larger --max-seq-len)")
+
+
+class BatchSlots:
+    """The slot bookkeeping of a batched target runner (the fused and the standard ONNX Runtime ones): ``slots``,
+    ``active`` [slots] bool and ``lengths`` [slots] int64; a runner with per-slot state of its own resets it in
+    :meth:`_joined`."""
+
+    slots: int
+    active: np.ndarray
+    lengths: np.ndarray
+
+    def join(self) -> int:
+        """The lowest free slot, now active with length 0 (lowest: keeps the bound ranges short)."""
+        free = np.flatnonzero(~self.active)
+        if not free.size:
+            raise DFlash2Error(f"all {self.slots} batch slots are in use")
+        b = int(free[0])
+        self.active[b], self.lengths[b] = True, 0
+        self._joined(b)
+        return b
+
+    def _joined(self, slot: int) -> None:
+        """A new sequence in ``slot``: the runner's own per-slot state starts over (none here)."""
+
+    def leave(self, slot: int) -> None:
+        self.active[slot], self.lengths[slot] = False, 0
+
+    @property
+    def free_slots(self) -> int:
+        return int((~self.active).sum())
 
 
 def grown_capacity(n: int, capacity: int, step: int, max_capacity: int) -> int:
@@ -77,6 +112,30 @@ def put_rows(arrays: list[np.ndarray], slot: int, rows: list[np.ndarray]) -> Non
     """:func:`take_rows`' rows [heads, n, d] back into slot ``slot`` of the buffers, positions 0..n-1."""
     for a, r in zip(arrays, rows):
         a[slot, :, : r.shape[1]] = r
+
+
+class TargetState:
+    """What a single-sequence target runner keeps between forwards (the ONNX Runtime and TensorRT runners, host or
+    device buffers alike): ``kv``, the attention layers' cache, whose ``length`` is the cache length; ``linear`` and
+    ``ring``, a hybrid target's linear states and a sliding target's rings (None where it has none), each with a
+    ``reset()``; ``_call_start``, the cache length before the last forward (a rollback keeps rows of that call
+    only)."""
+
+    kv: Any
+    linear: Any
+    ring: Any
+    _call_start: int
+
+    def reset(self) -> None:
+        self.kv.reset()
+        for state in (self.linear, self.ring):
+            if state is not None:
+                state.reset()
+        self._call_start = 0
+
+    @property
+    def cache_length(self) -> int:
+        return self.kv.length
 
 
 class KVBuffer:
@@ -152,10 +211,11 @@ def layer_feed(kinds: Kinds, states: dict[str, list[np.ndarray]]) -> list[np.nda
     return out
 
 
-def split_present(kinds: Kinds, present: list[np.ndarray]) -> dict[str, list[np.ndarray]]:
-    """The graph's per-layer outputs (2 per layer with state, layer order) -> kind -> that kind's outputs in its own
-    layers' order (every kind of ``kinds`` a key): what :func:`layer_feed` takes back."""
-    out: dict[str, list[np.ndarray]] = {kind: [] for kind in kinds}
+def split_present(kinds: Kinds, present: Sequence[T]) -> dict[str, list[T]]:
+    """The graph's per-layer outputs (or their names; 2 per layer with state, layer order, an ``mlp`` layer has
+    none) -> kind -> that kind's in its own layers' order (every kind of ``kinds`` a key): what :func:`layer_feed`
+    takes back."""
+    out: dict[str, list[T]] = {kind: [] for kind in kinds}
     at = 0
     for kind in kinds:
         if kind != "mlp":

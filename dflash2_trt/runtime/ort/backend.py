@@ -21,7 +21,7 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (BLOCK_LAYERS, ORT_SUFFIX, TARGET_ORT, TARGET_STATE_ROWS, TARGET_WINDOW_POSITIONS,
                                   ExportManifest, GraphSpec, read_manifest)
-from dflash2_trt.runtime.kv import KVBuffer, WindowRing, layer_feed, split_present, target_ids
+from dflash2_trt.runtime.kv import KVBuffer, TargetState, WindowRing, layer_feed, split_present, target_ids
 from dflash2_trt.runtime.linear_state import LinearStates
 from dflash2_trt.runtime.prefix_cache import SlotState, restore_slot_state, slot_state
 from dflash2_trt.runtime.protocol import (BackendBase, BackendUnavailable, BatchDraftRunner, BatchTargetRunner, Draft,
@@ -354,7 +354,7 @@ class OrtBackend(BackendBase):
         self._sessions.clear()
 
 
-class OrtTargetRunner:
+class OrtTargetRunner(TargetState):
     """TargetRunner over ``target.onnx``: KV capacity buffers for the attention layers, ring buffers for the sliding
     layers (:class:`~dflash2_trt.runtime.kv.WindowRing`) and, for a target with linear layers, their states
     (:class:`~dflash2_trt.runtime.linear_state.LinearStates`); a crop into the last call rolls each back to the kept
@@ -370,24 +370,13 @@ class OrtTargetRunner:
         self.kinds = m.layer_kinds
         count = {kind: self.kinds.count(kind) for kind in ("attention", "sliding")}
         linear = [i for i, k in enumerate(self.kinds) if k == "linear"]
-        self.kv = KVBuffer(count["attention"], t.num_key_value_heads, t.head_dim, be.dtype, m.kv_capacity_step,
-                           m.max_seq_len)
+        self.kv: KVBuffer = KVBuffer(count["attention"], t.num_key_value_heads, t.head_dim, be.dtype,
+                                     m.kv_capacity_step, m.max_seq_len)
         self.names = m.target_kv_names()
         self.linear = LinearStates(linear, t.linear_state, be.dtype) if linear and t.linear_state else None
         self.ring = (WindowRing(count["sliding"], t.num_key_value_heads, t.head_dim, be.dtype, t.sliding_window)
                      if count["sliding"] and t.sliding_window else None)
         self._call_start = 0  # the cache length before the last forward (a rollback keeps rows of that call only)
-
-    def reset(self) -> None:
-        self.kv.reset()
-        for state in (self.linear, self.ring):
-            if state is not None:
-                state.reset()
-        self._call_start = 0
-
-    @property
-    def cache_length(self) -> int:
-        return self.kv.length
 
     def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""

@@ -28,14 +28,14 @@ import numpy as np
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import TARGET_STATE_ROWS, TARGET_WINDOW_POSITIONS
-from dflash2_trt.runtime.kv import (WindowRing, check_slot_rows, grown_slot_buffers, layer_feed, put_rows,
+from dflash2_trt.runtime.kv import (BatchSlots, WindowRing, check_slot_rows, grown_slot_buffers, layer_feed, put_rows,
                                     split_present, take_rows)
 from dflash2_trt.runtime.linear_state import LinearStates
 from dflash2_trt.runtime.prefix_cache import SlotState, restore_slot_state, slot_state
 from dflash2_trt.runtime.ort.batched_target import CALL_ROWS
 
 
-class OrtStandardBatchedTargetRunner:
+class OrtStandardBatchedTargetRunner(BatchSlots):
     """``slots`` sequences over the standard target graph (attention, linear and sliding layers)."""
 
     def __init__(self, be: Any, slots: int) -> None:  # be: OrtBackend
@@ -66,23 +66,11 @@ class OrtStandardBatchedTargetRunner:
         self.calls = 0
 
     # -- slots --------------------------------------------------------------------------------------------------
-    def join(self) -> int:
-        free = np.flatnonzero(~self.active)
-        if not free.size:
-            raise DFlash2Error(f"all {self.slots} batch slots are in use")
-        b = int(free[0])
-        self.active[b], self.lengths[b], self._call_start[b] = True, 0, 0
+    def _joined(self, slot: int) -> None:
+        self._call_start[slot] = 0
         for state in (self.linear, self.ring):
             if state is not None:
-                state.reset(b)
-        return b
-
-    def leave(self, slot: int) -> None:
-        self.active[slot], self.lengths[slot] = False, 0
-
-    @property
-    def free_slots(self) -> int:
-        return int((~self.active).sum())
+                state.reset(slot)
 
     def crop(self, slot: int, length: int) -> None:
         """Slot ``slot`` keeps positions 0..length-1: its KV by its length, its linear state rolled back into its

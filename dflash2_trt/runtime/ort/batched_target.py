@@ -48,7 +48,7 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (TARGET_LOGITS_INDEX, TARGET_ORT, TARGET_PAST_SEQLENS, target_kv_names,
                                   target_present_names)
-from dflash2_trt.runtime.kv import check_slot_rows, grown_slot_buffers, put_rows, take_rows
+from dflash2_trt.runtime.kv import BatchSlots, check_slot_rows, grown_slot_buffers, put_rows, take_rows
 from dflash2_trt.runtime.ort.failures import ort_failures
 
 CALL_ROWS = 12  # a graph call's fixed cost in rows (SmolLM2 fp32, 2 threads: ~29 ms a call + ~2.3 ms a row)
@@ -89,7 +89,7 @@ def _plan(items: tuple[tuple[int, int], ...], call_rows: float, max_rows: int) -
     return tuple(groups[::-1])
 
 
-class OrtBatchedTargetRunner:
+class OrtBatchedTargetRunner(BatchSlots):
     """``slots`` sequences over the fused target graph (CPU provider)."""
 
     def __init__(self, sess: Any, ort: Any, n_layers: int, kv_heads: int, head_dim: int, vocab_size: int,
@@ -134,22 +134,6 @@ class OrtBatchedTargetRunner:
                    t.vocab_size, m.max_seq_len, set(t.eos_token_ids), slots, m.kv_capacity_step)
 
     # -- slots --------------------------------------------------------------------------------------------------
-    def join(self) -> int:
-        """The lowest free slot, now active with length 0 (lowest: keeps the bound ranges short)."""
-        free = np.flatnonzero(~self.active)
-        if not free.size:
-            raise DFlash2Error(f"all {self.slots} batch slots are in use")
-        b = int(free[0])
-        self.active[b], self.lengths[b] = True, 0
-        return b
-
-    def leave(self, slot: int) -> None:
-        self.active[slot], self.lengths[slot] = False, 0
-
-    @property
-    def free_slots(self) -> int:
-        return int((~self.active).sum())
-
     def crop(self, slot: int, length: int) -> None:
         """Slot ``slot`` keeps positions 0..length-1 (no copy: the stale slots are hidden, then overwritten)."""
         self.lengths[slot] = min(int(self.lengths[slot]), max(0, int(length)))

@@ -52,6 +52,7 @@ import numpy as np
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.manifest import (TARGET_STATE_ROWS, TARGET_WINDOW_POSITIONS, EngineProfile, ExportManifest,
                                   LinearStateSpec, read_manifest, sha256_file)
+from dflash2_trt.runtime.kv import TargetState, split_present
 from dflash2_trt.runtime.prefix_cache import SlotState
 from dflash2_trt.runtime.protocol import BackendBase, BackendUnavailable, Draft
 from dflash2_trt.runtime.trt.cuda_api import CudaApi, CudaRuntime
@@ -317,7 +318,7 @@ def _io(be: TrtBackend, eng: TrtEngine, max_shapes: dict[str, tuple[int, ...]], 
     return {n: be.pool.tensor(n, eng.dtypes[n], max_shapes[n], n in host) for n in max_shapes}
 
 
-class TrtTargetRunner:
+class TrtTargetRunner(TargetState):
     """TargetRunner over the ``target`` engine (profiles ``prefill`` and ``step``): the attention layers' KV in
     :class:`DeviceKV`, for a target with linear layers their state in :class:`DeviceLinearState`, for one with
     sliding layers their rings in :class:`DeviceWindowRing` (bound in place at the ring's fixed size, the
@@ -342,9 +343,9 @@ class TrtTargetRunner:
         self.kv_names, self.linear_names, self.ring_names = past["attention"], past["linear"], past["sliding"]
         self.present, self.linear_present, self.ring_present = (present["attention"], present["linear"],
                                                                 present["sliding"])
-        self.kv = DeviceKV(be.api, be.pool, len(self.kv_names) // 2, kvh, d,
-                           self.eng.dtypes[self.kv_names[0]].itemsize, m.kv_capacity_step, m.max_seq_len, be.stream,
-                           be.graphs.invalidate)
+        self.kv: DeviceKV = DeviceKV(be.api, be.pool, len(self.kv_names) // 2, kvh, d,
+                                     self.eng.dtypes[self.kv_names[0]].itemsize, m.kv_capacity_step,
+                                     m.max_seq_len, be.stream, be.graphs.invalidate)
         self.chunk = self.eng.max_dim("prefill", "sequence")
         self.step_rows = self.eng.max_dim("step", "sequence")
         F = int(self.eng.engine.get_tensor_shape("context_features")[2])
@@ -393,17 +394,6 @@ class TrtTargetRunner:
         for conv, rec in zip(self.linear_present[0::2], self.linear_present[1::2]):
             shapes[conv], shapes[rec] = (1, spec.conv_dim, self.chunk), (1, rows, *state)
         return shapes
-
-    def reset(self) -> None:
-        self.kv.reset()
-        for state in (self.linear, self.ring):
-            if state is not None:
-                state.reset()
-        self._call_start = 0
-
-    @property
-    def cache_length(self) -> int:
-        return self.kv.length
 
     def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""
@@ -646,15 +636,8 @@ class TrtDraftRunner:
 
 
 def _by_kind(kinds: Sequence[str], names: Sequence[str]) -> dict[str, list[str]]:
-    """The target's per-layer state names (2 per layer with state, layer order; an ``mlp`` layer has none) -> kind
-    -> that kind's names (every kind of LAYER_KINDS a key)."""
-    out: dict[str, list[str]] = {kind: [] for kind in LAYER_KINDS}
-    at = 0
-    for kind in kinds:
-        if kind != "mlp":
-            out[kind].extend(names[at: at + 2])
-            at += 2
-    return out
+    """The target's per-layer state names -> kind -> that kind's names (every kind of LAYER_KINDS a key)."""
+    return {kind: [] for kind in LAYER_KINDS} | split_present(list(kinds), names)
 
 
 def _addresses(addr: dict[str, int], io: dict[str, IOTensor], ctx: object) -> tuple[int, ...]:

@@ -191,6 +191,16 @@ def _type_error(name: str, expected: str, v: Any) -> RequestError:
                         code="invalid_type")
 
 
+def _required(body: dict, name: str, kind: type | None = None, expected: str = "") -> Any:
+    """``body[name]``, or the missing-parameter error; with ``kind``: of that type, or the type error (``expected``)."""
+    v = body.get(name)
+    if v is None:
+        raise RequestError(f"you must provide a {name} parameter", name, code="missing_required_parameter")
+    if kind is not None and not isinstance(v, kind):
+        raise _type_error(name, expected, v)
+    return v
+
+
 def _integer(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
@@ -247,11 +257,7 @@ def _common(body: dict, kind: str, strict: bool = False) -> dict:
             raise RequestError(f"'{name}'{f' = {shown}' if shown else ''} is not supported by this server"
                                + (f" (it takes {' or '.join(json.dumps(w) for w in ok)} only)" if ok else ""), name,
                                code="unsupported_value")
-    model = body.get("model")
-    if model is None:
-        raise RequestError("you must provide a model parameter", "model", code="missing_required_parameter")
-    if not isinstance(model, str):
-        raise _type_error("model", "a string", model)
+    model = _required(body, "model", str, "a string")
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
@@ -349,11 +355,7 @@ def parse_chat(body: dict, strict: bool = False) -> ParsedRequest:
     elif body.get("max_completion_tokens") is not None:
         raise RequestError("give one of 'max_tokens' and 'max_completion_tokens'", "max_completion_tokens",
                            code="invalid_value")
-    msgs = body.get("messages")
-    if msgs is None:
-        raise RequestError("you must provide a messages parameter", "messages", code="missing_required_parameter")
-    if not isinstance(msgs, list):
-        raise _type_error("messages", "an array", msgs)
+    msgs = _required(body, "messages", list, "an array")
     if not msgs:
         raise RequestError("'messages' must hold at least one message", "messages", code="invalid_value")
     out = []
@@ -414,9 +416,7 @@ def parse_completion(body: dict, strict: bool = False) -> ParsedRequest:
     """A ``/v1/completions`` body -> its ParsedRequest, or RequestError; ``strict``: harmless keys refused."""
     c = _common(body, COMPLETION, strict)
     c["echo"] = _boolean(body, "echo")
-    p = body.get("prompt")
-    if p is None:
-        raise RequestError("you must provide a prompt parameter", "prompt", code="missing_required_parameter")
+    p = _required(body, "prompt")
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):  # a batch of prompts
         if len(p) > MAX_PROMPTS:
             raise RequestError(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt",
