@@ -458,36 +458,3 @@ def test_what_the_graph_does_not_compute_is_refused_in_one_line(tmp_path):
     with pytest.raises(DFlash2Error, match="per-layer-input embeddings") as e:
         gemma.check_exportable(m)
     assert "\n" not in str(e.value)
-
-
-def test_training_on_a_gemma4_pair(accepting, tmp_path):
-    """make-data (every row the target's greedy chain of one unpadded forward), a few training steps from the pair's
-    drafter and the offline τ on the accepting Gemma 4 pair; the trained drafter's config carries the target's
-    embedding scale, soft cap and the global layers' RoPE θ, and its heads are the sliding layers'."""
-    from dflash2_trt.train.data import GeneratedData
-    from dflash2_trt.train.make_data import MakeDataConfig, make_data
-    from dflash2_trt.train.trainer import TrainConfig, offline_tau, train
-
-    pair, t, _ = accepting
-    rng = np.random.default_rng(5)
-    prompts = [{"src": "t", "chat": False, "text": " ".join(["ab cd", "ef gh", "ij"][int(i) % 3] for i in
-                                                          rng.integers(0, 3, int(n)))} for n in rng.integers(2, 12, 6)]
-    make_data(MakeDataConfig(target=str(pair / "target"), out=str(tmp_path / "d"), max_new_tokens=12, batch=3,
-                             shard_size=3, sample_every=0, n_self=0, target_layer_ids=[0, 2], topk=4), progress=False,
-              prompts=prompts)
-    data = GeneratedData(tmp_path / "d")
-    assert len(data) == len(prompts)
-    for i in range(len(data)):
-        r = data.row(i)
-        with torch.no_grad():
-            o = t.model(input_ids=torch.from_numpy(r.tokens.astype(np.int64))[None])
-        assert np.array_equal(r.tokens[r.prompt_len:], o.logits[0].argmax(-1).numpy()[r.prompt_len - 1: -1])
-    d = train(TrainConfig(target=str(pair / "target"), data=str(tmp_path / "d"), out=str(tmp_path / "run"),
-                          block_size=4, layers=2, selector_rank=24, steps=3, batch_seqs=3, anchors_per_seq=4, lr=1e-4,
-                          checkpoint_every=3, log_every=1, init=str(pair / "drafter"), sampled_softmax=0, eval_rows=2,
-                          heldout_shards=1), progress=False).eval()
-    c = d.config
-    assert (c.input_embedding_scale, c.final_logit_softcapping, c.rope_theta, c.rope_scaling) == (8.0, 10.0, 1e8, None)
-    assert (c.num_key_value_heads, c.head_dim) == gemma.drafter_heads(t.model.config) == (2, 16)
-    rows = [i for i in range(len(data)) if data.row(i).tokens.shape[0] - data.row(i).prompt_len >= 2]
-    assert offline_tau(d, data, np.asarray(rows))["tau"] >= 1.0

@@ -5,7 +5,10 @@ recorded past is what a rollback restores), lossless greedy decoding with a draf
 rejected at every length, a planted bug (a sliding window cropped without its recorded past) caught; all three
 exported and decoded on ONNX Runtime (a graph without its window caught), the sliding layers' rings bounded, wrapping
 and rolled back (two planted ring bugs caught), the batched loop's slots equal to single runs, and each family's
-``make-tiny --accepting`` pair (drafts accepted, lossless on PyTorch and ONNX Runtime)."""
+``make-tiny --accepting`` pair (drafts accepted, lossless on PyTorch and ONNX Runtime). For Gemma 4 and Nemotron-H:
+``make-data`` / ``train`` / ``eval-tau`` end to end on their accepting pairs, and the sampling law at T = 1 (three
+tokens' joint law, chi-square, with rollbacks between them) with a wrong residual and an SSM state not rolled back
+caught."""
 
 from __future__ import annotations
 
@@ -563,3 +566,245 @@ def test_the_sliding_window_recipe_runs_on_a_tiny_gpt_oss_pair(tmp_path):
     assert "lossless: True" in r.stdout
     m = json.loads((tmp_path / "e" / "manifest.json").read_text())
     assert m["manifest_version"] == 3 and m["target"]["sliding_window"] == {"window": 8, "ring_slots": 24}
+
+
+# -- Gemma 4 and Nemotron-H: training end to end, the sampling law ------------------------------------------
+
+_TRAIN_PROMPTS = ["ab cd ef", "gh ij ab cd", "ef gh", "ij ab cd ef gh ij", "cd ef gh", "ab ab cd", "gh gh ij", "ef ab"]
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "nemotron_h"])
+def test_training_cli_on_the_family(arch, tmp_path, capsys):
+    """``dflash2 make-tiny --accepting``, ``make-data``, ``train`` (warm start from the pair's drafter) and ``eval-tau``
+    on a Gemma 4 and a Nemotron-H pair: every stored row is the target's greedy chain of one unpadded forward; the
+    trained drafter's config carries what the family gives it (Gemma 4: the target's embedding scale, soft cap, full
+    layers' RoPE θ and sliding layers' heads; Nemotron-H, whose attention has no position embeddings: the warm-start
+    drafter's RoPE, the target's layer_norm_epsilon); a cold start copies a target layer's attention and norm (a
+    Nemotron-H block's mixer and norm); ``eval-tau`` walks the held-out rows. Nemotron-H trained without a warm start
+    is refused in one line (no RoPE to take)."""
+    import json
+
+    from dflash2_trt.cli import main
+    from dflash2_trt.model import load_drafter
+    from dflash2_trt.targets.adapter import TargetModel
+    from dflash2_trt.train.data import GeneratedData
+    from dflash2_trt.train.trainer import init_drafter
+
+    pair, data, run = tmp_path / "pair", tmp_path / "d", tmp_path / "run"
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"text": t, "chat": False}) + "\n" for t in _TRAIN_PROMPTS))
+    assert main(["make-tiny", "--out", str(pair), "--arch", arch, "--accepting", "--block-size", "4"]) == 0
+    assert main(["make-data", "--target", str(pair / "target"), "--out", str(data), "--prompt-file",
+                 str(tmp_path / "p.jsonl"), "--prompts", "8", "--max-new-tokens", "12", "--batch", "4", "--shard-size",
+                 "4", "--sample-every", "0", "--target-layer-ids", "0,2", "--topk", "4", "--threads", "1"]) == 0
+    t = TargetModel.load(pair / "target")
+    rows = GeneratedData(data)
+    assert len(rows) == len(_TRAIN_PROMPTS)
+    for i in range(len(rows)):
+        r = rows.row(i)
+        with torch.no_grad():
+            o = t.model(input_ids=torch.from_numpy(r.tokens.astype(np.int64))[None])
+        assert np.array_equal(r.tokens[r.prompt_len:], o.logits[0].argmax(-1).numpy()[r.prompt_len - 1: -1])
+    train = ["train", "--target", str(pair / "target"), "--data", str(data), "--block-size", "4", "--steps", "3",
+             "--eval-rows", "2", "--sampled-softmax", "0", "--threads", "1", "--layers", "2"]
+    assert main(train + ["--out", str(run), "--init", str(pair / "drafter")]) == 0
+    c = load_drafter(run).config
+    warm = load_drafter(pair / "drafter").config
+    if arch == "gemma4":
+        from dflash2_trt.targets import gemma
+
+        assert (c.input_embedding_scale, c.final_logit_softcapping, c.rope_theta) == (8.0, 10.0, 1e8)
+        assert (c.num_key_value_heads, c.head_dim) == gemma.drafter_heads(t.model.config) == (2, 16)
+    else:
+        assert (c.rope_theta, c.rope_scaling) == (warm.rope_theta, warm.rope_scaling)
+        assert c.rms_norm_eps == t.model.config.layer_norm_epsilon and c.final_logit_softcapping is None
+        capsys.readouterr()
+        assert main(train + ["--out", str(tmp_path / "cold"), "--init", "target"]) == 1
+        err = capsys.readouterr().err
+        assert "has no RoPE" in err and err.count("\n") == 1
+    src = 0 if arch == "gemma4" else 2  # a layer whose attention has the drafter's heads (Nemotron-H: its attention)
+    d, _ = init_drafter(c, t, 0, "target", init_layers=[src, src])  # a cold start copies the target layer's weights
+    dec = t.model.get_decoder()
+    attn = getattr(dec.layers[src], "self_attn", None) or dec.layers[src].mixer
+    norm = getattr(dec.layers[src], "input_layernorm", None) or dec.layers[src].norm
+    assert torch.equal(d.layers[1].self_attn.o_proj.weight, attn.o_proj.weight)
+    assert torch.equal(d.layers[1].input_layernorm.weight, norm.weight)
+    capsys.readouterr()
+    assert main(["eval-tau", "--target", str(pair / "target"), "--drafter", str(run), "--data", str(data),
+                 "--threads", "1"]) == 0
+    tau = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert tau["rows"] >= 2 and tau["cycles"] > 0 and tau["tau"] >= 1.0, tau
+
+
+_LAW_V = 6  # the law tests' vocabulary: three tokens' joint law has 216 cells
+
+
+def _law_target(arch: str):  # noqa: ANN202
+    """A tiny random target of ``arch`` with a 6-token vocabulary: Gemma 4 with sliding windows of 4 (shorter than the
+    prompt), global layers with keys = values and shared layers; Nemotron-H whose Mamba-2 layers keep a long memory
+    (a decay ~0.9 a row, step 0.97, no skip: the SSM state is what their output reads)."""
+    import transformers
+
+    from dflash2_trt.targets.adapter import TargetModel
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=_LAW_V, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=16, max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.5,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "gemma4":
+        m = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(
+            num_hidden_layers=6, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+            num_kv_shared_layers=3, sliding_window=4, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                "rope_theta": 1e6}}, **small))
+    else:
+        m = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+            layers_block_type=["mamba", "moe", "attention", "mamba"], mamba_num_heads=4, mamba_head_dim=8,
+            ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, **small))
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("mixer.dt_bias"):
+                    p.fill_(0.5)
+                elif name.endswith("mixer.A_log"):
+                    p.fill_(float(np.log(0.1)))
+                elif name.endswith("mixer.D"):
+                    p.zero_()
+    return TargetModel(m.eval())
+
+
+class _LawOf:
+    """The target's next-token law at T = 1 after a token sequence, from a fresh forward over it (memoized)."""
+
+    def __init__(self, target) -> None:  # noqa: ANN001
+        self.target, self.memo = target, {}
+
+    def __call__(self, seq: list[int]) -> np.ndarray:
+        from dflash2_trt.acceptance import softmax_t
+
+        if tuple(seq) not in self.memo:
+            self.target.reset([])
+            with torch.no_grad():
+                self.memo[tuple(seq)] = softmax_t(self.target.forward(torch.tensor(seq))[0][-1].numpy(), 1.0)
+        return self.memo[tuple(seq)]
+
+
+class _ReplayedTarget:
+    """A target runner whose answers are memoized by every call since its reset (forwards and crops, in order): the
+    real runner -- its own rollback included -- computes each new call sequence once (replaying it from a reset when
+    it last ran another), so thousands of sampled runs cost what their distinct paths cost."""
+
+    def __init__(self, runner) -> None:  # noqa: ANN001
+        self.runner, self.vocab_size, self.max_positions, self.eos_ids = runner, runner.vocab_size, 64, set()
+        self.calls: tuple = ()
+        self.ran: tuple | None = None  # the calls the real runner has run since its reset
+        self.memo: dict = {}
+        self.length = 0
+
+    def reset(self) -> None:
+        self.calls, self.length = (), 0
+
+    @property
+    def cache_length(self) -> int:
+        return self.length
+
+    def forward(self, ids: list[int]):  # noqa: ANN201
+        key = self.calls + (("forward", *ids),)
+        if key not in self.memo:
+            if self.ran != self.calls:
+                self.runner.reset()
+                for op, *args in self.calls:
+                    self.runner.forward(list(args)) if op == "forward" else self.runner.crop(args[0])
+            self.memo[key] = self.runner.forward(list(ids))
+            self.ran = key
+        self.calls, self.length = key, self.length + len(ids)
+        return self.memo[key]
+
+    def crop(self, length: int) -> None:
+        if length < self.length:
+            self.calls, self.length = self.calls + (("crop", length),), length
+
+
+class _ModeDrafter:
+    """A draft runner proposing, one row a cycle, the target's most likely next token (a one-hot proposal, as a prompt
+    lookup's): accepted with probability p(mode), else the next token is drawn from the residual and the target
+    rolls back the draft's row before the next cycle reads its state."""
+
+    block_size, num_draft_rows, top_k = 2, 1, 1
+
+    def __init__(self, law: _LawOf, prompt: list[int]) -> None:
+        self.law, self.prompt = law, prompt
+
+    def reset(self) -> None:
+        self.seq = list(self.prompt)
+
+    def add_context(self, feats, start) -> None:  # noqa: ANN001
+        pass
+
+    def propose(self, anchor, pos, rows, temperature, uniforms):  # noqa: ANN001, ANN201
+        self.seq = self.seq[:pos] + [anchor]  # the drafts it proposed before pos were accepted
+        d = int(np.argmax(self.law(self.seq)))
+        self.seq.append(d)
+        return lookup_draft([d])
+
+
+def _no_ssm_rollback(cache, length):  # noqa: ANN001, ANN202
+    """Planted bug: the KV and convolutions are rolled back, each Mamba-2 SSM state stays the one after the draft."""
+    remove = int(cache.get_seq_length()) - length
+    if remove <= 0:
+        return
+    last = {i: layer.recurrent_states[0].clone() for i, layer in enumerate(cache.layers)
+            if hasattr(layer, "conv_states")}
+    cache.crop(-remove)
+    for i, state in last.items():
+        cache.layers[i].recurrent_states[0] = state
+
+
+def _residual_is_p(drafts, q, p, rng):  # noqa: ANN001, ANN202
+    """Planted bug: a rejected row resampled from p instead of normalize(max(p - q, 0))."""
+    for i, tok in enumerate(drafts):
+        if not (q[i, tok] > 0 and rng.random() < min(1.0, p[i, tok] / q[i, tok])):
+            return i, int(rng.choice(p.shape[1], p=p[i]))
+    return len(drafts), int(rng.choice(p.shape[1], p=p[len(drafts)]))
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: a 6-token model's ops, where a second thread only waits (a loaded machine
+    makes each wait milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("arch,bug", [("gemma4", None), ("gemma4", "residual_is_p"), ("nemotron_h", None),
+                                      ("nemotron_h", "residual_is_p"), ("nemotron_h", "no_ssm_rollback")])
+def test_sampling_keeps_the_target_law(arch, bug, monkeypatch, one_thread):
+    """T = 1 on a Gemma 4 and a Nemotron-H target: the joint law of the first three tokens of 3000 sampled runs
+    (block size 2: the first verify accepts the draft with probability p(d), else resamples and rolls the target
+    back, and the third token is read from the rolled-back state) is the target's own -- chi-square against the exact
+    law from fresh forwards, p > 1e-3; about a fifth of the drafts accepted and rejections on the paths that carry
+    the mass. Negative controls, each failing the same test (p < 1e-6): a rejected row resampled from p (both
+    families); the Mamba-2 SSM state not rolled back (Nemotron-H)."""
+    from dflash2_trt import acceptance
+    from dflash2_trt.runtime.torch.backend import TorchTargetRunner
+    from dflash2_trt.targets import nemotron_h
+    from helpers import two_token_p_value
+
+    t = _law_target(arch)
+    law_of, prompt = _LawOf(t), [1, 2, 3, 4, 5, 0, 1, 2]
+    law = {(a, b, c): law_of(prompt)[a] * law_of(prompt + [a])[b] * pc
+           for a in range(_LAW_V) for b in range(_LAW_V) for c, pc in enumerate(law_of(prompt + [a, b]))}
+    if bug == "residual_is_p":
+        monkeypatch.setattr(acceptance, "accept_rejection", _residual_is_p)
+    elif bug == "no_ssm_rollback":
+        monkeypatch.setattr(nemotron_h, "rollback", _no_ssm_rollback)
+    target = _ReplayedTarget(TorchTargetRunner(t))
+    runs = [D.speculative_generate(target, _ModeDrafter(law_of, prompt), prompt,
+                                   req(3, temperature=1.0, eos_ids=set(), seed=s)) for s in range(3000)]
+    accepted = [r.accepted[0] for r in runs]
+    assert 0.05 < np.mean(accepted) < 0.95 and any(("crop", len(prompt) + 1) in k for k in target.memo)
+    p_value = two_token_p_value(law, [tuple(r.tokens[:3]) for r in runs])  # the helper's chi-square, any tuple
+    assert p_value > 1e-3 if bug is None else p_value < 1e-6, p_value

@@ -18,7 +18,8 @@ generated) and the tap features captured while generating — so a training step
   candidates are the top-K over that same set (with ``selector_full_topk``, over the full vocabulary,
   exactly as decoding does — slower on a CPU).
 * **RoPE θ** is read from the target's ``rope_parameters`` (transformers 5; or ``rope_theta`` of older
-  configs); a missing or non-default RoPE is a :class:`DFlash2Error`, never a silent 10000.
+  configs); a missing or non-default RoPE is a :class:`DFlash2Error`, never a silent 10000. A target whose
+  attention has no position embeddings (Nemotron-H) gives none: the warm-start drafter's (``init``) is kept.
 * Each step's rows, anchors and negatives come from a generator seeded by ``(seed, step)``, so ``--resume``
   replays exactly the data an uninterrupted run would see.
 * **Devices, dtypes, processes** (:mod:`dflash2_trt.train.dist`): ``device`` cpu / cuda; ``dtype`` is the
@@ -113,13 +114,26 @@ def _mask_token_id(target) -> int:  # noqa: ANN001
     return target.vocab_size - 1
 
 
+def _drafter_rope(hf, warm: DFlash2Config | None) -> dict:  # noqa: ANN001
+    """The drafter's RoPE: the target's (:func:`rope_from_hf`); a target without position embeddings (Nemotron-H's
+    attention) gives none, so the warm-start drafter's own is kept, else DFlash2Error (no safe default)."""
+    d = hf.to_dict()
+    if d.get("rope_parameters") or d.get("rope_theta") is not None:
+        return rope_from_hf(hf)
+    if warm is None:
+        raise DFlash2Error(f"target {d.get('model_type')!r} has no RoPE (its attention has no position embeddings): "
+                           "give the drafter's with --init DRAFTER, a drafter folder whose config sets rope_theta")
+    return {"rope_theta": warm.rope_theta, "rope_scaling": warm.rope_scaling}
+
+
 def make_drafter_config(tc: TrainConfig, target, layer_ids: list[int]) -> DFlash2Config:  # noqa: ANN001
     """The drafter's config from the target's (a vision-language target: its language model's); a warm start keeps
     its drafter's MASK id unless one is given."""
     hf = getattr(target.model.config, "text_config", None) or target.model.config
     mask = tc.mask_token_id
-    if mask is None and tc.init not in ("target", "random"):
-        mask = DFlash2Config.from_json_file(Path(tc.init) / "config.json").mask_token_id
+    warm = DFlash2Config.from_json_file(Path(tc.init) / "config.json") if tc.init not in ("target", "random") else None
+    if mask is None and warm is not None:
+        mask = warm.mask_token_id
     if mask is None:
         mask = _mask_token_id(target)
     heads = int(hf.num_attention_heads)
@@ -130,13 +144,30 @@ def make_drafter_config(tc: TrainConfig, target, layer_ids: list[int]) -> DFlash
     return DFlash2Config(
         hidden_size=target.hidden_size, intermediate_size=int(hf.intermediate_size), num_hidden_layers=tc.layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(hf.rms_norm_eps), **rope_from_hf(hf),
+        rms_norm_eps=float(getattr(hf, "rms_norm_eps", None) or hf.layer_norm_epsilon),  # Nemotron-H: the latter
+        **_drafter_rope(hf, warm),
         vocab_size=target.vocab_size, num_target_layers=target.num_layers, target_layer_ids=list(layer_ids),
         block_size=tc.block_size,
         mask_token_id=mask,
         selector_rank=tc.selector_rank, selector_top_k=tc.selector_top_k,
         architecture=ARCH_V2 if (tc.use_conv or tc.use_selector) else ARCH_V1,
         use_conv=tc.use_conv, use_selector=tc.use_selector)
+
+
+def _init_pairs(layer, src) -> list[tuple]:  # noqa: ANN001
+    """(drafter module, target module) pairs a drafter layer copies from target layer ``src``, by name: a decoder
+    layer's attention, MLP and norms; a Nemotron-H block's mixer (attention: its projections; MLP / MoE: nothing of
+    the gated MLP's shape) and its one norm as the input norm. Modules the target layer lacks are left out."""
+    attn = getattr(src, "self_attn", None) or getattr(src, "mixer", None)
+    mlp = getattr(src, "mlp", None)
+    names = [(layer.self_attn, attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+             (layer.mlp, mlp, ("gate_proj", "up_proj", "down_proj")),
+             (layer, src, ("input_layernorm", "post_attention_layernorm"))]
+    pairs = [(getattr(dst, n), getattr(s, n)) for dst, s, ns in names for n in ns
+             if s is not None and isinstance(getattr(s, n, None), torch.nn.Module)]
+    if not hasattr(src, "input_layernorm") and isinstance(getattr(src, "norm", None), torch.nn.Module):
+        pairs.append((layer.input_layernorm, src.norm))
+    return [(dst, s) for dst, s in pairs if hasattr(s, "weight") and s.weight is not None]
 
 
 @torch.no_grad()
@@ -159,21 +190,16 @@ def init_drafter(cfg: DFlash2Config, target, seed: int, init: str = "target",  #
     d.reset_identity_convs()
     info: dict = {"init": init}
     if init == "target":
-        layers = target.model.model.layers
+        dec = target.model.get_decoder()
+        layers = dec.layers
         src_ids = init_layers or list(range(len(layers) - len(d.layers), len(layers)))
         if len(src_ids) != len(d.layers) or not all(0 <= i < len(layers) for i in src_ids):
             raise DFlash2Error(f"--init-layers {src_ids}: need {len(d.layers)} target layers in [0, {len(layers)})")
         for layer, si in zip(d.layers, src_ids):
-            src = layers[si]
-            pairs = [(layer.self_attn.q_proj, src.self_attn.q_proj), (layer.self_attn.k_proj, src.self_attn.k_proj),
-                     (layer.self_attn.v_proj, src.self_attn.v_proj), (layer.self_attn.o_proj, src.self_attn.o_proj),
-                     (layer.mlp.gate_proj, src.mlp.gate_proj), (layer.mlp.up_proj, src.mlp.up_proj),
-                     (layer.mlp.down_proj, src.mlp.down_proj), (layer.input_layernorm, src.input_layernorm),
-                     (layer.post_attention_layernorm, src.post_attention_layernorm)]
-            for dst, s in pairs:
+            for dst, s in _init_pairs(layer, layers[si]):
                 if dst.weight.shape == s.weight.shape:
                     dst.weight.copy_(s.weight)
-        d.norm.weight.copy_(target.model.model.norm.weight)
+        d.norm.weight.copy_((dec.norm if hasattr(dec, "norm") else dec.norm_f).weight)  # Nemotron-H: norm_f
         info["target_layers"] = src_ids
     elif init != "random":
         src = _read_tensors(Path(init))
