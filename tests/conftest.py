@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import bound_drafter, export_pair, make_pair
+from helpers import SMOLLM2_NEW, SMOLLM2_PROMPTS, bound_drafter, export_pair, make_pair
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -70,9 +70,69 @@ def acc_export(acc_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_torch():
+    """SmolLM2-135M-Instruct on the PyTorch reference (the target adapter), loaded once for the real-model tests."""
+    from dflash2_trt.targets.adapter import TargetModel, smollm2_path
+
+    return TargetModel.load(smollm2_path())
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy(smollm2_torch):
+    """helpers.SMOLLM2_PROMPTS -> (the chat template's ids, the PyTorch target's greedy SMOLLM2_NEW tokens), decoded
+    once: the reference of the PyTorch and the ONNX Runtime real-model lossless tests alike."""
+    from torch_ref import ref_autoregressive
+
+    out = []
+    for text in SMOLLM2_PROMPTS:
+        ids = smollm2_torch.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                          add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        out.append((ids, ref_autoregressive(smollm2_torch, ids, SMOLLM2_NEW).tokens))
+    return out
+
+
+@pytest.fixture(scope="session")
 def identity_export():
     """SmolLM2-135M-Instruct exported with an identity-initialised DFlash 2 drafter (block size 8, seed 0), max 1024
     positions, made once into the cache (``bench.exports.identity_export``): the real-model runtime tests."""
     from dflash2_trt.bench.exports import identity_export
 
     return identity_export()
+
+
+def _exports_on_use(pair, tmp_path_factory, name: str, max_seq_len: int):  # noqa: ANN001, ANN202
+    """Block size -> ``pair`` exported at it (each made on first use, once per session)."""
+    from dflash2_trt.export.exporter import export_model
+
+    made: dict = {}
+
+    def export(bs: int):  # noqa: ANN202
+        if bs not in made:
+            made[bs] = tmp_path_factory.mktemp("export") / f"{name}_{bs}"
+            export_model(pair / "target", pair / "drafter", made[bs], progress=False, max_seq_len=max_seq_len,
+                         block_size=bs)
+        return made[bs]
+
+    return export
+
+
+@pytest.fixture(scope="session")
+def nh_pair(tmp_path_factory):
+    """``make-tiny --arch nemotron_h --accepting``: Mamba-2 / MoE / attention / Mamba-2, drafts accepted."""
+    return make_pair(tmp_path_factory, "nh_acc", accepting=True, arch="nemotron_h")
+
+
+@pytest.fixture(scope="session")
+def nh_exports(nh_pair, tmp_path_factory):
+    """Block size -> the accepting Nemotron-H pair exported at it (max 512 positions): the ONNX Runtime, C library
+    and TensorRT-fake tests share them."""
+    return _exports_on_use(nh_pair, tmp_path_factory, "nh_acc", 512)
+
+
+@pytest.fixture(scope="session")
+def gemma4_exports(tmp_path_factory):
+    """Block size -> ``make-tiny --arch gemma4 --accepting`` exported at it (max 256 positions; rings of window 8 +
+    16 slots): the batched-loop and TensorRT-fake tests share them."""
+    pair = make_pair(tmp_path_factory, "gemma4_acc", accepting=True, arch="gemma4")
+    return _exports_on_use(pair, tmp_path_factory, "gemma4_acc", 256)

@@ -8,22 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import assert_batch_lossless, make_pair
+from helpers import assert_batch_lossless
 
 NEW = 24  # tokens per prompt
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory) -> dict:
-    """Block size -> export folder of the accepting Gemma 4 pair (rings of window 8 + 16 slots)."""
-    from dflash2_trt.export.exporter import export_model
-
-    pair = make_pair(tmp_path_factory, "gemma4_batch", accepting=True, arch="gemma4")
-    out = {}
-    for bs in (2, 4, 8):
-        out[bs] = tmp_path_factory.mktemp("gemma4_batch_export") / f"bs{bs}"
-        export_model(pair / "target", pair / "drafter", out[bs], progress=False, max_seq_len=128, block_size=bs)
-    return out
+def exports(gemma4_exports) -> dict:
+    """Block size -> export folder of the accepting Gemma 4 pair (conftest's, shared)."""
+    return {bs: gemma4_exports(bs) for bs in (2, 4, 8)}
 
 
 def test_generate_batch_lossless_at_block_sizes_2_4_8_on_40_prompts(exports):

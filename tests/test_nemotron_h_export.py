@@ -21,46 +21,34 @@ from helpers import assert_accepts, assert_batch_lossless, make_pair, req
 from test_capi import capi_build, lib, vectors_path  # noqa: F401 (the C library's fixtures)
 
 
-def _export(tmp_path_factory, name: str, accepting: bool, block_size: int | None = None,  # noqa: ANN202
-            pair=None):  # noqa: ANN001
-    """(pair folder, export folder) of a tiny Nemotron-H pair (``pair``: one made already) at ``block_size``."""
-    from dflash2_trt.export.exporter import export_model
-
-    pair = pair or make_pair(tmp_path_factory, name, accepting=accepting, arch="nemotron_h")
-    out = tmp_path_factory.mktemp("export") / name
-    export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=block_size)
-    return pair, out
-
-
 @pytest.fixture(scope="module")
 def random_export(tmp_path_factory):
     """(HF target, ORT backend) of a random tiny Nemotron-H target (every layer at full strength)."""
+    from dflash2_trt.export.exporter import export_model
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.targets.adapter import TargetModel
 
-    pair, out = _export(tmp_path_factory, "nh_rand", accepting=False)
+    pair = make_pair(tmp_path_factory, "nh_rand", arch="nemotron_h")
+    out = tmp_path_factory.mktemp("export") / "nh_rand"
+    export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512)
     return TargetModel.load(pair / "target"), OrtBackend(out)
 
 
 @pytest.fixture(scope="module")
-def accepting_export(tmp_path_factory):
-    """(HF target, ORT backend) of the accepting pair exported at block size 8."""
+def accepting_export(nh_pair, nh_exports):
+    """(HF target, ORT backend) of the accepting pair exported at block size 8 (conftest's, shared)."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
     from dflash2_trt.targets.adapter import TargetModel
 
-    pair, out = _export(tmp_path_factory, "nh_acc", accepting=True, block_size=8)
-    return TargetModel.load(pair / "target"), OrtBackend(out)
+    return TargetModel.load(nh_pair / "target"), OrtBackend(nh_exports(8))
 
 
 @pytest.fixture(scope="module")
-def small_block_exports(tmp_path_factory, accepting_export):
+def small_block_exports(nh_exports):
     """Block size -> ORT backend of the same accepting pair exported at block sizes 2 and 4."""
-    from pathlib import Path
-
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
-    pair = Path(accepting_export[0].path).parent
-    return {bs: OrtBackend(_export(tmp_path_factory, f"nh_acc_{bs}", True, bs, pair)[1]) for bs in (2, 4)}
+    return {bs: OrtBackend(nh_exports(bs)) for bs in (2, 4)}
 
 
 def _hf_logits(t, ids: list[int]) -> np.ndarray:

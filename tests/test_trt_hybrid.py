@@ -1,9 +1,11 @@
-"""The TensorRT engine build and backend on a hybrid (Gated DeltaNet) export, against the fakes of tests/trt_fakes.py:
+"""The TensorRT engine build and backend on a hybrid (Gated DeltaNet) export and a Nemotron-H (Mamba-2, MoE and
+attention) export, against the fakes of tests/trt_fakes.py:
 the profiles that cover the linear layers' state inputs, the device state bound in place and committed by device
 copies after a verify (which rows, which addresses), its twin check against the host
 :class:`~dflash2_trt.runtime.linear_state.LinearStates` of the ONNX Runtime runner on engines that compute
 (``FakeTrt(compute=True)`` runs the real target graph), lossless decoding equal to ONNX Runtime token for token with
-and without CUDA graphs, and two planted rollback bugs that these checks catch. Real TensorRT engines never ran."""
+and without CUDA graphs, and three planted rollback bugs that these checks catch (both families); a Nemotron-H
+MoE layer has no state tensors in the profiles or the bindings. Real TensorRT engines never ran."""
 
 from __future__ import annotations
 
@@ -44,6 +46,24 @@ def hy_engines(hy_export, tmp_path_factory):
     cuda = FakeCuda()
     E.build_engines(d, selector="decomposed", progress=False, trt_module=FakeTrt(cuda), api=cuda)
     return d
+
+
+@pytest.fixture(scope="module")
+def nh_engines(nh_exports, tmp_path_factory):
+    """A copy of conftest's accepting Nemotron-H export (block size 8; layers Mamba-2, MoE, attention, Mamba-2) with
+    FakeTrt engines recorded in its manifest."""
+    d = tmp_path_factory.mktemp("trt_nh") / "exp"
+    shutil.copytree(nh_exports(BLOCK), d)
+    cuda = FakeCuda()
+    E.build_engines(d, selector="decomposed", progress=False, trt_module=FakeTrt(cuda), api=cuda)
+    return d
+
+
+@pytest.fixture
+def linear_engines(request):
+    """The hybrid or the Nemotron-H engines (parametrized indirectly by family): the checks of the linear layers'
+    device state run on both."""
+    return request.getfixturevalue({"qwen3_5": "hy_engines", "nemotron_h": "nh_engines"}[request.param])
 
 
 def _open(d, compute: bool = False, **kw):
@@ -218,6 +238,29 @@ def test_auto_picks_tensorrt_for_a_hybrid_export(hy_engines, monkeypatch):
     be.close()
 
 
+def test_nemotron_h_mlp_layer_has_no_state_in_profiles_or_bindings(nh_engines):
+    """A Nemotron-H export: the engines' profiles cover exactly the graph's inputs (the Mamba-2 layers' states and the
+    attention layer's KV; none for the MoE layer 1), and the backend binds the Mamba-2 states in place, layer 1 never
+    named, the attention layer's KV the only KV buffer."""
+    m = read_manifest(nh_engines)
+    assert m.target.layer_kinds == ("linear", "mlp", "attention", "linear")
+    inputs = {x.name for x in m.graphs["target"].inputs}
+    assert {n for n in inputs if n.startswith("past")} == {
+        "past_conv.0", "past_recurrent.0", "past_key_values.2.key", "past_key_values.2.value", "past_conv.3",
+        "past_recurrent.3"}
+    for p in m.engines.plans["target"].profiles:
+        assert set(E.input_shapes(m.graphs["target"], p.dims)) == inputs
+    be, _, cuda = _open(nh_engines)
+    tgt = be.target_runner()
+    assert tgt.linear_names == ["past_conv.0", "past_recurrent.0", "past_conv.3", "past_recurrent.3"]
+    assert tgt.kv_names == ["past_key_values.2.key", "past_key_values.2.value"] and tgt.ring_names == []
+    tgt.forward(list(range(1, 21)))
+    bound = dict(_executes(cuda.log)[-1][5])
+    assert inputs <= set(bound) and not any(n.endswith(".1") or ".1." in n for n in bound)
+    assert [bound[n] for n in tgt.linear_names] == tgt.linear.ptrs
+    be.close()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Engines that compute: the device state against its host twin, decoding against ONNX Runtime
 # ----------------------------------------------------------------------------------------------------
@@ -262,13 +305,14 @@ def _twin_mismatches(trt_tgt, ort_tgt, cuda: FakeCuda, seed: int) -> list[tuple[
     return bad
 
 
-def test_device_state_equals_its_host_twin_after_every_rollback(hy_engines):
+@pytest.mark.parametrize("linear_engines", ["qwen3_5", "nemotron_h"], indirect=True)
+def test_device_state_equals_its_host_twin_after_every_rollback(linear_engines):
     """After a prompt and verifies cropped to every kept length 0..bs, the device state (conv window, recurrent
     state of each linear layer) equals the ONNX Runtime runner's LinearStates, and every call's logits equal."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
-    be, trt, cuda = _open(hy_engines, compute=True)
-    ort_be = OrtBackend(hy_engines)
+    be, trt, cuda = _open(linear_engines, compute=True)
+    ort_be = OrtBackend(linear_engines)
     assert _twin_mismatches(be.target_runner(), ort_be.target_runner(), cuda, seed=3) == []
     assert cuda.executor.runs["target.onnx"] == 10
     be.close()
@@ -293,20 +337,21 @@ def _decode_mismatches(be, ort_be, prompts) -> tuple[int, list[int]]:  # noqa: A
     return bad, accepted
 
 
-@pytest.mark.parametrize("cuda_graphs", [True, False])
-def test_decodes_like_ort_with_drafts_accepted_and_rolled_back(hy_engines, cuda_graphs):
+@pytest.mark.parametrize(("linear_engines", "cuda_graphs"),
+                         [("qwen3_5", True), ("qwen3_5", False), ("nemotron_h", True)], indirect=["linear_engines"])
+def test_decodes_like_ort_with_drafts_accepted_and_rolled_back(linear_engines, cuda_graphs):
     """Greedy speculative decoding through the TensorRT backend (engines that compute, CUDA graphs replayed or not)
     equals ONNX Runtime's speculative and autoregressive output token for token, cycle for cycle, with drafts
     accepted and partial blocks rolled back on the device; a long prompt (64-row chunks) too."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
-    be, trt, cuda = _open(hy_engines, compute=True, cuda_graphs=cuda_graphs)
-    ort_be = OrtBackend(hy_engines)
+    be, trt, cuda = _open(linear_engines, compute=True, cuda_graphs=cuda_graphs)
+    ort_be = OrtBackend(linear_engines)
     vocab = be.manifest.target.vocab_size
     prompts = _prompts(vocab, 8, 7) + [np.random.default_rng(8).integers(4, vocab, 90).tolist()]
     bad, accepted = _decode_mismatches(be, ort_be, prompts)
     assert bad == 0
-    assert_accepts(accepted, BLOCK - 1, "TensorRT backend, hybrid target")
+    assert_accepts(accepted, BLOCK - 1, f"TensorRT backend, {be.manifest.target.model_type} target")
     assert any(0 < a < BLOCK - 1 for a in accepted), accepted
     tgt, ort_tgt = be.target_runner(), ort_be.target_runner()
     for p in prompts[:3]:  # cycle for cycle: the accepted counts equal ORT's
@@ -328,16 +373,31 @@ def _conv_after_all_rows(self, conv, inputs, rows, keep):  # noqa: ANN001, ANN20
     DeviceLinearState._real_shift_conv(self, conv, inputs, rows, rows)
 
 
-@pytest.mark.parametrize("bug", [("rollback", _keep_all_rows), ("_shift_conv", _conv_after_all_rows)],
-                         ids=["no_state_rollback", "no_conv_rollback"])
-def test_planted_rollback_bugs_are_caught(hy_engines, bug, monkeypatch):
-    """Each planted bug fails the twin check above and makes the decoding differ from the target's own."""
+def _recurrent_after_all_rows(self, keep=None):  # noqa: ANN001, ANN202
+    """Planted bug: the convolution window is rolled back, the recurrent (Mamba-2: SSM) state stays the one after all
+    k rows."""
+    rows = self.pending[0] if self.pending is not None else 0
+    DeviceLinearState._real_commit(self, keep)
+    if keep is not None and keep < rows:
+        for rec, states in zip(self.recurrent, self.row_states):
+            self.api.memcpy_dtod_async(rec, states + (rows - 1) * self.state_bytes, self.state_bytes, self.stream)
+
+
+@pytest.mark.parametrize(("linear_engines", "bug"), [("qwen3_5", ("rollback", _keep_all_rows)),
+                                                     ("qwen3_5", ("_shift_conv", _conv_after_all_rows)),
+                                                     ("nemotron_h", ("commit", _recurrent_after_all_rows))],
+                         ids=["qwen3_5-no_state_rollback", "qwen3_5-no_conv_rollback", "nemotron_h-no_ssm_rollback"],
+                         indirect=["linear_engines"])
+def test_planted_rollback_bugs_are_caught(linear_engines, bug, monkeypatch):
+    """Each planted bug fails the twin check above and makes the decoding differ from the target's own (a Mamba-2
+    SSM state not rolled back: on the Nemotron-H engines)."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
     monkeypatch.setattr(DeviceLinearState, "_real_shift_conv", DeviceLinearState._shift_conv, raising=False)
+    monkeypatch.setattr(DeviceLinearState, "_real_commit", DeviceLinearState.commit, raising=False)
     monkeypatch.setattr(DeviceLinearState, bug[0], bug[1])
-    be, trt, cuda = _open(hy_engines, compute=True)
-    ort_be = OrtBackend(hy_engines)
+    be, trt, cuda = _open(linear_engines, compute=True)
+    ort_be = OrtBackend(linear_engines)
     assert _twin_mismatches(be.target_runner(), ort_be.target_runner(), cuda, seed=3) != []
     bad, _ = _decode_mismatches(be, ort_be, _prompts(be.manifest.target.vocab_size, 8, 7))
     assert bad > 0

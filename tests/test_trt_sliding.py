@@ -28,9 +28,12 @@ def sw_engines(request, tmp_path_factory):
     FakeTrt engines (decomposed heads) recorded in its manifest."""
     from dflash2_trt.export.exporter import export_model
 
-    pair = make_pair(tmp_path_factory, f"trt_sw_{request.param}", accepting=True, arch=request.param)
-    out = tmp_path_factory.mktemp("export") / "trt_sw"
-    export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=256, block_size=BLOCK)
+    if request.param == "gemma4":  # conftest's, shared with the batched-loop tests
+        out = request.getfixturevalue("gemma4_exports")(BLOCK)
+    else:
+        pair = make_pair(tmp_path_factory, f"trt_sw_{request.param}", accepting=True, arch=request.param)
+        out = tmp_path_factory.mktemp("export") / "trt_sw"
+        export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=256, block_size=BLOCK)
     d = tmp_path_factory.mktemp("trt_sw") / "exp"
     shutil.copytree(out, d)
     cuda = FakeCuda()
