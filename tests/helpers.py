@@ -21,6 +21,12 @@ def req(max_new_tokens: int | None, **options: Any) -> GenerationRequest:
                                                                **options})
 
 
+# the real-model lossless tests' chat prompts and new tokens (tests/test_smollm2.py, test_runtime_smollm2.py)
+SMOLLM2_PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a string.",
+                   "List three colors.")
+SMOLLM2_NEW = 20
+
+
 def make_pair(tmp_path_factory, name: str, accepting: bool = False, arch: str = "llama"):
     from dflash2_trt.tiny import make_tiny
 
@@ -302,3 +308,198 @@ def _same_state(got, want) -> None:  # noqa: ANN001
         for a, b in zip(s.ring[0], w.ring[0], strict=True):
             np.testing.assert_allclose(a[:, held], b[:, held], rtol=1e-4, atol=1e-5)
 
+
+
+# ---- targets with linear-layer state (hybrid Gated DeltaNet, Nemotron-H Mamba-2): the checks both families share -------
+
+
+def assert_rolled_back(accepted: list[int], bs: int, what: object = "") -> None:
+    """Drafts accepted (assert_accepts) and partial acceptances at block size ``bs``: cycles that rejected a draft,
+    so the linear layers' states were rolled back (to a length inside the block where bs > 2)."""
+    assert_accepts(accepted, bs - 1, what)
+    assert any((0 < a or bs == 2) and a < bs - 1 for a in accepted), f"no rollback {what}"
+
+
+def hf_logits(t, ids: list[int]):  # noqa: ANN001, ANN201
+    """transformers' own forward of target adapter ``t``'s model over the whole sequence, no cache: logits [n, V]
+    (torch fp32)."""
+    import torch
+
+    with torch.no_grad():
+        return t.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+def adapter_states(t) -> list:  # noqa: ANN001
+    """Every tensor of the PyTorch adapter's cache that the next call reads: the KV of attention layers, the last
+    conv_kernel inputs of each linear layer's convolution and its recurrent (SSM) state; stateless layers none."""
+    out = []
+    for layer in t.cache.layers:
+        if hasattr(layer, "conv_states"):
+            k = layer.conv_kernel_size[0]
+            out += [layer.conv_states[0][..., -k:], layer.recurrent_states[0]]
+        elif getattr(layer, "keys", None) is not None:
+            out += [layer.keys, layer.values]
+    return out
+
+
+def check_adapter_equals_transformers(t, lengths: tuple[int, ...]) -> None:  # noqa: ANN001
+    """Prompts of each length then 8 one-row calls: logits equal transformers' whole-sequence forward (1e-4 relative);
+    every row of a k-row call (k = 2, 4, 8) equals k one-row calls (argmax identical; logits within 3e-5 of the
+    largest: PyTorch's k-row and one-row matrix products round differently)."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    for n in lengths:
+        ids = rng.integers(2, t.vocab_size, n + 8).tolist()
+        t.reset([0, 2])
+        logits = [t.forward(torch.tensor(ids[:n]))[0]]
+        step = [t.forward(torch.tensor(ids[n + i: n + i + 1]))[0] for i in range(8)]
+        want = hf_logits(t, ids)
+        torch.testing.assert_close(torch.cat(logits + step), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        for k in (2, 4, 8):
+            t.reset([0, 2])
+            t.forward(torch.tensor(ids[:n]))
+            rows = t.forward(torch.tensor(ids[n: n + k]))[0]
+            one = torch.cat(step[:k])
+            assert torch.equal(rows.argmax(-1), one.argmax(-1))
+            torch.testing.assert_close(rows, one, rtol=1e-4, atol=3e-5 * float(one.abs().max()))
+
+
+def check_adapter_rollback(t, cases: list[tuple[int, int]]) -> None:  # noqa: ANN001
+    """For each (prompt rows n, call rows k): after the k-row call rolled back to j + 1 rows (every j < k), the
+    tensors the next call reads (two per layer with state) (adapter_states: KV, convolution inputs, recurrent state) equal a fresh
+    run of the prompt and the same j + 1 rows as one-row calls (1e-5 relative), and so do the next call's logits
+    (1e-4: rounding differences grow through the random layers; a wrong state is off by O(1))."""
+    import torch
+
+    rng = np.random.default_rng(1)
+    n_states = 2 * sum(kind != "mlp" for kind in t.family.layer_kinds(t.model.config))
+    settle = t.family.before_forward  # the next call's settling of the cache, done before reading it
+    for n, k in cases:
+        ids = rng.integers(2, t.vocab_size, n + k + 1).tolist()
+        for j in range(k):
+            t.reset([0, 2])
+            t.forward(torch.tensor(ids[:n]))
+            t.forward(torch.tensor(ids[n: n + k]))
+            t.crop(n + j + 1)
+            assert t.cache_length == n + j + 1
+            settle(t.cache, 1)
+            got = [s.clone() for s in adapter_states(t)]
+            assert len(got) == n_states
+            nxt = t.forward(torch.tensor([ids[n + k]]))[0]
+            t.reset([0, 2])
+            t.forward(torch.tensor(ids[:n]))
+            for i in range(j + 1):
+                t.forward(torch.tensor([ids[n + i]]))
+            settle(t.cache, 1)
+            for a, b in zip(got, adapter_states(t)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+            fresh = t.forward(torch.tensor([ids[n + k]]))[0]
+            torch.testing.assert_close(nxt, fresh, rtol=1e-4, atol=1e-4 * float(fresh.abs().max()))
+
+
+def check_rollback_past_the_recorded_rows_is_refused(t) -> None:  # noqa: ANN001
+    """A prompt longer than the family's MAX_ROLLBACK_ROWS records no rows: a crop into it is refused."""
+    import torch
+
+    from dflash2_trt import DFlash2Error
+
+    t.reset([0, 2])
+    t.forward(torch.arange(2, 2 + t.family.MAX_ROLLBACK_ROWS + 6))
+    with pytest.raises(DFlash2Error, match="cannot roll back"):
+        t.crop(10)
+
+
+def adapter_lossless_runs(t, d, prompts: list[list[int]], refs: list[list[int]], new: int,  # noqa: ANN001, ANN201
+                          block_sizes: tuple[int, ...] = (2, 4, 8)):
+    """PyTorch speculative greedy decoding of every prompt (``new`` tokens) at each block size (drafter ``d`` at
+    it) -> (prompts whose output differs from ``refs``, accepted drafts per cycle by block size)."""
+    from dflash2_trt.runtime import decoder as D
+    from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
+
+    bad, accepted = 0, {}
+    for bs in block_sizes:
+        db = with_block_size(d, bs)
+        acc = accepted.setdefault(bs, [])
+        for p, want in zip(prompts, refs):
+            r = D.speculative_generate(TorchTargetRunner(t, d.config.target_layer_ids), TorchDraftRunner(db), p,
+                                       req(new, eos_ids=set()))
+            bad += r.tokens != want
+            acc += r.accepted
+    return bad, accepted
+
+
+def planted_no_conv_rollback(cache, length: int) -> None:  # noqa: ANN001
+    """Planted bug of a family's ``rollback``: KV and the recurrent states are rolled back, each convolution state is
+    the one after all k rows."""
+    remove = int(cache.get_seq_length()) - length
+    if remove <= 0:
+        return
+    last = {i: layer.conv_states[0][..., -layer.conv_kernel_size[0]:].clone()
+            for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states")}
+    cache.crop(-remove)
+    for i, conv in last.items():
+        cache.layers[i].conv_states[0] = conv
+
+
+def ort_runner_state(r) -> list[np.ndarray]:  # noqa: ANN001
+    """What an ONNX Runtime target runner's next call reads: the valid KV slots and every linear layer's conv and
+    recurrent state."""
+    n = r.kv.length
+    return [a[:, :, :n] for a in r.kv.arrays] + r.linear.conv + r.linear.recurrent
+
+
+def check_graph_equals_transformers(t, be, lengths: tuple[int, ...]) -> None:  # noqa: ANN001
+    """The exported target graph on ONNX Runtime: prompts of each length (fed in calls of at most the graph's rows)
+    then 3 single steps: logits within 1e-4 (relative) of transformers' whole-sequence forward."""
+    rng = np.random.default_rng(0)
+    r = be.target_runner()
+    for n in lengths:
+        ids = rng.integers(2, t.vocab_size, n + 3).tolist()
+        r.reset()
+        got = np.concatenate([r.forward(ids[:n])[0]] + [r.forward(ids[n + i: n + i + 1])[0] for i in range(3)])
+        want = hf_logits(t, ids).numpy()
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 1e-4, (n, err)
+
+
+def check_ort_verify_and_rollback(t, be, ks: tuple[int, ...]) -> None:  # noqa: ANN001
+    """After a prompt, a k-row call equals k one-row calls (argmax identical, logits within 1e-5 of the largest); a
+    rollback to every kept length 0..k leaves the arrays of ort_runner_state (two per layer with state) (KV, conv, recurrent) equal
+    to a fresh run of the prompt and the kept rows (to fp32 rounding: k-row and one-row sums differ), and the next
+    call's logits equal too."""
+    rng = np.random.default_rng(1)
+    n_states = 2 * sum(kind != "mlp" for kind in be.manifest.target.layer_kinds)
+    r, fresh = be.target_runner(), be.target_runner()
+    for k in ks:
+        prompt = rng.integers(2, t.vocab_size, 9).tolist()
+        rows = rng.integers(2, t.vocab_size, k).tolist()
+        nxt = rng.integers(2, t.vocab_size, 1).tolist()
+        fresh.reset()
+        fresh.forward(prompt)
+        steps = np.concatenate([fresh.forward([x])[0] for x in rows])
+        for keep in range(k + 1):
+            r.reset()
+            r.forward(prompt)
+            block = r.forward(rows)[0]
+            assert (block.argmax(-1) == steps.argmax(-1)).all()
+            assert np.abs(block - steps).max() <= 1e-5 * np.abs(steps).max()
+            r.crop(len(prompt) + keep)
+            fresh.reset()
+            fresh.forward(prompt + rows[:keep])
+            got, want = ort_runner_state(r), ort_runner_state(fresh)
+            assert len(got) == n_states
+            for a, b in zip(got, want):
+                assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max()), (k, keep)
+            a, b = r.forward(nxt)[0], fresh.forward(nxt)[0]
+            assert a.argmax() == b.argmax() and np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), (k, keep)
+
+
+def check_every_node_imports_into_tensorrt(be) -> None:  # noqa: ANN001
+    """Every node of the export's target graph is in TensorRT's parser table."""
+    import onnx
+
+    from dflash2_trt.export.onnx_utils import trt_parser_refusals
+
+    model = onnx.load(str(be.dir / "target.onnx"), load_external_data=False)
+    assert trt_parser_refusals(model) == []
