@@ -450,11 +450,102 @@ def test_a_shared_layer_reading_an_unwritten_cache_fails_the_export_check(accept
                      max_seq_len=64)
 
 
-def test_what_the_graph_does_not_compute_is_refused_in_one_line(tmp_path):
-    """Per-layer-input embeddings (the small Gemma 4 models) are refused by the export check in one line."""
+_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)  # the 26B-A4B's shape
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: tiny models' ops, where a second thread only waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_26b_a4b_shape_exports_losslessly(tmp_path, monkeypatch, one_thread):
+    """The 26B-A4B's shape -- every layer an MLP beside 4 routed experts (2 per token, per-expert scales drawn away
+    from 1), global layers whose keys are their values, shared layers -- with make-tiny's drafter: the PyTorch adapter
+    = transformers over a prefill, steps and verify-sized chunks; exported, the graph's logits within 1e-4 (relative) of transformers' over a
+    prompt and one-row steps (rows routed to different experts); greedy speculative decoding on ONNX Runtime = its
+    autoregressive output with the noisy oracle at block sizes 2 and 8 (drafts accepted and rejected at every
+    length) = transformers' greedy output. Negative control: the graph without its routed experts (the MLP alone)
+    differs from transformers."""
+    import json
+    import shutil
+
     import transformers
 
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.runtime.ort.backend import OrtBackend
+    from dflash2_trt.targets.adapter import TargetModel
+    from dflash2_trt.tiny import make_tiny
+
+    torch.manual_seed(2)
+    m = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{**_TEXT, **_MOE})).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.router.per_expert_scale.uniform_(0.5, 1.5)
+    assert all(layer.enable_moe_block for layer in m.model.layers)
+    assert [layer.self_attn.v_proj is None for layer in m.model.layers[:3]] == [False, False, True]  # keys = values
+    make_tiny(tmp_path / "pair", seed=0, block_size=8)
+    m.save_pretrained(str(tmp_path / "t"))
+    for f in (tmp_path / "pair" / "target").iterdir():  # the tokenizer
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, tmp_path / "t" / f.name)
+    cfg = tmp_path / "pair" / "drafter" / "config.json"  # make-tiny's drafter, for a target of 6 layers
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "num_target_layers": 6}))
+    t = TargetModel.load(tmp_path / "t")
+    ids = np.random.default_rng(6).integers(2, 512, 60).tolist()
+    with torch.no_grad():
+        want = m(input_ids=torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(_chunks(t, ids, [30] + [1] * 6 + [8] * 3), want, rtol=1e-4,
+                               atol=1e-4 * float(want.abs().max()))
+    export_model(tmp_path / "t", tmp_path / "pair" / "drafter", tmp_path / "e", progress=False, max_seq_len=128)
+    be = OrtBackend(tmp_path / "e")
+    r = be.target_runner()
+    got = np.concatenate([r.forward(ids[:30])[0]] + [r.forward([x])[0] for x in ids[30:40]])
+    assert np.abs(got - want[:40].numpy()).max() <= 1e-4 * float(want.abs().max())
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 512, int(rng.integers(3, 20))).tolist() for _ in range(4)]
+    wants = [D.target_generate(be.target_runner(), p, req(20, eos_ids=set())).tokens for p in prompts]
+    assert wants[:2] == [D.target_generate(TorchTargetRunner(t), p, req(20, eos_ids=set())).tokens
+                         for p in prompts[:2]]
+    for bs in (2, 8):
+        oracle = type("Oracle", (_NoisyOracle,), {"block_size": bs, "num_draft_rows": bs - 1})
+        runs = [D.speculative_generate(be.target_runner(), oracle(p + w), p, req(20, eos_ids=set()))
+                for p, w in zip(prompts, wants)]
+        accepted = [a for x in runs for a in x.accepted]
+        assert [x.tokens for x in runs] == wants and {0, bs - 1} <= set(accepted), (bs, sorted(set(accepted)))
+
+    def graph_logits() -> torch.Tensor:  # the exporter's graph module in PyTorch, over the first 40 tokens
+        KVH, Dh = gemma.kv_layout(m.config)
+        x = torch.tensor([ids[:40]])
+        with torch.no_grad():
+            return gemma.TargetGraph(m, [0, 2])(x, torch.arange(40)[None], torch.ones(1, 40, dtype=torch.long),
+                                                torch.zeros(1, 0, dtype=torch.long),
+                                                *[torch.zeros(1, KVH, 0, Dh)] * 12)[0][0]
+
+    scale = float(want.abs().max())
+    assert (graph_logits() - want[:40]).abs().max() <= 1e-4 * scale
+    monkeypatch.setattr(gemma, "_feed_forward", lambda layer, h: layer.mlp(layer.pre_feedforward_layernorm(h)))
+    assert (graph_logits() - want[:40]).abs().max() > 1e-2 * scale
+
+
+def test_what_the_graph_does_not_compute_is_refused_in_one_line(tmp_path):
+    """Per-layer-input embeddings (the small "E" Gemma 4 models) are refused by the export check in one line (the
+    graph has no per-layer inputs); the PyTorch adapter runs them: its logits = transformers' over a prefill, steps and
+    a verify-sized chunk."""
+    import transformers
+
+    from dflash2_trt.targets.adapter import TargetModel
+
+    torch.manual_seed(0)
     m = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{**_TEXT, "hidden_size_per_layer_input": 8}))
     with pytest.raises(DFlash2Error, match="per-layer-input embeddings") as e:
         gemma.check_exportable(m)
     assert "\n" not in str(e.value)
+    ids = np.random.default_rng(0).integers(2, 512, 30).tolist()
+    with torch.no_grad():
+        want = m.eval()(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_chunks(TargetModel(m), ids, [20, 1, 1, 8]), want, rtol=1e-4,
+                               atol=1e-4 * float(want.abs().max()))

@@ -21,9 +21,10 @@ buffers, sliding layers' in rings, ``window_positions``), with every layer's key
 (:func:`kv_layout`: a layer's ``kvh * d`` values per position folded into ``[KVH, D]`` of the widest head, zero-padded),
 so the runtimes' uniform KV buffers hold every layer. A shared layer outputs its source layer's new keys and values
 as its own ``present`` and reads its own buffer, which the runtime therefore keeps equal to its source's (the memory
-of a copy per shared layer, for an interface no runtime needed to change). :func:`check_exportable` refuses what the
-graph does not compute (per-layer-input embeddings, MoE blocks, bidirectional attention) in one line; the PyTorch
-adapter (transformers' own modules) runs those.
+of a copy per shared layer, for an interface no runtime needed to change). MoE layers (the 26B-A4B's: an MLP and
+routed experts side by side) route as graph ops (:func:`_feed_forward`). :func:`check_exportable` refuses what the
+graph does not compute (per-layer-input embeddings, bidirectional attention) in one line; the PyTorch adapter
+(transformers' own modules) runs those.
 """
 
 from __future__ import annotations
@@ -106,7 +107,6 @@ def check_exportable(hf_model: Any) -> None:
     layer_kinds(cfg)
     kv_sources(cfg)
     off = [name for name, on in (("per-layer-input embeddings", getattr(cfg, "hidden_size_per_layer_input", 0)),
-                                 ("MoE blocks", getattr(cfg, "enable_moe_block", False)),
                                  ("bidirectional attention", getattr(cfg, "use_bidirectional_attention", None)))
            if on]
     ropes = {t: (p or {}).get("rope_type", "default") for t, p in (cfg.rope_parameters or {}).items()}
@@ -171,6 +171,29 @@ def graph_io(hf_model: Any, batch: int, dtype: Any) -> tuple[tuple, list[str], l
             ["logits", "context_features", *present], dyn)
 
 
+def _feed_forward(layer: Any, h: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's feed-forward output before its post-norm (transformers' Gemma4TextDecoderLayer): the MLP, and
+    in a MoE layer (the 26B-A4B's) beside it the routed experts over the same residual -- the router (an unscaled
+    RMS norm, its scale times hidden^-1/2, softmax, top k renormalised, times each chosen expert's scale) and the
+    chosen experts' gated MLPs gathered (no loop over experts, no data-dependent shapes), each branch post-normed."""
+    x = layer.mlp(layer.pre_feedforward_layernorm(h))  # [B, S, H]
+    if not getattr(layer, "enable_moe_block", False):
+        return x
+    B, S, H = h.shape
+    t = h.reshape(-1, H)  # [T, H]
+    r, ex = layer.router, layer.experts
+    z = r.norm(t) * r.scale * r.scalar_root_size
+    probs = torch.softmax(r.proj(z).float(), dim=-1)  # [T, E]
+    top, idx = torch.topk(probs, int(r.config.top_k_experts), dim=-1)  # [T, k]
+    top = (top / top.sum(dim=-1, keepdim=True) * r.per_expert_scale[idx]).to(h.dtype)
+    u = layer.pre_feedforward_layernorm_2(t)
+    gu = torch.matmul(ex.gate_up_proj[idx], u[:, None, :, None])[..., 0]  # [T, k, 2I]
+    inter = gu.shape[-1] // 2
+    hidden = ex.act_fn(gu[..., :inter]) * gu[..., inter:]
+    routed = (torch.matmul(ex.down_proj[idx], hidden[..., None])[..., 0] * top[..., None]).sum(dim=1)  # [T, H]
+    return layer.post_feedforward_layernorm_1(x) + layer.post_feedforward_layernorm_2(routed.reshape(B, S, H))
+
+
 class TargetGraph(nn.Module):
     """Gemma 4's text model with explicit caches (the interface of :func:`graph_io`).
 
@@ -228,7 +251,7 @@ class TargetGraph(nn.Module):
             pk, pv = _unfold(past[2 * i], kvh, d), _unfold(past[2 * i + 1], kvh, d)
             o = _grouped_attention(q, pk, pv, k, v, *biases[(self.sliding[i], rep)], 1.0, self.nh, kvh, d)
             h = h + layer.post_attention_layernorm(a.o_proj(o.transpose(1, 2).reshape(B, S, self.nh * d)))
-            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            h = h + layer.post_feedforward_layernorm(_feed_forward(layer, h))
             h = h * layer.layer_scalar
             present += [_fold(k, *self.kv), _fold(v, *self.kv)]
             taps[i] = h
