@@ -364,10 +364,10 @@ def test_smollm2_batch_equals_b1(identity_export):
     """SmolLM2-135M-Instruct: 3 chat prompts of different lengths in 2 slots (the third joins when one leaves),
     the adaptive rule choosing cycles or plain steps: greedy tokens == each prompt's B = 1 plain output on the
     same backend."""
-    from test_runtime_smollm2 import PROMPTS
+    from helpers import SMOLLM2_PROMPTS
 
     with dflash2_trt.load(identity_export, backend="ort", threads=2) as g:
-        prompts = [g.encode(p) for p in PROMPTS]
+        prompts = [g.encode(p) for p in SMOLLM2_PROMPTS]
         want = [g.generate(p, max_new_tokens=24, speculative=False).tokens for p in prompts]
         got = g.generate_batch(prompts, max_new_tokens=24, max_batch=2)
         assert [r.tokens for r in got] == want

