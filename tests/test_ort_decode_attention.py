@@ -103,7 +103,8 @@ def _bind_in_place(ort, sess, feed: dict, kb: np.ndarray, vb: np.ndarray):  # no
 
 
 @pytest.mark.parametrize("nh,kvh,d,cap,past,S", [(9, 3, 64, 256, 200, 4), (9, 3, 64, 256, 0, 7), (4, 2, 16, 13, 9, 1),
-                                                 (4, 4, 12, 21, 17, 3), (6, 2, 32, 40, 31, 9), (2, 1, 8, 8, 0, 8)])
+                                                 (4, 4, 12, 21, 17, 3), (6, 2, 32, 40, 31, 9), (2, 1, 8, 8, 0, 8),
+                                                 (9, 3, 64, 560, 485, 40), (4, 2, 128, 160, 70, 33)])
 def test_op_vs_numpy_twin(nh, kvh, d, cap, past, S):
     """Plain runs (present is a new buffer: slots 0..past-1 copied), IOBinding with past == present (in place), and
     past_seqlens given (bit-equal)."""
@@ -181,6 +182,54 @@ def test_op_batch_ragged_vs_twin_and_b1(nh, kvh, d, cap, S, seed):
         o1, k1, _ = b1.run(None, one)
         np.testing.assert_array_equal(out[b, : rows[b]], o1[0], err_msg=f"sequence {b} vs its batch-1 call")
         np.testing.assert_array_equal(k[b, :, :n], k1[0, :, :n])
+
+
+def _pair_case():  # noqa: ANN202
+    """A prefill-sized call (40 rows over 485 cached, d = 64): its rows take whole key blocks two at a time."""
+    rng = np.random.default_rng(5)
+    nh, kvh, d, cap, past, S = 9, 3, 64, 560, 485, 40
+    f = rng.standard_normal((cap, d // 2))
+    cos, sin = np.cos(f).astype(np.float32), np.sin(f).astype(np.float32)
+    qkv = rng.standard_normal((1, S, (nh + 2 * kvh) * d)).astype(np.float32)
+    pk = rng.standard_normal((1, kvh, cap, d)).astype(np.float32)
+    pv = rng.standard_normal((1, kvh, cap, d)).astype(np.float32)
+    return nh, kvh, d, cap, past, S, cos, sin, qkv, pk, pv
+
+
+def test_op_rows_in_pairs_equal_single_rows():
+    """The kernel takes a whole block of keys for two rows at once (each key and value read once for both): every
+    row of a 40-row call is bit-equal to that row's own 1-row call over the same cache, and close to the twin."""
+    nh, kvh, d, cap, past, S, cos, sin, qkv, pk, pv = _pair_case()
+    scale = float(1 / np.sqrt(d))
+    ort, sess = _op_session(nh, kvh, d, cap, scale)
+    kb, vb = pk.copy(), pv.copy()
+    feed = {"qkv": qkv, "past_key": pk, "past_value": pv, "seqlens_k": np.array([past + S - 1], np.int32),
+            "total": np.array(past + S, np.int32), "cos": cos, "sin": sin}
+    out = _bind_in_place(ort, sess, feed, kb, vb)[0]  # kb / vb now hold all past + S rows
+    want, _, _ = twin(qkv[0], pk[0], pv[0], past, nh, kvh, cos, sin, scale)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+    for r in (0, 1, 17, 38, 39):
+        one = {**feed, "qkv": qkv[:, r:r + 1], "past_key": kb, "past_value": vb,
+               "seqlens_k": np.array([past + r], np.int32), "total": np.array(past + r + 1, np.int32)}
+        np.testing.assert_array_equal(sess.run(["out"], one)[0][0, 0], out[r], err_msg=f"row {r}")
+
+
+def test_op_planted_pair_bug_caught():
+    """Negative control: with DFLASH2_PLANT_ATTENTION_PAIR=1 (a pair's second row rescaled by the first row's
+    factor) the comparison with the twin above fails; the same script passes without it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys; sys.path.insert(0, {!r}); import test_ort_decode_attention as t; "
+              "t.test_op_rows_in_pairs_equal_single_rows()").format(str(Path(__file__).parent))
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH2_PLANT_ATTENTION_PAIR"}
+    clean = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    planted = subprocess.run([sys.executable, "-c", script], env={**env, "DFLASH2_PLANT_ATTENTION_PAIR": "1"},
+                             capture_output=True, text=True)
+    assert planted.returncode != 0 and "Not equal to tolerance" in planted.stderr, planted.stderr[-2000:]
 
 
 def test_op_batch_without_past_seqlens():
