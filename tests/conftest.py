@@ -136,3 +136,11 @@ def gemma4_exports(tmp_path_factory):
     16 slots): the batched-loop and TensorRT-fake tests share them."""
     pair = make_pair(tmp_path_factory, "gemma4_acc", accepting=True, arch="gemma4")
     return _exports_on_use(pair, tmp_path_factory, "gemma4_acc", 256)
+
+
+@pytest.fixture(scope="session")
+def hybrid_exports(tmp_path_factory):
+    """Block size -> ``make-tiny --arch qwen3_5 --accepting`` (layers attention, linear, linear, attention; drafts
+    accepted) exported at it (max 512 positions): the ONNX Runtime, C library and TensorRT-fake tests share them."""
+    pair = make_pair(tmp_path_factory, "hy_acc", accepting=True, arch="qwen3_5")
+    return _exports_on_use(pair, tmp_path_factory, "hy_acc", 512)

@@ -1133,15 +1133,10 @@ def test_c_loop_equals_python_runtime_greedy(lib, acc_ort, mode):
 
 
 @pytest.fixture(scope="module")
-def hybrid_export(tmp_path_factory):
-    """The accepting qwen3_5 (Gated DeltaNet) pair exported at block size 8 (manifest version 3)."""
-    from dflash2_trt.export.exporter import export_model
-    from helpers import make_pair
-
-    pair = make_pair(tmp_path_factory, "capi_hybrid", accepting=True, arch="qwen3_5")
-    out = tmp_path_factory.mktemp("export") / "capi_hybrid"
-    export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=8)
-    return out
+def hybrid_export(hybrid_exports):
+    """The accepting qwen3_5 (Gated DeltaNet) pair exported at block size 8 (manifest version 3): conftest's, which
+    the modules importing this fixture share."""
+    return hybrid_exports(8)
 
 
 def test_model_load_refuses_a_sliding_layer_without_its_ring_in_one_line(lib, capi_build, hybrid_export, tmp_path):

@@ -69,11 +69,11 @@ def random_export(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def accepting_exports(tmp_path_factory):
-    """Block size -> ORT backend of the accepting qwen3_5 pair exported at that block size."""
+def accepting_exports(hybrid_exports):
+    """Block size -> ORT backend of the accepting qwen3_5 pair exported at that block size (conftest's exports)."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
 
-    return {bs: OrtBackend(_export(tmp_path_factory, f"hy_acc_{bs}", "qwen3_5", True, bs)[1]) for bs in (2, 4, 8)}
+    return {bs: OrtBackend(hybrid_exports(bs)) for bs in (2, 4, 8)}
 
 
 def _hf_logits(t, ids: list[int]) -> np.ndarray:

@@ -21,21 +21,16 @@ from dflash2_trt.manifest import read_manifest
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.trt.backend import TrtBackend
 from dflash2_trt.runtime.trt.device_buffers import DeviceLinearState
-from helpers import assert_accepts, make_pair, req
+from helpers import assert_accepts, req
 from trt_fakes import FakeCuda, FakeTrt
 
 BLOCK = 8
 
 
 @pytest.fixture(scope="module")
-def hy_export(tmp_path_factory):
-    """The accepting tiny qwen3_5 pair (layers attention, linear, linear, attention) exported at block size 8."""
-    from dflash2_trt.export.exporter import export_model
-
-    pair = make_pair(tmp_path_factory, "trt_hy", accepting=True, arch="qwen3_5")
-    out = tmp_path_factory.mktemp("export") / "trt_hy"
-    export_model(pair / "target", pair / "drafter", out, progress=False, max_seq_len=512, block_size=BLOCK)
-    return out
+def hy_export(hybrid_exports):
+    """conftest's accepting tiny qwen3_5 export (layers attention, linear, linear, attention) at block size 8."""
+    return hybrid_exports(BLOCK)
 
 
 @pytest.fixture(scope="module")
