@@ -13,12 +13,11 @@ from test_bench import KEYS
 pytestmark = pytest.mark.slow
 
 
-def test_packaged_drafter_is_small_fp16_and_fits_smollm2():
+def test_packaged_drafter_is_small_fp16_and_fits_smollm2(smollm2_torch):
     from safetensors import safe_open
 
     from dflash2_trt.bench.demo import demo_drafter_path
     from dflash2_trt.config import DFlash2Config
-    from dflash2_trt.targets.adapter import TargetModel, smollm2_path
 
     p = demo_drafter_path()
     assert (p / "model.safetensors").stat().st_size <= 40 * 2**20
@@ -26,7 +25,7 @@ def test_packaged_drafter_is_small_fp16_and_fits_smollm2():
         assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F16"}
     cfg = DFlash2Config.from_json_file(p)
     assert cfg.use_conv and cfg.use_selector
-    TargetModel.load(smollm2_path()).check_drafter(cfg)
+    smollm2_torch.check_drafter(cfg)  # conftest's SmolLM2 target, loaded once a session
     assert (p / "README.md").is_file()  # how it was trained: the exact command
 
 
