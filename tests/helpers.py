@@ -132,6 +132,61 @@ class RecordingDrafter:
         return self.inner.propose(anchor, pos, *a, **k)
 
 
+# a tiny Gemma 4 text model (tests/test_gemma_target.py, tests/test_target_families.py): sliding and global layers with
+# their own head sizes and RoPE, keys = values in the global layers, the last three layers sharing earlier layers' keys
+# and values, a soft cap
+GEMMA4_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, num_kv_shared_layers=3, sliding_window=8, final_logit_softcapping=30.0,
+                   hidden_size_per_layer_input=0, max_position_embeddings=512, tie_word_embeddings=False,
+                   initializer_range=0.2, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                       "rope_theta": 1e6}})
+
+
+class NoisyOracle:
+    """A draft runner proposing the target's own greedy continuation ``full`` (prompt + autoregressive tokens) with
+    each row wrong with probability 0.15 (fixed by the position), so cycles accept every length 0..L and roll back the
+    rest. A subclass sets another ``block_size`` / ``num_draft_rows``."""
+
+    block_size, num_draft_rows, top_k = 8, 7, 1
+
+    def __init__(self, full: list[int], vocab: int = 512) -> None:
+        self.full, self.vocab = full, vocab
+
+    def reset(self) -> None:
+        pass
+
+    def add_context(self, feats, start) -> None:  # noqa: ANN001
+        pass
+
+    def propose(self, anchor, pos, rows, temperature, uniforms):  # noqa: ANN001, ANN201
+        from dflash2_trt.runtime.ngram import lookup_draft
+
+        rng = np.random.default_rng(pos)
+        return lookup_draft([t if rng.random() > 0.15 else (t + 1) % self.vocab
+                             for t in self.full[pos + 1: pos + 1 + rows]])
+
+
+def oracle_spec_vs_ar(target, n_prompts: int, n: int) -> tuple[int, list[int]]:  # noqa: ANN001
+    """(prompts whose speculative greedy output with :class:`NoisyOracle` differs from the autoregressive one,
+    accepted drafts per cycle) on the PyTorch ``target`` (a TargetModel; taps layers 0 and 2), random prompts of
+    3-19 tokens, ``n`` new tokens each."""
+    from dflash2_trt.runtime import decoder as D
+    from dflash2_trt.runtime.torch.backend import TorchTargetRunner
+
+    rng = np.random.default_rng(3)
+    bad, accepted = 0, []
+    for _ in range(n_prompts):
+        p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
+        want = D.target_generate(TorchTargetRunner(target), p, req(n, eos_ids=set())).tokens
+        r = D.speculative_generate(TorchTargetRunner(target, [0, 2]), NoisyOracle(p + want), p, req(n, eos_ids=set()))
+        bad += r.tokens != want
+        accepted += r.accepted
+    return bad, accepted
+
+
 def two_token_law(target, prompt: list[int], temperature: float) -> dict[tuple[int, int], float]:
     """The exact joint law of a sequence's first two tokens at ``temperature``, from B = 1 forwards of ``target``
     (cells of probability above 1e-4 x 1e-6; the rest is one remainder cell for :func:`two_token_p_value`)."""

@@ -2,8 +2,8 @@
 with their own head sizes and RoPE, keys = values in the global layers, the last layers sharing earlier layers' keys
 and values, logit soft-capping, sqrt(hidden) embedding scale): the PyTorch adapter against transformers on prompts of
 1-300 tokens, a verify's rows = one-row steps, a rollback to every accepted length = a fresh run of the accepted prefix
-(every cached key and value compared), lossless greedy decoding with drafts accepted and rejected at every length,
-the multimodal folder loaded as its text model, ``make-tiny --arch gemma4 --accepting`` (drafts accepted, some
+(every cached key and value compared; the family's kinds and lossless greedy decoding with drafts accepted and
+rejected at every length are checked with the other families' in tests/test_target_families.py), the multimodal folder loaded as its text model, ``make-tiny --arch gemma4 --accepting`` (drafts accepted, some
 partially), the pair exported and decoded on ONNX Runtime and its batched loop, the drafter side (the target's
 embedding scale and soft cap applied, as z-lab's Gemma 4 drafters do; RoPE from the drafter's own config), and
 three planted bugs caught: a shared layer attending over its own rows instead of its source layer's cache (PyTorch)
@@ -17,19 +17,11 @@ import torch
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import decoder as D
-from dflash2_trt.runtime.ngram import lookup_draft
 from dflash2_trt.runtime.torch.backend import TorchTargetRunner
-from dflash2_trt.targets import family_for, gemma
-from helpers import assert_accepts, bound_drafter, req
+from dflash2_trt.targets import gemma
+from helpers import GEMMA4_TEXT, NoisyOracle, assert_accepts, bound_drafter, req
 
-_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-             attention_k_eq_v=True, num_kv_shared_layers=3, sliding_window=8, final_logit_softcapping=30.0,
-             hidden_size_per_layer_input=0, max_position_embeddings=512, tie_word_embeddings=False,
-             initializer_range=0.2, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                                 "rope_theta": 1e6}})
+_TEXT = GEMMA4_TEXT
 
 
 def _text_model():  # noqa: ANN202
@@ -48,12 +40,10 @@ def target(tmp_path_factory):
     return TargetModel.load(folder)
 
 
-def test_family_kinds_and_shared_sources(target):
-    """gemma4_text -> the gemma family; sliding / global kinds; each shared layer's source is the layer transformers
-    stores for it (the last unshared one of its type), every other layer its own."""
+def test_shared_layers_sources(target):
+    """Each shared layer's source is the layer transformers stores for it (the last unshared one of its type), every
+    other layer its own (the family and layer kinds: tests/test_target_families.py)."""
     cfg = target.model.config
-    assert target.family is gemma is family_for(cfg)
-    assert gemma.layer_kinds(cfg) == ["sliding", "sliding", "attention"] * 2
     src, modes = gemma.kv_sources(cfg), cfg.kv_sharing_modes
     assert src == [0, 1, 2, 1, 1, 2]
     assert all((modes[i] == "reuse") == (s != i) and (s == i or modes[s] == "store") for i, s in enumerate(src))
@@ -118,46 +108,6 @@ def test_verify_rows_and_rollback_to_every_accepted_length(target):
         target.crop(21 + j)
         nxt = target.forward(torch.tensor([ids[21 + j]]))[0]
         torch.testing.assert_close(nxt, steps[j + 2], rtol=1e-4, atol=1e-4 * float(nxt.abs().max()))
-
-
-class _NoisyOracle:
-    """A draft runner proposing the target's own greedy continuation with each row wrong with probability 0.15
-    (fixed by the position), so cycles accept every length 0..L and roll back the rest."""
-
-    block_size, num_draft_rows, top_k = 8, 7, 1
-
-    def __init__(self, full: list[int]) -> None:
-        self.full = full
-
-    def reset(self) -> None:
-        pass
-
-    def add_context(self, feats, start) -> None:  # noqa: ANN001
-        pass
-
-    def propose(self, anchor, pos, rows, temperature, uniforms):  # noqa: ANN001, ANN201
-        rng = np.random.default_rng(pos)
-        d = [t if rng.random() > 0.15 else (t + 1) % 512 for t in self.full[pos + 1: pos + 1 + rows]]
-        return lookup_draft(d)
-
-
-def _spec_vs_ar(target, n_prompts: int = 4) -> tuple[int, list[int]]:  # noqa: ANN001
-    rng = np.random.default_rng(3)
-    bad, accepted = 0, []
-    for _ in range(n_prompts):
-        p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
-        want = D.target_generate(TorchTargetRunner(target), p, req(24, eos_ids=set())).tokens
-        r = D.speculative_generate(TorchTargetRunner(target, [0, 2]), _NoisyOracle(p + want), p,
-                                   req(24, eos_ids=set()))
-        bad += r.tokens != want
-        accepted += r.accepted
-    return bad, accepted
-
-
-def test_lossless_with_drafts_accepted_and_rolled_back(target):
-    bad, accepted = _spec_vs_ar(target)
-    assert bad == 0
-    assert {0, 7} <= set(accepted) and len(set(accepted)) >= 5, sorted(set(accepted))  # every kind of cycle ran
 
 
 def _own_rows_only(forward):  # noqa: ANN001, ANN202
@@ -403,7 +353,7 @@ def test_ort_lossless_at_block_sizes_2_4_8_on_40_prompts(exported):
     prompts = [rng.integers(2, 512, int(rng.integers(3, 20))).tolist() for _ in range(40)]
     wants = [D.target_generate(be.target_runner(), p, req(24, eos_ids=set())).tokens for p in prompts]
     for bs in (2, 4, 8):
-        oracle = type("Oracle", (_NoisyOracle,), {"block_size": bs, "num_draft_rows": bs - 1})
+        oracle = type("Oracle", (NoisyOracle,), {"block_size": bs, "num_draft_rows": bs - 1})
         bad, accepted = 0, []
         for p, want in zip(prompts, wants):
             r = D.speculative_generate(be.target_runner(), oracle(p + want), p, req(24, eos_ids=set()))
@@ -465,10 +415,10 @@ def one_thread():
 def test_the_26b_a4b_shape_exports_losslessly(tmp_path, monkeypatch, one_thread):
     """The 26B-A4B's shape -- every layer an MLP beside 4 routed experts (2 per token, per-expert scales drawn away
     from 1), global layers whose keys are their values, shared layers -- with make-tiny's drafter: the PyTorch adapter
-    = transformers over a prefill, steps and verify-sized chunks; exported, the graph's logits within 1e-4 (relative) of transformers' over a
-    prompt and one-row steps (rows routed to different experts); greedy speculative decoding on ONNX Runtime = its
-    autoregressive output with the noisy oracle at block sizes 2 and 8 (drafts accepted and rejected at every
-    length) = transformers' greedy output. Negative control: the graph without its routed experts (the MLP alone)
+    = transformers over a prefill, steps and verify-sized chunks; exported, the graph's logits within 1e-4 (relative)
+    of transformers' over a prompt and one-row steps (rows routed to different experts); greedy speculative decoding
+    on ONNX Runtime = its autoregressive output with the noisy oracle at block sizes 2 and 8 (drafts accepted and
+    rejected at every length) = transformers' greedy output. Negative control: the graph without its routed experts (the MLP alone)
     differs from transformers."""
     import json
     import shutil
@@ -511,7 +461,7 @@ def test_the_26b_a4b_shape_exports_losslessly(tmp_path, monkeypatch, one_thread)
     assert wants[:2] == [D.target_generate(TorchTargetRunner(t), p, req(20, eos_ids=set())).tokens
                          for p in prompts[:2]]
     for bs in (2, 8):
-        oracle = type("Oracle", (_NoisyOracle,), {"block_size": bs, "num_draft_rows": bs - 1})
+        oracle = type("Oracle", (NoisyOracle,), {"block_size": bs, "num_draft_rows": bs - 1})
         runs = [D.speculative_generate(be.target_runner(), oracle(p + w), p, req(20, eos_ids=set()))
                 for p, w in zip(prompts, wants)]
         accepted = [a for x in runs for a in x.accepted]

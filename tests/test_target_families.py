@@ -1,4 +1,5 @@
-"""The target families beside dense and hybrid -- Qwen3-MoE (``moe``), gpt-oss and Muse Glimmer (``sliding``) --
+"""The target families beside dense and hybrid -- Qwen3-MoE (``moe``), gpt-oss and Muse Glimmer (``sliding``), and
+for the PyTorch checks Gemma 4 (``gemma``: its own file, tests/test_gemma_target.py, holds what is Gemma's alone) --
 on tiny random configurations of transformers' own models: the PyTorch adapter against transformers (logits, a
 verify's rows = one-row steps), rollback to every accepted length (sliding windows shorter than the sequence, so the
 recorded past is what a rollback restores), lossless greedy decoding with a drafter that gets drafts accepted and
@@ -20,8 +21,8 @@ from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.ngram import lookup_draft
 from dflash2_trt.runtime.torch.backend import TorchTargetRunner
-from dflash2_trt.targets import dense, moe, sliding
-from helpers import req
+from dflash2_trt.targets import dense, gemma, moe, sliding
+from helpers import GEMMA4_TEXT, NoisyOracle, oracle_spec_vs_ar, req
 
 _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
@@ -35,6 +36,8 @@ def _build(arch: str):  # noqa: ANN202
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_COMMON))
+    if arch == "gemma4":
+        return transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**GEMMA4_TEXT))
     if arch == "gpt_oss":
         return transformers.GptOssForCausalLM(transformers.GptOssConfig(
             num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
@@ -45,7 +48,7 @@ def _build(arch: str):  # noqa: ANN202
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=ARCHS + ("gemma4",))
 def target(request, tmp_path_factory):
     from dflash2_trt.targets.adapter import TargetModel
 
@@ -56,11 +59,12 @@ def target(request, tmp_path_factory):
 
 def test_family_and_layer_kinds(target):
     mt = target.model.config.model_type
-    fam = {"qwen3_moe": moe, "gpt_oss": sliding, "muse_glimmer": sliding}[mt]
-    assert target.family is fam and target.num_layers == 4
-    kinds = fam.layer_kinds(target.model.config)
-    assert kinds == (["attention"] * 4 if fam is moe else
-                     ["sliding", "attention"] * 2 if mt == "gpt_oss" else ["sliding", "sliding", "sliding", "attention"])
+    fam = {"qwen3_moe": moe, "gpt_oss": sliding, "muse_glimmer": sliding, "gemma4_text": gemma}[mt]
+    assert target.family is fam and target.num_layers == (6 if fam is gemma else 4)
+    assert fam.layer_kinds(target.model.config) == {
+        "qwen3_moe": ["attention"] * 4, "gpt_oss": ["sliding", "attention"] * 2,
+        "muse_glimmer": ["sliding", "sliding", "sliding", "attention"],
+        "gemma4_text": ["sliding", "sliding", "attention"] * 2}[mt]
 
 
 def test_adapter_equals_transformers_and_rolls_back(target):
@@ -84,38 +88,9 @@ def test_adapter_equals_transformers_and_rolls_back(target):
         torch.testing.assert_close(nxt, steps[j + 1], rtol=1e-4, atol=1e-4 * float(nxt.abs().max()))
 
 
-class _NoisyOracle:
-    """A draft runner that proposes the target's own greedy continuation with each row wrong with probability 0.15
-    (fixed by the position), so cycles accept every length 0..L and roll back the rest."""
-
-    block_size, num_draft_rows, top_k = 8, 7, 1
-
-    def __init__(self, full: list[int]) -> None:
-        self.full = full
-
-    def reset(self) -> None:
-        pass
-
-    def add_context(self, feats, start) -> None:  # noqa: ANN001
-        pass
-
-    def propose(self, anchor, pos, rows, temperature, uniforms):  # noqa: ANN001, ANN201
-        rng = np.random.default_rng(pos)
-        d = [t if rng.random() > 0.15 else (t + 1) % 512 for t in self.full[pos + 1: pos + 1 + rows]]
-        return lookup_draft(d)
-
-
 def _spec_vs_ar(target, n_prompts: int = 6) -> tuple[int, list[int]]:  # noqa: ANN001
-    rng = np.random.default_rng(3)
-    bad, accepted = 0, []
-    for _ in range(n_prompts):
-        p = rng.integers(2, 512, int(rng.integers(3, 20))).tolist()
-        want = D.target_generate(TorchTargetRunner(target), p, req(30, eos_ids=set())).tokens
-        r = D.speculative_generate(TorchTargetRunner(target, [0, 2]), _NoisyOracle(p + want), p,
-                                   req(30, eos_ids=set()))
-        bad += r.tokens != want
-        accepted += r.accepted
-    return bad, accepted
+    """:func:`helpers.oracle_spec_vs_ar`, 30 new tokens (Gemma 4's six layers: 4 prompts of 24, its file's budget)."""
+    return oracle_spec_vs_ar(target, 4, 24) if target.family is gemma else oracle_spec_vs_ar(target, n_prompts, 30)
 
 
 def test_lossless_with_drafts_accepted_and_rolled_back(target):
@@ -130,9 +105,8 @@ def test_a_sliding_window_cropped_without_its_past_is_caught(target, monkeypatch
     if target.family is moe:  # a KV cache of positions, cropped as the dense family's: nothing to record
         assert (moe.new_cache, moe.rollback) == (dense.new_cache, dense.rollback)
         return
-    monkeypatch.setattr(sliding, "new_cache", dense.new_cache)
-    monkeypatch.setattr(sliding, "before_forward", dense.before_forward)
-    monkeypatch.setattr(sliding, "rollback", dense.rollback)
+    for name in ("new_cache", "before_forward", "rollback"):  # gemma's are the sliding family's, imported by name
+        monkeypatch.setattr(target.family, name, getattr(dense, name))
     with pytest.raises(RuntimeError, match="does not track past states"):
         _spec_vs_ar(target, 2)
 
@@ -240,7 +214,7 @@ def test_export_and_decode_on_ort(arch, tmp_path):
 
 def _ort_spec_vs_ar(be, bs: int, n_prompts: int = 4) -> tuple[int, list[int]]:  # noqa: ANN001
     """:func:`_spec_vs_ar` on an export's ONNX Runtime target with the noisy oracle at block size ``bs``."""
-    oracle = type("Oracle", (_NoisyOracle,), {"block_size": bs, "num_draft_rows": bs - 1})
+    oracle = type("Oracle", (NoisyOracle,), {"block_size": bs, "num_draft_rows": bs - 1})
     rng = np.random.default_rng(3)
     bad, accepted = 0, []
     for _ in range(n_prompts):
