@@ -871,7 +871,9 @@ class _Request(C.Structure):
 class _BatchInfo(C.Structure):
     _fields_ = [("max_batch", C.c_int32), ("active", C.c_int32), ("queued", C.c_int32), ("largest_step", C.c_int32),
                 ("largest_plain", C.c_int32), ("steps", C.c_int64), ("drafting_steps", C.c_int64),
-                ("cycles", C.c_int64), ("prefill_calls", C.c_int64), ("prefill_rows", C.c_int64)]
+                ("cycles", C.c_int64), ("prefill_calls", C.c_int64), ("prefill_rows", C.c_int64),
+                ("prefix_hits", C.c_int64), ("cached_tokens", C.c_int64), ("prefix_cache_bytes", C.c_int64),
+                ("prefix_entries", C.c_int64), ("prefix_evictions", C.c_int64)]
 
 
 class _Stats(C.Structure):
@@ -1648,10 +1650,13 @@ def _batch_scenario(be) -> list[dict]:  # noqa: ANN001
 _JOIN_AFTER, _CANCEL_AFTER = {4: [6]}, {6: 0}
 
 
-def _run_python_batch(be, rule, reqs: list[dict], prefill_chunk: int | None = None):  # noqa: ANN001, ANN202
+def _run_python_batch(be, rule, reqs: list[dict], prefill_chunk: int | str | None = "default"):  # noqa: ANN001, ANN202
+    """The scenario through the Python BatchDecoder; ``prefill_chunk`` "default": the Generator's and the C option's
+    default (batch.DEFAULT_PREFILL_CHUNK), which the C batch takes when its options do not name one."""
     from dflash2_trt.runtime import batch as BT
     from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
 
+    prefill_chunk = BT.DEFAULT_PREFILL_CHUNK if prefill_chunk == "default" else prefill_chunk
     log: list = []
     dec = BT.BatchDecoder(_LoggedTarget(OrtBatchedTargetRunner.from_backend(be, 3), log),
                           lambda: _LoggedDrafter(be.draft_runner("greedy"), log), rule, prefill_chunk=prefill_chunk)

@@ -40,7 +40,9 @@ class Request(C.Structure):
 class Info(C.Structure):
     _fields_ = [("max_batch", C.c_int32), ("active", C.c_int32), ("queued", C.c_int32), ("largest_step", C.c_int32),
                 ("largest_plain", C.c_int32), ("steps", C.c_int64), ("drafting_steps", C.c_int64),
-                ("cycles", C.c_int64), ("prefill_calls", C.c_int64), ("prefill_rows", C.c_int64)]
+                ("cycles", C.c_int64), ("prefill_calls", C.c_int64), ("prefill_rows", C.c_int64),
+                ("prefix_hits", C.c_int64), ("cached_tokens", C.c_int64), ("prefix_cache_bytes", C.c_int64),
+                ("prefix_entries", C.c_int64), ("prefix_evictions", C.c_int64)]
 for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
                    "dfl2_model_load": [C.c_char_p, V, P(V)], "dfl2_batch_create": [V, V, P(V)],
                    "dfl2_batch_submit": [V, P(Request), P(C.c_uint64)], "dfl2_batch_step": [V, P(C.c_size_t)],
@@ -72,10 +74,15 @@ out = []
 for run in req["runs"]:
     batch = V()
     ok(lib.dfl2_batch_create(model, options(run["options"]), C.byref(batch)))
-    ids, step, pending = {}, 0, 0
-    todo = sorted(range(len(run["requests"])), key=lambda i: run["requests"][i]["after"])
+    ids, step, pending, waves = {}, 0, 0, []
+    todo = sorted(range(len(run["requests"])), key=lambda i: (run["requests"][i]["wave"], run["requests"][i]["after"]))
     while todo or pending:
-        while todo and run["requests"][todo[0]]["after"] <= step:
+        if not pending and todo and run["requests"][todo[0]]["wave"] > len(waves):  # the batch idle: the next wave
+            info = Info()
+            ok(lib.dfl2_batch_get_info(batch, C.byref(info)))
+            waves.append({k: getattr(info, k) for k, _ in Info._fields_})
+            step = 0
+        while todo and run["requests"][todo[0]]["wave"] == len(waves) and run["requests"][todo[0]]["after"] <= step:
             i = todo.pop(0)
             r = run["requests"][i]
             prompt = (C.c_int32 * len(r["prompt"]))(*r["prompt"])
@@ -95,19 +102,21 @@ for run in req["runs"]:
         got.append({"tokens": toks[: n.value], "accepted": st.accepted[: st.cycles], "cached": st.cached})
     info = Info()
     ok(lib.dfl2_batch_get_info(batch, C.byref(info)))
-    out.append({"requests": got, "info": {k: getattr(info, k) for k, _ in Info._fields_}})
+    out.append({"requests": got, "info": {k: getattr(info, k) for k, _ in Info._fields_}, "waves": waves})
 print(json.dumps(out))
 """
 
 
 def c_batches(build: Path, export: Path, runs: list[tuple[list[str], list[dict]]], env: dict | None = None) -> list:
-    """Per run (batch options, requests {prompt, seed, after, options}) one dfl2_batch of the C library over ``export``
-    (ONNX Runtime, 1 thread, ONNX Runtime's own ops), each request submitted before step ``after`` -> per run
-    {requests: [{tokens, accepted, cached}], info: dfl2_batch_info's fields}."""
+    """Per run (batch options, requests {prompt, seed, wave, after, options}) one dfl2_batch of the C library over
+    ``export`` (ONNX Runtime, 1 thread, ONNX Runtime's own ops); the requests of wave k are submitted once the batch
+    is idle after wave k - 1, each before the wave's step ``after`` -> per run {requests: [{tokens, accepted,
+    cached}], info: dfl2_batch_info's fields at the end, waves: its fields before each wave after the first}."""
     import onnxruntime
 
     req = {"lib": str(build / "lib" / "libdflash2.so"), "export": str(export), "model": ["backend=ort", "threads=1"],
-           "runs": [{"options": opts, "requests": [{"options": [], "seed": 0, "after": 0, **r} for r in reqs]}
+           "runs": [{"options": opts, "requests": [{"options": [], "seed": 0, "after": 0, "wave": 0, **r}
+                                                   for r in reqs]}
                     for opts, reqs in runs]}
     venv = str(Path(onnxruntime.__file__).parents[4])  # VENV/lib/python3.X/site-packages/onnxruntime/__init__.py
     proc = subprocess.run([sys.executable, "-c", _C_BATCH], input=json.dumps(req), capture_output=True, text=True,
@@ -155,3 +164,119 @@ def test_hybrid_planted_chunk_shift_is_caught(capi_build, exports):
                            env={"DFLASH2_PLANT_PREFILL_CHUNK_SHIFT": "1"})
     assert planted["requests"][0]["tokens"] == whole["requests"][0]["tokens"]  # the running stream: whole at start
     assert planted["requests"][1]["tokens"] != whole["requests"][1]["tokens"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prefix reuse: the batch's SharedPrefixCache against the Python runtime's PrefixCache (Generator.submit)
+# ----------------------------------------------------------------------------------------------------
+
+NEW = 24
+
+
+def _py_waves(export, waves: list[list[list[int]]], T: float, budget: int | None = None):  # noqa: ANN001, ANN202
+    """The Python runtime's batch loop (Generator.submit, 4 slots, every request drafting) with its prefix cache
+    (``budget`` bytes, else the default): each wave's prompts submitted together once the previous wave ended ->
+    (per wave its results, per wave the cache's stats after it)."""
+    import dflash2_trt
+
+    kw = {} if budget is None else {"prefix_cache_bytes": budget}
+    out, stats = [], []
+    with dflash2_trt.load(export, backend="ort", threads=1, **kw) as g:
+        g.set_batching(max_batch=4, adaptive=False)
+        for w, prompts in enumerate(waves):
+            hs = [g.submit(p, max_new_tokens=NEW, eos_ids=set(), temperature=T, seed=10 * w + i)
+                  for i, p in enumerate(prompts)]
+            out.append([h.result() for h in hs])
+            st = g.prefix_cache.stats
+            stats.append({"hits": st.hits, "nbytes": st.nbytes, "evictions": st.evictions, "entries": st.entries})
+    return out, stats
+
+
+def _c_requests(waves: list[list[list[int]]], T: float) -> list[dict]:
+    return [{"prompt": p, "seed": 10 * w + i, "wave": w, "options": [f"temperature={T}", f"max_new_tokens={NEW}",
+                                                                     "eos_ids="]}
+            for w, prompts in enumerate(waves) for i, p in enumerate(prompts)]
+
+
+def _conversation_waves(export, T: float):  # noqa: ANN001, ANN202
+    """Wave 0: a 40-token prompt; wave 1, admitted together and diverging from its cached sequence: the next turn
+    (a hit at the sequence's end), a branch inside its answer (dense: there; stateful: the prompt's snapshot), the
+    prompt again with one more token (a snapshot) -> (the waves, the Python runtime's results and cache stats)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    p1 = rng.integers(2, 200, 40).tolist()
+    ((first,),), _ = _py_waves(export, [[p1]], T)
+    out = first.tokens
+    waves = [[p1], [p1 + out + rng.integers(2, 200, 9).tolist(), p1 + out[:5] + [7, 8, 9], p1 + [5]]]
+    py, stats = _py_waves(export, waves, T)
+    return waves, py, stats
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "gpt_oss"])
+def test_batch_prefix_reuse_equals_python_twin_and_empty_cache(capi_build, exports, arch):
+    """Dense, hybrid and sliding, greedy and at T = 0.8 (numpy's uniforms, the same seeds): a batch's second wave —
+    three requests admitted together that diverge from the first request's cached sequence — equals the Python
+    runtime's batch loop with its cache (ids, positions restored per request, the cache's bytes) and the same batch
+    without prefix reuse (ids); hits happen (a stateful target's at its snapshots) and drafts are accepted after
+    them; dfl2_batch_info counts the hits and restored positions."""
+    export = exports(arch)
+    stateful = arch != "llama"
+    for T in (0.0, 0.8):
+        waves, py, stats = _conversation_waves(export, T)
+        reqs = _c_requests(waves, T)
+        on, off = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false"], reqs),
+                                                 (["max_batch=4", "adaptive=false", "prefix_cache_bytes=0"], reqs)])
+        want = [r for wave in py for r in wave]
+        assert [r["tokens"] for r in on["requests"]] == [w.tokens for w in want], T
+        assert [r["tokens"] for r in off["requests"]] == [w.tokens for w in want], T
+        assert [r["cached"] for r in on["requests"]] == [w.stats.cached_tokens for w in want], T
+        cached = [r["cached"] for r in on["requests"]]
+        assert cached[0] == 0 and min(cached[1:]) >= 40 and cached[2] == (40 if stateful else 45)
+        assert [r["cached"] for r in off["requests"]] == [0] * 4
+        assert (on["info"]["prefix_hits"], on["info"]["cached_tokens"]) == (3, sum(cached))
+        assert on["waves"][0]["prefix_cache_bytes"] == stats[0]["nbytes"]  # the twins weigh an entry alike
+        assert sum(sum(r["accepted"]) for r in on["requests"][1:]) > 0
+
+
+def _eviction_waves():  # noqa: ANN202
+    """A, then B (a budget of one entry evicts A), then B's prompt + 1 (a hit), A's + 1 (nothing to match)."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(2, 200, 40).tolist(), rng.integers(2, 200, 40).tolist()
+    return [[a], [b], [b + [6]], [a + [5]]]
+
+
+def test_batch_prefix_eviction_equals_python_twin(capi_build, exports):
+    """The budget holds one entry: the C batch's cache never exceeds it after any wave, evicts least recently used
+    first, never matches an evicted entry, and restores what the Python PrefixCache restores (positions per request,
+    bytes and evictions after each wave); tokens = the uncached run's."""
+    export = exports("llama")
+    waves = _eviction_waves()
+    _, one = _py_waves(export, waves[:1], 0.0)
+    budget = one[0]["nbytes"] * 3 // 2
+    py, stats = _py_waves(export, waves, 0.0, budget)
+    (on,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", f"prefix_cache_bytes={budget}"],
+                                            _c_requests(waves, 0.0))])
+    want = [w[0] for w in py]
+    assert [r["cached"] for r in on["requests"]] == [w.stats.cached_tokens for w in want] == [0, 0, 40, 0]
+    assert [r["tokens"] for r in on["requests"]] == [w.tokens for w in want]
+    seen = [*on["waves"], on["info"]]
+    assert all(0 < i["prefix_cache_bytes"] <= budget and i["prefix_entries"] == 1 for i in seen)
+    assert [(i["prefix_cache_bytes"], i["prefix_evictions"]) for i in seen] == \
+        [(s["nbytes"], s["evictions"]) for s in stats]
+    assert on["info"]["prefix_evictions"] >= 3
+
+
+def test_batch_planted_evicted_entry_matched_is_caught(capi_build, exports):
+    """Negative control: with $DFLASH2_PLANT_PREFIX_EVICTED_MATCHED=1 (evicted entries stay matchable) the last wave
+    (A's prompt again) restores A's evicted prefix, which the eviction test's comparison with the Python twin refuses."""
+    export = exports("llama")
+    waves = _eviction_waves()
+    _, one = _py_waves(export, waves[:1], 0.0)
+    budget = one[0]["nbytes"] * 3 // 2
+    (planted,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", f"prefix_cache_bytes={budget}"],
+                                                 _c_requests(waves, 0.0))],
+                           env={"DFLASH2_PLANT_PREFIX_EVICTED_MATCHED": "1"})
+    assert [r["cached"] for r in planted["requests"]] != [0, 0, 40, 0]

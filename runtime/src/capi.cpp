@@ -56,6 +56,7 @@ struct dfl2_batch
     dfl2_model* model{nullptr};
     int32_t maxBatch{0};
     std::unique_ptr<dflash2::BatchRunners> runners;
+    std::unique_ptr<dflash2::SharedPrefixCache> prefix;  //!< the prefixes its slots share ("prefix_cache_bytes")
     std::unique_ptr<dflash2::BatchDecoder> decoder;
     std::mutex stepping;  //!< held by dfl2_batch_step / dfl2_batch_serve
 
@@ -285,6 +286,12 @@ void batchStep(dfl2_batch& b)
         b.info.cycles = c.cycles;
         b.info.prefill_calls = c.prefillCalls;
         b.info.prefill_rows = c.prefillRows;
+        dflash2::PrefixCacheStats const& p = b.prefix->stats();
+        b.info.prefix_hits = p.hits;
+        b.info.cached_tokens = p.hitTokens;
+        b.info.prefix_cache_bytes = p.nbytes;
+        b.info.prefix_entries = p.entries;
+        b.info.prefix_evictions = p.evictions;
     }
     for (size_t i = 0; i < done.size(); ++i)
     {
@@ -663,7 +670,9 @@ dfl2_status* dfl2_batch_create(dfl2_model* model, dfl2_options const* options, d
         b->maxBatch = slots;
         b->info.max_batch = slots;
         auto const chunk = static_cast<int32_t>(o.getInt("prefill_chunk", dflash2::kPREFILL_CHUNK));
-        b->decoder = std::make_unique<dflash2::BatchDecoder>(*b->runners, std::move(rule), chunk);
+        b->prefix = std::make_unique<dflash2::SharedPrefixCache>(
+            o.getInt("prefix_cache_bytes", dflash2::kPREFIX_BUDGET_BYTES));
+        b->decoder = std::make_unique<dflash2::BatchDecoder>(*b->runners, std::move(rule), chunk, b->prefix.get());
         *out = b.release();
     });
 }

@@ -64,7 +64,9 @@
  *                                     the tokens at T > 0 but not the sample
  *     "prefix_cache_bytes" int 1 GiB  a session's prefix reuse (PREFIX REUSE below): the most bytes the sequence it
  *                                     keeps may hold (target K/V rows, drafter context, queued features, snapshots);
- *                                     a larger one is not kept; 0: every request starts from empty caches (sessions)
+ *                                     a larger one is not kept; 0: every request starts from empty caches (sessions).
+ *                                     Read by dfl2_batch_create too (API 1.5): the most bytes the batch's shared
+ *                                     prefix cache may hold over all its entries (PREFIX REUSE IN A BATCH below)
  *   sampling (API 1.4; applied as dflash2_trt/runtime/sampling.py applies them, in this order, to the target's logits
  *   at every prefill, plain step and verify row — row i of a verify seeing the drafts before it as committed — so the
  *   tokens are the transformed target's: its argmax at T = 0, its law at T > 0; an independent draft (draft_mode
@@ -138,9 +140,11 @@ extern "C" {
                                   * against an older header must be rebuilt before it calls dfl2_*_get_stats or
                                   * dfl2_batch_get_result with stats); the sampling options and logprobs
                                   * (dfl2_logprob, dfl2_session_get_logprobs, dfl2_batch_get_logprobs); 1.5:
-                                  * chunked prefill in a batch ("prefill_chunk", dfl2_batch_info.prefill_calls /
-                                  * prefill_rows: the struct grew at its end, so a program compiled against an
-                                  * older header must be rebuilt before it calls dfl2_batch_get_info) */
+                                  * chunked prefill and prefix reuse in a batch ("prefill_chunk",
+                                  * "prefix_cache_bytes" read by dfl2_batch_create, dfl2_stats.cached_tokens in a
+                                  * batch's results, dfl2_batch_info's prefill and prefix counters: the struct grew
+                                  * at its end, so a program compiled against an older header must be rebuilt
+                                  * before it calls dfl2_batch_get_info) */
 #define DFL2_API_VERSION_PATCH 0
 /* (major << 16) | (minor << 8) | patch, of the header a program was compiled with */
 #define DFL2_API_VERSION \
@@ -380,8 +384,8 @@ typedef struct dfl2_stats {
     const int32_t* proposed;                /* [cycles] drafts verified per cycle */
     const int32_t* oracle_accepted;         /* [cycles] when measured, else NULL */
     double elapsed_s;                       /* wall time, oracle passes excluded */
-    int32_t cached_tokens;                  /* prompt positions restored by prefix reuse, not computed (API 1.4;
-                                             * sessions; 0 in a batch's results) */
+    int32_t cached_tokens;                  /* prompt positions restored by prefix reuse, not computed (API 1.4:
+                                             * sessions; 1.5: a batch's results too) */
 } dfl2_stats;
 
 DFL2_API dfl2_status* dfl2_session_get_stats(const dfl2_session* session, dfl2_stats* out);
@@ -440,6 +444,18 @@ DFL2_API dfl2_status* dfl2_session_get_proposers(const dfl2_session* session, co
  * prompt whose last row is computed draws its first token; its rows' features reach its drafter in one
  * batch_drafter_add_context call when the drafter first proposes. The tokens are those of whole-prompt prefill.
  * dfl2_batch_info counts the prefill calls and rows.
+ * PREFIX REUSE IN A BATCH (API 1.5; ONNX Runtime backend; the twin of the Python batch loop's PrefixCache). A batch
+ * keeps finished requests' sequences (prompt + generated tokens) in one cache its slots share: entries hold copies of
+ * the target's K/V rows, the snapshots of a hybrid target's linear states / a sliding target's rings (after each
+ * prompt's prefill and at each request's end) and the drafter's context. A request admitted to a slot restores the
+ * entry sharing the longest common prefix by token ids with its prompt (at most all but its last token; a stateful
+ * target's longest snapshot at or below the match; a drafting request's only as far as the entry rebuilds the
+ * drafter's context) and prefills the rest, so requests diverging from one cached prefix, admitted together, each
+ * start from it. A sequence that extends an entry replaces it (its snapshots kept); least recently used entries are
+ * evicted so that the entries never hold more than "prefix_cache_bytes" (0: nothing kept). Exact: the tokens are
+ * those of a batch without the cache (greedy; at T > 0 the same uniforms give the same tokens).
+ * dfl2_stats.cached_tokens gives a request's restored positions, dfl2_batch_info the cache's hits, bytes, entries
+ * and evictions. The callbacks and TensorRT backends keep nothing in a batch.
  *
  * THE RULE ("adaptive" = true). Per step, with n active requests and the speculative ones sorted by their
  * estimated tokens per cycle t_1 >= t_2 >= ..., draft for the k that maximise
@@ -562,6 +578,11 @@ typedef struct dfl2_batch_info {
     int64_t cycles;         /* speculative cycles, all requests */
     int64_t prefill_calls;  /* target calls that computed prompt rows (API 1.5; a chunked prompt: one per chunk) */
     int64_t prefill_rows;   /* prompt rows those calls computed (API 1.5) */
+    int64_t prefix_hits;         /* requests that started from a cached prefix (API 1.5; PREFIX REUSE IN A BATCH) */
+    int64_t cached_tokens;       /* prompt positions restored from the batch's prefix cache, all requests */
+    int64_t prefix_cache_bytes;  /* what the cache's entries hold now (never over "prefix_cache_bytes") */
+    int64_t prefix_entries;      /* sequences it holds now */
+    int64_t prefix_evictions;    /* entries evicted (least recently used first) to stay within the budget */
 } dfl2_batch_info;
 
 DFL2_API dfl2_status* dfl2_batch_get_info(dfl2_batch* batch, dfl2_batch_info* out);

@@ -201,6 +201,22 @@ struct HostKV
         capacity = cap;
         return true;
     }
+    //! a copy of positions < n: [count][heads, n, dim] (append's layout)
+    std::vector<std::vector<char>> rowsOf(int32_t n) const
+    {
+        size_t const rb = rowBytes();
+        std::vector<std::vector<char>> rows(static_cast<size_t>(count));
+        for (size_t a = 0; a < rows.size() && !arrays.empty(); ++a)
+        {
+            rows[a].resize(static_cast<size_t>(heads) * static_cast<size_t>(n) * rb);
+            for (size_t h = 0; h < static_cast<size_t>(heads); ++h)
+            {
+                std::memcpy(rows[a].data() + h * static_cast<size_t>(n) * rb,
+                    arrays[a].data() + h * static_cast<size_t>(capacity) * rb, static_cast<size_t>(n) * rb);
+            }
+        }
+        return rows;
+    }
     //! rows [count][heads, m, dim] -> slots length..length+m-1
     void append(std::vector<std::vector<char>> const& rows, int32_t m)
     {
@@ -937,6 +953,39 @@ struct OrtTargetSnapshot : TargetSnapshot
     }
 };
 
+//! A copy of a sequence's first n positions (core PrefixCopy): the target's K/V rows [count][heads, n, dim], the
+//! drafter's context rows [count][heads, m, dim] and the queued features [k, F] of positions m..m+k-1.
+struct OrtPrefixCopy : PrefixCopy
+{
+    int32_t n{0};
+    int32_t m{0};
+    int32_t k{0};
+    std::vector<std::vector<char>> target;
+    std::vector<std::vector<char>> drafter;
+    std::vector<char> features;
+
+    int32_t length() const override
+    {
+        return n;
+    }
+    int32_t drafterLength() const override
+    {
+        return m + k;
+    }
+    size_t nbytes() const override
+    {
+        size_t b = features.size();
+        for (auto const* rows : {&target, &drafter})
+        {
+            for (auto const& r : *rows)
+            {
+                b += r.size();
+            }
+        }
+        return b;
+    }
+};
+
 //! One request's caches over the model's sessions (OrtTargetRunner / OrtFusedTargetRunner + OrtDraftRunner).
 class OrtRunners : public SizedRunners<Runners>
 {
@@ -1228,6 +1277,38 @@ public:
                         static_cast<size_t>(length) * rb, 0);
                 }
             }
+        }
+    }
+    //! OrtTargetRunner.prefix_rows, OrtDraftRunner.context_rows + the queued features (drafter: its context too)
+    std::shared_ptr<PrefixCopy const> prefixCopy(int32_t n, bool drafter) const
+    {
+        auto c = std::make_shared<OrtPrefixCopy>();
+        c->n = std::min(n, mTkv.length);
+        c->target = mTkv.rowsOf(c->n);
+        if (drafter)
+        {
+            c->m = std::min(c->n, mDkv.length);
+            c->drafter = mDkv.rowsOf(c->m);
+            c->k = std::min(mPendingRows, c->n - c->m);
+            size_t const rowBytes = static_cast<size_t>(mM.fdim()) * mFeatureBytes;
+            c->features.assign(mPending.begin(), mPending.begin() + static_cast<long>(c->k * rowBytes));
+        }
+        return c;
+    }
+    //! OrtTargetRunner.restore_prefix + OrtDraftRunner.restore_context / add_context into reset caches
+    void prefixRestore(PrefixCopy const& rows, int32_t length, TargetSnapshot const* state, bool drafter)
+    {
+        auto const& c = dynamic_cast<OrtPrefixCopy const&>(rows);
+        mTkv.length = 0;
+        mTkv.append(c.target, c.n);
+        targetRestore(length, state);
+        if (drafter)
+        {
+            mDkv.length = 0;
+            mDkv.append(c.drafter, c.m);
+            mPending = c.features;
+            mPendingRows = c.k;
+            drafterRestore(length);
         }
     }
     size_t prefixBytes(int32_t n) const override
@@ -1726,6 +1807,23 @@ public:
         float const* uniforms, Draft& out) override
     {
         at(slot).drafterPropose(anchor, pos, rows, temperature, uniforms, out);
+    }
+    bool keepsPrefix() const override
+    {
+        return true;
+    }
+    std::shared_ptr<TargetSnapshot const> targetSnapshot(int32_t slot) override
+    {
+        return at(slot).targetSnapshot();
+    }
+    std::shared_ptr<PrefixCopy const> prefixCopy(int32_t slot, int32_t n, bool drafter) override
+    {
+        return at(slot).prefixCopy(n, drafter);
+    }
+    void prefixRestore(
+        int32_t slot, PrefixCopy const& rows, int32_t length, TargetSnapshot const* state, bool drafter) override
+    {
+        at(slot).prefixRestore(rows, length, state, drafter);
     }
 
 private:

@@ -2,6 +2,7 @@
 //! Continuous batching; see batch.h. Each function names its Python twin in dflash2_trt/runtime/batch.py.
 #include "batch.h"
 
+#include "prefixCache.h"
 #include "sampling.h"
 
 #include <algorithm>
@@ -351,6 +352,7 @@ struct BatchDecoder::Seq
     ProposerChoice choice;     //!< who proposes (made at admission: the context needs the first token)
     std::optional<Sampler> sampler;  //!< its transforms and logprobs (none: the raw target law)
     int32_t prefilled{0};      //!< prompt positions the target holds while the prompt is prefilling
+    std::map<int32_t, std::shared_ptr<TargetSnapshot const>> snapshots;  //!< the target's state after the prefill
     bool prefilling{false};    //!< holds a slot, its prompt not yet all computed: no decode step runs for it
     bool cancelled{false};
     bool done{false};
@@ -376,10 +378,11 @@ struct BatchDecoder::Seq
     }
 };
 
-BatchDecoder::BatchDecoder(BatchRunners& runners, SpeculationRule rule, int32_t prefillChunk)
+BatchDecoder::BatchDecoder(BatchRunners& runners, SpeculationRule rule, int32_t prefillChunk, SharedPrefixCache* cache)
     : mRunners(runners)
     , mRule(std::move(rule))
     , mPrefillChunk(prefillChunk)
+    , mCache(cache != nullptr && runners.keepsPrefix() ? cache : nullptr)
     , mSlotUsed(static_cast<size_t>(runners.slots()), false)
     , mCacheLength(static_cast<size_t>(runners.slots()), 0)
 {
@@ -635,22 +638,45 @@ void BatchDecoder::admit()
             finish(*s, code, message);
         }
     }
-    for (Seq* s : byLength)  // then every drafter (the Python loop restores a cached prefix into it here)
+    for (Seq* s : byLength)  // then every drafter, and the longest cached prefix into both
     {
-        if (!s->done && s->usesDrafter())
+        try
         {
-            try
+            if (!s->done && s->usesDrafter())
             {
                 mRunners.drafterReset(s->slot);
             }
-            catch (...)
+            if (!s->done)
             {
-                auto const [code, message] = errorOfCurrentException();
-                finish(*s, code, message);
+                restorePrefix(*s);
             }
+        }
+        catch (...)
+        {
+            auto const [code, message] = errorOfCurrentException();
+            finish(*s, code, message);
         }
     }
     prefill();
+}
+
+// PrefixCache.prefill_from for a slot just reset: the longest usable prefix of the prompt restored (its drafter's
+// context too when it drafts) -> the positions the prefill skips
+void BatchDecoder::restorePrefix(Seq& s)
+{
+    if (mCache == nullptr)
+    {
+        return;
+    }
+    SharedPrefixCache::Hit const hit = mCache->lookup(s.req.prompt, s.usesDrafter());
+    if (hit.length > 0)
+    {
+        mRunners.prefixRestore(s.slot, *hit.entry->rows, hit.length, hit.state(), s.usesDrafter());
+    }
+    s.prefilled = hit.length;
+    s.pendingStart = hit.length;
+    s.res.cachedTokens = hit.length;
+    mCacheLength[static_cast<size_t>(s.slot)] = hit.length;
 }
 
 // BatchDecoder._prefill: the prompts still prefilling, in admission order, forward their next rows in one target
@@ -725,6 +751,22 @@ void BatchDecoder::prefill()
         if (s.prefilled == static_cast<int32_t>(s.req.prompt.size()))
         {
             s.prefilling = false;
+            try
+            {
+                if (mCache != nullptr)  // PrefixCache.snapshot: the state after the prefill
+                {
+                    if (auto state = mRunners.targetSnapshot(s.slot))
+                    {
+                        s.snapshots[s.prefilled] = std::move(state);
+                    }
+                }
+            }
+            catch (...)
+            {
+                auto const [code, message] = errorOfCurrentException();
+                finish(s, code, message);
+                continue;
+            }
             start(s, logits.data() + i * V);
         }
     }
@@ -1018,6 +1060,22 @@ void BatchDecoder::emit(Seq& s, int32_t const* tokens, size_t n)
     }
 }
 
+// BatchDecoder._finish's store: the sequence (prompt + tokens, as far as the target holds them) joins the prefix cache
+// before its slot is freed (its drafter's context with it when it drafts)
+void BatchDecoder::storePrefix(Seq& s)
+{
+    int32_t const length = mCacheLength[static_cast<size_t>(s.slot)];
+    if (mCache == nullptr || mCache->budget() == 0 || length == 0)
+    {
+        return;
+    }
+    std::vector<int32_t> ids = s.req.prompt;
+    ids.insert(ids.end(), s.res.tokens.begin(), s.res.tokens.end());
+    ids.resize(std::min(ids.size(), static_cast<size_t>(length)));
+    auto rows = mRunners.prefixCopy(s.slot, static_cast<int32_t>(ids.size()), s.usesDrafter());
+    mCache->store(std::move(ids), std::move(rows), std::move(s.snapshots), mRunners.targetSnapshot(s.slot), length);
+}
+
 // BatchDecoder._finish: the slot is freed (the backend told), the result handed out by takeFinished
 void BatchDecoder::finish(Seq& s, dfl2_code error, std::string const& message)
 {
@@ -1025,6 +1083,16 @@ void BatchDecoder::finish(Seq& s, dfl2_code error, std::string const& message)
     if (s.sampler)
     {
         s.res.logprobs = s.sampler->logprobs();
+    }
+    if (error == DFL2_OK && s.slot >= 0)
+    {
+        try
+        {
+            storePrefix(s);  // (a failure to keep it is not the request's)
+        }
+        catch (...)
+        {
+        }
     }
     BatchFinished f{s.id, std::move(s.res), error, message};
     if (s.slot >= 0)

@@ -8,6 +8,12 @@
 //! active sequence whose prompt is whole, then retires the finished ones (their own EOS set, max tokens, the
 //! capacity, a cancel), freeing their slots.
 //!
+//! Prefix reuse (batch._admit / _finish with a cache): a request admitted to a slot first restores the longest usable
+//! prefix of its prompt from the batch's SharedPrefixCache (target K/V, the snapshot at or below the match, the
+//! drafter's context), then prefills the rest; the state after its prefill is snapshotted, and a finished request's
+//! sequence (its prompt + tokens the target holds) joins the cache before its slot is freed. Result::cachedTokens
+//! counts the positions restored.
+//!
 //! Chunked prefill (batch._prefill): the prompts still prefilling, in admission order, compute their next rows in ONE
 //! target forward per step — at most `prefillChunk` rows over all of them while other sequences decode (a long prompt
 //! joining running streams delays their next token by one chunk's time, not by the whole prompt's); with nobody
@@ -83,6 +89,8 @@
 namespace dflash2
 {
 
+class SharedPrefixCache;  // core/prefixCache.h
+
 //! One sequence's rows in a batched target call.
 struct SlotRows
 {
@@ -121,6 +129,42 @@ public:
     virtual void drafterPropose(int32_t slot, int32_t anchor, int32_t pos, int32_t rows, float temperature,
         float const* uniforms, Draft& out)
         = 0;
+
+    // ---- prefix reuse across slots (core/prefixCache.h SharedPrefixCache; prefix_cache.py's runner side) ------
+    //! whether the members below are implemented (false: the batch keeps no prefixes)
+    virtual bool keepsPrefix() const
+    {
+        return false;
+    }
+    //! a copy of the slot's target non-croppable state at its length (nullptr: an attention-only target)
+    virtual std::shared_ptr<TargetSnapshot const> targetSnapshot(int32_t slot)
+    {
+        (void) slot;
+        return nullptr;
+    }
+    //! a copy of the slot's first n positions (n <= its length): target K/V rows; with `drafter`, the drafter's
+    //! context and its queued features (prefix_rows, context_rows and the pending features)
+    virtual std::shared_ptr<PrefixCopy const> prefixCopy(int32_t slot, int32_t n, bool drafter)
+    {
+        (void) slot;
+        (void) n;
+        (void) drafter;
+        throw Error(DFL2_ERR_INTERNAL, "this backend keeps no prefix");
+    }
+    //! the slot (just reset, its drafter too) holds `rows`' positions < length: K/V rows copied, the non-croppable
+    //! state put back from `state` (taken at `length`; nullptr for an attention-only target); with `drafter`, the
+    //! drafter's context holds positions < length (<= rows.drafterLength()) with nothing queued (restore_prefix,
+    //! restore_context + add_context)
+    virtual void prefixRestore(
+        int32_t slot, PrefixCopy const& rows, int32_t length, TargetSnapshot const* state, bool drafter)
+    {
+        (void) slot;
+        (void) rows;
+        (void) length;
+        (void) state;
+        (void) drafter;
+        throw Error(DFL2_ERR_INTERNAL, "this backend keeps no prefix");
+    }
 };
 
 //! The rule's step costs (seconds). plain(n) / draft() / verify(): nullopt while not known.
@@ -285,8 +329,9 @@ class BatchDecoder
 {
 public:
     //! prefillChunk: prompt rows per step while others decode (batch.BatchDecoder's prefill_chunk; 0: whole prompts,
-    //! its None)
-    BatchDecoder(BatchRunners& runners, SpeculationRule rule, int32_t prefillChunk);
+    //! its None); cache: the prefix cache prompts start from and finished sequences join (nullptr: none; used only
+    //! where the runners keep prefixes), owned by the caller, outliving the decoder
+    BatchDecoder(BatchRunners& runners, SpeculationRule rule, int32_t prefillChunk, SharedPrefixCache* cache = nullptr);
     ~BatchDecoder();  //!< (Seq is complete in batch.cpp only)
 
     //! Queue a request under the caller's id (checks the prompt, max tokens, and that no oracle is asked).
@@ -331,7 +376,9 @@ private:
         std::vector<int32_t> looked;
     };
     void admit();
+    void restorePrefix(Seq& s);
     void prefill();
+    void storePrefix(Seq& s);
     void start(Seq& s, float const* logits);
     std::vector<Plan> choose(std::vector<Seq*> const& seqs);
     std::map<Seq*, Proposal> propose(std::vector<Plan> const& plan);
@@ -349,6 +396,7 @@ private:
     BatchRunners& mRunners;
     SpeculationRule mRule;
     int32_t mPrefillChunk;  //!< 0: whole prompts
+    SharedPrefixCache* mCache;  //!< nullptr: no prefix reuse
     std::deque<std::unique_ptr<Seq>> mQueue;
     std::vector<std::unique_ptr<Seq>> mActive;  //!< in admission order (batch.py's dict order)
     std::vector<bool> mSlotUsed;

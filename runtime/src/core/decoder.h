@@ -70,6 +70,18 @@ public:
     virtual size_t nbytes() const = 0;
 };
 
+//! A backend's copy of one sequence's first n positions (prefix_cache.Entry's rows): the target's attention K/V rows,
+//! the drafter's context rows (m <= n positions) and the queued features of positions m.. past them; immutable once
+//! taken. What a multi-entry prefix cache (core/prefixCache.h, SharedPrefixCache) keeps.
+class PrefixCopy
+{
+public:
+    virtual ~PrefixCopy() = default;
+    virtual int32_t length() const = 0;         //!< n: the target positions held
+    virtual int32_t drafterLength() const = 0;  //!< drafter context a restore can rebuild (its rows + the features)
+    virtual size_t nbytes() const = 0;
+};
+
 //! The backend interface: one request's target and drafter (runtime/protocol.py's TargetRunner + DraftRunner).
 //! Context features never leave the backend: drafterQueueContext queues the first `rows` rows of the features that
 //! the latest targetForward produced and drafterAddContext hands the queue to the drafter in one call (rows of

@@ -79,4 +79,87 @@ private:
 //! $DFLASH2_PLANT_PREFIX_DRAFTER_ZEROED=1 (a backend's drafterRestore reads it)
 bool plantedPrefixDrafterZeroed();
 
+//! prefix_cache.Entry.usable, the one matching rule of both caches: how many leading positions of `ids` a kept
+//! sequence (`kept` ids, drafter context of `drafterLength`, snapshots `states` of a `stateful` target) restores —
+//! their common prefix, at most all but ids' last token; with `drafter` within its drafter context; for a stateful
+//! target the longest snapshot at or below that
+int32_t usablePrefix(std::vector<int32_t> const& kept, int32_t drafterLength, bool stateful,
+    std::map<int32_t, std::shared_ptr<TargetSnapshot const>> const& states, std::vector<int32_t> const& ids,
+    bool drafter);
+
+//! prefix_cache.CacheStats: counters since the cache was made
+struct PrefixCacheStats
+{
+    int64_t lookups{0};
+    int64_t hits{0};
+    int64_t hitTokens{0};       //!< prompt positions restored instead of computed
+    int64_t computedTokens{0};  //!< prompt positions the target computed (after a hit: the rest)
+    int64_t stored{0};
+    int64_t evictions{0};
+    int64_t nbytes{0};  //!< what the entries hold now
+    int64_t entries{0};
+};
+
+//! The multi-entry prefix cache a batch's slots share: the twin of prefix_cache.PrefixCache (same steps and names:
+//! lookup, store, _evict; Entry.usable is usablePrefix). Entries are the backend's copies (PrefixCopy, snapshots) of
+//! finished sequences, matched by token ids; a hit restores the longest usable prefix into any slot. An entry whose
+//! ids extend another's replaces it (its snapshots kept); one already holding a stored sequence is only made the
+//! most recent; the least recently used entries are evicted to stay within the budget (0: nothing kept). An entry
+//! counts its ids as 8 bytes each (the Python entry's int64 ids), so both twins weigh a sequence alike.
+//!
+//! Not thread safe: the batch's loop (one thread at a time) is its only user.
+//!
+//! Planted bug for the tests, never set otherwise: $DFLASH2_PLANT_PREFIX_EVICTED_MATCHED=1 keeps evicted entries
+//! matchable (their bytes no longer counted).
+class SharedPrefixCache
+{
+public:
+    struct Entry
+    {
+        std::vector<int32_t> ids;  //!< [n] the positions the copy holds
+        std::shared_ptr<PrefixCopy const> rows;
+        std::map<int32_t, std::shared_ptr<TargetSnapshot const>> states;  //!< length -> snapshot (stateful targets)
+        bool stateful{false};
+        size_t nbytes() const;
+        int32_t usable(std::vector<int32_t> const& prompt, bool drafter) const
+        {
+            return usablePrefix(ids, rows->drafterLength(), stateful, states, prompt, drafter);
+        }
+    };
+    struct Hit
+    {
+        std::shared_ptr<Entry const> entry;
+        int32_t length{0};  //!< positions restored
+        //! the snapshot at the hit (nullptr: an attention-only target)
+        TargetSnapshot const* state() const;
+    };
+
+    explicit SharedPrefixCache(int64_t budgetBytes = kPREFIX_BUDGET_BYTES);
+
+    //! PrefixCache.lookup: the entry restoring the most leading positions of `ids` (ties: the most recently used),
+    //! now the most recently used; length 0: none. Counts the lookup and the prompt positions computed.
+    Hit lookup(std::vector<int32_t> const& ids, bool drafter);
+    //! PrefixCache.store: a finished sequence (`ids`: the tokens of the positions `rows` holds), `states` snapshots
+    //! taken earlier, `end` the target's state now (nullptr: attention-only; kept when the target's length is n)
+    void store(std::vector<int32_t> ids, std::shared_ptr<PrefixCopy const> rows,
+        std::map<int32_t, std::shared_ptr<TargetSnapshot const>> states, std::shared_ptr<TargetSnapshot const> end,
+        int32_t targetLength);
+    int64_t budget() const
+    {
+        return mBudget;
+    }
+    PrefixCacheStats const& stats() const
+    {
+        return mStats;
+    }
+
+private:
+    void evict();
+
+    int64_t mBudget;
+    std::vector<std::shared_ptr<Entry>> mEntries;  //!< least recently used first
+    std::vector<std::shared_ptr<Entry>> mEvicted;  //!< the planted bug's: evicted, still matched
+    PrefixCacheStats mStats;
+};
+
 } // namespace dflash2
