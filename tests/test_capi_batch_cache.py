@@ -231,6 +231,8 @@ def test_batch_prefix_reuse_equals_python_twin_and_empty_cache(capi_build, expor
         assert [r["tokens"] for r in on["requests"]] == [w.tokens for w in want], T
         assert [r["tokens"] for r in off["requests"]] == [w.tokens for w in want], T
         assert [r["cached"] for r in on["requests"]] == [w.stats.cached_tokens for w in want], T
+        assert [r["accepted"] for r in on["requests"]] == [w.stats.accepted for w in want], \
+            f"accepted drafts {[r['accepted'] for r in on['requests']]}, the Python twin's {[w.stats.accepted for w in want]}"
         cached = [r["cached"] for r in on["requests"]]
         assert cached[0] == 0 and min(cached[1:]) >= 40 and cached[2] == (40 if stateful else 45)
         assert [r["cached"] for r in off["requests"]] == [0] * 4
@@ -280,3 +282,36 @@ def test_batch_planted_evicted_entry_matched_is_caught(capi_build, exports):
                                                  _c_requests(waves, 0.0))],
                            env={"DFLASH2_PLANT_PREFIX_EVICTED_MATCHED": "1"})
     assert [r["cached"] for r in planted["requests"]] != [0, 0, 40, 0]
+
+
+def test_batch_planted_drafter_context_bug_is_caught(capi_build, exports):
+    """Negative control: with $DFLASH2_PLANT_PREFIX_DRAFTER_ZEROED=1 (a hit restores the target but leaves the
+    drafter's context zeros) the ids stay lossless but the accepted drafts after the hits differ from the twin's."""
+    export = exports("llama")
+    waves, py, _ = _conversation_waves(export, 0.0)
+    want = [r for wave in py for r in wave]
+    (on,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false"], _c_requests(waves, 0.0))],
+                      env={"DFLASH2_PLANT_PREFIX_DRAFTER_ZEROED": "1"})
+    assert [r["tokens"] for r in on["requests"]] == [w.tokens for w in want]
+    assert [r["accepted"] for r in on["requests"]][1:] != [w.stats.accepted for w in want][1:]
+
+
+def test_batch_planted_later_snapshot_bug_is_caught(capi_build, exports):
+    """On the random qwen3_5 target (every layer moves its tokens): a branch inside the cached answer restores the
+    prompt's snapshot and decodes as the uncached batch; with $DFLASH2_PLANT_PREFIX_LATER_SNAPSHOT=1 (the K/V cropped
+    at the hit, the linear layers' state from the snapshot after it) its ids change."""
+    import numpy as np
+
+    export = exports("qwen3_5", False)
+    rng = np.random.default_rng(0)
+    p1 = rng.integers(2, 200, 40).tolist()
+    reqs = _c_requests([[p1]], 0.0)
+    (first,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false"], reqs)])
+    out = first["requests"][0]["tokens"]
+    reqs = _c_requests([[p1], [p1 + out[:5] + [7, 8, 9]]], 0.0)
+    opts = ["max_batch=4", "adaptive=false"]
+    on, off = c_batches(capi_build, export, [(opts, reqs), ([*opts, "prefix_cache_bytes=0"], reqs)])
+    (planted,) = c_batches(capi_build, export, [(opts, reqs)], env={"DFLASH2_PLANT_PREFIX_LATER_SNAPSHOT": "1"})
+    assert on["requests"][1]["cached"] == planted["requests"][1]["cached"] == 40
+    assert on["requests"][1]["tokens"] == off["requests"][1]["tokens"]
+    assert planted["requests"][1]["tokens"] != off["requests"][1]["tokens"]

@@ -190,7 +190,16 @@ size_t SharedPrefixCache::Entry::nbytes() const
 
 TargetSnapshot const* SharedPrefixCache::Hit::state() const
 {
-    return entry->stateful ? entry->states.at(length).get() : nullptr;
+    if (!entry->stateful)
+    {
+        return nullptr;
+    }
+    auto const later = entry->states.upper_bound(length);
+    if (planted("DFLASH2_PLANT_PREFIX_LATER_SNAPSHOT") && later != entry->states.end())
+    {
+        return later->second.get();  // the planted bug: the snapshot after the hit
+    }
+    return entry->states.at(length).get();
 }
 
 SharedPrefixCache::SharedPrefixCache(int64_t budgetBytes)

@@ -109,8 +109,9 @@ struct PrefixCacheStats
 //!
 //! Not thread safe: the batch's loop (one thread at a time) is its only user.
 //!
-//! Planted bug for the tests, never set otherwise: $DFLASH2_PLANT_PREFIX_EVICTED_MATCHED=1 keeps evicted entries
-//! matchable (their bytes no longer counted).
+//! Planted bugs for the tests, never set otherwise: $DFLASH2_PLANT_PREFIX_EVICTED_MATCHED=1 keeps evicted entries
+//! matchable (their bytes no longer counted); $DFLASH2_PLANT_PREFIX_LATER_SNAPSHOT=1 and
+//! $DFLASH2_PLANT_PREFIX_DRAFTER_ZEROED=1 as for PrefixCache (Hit::state, the backend's restore).
 class SharedPrefixCache
 {
 public:
