@@ -276,6 +276,52 @@ struct IOTensor
     void* host{nullptr};
 };
 
+//! Frees every tensor of ``io`` (device buffer, pinned host mirror) and empties it; the runners' releases.
+void freeIo(std::map<std::string, IOTensor>& io) noexcept
+{
+    for (auto& [name, tensor] : io)
+    {
+        cudaFree(tensor.dev);
+        if (tensor.host != nullptr)
+        {
+            cudaFreeHost(tensor.host);
+        }
+    }
+    io.clear();
+}
+
+//! name -> device address of every tensor of ``io``: the bindings a call starts from.
+std::map<std::string, void*> deviceAddresses(std::map<std::string, IOTensor> const& io)
+{
+    std::map<std::string, void*> addr;
+    for (auto const& [name, tensor] : io)
+    {
+        addr[name] = tensor.dev;
+    }
+    return addr;
+}
+
+//! One sequence's cache ``kv`` bound as the inputs ``names`` (K and V per layer), each [1, heads, C, headDim].
+void bindCache(DeviceKV const& kv, std::vector<std::string> const& names, int32_t C,
+    std::map<std::string, std::vector<int64_t>>& shapes, std::map<std::string, void*>& addr)
+{
+    for (size_t i = 0; i < names.size(); ++i)
+    {
+        shapes[names[i]] = {1, kv.heads, C, kv.headDim};
+        addr[names[i]] = kv.ptrs[i];
+    }
+}
+
+//! Destroys ``stream`` (if any) and leaves it null.
+void destroyStream(cudaStream_t& stream) noexcept
+{
+    if (stream != nullptr)
+    {
+        cudaStreamDestroy(stream);
+        stream = nullptr;
+    }
+}
+
 //! Writes 0..n-1 / ids / masks into a host mirror in the engine's integer type.
 void writeInts(IOTensor const& t, size_t offset, int64_t const* values, size_t n)
 {
@@ -926,33 +972,18 @@ void TrtRunners::releaseAll() noexcept
     mContexts.clear();
     for (auto* io : {&mTio, &mCio, &mBio, &mHio})
     {
-        for (auto& [name, t] : *io)
-        {
-            cudaFree(t.dev);
-            if (t.host != nullptr)
-            {
-                cudaFreeHost(t.host);
-            }
-        }
+        freeIo(*io);
     }
     for (auto& [k, p] : mScratch)
     {
         cudaFree(p);
     }
+    mScratch.clear();
     mTargetKV.release();
     mDraftKV.release();
     mLinear.release();
     mRing.release();
-    if (mStream != nullptr)
-    {
-        cudaStreamDestroy(mStream);
-        mStream = nullptr;
-    }
-    mTio.clear();
-    mCio.clear();
-    mBio.clear();
-    mHio.clear();
-    mScratch.clear();
+    destroyStream(mStream);
 }
 
 IOTensor& TrtRunners::tensor(std::map<std::string, IOTensor>& io, Engine const& e, std::string const& name,
@@ -1290,16 +1321,8 @@ void TrtRunners::targetCall(int32_t const* ids, int32_t S, bool everyRow, float*
     writeTargetInputs(ids, S, n, C);
     std::map<std::string, std::vector<int64_t>> shapes{
         {"input_ids", {1, S}}, {"position_ids", {1, S}}, {"attention_mask", {1, C + S}}};
-    std::map<std::string, void*> addr;
-    for (auto& [name, t] : mTio)
-    {
-        addr[name] = t.dev;
-    }
-    for (size_t i = 0; i < mTargetPast.size(); ++i)
-    {
-        shapes[mTargetPast[i]] = {1, kv.heads, C, kv.headDim};
-        addr[mTargetPast[i]] = kv.ptrs[i];
-    }
+    std::map<std::string, void*> addr = deviceAddresses(mTio);
+    bindCache(kv, mTargetPast, C, shapes, addr);
     if (mLinear.active())
     {
         bindLinear(mLinear, mTio, 0, 1, S, everyRow, shapes, addr);
@@ -1390,11 +1413,7 @@ void TrtRunners::contextCall(char const* feats, int32_t m, int32_t start)
         pos[static_cast<size_t>(i)] = start + i;
     }
     writeInts(mCio["position_ids"], 0, pos.data(), pos.size());
-    std::map<std::string, void*> addr;
-    for (auto& [name, t] : mCio)
-    {
-        addr[name] = t.dev;
-    }
+    std::map<std::string, void*> addr = deviceAddresses(mCio);
     std::string const bucket = captured ? std::to_string(m) : "eager";
     nv::IExecutionContext& ctx = context(e, profile, bucket, captured);
     bind(e, ctx, {{"context_features", {1, m, mFeatDim}}, {"position_ids", {1, m}}}, addr,
@@ -1473,21 +1492,9 @@ void TrtRunners::drafterPropose(
     int32_t const L = mModel.blockSize - 1;
     writeDraftInputs(anchor, pos, C, temperature, uniforms);
     std::map<std::string, std::vector<int64_t>> bshapes{{"anchor_ids", {1}}, {"anchor_position", {1}}, {"context_mask", {1, C}}};
-    std::map<std::string, void*> baddr;
-    for (auto& [name, t] : mBio)
-    {
-        baddr[name] = t.dev;
-    }
-    for (size_t i = 0; i < mDraftKVNames.size(); ++i)
-    {
-        bshapes[mDraftKVNames[i]] = {1, kv.heads, C, kv.headDim};
-        baddr[mDraftKVNames[i]] = kv.ptrs[i];
-    }
-    std::map<std::string, void*> haddr;
-    for (auto& [name, t] : mHio)
-    {
-        haddr[name] = t.dev;
-    }
+    std::map<std::string, void*> baddr = deviceAddresses(mBio);
+    bindCache(kv, mDraftKVNames, C, bshapes, baddr);
+    std::map<std::string, void*> haddr = deviceAddresses(mHio);
     haddr["hidden"] = mBio["hidden"].dev;  // the block's output is the head's input: no copy
     std::string const key = "draft/" + std::to_string(C);
     bool const capturable = be.auxStreams == 0 && he.auxStreams == 0;
@@ -1839,15 +1846,7 @@ void TrtBatchRunners::releaseAll() noexcept
     }
     mDrafters.clear();
     mContexts.clear();
-    for (auto& [name, t] : mTio)
-    {
-        cudaFree(t.dev);
-        if (t.host != nullptr)
-        {
-            cudaFreeHost(t.host);
-        }
-    }
-    mTio.clear();
+    freeIo(mTio);
     if (mScratch != nullptr)
     {
         cudaFree(mScratch);
@@ -1856,11 +1855,7 @@ void TrtBatchRunners::releaseAll() noexcept
     mKV.release();
     mLinear.release();
     mRing.release();
-    if (mStream != nullptr)
-    {
-        cudaStreamDestroy(mStream);
-        mStream = nullptr;
-    }
+    destroyStream(mStream);
 }
 
 nv::IExecutionContext& TrtBatchRunners::context(int32_t profile)
@@ -1960,11 +1955,7 @@ void TrtBatchRunners::call(std::vector<SlotRows> const& part, std::vector<CallOu
     writeInts(mTio["attention_mask"], 0, rb.attentionMask.data(), rb.attentionMask.size());
     std::map<std::string, std::vector<int64_t>> shapes{
         {"input_ids", {B, S}}, {"position_ids", {B, S}}, {"attention_mask", {B, C + S}}};
-    std::map<std::string, void*> addr;
-    for (auto& [name, t] : mTio)
-    {
-        addr[name] = t.dev;
-    }
+    std::map<std::string, void*> addr = deviceAddresses(mTio);
     for (size_t i = 0; i < mPast.size(); ++i)
     {
         shapes[mPast[i]] = {B, mKV.heads, C, mKV.headDim};
