@@ -16,9 +16,10 @@
 # Each command is the one benchmarks/results/README.md gives for its file, with the same prompt sets, prompt counts
 # (20 a set), token counts and repeats as the figures quoted. One change, for cost: the pooled-τ runs decode each
 # prompt once each way (`--repeats 1`, not the demo's 3) on 2 ONNX Runtime threads instead of 1 (their quoted figure
-# is τ, which neither changes). Measured on the 2-core AMD EPYC VM this project's figures come from, the whole run takes about
-# 100 minutes (most of it the two side-by-side runs, ~45 min) plus any export not yet in the cache (block sizes 4
-# and 6, the q8_0 drafter, the int4 target: a few minutes each) and onnxruntime-genai's model builds.
+# is τ, which neither changes). On the quiet 2-core AMD EPYC VM the files come from, the whole run should take about
+# 100-120 minutes (estimated from the files' own token counts and speeds; most of it the two side-by-side runs, ~45
+# min), plus any export not yet in the cache (block sizes 4 and 6, the q8_0 drafter, the int4 target: a few minutes
+# each) and onnxruntime-genai's model builds.
 #
 # After the run: tests/test_doc_figures.py names every passage whose figures moved (the text the document should
 # read), and the files that now record their machine (to take out of its NO_MACHINE_BLOCK list).
@@ -40,7 +41,8 @@ jobs() {
   job side_by_side_int4_panels.json "$PEERS_PYTHON" benchmarks/ort_side_by_side.py "${SBS[@]}" --precisions int4 \
     --proposers auto --genai-precisions int4 --out "$RESULTS/side_by_side_int4_panels.json"
   job cpu_options_codes_bs346.json "$PYTHON" benchmarks/cpu_options.py --exports 3:4096 4:4096 6:4096 --guard on \
-    --prompts humaneval mtbench --limit 20 --max-new-tokens 128 --threads 2 --out "$RESULTS/cpu_options_codes_bs346.json"
+    --prompts humaneval mtbench --limit 20 --max-new-tokens 128 --threads 2 \
+    --out "$RESULTS/cpu_options_codes_bs346.json"
   job cpu_options_q8_0.json "$PYTHON" benchmarks/cpu_options.py --exports 0:4096 0:4096:q8_0 --guard on \
     --prompts humaneval mtbench --limit 20 --max-new-tokens 128 --out "$RESULTS/cpu_options_q8_0.json"
   job tau_pooled_humaneval.json demo_file tau_pooled_humaneval.json "" --prompts humaneval --limit 20 \
@@ -62,7 +64,8 @@ jobs() {
     --servers batched_ar adaptive --streams 1 2 4 8 16 --tokens 128 --repeats 4 \
     --out "$RESULTS/triton_throughput_adaptive_vs_ar.json"
   job triton_throughput_codes.json env DFLASH2_ORT_SPINNING=0 "$PYTHON" benchmarks/triton_throughput.py \
-    --servers batched_ar adaptive --streams 1 4 8 16 --tokens 128 --repeats 4 --out "$RESULTS/triton_throughput_codes.json"
+    --servers batched_ar adaptive --streams 1 4 8 16 --tokens 128 --repeats 4 \
+    --out "$RESULTS/triton_throughput_codes.json"
   job serve_concurrency.json env DFLASH2_ORT_SPINNING=0 "$PYTHON" benchmarks/serve_concurrency.py --threads 2 \
     --tokens 128 --repeats 3 --streams 1 4 8 16 --out "$RESULTS/serve_concurrency.json"
 }
