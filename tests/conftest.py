@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import SMOLLM2_NEW, SMOLLM2_PROMPTS, bound_drafter, export_pair, make_pair
+from helpers import SMOLLM2_NEW, SMOLLM2_PROMPTS, bound_drafter, export_pair, long_memory_heads, make_pair
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -144,3 +144,27 @@ def hybrid_exports(tmp_path_factory):
     accepted) exported at it (max 512 positions): the ONNX Runtime, C library and TensorRT-fake tests share them."""
     pair = make_pair(tmp_path_factory, "hy_acc", accepting=True, arch="qwen3_5")
     return _exports_on_use(pair, tmp_path_factory, "hy_acc", 512)
+
+
+@pytest.fixture(scope="session")
+def arch_exports(tmp_path_factory):
+    """(arch, accepting) -> make-tiny's pair of that family at block size 8 (``accepting``: the copying pair; else the
+    random target, qwen3_5's with long-memory linear heads) exported at max 512 positions (sliding rings of window 8
+    in 24 slots), made on first use: the chunked-prefill and C batch tests share them."""
+    from dflash2_trt.export.exporter import export_model
+    from dflash2_trt.tiny import make_tiny
+
+    made: dict = {}
+
+    def get(arch: str, accepting: bool = True):  # noqa: ANN202
+        if (arch, accepting) not in made:
+            d = tmp_path_factory.mktemp(f"arch_{arch}")
+            make_tiny(d / "pair", seed=0, block_size=8, accepting=accepting, arch=arch)
+            if arch == "qwen3_5" and not accepting:
+                long_memory_heads(d / "pair" / "target")
+            export_model(d / "pair" / "target", d / "pair" / "drafter", d / "export", progress=False,
+                         max_seq_len=512)
+            made[arch, accepting] = d / "export"
+        return made[arch, accepting]
+
+    return get

@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from test_capi import capi_build, vectors_path  # noqa: F401
-from test_prefix_cache import exports  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def exports(arch_exports):
+    """(arch, accepting) -> conftest's tiny export of that family (block size 8, max 512 positions)."""
+    return arch_exports
+
 
 # One process per call (the library opens the onnxruntime wheel's library): per run a batch made with its options,
 # its requests submitted at their steps with numpy's uniforms for each request's seed, stepped until idle.
@@ -315,3 +321,30 @@ def test_batch_planted_later_snapshot_bug_is_caught(capi_build, exports):
     assert on["requests"][1]["cached"] == planted["requests"][1]["cached"] == 40
     assert on["requests"][1]["tokens"] == off["requests"][1]["tokens"]
     assert planted["requests"][1]["tokens"] != off["requests"][1]["tokens"]
+
+
+def test_session_keeps_several_entries_as_the_python_twin(capi_build, exports):
+    """A dfl2_session's cache is the same multi-entry one: A, then B, then A's prompt + 1 restores A's 40 positions
+    (a one-sequence cache would have kept only B), as the Python runtime's generate with its PrefixCache does; with a
+    one-entry budget A is evicted and nothing is restored, as there."""
+    import dflash2_trt
+    from test_prefix_cache import C_NEW, _c_sessions
+
+    export = exports("llama")
+    a, b, _, _ = [w[0] for w in _eviction_waves()]
+    prompts = [a, b, a + [5]]
+    got = {}
+    for budget in (None, "one"):
+        kw = {}
+        if budget == "one":
+            with dflash2_trt.load(export, backend="ort", threads=1) as g:
+                g.generate(a, max_new_tokens=C_NEW, eos_ids=set(), guard=False)
+                kw = {"prefix_cache_bytes": g.prefix_cache.stats.nbytes * 3 // 2}
+        with dflash2_trt.load(export, backend="ort", threads=1, **kw) as g:
+            want = [g.generate(p, max_new_tokens=C_NEW, eos_ids=set(), guard=False) for p in prompts]
+        opts = [f"prefix_cache_bytes={kw['prefix_cache_bytes']}"] if kw else []
+        (on,) = _c_sessions(capi_build, export, [(opts, [(p, 3) for p in prompts])])
+        assert [g["cached"] for g in on] == [w.stats.cached_tokens for w in want]
+        assert [g["tokens"] for g in on] == [w.tokens for w in want]
+        got[budget] = [g["cached"] for g in on]
+    assert got == {None: [0, 0, 40], "one": [0, 0, 0]}

@@ -16,15 +16,11 @@ from helpers import req
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_5", "gpt_oss"])
-def backend(request, tmp_path_factory):
-    from dflash2_trt.export.exporter import export_model
+def backend(request, arch_exports):
+    """The accepting pair of each family (conftest's export, block size 8, max 512 positions) on ONNX Runtime."""
     from dflash2_trt.runtime.ort.backend import OrtBackend
-    from dflash2_trt.tiny import make_tiny
 
-    d = tmp_path_factory.mktemp(f"chunk_{request.param}")
-    make_tiny(d / "pair", seed=0, block_size=8, accepting=True, arch=request.param)
-    export_model(d / "pair" / "target", d / "pair" / "drafter", d / "export", progress=False, max_seq_len=512)
-    with OrtBackend(d / "export") as be:
+    with OrtBackend(arch_exports(request.param)) as be:
         yield be
 
 
