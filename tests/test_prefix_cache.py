@@ -2,7 +2,8 @@
 last token; a stateful target only at a snapshot at or below the match; the drafter's context only as far as the
 entry rebuilds it), the byte budget and least-recently-used eviction (an evicted entry is never matched: a planted
 bug that keeps it fails), and — through the runtime's runners on tiny dense, hybrid, sliding and MoE exports — a
-decode after a hit equal to the same decode from an empty cache, with the planted restore bugs caught. The C library's
+decode after a hit equal to the same decode from an empty cache, with the planted restore bugs caught; a hit on the
+runner whose buffers still hold the entry copies nothing, and one after they were overwritten copies them back. The C library's
 twin (a dfl2_session keeping its last sequence, runtime/src/core/prefixCache.h) on the same exports: its requests equal
 the Python runtime's with its cache and its own without prefix reuse, with its planted restore bugs caught."""
 
@@ -270,6 +271,62 @@ def _same_tokens(on, off, prompt, want_cached) -> None:  # noqa: ANN001
     """A random target's greedy decode after a hit = the one from an empty cache (every layer moves its tokens)."""
     a, b = _decode_both(on, off, prompt)
     assert a.stats.cached_tokens == want_cached and a.tokens == b.tokens
+
+
+def _held_then_overwritten(export, monkeypatch) -> None:  # noqa: ANN001
+    """The next turn on the Generator that ran the last one: its K/V buffers (target and drafter) still hold the
+    entry's rows, so the restore copies none; after another prompt overwrote them (a stream closed after its first
+    token, so no later entry was taken from the buffers), a hit on that entry copies them back. Each decode = the
+    one from an empty cache (greedy, tokens)."""
+    from dflash2_trt.runtime import kv
+
+    copies: list[int] = []
+    put_rows = kv.put_rows
+
+    def counted(arrays, slot, rows):  # noqa: ANN001, ANN202
+        copies.append(rows[0].shape[1])
+        put_rows(arrays, slot, rows)
+
+    monkeypatch.setattr(kv, "put_rows", counted)
+    on, off = _gens(export)
+    rng = np.random.default_rng(4)
+    with on, off:
+        p1 = rng.integers(2, 200, 40).tolist()
+        first = on.generate(p1, max_new_tokens=24, eos_ids=set(), guard=False)
+        turn2 = p1 + first.tokens + rng.integers(2, 200, 9).tolist()
+        copies.clear()
+        a, b = _decode_both(on, off, turn2)
+        assert a.stats.cached_tokens == len(p1) + len(first.tokens) - 1 and a.tokens == b.tokens
+        assert copies == [], f"the runner that holds the entry copied {copies} rows back in"
+        # another prompt overwrites the buffers and is closed after its first token: nothing stored after it
+        other = on.stream([1] + rng.integers(2, 200, 90).tolist(), max_new_tokens=8, eos_ids=set(), guard=False)
+        next(iter(other))
+        other.close()
+        assert other.result is None and on.prefix_cache.stats.stored == 2
+        turn3 = turn2 + a.tokens + [5, 6]
+        copies.clear()
+        a, b = _decode_both(on, off, turn3)
+        assert a.stats.cached_tokens == len(turn2) + len(a.tokens) - 1
+        assert a.tokens == b.tokens, "tokens after a hit on overwritten buffers differ from the uncached decode"
+        assert copies and min(copies) > 0, "a hit after another prompt overwrote the buffers copied nothing"
+
+
+def test_a_hit_on_the_buffers_that_hold_it_copies_nothing(exports, monkeypatch):
+    """On the random dense target (every layer moves its tokens), whose fused graph writes its new rows' K/V in
+    place (the buffer told through KVBuffer.wrote)."""
+    _held_then_overwritten(exports("llama", accepting=False), monkeypatch)
+
+
+def test_a_buffer_that_forgets_what_was_overwritten_is_caught(exports, monkeypatch):
+    """Planted: the buffers taken to hold an entry's rows whatever was written since (the write count ignored)."""
+    from dflash2_trt.runtime.kv import KVBuffer
+
+    def planted(self, rows, n):  # noqa: ANN001, ANN202
+        return bool(rows) and all((r if r.base is None else r.base) is t() for r, t in zip(rows, self._taken))
+
+    monkeypatch.setattr(KVBuffer, "holds", planted)
+    with pytest.raises(AssertionError, match="differ from the uncached"):
+        _held_then_overwritten(exports("llama", accepting=False), monkeypatch)
 
 
 def test_a_hit_without_the_drafters_context_is_caught(exports, monkeypatch):

@@ -2,11 +2,12 @@
 graph's per-layer state in layer order (:func:`layer_feed`, :func:`split_present`), the target's id check, and
 what a target runner keeps between forwards (:class:`TargetState`, :class:`BatchSlots`).
 
-Imports only numpy, the project error type and the manifest's window spec.
+Imports only numpy, weakref, the project error type and the manifest's window spec.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -145,6 +146,12 @@ class KVBuffer:
     :meth:`valid_mask`. Capacity grows in multiples of ``step`` (so graph input shapes change rarely) up
     to ``max_length`` rounded up; cropping only lowers ``length`` (no copy). Growing reallocates: a captured
     CUDA graph bound to the old arrays must be dropped then.
+
+    The prefix cache's rows: :meth:`rows` hands out copies and remembers them (weakly) with how many leading slots
+    still hold what was copied (``_intact``: every write from slot s on — :meth:`append`, a graph writing in place,
+    which reports it through :meth:`wrote`, a reallocation — lowers it to s). :meth:`load` of those same copies
+    within that count only sets the length: the buffers already hold them (the next turn of a conversation on the
+    runner that ran the last one); any other rows are copied in.
     """
 
     def __init__(self, n_layers: int, heads: int, head_dim: int, dtype: np.dtype, step: int, max_length: int
@@ -156,9 +163,15 @@ class KVBuffer:
         self.length = 0
         self.capacity = 0
         self.arrays: list[np.ndarray] = []  # 2 per layer: key, value
+        self._taken: list[weakref.ref] = []  # the copies the last rows() handed out
+        self._intact = 0  # leading slots unchanged since those copies were taken
 
     def reset(self) -> None:
         self.length = 0
+
+    def wrote(self, start: int) -> None:
+        """Slots from ``start`` on are being overwritten (a graph writing its new rows in place)."""
+        self._intact = min(self._intact, int(start))
 
     def reserve(self, n: int) -> None:
         """Make room for ``n`` positions."""
@@ -169,6 +182,7 @@ class KVBuffer:
         for a, b in zip(new, self.arrays):
             a[:, :, : self.length] = b[:, :, : self.length]
         self.arrays, self.capacity = new, cap
+        self.wrote(self.length)  # slots past the length were not carried over
 
     def valid_mask(self) -> np.ndarray:
         """[1, capacity] int64: 1 for slots holding a position."""
@@ -180,6 +194,7 @@ class KVBuffer:
         """new: 2 per layer [1, heads, S, d] -> slots length..length+S-1."""
         S = new[0].shape[2]
         self.reserve(self.length + S)
+        self.wrote(self.length)
         for buf, x in zip(self.arrays, new):
             buf[:, :, self.length: self.length + S] = x
         self.length += S
@@ -189,14 +204,29 @@ class KVBuffer:
 
     def rows(self, n: int) -> list[np.ndarray]:
         """Copies of positions 0..n-1 (n <= length): [heads, n, d] per array."""
-        return take_rows(self.arrays, 0, min(n, self.length))
+        n = min(n, self.length)
+        out = take_rows(self.arrays, 0, n)
+        self._taken, self._intact = [weakref.ref(a) for a in out], n
+        return out
+
+    def holds(self, rows: list[np.ndarray], n: int) -> bool:
+        """Whether positions 0..n-1 of the buffers are still ``rows`` (views of the last :meth:`rows` copies)."""
+        return (bool(rows) and n <= self._intact and len(rows) == len(self._taken)
+                and all((r if r.base is None else r.base) is t() for r, t in zip(rows, self._taken)))
 
     def load(self, rows: list[np.ndarray], n: int) -> None:
-        """Hold exactly positions 0..n-1, :meth:`rows`' copies (in place where the capacity suffices)."""
+        """Hold exactly positions 0..n-1, :meth:`rows`' copies (in place where the capacity suffices; no copy where
+        the buffers still hold them, see the class docstring)."""
+        if self.holds(rows, n):
+            self.length = n
+            return
         self.length = 0
         self.reserve(n)
+        self.wrote(0)
         put_rows(self.arrays, 0, rows)
         self.length = n
+        if rows and all(r.base is not None for r in rows):  # views of an entry's copies: a later load of it skips too
+            self._taken, self._intact = [weakref.ref(r.base) for r in rows], n
 
 
 def layer_feed(kinds: Kinds, states: dict[str, list[np.ndarray]]) -> list[np.ndarray]:

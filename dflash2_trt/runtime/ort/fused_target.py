@@ -84,6 +84,7 @@ class OrtFusedTargetRunner:
             io.bind_cpu_input(TARGET_LOGITS_INDEX, np.arange(S, dtype=np.int64).reshape(1, S, 1))
         io.bind_output("logits")  # rebound each call: ORT would keep last call's [1, S, V] buffer
         io.bind_output("context_features")
+        self.kv.wrote(n)  # the graph writes the new rows' K/V into slots n..n+S-1 of the bound buffers
         with ort_failures(f"{TARGET_ORT}.onnx"):
             self.sess.run_with_iobinding(io)
         out = io.get_outputs()
