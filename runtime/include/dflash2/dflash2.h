@@ -62,9 +62,10 @@
  *                                     again after a doubling backoff (dflash2_trt/runtime/guard.py states the rule).
  *                                     Lossless; its choices follow measured times, so with it a seed fixes the law of
  *                                     the tokens at T > 0 but not the sample
- *     "prefix_cache_bytes" int 1 GiB  a session's prefix reuse (PREFIX REUSE below): the most bytes the sequence it
- *                                     keeps may hold (target K/V rows, drafter context, queued features, snapshots);
- *                                     a larger one is not kept; 0: every request starts from empty caches (sessions).
+ *     "prefix_cache_bytes" int 1 GiB  a session's prefix reuse (PREFIX REUSE below): the most bytes the sequences it
+ *                                     keeps may hold together (target K/V rows, drafter context, queued features,
+ *                                     snapshots; least recently used evicted first; API 1.5: several sequences, 1.4
+ *                                     kept the last one); 0: every request starts from empty caches (sessions).
  *                                     Read by dfl2_batch_create too (API 1.5): the most bytes the batch's shared
  *                                     prefix cache may hold over all its entries (PREFIX REUSE IN A BATCH below)
  *   sampling (API 1.4; applied as dflash2_trt/runtime/sampling.py applies them, in this order, to the target's logits
@@ -339,20 +340,22 @@ typedef int32_t (*dfl2_uniform_fn)(void* user_data, dfl2_uniform_use use, double
 DFL2_API dfl2_status* dfl2_session_set_uniform_source(dfl2_session* session, dfl2_uniform_fn fn, void* user_data);
 
 /* Generate from prompt ids[n] (each in [0, vocab); 1 <= n and n + 1 <= max_positions). One session serves many
- * requests one after another: each starts from what the session kept of the last one (PREFIX REUSE below), the rest
- * of its state reset. on_tokens may be NULL.
+ * requests one after another: each starts from what the session kept of the earlier ones (PREFIX REUSE below), the
+ * rest of its state reset. on_tokens may be NULL.
  *
- * PREFIX REUSE (API 1.4). After a request the session keeps its caches (ONNX Runtime backend; the callbacks and
- * TensorRT backends keep nothing: every request starts empty). The next prompt's longest common prefix, by token ids,
- * with the last request's prompt + generated tokens (those its target cache holds) is not computed again: at most all
- * but the prompt's last token; for a request that drafts with the DFlash 2 drafter, within the drafter context the
- * session can rebuild (its K/V and the features of positions it had not taken in yet, added at the hit); for a
- * target with linear (Gated DeltaNet) or sliding-window layers, whose state cannot be cropped, the longest snapshot
- * at or below the match (snapshots: after each prompt's prefill and at the end of each request; those at or below a
- * hit stay with the next sequence). Exact: the tokens equal a run from an empty session (greedy; at T > 0 the same
- * uniforms give the same tokens), and the drafter drafts from the context it would have had. dfl2_stats.cached_tokens
- * says how many prompt positions were restored. The twin of dflash2_trt/runtime/prefix_cache.py (its PrefixCache
- * for one sequence, the session's last). "prefix_cache_bytes" bounds what is kept; a failed generate keeps nothing. */
+ * PREFIX REUSE (API 1.4; several sequences from 1.5). After a request the session keeps a copy of its sequence
+ * (ONNX Runtime backend; the callbacks and TensorRT backends keep nothing: every request starts empty): the prompt +
+ * generated tokens its target cache holds, their K/V rows, the drafter's context (its K/V and the features of
+ * positions it had not taken in yet) and, for a target with linear (Gated DeltaNet) or sliding-window layers, whose
+ * state cannot be cropped, snapshots after the prompt's prefill and at the request's end. The next prompt restores
+ * the kept sequence sharing the longest common prefix with it by token ids: at most all but the prompt's last token;
+ * for a request that drafts with the DFlash 2 drafter, within the drafter context the sequence rebuilds; for a
+ * stateful target the longest snapshot at or below the match. A sequence extending a kept one replaces it (its
+ * snapshots kept); least recently used sequences are evicted so that all stay within "prefix_cache_bytes". Exact:
+ * the tokens equal a run from an empty session (greedy; at T > 0 the same uniforms give the same tokens), and the
+ * drafter drafts from the context it would have had. dfl2_stats.cached_tokens says how many prompt positions were
+ * restored. The twin of dflash2_trt/runtime/prefix_cache.py's PrefixCache (the same class serves a batch's slots:
+ * PREFIX REUSE IN A BATCH). A failed generate keeps nothing of its own sequence. */
 DFL2_API dfl2_status* dfl2_session_generate(dfl2_session* session, const int32_t* prompt, size_t n,
                                             dfl2_token_fn on_tokens, void* user_data);
 

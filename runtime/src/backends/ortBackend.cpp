@@ -1280,7 +1280,7 @@ public:
         }
     }
     //! OrtTargetRunner.prefix_rows, OrtDraftRunner.context_rows + the queued features (drafter: its context too)
-    std::shared_ptr<PrefixCopy const> prefixCopy(int32_t n, bool drafter) const
+    std::shared_ptr<PrefixCopy const> prefixCopy(int32_t n, bool drafter) const override
     {
         auto c = std::make_shared<OrtPrefixCopy>();
         c->n = std::min(n, mTkv.length);
@@ -1296,7 +1296,7 @@ public:
         return c;
     }
     //! OrtTargetRunner.restore_prefix + OrtDraftRunner.restore_context / add_context into reset caches
-    void prefixRestore(PrefixCopy const& rows, int32_t length, TargetSnapshot const* state, bool drafter)
+    void prefixRestore(PrefixCopy const& rows, int32_t length, TargetSnapshot const* state, bool drafter) override
     {
         auto const& c = dynamic_cast<OrtPrefixCopy const&>(rows);
         mTkv.length = 0;
@@ -1311,17 +1311,6 @@ public:
             drafterRestore(length);
         }
     }
-    size_t prefixBytes(int32_t n) const override
-    {
-        auto kvBytes = [](HostKV const& kv, int32_t rows) {
-            return static_cast<size_t>(kv.count) * static_cast<size_t>(kv.heads) * static_cast<size_t>(rows)
-                * kv.rowBytes();
-        };
-        int32_t const queued = std::min(mPendingRows, std::max(0, n - mDkv.length));
-        return kvBytes(mTkv, std::min(n, mTkv.length)) + kvBytes(mDkv, std::min(n, mDkv.length))
-            + static_cast<size_t>(queued) * static_cast<size_t>(mM.fdim()) * mFeatureBytes;
-    }
-
     //! OrtDraftRunner.propose: block over the context, rows past the verified ones zeroed, the selector head
     void drafterPropose(
         int32_t anchor, int32_t pos, int32_t rows, float temperature, float const* uniforms, Draft& out) override

@@ -112,7 +112,7 @@ public:
         = 0;
 
     // ---- prefix reuse (core/prefixCache.h; the runner side of prefix_cache.py) --------------------------------
-    //! Whether the caches may be kept between requests (the members below implemented); false: every request starts
+    //! Whether prefixes may be kept between requests (the members below implemented); false: every request starts
     //! from empty caches (targetReset / drafterReset).
     virtual bool keepsPrefix() const
     {
@@ -148,12 +148,24 @@ public:
         (void) length;
         throw Error(DFL2_ERR_INTERNAL, "this backend keeps no prefix");
     }
-    //! bytes the caches hold for the first n positions (target K/V + drafter context + queued features), snapshots
-    //! excluded: what a kept sequence costs against the prefix budget
-    virtual size_t prefixBytes(int32_t n) const
+    //! a copy of the first n positions (n <= targetLength()): target K/V rows; with `drafter`, the drafter's context
+    //! and its queued features (an entry of core/prefixCache.h's SharedPrefixCache)
+    virtual std::shared_ptr<PrefixCopy const> prefixCopy(int32_t n, bool drafter) const
     {
         (void) n;
-        return 0;
+        (void) drafter;
+        throw Error(DFL2_ERR_INTERNAL, "this backend keeps no prefix");
+    }
+    //! the caches (just reset) hold `rows`' positions < length: K/V rows copied back, the non-croppable state from
+    //! `state` (taken at `length`; nullptr for an attention-only target); with `drafter`, the drafter's context
+    //! holds positions < length (<= rows.drafterLength()) with nothing queued
+    virtual void prefixRestore(PrefixCopy const& rows, int32_t length, TargetSnapshot const* state, bool drafter)
+    {
+        (void) rows;
+        (void) length;
+        (void) state;
+        (void) drafter;
+        throw Error(DFL2_ERR_INTERNAL, "this backend keeps no prefix");
     }
 };
 

@@ -26,26 +26,6 @@ bool plantedPrefixDrafterZeroed()
     return planted("DFLASH2_PLANT_PREFIX_DRAFTER_ZEROED");
 }
 
-PrefixCache::PrefixCache(int64_t budgetBytes)
-    : mBudget(budgetBytes)
-{
-    if (budgetBytes < 0)
-    {
-        throw Error(DFL2_ERR_OPTION_VALUE,
-            "option 'prefix_cache_bytes' must be >= 0 (0: keep nothing), got " + std::to_string(budgetBytes));
-    }
-}
-
-void PrefixCache::clear()
-{
-    mIds.clear();
-    mDrafterLength = 0;
-    mStateful = false;
-    mStates.clear();
-    mTaken.clear();
-    mBytes = 0;
-}
-
 // prefix_cache.Entry.usable
 int32_t usablePrefix(std::vector<int32_t> const& kept, int32_t drafterLength, bool stateful,
     std::map<int32_t, std::shared_ptr<TargetSnapshot const>> const& states, std::vector<int32_t> const& ids,
@@ -73,55 +53,30 @@ int32_t usablePrefix(std::vector<int32_t> const& kept, int32_t drafterLength, bo
     return at == states.begin() ? 0 : std::prev(at)->first;
 }
 
-int32_t PrefixCache::usable(std::vector<int32_t> const& ids, bool drafter) const
-{
-    return usablePrefix(mIds, mDrafterLength, mStateful, mStates, ids, drafter);
-}
+// ---- a session's front ----------------------------------------------------------------------------------
 
-// prefix_cache.PrefixCache.prefill_from (lookup + restore)
+// PrefixCache.prefill_from (lookup + restore)
 int32_t PrefixCache::prefillFrom(std::vector<int32_t> const& prompt, Runners& runners, bool drafter)
 {
-    int32_t const length = mBudget > 0 && runners.keepsPrefix() ? usable(prompt, drafter) : 0;
     mTaken.clear();
-    if (length == 0)
+    runners.targetReset();
+    runners.drafterReset();
+    if (mEntries.budget() == 0 || !runners.keepsPrefix())
     {
-        runners.targetReset();
-        runners.drafterReset();
-        clear();
         return 0;
     }
-    std::shared_ptr<TargetSnapshot const> state;
-    if (mStateful)
+    SharedPrefixCache::Hit const hit = mEntries.lookup(prompt, drafter);
+    if (hit.length > 0)
     {
-        auto at = mStates.find(length);
-        if (planted("DFLASH2_PLANT_PREFIX_LATER_SNAPSHOT") && mStates.upper_bound(length) != mStates.end())
-        {
-            at = mStates.upper_bound(length);  // the planted bug: the snapshot after the hit
-        }
-        state = at->second;
+        runners.prefixRestore(*hit.entry->rows, hit.length, hit.state(), drafter);
     }
-    // the drafter first: its queued features are the target's last ones, which a target restore forgets
-    if (drafter)
-    {
-        runners.drafterRestore(length);
-    }
-    else
-    {
-        runners.drafterReset();
-    }
-    runners.targetRestore(length, state.get());
-    // snapshots at or below the hit hold prefixes of the new sequence too: they live on with it
-    mTaken.insert(mStates.begin(), mStates.upper_bound(length));
-    std::map<int32_t, std::shared_ptr<TargetSnapshot const>> taken = std::move(mTaken);
-    clear();  // the runners hold the new sequence now; a failure before store leaves nothing kept
-    mTaken = std::move(taken);
-    return length;
+    return hit.length;
 }
 
-// prefix_cache.PrefixCache.snapshot
+// PrefixCache.snapshot
 void PrefixCache::snapshot(Runners& runners)
 {
-    if (mBudget == 0 || !runners.keepsPrefix())
+    if (mEntries.budget() == 0 || !runners.keepsPrefix())
     {
         return;
     }
@@ -131,48 +86,22 @@ void PrefixCache::snapshot(Runners& runners)
     }
 }
 
-// prefix_cache.PrefixCache.store
+// PrefixCache.store
 void PrefixCache::store(
     std::vector<int32_t> const& prompt, std::vector<int32_t> const& tokens, Runners& runners, bool drafter)
 {
     std::map<int32_t, std::shared_ptr<TargetSnapshot const>> taken = std::move(mTaken);
-    clear();
-    if (mBudget == 0 || !runners.keepsPrefix())
+    mTaken.clear();
+    int32_t const length = runners.targetLength();
+    if (mEntries.budget() == 0 || !runners.keepsPrefix() || length <= 0)
     {
         return;
     }
-    int32_t const cached = runners.targetLength();
-    size_t const n = std::min(prompt.size() + tokens.size(), static_cast<size_t>(std::max(0, cached)));
-    if (n == 0)
-    {
-        return;
-    }
-    std::shared_ptr<TargetSnapshot const> end = runners.targetSnapshot();
-    bool const stateful = end != nullptr;
-    auto states = std::map<int32_t, std::shared_ptr<TargetSnapshot const>>(
-        taken.begin(), taken.upper_bound(static_cast<int32_t>(n)));
-    if (stateful && static_cast<size_t>(cached) == n)  // (a cache past an accepted EOS holds more than the ids)
-    {
-        states[cached] = std::move(end);
-    }
-    size_t bytes = runners.prefixBytes(static_cast<int32_t>(n)) + n * sizeof(int32_t);
-    for (auto const& s : states)
-    {
-        bytes += s.second->nbytes();
-    }
-    if (bytes > static_cast<uint64_t>(mBudget))
-    {
-        return;
-    }
-    mIds.assign(prompt.begin(), prompt.begin() + static_cast<long>(std::min(n, prompt.size())));
-    if (n > prompt.size())
-    {
-        mIds.insert(mIds.end(), tokens.begin(), tokens.begin() + static_cast<long>(n - prompt.size()));
-    }
-    mDrafterLength = drafter ? runners.drafterLength() : 0;
-    mStateful = stateful;
-    mStates = std::move(states);
-    mBytes = bytes;
+    std::vector<int32_t> ids = prompt;
+    ids.insert(ids.end(), tokens.begin(), tokens.end());
+    ids.resize(std::min(ids.size(), static_cast<size_t>(length)));
+    auto rows = runners.prefixCopy(static_cast<int32_t>(ids.size()), drafter);
+    mEntries.store(std::move(ids), std::move(rows), std::move(taken), runners.targetSnapshot(), length);
 }
 
 // ---- the multi-entry cache a batch shares --------------------------------------------------------------
