@@ -2,7 +2,8 @@
 adapter against transformers itself, its rollback of the linear layers' convolution and recurrent states to any
 accepted length, lossless speculative decoding with drafts accepted on the accepting hybrid pairs of
 ``make-tiny --arch ... --accepting``, the sampling law at T = 1, and two planted rollback bugs the suite must catch
-(the linear layers' state kept after all k rows; the convolution state not rolled back)."""
+(the linear layers' state kept after all k rows; the convolution state not rolled back). The checks it shares
+with the Nemotron-H family are written once in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.torch.backend import TorchDraftRunner, TorchTargetRunner
 from dflash2_trt.targets import hybrid
-from helpers import assert_accepts, bound_drafter, make_pair, req, two_token_law, two_token_p_value, with_block_size
+from helpers import (adapter_lossless_runs, assert_rolled_back, bound_drafter, check_adapter_equals_transformers,
+                     check_adapter_rollback, check_rollback_past_the_recorded_rows_is_refused, make_pair,
+                     planted_no_conv_rollback, req, two_token_law, two_token_p_value, with_block_size)
 
 ARCHS = ("qwen3_5", "qwen3_5_moe")
 
@@ -37,25 +39,6 @@ def acc_pair(request, tmp_path_factory):
     return t, bound_drafter(d, t)
 
 
-def _hf_logits(t, ids: list[int]) -> torch.Tensor:
-    """transformers' own forward over the whole sequence, no cache: logits [n, V]."""
-    with torch.no_grad():
-        return t.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
-
-
-def _states(t) -> list[torch.Tensor]:
-    """Every tensor of the adapter's cache that the next call reads: KV of attention layers, the last
-    conv_kernel inputs of the convolution and the recurrent state of linear layers."""
-    out = []
-    for layer in t.cache.layers:
-        if hasattr(layer, "conv_states"):
-            k = layer.conv_kernel_size[0]
-            out += [layer.conv_states[0][..., -k:], layer.recurrent_states[0]]
-        else:
-            out += [layer.keys, layer.values]
-    return out
-
-
 def test_layer_kinds_and_family(random_target):
     t = random_target
     assert t.family is hybrid and t.model.config.model_type in hybrid.MODEL_TYPES
@@ -63,84 +46,26 @@ def test_layer_kinds_and_family(random_target):
 
 
 def test_adapter_equals_transformers_and_verify_rows_equal_steps(random_target):
-    """Prompts of 1..70 tokens (beyond MAX_ROLLBACK_ROWS: the chunked kernel) then calls of 1..8 rows: logits equal
-    transformers' whole-sequence forward (1e-4 relative), and every row of a k-row call equals k one-row calls
-    (argmax identical; logits within 3e-5 of the largest: PyTorch's k-row and one-row matrix products round
-    differently)."""
-    t = random_target
-    rng = np.random.default_rng(0)
-    for n in (1, 2, 3, 5, 17, 70):
-        ids = rng.integers(2, t.vocab_size, n + 8).tolist()
-        t.reset([0, 2])
-        logits = [t.forward(torch.tensor(ids[:n]))[0]]
-        step = [t.forward(torch.tensor(ids[n + i: n + i + 1]))[0] for i in range(8)]
-        want = _hf_logits(t, ids)
-        got = torch.cat(logits + step)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
-        for k in (2, 4, 8):
-            t.reset([0, 2])
-            t.forward(torch.tensor(ids[:n]))
-            rows = t.forward(torch.tensor(ids[n: n + k]))[0]
-            one = torch.cat(step[:k])
-            assert torch.equal(rows.argmax(-1), one.argmax(-1))
-            torch.testing.assert_close(rows, one, rtol=1e-4, atol=3e-5 * float(one.abs().max()))
+    """Prompts of 1..70 tokens (beyond MAX_ROLLBACK_ROWS: the chunked kernel) then 8 one-row calls: logits =
+    transformers' whole-sequence forward; a k-row call's rows = k one-row calls
+    (helpers.check_adapter_equals_transformers)."""
+    check_adapter_equals_transformers(random_target, (1, 2, 3, 5, 17, 70))
 
 
 def test_rollback_to_every_accepted_length_equals_a_fresh_run(random_target):
-    """After a k-row call (k = 4, 8) rolled back to j + 1 rows (every j < k), every state the next call reads -- the
-    attention KV, the convolution's last inputs, the recurrent state -- equals a fresh run of the prompt and the same
-    j + 1 rows as one-row calls (1e-5 relative), and so do the next call's logits (1e-4: differences of rounding grow
-    through the random layers; a wrong state is off by O(1))."""
-    t = random_target
-    rng = np.random.default_rng(1)
-    for n in (1, 6, 20):
-        for k in (4, 8):
-            ids = rng.integers(2, t.vocab_size, n + k + 1).tolist()
-            for j in range(k):
-                t.reset([0, 2])
-                t.forward(torch.tensor(ids[:n]))
-                t.forward(torch.tensor(ids[n: n + k]))
-                t.crop(n + j + 1)
-                assert t.cache_length == n + j + 1
-                hybrid.before_forward(t.cache, 1)  # settle, as the next call does
-                got = [s.clone() for s in _states(t)]
-                nxt = t.forward(torch.tensor([ids[n + k]]))[0]
-                t.reset([0, 2])
-                t.forward(torch.tensor(ids[:n]))
-                for i in range(j + 1):
-                    t.forward(torch.tensor([ids[n + i]]))
-                hybrid.before_forward(t.cache, 1)
-                for a, b in zip(got, _states(t)):
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
-                fresh = t.forward(torch.tensor([ids[n + k]]))[0]
-                torch.testing.assert_close(nxt, fresh, rtol=1e-4, atol=1e-4 * float(fresh.abs().max()))
+    """Calls of 4 and 8 rows after prompts of 1, 6 and 20 rows, each rolled back to every accepted length: the
+    attention KV, the convolutions' last inputs, the recurrent states and the next logits = a fresh run
+    (helpers.check_adapter_rollback)."""
+    check_adapter_rollback(random_target, [(n, k) for n in (1, 6, 20) for k in (4, 8)])
 
 
 def test_a_rollback_past_the_recorded_rows_is_refused(random_target):
-    t = random_target
-    t.reset([0, 2])
-    t.forward(torch.arange(2, 2 + hybrid.MAX_ROLLBACK_ROWS + 6))  # a long prompt: not recorded
-    with pytest.raises(DFlash2Error, match="cannot roll back"):
-        t.crop(10)
+    check_rollback_past_the_recorded_rows_is_refused(random_target)
 
 
 def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(4, vocab, size=int(rng.integers(1, 24))).tolist() for _ in range(n)]
-
-
-def _lossless_runs(t, d, prompts, refs, block_sizes=(2, 4, 8)):  # noqa: ANN001, ANN202
-    """Speculative greedy decoding of every prompt at each block size -> (mismatches, accepted per block size)."""
-    bad, accepted = 0, {}
-    for bs in block_sizes:
-        db = with_block_size(d, bs)
-        acc = accepted.setdefault(bs, [])
-        for p, want in zip(prompts, refs):
-            r = D.speculative_generate(TorchTargetRunner(t, d.config.target_layer_ids), TorchDraftRunner(db), p,
-                                       req(24, eos_ids=set()))
-            bad += r.tokens != want
-            acc += r.accepted
-    return bad, accepted
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +80,10 @@ def test_lossless_greedy_with_drafts_accepted(acc_pair, acc_refs):
     token for token, with drafts accepted at every block size (so verifies were rolled back to every length)."""
     t, d = acc_pair
     prompts, refs = acc_refs
-    bad, accepted = _lossless_runs(t, d, prompts, refs)
+    bad, accepted = adapter_lossless_runs(t, d, prompts, refs, 24)
     assert bad == 0
     for bs, acc in accepted.items():
-        assert_accepts(acc, bs - 1, f"block size {bs}")
-        # rejected drafts: the linear layers' states were rolled back (to a partial block where bs > 2)
-        assert any((0 < a or bs == 2) and a < bs - 1 for a in acc), f"no rollback at block size {bs}"
+        assert_rolled_back(acc, bs, f"at block size {bs}")
 
 
 def _no_linear_rollback(cache, length):  # noqa: ANN001, ANN202
@@ -176,26 +99,15 @@ def _no_linear_rollback(cache, length):  # noqa: ANN001, ANN202
             layer.crop(-remove)
 
 
-def _no_conv_rollback(cache, length):  # noqa: ANN001, ANN202
-    """Planted bug: KV and the recurrent state are rolled back, the convolution state is the one after all k rows."""
-    remove = int(cache.get_seq_length()) - length
-    if remove <= 0:
-        return
-    last = {i: layer.conv_states[0][..., -layer.conv_kernel_size[0]:].clone()
-            for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states")}
-    cache.crop(-remove)
-    for i, conv in last.items():
-        cache.layers[i].conv_states[0] = conv
-
-
-@pytest.mark.parametrize("bug", [_no_linear_rollback, _no_conv_rollback], ids=["no_state_rollback", "no_conv_rollback"])
+@pytest.mark.parametrize("bug", [_no_linear_rollback, planted_no_conv_rollback],
+                         ids=["no_state_rollback", "no_conv_rollback"])
 def test_planted_rollback_bugs_are_caught(acc_pair, acc_refs, bug, monkeypatch):
     """Negative controls: each planted rollback bug makes speculative output differ from the target's own on the
     accepting pair, so the lossless test above would fail on it."""
     t, d = acc_pair
     prompts, refs = acc_refs
     monkeypatch.setattr(hybrid, "rollback", bug)
-    bad, _ = _lossless_runs(t, d, prompts[:20], refs[:20], block_sizes=(8,))
+    bad, _ = adapter_lossless_runs(t, d, prompts[:20], refs[:20], 24, block_sizes=(8,))
     assert bad > 0
 
 
