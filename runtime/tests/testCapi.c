@@ -1259,8 +1259,21 @@ static void testBatchFailures(void)
     submit(b, prompt, 4, opts, &r[1]);
     stepUntilIdle(b);
     for (int i = 0; i < 2; ++i) {
-        EXPECT(dfl2_batch_get_result(b, r[i].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK, "target forward: callback batch_target_forward returned 9");
+        EXPECT(dfl2_batch_get_result(b, r[i].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK,
+               "the step's target forward: callback batch_target_forward returned 9");
         CHECK(r[i].reason == DFL2_FINISH_ERROR && n >= 2 && memcmp(t, good.want, n * sizeof(int32_t)) == 0);
+    }
+    /* a failing prefill ends the requests it computes, before their first token */
+    fx.bt.forwards = 0;
+    fx.bt.failForwardAt = 1;
+    memset(r, 0, sizeof r);
+    submit(b, prompt, 4, opts, &r[0]);
+    submit(b, prompt, 4, opts, &r[1]);
+    stepUntilIdle(b);
+    for (int i = 0; i < 2; ++i) {
+        EXPECT(dfl2_batch_get_result(b, r[i].id, &t, &n, NULL, NULL), DFL2_ERR_CALLBACK,
+               "the prefill's target forward: callback batch_target_forward returned 9");
+        CHECK(r[i].reason == DFL2_FINISH_ERROR && n == 0);
     }
     fx.bt.failForwardAt = 0;
     submitChecked(&fx, b, prompt, 4, opts, &good);

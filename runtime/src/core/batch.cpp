@@ -517,6 +517,25 @@ std::map<BatchDecoder::Seq*, BatchDecoder::Proposal> BatchDecoder::propose(std::
 // the step's ONE target forward (a plain sequence's anchor, a drafting sequence's [anchor, drafts]), then each
 // sequence's accept -> commit or plain step on its rows of the logits; false: the forward failed (its sequences
 // ended with the error)
+bool BatchDecoder::targetForward(std::vector<Seq*> const& fed, std::vector<SlotRows> const& rows, bool lastLogits,
+    std::vector<float>& logits, char const* what)
+{
+    try
+    {
+        mRunners.targetForward(rows, lastLogits, logits);
+        return true;
+    }
+    catch (...)
+    {
+        auto const [code, message] = errorOfCurrentException();
+        for (Seq* s : fed)
+        {
+            finish(*s, code, what + message);
+        }
+        return false;
+    }
+}
+
 bool BatchDecoder::forward(std::vector<Seq*> const& seqs, std::map<Seq*, Proposal> const& proposals)
 {
     std::vector<Seq*> fed;
@@ -541,17 +560,8 @@ bool BatchDecoder::forward(std::vector<Seq*> const& seqs, std::map<Seq*, Proposa
     }
     std::vector<float> logits;  // [Σ rows, V]
     double const t = costClock();
-    try
+    if (!targetForward(fed, rows, false, logits, "the step's target forward: "))
     {
-        mRunners.targetForward(rows, false, logits);
-    }
-    catch (...)
-    {
-        auto const [code, message] = errorOfCurrentException();
-        for (Seq* s : fed)
-        {
-            finish(*s, code, "the step's target forward: " + message);
-        }
         return false;
     }
     recordForward(static_cast<int32_t>(seqs.size()), static_cast<int32_t>(proposals.size()), costClock() - t);
@@ -712,17 +722,8 @@ void BatchDecoder::prefill()
         return;
     }
     std::vector<float> logits;  // [fed, V]: each sequence's last row
-    try
+    if (!targetForward(fed, rows, true, logits, "the prefill's target forward: "))
     {
-        mRunners.targetForward(rows, true, logits);
-    }
-    catch (...)
-    {
-        auto const [code, message] = errorOfCurrentException();
-        for (Seq* s : fed)
-        {
-            finish(*s, code, "the prefill's target forward: " + message);
-        }
         return;
     }
     ++mCounters.prefillCalls;

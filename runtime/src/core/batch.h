@@ -102,14 +102,9 @@ struct SlotRows
 //! The batched backend: `slots` sequences' target caches (ragged: each slot its own length) and one B = 1
 //! drafter per slot. Context features stay in the backend: targetForward keeps each slot's latest features, and
 //! drafterQueueContext / drafterAddContext move rows of them into the slot's drafter.
-class BatchRunners
+class BatchRunners : public RunnerShape
 {
 public:
-    virtual ~BatchRunners() = default;
-    virtual int32_t vocabSize() const = 0;
-    virtual int32_t blockSize() const = 0;
-    virtual int32_t topK() const = 0;
-    virtual int32_t maxPositions() const = 0;
     virtual int32_t slots() const = 0;
 
     //! a new sequence takes `slot`: its target cache starts empty
@@ -382,6 +377,10 @@ private:
     void start(Seq& s, float const* logits);
     std::vector<Plan> choose(std::vector<Seq*> const& seqs);
     std::map<Seq*, Proposal> propose(std::vector<Plan> const& plan);
+    //! mRunners.targetForward over `rows` (one per sequence of `fed`); a throw finishes every one of `fed` with the
+    //! error, `what` + its message, and returns false
+    bool targetForward(std::vector<Seq*> const& fed, std::vector<SlotRows> const& rows, bool lastLogits,
+        std::vector<float>& logits, char const* what);
     bool forward(std::vector<Seq*> const& seqs, std::map<Seq*, Proposal> const& proposals);
     void retire(std::vector<Seq*> const& seqs);
     std::pair<int32_t, double> estimate(Seq& s, Proposer who, std::vector<int32_t> const& looked) const;

@@ -82,19 +82,26 @@ public:
     virtual size_t nbytes() const = 0;
 };
 
+//! The sizes every runner interface answers (Runners here, BatchRunners in batch.h): written once, implemented once
+//! by model.h's SizedRunners.
+class RunnerShape
+{
+public:
+    virtual ~RunnerShape() = default;
+    virtual int32_t vocabSize() const = 0;
+    virtual int32_t blockSize() const = 0;
+    virtual int32_t topK() const = 0;
+    virtual int32_t maxPositions() const = 0;
+};
+
 //! The backend interface: one request's target and drafter (runtime/protocol.py's TargetRunner + DraftRunner).
 //! Context features never leave the backend: drafterQueueContext queues the first `rows` rows of the features that
 //! the latest targetForward produced and drafterAddContext hands the queue to the drafter in one call (rows of
 //! several forwards join together after prompt-lookup cycles and plain steps), so a backend keeps them where they are
 //! made.
-class Runners
+class Runners : public RunnerShape
 {
 public:
-    virtual ~Runners() = default;
-    virtual int32_t vocabSize() const = 0;
-    virtual int32_t blockSize() const = 0;
-    virtual int32_t topK() const = 0;
-    virtual int32_t maxPositions() const = 0;
 
     virtual void targetReset() = 0;
     //! ids [n] at positions cacheLength.. -> logits [n, V] (resized by the callee)
