@@ -150,7 +150,7 @@ def hybrid_exports(tmp_path_factory):
 def arch_exports(tmp_path_factory):
     """(arch, accepting) -> make-tiny's pair of that family at block size 8 (``accepting``: the copying pair; else the
     random target, qwen3_5's with long-memory linear heads) exported at max 512 positions (sliding rings of window 8
-    in 24 slots), made on first use: the chunked-prefill and C batch tests share them."""
+    in 24 slots), made on first use: the chunked-prefill, C batch and prefix-cache tests share them."""
     from dflash2_trt.export.exporter import export_model
     from dflash2_trt.tiny import make_tiny
 

@@ -16,7 +16,6 @@ import pytest
 
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import prefix_cache as P
-from helpers import long_memory_heads
 from test_capi import capi_build, vectors_path  # noqa: F401
 
 
@@ -139,28 +138,13 @@ def test_a_bad_budget_is_refused_in_one_line():
 ARCHS = ("llama", "qwen3_5", "gpt_oss", "muse_glimmer", "qwen3_moe")  # dense, hybrid, sliding x2, MoE
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """(arch, accepting) -> the export of its tiny pair at block size 8 (windows of 8 in rings of 24 for the sliding
-    ones: a 40-token prompt wraps them), made on first use: the accepting pair (the copying target and drafter), or
-    the random target, whose every layer moves its tokens (qwen3_5's with long-memory linear heads)."""
-    from dflash2_trt.export.exporter import export_model
-    from dflash2_trt.tiny import make_tiny
-
-    made = {}
-
-    def get(arch: str, accepting: bool = True):  # noqa: ANN202
-        if (arch, accepting) not in made:
-            d = tmp_path_factory.mktemp(f"pc_{arch}")
-            make_tiny(d / "pair", seed=0, block_size=8, accepting=accepting, arch=arch)
-            if arch == "qwen3_5" and not accepting:
-                long_memory_heads(d / "pair" / "target")
-            export_model(d / "pair" / "target", d / "pair" / "drafter", d / "export", progress=False,
-                         max_seq_len=512)
-            made[arch, accepting] = d / "export"
-        return made[arch, accepting]
-
-    return get
+@pytest.fixture
+def exports(arch_exports):
+    """(arch, accepting) -> the export of its tiny pair at block size 8: conftest's session-wide ``arch_exports``
+    (windows of 8 in rings of 24 for the sliding ones: a 40-token prompt wraps them), the accepting pair (the copying
+    target and drafter), or the random target, whose every layer moves its tokens (qwen3_5's with long-memory linear
+    heads)."""
+    return arch_exports
 
 
 @pytest.fixture(params=ARCHS)
