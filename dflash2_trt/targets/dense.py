@@ -125,6 +125,14 @@ def attention_biases(attention_mask: torch.Tensor, C: int, rep: int, dtype: torc
             torch.where(causal & near_new, zero, neg).unsqueeze(1).repeat(1, 1, rep, 1))
 
 
+def context_features(taps: dict[int, torch.Tensor], normed: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """The graph's context_features [B, S, n * H]: the outputs of ``layer_ids`` concatenated, ``taps[i]`` decoder layer
+    i's output (== HF hidden_states[i + 1]) for i < L - 1 and ``normed``, the final norm's output, for the last layer
+    (HF's last hidden_states entry is after the final norm). Every family's graph ends with it."""
+    taps[len(taps) - 1] = normed
+    return torch.cat([taps[j] for j in layer_ids], dim=-1)
+
+
 def check_exportable(hf_model) -> None:  # noqa: ANN001
     """The exporter's graphs compute this target exactly, else DFlash2Error saying what they do not."""
     cfg = hf_model.config
@@ -225,10 +233,8 @@ class TargetGraph(nn.Module):
             present += [k, v]
             taps[i] = h  # decoder layer i's output == HF hidden_states[i + 1]
         h = _rms(h, self.norm.weight, self.eps)
-        taps[len(self.layers) - 1] = h  # HF's last hidden_states entry is after the final norm
         logits = self.lm_head(h).float()  # [B, S, V]
-        ctx = torch.cat([taps[j] for j in self.layer_ids], dim=-1)  # [B, S, n*H]
-        return (logits, ctx, *present)
+        return (logits, context_features(taps, h, self.layer_ids), *present)
 
     @staticmethod
     def _check(hf_model) -> None:  # noqa: ANN001

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.targets.dense import _grouped_attention, _rope, attention_biases, rope_tables
+from dflash2_trt.targets.dense import _grouped_attention, _rope, attention_biases, context_features, rope_tables
 from dflash2_trt.targets.recorded import before_forward, new_cache, rollback
 from dflash2_trt.targets.sliding import VERIFY_ROWS, _text_config, layer_kinds, sliding_window_spec
 
@@ -256,8 +256,7 @@ class TargetGraph(nn.Module):
             present += [_fold(k, *self.kv), _fold(v, *self.kv)]
             taps[i] = h
         h = self.norm(h)
-        taps[len(self.layers) - 1] = h
         logits = self.lm_head(h).float()
         if self.cap is not None:
             logits = torch.tanh(logits / self.cap) * self.cap
-        return (logits, torch.cat([taps[j] for j in self.layer_ids], dim=-1), *present)
+        return (logits, context_features(taps, h, self.layer_ids), *present)

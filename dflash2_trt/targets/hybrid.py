@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.targets.dense import _grouped_attention, attention_biases, rope_tables
+from dflash2_trt.targets.dense import _grouped_attention, attention_biases, context_features, rope_tables
 from dflash2_trt.targets.moe import routed_mlp
 from dflash2_trt.targets.recorded import MAX_ROLLBACK_ROWS, before_forward, new_cache, rollback
 
@@ -216,10 +216,8 @@ class TargetGraph(nn.Module):
             present += new
             taps[i] = h
         h = self.norm(h)
-        taps[len(self.layers) - 1] = h
         logits = self.lm_head(h).float()
-        ctx = torch.cat([taps[j] for j in self.layer_ids], dim=-1)
-        return (logits, ctx, *present)
+        return (logits, context_features(taps, h, self.layer_ids), *present)
 
     def _attention(self, a, x, cos, sin, pk, pv, past_bias, new_bias):  # noqa: ANN001, ANN202
         """Gated full attention: the query projection's second half gates the output through a sigmoid."""

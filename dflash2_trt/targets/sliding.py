@@ -23,7 +23,7 @@ from torch import nn
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.targets import dense
-from dflash2_trt.targets.dense import _grouped_attention, _rope, attention_biases, rope_tables
+from dflash2_trt.targets.dense import _grouped_attention, _rope, attention_biases, context_features, rope_tables
 from dflash2_trt.targets.recorded import before_forward, new_cache, rollback
 
 MODEL_TYPES = ("gpt_oss", "muse_glimmer")
@@ -142,8 +142,7 @@ class _WindowedGraph(nn.Module):
             present += [k, v]
             taps[i] = h
         h = self.norm(h)
-        taps[len(self.layers) - 1] = h
-        return (self._logits(h), torch.cat([taps[j] for j in self.layer_ids], dim=-1), *present)
+        return (self._logits(h), context_features(taps, h, self.layer_ids), *present)
 
 
 class MuseGlimmerGraph(_WindowedGraph):
