@@ -113,13 +113,13 @@ class _ToyTarget:
     def cache_length(self) -> int:
         return self.length
 
-    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, ids: list[int], last_logits: bool = False) -> tuple[np.ndarray, np.ndarray]:
         pos = np.arange(self.length, self.length + len(ids))
         logits = np.stack([self.logits(t, int(p)) for t, p in zip(ids, pos)])  # [m, V]
         feats = np.stack([np.asarray(ids, np.float32), pos.astype(np.float32)], -1)  # [m, 2]
         self.length += len(ids)
         self.calls.append({"op": "forward", "ids": [int(t) for t in ids], "logits": logits.tolist()})
-        return logits, feats
+        return (logits[-1:] if last_logits else logits), feats
 
     def crop(self, length: int) -> None:
         self.calls.append({"op": "crop", "length": int(length)})

@@ -37,11 +37,12 @@ class MarkovTarget:
     def cache_length(self) -> int:
         return len(self.toks)
 
-    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, ids: list[int], last_logits: bool = False) -> tuple[np.ndarray, np.ndarray]:
         self.toks += list(ids)
         self.forwards.append(len(ids))
         feats = np.eye(self.vocab_size, dtype=np.float32)[ids]  # [m, V]
-        return self.W[ids].astype(np.float32), feats
+        logits = self.W[ids].astype(np.float32)  # [m, V]
+        return (logits[-1:] if last_logits else logits), feats
 
     def crop(self, length: int) -> None:
         self.toks = self.toks[:length]
@@ -317,9 +318,9 @@ def test_guard_measured_cost_in_the_loop(monkeypatch):
     clock = [0.0]
 
     class TimedTarget(MarkovTarget):
-        def forward(self, ids):  # noqa: ANN001, ANN201
+        def forward(self, ids, last_logits=False):  # noqa: ANN001, ANN201
             clock[0] += 1.0 + 0.25 * len(ids)
-            return super().forward(ids)
+            return super().forward(ids, last_logits)
 
     monkeypatch.setattr(D, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
     W = _toy(seed=3)

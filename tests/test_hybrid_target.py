@@ -117,8 +117,8 @@ def test_sampling_keeps_the_target_law(acc_pair):
     t, d = acc_pair
 
     class _Target(TorchTargetRunner):  # two_token_law's interface: reset(), forward(ids) -> (logits, ...)
-        def forward(self, ids):  # noqa: ANN001, ANN202
-            logits, feats = super().forward(ids)
+        def forward(self, ids, last_logits=False):  # noqa: ANN001, ANN202
+            logits, feats = super().forward(ids, last_logits)
             return np.asarray(logits), feats
 
     prompt = _prompts(t.vocab_size, 1, 23)[0] * 2  # a repeat: the copying drafter is right

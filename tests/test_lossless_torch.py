@@ -243,14 +243,15 @@ class _MemoTarget:
     def cache_length(self):
         return len(self.seq)
 
-    def forward(self, ids):
+    def forward(self, ids, last_logits=False):
         key = (tuple(self.seq), tuple(ids))
         if key not in self.memo:
             self.runner.reset()
             logits, feats = self.runner.forward(self.seq + list(ids))
             self.memo[key] = logits[len(self.seq):], feats[len(self.seq):]
         self.seq += list(ids)
-        return self.memo[key]
+        logits, feats = self.memo[key]
+        return (logits[-1:] if last_logits else logits), feats
 
     def crop(self, length):
         self.seq = self.seq[:length]

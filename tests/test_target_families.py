@@ -683,7 +683,7 @@ class _ReplayedTarget:
     def cache_length(self) -> int:
         return self.length
 
-    def forward(self, ids: list[int]):  # noqa: ANN201
+    def forward(self, ids: list[int], last_logits: bool = False):  # noqa: ANN201
         key = self.calls + (("forward", *ids),)
         if key not in self.memo:
             if self.ran != self.calls:
@@ -693,7 +693,8 @@ class _ReplayedTarget:
             self.memo[key] = self.runner.forward(list(ids))
             self.ran = key
         self.calls, self.length = key, self.length + len(ids)
-        return self.memo[key]
+        logits, feats = self.memo[key]
+        return (logits[-1:] if last_logits else logits), feats
 
     def crop(self, length: int) -> None:
         if length < self.length:

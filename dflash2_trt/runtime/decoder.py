@@ -100,7 +100,8 @@ def target_generate(target: TargetRunner, prompt_ids: list[int], request: Genera
     t0 = time.perf_counter()
     target.reset()
     start = cache.prefill_from(prompt_ids, target, None) if cache is not None and not r.prompt_logprobs else 0
-    logits, _ = target.forward(list(prompt_ids[start:]))
+    # the prompt's last row's logits alone, unless its prompt logprobs read every row's
+    logits, _ = target.forward(list(prompt_ids[start:]), last_logits=not r.prompt_logprobs)
     res.cached_tokens = start
     if r.prompt_logprobs:
         res.prompt_logprobs = sampler.prompt_logprobs(prompt_ids, logits)
@@ -202,7 +203,9 @@ class _SpeculativeLoop:
         drafts = uses_drafter(self.o.proposer)  # (the choice needs the first token)
         start = 0 if self.cache is None or self.o.prompt_logprobs else \
             self.cache.prefill_from(self.prompt, self.target, self.drafter if drafts else None)
-        logits, feats = self.target.forward(self.prompt[start:])  # [n - start, V], [n - start, F]
+        # logits [1, V] (the first token's), or [n - start, V] when the prompt logprobs read every row; feats
+        # [n - start, F]
+        logits, feats = self.target.forward(self.prompt[start:], last_logits=not self.o.prompt_logprobs)
         self.res.cached_tokens = start
         if self.o.prompt_logprobs:
             self.res.prompt_logprobs = self.sampler.prompt_logprobs(self.prompt, logits)

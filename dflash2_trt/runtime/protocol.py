@@ -8,7 +8,9 @@ to fall back — nothing checks availability before constructing.
 A backend gives the decoder loop two runners per request:
 
 * :class:`TargetRunner` — ``reset()``, ``forward(ids) -> (logits [m, V] fp32, features [m, F])`` at positions
-  ``cache_length ..``, ``crop(length)``, ``cache_length``;
+  ``cache_length ..`` (``forward(ids, last_logits=True)``: the last row's logits [1, V] alone, every row's
+  features: a prefill, whose other rows' logits nobody reads; a graph that takes the rows to compute skips them),
+  ``crop(length)``, ``cache_length``;
 * :class:`DraftRunner` — ``reset()``, ``add_context(features [m, F], start)``,
   ``propose(anchor, pos, rows, temperature, uniforms [1, L] | None) -> Draft``: the block at positions
   ``pos ..``; ``rows`` (<= L) draft rows will be verified — fewer than L on a final partial block, where the
@@ -100,7 +102,8 @@ class TargetRunner(Protocol):
     @property
     def cache_length(self) -> int: ...
 
-    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]: ...
+    # ids at positions cache_length.. -> (logits [m, V] fp32, or [1, V] with last_logits; features [m, F])
+    def forward(self, ids: list[int], last_logits: bool = False) -> tuple[np.ndarray, np.ndarray]: ...
 
     def crop(self, length: int) -> None: ...
 

@@ -378,16 +378,19 @@ class OrtTargetRunner(TargetState):
                      if count["sliding"] and t.sliding_window else None)
         self._call_start = 0  # the cache length before the last forward (a rollback keeps rows of that call only)
 
-    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""
+    def forward(self, ids: list[int], last_logits: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """ids [m] at positions cache_length.. -> logits [m, V] fp32 (``last_logits``: [1, V], the last row's; the
+        graph computes every row's), context features [m, F]."""
         arr = target_ids(ids, self.vocab_size)  # [1, m]
         if self.linear is None:
-            return self._call(arr)
+            logits, feats = self._call(arr)
+            return (logits[-1:] if last_logits else logits), feats
         self._call_start = self.kv.length
         step = self.linear.spec.max_rows_per_call
         every_row = arr.shape[1] <= step  # a call that may be rolled back (a verify): every row's state
         outs = [self._call(arr[:, a:a + step], every_row) for a in range(0, arr.shape[1], step)]
-        return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
+        logits = outs[-1][0][-1:] if last_logits else np.concatenate([o[0] for o in outs])
+        return logits, np.concatenate([o[1] for o in outs])
 
     def _call(self, arr: np.ndarray, every_row: bool = False) -> tuple[np.ndarray, np.ndarray]:
         n, S = self.kv.length, arr.shape[1]

@@ -22,6 +22,12 @@ from dflash2_trt.runtime.kv import KVBuffer, target_ids
 from dflash2_trt.runtime.ort.failures import ort_failures
 
 
+def logits_rows(S: int, last_logits: bool) -> np.ndarray:
+    """Of a call's S new rows, those whose logits the rewritten graph computes -> [R] int64: every row (R = S), or
+    the last alone (R = 1: a prefill, whose first token reads that row; the LM head skips the others)."""
+    return np.arange(S - 1 if last_logits else 0, S, dtype=np.int64)
+
+
 class OrtFusedTargetRunner:
     """TargetRunner over the fused target graph (CPU provider)."""
 
@@ -39,7 +45,7 @@ class OrtFusedTargetRunner:
         self._io: Any = None
         self._bound_capacity = -1
         # the graph rewritten at load (dflash2.DecodeAttention swapped in) takes each sequence's cached length and
-        # the rows whose logits to compute (here: all)
+        # the rows whose logits to compute (all, or a prefill's last)
         self._rewritten = TARGET_PAST_SEQLENS in {i.name for i in sess.get_inputs()}
 
     @classmethod
@@ -70,8 +76,9 @@ class OrtFusedTargetRunner:
             self._io, self._bound_capacity = io, self.kv.capacity
         return self._io
 
-    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""
+    def forward(self, ids: list[int], last_logits: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """ids [m] at positions cache_length.. -> logits [m, V] fp32 (``last_logits``: [1, V], the last row's; the
+        rewritten graph's LM head computes that row alone), context features [m, F]."""
         arr = target_ids(ids, self.vocab_size)  # [1, m]
         n, S = self.kv.length, arr.shape[1]
         self.kv.reserve(n + S)
@@ -81,7 +88,7 @@ class OrtFusedTargetRunner:
         io.bind_cpu_input("total_sequence_length", np.array(n + S, dtype=np.int32))
         if self._rewritten:
             io.bind_cpu_input(TARGET_PAST_SEQLENS, np.array([n], dtype=np.int32))
-            io.bind_cpu_input(TARGET_LOGITS_INDEX, np.arange(S, dtype=np.int64).reshape(1, S, 1))
+            io.bind_cpu_input(TARGET_LOGITS_INDEX, logits_rows(S, last_logits).reshape(1, -1, 1))
         io.bind_output("logits")  # rebound each call: ORT would keep last call's [1, S, V] buffer
         io.bind_output("context_features")
         self.kv.wrote(n)  # the graph writes the new rows' K/V into slots n..n+S-1 of the bound buffers
@@ -89,7 +96,8 @@ class OrtFusedTargetRunner:
             self.sess.run_with_iobinding(io)
         out = io.get_outputs()
         self.kv.length = n + S
-        return out[0].numpy()[0], out[1].numpy()[0]
+        logits = out[0].numpy()[0]  # [R, V]: R = S, or 1 (rewritten, last_logits)
+        return (logits[-1:] if last_logits else logits), out[1].numpy()[0]
 
     def crop(self, length: int) -> None:
         self.kv.crop(length)

@@ -40,10 +40,10 @@ class TorchTargetRunner:
     def cache_length(self) -> int:
         return self.target.cache_length
 
-    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """ids [m] -> logits [m, V] fp32, context features [m, F]."""
+    def forward(self, ids: list[int], last_logits: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """ids [m] -> logits [m, V] fp32 (``last_logits``: [1, V], the last row's), context features [m, F]."""
         logits, feats = self.target.forward(torch.tensor(ids, dtype=torch.long))
-        return logits.numpy(), feats.numpy()
+        return (logits[-1:] if last_logits else logits).numpy(), feats.numpy()
 
     def crop(self, length: int) -> None:
         self.target.crop(length)

@@ -395,8 +395,9 @@ class TrtTargetRunner(TargetState):
             shapes[conv], shapes[rec] = (1, spec.conv_dim, self.chunk), (1, rows, *state)
         return shapes
 
-    def forward(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """ids [m] at positions cache_length.. -> logits [m, V] fp32, context features [m, F]."""
+    def forward(self, ids: list[int], last_logits: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """ids [m] at positions cache_length.. -> logits [m, V] fp32 (``last_logits``: [1, V], the last row's; the
+        engine computes every row's), context features [m, F]."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         if arr.size == 0:
             raise DFlash2Error("target input is empty")
@@ -405,6 +406,8 @@ class TrtTargetRunner(TargetState):
         self._call_start = self.kv.length
         every_row = arr.size <= self.step_rows  # a call that may be rolled back (a verify): every row's state
         outs = [self._call(arr[i: i + self.chunk], every_row) for i in range(0, arr.size, self.chunk)]
+        if last_logits:
+            return outs[-1][0][-1:], (outs[0][1] if len(outs) == 1 else np.concatenate([o[1] for o in outs]))
         if len(outs) == 1:
             return outs[0]
         return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
