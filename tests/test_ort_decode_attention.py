@@ -214,9 +214,13 @@ def test_op_rows_in_pairs_equal_single_rows():
         np.testing.assert_array_equal(sess.run(["out"], one)[0][0, 0], out[r], err_msg=f"row {r}")
 
 
-def test_op_planted_pair_bug_caught():
-    """Negative control: with DFLASH2_PLANT_ATTENTION_PAIR=1 (a pair's second row rescaled by the first row's
-    factor) the comparison with the twin above fails; the same script passes without it."""
+@pytest.mark.parametrize("plant", ["DFLASH2_PLANT_ATTENTION_PAIR", "DFLASH2_PLANT_ATTENTION_CUT"])
+def test_op_planted_pair_bug_caught(plant):
+    """Negative controls: with DFLASH2_PLANT_ATTENTION_PAIR=1 (a pair's second row rescaled by the first row's
+    factor) or DFLASH2_PLANT_ATTENTION_CUT=1 (a work item that starts inside a head's rows counts its rows from its
+    own start) the comparison with the twin above fails; the same script passes without them. The second shows that
+    the 40-row call was cut between rows of a head: B = 1 with 3 key/value heads gives the parallel loop two pieces
+    of equal cost per group of 3 query heads (120 queries, cut inside the second head)."""
     import os
     import subprocess
     import sys
@@ -224,10 +228,10 @@ def test_op_planted_pair_bug_caught():
 
     script = ("import sys; sys.path.insert(0, {!r}); import test_ort_decode_attention as t; "
               "t.test_op_rows_in_pairs_equal_single_rows()").format(str(Path(__file__).parent))
-    env = {k: v for k, v in os.environ.items() if k != "DFLASH2_PLANT_ATTENTION_PAIR"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH2_PLANT_ATTENTION")}
     clean = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert clean.returncode == 0, clean.stderr[-2000:]
-    planted = subprocess.run([sys.executable, "-c", script], env={**env, "DFLASH2_PLANT_ATTENTION_PAIR": "1"},
+    planted = subprocess.run([sys.executable, "-c", script], env={**env, plant: "1"},
                              capture_output=True, text=True)
     assert planted.returncode != 0 and "Not equal to tolerance" in planted.stderr, planted.stderr[-2000:]
 

@@ -29,6 +29,18 @@ inline void rotate(float const* x, float const* cosRow, float const* sinRow, int
     }
 }
 
+//! The planted bug of tests/test_ort_decode_attention.py (DFLASH2_PLANT_ATTENTION_CUT=1): a range of queries that
+//! starts inside a head's rows takes its rows as counted from the range's start (their positions and causal lengths
+//! shifted), which the op's comparison with its NumPy twin must catch.
+bool cutPlanted() noexcept
+{
+    static bool const planted = [] {
+        char const* v = std::getenv("DFLASH2_PLANT_ATTENTION_CUT");
+        return v != nullptr && v[0] == '1';
+    }();
+    return planted;
+}
+
 } // namespace
 
 void decodeAttentionWriteKv(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
@@ -478,51 +490,49 @@ void attendRowsBlocked(float const* const* q, int64_t const* lengths, int64_t ro
 } // namespace
 #endif
 
-void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
-    float const* sinTable, float const* keyCache, float const* valueCache, float* out, int64_t headBegin,
-    int64_t headEnd, float* scores) noexcept
+void decodeAttentionQueries(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
+    float const* sinTable, float const* keyCache, float const* valueCache, float* out, int64_t queryBegin,
+    int64_t queryEnd, float* scores) noexcept
 {
     int64_t const d = s.headDim;
     int64_t const rowStride = (s.numHeads + 2 * s.kvHeads) * d;
     int64_t const group = s.numHeads / s.kvHeads;
     float const scale = s.scale != 0.F ? s.scale : 1.F / std::sqrt(static_cast<float>(d));
-    int64_t const heads = headEnd - headBegin;
-    std::vector<float> q(static_cast<size_t>(d * s.rows * heads));
-    std::vector<float const*> qRows(static_cast<size_t>(s.rows * heads));
-    std::vector<int64_t> lengths(static_cast<size_t>(s.rows * heads));
-    for (int64_t h = headBegin; h < headEnd; ++h) // query i = (h - headBegin) * rows + r
+    int64_t const count = queryEnd - queryBegin;
+    std::vector<float> q(static_cast<size_t>(d * count));
+    std::vector<float const*> qRows(static_cast<size_t>(count));
+    std::vector<int64_t> lengths(static_cast<size_t>(count));
+    int64_t const shift = cutPlanted() ? queryBegin % s.rows : 0;
+    for (int64_t i = 0; i < count; ++i) // query queryBegin + i = head h, row r
     {
-        for (int64_t r = 0; r < s.rows; ++r)
-        {
-            int64_t const pos = s.past + r;
-            size_t const i = static_cast<size_t>((h - headBegin) * s.rows + r);
-            rotate(qkv + r * rowStride + h * d, cosTable + pos * (d / 2), sinTable + pos * (d / 2), d,
-                q.data() + i * d);
-            qRows[i] = q.data() + i * d;
-            lengths[i] = pos + 1;
-        }
+        int64_t const h = (queryBegin + i) / s.rows;
+        int64_t const pos = s.past + (queryBegin + i - shift) % s.rows;
+        rotate(qkv + (pos - s.past) * rowStride + h * d, cosTable + pos * (d / 2), sinTable + pos * (d / 2), d,
+            q.data() + i * d);
+        qRows[static_cast<size_t>(i)] = q.data() + i * d;
+        lengths[static_cast<size_t>(i)] = pos + 1;
     }
-    for (int64_t h0 = headBegin; h0 < headEnd;) // runs of heads sharing a key/value head
+    for (int64_t i0 = queryBegin; i0 < queryEnd;) // runs of queries whose heads share a key/value head
     {
-        int64_t const kv = h0 / group;
-        int64_t const h1 = std::min(headEnd, (kv + 1) * group);
+        int64_t const kv = i0 / s.rows / group;
+        int64_t const i1 = std::min(queryEnd, (kv + 1) * group * s.rows);
         float const* keys = keyCache + kv * s.capacity * d;     // [C, d]
         float const* values = valueCache + kv * s.capacity * d; // [C, d]
-        int64_t const first = (h0 - headBegin) * s.rows;
-        int64_t const count = (h1 - h0) * s.rows;
+        int64_t const first = i0 - queryBegin;
+        int64_t const n = i1 - i0;
 #if defined(__AVX2__) && defined(__FMA__)
         if (d % 8 == 0 && d <= 128)
         {
-            // scratch: m, l [count] + acc [count, d] (the caller sizes it, see decodeAttentionScratch)
+            // scratch: m, l [n] + acc [n, d] (the caller sizes it, see decodeAttentionScratch)
             auto* const attend = d == 64 ? attendRowsBlocked<8> : d == 128 ? attendRowsBlocked<16>
                                                                              : attendRowsBlocked<0>;
-            attend(qRows.data() + first, lengths.data() + first, count, keys, values, d, scale, scores);
-            float const* l = scores + count;
-            float const* acc = scores + 2 * count;
-            for (int64_t i = 0; i < count; ++i)
+            attend(qRows.data() + first, lengths.data() + first, n, keys, values, d, scale, scores);
+            float const* l = scores + n;
+            float const* acc = scores + 2 * n;
+            for (int64_t i = 0; i < n; ++i)
             {
-                int64_t const h = h0 + i / s.rows;
-                int64_t const r = i % s.rows;
+                int64_t const h = (i0 + i) / s.rows;
+                int64_t const r = (i0 + i) % s.rows;
                 float const inv = 1.F / l[i];
                 float* o = out + r * s.numHeads * d + h * d;
                 for (int64_t t = 0; t < d; ++t)
@@ -530,18 +540,69 @@ void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float
                     o[t] = acc[i * d + t] * inv;
                 }
             }
-            h0 = h1;
+            i0 = i1;
             continue;
         }
 #endif
-        for (int64_t i = 0; i < count; ++i)
+        for (int64_t i = 0; i < n; ++i)
         {
-            int64_t const h = h0 + i / s.rows;
-            int64_t const r = i % s.rows;
+            int64_t const h = (i0 + i) / s.rows;
+            int64_t const r = (i0 + i) % s.rows;
             attendRow(qRows[static_cast<size_t>(first + i)], keys, values, s.past + r + 1, s.capacity, d, scale,
                 scores, out + r * s.numHeads * d + h * d);
         }
-        h0 = h1;
+        i0 = i1;
+    }
+}
+
+void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
+    float const* sinTable, float const* keyCache, float const* valueCache, float* out, int64_t headBegin,
+    int64_t headEnd, float* scratch) noexcept
+{
+    decodeAttentionQueries(s, qkv, cosTable, sinTable, keyCache, valueCache, out, headBegin * s.rows,
+        headEnd * s.rows, scratch);
+}
+
+int64_t decodeAttentionPieces(int64_t groups) noexcept
+{
+    constexpr int64_t kMinItems = 8; // work items the parallel loop should get at least (a few threads' worth)
+    constexpr int64_t kPieces = 6;   // else: items in all, of equal cost (equal shares for 2, 3 or 6 threads)
+    return groups >= kMinItems ? 1 : (kPieces + groups - 1) / groups;
+}
+
+void decodeAttentionCut(DecodeAttentionShape const& s, int64_t pieces, std::vector<QueryRange>& out)
+{
+    int64_t const group = s.numHeads / s.kvHeads;
+    int64_t const rows = s.rows;
+    int64_t const past = s.past;
+    // a head's rows attend to past + 1 .. past + rows keys: their total, and the cost of the group's first i queries
+    int64_t const headCost = rows * past + rows * (rows + 1) / 2;
+    auto costBefore = [&](int64_t i) { return (i / rows) * headCost + (i % rows) * past + (i % rows) * (i % rows + 1) / 2; };
+    int64_t const n = group * rows; // queries of a group
+    // a few rows are cut between heads only: a head's rows in two pieces cost more than they balance (4 rows at
+    // 2032 cached positions: +8 % CPU time)
+    int64_t const step = rows >= 8 ? 1 : rows;
+    int64_t const cut = std::min(pieces, n / step);
+    for (int64_t kv = 0; kv < s.kvHeads; ++kv)
+    {
+        int64_t begin = 0;
+        for (int64_t p = 0; p < cut; ++p)
+        {
+            // piece p ends at the first query (of a multiple of step) where the cost so far reaches (p + 1) / cut of
+            // the group's, each piece at least one step
+            int64_t end = n;
+            if (p + 1 < cut)
+            {
+                int64_t const goal = (p + 1) * (group * headCost) / cut;
+                end = begin + step;
+                while (end < n - (cut - p - 1) * step && costBefore(end) < goal)
+                {
+                    end += step;
+                }
+            }
+            out.push_back({kv * n + begin, kv * n + end, costBefore(end) - costBefore(begin)});
+            begin = end;
+        }
     }
 }
 

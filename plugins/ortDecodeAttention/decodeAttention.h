@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace dflash2
 {
@@ -43,7 +44,34 @@ void decodeAttentionHeads(DecodeAttentionShape const& s, float const* qkv, float
     float const* sinTable, float const* keyCache, float const* valueCache, float* out, int64_t headBegin,
     int64_t headEnd, float* scratch) noexcept;
 
-//! Floats of scratch decodeAttentionHeads needs.
+//! Step 2 as above for the queries [queryBegin, queryEnd) of the list query i = head i / S, row i % S (each head's
+//! rows in order, heads in order): the parallel loop's unit, so a few threads can share even one key/value head's
+//! rows. A row's numbers depend neither on the range nor on where it is cut.
+//! scratch: decodeAttentionScratch(s) floats per call.
+void decodeAttentionQueries(DecodeAttentionShape const& s, float const* qkv, float const* cosTable,
+    float const* sinTable, float const* keyCache, float const* valueCache, float* out, int64_t queryBegin,
+    int64_t queryEnd, float* scratch) noexcept;
+
+//! A range of queries for decodeAttentionQueries and its cost (the keys its queries attend to).
+struct QueryRange
+{
+    int64_t begin;
+    int64_t end;
+    int64_t cost;
+};
+
+//! Pieces each group is cut into in a call with `groups` groups (key/value heads x sequences): 1 (whole groups)
+//! where they are 8 or more, else as many as make 6 items or more. Each piece of a group reads its keys and values
+//! once: more pieces than threads need cost more than they balance (12 pieces of SmolLM2's 3 groups at 2000 cached
+//! positions: +10 % CPU time at 48 rows, +40 % at 8).
+int64_t decodeAttentionPieces(int64_t groups) noexcept;
+
+//! The parallel loop's units for one sequence of shape s: the queries of each key/value head's group of query heads
+//! cut into min(pieces, its queries) ranges of (nearly) equal cost -> appended to out, groups in order. Cut
+//! between rows of a head where it has 8 rows or more, else between heads only.
+void decodeAttentionCut(DecodeAttentionShape const& s, int64_t pieces, std::vector<QueryRange>& out);
+
+//! Floats of scratch decodeAttentionHeads / decodeAttentionQueries need.
 int64_t decodeAttentionScratch(DecodeAttentionShape const& s) noexcept;
 
 } // namespace dflash2

@@ -52,7 +52,6 @@ namespace
 {
 
 OrtApi const* gApi = nullptr;
-constexpr int64_t kMinItems = 8; //!< work items the parallel loop should get at least (a few threads' worth)
 
 struct Kernel
 {
@@ -91,13 +90,15 @@ struct Sequence
     float* out;          //!< [S, nh d]
 };
 
-//! One unit of the parallel loop: query heads [headBegin, headEnd) of one sequence, all sharing one key/value
-//! head (they read its keys and values once, see decodeAttentionHeads).
+//! One unit of the parallel loop: queries [queryBegin, queryEnd) of one sequence (query i = head i / S_b, row
+//! i % S_b), all of heads sharing one key/value head (they read its keys and values once, see
+//! decodeAttentionQueries): a group's heads whole, or a piece of them cut between rows.
 struct Item
 {
     int32_t sequence;
-    int32_t headBegin;
-    int32_t headEnd;
+    int64_t queryBegin;
+    int64_t queryEnd;
+    int64_t cost; //!< keys its queries attend to
 };
 
 struct ParallelArgs
@@ -118,8 +119,8 @@ void runItem(void* user, size_t i)
     {
         scratch.resize(need);
     }
-    dflash2::decodeAttentionHeads(q.shape, q.qkv, a->cosTable, a->sinTable, q.keys, q.values, q.out, it.headBegin,
-        it.headEnd, scratch.data());
+    dflash2::decodeAttentionQueries(q.shape, q.qkv, a->cosTable, a->sinTable, q.keys, q.values, q.out,
+        it.queryBegin, it.queryEnd, scratch.data());
 }
 
 OrtStatus* int32Values(OrtValue const* v, int64_t expected, char const* name, int32_t const** out)
@@ -257,12 +258,10 @@ OrtStatus* compute(Kernel const& k, OrtKernelContext* ctx)
     bool const inPlace = keys == data[1] && values == data[2];
     std::vector<Item> items;
     items.reserve(static_cast<size_t>(batch * k.numHeads));
-    // items: query heads sharing a key/value head, whole groups when the batch gives >= kMinItems of them, else
-    // groups cut in parts so a few threads still share the loop (B = 1, 3 kv heads of 3: parts of 2 and 1)
-    int64_t const group = k.numHeads / k.kvHeads;
-    int64_t const groups = batch * k.kvHeads;
-    int64_t const part
-        = groups >= kMinItems ? group : std::max<int64_t>(1, (group * groups + kMinItems - 1) / kMinItems);
+    // items: the queries of heads sharing a key/value head, whole groups or pieces of equal cost
+    // (decodeAttentionPieces: B = 1 with 3 key/value heads, two pieces each)
+    int64_t const pieces = dflash2::decodeAttentionPieces(batch * k.kvHeads);
+    std::vector<dflash2::QueryRange> ranges;
     for (int64_t b = 0; b < batch; ++b)
     {
         Sequence& q = seqs[static_cast<size_t>(b)];
@@ -289,22 +288,15 @@ OrtStatus* compute(Kernel const& k, OrtKernelContext* ctx)
             continue;
         }
         dflash2::decodeAttentionWriteKv(q.shape, q.qkv, cosTable, sinTable, q.keys, q.values);
-        for (int64_t kv = 0; kv < k.kvHeads; ++kv)
+        ranges.clear();
+        dflash2::decodeAttentionCut(q.shape, pieces, ranges);
+        for (auto const& r : ranges)
         {
-            for (int64_t h = kv * group; h < (kv + 1) * group; h += part)
-            {
-                items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h),
-                    static_cast<int32_t>(std::min((kv + 1) * group, h + part))});
-            }
+            items.push_back({static_cast<int32_t>(b), r.begin, r.end, r.cost});
         }
     }
-    // costliest (rows x keys) first, so a long prefill's heads are not left for the end of the parallel loop
-    auto cost = [&](Item const& it)
-    {
-        auto const& s = seqs[static_cast<size_t>(it.sequence)].shape;
-        return (it.headEnd - it.headBegin) * s.rows * (s.past + s.rows);
-    };
-    std::stable_sort(items.begin(), items.end(), [&](auto const& x, auto const& y) { return cost(x) > cost(y); });
+    // costliest first, so a long prefill's pieces are not left for the end of the parallel loop
+    std::stable_sort(items.begin(), items.end(), [](auto const& x, auto const& y) { return x.cost > y.cost; });
     if (items.empty())
     {
         return nullptr;
