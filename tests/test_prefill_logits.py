@@ -13,6 +13,7 @@ import pytest
 
 from dflash2_trt.runtime.ort import batched_target, fused_target
 from dflash2_trt.runtime.ort.backend import OrtTargetRunner
+from test_capi import capi_build, vectors_path  # noqa: F401
 
 
 class _Outputs:
@@ -156,3 +157,41 @@ def test_the_wrong_rows_logits_are_caught(arch_exports, monkeypatch):
     monkeypatch.setattr(fused_target, "logits_rows", lambda S, last: rows(S, last) - (1 if last and S > 1 else 0))
     got = [r.tokens for r in _decode(export, prompts, 0.0)]
     assert got != want
+
+
+# ----------------------------------------------------------------------------------------------------
+# The C library's batch (runtime/src/backends/ortBackend.cpp: OrtRunners::targetForwardRows under the batch's
+# lastLogits) on the graph rewritten with the op library
+# ----------------------------------------------------------------------------------------------------
+
+def _c_joining(capi_build, export, env: dict | None = None) -> list[list[int]]:  # noqa: ANN001
+    """The C batch with the op library (DecodeAttention, logits_index), prompts joining a running stream in chunks
+    of 16, greedy -> each request's tokens."""
+    from test_capi_batch_cache import _joining, c_batches
+    from test_capi_ort import _ops_library
+
+    (run,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", "prefill_chunk=16"], _joining(0.0))],
+                       env={"DFLASH2_ORT_OPS": _ops_library(), **(env or {})})
+    return [r["tokens"] for r in run["requests"]]
+
+
+def test_c_batch_prefill_equals_python_and_its_planted_row_is_caught(capi_build, arch_exports):  # noqa: F811
+    """The random dense target: the C batch's tokens = the Python runtime's greedy single runs of the same prompts
+    (which equal the all-rows path, above); with $DFLASH2_PLANT_LOGITS_ROW=1 (the prefill's logits computed for the
+    row before the last) the joining prompts' tokens differ — so the one-row path ran."""
+    from test_capi_batch_cache import _joining
+
+    export = arch_exports("llama", False)
+    reqs = _joining(0.0)
+    want = [r.tokens for r in (_decode_each(export, reqs))]
+    assert _c_joining(capi_build, export) == want
+    planted = _c_joining(capi_build, export, {"DFLASH2_PLANT_LOGITS_ROW": "1"})
+    assert planted[1] != want[1] and planted[2] != want[2]
+
+
+def _decode_each(export, reqs: list[dict]):  # noqa: ANN001, ANN202
+    import dflash2_trt
+
+    with dflash2_trt.load(export, backend="ort", threads=1, prefix_cache_bytes=0) as g:
+        return [g.generate(r["prompt"], max_new_tokens=int(r["options"][1].split("=")[1]), eos_ids=set(), guard=False)
+                for r in reqs]

@@ -1044,6 +1044,14 @@ public:
     //! ids [n] at positions length.. -> logits [n, V]; the features [n, F] stay here for drafterQueueContext
     void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) override
     {
+        targetForwardRows(ids, n, false, logits);
+    }
+
+    //! targetForward; lastOnly: logits [1, V], the last row's alone (a prefill's, the batch's lastLogits): the
+    //! rewritten fused graph's LM head computes that row alone (logits_index), the other graphs every row (the last
+    //! kept). DFLASH2_PLANT_LOGITS_ROW (a negative control): the rewritten graph computes the row before the last.
+    void targetForwardRows(int32_t const* ids, int32_t n, bool lastOnly, std::vector<float>& logits)
+    {
         int32_t const V = mM.vocabSize;
         size_t const F = static_cast<size_t>(mM.fdim());
         mIds.resize(static_cast<size_t>(n));
@@ -1057,19 +1065,23 @@ public:
             mIds[static_cast<size_t>(i)] = ids[i];
         }
         int32_t const len = mTkv.length;
-        logits.resize(static_cast<size_t>(n) * static_cast<size_t>(V));
+        // rows whose logits the graph computes: the rewritten fused graph takes them (logits_index)
+        bool const picks = mM.manifest().kvOnly() && mM.fused() && mM.rewritten();
+        int32_t const R = lastOnly && picks ? 1 : n;
+        logits.resize(static_cast<size_t>(R) * static_cast<size_t>(V));
         mFeatures.resize(static_cast<size_t>(n) * F * mFeatureBytes);
         mFeatureRows = 0;
         if (!mM.manifest().kvOnly())
         {
             stateTargetForward(n, logits.data());
             mFeatureRows = n;
+            keepLastRow(lastOnly, n, logits);
             return;
         }
         mTkv.reserve(len + n);
         std::vector<int64_t> const idsShape{1, n};
         OrtTensor idsT(mApi, mIds.data(), mIds.size() * sizeof(int64_t), idsShape, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-        OrtTensor logitsT(mApi, logits.data(), logits.size() * sizeof(float), {1, n, V}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+        OrtTensor logitsT(mApi, logits.data(), logits.size() * sizeof(float), {1, R, V}, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
         OrtTensor featT(mApi, mFeatures.data(), mFeatures.size(), {1, n, static_cast<int64_t>(F)}, mM.featureType());
         if (mM.fused())
         {
@@ -1086,15 +1098,16 @@ public:
             OrtTensor totalT(mApi, &mTotal, sizeof(int32_t), {}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
             OrtTensor pastT;
             OrtTensor rowsT;
-            if (mM.rewritten())  // DecodeAttention's cached length; the rows whose logits to compute (all)
+            if (mM.rewritten())  // DecodeAttention's cached length; the rows whose logits to compute (all, or the last)
             {
-                mRowsIndex.resize(static_cast<size_t>(n));
-                for (int32_t i = 0; i < n; ++i)
+                static bool const plantedRow = std::getenv("DFLASH2_PLANT_LOGITS_ROW") != nullptr;
+                mRowsIndex.resize(static_cast<size_t>(R));
+                for (int32_t i = 0; i < R; ++i)
                 {
-                    mRowsIndex[static_cast<size_t>(i)] = i;
+                    mRowsIndex[static_cast<size_t>(i)] = n - R + i - (plantedRow && R == 1 && n > 1 ? 1 : 0);
                 }
                 pastT = OrtTensor(mApi, &mPast, sizeof(int32_t), {1}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
-                rowsT = OrtTensor(mApi, mRowsIndex.data(), mRowsIndex.size() * sizeof(int64_t), {1, n, 1},
+                rowsT = OrtTensor(mApi, mRowsIndex.data(), mRowsIndex.size() * sizeof(int64_t), {1, R, 1},
                     ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
                 ortCheck(mApi, mApi->BindInput(mBinding, "past_seqlens", pastT.get()), "BindInput past_seqlens");
                 ortCheck(mApi, mApi->BindInput(mBinding, "logits_index", rowsT.get()), "BindInput logits_index");
@@ -1112,6 +1125,18 @@ public:
         }
         mTkv.length = len + n;
         mFeatureRows = n;
+        keepLastRow(lastOnly && R == n, n, logits);
+    }
+
+    //! logits [n, V] -> [1, V], the last row's, when keep (a graph that computed every row)
+    static void keepLastRow(bool keep, int32_t n, std::vector<float>& logits)
+    {
+        if (keep && n > 1)
+        {
+            size_t const V = logits.size() / static_cast<size_t>(n);
+            std::copy(logits.end() - static_cast<long>(V), logits.end(), logits.begin());
+            logits.resize(V);
+        }
     }
 
     //! OrtTargetRunner.crop: the KV by its length; a hybrid target's linear state rolled back into the last call,
@@ -1760,7 +1785,6 @@ public:
     }
     void targetForward(std::vector<SlotRows> const& seqs, bool lastLogits, std::vector<float>& logits) override
     {
-        size_t const V = static_cast<size_t>(mM.vocabSize);
         logits.clear();
         for (SlotRows const& s : seqs)
         {
@@ -1770,10 +1794,8 @@ public:
                 throw Error(DFL2_ERR_INTERNAL, "batch slot " + std::to_string(s.slot) + " holds "
                     + std::to_string(r.cacheLength()) + " positions, the core says " + std::to_string(s.cacheLength));
             }
-            int32_t const n = static_cast<int32_t>(s.ids.size());
-            r.targetForward(s.ids.data(), n, mRows);
-            size_t const from = lastLogits ? static_cast<size_t>(n - 1) * V : 0;
-            logits.insert(logits.end(), mRows.begin() + static_cast<long>(from), mRows.end());
+            r.targetForwardRows(s.ids.data(), static_cast<int32_t>(s.ids.size()), lastLogits, mRows);
+            logits.insert(logits.end(), mRows.begin(), mRows.end());  // [n, V], or [1, V] with lastLogits
         }
     }
     void targetCrop(int32_t slot, int32_t length) override
