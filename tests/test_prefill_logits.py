@@ -195,3 +195,24 @@ def _decode_each(export, reqs: list[dict]):  # noqa: ANN001, ANN202
     with dflash2_trt.load(export, backend="ort", threads=1, prefix_cache_bytes=0) as g:
         return [g.generate(r["prompt"], max_new_tokens=int(r["options"][1].split("=")[1]), eos_ids=set(), guard=False)
                 for r in reqs]
+
+
+def test_c_session_prefill_equals_python_and_its_planted_row_is_caught(capi_build, arch_exports):  # noqa: F811
+    """The single loop (dfl2_session, core/decoder.cpp's prefill through Runners::targetForwardLast) on the random
+    dense target with the op library: tokens = the Python runtime's greedy runs; with $DFLASH2_PLANT_LOGITS_ROW=1
+    they differ — so the one-row path ran."""
+    from test_prefix_cache import _c_sessions
+
+    export = arch_exports("llama", False)
+    import dflash2_trt
+    from test_prefix_cache import C_NEW
+
+    prompts = _prompts()
+    reqs = [(p, 3) for p in prompts]
+    (got,) = _c_sessions(capi_build, export, [(["prefix_cache_bytes=0"], reqs)])
+    with dflash2_trt.load(export, backend="ort", threads=1, prefix_cache_bytes=0) as g:
+        want = [g.generate(p, max_new_tokens=C_NEW, eos_ids=set(), guard=False).tokens for p in prompts]
+    assert [r["tokens"] for r in got] == want
+    (planted,) = _c_sessions(capi_build, export, [(["prefix_cache_bytes=0"], reqs)],
+                             env={"DFLASH2_PLANT_LOGITS_ROW": "1"})
+    assert [r["tokens"] for r in planted] != want

@@ -1046,6 +1046,10 @@ public:
     {
         targetForwardRows(ids, n, false, logits);
     }
+    void targetForwardLast(int32_t const* ids, int32_t n, std::vector<float>& logits) override
+    {
+        targetForwardRows(ids, n, true, logits);
+    }
 
     //! targetForward; lastOnly: logits [1, V], the last row's alone (a prefill's, the batch's lastLogits): the
     //! rewritten fused graph's LM head computes that row alone (logits_index), the other graphs every row (the last

@@ -632,7 +632,7 @@ Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, Gene
         runners.targetReset();
     }
     int32_t const rest = static_cast<int32_t>(prompt.size()) - start;
-    runners.targetForward(prompt.data() + start, rest, logits);  // [rest, V]
+    runners.targetForwardLast(prompt.data() + start, rest, logits);  // [1, V]: the last row's
     res.cachedTokens = start;
     if (cache != nullptr)
     {
@@ -640,7 +640,7 @@ Result targetGenerate(Runners& runners, std::vector<int32_t> const& prompt, Gene
     }
     std::optional<Sampler> sampler = samplerOf(cfg, prompt, runners.vocabSize());
     Sampler* const s = sampler ? &*sampler : nullptr;
-    int32_t tok = nextToken(logits.data() + static_cast<size_t>(rest - 1) * V, V, cfg.temperature, uniforms, s);
+    int32_t tok = nextToken(logits.data(), V, cfg.temperature, uniforms, s);
     res.tokens.push_back(tok);
     if (s != nullptr)
     {
@@ -733,14 +733,13 @@ public:
             mRunners.drafterReset();
         }
         int32_t const n = static_cast<int32_t>(mPrompt.size());
-        mRunners.targetForward(mPrompt.data() + start, n - start, mLogits);  // [n - start, V]
+        mRunners.targetForwardLast(mPrompt.data() + start, n - start, mLogits);  // [1, V]: the last row's
         mRes.cachedTokens = start;
         if (mCache != nullptr)
         {
             mCache->snapshot(mRunners);
         }
-        float const* last = mLogits.data() + static_cast<size_t>(n - start - 1) * vocab();
-        mAnchor = nextToken(last, vocab(), mCfg.temperature, mUniforms, sampler());
+        mAnchor = nextToken(mLogits.data(), vocab(), mCfg.temperature, mUniforms, sampler());
         mRes.tokens.push_back(mAnchor);
         emit(&mAnchor, 1);
         std::vector<int32_t> context = mPrompt;

@@ -16,6 +16,7 @@
 #include "dflash2/dflash2.h"
 #include "guard.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -106,6 +107,15 @@ public:
     virtual void targetReset() = 0;
     //! ids [n] at positions cacheLength.. -> logits [n, V] (resized by the callee)
     virtual void targetForward(int32_t const* ids, int32_t n, std::vector<float>& logits) = 0;
+    //! targetForward -> the last row's logits [1, V] alone (a prefill's first token; the features of all n rows
+    //! kept as targetForward's). A backend whose graph takes the rows to compute overrides it; this one keeps the last.
+    virtual void targetForwardLast(int32_t const* ids, int32_t n, std::vector<float>& logits)
+    {
+        targetForward(ids, n, logits);
+        size_t const V = logits.size() / static_cast<size_t>(n);
+        std::copy(logits.end() - static_cast<std::ptrdiff_t>(V), logits.end(), logits.begin());
+        logits.resize(V);
+    }
     virtual void targetCrop(int32_t length) = 0;
     virtual void drafterReset() = 0;
     //! the first `rows` rows of the latest targetForward's features [rows, F] join the pending context
