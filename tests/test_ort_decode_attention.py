@@ -352,3 +352,88 @@ def test_smollm2_k_rows_equal_k_steps():
             kg, sg = _rows_vs_steps(tg, prompt, rows)
             _assert_rows_match(kg, sg, exact=False)
             _assert_rows_match(kd, kg, exact=False)
+
+
+_ISA_SCRIPT = """
+import itertools, json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import test_ort_decode_attention as t
+from dflash2_trt.runtime.ort import decode_attention as DA
+rng = np.random.default_rng(11)
+out = {}
+for (nh, kvh), d, past, S in itertools.product([(9, 3), (4, 1)], [24, 32, 64, 128], [0, 33, 485], [1, 2, 5, 40]):
+    cap = past + S + 3
+    f = rng.standard_normal((cap, d // 2))
+    cos, sin = np.cos(f).astype(np.float32), np.sin(f).astype(np.float32)
+    B = 2 if S == 5 else 1  # a ragged batch: the second sequence 2 rows fewer, 7 cached fewer
+    qkv = rng.standard_normal((B, S, (nh + 2 * kvh) * d)).astype(np.float32)
+    pk, pv = (rng.standard_normal((B, kvh, cap, d)).astype(np.float32) for _ in range(2))
+    pasts = np.array([past, max(0, past - 7)][:B], np.int32)
+    rows = np.array([S, S - 2][:B], np.int32)
+    _, sess = t._op_session(nh, kvh, d, cap, 0.0, ragged=True)
+    out[f"{nh}_{kvh}_{d}_{past}_{S}"] = sess.run(["out"], {
+        "qkv": qkv, "past_key": pk, "past_value": pv, "seqlens_k": (pasts + rows - 1).astype(np.int32),
+        "total": np.array(cap, np.int32), "cos": cos, "sin": sin, "past_seqlens": pasts})[0]
+np.savez(sys.argv[2], **out)
+print(json.dumps(DA.kernel_isa()))
+"""
+
+
+def _outputs_per_isa(tmp_path, extra_env: dict | None = None) -> dict:  # noqa: ANN001
+    """The op's outputs over 96 shapes (d 64/128: the blocked kernel with d known at compile time and rows in pairs,
+    24/32: with a run-time d; 1..40 rows over
+    0..485 cached, a ragged batch) in a process with the AVX-512 build allowed ('wide') and one with
+    DFLASH2_ORT_PANELS_AVX512=0 ('base'; the library chooses once per process) -> {run: (kernel_isa, outputs)}."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runs = {}
+    base = {k: v for k, v in os.environ.items() if k != DA.ISA_ENV and not k.startswith("DFLASH2_PLANT_ATTENTION")}
+    for name, env in (("wide", {**base, **(extra_env or {})}), ("base", {**base, DA.ISA_ENV: "0"})):
+        npz = tmp_path / f"{name}.npz"
+        done = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(Path(__file__).parent), str(npz)], env=env,
+                              check=True, capture_output=True, text=True)
+        with np.load(npz) as z:
+            runs[name] = (json.loads(done.stdout.strip().splitlines()[-1]), {k: z[k] for k in z.files})
+    return runs
+
+
+def test_op_isa_builds_agree_bit_for_bit(tmp_path):
+    """The blocked kernel's x86-64-v4 (AVX-512) build, which the library takes exactly where its panel kernels run
+    AVX-512, gives the baseline (AVX2 + FMA) build's outputs bit for bit. On a CPU without AVX-512 both processes
+    run the baseline: the test checks the choice and says (a warning) that the AVX-512 build was not compared."""
+    import platform
+    import warnings
+
+    runs = _outputs_per_isa(tmp_path)
+    flags = set(open("/proc/cpuinfo").read().split()) if platform.machine() == "x86_64" else set()
+    want = "avx512" if "avx512f" in flags else "avx2" if platform.machine() == "x86_64" else "portable"
+    assert runs["wide"][0] == want and runs["base"][0] == ("portable" if want == "portable" else "avx2")
+    assert runs["wide"][1].keys() == runs["base"][1].keys() and len(runs["base"][1]) == 96
+    for key, base in runs["base"][1].items():
+        assert runs["wide"][1][key].tobytes() == base.tobytes(), f"{key}: the two builds differ"
+    if want != "avx512":
+        warnings.warn(f"this CPU runs the {want} kernels only: DecodeAttention's AVX-512 build was not compared")
+
+
+def test_op_planted_isa_bug_caught(tmp_path):
+    """Negative control: DFLASH2_PLANT_ATTENTION_WIDE=1 calls the AVX-512 build with a softmax scale one ulp off;
+    the bit-for-bit comparison above catches it (on a CPU with AVX-512: elsewhere that build never runs, and the test
+    says so)."""
+    import warnings
+
+    runs = _outputs_per_isa(tmp_path, {"DFLASH2_PLANT_ATTENTION_WIDE": "1"})
+    differ = [k for k, base in runs["base"][1].items() if runs["wide"][1][k].tobytes() != base.tobytes()]
+    if runs["wide"][0] != "avx512":
+        assert not differ
+        warnings.warn("this CPU has no AVX-512: the planted AVX-512 bug cannot run here")
+        return
+    # most shapes differ (not those whose every row attends to one key: softmax 1 whatever the scale), all within
+    # the twin's tolerance
+    assert len(differ) > 80
+    for k in differ:
+        np.testing.assert_allclose(runs["wide"][1][k], runs["base"][1][k], atol=2e-5, rtol=1e-4)

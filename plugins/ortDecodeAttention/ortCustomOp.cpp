@@ -680,7 +680,7 @@ extern "C" __attribute__((visibility("default"))) int64_t dflash2OrtPanelCodes(i
     return dflash2::panelCodeCount(code);
 }
 
-//! The instruction set this process's panel kernels run (chosen once, panelMatMulWide): 512 = AVX-512, 256 = AVX2 +
+//! The instruction set this process's panel and attention kernels run (chosen once, panelMatMulWide): 512 = AVX-512, 256 = AVX2 +
 //! FMA (the library's baseline on x86-64), 0 = the portable C++ kernels (another architecture).
 extern "C" __attribute__((visibility("default"))) int32_t dflash2OrtKernelIsa() noexcept
 {

@@ -26,6 +26,7 @@ constexpr int64_t kPanelWidth = 16; //!< columns per panel
 
 //! Whether this CPU runs the AVX-512 kernel (the one that also beats a packed GEMM on many rows: a prefill);
 //! DFLASH2_ORT_PANELS_AVX512=0 in the environment: the AVX2 / portable kernels (the same numbers) even where it has.
+//! DecodeAttention takes its x86-64-v4 build by the same answer (decodeAttention.cpp).
 bool panelMatMulWide();
 
 //! Panels [panelBegin, panelEnd) of Y = X @ W: x [rows, K] (row stride K), packed [N/16][K][16], y [rows, N].
