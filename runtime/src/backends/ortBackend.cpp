@@ -1768,7 +1768,6 @@ class OrtBatchRunners : public SizedRunners<BatchRunners>
 public:
     OrtBatchRunners(OrtModel const& model, int32_t slots)
         : SizedRunners(RunnerSizes::of(model))
-        , mM(model)
     {
         for (int32_t i = 0; i < slots; ++i)
         {
@@ -1851,7 +1850,6 @@ private:
         return *mSlots[static_cast<size_t>(slot)];
     }
 
-    OrtModel const& mM;
     std::vector<std::unique_ptr<OrtRunners>> mSlots;
     std::vector<float> mRows;
 };
