@@ -186,7 +186,8 @@ KERNEL_ISAS = {512: "avx512", 256: "avx2", 0: "portable"}  # dflash2OrtKernelIsa
 def kernel_isa() -> str:
     """The instruction set this process's panel and attention kernels run, as the library chose it once
     (``avx512`` where the CPU has AVX-512F and :data:`ISA_ENV` is not 0; ``avx2`` on any other x86-64, the library's
-    baseline; ``portable`` on another architecture) -> one of :data:`KERNEL_ISAS`' names. Without the library: ``portable``."""
+    baseline; ``portable`` on another architecture) -> one of :data:`KERNEL_ISAS`' names. Without the library:
+    ``portable``."""
     import ctypes
 
     lib = find_library()
