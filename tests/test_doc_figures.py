@@ -26,10 +26,8 @@ CPU = "AMD EPYC"  # the CPU every result file was measured on (their machine blo
 # benchmarks/results/README.md states their CPU. benchmarks/rerun_quoted.sh writes each again with its machine
 # block, and the file leaves this list.
 NO_MACHINE_BLOCK = frozenset({
-    "side_by_side_codes.json", "side_by_side_int4_panels.json", "cpu_options_codes_bs346.json", "cpu_options_q8_0.json",
-    "tau_pooled_humaneval.json", "tau_pooled_mtbench.json", "sampling_t08_panels.json", "verify_rows_codes.json",
-    "verify_rows_codes_off.json", "batch_throughput_128.json", "batch_throughput_codes.json",
-    "batch_step_profile.json", "triton_throughput_adaptive_vs_ar.json", "triton_throughput_codes.json",
+    "side_by_side_codes.json", "side_by_side_int4_panels.json", "sampling_t08_panels.json",
+    "batch_throughput_128.json", "triton_throughput_adaptive_vs_ar.json", "triton_throughput_codes.json",
     "serve_concurrency.json"})
 MACHINE_KEYS = ("date", "commit", "cpu", "simd", "onnxruntime")
 
