@@ -25,10 +25,7 @@ CPU = "AMD EPYC"  # the CPU every result file was measured on (their machine blo
 # Result files written before the benchmarks recorded their machine (date, commit, CPU flags, ONNX Runtime version);
 # benchmarks/results/README.md states their CPU. benchmarks/rerun_quoted.sh writes each again with its machine
 # block, and the file leaves this list.
-NO_MACHINE_BLOCK = frozenset({
-    "side_by_side_codes.json", "side_by_side_int4_panels.json", "sampling_t08_panels.json",
-    "batch_throughput_128.json", "triton_throughput_adaptive_vs_ar.json", "triton_throughput_codes.json",
-    "serve_concurrency.json"})
+NO_MACHINE_BLOCK = frozenset({"side_by_side_codes.json", "side_by_side_int4_panels.json"})
 MACHINE_KEYS = ("date", "commit", "cpu", "simd", "onnxruntime")
 
 
