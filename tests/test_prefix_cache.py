@@ -224,8 +224,7 @@ def test_batched_requests_diverging_from_a_cached_prefix(pair_export):
         got = [h.result() for h in [on.submit(p, max_new_tokens=16, eos_ids=set()) for p in prompts]]
         want = [off.generate(p, max_new_tokens=16, eos_ids=set(), guard=False) for p in prompts]
         assert [g.tokens for g in got] == [w.tokens for w in want]
-        # admitted together, each restores the first sequence (a backend that does not batch a family, MoE's,
-        # serves them one after another: then each also finds the one before it, a token further)
+        # admitted together, each restores the first sequence
         assert all(g.stats.cached_tokens >= len(base) - 1 for g in got)
         assert sum(sum(g.stats.accepted) for g in got) > 0
         budget = 2 * max(e.nbytes for e in on.prefix_cache._entries)

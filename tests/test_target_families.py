@@ -518,6 +518,28 @@ def test_generate_batch_equals_single_requests(window_exports, arch):
     assert all(len(r.stats.accepted) >= 10 for r in batch)  # speculative cycles ran (each a verify and a crop)
 
 
+def test_moe_requests_are_decoded_together_as_each_alone(arch_exports):
+    """Qwen3-MoE exports have no fused target: the batched loop runs their standard graph (routed experts per row),
+    several requests in one target call, each = its own generate, token for token, with drafts accepted (make-tiny's
+    copying pair at block size 8); T = 0.8 per seed too."""
+    import dflash2_trt
+
+    g = dflash2_trt.load(arch_exports("qwen3_moe"), backend="ort")
+    assert g._backend.batching and not g._backend.fused
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(2, 200, int(rng.integers(5, 40))).tolist() for _ in range(6)]
+    with g:
+        for T in (0.0, 0.8):
+            singles = [g.generate(p, 24, chat=False, eos_ids=set(), guard=False, temperature=T, seed=i)
+                       for i, p in enumerate(prompts)]
+            g.set_batching(max_batch=4, adaptive=False)
+            got = [h.result() for h in [g.submit(p, max_new_tokens=24, eos_ids=set(), temperature=T, seed=i)
+                                        for i, p in enumerate(prompts)]]
+            assert [r.tokens for r in got] == [r.tokens for r in singles], T
+            assert sum(sum(r.stats.accepted) for r in got) > 0
+    assert sum(n for size, n in g.batch_sizes.items() if size > 1) > 0  # requests shared target calls
+
+
 def test_the_sliding_window_recipe_runs_on_a_tiny_gpt_oss_pair(tmp_path):
     """export/sliding-window-ort.sh on make-tiny's gpt-oss pair: exports (manifest version 3, rings for the sliding
     layers) and decodes 48 tokens past the window of 8, output the target's own."""

@@ -329,15 +329,21 @@ class OrtBackend(BackendBase):
     @property
     def batching(self) -> bool:
         """Many sequences per target call: the fused target (:mod:`dflash2_trt.runtime.ort.batched_target`), or the
-        standard graph of a target with linear or sliding layers (:mod:`dflash2_trt.runtime.ort.batched_standard`)."""
-        return self.fused or not self.manifest.kv_only
+        standard graph where the export has no fused one (targets with linear, sliding or routed-expert layers:
+        :mod:`dflash2_trt.runtime.ort.batched_standard`). A dense export run on its standard graph by choice
+        (``flavour="standard"``) serves one request after another."""
+        return self.fused or self._standard_only
+
+    @property
+    def _standard_only(self) -> bool:
+        return TARGET_ORT not in self.manifest.graphs
 
     @property
     def prefix_cache(self) -> bool:
         return True  # every runner above: prefix_rows / prefix_state / restore_prefix, the drafters' context rows
 
     def batch_target_runner(self, slots: int) -> BatchTargetRunner:
-        if not self.fused and not self.manifest.kv_only:
+        if not self.fused and self._standard_only:
             from dflash2_trt.runtime.ort.batched_standard import OrtStandardBatchedTargetRunner
 
             return OrtStandardBatchedTargetRunner(self, slots)

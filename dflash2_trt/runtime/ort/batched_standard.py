@@ -1,5 +1,5 @@
-"""Batched target runner over the standard ``target.onnx`` of a target with linear or sliding-window layers:
-``slots`` sequences, each with its own KV length, its own linear-layer state
+"""Batched target runner over the standard ``target.onnx`` of an export without a fused target (one with linear,
+sliding-window or routed-expert layers): ``slots`` sequences, each with its own KV length, its own linear-layer state
 (:class:`~dflash2_trt.runtime.linear_state.LinearStates` with one row per slot) and its own sliding layers' rings
 (:class:`~dflash2_trt.runtime.kv.WindowRing`), so every slot rolls back to its own accepted length.
 
