@@ -497,6 +497,19 @@ def planted_no_conv_rollback(cache, length: int) -> None:  # noqa: ANN001
         cache.layers[i].conv_states[0] = conv
 
 
+def planted_no_ssm_rollback(cache, length: int) -> None:  # noqa: ANN001
+    """Planted bug of the Nemotron-H family's ``rollback``: the attention KV and the convolutions are rolled back, each
+    Mamba-2 layer's SSM state is the one after all k rows."""
+    remove = int(cache.get_seq_length()) - length
+    if remove <= 0:
+        return
+    last = {i: layer.recurrent_states[0].clone() for i, layer in enumerate(cache.layers)
+            if hasattr(layer, "conv_states")}
+    cache.crop(-remove)
+    for i, state in last.items():
+        cache.layers[i].recurrent_states[0] = state
+
+
 def ort_runner_state(r) -> list[np.ndarray]:  # noqa: ANN001
     """What an ONNX Runtime target runner's next call reads: the valid KV slots and every linear layer's conv and
     recurrent state."""

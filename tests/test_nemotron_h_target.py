@@ -16,7 +16,7 @@ from dflash2_trt.targets import nemotron_h
 from dflash2_trt.tiny import COPY_PERIOD
 from helpers import (adapter_lossless_runs, assert_rolled_back, bound_drafter, check_adapter_equals_transformers,
                      check_adapter_rollback, check_rollback_past_the_recorded_rows_is_refused, make_pair,
-                     planted_no_conv_rollback, req)
+                     planted_no_conv_rollback, planted_no_ssm_rollback, req)
 
 
 @pytest.fixture(scope="module")
@@ -91,20 +91,7 @@ def test_lossless_greedy_with_drafts_accepted(acc_pair, acc_refs):
         assert_rolled_back(acc, bs, f"at block size {bs}")
 
 
-def _no_ssm_rollback(cache, length):  # noqa: ANN001, ANN202
-    """Planted bug: the attention KV and the convolutions are rolled back, each Mamba-2 layer's SSM state is the one
-    after all k rows."""
-    remove = int(cache.get_seq_length()) - length
-    if remove <= 0:
-        return
-    last = {i: layer.recurrent_states[0].clone() for i, layer in enumerate(cache.layers)
-            if hasattr(layer, "conv_states")}
-    cache.crop(-remove)
-    for i, state in last.items():
-        cache.layers[i].recurrent_states[0] = state
-
-
-@pytest.mark.parametrize("bug", [_no_ssm_rollback, planted_no_conv_rollback], ids=["no_ssm_rollback", "no_conv_rollback"])
+@pytest.mark.parametrize("bug", [planted_no_ssm_rollback, planted_no_conv_rollback], ids=["no_ssm_rollback", "no_conv_rollback"])
 def test_planted_rollback_bugs_are_caught(acc_pair, acc_refs, bug, monkeypatch):
     """Negative controls: each planted rollback bug makes speculative output differ from the target's own on the
     accepting pair, so the lossless test above would fail on it."""

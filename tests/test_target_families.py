@@ -22,7 +22,7 @@ from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.ngram import lookup_draft
 from dflash2_trt.runtime.torch.backend import TorchTargetRunner
 from dflash2_trt.targets import dense, gemma, moe, sliding
-from helpers import GEMMA4_TEXT, NoisyOracle, oracle_spec_vs_ar, req
+from helpers import GEMMA4_TEXT, NoisyOracle, oracle_spec_vs_ar, planted_no_ssm_rollback, req
 
 _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
@@ -746,18 +746,6 @@ class _ModeDrafter:
         return lookup_draft([d])
 
 
-def _no_ssm_rollback(cache, length):  # noqa: ANN001, ANN202
-    """Planted bug: the KV and convolutions are rolled back, each Mamba-2 SSM state stays the one after the draft."""
-    remove = int(cache.get_seq_length()) - length
-    if remove <= 0:
-        return
-    last = {i: layer.recurrent_states[0].clone() for i, layer in enumerate(cache.layers)
-            if hasattr(layer, "conv_states")}
-    cache.crop(-remove)
-    for i, state in last.items():
-        cache.layers[i].recurrent_states[0] = state
-
-
 def _residual_is_p(drafts, q, p, rng):  # noqa: ANN001, ANN202
     """Planted bug: a rejected row resampled from p instead of normalize(max(p - q, 0))."""
     for i, tok in enumerate(drafts):
@@ -797,7 +785,7 @@ def test_sampling_keeps_the_target_law(arch, bug, monkeypatch, one_thread):
     if bug == "residual_is_p":
         monkeypatch.setattr(acceptance, "accept_rejection", _residual_is_p)
     elif bug == "no_ssm_rollback":
-        monkeypatch.setattr(nemotron_h, "rollback", _no_ssm_rollback)
+        monkeypatch.setattr(nemotron_h, "rollback", planted_no_ssm_rollback)
     target = _ReplayedTarget(TorchTargetRunner(t))
     runs = [D.speculative_generate(target, _ModeDrafter(law_of, prompt), prompt,
                                    req(3, temperature=1.0, eos_ids=set(), seed=s)) for s in range(3000)]
