@@ -1,10 +1,11 @@
 """What a long prompt joining the batch costs the streams already running: one stream decodes, a ``--long``-token
 prompt is submitted after ``--after`` of its tokens, and the stream's inter-token gaps are timed — its median
 before the join, its worst gap from the join to the long prompt's first token — for each ``--chunks`` setting of
-``Generator.set_batching(prefill_chunk=...)`` (``none``: whole prompts), side by side in one run, with the long
-prompt's time to first token. ``--json`` writes every figure with ``dflash2_trt.bench.machine.describe()``.
+``Generator.set_batching`` (``none``: whole prompts; N: N rows a step, no time budget; ``share=X``: the default
+row cap with ``prefill_share=X``), side by side in one run, with the long prompt's time to first token. ``--json``
+writes every figure with ``dflash2_trt.bench.machine.describe()``.
 
-    python benchmarks/prefill_join_gap.py [--export DIR] [--threads 2] [--long 1500] [--chunks none 256 128 64]
+    python benchmarks/prefill_join_gap.py [--export DIR] [--threads 2] [--long 1500] [--chunks none 32 share=2]
 """
 
 from __future__ import annotations
@@ -30,15 +31,15 @@ def _run(gen, long_ids: list[int], after: int, stream_tokens: int) -> dict:  # n
             first.setdefault("t", time.perf_counter())
         b.result()
 
+    joiner = threading.Thread(target=join)
     for chunk in h:
         stamps.append((time.perf_counter(), len(chunk.tokens)))
         if sum(n for _, n in stamps) >= after and not joined:
-            threading.Thread(target=join).start()
+            joiner.start()
             while "t" not in joined:
                 time.sleep(0.0005)
     h.result()
-    while "t" not in first:
-        time.sleep(0.01)
+    joiner.join()  # the long request done: the next setting may restart the loop
     t_join, t_first = joined["t"], first["t"]
     gaps = [(b[0] - a[0], b[0]) for a, b in zip(stamps, stamps[1:])]
     before = [g for g, t in gaps if t < t_join]
@@ -46,6 +47,17 @@ def _run(gen, long_ids: list[int], after: int, stream_tokens: int) -> dict:  # n
     med = statistics.median(before)
     return {"median_gap_ms": 1e3 * med, "worst_gap_ms": 1e3 * max(during), "worst_over_median": max(during) / med,
             "long_ttft_ms": 1e3 * (t_first - t_join)}
+
+
+def _setting(c: str) -> dict:
+    """A ``--chunks`` value -> set_batching's prefill arguments."""
+    from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
+
+    if c == "none":
+        return {"prefill_chunk": None, "prefill_share": None}
+    if c.startswith("share="):
+        return {"prefill_chunk": DEFAULT_PREFILL_CHUNK, "prefill_share": float(c.split("=", 1)[1])}
+    return {"prefill_chunk": int(c), "prefill_share": None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--long", type=int, default=1500)
     p.add_argument("--after", type=int, default=24, help="stream tokens before the long prompt joins")
-    p.add_argument("--chunks", nargs="+", default=["none", "256", "128", "64"])
+    p.add_argument("--chunks", nargs="+", default=["none", "32", "share=2"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -70,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'chunk':>6} {'median gap ms':>14} {'worst gap ms':>13} {'worst/median':>13} {'long TTFT ms':>13}")
         for rep in range(a.repeats):
             for c in a.chunks:
-                chunk = None if c == "none" else int(c)
-                gen.set_batching(max_batch=4, adaptive=True, prefill_chunk=chunk)
+                gen.set_batching(max_batch=4, adaptive=True, **_setting(c))
                 gen.generate_batch(["Hi"], max_new_tokens=2)  # the loop's warm-up
                 r = {"chunk": c, "repeat": rep, **_run(gen, long_ids, a.after, stream_tokens)}
                 out.append(r)

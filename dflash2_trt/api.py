@@ -61,7 +61,7 @@ from typing import Any
 
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.runtime.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache, check_budget
-from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
+from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SHARE
 from dflash2_trt.runtime.request import GenerationRequest, Limits
 from dflash2_trt.vocabulary import DEFAULT_PROPOSER
 
@@ -169,7 +169,8 @@ class Generator:
         self._target: Any = None
         self._drafters: dict[str, Any] = {}
         self._loop: _BatchLoop | None = None  # submit's background loop, started by the first submit
-        self._max_batch, self._adaptive, self._prefill_chunk = 8, True, DEFAULT_PREFILL_CHUNK  # set_batching's
+        self._max_batch, self._adaptive = 8, True  # set_batching's
+        self._prefill: tuple[int | None, float | None] = (DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SHARE)
         self._batch_sizes: dict[int, int] = {}  # sequences decoded in one batch step -> steps (written by the loop)
         self._closed = False
 
@@ -342,28 +343,31 @@ class Generator:
         return [h.result() for h in handles]
 
     def set_batching(self, max_batch: int = 8, adaptive: bool = True,
-                     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
+                     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+                     prefill_share: float | None = DEFAULT_PREFILL_SHARE) -> None:
         """The batch loop's settings: ``max_batch`` sequences decoded together (more wait for a slot);
         ``adaptive``: a sequence drafts only while the load-adaptive rule of :mod:`dflash2_trt.runtime.batch`
-        says it pays (False: every speculative sequence drafts every step); ``prefill_chunk``: prompt rows computed
-        in one step over all joining prompts (running streams wait one chunk, not a whole prompt; None: whole
-        prompts). Needs no request in flight (DFlash2Error otherwise) when they change; the loop then restarts with
-        fresh measured costs."""
-        from dflash2_trt.runtime.batch import check_batch_size, check_prefill_chunk
+        says it pays (False: every speculative sequence drafts every step); ``prefill_chunk``: at most this many prompt
+        rows computed in one step over all joining prompts while others decode (running streams wait one chunk, not
+        a whole prompt; None: no cap); ``prefill_share``: fewer rows where they are measured dear, those whose
+        forward takes about share × the decoding step (None: ``prefill_chunk`` rows; both None: whole prompts).
+        Needs no request in flight (DFlash2Error otherwise) when they change; the loop then restarts with fresh
+        measured costs."""
+        from dflash2_trt.runtime.batch import check_batch_size, check_prefill_chunk, check_prefill_share
 
         check_batch_size(max_batch)
-        check_prefill_chunk(prefill_chunk)
+        prefill = check_prefill_chunk(prefill_chunk), check_prefill_share(prefill_share)
         with self._init_lock:
             if self._closed:
                 raise DFlash2Error("this Generator is closed")
-            if (max_batch, bool(adaptive), prefill_chunk) == (self._max_batch, self._adaptive, self._prefill_chunk):
+            if (max_batch, bool(adaptive), prefill) == (self._max_batch, self._adaptive, self._prefill):
                 return  # the loop keeps its runners and measured costs
             if self._loop is not None:
                 if not self._loop.idle:
                     raise DFlash2Error("set_batching needs the batch loop idle; requests are in flight")
                 self._loop.close()
                 self._loop = None
-            self._max_batch, self._adaptive, self._prefill_chunk = max_batch, bool(adaptive), prefill_chunk
+            self._max_batch, self._adaptive, self._prefill = max_batch, bool(adaptive), prefill
 
     @property
     def batch_sizes(self) -> dict[int, int]:
@@ -758,7 +762,8 @@ class _BatchLoop:
                 dec = B.BatchDecoder(be.batch_target_runner(self.max_batch), None,
                                      B.SpeculationRule(adaptive=self.adaptive),
                                      batched_drafter=lambda n: be.batch_draft_runner(mode, n),
-                                     cache=self.gen.prefix_cache, prefill_chunk=self.gen._prefill_chunk,
+                                     cache=self.gen.prefix_cache, prefill_chunk=self.gen._prefill[0],
+                                     prefill_share=self.gen._prefill[1],
                                      grammar_tokenizer=self.gen.grammar_tokenizer)
                 self._decoders[mode], self._live[mode] = dec, {}
             i = dec.submit(h._prompt, h._req)

@@ -324,14 +324,16 @@ def _rule_lookup_cases(rng: np.random.Generator) -> list[dict]:
 
 def _rule_cases(rng: np.random.Generator) -> list[dict]:
     """batch.SpeculationRule over batch.MeasuredCosts: random recorded step costs (none, some, many; below and above
-    16 samples) and whole steps, priors and windows, candidates' committed tokens -> t_plain(n) for n = 0..10, the
-    chosen set, and the realized check's answers to a run of questions (holds_plain: probes counted)."""
+    16 samples), prefill chunks and whole steps, priors and windows, candidates' committed tokens -> t_plain(n) for
+    n = 0..10, a chunked prompt row's and a whole step's seconds (the prefill budget's), the chosen set, and the
+    realized check's answers to a run of questions (holds_plain: probes counted)."""
     from collections import deque
 
     from dflash2_trt.runtime import batch as BT
 
     cases = []
     steps_rng = np.random.default_rng(2468)  # the realized check's records: their own stream
+    prefill_rng = np.random.default_rng(1357)  # the prefill chunks': theirs
     for i in range(60):
         costs = BT.MeasuredCosts()
         records = []
@@ -346,6 +348,11 @@ def _rule_cases(rng: np.random.Generator) -> list[dict]:
             else:
                 costs.record_verify(sec)
             records.append({"kind": kind, "n": n, "s": sec})
+        for _ in range(int(prefill_rng.integers(0, 24)) if i % 3 else 0):  # prefill chunks of 1..64 rows
+            rec = {"kind": "prefill", "n": int(prefill_rng.integers(1, 65)),
+                   "s": float(prefill_rng.uniform(0.001, 0.1))}
+            costs.record_prefill(rec["n"], rec["s"])
+            records.append(rec)
         # whole steps at few batch sizes (each gets compared) and the check's answers between them (a held step
         # counts toward the next probe; a weighed one starts the count again)
         for _ in range(int(steps_rng.integers(0, 60)) if i % 6 else 0):
@@ -372,6 +379,7 @@ def _rule_cases(rng: np.random.Generator) -> list[dict]:
             "window": rule.window, "adaptive": rule.adaptive, "n_active": n_active,
             "committed": [list(c) for c in committed], "tau": list(cands.values()),
             "plain": [costs.plain(n) for n in range(11)], "chosen": sorted(rule.choose(n_active, cands)),
+            "prefill_row": costs.prefill_row(), "step": costs.step(),
             "holds_n": holds_n, "holds": holds,
         })  # fmt: skip
     return cases
@@ -727,6 +735,9 @@ def test_core_vectors_exercise_every_branch(vectors_path):
     # the realized check: plain first, steps held, a probe (a False inside a run of Trues), steps weighed
     assert any(all(c["holds"]) for c in rule) and any("False, False, False, False" in str(c["holds"]) for c in rule)
     assert any("True, False, True" in str(c["holds"]) for c in rule)
+    # the prefill budget's costs: measured and not
+    assert any(c["prefill_row"] is not None and c["step"] is not None for c in rule)
+    assert any(c["prefill_row"] is None and c["step"] is not None for c in rule)
     # prompt lookup: matches and none; every answer of the choice; the rule's free keys and fallbacks taken
     assert any(c["want"] for c in v["lookup"]) and any(not c["want"] and len(c["tokens"]) > 2 for c in v["lookup"])
     ops = [o for c in v["proposer_choice"] for o in c["ops"]]
@@ -1650,16 +1661,20 @@ def _batch_scenario(be) -> list[dict]:  # noqa: ANN001
 _JOIN_AFTER, _CANCEL_AFTER = {4: [6]}, {6: 0}
 
 
-def _run_python_batch(be, rule, reqs: list[dict], prefill_chunk: int | str | None = "default"):  # noqa: ANN001, ANN202
-    """The scenario through the Python BatchDecoder; ``prefill_chunk`` "default": the Generator's and the C option's
-    default (batch.DEFAULT_PREFILL_CHUNK), which the C batch takes when its options do not name one."""
+def _run_python_batch(be, rule, reqs: list[dict], prefill_chunk: int | str | None = "default",  # noqa: ANN001, ANN202
+                      prefill_share: float | str | None = "default"):
+    """The scenario through the Python BatchDecoder; ``prefill_chunk`` / ``prefill_share`` "default": the
+    Generator's and the C options' defaults (batch.DEFAULT_PREFILL_CHUNK / DEFAULT_PREFILL_SHARE), which the C batch
+    takes when its options do not name them."""
     from dflash2_trt.runtime import batch as BT
     from dflash2_trt.runtime.ort.batched_target import OrtBatchedTargetRunner
 
     prefill_chunk = BT.DEFAULT_PREFILL_CHUNK if prefill_chunk == "default" else prefill_chunk
+    prefill_share = BT.DEFAULT_PREFILL_SHARE if prefill_share == "default" else prefill_share
     log: list = []
     dec = BT.BatchDecoder(_LoggedTarget(OrtBatchedTargetRunner.from_backend(be, 3), log),
-                          lambda: _LoggedDrafter(be.draft_runner("greedy"), log), rule, prefill_chunk=prefill_chunk)
+                          lambda: _LoggedDrafter(be.draft_runner("greedy"), log), rule, prefill_chunk=prefill_chunk,
+                          prefill_share=prefill_share)
 
     def submit(i: int) -> int:
         r = reqs[i]
@@ -1768,10 +1783,15 @@ def test_c_batch_equals_python_batch_decoder(lib, batch_be, adaptive):
         c.close()
 
 
-@pytest.mark.parametrize("chunk", [4, 9])
-def test_c_batch_chunked_prefill_equals_python_batch_decoder(lib, batch_be, chunk):
-    """Chunked prefill ("prefill_chunk") in the C batched core against the Python BatchDecoder's (prefill_chunk): the
-    scenario's requests that join while others decode prefill ``chunk`` rows a step over all joining prompts — the
+@pytest.mark.parametrize("chunk, share, costs, rows", [(4, None, "", 4), (9, None, "", 9),
+                                                       (512, 1.5, ",0.2,0.1", 3), (512, 1.5, "", 8), (2, 1.5, "", 2)],
+                         ids=["4-rows", "9-rows", "share-3-rows", "share-unmeasured-8-rows", "share-capped-2-rows"])
+def test_c_batch_chunked_prefill_equals_python_batch_decoder(lib, batch_be, chunk, share, costs, rows):
+    """Chunked prefill ("prefill_chunk", "prefill_share") in the C batched core against the Python BatchDecoder's
+    (prefill_chunk, prefill_share): ``rows`` = ``chunk`` without a time budget; with one, the rows whose forward
+    takes share × a step by the given costs (a step 0.2 s, a row 0.1 s: 3 rows), 8 while a time is not given, at
+    most ``chunk``. The scenario's requests that join while others decode prefill ``rows`` rows a step over all
+    joining prompts — the
     same runner calls in the same order (each chunk a prefill forward at its slot's cache length, the chunks'
     features reaching the drafter in one add_context), the same tokens, drafts and step counts; the path asserted
     (prompts split into chunks, the info's prefill calls and rows = the prefill forwards logged). Every request's
@@ -1780,11 +1800,14 @@ def test_c_batch_chunked_prefill_equals_python_batch_decoder(lib, batch_be, chun
     from dflash2_trt.runtime import batch as BT
 
     reqs = _batch_scenario(batch_be)
-    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.1, verify_s=0.2)
-    opts = {"fixed_costs": "1.0,0.05,0.1,0.2", "prior_tau": 2.0}
+    given = [float(x) for x in costs.split(",")[1:]] or [None, None]
+    costs = BT.FixedCosts(plain_fn=lambda n: 1.0 + 0.05 * n, draft_s=0.1, verify_s=0.2, step_s=given[0],
+                          prefill_row_s=given[1])
+    opts = {"fixed_costs": "1.0,0.05,0.1,0.2" + (f",{given[0]},{given[1]}" if given[0] else ""), "prior_tau": 2.0,
+            "prefill_share": share or 0}
     for adaptive in (True, False):
         rule = BT.SpeculationRule(costs=costs, adaptive=adaptive, prior_tau=2.0)
-        py, dec, py_log = _run_python_batch(batch_be, rule, reqs, prefill_chunk=chunk)
+        py, dec, py_log = _run_python_batch(batch_be, rule, reqs, prefill_chunk=chunk, prefill_share=share)
         got, c = _run_c_batch(lib, batch_be, {**opts, "adaptive": adaptive, "prefill_chunk": chunk}, reqs)
         try:
             info = _assert_c_batch_equals_python(c, got, py, dec, py_log)
@@ -1792,12 +1815,13 @@ def test_c_batch_chunked_prefill_equals_python_batch_decoder(lib, batch_be, chun
             assert (info.prefill_calls, info.prefill_rows) == (len(prefills), sum(len(r) for p in prefills
                                                                                     for _, r, _ in p))
             assert info.prefill_rows == sum(len(r["prompt"]) for r in reqs)
-            # prompts cut into chunks (while nobody decodes: whole) and continued at a cache length past 0
-            assert any(sum(len(r) for _, r, _ in p) == chunk for p in prefills)
+            # prompts cut into chunks of ``rows`` (while nobody decodes: whole) and continued at a cache length past 0
+            assert any(sum(len(r) for _, r, _ in p) == rows for p in prefills)
             assert any(n > 0 for p in prefills for _, _, n in p)
         finally:
             c.close()
-    whole, cw = _run_c_batch(lib, batch_be, {**opts, "adaptive": False, "prefill_chunk": 0}, reqs)
+    whole, cw = _run_c_batch(lib, batch_be, {**opts, "adaptive": False, "prefill_chunk": 0, "prefill_share": 0},
+                             reqs)
     try:
         assert [r["tokens"] for r in got] == [r["tokens"] for r in whole]
         assert cw.info().prefill_calls < info.prefill_calls
@@ -1805,15 +1829,23 @@ def test_c_batch_chunked_prefill_equals_python_batch_decoder(lib, batch_be, chun
         cw.close()
 
 
+def test_c_batch_planted_prefill_share_is_caught(lib, batch_be, monkeypatch):
+    """Negative control: with $DFLASH2_PLANT_PREFILL_SHARE=1 (the budget ignores the costs: "prefill_chunk" rows a
+    step) the C batch's prefill calls differ from the Python BatchDecoder's under a time budget."""
+    monkeypatch.setenv("DFLASH2_PLANT_PREFILL_SHARE", "1")
+    with pytest.raises(AssertionError, match=r"diff: \(.forward.*True\) != \(.forward"):  # a prefill call differs
+        test_c_batch_chunked_prefill_equals_python_batch_decoder(lib, batch_be, 512, 1.5, ",0.2,0.1", 3)
+
+
 def test_c_batch_planted_chunk_shift_is_caught(lib, batch_be, monkeypatch):
     """Negative control: with $DFLASH2_PLANT_PREFILL_CHUNK_SHIFT=1 (a prompt chunk after the first takes its ids one
     position early) the chunked batch's greedy tokens differ from whole-prompt prefill's."""
     reqs = [dict(r, temperature=0.0) for r in _batch_scenario(batch_be)]
     opts = {"fixed_costs": "1.0,0.05,0.1,0.2", "adaptive": False}
-    whole, cw = _run_c_batch(lib, batch_be, {**opts, "prefill_chunk": 0}, reqs)
+    whole, cw = _run_c_batch(lib, batch_be, {**opts, "prefill_chunk": 0, "prefill_share": 0}, reqs)
     cw.close()
     monkeypatch.setenv("DFLASH2_PLANT_PREFILL_CHUNK_SHIFT", "1")  # (the library reads it at each prefill)
-    got, c = _run_c_batch(lib, batch_be, {**opts, "prefill_chunk": 4}, reqs)
+    got, c = _run_c_batch(lib, batch_be, {**opts, "prefill_chunk": 4, "prefill_share": 0}, reqs)
     c.close()
     assert [r["tokens"] for r in got] != [r["tokens"] for r in whole]
 
@@ -1914,8 +1946,10 @@ def test_c_batch_equals_python_batch_decoder_on_measured_costs(lib, batch_be, po
     drafts, plain steps and step counts. The realized check runs both ways: held steps (plain first, then after the
     rule chose plain: every 16th left to it) and weighed ones, drafting steps among them; on the random pair held
     steps count toward probe_after (3), so a request drafts again after a run of held steps (its estimate back at
-    the prior of 6). Negative controls, each failing the comparison: the C core leaving mWeighed set on a held step
-    ($DFLASH2_PLANT_HELD_STEP_WEIGHED), Python's _choose not counting a held step toward probe_after."""
+    the prior of 6). The prefill's time budget (the default prefill_share) reads the same clock: chunks of the rows
+    its measured costs allow. Negative controls, each failing the comparison: the C core leaving mWeighed set on a
+    held step ($DFLASH2_PLANT_HELD_STEP_WEIGHED), Python's _choose not counting a held step toward probe_after (in
+    the scenario with fixed chunks, where the held steps reach it)."""
     import ctypes
 
     from dflash2_trt.runtime import batch as BT
@@ -1942,10 +1976,11 @@ def test_c_batch_equals_python_batch_decoder_on_measured_costs(lib, batch_be, po
 
     monkeypatch.setattr(BT.MeasuredCosts, "record_step", counted)
     reqs = _batch_scenario(be)
+    share = 0 if plant == "python_held_uncounted" else BT.DEFAULT_PREFILL_SHARE
 
     def python_run():  # noqa: ANN202
         rule = BT.SpeculationRule(costs=BT.MeasuredCosts(), adaptive=True, prior_tau=6.0, probe_after=_PROBE_AFTER)
-        return _run_python_batch(be, rule, reqs)
+        return _run_python_batch(be, rule, reqs, prefill_share=share or None)
 
     py, dec, py_log = python_run()
     weighed = [w for w, _ in steps]
@@ -1959,7 +1994,8 @@ def test_c_batch_equals_python_batch_decoder_on_measured_costs(lib, batch_be, po
         monkeypatch.setattr(BT.BatchDecoder, "_choose", _held_not_counted(BT))
         py, dec, py_log = python_run()
     now.value = 0.0
-    got, c = _run_c_batch(lib, be, {"adaptive": True, "prior_tau": 6.0, "probe_after": _PROBE_AFTER}, reqs)
+    got, c = _run_c_batch(lib, be, {"adaptive": True, "prior_tau": 6.0, "probe_after": _PROBE_AFTER,
+                                    "prefill_share": share}, reqs)
     try:
         if plant is None:
             _assert_c_batch_equals_python(c, got, py, dec, py_log)

@@ -151,8 +151,9 @@ def test_chunked_prefill_equals_whole_prompts(capi_build, exports, arch):
     export = exports(arch)
     for T in (0.0, 0.8):
         reqs = _joining(T)
-        chunked, whole = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", "prefill_chunk=16"], reqs),
-                                                        (["max_batch=4", "adaptive=false", "prefill_chunk=0"], reqs)])
+        fixed = ["max_batch=4", "adaptive=false", "prefill_share=0"]
+        chunked, whole = c_batches(capi_build, export, [([*fixed, "prefill_chunk=16"], reqs),
+                                                        ([*fixed, "prefill_chunk=0"], reqs)])
         assert [r["tokens"] for r in chunked["requests"]] == [r["tokens"] for r in whole["requests"]], T
         rows = sum(len(r["prompt"]) for r in reqs)
         assert chunked["info"]["prefill_rows"] == whole["info"]["prefill_rows"] == rows
@@ -165,8 +166,9 @@ def test_hybrid_planted_chunk_shift_is_caught(capi_build, exports):
     takes its ids one position early) the joining prompts' tokens differ from whole-prompt prefill's."""
     export = exports("qwen3_5")
     reqs = _joining(0.0)
-    (whole,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", "prefill_chunk=0"], reqs)])
-    (planted,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", "prefill_chunk=16"], reqs)],
+    fixed = ["max_batch=4", "adaptive=false", "prefill_share=0"]
+    (whole,) = c_batches(capi_build, export, [([*fixed, "prefill_chunk=0"], reqs)])
+    (planted,) = c_batches(capi_build, export, [([*fixed, "prefill_chunk=16"], reqs)],
                            env={"DFLASH2_PLANT_PREFILL_CHUNK_SHIFT": "1"})
     assert planted["requests"][0]["tokens"] == whole["requests"][0]["tokens"]  # the running stream: whole at start
     assert planted["requests"][1]["tokens"] != whole["requests"][1]["tokens"]

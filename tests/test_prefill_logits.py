@@ -131,7 +131,7 @@ def test_the_batch_prefill_computes_each_prompts_last_row(arch_exports, monkeypa
             if all_rows:
                 m.setattr(batched_target.OrtBatchedTargetRunner, "forward", every_row)
             with dflash2_trt.load(export, backend="ort", threads=1, prefix_cache_bytes=0) as g:
-                g.set_batching(max_batch=3, adaptive=False, prefill_chunk=16)
+                g.set_batching(max_batch=3, adaptive=False, prefill_chunk=16, prefill_share=None)
                 running = g.submit([3, 4, 5], max_new_tokens=40, eos_ids=set())
                 next(iter(running))  # decoding: the prompts joining it prefill in chunks
                 hs = [g.submit(p, max_new_tokens=12, eos_ids=set(), temperature=0.8, seed=3) for p in prompts]
@@ -170,7 +170,8 @@ def _c_joining(capi_build, export, env: dict | None = None) -> list[list[int]]: 
     from test_capi_batch_cache import _joining, c_batches
     from test_capi_ort import _ops_library
 
-    (run,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", "prefill_chunk=16"], _joining(0.0))],
+    (run,) = c_batches(capi_build, export, [(["max_batch=4", "adaptive=false", "prefill_chunk=16", "prefill_share=0"],
+                                             _joining(0.0))],
                        env={"DFLASH2_ORT_OPS": _ops_library(), **(env or {})})
     return [r["tokens"] for r in run["requests"]]
 

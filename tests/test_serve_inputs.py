@@ -105,7 +105,8 @@ class FakeDecoding:
         self.prefix_cache = None  # as a Generator without one (the server reads its figures)
         self.backend, self.op_library = gen.backend, gen.op_library  # what /health names
 
-    def set_batching(self, max_batch: int, adaptive: bool = True, prefill_chunk: int | None = None) -> None:
+    def set_batching(self, max_batch: int, adaptive: bool = True, prefill_chunk: int | None = None,
+                     prefill_share: float | None = None) -> None:
         pass
 
     def submit(self, ids: list[int], max_new_tokens: int | None = None, *args: Any, request: Any = None,

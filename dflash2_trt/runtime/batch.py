@@ -179,6 +179,8 @@ class MeasuredCosts:
         self._draft: dict[int, tuple[float, int]] = {}  # sequences in the proposal call -> (mean s, count)
         self._verify: tuple[float, int] = (0.0, 0)
         self._made: dict[tuple[int, bool], StepRate] = {}  # (sequences, drafted) -> what whole steps made
+        self._step: tuple[float, int] = (0.0, 0)  # a whole step, any size
+        self._row: tuple[float, int] = (0.0, 0)  # one prompt row of a prefill chunk computed while others decode
         self._model_plain: dict[int, bool] = {}  # sequences -> the rule's last choice there was plain
         self._held: dict[int, int] = {}  # sequences -> steps held plain since the rule last weighed one
 
@@ -196,6 +198,18 @@ class MeasuredCosts:
 
     def record_verify(self, s: float) -> None:
         self._verify = self._update(self._verify, s)
+
+    def record_prefill(self, rows: int, s: float) -> None:
+        """A prefill chunk of ``rows`` prompt rows forwarded in s seconds while other sequences decode."""
+        self._row = self._update(self._row, s / rows)
+
+    def prefill_row(self) -> float | None:
+        """Seconds one prompt row of a chunk costs; None: no chunk measured yet."""
+        return self._row[0] if self._row[1] else None
+
+    def step(self) -> float | None:
+        """Seconds a whole step takes (the decoding sequences' gap between tokens); None: none measured yet."""
+        return self._step[0] if self._step[1] else None
 
     def plain(self, n: int) -> float | None:
         """t_plain(n): measured, else linear between the nearest measured sizes (flat beyond them); None: none."""
@@ -225,6 +239,7 @@ class MeasuredCosts:
         it committed in s seconds, whether any sequence drafted, and whether the rule weighed it (False: held plain
         by :meth:`holds_plain`, or no candidate offered it a proposal)."""
         self._made.setdefault((n, drafted), StepRate()).add(tokens, s)
+        self._step = self._update(self._step, s)
         if weighed:
             self._model_plain[n], self._held[n] = not drafted, 0
 
@@ -251,11 +266,14 @@ class MeasuredCosts:
 @dataclass
 class FixedCosts:
     """Costs given, not measured (tests; a deployment that calibrated them): t_plain(n), t_draft, t_verify (what
-    one drafting sequence adds to a step's target forward)."""
+    one drafting sequence adds to a step's target forward); for the prefill budget, a whole step's seconds and one
+    chunked prompt row's (None: not given)."""
 
     plain_fn: Callable[[int], float]
     draft_s: float
     verify_s: float
+    step_s: float | None = None
+    prefill_row_s: float | None = None
     verify_from_plan = False  # t_verify is given (a class attribute, not a field)
 
     def record_plain(self, n: int, s: float) -> None: ...
@@ -263,6 +281,14 @@ class FixedCosts:
     def record_draft(self, s: float, k: int = 1) -> None: ...
 
     def record_verify(self, s: float) -> None: ...
+
+    def record_prefill(self, rows: int, s: float) -> None: ...
+
+    def prefill_row(self) -> float | None:
+        return self.prefill_row_s
+
+    def step(self) -> float | None:
+        return self.step_s
 
     def plain(self, n: int) -> float:
         return 0.0 if n <= 0 else float(self.plain_fn(n))
@@ -375,10 +401,14 @@ class SpeculationRule:
         return set(chosen)
 
 
-# prompt rows a batch step computes over the prompts joining while others decode: the Generator's and the server's
-# default (Generator.set_batching); a BatchDecoder made without one prefills whole prompts, as the C twin does
-# (docs/design.md, chunked prefill: measured by benchmarks/prefill_join_gap.py)
-DEFAULT_PREFILL_CHUNK = 32
+# Chunked prefill (docs/design.md; measured by benchmarks/prefill_join_gap.py). While other sequences decode, the
+# prompts joining compute at most DEFAULT_PREFILL_CHUNK rows a step, and fewer where a row is measured dear: rows whose
+# forward takes about DEFAULT_PREFILL_SHARE times the decoding sequences' measured step (their next token then waits
+# ~1 + share steps), PREFILL_PROBE_ROWS while either time is unmeasured. The Generator's and the server's defaults
+# (Generator.set_batching; the C twin's options); a BatchDecoder made without them prefills whole prompts.
+DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFILL_SHARE = 1.5
+PREFILL_PROBE_ROWS = 8
 
 
 @dataclass
@@ -421,12 +451,14 @@ class BatchDecoder:
     def __init__(self, target: Any, drafter_factory: Callable[[], DraftRunner] | None = None,
                  rule: SpeculationRule | None = None, batched_drafter: Callable[[int], Any] | None = None,
                  cache: PrefixCache | None = None, prefill_chunk: int | None = None,
-                 grammar_tokenizer: Any = None) -> None:
+                 prefill_share: float | None = None, grammar_tokenizer: Any = None) -> None:
         self.target = target  # OrtBatchedTargetRunner (join/leave/crop/forward over slots)
         self.grammar_tokenizer = grammar_tokenizer  # the target's tokenizer for requests with a grammar
         self.cache = cache  # the prefix cache prompts start from and finished sequences join
-        # prompt rows computed in one step, over all prompts still prefilling (None: whole prompts at admission)
+        # prompt rows computed in one step while others decode, over all prompts still prefilling: at most
+        # prefill_chunk (None: no cap), fewer by the measured times when prefill_share is set (None: no time budget)
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
+        self.prefill_share = check_prefill_share(prefill_share)
         self.rule = rule or SpeculationRule()
         self._make_drafter = drafter_factory
         self._make_batched = batched_drafter  # slots -> an OrtBatchedDraftRunner (made on first use)
@@ -569,7 +601,8 @@ class BatchDecoder:
         rows' features wait in the sequence's pending context (its drafter takes them at its first proposal)."""
         order = [s for s in self._active.values() if s.prefilling and s.leader is None]
         # nobody decoding: nobody waits, whole prompts (the fewest, largest calls)
-        budget = self.prefill_chunk if any(not s.prefilling for s in self._active.values()) else None
+        decoding = any(not s.prefilling for s in self._active.values())
+        budget = self._prefill_budget() if decoding else None
         rows: dict[int, list[int]] = {}
         for s in order:
             take = len(s.prompt) - s.prefilled if budget is None else min(budget, len(s.prompt) - s.prefilled)
@@ -580,7 +613,10 @@ class BatchDecoder:
         if not rows:
             return []
         every_row = any(s.req.prompt_logprobs for s in order if s.slot in rows)
+        t = COST_CLOCK()
         out = self.target.forward(rows, last_logits=not every_row)  # slot -> (logits, features [m, F])
+        if decoding:
+            self.rule.costs.record_prefill(sum(map(len, rows.values())), COST_CLOCK() - t)
         done = []
         for s in order:
             if s.slot not in rows:
@@ -599,6 +635,16 @@ class BatchDecoder:
                 self._share_prompt(s, f)
                 done.append((f, logits))
         return done
+
+    def _prefill_budget(self) -> int | None:
+        """Prompt rows this step's prefill may compute while others decode (None: whole prompts): ``prefill_chunk``,
+        or with ``prefill_share`` the rows whose forward takes share × a decoding step by the measured costs (at
+        least 1; PREFILL_PROBE_ROWS while a row or a step is unmeasured), at most ``prefill_chunk``."""
+        if self.prefill_share is None:
+            return self.prefill_chunk
+        row, step = self.rule.costs.prefill_row(), self.rule.costs.step()
+        rows = PREFILL_PROBE_ROWS if row is None or step is None else max(1, int(self.prefill_share * step / row))
+        return rows if self.prefill_chunk is None else min(rows, self.prefill_chunk)
 
     def _share_prompt(self, leader: _Seq, f: _Seq) -> None:
         """f's slot (and drafter context to come) = its leader's, whose prompt is now whole: the target's rows and
@@ -835,6 +881,13 @@ def check_prefill_chunk(rows: Any) -> int | None:
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
         raise DFlash2Error(f"prefill_chunk must be an integer >= 1 or None, got {rows!r}")
     return rows
+
+
+def check_prefill_share(share: Any) -> float | None:
+    if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0
+                              or share == float("inf")):
+        raise DFlash2Error(f"prefill_share must be a number > 0 or None, got {share!r}")
+    return None if share is None else float(share)
 
 
 def check_batch_size(max_batch: Any) -> int:

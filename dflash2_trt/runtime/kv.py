@@ -2,11 +2,12 @@
 graph's per-layer state in layer order (:func:`layer_feed`, :func:`split_present`), the target's id check, and
 what a target runner keeps between forwards (:class:`TargetState`, :class:`BatchSlots`).
 
-Imports only numpy, weakref, the project error type and the manifest's window spec.
+Imports only numpy, mmap, weakref, the project error type and the manifest's window spec.
 """
 
 from __future__ import annotations
 
+import mmap
 import weakref
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -88,18 +89,38 @@ def grown_capacity(n: int, capacity: int, step: int, max_capacity: int) -> int:
     return min(max_capacity, -(-n // step) * step)
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
+    """A zero array whose pages the kernel zeroes when first written, in small (4 kB) pages: a KV buffer grown while
+    other sequences decode costs what is copied into it, not the zeroing of its whole capacity (numpy's own large
+    arrays ask for transparent huge pages, so a first write anywhere zeroes 2 MB: growing a batch's buffers to a
+    joining 1.5k-token prompt's length then stalled the running streams while all of it was zeroed). Where the
+    platform cannot map anonymous memory so, plain ``np.zeros``."""
+    dt = np.dtype(dtype)
+    size = int(np.prod(shape)) * dt.itemsize
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if size < 1 << 21 or advice is None:
+        return np.zeros(shape, dtype=dt)
+    buf = mmap.mmap(-1, size)  # anonymous: zero-filled by the kernel, page by page on first touch
+    buf.madvise(advice)
+    return np.frombuffer(buf, dtype=dt).reshape(shape)
+
+
 def grown_slot_buffers(arrays: list[np.ndarray], capacity: int, n: int, step: int, max_capacity: int,
-                       shape: tuple[int, int, int, int], dtype: DTypeLike) -> tuple[list[np.ndarray], int]:
+                       shape: tuple[int, int, int, int], dtype: DTypeLike, lengths: np.ndarray
+                       ) -> tuple[list[np.ndarray], int]:
     """The batched runners' caches: ``shape[0]`` buffers [slots, heads, C, d] (``shape`` = (count, slots, heads, d))
-    grown to hold ``n`` positions by :func:`grown_capacity`, every slot's old positions copied (the stale ones too:
-    cheaper than per-slot slicing, same result) -> (buffers, capacity); the same buffers when they hold ``n``."""
+    grown to hold ``n`` positions by :func:`grown_capacity`, each slot's first ``lengths[slot]`` positions copied
+    (the new buffers are :func:`lazy_zeros`: only what is copied is touched) -> (buffers, capacity); the same buffers
+    when they hold ``n``."""
     cap = grown_capacity(n, capacity, step, max_capacity)
     if cap == capacity:
         return arrays, capacity
     count, slots, heads, d = shape
-    new = [np.zeros((slots, heads, cap, d), dtype=dtype) for _ in range(count)]
-    for a, b in zip(new, arrays):
-        a[:, :, :capacity] = b
+    new = [lazy_zeros((slots, heads, cap, d), dtype) for _ in range(count)]
+    held = [(b, int(m)) for b, m in enumerate(lengths) if m > 0]
+    for a, old in zip(new, arrays):
+        for b, m in held:
+            a[b, :, :m] = old[b, :, :m]
     return new, cap
 
 
@@ -178,7 +199,7 @@ class KVBuffer:
         cap = grown_capacity(n, self.capacity, self.step, self.max_capacity)
         if cap == self.capacity:
             return
-        new = [np.zeros((1, self.heads, cap, self.head_dim), dtype=self.dtype) for _ in range(2 * self.n_layers)]
+        new = [lazy_zeros((1, self.heads, cap, self.head_dim), self.dtype) for _ in range(2 * self.n_layers)]
         for a, b in zip(new, self.arrays):
             a[:, :, : self.length] = b[:, :, : self.length]
         self.arrays, self.capacity = new, cap

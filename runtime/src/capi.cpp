@@ -665,14 +665,18 @@ dfl2_status* dfl2_batch_create(dfl2_model* model, dfl2_options const* options, d
         std::vector<double> const fixed = dflash2::parseFixedCosts(o.getString("fixed_costs", ""));
         if (!fixed.empty())
         {
-            rule.costs = std::make_unique<dflash2::FixedCosts>(fixed[0], fixed[1], fixed[2], fixed[3]);
+            rule.costs = fixed.size() == 6
+                ? std::make_unique<dflash2::FixedCosts>(fixed[0], fixed[1], fixed[2], fixed[3], fixed[4], fixed[5])
+                : std::make_unique<dflash2::FixedCosts>(fixed[0], fixed[1], fixed[2], fixed[3]);
         }
         b->maxBatch = slots;
         b->info.max_batch = slots;
         auto const chunk = static_cast<int32_t>(o.getInt("prefill_chunk", dflash2::kPREFILL_CHUNK));
         b->prefix = std::make_unique<dflash2::SharedPrefixCache>(
             o.getInt("prefix_cache_bytes", dflash2::kPREFIX_BUDGET_BYTES));
-        b->decoder = std::make_unique<dflash2::BatchDecoder>(*b->runners, std::move(rule), chunk, b->prefix.get());
+        double const share = o.getDouble("prefill_share", dflash2::kPREFILL_SHARE);
+        b->decoder = std::make_unique<dflash2::BatchDecoder>(
+            *b->runners, std::move(rule), chunk, share, b->prefix.get());
         *out = b.release();
     });
 }

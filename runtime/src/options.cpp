@@ -50,6 +50,7 @@ std::vector<OptionSpec> const& optionSpecs()
         {"probe_after", OptionType::kINT, nullptr},
         {"fixed_costs", OptionType::kSTRING, nullptr},
         {"prefill_chunk", OptionType::kINT, nullptr},
+        {"prefill_share", OptionType::kDOUBLE, nullptr},
     };
     return kSpecs;
 }
@@ -180,7 +181,11 @@ void checkRange(std::string const& key, OptionSpec const& spec, OptionValue cons
     }
     if (key == "prefill_chunk" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > INT32_MAX))
     {
-        bad("must be >= 0 (0: whole prompts at admission), got " + std::to_string(std::get<int64_t>(v)));
+        bad("must be >= 0 (0: no cap), got " + std::to_string(std::get<int64_t>(v)));
+    }
+    if (key == "prefill_share" && !(std::isfinite(std::get<double>(v)) && std::get<double>(v) >= 0))
+    {
+        bad("must be a finite number >= 0 (0: no time budget), got " + std::to_string(std::get<double>(v)));
     }
     if (key == "ngram_rows" && (std::get<int64_t>(v) < 0 || std::get<int64_t>(v) > INT32_MAX))
     {
@@ -385,11 +390,11 @@ std::vector<double> parseFixedCosts(std::string const& text)
         }
         costs.push_back(x);
     }
-    if (costs.size() != 4 || text.back() == ',')
+    if ((costs.size() != 4 && costs.size() != 6) || text.back() == ',')
     {
         throw Error(DFL2_ERR_OPTION_VALUE,
-            "option 'fixed_costs' must be empty (measured) or 4 numbers >= 0 in seconds, "
-            "'plain_base,plain_per_sequence,draft,verify', got '" + text + "'");
+            "option 'fixed_costs' must be empty (measured) or 4 or 6 numbers >= 0 in seconds, "
+            "'plain_base,plain_per_sequence,draft,verify[,step,prefill_row]', got '" + text + "'");
     }
     return costs;
 }

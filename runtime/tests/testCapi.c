@@ -982,15 +982,19 @@ static void testBatchErrors(void)
     EXPECT(dfl2_batch_create(m, o, &b), DFL2_ERR_OPTION_VALUE, "exceeds the model's 2");
     dfl2_options_free(o);
     OK(dfl2_options_create(&o));
-    EXPECT(dfl2_options_parse(o, "fixed_costs=1,2,3"), DFL2_ERR_OPTION_VALUE, "4 numbers");
-    EXPECT(dfl2_options_parse(o, "fixed_costs=1,2,3,-4"), DFL2_ERR_OPTION_VALUE, "4 numbers");
-    EXPECT(dfl2_options_parse(o, "fixed_costs=1,2,3,4,"), DFL2_ERR_OPTION_VALUE, "4 numbers");
+    EXPECT(dfl2_options_parse(o, "fixed_costs=1,2,3"), DFL2_ERR_OPTION_VALUE, "4 or 6 numbers");
+    EXPECT(dfl2_options_parse(o, "fixed_costs=1,2,3,-4"), DFL2_ERR_OPTION_VALUE, "4 or 6 numbers");
+    EXPECT(dfl2_options_parse(o, "fixed_costs=1,2,3,4,"), DFL2_ERR_OPTION_VALUE, "4 or 6 numbers");
+    EXPECT(dfl2_options_parse(o, "fixed_costs=1,2,3,4,5"), DFL2_ERR_OPTION_VALUE, "4 or 6 numbers");
+    EXPECT(dfl2_options_parse(o, "prefill_share=-1"), DFL2_ERR_OPTION_VALUE, ">= 0");
     EXPECT(dfl2_options_parse(o, "prior_weight=0"), DFL2_ERR_OPTION_VALUE, "> 0");
     EXPECT(dfl2_options_parse(o, "prior_tau=-1"), DFL2_ERR_OPTION_VALUE, ">= 0");
     EXPECT(dfl2_options_parse(o, "tau_window=0"), DFL2_ERR_OPTION_VALUE, ">= 1");
     EXPECT(dfl2_options_parse(o, "probe_after=0"), DFL2_ERR_OPTION_VALUE, ">= 1");
     EXPECT(dfl2_options_parse(o, "max_batch=-1"), DFL2_ERR_OPTION_VALUE, ">= 0");
     OK(dfl2_options_parse(o, "fixed_costs=1,0.05,0.5,1.4"));
+    OK(dfl2_options_parse(o, "fixed_costs=1,0.05,0.5,1.4,0.01,0.004"));
+    OK(dfl2_options_parse(o, "prefill_share=0"));
     OK(dfl2_options_parse(o, "fixed_costs="));
     dfl2_options_free(o);
 

@@ -436,6 +436,10 @@ int main(int argc, char** argv)
             {
                 costs->recordVerify(sec);
             }
+            else if (kind == "prefill")
+            {
+                costs->recordPrefill(r["n"].get<int64_t>(), sec);
+            }
             else if (kind == "ask")
             {
                 holdsSame = holdsSame && costs->holdsPlain(r["n"].get<int32_t>()) == r["holds"].get<bool>();
@@ -460,6 +464,11 @@ int main(int argc, char** argv)
             plainSame = plainSame && (want.is_null() ? !got : (got && close(*got, want.get<double>(), 1e-12)));
         }
         check(plainSame, name + ": t_plain(n)");
+        auto const sameAs = [](json const& want, std::optional<double> got) {
+            return want.is_null() ? !got : (got && close(*got, want.get<double>(), 1e-12));
+        };
+        check(sameAs(c["prefill_row"], costs->prefillRow()), name + ": a chunked prompt row's seconds");
+        check(sameAs(c["step"], costs->step()), name + ": a whole step's seconds");
         SpeculationRule rule;
         rule.priorTau = c["prior_tau"].get<double>();
         rule.priorWeight = c["prior_weight"].get<double>();

@@ -212,11 +212,11 @@ class OrtBatchedDraftRunner:
             raise DFlash2Error(f"batch slot {b} is out of range [0, {self.slots})")
 
     def reserve(self, n: int) -> None:
-        """Room for ``n`` positions in every slot (a growth copies every slot's rows: the batch loop reserves a
+        """Room for ``n`` positions in every slot (a growth copies each slot's held rows: the batch loop reserves a
         joining request's whole length at once rather than growing chunk by chunk)."""
         self.arrays, self.capacity = grown_slot_buffers(self.arrays, self.capacity, n, self.step, self.max_capacity,
                                                         (2 * self.n_layers, self.slots, self.kv_heads, self.head_dim),
-                                                        self.dtype)
+                                                        self.dtype, self.lengths)
 
 
 class SlotDraftRunner:

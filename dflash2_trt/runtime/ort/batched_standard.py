@@ -123,11 +123,11 @@ class OrtStandardBatchedTargetRunner(BatchSlots):
         return out
 
     def reserve(self, n: int) -> None:
-        """Room for ``n`` positions in every slot (a growth copies every slot's rows: the batch loop reserves a
+        """Room for ``n`` positions in every slot (a growth copies each slot's held rows: the batch loop reserves a
         joining request's whole length at once rather than growing chunk by chunk)."""
         self.arrays, self.capacity = grown_slot_buffers(self.arrays, self.capacity, n, self.step, self.max_capacity,
                                                         (2 * self.n_attention, self.slots, self.kv_heads,
-                                                         self.head_dim), self.dtype)
+                                                         self.head_dim), self.dtype, self.lengths)
 
     def _run(self, lo: int, hi: int, rows: dict[int, list[int]], every_row: bool
              ) -> dict[int, tuple[np.ndarray, np.ndarray]]:

@@ -152,12 +152,12 @@ class OrtBatchedTargetRunner(BatchSlots):
 
     # -- buffers ------------------------------------------------------------------------------------------------
     def reserve(self, n: int) -> None:
-        """Room for ``n`` positions in every slot (a growth copies every slot's rows: the batch loop reserves a
+        """Room for ``n`` positions in every slot (a growth copies each slot's held rows: the batch loop reserves a
         joining request's whole length at once rather than growing chunk by chunk)."""
         old = self.capacity
         self.arrays, self.capacity = grown_slot_buffers(self.arrays, old, n, self.step, self.max_capacity,
                                                         (2 * self.n_layers, self.slots, self.kv_heads, self.head_dim),
-                                                        np.float32)
+                                                        np.float32, self.lengths)
         if self.capacity != old:
             self._io.clear()
 
@@ -252,6 +252,7 @@ class OrtBatchedTargetRunner(BatchSlots):
                     out[b] = lg[b - lo, :m], ft[b - lo, :m]
                 else:  # ragged: the one row computed; else the last of the m
                     out[b] = lg[b - lo, -1:] if self.ragged else lg[b - lo, m - 1: m], ft[b - lo, :m]
-        for b, r in rows.items():
-            self.lengths[b] += len(r)
+                # at once: a later call's growth copies each slot's rows up to its length, and its dummy rows for
+                # slots outside it land past their lengths
+                self.lengths[b] += m
         return out

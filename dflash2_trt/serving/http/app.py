@@ -62,7 +62,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dflash2_trt.errors import DFlash2Error
-from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
+from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SHARE
 from dflash2_trt.runtime.request import GenerationRequest
 from dflash2_trt.serving.http import tools
 from dflash2_trt.serving.http import protocol as P
@@ -246,17 +246,18 @@ def _stats(res: Any) -> dict:
 
 class Server:
     """The routes over ``gen`` (a loaded Generator; the caller closes it). ``max_batch``: sequences decoded
-    together (set on the Generator with ``adaptive`` and ``prefill_chunk``); ``max_queue``: requests that may wait
+    together (set on the Generator with ``adaptive``, ``prefill_chunk`` and ``prefill_share``); ``max_queue``: requests that may wait
     beyond them; ``speculative``: requests may draft; ``api_key``: required on /v1 routes when given."""
 
     def __init__(self, gen: Any, model_name: str, *, max_batch: int = 8, max_queue: int = 32,
                  adaptive: bool = True, speculative: bool = True, proposer: str = DEFAULT_PROPOSER,
                  api_key: str | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+                 prefill_share: float | None = DEFAULT_PREFILL_SHARE,
                  strict_params: bool = False) -> None:
         self.gen, self.model_name, self.api_key = gen, model_name, api_key
         self.strict_params = strict_params  # harmless OpenAI keys refused (P.HARMLESS) instead of ignored
         self.speculative, self.proposer, self.limit = speculative, proposer, max_batch + max_queue
-        gen.set_batching(max_batch, adaptive=adaptive, prefill_chunk=prefill_chunk)
+        gen.set_batching(max_batch, adaptive=adaptive, prefill_chunk=prefill_chunk, prefill_share=prefill_share)
         self.positions = gen.max_positions
         self.selector = gen.selectors[0]
         self.created = P.now()

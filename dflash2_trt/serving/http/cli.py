@@ -20,7 +20,7 @@ from typing import Any
 from dflash2_trt import validate as V
 from dflash2_trt.errors import DFlash2Error
 from dflash2_trt.ort_options import add_ort_options, ort_options
-from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK
+from dflash2_trt.runtime.batch import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SHARE
 from dflash2_trt.runtime.prefix_cache import DEFAULT_BUDGET_BYTES
 from dflash2_trt.vocabulary import BACKEND_CHOICES, DEFAULT_PROPOSER, PROPOSERS, SPECULATION_MODES
 
@@ -55,7 +55,10 @@ def add_parser(sub: Any) -> None:
                    help="refuse harmless OpenAI keys (store, metadata, reasoning_effort, service_tier, ...) as unknown "
                         "instead of ignoring them with a logged warning")
     s.add_argument("--prefill-chunk", type=V.COUNT, default=DEFAULT_PREFILL_CHUNK,
-                   help="prompt rows computed per batch step while other requests decode (default %(default)s)")
+                   help="most prompt rows computed per batch step while other requests decode (default %(default)s)")
+    s.add_argument("--prefill-share", type=V.POSITIVE_NUMBER, default=DEFAULT_PREFILL_SHARE,
+                   help="fewer rows where they are measured dear: those whose forward takes about this many decode "
+                        "steps (default %(default)s)")
     s.add_argument("--prefix-cache-mib", type=V.NON_NEGATIVE, default=DEFAULT_BUDGET_BYTES >> 20,
                    help="host memory for the prefix cache of finished conversations, MiB (0: off; default %(default)s)")
     add_ort_options(s)
@@ -76,7 +79,7 @@ def run(a: argparse.Namespace) -> int:
                           **ort_options(a)) as gen:
         srv = Server(gen, name, max_batch=a.max_batch, max_queue=a.max_queue,
                      adaptive=a.speculation == "adaptive", speculative=a.speculation != "off",
-                     proposer=a.proposer, api_key=a.api_key, prefill_chunk=a.prefill_chunk,
+                     proposer=a.proposer, api_key=a.api_key, prefill_chunk=a.prefill_chunk, prefill_share=a.prefill_share,
                      strict_params=a.strict_params)
         srv.warm_up()
         config = uvicorn.Config(srv.app, host=a.host, port=a.port, lifespan="off", access_log=a.access_log,

@@ -107,9 +107,13 @@
  *     "tau_window"      int    32     cycles per request in its estimate
  *     "probe_after"     int    64     plain steps in a row after which a request's estimate returns to the prior
  *     "fixed_costs"     string ""     "" = step costs measured in this run; "a,b,d,v" = given costs in seconds:
- *                                     plain target call over n requests a + b * n, one draft d, one verify v
- *     "prefill_chunk"   int    32     prompt rows a step computes over the prompts joining while other requests
- *                                     decode (API 1.5; chunked prefill, BATCHED DECODING below); 0 = whole prompts
+ *                                     plain target call over n requests a + b * n, one draft d, one verify v;
+ *                                     "a,b,d,v,s,r" (API 1.6) also a whole step s and one chunked prompt row r
+ *     "prefill_chunk"   int    512    most prompt rows a step computes over the prompts joining while other
+ *                                     requests decode (API 1.5; chunked prefill, BATCHED DECODING below); 0 = no cap
+ *     "prefill_share"   double 1.5    (API 1.6) fewer rows where they are measured dear: those whose target call
+ *                                     takes about this many decoding steps; 0 = "prefill_chunk" rows (both 0:
+ *                                     whole prompts)
  *   A setter stores any known key on any options object; each create reads the keys it uses.
  */
 #ifndef DFLASH2_DFLASH2_H
@@ -133,7 +137,7 @@ extern "C" {
 /* ---- version ---------------------------------------------------------------------------------------- */
 
 #define DFL2_API_VERSION_MAJOR 1
-#define DFL2_API_VERSION_MINOR 5 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR; 1.2: prompt lookup
+#define DFL2_API_VERSION_MINOR 6 /* 1.1: dfl2_batch, the batched callbacks, DFL2_FINISH_ERROR; 1.2: prompt lookup
                                   * ("proposer", "ngram_rows", dfl2_session_get_proposers, dfl2_batch_get_proposers);
                                   * 1.3: the ONNX Runtime backend ("backend" "ort", "threads", "ort_library",
                                   * dfl2_model_get_note); 1.4: a session's prefix reuse ("prefix_cache_bytes",
@@ -145,7 +149,8 @@ extern "C" {
                                   * "prefix_cache_bytes" read by dfl2_batch_create, dfl2_stats.cached_tokens in a
                                   * batch's results, dfl2_batch_info's prefill and prefix counters: the struct grew
                                   * at its end, so a program compiled against an older header must be rebuilt
-                                  * before it calls dfl2_batch_get_info) */
+                                  * before it calls dfl2_batch_get_info); 1.6: the prefill's time budget
+                                  * ("prefill_share", "fixed_costs" with 6 numbers) */
 #define DFL2_API_VERSION_PATCH 0
 /* (major << 16) | (minor << 8) | patch, of the header a program was compiled with */
 #define DFL2_API_VERSION \
@@ -440,10 +445,12 @@ DFL2_API dfl2_status* dfl2_session_get_proposers(const dfl2_session* session, co
  * below); draft for those; ONE target call for every active request whose prompt is whole (ragged rows: a plain
  * request's last token, a drafting request's [last token, drafts], each slot at its own cache length); accept per
  * request (its own accepted length); retire the ended ones, freeing their slots.
- * CHUNKED PREFILL (API 1.5; the twin of the Python BatchDecoder's prefill_chunk). The prompts still prefilling, in
- * the order they were admitted, compute their next rows in one target call per step: at most "prefill_chunk" rows
- * over all of them while other requests decode (a long prompt joining running streams delays their next token by
- * one chunk's time, not by the whole prompt's), whole prompts while nobody decodes or with "prefill_chunk" 0. A
+ * CHUNKED PREFILL (API 1.5; the twin of the Python BatchDecoder's prefill_chunk and prefill_share). The prompts
+ * still prefilling, in the order they were admitted, compute their next rows in one target call per step while other
+ * requests decode (a long prompt joining running streams delays their next token by one chunk's time, not by the
+ * whole prompt's): at most "prefill_chunk" rows over all of them, and with "prefill_share" s > 0 (API 1.6) the rows
+ * r = max(1, floor(s * step / row)) by the measured (or "fixed_costs") seconds of a whole step and of one chunked
+ * prompt row, 8 while either is unmeasured; whole prompts while nobody decodes, or with both options 0. A
  * prompt whose last row is computed draws its first token; its rows' features reach its drafter in one
  * batch_drafter_add_context call when the drafter first proposes. The tokens are those of whole-prompt prefill.
  * dfl2_batch_info counts the prefill calls and rows.

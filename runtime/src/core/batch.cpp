@@ -56,6 +56,16 @@ bool plantedHeldStepWeighed()
 // $DFLASH2_PLANT_PREFILL_CHUNK_SHIFT=1: the tests' planted bug (a prompt chunk after the first takes its ids one
 // position early, so that tests/test_capi_batch_cache.py shows its comparison with whole-prompt prefill catching it);
 // never set it otherwise
+bool plantedPrefillChunkShift();
+
+// $DFLASH2_PLANT_PREFILL_SHARE=1: the tests' planted bug (the prefill budget ignores the measured costs: every chunk
+// takes "prefill_chunk" rows, so that tests/test_capi.py shows its twin test catching it); never set it otherwise
+bool plantedPrefillShare()
+{
+    char const* const v = std::getenv("DFLASH2_PLANT_PREFILL_SHARE");
+    return v != nullptr && std::string(v) == "1";
+}
+
 bool plantedPrefillChunkShift()
 {
     char const* const v = std::getenv("DFLASH2_PLANT_PREFILL_CHUNK_SHIFT");
@@ -105,6 +115,7 @@ double StepRate::rate() const
 void MeasuredCosts::recordStep(int32_t n, bool drafted, int32_t tokens, double s, bool weighed)
 {
     mMade[{n, drafted}].add(tokens, s);
+    mStep.update(s);
     if (weighed)
     {
         mModelPlain[n] = !drafted;
@@ -172,6 +183,22 @@ std::optional<double> MeasuredCosts::draft() const
 std::optional<double> MeasuredCosts::verify() const
 {
     return mVerify.n ? std::optional<double>(mVerify.m) : std::nullopt;
+}
+
+// MeasuredCosts.record_prefill / prefill_row / step
+void MeasuredCosts::recordPrefill(int64_t rows, double s)
+{
+    mRow.update(s / static_cast<double>(rows));
+}
+
+std::optional<double> MeasuredCosts::prefillRow() const
+{
+    return mRow.n ? std::optional<double>(mRow.m) : std::nullopt;
+}
+
+std::optional<double> MeasuredCosts::step() const
+{
+    return mStep.n ? std::optional<double>(mStep.m) : std::nullopt;
 }
 
 // SpeculationRule.tau: the prior-weighted mean plus z standard errors of the cycles (numpy's std, ddof 1)
@@ -378,10 +405,12 @@ struct BatchDecoder::Seq
     }
 };
 
-BatchDecoder::BatchDecoder(BatchRunners& runners, SpeculationRule rule, int32_t prefillChunk, SharedPrefixCache* cache)
+BatchDecoder::BatchDecoder(
+    BatchRunners& runners, SpeculationRule rule, int32_t prefillChunk, double prefillShare, SharedPrefixCache* cache)
     : mRunners(runners)
     , mRule(std::move(rule))
     , mPrefillChunk(prefillChunk)
+    , mPrefillShare(prefillShare)
     , mCache(cache != nullptr && runners.keepsPrefix() ? cache : nullptr)
     , mSlotUsed(static_cast<size_t>(runners.slots()), false)
     , mCacheLength(static_cast<size_t>(runners.slots()), 0)
@@ -689,14 +718,30 @@ void BatchDecoder::restorePrefix(Seq& s)
     mCacheLength[static_cast<size_t>(s.slot)] = hit.length;
 }
 
+// BatchDecoder._prefill_budget: prompt rows this step's prefill may compute while others decode (-1: whole prompts)
+int64_t BatchDecoder::prefillBudget() const
+{
+    int64_t const cap = mPrefillChunk > 0 ? mPrefillChunk : -1;
+    if (mPrefillShare <= 0 || plantedPrefillShare())
+    {
+        return cap;
+    }
+    std::optional<double> const row = mRule.costs->prefillRow();
+    std::optional<double> const step = mRule.costs->step();
+    int64_t const rows = !row || !step
+        ? kPREFILL_PROBE_ROWS
+        : std::max<int64_t>(1, static_cast<int64_t>(mPrefillShare * *step / *row));
+    return cap < 0 ? rows : std::min(rows, cap);
+}
+
 // BatchDecoder._prefill: the prompts still prefilling, in admission order, forward their next rows in one target
-// forward — at most mPrefillChunk rows over all of them while other sequences decode, else whole prompts; the rows'
+// forward — at most prefillBudget() rows over all of them while other sequences decode, else whole prompts; the rows'
 // features join the slot's pending context; a prompt now whole draws its first token (start)
 void BatchDecoder::prefill()
 {
     bool const decoding = std::any_of(
         mActive.begin(), mActive.end(), [](auto const& s) { return !s->done && !s->prefilling; });
-    int64_t budget = mPrefillChunk > 0 && decoding ? mPrefillChunk : -1;  // -1: whole prompts
+    int64_t budget = decoding ? prefillBudget() : -1;  // -1: whole prompts
     std::vector<Seq*> fed;
     std::vector<SlotRows> rows;
     for (auto const& p : mActive)
@@ -722,9 +767,19 @@ void BatchDecoder::prefill()
         return;
     }
     std::vector<float> logits;  // [fed, V]: each sequence's last row
+    double const t = costClock();
     if (!targetForward(fed, rows, true, logits, "the prefill's target forward: "))
     {
         return;
+    }
+    if (decoding)
+    {
+        int64_t n = 0;
+        for (SlotRows const& r : rows)
+        {
+            n += static_cast<int64_t>(r.ids.size());
+        }
+        mRule.costs->recordPrefill(n, costClock() - t);
     }
     ++mCounters.prefillCalls;
     size_t const V = static_cast<size_t>(mRunners.vocabSize());

@@ -170,9 +170,15 @@ public:
     virtual void recordPlain(int32_t n, double s) = 0;
     virtual void recordDraft(double s) = 0;
     virtual void recordVerify(double s) = 0;
+    //! a prefill chunk of `rows` prompt rows forwarded in s seconds while other sequences decode
+    virtual void recordPrefill(int64_t rows, double s) = 0;
     virtual std::optional<double> plain(int32_t n) const = 0;
     virtual std::optional<double> draft() const = 0;
     virtual std::optional<double> verify() const = 0;
+    //! seconds one prompt row of a chunk costs
+    virtual std::optional<double> prefillRow() const = 0;
+    //! seconds a whole step takes (the decoding sequences' gap between tokens)
+    virtual std::optional<double> step() const = 0;
     //! a whole step over n sequences (choose to accept): the tokens it committed in s seconds, whether any sequence
     //! drafted, whether the rule weighed it (false: held plain by holdsPlain)
     virtual void recordStep(int32_t n, bool drafted, int32_t tokens, double s, bool weighed) = 0;
@@ -200,10 +206,13 @@ public:
     void recordPlain(int32_t n, double s) override;
     void recordDraft(double s) override;
     void recordVerify(double s) override;
+    void recordPrefill(int64_t rows, double s) override;
     //! measured, else linear between the nearest measured sizes (flat beyond them), as numpy.interp
     std::optional<double> plain(int32_t n) const override;
     std::optional<double> draft() const override;
     std::optional<double> verify() const override;
+    std::optional<double> prefillRow() const override;
+    std::optional<double> step() const override;
     void recordStep(int32_t n, bool drafted, int32_t tokens, double s, bool weighed) override;
     //! batch.MeasuredCosts.holds_plain: plain steps at n measured first; then false (weigh) while drafting steps at n
     //! made at least the plain ones' tokens per second, or are unmeasured and the rule's last choice at n drafted;
@@ -220,26 +229,33 @@ private:
     std::map<int32_t, Mean> mPlain;
     Mean mDraft;
     Mean mVerify;
+    Mean mStep;  //!< a whole step, any size
+    Mean mRow;   //!< one prompt row of a prefill chunk computed while others decode
     std::map<std::pair<int32_t, bool>, StepRate> mMade;  //!< (sequences, drafted) -> what whole steps made
     std::map<int32_t, bool> mModelPlain;  //!< sequences -> the rule's last choice there was plain
     std::map<int32_t, int32_t> mHeld;  //!< sequences -> steps held plain since the rule last weighed one
 };
 
 //! batch.FixedCosts with t_plain(n) = plainBase + plainPerSeq · n, t_verify = what one drafting sequence adds to a
-//! step's forward (costs a deployment calibrated; tests).
+//! step's forward; for the prefill budget a whole step's seconds and one chunked prompt row's (nullopt: not given)
+//! (costs a deployment calibrated; tests).
 class FixedCosts : public StepCosts
 {
 public:
-    FixedCosts(double plainBase, double plainPerSeq, double draftS, double verifyS)
+    FixedCosts(double plainBase, double plainPerSeq, double draftS, double verifyS,
+        std::optional<double> stepS = std::nullopt, std::optional<double> prefillRowS = std::nullopt)
         : mBase(plainBase)
         , mPerSeq(plainPerSeq)
         , mDraft(draftS)
         , mVerify(verifyS)
+        , mStep(stepS)
+        , mRow(prefillRowS)
     {
     }
     void recordPlain(int32_t, double) override {}
     void recordDraft(double) override {}
     void recordVerify(double) override {}
+    void recordPrefill(int64_t, double) override {}
     std::optional<double> plain(int32_t n) const override
     {
         return n <= 0 ? 0.0 : mBase + mPerSeq * n;
@@ -252,6 +268,14 @@ public:
     {
         return mVerify;
     }
+    std::optional<double> prefillRow() const override
+    {
+        return mRow;
+    }
+    std::optional<double> step() const override
+    {
+        return mStep;
+    }
     void recordStep(int32_t, bool, int32_t, double, bool) override {}
     bool holdsPlain(int32_t) override  // the given costs decide every step
     {
@@ -260,6 +284,7 @@ public:
 
 private:
     double mBase, mPerSeq, mDraft, mVerify;
+    std::optional<double> mStep, mRow;
 };
 
 //! batch.SpeculationRule (the file comment states the rule).
@@ -316,17 +341,23 @@ struct BatchCounters
     int64_t prefillRows{0};     //!< prompt rows those forwards computed
 };
 
-//! batch.DEFAULT_PREFILL_CHUNK: prompt rows a step computes over the prompts joining while others decode (the
-//! Generator's, the server's and option "prefill_chunk"'s default)
-constexpr int32_t kPREFILL_CHUNK = 32;
+//! batch.DEFAULT_PREFILL_CHUNK / DEFAULT_PREFILL_SHARE / PREFILL_PROBE_ROWS (chunked prefill; the Generator's, the
+//! server's and options "prefill_chunk" / "prefill_share"'s defaults): while other sequences decode, the prompts
+//! joining compute at most kPREFILL_CHUNK rows a step, fewer where a row is measured dear: rows whose forward takes
+//! about kPREFILL_SHARE times the decoding step; kPREFILL_PROBE_ROWS while either time is unmeasured
+constexpr int32_t kPREFILL_CHUNK = 512;
+constexpr double kPREFILL_SHARE = 1.5;
+constexpr int64_t kPREFILL_PROBE_ROWS = 8;
 
 class BatchDecoder
 {
 public:
-    //! prefillChunk: prompt rows per step while others decode (batch.BatchDecoder's prefill_chunk; 0: whole prompts,
-    //! its None); cache: the prefix cache prompts start from and finished sequences join (nullptr: none; used only
+    //! prefillChunk: most prompt rows per step while others decode (batch.BatchDecoder's prefill_chunk; 0: no cap,
+    //! its None); prefillShare: fewer by the measured times (its prefill_share; 0: none, its None; both 0: whole
+    //! prompts); cache: the prefix cache prompts start from and finished sequences join (nullptr: none; used only
     //! where the runners keep prefixes), owned by the caller, outliving the decoder
-    BatchDecoder(BatchRunners& runners, SpeculationRule rule, int32_t prefillChunk, SharedPrefixCache* cache = nullptr);
+    BatchDecoder(BatchRunners& runners, SpeculationRule rule, int32_t prefillChunk, double prefillShare,
+        SharedPrefixCache* cache = nullptr);
     ~BatchDecoder();  //!< (Seq is complete in batch.cpp only)
 
     //! Queue a request under the caller's id (checks the prompt, max tokens, and that no oracle is asked).
@@ -373,6 +404,7 @@ private:
     void admit();
     void restorePrefix(Seq& s);
     void prefill();
+    int64_t prefillBudget() const;
     void storePrefix(Seq& s);
     void start(Seq& s, float const* logits);
     std::vector<Plan> choose(std::vector<Seq*> const& seqs);
@@ -394,7 +426,8 @@ private:
 
     BatchRunners& mRunners;
     SpeculationRule mRule;
-    int32_t mPrefillChunk;  //!< 0: whole prompts
+    int32_t mPrefillChunk;  //!< 0: no cap
+    double mPrefillShare;   //!< 0: no time budget
     SharedPrefixCache* mCache;  //!< nullptr: no prefix reuse
     std::deque<std::unique_ptr<Seq>> mQueue;
     std::vector<std::unique_ptr<Seq>> mActive;  //!< in admission order (batch.py's dict order)
