@@ -22,6 +22,18 @@ if sys.prefix != sys.base_prefix:
     os.environ.setdefault("VIRTUAL_ENV", sys.prefix)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """A test that runs the CLI in-process may set torch's thread count (the training commands' --threads): the next
+    test gets the count back. (A fuzzed --threads left every later torch test of the suite ~10x slower on 2 cores.)"""
+    torch = sys.modules.get("torch")
+    n = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and n is not None and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return make_pair(tmp_path_factory, "tiny")
