@@ -32,15 +32,19 @@ inline void rotate(float const* x, float const* cosRow, float const* sinRow, int
     }
 }
 
+//! Whether a planted bug's variable is "1" (read once by each bug's function below).
+bool plantSet(char const* variable) noexcept
+{
+    char const* v = std::getenv(variable);
+    return v != nullptr && v[0] == '1';
+}
+
 //! The planted bug of tests/test_ort_decode_attention.py (DFLASH2_PLANT_ATTENTION_CUT=1): a range of queries that
 //! starts inside a head's rows takes its rows as counted from the range's start (their positions and causal lengths
 //! shifted), which the op's comparison with its NumPy twin must catch.
 bool cutPlanted() noexcept
 {
-    static bool const planted = [] {
-        char const* v = std::getenv("DFLASH2_PLANT_ATTENTION_CUT");
-        return v != nullptr && v[0] == '1';
-    }();
+    static bool const planted = plantSet("DFLASH2_PLANT_ATTENTION_CUT");
     return planted;
 }
 
@@ -75,10 +79,7 @@ constexpr int64_t kBlock = 32; //!< keys per block: K and V of a block (2 x 8 KB
 //! rescales its accumulator by the first one's factor, which the op's comparison with its NumPy twin must catch.
 bool pairPlanted() noexcept
 {
-    static bool const planted = [] {
-        char const* v = std::getenv("DFLASH2_PLANT_ATTENTION_PAIR");
-        return v != nullptr && v[0] == '1';
-    }();
+    static bool const planted = plantSet("DFLASH2_PLANT_ATTENTION_PAIR");
     return planted;
 }
 
@@ -87,10 +88,7 @@ bool pairPlanted() noexcept
 //! outputs bit for bit catches (the NumPy twin's tolerance does not).
 bool widePlanted() noexcept
 {
-    static bool const planted = [] {
-        char const* v = std::getenv("DFLASH2_PLANT_ATTENTION_WIDE");
-        return v != nullptr && v[0] == '1';
-    }();
+    static bool const planted = plantSet("DFLASH2_PLANT_ATTENTION_WIDE");
     return planted;
 }
 

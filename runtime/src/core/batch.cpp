@@ -45,30 +45,16 @@ double costClock()
     return secondsBetween(Clock::time_point{}, Clock::now());
 }
 
-// $DFLASH2_PLANT_HELD_STEP_WEIGHED=1: the tests' planted bug (choose leaves mWeighed as the last weighed step set it
-// on a held step, so that tests/test_capi.py shows the measured-cost comparison catching it); never set it otherwise
-bool plantedHeldStepWeighed()
+// The tests' planted bugs, each on while its variable is "1" (never set them otherwise):
+// - DFLASH2_PLANT_HELD_STEP_WEIGHED: choose leaves mWeighed as the last weighed step set it on a held step
+//   (tests/test_capi.py's measured-cost comparison catches it);
+// - DFLASH2_PLANT_PREFILL_CHUNK_SHIFT: a prompt chunk after the first takes its ids one position early
+//   (tests/test_capi_batch_cache.py's comparison with whole-prompt prefill catches it);
+// - DFLASH2_PLANT_PREFILL_SHARE: the prefill budget ignores the measured costs, every chunk takes "prefill_chunk"
+//   rows (tests/test_capi.py's twin test catches it).
+bool planted(char const* variable)
 {
-    char const* const v = std::getenv("DFLASH2_PLANT_HELD_STEP_WEIGHED");
-    return v != nullptr && std::string(v) == "1";
-}
-
-// $DFLASH2_PLANT_PREFILL_CHUNK_SHIFT=1: the tests' planted bug (a prompt chunk after the first takes its ids one
-// position early, so that tests/test_capi_batch_cache.py shows its comparison with whole-prompt prefill catching it);
-// never set it otherwise
-bool plantedPrefillChunkShift();
-
-// $DFLASH2_PLANT_PREFILL_SHARE=1: the tests' planted bug (the prefill budget ignores the measured costs: every chunk
-// takes "prefill_chunk" rows, so that tests/test_capi.py shows its twin test catching it); never set it otherwise
-bool plantedPrefillShare()
-{
-    char const* const v = std::getenv("DFLASH2_PLANT_PREFILL_SHARE");
-    return v != nullptr && std::string(v) == "1";
-}
-
-bool plantedPrefillChunkShift()
-{
-    char const* const v = std::getenv("DFLASH2_PLANT_PREFILL_CHUNK_SHIFT");
+    char const* const v = std::getenv(variable);
     return v != nullptr && std::string(v) == "1";
 }
 
@@ -722,7 +708,7 @@ void BatchDecoder::restorePrefix(Seq& s)
 int64_t BatchDecoder::prefillBudget() const
 {
     int64_t const cap = mPrefillChunk > 0 ? mPrefillChunk : -1;
-    if (mPrefillShare <= 0 || plantedPrefillShare())
+    if (mPrefillShare <= 0 || planted("DFLASH2_PLANT_PREFILL_SHARE"))
     {
         return cap;
     }
@@ -757,7 +743,8 @@ void BatchDecoder::prefill()
         {
             break;
         }
-        auto const from = s->req.prompt.begin() + s->prefilled - (s->prefilled > 0 && plantedPrefillChunkShift());
+        bool const shift = s->prefilled > 0 && planted("DFLASH2_PLANT_PREFILL_CHUNK_SHIFT");
+        auto const from = s->req.prompt.begin() + s->prefilled - shift;
         fed.push_back(s);
         rows.push_back(SlotRows{s->slot, s->prefilled, std::vector<int32_t>(from, from + take)});
         budget = budget < 0 ? budget : budget - take;
@@ -902,7 +889,7 @@ std::vector<BatchDecoder::Plan> BatchDecoder::choose(std::vector<Seq*> const& se
     }
     if (!cands.empty() && mRule.adaptive && mRule.costs->holdsPlain(static_cast<int32_t>(seqs.size())))
     {
-        if (!plantedHeldStepWeighed())
+        if (!planted("DFLASH2_PLANT_HELD_STEP_WEIGHED"))
         {
             mWeighed = false;  // the realized check: plain, unweighed (no lookups, no estimates)
         }
