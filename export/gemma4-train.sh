@@ -7,36 +7,14 @@
 #   INIT     where the drafter starts: a drafter folder to warm-start from (e.g. z-lab's gemma-4-31B-it-DFlash,
 #            fetched yourself: no repository id is given here), or `target` (the drafter's layers copy the target's
 #            last layers' tensors where their shapes match)
-#   WORK     a folder on a disk with room for the feature store (make-data: hidden x 2 bytes x taps per token)
+#   WORK     a folder on a disk with room for the feature store (default ./gemma4-dflash2)
+# and the knobs of train-drafter.sh, which runs the four steps (make-data, train, eval-tau, gemma4-ort.sh).
 # The drafter takes the target's sliding layers' heads, the global layers' RoPE theta and the target's sqrt(hidden)
 # embedding scale and logit soft cap (docs/training.md). Status: NEVER RUN on a GPU or a full-size checkpoint; its
 # commands run end to end on the CPU with the tiny pair of `dflash2 make-tiny --arch gemma4 --accepting`
 # (tests/test_target_families.py runs make-data, train and eval-tau on it).
 set -euo pipefail
 : "${TARGET:?set TARGET to the HF folder of the Gemma 4 target}"
-: "${PROMPTS:?set PROMPTS to a prompt file (jsonl)}"
-INIT=${INIT:-target}
-WORK=${WORK:-./gemma4-dflash2}
-NPROC=${NPROC:-8}
-DEVICE=${DEVICE:-cuda}
-DTYPE=${DTYPE:-bf16}
-N_PROMPTS=${N_PROMPTS:-64000}
-MAX_NEW=${MAX_NEW:-1024}
-STEPS=${STEPS:-20000}
-RUN=${RUN:-torchrun --standalone --nproc_per_node $NPROC -m dflash2_trt.cli}
-OUT=${OUT:-$WORK/export}
-mkdir -p "$WORK"
-# 1. self-distilled data: the target's own answers at DTYPE, its taps captured as it generates
-$RUN make-data --target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" --prompt-file "$PROMPTS" \
-  --prompts "$N_PROMPTS" --max-new-tokens "$MAX_NEW" --batch "${BATCH:-32}" --shard-size "${SHARD:-128}" \
-  --out "$WORK/data"
-# 2. train (resumable: rerun with --resume appended)
-$RUN train --target "$TARGET" --data "$WORK/data" --out "$WORK/drafter" --device "$DEVICE" --dtype "$DTYPE" \
-  --init "$INIT" --layers "${LAYERS:-5}" --block-size "${BLOCK_SIZE:-16}" --steps "$STEPS" \
-  --batch-seqs "${BATCH_SEQS:-64}" --anchors-per-seq "${ANCHORS:-64}" --heldout-shards 1 --eval-rows 200
-# 3. offline tau on the held-out shard
-dflash2 eval-tau --target "$TARGET" --drafter "$WORK/drafter" --data "$WORK/data" --heldout-shards 1 \
-  --device "$DEVICE" --dtype "$DTYPE"
-# 4. export (fp32, ONNX Runtime) and a lossless check
-TARGET="$TARGET" DRAFTER="$WORK/drafter" OUT="$OUT" MAX_SEQ_LEN="${MAX_SEQ_LEN:-4096}" \
-  bash "$(dirname "$0")/gemma4-ort.sh"
+export INIT=${INIT:-target}
+export WORK=${WORK:-./gemma4-dflash2} ORT_RECIPE=gemma4-ort.sh
+exec bash "$(dirname "$0")/train-drafter.sh"

@@ -39,6 +39,8 @@ from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.protocol import Draft, independent_draft
 from dflash2_trt.runtime.request import GenerationRequest
+from capi_types import (BDA, BDP, BSLOT, BTC, BTF, DA, DONE, DP, TC, TF, TOKENS, TR, UNIFORM, BatchCallbacks, P,
+                        BatchInfo, Callbacks, ModelInfo, Request, Stats, declare)
 from helpers import req
 
 REPO = Path(__file__).resolve().parents[1]
@@ -837,99 +839,9 @@ def test_core_vectors_catch_the_planted_redraw_bug(capi_build, vectors_path):
 # ctypes: the C loop with the ORT runners behind the callbacks
 # --------------------------------------------------------------------------------------------------
 
-P = C.POINTER
-_TR = C.CFUNCTYPE(C.c_int32, C.c_void_p)
-_TF = C.CFUNCTYPE(C.c_int32, C.c_void_p, P(C.c_int32), C.c_int32, P(C.c_float), P(C.c_float))
-_TC = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32)
-_DA = C.CFUNCTYPE(C.c_int32, C.c_void_p, P(C.c_float), C.c_int32, C.c_int32)
-_DP = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, C.c_int32, C.c_int32, C.c_float, P(C.c_float), P(C.c_int32), P(C.c_float),
-                  P(C.c_int32), P(C.c_float), P(C.c_int32))
-_TOKENS = C.CFUNCTYPE(C.c_int32, C.c_void_p, P(C.c_int32), C.c_size_t)
-_UNIFORM = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int, P(C.c_double), C.c_size_t)
-
-
-class _Callbacks(C.Structure):
-    _fields_ = [("struct_size", C.c_uint32), ("user_data", C.c_void_p), ("vocab_size", C.c_int32),
-                ("feature_dim", C.c_int32), ("block_size", C.c_int32), ("top_k", C.c_int32),
-                ("max_positions", C.c_int32), ("eos_ids", P(C.c_int32)), ("n_eos_ids", C.c_size_t),
-                ("target_reset", _TR), ("target_forward", _TF), ("target_crop", _TC), ("drafter_reset", _TR),
-                ("drafter_add_context", _DA), ("drafter_propose", _DP)]
-
-
-# the batched callbacks (API 1.1), appended to dfl2_callbacks
-_BSLOT = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32)
-_BTF = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, P(C.c_int32), P(C.c_int32), P(C.c_int32), P(C.c_int32),
-                   C.c_int32, P(C.c_float), P(C.c_float))
-_BTC = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, C.c_int32)
-_BDA = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, P(C.c_float), C.c_int32, C.c_int32)
-_BDP = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_int32, C.c_int32, C.c_int32, C.c_int32, C.c_float, P(C.c_float),
-                   P(C.c_int32), P(C.c_float), P(C.c_int32), P(C.c_float), P(C.c_int32))
-_DONE = C.CFUNCTYPE(None, C.c_void_p, C.c_uint64, C.c_int, C.c_void_p)
-
-
-class _BatchCallbacks(_Callbacks):
-    _fields_ = [("max_batch", C.c_int32), ("batch_target_reset", _BSLOT), ("batch_target_release", _BSLOT),
-                ("batch_target_forward", _BTF), ("batch_target_crop", _BTC), ("batch_drafter_reset", _BSLOT),
-                ("batch_drafter_add_context", _BDA), ("batch_drafter_propose", _BDP)]
-
-
-class _Request(C.Structure):
-    _fields_ = [("struct_size", C.c_uint32), ("prompt", P(C.c_int32)), ("n_prompt", C.c_size_t),
-                ("options", C.c_void_p), ("on_tokens", _TOKENS), ("on_done", _DONE), ("user_data", C.c_void_p),
-                ("uniforms", _UNIFORM), ("uniforms_user_data", C.c_void_p)]
-
-
-class _BatchInfo(C.Structure):
-    _fields_ = [("max_batch", C.c_int32), ("active", C.c_int32), ("queued", C.c_int32), ("largest_step", C.c_int32),
-                ("largest_plain", C.c_int32), ("steps", C.c_int64), ("drafting_steps", C.c_int64),
-                ("cycles", C.c_int64), ("prefill_calls", C.c_int64), ("prefill_rows", C.c_int64),
-                ("prefix_hits", C.c_int64), ("cached_tokens", C.c_int64), ("prefix_cache_bytes", C.c_int64),
-                ("prefix_entries", C.c_int64), ("prefix_evictions", C.c_int64)]
-
-
-class _Stats(C.Structure):
-    _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
-                ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("per_position_cumulative", P(C.c_double)),
-                ("per_position_conditional", P(C.c_double)), ("accepted", P(C.c_int32)),
-                ("proposed", P(C.c_int32)), ("oracle_accepted", P(C.c_int32)), ("elapsed_s", C.c_double),
-                ("cached_tokens", C.c_int32)]
-
-
-class _ModelInfo(C.Structure):
-    _fields_ = [("vocab_size", C.c_int32), ("block_size", C.c_int32), ("top_k", C.c_int32),
-                ("max_positions", C.c_int32), ("backend", C.c_char_p)]
-
-
 @pytest.fixture(scope="session")
 def lib(capi_build):
-    lib = C.CDLL(str(capi_build / "lib" / "libdflash2.so"))
-    V = C.c_void_p
-    lib.dfl2_status_code.restype = C.c_int
-    lib.dfl2_status_code.argtypes = [V]
-    lib.dfl2_status_message.restype = C.c_char_p
-    lib.dfl2_status_message.argtypes = [V]
-    lib.dfl2_status_free.argtypes = [V]
-    lib.dfl2_api_version.restype = C.c_uint32
-    for name, args in {
-        "dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
-        "dfl2_model_create_callbacks": [P(_Callbacks), V, P(V)], "dfl2_session_create": [V, V, P(V)],
-        "dfl2_session_generate": [V, P(C.c_int32), C.c_size_t, _TOKENS, V],
-        "dfl2_session_set_uniform_source": [V, _UNIFORM, V], "dfl2_session_get_tokens": [V, P(P(C.c_int32)),
-                                                                                       P(C.c_size_t)],
-        "dfl2_session_get_stats": [V, P(_Stats)], "dfl2_model_load": [C.c_char_p, V, P(V)],
-        "dfl2_batch_create": [V, V, P(V)], "dfl2_batch_submit": [V, P(_Request), P(C.c_uint64)],
-        "dfl2_batch_cancel": [V, C.c_uint64], "dfl2_batch_step": [V, P(C.c_size_t)],
-        "dfl2_batch_get_result": [V, C.c_uint64, P(P(C.c_int32)), P(C.c_size_t), P(_Stats), P(C.c_int32)],
-        "dfl2_batch_get_info": [V, P(_BatchInfo)],
-        "dfl2_session_get_proposers": [V, P(P(C.c_int32)), P(C.c_size_t)],
-        "dfl2_batch_get_proposers": [V, C.c_uint64, P(P(C.c_int32)), P(C.c_size_t)],
-        "dfl2_model_get_note": [V, P(C.c_char_p)], "dfl2_model_get_info": [V, P(_ModelInfo)],
-    }.items():  # fmt: skip
-        getattr(lib, name).restype = V
-        getattr(lib, name).argtypes = args
-    for name in ("dfl2_options_free", "dfl2_model_free", "dfl2_session_free", "dfl2_batch_free"):
-        getattr(lib, name).argtypes = [V]
-    return lib
+    return declare(C.CDLL(str(capi_build / "lib" / "libdflash2.so")))
 
 
 class CapiError(Exception):
@@ -1002,14 +914,14 @@ class CRuntime(_CallbackHost):
         self.V, self.F, self.K, self.L = target.vocab_size, feature_dim, top_k, drafter.num_draft_rows
         self.calls = {"forward": 0, "propose": 0, "add_context": 0}
         self._fns = [  # kept alive as long as the model
-            _TR(self._guard(lambda u: target.reset())),
-            _TF(self._guard(self._forward)),
-            _TC(self._guard(lambda u, n: target.crop(n))),
-            _TR(self._guard(lambda u: drafter.reset())),
-            _DA(self._guard(self._add_context)),
-            _DP(self._guard(self._propose)),
+            TR(self._guard(lambda u: target.reset())),
+            TF(self._guard(self._forward)),
+            TC(self._guard(lambda u, n: target.crop(n))),
+            TR(self._guard(lambda u: drafter.reset())),
+            DA(self._guard(self._add_context)),
+            DP(self._guard(self._propose)),
         ]
-        cb = _Callbacks(C.sizeof(_Callbacks), None, self.V, self.F, drafter.block_size, top_k, target.max_positions,
+        cb = Callbacks(C.sizeof(Callbacks), None, self.V, self.F, drafter.block_size, top_k, target.max_positions,
                         None, 0, *self._fns)
         self.model = C.c_void_p()
         _check(lib, lib.dfl2_model_create_callbacks(C.byref(cb), None, C.byref(self.model)))
@@ -1055,7 +967,7 @@ class CRuntime(_CallbackHost):
             _numpy_uniforms(rng, use, out, n)
             return 0
 
-        tok_cb, uni_cb = _TOKENS(on_tokens), _UNIFORM(uniforms)
+        tok_cb, uni_cb = TOKENS(on_tokens), UNIFORM(uniforms)
         try:
             if rng is not None:
                 _check(lib, lib.dfl2_session_set_uniform_source(sess, uni_cb, None))
@@ -1064,7 +976,7 @@ class CRuntime(_CallbackHost):
             ptr, n = P(C.c_int32)(), C.c_size_t()
             _check(lib, lib.dfl2_session_get_tokens(sess, C.byref(ptr), C.byref(n)))
             tokens = [ptr[i] for i in range(n.value)]
-            st = _Stats()
+            st = Stats()
             _check(lib, lib.dfl2_session_get_stats(sess, C.byref(st)))
             stats = {
                 "tau": st.tau, "cycles": st.cycles, "finish": st.finish_reason,
@@ -1512,11 +1424,11 @@ class CBatch(_CallbackHost):
         self.rngs: dict[int, np.random.Generator] = {}
         g = self._guard
         unused = g(self._unused)
-        self._fns = [_TR(unused), _TF(unused), _TC(unused), _TR(unused), _DA(unused), _DP(unused),
-                     _BSLOT(g(self._reset)), _BSLOT(g(self._release)), _BTF(g(self._forward)), _BTC(g(self._crop)),
-                     _BSLOT(g(self._drafter_reset)), _BDA(g(self._add_context)), _BDP(g(self._propose)),
-                     _TOKENS(self._on_tokens), _DONE(self._on_done), _UNIFORM(self._uniforms)]
-        cb = _BatchCallbacks(C.sizeof(_BatchCallbacks), None, self.V, self.F, self.bs, self.K, target.max_positions,
+        self._fns = [TR(unused), TF(unused), TC(unused), TR(unused), DA(unused), DP(unused),
+                     BSLOT(g(self._reset)), BSLOT(g(self._release)), BTF(g(self._forward)), BTC(g(self._crop)),
+                     BSLOT(g(self._drafter_reset)), BDA(g(self._add_context)), BDP(g(self._propose)),
+                     TOKENS(self._on_tokens), DONE(self._on_done), UNIFORM(self._uniforms)]
+        cb = BatchCallbacks(C.sizeof(BatchCallbacks), None, self.V, self.F, self.bs, self.K, target.max_positions,
                              None, 0, *self._fns[:6], target.slots, *self._fns[6:13])
         self.model, self.batch = C.c_void_p(), C.c_void_p()
         _check(lib, lib.dfl2_model_create_callbacks(C.byref(cb), None, C.byref(self.model)))
@@ -1598,7 +1510,7 @@ class CBatch(_CallbackHost):
         opts = _c_options(self.lib, {"max_new_tokens": max_new, "temperature": temperature, "eos_ids": eos,
                                      "speculative": speculative, "proposer": proposer, "ngram_rows": ngram_rows})
         ids = (C.c_int32 * len(prompt))(*prompt)
-        req = _Request(C.sizeof(_Request), C.cast(ids, P(C.c_int32)), len(prompt), opts, self._fns[13],
+        req = Request(C.sizeof(Request), C.cast(ids, P(C.c_int32)), len(prompt), opts, self._fns[13],
                        self._fns[14], key, self._fns[15], key)
         rid = C.c_uint64()
         try:
@@ -1616,7 +1528,7 @@ class CBatch(_CallbackHost):
         _check(self.lib, self.lib.dfl2_batch_cancel(self.batch, rid))
 
     def result(self, rid: int) -> dict:
-        ptr, n, st, plain = P(C.c_int32)(), C.c_size_t(), _Stats(), C.c_int32()
+        ptr, n, st, plain = P(C.c_int32)(), C.c_size_t(), Stats(), C.c_int32()
         _check(self.lib, self.lib.dfl2_batch_get_result(self.batch, rid, C.byref(ptr), C.byref(n), C.byref(st),
                                                         C.byref(plain)))
         who, m = P(C.c_int32)(), C.c_size_t()
@@ -1625,8 +1537,8 @@ class CBatch(_CallbackHost):
                 "proposed": [st.proposed[i] for i in range(st.cycles)], "plain_steps": plain.value,
                 "finish": st.finish_reason, "proposers": [_PROPOSER_NAMES[who[i]] for i in range(m.value)]}
 
-    def info(self) -> _BatchInfo:
-        out = _BatchInfo()
+    def info(self) -> BatchInfo:
+        out = BatchInfo()
         _check(self.lib, self.lib.dfl2_batch_get_info(self.batch, C.byref(out)))
         return out
 
@@ -2051,7 +1963,7 @@ def test_sampling_options_checked_against_the_model(lib, tiny_export, monkeypatc
     monkeypatch.setenv("VIRTUAL_ENV", str(Path(onnxruntime.__file__).parents[4]))
     monkeypatch.delenv("ORT_LIBRARY", raising=False)
     monkeypatch.delenv("DFLASH2_ORT_OPS", raising=False)
-    m, info = C.c_void_p(), _ModelInfo()
+    m, info = C.c_void_p(), ModelInfo()
     load = _c_options(lib, {"backend": "ort"})
     _check(lib, lib.dfl2_model_load(str(tiny_export).encode(), load, C.byref(m)))
     lib.dfl2_options_free(load)
@@ -2092,7 +2004,7 @@ def test_model_load_falls_back_to_onnxruntime(lib, tiny_export, monkeypatch):
     monkeypatch.delenv("DFLASH2_ORT_OPS", raising=False)  # no op library in this process (test_capi_ort says why)
     _check(lib, lib.dfl2_model_load(str(tiny_export).encode(), None, C.byref(m)))
     try:
-        note, info = C.c_char_p(), _ModelInfo()
+        note, info = C.c_char_p(), ModelInfo()
         _check(lib, lib.dfl2_model_get_note(m, C.byref(note)))
         _check(lib, lib.dfl2_model_get_info(m, C.byref(info)))
         assert info.backend == b"onnxruntime"

@@ -6,14 +6,11 @@ chunk bug live with the other batch twins in tests/test_capi.py.)"""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from capi_types import run_driver
 from test_capi import capi_build, vectors_path  # noqa: F401
 
 
@@ -23,59 +20,12 @@ def exports(arch_exports):
     return arch_exports
 
 
-# One process per call (the library opens the onnxruntime wheel's library): per run a batch made with its options,
-# its requests submitted at their steps with numpy's uniforms for each request's seed, stepped until idle.
+# A driver (capi_types.run_driver): per run a batch made with its options, its requests submitted at their steps with
+# numpy's uniforms for each request's seed, stepped until idle.
 _C_BATCH = r"""
-import ctypes as C, json, sys
-import numpy as np
-V, P = C.c_void_p, C.POINTER
-req = json.loads(sys.stdin.read())
-lib = C.CDLL(req["lib"])
-UNIFORM = C.CFUNCTYPE(C.c_int32, V, C.c_int, P(C.c_double), C.c_size_t)
-TOKENS = C.CFUNCTYPE(C.c_int32, V, P(C.c_int32), C.c_size_t)
-DONE = C.CFUNCTYPE(None, V, C.c_uint64, C.c_int, V)
-class Stats(C.Structure):
-    _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
-                ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("cum", P(C.c_double)),
-                ("cond", P(C.c_double)), ("accepted", P(C.c_int32)), ("proposed", P(C.c_int32)),
-                ("oracle", P(C.c_int32)), ("elapsed", C.c_double), ("cached", C.c_int32)]
-class Request(C.Structure):
-    _fields_ = [("struct_size", C.c_uint32), ("prompt", P(C.c_int32)), ("n_prompt", C.c_size_t),
-                ("options", V), ("on_tokens", TOKENS), ("on_done", DONE), ("user_data", V),
-                ("uniforms", UNIFORM), ("uniforms_user_data", V)]
-class Info(C.Structure):
-    _fields_ = [("max_batch", C.c_int32), ("active", C.c_int32), ("queued", C.c_int32), ("largest_step", C.c_int32),
-                ("largest_plain", C.c_int32), ("steps", C.c_int64), ("drafting_steps", C.c_int64),
-                ("cycles", C.c_int64), ("prefill_calls", C.c_int64), ("prefill_rows", C.c_int64),
-                ("prefix_hits", C.c_int64), ("cached_tokens", C.c_int64), ("prefix_cache_bytes", C.c_int64),
-                ("prefix_entries", C.c_int64), ("prefix_evictions", C.c_int64)]
-for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
-                   "dfl2_model_load": [C.c_char_p, V, P(V)], "dfl2_batch_create": [V, V, P(V)],
-                   "dfl2_batch_submit": [V, P(Request), P(C.c_uint64)], "dfl2_batch_step": [V, P(C.c_size_t)],
-                   "dfl2_batch_get_result": [V, C.c_uint64, P(P(C.c_int32)), P(C.c_size_t), P(Stats), P(C.c_int32)],
-                   "dfl2_batch_get_info": [V, P(Info)]}.items():
-    getattr(lib, name).restype, getattr(lib, name).argtypes = V, args
-lib.dfl2_status_message.restype, lib.dfl2_status_message.argtypes = C.c_char_p, [V]
-def ok(st):
-    if st:
-        sys.exit("status: " + lib.dfl2_status_message(st).decode())
-def options(kvs):
-    o = V()
-    ok(lib.dfl2_options_create(C.byref(o)))
-    for kv in kvs:
-        ok(lib.dfl2_options_parse(o, kv.encode()))
-    return o
 model = V()
 ok(lib.dfl2_model_load(req["export"].encode(), options(req["model"]), C.byref(model)))
 keep = []
-def uniform_source(seed):
-    rng = np.random.default_rng(seed)
-    def uniforms(u, use, buf, n):  # numpy's draws as the Python runtime makes them
-        vals = rng.random((1, n), dtype=np.float32).reshape(-1) if use == 0 else np.array([rng.random()])
-        np.ctypeslib.as_array(buf, (n,))[:] = vals
-        return 0
-    keep.append(UNIFORM(uniforms))
-    return keep[-1]
 out = []
 for run in req["runs"]:
     batch = V()
@@ -84,17 +34,17 @@ for run in req["runs"]:
     todo = sorted(range(len(run["requests"])), key=lambda i: (run["requests"][i]["wave"], run["requests"][i]["after"]))
     while todo or pending:
         if not pending and todo and run["requests"][todo[0]]["wave"] > len(waves):  # the batch idle: the next wave
-            info = Info()
+            info = BatchInfo()
             ok(lib.dfl2_batch_get_info(batch, C.byref(info)))
-            waves.append({k: getattr(info, k) for k, _ in Info._fields_})
+            waves.append({k: getattr(info, k) for k, _ in BatchInfo._fields_})
             step = 0
         while todo and run["requests"][todo[0]]["wave"] == len(waves) and run["requests"][todo[0]]["after"] <= step:
             i = todo.pop(0)
             r = run["requests"][i]
             prompt = (C.c_int32 * len(r["prompt"]))(*r["prompt"])
-            keep.append(prompt)
+            keep += [prompt, UNIFORM(numpy_uniforms(r["seed"]))]
             q = Request(C.sizeof(Request), C.cast(prompt, P(C.c_int32)), len(r["prompt"]), options(r["options"]),
-                        TOKENS(0), DONE(0), None, uniform_source(r["seed"]), None)
+                        TOKENS(0), DONE(0), None, keep[-1], None)
             rid = C.c_uint64()
             ok(lib.dfl2_batch_submit(batch, C.byref(q), C.byref(rid)))
             ids[i] = rid.value
@@ -105,10 +55,10 @@ for run in req["runs"]:
     for i in range(len(run["requests"])):
         toks, n, st, plain = P(C.c_int32)(), C.c_size_t(), Stats(), C.c_int32()
         ok(lib.dfl2_batch_get_result(batch, ids[i], C.byref(toks), C.byref(n), C.byref(st), C.byref(plain)))
-        got.append({"tokens": toks[: n.value], "accepted": st.accepted[: st.cycles], "cached": st.cached})
-    info = Info()
+        got.append({"tokens": toks[: n.value], "accepted": st.accepted[: st.cycles], "cached": st.cached_tokens})
+    info = BatchInfo()
     ok(lib.dfl2_batch_get_info(batch, C.byref(info)))
-    out.append({"requests": got, "info": {k: getattr(info, k) for k, _ in Info._fields_}, "waves": waves})
+    out.append({"requests": got, "info": {k: getattr(info, k) for k, _ in BatchInfo._fields_}, "waves": waves})
 print(json.dumps(out))
 """
 
@@ -118,17 +68,11 @@ def c_batches(build: Path, export: Path, runs: list[tuple[list[str], list[dict]]
     ``export`` (ONNX Runtime, 1 thread, ONNX Runtime's own ops); the requests of wave k are submitted once the batch
     is idle after wave k - 1, each before the wave's step ``after`` -> per run {requests: [{tokens, accepted,
     cached}], info: dfl2_batch_info's fields at the end, waves: its fields before each wave after the first}."""
-    import onnxruntime
-
     req = {"lib": str(build / "lib" / "libdflash2.so"), "export": str(export), "model": ["backend=ort", "threads=1"],
            "runs": [{"options": opts, "requests": [{"options": [], "seed": 0, "after": 0, "wave": 0, **r}
                                                    for r in reqs]}
                     for opts, reqs in runs]}
-    venv = str(Path(onnxruntime.__file__).parents[4])  # VENV/lib/python3.X/site-packages/onnxruntime/__init__.py
-    proc = subprocess.run([sys.executable, "-c", _C_BATCH], input=json.dumps(req), capture_output=True, text=True,
-                          env={**os.environ, "VIRTUAL_ENV": venv, "DFLASH2_ORT_OPS": "/nonexistent", **(env or {})})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return run_driver(_C_BATCH, req, {"DFLASH2_ORT_OPS": "/nonexistent", **(env or {})})
 
 
 def _joining(T: float) -> list[dict]:

@@ -24,17 +24,16 @@ with as many PanelMatMulQ4 nodes as the Python rewrite makes; a bf16 export is r
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from unittest import mock
 
 import pytest
 
+from capi_types import run_driver
 from test_capi import BUILD, _cmake_build, _need, _prompts, _run, capi_build, hybrid_export, vectors_path  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -150,61 +149,16 @@ def test_batch_of_8_equals_single_runs(capi_build, identity_export, prompts, c_g
 # The C side of the sampling runs in its own process: one process must not hold the Python runtime's ONNX Runtime and
 # the wheel's libonnxruntime with the op library registered in both (the library keeps one ONNX Runtime API table).
 _SAMPLER = r"""
-import ctypes as C, json, sys
-import numpy as np
-V, P = C.c_void_p, C.POINTER
-req = json.loads(sys.stdin.read())
-lib = C.CDLL(req["lib"])
-UNIFORM = C.CFUNCTYPE(C.c_int32, V, C.c_int, P(C.c_double), C.c_size_t)
-TOKENS = C.CFUNCTYPE(C.c_int32, V, P(C.c_int32), C.c_size_t)
-class Stats(C.Structure):
-    _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
-                ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("cum", P(C.c_double)),
-                ("cond", P(C.c_double)), ("accepted", P(C.c_int32)), ("proposed", P(C.c_int32)),
-                ("oracle", P(C.c_int32)), ("elapsed", C.c_double), ("cached", C.c_int32)]
-for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
-                   "dfl2_model_load": [C.c_char_p, V, P(V)], "dfl2_session_create": [V, V, P(V)],
-                   "dfl2_session_set_uniform_source": [V, UNIFORM, V],
-                   "dfl2_session_generate": [V, P(C.c_int32), C.c_size_t, TOKENS, V],
-                   "dfl2_session_get_tokens": [V, P(P(C.c_int32)), P(C.c_size_t)],
-                   "dfl2_session_get_stats": [V, P(Stats)],
-                   "dfl2_session_get_proposers": [V, P(P(C.c_int32)), P(C.c_size_t)]}.items():
-    getattr(lib, name).restype, getattr(lib, name).argtypes = V, args
-class Logprob(C.Structure):
-    _fields_ = [("token", C.c_int32), ("logprob", C.c_double), ("n_top", C.c_int32), ("top_ids", P(C.c_int32)),
-                ("top_logprobs", P(C.c_double))]
-lib.dfl2_session_get_logprobs.restype = V
-lib.dfl2_session_get_logprobs.argtypes = [V, P(P(Logprob)), P(C.c_size_t)]
-lib.dfl2_status_message.restype, lib.dfl2_status_message.argtypes = C.c_char_p, [V]
-def ok(st):
-    if st:
-        sys.exit("status: " + lib.dfl2_status_message(st).decode())
-opts, model, session = V(), V(), V()
-ok(lib.dfl2_options_create(C.byref(opts)))
-for kv in req["options"]:
-    ok(lib.dfl2_options_parse(opts, kv.encode()))
+opts, model, session = options(req["options"]), V(), V()
 ok(lib.dfl2_model_load(req["export"].encode(), opts, C.byref(model)))
 ok(lib.dfl2_session_create(model, opts, C.byref(session)))
 out = []
 for prompt, seed in zip(req["prompts"], req["seeds"]):
-    rng = np.random.default_rng(seed)
-    def uniforms(u, use, buf, n):  # numpy's draws as the Python runtime makes them (test_capi._numpy_uniforms)
-        vals = rng.random((1, n), dtype=np.float32).reshape(-1) if use == 0 else np.array([rng.random()])
-        np.ctypeslib.as_array(buf, (n,))[:] = vals
-        return 0
-    cb = UNIFORM(uniforms)
-    ok(lib.dfl2_session_set_uniform_source(session, cb, None))
-    ok(lib.dfl2_session_generate(session, (C.c_int32 * len(prompt))(*prompt), len(prompt), TOKENS(0), None))
-    toks, n, st, who, m = P(C.c_int32)(), C.c_size_t(), Stats(), P(C.c_int32)(), C.c_size_t()
-    ok(lib.dfl2_session_get_tokens(session, C.byref(toks), C.byref(n)))
-    ok(lib.dfl2_session_get_stats(session, C.byref(st)))
-    ok(lib.dfl2_session_get_proposers(session, C.byref(who), C.byref(m)))
+    got = generate(session, prompt, seed)
     lps, k = P(Logprob)(), C.c_size_t()
     ok(lib.dfl2_session_get_logprobs(session, C.byref(lps), C.byref(k)))
-    out.append({"tokens": toks[: n.value], "accepted": st.accepted[: st.cycles],
-                "proposers": [("dflash2", "ngram")[w] for w in who[: m.value]],
-                "logprobs": [[lps[i].token, lps[i].logprob, lps[i].top_ids[: lps[i].n_top],
-                              lps[i].top_logprobs[: lps[i].n_top]] for i in range(k.value)]})
+    out.append({**got, "logprobs": [[lps[i].token, lps[i].logprob, lps[i].top_ids[: lps[i].n_top],
+                                     lps[i].top_logprobs[: lps[i].n_top]] for i in range(k.value)]})
 assert "onnxruntime" not in sys.modules
 print(json.dumps(out))
 """
@@ -219,10 +173,7 @@ def _c_samples(build: Path, export: Path, prompts: list[list[int]], seeds: list[
     req = {"lib": str(build / "lib" / "libdflash2.so"), "export": str(export), "prompts": prompts, "seeds": seeds,
            "options": ["backend=ort", f"threads={THREADS}", f"max_new_tokens={max_new}", f"temperature={temperature}",
                        *options]}
-    proc = subprocess.run([sys.executable, "-c", _SAMPLER], input=json.dumps(req), capture_output=True, text=True,
-                          env={**os.environ, "DFLASH2_ORT_OPS": ops, **(env or {})})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return run_driver(_SAMPLER, req, {"DFLASH2_ORT_OPS": ops, **(env or {})})
 
 
 def _sampling_equal(build: Path, export: Path, py, prompts: list[list[int]], ops: str) -> tuple[int, int]:  # noqa: ANN001
@@ -261,26 +212,13 @@ def test_sampling_without_the_op_library(capi_build, identity_export, prompts):
 
 
 _THREADS = r"""
-import ctypes as C, json, sys, threading
-V, P = C.c_void_p, C.POINTER
-req = json.loads(sys.stdin.read())
-lib = C.CDLL(req["lib"])
-TOKENS = C.CFUNCTYPE(C.c_int32, V, P(C.c_int32), C.c_size_t)
-for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
-                   "dfl2_model_load": [C.c_char_p, V, P(V)], "dfl2_session_create": [V, V, P(V)],
-                   "dfl2_session_generate": [V, P(C.c_int32), C.c_size_t, TOKENS, V],
-                   "dfl2_session_get_tokens": [V, P(P(C.c_int32)), P(C.c_size_t)]}.items():
-    getattr(lib, name).restype, getattr(lib, name).argtypes = V, args
-lib.dfl2_status_message.restype, lib.dfl2_status_message.argtypes = C.c_char_p, [V]
+import threading
 errors = []
-def ok(st):
+def ok(st):  # a failing call ends its thread, not the process
     if st:
         errors.append(lib.dfl2_status_message(st).decode())
         raise RuntimeError(errors[-1])
-opts, model = V(), V()
-ok(lib.dfl2_options_create(C.byref(opts)))
-for kv in req["options"]:
-    ok(lib.dfl2_options_parse(opts, kv.encode()))
+opts, model = options(req["options"]), V()
 ok(lib.dfl2_model_load(req["export"].encode(), opts, C.byref(model)))
 def run(i, out):  # one session per thread, two requests each (the same prompt twice: the session is reused)
     s = V()
@@ -306,10 +244,7 @@ def test_sessions_on_threads(capi_build, identity_export, prompts, c_greedy):
     caches): every request's ids equal its single run's, a session reused for a second request too."""
     req = {"lib": str(capi_build / "lib" / "libdflash2.so"), "export": str(identity_export), "prompts": prompts[:4],
            "options": ["backend=ort", "threads=1", f"max_new_tokens={MAX_NEW}", "verify_checksums=false"]}
-    proc = subprocess.run([sys.executable, "-c", _THREADS], input=json.dumps(req), capture_output=True, text=True,
-                          env={**os.environ, "DFLASH2_ORT_OPS": _ops_library()})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout)
+    got = run_driver(_THREADS, req, {"DFLASH2_ORT_OPS": _ops_library()})
     assert not got["errors"] and got["tokens"] == [[t, t] for t in c_greedy[0][:4]]
 
 

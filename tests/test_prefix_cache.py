@@ -9,11 +9,10 @@ the Python runtime's with its cache and its own without prefix reuse, with its p
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from capi_types import run_driver
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import prefix_cache as P
 from test_capi import capi_build, vectors_path  # noqa: F401
@@ -373,62 +372,16 @@ def test_a_ring_restored_unrotated_is_caught(exports, monkeypatch, arch):
 # The C library's twin: a dfl2_session keeps its last sequence (runtime/src/core/prefixCache.h)
 # ----------------------------------------------------------------------------------------------------
 
-# One process per call (the library opens the onnxruntime wheel's library, which this process has loaded too): per run a
-# session made with its options, its requests in turn with numpy's uniforms for each request's seed.
+# A driver (capi_types.run_driver): per run a session made with its options, its requests in turn with numpy's uniforms
+# for each request's seed.
 _C_SESSIONS = r"""
-import ctypes as C, json, sys
-import numpy as np
-V, P = C.c_void_p, C.POINTER
-req = json.loads(sys.stdin.read())
-lib = C.CDLL(req["lib"])
-UNIFORM = C.CFUNCTYPE(C.c_int32, V, C.c_int, P(C.c_double), C.c_size_t)
-TOKENS = C.CFUNCTYPE(C.c_int32, V, P(C.c_int32), C.c_size_t)
-class Stats(C.Structure):
-    _fields_ = [("tau", C.c_double), ("oracle_tau", C.c_double), ("cycles", C.c_int32), ("n_tokens", C.c_int32),
-                ("n_positions", C.c_int32), ("finish_reason", C.c_int), ("cum", P(C.c_double)),
-                ("cond", P(C.c_double)), ("accepted", P(C.c_int32)), ("proposed", P(C.c_int32)),
-                ("oracle", P(C.c_int32)), ("elapsed", C.c_double), ("cached", C.c_int32)]
-for name, args in {"dfl2_options_create": [P(V)], "dfl2_options_parse": [V, C.c_char_p],
-                   "dfl2_model_load": [C.c_char_p, V, P(V)], "dfl2_session_create": [V, V, P(V)],
-                   "dfl2_session_set_uniform_source": [V, UNIFORM, V],
-                   "dfl2_session_generate": [V, P(C.c_int32), C.c_size_t, TOKENS, V],
-                   "dfl2_session_get_tokens": [V, P(P(C.c_int32)), P(C.c_size_t)],
-                   "dfl2_session_get_stats": [V, P(Stats)],
-                   "dfl2_session_get_proposers": [V, P(P(C.c_int32)), P(C.c_size_t)]}.items():
-    getattr(lib, name).restype, getattr(lib, name).argtypes = V, args
-lib.dfl2_status_message.restype, lib.dfl2_status_message.argtypes = C.c_char_p, [V]
-def ok(st):
-    if st:
-        sys.exit("status: " + lib.dfl2_status_message(st).decode())
-def options(kvs):
-    o = V()
-    ok(lib.dfl2_options_create(C.byref(o)))
-    for kv in kvs:
-        ok(lib.dfl2_options_parse(o, kv.encode()))
-    return o
 model = V()
 ok(lib.dfl2_model_load(req["export"].encode(), options(req["model"]), C.byref(model)))
 out = []
 for run in req["runs"]:
     session = V()
     ok(lib.dfl2_session_create(model, options(run["options"]), C.byref(session)))
-    got = []
-    for prompt, seed in run["requests"]:
-        rng = np.random.default_rng(seed)
-        def uniforms(u, use, buf, n):  # numpy's draws as the Python runtime makes them
-            vals = rng.random((1, n), dtype=np.float32).reshape(-1) if use == 0 else np.array([rng.random()])
-            np.ctypeslib.as_array(buf, (n,))[:] = vals
-            return 0
-        cb = UNIFORM(uniforms)
-        ok(lib.dfl2_session_set_uniform_source(session, cb, None))
-        ok(lib.dfl2_session_generate(session, (C.c_int32 * len(prompt))(*prompt), len(prompt), TOKENS(0), None))
-        toks, n, st, who, m = P(C.c_int32)(), C.c_size_t(), Stats(), P(C.c_int32)(), C.c_size_t()
-        ok(lib.dfl2_session_get_tokens(session, C.byref(toks), C.byref(n)))
-        ok(lib.dfl2_session_get_stats(session, C.byref(st)))
-        ok(lib.dfl2_session_get_proposers(session, C.byref(who), C.byref(m)))
-        got.append({"tokens": toks[: n.value], "accepted": st.accepted[: st.cycles], "cached": st.cached,
-                    "proposers": [("dflash2", "ngram")[w] for w in who[: m.value]]})
-    out.append(got)
+    out.append([generate(session, prompt, seed) for prompt, seed in run["requests"]])
 assert "onnxruntime" not in sys.modules
 print(json.dumps(out))
 """
@@ -441,13 +394,6 @@ def _c_sessions(build, export, runs: list[tuple[list[str], list[tuple[list[int],
     """Per run (session options, [(prompt, seed)]) one dfl2_session of the C library over ``export`` (ONNX Runtime, 1
     thread, the op library the Python runtime finds), its requests in turn -> per run, per request {tokens, accepted,
     proposers, cached}."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    import onnxruntime
-
     from dflash2_trt.runtime.ort.decode_attention import find_library
 
     ops = find_library()
@@ -455,12 +401,7 @@ def _c_sessions(build, export, runs: list[tuple[list[str], list[tuple[list[int],
            "model": ["backend=ort", "threads=1"],
            "runs": [{"options": [f"max_new_tokens={C_NEW}", "eos_ids=", "guard=false", *opts], "requests": reqs}
                     for opts, reqs in runs]}
-    venv = str(Path(onnxruntime.__file__).parents[4])  # VENV/lib/python3.X/site-packages/onnxruntime/__init__.py
-    proc = subprocess.run([sys.executable, "-c", _C_SESSIONS], input=json.dumps(req), capture_output=True, text=True,
-                          env={**os.environ, "VIRTUAL_ENV": venv, "DFLASH2_ORT_OPS": str(ops or "/nonexistent"),
-                               **(env or {})})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return run_driver(_C_SESSIONS, req, {"DFLASH2_ORT_OPS": str(ops or "/nonexistent"), **(env or {})})
 
 
 def _turns(export, T: float, cases: tuple[str, ...] | None = None):  # noqa: ANN001, ANN202
