@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Reruns, one after another, the command of every result file that the docs quote and that does not yet record its
-# machine (dflash2_trt.bench.machine.describe(): date, commit, CPU, SIMD flags, cores, ONNX Runtime version), so
-# that each file is written again with that record. Run it from the repository root on a quiet machine (nothing
+# Reruns, one after another, the command of every result file that the docs quote and that was first written before
+# the scripts recorded their machine (dflash2_trt.bench.machine.describe(): date, commit, CPU, SIMD flags, cores, ONNX
+# Runtime version): each is written again with that record (all of them hold one now; rerun to measure them all again
+# on one machine). Run it from the repository root on a quiet machine (nothing
 # else running: the files' figures are speeds); it prints each command's elapsed time and, at the end, the files
 # whose command failed.
 #

@@ -25,7 +25,7 @@ CPU = "AMD EPYC"  # the CPU every result file was measured on (their machine blo
 # Result files written before the benchmarks recorded their machine (date, commit, CPU flags, ONNX Runtime version);
 # benchmarks/results/README.md states their CPU. benchmarks/rerun_quoted.sh writes each again with its machine
 # block, and the file leaves this list.
-NO_MACHINE_BLOCK = frozenset({"side_by_side_codes.json", "side_by_side_int4_panels.json"})
+NO_MACHINE_BLOCK: frozenset[str] = frozenset()
 MACHINE_KEYS = ("date", "commit", "cpu", "simd", "onnxruntime")
 
 
