@@ -137,6 +137,31 @@ def test_serve_takes_the_ort_options(tiny_export, monkeypatch, capsys):
     assert "stop here" in capsys.readouterr().err
 
 
+def test_serve_prefill_share_zero_turns_the_time_budget_off(tiny_export, monkeypatch, capsys):
+    """``dflash2 serve --prefill-share 0`` gives the server no time budget (fixed --prefill-chunk rows: the Python
+    API's ``prefill_share=None``, the C option's 0); a number gives that share; none, the default."""
+    import contextlib
+
+    import dflash2_trt
+    from dflash2_trt import DFlash2Error
+    from dflash2_trt.runtime.batch import DEFAULT_PREFILL_SHARE
+    from dflash2_trt.serving.http import app as A
+
+    seen: list[dict] = []
+
+    def spy(gen, name, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.append(kw)
+        raise DFlash2Error("stop here")
+
+    monkeypatch.setattr(dflash2_trt, "load", lambda *a, **kw: contextlib.nullcontext())
+    monkeypatch.setattr(A, "Server", spy)
+    for flags in ([], ["--prefill-share", "0"], ["--prefill-share", "2.5"]):
+        assert main(["serve", str(tiny_export), *flags]) == 1
+    assert [kw["prefill_share"] for kw in seen] == [DEFAULT_PREFILL_SHARE, None, 2.5]
+    assert main(["serve", str(tiny_export), "--prefill-share", "-1"]) == 1
+    assert len(seen) == 3 and "--prefill-share" in capsys.readouterr().err
+
+
 def test_generate_sampling_flags_build_the_request(acc_export, capsys):
     """--top-p / --top-k / --min-p / the penalties (SAMPLING_SCALARS) reach the request record: greedy tokens = the
     Python API's with the same fields, and differ from those without; a value out of range is one line, exit 1."""

@@ -56,9 +56,9 @@ def add_parser(sub: Any) -> None:
                         "instead of ignoring them with a logged warning")
     s.add_argument("--prefill-chunk", type=V.COUNT, default=DEFAULT_PREFILL_CHUNK,
                    help="most prompt rows computed per batch step while other requests decode (default %(default)s)")
-    s.add_argument("--prefill-share", type=V.POSITIVE_NUMBER, default=DEFAULT_PREFILL_SHARE,
+    s.add_argument("--prefill-share", type=V.NON_NEGATIVE_NUMBER, default=DEFAULT_PREFILL_SHARE,
                    help="fewer rows where they are measured dear: those whose forward takes about this many decode "
-                        "steps (default %(default)s)")
+                        "steps (0: always --prefill-chunk rows; default %(default)s)")
     s.add_argument("--prefix-cache-mib", type=V.NON_NEGATIVE, default=DEFAULT_BUDGET_BYTES >> 20,
                    help="host memory for the prefix cache of finished conversations, MiB (0: off; default %(default)s)")
     add_ort_options(s)
@@ -79,7 +79,8 @@ def run(a: argparse.Namespace) -> int:
                           **ort_options(a)) as gen:
         srv = Server(gen, name, max_batch=a.max_batch, max_queue=a.max_queue,
                      adaptive=a.speculation == "adaptive", speculative=a.speculation != "off",
-                     proposer=a.proposer, api_key=a.api_key, prefill_chunk=a.prefill_chunk, prefill_share=a.prefill_share,
+                     proposer=a.proposer, api_key=a.api_key, prefill_chunk=a.prefill_chunk,
+                     prefill_share=a.prefill_share or None,
                      strict_params=a.strict_params)
         srv.warm_up()
         config = uvicorn.Config(srv.app, host=a.host, port=a.port, lifespan="off", access_log=a.access_log,
