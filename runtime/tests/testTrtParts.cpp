@@ -5,7 +5,8 @@
 // version rules, the bounded context cache, and the linear layers' state rollback both GPU and host backends use
 // (core/linearState.h) against the concatenate-and-slice of dflash2_trt/runtime/linear_state.py, and the sliding
 // layers' device rings (DeviceWindowRing: batch slots, wrapped rings rolled back at random lengths) against a host
-// twin filled as the ONNX Runtime backend fills its rings, with the planted ring bug as the negative control.
+// twin filled as the ONNX Runtime backend fills its rings, with the planted ring bug as the negative control; and the
+// prefix cache's host copies of a KV slot and a ring slot (copied out, restored into another slot, compared).
 //
 // usage: trtParts
 #include "backends/trtParts.h"
@@ -748,6 +749,107 @@ void testWindowRing()
     CHECK(ops.live.empty());
 }
 
+// The prefix cache's host copies of device state (TrtRunners / TrtBatchRunners prefixCopy, prefixRestore,
+// targetSnapshot): a batched cache's slot copied out (DeviceKV::rowsOf, [heads, n, d] per buffer) and loaded into
+// another slot of a cache of another capacity (loadRows) holds the same rows and touches nothing else; a ring's slot
+// snapshotted (rotated as it is, with its positions and floor) and restored into another ring's slot is the same
+// ring. A copy one row short (HostOps::dropLastRow) is caught.
+int kvCopyMismatches(bool dropLastRow)
+{
+    HostOps ops;
+    ops.dropLastRow = dropLastRow;
+    int32_t const H = 2, D = 3, n = 5;
+    DeviceKV from{&ops, 1, H, D, sizeof(float), 4, 16, 0, 0, {}, 3};
+    from.reserve(8, nullptr);
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> u(-1.0F, 1.0F);
+    for (size_t i = 0; i < from.ptrs.size(); ++i)  // slot 1's rows 0..n-1: random; the rest stays zero
+    {
+        float* f = static_cast<float*>(from.slotPointer(i, 1));
+        for (int h = 0; h < H; ++h)
+            for (int r = 0; r < n * D; ++r)
+                f[h * from.capacity * D + r] = u(rng);
+    }
+    std::vector<std::vector<char>> const rows = from.rowsOf(1, n, nullptr);
+    DeviceKV to{&ops, 1, H, D, sizeof(float), 4, 16, 0, 0, {}, 3};
+    to.reserve(12, nullptr);  // another pitch
+    to.loadRows(rows, n, 2, nullptr);
+    int bad = 0;
+    for (size_t i = 0; i < from.ptrs.size(); ++i)
+    {
+        float const* a = static_cast<float const*>(from.slotPointer(i, 1));
+        float const* b = static_cast<float const*>(to.slotPointer(i, 2));
+        float const* other = static_cast<float const*>(to.slotPointer(i, 1));
+        for (int h = 0; h < H; ++h)
+        {
+            for (int r = 0; r < to.capacity * D; ++r)
+            {
+                float const want = r < n * D ? a[h * from.capacity * D + r] : 0.0F;
+                bad += b[h * to.capacity * D + r] != want;
+                bad += other[h * to.capacity * D + r] != 0.0F;
+            }
+        }
+    }
+    CHECK(codeOf([&] { to.loadRows(rows, 13, 2, nullptr); }) == DFL2_ERR_INTERNAL);  // past the capacity
+    CHECK(codeOf([&] { to.loadRows(rows, n - 1, 2, nullptr); }) == DFL2_ERR_INTERNAL);  // rows of another length
+    CHECK(codeOf([&] { to.rowsOf(3, 1, nullptr); }) == DFL2_ERR_INTERNAL);  // no slot 3
+    from.release();
+    to.release();
+    return bad;
+}
+
+int ringCopyMismatches(bool dropLastRow)
+{
+    HostOps ops;
+    SlidingWindowSpec const spec{4, 6};
+    DeviceWindowRing from{&ops, 2, 2, 2, sizeof(float), 1, {}, nullptr};
+    from.allocate(spec, 2, false, nullptr);
+    // 9 positions into slot 1 (the ring wraps), then a crop: rotated rows, positions and a floor to carry
+    std::vector<std::vector<float>> present(4, std::vector<float>(2 * 9 * 2));
+    std::vector<void*> pp;
+    for (size_t i = 0; i < present.size(); ++i)
+    {
+        for (size_t k = 0; k < present[i].size(); ++k)
+        {
+            present[i][k] = static_cast<float>(1000 * i + k);
+        }
+        pp.push_back(present[i].data());
+    }
+    from.place(pp, 9, 0, 1, 0, 9, nullptr);
+    from.crop(1, 8);
+    TrtTargetSnapshot snap;
+    from.snapshot(1, snap, nullptr);
+    CHECK(snap.nbytes() == 4 * from.slotBytes() + 6 * sizeof(int64_t));
+    HostOps copying;
+    copying.dropLastRow = dropLastRow;
+    DeviceWindowRing to{&copying, 2, 2, 2, sizeof(float), 1, {}, nullptr};
+    to.allocate(spec, 2, false, nullptr);
+    to.restore(0, snap, nullptr);
+    int bad = 0;
+    for (size_t i = 0; i < from.ptrs.size(); ++i)
+    {
+        bad += std::memcmp(from.slotPointer(i, 1), to.slotPointer(i, 0), from.slotBytes()) != 0;
+    }
+    bad += !std::equal(from.positions(1), from.positions(1) + 6, to.positions(0));
+    // the same floor: a crop the source refuses is refused by the copy, one it takes is taken
+    bad += codeOf([&] { from.crop(1, 1); }) != codeOf([&] { to.crop(0, 1); });
+    bad += codeOf([&] { from.crop(1, 7); }) != DFL2_OK || codeOf([&] { to.crop(0, 7); }) != DFL2_OK;
+    TrtTargetSnapshot other;
+    other.rings.resize(2);
+    CHECK(codeOf([&] { to.restore(1, other, nullptr); }) == DFL2_ERR_INTERNAL);  // another target's snapshot
+    from.release();
+    to.release();
+    return bad;
+}
+
+void testPrefixCopies()
+{
+    CHECK_MSG(kvCopyMismatches(false) == 0, "a KV slot copied and loaded into another differs");
+    CHECK_MSG(kvCopyMismatches(true) > 0, "a KV copy one row short went unnoticed");
+    CHECK_MSG(ringCopyMismatches(false) == 0, "a ring snapshot restored into another slot differs");
+    CHECK_MSG(ringCopyMismatches(true) > 0, "a ring restore one row short went unnoticed");
+}
+
 } // namespace
 
 int main()
@@ -760,5 +862,6 @@ int main()
     testLru();
     testLinearRollback();
     testWindowRing();
+    testPrefixCopies();
     return dfl2TestReport("trtParts");
 }

@@ -953,39 +953,6 @@ struct OrtTargetSnapshot : TargetSnapshot
     }
 };
 
-//! A copy of a sequence's first n positions (core PrefixCopy): the target's K/V rows [count][heads, n, dim], the
-//! drafter's context rows [count][heads, m, dim] and the queued features [k, F] of positions m..m+k-1.
-struct OrtPrefixCopy : PrefixCopy
-{
-    int32_t n{0};
-    int32_t m{0};
-    int32_t k{0};
-    std::vector<std::vector<char>> target;
-    std::vector<std::vector<char>> drafter;
-    std::vector<char> features;
-
-    int32_t length() const override
-    {
-        return n;
-    }
-    int32_t drafterLength() const override
-    {
-        return m + k;
-    }
-    size_t nbytes() const override
-    {
-        size_t b = features.size();
-        for (auto const* rows : {&target, &drafter})
-        {
-            for (auto const& r : *rows)
-            {
-                b += r.size();
-            }
-        }
-        return b;
-    }
-};
-
 //! One request's caches over the model's sessions (OrtTargetRunner / OrtFusedTargetRunner + OrtDraftRunner).
 class OrtRunners : public SizedRunners<Runners>
 {
@@ -1311,7 +1278,7 @@ public:
     //! OrtTargetRunner.prefix_rows, OrtDraftRunner.context_rows + the queued features (drafter: its context too)
     std::shared_ptr<PrefixCopy const> prefixCopy(int32_t n, bool drafter) const override
     {
-        auto c = std::make_shared<OrtPrefixCopy>();
+        auto c = std::make_shared<HostPrefixCopy>();
         c->n = std::min(n, mTkv.length);
         c->target = mTkv.rowsOf(c->n);
         if (drafter)
@@ -1327,7 +1294,7 @@ public:
     //! OrtTargetRunner.restore_prefix + OrtDraftRunner.restore_context / add_context into reset caches
     void prefixRestore(PrefixCopy const& rows, int32_t length, TargetSnapshot const* state, bool drafter) override
     {
-        auto const& c = dynamic_cast<OrtPrefixCopy const&>(rows);
+        auto const& c = dynamic_cast<HostPrefixCopy const&>(rows);
         mTkv.length = 0;
         mTkv.append(c.target, c.n);
         targetRestore(length, state);

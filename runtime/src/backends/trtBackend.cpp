@@ -457,6 +457,42 @@ struct DeviceLinearState
             applyKept(v, spec, kept, copy);
         }
     }
+    //! the prefix cache's snapshot (linear_state.LinearState.snapshot): `slot`'s windows and recurrent states into
+    //! `snap`, on the host
+    void snapshot(int32_t slot, TrtTargetSnapshot& snap, cudaStream_t stream) const
+    {
+        snap.windows.assign(layers.size(), std::vector<char>(windowBytes()));
+        snap.recurrents.assign(layers.size(), std::vector<char>(recurrentBytes()));
+        for (size_t l = 0; l < layers.size(); ++l)
+        {
+            cudaCheck(cudaMemcpyAsync(snap.windows[l].data(), slotPart(window[l], windowBytes(), slot), windowBytes(),
+                          cudaMemcpyDeviceToHost, stream),
+                "D2H linear window");
+            cudaCheck(cudaMemcpyAsync(snap.recurrents[l].data(), slotPart(recurrent[l], recurrentBytes(), slot),
+                          recurrentBytes(), cudaMemcpyDeviceToHost, stream),
+                "D2H recurrent state");
+        }
+        cudaCheck(cudaStreamSynchronize(stream), "linear state snapshot");
+    }
+    //! snapshot()'s state back into `slot`, a new sequence there: no call to roll back into
+    void restore(int32_t slot, TrtTargetSnapshot const& snap, cudaStream_t stream)
+    {
+        if (snap.windows.size() != layers.size() || snap.recurrents.size() != layers.size())
+        {
+            throw Error(DFL2_ERR_INTERNAL, "a linear state snapshot of another target");
+        }
+        for (size_t l = 0; l < layers.size(); ++l)
+        {
+            cudaCheck(cudaMemcpyAsync(slotPart(window[l], windowBytes(), slot), snap.windows[l].data(), windowBytes(),
+                          cudaMemcpyHostToDevice, stream),
+                "H2D linear window");
+            cudaCheck(cudaMemcpyAsync(slotPart(recurrent[l], recurrentBytes(), slot), snap.recurrents[l].data(),
+                          recurrentBytes(), cudaMemcpyHostToDevice, stream),
+                "H2D recurrent state");
+        }
+        cudaCheck(cudaStreamSynchronize(stream), "linear state restore");
+        log->reset(slot);
+    }
     //! `slot` keeps positions 0..length-1, before the end of its last call (a recorded one: batch row = slot)
     void crop(std::map<std::string, IOTensor>& io, int32_t slot, int32_t length, cudaStream_t stream)
     {
@@ -554,6 +590,69 @@ private:
     std::map<std::string, std::unique_ptr<Engine>> mEngines;
 };
 
+// ---- prefix reuse (core/prefixCache.h): host copies of a slot's device state, for both runners ------------------
+
+//! a copy of `slot`'s non-croppable state: its linear layers' and rings' (nullptr: an attention-only target)
+std::shared_ptr<TargetSnapshot const> targetSnapshotOf(
+    DeviceLinearState const& linear, DeviceWindowRing const& ring, int32_t slot, cudaStream_t stream)
+{
+    if (!linear.active() && !ring.active())
+    {
+        return nullptr;
+    }
+    auto snap = std::make_shared<TrtTargetSnapshot>();
+    if (linear.active())
+    {
+        linear.snapshot(slot, *snap, stream);
+    }
+    if (ring.active())
+    {
+        ring.snapshot(slot, *snap, stream);
+    }
+    return snap;
+}
+
+//! targetSnapshotOf's copy back into `slot` (nothing for an attention-only target)
+void restoreTargetState(
+    DeviceLinearState& linear, DeviceWindowRing& ring, int32_t slot, TargetSnapshot const* state, cudaStream_t stream)
+{
+    if (!linear.active() && !ring.active())
+    {
+        return;
+    }
+    if (state == nullptr)
+    {
+        throw Error(DFL2_ERR_INTERNAL, "a prefix restore of a stateful target without its state");
+    }
+    auto const& snap = dynamic_cast<TrtTargetSnapshot const&>(*state);
+    if (linear.active())
+    {
+        linear.restore(slot, snap, stream);
+    }
+    if (ring.active())
+    {
+        ring.restore(slot, snap, stream);
+    }
+}
+
+//! The first n positions of a sequence (`slot` of `target`, holding `length`): its K/V rows; with a drafter (`draft`
+//! non-null) its context rows and the queued features (`pending`, `pendingRows` of `rowBytes`) of positions past them
+std::shared_ptr<PrefixCopy const> hostPrefixCopy(DeviceKV const& target, int32_t slot, int32_t length, int32_t n,
+    DeviceKV const* draft, std::vector<char> const& pending, int32_t pendingRows, size_t rowBytes, cudaStream_t stream)
+{
+    auto c = std::make_shared<HostPrefixCopy>();
+    c->n = std::min(n, length);
+    c->target = target.rowsOf(slot, c->n, stream);
+    if (draft != nullptr)
+    {
+        c->m = std::min(c->n, draft->length);
+        c->drafter = draft->rowsOf(0, c->m, stream);
+        c->k = std::min(pendingRows, c->n - c->m);
+        c->features.assign(pending.begin(), pending.begin() + static_cast<long>(static_cast<size_t>(c->k) * rowBytes));
+    }
+    return c;
+}
+
 //! The model's sizes for a runner interface (Runners, BatchRunners): both TensorRT runners read them from it.
 template <typename Base>
 class TrtShapes : public SizedRunners<Base>
@@ -625,6 +724,100 @@ public:
     size_t featureRowBytes() const
     {
         return static_cast<size_t>(mFeatDim) * mFeatElem;
+    }
+
+    // ---- prefix reuse (core/prefixCache.h): TrtTargetRunner.prefix_state / restore_prefix and TrtDraftRunner's
+    // context_rows / restore_context (dflash2_trt/runtime/trt/backend.py), host copies of the device caches
+    bool keepsPrefix() const override
+    {
+        return true;
+    }
+    int32_t targetLength() const override
+    {
+        return mTargetKV.length;
+    }
+    std::shared_ptr<TargetSnapshot const> targetSnapshot() override
+    {
+        return targetSnapshotOf(mLinear, mRing, 0, mStream);
+    }
+    void targetRestore(int32_t length, TargetSnapshot const* state) override
+    {
+        if (length < 0 || length > mTargetKV.length)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "a prefix restore to length " + std::to_string(length) + " of a target at "
+                    + std::to_string(mTargetKV.length));
+        }
+        mTargetKV.length = length;
+        mFeatureRows = 0;
+        restoreTargetState(mLinear, mRing, 0, state, mStream);
+    }
+    int32_t drafterLength() const override
+    {
+        return mDraftKV.length + mPendingRows;
+    }
+    void drafterRestore(int32_t length) override
+    {
+        if (length < 0 || length > drafterLength())
+        {
+            throw Error(DFL2_ERR_INTERNAL, "a drafter context restore to length " + std::to_string(length)
+                    + " of one that can rebuild " + std::to_string(drafterLength()));
+        }
+        if (length <= mDraftKV.length)
+        {
+            mDraftKV.length = length;
+            mPending.clear();
+            mPendingRows = 0;
+            return;
+        }
+        mPending.resize(static_cast<size_t>(length - mDraftKV.length) * featureRowBytes());
+        mPendingRows = length - mDraftKV.length;
+        drafterAddContext(mDraftKV.length);  // the queued features of the positions the context lacks, in one pass
+    }
+    std::shared_ptr<PrefixCopy const> prefixCopy(int32_t n, bool drafter) const override
+    {
+        return hostPrefixCopy(mTargetKV, 0, mTargetKV.length, n, drafter ? &mDraftKV : nullptr, mPending, mPendingRows,
+            featureRowBytes(), mStream);
+    }
+    void prefixRestore(PrefixCopy const& rows, int32_t length, TargetSnapshot const* state, bool drafter) override
+    {
+        auto const& c = dynamic_cast<HostPrefixCopy const&>(rows);
+        if (mTargetKV.reserve(c.n, mStream))
+        {
+            dropGraphs();
+        }
+        mTargetKV.loadRows(c.target, c.n, 0, mStream);
+        mTargetKV.length = c.n;
+        targetRestore(length, state);
+        if (drafter)
+        {
+            drafterLoad(c, length);
+        }
+    }
+    //! the drafter's context (just reset) holds a copy's positions < length: its context rows loaded, then the
+    //! queued features of the positions past them added in one pass, nothing queued after
+    void drafterLoad(HostPrefixCopy const& c, int32_t length)
+    {
+        if (length < 0 || length > c.m + c.k)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "a drafter context restore to length " + std::to_string(length)
+                    + " of a copy that can rebuild " + std::to_string(c.m + c.k));
+        }
+        if (mDraftKV.reserve(c.m, mStream))
+        {
+            dropGraphs();
+        }
+        mDraftKV.loadRows(c.drafter, c.m, 0, mStream);
+        mDraftKV.length = std::min(c.m, length);
+        mPending.clear();
+        mPendingRows = 0;
+        if (length > c.m)
+        {
+            drafterAddFeatures(c.features.data(), length - c.m, c.m);
+        }
+    }
+    DeviceKV const& draftKV() const
+    {
+        return mDraftKV;
     }
 
     //! io[name]: a device buffer of maxShape (checked against the engine's static dims), + a pinned host mirror
@@ -1686,6 +1879,47 @@ public:
         size_t const b = index(slot);
         device();
         mDrafters[b]->drafterPropose(anchor, pos, rows, temperature, uniforms, out);
+    }
+
+    // ---- prefix reuse across slots (core/prefixCache.h SharedPrefixCache): host copies of a slot's device state
+    bool keepsPrefix() const override
+    {
+        return true;
+    }
+    std::shared_ptr<TargetSnapshot const> targetSnapshot(int32_t slot) override
+    {
+        index(slot);
+        device();
+        return targetSnapshotOf(mLinear, mRing, slot, mStream);
+    }
+    std::shared_ptr<PrefixCopy const> prefixCopy(int32_t slot, int32_t n, bool drafter) override
+    {
+        size_t const b = index(slot);
+        device();
+        return hostPrefixCopy(mKV, slot, mLength[b], n, drafter ? &mDrafters[b]->draftKV() : nullptr, mPending[b],
+            mPendingRows[b], featureRowBytes(), mStream);
+    }
+    void prefixRestore(
+        int32_t slot, PrefixCopy const& rows, int32_t length, TargetSnapshot const* state, bool drafter) override
+    {
+        size_t const b = index(slot);
+        auto const& c = dynamic_cast<HostPrefixCopy const&>(rows);
+        if (length < 0 || length > c.n)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "a prefix restore to length " + std::to_string(length) + " of a copy of "
+                    + std::to_string(c.n));
+        }
+        device();
+        forget(slot);
+        mKV.length = *std::max_element(mLength.begin(), mLength.end());  // the rows a growth keeps, in every slot
+        mKV.reserve(c.n, mStream);
+        mKV.loadRows(c.target, c.n, slot, mStream);
+        mLength[b] = length;
+        restoreTargetState(mLinear, mRing, slot, state, mStream);
+        if (drafter)
+        {
+            mDrafters[b]->drafterLoad(c, length);
+        }
     }
 
 private:

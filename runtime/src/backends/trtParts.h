@@ -20,6 +20,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -148,6 +149,44 @@ struct DeviceKV
                 stream);
         }
     }
+    //! The prefix cache's copy (kv.KVBuffer.rows): positions 0..n-1 of `slot`, one host array [heads, n, d] per
+    //! buffer
+    std::vector<std::vector<char>> rowsOf(int32_t slot, int32_t n, void* stream) const
+    {
+        if (slot < 0 || slot >= batch || n < 0 || n > capacity)
+        {
+            throw Error(DFL2_ERR_INTERNAL, "KV rows asked past the cache");
+        }
+        size_t const width = static_cast<size_t>(n) * rowBytes();
+        std::vector<std::vector<char>> rows(ptrs.size(), std::vector<char>(static_cast<size_t>(heads) * width));
+        for (size_t i = 0; i < ptrs.size() && n > 0; ++i)
+        {
+            ops->copy2D(rows[i].data(), width, slotPointer(i, slot), static_cast<size_t>(capacity) * rowBytes(), width,
+                static_cast<size_t>(heads), stream);
+        }
+        ops->sync(stream);
+        return rows;
+    }
+    //! rowsOf's arrays (n positions each) back into `slot` at positions 0..n-1 (kv.KVBuffer.load; the capacity
+    //! reserved by the caller; the slot's length is the caller's)
+    void loadRows(std::vector<std::vector<char>> const& rows, int32_t n, int32_t slot, void* stream)
+    {
+        size_t const width = static_cast<size_t>(n) * rowBytes();
+        if (slot < 0 || slot >= batch || n < 0 || n > capacity || rows.size() != ptrs.size())
+        {
+            throw Error(DFL2_ERR_INTERNAL, "KV rows restored past the reserved capacity");
+        }
+        for (size_t i = 0; i < ptrs.size() && n > 0; ++i)
+        {
+            if (rows[i].size() != static_cast<size_t>(heads) * width)
+            {
+                throw Error(DFL2_ERR_INTERNAL, "KV rows of another shape");
+            }
+            ops->copy2D(slotPointer(i, slot), static_cast<size_t>(capacity) * rowBytes(), rows[i].data(), width, width,
+                static_cast<size_t>(heads), stream);
+        }
+        ops->sync(stream);
+    }
     void release() noexcept
     {
         for (void* p : ptrs)
@@ -156,6 +195,29 @@ struct DeviceKV
         }
         ptrs.clear();
         capacity = 0;
+    }
+};
+
+//! A TensorRT target's non-croppable state of one sequence, on the host (the prefix cache's snapshot: OrtTargetSnapshot
+//! over device memory): per linear layer its window and recurrent state (the engine's bytes), per ring buffer its
+//! slot's part, and the ring's window positions and crop floor.
+struct TrtTargetSnapshot : TargetSnapshot
+{
+    std::vector<std::vector<char>> windows, recurrents, rings;
+    std::vector<int64_t> positions;
+    int64_t floor{0};
+
+    size_t nbytes() const override
+    {
+        size_t n = positions.size() * sizeof(int64_t);
+        for (auto const* parts : {&windows, &recurrents, &rings})
+        {
+            for (auto const& p : *parts)
+            {
+                n += p.size();
+            }
+        }
+        return n;
     }
 };
 
@@ -286,6 +348,31 @@ struct DeviceWindowRing
     void crop(int32_t slot, int32_t length)
     {
         log->crop(slot, length);
+    }
+    //! kv.WindowRing.snapshot: `slot`'s rings (rotated as they are) and positions into `snap`
+    void snapshot(int32_t slot, TrtTargetSnapshot& snap, void* stream) const
+    {
+        snap.rings.assign(ptrs.size(), std::vector<char>(slotBytes()));
+        for (size_t i = 0; i < ptrs.size(); ++i)
+        {
+            ops->copy2D(snap.rings[i].data(), slotBytes(), slotPointer(i, slot), slotBytes(), slotBytes(), 1, stream);
+        }
+        ops->sync(stream);
+        std::tie(snap.positions, snap.floor) = log->snapshot(slot);
+    }
+    //! kv.WindowRing.restore: snapshot()'s rings and positions back into `slot`
+    void restore(int32_t slot, TrtTargetSnapshot const& snap, void* stream)
+    {
+        if (snap.rings.size() != ptrs.size())
+        {
+            throw Error(DFL2_ERR_INTERNAL, "a ring snapshot of another target");
+        }
+        for (size_t i = 0; i < ptrs.size(); ++i)
+        {
+            ops->copy2D(slotPointer(i, slot), slotBytes(), snap.rings[i].data(), slotBytes(), slotBytes(), 1, stream);
+        }
+        ops->sync(stream);
+        log->restore(slot, snap.positions, snap.floor);
     }
     void release() noexcept
     {

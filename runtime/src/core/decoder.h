@@ -83,6 +83,40 @@ public:
     virtual size_t nbytes() const = 0;
 };
 
+//! A PrefixCopy on the host (the ONNX Runtime and TensorRT backends' copies): the target's K/V rows
+//! [count][heads, n, dim], the drafter's context rows [count][heads, m, dim] and the queued features [k, F] of
+//! positions m..m+k-1.
+struct HostPrefixCopy : PrefixCopy
+{
+    int32_t n{0};
+    int32_t m{0};
+    int32_t k{0};
+    std::vector<std::vector<char>> target;
+    std::vector<std::vector<char>> drafter;
+    std::vector<char> features;
+
+    int32_t length() const override
+    {
+        return n;
+    }
+    int32_t drafterLength() const override
+    {
+        return m + k;
+    }
+    size_t nbytes() const override
+    {
+        size_t b = features.size();
+        for (auto const* rows : {&target, &drafter})
+        {
+            for (auto const& r : *rows)
+            {
+                b += r.size();
+            }
+        }
+        return b;
+    }
+};
+
 //! The sizes every runner interface answers (Runners here, BatchRunners in batch.h): written once, implemented once
 //! by model.h's SizedRunners.
 class RunnerShape

@@ -15,7 +15,7 @@
 //!
 //! The budget ("prefix_cache_bytes"): the entries together never hold more (least recently used evicted first; an
 //! entry larger than the budget is not kept; 0: nothing is). Backends whose runners do not keep prefixes
-//! (keepsPrefix false: the callbacks and TensorRT backends) start every request empty.
+//! (keepsPrefix false: the callbacks backend, whose caches are the caller's) start every request empty.
 //!
 //! Planted bugs for the tests, never set otherwise: $DFLASH2_PLANT_PREFIX_LATER_SNAPSHOT=1 restores a hit's
 //! non-croppable state from the first snapshot after the hit (the K/V still cropped at the hit);
