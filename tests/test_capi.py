@@ -39,8 +39,8 @@ from dflash2_trt.bench.oracle import oracle_count
 from dflash2_trt.runtime import decoder as D
 from dflash2_trt.runtime.protocol import Draft, independent_draft
 from dflash2_trt.runtime.request import GenerationRequest
-from capi_types import (BDA, BDP, BSLOT, BTC, BTF, DA, DONE, DP, TC, TF, TOKENS, TR, UNIFORM, BatchCallbacks, P,
-                        BatchInfo, Callbacks, ModelInfo, Request, Stats, declare)
+from dflash2_trt.bench.capi import (BDA, BDP, BSLOT, BTC, BTF, DA, DONE, DP, TC, TF, TOKENS, TR, UNIFORM,
+                                    BatchCallbacks, BatchInfo, Callbacks, ModelInfo, P, Request, Stats, declare)
 from helpers import req
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from capi_types import run_driver
+from dflash2_trt.bench.capi import run_driver
 from test_capi import capi_build, vectors_path  # noqa: F401
 
 
@@ -20,8 +20,8 @@ def exports(arch_exports):
     return arch_exports
 
 
-# A driver (capi_types.run_driver): per run a batch made with its options, its requests submitted at their steps with
-# numpy's uniforms for each request's seed, stepped until idle.
+# A driver (dflash2_trt.bench.capi.run_driver): per run a batch made with its options, its requests submitted at
+# their steps with numpy's uniforms for each request's seed, stepped until idle.
 _C_BATCH = r"""
 model = V()
 ok(lib.dfl2_model_load(req["export"].encode(), options(req["model"]), C.byref(model)))

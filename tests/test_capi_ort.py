@@ -33,7 +33,7 @@ from unittest import mock
 
 import pytest
 
-from capi_types import run_driver
+from dflash2_trt.bench.capi import run_driver, wheel_venv
 from test_capi import BUILD, _cmake_build, _need, _prompts, _run, capi_build, hybrid_export, vectors_path  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -42,13 +42,6 @@ N_PROMPTS = 20
 MAX_NEW = 12
 THREADS = 2
 NO_LIBRARY = "/nonexistent/libdflash2_ort_ops.so"  # DFLASH2_ORT_OPS naming no file: neither runtime uses the library
-
-
-def _wheel_venv() -> str:
-    """The virtual environment holding the onnxruntime wheel (the library's last search rule looks there)."""
-    import onnxruntime
-
-    return str(Path(onnxruntime.__file__).parents[4])  # VENV/lib/python3.X/site-packages/onnxruntime/__init__.py
 
 
 def _ops_library() -> str:
@@ -62,7 +55,7 @@ def _ops_library() -> str:
 
 @pytest.fixture(autouse=True)
 def _venv(monkeypatch):
-    monkeypatch.setenv("VIRTUAL_ENV", _wheel_venv())
+    monkeypatch.setenv("VIRTUAL_ENV", wheel_venv())
     monkeypatch.delenv("ORT_LIBRARY", raising=False)
 
 

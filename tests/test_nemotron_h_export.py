@@ -164,9 +164,10 @@ SSM_PLANT = "DFLASH2_PLANT_KEEP_SSM_STATE"  # the library's planted bug: a crop 
 def c_env(monkeypatch):
     """The environment test_capi_ort's C runs need: the onnxruntime wheel's venv (where libdflash2 finds ONNX
     Runtime) and no op library."""
-    from test_capi_ort import NO_LIBRARY, _wheel_venv
+    from dflash2_trt.bench.capi import wheel_venv
+    from test_capi_ort import NO_LIBRARY
 
-    monkeypatch.setenv("VIRTUAL_ENV", _wheel_venv())
+    monkeypatch.setenv("VIRTUAL_ENV", wheel_venv())
     monkeypatch.delenv("ORT_LIBRARY", raising=False)
     monkeypatch.setenv("DFLASH2_ORT_OPS", NO_LIBRARY)
 

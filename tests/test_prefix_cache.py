@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from capi_types import run_driver
+from dflash2_trt.bench.capi import run_driver
 from dflash2_trt import DFlash2Error
 from dflash2_trt.runtime import prefix_cache as P
 from test_capi import capi_build, vectors_path  # noqa: F401
@@ -372,8 +372,8 @@ def test_a_ring_restored_unrotated_is_caught(exports, monkeypatch, arch):
 # The C library's twin: a dfl2_session keeps its last sequence (runtime/src/core/prefixCache.h)
 # ----------------------------------------------------------------------------------------------------
 
-# A driver (capi_types.run_driver): per run a session made with its options, its requests in turn with numpy's uniforms
-# for each request's seed.
+# A driver (dflash2_trt.bench.capi.run_driver): per run a session made with its options, its requests in turn with
+# numpy's uniforms for each request's seed.
 _C_SESSIONS = r"""
 model = V()
 ok(lib.dfl2_model_load(req["export"].encode(), options(req["model"]), C.byref(model)))

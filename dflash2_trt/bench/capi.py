@@ -1,8 +1,9 @@
-"""The C library's types and signatures for ctypes, written once (runtime/include/dflash2/dflash2.h): the callback
-types, the structs, :func:`declare` (every function's argument and return types), and :func:`run_driver`, which runs
-a driver script in a process of its own with these names, ``lib``, ``req``, ``ok``, ``options`` and ``generate``
-already defined (one process per driver: the library opens the onnxruntime wheel's library, and a
-process must not hold the Python runtime's ONNX Runtime too)."""
+"""The C library (libdflash2) from Python through ctypes, for the tests and benchmarks that drive it: its types and
+signatures written once (runtime/include/dflash2/dflash2.h: the callback types, the structs, :func:`declare` for
+every function's argument and return types), :func:`library` (where a build or an install put it), and
+:func:`run_driver`, which runs a driver script in a process of its own with these names, ``lib``, ``req``, ``ok``,
+``options`` and ``generate`` already defined (one process per driver: the library opens the onnxruntime wheel's
+library, and a process must not hold the Python runtime's ONNX Runtime too)."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def numpy_uniforms(seed: int):  # noqa: ANN201
 # ``generate`` (a session's generate with numpy's uniforms for a seed -> {tokens, accepted, cached, proposers}).
 _PREAMBLE = r"""
 import ctypes as C, json, sys
-from capi_types import *
+from dflash2_trt.bench.capi import *
 req = json.loads(sys.stdin.read())
 lib = declare(C.CDLL(req["lib"]))
 def ok(st):
@@ -154,15 +155,17 @@ def generate(session, prompt, seed):
 """
 
 
-def run_driver(body: str, req: dict[str, Any], env: dict[str, str] | None = None) -> Any:  # noqa: ANN401
-    """``body`` after the preamble in a fresh Python with ``req`` on stdin, this folder on its path, $VIRTUAL_ENV the
-    onnxruntime wheel's venv (where the library finds libonnxruntime) and ``env`` -> the JSON it printed (its exit
-    status asserted 0)."""
+def wheel_venv() -> str:
+    """The venv whose onnxruntime wheel the library's ONNX Runtime backend opens (its $VIRTUAL_ENV rule)."""
     import onnxruntime
 
-    venv = str(Path(onnxruntime.__file__).parents[4])  # VENV/lib/python3.X/site-packages/onnxruntime/__init__.py
+    return str(Path(onnxruntime.__file__).parents[4])  # VENV/lib/python3.X/site-packages/onnxruntime/__init__.py
+
+
+def run_driver(body: str, req: dict[str, Any], env: dict[str, str] | None = None) -> Any:  # noqa: ANN401
+    """``body`` after the preamble in a fresh Python with ``req`` on stdin, $VIRTUAL_ENV the onnxruntime wheel's venv
+    (where the library finds libonnxruntime) and ``env`` -> the JSON it printed (its exit status asserted 0)."""
     proc = subprocess.run([sys.executable, "-c", _PREAMBLE + body], input=json.dumps(req), capture_output=True,
-                          text=True, env={**os.environ, "VIRTUAL_ENV": venv, "PYTHONPATH": str(Path(__file__).parent),
-                                               **(env or {})})
+                          text=True, env={**os.environ, "VIRTUAL_ENV": wheel_venv(), **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
