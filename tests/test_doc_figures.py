@@ -303,6 +303,14 @@ def prefix_turns(d: dict) -> tuple[str, ...]:
             f1(t6["off_ms"] / 1000), f1(turn(d, 8)["ratio"]), f1(geo))
 
 
+def prefix_bound(d: dict) -> tuple[str, ...]:
+    """What an exact cache could save at most, attention free: each turn's prompt tokens over its new (uncached) ones,
+    turns 2-6, and their geometric mean."""
+    bound = [turn(d, n)["prompt_tokens"] / (turn(d, n)["prompt_tokens"] - turn(d, n)["cached_tokens"])
+             for n in range(2, 7)]
+    return slashes(bound, f1), f1(math.exp(statistics.mean(math.log(b) for b in bound)))
+
+
 def prefix_repeated(d: dict) -> tuple[str, ...]:
     again = [r for r in d["repeated"] if r["cached_tokens"]]
     return (span([r["ratio"] for r in again], f0), span([r["on_ms"] for r in again], f0),
@@ -333,6 +341,9 @@ PREFIX_FIGURES = [
            "8, {}× the geometric mean of turns 2–6", ("prefix_cache_turns.json",), prefix_turns),
     Figure("docs/benchmarks.md", "cache ÷ none {}× the geometric mean of turns 2–6; our cached time to first token {} of "
            "its", ("prefix_cache_turns.json",), prefix_peer),
+    Figure("docs/benchmarks.md", "bounds what an exact cache can save: a turn's prompt ÷ its new tokens is {} at turns "
+           "2–6, geometric mean {}×, what it would save if attention cost nothing", ("prefix_cache_turns.json",),
+           prefix_bound),
     Figure("docs/benchmarks.md", "the same 1.6k-token prompt sent again: {}× ({} ms against {} s).",
            ("prefix_cache_turns.json",), prefix_repeated),
     Figure("docs/benchmarks.md", "whole prompts: {} s ({}×); - fixed chunks: 32 rows {} ms ({}×), 16 rows {} ms ({}×); "
