@@ -1244,24 +1244,8 @@ public:
     }
     void drafterRestore(int32_t length) override
     {
-        if (length < 0 || length > drafterLength())
-        {
-            throw Error(DFL2_ERR_INTERNAL, "a drafter context restore to length " + std::to_string(length)
-                + " of one that can rebuild " + std::to_string(drafterLength()));
-        }
-        if (length <= mDkv.length)
-        {
-            mDkv.length = length;
-            mPending.clear();
-            mPendingRows = 0;
-        }
-        else  // the queued features of the positions the context lacks join it in one pass
-        {
-            size_t const rowBytes = static_cast<size_t>(mM.fdim()) * mFeatureBytes;
-            mPending.resize(static_cast<size_t>(length - mDkv.length) * rowBytes);
-            mPendingRows = length - mDkv.length;
-            drafterAddContext(mDkv.length);
-        }
+        restoreDrafterContext(length, mDkv.length, mPending, mPendingRows,
+            static_cast<size_t>(mM.fdim()) * mFeatureBytes, [this](int32_t start) { drafterAddContext(start); });
         if (plantedPrefixDrafterZeroed())  // the planted bug: the target restored, the drafter's context garbage
         {
             size_t const rb = mDkv.rowBytes();

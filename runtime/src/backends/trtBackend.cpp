@@ -47,6 +47,7 @@
 //!   come back in present staging buffers and are copied into their ring slots after it (outside the graph); a crop
 //!   only drops the cut rows' slots (the rule of the ONNX Runtime backend's rings and the Python DeviceWindowRing).
 #include "../core/linearState.h"
+#include "../core/prefixCache.h"
 #include "../model.h"
 #include "trtParts.h"
 
@@ -757,21 +758,8 @@ public:
     }
     void drafterRestore(int32_t length) override
     {
-        if (length < 0 || length > drafterLength())
-        {
-            throw Error(DFL2_ERR_INTERNAL, "a drafter context restore to length " + std::to_string(length)
-                    + " of one that can rebuild " + std::to_string(drafterLength()));
-        }
-        if (length <= mDraftKV.length)
-        {
-            mDraftKV.length = length;
-            mPending.clear();
-            mPendingRows = 0;
-            return;
-        }
-        mPending.resize(static_cast<size_t>(length - mDraftKV.length) * featureRowBytes());
-        mPendingRows = length - mDraftKV.length;
-        drafterAddContext(mDraftKV.length);  // the queued features of the positions the context lacks, in one pass
+        restoreDrafterContext(length, mDraftKV.length, mPending, mPendingRows, featureRowBytes(),
+            [this](int32_t start) { drafterAddContext(start); });  // the queue's missing positions, in one pass
     }
     std::shared_ptr<PrefixCopy const> prefixCopy(int32_t n, bool drafter) const override
     {

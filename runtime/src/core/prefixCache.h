@@ -40,6 +40,30 @@ constexpr int64_t kPREFIX_BUDGET_BYTES = int64_t{1} << 30;
 //! $DFLASH2_PLANT_PREFIX_DRAFTER_ZEROED=1 (a backend's drafterRestore reads it)
 bool plantedPrefixDrafterZeroed();
 
+//! Runners::drafterRestore's rule over a backend's drafter context of `held` positions and its queue of `pendingRows`
+//! feature rows (`pending`, `rowBytes` each): positions < length kept — the context cropped and the queue dropped, or
+//! the queue cut to the positions the context lacks and handed to `addContext(held)` in one pass
+template <typename AddContext>
+void restoreDrafterContext(int32_t length, int32_t& held, std::vector<char>& pending, int32_t& pendingRows,
+    size_t rowBytes, AddContext&& addContext)
+{
+    if (length < 0 || length > held + pendingRows)
+    {
+        throw Error(DFL2_ERR_INTERNAL, "a drafter context restore to length " + std::to_string(length)
+                + " of one that can rebuild " + std::to_string(held + pendingRows));
+    }
+    if (length <= held)
+    {
+        held = length;
+        pending.clear();
+        pendingRows = 0;
+        return;
+    }
+    pending.resize(static_cast<size_t>(length - held) * rowBytes);
+    pendingRows = length - held;
+    addContext(held);
+}
+
 //! prefix_cache.Entry.usable, the one matching rule of both caches: how many leading positions of `ids` a kept
 //! sequence (`kept` ids, drafter context of `drafterLength`, snapshots `states` of a `stateful` target) restores —
 //! their common prefix, at most all but ids' last token; with `drafter` within its drafter context; for a stateful
