@@ -183,7 +183,9 @@ struct NvInferLib
     }
 };
 
-//! DeviceOps over the CUDA runtime.
+//! DeviceOps over the CUDA runtime. Copies take their direction from the pointers (cudaMemcpyDefault, unified
+//! addressing): device to device for the caches' growth and placement, host to device and back for the prefix
+//! cache's copies (DeviceKV::rowsOf / loadRows, DeviceWindowRing::snapshot / restore).
 class CudaOps : public DeviceOps
 {
 public:
@@ -206,7 +208,7 @@ public:
     {
         if (width != 0 && height != 0)
         {
-            cudaCheck(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice,
+            cudaCheck(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault,
                           static_cast<cudaStream_t>(stream)),
                 "KV copy");
         }

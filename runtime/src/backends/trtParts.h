@@ -28,7 +28,8 @@ namespace dflash2
 {
 
 //! What DeviceKV and DeviceWindowRing need from CUDA: trtBackend.cpp implements it over cudart; the host test over
-//! memory that, like cudaMalloc's, starts as garbage. `stream` is a cudaStream_t.
+//! memory that, like cudaMalloc's, starts as garbage. `stream` is a cudaStream_t. copy2D copies between any two of
+//! device and host memory (the prefix cache's copies go to and from the host).
 class DeviceOps
 {
 public:
