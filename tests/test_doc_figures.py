@@ -2,7 +2,8 @@
 benchmarks/results/: each quoted passage below is a template whose numbers are read from its file here and
 formatted as the document writes them, and the passage must stand in the document exactly so. Figures the
 documents hold outside these passages (a number with tok/s, ms, s, × or %; a row of a table timed in tok/s or ms) fail
-the coverage check; each passage's section names the CPU, and each result file says where it ran. Seconds, no model."""
+the coverage check; each passage's section names the CPU, and each result file says where it ran. Seconds; no model
+runs (one bound reads the demo target's config)."""
 
 from __future__ import annotations
 
