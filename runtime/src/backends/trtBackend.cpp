@@ -783,27 +783,19 @@ public:
             drafterLoad(c, length);
         }
     }
-    //! the drafter's context (just reset) holds a copy's positions < length: its context rows loaded, then the
-    //! queued features of the positions past them added in one pass, nothing queued after
+    //! the drafter's context (just reset) holds a copy's positions < length: its context rows and queued features
+    //! loaded, then drafterRestore's rule (the ONNX Runtime runner's prefixRestore does the same)
     void drafterLoad(HostPrefixCopy const& c, int32_t length)
     {
-        if (length < 0 || length > c.m + c.k)
-        {
-            throw Error(DFL2_ERR_INTERNAL, "a drafter context restore to length " + std::to_string(length)
-                    + " of a copy that can rebuild " + std::to_string(c.m + c.k));
-        }
         if (mDraftKV.reserve(c.m, mStream))
         {
             dropGraphs();
         }
         mDraftKV.loadRows(c.drafter, c.m, 0, mStream);
-        mDraftKV.length = std::min(c.m, length);
-        mPending.clear();
-        mPendingRows = 0;
-        if (length > c.m)
-        {
-            drafterAddFeatures(c.features.data(), length - c.m, c.m);
-        }
+        mDraftKV.length = c.m;
+        mPending = c.features;
+        mPendingRows = c.k;
+        drafterRestore(length);
     }
     DeviceKV const& draftKV() const
     {
