@@ -1,9 +1,10 @@
 """The C library (libdflash2) from Python through ctypes, for the tests and benchmarks that drive it: its types and
 signatures written once (runtime/include/dflash2/dflash2.h: the callback types, the structs, :func:`declare` for
-every function's argument and return types), :func:`library` (where a build or an install put it), and
-:func:`run_driver`, which runs a driver script in a process of its own with these names, ``lib``, ``req``, ``ok``,
-``options`` and ``generate`` already defined (one process per driver: the library opens the onnxruntime wheel's
-library, and a process must not hold the Python runtime's ONNX Runtime too)."""
+every function's argument and return types), :func:`numpy_uniforms` (the Python runtime's draws as a uniform
+source), :func:`wheel_venv` (where the library finds libonnxruntime) and :func:`run_driver`, which runs a driver
+script in a process of its own with these names, ``lib``, ``req``, ``ok``, ``options`` and ``generate`` already
+defined (one process per driver: the library opens the onnxruntime wheel's library, and a process must not hold the
+Python runtime's ONNX Runtime too)."""
 
 from __future__ import annotations
 
